@@ -1,0 +1,2013 @@
+#!/usr/bin/env python3
+"""loopclient: a one-file, standard-library client for llama.cpp's ``llama-server``.
+
+Copy this file into your project; it needs nothing but Python 3.8 or newer.  It speaks raw HTTP/1.1 over
+a Unix domain socket (or plain TCP), reads streamed chat completions as Server-Sent Events, assembles the
+deltas, waits out busy slots and loading servers by polling ``/slots``, and queues this client's requests
+per slot.  There is no total deadline: every wait has its own budget (see ``Limits``).
+
+Example::
+
+    import loopclient as lc
+    with lc.Client("/run/llama.sock") as client:
+        reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=64,
+                            on_event=lambda ev: print(ev))
+        print(reply.content)
+
+Threading model: a ``Client`` is shared by any number of threads.  Each streamed request runs in the
+thread that iterates its ``ChatStream`` (``chat()`` iterates for you).  ``ChatStream.cancel()`` may be
+called from any thread; it shuts the request's sockets down, which wakes the iterating thread at once.
+The only threads the library starts are short-lived ``/slots`` pollers, at most one per client at a time.
+
+Sections:
+    1. Errors and events
+    2. HTTP/1.1 without sockets: request encoding, response head, body framing
+    3. Server-Sent Events decoder
+    4. Delta assembler
+    5. Transport: the only code that touches ``socket``
+    6. Slot gates and the shared /slots poller
+    7. The client and its streams
+    8. Command line
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover - typing only, kept off the import path
+    from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+    JSONDict = Dict[str, Any]
+
+__version__ = "0.1.0"
+__license__ = "MIT"
+
+__all__ = [
+    "Client",
+    "ChatStream",
+    "Limits",
+    "Completion",
+    "ToolCallResult",
+    "Slot",
+    "Queued",
+    "Waiting",
+    "Retrying",
+    "Reasoning",
+    "Content",
+    "ToolCall",
+    "ThinkingCapped",
+    "LoopError",
+    "BusyError",
+    "WaitTimeoutError",
+    "LoadTimeoutError",
+    "StalledError",
+    "StreamClosedError",
+    "ThinkingOverrunError",
+    "HTTPStatusError",
+    "ServerError",
+    "ConnectError",
+    "ProtocolError",
+    "CancelledError",
+    "ResponseReader",
+    "ResponseHead",
+    "ChunkedDecoder",
+    "SSEDecoder",
+    "Assembler",
+    "encode_request",
+    "parse_address",
+    "main",
+]
+
+#: Longest response head (status line and headers), in bytes.
+MAX_HEAD = 64 * 1024
+#: Most header lines in a response head.
+MAX_HEADERS = 100
+#: Longest chunk-size line (size, extensions), in bytes.
+MAX_CHUNK_LINE = 4096
+#: Longest Unix socket path the OS accepts (sun_path is 108 bytes with its NUL on Linux).
+MAX_UNIX_PATH = 107
+#: Bytes asked of the socket per read.
+RECV_SIZE = 256 * 1024
+#: Backoff between retries: first delay, cap.  Each delay is jittered down by up to a quarter.
+BACKOFF_FIRST = 0.25
+BACKOFF_MAX = 2.0
+
+_USER_AGENT = "loopclient/" + __version__
+
+
+# =====================================================================================================
+# 1. Errors and events
+# =====================================================================================================
+
+
+class LoopError(Exception):
+    """Root of every error the server or the connection causes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BusyError(LoopError):
+    """The slot's queue already holds ``queue_len`` waiters; nothing was sent."""
+
+    def __init__(self, message: str, slot: Optional[int] = None, queue_len: int = 0) -> None:
+        super().__init__(message)
+        self.slot = slot
+        self.queue_len = queue_len
+
+
+class _BudgetError(LoopError, TimeoutError):
+    def __init__(self, message: str, waited: float = 0.0) -> None:
+        LoopError.__init__(self, message)
+        self.waited = waited
+
+
+class WaitTimeoutError(_BudgetError):
+    """The slot stayed busy for ``busy_wait`` before the first byte."""
+
+
+class LoadTimeoutError(_BudgetError):
+    """The server stayed unreachable or loading for ``load_wait``; ``__cause__`` is the last failure."""
+
+
+class StalledError(_BudgetError):
+    """Silence: no head within ``idle_grace`` on an idle slot, or no progress within ``liveness``."""
+
+
+class StreamClosedError(LoopError):
+    """The connection closed mid-response, mid-chunk or before a ``finish_reason``."""
+
+
+class ThinkingOverrunError(LoopError):
+    """Reasoning passed the cap and the server refused, failed, or ran past ``thinking_overrun``."""
+
+    def __init__(self, message: str, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+
+
+class HTTPStatusError(LoopError):
+    """A non-200 status that is not retried; ``status``, ``message`` (from the envelope), ``body``."""
+
+    def __init__(self, status: int, message: str, body: bytes = b"") -> None:
+        super().__init__("HTTP %d: %s" % (status, message))
+        self.status = status
+        self.message = message
+        self.body = body
+
+
+class ServerError(LoopError):
+    """An error event inside the stream; ``code``, ``message``, ``type``, ``error`` (the raw object)."""
+
+    def __init__(self, code: Optional[int], message: str, type: Optional[str] = None, error: Any = None) -> None:
+        super().__init__("server error %s: %s" % (code, message))
+        self.code = code
+        self.message = message
+        self.type = type
+        self.error = error
+
+
+class ConnectError(LoopError):
+    """A single-shot call could not reach the server; ``address`` as given, ``__cause__`` the OS error."""
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address
+
+
+class ProtocolError(LoopError):
+    """Malformed HTTP, chunked framing, SSE or JSON, or a line, head or body over its cap."""
+
+
+class CancelledError(LoopError):
+    """``cancel()`` was called; the thread iterating the stream hears it."""
+
+
+@dataclass(frozen=True)
+class Queued:
+    """The request waits in this client's queue; ``ahead`` counts the requests before it, in flight included."""
+
+    __slots__ = ("ahead",)
+    ahead: int
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A ``/slots`` poll was made because the head had not started to arrive."""
+
+    __slots__ = ("slot_busy",)
+    slot_busy: bool
+
+
+@dataclass(frozen=True)
+class Retrying:
+    """Nothing was delivered yet; the request is sent again after ``delay`` seconds."""
+
+    __slots__ = ("attempt", "delay", "reason")
+    attempt: int
+    delay: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A ``reasoning_content`` delta."""
+
+    __slots__ = ("text",)
+    text: str
+
+
+@dataclass(frozen=True)
+class Content:
+    """A ``content`` delta."""
+
+    __slots__ = ("text",)
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool-call delta: ``id`` and ``name`` as this delta carries them, ``arguments`` its fragment."""
+
+    __slots__ = ("index", "id", "name", "arguments")
+    index: int
+    id: Optional[str]
+    name: Optional[str]
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ThinkingCapped:
+    """The server accepted the request to end reasoning; ``tokens`` is the count at which the cap fired."""
+
+    __slots__ = ("tokens",)
+    tokens: int
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    Event = Union[Queued, Waiting, Retrying, Reasoning, Content, ToolCall, ThinkingCapped]
+
+
+@dataclass(frozen=True)
+class ToolCallResult:
+    """One assembled tool call."""
+
+    id: Optional[str]
+    name: Optional[str]
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The assembled answer of one streamed request."""
+
+    id: Optional[str]
+    model: Optional[str]
+    content: str
+    reasoning: str
+    tool_calls: List[ToolCallResult]
+    finish_reason: Optional[str]
+    usage: Optional[Dict[str, Any]]
+    timings: Optional[Dict[str, Any]]
+    reasoning_tokens: int = 0
+    thinking_capped: bool = False
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One entry of ``/slots``."""
+
+    id: int
+    is_processing: bool
+    raw: Dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Budgets in seconds (float) and caps in bytes.  A negative value is a ``ValueError``."""
+
+    queue_len: int = 8
+    poll: float = 1.0
+    liveness: float = 30.0
+    busy_wait: float = 600.0
+    load_wait: float = 120.0
+    idle_grace: float = 10.0
+    thinking_cap: Optional[int] = None
+    thinking_overrun: int = 256
+    max_line: int = 1024 * 1024
+    max_body: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("queue_len", "thinking_overrun", "max_line", "max_body", "thinking_cap"):
+            value = getattr(self, name)
+            if value is None and name == "thinking_cap":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError("Limits.%s must be an int, not %r" % (name, value))
+            if value < 0:
+                raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
+        for name in ("poll", "liveness", "busy_wait", "load_wait", "idle_grace"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError("Limits.%s must be a number of seconds, not %r" % (name, value))
+            if not value >= 0:  # also refuses NaN
+                raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
+        for name in ("poll", "liveness", "max_line", "max_body"):
+            if not getattr(self, name) > 0:
+                raise ValueError("Limits.%s must be greater than zero" % name)
+
+
+# =====================================================================================================
+# 2. HTTP/1.1 without sockets
+# =====================================================================================================
+
+
+def _check_header_text(what: str, text: str) -> None:
+    if "\r" in text or "\n" in text or "\0" in text:
+        raise ValueError("%s must not contain CR, LF or NUL" % what)
+
+
+def encode_request(
+    method: str,
+    path: str,
+    host: str,
+    headers: Sequence[Tuple[str, str]] = (),
+    body: Optional[bytes] = None,
+) -> bytes:
+    """Encode one HTTP/1.1 request.  A CR, LF or NUL in the path, a header name or value is ``ValueError``."""
+    _check_header_text("the request path", path)
+    if not path.startswith("/") or " " in path:
+        raise ValueError("the request path must start with / and hold no space: %r" % path)
+    _check_header_text("the Host header", host)
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: " + host]
+    for name, value in headers:
+        _check_header_text("a header name", name)
+        if not name or ":" in name or " " in name:
+            raise ValueError("invalid header name %r" % name)
+        # The value may hold a secret (Authorization): never echo it in the message.
+        _check_header_text("the value of header %s" % name, value)
+        lines.append("%s: %s" % (name, value))
+    if body is not None:
+        lines.append("Content-Length: %d" % len(body))
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    return head + body if body is not None else head
+
+
+class ResponseHead:
+    """A parsed status line and header block."""
+
+    __slots__ = ("version", "status", "reason", "headers")
+
+    def __init__(self, version: str, status: int, reason: str, headers: List[Tuple[str, str]]) -> None:
+        self.version = version
+        self.status = status
+        self.reason = reason
+        #: (lower-case name, value) pairs in arrival order
+        self.headers = headers
+
+    def get(self, name: str) -> Optional[str]:
+        """The last value of header ``name`` (case-insensitive), or None."""
+        name = name.lower()
+        found = None
+        for key, value in self.headers:
+            if key == name:
+                found = value
+        return found
+
+    def get_all(self, name: str) -> List[str]:
+        name = name.lower()
+        return [value for key, value in self.headers if key == name]
+
+    def __repr__(self) -> str:
+        return "ResponseHead(%s %d %s)" % (self.version, self.status, self.reason)
+
+
+_TOKEN_CHARS = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
+    """Parse a head block (without its blank line).  Bare LF line ends are accepted."""
+    lines = block.split(b"\n")
+    if len(lines) - 1 > max_headers:
+        raise ProtocolError("response has more than %d header lines" % max_headers)
+    status_line = lines[0].rstrip(b"\r")
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0"):
+        raise ProtocolError("malformed status line %r" % status_line[:80])
+    code = parts[1]
+    if len(code) != 3 or not code.isdigit():
+        raise ProtocolError("malformed status code in %r" % status_line[:80])
+    reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+    headers = []
+    for raw in lines[1:]:
+        line = raw[:-1] if raw.endswith(b"\r") else raw
+        colon = line.find(b":")
+        if colon <= 0:
+            raise ProtocolError("malformed header line %r" % line[:80])
+        name = line[:colon]
+        if not _TOKEN_CHARS.issuperset(name):
+            raise ProtocolError("malformed header name %r" % name[:80])
+        value = line[colon + 1 :].strip(b" \t")
+        if b"\r" in value or b"\0" in value:
+            raise ProtocolError("header %r holds a CR or NUL" % name[:80])
+        headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
+    return ResponseHead(parts[0].decode("ascii"), int(code), reason, headers)
+
+
+class ChunkedDecoder:
+    """``Transfer-Encoding: chunked`` framing: ``feed(bytes) -> list[bytes]`` of payload; ``done`` at the end.
+
+    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.
+    """
+
+    __slots__ = ("done", "_state", "_left", "_pending", "_trailers")
+
+    _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+    def __init__(self) -> None:
+        self.done = False
+        self._state = self._SIZE
+        self._left = 0
+        self._pending = b""
+        self._trailers = 0
+
+    def feed(self, data: bytes) -> List[bytes]:
+        out = []  # type: List[bytes]
+        if self.done:
+            return out
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        pos = 0
+        end = len(data)
+        state = self._state
+        while pos < end:
+            if state == 1:  # _DATA
+                left = self._left
+                if end - pos >= left:
+                    out.append(data[pos : pos + left])
+                    pos += left
+                    self._left = 0
+                    state = 2
+                else:
+                    out.append(data[pos:] if pos else data)
+                    self._left = left - (end - pos)
+                    pos = end
+            elif state == 2:  # _DATA_END: the CRLF after a chunk's data
+                if data.startswith(b"\r\n", pos):
+                    pos += 2
+                elif data[pos] == 10:
+                    pos += 1
+                elif data[pos] == 13 and pos + 1 == end:
+                    self._pending = b"\r"
+                    pos = end
+                    break
+                else:
+                    raise ProtocolError("chunk data is not followed by CRLF")
+                state = 0
+            elif state == 0:  # _SIZE
+                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 1)
+                if nl < 0:
+                    if end - pos > MAX_CHUNK_LINE:
+                        raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
+                    self._pending = data[pos:]
+                    pos = end
+                    break
+                size = _parse_chunk_size(data[pos:nl])
+                pos = nl + 1
+                if size:
+                    self._left = size
+                    state = 1
+                else:
+                    state = 3
+            else:  # _TRAILER: ignored lines up to a blank one
+                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 1)
+                if nl < 0:
+                    if end - pos > MAX_CHUNK_LINE:
+                        raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
+                    self._pending = data[pos:]
+                    break
+                line = data[pos:nl]
+                pos = nl + 1
+                if line in (b"", b"\r"):
+                    self.done = True
+                    break
+                self._trailers += 1
+                if self._trailers > MAX_HEADERS:
+                    raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
+        self._state = state
+        return out
+
+    def feed_eof(self) -> None:
+        """The connection closed: ``StreamClosedError`` unless the last chunk was seen."""
+        if not self.done:
+            if self._state == 3 and not self._pending:
+                # The final 0 chunk arrived and only its closing CRLF is missing: the body is whole.
+                self.done = True
+                return
+            raise StreamClosedError("the connection closed in the middle of a chunk")
+
+
+def _parse_chunk_size(line: bytes) -> int:
+    semi = line.find(b";")
+    digits = (line if semi < 0 else line[:semi]).strip(b" \t\r")
+    if not digits or len(digits) > 16 or not _HEX_DIGITS.issuperset(digits):
+        raise ProtocolError("malformed chunk-size line %r" % line[:40])
+    return int(digits, 16)
+
+
+class _LengthDecoder:
+    __slots__ = ("done", "_left")
+
+    def __init__(self, length: int) -> None:
+        self._left = length
+        self.done = length == 0
+
+    def feed(self, data: bytes) -> List[bytes]:
+        if self.done:
+            return []
+        if len(data) >= self._left:
+            data = data[: self._left]
+            self.done = True
+        self._left -= len(data)
+        return [data]
+
+    def feed_eof(self) -> None:
+        if not self.done:
+            raise StreamClosedError("the connection closed %d bytes before the end of the body" % self._left)
+
+
+class _CloseDecoder:
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def feed(self, data: bytes) -> List[bytes]:
+        return [data]
+
+    def feed_eof(self) -> None:
+        self.done = True
+
+
+class ResponseReader:
+    """An HTTP/1.1 response parser fed bytes: ``feed(data) -> list[bytes]`` of body payload.
+
+    ``head`` is set once the status line and headers are in; ``done`` once the body is complete.  Framing
+    is ``Transfer-Encoding: chunked``, ``Content-Length`` or read-until-close, picked from the head.
+    ``feed_eof()`` tells the reader the connection closed: a head or body cut short is
+    ``StreamClosedError``.  Malformed input, or a head over ``max_head`` bytes or ``max_headers`` lines,
+    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given.
+    """
+
+    __slots__ = ("head", "_buf", "_scan", "_lines", "_body", "_max_head", "_max_headers", "_max_body", "_received")
+
+    def __init__(self, max_head: int = MAX_HEAD, max_headers: int = MAX_HEADERS, max_body: Optional[int] = None):
+        self.head = None  # type: Optional[ResponseHead]
+        self._buf = bytearray()
+        self._scan = 0
+        self._lines = 0
+        self._body = None  # type: Optional[Union[ChunkedDecoder, _LengthDecoder, _CloseDecoder]]
+        self._max_head = max_head
+        self._max_headers = max_headers
+        self._max_body = max_body
+        self._received = 0
+
+    @property
+    def done(self) -> bool:
+        return self._body is not None and self._body.done
+
+    def feed(self, data: bytes) -> List[bytes]:
+        body = self._body
+        if body is None:
+            self._buf += data
+            self._lines += data.count(b"\n")
+            pieces = self._feed_head()
+            body = self._body
+            if body is None:
+                return []
+            data = pieces
+            if not data:
+                return []
+        out = body.feed(data)
+        if self._max_body is not None:
+            for piece in out:
+                self._received += len(piece)
+            if self._received > self._max_body:
+                raise ProtocolError("response body is longer than max_body (%d bytes)" % self._max_body)
+        return out
+
+    def _feed_head(self) -> bytes:
+        """Find the end of the head; returns the bytes after it once the head is parsed."""
+        buf = self._buf
+        while True:
+            start = max(0, self._scan - 3)
+            end = _find_head_end(buf, start)
+            if end is None:
+                if len(buf) > self._max_head:
+                    raise ProtocolError("response head is longer than %d bytes" % self._max_head)
+                if self._lines > self._max_headers + 1:
+                    raise ProtocolError("response has more than %d header lines" % self._max_headers)
+                self._scan = len(buf)
+                return b""
+            block_end, body_start = end
+            if block_end > self._max_head:
+                raise ProtocolError("response head is longer than %d bytes" % self._max_head)
+            head = _parse_head(bytes(buf[:block_end]), self._max_headers)
+            rest = bytes(buf[body_start:])
+            del buf[:]
+            self._scan = 0
+            if 100 <= head.status < 200:  # an interim response: the real one follows
+                buf += rest
+                self._lines = rest.count(b"\n")
+                continue
+            self.head = head
+            self._body = self._framing(head)
+            return rest
+
+    def _framing(self, head: ResponseHead) -> Union[ChunkedDecoder, _LengthDecoder, _CloseDecoder]:
+        if head.status in (204, 304):
+            return _LengthDecoder(0)
+        codings = head.get_all("transfer-encoding")
+        if codings:
+            names = [c.strip().lower() for v in codings for c in v.split(",") if c.strip()]
+            if names == ["chunked"] or (names and names[-1] == "chunked" and set(names[:-1]) <= {"identity"}):
+                return ChunkedDecoder()
+            raise ProtocolError("unsupported Transfer-Encoding %r" % ", ".join(codings)[:80])
+        lengths = head.get_all("content-length")
+        if lengths:
+            values = {v.strip() for item in lengths for v in item.split(",")}
+            if len(values) != 1:
+                raise ProtocolError("conflicting Content-Length headers %r" % sorted(values)[:4])
+            value = values.pop()
+            if not value.isdigit() or not value.isascii() or len(value) > 18:
+                raise ProtocolError("malformed Content-Length %r" % value[:40])
+            length = int(value)
+            if self._max_body is not None and length > self._max_body:
+                raise ProtocolError("response body of %d bytes is longer than max_body (%d)" % (length, self._max_body))
+            return _LengthDecoder(length)
+        return _CloseDecoder()
+
+    def feed_eof(self) -> None:
+        """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete."""
+        if self._body is None:
+            if self._buf:
+                raise StreamClosedError("the connection closed in the middle of the response head")
+            raise StreamClosedError("the connection closed before any response")
+        self._body.feed_eof()
+
+
+def _find_head_end(buf: bytearray, start: int) -> Optional[Tuple[int, int]]:
+    """(end of head block, start of body) or None.  CRLF CRLF or, leniently, LF LF."""
+    crlf = buf.find(b"\r\n\r\n", start)
+    lf = buf.find(b"\n\n", start)
+    if crlf < 0 and lf < 0:
+        return None
+    if lf < 0 or (0 <= crlf < lf):
+        return crlf, crlf + 4
+    # "\r\n\n" is also an end: the block is everything before the first of the two newlines
+    return lf, lf + 2
+
+
+def parse_error_envelope(body: bytes) -> Tuple[str, Any]:
+    """(message, decoded JSON or None) from an error body ``{"error": {"message": ...}}``."""
+    try:
+        doc = json.loads(body.decode("utf-8", "replace"))
+    except ValueError:
+        doc = None
+    message = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            message = err["message"]
+        elif isinstance(err, str):
+            message = err
+        elif isinstance(doc.get("message"), str):
+            message = doc["message"]
+    if message is None:
+        text = body[:200].decode("utf-8", "replace").strip()
+        message = text or "(empty body)"
+    return message, doc
+
+
+def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
+    """Seconds to wait from a ``Retry-After`` value (seconds or an HTTP date); None when no usable hint."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit() and value.isascii():
+        return float(int(value))
+    if not value or value[0] in "+-" or value[0].isdigit():
+        return None
+    import email.utils  # only when a server sends a date
+
+    try:
+        stamp = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if stamp is None:
+        return None
+    try:
+        when = stamp.timestamp()
+    except (OverflowError, ValueError, OSError):
+        return None
+    return max(0.0, when - (time.time() if now is None else now))
+
+
+# =====================================================================================================
+# 3. Server-Sent Events decoder
+# =====================================================================================================
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class SSEDecoder:
+    """The WHATWG event-stream rules, fed bytes: ``feed(data) -> list[(type, data)]``.
+
+    Lines end in CRLF, LF or CR; a CR at the end of a read waits for the next byte.  One leading BOM is
+    dropped, ``:`` lines are comments, one space after the colon is stripped, ``data`` lines join with
+    ``\\n``, a block without data dispatches nothing.  ``type`` is the ``event`` field, else "message";
+    llama-server's legacy ``error: {...}`` line dispatches as type "error".  Text is UTF-8 with invalid
+    bytes replaced.  A line or an event longer than ``max_line`` bytes is ``ProtocolError`` as soon as the
+    limit is passed.  ``close()`` ends the stream: an event not closed by a blank line is discarded.
+    """
+
+    __slots__ = ("max_line", "_buf", "_cr", "_lead", "_data", "_type", "_size")
+
+    def __init__(self, max_line: int = 1024 * 1024) -> None:
+        self.max_line = max_line
+        self._buf = bytearray()  # the partial line, never holding a line end
+        self._cr = False  # a CR ended the previous read
+        self._lead = b""  # the first bytes, until the BOM question is settled
+        self._data = None  # type: Optional[str]
+        self._type = "message"
+        self._size = 0
+
+    def feed(self, data: bytes) -> List[Tuple[str, str]]:
+        if self._lead is not None:
+            data = self._lead + data
+            if len(data) < 3 and _BOM.startswith(data):
+                self._lead = data
+                return []
+            self._lead = None  # type: ignore[assignment]
+            if data.startswith(_BOM):
+                data = data[3:]
+        if self._cr:
+            data = b"\r" + data
+            self._cr = False
+        if data.endswith(b"\r"):
+            data = data[:-1]
+            self._cr = True
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        return self._lines(data)
+
+    def close(self) -> List[Tuple[str, str]]:
+        """End of stream: a held CR still ends its line; an unterminated event is discarded."""
+        out = []  # type: List[Tuple[str, str]]
+        if self._cr:
+            self._cr = False
+            out = self._lines(b"\n")
+        self._buf.clear()
+        self._data = None
+        self._type = "message"
+        self._size = 0
+        return out
+
+    def _lines(self, data: bytes) -> List[Tuple[str, str]]:
+        out = []  # type: List[Tuple[str, str]]
+        buf = self._buf
+        max_line = self.max_line
+        pos = 0
+        find = data.find
+        while True:
+            nl = find(b"\n", pos)
+            if nl < 0:
+                break
+            if buf:
+                buf += data[pos:nl]
+                line = bytes(buf)
+                buf.clear()
+            else:
+                line = data[pos:nl]
+            pos = nl + 1
+            if not line:  # a blank line dispatches the event
+                if self._data is not None:
+                    out.append((self._type, self._data))
+                    self._data = None
+                self._type = "message"
+                self._size = 0
+                continue
+            if len(line) > max_line:
+                raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
+            if line.startswith(b"data:"):
+                value = line[6:] if line.startswith(b" ", 5) else line[5:]
+                name = b"data"
+            elif line[0] == 58:  # ":" a comment, llama-server's ping
+                continue
+            else:
+                colon = line.find(b":")
+                if colon < 0:
+                    name, value = line, b""
+                else:
+                    name = line[:colon]
+                    value = line[colon + 2 :] if line.startswith(b" ", colon + 1) else line[colon + 1 :]
+            if name == b"data" or name == b"error":
+                self._size += len(value) + 1
+                if self._size > max_line + 1:
+                    raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
+                text = value.decode("utf-8", "replace")
+                if name == b"error":
+                    self._type = "error"
+                if self._data is None:
+                    self._data = text
+                else:
+                    self._data += "\n" + text
+            elif name == b"event":
+                if self._type != "error":
+                    self._type = value.decode("utf-8", "replace") or "message"
+            # id, retry and unknown fields are ignored
+        rest = len(data) - pos
+        if rest:
+            if len(buf) + rest > max_line:
+                raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
+            buf += data[pos:] if pos else data
+        return out
+
+
+# =====================================================================================================
+# 4. Delta assembler
+# =====================================================================================================
+
+_loads = json.loads
+
+
+def _error_from(err: Any) -> ServerError:
+    """A ``ServerError`` from an error object (or its ``{"error": ...}`` envelope)."""
+    if isinstance(err, dict) and isinstance(err.get("error"), (dict, str)):
+        err = err["error"]
+    if isinstance(err, dict):
+        code = err.get("code")
+        if isinstance(code, str) and code.isdigit():
+            code = int(code)
+        if not isinstance(code, int) or isinstance(code, bool):
+            code = None
+        message = err.get("message")
+        etype = err.get("type")
+        return ServerError(
+            code,
+            message if isinstance(message, str) else json.dumps(err)[:200],
+            etype if isinstance(etype, str) else None,
+            err,
+        )
+    return ServerError(None, str(err)[:200], None, err)
+
+
+class Assembler:
+    """Turns chunk payloads into events and, at the end, a ``Completion``.
+
+    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  A JSON error, a payload that is
+    not an object, ``choices`` that is not a list or a delta that is not an object is ``ProtocolError``;
+    an error object is raised as ``ServerError``.  ``completion()`` raises ``StreamClosedError`` when no
+    ``finish_reason`` arrived.
+    """
+
+    __slots__ = (
+        "id",
+        "model",
+        "finish_reason",
+        "usage",
+        "timings",
+        "reasoning_tokens",
+        "in_reasoning",
+        "thinking_capped",
+        "_content",
+        "_reasoning",
+        "_tools",
+    )
+
+    def __init__(self) -> None:
+        self.id = None  # type: Optional[str]
+        self.model = None  # type: Optional[str]
+        self.finish_reason = None  # type: Optional[str]
+        self.usage = None  # type: Optional[Dict[str, Any]]
+        self.timings = None  # type: Optional[Dict[str, Any]]
+        self.reasoning_tokens = 0
+        self.in_reasoning = False
+        self.thinking_capped = False
+        self._content = []  # type: List[str]
+        self._reasoning = []  # type: List[str]
+        self._tools = {}  # type: Dict[int, List[Any]]
+
+    def feed(self, payload: str) -> List[Event]:
+        try:
+            doc = _loads(payload)
+        except ValueError as exc:  # JSONDecodeError, and RecursionError-free: json is iterative enough
+            raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
+        except RecursionError:
+            raise ProtocolError("JSON nested too deeply in the stream") from None
+        if type(doc) is not dict:
+            raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
+        if "error" in doc:
+            raise _error_from(doc["error"])
+        if self.id is None:
+            cid = doc.get("id")
+            if isinstance(cid, str):
+                self.id = cid
+            model = doc.get("model")
+            if isinstance(model, str):
+                self.model = model
+        events = []  # type: List[Event]
+        choices = doc.get("choices")
+        if choices:
+            if type(choices) is not list:
+                raise ProtocolError("'choices' is not a list: %r" % payload[:80])
+            for choice in choices:
+                if type(choice) is not dict:
+                    raise ProtocolError("a choice is not an object: %r" % payload[:80])
+                delta = choice.get("delta")
+                if delta:
+                    if type(delta) is not dict:
+                        raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                    self._delta(delta, events)
+                elif delta is not None and type(delta) is not dict:
+                    raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                reason = choice.get("finish_reason")
+                if reason is not None:
+                    if type(reason) is not str:
+                        raise ProtocolError("'finish_reason' is not a string: %r" % payload[:80])
+                    self.finish_reason = reason
+        elif choices is not None and type(choices) is not list:
+            raise ProtocolError("'choices' is not a list: %r" % payload[:80])
+        usage = doc.get("usage")
+        if usage is not None:
+            if type(usage) is not dict:
+                raise ProtocolError("'usage' is not an object: %r" % payload[:80])
+            self.usage = dict(self.usage, **usage) if self.usage else usage
+        timings = doc.get("timings")
+        if timings is not None:
+            if type(timings) is not dict:
+                raise ProtocolError("'timings' is not an object: %r" % payload[:80])
+            self.timings = dict(self.timings, **timings) if self.timings else timings
+        return events
+
+    def _delta(self, delta: Dict[str, Any], events: List[Event]) -> None:
+        text = delta.get("reasoning_content")
+        if text:
+            if type(text) is not str:
+                raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
+            self.reasoning_tokens += 1
+            self.in_reasoning = True
+            _append(self._reasoning, text)
+            events.append(Reasoning(text))
+        text = delta.get("content")
+        if text:
+            if type(text) is not str:
+                raise ProtocolError("'content' is not a string: %r" % (text,))
+            self.in_reasoning = False
+            _append(self._content, text)
+            events.append(Content(text))
+        calls = delta.get("tool_calls")
+        if calls:
+            if type(calls) is not list:
+                raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
+            self.in_reasoning = False
+            for call in calls:
+                self._tool_call(call, events)
+
+    def _tool_call(self, call: Any, events: List[Event]) -> None:
+        if type(call) is not dict:
+            raise ProtocolError("a tool-call delta is not an object: %r" % (call,))
+        index = call.get("index")
+        if type(index) is not int:
+            raise ProtocolError("a tool-call delta has no integer 'index': %r" % (call,))
+        func = call.get("function")
+        if func is None:
+            func = {}
+        elif type(func) is not dict:
+            raise ProtocolError("a tool call's 'function' is not an object: %r" % (call,))
+        cid, name, args = call.get("id"), func.get("name"), func.get("arguments")
+        for what, value in (("id", cid), ("name", name), ("arguments", args)):
+            if value is not None and type(value) is not str:
+                raise ProtocolError("a tool call's %r is not a string: %r" % (what, call))
+        entry = self._tools.get(index)
+        if entry is None:
+            entry = self._tools[index] = [None, None, []]
+        if cid and entry[0] is None:
+            entry[0] = cid
+        if name and entry[1] is None:
+            entry[1] = name
+        if args:
+            _append(entry[2], args)
+        if cid or name or args:
+            events.append(ToolCall(index, cid or None, name or None, args or ""))
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self._content or self._reasoning or self._tools)
+
+    def completion(self) -> Completion:
+        """The assembled ``Completion``; ``StreamClosedError`` when no ``finish_reason`` arrived."""
+        if self.finish_reason is None:
+            raise StreamClosedError("the stream ended without a finish_reason: the server stopped mid-answer")
+        calls = [ToolCallResult(e[0], e[1], "".join(e[2])) for _, e in sorted(self._tools.items())]
+        return Completion(
+            id=self.id,
+            model=self.model,
+            content=self.content,
+            reasoning=self.reasoning,
+            tool_calls=calls,
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            timings=self.timings,
+            reasoning_tokens=self.reasoning_tokens,
+            thinking_capped=self.thinking_capped,
+        )
+
+
+def _append(parts: List[str], text: str) -> None:
+    # Many tiny str objects cost ~50 bytes each: fold them so memory tracks the text, not the events.
+    parts.append(text)
+    if len(parts) >= 2048:
+        parts[:] = ["".join(parts)]
+
+
+# =====================================================================================================
+# 5. Transport: the only code that touches socket
+# =====================================================================================================
+
+
+class _Address:
+    __slots__ = ("text", "unix", "target", "host")
+
+    def __init__(self, text: str, unix: bool, target: Any, host: str) -> None:
+        self.text = text  # as the caller gave it, for messages
+        self.unix = unix
+        self.target = target  # a path, or (host, port)
+        self.host = host  # the Host header
+
+    def __repr__(self) -> str:
+        return "_Address(%r)" % self.text
+
+
+def parse_address(address: Any) -> _Address:
+    """A path or ``unix:///path`` (AF_UNIX), or ``http://host[:port]`` (TCP).  ``ValueError``/``TypeError``."""
+    if isinstance(address, os.PathLike):
+        address = os.fspath(address)
+    if not isinstance(address, str):
+        raise TypeError("the address must be a path or a URL string, not %s" % type(address).__name__)
+    text = address
+    if not address:
+        raise ValueError("the address is empty: give a socket path or an http:// URL")
+    if address.startswith("unix://"):
+        address = address[len("unix://") :]
+    elif "://" in address:
+        scheme, _, rest = address.partition("://")
+        if scheme.lower() != "http":
+            raise ValueError("unsupported address scheme %r: use a socket path, unix:///path or http://host:port" % scheme)
+        if rest.endswith("/"):
+            rest = rest[:-1]
+        if not rest or any(c in rest for c in "/?#@ \t\r\n\0"):
+            raise ValueError("cannot parse %r: expected http://host:port" % text)
+        if rest.startswith("["):
+            host, sep, port_text = rest[1:].partition("]")
+            if not sep or (port_text and not port_text.startswith(":")):
+                raise ValueError("cannot parse %r: expected http://[v6addr]:port" % text)
+            port_text = port_text[1:]
+            host_header = "[%s]" % host
+        else:
+            host, _, port_text = rest.partition(":")
+            host_header = host
+        if not host:
+            raise ValueError("no host in %r" % text)
+        port = 80
+        if port_text or rest.endswith(":"):
+            if not (port_text.isdigit() and port_text.isascii() and 0 < int(port_text) < 65536):
+                raise ValueError("bad port in %r" % text)
+            port = int(port_text)
+        if port != 80:
+            host_header += ":%d" % port
+        return _Address(text, False, (host, port), host_header)
+    if "\0" in address:
+        raise ValueError("a Unix socket path must not contain NUL")
+    if not address:
+        raise ValueError("no socket path in %r" % text)
+    size = len(os.fsencode(address))
+    if size > MAX_UNIX_PATH:
+        raise ValueError(
+            "the Unix socket path is %d bytes; the OS allows at most %d: use a shorter path" % (size, MAX_UNIX_PATH)
+        )
+    return _Address(text, True, address, "localhost")
+
+
+class _Silence(Exception):
+    """A read timed out (internal: each caller turns it into the budget error that applies)."""
+
+
+class _Conn:
+    """One connection.  Socket errors are translated here and nowhere else, narrowest first."""
+
+    __slots__ = ("sock", "_timeout", "_lock", "_closed")
+
+    def __init__(self, addr: _Address, timeout: float) -> None:
+        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the caller
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(addr.target)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(addr.target, timeout)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - not every TCP stack has it
+                pass
+        self.sock = sock
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def sendall(self, data: bytes, timeout: float) -> None:
+        try:
+            if timeout != self._timeout:
+                self.sock.settimeout(timeout)
+                self._timeout = timeout
+            self.sock.sendall(data)
+        except socket.timeout:
+            raise StalledError("the server did not take the request for %.1f s" % timeout, timeout) from None
+        except OSError as exc:
+            raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
+
+    def recv(self, timeout: float) -> bytes:
+        try:
+            if timeout != self._timeout:
+                self.sock.settimeout(timeout)
+                self._timeout = timeout
+            return self.sock.recv(RECV_SIZE)
+        except socket.timeout:
+            raise _Silence() from None
+        except OSError as exc:
+            raise StreamClosedError("the connection failed: %s" % exc) from exc
+
+    def abort(self) -> None:
+        """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd."""
+        with self._lock:
+            if not self._closed:
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.sock.close()
+
+
+def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
+    if isinstance(exc, FileNotFoundError):
+        text = "no llama-server at %s: the socket file does not exist" % addr.text
+    elif isinstance(exc, ConnectionRefusedError):
+        text = "no llama-server listening at %s (connection refused)" % addr.text
+    elif isinstance(exc, socket.timeout):
+        text = "connecting to %s timed out" % addr.text
+    else:
+        text = "cannot connect to %s: %s" % (addr.text, exc)
+    err = ConnectError(text, addr.text)
+    err.__cause__ = exc
+    return err
+
+
+# =====================================================================================================
+# 6. Slot gates and the shared /slots poller
+# =====================================================================================================
+
+
+class _Lane:
+    __slots__ = ("cond", "capacity", "in_flight", "waiters")
+
+    def __init__(self, lock: threading.Lock, capacity: int) -> None:
+        self.cond = threading.Condition(lock)
+        self.capacity = capacity
+        self.in_flight = 0
+        self.waiters = []  # type: List[_Ticket]
+
+
+class _Ticket:
+    __slots__ = ("lane", "granted", "ahead", "left")
+
+    def __init__(self, lane: _Lane) -> None:
+        self.lane = lane
+        self.granted = False
+        self.ahead = 0
+        self.left = False
+
+
+class _Gate:
+    """Per-slot FIFO queues: ``capacity`` requests in flight (1 per slot; ``total_slots`` for any slot),
+    ``queue_len`` more waiting, the next refused with ``BusyError``."""
+
+    def __init__(self, lock: threading.Lock, queue_len: int) -> None:
+        self._lock = lock
+        self._queue_len = queue_len
+        self._lanes = {}  # type: Dict[Optional[int], _Lane]
+
+    def enter(self, key: Optional[int], capacity: int) -> _Ticket:
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _Lane(self._lock, capacity)
+            elif key is None and capacity != lane.capacity:
+                lane.capacity = capacity
+                lane.cond.notify_all()
+            ticket = _Ticket(lane)
+            if lane.in_flight < lane.capacity and not lane.waiters:
+                lane.in_flight += 1
+                ticket.granted = True
+                return ticket
+            if len(lane.waiters) >= self._queue_len:
+                where = "slot %d" % key if key is not None else "any slot"
+                raise BusyError(
+                    "%d requests already wait for %s (queue_len %d): try later" % (len(lane.waiters), where, self._queue_len),
+                    key,
+                    self._queue_len,
+                )
+            lane.waiters.append(ticket)
+            ticket.ahead = lane.in_flight + len(lane.waiters) - 1
+            return ticket
+
+    def wait(self, ticket: _Ticket, cancelled: threading.Event) -> Optional[int]:
+        """Block until the ticket is granted (None) or its ``ahead`` shrinks (the new value)."""
+        lane = ticket.lane
+        with self._lock:
+            while True:
+                if cancelled.is_set():
+                    raise CancelledError("the request was cancelled while queued")
+                waiters = lane.waiters
+                if waiters[0] is ticket and lane.in_flight < lane.capacity:
+                    del waiters[0]
+                    lane.in_flight += 1
+                    ticket.granted = True
+                    lane.cond.notify_all()  # everyone behind moves up
+                    return None
+                ahead = lane.in_flight + waiters.index(ticket)
+                if ahead < ticket.ahead:
+                    ticket.ahead = ahead
+                    return ahead
+                lane.cond.wait(1.0)
+
+    def leave(self, ticket: _Ticket) -> None:
+        """Release the permit, or leave the queue; idempotent."""
+        with self._lock:
+            if ticket.left:
+                return
+            ticket.left = True
+            lane = ticket.lane
+            if ticket.granted:
+                lane.in_flight -= 1
+            else:
+                lane.waiters.remove(ticket)
+            lane.cond.notify_all()
+
+    def wake(self) -> None:
+        with self._lock:
+            for lane in self._lanes.values():
+                lane.cond.notify_all()
+
+    def snapshot(self) -> Dict[Optional[int], Tuple[int, int]]:
+        """{key: (in flight, waiting)}, for tests and diagnostics."""
+        with self._lock:
+            return {k: (lane.in_flight, len(lane.waiters)) for k, lane in self._lanes.items()}
+
+
+class _SlotPoller:
+    """One ``/slots`` request in flight per client, however many wait; an answer younger than ``poll`` is
+    reused.  The request runs in a short-lived thread so that a waiter can always be cancelled."""
+
+    def __init__(self, client: Client, lock: threading.Lock) -> None:
+        self._client = client
+        self._cond = threading.Condition(lock)
+        self._busy = False
+        self._stamp = float("-inf")  # when the last answer arrived
+        self._slots = None  # type: Optional[List[Slot]]
+        self._owner = _Owner()
+        self.requests = 0  # how many /slots requests were made, for tests
+
+    def get(self, interval: float, cancelled: threading.Event) -> Optional[List[Slot]]:
+        """The slots, or None when ``/slots`` failed or did not answer within ``interval``."""
+        with self._cond:
+            asked = time.monotonic()
+            if asked - self._stamp < interval:
+                return self._slots
+            if not self._busy:
+                self._busy = True
+                self.requests += 1
+                worker = threading.Thread(target=self._work, name="loopclient-slots", daemon=True)
+                worker.start()
+            deadline = asked + interval
+            while self._stamp < asked:
+                if cancelled.is_set():
+                    raise CancelledError("the request was cancelled while polling /slots")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, 0.5))
+            return self._slots
+
+    def _work(self) -> None:
+        slots = None  # type: Optional[List[Slot]]
+        limits = self._client.limits
+        try:
+            slots = self._client._fetch_slots(timeout=min(limits.liveness, max(2 * limits.poll, 0.5)), owner=self._owner)
+        except Exception:  # any failure means "unavailable"; the worker must never die loudly
+            slots = None
+        with self._cond:
+            self._slots = slots
+            self._stamp = time.monotonic()
+            self._busy = False
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        self._owner.abort()
+
+
+class _Owner:
+    """The connections a request has open, so that ``cancel()`` can shut them all down."""
+
+    __slots__ = ("conns", "_lock")
+
+    def __init__(self) -> None:
+        self.conns = set()  # type: set
+        self._lock = threading.Lock()
+
+    def add(self, conn: _Conn) -> None:
+        with self._lock:
+            self.conns.add(conn)
+
+    def discard(self, conn: _Conn) -> None:
+        with self._lock:
+            self.conns.discard(conn)
+
+    def abort(self) -> None:
+        with self._lock:
+            conns = list(self.conns)
+        for conn in conns:
+            conn.abort()
+
+
+# =====================================================================================================
+# 7. The client and its streams
+# =====================================================================================================
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8080"
+
+
+class _Retry:
+    """An attempt that failed before anything was delivered and may be sent again."""
+
+    __slots__ = ("reason", "hint", "cause")
+
+    def __init__(self, reason: str, hint: Optional[float], cause: BaseException) -> None:
+        self.reason = reason
+        self.hint = hint
+        self.cause = cause
+
+
+_BUDGETS = {
+    "busy": ("busy_wait", WaitTimeoutError, "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others"),
+    "unavailable": ("load_wait", LoadTimeoutError, "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)"),
+    "idle": ("idle_grace", StalledError, "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck"),
+}
+
+
+class _Situation:
+    """What the request is waiting on, and since when.  A budget restarts when the situation changes."""
+
+    __slots__ = ("limits", "state", "since", "sent_at", "slot", "address", "cause")
+
+    def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
+        self.limits = limits
+        self.slot = "any" if slot is None else str(slot)
+        self.address = address
+        self.state = None  # type: Optional[str]
+        self.since = time.monotonic()
+        self.sent_at = self.since
+        self.cause = None  # type: Optional[BaseException]
+
+    def observe(self, state: str, cause: Optional[BaseException] = None) -> None:
+        if state != self.state:
+            self.since = self.sent_at if self.state is None else time.monotonic()
+            self.state = state
+        self.cause = cause
+
+    def remaining(self) -> Optional[float]:
+        if self.state is None:
+            return None
+        budget = getattr(self.limits, _BUDGETS[self.state][0])
+        return float(budget - (time.monotonic() - self.since))
+
+    def expired(self) -> LoopError:
+        assert self.state is not None
+        name, cls, text = _BUDGETS[self.state]
+        waited = time.monotonic() - self.since
+        err = cls(text.format(slot=self.slot, address=self.address, waited=waited), waited)
+        if self.cause is not None:
+            err.__cause__ = self.cause
+        return err
+
+
+class ChatStream:
+    """One streamed chat request: iterate it for events; ``completion`` is there once iteration has ended
+    without an error.  ``cancel()`` works from any thread; leaving the ``with`` block early cancels quietly.
+    The request starts when iteration starts.  Iteration raises the ``LoopError`` subclasses of the SPEC.
+    """
+
+    def __init__(self, client: Client, request: bytes, slot: Optional[int]) -> None:
+        self._client = client
+        self._request = request
+        self._slot = slot
+        self._gen = None  # type: Optional[Iterator[Event]]
+        self._lock = threading.Lock()  # held by the thread inside __next__
+        self._cancel = threading.Event()
+        self._owner = _Owner()
+        self._ticket = None  # type: Optional[_Ticket]
+        self._done = False
+        #: the assembled answer, once iteration ended without an error
+        self.completion = None  # type: Optional[Completion]
+
+    def __iter__(self) -> ChatStream:
+        return self
+
+    def __next__(self) -> Event:
+        with self._lock:
+            if self._done:
+                raise StopIteration
+            if self._cancel.is_set():
+                self._finish()
+                raise CancelledError("the request was cancelled")
+            if self._gen is None:
+                self._gen = self._run()
+            try:
+                return next(self._gen)
+            except BaseException:
+                self._done = True
+                raise
+
+    def cancel(self) -> None:
+        """Cancel the request from any thread: its sockets close, its permit is released, and the thread
+        iterating the stream gets ``CancelledError`` within 0.2 s."""
+        if self._done:
+            return
+        self._cancel.set()
+        self._owner.abort()
+        self._client._wake()
+        # Nobody inside __next__: clean up here, so the socket and permit are freed now, not at the next
+        # call.  Otherwise the iterating thread wakes from the aborted socket and cleans up itself.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._finish()
+            finally:
+                self._lock.release()
+
+    def _finish(self) -> None:
+        gen = self._gen
+        if gen is not None:
+            gen.close()  # runs the request's finally: socket closed, permit released
+        self._release()
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self._done:
+            self._cancel.set()
+            self._owner.abort()
+            self._client._wake()
+            with self._lock:
+                self._finish()
+                self._done = True
+
+    def _release(self) -> None:
+        ticket = self._ticket
+        if ticket is not None:
+            self._client._gate.leave(ticket)
+        self._client._forget(self)
+
+    def _check(self) -> None:
+        if self._cancel.is_set():
+            raise CancelledError("the request was cancelled")
+
+    # -- the life of one request -------------------------------------------------------------------
+
+    def _run(self) -> Iterator[Event]:
+        client = self._client
+        try:
+            client._remember(self)
+            slot = self._slot
+            capacity = 1 if slot is not None else client._pool_capacity(self._owner)
+            self._check()
+            ticket = self._ticket = client._gate.enter(slot, capacity)
+            if not ticket.granted:
+                yield Queued(ticket.ahead)
+                while True:
+                    ahead = client._gate.wait(ticket, self._cancel)
+                    if ahead is None:
+                        break
+                    yield Queued(ahead)
+            completion = yield from self._attempts()
+        except LoopError:
+            if self._cancel.is_set():
+                raise CancelledError("the request was cancelled") from None
+            raise
+        finally:
+            self._owner.abort()
+            self._release()
+        self.completion = completion
+
+    def _attempts(self) -> Iterator[Event]:
+        client = self._client
+        limits = client.limits
+        situation = _Situation(limits, self._slot, client._addr.text)
+        attempt = 0
+        backoff = BACKOFF_FIRST
+        while True:
+            self._check()
+            try:
+                conn = _Conn(client._addr, max(limits.poll, 0.2))
+            except OSError as exc:
+                outcome = _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)  # type: Any
+            else:
+                self._owner.add(conn)
+                try:
+                    situation.sent_at = time.monotonic()
+                    outcome = yield from self._exchange(conn, situation)
+                finally:
+                    conn.close()
+                    self._owner.discard(conn)
+                if not isinstance(outcome, _Retry):
+                    return outcome
+            self._check()
+            situation.observe("unavailable", outcome.cause)
+            left = situation.remaining()
+            assert left is not None
+            if left <= 0 or (outcome.hint is not None and outcome.hint > left):
+                raise situation.expired()
+            if outcome.hint is not None:
+                delay = outcome.hint
+            else:
+                delay = backoff * (1.0 - 0.25 * random.random())
+                backoff = min(backoff * 2, BACKOFF_MAX)
+            delay = min(delay, left)
+            attempt += 1
+            yield Retrying(attempt, delay, outcome.reason)
+            if self._cancel.wait(delay):
+                raise CancelledError("the request was cancelled while backing off")
+
+    def _exchange(self, conn: _Conn, situation: _Situation) -> Iterator[Event]:
+        client = self._client
+        limits = client.limits
+        conn.sendall(self._request, limits.liveness)
+        reader = ResponseReader()
+        pieces = []  # type: List[bytes]
+        started = False
+        slot = self._slot
+        while reader.head is None:
+            if started:
+                timeout = limits.liveness
+            else:
+                left = situation.remaining()
+                timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
+            try:
+                data = conn.recv(timeout)
+            except _Silence:
+                self._check()
+                if started:
+                    raise StalledError("the response head stopped for %.1f s (liveness)" % timeout, timeout) from None
+                left = situation.remaining()
+                if left is not None and left <= 0:
+                    raise situation.expired() from None
+                state = client._slot_state(slot, self._cancel, all_busy=True)
+                situation.observe(state)
+                yield Waiting(state == "busy")
+                left = situation.remaining()
+                if left is not None and left <= 0:
+                    raise situation.expired() from None
+                continue
+            self._check()
+            if not data:
+                reader.feed_eof()
+            started = True
+            pieces = reader.feed(data)
+        head = reader.head
+        if head.status != 200:
+            body = self._read_body(conn, reader, pieces)
+            message, _ = parse_error_envelope(body)
+            error = HTTPStatusError(head.status, message, body)
+            if head.status == 503:
+                return _Retry("HTTP 503: %s" % message, parse_retry_after(head.get("retry-after")), error)
+            raise error
+        return (yield from self._events(conn, reader, pieces))
+
+    def _read_body(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> bytes:
+        limits = self._client.limits
+        size = sum(len(p) for p in pieces)
+        while not reader.done:
+            data = conn.recv(limits.liveness)
+            if not data:
+                reader.feed_eof()
+                break
+            for piece in reader.feed(data):
+                pieces.append(piece)
+                size += len(piece)
+            if size > limits.max_body:
+                raise ProtocolError("error body longer than max_body (%d bytes)" % limits.max_body)
+        return b"".join(pieces)
+
+    def _events(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> Iterator[Event]:
+        client = self._client
+        limits = client.limits
+        liveness = limits.liveness
+        asm = Assembler()
+        sse = SSEDecoder(limits.max_line)
+        cap = limits.thinking_cap
+        capped_at = -1
+        delivered = False
+        progress = time.monotonic()
+        eof = False
+        data = b"".join(pieces) if len(pieces) != 1 else pieces[0]
+        while True:
+            batch = sse.feed(data) if data else []
+            if eof or reader.done:
+                batch += sse.close()
+            for kind, payload in batch:
+                if kind == "error":
+                    err = _error_from(_json_or_text(payload))
+                    if not delivered and _retryable(err):
+                        return _Retry("server error %s: %s" % (err.code, err.message), None, err)
+                    raise err
+                if payload == "[DONE]":
+                    return asm.completion()
+                try:
+                    events = asm.feed(payload)
+                except ServerError as err:
+                    if not delivered and _retryable(err):
+                        return _Retry("server error %s: %s" % (err.code, err.message), None, err)
+                    raise
+                progress = time.monotonic()
+                for event in events:
+                    delivered = True
+                    yield event
+                if cap is not None and asm.in_reasoning:
+                    tokens = asm.reasoning_tokens
+                    if capped_at < 0:
+                        if tokens >= cap:
+                            capped_at = tokens
+                            self._end_reasoning(asm.id, tokens)
+                            asm.thinking_capped = True
+                            yield ThinkingCapped(tokens)
+                    elif tokens > capped_at + limits.thinking_overrun:
+                        raise ThinkingOverrunError(
+                            "reasoning went on for %d tokens after the server accepted to end it at %d "
+                            "(thinking_overrun %d)" % (tokens - capped_at, capped_at, limits.thinking_overrun),
+                            tokens,
+                        )
+            if eof or reader.done:
+                return asm.completion()
+            if not batch and time.monotonic() - progress >= liveness:
+                self._check_pings(progress)
+            try:
+                data = conn.recv(liveness)
+            except _Silence:
+                self._check()
+                raise StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness) from None
+            self._check()
+            if data:
+                received = reader.feed(data)
+                data = received[0] if len(received) == 1 else b"".join(received)
+            else:
+                reader.feed_eof()  # StreamClosedError when cut mid-chunk or short of its length
+                eof = True
+
+    def _check_pings(self, progress: float) -> None:
+        """Bytes arrive (pings) but no data event for ``liveness``: is the slot still working on it?"""
+        client = self._client
+        limits = client.limits
+        state = client._slot_state(self._slot, self._cancel, all_busy=False)
+        quiet = time.monotonic() - progress
+        if state != "busy":
+            raise StalledError(
+                "only pings for %.1f s and the slot is %s: the stream is stuck" % (quiet, "idle" if state == "idle" else "unknown"),
+                quiet,
+            )
+        if quiet >= limits.busy_wait:
+            raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+
+    def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> None:
+        if not completion_id:
+            raise ThinkingOverrunError("reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens, tokens)
+        try:
+            ok = self._client._control(completion_id, self._owner)
+        except LoopError as exc:
+            if self._cancel.is_set():
+                raise
+            raise ThinkingOverrunError("reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens) from exc
+        if not ok:
+            raise ThinkingOverrunError("reasoning reached the cap (%d tokens) and the server refused to end it" % tokens, tokens)
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _retryable(err: ServerError) -> bool:
+    return err.code == 503 or err.type == "unavailable_error"
+
+
+class Client:
+    """A client of one llama-server, shared by any number of threads.
+
+    ``address`` is a socket path, ``unix:///path`` or ``http://host:port``.  A malformed address, a CR or
+    LF in ``api_key`` or a header, or limits of the wrong type raise ``ValueError``/``TypeError`` here.
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        *,
+        limits: Optional[Limits] = None,
+        api_key: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+    ) -> None:
+        if address is None:
+            address = os.environ.get("LLAMA_SERVER") or DEFAULT_ADDRESS
+        self._addr = parse_address(address)
+        self.address = self._addr.text
+        if limits is None:
+            limits = Limits()
+        elif not isinstance(limits, Limits):
+            raise TypeError("limits must be a loopclient.Limits, not %s" % type(limits).__name__)
+        self.limits = limits
+        extra = [("User-Agent", _USER_AGENT)]  # type: List[Tuple[str, str]]
+        if headers:
+            for name, value in dict(headers).items():
+                if not isinstance(name, str) or not isinstance(value, str):
+                    raise TypeError("header names and values must be str")
+                _check_header_text("a header name", name)
+                _check_header_text("the value of header %s" % name, value)
+                if not name or ":" in name or " " in name:
+                    raise ValueError("invalid header name %r" % name)
+                if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
+                    raise ValueError("header %s is set by loopclient itself" % name)
+                extra = [(k, v) for k, v in extra if k.lower() != name.lower()]
+                extra.append((name, value))
+        if api_key is not None:
+            if not isinstance(api_key, str):
+                raise TypeError("api_key must be a str")
+            _check_header_text("api_key", api_key)
+            extra.append(("Authorization", "Bearer " + api_key))
+        self._headers = extra
+        self._lock = threading.Lock()
+        self._gate = _Gate(self._lock, limits.queue_len)
+        self._poller = _SlotPoller(self, self._lock)
+        self._pool_size = None  # type: Optional[int]
+        self._streams = set()  # type: set
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return "<loopclient.Client %s>" % self.address
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel this client's streams in flight and stop its poller.  Further calls are ``ValueError``."""
+        self._closed = True
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
+        self._poller.abort()
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _encode(self, method: str, path: str, payload: Any, accept: str) -> bytes:
+        body = None
+        headers = [("Accept", accept)]
+        if payload is not None:
+            body = json.dumps(payload, allow_nan=False).encode("utf-8")
+            headers.append(("Content-Type", "application/json"))
+        headers.append(("Connection", "close"))
+        headers.extend(self._headers)
+        return encode_request(method, path, self._addr.host, headers, body)
+
+    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> ChatStream:
+        """A ``ChatStream`` for ``messages``; every keyword goes into the JSON body unchanged.
+
+        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given) and
+        ``reasoning_control`` (when ``Limits.thinking_cap`` is set).  A body that is not JSON-serialisable is
+        ``TypeError``/``ValueError`` here, before any connection.
+        """
+        if self._closed:
+            raise ValueError("this client is closed")
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
+            raise TypeError("slot must be an int or None, not %r" % (slot,))
+        if slot is not None and slot < 0:
+            raise ValueError("slot must not be negative")
+        body = {"messages": messages}  # type: Dict[str, Any]
+        body.update(params)
+        body["stream"] = True
+        options = body.get("stream_options")
+        body["stream_options"] = dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
+        if slot is not None:
+            body["id_slot"] = slot
+        if self.limits.thinking_cap is not None:
+            body["reasoning_control"] = True
+        request = self._encode("POST", "/v1/chat/completions", body, "text/event-stream")
+        return ChatStream(self, request, slot)
+
+    def chat(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """Stream a chat and return its ``Completion``, calling ``on_event`` in this thread for each event.
+
+        Raises the ``LoopError`` subclasses of the SPEC.  An exception from ``on_event`` (or a
+        KeyboardInterrupt) closes the request and propagates unchanged.
+        """
+        stream = self.stream(messages, slot=slot, **params)
+        try:
+            for event in stream:
+                if on_event is not None:
+                    on_event(event)
+        except BaseException:
+            stream.__exit__(None, None, None)
+            raise
+        assert stream.completion is not None
+        return stream.completion
+
+    def _call(self, method: str, path: str, payload: Any = None, *, timeout: Optional[float] = None,
+              owner: Optional[_Owner] = None) -> Tuple[ResponseHead, bytes]:
+        """One request on a new connection: (head, body).  Never retried."""
+        request = self._encode(method, path, payload, "application/json")
+        limits = self.limits
+        timeout = limits.liveness if timeout is None else timeout
+        try:
+            conn = _Conn(self._addr, timeout)
+        except OSError as exc:
+            raise _connect_error(self._addr, exc) from exc
+        if owner is not None:
+            owner.add(conn)
+        try:
+            conn.sendall(request, timeout)
+            reader = ResponseReader(max_body=limits.max_body)
+            pieces = []  # type: List[bytes]
+            while not reader.done:
+                try:
+                    data = conn.recv(timeout)
+                except _Silence:
+                    raise StalledError("%s %s: no answer for %.1f s (liveness)" % (method, path, timeout), timeout) from None
+                if not data:
+                    reader.feed_eof()
+                    break
+                pieces.extend(reader.feed(data))
+            assert reader.head is not None
+            return reader.head, b"".join(pieces)
+        finally:
+            conn.close()
+            if owner is not None:
+                owner.discard(conn)
+
+    def _json(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
+        head, body = self._call(method, path, payload, **kwargs)
+        if head.status != 200:
+            raise HTTPStatusError(head.status, parse_error_envelope(body)[0], body)
+        try:
+            return json.loads(body.decode("utf-8", "replace"))
+        except ValueError as exc:
+            raise ProtocolError("%s %s answered invalid JSON: %s" % (method, path, exc)) from None
+        except RecursionError:
+            raise ProtocolError("%s %s answered JSON nested too deeply" % (method, path)) from None
+
+    def _fetch_slots(self, timeout: Optional[float] = None, owner: Optional[_Owner] = None) -> List[Slot]:
+        doc = self._json("GET", "/slots", timeout=timeout, owner=owner)
+        if type(doc) is not list:
+            raise ProtocolError("/slots did not answer a list")
+        slots = []
+        for item in doc:
+            if type(item) is not dict or type(item.get("id")) is not int or type(item.get("is_processing")) is not bool:
+                raise ProtocolError("/slots answered an entry without an integer id and a boolean is_processing")
+            slots.append(Slot(item["id"], item["is_processing"], item))
+        return slots
+
+    def slots(self) -> List[Slot]:
+        """``GET /slots``.  ``ConnectError``, ``StalledError``, ``HTTPStatusError``, ``ProtocolError``."""
+        return self._fetch_slots()
+
+    def health(self) -> Dict[str, Any]:
+        """``GET /health``: ``{"status": "ok"}``; ``HTTPStatusError`` (503) while the model loads."""
+        return self._object("GET", "/health")
+
+    def props(self) -> Dict[str, Any]:
+        """``GET /props``."""
+        return self._object("GET", "/props")
+
+    def models(self) -> Dict[str, Any]:
+        """``GET /v1/models``."""
+        return self._object("GET", "/v1/models")
+
+    def end_reasoning(self, completion_id: str) -> bool:
+        """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
+        return self._control(completion_id, None)
+
+    def _object(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Dict[str, Any]:
+        doc = self._json(method, path, payload, **kwargs)
+        if type(doc) is not dict:
+            raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
+        return doc  # type: ignore[no-any-return]
+
+    def _control(self, completion_id: str, owner: Optional[_Owner]) -> bool:
+        if not isinstance(completion_id, str):
+            raise TypeError("completion_id must be a str")
+        doc = self._object(
+            "POST", "/v1/chat/completions/control", {"id": completion_id, "action": "reasoning_end"}, owner=owner
+        )
+        return doc.get("success") is True
+
+    # -- shared state for streams --------------------------------------------------------------------
+
+    def _pool_capacity(self, owner: _Owner) -> int:
+        """``total_slots`` from ``/props``, read once; 1 until the server has answered."""
+        size = self._pool_size
+        if size is None:
+            try:
+                total = self._object("GET", "/props", owner=owner).get("total_slots")
+            except LoopError:
+                return 1
+            if type(total) is not int or total < 1:
+                return 1
+            size = self._pool_size = total
+        return size
+
+    def _slot_state(self, slot: Optional[int], cancelled: threading.Event, all_busy: bool) -> str:
+        slots = self._poller.get(self.limits.poll, cancelled)
+        if slots is None:
+            return "unavailable"
+        if not slots:
+            return "idle"
+        if slot is None:
+            flags = [s.is_processing for s in slots]
+            busy = all(flags) if all_busy else any(flags)
+        else:
+            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
+            busy = any(s.is_processing for s in slots if s.id == target)
+        return "busy" if busy else "idle"
+
+    def _wake(self) -> None:
+        self._gate.wake()
+        self._poller.wake()
+
+    def _remember(self, stream: ChatStream) -> None:
+        with self._lock:
+            self._streams.add(stream)
+
+    def _forget(self, stream: ChatStream) -> None:
+        with self._lock:
+            self._streams.discard(stream)

@@ -2011,3 +2011,263 @@ class Client:
     def _forget(self, stream: ChatStream) -> None:
         with self._lock:
             self._streams.discard(stream)
+
+
+# =====================================================================================================
+# 8. Command line
+# =====================================================================================================
+
+_HINTS = (
+    (BusyError, "the queue for this slot is full: try again later, or another --slot"),
+    (WaitTimeoutError, "the slot stayed busy: try another --slot, or later"),
+    (LoadTimeoutError, "start llama-server, or pass --socket PATH / --url URL"),
+    (ConnectError, "start llama-server, or pass --socket PATH / --url URL"),
+    (StalledError, "the server stopped answering: check its log"),
+    (StreamClosedError, "the server closed the connection mid-answer: check its log, then retry"),
+    (ThinkingOverrunError, "raise --thinking-cap, or drop it"),
+    (HTTPStatusError, "the server refused the request"),
+    (ServerError, "the server failed while answering: check its log"),
+    (ProtocolError, "is this a llama-server? check the address"),
+    (CancelledError, "the request was cancelled"),
+)
+
+
+def _describe(exc: LoopError) -> str:
+    hint = next((text for cls, text in _HINTS if isinstance(exc, cls)), "")
+    if isinstance(exc, LoadTimeoutError) and isinstance(exc.__cause__, OSError):
+        exc_text = "%s (last: %s)" % (exc, exc.__cause__.strerror or exc.__cause__)
+    else:
+        exc_text = str(exc)
+    return "loopclient: %s%s" % (exc_text, ": " + hint if hint else "")
+
+
+class _Console:
+    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise."""
+
+    def __init__(self, out: Any, err: Any) -> None:
+        self.out = out
+        self.err = err
+        self.tty = bool(getattr(err, "isatty", lambda: False)())
+        self._status = False
+        self._in_reasoning = False
+        self.started = time.monotonic()
+        self.first_token = None  # type: Optional[float]
+
+    def status(self, text: str) -> None:
+        if self.tty:
+            self.err.write("\r\x1b[K" + text)
+            self._status = True
+        else:
+            self.err.write(text + "\n")
+        self.err.flush()
+
+    def clear(self) -> None:
+        if self._status:
+            self.err.write("\r\x1b[K")
+            self._status = False
+
+    def event(self, event: Event, show_text: bool = True) -> None:
+        if isinstance(event, (Content, Reasoning, ToolCall)):
+            if self.first_token is None:
+                self.first_token = time.monotonic() - self.started
+            self.clear()
+        if isinstance(event, Content):
+            if self._in_reasoning:
+                self._end_reasoning()
+            if show_text:
+                self.out.write(event.text)
+                self.out.flush()
+        elif isinstance(event, Reasoning):
+            if show_text:
+                self._in_reasoning = True
+                self.err.write("\x1b[2m" + event.text + "\x1b[0m" if self.tty else event.text)
+                self.err.flush()
+        elif isinstance(event, ToolCall):
+            if self._in_reasoning:
+                self._end_reasoning()
+            if show_text:
+                if event.name:
+                    self.out.write("\n[tool call %s] %s(" % (event.index, event.name))
+                self.out.write(event.arguments)
+                self.out.flush()
+        elif isinstance(event, Queued):
+            self.status("queued: %d ahead of this request" % event.ahead)
+        elif isinstance(event, Waiting):
+            waited = time.monotonic() - self.started
+            self.status("waiting %.0f s: %s" % (waited, "the slot is busy" if event.slot_busy else "no answer yet"))
+        elif isinstance(event, Retrying):
+            self.status("retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason))
+        elif isinstance(event, ThinkingCapped):
+            if self._in_reasoning:
+                self._end_reasoning()
+            self.status("thinking capped at %d tokens" % event.tokens)
+            if self.tty:
+                self.err.write("\n")
+                self._status = False
+
+    def _end_reasoning(self) -> None:
+        self._in_reasoning = False
+        self.err.write("\n")
+        self.err.flush()
+
+    def figures(self, completion: Completion) -> str:
+        timings = completion.timings or {}
+        usage = completion.usage or {}
+        tokens = usage.get("completion_tokens", timings.get("predicted_n"))
+        parts = []
+        if isinstance(tokens, int):
+            parts.append("%d tokens" % tokens)
+        if self.first_token is not None:
+            parts.append("first token %.2f s" % self.first_token)
+        rate = timings.get("predicted_per_second")
+        if isinstance(rate, (int, float)):
+            parts.append("%.1f tokens/s" % rate)
+        if completion.reasoning_tokens:
+            parts.append("%d reasoning%s" % (completion.reasoning_tokens, " (capped)" if completion.thinking_capped else ""))
+        parts.append("finish: %s" % completion.finish_reason)
+        return "[" + ", ".join(parts) + "]"
+
+
+def _completion_json(completion: Completion) -> str:
+    import dataclasses
+
+    return json.dumps(dataclasses.asdict(completion), ensure_ascii=False, indent=2)
+
+
+def _slots_table(slots: List[Slot]) -> str:
+    rows = [("slot", "state", "decoded", "n_ctx")]
+    for s in slots:
+        decoded = ""
+        nxt = s.raw.get("next_token")
+        if isinstance(nxt, list) and nxt and isinstance(nxt[0], dict):
+            nxt = nxt[0]
+        if isinstance(nxt, dict) and isinstance(nxt.get("n_decoded"), int):
+            decoded = str(nxt["n_decoded"])
+        n_ctx = s.raw.get("n_ctx")
+        rows.append((str(s.id), "busy" if s.is_processing else "idle", decoded, str(n_ctx) if n_ctx is not None else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _parser() -> Any:
+    import argparse
+
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help="llama-server's Unix socket")
+    where.add_argument("--url", metavar="URL", default=argparse.SUPPRESS, help="llama-server's http://host:port")
+    parser = argparse.ArgumentParser(
+        prog="loopclient",
+        parents=[common],
+        description="Talk to llama.cpp's llama-server over a Unix socket or TCP.",
+        epilog="The address defaults to $LLAMA_SERVER (a path or URL), else %s." % DEFAULT_ADDRESS,
+    )
+    parser.add_argument("--version", action="version", version="loopclient " + __version__)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chat = commands.add_parser("chat", parents=[common], help="stream an answer (PROMPT, stdin, or a conversation)")
+    chat.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
+    chat.add_argument("--slot", type=int, help="pin the request to this slot")
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--max-tokens", type=int, help="cap the answer's tokens")
+    chat.add_argument("--temperature", type=float, help="sampling temperature")
+    chat.add_argument("--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens")
+    chat.add_argument("--json", action="store_true", help="print the whole completion as JSON")
+    commands.add_parser("slots", parents=[common], help="show the server's slots")
+    commands.add_parser("health", parents=[common], help="print /health as JSON")
+    commands.add_parser("props", parents=[common], help="print /props as JSON")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (2), --help and --version (0)
+        return exc.code if isinstance(exc.code, int) else 2
+    if not args.command:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write("loopclient: error: a COMMAND is required (chat, slots, health, props)\n")
+        return 2
+    address = getattr(args, "socket", None) or getattr(args, "url", None)
+    try:
+        limits = Limits(thinking_cap=args.thinking_cap) if getattr(args, "thinking_cap", None) is not None else None
+        client = Client(address, limits=limits)
+    except (ValueError, TypeError) as exc:
+        sys.stderr.write("loopclient: error: %s\n" % exc)
+        return 2
+    try:
+        with client:
+            if args.command == "chat":
+                return _chat(client, args)
+            if args.command == "slots":
+                print(_slots_table(client.slots()))
+            elif args.command == "health":
+                print(json.dumps(client.health()))
+            else:
+                print(json.dumps(client.props(), indent=2, ensure_ascii=False))
+            return 0
+    except LoopError as exc:
+        sys.stderr.write(_describe(exc) + "\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\nloopclient: interrupted\n")
+        return 130
+
+
+def _chat(client: Client, args: Any) -> int:
+    params = {}  # type: Dict[str, Any]
+    if args.max_tokens is not None:
+        params["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        params["temperature"] = args.temperature
+    history = []  # type: List[Dict[str, Any]]
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    prompt = args.prompt
+    interactive = False
+    if prompt is None:
+        if sys.stdin.isatty():
+            interactive = True
+        else:
+            prompt = sys.stdin.read()
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line:
+                sys.stderr.write("\n")
+                return 0
+            prompt = line.rstrip("\n")
+            if not prompt.strip():
+                continue
+        assert prompt is not None
+        history.append({"role": "user", "content": prompt})
+        console = _Console(sys.stdout, sys.stderr)
+        completion = client.chat(
+            history, slot=args.slot, on_event=lambda ev: console.event(ev, show_text=not args.json), **params
+        )
+        console.clear()
+        if args.json:
+            sys.stdout.write(_completion_json(completion) + "\n")
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            sys.stderr.write(console.figures(completion) + "\n")
+        sys.stderr.flush()
+        if not interactive:
+            return 0
+        turn = {"role": "assistant", "content": completion.content}  # type: Dict[str, Any]
+        if completion.reasoning:
+            turn["reasoning_content"] = completion.reasoning
+        if completion.tool_calls:
+            turn["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in completion.tool_calls
+            ]
+        history.append(turn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

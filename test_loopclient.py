@@ -152,7 +152,7 @@ def respond_json(req, doc, status=200, reason="OK", extra_headers=b""):
 class FakeServer:
     """Answers by path with scripted handlers; records requests; by default /slots from ``busy`` flags."""
 
-    def __init__(self, tcp=False, n_slots=2):
+    def __init__(self, tcp=False, n_slots=2, listen=True):
         self.tcp = tcp
         self.tmp = tempfile.mkdtemp(prefix="lc", dir="/tmp")
         self.path = os.path.join(self.tmp, "s.sock")
@@ -172,7 +172,8 @@ class FakeServer:
         self.route("GET", "/slots", self._slots)
         self.route("GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"}))
         self.route("GET", "/health", lambda req: respond_json(req, {"status": "ok"}))
-        self.listen()
+        if listen:
+            self.listen()
 
     def listen(self):
         if self.tcp:
@@ -350,3 +351,240 @@ class ServerCase(unittest.TestCase):
         slot = kw.pop("slot", 0)
         completion = run_with_timeout(lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw))
         return completion, events
+
+
+# =====================================================================================================
+# The client against the fake server
+# =====================================================================================================
+
+
+def serve_body(body):
+    return lambda req: req.send(STREAM_HEAD + body)
+
+
+class TestClientStream(ServerCase):
+    def test_stream_assembles_real_server_bytes(self):
+        self.use(serve_body(content_stream(["Write", " one", " sentence"])))
+        completion, events = self.collect(max_tokens=16, temperature=0)
+        self.assertEqual(events, [lc.Content("Write"), lc.Content(" one"), lc.Content(" sentence")])
+        self.assertEqual(completion, lc.Completion(
+            id=CID, model=MODEL, content="Write one sentence", reasoning="", tool_calls=[], finish_reason="stop",
+            usage=USAGE, timings=TIMINGS, reasoning_tokens=0, thinking_capped=False))
+
+    def test_transcript_04_replayed_byte_for_byte(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        if raw is None:
+            self.skipTest("../shared/transcripts is not beside this checkout")
+        self.use(lambda req: req.send(raw))
+        completion, events = self.collect()
+        self.assertEqual(completion.content, "Write one sentence about the sea.<|im_end|>\n<|im")
+        self.assertEqual(completion.finish_reason, "length")
+        self.assertEqual(completion.timings["predicted_n"], 16)
+        self.assertEqual(len(events), 16)
+
+    def test_request_bytes_follow_the_wire_rules(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.collect(slot=1, max_tokens=8, tools=[{"type": "function", "function": {"name": "f"}}],
+                     stop=["\n"], seed=7, chat_template_kwargs={"enable_thinking": True},
+                     stream_options={"continuous_usage_stats": True})
+        req = self.server.chat_requests()[0]
+        head = req.raw_head.decode()
+        self.assertTrue(head.startswith("POST /v1/chat/completions HTTP/1.1\r\n"))
+        self.assertEqual(req.headers["host"], self.server.address[len("http://"):] if self.tcp else "localhost")
+        self.assertEqual(req.headers["content-type"], "application/json")
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
+        self.assertEqual(int(req.headers["content-length"]), len(req.body))
+        self.assertNotIn("authorization", req.headers)
+        self.assertEqual(req.json(), {
+            "messages": MSGS, "max_tokens": 8, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "stop": ["\n"], "seed": 7, "chat_template_kwargs": {"enable_thinking": True}, "stream": True,
+            "stream_options": {"continuous_usage_stats": True, "include_usage": True}, "id_slot": 1})
+
+    def test_any_slot_sends_no_id_slot(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.collect(slot=None)
+        self.assertNotIn("id_slot", self.server.chat_requests()[0].json())
+
+    def test_api_key_and_extra_headers(self):
+        self.use(serve_body(content_stream(["ok"])))
+        client = lc.Client(self.server.address, limits=FAST, api_key="sk-secret", headers={"X-Trace": "1"})
+        self.collect(client=client)
+        req = self.server.chat_requests()[0]
+        self.assertEqual(req.headers["authorization"], "Bearer sk-secret")
+        self.assertEqual(req.headers["x-trace"], "1")
+        self.assertNotIn("sk-secret", repr(client))
+
+    def test_stream_object_iterates_and_keeps_completion(self):
+        self.use(serve_body(content_stream(["a", "b"])))
+        with self.client.stream(MSGS, slot=0) as stream:
+            self.assertIsNone(stream.completion)
+            events = run_with_timeout(lambda: list(stream))
+        self.assertEqual(events, [lc.Content("a"), lc.Content("b")])
+        self.assertEqual(stream.completion.content, "ab")
+
+    def test_reasoning_and_tool_calls(self):
+        body = chunked(
+            sse(chunk_json({"role": "assistant", "content": None})),
+            sse(chunk_json({"reasoning_content": "think"})),
+            sse(chunk_json({"reasoning_content": ""})),
+            sse(chunk_json({"reasoning_content": " more"})),
+            sse(chunk_json({"tool_calls": [{"index": 0, "id": "call1", "type": "function",
+                                            "function": {"name": "get_weather", "arguments": "{"}}]})),
+            sse(chunk_json({"tool_calls": [{"index": 0, "function": {"arguments": "\"city\": \"Paris\"}"}}]})),
+            sse(chunk_json({}, "tool_calls")),
+            b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        self.use(serve_body(body))
+        completion, events = self.collect()
+        self.assertEqual(events, [
+            lc.Reasoning("think"), lc.Reasoning(" more"),
+            lc.ToolCall(0, "call1", "get_weather", "{"), lc.ToolCall(0, None, None, "\"city\": \"Paris\"}")])
+        self.assertEqual(completion.reasoning, "think more")
+        self.assertEqual(completion.reasoning_tokens, 2)
+        self.assertEqual(completion.tool_calls, [lc.ToolCallResult("call1", "get_weather", "{\"city\": \"Paris\"}")])
+        self.assertEqual(completion.finish_reason, "tool_calls")
+
+    def test_clean_end_after_finish_without_done(self):
+        self.use(serve_body(content_stream(["x"], done=False)))
+        completion, _ = self.collect()
+        self.assertEqual((completion.content, completion.finish_reason), ("x", "stop"))
+
+    def test_done_without_finish_reason_is_stream_closed(self):
+        self.use(serve_body(content_stream(["x"], finish=None)))
+        with self.assertRaises(lc.StreamClosedError):
+            self.collect()
+
+    def test_done_ends_the_response_before_the_final_chunk(self):
+        body = chunked(sse(chunk_json({"content": "x"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n")
+
+        def handler(req):
+            req.send(STREAM_HEAD + body)
+            req.wait_peer_close(3)  # never sends the 0 chunk: the client must not wait for it
+
+        self.use(handler)
+        start = time.monotonic()
+        completion, _ = self.collect()
+        self.assertLess(time.monotonic() - start, 1.0)
+        self.assertEqual(completion.content, "x")
+
+    def test_http_error_status_carries_the_envelope(self):
+        body = (b'{"error":{"code":400,"message":"request (3024 tokens) exceeds the available context size (1024 tokens),'
+                b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":3024,"n_ctx":1024}}')
+        self.use(lambda req: req.send(b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\nContent-Type: application/json;"
+                                      b" charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)))
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.collect()
+        self.assertEqual(cm.exception.status, 400)
+        self.assertEqual(cm.exception.message,
+                         "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it")
+        self.assertEqual(cm.exception.body, body)
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+    def test_midstream_error_event_is_server_error_and_not_replayed(self):
+        body = chunked(sse(chunk_json({"role": "assistant", "content": None})),
+                       sse(chunk_json({"reasoning_content": "is"})),
+                       b'data: {"error":{"code":500,"message":"got exception: boom","type":"server_error"}}\n\n') + b"0\r\n\r\n"
+        self.use(serve_body(body))
+        with self.assertRaises(lc.ServerError) as cm:
+            self.collect()
+        self.assertEqual((cm.exception.code, cm.exception.message, cm.exception.type), (500, "got exception: boom", "server_error"))
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+
+class TestClientStreamTCP(TestClientStream):
+    tcp = True
+
+
+class TestSingleShot(ServerCase):
+    def test_slots_health_props_models(self):
+        self.server.busy[1] = True
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, {"object": "list", "data": [{"id": MODEL}]}))
+        slots = self.client.slots()
+        self.assertEqual([(s.id, s.is_processing) for s in slots], [(0, False), (1, True)])
+        self.assertEqual(slots[0].raw["n_ctx"], 1024)
+        self.assertEqual(self.client.health(), {"status": "ok"})
+        self.assertEqual(self.client.props()["total_slots"], 2)
+        self.assertEqual(self.client.models()["data"][0]["id"], MODEL)
+
+    def test_loading_server_is_http_status_error(self):
+        self.server.route("GET", "/health", lambda req: respond_json(
+            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "Service Unavailable"))
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.client.health()
+        self.assertEqual((cm.exception.status, cm.exception.message), (503, "Loading model"))
+
+    def test_unknown_endpoint_404(self):
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.client.models()
+        self.assertEqual((cm.exception.status, cm.exception.message), (404, "File Not Found"))
+
+    def test_missing_socket_is_connect_error(self):
+        client = lc.Client(self.server.tmp + "/missing.sock", limits=FAST)
+        with self.assertRaises(lc.ConnectError) as cm:
+            client.health()
+        self.assertEqual(cm.exception.address, self.server.tmp + "/missing.sock")
+        self.assertIsInstance(cm.exception.__cause__, FileNotFoundError)
+
+    def test_silence_is_stalled_after_liveness(self):
+        self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))
+        client = lc.Client(self.server.address, limits=lc.Limits(liveness=0.3))
+        start = time.monotonic()
+        with self.assertRaises(lc.StalledError):
+            client.props()
+        self.assertGreaterEqual(time.monotonic() - start, 0.29)
+        self.assertLess(time.monotonic() - start, 0.8)
+
+    def test_end_reasoning(self):
+        seen = []
+
+        def control(req):
+            seen.append(req.json())
+            respond_json(req, {"success": req.json()["id"] == "chatcmpl-1"})
+
+        self.server.route("POST", "/v1/chat/completions/control", control)
+        self.assertTrue(self.client.end_reasoning("chatcmpl-1"))
+        self.assertFalse(self.client.end_reasoning("chatcmpl-2"))
+        self.assertEqual(seen[0], {"id": "chatcmpl-1", "action": "reasoning_end"})
+
+
+class TestCallerMistakes(unittest.TestCase):
+    def test_bad_addresses(self):
+        for bad in ("", "ftp://x", "http://", "http://host:99999", "http://host:port", "http://h/path", "/tmp/" + "x" * 120):
+            with self.assertRaises(ValueError, msg=bad):
+                lc.Client(bad)
+        with self.assertRaises(TypeError):
+            lc.Client(8080)
+
+    def test_addresses(self):
+        self.assertEqual(lc.parse_address("/run/llama.sock").target, "/run/llama.sock")
+        self.assertEqual(lc.parse_address("unix:///run/llama.sock").target, "/run/llama.sock")
+        tcp = lc.parse_address("http://127.0.0.1:8080/")
+        self.assertEqual((tcp.unix, tcp.target, tcp.host), (False, ("127.0.0.1", 8080), "127.0.0.1:8080"))
+        v6 = lc.parse_address("http://[::1]:9000")
+        self.assertEqual((v6.target, v6.host), (("::1", 9000), "[::1]:9000"))
+
+    def test_header_injection_refused_before_sending(self):
+        for kwargs in ({"api_key": "k\r\nX: y"}, {"headers": {"X-A": "v\nw"}}, {"headers": {"X\r\nB": "v"}}):
+            with self.assertRaises(ValueError) as cm:
+                lc.Client("/tmp/x.sock", **kwargs)
+            self.assertNotIn("k\r\nX", str(cm.exception))
+        with self.assertRaises(ValueError):
+            lc.encode_request("GET", "/x\r\nY: z", "localhost")
+
+    def test_body_not_serialisable_and_bad_limits(self):
+        client = lc.Client("/tmp/lc-none.sock")
+        with self.assertRaises(TypeError):
+            client.stream(MSGS, foo=object())
+        with self.assertRaises(ValueError):
+            client.stream(MSGS, temperature=float("nan"))
+        with self.assertRaises(ValueError):
+            client.stream(MSGS, slot=-1)
+        for bad in ({"poll": -1}, {"queue_len": -2}, {"liveness": 0}, {"max_line": -5}):
+            with self.assertRaises(ValueError):
+                lc.Limits(**bad)
+        with self.assertRaises(TypeError):
+            lc.Limits(poll="1")
+
+    def test_timeouts_are_builtin_timeouts(self):
+        for cls in (lc.WaitTimeoutError, lc.LoadTimeoutError, lc.StalledError):
+            self.assertTrue(issubclass(cls, TimeoutError) and issubclass(cls, lc.LoopError))

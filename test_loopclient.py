@@ -336,8 +336,11 @@ class ServerCase(unittest.TestCase):
         self.threads = threading.active_count()
         self.server = FakeServer(tcp=self.tcp)
         self.client = lc.Client(self.server.address, limits=self.limits)
+        self.closers = []
 
     def tearDown(self):
+        for close in self.closers:
+            close()
         self.client.close()
         self.server.close()
         wait_for(lambda: threading.active_count() <= self.threads, 5, "threads to end")
@@ -588,3 +591,387 @@ class TestCallerMistakes(unittest.TestCase):
     def test_timeouts_are_builtin_timeouts(self):
         for cls in (lc.WaitTimeoutError, lc.LoadTimeoutError, lc.StalledError):
             self.assertTrue(issubclass(cls, TimeoutError) and issubclass(cls, lc.LoopError))
+
+
+def hold_then(body, release, server=None):
+    """A handler that sends nothing until ``release`` is set (a busy slot), then ``body``."""
+
+    def handler(req):
+        deadline = time.monotonic() + 10
+        while not release.is_set():
+            if req.wait_peer_close(0.02) or req.server.stopping.is_set() or time.monotonic() > deadline:
+                return
+        req.send(STREAM_HEAD + body)
+
+    return handler
+
+
+class Timer:
+    def __init__(self):
+        self.start = time.monotonic()
+
+    @property
+    def elapsed(self):
+        return time.monotonic() - self.start
+
+
+MARGIN = 0.35  # scheduling slack on a loaded 2-core machine
+
+
+class TestWaitForHead(ServerCase):
+    def budget(self, **kw):
+        return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=5.0, idle_grace=5.0), **kw))
+
+    def test_busy_slot_is_waited_out_then_streams(self):
+        release = threading.Event()
+        self.server.busy[0] = True
+        self.use(hold_then(content_stream(["done"]), release))
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            if len([e for e in events if isinstance(e, lc.Waiting)]) == 3:
+                self.server.busy[0] = False
+                release.set()
+
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
+        self.assertEqual(completion.content, "done")
+        self.assertEqual(events[:3], [lc.Waiting(True)] * 3)
+        self.assertEqual(events[-1], lc.Content("done"))
+
+    def test_busy_slot_past_busy_wait(self):
+        self.server.busy[0] = True
+        self.use(hold_then(b"", threading.Event()))
+        client = lc.Client(self.server.address, limits=self.budget(busy_wait=0.6))
+        t = Timer()
+        events = []
+        with self.assertRaises(lc.WaitTimeoutError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreaterEqual(t.elapsed, 0.6)
+        self.assertLess(t.elapsed, 0.6 + MARGIN)
+        self.assertIsInstance(cm.exception, TimeoutError)
+        self.assertTrue(events and all(e == lc.Waiting(True) for e in events))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+    def test_idle_slot_and_no_head_is_stalled_after_idle_grace(self):
+        self.use(hold_then(b"", threading.Event()))
+        client = lc.Client(self.server.address, limits=self.budget(idle_grace=0.5))
+        t = Timer()
+        events = []
+        with self.assertRaises(lc.StalledError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreaterEqual(t.elapsed, 0.5)
+        self.assertLess(t.elapsed, 0.5 + MARGIN)
+        self.assertTrue(events and all(e == lc.Waiting(False) for e in events))
+
+    def test_slots_failing_is_load_timeout_after_load_wait(self):
+        self.server.route("GET", "/slots", lambda req: respond_json(
+            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "Service Unavailable"))
+        self.use(hold_then(b"", threading.Event()))
+        client = lc.Client(self.server.address, limits=self.budget(load_wait=0.5))
+        t = Timer()
+        with self.assertRaises(lc.LoadTimeoutError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertGreaterEqual(t.elapsed, 0.5)
+        self.assertLess(t.elapsed, 0.5 + MARGIN)
+
+    def test_budgets_restart_when_the_situation_changes(self):
+        # busy 0.35 s, unavailable 0.35 s, busy 0.35 s: each under its 0.5 s budget, 1.05 s in all
+        phase = {"state": "busy"}
+        release = threading.Event()
+
+        def slots(req):
+            if phase["state"] == "down":
+                respond_json(req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x")
+            else:
+                respond_json(req, [{"id": 0, "is_processing": True}])
+
+        def driver():
+            for state in ("down", "busy"):
+                time.sleep(0.35)  # the phases of the scripted server, not a wait for a condition
+                phase["state"] = state
+            time.sleep(0.35)
+            release.set()
+
+        self.server.route("GET", "/slots", slots)
+        self.use(hold_then(content_stream(["ok"]), release))
+        client = lc.Client(self.server.address, limits=self.budget(busy_wait=0.5, load_wait=0.5))
+        threading.Thread(target=driver, daemon=True).start()
+        events = []
+        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertEqual(completion.content, "ok")
+        waits = [e.slot_busy for e in events if isinstance(e, lc.Waiting)]
+        self.assertIn(False, waits)
+        self.assertEqual(waits[0], True)
+        self.assertEqual(waits[-1], True)
+
+    def test_five_waiters_share_one_slots_request(self):
+        for _ in range(3):
+            self.server.busy.append(True)
+        self.server.busy[:2] = [True, True]
+        self.server.slots_delay = 0.08
+        release = threading.Event()
+        self.use(hold_then(content_stream(["ok"]), release))
+        client = lc.Client(self.server.address, limits=self.budget(poll=0.05))
+        waits = []
+        lock = threading.Lock()
+
+        def run(slot):
+            def on_event(ev):
+                with lock:
+                    waits.append(ev)
+            return client.chat(MSGS, slot=slot, on_event=on_event)
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(5)]
+        for th in threads:
+            th.start()
+        wait_for(lambda: len(waits) >= 40, 10, "Waiting events")
+        release.set()
+        for th in threads:
+            th.join(5)
+        self.assertEqual(self.server.slots_max_in_flight, 1)
+        # far fewer /slots requests than Waiting events: answers are shared and reused
+        self.assertLess(self.server.slots_requests, len(waits) / 2)
+
+    def test_head_silence_after_first_byte_is_stalled_at_liveness(self):
+        def handler(req):
+            req.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+            req.wait_peer_close(5)
+
+        self.use(handler)
+        client = lc.Client(self.server.address, limits=self.budget(liveness=0.4))
+        t = Timer()
+        with self.assertRaises(lc.StalledError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertGreaterEqual(t.elapsed, 0.4)
+        self.assertLess(t.elapsed, 0.4 + MARGIN)
+
+
+class TestLiveness(ServerCase):
+    def limits_(self, **kw):
+        return lc.Limits(**dict(dict(poll=0.05, liveness=0.4, busy_wait=1.0, load_wait=5.0, idle_grace=5.0), **kw))
+
+    def test_silence_mid_stream_is_stalled(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "partial"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+        client = lc.Client(self.server.address, limits=self.limits_())
+        events = []
+        t = Timer()
+        with self.assertRaises(lc.StalledError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertEqual(events, [lc.Content("partial")])
+        self.assertGreaterEqual(t.elapsed, 0.4)
+        self.assertLess(t.elapsed, 0.4 + MARGIN)
+
+    def pinger(self, stop, then=b""):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            while not stop.wait(0.05):
+                if not req.send(chunked(b": ping\n\n")):
+                    return
+            if then:
+                req.send(then)
+
+        return handler
+
+    def test_pings_with_idle_slot_are_stalled_after_liveness(self):
+        stop = threading.Event()
+        self.use(self.pinger(stop))
+        client = lc.Client(self.server.address, limits=self.limits_())
+        t = Timer()
+        with self.assertRaises(lc.StalledError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        stop.set()
+        self.assertIn("idle", str(cm.exception))
+        self.assertGreaterEqual(t.elapsed, 0.4)
+        self.assertLess(t.elapsed, 0.4 + MARGIN)
+
+    def test_pings_with_busy_slot_are_waited_until_busy_wait(self):
+        stop = threading.Event()
+        self.server.busy[0] = True
+        self.use(self.pinger(stop))
+        client = lc.Client(self.server.address, limits=self.limits_(busy_wait=1.0))
+        t = Timer()
+        with self.assertRaises(lc.StalledError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        stop.set()
+        self.assertGreaterEqual(t.elapsed, 1.0)
+        self.assertLess(t.elapsed, 1.0 + MARGIN)
+
+    def test_pings_then_data_completes(self):
+        stop = threading.Event()
+        self.server.busy[0] = True
+        rest = chunked(sse(chunk_json({"content": "b"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        self.use(self.pinger(stop, then=rest))
+        client = lc.Client(self.server.address, limits=self.limits_(busy_wait=5.0))
+        threading.Timer(0.7, stop.set).start()
+        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertEqual(completion.content, "ab")
+
+
+class TestRetries(ServerCase):
+    def limits_(self, **kw):
+        return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=3.0, idle_grace=5.0), **kw))
+
+    def test_socket_appears_after_a_while(self):
+        late = FakeServer(listen=False)
+        self.closers.append(late.close)
+        late.stream(serve_body(content_stream(["up"])))
+        client = lc.Client(late.path, limits=self.limits_())
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            if isinstance(ev, lc.Retrying) and ev.attempt == 2:
+                late.listen()
+
+        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=on_event))
+        self.assertEqual(completion.content, "up")
+        retries = [e for e in events if isinstance(e, lc.Retrying)]
+        self.assertEqual([e.attempt for e in retries], [1, 2])
+        self.assertTrue(0.1875 <= retries[0].delay <= 0.25, retries[0])
+        self.assertTrue(0.375 <= retries[1].delay <= 0.5, retries[1])
+        self.assertIn("No such file", retries[0].reason)
+
+    def test_backoff_doubles_to_two_seconds_with_jitter_down(self):
+        client = lc.Client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=30.0))
+        stream = client.stream(MSGS, slot=0)
+        delays = []
+        originals = lc.BACKOFF_FIRST
+
+        def consume():
+            for ev in stream:
+                delays.append(ev.delay)
+                if len(delays) == 3:
+                    stream.cancel()
+
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(consume, 5)
+        self.assertEqual(originals, 0.25)
+        for delay, base in zip(delays, (0.25, 0.5, 1.0)):
+            self.assertTrue(0.75 * base <= delay <= base, (delay, base))
+
+    def test_load_wait_spent_is_load_timeout_with_os_cause(self):
+        client = lc.Client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=0.6))
+        t = Timer()
+        with self.assertRaises(lc.LoadTimeoutError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertIsInstance(cm.exception.__cause__, FileNotFoundError)
+        self.assertGreaterEqual(t.elapsed, 0.6 - 0.01)
+        self.assertLess(t.elapsed, 0.6 + MARGIN)
+
+    def test_socket_without_listener_is_refused_and_retried(self):
+        path = os.path.join(self.server.tmp, "dead.sock")
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        dead.bind(path)  # bound, never listening: connect is refused
+        self.closers.append(dead.close)
+        client = lc.Client(path, limits=self.limits_(load_wait=0.4))
+        with self.assertRaises(lc.LoadTimeoutError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertIsInstance(cm.exception.__cause__, ConnectionRefusedError)
+
+    def unavailable_then(self, first, body=None):
+        calls = []
+
+        def handler(req):
+            calls.append(req)
+            if len(calls) == 1:
+                first(req)
+            else:
+                req.send(STREAM_HEAD + (body or content_stream(["fine"])))
+
+        return calls, handler
+
+    def test_503_then_200(self):
+        calls, handler = self.unavailable_then(lambda req: respond_json(
+            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "Service Unavailable"))
+        self.use(handler)
+        client = lc.Client(self.server.address, limits=self.limits_())
+        completion, events = self.collect(client=client)
+        self.assertEqual(completion.content, "fine")
+        self.assertEqual(len(calls), 2)
+        retry = events[0]
+        self.assertIsInstance(retry, lc.Retrying)
+        self.assertEqual(retry.attempt, 1)
+        self.assertIn("503", retry.reason)
+        self.assertIn("Loading model", retry.reason)
+
+    def test_retry_after_seconds_honoured(self):
+        calls, handler = self.unavailable_then(lambda req: respond_json(
+            req, {"error": {"message": "busy", "code": 503}}, 503, "Service Unavailable", b"Retry-After: 1\r\n"))
+        self.use(handler)
+        client = lc.Client(self.server.address, limits=self.limits_())
+        t = Timer()
+        completion, events = self.collect(client=client)
+        self.assertEqual(events[0], lc.Retrying(1, 1.0, "HTTP 503: busy"))
+        self.assertGreaterEqual(t.elapsed, 1.0)
+        self.assertLess(t.elapsed, 1.0 + MARGIN)
+
+    def test_retry_after_http_date_honoured(self):
+        import email.utils
+
+        def first(req):
+            when = email.utils.formatdate(time.time() + 2, usegmt=True)
+            respond_json(req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n")
+
+        calls, handler = self.unavailable_then(first)
+        self.use(handler)
+        client = lc.Client(self.server.address, limits=self.limits_())
+        completion, events = self.collect(client=client)
+        self.assertTrue(1.0 <= events[0].delay <= 2.0, events[0])
+        self.assertEqual(completion.content, "fine")
+
+    def test_retry_after_beyond_load_wait_fails_at_once(self):
+        self.use(lambda req: respond_json(req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: 3600\r\n"))
+        client = lc.Client(self.server.address, limits=self.limits_(load_wait=10))
+        t = Timer()
+        with self.assertRaises(lc.LoadTimeoutError) as cm:
+            self.collect(client=client)
+        self.assertLess(t.elapsed, 0.3)
+        self.assertIsInstance(cm.exception.__cause__, lc.HTTPStatusError)
+
+    def test_first_event_503_error_is_retried(self):
+        error = chunked(b'data: {"error":{"code":503,"message":"no slot available","type":"unavailable_error"}}\n\n') + b"0\r\n\r\n"
+        calls, handler = self.unavailable_then(lambda req: req.send(STREAM_HEAD + error))
+        self.use(handler)
+        completion, events = self.collect()
+        self.assertEqual(completion.content, "fine")
+        self.assertEqual(len(calls), 2)
+        self.assertIsInstance(events[0], lc.Retrying)
+
+    def test_first_event_400_error_is_server_error(self):
+        error = chunked(b'data: {"error":{"code":400,"message":"bad","type":"invalid_request_error"}}\n\n') + b"0\r\n\r\n"
+        self.use(serve_body(error))
+        with self.assertRaises(lc.ServerError) as cm:
+            self.collect()
+        self.assertEqual(cm.exception.code, 400)
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+    def test_error_after_content_is_not_retried(self):
+        body = chunked(sse(chunk_json({"content": "x"})),
+                       b'data: {"error":{"code":503,"message":"gone","type":"unavailable_error"}}\n\n') + b"0\r\n\r\n"
+        self.use(serve_body(body))
+        events = []
+        with self.assertRaises(lc.ServerError):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertEqual(events, [lc.Content("x")])
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+    def test_legacy_error_line_first_is_retried(self):
+        error = chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n') + b"0\r\n\r\n"
+        calls, handler = self.unavailable_then(lambda req: req.send(STREAM_HEAD + error))
+        self.use(handler)
+        completion, events = self.collect()
+        self.assertEqual((completion.content, len(calls)), ("fine", 2))
+
+    def test_close_after_content_is_not_replayed(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"}))))
+
+        self.use(handler)
+        with self.assertRaises(lc.StreamClosedError):
+            self.collect()
+        self.assertEqual(len(self.server.chat_requests()), 1)

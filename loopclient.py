@@ -1533,7 +1533,7 @@ class ChatStream:
         try:
             client._remember(self)
             slot = self._slot
-            capacity = 1 if slot is not None else client._pool_capacity(self._owner)
+            capacity = 1 if slot is not None else client._pool_capacity(self._owner, self._cancel)
             self._check()
             ticket = self._ticket = client._gate.enter(slot, capacity)
             if not ticket.granted:
@@ -1802,6 +1802,7 @@ class Client:
         self._gate = _Gate(self._lock, limits.queue_len)
         self._poller = _SlotPoller(self, self._lock)
         self._pool_size = None  # type: Optional[int]
+        self._props_lock = threading.Lock()
         self._streams = set()  # type: set
         self._closed = False
 
@@ -1973,18 +1974,25 @@ class Client:
 
     # -- shared state for streams --------------------------------------------------------------------
 
-    def _pool_capacity(self, owner: _Owner) -> int:
+    def _pool_capacity(self, owner: _Owner, cancelled: threading.Event) -> int:
         """``total_slots`` from ``/props``, read once; 1 until the server has answered."""
-        size = self._pool_size
-        if size is None:
+        while self._pool_size is None:
+            if not self._props_lock.acquire(timeout=0.05):
+                if cancelled.is_set():
+                    raise CancelledError("the request was cancelled")
+                continue
             try:
-                total = self._object("GET", "/props", owner=owner).get("total_slots")
-            except LoopError:
-                return 1
-            if type(total) is not int or total < 1:
-                return 1
-            size = self._pool_size = total
-        return size
+                if self._pool_size is None:
+                    try:
+                        total = self._object("GET", "/props", owner=owner).get("total_slots")
+                    except LoopError:
+                        return 1
+                    if type(total) is not int or total < 1:
+                        return 1
+                    self._pool_size = total
+            finally:
+                self._props_lock.release()
+        return self._pool_size
 
     def _slot_state(self, slot: Optional[int], cancelled: threading.Event, all_busy: bool) -> str:
         slots = self._poller.get(self.limits.poll, cancelled)

@@ -975,3 +975,389 @@ class TestRetries(ServerCase):
         with self.assertRaises(lc.StreamClosedError):
             self.collect()
         self.assertEqual(len(self.server.chat_requests()), 1)
+
+
+class Gatekeeper:
+    """A scripted chat endpoint: each request is held until ``release(marker)``; records arrival order."""
+
+    def __init__(self, server):
+        self.server = server
+        self.order = []
+        self.gates = {}
+        self.lock = threading.Lock()
+        server.stream(self.handle)
+
+    def gate(self, marker):
+        with self.lock:
+            return self.gates.setdefault(marker, threading.Event())
+
+    def handle(self, req):
+        marker = req.json()["messages"][0]["content"]
+        slot = req.json().get("id_slot")
+        with self.lock:
+            self.order.append((slot, marker))
+        release = self.gate(marker)
+        while not release.is_set():
+            if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                return
+        req.send(STREAM_HEAD + content_stream([marker]))
+
+    def release(self, marker):
+        self.gate(marker).set()
+
+    def arrived(self, marker):
+        with self.lock:
+            return any(m == marker for _, m in self.order)
+
+
+def start_chat(client, marker, slot=0, events=None, results=None):
+    """Run a chat in a thread; its events and outcome go to ``events``/``results`` under ``marker``."""
+    events = events if events is not None else {}
+    results = results if results is not None else {}
+    events[marker] = []
+
+    def run():
+        try:
+            results[marker] = client.chat([{"role": "user", "content": marker}], slot=slot, on_event=events[marker].append)
+        except BaseException as exc:  # noqa: B036
+            results[marker] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+class TestGate(ServerCase):
+    limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=5.0, idle_grace=10.0, queue_len=2)
+
+    def test_queued_events_fifo_and_busy_error(self):
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = [start_chat(self.client, "A", 0, events, results)]
+        wait_for(lambda: keeper.arrived("A"), what="A to be sent")
+        threads.append(start_chat(self.client, "B", 0, events, results))
+        wait_for(lambda: events["B"], what="B to queue")
+        threads.append(start_chat(self.client, "C", 0, events, results))
+        wait_for(lambda: events["C"], what="C to queue")
+        # the queue holds 2: the fourth is refused at once and nothing is sent
+        t = Timer()
+        with self.assertRaises(lc.BusyError):
+            self.client.chat([{"role": "user", "content": "D"}], slot=0)
+        self.assertLess(t.elapsed, 0.1)
+        self.assertEqual(events["B"], [lc.Queued(1)])
+        self.assertEqual(events["C"], [lc.Queued(2)])
+        for marker in "ABC":
+            keeper.release(marker)
+        for th in threads:
+            th.join(5)
+        self.assertEqual([m for _, m in keeper.order], ["A", "B", "C"])
+        self.assertEqual(events["C"][:2], [lc.Queued(2), lc.Queued(1)])
+        self.assertEqual([results[m].content for m in "ABC"], ["A", "B", "C"])
+        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+
+    def test_slots_are_independent(self):
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        a = start_chat(self.client, "A", 0, events, results)
+        b = start_chat(self.client, "B", 1, events, results)
+        wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="both sent at once")
+        keeper.release("A")
+        keeper.release("B")
+        a.join(5)
+        b.join(5)
+        self.assertFalse(any(isinstance(e, lc.Queued) for e in events["A"] + events["B"]))
+
+    def test_cancelled_waiter_leaves_and_others_move_up(self):
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        a = start_chat(self.client, "A", 0, events, results)
+        wait_for(lambda: keeper.arrived("A"))
+        b_stream = self.client.stream([{"role": "user", "content": "B"}], slot=0)
+        b_events = []
+        b_done = threading.Event()
+
+        def run_b():
+            try:
+                for ev in b_stream:
+                    b_events.append(ev)
+            except lc.CancelledError as exc:
+                b_events.append(exc)
+            b_done.set()
+
+        threading.Thread(target=run_b, daemon=True).start()
+        wait_for(lambda: b_events)
+        c = start_chat(self.client, "C", 0, events, results)
+        wait_for(lambda: events["C"])
+        self.assertEqual(events["C"], [lc.Queued(2)])
+        t = Timer()
+        b_stream.cancel()
+        self.assertTrue(b_done.wait(0.2))
+        self.assertLess(t.elapsed, 0.2)
+        self.assertIsInstance(b_events[-1], lc.CancelledError)
+        wait_for(lambda: len(events["C"]) == 2)
+        self.assertEqual(events["C"], [lc.Queued(2), lc.Queued(1)])
+        keeper.release("A")
+        keeper.release("C")
+        a.join(5)
+        c.join(5)
+        self.assertEqual([m for _, m in keeper.order], ["A", "C"])
+
+    def test_any_slot_pool_is_sized_by_props(self):
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        a = start_chat(self.client, "A", None, events, results)
+        b = start_chat(self.client, "B", None, events, results)
+        wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="two at once over two slots")
+        c = start_chat(self.client, "C", None, events, results)
+        wait_for(lambda: events["C"])
+        self.assertEqual(events["C"], [lc.Queued(2)])
+        self.assertFalse(keeper.arrived("C"))
+        for marker in "ABC":
+            keeper.release(marker)
+        for th in (a, b, c):
+            th.join(5)
+        self.assertEqual(results["C"].content, "C")
+        self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
+
+
+class TestCancel(ServerCase):
+    limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0)
+
+    def cancel_during(self, handler, ready, slot=0, client=None):
+        """Iterate a stream in a thread, cancel it once ``ready(events)``; returns (events, seconds to stop)."""
+        if handler is not None:
+            self.use(handler)
+        stream = (client or self.client).stream(MSGS, slot=slot)
+        events, done = [], threading.Event()
+
+        def run():
+            try:
+                for ev in stream:
+                    events.append(ev)
+            except BaseException as exc:  # noqa: B036
+                events.append(exc)
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        wait_for(lambda: ready(events), what="the moment to cancel")
+        t = Timer()
+        stream.cancel()
+        self.assertTrue(done.wait(1.0))
+        elapsed = t.elapsed
+        self.assertIsInstance(events[-1], lc.CancelledError)
+        self.assertLess(elapsed, 0.2)
+        return events, elapsed
+
+    def test_cancel_while_streaming_closes_the_connection(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            req.wait_peer_close(5)
+
+        self.cancel_during(handler, lambda evs: evs)
+        req = self.server.chat_requests()[0]
+        self.assertTrue(req.closed_by_peer.wait(1))
+        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+
+    def test_cancel_while_waiting_for_the_head(self):
+        self.server.busy[0] = True
+        events, _ = self.cancel_during(hold_then(b"", threading.Event()), lambda evs: evs)
+        self.assertEqual(events[0], lc.Waiting(True))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
+
+    def test_cancel_while_backing_off(self):
+        client = lc.Client(self.server.tmp + "/never.sock", limits=self.limits)
+        events, _ = self.cancel_during(None, lambda evs: evs, client=client)
+        self.assertIsInstance(events[0], lc.Retrying)
+
+    def test_cancel_while_queued(self):
+        keeper = Gatekeeper(self.server)
+        first = start_chat(self.client, "A", 0)
+        wait_for(lambda: keeper.arrived("A"))
+        events, _ = self.cancel_during(None, lambda evs: evs)
+        self.assertEqual(events[0], lc.Queued(1))
+        keeper.release("A")
+        first.join(5)
+        self.assertEqual([m for _, m in keeper.order], ["A"])
+
+    def test_cancel_while_polling_a_hanging_slots(self):
+        self.server.slots_delay = 3.0
+        self.server.busy[0] = True
+        self.cancel_during(hold_then(b"", threading.Event()), lambda evs: self.server.slots_in_flight == 1)
+
+    def test_cancel_before_iteration(self):
+        stream = self.client.stream(MSGS, slot=0)
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            next(stream)
+        self.assertEqual(self.server.chat_requests(), [])
+
+    def test_cancel_between_events_frees_the_permit_at_once(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+        stream = self.client.stream(MSGS, slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content("a"))
+        self.assertEqual(self.client._gate.snapshot()[0], (1, 0))
+        stream.cancel()  # nobody is iterating: cleanup happens here
+        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
+        with self.assertRaises(lc.CancelledError):
+            next(stream)
+
+    def test_leaving_the_with_block_early_cancels_quietly(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"})), sse(chunk_json({"content": "b"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                for ev in stream:
+                    return ev
+
+        self.assertEqual(run_with_timeout(body), lc.Content("a"))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
+        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+
+    def test_with_block_keeps_the_callers_exception(self):
+        self.use(serve_body(content_stream(["a", "b"])))
+
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                for _ in stream:
+                    raise KeyError("mine")
+
+        with self.assertRaises(KeyError) as cm:
+            run_with_timeout(body)
+        self.assertEqual(cm.exception.args, ("mine",))
+
+    def test_on_event_exception_propagates_unchanged(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+
+        class Mine(Exception):
+            pass
+
+        def on_event(ev):
+            raise Mine("stop")
+
+        with self.assertRaises(Mine):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
+        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+
+    def test_keyboard_interrupt_in_chat_propagates_as_itself(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+
+        def on_event(ev):
+            raise KeyboardInterrupt
+
+        with self.assertRaises(KeyboardInterrupt):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
+        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+
+    def test_client_close_cancels_streams(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+        stream = self.client.stream(MSGS, slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content("a"))
+        self.client.close()
+        with self.assertRaises(lc.CancelledError):
+            next(stream)
+        with self.assertRaises(ValueError):
+            self.client.stream(MSGS)
+
+
+def reasoning_stream(n_reasoning, content="yes", cid=CID):
+    events = [sse(chunk_json({"role": "assistant", "content": None}, cid=cid))]
+    events += [sse(chunk_json({"reasoning_content": " r%d" % i}, cid=cid)) for i in range(n_reasoning)]
+    events.append(sse(chunk_json({"content": content}, cid=cid)))
+    events.append(sse(chunk_json({}, "stop", cid=cid)))
+    events.append(b"data: [DONE]\n\n")
+    return chunked(*events) + b"0\r\n\r\n"
+
+
+class TestThinkingCap(ServerCase):
+    def capped(self, cap=3, overrun=4):
+        return lc.Client(self.server.address, limits=lc.Limits(poll=0.05, liveness=2.0, thinking_cap=cap, thinking_overrun=overrun))
+
+    def controlled(self, answer):
+        """A server that streams reasoning until the control endpoint is called, then 1 more token and content."""
+        ended = threading.Event()
+        controls = []
+
+        def control(req):
+            controls.append(req.json())
+            answer(req)
+            ended.set()
+
+        def chat(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
+            for i in range(50):
+                req.send(chunked(sse(chunk_json({"reasoning_content": " r%d" % i}))))
+                if ended.wait(0.02):
+                    req.send(chunked(sse(chunk_json({"reasoning_content": " last"})), sse(chunk_json({"content": "yes"})),
+                                     sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                    return
+            req.send(chunked(sse(chunk_json({}, "length"))) + b"0\r\n\r\n")
+
+        self.server.route("POST", "/v1/chat/completions/control", control)
+        self.use(chat)
+        return controls
+
+    def test_cap_ends_reasoning(self):
+        controls = self.controlled(lambda req: respond_json(req, {"success": True}))
+        completion, events = self.collect(client=self.capped(cap=3))
+        self.assertEqual(self.server.chat_requests()[0].json()["reasoning_control"], True)
+        self.assertEqual(controls, [{"id": CID, "action": "reasoning_end"}])
+        self.assertEqual(events[:4], [lc.Reasoning(" r0"), lc.Reasoning(" r1"), lc.Reasoning(" r2"), lc.ThinkingCapped(3)])
+        self.assertEqual(events[-1], lc.Content("yes"))
+        self.assertTrue(completion.thinking_capped)
+        self.assertLessEqual(completion.reasoning_tokens, 3 + 4)
+        self.assertEqual(completion.content, "yes")
+
+    def test_server_refuses(self):
+        self.controlled(lambda req: respond_json(req, {"success": False}))
+        with self.assertRaises(lc.ThinkingOverrunError):
+            self.collect(client=self.capped())
+
+    def test_control_endpoint_missing(self):
+        self.controlled(lambda req: respond_json(req, {"error": {"message": "File Not Found", "code": 404}}, 404, "Not Found"))
+        with self.assertRaises(lc.ThinkingOverrunError) as cm:
+            self.collect(client=self.capped())
+        self.assertIsInstance(cm.exception.__cause__, lc.HTTPStatusError)
+
+    def test_reasoning_past_the_overrun(self):
+        self.server.route("POST", "/v1/chat/completions/control", lambda req: respond_json(req, {"success": True}))
+        self.use(serve_body(reasoning_stream(20)))
+        events = []
+        with self.assertRaises(lc.ThinkingOverrunError) as cm:
+            run_with_timeout(lambda: self.capped(cap=3, overrun=4).chat(MSGS, slot=0, on_event=events.append))
+        self.assertEqual(cm.exception.tokens, 8)
+        self.assertEqual(sum(isinstance(e, lc.Reasoning) for e in events), 8)
+
+    def test_no_completion_id(self):
+        self.use(serve_body(reasoning_stream(5, cid=None)))
+        with self.assertRaises(lc.ThinkingOverrunError):
+            self.collect(client=self.capped())
+
+    def test_no_cap_no_control(self):
+        self.use(serve_body(reasoning_stream(5)))
+        completion, events = self.collect()
+        self.assertNotIn("reasoning_control", self.server.chat_requests()[0].json())
+        self.assertEqual(completion.reasoning_tokens, 5)
+        self.assertFalse(completion.thinking_capped)

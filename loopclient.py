@@ -122,10 +122,12 @@ class LoopError(Exception):
 class BusyError(LoopError):
     """The slot's queue already holds ``queue_len`` waiters; nothing was sent."""
 
-    def __init__(self, message: str, slot: Optional[int] = None, queue_len: int = 0) -> None:
+    def __init__(self, message: str, slot: Optional[int] = None, queue_len: int = 0, waiting: int = 0) -> None:
         super().__init__(message)
         self.slot = slot
         self.queue_len = queue_len
+        #: how many requests of this client were waiting for the slot when this one was refused
+        self.waiting = waiting
 
 
 class _BudgetError(LoopError, TimeoutError):
@@ -479,13 +481,15 @@ class ChunkedDecoder:
                     raise ProtocolError("chunk data is not followed by CRLF")
                 state = 0
             elif state == 0:  # _SIZE
-                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 1)
+                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
-                    if end - pos > MAX_CHUNK_LINE:
+                    if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
                         raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
                     self._pending = data[pos:]
                     pos = end
                     break
+                if nl - pos > MAX_CHUNK_LINE and nl - pos - (data[nl - 1] == 13) > MAX_CHUNK_LINE:
+                    raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
                 size = _parse_chunk_size(data[pos:nl])
                 pos = nl + 1
                 if size:
@@ -494,13 +498,15 @@ class ChunkedDecoder:
                 else:
                     state = 3
             else:  # _TRAILER: ignored lines up to a blank one
-                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 1)
+                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
-                    if end - pos > MAX_CHUNK_LINE:
+                    if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
                         raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
                     self._pending = data[pos:]
                     break
                 line = data[pos:nl]
+                if len(line) > MAX_CHUNK_LINE and line[-1] != 13 or len(line) > MAX_CHUNK_LINE + 1:
+                    raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
                 pos = nl + 1
                 if line in (b"", b"\r"):
                     self.done = True
@@ -617,7 +623,9 @@ class ResponseReader:
             start = max(0, self._scan - 3)
             end = _find_head_end(buf, start)
             if end is None:
-                if len(buf) > self._max_head:
+                over = len(buf) - self._max_head
+                # up to 3 bytes past the cap may be the start of the blank line that ends the head
+                if over > 0 and (over > 3 or buf[self._max_head :].strip(b"\r\n")):
                     raise ProtocolError("response head is longer than %d bytes" % self._max_head)
                 if self._lines > self._max_headers + 1:
                     raise ProtocolError("response has more than %d header lines" % self._max_headers)
@@ -845,6 +853,11 @@ class SSEDecoder:
             if len(buf) + rest > max_line:
                 raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
             buf += data[pos:] if pos else data
+            if self._size and buf.startswith(b"data:"):
+                # the event's earlier lines plus this unfinished one may pass the cap before its newline
+                value = len(buf) - (6 if buf.startswith(b" ", 5) else 5)
+                if self._size + value > max_line:
+                    raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
         return out
 
 
@@ -1219,10 +1232,11 @@ class _Lane:
 
 
 class _Ticket:
-    __slots__ = ("lane", "granted", "ahead", "left")
+    __slots__ = ("lane", "seq", "granted", "ahead", "left")
 
-    def __init__(self, lane: _Lane) -> None:
+    def __init__(self, lane: _Lane, seq: int) -> None:
         self.lane = lane
+        self.seq = seq  # entry order, for diagnostics
         self.granted = False
         self.ahead = 0
         self.left = False
@@ -1236,6 +1250,7 @@ class _Gate:
         self._lock = lock
         self._queue_len = queue_len
         self._lanes = {}  # type: Dict[Optional[int], _Lane]
+        self._seq = 0
 
     def enter(self, key: Optional[int], capacity: int) -> _Ticket:
         with self._lock:
@@ -1245,7 +1260,8 @@ class _Gate:
             elif key is None and capacity != lane.capacity:
                 lane.capacity = capacity
                 lane.cond.notify_all()
-            ticket = _Ticket(lane)
+            self._seq += 1
+            ticket = _Ticket(lane, self._seq)
             if lane.in_flight < lane.capacity and not lane.waiters:
                 lane.in_flight += 1
                 ticket.granted = True
@@ -1256,6 +1272,7 @@ class _Gate:
                     "%d requests already wait for %s (queue_len %d): try later" % (len(lane.waiters), where, self._queue_len),
                     key,
                     self._queue_len,
+                    len(lane.waiters),
                 )
             lane.waiters.append(ticket)
             ticket.ahead = lane.in_flight + len(lane.waiters) - 1

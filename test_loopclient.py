@@ -8,6 +8,7 @@ names its socket (``.ci/run`` provisions one).  Every blocking call has a timeou
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import io
 import json
@@ -98,6 +99,1104 @@ def load_transcript(name):
         raw = f.read()
     marker = raw.index(b"<<< RESPONSE")
     return raw[raw.index(b"\n", marker) + 1 :]
+
+
+# =====================================================================================================
+# Parsers fed bytes
+# =====================================================================================================
+
+# -----------------------------------------------------------------------------------------------------
+# Parser tests: no sockets.  Every byte-level case goes through _p_check_feeds, which feeds the input
+# whole, byte by byte, split at every offset (a seeded sample plus the interesting offsets for big inputs),
+# at every pair of offsets for short inputs, and with empty reads around it, and asserts the same exact
+# output (or the same error, raised by the read that holds the offending byte) every time.
+# -----------------------------------------------------------------------------------------------------
+
+
+def _p_pieces(data, cuts):
+    pieces, prev = [], 0
+    for cut in cuts:
+        pieces.append(data[prev:cut])
+        prev = cut
+    pieces.append(data[prev:])
+    return pieces
+
+
+def _p_splittings(n, pairs_upto=40, sample=None, hot=(), seed=20240611):
+    """(label, cut offsets): whole, with empty reads, byte by byte, each single offset, each pair if short."""
+    yield "whole", []
+    yield "with empty reads around it", [0, n]
+    if n > 1:
+        yield "byte by byte", list(range(1, n))
+    if sample is None or n - 1 <= sample:
+        singles = range(1, n)
+    else:
+        chosen = set(random.Random(seed + n).sample(range(1, n), sample))
+        for h in hot:
+            chosen.update(o for o in range(h - 4, h + 5) if 0 < o < n)
+        singles = sorted(chosen)
+    for i in singles:
+        yield "split at %d" % i, [i]
+    if n <= pairs_upto:
+        for i in range(1, n):
+            for j in range(i + 1, n):
+                yield "split at %d and %d" % (i, j), [i, j]
+
+
+def _p_short(value, limit=300):
+    text = repr(value)
+    return text if len(text) <= limit else "%s...(%d chars)...%s" % (text[:limit // 2], len(text), text[-limit // 2:])
+
+
+def _p_run(make, pieces, end, state, join):
+    """Feed ``pieces`` to a fresh parser: ("ok", output) or ("raised", exc, first byte, end of the read)."""
+    parser = make()
+    out = []
+    start = 0
+    for piece in pieces:
+        try:
+            out.extend(parser.feed(piece))
+        except Exception as exc:  # noqa: BLE001 - any type is compared with the expected one
+            return ("raised", exc, start, start + len(piece))
+        start += len(piece)
+    if end is not None:
+        try:
+            out.extend(end(parser) or [])
+        except Exception as exc:  # noqa: BLE001
+            return ("raised", exc, "eof", "eof")
+    value = b"".join(out) if join else out
+    if state is not None:
+        value = (value, state(parser))
+    return ("ok", value)
+
+
+def _p_check_feeds(test, make, data, expect=None, raises=None, at=None, end=None, state=None, join=False,
+                   pairs_upto=40, sample=None, hot=()):
+    """Assert every way of feeding ``data`` to ``make()`` gives ``expect`` exactly, or raises ``raises``.
+
+    ``end(parser)`` runs after the last read (feed_eof, close) and may add output.  ``state(parser)`` is
+    compared too: the output is then ``(output, state)``.  ``join`` joins bytes pieces.  With ``raises``,
+    ``at`` says which read must raise: "eof" (the end call), an index (the read holding that byte), or
+    (lo, hi): the read holding some byte from lo to hi.  Big inputs: pass ``sample`` (how many single
+    offsets to try) and ``hot`` (offsets tried with their neighbours).
+    """
+    tried = 0
+    for label, cuts in _p_splittings(len(data), pairs_upto, sample, hot):
+        result = _p_run(make, _p_pieces(data, cuts), end, state, join)
+        tried += 1
+        if raises is None:
+            if result[0] != "ok":
+                test.fail("%s: raised %r, expected %s" % (label, result[1], _p_short(expect)))
+            if result[1] != expect:
+                test.fail("%s: got %s, expected %s" % (label, _p_short(result[1]), _p_short(expect)))
+            continue
+        if result[0] != "raised":
+            test.fail("%s: returned %s, expected %s" % (label, _p_short(result[1]), raises.__name__))
+        exc, first, stop = result[1:]
+        if type(exc) is not raises:
+            test.fail("%s: raised %r, expected %s" % (label, exc, raises.__name__))
+        if at is None:
+            continue
+        if at == "eof" or first == "eof":
+            if at != first:
+                test.fail("%s: %s raised at read [%s, %s), expected at %r" % (label, raises.__name__, first, stop, at))
+            continue
+        lo, hi = (at, at) if isinstance(at, int) else at
+        if not (first <= hi and stop > lo):
+            test.fail("%s: %s raised by the read of bytes [%d, %d), expected by the read holding byte %s"
+                      % (label, raises.__name__, first, stop, at))
+    return tried
+
+
+def _p_reader_state(reader):
+    head = reader.head
+    return (head.version, head.status, head.reason, head.headers, reader.done)
+
+
+def _p_eof(parser):
+    parser.feed_eof()
+    return []
+
+
+# -----------------------------------------------------------------------------------------------------
+# Request encoding
+# -----------------------------------------------------------------------------------------------------
+
+
+class TestParserEncodeRequest(unittest.TestCase):
+    def test_post_with_body_exact_bytes(self):
+        got = lc.encode_request("POST", "/v1/chat/completions", "localhost",
+                                [("Content-Type", "application/json"), ("Authorization", "Bearer k")], b'{"a":1}')
+        self.assertEqual(got, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                              b"Content-Type: application/json\r\nAuthorization: Bearer k\r\n"
+                              b"Content-Length: 7\r\n\r\n{\"a\":1}")
+
+    def test_get_without_body_has_no_content_length(self):
+        self.assertEqual(lc.encode_request("GET", "/slots", "127.0.0.1:8080"),
+                         b"GET /slots HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n")
+
+    def test_cr_lf_nul_refused_in_path_name_value_host(self):
+        for bad in ("\r", "\n", "\r\n", "\0"):
+            with self.subTest(bad=bad):
+                with self.assertRaises(ValueError):
+                    lc.encode_request("GET", "/slots" + bad + "X: y", "localhost")
+                with self.assertRaises(ValueError):
+                    lc.encode_request("GET", "/slots", "localhost", [("X-A" + bad + "B", "v")])
+                with self.assertRaises(ValueError):
+                    lc.encode_request("GET", "/slots", "localhost", [("X-Trace", "1" + bad + "Evil: 1")])
+                with self.assertRaises(ValueError):
+                    lc.encode_request("GET", "/slots", "local" + bad + "host")
+
+    def test_secret_value_not_echoed_in_the_error(self):
+        with self.assertRaises(ValueError) as cm:
+            lc.encode_request("GET", "/", "h", [("Authorization", "Bearer s3cret\r\n")])
+        self.assertNotIn("s3cret", str(cm.exception))
+
+
+# -----------------------------------------------------------------------------------------------------
+# Response head and body framing
+# -----------------------------------------------------------------------------------------------------
+
+
+class TestParserResponseReader(unittest.TestCase):
+    def check(self, data, expect=None, reader=lambda: lc.ResponseReader(), **kw):
+        kw.setdefault("end", _p_eof)
+        if kw.get("raises") is None:
+            kw.setdefault("state", _p_reader_state)
+        return _p_check_feeds(self, reader, data, expect, join=True, **kw)
+
+    def test_content_length_body_and_head_fields(self):
+        data = (b"HTTP/1.1 404 Not Found\r\nServer: llama.cpp\r\nX-Dup: a\r\nx-dup:  b \r\n"
+                b"Content-Length: 5\r\n\r\nhello")
+        headers = [("server", "llama.cpp"), ("x-dup", "a"), ("x-dup", "b"), ("content-length", "5")]
+        self.check(data, (b"hello", ("HTTP/1.1", 404, "Not Found", headers, True)))
+        reader = lc.ResponseReader()
+        self.assertEqual(reader.feed(data), [b"hello"])
+        self.assertEqual(reader.head.get("X-DUP"), "b")
+        self.assertEqual(reader.head.get_all("x-dup"), ["a", "b"])
+        self.assertIsNone(reader.head.get("missing"))
+
+    def test_content_length_done_before_eof(self):
+        reader = lc.ResponseReader()
+        self.assertEqual(reader.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no"), [b"o"])
+        self.assertFalse(reader.done)
+        self.assertEqual(reader.feed(b"k"), [b"k"])
+        self.assertTrue(reader.done)
+        self.assertEqual(reader.head.status, 200)
+
+    def test_reason_with_spaces_and_missing_reason(self):
+        self.check(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
+                   (b"", ("HTTP/1.1", 503, "Service Unavailable", [("content-length", "0")], True)))
+        self.check(b"HTTP/1.1 200\r\nContent-Length: 0\r\n\r\n",
+                   (b"", ("HTTP/1.1", 200, "", [("content-length", "0")], True)))
+
+    def test_until_close(self):
+        data = b"HTTP/1.0 200 OK\r\nServer: x\r\n\r\nline1\nline2\r\n"
+        self.check(data, (b"line1\nline2\r\n", ("HTTP/1.0", 200, "OK", [("server", "x")], True)))
+        reader = lc.ResponseReader()
+        self.assertEqual(reader.feed(data), [b"line1\nline2\r\n"])
+        self.assertFalse(reader.done)
+        reader.feed_eof()
+        self.assertTrue(reader.done)
+
+    def test_chunked_stream_head(self):
+        data = STREAM_HEAD + chunked(b"data: a\n\n", b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        headers = [("server", "llama.cpp"), ("access-control-allow-origin", ""), ("x-accel-buffering", "no"),
+                   ("content-type", "text/event-stream"), ("transfer-encoding", "chunked"), ("connection", "close")]
+        self.check(data, (b"data: a\n\ndata: [DONE]\n\n", ("HTTP/1.1", 200, "OK", headers, True)),
+                   sample=150, hot=(len(STREAM_HEAD),))
+
+    def test_chunked_wins_over_content_length(self):
+        data = b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        self.check(data, (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "99"), ("transfer-encoding", "chunked")], True)),
+                   sample=60)
+
+    def test_interim_1xx_responses_skipped(self):
+        data = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        self.check(data, (b"ok", ("HTTP/1.1", 200, "OK", [("content-length", "2")], True)), pairs_upto=0)
+
+    def test_204_has_no_body(self):
+        self.check(b"HTTP/1.1 204 No Content\r\n\r\n", (b"", ("HTTP/1.1", 204, "No Content", [], True)))
+
+    def test_identical_duplicate_content_length_ok(self):
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+                   (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "3"), ("content-length", "3")], True)),
+                   pairs_upto=0)
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc",
+                   (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "3, 3")], True)), pairs_upto=0)
+
+    def test_conflicting_content_length(self):
+        for head in (b"Content-Length: 3\r\nContent-Length: 4\r\n", b"Content-Length: 3, 4\r\n"):
+            data = b"HTTP/1.1 200 OK\r\n" + head + b"\r\nabcd"
+            with self.subTest(head=head):
+                self.check(data, raises=lc.ProtocolError, at=(17, len(data) - 5), pairs_upto=0)
+
+    def test_malformed_content_length(self):
+        for value in (b"-1", b"abc", b"", b"3.0", b"+3", b"0x3", b"\xd9\xa3"):
+            data = b"HTTP/1.1 200 OK\r\nContent-Length: " + value + b"\r\n\r\nabc"
+            with self.subTest(value=value):
+                self.check(data, raises=lc.ProtocolError, at=(len(data) - 6, len(data) - 4), pairs_upto=0)
+
+    def test_body_short_is_stream_closed_at_eof(self):
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabc", raises=lc.StreamClosedError, at="eof")
+
+    def test_eof_before_or_inside_head(self):
+        self.check(b"", raises=lc.StreamClosedError, at="eof")
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Le", raises=lc.StreamClosedError, at="eof")
+        self.check(b"HTTP/1.1 200 OK\r\n\r", raises=lc.StreamClosedError, at="eof")
+
+    def test_malformed_status_line(self):
+        for line in (b"HTTP/2 200 OK", b"HTTP/1.1 20 OK", b"HTTP/1.1 2000 OK", b"ICY 200 OK", b"HTTP/1.1 abc OK",
+                     b"garbage"):
+            data = line + b"\r\nContent-Length: 0\r\n\r\n"
+            with self.subTest(line=line):
+                self.check(data, raises=lc.ProtocolError, at=(0, len(data) - 1), pairs_upto=0)
+
+    def test_malformed_header_line(self):
+        for line in (b"NoColon", b"Space : before", b": empty-name", b"Bad\x00: nul", b"B\xe4d: latin"):
+            data = b"HTTP/1.1 200 OK\r\n" + line + b"\r\nContent-Length: 0\r\n\r\n"
+            with self.subTest(line=line):
+                self.check(data, raises=lc.ProtocolError, at=(17, len(data) - 1), pairs_upto=0)
+
+    # ---- caps: 64 KiB of head (status line and header lines, the blank line excluded), 100 header lines
+
+    def _head(self, size):
+        """A head block of exactly ``size`` bytes (without the blank line that ends it)."""
+        prefix = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Pad: "
+        return prefix + b"p" * (size - len(prefix))
+
+    def test_head_at_64k_limit_ok(self):
+        block = self._head(65536)
+        data = block + b"\r\n\r\nok"
+        state = ("HTTP/1.1", 200, "OK", [("content-length", "2"), ("x-pad", "p" * (65536 - 43))], True)
+        self.check(data, (b"ok", state), sample=40, hot=(65536, 65538, 65540))
+
+    def test_head_one_byte_over_64k(self):
+        data = self._head(65537) + b"\r\n\r\nok"
+        self.check(data, raises=lc.ProtocolError, at=65536, sample=40, hot=(65536,))
+
+    def test_head_over_64k_without_terminator(self):
+        data = self._head(65537 + 1000)
+        self.check(data, raises=lc.ProtocolError, at=65536, sample=40, hot=(65536,))
+
+    def test_small_max_head_every_offset(self):
+        block = b"HTTP/1.1 200 OK\r\nContent-Length: 0"  # 34 bytes
+        ok = lambda: lc.ResponseReader(max_head=34)
+        self.check(block + b"\r\n\r\n", (b"", ("HTTP/1.1", 200, "OK", [("content-length", "0")], True)), reader=ok)
+        self.check(block + b"\n\n", (b"", ("HTTP/1.1", 200, "OK", [("content-length", "0")], True)), reader=ok)
+        tight = lambda: lc.ResponseReader(max_head=33)
+        self.check(block + b"\r\n\r\n", raises=lc.ProtocolError, at=33, reader=tight)
+        self.check(block + b"0000", raises=lc.ProtocolError, at=33, reader=tight)
+
+    def _lines_head(self, n):
+        return b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(n - 1)) + b"Content-Length: 0\r\n"
+
+    def test_100_header_lines_ok(self):
+        data = self._lines_head(100) + b"\r\n"
+        headers = [("x-h%d" % i, str(i)) for i in range(99)] + [("content-length", "0")]
+        self.check(data, (b"", ("HTTP/1.1", 200, "OK", headers, True)), sample=200, hot=(len(data) - 2,))
+
+    def test_101_header_lines(self):
+        head = self._lines_head(101)
+        data = head + b"\r\n"
+        first = len(self._lines_head(100))  # first byte of the 101st header line
+        self.check(data, raises=lc.ProtocolError, at=(first, len(data) - 1), sample=200, hot=(first, len(head)))
+
+    def test_101_header_lines_without_terminator(self):
+        head = self._lines_head(101)
+        first = len(self._lines_head(100))
+        self.check(head + b"X-More: 1", raises=lc.ProtocolError, at=(first, len(head) - 1), sample=200,
+                   hot=(first, len(head)))
+
+    # ---- max_body
+
+    def test_max_body_content_length(self):
+        ten = lambda: lc.ResponseReader(max_body=10)
+        data = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789"
+        self.check(data, (b"0123456789", ("HTTP/1.1", 200, "OK", [("content-length", "10")], True)), reader=ten,
+                   pairs_upto=0)
+        data = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n0123456789A"
+        head_end = len(data) - 11
+        self.check(data, raises=lc.ProtocolError, at=(head_end - 1, len(data) - 1), reader=ten, pairs_upto=0)
+
+    def test_max_body_chunked(self):
+        ten = lambda: lc.ResponseReader(max_body=10)
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        data = head + chunked(b"01234", b"56789") + b"0\r\n\r\n"
+        self.check(data, (b"0123456789", ("HTTP/1.1", 200, "OK", [("transfer-encoding", "chunked")], True)),
+                   reader=ten, pairs_upto=0)
+        data = head + chunked(b"01234", b"56789A") + b"0\r\n\r\n"
+        eleventh = len(head) + len(chunked(b"01234")) + 3 + 5
+        self.assertEqual(data[eleventh:eleventh + 1], b"A")
+        self.check(data, raises=lc.ProtocolError, at=eleventh, reader=ten, pairs_upto=0)
+        # over without any terminator: one chunk announced bigger than the cap, cut off after 11 bytes
+        data = head + b"20\r\n0123456789A"
+        self.check(data, raises=lc.ProtocolError, at=len(data) - 1, reader=ten, pairs_upto=0)
+
+    def test_max_body_until_close(self):
+        ten = lambda: lc.ResponseReader(max_body=10)
+        head = b"HTTP/1.0 200 OK\r\n\r\n"
+        self.check(head + b"0123456789", (b"0123456789", ("HTTP/1.0", 200, "OK", [], True)), reader=ten)
+        self.check(head + b"0123456789A", raises=lc.ProtocolError, at=len(head) + 10, reader=ten)  # no EOF needed
+
+
+# -----------------------------------------------------------------------------------------------------
+# Chunked framing
+# -----------------------------------------------------------------------------------------------------
+
+
+class TestParserChunked(unittest.TestCase):
+    def check(self, data, expect=None, **kw):
+        kw.setdefault("end", _p_eof)
+        if kw.get("raises") is None:
+            kw.setdefault("state", lambda d: d.done)
+        return _p_check_feeds(self, lc.ChunkedDecoder, data, expect, join=True, **kw)
+
+    def test_plain_chunks(self):
+        self.check(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", (b"hello world", True))
+        self.check(b"A\r\n0123456789\r\na\r\nabcdefghij\r\n0\r\n\r\n", (b"0123456789abcdefghij", True), pairs_upto=0)
+        self.check(b"0\r\n\r\n", (b"", True))
+
+    def test_done_before_eof_and_bytes_after_ignored(self):
+        dec = lc.ChunkedDecoder()
+        self.assertEqual(dec.feed(b"3\r\nabc\r\n"), [b"abc"])
+        self.assertFalse(dec.done)
+        self.assertEqual(dec.feed(b"0\r\n\r\n"), [])
+        self.assertTrue(dec.done)
+        self.assertEqual(dec.feed(b"5\r\nextra\r\n"), [])
+        dec.feed_eof()
+
+    def test_extensions_ignored(self):
+        self.check(b'5;name=val\r\nhello\r\n6;a=1;q="x y"\r\n world\r\n0;last\r\n\r\n', (b"hello world", True),
+                   pairs_upto=20)
+
+    def test_trailers_ignored(self):
+        self.check(b"3\r\nabc\r\n0\r\nX-Trailer: 1\r\nAnother: two\r\n\r\n", (b"abc", True))
+
+    def test_lf_only_line_ends_accepted(self):
+        self.check(b"3\nabc\n0\n\n", (b"abc", True))
+
+    def test_malformed_size(self):
+        for line in (b"zz", b"-1", b"", b"0x10", b"1 0", b";ext", b"g", b"+5", b"12345678901234567"):
+            data = line + b"\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n"
+            with self.subTest(line=line):
+                self.check(data, raises=lc.ProtocolError, at=(0, len(line) + 1), pairs_upto=0)
+
+    def test_missing_crlf_after_data(self):
+        self.check(b"3\r\nabcX\r\n0\r\n\r\n", raises=lc.ProtocolError, at=6)
+        self.check(b"3\r\nabc\rX0\r\n\r\n", raises=lc.ProtocolError, at=7)
+        self.check(b"3\r\nabcd\r\n0\r\n\r\n", raises=lc.ProtocolError, at=6)
+
+    def test_cut_short_is_stream_closed_at_eof(self):
+        for data in (b"", b"3", b"3\r", b"3\r\n", b"3\r\nab", b"3\r\nabc", b"3\r\nabc\r", b"3\r\nabc\r\n",
+                     b"3\r\nabc\r\n0;ext", b"3\r\nabc\r\n0\r\nX-T: 1"):
+            with self.subTest(data=data):
+                self.check(data, raises=lc.StreamClosedError, at="eof")
+
+    def test_chunk_size_line_cap(self):
+        cap = lc.MAX_CHUNK_LINE  # longest chunk-size line: size and extensions, the line end excluded
+        at_limit = b"3;" + b"e" * (cap - 2)
+        hot = (cap, cap + 1, cap + 2)
+        self.check(at_limit + b"\r\nabc\r\n0\r\n\r\n", (b"abc", True), sample=60, hot=hot)
+        self.check(at_limit + b"\nabc\n0\n\n", (b"abc", True), sample=60, hot=hot)
+        over = at_limit + b"e"
+        self.check(over + b"\r\nabc\r\n0\r\n\r\n", raises=lc.ProtocolError, at=cap, sample=60, hot=hot)
+        self.check(over + b"e" * 100, raises=lc.ProtocolError, at=cap, sample=60, hot=hot)
+
+
+# -----------------------------------------------------------------------------------------------------
+# Server-Sent Events
+# -----------------------------------------------------------------------------------------------------
+
+
+def _p_sse(max_line=1024 * 1024):
+    return lambda: lc.SSEDecoder(max_line)
+
+
+def _p_close(decoder):
+    return decoder.close()
+
+
+class TestParserSSE(unittest.TestCase):
+    def check(self, data, expect=None, max_line=1024 * 1024, **kw):
+        kw.setdefault("end", _p_close)
+        return _p_check_feeds(self, _p_sse(max_line), data, expect, **kw)
+
+    def test_lf_line_ends(self):
+        self.check(b"data: a\n\ndata: b\n\n", [("message", "a"), ("message", "b")])
+
+    def test_crlf_line_ends(self):
+        self.check(b"data: a\r\n\r\ndata: b\r\n\r\n", [("message", "a"), ("message", "b")])
+
+    def test_cr_line_ends(self):
+        self.check(b"data: a\r\rdata: b\r\r", [("message", "a"), ("message", "b")])
+
+    def test_mixed_line_ends(self):
+        self.check(b"data: a\r\ndata: b\rdata: c\n\r\ndata: d\r\r\n", [("message", "a\nb\nc"), ("message", "d")])
+
+    def test_cr_at_end_of_read_then_lf_is_one_line_end(self):
+        dec = lc.SSEDecoder()
+        self.assertEqual(dec.feed(b"data: a\r"), [])
+        self.assertEqual(dec.feed(b"\n"), [])  # CR LF split across reads: one line end, not a blank line
+        self.assertEqual(dec.feed(b"data: b\r"), [])
+        self.assertEqual(dec.feed(b"\ndata: c\r\n\r"), [])
+        self.assertEqual(dec.feed(b"\n"), [("message", "a\nb\nc")])
+        self.assertEqual(dec.close(), [])
+        self.check(b"data: a\r\ndata: b\r\n\r\n", [("message", "a\nb")])
+
+    def test_cr_at_end_of_read_then_other_byte(self):
+        dec = lc.SSEDecoder()
+        self.assertEqual(dec.feed(b"data: a\r"), [])
+        self.assertEqual(dec.feed(b"\r"), [])  # the second CR may still be the start of a CRLF
+        self.assertEqual(dec.feed(b"data: b\n\n"), [("message", "a"), ("message", "b")])
+
+    def test_held_cr_ends_its_line_at_close(self):
+        dec = lc.SSEDecoder()
+        self.assertEqual(dec.feed(b"data: a\r\r"), [])
+        self.assertEqual(dec.close(), [("message", "a")])
+        self.check(b"data: a\r\r", [("message", "a")])
+
+    def test_one_leading_bom_dropped(self):
+        self.check(b"\xef\xbb\xbfdata: a\n\n", [("message", "a")])
+
+    def test_bom_split_across_reads(self):
+        for cuts in ([1], [2], [1, 2], [1, 3], [2, 3], [0, 1, 2, 3]):
+            with self.subTest(cuts=cuts):
+                dec = lc.SSEDecoder()
+                out = []
+                for piece in _p_pieces(b"\xef\xbb\xbfdata: a\n\n", cuts):
+                    out += dec.feed(piece)
+                self.assertEqual(out + dec.close(), [("message", "a")])
+
+    def test_only_one_bom_dropped(self):
+        # the second BOM is part of the first line: its field name is "\ufeffdata", unknown, ignored
+        self.check(b"\xef\xbb\xbf\xef\xbb\xbfdata: a\n\ndata: b\n\n", [("message", "b")])
+
+    def test_bom_not_leading_is_kept(self):
+        self.check(b"data: a\n\n\xef\xbb\xbfdata: b\n\n", [("message", "a")])
+        self.check(b"data: \xef\xbb\xbfx\n\n", [("message", "\ufeffx")])
+
+    def test_partial_bom_prefix_is_not_dropped(self):
+        self.check(b"\xef\xbb\ndata: a\n\n", [("message", "a")])  # a line "\xef\xbb": unknown field
+        self.check(b"\xefdata: a\n\ndata: b\n\n", [("message", "b")])
+
+    def test_comments_ignored(self):
+        self.check(b": ping\n\n:\ndata: a\n: in the middle\ndata: b\n:x\n\n: tail\n",
+                   [("message", "a\nb")])
+
+    def test_comment_only_blocks_dispatch_nothing(self):
+        self.check(b": ping - 1\n\n: ping - 2\r\n\r\n", [])
+
+    def test_exactly_one_space_stripped_after_colon(self):
+        self.check(b"data:a\n\ndata: a\n\ndata:  a\n\ndata: \n\ndata:\n\ndata:\ta\n\n",
+                   [("message", "a"), ("message", "a"), ("message", " a"), ("message", ""), ("message", ""),
+                    ("message", "\ta")])
+        self.check(b"event:  x\ndata: 1\n\nevent:y\ndata: 2\n\n", [(" x", "1"), ("y", "2")])
+
+    def test_multiline_data_joined_with_lf(self):
+        self.check(b"data: a\ndata:\ndata: b\ndata\n\n", [("message", "a\n\nb\n")])
+
+    def test_field_without_colon(self):
+        self.check(b"data\n\n", [("message", "")])
+
+    def test_event_type_field_and_reset(self):
+        self.check(b"event: update\ndata: x\n\ndata: y\n\n", [("update", "x"), ("message", "y")])
+
+    def test_blocks_without_data_dispatch_nothing(self):
+        self.check(b"event: foo\n\nid: 7\n\nretry: 10\n\nunknown: z\n\ndata: x\n\n", [("message", "x")])
+
+    def test_id_retry_and_unknown_fields_ignored_inside_event(self):
+        self.check(b"id: 1\nretry: 5\nfoo: bar\nData: no\ndata: x\n\n", [("message", "x")])
+
+    def test_unterminated_last_event_discarded(self):
+        self.check(b"data: a\n\ndata: b\n", [("message", "a")])
+        self.check(b"data: a\n\ndata: b", [("message", "a")])
+        self.check(b"data: a\n\ndata: b\ndata: c\r\n", [("message", "a")])
+
+    def test_close_resets(self):
+        dec = lc.SSEDecoder()
+        self.assertEqual(dec.feed(b"event: e\ndata: x\n"), [])
+        self.assertEqual(dec.close(), [])
+
+    def test_utf8_and_multibyte_split(self):
+        text = "h\u00e9llo \u20ac \U0001f30a \u4e2d"
+        self.check(b"data: " + text.encode() + b"\n\n", [("message", text)])
+
+    def test_invalid_utf8_replaced(self):
+        self.check(b"data: a\xffb\n\ndata: \xe2\x82\n\ndata: \xc3\n\n",
+                   [("message", "a\ufffdb"), ("message", "\ufffd"), ("message", "\ufffd")])
+
+    def test_legacy_error_line(self):
+        self.check(b'error: {"code":500,"message":"boom"}\n\ndata: x\n\n',
+                   [("error", '{"code":500,"message":"boom"}'), ("message", "x")])
+
+    def test_llama_server_stream_shape(self):
+        payload = chunk_json({"content": "hi"})
+        self.check(sse(payload) + b": ping\n\n" + b"data: [DONE]\n\n",
+                   [("message", payload), ("message", "[DONE]")], pairs_upto=0)
+
+
+class TestParserSSELimits(unittest.TestCase):
+    """max_line: for a line and for an event; at the limit OK, one over and over without newline refused."""
+
+    def check(self, data, expect=None, max_line=16, **kw):
+        kw.setdefault("end", _p_close)
+        return _p_check_feeds(self, _p_sse(max_line), data, expect, **kw)
+
+    def test_data_line_at_limit(self):
+        self.check(b"data:" + b"x" * 11 + b"\n\n", [("message", "x" * 11)])
+        self.check(b"data:" + b"x" * 11 + b"\r\n\r\n", [("message", "x" * 11)])
+        self.check(b"data:" + b"x" * 11 + b"\r\r", [("message", "x" * 11)])
+
+    def test_data_line_one_over(self):
+        self.check(b"data:" + b"x" * 12 + b"\n\n", raises=lc.ProtocolError, at=16)
+        self.check(b"data:" + b"x" * 12 + b"\r\n\r\n", raises=lc.ProtocolError, at=16)
+
+    def test_comment_line_limit(self):
+        self.check(b":" + b"c" * 15 + b"\ndata: x\n\n", [("message", "x")])
+        self.check(b":" + b"c" * 16 + b"\ndata: x\n\n", raises=lc.ProtocolError, at=16)
+
+    def test_line_over_without_newline(self):
+        self.check(b"data:" + b"x" * 20, raises=lc.ProtocolError, at=16)
+        self.check(b"data: a\n\n: " + b"p" * 40, raises=lc.ProtocolError, at=9 + 16)
+
+    def test_event_at_limit(self):
+        # the event is its data: 16 + 1 (the joining LF) + 15 = 32 bytes
+        self.check(b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 15 + b"\n\n", [("message", "a" * 16 + "\n" + "b" * 15)],
+                   max_line=32, pairs_upto=0)
+
+    def test_event_one_over(self):
+        data = b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 16 + b"\n\n"
+        last_b = 22 + 5 + 15
+        self.assertEqual(data[last_b:last_b + 2], b"b\n")
+        self.check(data, raises=lc.ProtocolError, at=(last_b, last_b + 1), max_line=32, pairs_upto=0)
+
+    def test_event_over_without_newline(self):
+        # each line is under the limit (21 and 25 bytes), the event passes 32 bytes before any newline ends it
+        data = b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 20
+        passes = 22 + 5 + 15  # the 16th "b": 16 + 1 + 16 = 33 bytes of event data
+        # a decoder that counts the raw bytes of the event's lines may refuse earlier, from byte 32 on
+        self.check(data, raises=lc.ProtocolError, at=(32, passes), max_line=32, pairs_upto=0)
+
+    def test_many_lines_each_under_limit_form_an_event_over(self):
+        data = b"".join(b"data:%02d\n" % i for i in range(12)) + b"\n"  # 12 * 2 + 11 = 35 bytes of data
+        self.check(data, raises=lc.ProtocolError, max_line=32, pairs_upto=0)
+
+    def test_limit_resets_between_events(self):
+        one = b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 15 + b"\n\n"
+        self.check(one * 3, [("message", "a" * 16 + "\n" + "b" * 15)] * 3, max_line=32, pairs_upto=0)
+
+
+# -----------------------------------------------------------------------------------------------------
+# Delta assembler
+# -----------------------------------------------------------------------------------------------------
+
+
+def _p_feed_payloads(payloads):
+    asm = lc.Assembler()
+    events = []
+    for payload in payloads:
+        events += asm.feed(payload)
+    return asm, events
+
+
+def _p_tool(index, cid=None, name=None, args=None):
+    call = {"index": index}
+    if cid is not None:
+        call["id"] = cid
+        call["type"] = "function"
+    func = {}
+    if name is not None:
+        func["name"] = name
+    if args is not None:
+        func["arguments"] = args
+    if func:
+        call["function"] = func
+    return call
+
+
+class TestParserAssembler(unittest.TestCase):
+    def test_content_deltas_concatenate_in_order(self):
+        asm, events = _p_feed_payloads([chunk_json({"role": "assistant", "content": None}),
+                                        chunk_json({"content": "Hel"}), chunk_json({"content": "lo"}),
+                                        chunk_json({"content": " w\u00f6rld\n"}), chunk_json({}, "stop")])
+        self.assertEqual(events, [lc.Content("Hel"), lc.Content("lo"), lc.Content(" w\u00f6rld\n")])
+        self.assertEqual(asm.id, CID)
+        self.assertEqual(asm.completion(), lc.Completion(
+            id=CID, model=MODEL, content="Hello w\u00f6rld\n", reasoning="", tool_calls=[], finish_reason="stop",
+            usage=None, timings=None, reasoning_tokens=0, thinking_capped=False))
+
+    def test_reasoning_then_content(self):
+        asm = lc.Assembler()
+        self.assertFalse(asm.in_reasoning)
+        self.assertEqual(asm.feed(chunk_json({"reasoning_content": "Let"})), [lc.Reasoning("Let")])
+        self.assertTrue(asm.in_reasoning)
+        self.assertEqual(asm.feed(chunk_json({"reasoning_content": " me"})), [lc.Reasoning(" me")])
+        self.assertEqual(asm.reasoning_tokens, 2)
+        self.assertEqual(asm.feed(chunk_json({"content": "Yes"})), [lc.Content("Yes")])
+        self.assertFalse(asm.in_reasoning)
+        self.assertEqual(asm.feed(chunk_json({}, "stop")), [])
+        done = asm.completion()
+        self.assertEqual((done.reasoning, done.content, done.reasoning_tokens), ("Let me", "Yes", 2))
+
+    def test_one_reasoning_token_per_chunk_with_nonempty_reasoning(self):
+        asm, events = _p_feed_payloads([
+            chunk_json({"reasoning_content": "a few words in one chunk"}),
+            chunk_json({"reasoning_content": ""}),
+            chunk_json({"reasoning_content": None}),
+            chunk_json({"reasoning_content": "b", "content": "c"}),
+            chunk_json({"content": "d"}),
+            chunk_json({}, "stop")])
+        self.assertEqual(events, [lc.Reasoning("a few words in one chunk"), lc.Reasoning("b"), lc.Content("c"),
+                                  lc.Content("d")])
+        self.assertEqual(asm.reasoning_tokens, 2)
+        self.assertEqual(asm.completion().reasoning_tokens, 2)
+
+    def test_empty_deltas_and_role_only_chunks_produce_no_event(self):
+        asm = lc.Assembler()
+        for delta in ({"role": "assistant", "content": None}, {"role": "assistant"}, {}, {"content": ""},
+                      {"content": None}, {"reasoning_content": ""}, {"tool_calls": []}, {"tool_calls": None},
+                      {"tool_calls": [{"index": 0}]}, {"tool_calls": [{"index": 0, "id": "", "function": {}}]},
+                      {"tool_calls": [{"index": 0, "function": {"name": "", "arguments": ""}}]}):
+            with self.subTest(delta=delta):
+                self.assertEqual(asm.feed(chunk_json(delta)), [])
+        self.assertEqual(asm.feed(json.dumps({"choices": [{"index": 0, "delta": None, "finish_reason": None}]})), [])
+        self.assertEqual(asm.reasoning_tokens, 0)
+
+    def test_tool_calls_keyed_by_index_from_3_id_and_name_set_once(self):
+        payloads = [
+            chunk_json({"tool_calls": [_p_tool(3, "call-A", "get_weather", '{"ci')]}),
+            chunk_json({"tool_calls": [_p_tool(5, "call-B", "get_time", "")]}),
+            chunk_json({"tool_calls": [_p_tool(3, None, None, 'ty": "Pa')]}),
+            chunk_json({"tool_calls": [_p_tool(5, "call-B", "get_time", '{"tz":')]}),  # repeated: not concatenated
+            chunk_json({"tool_calls": [_p_tool(3, "call-Z", "other", 'ris"}')]}),  # another id/name: ignored
+            chunk_json({"tool_calls": [_p_tool(5, None, None, ' "UTC"}')]}),
+            chunk_json({}, "tool_calls"),
+        ]
+        asm, events = _p_feed_payloads(payloads)
+        self.assertEqual(events, [
+            lc.ToolCall(3, "call-A", "get_weather", '{"ci'),
+            lc.ToolCall(5, "call-B", "get_time", ""),
+            lc.ToolCall(3, None, None, 'ty": "Pa'),
+            lc.ToolCall(5, "call-B", "get_time", '{"tz":'),
+            lc.ToolCall(3, "call-Z", "other", 'ris"}'),
+            lc.ToolCall(5, None, None, ' "UTC"}'),
+        ])
+        done = asm.completion()
+        self.assertEqual(done.tool_calls, [lc.ToolCallResult("call-A", "get_weather", '{"city": "Paris"}'),
+                                           lc.ToolCallResult("call-B", "get_time", '{"tz": "UTC"}')])
+        self.assertEqual(done.finish_reason, "tool_calls")
+        self.assertEqual(done.content, "")
+
+    def test_tool_calls_in_index_order_whatever_the_arrival(self):
+        asm, _ = _p_feed_payloads([
+            chunk_json({"tool_calls": [_p_tool(7, "b", "g", "{}")]}),
+            chunk_json({"tool_calls": [_p_tool(2, "a", "f", "[]")]}),
+            chunk_json({}, "tool_calls")])
+        self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")])
+
+    def test_two_tool_calls_in_one_delta(self):
+        asm, events = _p_feed_payloads([
+            chunk_json({"tool_calls": [_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")]}),
+            chunk_json({}, "tool_calls")])
+        self.assertEqual(events, [lc.ToolCall(0, "x", "f", "{"), lc.ToolCall(1, "y", "g", "[")])
+
+    def test_usage_only_chunk_and_timings_merged(self):
+        asm, events = _p_feed_payloads([
+            chunk_json({"content": "hi"}),
+            chunk_json({}, "stop", extra={"timings": {"prompt_n": 5, "predicted_n": 1}}),
+            chunk_json(choices=False, extra={"usage": USAGE, "timings": {"predicted_n": 2, "cache_n": 21}}),
+        ])
+        self.assertEqual(events, [lc.Content("hi")])
+        done = asm.completion()
+        self.assertEqual(done.usage, USAGE)
+        self.assertEqual(done.timings, {"prompt_n": 5, "predicted_n": 2, "cache_n": 21})
+        self.assertEqual((done.content, done.finish_reason), ("hi", "stop"))
+
+    def test_usage_chunk_before_finish(self):
+        asm, _ = _p_feed_payloads([chunk_json(choices=False, extra={"usage": {"total_tokens": 3}}),
+                                   chunk_json({"content": "x"}, "length")])
+        done = asm.completion()
+        self.assertEqual((done.usage, done.timings, done.finish_reason), ({"total_tokens": 3}, None, "length"))
+
+    def test_no_finish_reason_is_stream_closed(self):
+        asm, _ = _p_feed_payloads([chunk_json({"content": "half an ans"})])
+        with self.assertRaises(lc.StreamClosedError):
+            asm.completion()
+        with self.assertRaises(lc.StreamClosedError):
+            lc.Assembler().completion()
+        asm, _ = _p_feed_payloads([chunk_json({"content": "x"}),
+                                   chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS})])
+        with self.assertRaises(lc.StreamClosedError):
+            asm.completion()
+
+    def test_unknown_fields_ignored(self):
+        asm, events = _p_feed_payloads([
+            json.dumps({"choices": [{"index": 0, "delta": {"content": "a", "new_field": [1]}, "logprobs": None,
+                                     "finish_reason": None}], "id": "c1", "future": {"x": 1}}),
+            json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "id": "c2"})])
+        self.assertEqual(events, [lc.Content("a")])
+        self.assertEqual((asm.id, asm.completion().id, asm.completion().content), ("c1", "c1", "a"))
+
+    def test_malformed_payloads_are_protocol_errors(self):
+        bad = {
+            "invalid JSON": "{",
+            "empty": "",
+            "truncated": chunk_json({"content": "x"})[:-1],
+            "array": "[1, 2]",
+            "string": '"text"',
+            "number": "42",
+            "null": "null",
+            "choices object": '{"choices": {"0": {}}}',
+            "choices string": '{"choices": "x"}',
+            "choices falsy non-list": '{"choices": 0}',
+            "choice not object": '{"choices": [1]}',
+            "delta list": '{"choices": [{"delta": [], "index": 0}]}',
+            "delta string": '{"choices": [{"delta": "x", "index": 0}]}',
+            "delta number": '{"choices": [{"delta": 5, "index": 0}]}',
+            "tool call without index": '{"choices": [{"delta": {"tool_calls": [{"id": "a", "function": {"name": "f"}}]}}]}',
+            "tool call index string": '{"choices": [{"delta": {"tool_calls": [{"index": "0", "id": "a"}]}}]}',
+            "tool call index bool": '{"choices": [{"delta": {"tool_calls": [{"index": true, "id": "a"}]}}]}',
+            "tool call not object": '{"choices": [{"delta": {"tool_calls": ["x"]}}]}',
+            "tool_calls not list": '{"choices": [{"delta": {"tool_calls": {"index": 0}}}]}',
+            "arguments not string": '{"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": {}}}]}}]}',
+            "content not string": '{"choices": [{"delta": {"content": 5}}]}',
+            "reasoning not string": '{"choices": [{"delta": {"reasoning_content": ["x"]}}]}',
+            "finish_reason not string": '{"choices": [{"delta": {}, "finish_reason": 1}]}',
+            "usage not object": '{"choices": [], "usage": [1]}',
+            "timings not object": '{"choices": [], "timings": "x"}',
+            "deep nesting": "[" * 100000 + "]" * 100000,
+        }
+        for what, payload in bad.items():
+            with self.subTest(what=what):
+                with self.assertRaises(lc.ProtocolError):
+                    lc.Assembler().feed(payload)
+
+    def test_error_envelope_is_server_error(self):
+        asm = lc.Assembler()
+        asm.feed(chunk_json({"content": "partial"}))
+        with self.assertRaises(lc.ServerError) as cm:
+            asm.feed('{"error":{"code":500,"message":"boom","type":"server_error"}}')
+        self.assertEqual((cm.exception.code, cm.exception.message), (500, "boom"))
+        self.assertIsInstance(cm.exception, lc.LoopError)
+        with self.assertRaises(lc.ServerError) as cm:
+            lc.Assembler().feed('{"error":{"code":"503","message":"Loading model","type":"unavailable_error"}}')
+        self.assertEqual((cm.exception.code, cm.exception.message), (503, "Loading model"))
+        with self.assertRaises(lc.ServerError) as cm:
+            lc.Assembler().feed('{"error":"plain text"}')
+        self.assertEqual((cm.exception.code, cm.exception.message), (None, "plain text"))
+
+
+# -----------------------------------------------------------------------------------------------------
+# Small pure functions
+# -----------------------------------------------------------------------------------------------------
+
+
+class TestParserSmallFunctions(unittest.TestCase):
+    def test_retry_after_seconds(self):
+        for value, expect in (("120", 120.0), ("0", 0.0), (" 7 ", 7.0), (None, None), ("", None), ("-1", None),
+                              ("-0", None), ("+5", None), ("1.5", None), ("abc", None), ("5s", None),
+                              ("\u0663", None), ("Wed, 99 Foo 2015", None)):
+            with self.subTest(value=value):
+                self.assertEqual(lc.parse_retry_after(value, now=1000.0), expect)
+
+    def test_retry_after_http_date(self):
+        when = calendar.timegm((2015, 10, 21, 7, 28, 0))
+        self.assertEqual(lc.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=when - 30), 30.0)
+        self.assertEqual(lc.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=when + 30), 0.0)
+
+    def test_error_envelope(self):
+        body = b'{"error":{"code":400,"message":"bad thing","type":"invalid_request_error"}}'
+        self.assertEqual(lc.parse_error_envelope(body),
+                         ("bad thing", {"error": {"code": 400, "message": "bad thing", "type": "invalid_request_error"}}))
+        self.assertEqual(lc.parse_error_envelope(b'{"error":"just text"}'), ("just text", {"error": "just text"}))
+        self.assertEqual(lc.parse_error_envelope(b'{"message":"top"}'), ("top", {"message": "top"}))
+        self.assertEqual(lc.parse_error_envelope(b"Service Unavailable\n"), ("Service Unavailable", None))
+        self.assertEqual(lc.parse_error_envelope(b""), ("(empty body)", None))
+        self.assertEqual(lc.parse_error_envelope(b"\xff oops"), ("\ufffd oops", None))
+
+    def test_error_envelope_from_transcripts(self):
+        for name, status, message in (
+            ("12_unknown_endpoint.raw.txt", 404, "File Not Found"),
+            ("11_prompt_exceeds_ctx.raw.txt", 400,
+             "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it"),
+            ("07_malformed_json.raw.txt", 400, "[json.exception.parse_error.101] parse error at line 1, column 60: "
+             "syntax error while parsing object key - unexpected end of input; expected string literal"),
+        ):
+            raw = load_transcript(name)
+            if raw is None:
+                self.skipTest("transcripts not found beside the checkout")
+            with self.subTest(name=name):
+                reader = lc.ResponseReader()
+                body = b"".join(reader.feed(raw))
+                reader.feed_eof()
+                self.assertTrue(reader.done)
+                self.assertEqual(reader.head.status, status)
+                self.assertEqual(lc.parse_error_envelope(body)[0], message)
+
+    def test_parse_address(self):
+        a = lc.parse_address("/run/llama.sock")
+        self.assertEqual((a.unix, a.target, a.host, a.text), (True, "/run/llama.sock", "localhost", "/run/llama.sock"))
+        a = lc.parse_address("unix:///run/llama.sock")
+        self.assertEqual((a.unix, a.target, a.text), (True, "/run/llama.sock", "unix:///run/llama.sock"))
+        a = lc.parse_address("http://127.0.0.1:8080")
+        self.assertEqual((a.unix, a.target, a.host), (False, ("127.0.0.1", 8080), "127.0.0.1:8080"))
+        a = lc.parse_address("http://example:80/")
+        self.assertEqual((a.unix, a.target, a.host), (False, ("example", 80), "example"))
+        a = lc.parse_address("http://localhost")
+        self.assertEqual((a.target, a.host), (("localhost", 80), "localhost"))
+        a = lc.parse_address("http://[::1]:8080")
+        self.assertEqual((a.target, a.host), (("::1", 8080), "[::1]:8080"))
+
+    def test_parse_address_unix_path_length(self):
+        ok = "/" + "s" * (lc.MAX_UNIX_PATH - 1)
+        self.assertEqual(lc.parse_address(ok).target, ok)
+        self.assertEqual(lc.parse_address("unix://" + ok).target, ok)
+        with self.assertRaises(ValueError):
+            lc.parse_address(ok + "s")
+        with self.assertRaises(ValueError):
+            lc.parse_address("unix://" + ok + "s")
+
+    def test_parse_address_refused(self):
+        for bad in ("", "https://h:1", "ftp://x", "http://", "http://h:0", "http://h:65536", "http://h:x",
+                    "http://h:8080/path", "http://u@h:1", "http://[::1", "unix://", "/tmp/a\0b"):
+            with self.subTest(bad=bad):
+                with self.assertRaises(ValueError):
+                    lc.parse_address(bad)
+        with self.assertRaises(TypeError):
+            lc.parse_address(8080)
+
+
+# -----------------------------------------------------------------------------------------------------
+# Whole streams: ResponseReader -> SSEDecoder -> Assembler, real transcripts and random splits
+# -----------------------------------------------------------------------------------------------------
+
+
+class _p_Stream:
+    """The three parsers in a row, as the client runs them; ``feed`` returns the events."""
+
+    def __init__(self):
+        self.reader = lc.ResponseReader()
+        self.sse = lc.SSEDecoder(1024 * 1024)
+        self.asm = lc.Assembler()
+        self.finished = False
+        self.events = []  # every event delivered so far, kept when a later payload raises
+
+    def _events(self, items):
+        for etype, data in items:
+            if self.finished:
+                continue
+            if etype != "message":
+                raise AssertionError("unexpected SSE event type %r" % etype)
+            if data == "[DONE]":
+                self.finished = True
+                continue
+            self.events += self.asm.feed(data)
+
+    def feed(self, data):
+        for piece in self.reader.feed(data):
+            self._events(self.sse.feed(piece))
+
+    def end(self):
+        self.reader.feed_eof()
+        self._events(self.sse.close())
+
+
+def _p_stream_outcome(pieces):
+    stream = _p_Stream()
+    try:
+        for piece in pieces:
+            stream.feed(piece)
+        stream.end()
+        return ("ok", stream.reader.head.status, stream.events, stream.asm.completion())
+    except lc.StreamClosedError:
+        return ("stream closed", stream.reader.head.status, stream.events)
+    except lc.ServerError as exc:
+        return ("server error", stream.reader.head.status, stream.events, exc.code, exc.message, exc.type,
+                stream.asm.reasoning_tokens)
+
+
+def _p_stream_splittings(data, every=True, sample=300, seed=7):
+    yield "whole", [data]
+    yield "byte by byte", [data[i:i + 1] for i in range(len(data))]
+    if every:
+        offsets = range(1, len(data))
+    else:
+        offsets = sorted(random.Random(seed).sample(range(1, len(data)), sample))
+    for i in offsets:
+        yield "split at %d" % i, [data[:i], data[i:]]
+    rng = random.Random(seed + 1)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(2, 40)))
+        yield "split at %r" % cuts, _p_pieces(data, cuts)
+
+
+_p_TOOL_ID = "uzrJnRe3BYtgqVs4caaGJ5gmdf9eIOA7"
+
+
+class TestParserTranscripts(unittest.TestCase):
+    def transcript(self, name):
+        raw = load_transcript(name)
+        if raw is None:
+            self.skipTest("transcript %s not found beside the checkout" % name)
+        return raw
+
+    def check(self, raw, expect, every=True):
+        for label, pieces in _p_stream_splittings(raw, every):
+            got = _p_stream_outcome(pieces)
+            if got != expect:
+                self.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 2000), _p_short(expect, 2000)))
+
+    def test_04_chat_stream(self):
+        raw = self.transcript("04_chat_stream.raw.txt")
+        words = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|", "im", "_", "end", "|>", "\n", "<",
+                 "|", "im"]
+        timings = {"cache_n": 1, "prompt_n": 29, "prompt_ms": 76.722, "prompt_per_token_ms": 2.6455862068965517,
+                   "prompt_per_second": 377.98806079090747, "predicted_n": 16, "predicted_ms": 192.748,
+                   "predicted_per_token_ms": 12.849866666666665, "predicted_per_second": 77.82181916284476}
+        completion = lc.Completion(
+            id="chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn", model="models/gemma-3-270m-q4_k_m.gguf",
+            content="Write one sentence about the sea.<|im_end|>\n<|im", reasoning="", tool_calls=[],
+            finish_reason="length", usage=None, timings=timings, reasoning_tokens=0, thinking_capped=False)
+        self.check(raw, ("ok", 200, [lc.Content(w) for w in words], completion))
+
+    def test_06_include_usage(self):
+        raw = self.transcript("06_chat_stream_include_usage.raw.txt")
+        words = ["Say", " hi", ".<", "|", "im", "_", "end", "|>"]
+        completion = lc.Completion(
+            id="chatcmpl-joWrtwhUf305cc7PVLBxr68d8BnqhE0q", model="models/gemma-3-270m-q4_k_m.gguf",
+            content="Say hi.<|im_end|>", reasoning="", tool_calls=[], finish_reason="length",
+            usage={"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34,
+                   "prompt_tokens_details": {"cached_tokens": 21}},
+            timings={"cache_n": 21, "prompt_n": 5, "prompt_ms": 22.313, "prompt_per_token_ms": 4.4626,
+                     "prompt_per_second": 224.08461435037873, "predicted_n": 8, "predicted_ms": 84.958,
+                     "predicted_per_token_ms": 12.136857142857142, "predicted_per_second": 82.39365333458886},
+            reasoning_tokens=0, thinking_capped=False)
+        self.check(raw, ("ok", 200, [lc.Content(w) for w in words], completion))
+
+    def test_14_reasoning(self):
+        raw = self.transcript("14_reasoning_grammar.raw.txt")
+        thoughts = ["is"] + [" the", " sky", " blue", " is"] * 18 + [" the", " sky", " "]
+        answer = ["the", " ", "answer", " is", " yes"]
+        self.assertEqual(len(thoughts), 76)
+        completion = lc.Completion(
+            id="chatcmpl-JIfSrDp0Zx7SYO4w8iGypUzGsPY8HdtD", model="models/gemma-3-270m-q4_k_m.gguf",
+            content="the answer is yes", reasoning="is" + " the sky blue is" * 18 + " the sky ", tool_calls=[],
+            finish_reason="stop", usage=None,
+            timings={"cache_n": 1, "prompt_n": 32, "prompt_ms": 100.071, "prompt_per_token_ms": 3.12721875,
+                     "prompt_per_second": 319.77296119754976, "predicted_n": 88, "predicted_ms": 1410.771,
+                     "predicted_per_token_ms": 16.215758620689655, "predicted_per_second": 61.66840684987146},
+            reasoning_tokens=76, thinking_capped=False)
+        events = [lc.Reasoning(t) for t in thoughts] + [lc.Content(t) for t in answer]
+        self.check(raw, ("ok", 200, events, completion), every=False)
+
+    def test_17_midstream_error(self):
+        raw = self.transcript("17_midstream_error.raw.txt")
+        events = [lc.Reasoning(t) for t in ("is", " the", " sky", " blue", " is")]
+        self.check(raw, ("server error", 200, events, 500,
+                         "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)",
+                         "server_error", 5))
+
+    def test_18_tool_call(self):
+        raw = self.transcript("18_tools_required_stream.raw.txt")
+        events = [lc.ToolCall(0, _p_TOOL_ID, "get_weather", "{")] + [
+            lc.ToolCall(0, None, None, frag) for frag in ('"', "city", '":', ' "', "Paris", ' "', "}")]
+        completion = lc.Completion(
+            id="chatcmpl-aXwtKQdGgvz4IeWD184XVrTmqqlptIts", model="models/gemma-3-270m-q4_k_m.gguf",
+            content="", reasoning="", tool_calls=[lc.ToolCallResult(_p_TOOL_ID, "get_weather", '{"city": "Paris "}')],
+            finish_reason="tool_calls", usage=None,
+            timings={"cache_n": 1, "prompt_n": 137, "prompt_ms": 238.581, "prompt_per_token_ms": 1.7414671532846715,
+                     "prompt_per_second": 574.2284590977489, "predicted_n": 21, "predicted_ms": 623.895,
+                     "predicted_per_token_ms": 31.19475, "predicted_per_second": 32.056676203527836},
+            reasoning_tokens=0, thinking_capped=False)
+        self.check(raw, ("ok", 200, events, completion))
+
+    def test_04_cut_before_finish_is_stream_closed(self):
+        raw = self.transcript("04_chat_stream.raw.txt")
+        cut = raw.index(b'"finish_reason":"length"')
+        cut = raw.rindex(b"\r\n", 0, cut - 20)  # end of the chunk before the finish chunk
+        for end in (cut, cut + 2):
+            stream = _p_Stream()
+            stream.feed(raw[:end])
+            self.assertEqual(len(stream.events), 16)
+            with self.assertRaises(lc.StreamClosedError):
+                stream.reader.feed_eof()
+            with self.assertRaises(lc.StreamClosedError):
+                stream.asm.completion()
+
+    def test_04_done_without_final_zero_chunk(self):
+        raw = self.transcript("04_chat_stream.raw.txt")
+        stream = _p_Stream()
+        stream.feed(raw[: raw.index(b"data: [DONE]") + len(b"data: [DONE]\n\n")])
+        self.assertTrue(stream.finished)
+        self.assertEqual(len(stream.events), 16)
+        self.assertEqual(stream.asm.completion().finish_reason, "length")
+
+
+def _p_raw_chunk(delta, finish=None):
+    """A chunk payload with raw UTF-8 (llama-server's own JSON writer does not escape non-ASCII)."""
+    return json.dumps({"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], "id": CID,
+                       "model": MODEL, "object": "chat.completion.chunk"}, separators=(",", ":"), ensure_ascii=False)
+
+
+def _p_sse_stream(payloads, newline, rng):
+    """Chunked SSE with ``newline`` as line end, events grouped into HTTP chunks at random, ping comments."""
+    events = []
+    for payload in payloads:
+        text = b"data: " + payload.encode() + newline + newline
+        if rng.random() < 0.2:
+            text = b": ping" + newline + newline + text
+        events.append(text)
+    bodies, i = [], 0
+    while i < len(events):
+        n = rng.randint(1, 3)
+        bodies.append(b"".join(events[i:i + n]))
+        i += n
+    return chunked(*bodies) + b"0\r\n\r\n"
+
+
+class TestParserRandomSplits(unittest.TestCase):
+    words = ["Hello", ",", " w\u00f6rld", " \u20ac", " \U0001f30a", "\n", "data: fake\n\n", "\r", "\u4e2d\u6587",
+             ":", " ", "end."]
+
+    def outcomes(self, data, seed, trials):
+        rng = random.Random(seed)
+        whole = _p_stream_outcome([data])
+        for trial in range(trials):
+            cuts = sorted(set(rng.randint(1, len(data) - 1) for _ in range(rng.randint(1, 60))))
+            got = _p_stream_outcome(_p_pieces(data, cuts))
+            if got != whole:
+                self.fail("seed %d trial %d cuts %r: got %s, expected %s" % (seed, trial, cuts, _p_short(got, 2000),
+                                                                             _p_short(whole, 2000)))
+        return whole
+
+    def test_content_stream_random_splits(self):
+        data = STREAM_HEAD + content_stream(self.words)
+        whole = self.outcomes(data, 1, 300)
+        completion = lc.Completion(id=CID, model=MODEL, content="".join(self.words), reasoning="", tool_calls=[],
+                                   finish_reason="stop", usage=USAGE, timings=TIMINGS)
+        self.assertEqual(whole, ("ok", 200, [lc.Content(w) for w in self.words], completion))
+
+    def test_done_without_finish_reason_random_splits(self):
+        data = STREAM_HEAD + content_stream(["a", "b"], finish=None)
+        whole = self.outcomes(data, 3, 100)
+        self.assertEqual(whole, ("stream closed", 200, [lc.Content("a"), lc.Content("b")]))
+
+    def test_raw_utf8_any_line_end_random_splits(self):
+        payloads = [_p_raw_chunk({"role": "assistant", "content": None})]
+        payloads += [_p_raw_chunk({"reasoning_content": w}) for w in ("pens\u00e9e", " \U0001f914")]
+        payloads += [_p_raw_chunk({"content": w}) for w in self.words]
+        payloads += [_p_raw_chunk({}, "stop"), "[DONE]"]
+        for seed, newline in enumerate((b"\n", b"\r\n", b"\r")):
+            rng = random.Random(100 + seed)
+            data = STREAM_HEAD + _p_sse_stream(payloads, newline, rng)
+            whole = self.outcomes(data, 200 + seed, 150)
+            completion = lc.Completion(id=CID, model=MODEL, content="".join(self.words),
+                                       reasoning="pens\u00e9e \U0001f914", tool_calls=[], finish_reason="stop",
+                                       usage=None, timings=None, reasoning_tokens=2)
+            events = [lc.Reasoning("pens\u00e9e"), lc.Reasoning(" \U0001f914")] + [lc.Content(w) for w in self.words]
+            self.assertEqual(whole, ("ok", 200, events, completion), "line end %r" % newline)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -1361,3 +2460,111 @@ class TestThinkingCap(ServerCase):
         self.assertNotIn("reasoning_control", self.server.chat_requests()[0].json())
         self.assertEqual(completion.reasoning_tokens, 5)
         self.assertFalse(completion.thinking_capped)
+
+
+class TestStress(ServerCase):
+    """16 threads over 4 slots, queue_len 2, random cancels and random server faults."""
+
+    limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
+
+    def setUp(self):
+        super().setUp()
+        self.server.busy = [False] * 4
+
+    def test_sixteen_threads(self):
+        rng = random.Random(20261130)
+        plans = {}
+        arrivals = []
+        alock = threading.Lock()
+
+        def handler(req):
+            marker = req.json()["messages"][0]["content"]
+            with alock:
+                arrivals.append((req.json()["id_slot"], marker))
+            fault = plans[marker]["fault"]
+            if fault == "hold":
+                req.wait_peer_close(5)
+            elif fault == "close":
+                req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"})))[:-7])
+            elif fault == "error":
+                req.send(STREAM_HEAD + chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n")
+            elif fault == "400":
+                respond_json(req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request")
+            else:
+                req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
+                for word in (marker, ""):
+                    time.sleep(plans[marker]["pace"])  # the scripted server's generation pace
+                    if word and not req.send(chunked(sse(chunk_json({"content": word})))):
+                        return
+                req.send(chunked(sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+        self.use(handler)
+        tickets = {}
+        refusals = []
+        enter = self.client._gate.enter
+
+        def recording_enter(key, capacity):
+            marker = threading.current_thread().marker
+            try:
+                ticket = enter(key, capacity)
+            except lc.BusyError as exc:
+                refusals.append((marker, exc.waiting, exc.queue_len))
+                raise
+            tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.granted)
+            return ticket
+
+        self.client._gate.enter = recording_enter
+        outcomes = {}
+        for t in range(16):
+            for n in range(6):
+                marker = "t%d-%d" % (t, n)
+                fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
+                plans[marker] = {"fault": fault, "slot": rng.randrange(4), "pace": rng.uniform(0.002, 0.02),
+                                 "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None}
+
+        def worker(t):
+            for n in range(6):
+                marker = "t%d-%d" % (t, n)
+                threading.current_thread().marker = marker
+                plan = plans[marker]
+                stream = self.client.stream([{"role": "user", "content": marker}], slot=plan["slot"])
+                timer = None
+                if plan["cancel"] is not None:
+                    timer = threading.Timer(plan["cancel"], stream.cancel)
+                    timer.start()
+                try:
+                    for _ in stream:
+                        pass
+                    outcomes[marker] = stream.completion.content
+                except lc.LoopError as exc:
+                    outcomes[marker] = type(exc).__name__
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                        timer.join(2)
+
+        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+            self.assertFalse(th.is_alive(), "a worker hung")
+        # every request ended in a documented way
+        allowed = {"BusyError", "CancelledError", "StreamClosedError", "ServerError", "HTTPStatusError"}
+        for marker, outcome in outcomes.items():
+            self.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
+            if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
+                self.assertIn(outcome, (marker, "BusyError"))
+        self.assertEqual(len(outcomes), 96)
+        # every permit released
+        self.assertTrue(all(v == (0, 0) for v in self.client._gate.snapshot().values()), self.client._gate.snapshot())
+        # BusyError exactly when the queue was full
+        busy = [m for m, o in outcomes.items() if o == "BusyError"]
+        self.assertEqual(sorted(busy), sorted(m for m, _, _ in refusals))
+        self.assertTrue(all(waiting == qlen == 2 for _, waiting, qlen in refusals), refusals)
+        self.assertTrue(all(ahead <= 2 for _, _, ahead, granted in tickets.values() if not granted))
+        # FIFO per slot: the server saw each slot's requests in the order they entered the gate
+        for slot in range(4):
+            seen = [tickets[m][1] for s, m in arrivals if s == slot]
+            self.assertEqual(seen, sorted(seen), "slot %d out of order" % slot)
+        self.assertLessEqual(self.server.slots_max_in_flight, 1)

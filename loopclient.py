@@ -115,9 +115,6 @@ class LoopError(Exception):
         super().__init__(message)
         self.message = message
 
-    def __str__(self) -> str:
-        return self.message
-
 
 class BusyError(LoopError):
     """The slot's queue already holds ``queue_len`` waiters; nothing was sent."""

@@ -2568,3 +2568,212 @@ class TestStress(ServerCase):
             seen = [tickets[m][1] for s, m in arrivals if s == slot]
             self.assertEqual(seen, sorted(seen), "slot %d out of order" % slot)
         self.assertLessEqual(self.server.slots_max_in_flight, 1)
+
+
+# =====================================================================================================
+# The command line
+# =====================================================================================================
+
+import dataclasses  # noqa: E402
+from unittest import mock  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickLimits(lc.Limits):
+    """The CLI's default limits, shortened so that error paths end quickly in tests."""
+
+    poll: float = 0.05
+    liveness: float = 0.5
+    load_wait: float = 0.3
+    idle_grace: float = 0.5
+    busy_wait: float = 0.5
+
+
+class CLICase(ServerCase):
+    def run_main(self, argv, stdin=""):
+        out, err = io.StringIO(), io.StringIO()
+        with mock.patch.object(sys, "stdin", io.StringIO(stdin)), mock.patch.object(lc, "Limits", QuickLimits), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_with_timeout(lambda: lc.main(argv))
+        return code, out.getvalue(), err.getvalue()
+
+    def main_ok(self, *argv, stdin=""):
+        code, out, err = self.run_main(["--socket", self.server.path] + list(argv), stdin)
+        self.assertEqual(code, 0, err)
+        return out, err
+
+    def main_fails(self, *argv, address=None, code=1):
+        """The error is one line, last on stderr (status lines such as retries may precede it)."""
+        got, out, err = self.run_main(["--socket", address or self.server.path] + list(argv))
+        self.assertEqual(got, code, (out, err))
+        self.assertNotIn("Traceback", err)
+        lines = err.splitlines()
+        self.assertTrue(lines[-1].startswith("loopclient: "), err)
+        self.assertEqual(sum(line.startswith("loopclient: ") for line in lines), 1, err)
+        return lines[-1]
+
+
+class TestCommandLine(CLICase):
+    def test_chat_prompt_streams_to_stdout_and_figures_to_stderr(self):
+        self.use(serve_body(content_stream(["Hello", " world"])))
+        out, err = self.main_ok("chat", "Say hello", "--max-tokens", "8", "--temperature", "0", "--slot", "1",
+                                "--system", "Be brief")
+        self.assertEqual(out, "Hello world\n")
+        self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 77\.8 tokens/s, finish: stop\]\n$")
+        body = self.server.chat_requests()[0].json()
+        self.assertEqual(body["messages"], [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say hello"}])
+        self.assertEqual((body["max_tokens"], body["temperature"], body["id_slot"]), (8, 0.0, 1))
+
+    def test_chat_reads_a_piped_prompt(self):
+        self.use(serve_body(content_stream(["ok"])))
+        out, _ = self.main_ok("chat", stdin="from stdin\n")
+        self.assertEqual(out, "ok\n")
+        self.assertEqual(self.server.chat_requests()[0].json()["messages"], [{"role": "user", "content": "from stdin\n"}])
+        self.assertNotIn("id_slot", self.server.chat_requests()[0].json())
+
+    def test_chat_json(self):
+        self.use(serve_body(content_stream(["a", "b"])))
+        out, _ = self.main_ok("chat", "x", "--json")
+        doc = json.loads(out)
+        self.assertEqual((doc["content"], doc["finish_reason"], doc["id"], doc["usage"]), ("ab", "stop", CID, USAGE))
+
+    def test_chat_reasoning_goes_to_stderr_and_cap_is_sent(self):
+        self.server.route("POST", "/v1/chat/completions/control", lambda req: respond_json(req, {"success": True}))
+        self.use(serve_body(reasoning_stream(3)))
+        out, err = self.main_ok("chat", "think", "--thinking-cap", "2")
+        self.assertEqual(out, "yes\n")
+        self.assertTrue(err.startswith(" r0 r1\nthinking capped at 2 tokens\n r2\n"), err)
+        self.assertTrue(self.server.chat_requests()[0].json()["reasoning_control"])
+
+    def test_waits_and_retries_are_announced(self):
+        release = threading.Event()
+        self.server.busy[0] = True
+
+        def free():
+            self.server.busy[0] = False
+            release.set()
+
+        threading.Timer(0.2, free).start()
+        self.use(hold_then(content_stream(["done"]), release))
+        out, err = self.main_ok("chat", "x", "--slot", "0")
+        self.assertEqual(out, "done\n")
+        self.assertRegex(err, r"waiting \d+ s: the slot is busy\n")
+
+    def test_slots_table(self):
+        def slots(req):
+            respond_json(req, [{"id": 0, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
+                               {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]}])
+
+        self.server.route("GET", "/slots", slots)
+        out, _ = self.main_ok("slots")
+        self.assertEqual(out, "slot  state  decoded  n_ctx\n0     busy   17       1024\n1     idle   0        1024\n")
+
+    def test_health_and_props(self):
+        self.assertEqual(self.main_ok("health")[0], '{"status": "ok"}\n')
+        self.assertEqual(json.loads(self.main_ok("props")[0])["total_slots"], 2)
+
+    def test_url_and_environment(self):
+        tcp = FakeServer(tcp=True)
+        self.closers.append(tcp.close)
+        code, out, _ = self.run_main(["--url", tcp.address, "health"])
+        self.assertEqual((code, out), (0, '{"status": "ok"}\n'))
+        with mock.patch.dict(os.environ, {"LLAMA_SERVER": self.server.path}):
+            code, out, _ = self.run_main(["health"])
+        self.assertEqual((code, out), (0, '{"status": "ok"}\n'))
+
+    def test_each_error_is_one_line_and_exit_1(self):
+        err = self.main_fails("health", address=self.server.tmp + "/none.sock")
+        self.assertIn("no llama-server at %s/none.sock" % self.server.tmp, err)
+        self.assertIn("start llama-server, or pass --socket", err)
+        err = self.main_fails("chat", "x", address=self.server.tmp + "/none.sock")
+        self.assertIn("stayed unreachable or loading", err)
+        self.server.route("GET", "/health", lambda req: respond_json(
+            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"))
+        self.assertIn("HTTP 503: Loading model", self.main_fails("health"))
+        self.server.route("GET", "/props", lambda req: req.send(b"SSH-2.0-OpenSSH\r\n\r\n"))
+        self.assertIn("malformed status line", self.main_fails("props"))
+        self.server.route("GET", "/slots", lambda req: req.wait_peer_close(3))
+        self.assertIn("no answer", self.main_fails("slots"))
+        cases = [
+            (chunked(sse(chunk_json({"content": "x"})))[:-5], "closed"),
+            (chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n", "boom"),
+            (chunked(b"data: {not json\n\n") + b"0\r\n\r\n", "invalid JSON"),
+        ]
+        for body, text in cases:
+            self.use(serve_body(body))
+            self.assertIn(text, self.main_fails("chat", "x"))
+
+    def test_usage_errors_exit_2(self):
+        for argv in (["bogus"], ["chat", "--slot", "x"], [], ["--url", "ftp://x", "health"]):
+            code, out, err = self.run_main(argv)
+            self.assertEqual(code, 2, argv)
+            self.assertNotIn("Traceback", err)
+        code, out, _ = self.run_main(["--version"])
+        self.assertEqual((code, out), (0, "loopclient %s\n" % lc.__version__))
+
+
+class TestCommandLineTerminal(ServerCase):
+    """The conversation mode and Ctrl-C, driven through a pseudo-terminal."""
+
+    def test_conversation_then_ctrl_c(self):
+        import pty
+        import select
+        import subprocess
+
+        turns = []
+
+        def handler(req):
+            turns.append(req.json()["messages"])
+            if len(turns) == 1:
+                req.send(STREAM_HEAD + content_stream(["Hi", " there"]))
+            else:
+                req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "thinking..."}))))
+                req.wait_peer_close(10)
+
+        self.use(handler)
+        master, slave = pty.openpty()
+        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell.
+        launcher = ("import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+        proc = subprocess.Popen([sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket",
+                                 self.server.path, "chat"], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        os.close(slave)
+        seen = bytearray()
+
+        def read_until(needle, count=1, timeout=10):
+            deadline = time.monotonic() + timeout
+            while seen.count(needle) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError("no %r on the terminal; saw %r (exit %r)" % (needle, bytes(seen), proc.poll()))
+                ready, _, _ = select.select([master], [], [], left)
+                if ready:
+                    try:
+                        seen.extend(os.read(master, 4096))
+                    except OSError:
+                        break
+
+        try:
+            read_until(b"> ")
+            os.write(master, b"hello\n")
+            read_until(b"Hi there")
+            read_until(b"finish: stop]")
+            read_until(b"> ", count=2)
+            os.write(master, b"and you?\n")
+            read_until(b"thinking...")
+            os.write(master, b"\x03")  # the terminal turns it into SIGINT for the foreground process
+            self.assertEqual(proc.wait(10), 130)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            # drain so the pty closes cleanly
+            try:
+                while select.select([master], [], [], 0)[0] and os.read(master, 4096):
+                    pass
+            except OSError:
+                pass
+            os.close(master)
+        self.assertEqual(turns[1], [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there"},
+                                    {"role": "user", "content": "and you?"}])
+        self.assertTrue(self.server.chat_requests()[1].closed_by_peer.wait(2))

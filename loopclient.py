@@ -40,10 +40,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:  # pragma: no cover - typing only, kept off the import path
-    from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, Union
 
     JSONDict = Dict[str, Any]
 
@@ -852,8 +852,8 @@ class SSEDecoder:
             buf += data[pos:] if pos else data
             if self._size and buf.startswith(b"data:"):
                 # the event's earlier lines plus this unfinished one may pass the cap before its newline
-                value = len(buf) - (6 if buf.startswith(b" ", 5) else 5)
-                if self._size + value > max_line:
+                pending = len(buf) - (6 if buf.startswith(b" ", 5) else 5)
+                if self._size + pending > max_line:
                     raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
         return out
 
@@ -1380,7 +1380,7 @@ class _Owner:
     __slots__ = ("conns", "_lock")
 
     def __init__(self) -> None:
-        self.conns = set()  # type: set
+        self.conns = set()  # type: Set[_Conn]
         self._lock = threading.Lock()
 
     def add(self, conn: _Conn) -> None:
@@ -1469,7 +1469,7 @@ class ChatStream:
         self._client = client
         self._request = request
         self._slot = slot
-        self._gen = None  # type: Optional[Iterator[Event]]
+        self._gen = None  # type: Optional[Generator[Event, None, None]]
         self._lock = threading.Lock()  # held by the thread inside __next__
         self._cancel = threading.Event()
         self._owner = _Owner()
@@ -1542,7 +1542,7 @@ class ChatStream:
 
     # -- the life of one request -------------------------------------------------------------------
 
-    def _run(self) -> Iterator[Event]:
+    def _run(self) -> Generator[Event, None, None]:
         client = self._client
         try:
             client._remember(self)
@@ -1567,7 +1567,7 @@ class ChatStream:
             self._release()
         self.completion = completion
 
-    def _attempts(self) -> Iterator[Event]:
+    def _attempts(self) -> Generator[Event, None, Completion]:
         client = self._client
         limits = client.limits
         situation = _Situation(limits, self._slot, client._addr.text)
@@ -1578,7 +1578,7 @@ class ChatStream:
             try:
                 conn = _Conn(client._addr, max(limits.poll, 0.2))
             except OSError as exc:
-                outcome = _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)  # type: Any
+                retry = _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
             else:
                 self._owner.add(conn)
                 try:
@@ -1589,24 +1589,25 @@ class ChatStream:
                     self._owner.discard(conn)
                 if not isinstance(outcome, _Retry):
                     return outcome
+                retry = outcome
             self._check()
-            situation.observe("unavailable", outcome.cause)
+            situation.observe("unavailable", retry.cause)
             left = situation.remaining()
             assert left is not None
-            if left <= 0 or (outcome.hint is not None and outcome.hint > left):
+            if left <= 0 or (retry.hint is not None and retry.hint > left):
                 raise situation.expired()
-            if outcome.hint is not None:
-                delay = outcome.hint
+            if retry.hint is not None:
+                delay = retry.hint
             else:
                 delay = backoff * (1.0 - 0.25 * random.random())
                 backoff = min(backoff * 2, BACKOFF_MAX)
             delay = min(delay, left)
             attempt += 1
-            yield Retrying(attempt, delay, outcome.reason)
+            yield Retrying(attempt, delay, retry.reason)
             if self._cancel.wait(delay):
                 raise CancelledError("the request was cancelled while backing off")
 
-    def _exchange(self, conn: _Conn, situation: _Situation) -> Iterator[Event]:
+    def _exchange(self, conn: _Conn, situation: _Situation) -> Generator[Event, None, Union[Completion, _Retry]]:
         client = self._client
         limits = client.limits
         conn.sendall(self._request, limits.liveness)
@@ -1666,7 +1667,7 @@ class ChatStream:
                 raise ProtocolError("error body longer than max_body (%d bytes)" % limits.max_body)
         return b"".join(pieces)
 
-    def _events(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> Iterator[Event]:
+    def _events(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> Generator[Event, None, Union[Completion, _Retry]]:
         client = self._client
         limits = client.limits
         liveness = limits.liveness
@@ -1817,7 +1818,7 @@ class Client:
         self._poller = _SlotPoller(self, self._lock)
         self._pool_size = None  # type: Optional[int]
         self._props_lock = threading.Lock()
-        self._streams = set()  # type: set
+        self._streams = set()  # type: Set[ChatStream]
         self._closed = False
 
     def __repr__(self) -> str:
@@ -1976,7 +1977,7 @@ class Client:
         doc = self._json(method, path, payload, **kwargs)
         if type(doc) is not dict:
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
-        return doc  # type: ignore[no-any-return]
+        return cast("Dict[str, Any]", doc)
 
     def _control(self, completion_id: str, owner: Optional[_Owner]) -> bool:
         if not isinstance(completion_id, str):

@@ -2109,7 +2109,7 @@ class Gatekeeper:
             return any(m == marker for _, m in self.order)
 
 
-def start_chat(client, marker, slot=0, events=None, results=None):
+def start_chat(client, marker, slot=0, events=None, results=None, **params):
     """Run a chat in a thread; its events and outcome go to ``events``/``results`` under ``marker``."""
     events = events if events is not None else {}
     results = results if results is not None else {}
@@ -2117,7 +2117,8 @@ def start_chat(client, marker, slot=0, events=None, results=None):
 
     def run():
         try:
-            results[marker] = client.chat([{"role": "user", "content": marker}], slot=slot, on_event=events[marker].append)
+            results[marker] = client.chat([{"role": "user", "content": marker}], slot=slot, on_event=events[marker].append,
+                                          **params)
         except BaseException as exc:  # noqa: B036
             results[marker] = exc
 
@@ -2777,3 +2778,281 @@ class TestCommandLineTerminal(ServerCase):
         self.assertEqual(turns[1], [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there"},
                                     {"role": "user", "content": "and you?"}])
         self.assertTrue(self.server.chat_requests()[1].closed_by_peer.wait(2))
+
+
+# =====================================================================================================
+# Against a real llama-server (LOOPCLIENT_REAL_SOCKET, and LOOPCLIENT_REAL_URL for TCP; see .ci/run)
+# =====================================================================================================
+
+REAL_SOCKET = os.environ.get("LOOPCLIENT_REAL_SOCKET")
+REAL_URL = os.environ.get("LOOPCLIENT_REAL_URL")
+SKIP_REAL = "no real llama-server: run dev/llama-server.sh start and set LOOPCLIENT_REAL_SOCKET (.ci/run does)"
+QUESTION = [{"role": "user", "content": "Think step by step: is the sky blue?"}]
+
+
+def grammar(reps):
+    return ('root ::= <[236820]> <[36345]> <[236813]> [a-z ]{%s} <[954]> <[36345]> <[236813]> "the answer is yes"' % reps)
+
+
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def real_server_command(sock_path):
+    """The command that starts another instance of the provisioned server on ``sock_path``."""
+    import subprocess
+
+    script = os.path.join(HERE, "dev", "llama-server.sh")
+    binary = subprocess.run([script, "path"], capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")[0]
+    args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    return [binary] + args + ["--host", sock_path]
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealServer(unittest.TestCase):
+    limits = lc.Limits(poll=0.2, liveness=20.0, busy_wait=60.0, load_wait=60.0, idle_grace=20.0)
+
+    def setUp(self):
+        self.client = lc.Client(REAL_SOCKET, limits=self.limits)
+        self.fds = fd_count()
+        wait_for(lambda: not any(s.is_processing for s in self.client.slots()), 30, "the real server's slots to be idle")
+
+    def tearDown(self):
+        self.client.close()
+
+    def chat(self, client=None, messages=MSGS, timeout=60, **kw):
+        events = []
+        completion = run_with_timeout(lambda: (client or self.client).chat(messages, on_event=events.append, **kw), timeout)
+        return completion, events
+
+    def streamed_equals_unstreamed(self, client):
+        params = {"max_tokens": 24, "temperature": 0, "seed": 42}
+        msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
+        completion, events = self.chat(client, msgs, slot=0, **params)
+        plain = client._json("POST", "/v1/chat/completions", dict(params, messages=msgs, id_slot=0))
+        self.assertEqual(completion.content, plain["choices"][0]["message"]["content"])
+        self.assertEqual(completion.content, "".join(e.text for e in events if isinstance(e, lc.Content)))
+        self.assertEqual(completion.finish_reason, plain["choices"][0]["finish_reason"])
+        self.assertTrue(completion.id.startswith("chatcmpl-"))
+        self.assertEqual(completion.usage["completion_tokens"], plain["usage"]["completion_tokens"])
+        self.assertIsNotNone(completion.timings)
+
+    def test_streamed_matches_unstreamed_over_unix_socket(self):
+        self.streamed_equals_unstreamed(self.client)
+
+    @unittest.skipUnless(REAL_URL, "no TCP instance: set LOOPCLIENT_REAL_URL (.ci/run does)")
+    def test_streamed_matches_unstreamed_over_tcp(self):
+        with lc.Client(REAL_URL, limits=self.limits) as client:
+            self.streamed_equals_unstreamed(client)
+
+    def test_single_shot_calls(self):
+        self.assertEqual(self.client.health(), {"status": "ok"})
+        self.assertEqual(self.client.props()["total_slots"], 2)
+        self.assertEqual([s.id for s in self.client.slots()], [0, 1])
+        self.assertEqual(self.client.models()["object"], "list")
+
+    def test_same_slot_from_two_clients_waits_busy_then_completes(self):
+        other = lc.Client(REAL_SOCKET, limits=self.limits)
+        self.addCleanup(other.close)
+        first_events, results = [], {}
+        started = threading.Event()
+
+        def first():
+            def on_event(ev):
+                first_events.append(ev)
+                started.set()
+            results["first"] = other.chat(MSGS, slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0)
+            results["first_done"] = time.monotonic()
+
+        thread = threading.Thread(target=first, daemon=True)
+        thread.start()
+        self.assertTrue(started.wait(30))
+        completion, events = self.chat(slot=0, max_tokens=8, temperature=0)
+        done = time.monotonic()
+        thread.join(60)
+        self.assertIn(lc.Waiting(True), events)
+        self.assertEqual(events.index(lc.Waiting(True)), 0)
+        self.assertGreaterEqual(done, results["first_done"])
+        self.assertEqual(results["first"].usage["completion_tokens"], 150)
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+
+    def test_three_on_one_slot_with_queue_len_one(self):
+        client = lc.Client(REAL_SOCKET, limits=dataclasses.replace(self.limits, queue_len=1))
+        self.addCleanup(client.close)
+        events, results = {}, {}
+        params = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        threads = [start_chat(client, "A", 0, events, results, **params)]
+        wait_for(lambda: any(isinstance(e, lc.Content) for e in events["A"]), 30)
+        threads.append(start_chat(client, "B", 0, events, results, **params))
+        wait_for(lambda: events["B"], 30)
+        threads.append(start_chat(client, "C", 0, events, results, **params))
+        for th in threads:
+            th.join(60)
+        self.assertIsInstance(results["C"], lc.BusyError)
+        self.assertEqual(events["B"][0], lc.Queued(1))
+        self.assertIsInstance(results["A"], lc.Completion)
+        self.assertIsInstance(results["B"], lc.Completion)
+
+    def test_any_slot_runs_two_at_once(self):
+        overlap = threading.Barrier(2, timeout=30)
+        results = {}
+
+        def run(name):
+            def on_event(ev):
+                if isinstance(ev, lc.Content) and name not in results:
+                    results[name] = "streaming"
+                    overlap.wait()  # both streams deliver before either finishes
+            results[name + "-completion"] = self.client.chat(MSGS, on_event=on_event, max_tokens=40, ignore_eos=True)
+
+        threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in "AB"]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        self.assertEqual(results["A-completion"].usage["completion_tokens"], 40)
+        self.assertEqual(results["B-completion"].usage["completion_tokens"], 40)
+
+    def test_reasoning_forced_by_grammar(self):
+        completion, events = self.chat(messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar("1,300"))
+        reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
+        self.assertGreater(len(reasoning), 3)
+        self.assertEqual(completion.reasoning, "".join(e.text for e in reasoning))
+        self.assertEqual(completion.reasoning_tokens, len(reasoning))
+        self.assertEqual(completion.content, "the answer is yes")
+        self.assertEqual(completion.finish_reason, "stop")
+        first_content = next(i for i, e in enumerate(events) if isinstance(e, lc.Content))
+        self.assertTrue(all(isinstance(e, lc.Reasoning) for e in events[:first_content]))
+
+    def test_thinking_cap_ends_reasoning(self):
+        client = lc.Client(REAL_SOCKET, limits=dataclasses.replace(self.limits, thinking_cap=3, thinking_overrun=8))
+        self.addCleanup(client.close)
+        completion, events = self.chat(client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300"))
+        self.assertIn(lc.ThinkingCapped(3), events)
+        capped = events.index(lc.ThinkingCapped(3))
+        self.assertEqual(sum(isinstance(e, lc.Reasoning) for e in events[:capped]), 3)
+        self.assertTrue(completion.thinking_capped)
+        self.assertLessEqual(completion.reasoning_tokens, 3 + 8)
+        self.assertEqual(completion.content, "the answer is yes")
+
+    def test_forced_tool_call(self):
+        completion, events = self.chat(
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}], slot=0, max_tokens=60, temperature=0,
+            tools=WEATHER_TOOL, tool_choice="required", parallel_tool_calls=False, logit_bias=[["{\"name\": \"", 10]])
+        calls = [e for e in events if isinstance(e, lc.ToolCall)]
+        self.assertEqual((calls[0].index, calls[0].name), (0, "get_weather"))
+        self.assertTrue(calls[0].id)
+        self.assertEqual(len(completion.tool_calls), 1)
+        call = completion.tool_calls[0]
+        self.assertEqual((call.id, call.name), (calls[0].id, "get_weather"))
+        self.assertIsInstance(json.loads(call.arguments), dict)
+        self.assertEqual(completion.finish_reason, "tool_calls")
+
+    def test_prompt_over_the_context_is_400(self):
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.chat(messages=[{"role": "user", "content": "word " * 3000}], slot=0, max_tokens=8)
+        self.assertEqual(cm.exception.status, 400)
+        self.assertIn("exceeds the available context size", cm.exception.message)
+
+    def test_midstream_error_is_server_error_not_replayed(self):
+        events = []
+        with self.assertRaises(lc.ServerError) as cm:
+            run_with_timeout(lambda: self.client.chat(QUESTION, slot=0, on_event=events.append, max_tokens=150,
+                                                      temperature=0, grammar=grammar("20,300"), thinking_budget_tokens=5), 60)
+        self.assertEqual(cm.exception.code, 500)
+        self.assertTrue(any(isinstance(e, lc.Reasoning) for e in events))
+        self.assertFalse(any(isinstance(e, lc.Retrying) for e in events))
+
+    def test_cancel_frees_the_slot_within_a_second(self):
+        stream = self.client.stream(MSGS, slot=1, max_tokens=500, ignore_eos=True)
+        got = threading.Event()
+        outcome = []
+
+        def run():
+            try:
+                for ev in stream:
+                    if isinstance(ev, lc.Content):
+                        got.set()
+            except lc.CancelledError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self.assertTrue(got.wait(30))
+        self.assertTrue(self.client.slots()[1].is_processing)
+        t = Timer()
+        stream.cancel()
+        thread.join(1)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertLess(t.elapsed, 0.2)
+        # measured from the cancel: the server notices the closed socket and frees the slot
+        wait_for(lambda: not self.client.slots()[1].is_processing, 1.0 - t.elapsed, "slot 1 to go idle")
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealServerLifecycle(unittest.TestCase):
+    """Instances of our own: started after the client, and killed mid-stream."""
+
+    def setUp(self):
+        import subprocess
+
+        self.subprocess = subprocess
+        self.tmp = tempfile.mkdtemp(prefix="lcr", dir="/tmp")
+        self.sock = os.path.join(self.tmp, "own.sock")
+        self.command = real_server_command(self.sock)
+        self.proc = None
+        self.log = open(os.path.join(self.tmp, "server.log"), "wb")
+
+    def start(self):
+        self.proc = self.subprocess.Popen(self.command, stdout=self.log, stderr=self.log, stdin=self.subprocess.DEVNULL)
+
+    def tearDown(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_client_starts_before_the_server(self):
+        client = lc.Client(self.sock, limits=lc.Limits(poll=0.2, liveness=20.0, load_wait=60.0))
+        self.addCleanup(client.close)
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            if isinstance(ev, lc.Retrying) and ev.attempt == 2:
+                self.start()
+
+        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=on_event, max_tokens=8, temperature=0), 90)
+        retries = [e for e in events if isinstance(e, lc.Retrying)]
+        self.assertGreaterEqual(len(retries), 2)
+        self.assertIn("No such file", retries[0].reason)
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+        # between the socket appearing and the model loading, /health-style 503s are retried too
+        self.assertTrue(all(("503" in e.reason or "connect" in e.reason) for e in retries))
+
+    def test_server_killed_mid_stream(self):
+        self.start()
+        client = lc.Client(self.sock, limits=lc.Limits(poll=0.2, liveness=5.0, load_wait=60.0))
+        self.addCleanup(client.close)
+        wait_for(lambda: _healthy(client), 60, "our own server to load")
+        events = []
+        killed = []
+
+        def on_event(ev):
+            events.append(ev)
+            if isinstance(ev, lc.Content) and not killed:
+                self.proc.kill()
+                killed.append(time.monotonic())
+
+        with self.assertRaises((lc.StreamClosedError, lc.StalledError)):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=on_event, max_tokens=400, ignore_eos=True), 30)
+        self.assertLess(time.monotonic() - killed[0], 2.0)
+
+
+def _healthy(client):
+    try:
+        return client.health() == {"status": "ok"}
+    except lc.LoopError:
+        return False

@@ -2809,6 +2809,16 @@ def real_server_command(sock_path):
     return [binary] + args + ["--host", sock_path]
 
 
+class TestRealServerConfigured(unittest.TestCase):
+    def test_ci_runs_the_real_tier(self):
+        """Under CI (LOOPCLIENT_REQUIRE_REAL=1) the real tier must run, not skip."""
+        if not os.environ.get("LOOPCLIENT_REQUIRE_REAL"):
+            self.skipTest("the real tier is optional outside CI")
+        self.assertTrue(REAL_SOCKET, "LOOPCLIENT_REAL_SOCKET is not set")
+        self.assertTrue(REAL_URL, "LOOPCLIENT_REAL_URL is not set")
+        self.assertEqual(lc.Client(REAL_SOCKET).health(), {"status": "ok"})
+
+
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealServer(unittest.TestCase):
     limits = lc.Limits(poll=0.2, liveness=20.0, busy_wait=60.0, load_wait=60.0, idle_grace=20.0)

@@ -584,9 +584,17 @@ class ChunkedDecoder:
                     break
                 if nl - pos > MAX_CHUNK_LINE and nl - pos - (data[nl - 1] == 13) > MAX_CHUNK_LINE:
                     raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
-                size = _parse_chunk_size(data[pos:nl])
+                if 1 < nl - pos <= 17 and data[nl - 1] == 13 and _HEX_DIGITS.issuperset(data[pos : nl - 1]):
+                    size = int(data[pos : nl - 1], 16)  # the usual "1a2\r\n"
+                else:
+                    size = _parse_chunk_size(data[pos:nl])
                 pos = nl + 1
                 if size:
+                    stop = pos + size
+                    if stop + 2 <= end and data[stop] == 13 and data[stop + 1] == 10:
+                        out.append(data[pos:stop])  # the whole chunk and its CRLF are here
+                        pos = stop + 2
+                        continue
                     self._left = size
                     state = 1
                 else:
@@ -1455,7 +1463,10 @@ class _Gate:
                     del waiters[0]
                     lane.in_flight += 1
                     ticket.granted = True
-                    lane.cond.notify_all()  # everyone behind moves up
+                    # those behind keep their `ahead` (one more in flight, one fewer queued); wake them only
+                    # when a pool lane still has room for the next
+                    if waiters and lane.in_flight < lane.capacity:
+                        lane.cond.notify_all()
                     return None
                 ahead = lane.in_flight + waiters.index(ticket)
                 if ahead < ticket.ahead:
@@ -1640,6 +1651,7 @@ class ChatStream:
         self._gen = None  # type: Optional[Generator[Event, None, None]]
         self._lock = threading.Lock()  # held by the thread inside __next__
         self._cancel = threading.Event()
+        self._cancelled = False  # the same as _cancel.is_set(), read per event
         self._owner = _Owner()
         self._ticket = None  # type: Optional[_Ticket]
         self._done = False
@@ -1650,25 +1662,31 @@ class ChatStream:
         return self
 
     def __next__(self) -> Event:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._done:
                 raise StopIteration
-            if self._cancel.is_set():
+            if self._cancelled:
                 self._finish()
                 raise CancelledError("the request was cancelled")
-            if self._gen is None:
-                self._gen = self._run()
+            gen = self._gen
+            if gen is None:
+                gen = self._gen = self._run()
             try:
-                return next(self._gen)
+                return next(gen)
             except BaseException:
                 self._done = True
                 raise
+        finally:
+            lock.release()
 
     def cancel(self) -> None:
         """Cancel the request from any thread: its sockets close, its permit is released, and the thread
         iterating the stream gets ``CancelledError`` within 0.2 s."""
         if self._done:
             return
+        self._cancelled = True
         self._cancel.set()
         self._owner.abort()
         self._client._wake()
@@ -1691,6 +1709,7 @@ class ChatStream:
 
     def __exit__(self, *exc_info: Any) -> None:
         if not self._done:
+            self._cancelled = True
             self._cancel.set()
             self._owner.abort()
             self._client._wake()
@@ -1705,7 +1724,7 @@ class ChatStream:
         self._client._forget(self)
 
     def _check(self) -> None:
-        if self._cancel.is_set():
+        if self._cancelled:
             raise CancelledError("the request was cancelled")
 
     # -- the life of one request -------------------------------------------------------------------
@@ -1854,7 +1873,7 @@ class ChatStream:
             if eof or reader.done:
                 batch += sse.close()
             for kind, payload in batch:
-                if kind == "error":
+                if kind != "message" and kind == "error":
                     err = _error_from(_json_or_text(payload))
                     if not delivered and _retryable(err):
                         return _Retry("server error %s: %s" % (err.code, err.message), None, err)
@@ -1867,10 +1886,9 @@ class ChatStream:
                     if not delivered and _retryable(err):
                         return _Retry("server error %s: %s" % (err.code, err.message), None, err)
                     raise
-                progress = time.monotonic()
-                for event in events:
+                if events:
                     delivered = True
-                    yield event
+                    yield from events
                 if cap is not None and asm.in_reasoning:
                     tokens = asm.reasoning_tokens
                     if capped_at < 0:
@@ -1887,7 +1905,9 @@ class ChatStream:
                         )
             if eof or reader.done:
                 return asm.completion()
-            if not batch and time.monotonic() - progress >= liveness:
+            if batch:
+                progress = time.monotonic()
+            elif time.monotonic() - progress >= liveness:
                 self._check_pings(progress)
             try:
                 data = conn.recv(liveness)

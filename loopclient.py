@@ -1451,7 +1451,7 @@ class _Gate:
             ticket.ahead = lane.in_flight + len(lane.waiters) - 1
             return ticket
 
-    def wait(self, ticket: _Ticket, cancelled: threading.Event) -> Optional[int]:
+    def wait(self, ticket: _Ticket, cancelled: _Flag) -> Optional[int]:
         """Block until the ticket is granted (None) or its ``ahead`` shrinks (the new value)."""
         lane = ticket.lane
         with self._lock:
@@ -1511,7 +1511,7 @@ class _SlotPoller:
         self._owner = _Owner()
         self.requests = 0  # how many /slots requests were made, for tests
 
-    def get(self, interval: float, cancelled: threading.Event) -> Optional[List[Slot]]:
+    def get(self, interval: float, cancelled: _Flag) -> Optional[List[Slot]]:
         """The slots, or None when ``/slots`` failed or did not answer within ``interval``."""
         with self._cond:
             asked = time.monotonic()
@@ -1551,6 +1551,35 @@ class _SlotPoller:
 
     def abort(self) -> None:
         self._owner.abort()
+
+
+class _Flag:
+    """A cancel flag: ``is_set()`` costs an attribute read; the Event behind ``wait()`` exists only when
+    someone sleeps on it (most requests never back off)."""
+
+    __slots__ = ("_set", "_event")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._event = None  # type: Optional[threading.Event]
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout``; True at once (or as soon as) the flag is set."""
+        event = self._event
+        if event is None:
+            event = self._event = threading.Event()
+        if self._set:  # read after publishing the event: set() either sees it or was seen here
+            return True
+        return event.wait(timeout)
 
 
 class _Owner:
@@ -1650,7 +1679,7 @@ class ChatStream:
         self._slot = slot
         self._gen = None  # type: Optional[Generator[Event, None, None]]
         self._lock = threading.Lock()  # held by the thread inside __next__
-        self._cancel = threading.Event()
+        self._cancel = _Flag()
         self._cancelled = False  # the same as _cancel.is_set(), read per event
         self._owner = _Owner()
         self._ticket = None  # type: Optional[_Ticket]
@@ -2003,6 +2032,7 @@ class Client:
             _check_header_text("api_key", api_key)
             extra.append(("Authorization", "Bearer " + api_key))
         self._headers = extra
+        self._prefixes = {}  # type: Dict[Tuple[str, str, str, bool], bytes]
         self._lock = threading.Lock()
         self._gate = _Gate(self._lock, limits.queue_len)
         self._poller = _SlotPoller(self, self._lock)
@@ -2032,14 +2062,20 @@ class Client:
     # -- requests ------------------------------------------------------------------------------------
 
     def _encode(self, method: str, path: str, payload: Any, accept: str) -> bytes:
-        body = None
-        headers = [("Accept", accept)]
-        if payload is not None:
-            body = json.dumps(payload, allow_nan=False).encode("utf-8")
-            headers.append(("Content-Type", "application/json"))
-        headers.append(("Connection", "close"))
-        headers.extend(self._headers)
-        return encode_request(method, path, self._addr.host, headers, body)
+        """The request bytes; the head up to Content-Length is built (and checked) once per kind."""
+        key = (method, path, accept, payload is not None)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            headers = [("Accept", accept)]
+            if payload is not None:
+                headers.append(("Content-Type", "application/json"))
+            headers.append(("Connection", "close"))
+            headers.extend(self._headers)
+            prefix = self._prefixes[key] = encode_request(method, path, self._addr.host, headers)[:-2]
+        if payload is None:
+            return prefix + b"\r\n"
+        body = json.dumps(payload, allow_nan=False).encode("utf-8")
+        return b"%sContent-Length: %d\r\n\r\n%s" % (prefix, len(body), body)
 
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> ChatStream:
         """A ``ChatStream`` for ``messages``; every keyword goes into the JSON body unchanged.
@@ -2180,7 +2216,7 @@ class Client:
 
     # -- shared state for streams --------------------------------------------------------------------
 
-    def _pool_capacity(self, owner: _Owner, cancelled: threading.Event) -> int:
+    def _pool_capacity(self, owner: _Owner, cancelled: _Flag) -> int:
         """``total_slots`` from ``/props``, read once; 1 until the server has answered."""
         while self._pool_size is None:
             if not self._props_lock.acquire(timeout=0.05):
@@ -2200,7 +2236,7 @@ class Client:
                 self._props_lock.release()
         return self._pool_size
 
-    def _slot_state(self, slot: Optional[int], cancelled: threading.Event, all_busy: bool) -> str:
+    def _slot_state(self, slot: Optional[int], cancelled: _Flag, all_busy: bool) -> str:
         slots = self._poller.get(self.limits.poll, cancelled)
         if slots is None:
             return "unavailable"

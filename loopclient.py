@@ -494,18 +494,25 @@ _TOKEN_CHARS = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzAB
 _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 
 
-def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
-    """Parse a head block (without its blank line).  Bare LF line ends are accepted."""
-    lines = block.split(b"\n")
-    if len(lines) - 1 > max_headers:
-        raise ProtocolError("response has more than %d header lines" % max_headers)
-    status_line = lines[0].rstrip(b"\r")
+def _parse_status_line(line: bytes) -> List[bytes]:
+    """[version, code, reason?] of a status line; ``ProtocolError`` when it is not HTTP/1.x NNN."""
+    status_line = line.rstrip(b"\r")
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise ProtocolError("malformed status line %r" % status_line[:80])
     code = parts[1]
     if len(code) != 3 or not code.isdigit():
         raise ProtocolError("malformed status code in %r" % status_line[:80])
+    return parts
+
+
+def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
+    """Parse a head block (without its blank line).  Bare LF line ends are accepted."""
+    lines = block.split(b"\n")
+    if len(lines) - 1 > max_headers:
+        raise ProtocolError("response has more than %d header lines" % max_headers)
+    parts = _parse_status_line(lines[0])
+    code = parts[1]
     reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
     headers = []
     for raw in lines[1:]:
@@ -584,7 +591,7 @@ class ChunkedDecoder:
                     break
                 if nl - pos > MAX_CHUNK_LINE and nl - pos - (data[nl - 1] == 13) > MAX_CHUNK_LINE:
                     raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
-                if 1 < nl - pos <= 17 and data[nl - 1] == 13 and _HEX_DIGITS.issuperset(data[pos : nl - 1]):
+                if 1 < nl - pos <= 16 and data[nl - 1] == 13 and _HEX_DIGITS.issuperset(data[pos : nl - 1]):
                     size = int(data[pos : nl - 1], 16)  # the usual "1a2\r\n"
                 else:
                     size = _parse_chunk_size(data[pos:nl])
@@ -634,7 +641,10 @@ def _parse_chunk_size(line: bytes) -> int:
     digits = (line if semi < 0 else line[:semi]).strip(b" \t\r")
     if not digits or len(digits) > 16 or not _HEX_DIGITS.issuperset(digits):
         raise ProtocolError("malformed chunk-size line %r" % line[:40])
-    return int(digits, 16)
+    size = int(digits, 16)
+    if size >= 1 << 63:
+        raise ProtocolError("chunk size %r does not fit in 63 bits" % digits)
+    return size
 
 
 class _LengthDecoder:
@@ -702,7 +712,11 @@ class ResponseReader:
         body = self._body
         if body is None:
             self._buf += data
+            seen = self._lines
             self._lines += data.count(b"\n")
+            if not seen and self._lines:
+                # the status line is whole: a reply that is not HTTP fails now, not when a head ends that never will
+                _parse_status_line(bytes(self._buf[: self._buf.find(b"\n")]))
             pieces = self._feed_head()
             body = self._body
             if body is None:
@@ -796,7 +810,7 @@ def parse_error_envelope(body: bytes) -> Tuple[str, Any]:
     """(message, decoded JSON or None) from an error body ``{"error": {"message": ...}}``."""
     try:
         doc = json.loads(body.decode("utf-8", "replace"))
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None
     message = None
     if isinstance(doc, dict):
@@ -819,7 +833,7 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
         return None
     value = value.strip()
     if value.isdigit() and value.isascii():
-        return float(int(value))
+        return float(int(value)) if len(value) <= 18 else float("inf")  # int() and float() both have limits
     if not value or value[0] in "+-" or value[0].isdigit():
         return None
     import email.utils  # only when a server sends a date
@@ -1649,7 +1663,9 @@ class _Situation:
         if state != self.state:
             self.since = self.sent_at if self.state is None else time.monotonic()
             self.state = state
-        self.cause = cause
+            self.cause = None
+        if cause is not None:  # a poll that sees the same state keeps the last failure as the cause
+            self.cause = cause
 
     def remaining(self) -> Optional[float]:
         if self.state is None:
@@ -1812,13 +1828,12 @@ class ChatStream:
             assert left is not None
             if left <= 0 or (retry.hint is not None and retry.hint > left):
                 raise situation.expired()
-            if retry.hint is not None:
-                delay = retry.hint
-            else:
-                import random  # only when a retry happens
+            import random  # only when a retry happens
 
-                delay = backoff * (1.0 - 0.25 * random.random())
-                backoff = min(backoff * 2, BACKOFF_MAX)
+            delay = backoff * (1.0 - 0.25 * random.random())
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
+                delay = max(delay, retry.hint)
             delay = min(delay, left)
             attempt += 1
             yield Retrying(attempt, delay, retry.reason)
@@ -1831,11 +1846,15 @@ class ChatStream:
         conn.sendall(self._request, limits.liveness)
         reader = ResponseReader()
         pieces = []  # type: List[bytes]
-        started = False
+        started = 0.0  # when the first byte of the head came
         slot = self._slot
         while reader.head is None:
             if started:
-                timeout = limits.liveness
+                timeout = started + limits.liveness - time.monotonic()
+                if timeout <= 0:
+                    raise StalledError(
+                        "the response head did not complete within %.1f s (liveness)" % limits.liveness, limits.liveness
+                    )
             else:
                 left = situation.remaining()
                 timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
@@ -1844,7 +1863,9 @@ class ChatStream:
             except _Silence:
                 self._check()
                 if started:
-                    raise StalledError("the response head stopped for %.1f s (liveness)" % timeout, timeout) from None
+                    raise StalledError(
+                        "the response head stopped for %.1f s (liveness)" % limits.liveness, limits.liveness
+                    ) from None
                 left = situation.remaining()
                 if left is not None and left <= 0:
                     raise situation.expired() from None
@@ -1858,7 +1879,7 @@ class ChatStream:
             self._check()
             if not data:
                 reader.feed_eof()
-            started = True
+            started = started or time.monotonic()
             pieces = reader.feed(data)
         head = reader.head
         if head.status != 200:
@@ -1873,16 +1894,22 @@ class ChatStream:
     def _read_body(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> bytes:
         limits = self._client.limits
         size = sum(len(p) for p in pieces)
-        while not reader.done:
-            data = conn.recv(limits.liveness)
+        while size <= limits.max_body and not reader.done:
+            try:
+                data = conn.recv(limits.liveness)
+            except _Silence:
+                self._check()
+                raise StalledError(
+                    "the error body stopped for %.1f s (liveness)" % limits.liveness, limits.liveness
+                ) from None
             if not data:
                 reader.feed_eof()
                 break
             for piece in reader.feed(data):
                 pieces.append(piece)
                 size += len(piece)
-            if size > limits.max_body:
-                raise ProtocolError("error body longer than max_body (%d bytes)" % limits.max_body)
+        if size > limits.max_body:
+            raise ProtocolError("error body longer than max_body (%d bytes)" % limits.max_body)
         return b"".join(pieces)
 
     def _events(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> Generator[Event, None, Union[Completion, _Retry]]:
@@ -1981,7 +2008,7 @@ class ChatStream:
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -2781,6 +2781,1323 @@ class TestCommandLineTerminal(ServerCase):
 
 
 # =====================================================================================================
+# -----------------------------------------------------------------------------------------------------
+# Hostile servers and faults (issue 7): one test per row of the README's fault table
+# -----------------------------------------------------------------------------------------------------
+#
+# Every test runs against a FakeServer on a real socket, asserts the exact error class, that it came
+# within its budget plus _F_MARGIN (and, for a budget, not before it), and inherits ServerCase's check
+# that descriptors and threads are back where they started.  Budgets are a fraction of a second so the
+# whole tier stays quick; each slow case waits one short budget, never several.
+
+import base64 as _f_base64
+import dataclasses as _f_dataclasses
+import email.utils as _f_email_utils
+import hashlib as _f_hashlib
+import logging as _f_logging
+import struct as _f_struct
+import traceback as _f_traceback
+import zlib as _f_zlib
+
+#: Small budgets: every wait in this tier is under a second.
+_F_LIMITS = lc.Limits(
+    poll=0.05, liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024
+)
+#: How late an error may come after its budget (thread start, /slots round trips, 2 busy cores).
+_F_MARGIN = 0.35
+#: How early a budget error may come (clock granularity).
+_F_EARLY = 0.03
+
+_F_OK_BODY = content_stream(["Hello", " world"])
+_F_SSE_HEAD = b"Content-Type: text/event-stream\r\n"
+
+
+def _f_reply(data, hold=False):
+    """A handler that sends ``data``, then (``hold``) keeps the connection open until the client leaves."""
+
+    def handler(req):
+        req.send(data)
+        if hold:
+            req.wait_peer_close(5)
+
+    return handler
+
+
+def _f_hold(req):
+    """Accept the request and say nothing until the client leaves."""
+    req.wait_peer_close(5)
+
+
+def _f_sequence(*handlers):
+    """A handler that answers the n-th request with the n-th handler (the last one repeats)."""
+    calls = []
+    lock = threading.Lock()
+
+    def handler(req):
+        with lock:
+            n = len(calls)
+            calls.append(n)
+        handlers[min(n, len(handlers) - 1)](req)
+
+    return handler
+
+
+def _f_drip(pieces, interval, limit=4.0):
+    """A handler that sends ``pieces`` (an iterable of bytes) one per ``interval`` until the client leaves
+    (or ``limit`` seconds pass, so that a client that never gives up still ends)."""
+
+    def handler(req):
+        deadline = time.monotonic() + limit
+        for piece in pieces:
+            if time.monotonic() > deadline or req.server.stopping.is_set():
+                return
+            if not req.send(piece):
+                return
+            if interval:
+                time.sleep(interval)
+
+    return handler
+
+
+def _f_chain(first, rest):
+    yield first
+    for piece in rest:
+        yield piece
+
+
+def _f_forever(piece):
+    while True:
+        yield piece
+
+
+def _f_head(status=b"200 OK", headers=b"", version=b"HTTP/1.1"):
+    return b"%s %s\r\nServer: llama.cpp\r\n%sConnection: close\r\n\r\n" % (version, status, headers)
+
+
+def _f_error_json(code, message, etype):
+    return json.dumps({"error": {"code": code, "message": message, "type": etype}}, separators=(",", ":"))
+
+
+def _f_retry_after(value, status=503):
+    body = _f_error_json(503, "Loading model", "unavailable_error").encode()
+    return (
+        b"HTTP/1.1 %d Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+        b"Retry-After: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, value, len(body), body)
+    )
+
+
+def _f_padded_line(size):
+    """A ``data:`` line of exactly ``size`` bytes (without its newline) holding a valid content chunk."""
+    base = b"data: " + chunk_json({"content": "x"}, extra={"pad": ""}).encode()
+    line = b"data: " + chunk_json({"content": "x"}, extra={"pad": "p" * (size - len(base))}).encode()
+    assert len(line) == size, len(line)
+    return line
+
+
+def _f_secret_free(test, key, exc):
+    """Assert that ``key`` appears nowhere in an exception: message, repr, args, cause chain, traceback."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts = [str(exc), repr(exc)] + [repr(a) for a in exc.args]
+        texts += [repr(v) for v in vars(exc).values()] if hasattr(exc, "__dict__") else []
+        texts.append("".join(_f_traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        for text in texts:
+            test.assertNotIn(key, text)
+        exc = exc.__cause__ or exc.__context__
+
+
+class _f_Case(ServerCase):
+    """ServerCase with small limits and helpers that time an outcome."""
+
+    limits = _F_LIMITS
+
+    def _f_limits(self, **changes):
+        """Replace this test's client by one with ``changes`` to _F_LIMITS."""
+        self.client.close()
+        self.client = lc.Client(self.server.address, limits=_f_dataclasses.replace(_F_LIMITS, **changes))
+        return self.client
+
+    def _f_run(self, fn, timeout):
+        events = self._f_events = []
+        start = time.monotonic()
+        try:
+            value = run_with_timeout(lambda: fn(events), timeout)
+        except lc.LoopError as exc:
+            value = exc
+        return value, time.monotonic() - start
+
+    def _f_chat(self, slot=0, **params):
+        return lambda events: self.client.chat(MSGS, slot=slot, on_event=events.append, **params)
+
+    def _f_fails(self, cls, budget=0.0, fn=None, at_once=False, **params):
+        """Run ``fn`` (a chat by default); assert it raised exactly ``cls`` within ``budget`` + margin, and
+        (a budget error, unless ``at_once``) not before ``budget``.  Returns the error."""
+        outcome, elapsed = self._f_run(fn or self._f_chat(**params), budget + 8.0)
+        self.assertIs(type(outcome), cls, "expected %s, got %r" % (cls.__name__, outcome))
+        self.assertLessEqual(
+            elapsed, budget + _F_MARGIN, "%s came after %.3f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
+        )
+        if budget and not at_once:
+            self.assertGreaterEqual(
+                elapsed, budget - _F_EARLY, "%s came early: %.3f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
+            )
+        return outcome
+
+    def _f_succeeds(self, budget=0.0, fn=None, **params):
+        outcome, elapsed = self._f_run(fn or self._f_chat(**params), budget + 8.0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.assertLessEqual(elapsed, budget + _F_MARGIN)
+        return outcome
+
+    def _f_kinds(self):
+        return [type(e).__name__ for e in self._f_events]
+
+
+# -- connecting ---------------------------------------------------------------------------------------
+
+
+class TestFaultConnect(_f_Case):
+    def _f_missing(self):
+        return os.path.join(self.server.tmp, "missing.sock")
+
+    def _f_stale(self):
+        path = os.path.join(self.server.tmp, "stale.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.close()  # the file stays, nobody listens: connect() is refused
+        return path
+
+    def _f_at(self, address):
+        self.client.close()
+        self.client = lc.Client(address, limits=_F_LIMITS)
+
+    def test_socket_file_missing_stream(self):
+        self._f_at(self._f_missing())
+        err = self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self.assertIsInstance(err.__cause__, FileNotFoundError)
+        self.assertIn("Retrying", self._f_kinds())
+
+    def test_socket_file_missing_single_shot(self):
+        self._f_at(self._f_missing())
+        err = self._f_fails(lc.ConnectError, fn=lambda ev: self.client.slots())
+        self.assertIsInstance(err.__cause__, FileNotFoundError)
+        self.assertEqual(err.address, self._f_missing())
+
+    def test_socket_file_without_listener_stream(self):
+        self._f_at(self._f_stale())
+        err = self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self.assertIsInstance(err.__cause__, ConnectionRefusedError)
+
+    def test_socket_file_without_listener_single_shot(self):
+        self._f_at(self._f_stale())
+        err = self._f_fails(lc.ConnectError, fn=lambda ev: self.client.health())
+        self.assertIsInstance(err.__cause__, ConnectionRefusedError)
+
+    def test_eof_before_head_is_not_retried(self):
+        self.use(lambda req: None)  # read the request, close without a byte
+        self._f_fails(lc.StreamClosedError)
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+
+class TestFaultReset(_f_Case):
+    tcp = True
+
+    def test_reset_before_head_is_not_retried(self):
+        def reset(req):
+            req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _f_struct.pack("ii", 1, 0))
+            req.conn.close()  # linger 0: RST instead of FIN
+
+        self.use(reset)
+        self._f_fails(lc.StreamClosedError)
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+    def test_reset_mid_stream_is_not_replayed(self):
+        def reset(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))))
+            time.sleep(0.05)
+            req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _f_struct.pack("ii", 1, 0))
+            req.conn.close()
+
+        self.use(reset)
+        self._f_fails(lc.StreamClosedError, 0.05, at_once=True)
+        self.assertEqual(self._f_kinds(), ["Content"])
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+
+# -- the response head --------------------------------------------------------------------------------
+
+
+class TestFaultHead(_f_Case):
+    def test_garbage_status_line(self):
+        self.use(_f_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_garbage_banner_then_silence(self):
+        # A non-HTTP service on the socket (an SSH banner) that then waits for us: the first line is enough.
+        self.use(_f_reply(b"SSH-2.0-OpenSSH_9.6\r\n", hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_bad_status_code(self):
+        self.use(_f_reply(b"HTTP/1.1 2000 OK\r\n\r\n", hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_http2_preface_version(self):
+        self.use(_f_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_http10_reply_is_accepted(self):
+        body = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
+        self.use(_f_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))  # no length: until close
+        done = self._f_succeeds()
+        self.assertEqual((done.content, done.finish_reason), ("Hi", "stop"))
+
+    def test_interim_response_then_stream(self):
+        self.use(_f_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + STREAM_HEAD + _F_OK_BODY))
+        self.assertEqual(self._f_succeeds().content, "Hello world")
+
+    def test_ten_megabytes_of_headers(self):
+        sent = {}
+
+        def handler(req):
+            sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
+
+        self.use(handler)
+        self._f_fails(lc.ProtocolError)
+        wait_for(lambda: "all" in sent, 5, "the server to stop sending")
+        self.assertFalse(sent["all"], "the client read all 10 MB instead of stopping at the head cap")
+
+    def test_thousand_header_lines(self):
+        head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n"
+        self.use(_f_reply(head + _F_OK_BODY, hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_nul_in_header(self):
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
+        self._f_fails(lc.ProtocolError)
+
+    def test_folded_header_line(self):
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
+        self._f_fails(lc.ProtocolError)
+
+    def test_eof_in_the_middle_of_the_head(self):
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"))
+        self._f_fails(lc.StreamClosedError)
+
+    def test_head_trickled_forever(self):
+        # One header byte every 20 ms: never silent, never a head.  No progress for liveness: stalled.
+        self.use(_f_drip(_f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0))
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+    def test_interim_responses_forever(self):
+        # "100 Continue" heads forever: each is a whole head but none is the response.
+        self.use(_f_drip(_f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0))
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+
+# -- body framing -------------------------------------------------------------------------------------
+
+
+class TestFaultFraming(_f_Case):
+    def _f_cl(self, *values):
+        return b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"".join(b"Content-Length: %s\r\n" % v for v in values) + b"\r\n"
+
+    def test_conflicting_content_length(self):
+        self.use(_f_reply(self._f_cl(b"10", b"20") + b"x" * 20, hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_conflicting_content_length_single_shot(self):
+        self.server.route(
+            "GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]")
+        )
+        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
+
+    def test_negative_content_length(self):
+        self.use(_f_reply(self._f_cl(b"-1"), hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_non_numeric_content_length(self):
+        self.use(_f_reply(self._f_cl(b"12abc"), hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_unsupported_transfer_encoding(self):
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY))
+        self._f_fails(lc.ProtocolError)
+
+    def test_chunk_size_ffffffffffffffff(self):
+        # A size no signed 64-bit counter holds, followed by a whole stream: refused, not read as one chunk.
+        inner = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
+        self.use(_f_reply(STREAM_HEAD + b"ffffffffffffffff\r\n" + inner))
+        self._f_fails(lc.ProtocolError)
+
+    def test_chunk_size_line_without_crlf(self):
+        payload = sse(chunk_json({"content": "Hi"}))
+        self.use(_f_reply(STREAM_HEAD + b"%x" % len(payload) + payload, hold=True))  # size runs into the data
+        self._f_fails(lc.ProtocolError)
+
+    def test_chunk_size_line_never_ends(self):
+        self.use(_f_reply(STREAM_HEAD + b"1" + b"0" * 5000, hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_chunk_data_not_followed_by_crlf(self):
+        payload = sse(chunk_json({"content": "Hi"}))
+        self.use(_f_reply(STREAM_HEAD + b"%x\r\n" % len(payload) + payload + b"XX" + b"0\r\n\r\n", hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_body_shorter_than_its_length_stream(self):
+        body = sse(chunk_json({"content": "Hi"}))
+        self.use(_f_reply(self._f_cl(b"%d" % (len(body) + 500)) + body))
+        self._f_fails(lc.StreamClosedError)
+        self.assertEqual(self._f_kinds(), ["Content"])
+
+    def test_body_shorter_than_its_length_single_shot(self):
+        self.server.route("GET", "/slots", _f_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'))
+        self._f_fails(lc.StreamClosedError, fn=lambda ev: self.client.slots())
+
+    def test_close_mid_chunk(self):
+        payload = sse(chunk_json({"content": "Hi"}))
+        self.use(_f_reply(STREAM_HEAD + b"%x\r\n" % (len(payload) + 200) + payload))
+        self._f_fails(lc.StreamClosedError)
+        self.assertEqual(self._f_kinds(), ["Content"])
+
+    def test_close_mid_event(self):
+        # Close-delimited body: the last event never gets its blank line, so it is discarded.
+        body = sse(chunk_json({"content": "Hi"})) + b"data: " + chunk_json({}, "stop").encode()
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
+        self._f_fails(lc.StreamClosedError)
+        self.assertEqual(self._f_kinds(), ["Content"])
+
+    def test_close_after_finish_without_done_is_clean(self):
+        self.use(_f_reply(STREAM_HEAD + content_stream(["Hi"], done=False)))
+        done = self._f_succeeds()
+        self.assertEqual((done.content, done.finish_reason), ("Hi", "stop"))
+
+    def test_done_then_connection_held(self):
+        # [DONE] completes the response even if the server keeps the connection (and the final 0 chunk).
+        body = chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n")
+        self.use(_f_reply(STREAM_HEAD + body, hold=True))
+        self.assertEqual(self._f_succeeds().content, "Hi")
+
+    def test_html_page_with_200(self):
+        page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
+        self.use(
+            _f_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
+        )
+        self._f_fails(lc.StreamClosedError)
+
+    def test_done_without_finish_reason(self):
+        self.use(_f_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)))
+        self._f_fails(lc.StreamClosedError)
+
+    def test_empty_chunked_body(self):
+        self.use(_f_reply(STREAM_HEAD + b"0\r\n\r\n"))
+        self._f_fails(lc.StreamClosedError)
+
+    def test_error_body_over_max_body(self):
+        self.use(_f_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (_F_LIMITS.max_body + 10)))
+        self._f_fails(lc.ProtocolError)
+
+    def test_single_shot_length_over_max_body(self):
+        self.server.route(
+            "GET",
+            "/slots",
+            _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (_F_LIMITS.max_body + 1), hold=True),
+        )
+        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
+
+
+# -- SSE lines and events -----------------------------------------------------------------------------
+
+
+class TestFaultSSE(_f_Case):
+    def test_two_mib_line_trickled(self):
+        # A 2 MiB line sent one byte a millisecond, slot busy: ProtocolError as max_line is passed, long
+        # before the line ends, with the client never holding more than max_line of it.
+        self._f_limits(max_line=1024, liveness=5.0, busy_wait=10.0)
+        self.server.busy[0] = True
+        sent = [0]
+
+        def handler(req):
+            if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
+                return
+            deadline = time.monotonic() + 6
+            while sent[0] < 2 * 1024 * 1024 and time.monotonic() < deadline:
+                if not req.send(b"x"):
+                    return
+                sent[0] += 1
+                time.sleep(0.001)
+
+        self.use(handler)
+        self._f_fails(lc.ProtocolError, 1024 * 0.0011 + 0.5, at_once=True)
+        self.assertLessEqual(sent[0], 1024 + 64, "the client read %d bytes of a line capped at 1024" % sent[0])
+
+    def test_slow_line_without_event_hits_liveness(self):
+        # Bytes trickle but no event completes for liveness, the slot is idle: a stuck stream.
+        self.use(_f_drip(_f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02))
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+    def test_line_of_max_line_exactly(self):
+        line = _f_padded_line(_F_LIMITS.max_line)
+        self.use(_f_reply(STREAM_HEAD + chunked(line + b"\n\n") + content_stream(["!"], role=False)))
+        done = self._f_succeeds()
+        self.assertEqual(done.content, "x!")
+
+    def test_line_of_max_line_plus_one(self):
+        line = _f_padded_line(_F_LIMITS.max_line + 1)
+        self.use(_f_reply(STREAM_HEAD + chunked(line + b"\n\n") + content_stream(["!"], role=False)))
+        self._f_fails(lc.ProtocolError)
+
+    def test_event_over_max_line_in_many_data_lines(self):
+        self.use(_f_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), hold=True))
+        self._f_fails(lc.ProtocolError)
+
+    def test_half_million_empty_data_lines(self):
+        # 512 Ki + 2 empty "data:" lines in one event, max_line 512 KiB: ProtocolError, in linear time
+        # (joining the lines one += at a time took seconds; at the default 1 MiB, 15 s).
+        self._f_limits(max_line=512 * 1024, liveness=30.0)
+        body = b"data:\n" * (512 * 1024 + 2) + b"\n"
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
+        self._f_fails(lc.ProtocolError, 1.0, at_once=True)
+
+    def test_invalid_utf8_is_replaced(self):
+        raw = sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")
+        self.use(_f_reply(STREAM_HEAD + chunked(raw) + content_stream(["!"], role=False)))
+        done = self._f_succeeds()
+        self.assertEqual(done.content, "A\ufffd\ufffdB!")
+
+    def test_utf8_split_between_reads(self):
+        raw = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
+        cut = raw.index("é".encode()) + 1
+        pieces = [STREAM_HEAD + chunked(raw[:cut]), chunked(raw[cut:]), content_stream(["!"], role=False)]
+        self.use(_f_drip(pieces, 0.02))
+        done = self._f_succeeds(0.2)
+        self.assertEqual(done.content, "é€!")
+
+    def test_nul_byte_in_data(self):
+        raw = sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")
+        self.use(_f_reply(STREAM_HEAD + chunked(raw) + content_stream(["!"], role=False)))
+        self._f_fails(lc.ProtocolError)
+
+
+# -- JSON payloads ------------------------------------------------------------------------------------
+
+
+class TestFaultJSON(_f_Case):
+    def _f_payload(self, payload):
+        self.use(_f_reply(STREAM_HEAD + chunked(sse(payload)) + content_stream(["!"]), hold=True))
+        return self._f_fails(lc.ProtocolError)
+
+    def test_invalid_json(self):
+        self._f_payload('{"choices":[{"delta":{"content":"Hi"')
+
+    def test_json_not_an_object(self):
+        self._f_payload('["choices"]')
+
+    def test_choices_not_a_list(self):
+        self._f_payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')
+
+    def test_delta_is_a_string(self):
+        self._f_payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}')
+
+    def test_tool_call_delta_without_index(self):
+        self._f_payload(
+            chunk_json({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]})
+        )
+
+    def test_deeply_nested_json(self):
+        self._f_limits(max_line=1024 * 1024)
+        self._f_payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}")
+
+    def test_error_code_not_a_decimal(self):
+        # fuzz: {"code":"²"} passed str.isdigit() and broke int(): a bare ValueError escaped.
+        self.use(
+            _f_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}')))
+        )
+        err = self._f_fails(lc.ServerError)
+        self.assertIsNone(err.code)
+
+
+# -- silence, pings and the liveness rule -------------------------------------------------------------
+
+
+class TestFaultWaits(_f_Case):
+    def _f_pings(self):
+        return _f_drip(_f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+
+    def test_pings_forever_idle_slot(self):
+        self.use(self._f_pings())
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+    def test_pings_forever_processing_slot(self):
+        self.server.busy[0] = True
+        self.use(self._f_pings())
+        self._f_fails(lc.StalledError, _F_LIMITS.busy_wait)
+
+    def test_stall_before_head_idle_slot(self):
+        self.use(_f_hold)
+        self._f_fails(lc.StalledError, _F_LIMITS.idle_grace)
+        self.assertIn("Waiting", self._f_kinds())
+
+    def test_stall_before_head_busy_slot(self):
+        self.server.busy[0] = True
+        self.use(_f_hold)
+        self._f_fails(lc.WaitTimeoutError, _F_LIMITS.busy_wait)
+        self.assertTrue(all(e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
+
+    def test_stall_mid_stream(self):
+        self.use(_f_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self.assertEqual(self._f_kinds(), ["Content"])
+
+    def test_stall_mid_head(self):
+        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", hold=True))
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+
+# -- error statuses and error events ------------------------------------------------------------------
+
+
+class TestFaultErrors(_f_Case):
+    def test_http_503_forever(self):
+        self.use(
+            lambda req: respond_json(
+                req,
+                {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+                503,
+                "Service Unavailable",
+            )
+        )
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self.assertGreaterEqual(len(self.server.chat_requests()), 2)
+
+    def test_http_400_prompt_too_long(self):
+        self.use(
+            lambda req: respond_json(
+                req,
+                {
+                    "error": {
+                        "code": 400,
+                        "message": "the request exceeds the available context size",
+                        "type": "exceed_context_size_error",
+                    }
+                },
+                400,
+                "Bad Request",
+            )
+        )
+        err = self._f_fails(lc.HTTPStatusError)
+        self.assertEqual((err.status, err.message), (400, "the request exceeds the available context size"))
+
+    def test_error_status_body_stalls(self):
+        # fuzz (client target): a 400 whose body stops short of its Content-Length on a held connection.
+        self.use(
+            _f_reply(
+                b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
+                hold=True,
+            )
+        )
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+    def test_error_body_deeply_nested(self):
+        # fuzz (http target): json.loads of the error envelope raised RecursionError.
+        body = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
+        self.use(_f_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)))
+        err = self._f_fails(lc.HTTPStatusError)
+        self.assertEqual(err.status, 400)
+
+    def test_http_500_html_body(self):
+        self.use(_f_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"))
+        err = self._f_fails(lc.HTTPStatusError)
+        self.assertEqual((err.status, err.message), (500, "<h1>oops</h1>"))
+
+    def test_error_event_first_503_is_retried(self):
+        event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
+        self.use(_f_sequence(_f_reply(event), _f_reply(STREAM_HEAD + _F_OK_BODY)))
+        done = self._f_succeeds(0.25)
+        self.assertEqual(done.content, "Hello world")
+        self.assertEqual(self._f_kinds()[:1], ["Retrying"])
+
+    def test_error_event_first_503_forever(self):
+        event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
+        self.use(_f_reply(event))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self.assertGreaterEqual(len(self.server.chat_requests()), 2)
+
+    def test_error_event_first_400(self):
+        self.use(
+            _f_reply(
+                STREAM_HEAD + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error"))) + b"0\r\n\r\n"
+            )
+        )
+        err = self._f_fails(lc.ServerError)
+        self.assertEqual((err.code, err.message), (400, "bad grammar"))
+        self.assertEqual(len(self.server.chat_requests()), 1)
+
+    def test_error_event_after_content(self):
+        body = (
+            chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
+            + b"0\r\n\r\n"
+        )
+        self.use(_f_reply(STREAM_HEAD + body))
+        err = self._f_fails(lc.ServerError)
+        self.assertEqual(err.code, 503)
+        self.assertEqual(len(self.server.chat_requests()), 1, "delivered output must never be replayed")
+
+    def test_legacy_error_line(self):
+        body = (
+            chunked(
+                sse(chunk_json({"content": "Hi"})) + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
+            )
+            + b"0\r\n\r\n"
+        )
+        self.use(_f_reply(STREAM_HEAD + body))
+        err = self._f_fails(lc.ServerError)
+        self.assertEqual((err.code, err.message), (500, "boom"))
+
+    def test_legacy_error_line_deeply_nested(self):
+        # fuzz (http target): the legacy payload went through json.loads, whose RecursionError escaped.
+        self._f_limits(max_line=1024 * 1024)
+        self.use(_f_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"))
+        self._f_fails(lc.ServerError)
+
+    def test_legacy_error_line_first_503_is_retried(self):
+        legacy = (
+            STREAM_HEAD
+            + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
+            + b"0\r\n\r\n"
+        )
+        self.use(_f_sequence(_f_reply(legacy), _f_reply(STREAM_HEAD + _F_OK_BODY)))
+        done = self._f_succeeds(0.25)
+        self.assertEqual(done.content, "Hello world")
+        self.assertEqual(len(self.server.chat_requests()), 2)
+
+
+# -- Retry-After --------------------------------------------------------------------------------------
+
+
+class TestFaultRetryAfter(_f_Case):
+    def _f_then_ok(self, value):
+        self.use(_f_sequence(_f_reply(_f_retry_after(value)), _f_reply(STREAM_HEAD + _F_OK_BODY)))
+
+    def _f_delays(self):
+        return [e.delay for e in self._f_events if isinstance(e, lc.Retrying)]
+
+    def test_date_beyond_load_wait(self):
+        self.use(_f_reply(_f_retry_after(_f_email_utils.formatdate(time.time() + 5, usegmt=True).encode())))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+        self.assertEqual(self._f_delays(), [])
+
+    def test_date_in_the_past(self):
+        # A hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop.
+        self._f_then_ok(_f_email_utils.formatdate(time.time() - 60, usegmt=True).encode())
+        self._f_succeeds(0.25)
+        self.assertEqual(len(self._f_delays()), 1)
+        self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())
+
+    def test_zero_forever(self):
+        # "Retry-After: 0" on every answer: retried at the backoff's pace, not hundreds of times a second.
+        self.use(_f_reply(_f_retry_after(b"0")))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self.assertLessEqual(len(self.server.chat_requests()), 4)
+
+    def test_negative(self):
+        self._f_then_ok(b"-5")
+        self._f_succeeds(0.25)
+        self.assertEqual(len(self._f_delays()), 1)
+        self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())  # backoff, not the hint
+
+    def test_malformed(self):
+        self._f_then_ok(b"soon")
+        self._f_succeeds(0.25)
+        self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())
+
+    def test_huge(self):
+        self.use(_f_reply(_f_retry_after(b"99999999999999999999")))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+        self.assertEqual(self._f_delays(), [])
+
+    def test_huge_past_float_range(self):
+        # 400 digits: float(int(...)) raised a bare OverflowError.
+        self.use(_f_reply(_f_retry_after(b"9" * 400)))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+
+    def test_huge_past_int_digit_limit(self):
+        # 5000 digits: int() refuses strings over 4300 digits with a bare ValueError.
+        self.use(_f_reply(_f_retry_after(b"9" * 5000)))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+
+
+# -- /slots -------------------------------------------------------------------------------------------
+
+
+class TestFaultSlots(_f_Case):
+    def test_slots_garbage_while_waiting(self):
+        self.server.route("GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
+        self.use(_f_hold)
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self.assertTrue(all(not e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
+
+    def test_slots_garbage_single_shot(self):
+        self.server.route("GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
+        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
+
+    def test_slots_wrong_shape_single_shot(self):
+        self.server.route("GET", "/slots", lambda req: respond_json(req, [{"id": "0", "is_processing": "yes"}]))
+        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
+
+    def test_slots_hanging_while_waiting(self):
+        self.server.route("GET", "/slots", _f_hold)
+        self.use(_f_hold)
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+
+    def test_slots_hanging_single_shot(self):
+        self.server.route("GET", "/slots", _f_hold)
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness, fn=lambda ev: self.client.slots())
+
+    def test_slots_501_while_waiting(self):
+        not_supported = {
+            "error": {
+                "code": 501,
+                "message": "This server does not support slots endpoint.",
+                "type": "not_supported_error",
+            }
+        }
+        self.server.route("GET", "/slots", lambda req: respond_json(req, not_supported, 501, "Not Implemented"))
+        self.use(_f_hold)
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+
+    def test_slots_501_single_shot(self):
+        not_supported = {
+            "error": {
+                "code": 501,
+                "message": "This server does not support slots endpoint.",
+                "type": "not_supported_error",
+            }
+        }
+        self.server.route("GET", "/slots", lambda req: respond_json(req, not_supported, 501, "Not Implemented"))
+        err = self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots())
+        self.assertEqual((err.status, err.message), (501, "This server does not support slots endpoint."))
+
+    def test_props_not_an_object(self):
+        self.server.route("GET", "/props", lambda req: respond_json(req, [1, 2]))
+        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.props())
+
+
+# -- the reasoning control endpoint -------------------------------------------------------------------
+
+
+class TestFaultControl(_f_Case):
+    limits = _f_dataclasses.replace(_F_LIMITS, thinking_cap=2)
+
+    def setUp(self):
+        super().setUp()
+        reasoning = [chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]
+        self.use(_f_reply(STREAM_HEAD + chunked(sse(*reasoning)), hold=True))
+
+    def _f_control(self, handler):
+        self.server.route("POST", "/v1/chat/completions/control", handler)
+
+    def test_control_404(self):
+        self._f_control(
+            lambda req: respond_json(
+                req, {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404, "Not Found"
+            )
+        )
+        err = self._f_fails(lc.ThinkingOverrunError)
+        self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
+        self.assertEqual(err.tokens, 2)
+
+    def test_control_404_single_shot(self):
+        err = self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.end_reasoning(CID))  # no route: 404
+        self.assertEqual(err.status, 404)
+
+    def test_control_success_false(self):
+        self._f_control(lambda req: respond_json(req, {"success": False}))
+        self._f_fails(lc.ThinkingOverrunError)
+        self.assertEqual(self._f_kinds(), ["Reasoning", "Reasoning"])
+
+    def test_control_success_false_single_shot(self):
+        self._f_control(lambda req: respond_json(req, {"success": False}))
+        self.assertIs(self._f_succeeds(fn=lambda ev: self.client.end_reasoning(CID)), False)
+
+    def test_control_hanging(self):
+        self._f_control(_f_hold)
+        err = self._f_fails(lc.ThinkingOverrunError, _F_LIMITS.liveness)
+        self.assertIsInstance(err.__cause__, lc.StalledError)
+
+
+# -- security -----------------------------------------------------------------------------------------
+
+
+_F_KEY = "sk-loopclient-SECRET-7f3a9c"
+
+
+class TestSecurity(_f_Case):
+    def _f_keyed(self, address=None):
+        self.client.close()
+        self.client = lc.Client(address or self.server.address, limits=_F_LIMITS, api_key=_F_KEY)
+        return self.client
+
+    def test_api_key_never_in_errors_reprs_or_logs(self):
+        records = []
+
+        class Keep(_f_logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage() + repr(record.args) + repr(record.__dict__))
+
+        root = _f_logging.getLogger()
+        keep, level = Keep(_f_logging.DEBUG), root.level
+        root.addHandler(keep)
+        root.setLevel(_f_logging.DEBUG)
+        try:
+            client = self._f_keyed()
+            errors = []
+            self.use(
+                lambda req: respond_json(
+                    req,
+                    {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
+                    401,
+                    "Unauthorized",
+                )
+            )
+            errors.append(self._f_fails(lc.HTTPStatusError))
+            self.assertEqual(self.server.chat_requests()[0].headers["authorization"], "Bearer " + _F_KEY)
+            self.use(_f_reply(b"HELLO\r\n\r\n"))
+            errors.append(self._f_fails(lc.ProtocolError))
+            self.use(_f_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
+            errors.append(self._f_fails(lc.StalledError, _F_LIMITS.liveness))
+            self.server.route(
+                "GET",
+                "/slots",
+                lambda req: respond_json(
+                    req, {"error": {"code": 401, "message": "Invalid API Key"}}, 401, "Unauthorized"
+                ),
+            )
+            errors.append(self._f_fails(lc.HTTPStatusError, fn=lambda ev: client.slots()))
+            stream = client.stream(MSGS, slot=0)
+            texts = [repr(client), str(client), repr(stream), repr(client.limits)]
+            stream.cancel()
+            self._f_keyed(os.path.join(self.server.tmp, "missing.sock"))
+            errors.append(self._f_fails(lc.ConnectError, fn=lambda ev: self.client.props()))
+            errors.append(self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait))
+            for bad in ({"api_key": _F_KEY + "\r\n"}, {"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}):
+                with self.assertRaises(ValueError) as caught:
+                    lc.Client(self.server.address, **bad)
+                errors.append(caught.exception)
+            for err in errors:
+                _f_secret_free(self, _F_KEY, err)
+            for text in texts + records:
+                self.assertNotIn(_F_KEY, text)
+        finally:
+            root.removeHandler(keep)
+            root.setLevel(level)
+
+    def test_crlf_in_header_value_name_key_or_path_refused_before_sending(self):
+        with self.assertRaises(ValueError):
+            lc.Client(self.server.address, headers={"X-Trace": "1\r\nX-Injected: yes"})
+        with self.assertRaises(ValueError):
+            lc.Client(self.server.address, headers={"X-Trace\r\nX-Injected": "1"})
+        with self.assertRaises(ValueError):
+            lc.Client(self.server.address, headers={"X-Trace": "1\nX-Injected: yes"})
+        with self.assertRaises(ValueError):
+            lc.Client(self.server.address, api_key="key\nX-Injected: yes")
+        with self.assertRaises(ValueError):
+            lc.Client("http://127.0.0.1:8080/\r\nX-Injected: yes")
+        with self.assertRaises(ValueError):
+            lc.encode_request("GET", "/slots\r\nX-Injected: yes", "localhost")
+        with self.assertRaises(ValueError):
+            lc.encode_request("GET", "/slots", "localhost", [("X-A", "1\rX-Injected: yes")])
+        self.assertEqual(self.server.requests, [])
+
+    def test_model_name_with_crlf_cannot_inject_a_header(self):
+        self.use(_f_reply(STREAM_HEAD + _F_OK_BODY))
+        evil = "gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"
+        self._f_succeeds(model=evil)
+        req = self.server.chat_requests()[0]
+        self.assertNotIn("x-injected", req.headers)
+        self.assertNotIn(b"X-Injected", req.raw_head)
+        self.assertNotIn(b"\r", req.body)
+        self.assertNotIn(b"\n", req.body)
+        self.assertEqual(req.json()["model"], evil)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_redirects_are_never_followed(self):
+        decoy = FakeServer(tcp=True)
+        try:
+            decoy.stream(_f_reply(STREAM_HEAD + _F_OK_BODY))
+            for status in (
+                b"301 Moved Permanently",
+                b"302 Found",
+                b"303 See Other",
+                b"307 Temporary Redirect",
+                b"308 Permanent Redirect",
+            ):
+                location = decoy.address.encode() + b"/v1/chat/completions"
+                self.use(_f_reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")))
+                err = self._f_fails(lc.HTTPStatusError)
+                self.assertEqual(err.status, int(status[:3]))
+            self.server.route(
+                "GET",
+                "/slots",
+                _f_reply(
+                    _f_head(b"302 Found", b"Location: " + decoy.address.encode() + b"/slots\r\nContent-Length: 0\r\n")
+                ),
+            )
+            self.assertEqual(self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots()).status, 302)
+            self.assertEqual(decoy.requests, [])
+        finally:
+            decoy.close()
+
+    def test_a_response_never_makes_the_client_connect_elsewhere(self):
+        seen = []
+        original = socket.socket.connect
+
+        def spy(sock, address):
+            seen.append(address)
+            return original(sock, address)
+
+        steer = (
+            b"Location: http://10.255.255.1:9/\r\nContent-Location: unix:///tmp/evil.sock\r\n"
+            b'Alt-Svc: h2="10.255.255.1:443"\r\nLink: <http://10.255.255.1/>; rel=preconnect\r\n'
+        )
+        unavailable = b"HTTP/1.1 503 Service Unavailable\r\n" + steer + b"Retry-After: 0\r\nContent-Length: 0\r\n\r\n"
+        stream = b"HTTP/1.1 200 OK\r\n" + steer + b"Transfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
+        self.use(_f_sequence(_f_reply(unavailable), _f_reply(stream)))
+        self.server.route(
+            "GET", "/slots", _f_reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
+        )
+        socket.socket.connect = spy
+        try:
+            self._f_succeeds()
+            self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots())
+        finally:
+            del socket.socket.connect
+        self.assertIs(socket.socket.connect, original)
+        self.assertTrue(seen)
+        self.assertEqual(set(seen), {self.server.path})
+
+
+# -- inputs dev/fuzz.py found, fed again as saved in dev/fuzz-crashes/<hash>.bin ------------------------
+
+
+def _f_unpack(*lines):
+    return _f_zlib.decompress(_f_base64.b64decode("".join(lines)))
+
+
+def _f_saved(target, data, name):
+    """Prove ``data`` is the saved input: the fuzzer names a crash by sha1(target NUL input)."""
+    return _f_hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name
+
+
+class TestFaultFuzzRegressions(_f_Case):
+    def test_fuzz_e2748cec9571aae2_error_body_stalls(self):
+        # client target, connection held open: loopclient._Silence (internal) escaped from _read_body.
+        data = (
+            b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
+            b"Content-Length: 116\r\nConnection: close\r\n\r\n-1"
+        )
+        self.assertTrue(_f_saved("client", data, "e2748cec9571aae2"))
+        cuts = [
+            1,
+            2,
+            3,
+            4,
+            6,
+            7,
+            8,
+            11,
+            13,
+            15,
+            16,
+            18,
+            19,
+            20,
+            21,
+            22,
+            24,
+            25,
+            27,
+            28,
+            30,
+            32,
+            33,
+            35,
+            36,
+            38,
+            41,
+            43,
+            45,
+            46,
+            47,
+            51,
+            52,
+            53,
+            54,
+            56,
+            57,
+            58,
+            59,
+            60,
+            61,
+            62,
+            67,
+            68,
+            70,
+            72,
+            74,
+            76,
+            77,
+            78,
+            80,
+            81,
+            82,
+            85,
+            88,
+            89,
+            90,
+            94,
+            95,
+            96,
+            99,
+            101,
+            102,
+            106,
+            107,
+            109,
+            110,
+            111,
+            113,
+            115,
+            116,
+            117,
+            118,
+            119,
+            120,
+            121,
+            123,
+            124,
+            125,
+            127,
+            130,
+            132,
+            135,
+        ]
+        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+
+        def handler(req):
+            for piece in pieces:  # one send per piece, as the fuzzer's server did
+                req.send(piece)
+            req.wait_peer_close(5)
+
+        self.use(handler)
+        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+
+    def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
+        # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
+        # RecursionError out.  Through the client the 503 is retried (its Retry-After is a past date).
+        data = _f_unpack(
+            "eNrt3bFOg0AYwPGdhHe43NxaqCFtzjgYBx1qNIpxMuaEry1KDwLXJk3T+OAuFh36AC7W/v/Db4BwHB8PcNdpejeIT2KVRKfq"
+            "QZpVkYl6dHZli9K+lhIG3UVpjCpLu7AnWV2HwWXlvDjfT9e1GGXruiwy64vKDd7ayp2pbG6bVvz50k/74zC4F9+s+xdT3y3z"
+            "JHlPDWN1m3k1jOJERSMzHJsoUlc36X7ppnvGqCSYiJv5uVGj5Pumk6x7kVFZWbW73YXBRkvTVI02G51VuWiz+5KeXkjb2pl0"
+            "Vy0AAAAAAAAAAAAAAAAcPZ/MAAAAAAAAAAAAAAAA4Bj5YAYAAAAAAAAAAAAAAAAAAAAAAAC/5J0ZAAAAHB7xloiI6DBa/und"
+            "rflBRERERP+3Z0ZAREREh5WeVDYv3EwtqlxK3dN+XYs2erk/ifzl55jv7fYL1WhviQ=="
+        )
+        self.assertTrue(_f_saved("http", data, "403724efe73ee4d8"))
+        reader = lc.ResponseReader(max_body=65536)
+        body = b"".join(reader.feed(data))
+        reader.feed_eof()
+        self.assertEqual(reader.head.status, 503)
+        message, _ = lc.parse_error_envelope(body)
+        self.assertTrue(message.startswith('{"error":{"code":503'))
+        self.use(_f_reply(data))
+        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+
+    def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
+        # assembler target: {"code": "\u00b2"} passed str.isdigit(), then int() raised a bare ValueError.
+        data = _f_unpack(
+            "eNrlk89OAjEQxu88hCFz3sUuIOieTQzxoolREiSb0i1LpX+WtiviZh/N+Ei+grNo1IsGPBCMvXTafNPO9+u0BG6tsRA3S2Am"
+            "5RjAbUHIpA1BExR3jmbrTVWv/SpfLzxUVeMAM2ZGMO4gHpUwFVq4WWI5dUZDrAspgz0JQOiUP0BMAkhT6SnEJXhjZMKolG/V"
+            "fyqmhWZe1LklUJsVimuPGmDCr9D2y/NTVY0DYGjU8xTiqH/SI6QXRX28J62FM+qZymVIh0t/fpmeZfeP3QG/OY2Ou8Nre6UW"
+            "C5n7AR4agELkEnPWszvMuFI07ITtPlHhopvME9XKsqJCpVs5z1WClDNucyu0hxhrmZCw0HNtliPUmMkdZ/69hBYzWASvrbTY"
+            "DEWATxaRH8cmb/oVJv8tzOYtIMvxzklOvyEJHxz1Rhx3hOmCWuG2AhU3c/TVaOwVsAC8UJiNlrwtePV/2+yIdLburxrHH/8m"
+            "r6SfJkg="
+        )
+        self.assertTrue(_f_saved("assembler", data, "080ec222851097f5"))
+        asm = lc.Assembler()
+        with self.assertRaises(lc.LoopError) as caught:
+            for payload in data.decode("utf-8", "surrogatepass").split("\n\x1e"):
+                asm.feed(payload)
+            asm.completion()
+        self.assertIs(type(caught.exception), lc.ServerError)
+        self.assertIsNone(caught.exception.code)
+
+    def test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event(self):
+        # sse target, max_line 1 MiB: 605,552 "data:" lines in one event took 5 s (a str += per line).
+        prefix, suffix = _f_unpack(
+            "eNrtk8FOwkAQhjnzFGTOLRY1EPYmB40GjVGMQWOa7Xbaru3ulu5UIIR3ZyDGi0fjCU47u5n5598vM6kkKXobUIXTCj2I9w1k"
+            "2mpfxA1K7ywI21ZVANqmuAIRBZBiRRLEBhpXIQiQ3mtP0hIEoJwl5OhQtN1+8AvLEKYgBqPxMIqGg2jMYnznlpKUqatw+nLz"
+            "kN3Nvu7Xbyu8etKTfFlfzzMcTxZJPS8t6xrHXbnmcPqzHI2R4UV4PopMuLiMy9j087zNONOvPaGJ+Q85NnWj92YgicLWltYt"
+            "91ou+URF3wb6yrEFJO1sXxWcBNtuN/0DlB8C8NpoQjhyCD1nTww87kN1AiET19LRU6DiCCeh8/w4vZ11fm2G/C8UO0O3Tbw="
+        ).split(b"\0SPLIT\0")
+        data = prefix + b"data:\n" * 605552 + suffix
+        self.assertTrue(_f_saved("sse", data, "5dff79bad8bec29d"))
+        cuts = [
+            114632,
+            149591,
+            151321,
+            202273,
+            234323,
+            267737,
+            294555,
+            311822,
+            350253,
+            411743,
+            546256,
+            594560,
+            665268,
+            674184,
+            713838,
+            740823,
+            808220,
+            1241270,
+            1353040,
+            1413642,
+            1527123,
+            1642733,
+            1660069,
+            1689020,
+            1698772,
+            1747410,
+            1892217,
+            1930808,
+            2108136,
+            2136392,
+            2316960,
+            2358204,
+            2431132,
+            2437755,
+            2499227,
+            2562357,
+            2643570,
+            2669312,
+            2761979,
+            2974146,
+            3119869,
+            3128443,
+            3176700,
+            3199854,
+            3226151,
+            3230152,
+            3367604,
+            3382109,
+            3516771,
+            3596593,
+        ]
+        decoder = lc.SSEDecoder(1024 * 1024)
+        start = time.thread_time()
+        try:
+            for a, b in zip([0] + cuts, cuts + [len(data)]):
+                decoder.feed(data[a:b])
+            decoder.close()
+        except lc.LoopError:
+            pass
+        self.assertLess(time.thread_time() - start, 1.0)
+
+    def test_fuzz_e517c807fa701495_deeply_nested_error_event(self):
+        # http target: "event: error" blocks whose data nests 100,000 lists; _json_or_text let RecursionError out.
+        data = _f_unpack(
+            "eNrt081u20YUBtC9AL+DMWtJptxCqriL2yZBmjhF4CwcwxBkaiSzFklZpP8g6N07aoOi3RZtNz1nd2e+OzOXAN9eXPx8Mhpm"
+            "x6dZdvzxp6Pe903dxbobXLxsYn7cxefuJD4eFtpuG+fVUe+ot5h38/x4F4rbpixiG/KrXViWddnezlKkbeqQ1w/rdT+U9SI+"
+            "hzzrh0Vcd/OQp57fjw95eBvX6ybs99f9UKS2Li5CPppMx1k2HmXT1JzqdMW8K6rNevD+85vz5buLxw8vX57jq0/l2epp8/py"
+            "Gadn9zeby7s69EPVpFvSYwAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+            "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAOB/YnQNAAAAAAAAAAAAAAAAAAAAAAAA/7L4GOsuP47b"
+            "bbPtKRT/fOEnAwAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+            "AAAAAAAAAAAAAAAAAAAA+PtC1Sziuj1ZxaqaD74ZnE6yanD/7exuVg1Xq4dl6If2pe1iNVuW9SpuN9uy7kIebrLBQ31XN091"
+            "SjQ3v8TisFrczrth0VSbdezKph4WtykU9r3eYt7N8+NdCjRlEduQX+1COrBsb2fbOG+bOjW3XbNJh5X1Ij6HPOuH9LBuHvLd"
+            "fn/dD0XKdXER8tFkOs6y8Sibpuzi66VFunLw/vOb8+W7i8cPL1+e46tP5dnqafP6chmnZ/c3m8u7w0t/mzb1/AdT90NXVqk7"
+            "DbsLm23a7mZpzNP07K9VlbYm4+HksBAXZZHGOyRG4z8vHEKj6elfU5u4nbWxaOo0/2Qy/G7/xye++uHj+Y/Xvd6vrrBSLw=="
+        )
+        self.assertTrue(_f_saved("http", data, "e517c807fa701495"))
+        self._f_limits(max_line=1024 * 1024)  # as the fuzzer ran it
+        self.use(_f_reply(data))
+        self._f_fails(lc.ServerError)
+
+    def test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client(self):
+        # client target (thinking_cap 2, slot 1, connection held): the same RecursionError, through chat().
+        data = _f_unpack(
+            "eNrt3TFLw0AYgOH94P7Dkdm0idAlW5WK4FCxGQQRCenXGEzvwl1aW0r/u0kc/AVakPcdHkLuErhM2b77PH+cppPUXCeJWT5o"
+            "tRK/F5+Zpim2xaRsW63mZSkhxLfOdt418bxp3Ge89HVV28xo9RwPG5r4ZrfZiK9tlRnrtBq2i+3i/NhKZjo5dFPZDzdC56XY"
+            "apX7wq7uFk/xD6F/wWVZ2NKtxzOU7zv7IevxIFbKrnb9acvGBdFKq9lMK/He9V/qFI0X0XDVPyxRdooKAAAAAAAAAAAAAAAA"
+            "AAAAAAAAAAAAAAAAAAAAAAAA+FNeiOjfl74S0b+PnxoAAAAAAAAAAAAAAAAAAAAAgEuRnomIiIiIiIiIiOjXM7MkuTLRVkIo"
+            "KokyE1WuM3IopR0GqUf9Wndsx4UwDpx/+56hfj4rpVUyTFj/AjdNSCg="
+        )
+        self.assertTrue(_f_saved("client", data, "0f7c31287867b84c"))
+        cuts = [
+            411,
+            463,
+            492,
+            1598,
+            1797,
+            2479,
+            2817,
+            2946,
+            3152,
+            3167,
+            3544,
+            3872,
+            4090,
+            4656,
+            5164,
+            5199,
+            5414,
+            6247,
+            6599,
+            8290,
+            8665,
+            12333,
+            12504,
+            13053,
+            13071,
+            13306,
+            13756,
+            14157,
+            15025,
+            15040,
+            15846,
+            16375,
+            16971,
+            18159,
+            19879,
+            21782,
+            21900,
+            22167,
+            22337,
+            22414,
+            22612,
+            23561,
+            25262,
+            25424,
+            25712,
+            27230,
+            27912,
+            28431,
+            29891,
+            30502,
+        ]
+        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+
+        def handler(req):
+            for piece in pieces:
+                req.send(piece)
+            req.wait_peer_close(5)
+
+        self._f_limits(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4)
+        self.use(handler)
+        self._f_fails(lc.ServerError, slot=1)
+
+
+# =====================================================================================================
 # Against a real llama-server (LOOPCLIENT_REAL_SOCKET, and LOOPCLIENT_REAL_URL for TCP; see .ci/run)
 # =====================================================================================================
 

@@ -1,0 +1,856 @@
+#!/usr/bin/env python3
+"""Benchmarks for loopclient.py (standard library only): each figure is a ratio against a floor measured in
+the same run, the two alternated (ABBA order, so drift cancels), reported as median and spread (min..max).
+
+    python3 dev/bench.py              # all five figures, full sizes
+    python3 dev/bench.py --quick      # smaller sizes, a smoke check
+    python3 dev/bench.py --only 3     # one figure
+    python3 dev/bench.py --profile    # cProfile of figure 1's loopclient side (top functions)
+
+Figures:
+    1. Stream throughput: events/s reading a 200,000-event llama-server stream over a Unix socket, against
+       a tight hand-written reader (de-chunk, split lines, json.loads, append).  Target >= 0.85x.
+    2. Import cost: a fresh interpreter running ``import loopclient`` against ``import socket, json,
+       threading``, bytecode cached.  Target <= 1.15x.
+    3. Memory: peak RSS growth (VmHWM) of a fresh process streaming the 200,000 events, against a budget
+       of the assembled text length plus 8 MiB (the floor reader's growth is shown beside it).
+    4. Per-request overhead: 2,000 sequential five-event streams against an instant server, against raw
+       sockets doing the same exchange.  Target >= 0.7x.
+    5. Many waiters: 64 threads, 5,000 requests over 8 pinned slots with Limits(queue_len=8), against the
+       same load with the client's gate never queueing.  Target < 1.10x, every request served or refused
+       with BusyError, at most one /slots request in flight.
+
+Every server is a separate process (fork), so it never competes with the measured reader for the GIL.
+The exit code is 0 even when a figure fails: this is a report.  The Markdown table at the end is for the
+README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import loopclient as lc  # noqa: E402  (imported by path: the repository root)
+
+_ctx = multiprocessing.get_context("fork")
+
+# -----------------------------------------------------------------------------------------------------
+# Fixtures: bytes in the real server's shape (../shared/transcripts/04 and 06)
+# -----------------------------------------------------------------------------------------------------
+
+CID = "chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn"
+MODEL = "models/gemma-3-270m-q4_k_m.gguf"
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\nX-Accel-Buffering: no\r\n"
+    b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+)
+TIMINGS = {"cache_n": 1, "prompt_n": 29, "prompt_ms": 76.722, "prompt_per_token_ms": 2.6455862068965517,
+           "prompt_per_second": 377.98806079090747, "predicted_n": 16, "predicted_ms": 192.748,
+           "predicted_per_token_ms": 12.849866666666665, "predicted_per_second": 77.82181916284476}
+USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34, "prompt_tokens_details": {"cached_tokens": 21}}
+MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+# Token-sized pieces, as a tokenizer cuts prose: leading spaces, punctuation, newlines, a quote, a
+# Latin-1 letter (the server writes UTF-8 unescaped).
+WORDS = tuple(
+    "Write| one| sentence| about| the| sea|.|\n|The| sea| is| a| vast|,| restless| expanse| of| salt| water"
+    "| that| covers| most| of| the| planet|,| shaping| weather|,| trade| and| the| stories| we| tell|."
+    "|\n\n|Sailors| call| it| \"|the| deep|\"|;| poets| call| it| a| mirror|.| Caf|é| owners| by| the| harbour"
+    "| simply| call| it| business|.|\n".split("|")
+)
+
+
+def chunk_json(delta=None, finish=None, extra=None, choices=True):
+    """One chunk payload as llama-server writes it (key order, separators, raw UTF-8)."""
+    doc = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta if delta is not None else {}}] if choices else []}
+    doc.update({"created": 1796006109, "id": CID, "model": MODEL, "system_fingerprint": "b0-unknown",
+                "object": "chat.completion.chunk"})
+    if extra:
+        doc.update(extra)
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def sse(payload):
+    return b"data: " + payload + b"\n\n"
+
+
+def chunk(body):
+    return b"%x\r\n%s\r\n" % (len(body), body)
+
+
+def stream_text(n_events, words=WORDS):
+    return "".join(words[i % len(words)] for i in range(n_events))
+
+
+def stream_response(n_events, words=WORDS):
+    """The whole response, head included: role chunk sharing an HTTP chunk with the first delta, one HTTP
+    chunk per content delta, finish (with timings) and usage chunks sharing one, [DONE], the 0 chunk."""
+    framed = {w: chunk(sse(chunk_json({"content": w}))) for w in set(words)}
+    parts = [STREAM_HEAD, chunk(sse(chunk_json({"role": "assistant", "content": None})) + sse(chunk_json({"content": words[0]})))]
+    parts.extend(framed[words[i % len(words)]] for i in range(1, n_events))
+    fin = sse(chunk_json({}, "stop", extra={"timings": TIMINGS}))
+    fin += sse(chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS}))
+    parts += [chunk(fin), chunk(b"data: [DONE]\n\n"), b"0\r\n\r\n"]
+    return b"".join(parts)
+
+
+def json_response(doc):
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+
+
+def read_request(conn):
+    """(method, path, body) of one HTTP request, or None when the peer closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = conn.recv(65536)
+        if not more:
+            return None
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    method, path, _ = lines[0].decode("latin-1").split(" ", 2)
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        more = conn.recv(65536)
+        if not more:
+            break
+        body += more
+    return method, path, body
+
+
+# -----------------------------------------------------------------------------------------------------
+# Server processes: the parent binds and listens, the forked child accepts (so it is ready at once)
+# -----------------------------------------------------------------------------------------------------
+
+
+class ServerProcess:
+    def __init__(self, target, *args):
+        self.dir = tempfile.mkdtemp(prefix="lcb", dir="/tmp")
+        self.path = os.path.join(self.dir, "s.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(256)
+        ours, theirs = _ctx.Pipe()
+        self.proc = _ctx.Process(target=target, args=(listener, theirs) + args, daemon=True)
+        self.proc.start()
+        listener.close()
+        theirs.close()
+        if not ours.poll(120):
+            self.close()
+            raise RuntimeError("server process did not start")
+        self.info = ours.recv()
+        ours.close()
+
+    def close(self):
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+SEND_SLICE = 4 * 1024 * 1024
+
+
+def _stream_sender(listener, pipe, n_events):
+    """Replays the pre-built stream to every chat request, in 4 MiB sendall() calls; answers /props."""
+    blob = memoryview(stream_response(n_events))
+    props = json_response({"total_slots": 1, "build_info": "b0-unknown"})
+    pipe.send(len(blob))
+    pipe.close()
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                req = read_request(conn)
+                if req is None:
+                    continue
+                if req[1] != "/v1/chat/completions":
+                    conn.sendall(props)
+                    continue
+                for i in range(0, len(blob), SEND_SLICE):
+                    conn.sendall(blob[i : i + SEND_SLICE])
+            except OSError:  # the reader stops at [DONE] and may close before the final 0 chunk
+                pass
+
+
+def _instant_server(listener, pipe, response):
+    """One connection at a time: read the request, answer the canned response, close."""
+    props = json_response({"total_slots": 1})
+    pipe.send(None)
+    pipe.close()
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                req = read_request(conn)
+                if req is not None:
+                    conn.sendall(response if req[1] == "/v1/chat/completions" else props)
+            except OSError:
+                pass
+
+
+def _slot_server(listener, pipe, response, n_slots, slots_delay, hold_every, hold):
+    """A thread per connection, like llama-server's HTTP pool.  A slot serves one chat at a time (the next
+    request for it gets no byte until the previous one is answered, as in transcript 21); every
+    ``hold_every``-th chat holds its slot ``hold`` seconds before the head, so waiters poll /slots.  /slots
+    answers after ``slots_delay`` and counts how many are in flight at once."""
+    lock = threading.Lock()
+    slot_locks = [threading.Lock() for _ in range(n_slots)]
+    busy = [False] * n_slots
+    stats = {}
+
+    def reset():
+        stats.update(chats=0, held=0, slots_requests=0, slots_in_flight=0, slots_max_in_flight=0)
+
+    def handle(conn):
+        with conn:
+            try:
+                req = read_request(conn)
+                if req is None:
+                    return
+                method, path, body = req
+                if path == "/v1/chat/completions":
+                    slot = json.loads(body).get("id_slot", 0) % n_slots
+                    with slot_locks[slot]:
+                        busy[slot] = True
+                        with lock:
+                            stats["chats"] += 1
+                            held = hold_every and stats["chats"] % hold_every == 0
+                            stats["held"] += bool(held)
+                        if held:
+                            time.sleep(hold)
+                        conn.sendall(response)
+                        busy[slot] = False
+                elif path == "/slots":
+                    with lock:
+                        stats["slots_requests"] += 1
+                        stats["slots_in_flight"] += 1
+                        stats["slots_max_in_flight"] = max(stats["slots_max_in_flight"], stats["slots_in_flight"])
+                    try:
+                        time.sleep(slots_delay)
+                        conn.sendall(json_response([{"id": i, "n_ctx": 1024, "is_processing": b} for i, b in enumerate(busy)]))
+                    finally:
+                        with lock:
+                            stats["slots_in_flight"] -= 1
+                elif path == "/stats":
+                    with lock:
+                        doc = dict(stats)
+                    conn.sendall(json_response(doc))
+                elif path == "/reset":
+                    with lock:
+                        reset()
+                    conn.sendall(json_response({}))
+                else:
+                    conn.sendall(json_response({"total_slots": n_slots}))
+            except OSError:
+                pass
+
+    reset()
+    pipe.send(None)
+    pipe.close()
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+def raw_get(path, target):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(path)
+        s.sendall(b"GET %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n" % target.encode())
+        data = b""
+        while True:
+            more = s.recv(65536)
+            if not more:
+                break
+            data += more
+    finally:
+        s.close()
+    return json.loads(data.partition(b"\r\n\r\n")[2])
+
+
+def request_bytes(client, slot):
+    """The exact bytes loopclient sends for MSGS on ``slot`` (built by loopclient itself)."""
+    stream = client.stream(MSGS, slot=slot)
+    data = getattr(stream, "_request", None)
+    if not isinstance(data, bytes):  # private attribute renamed: build an equivalent request
+        body = json.dumps({"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": slot}).encode()
+        data = lc.encode_request("POST", "/v1/chat/completions", "localhost",
+                                 [("Accept", "text/event-stream"), ("Content-Type", "application/json"),
+                                  ("Connection", "close"), ("User-Agent", "loopclient/" + lc.__version__)], body)
+    return data
+
+
+# -----------------------------------------------------------------------------------------------------
+# Measurement helpers
+# -----------------------------------------------------------------------------------------------------
+
+
+def alternate(measure_a, measure_b, pairs):
+    """[(a, b)] from ``pairs`` pairs, in ABBA order so that a slow drift hits both sides alike."""
+    out = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a = measure_a()
+            b = measure_b()
+        else:
+            b = measure_b()
+            a = measure_a()
+        out.append((a, b))
+    return out
+
+
+class Figure:
+    def __init__(self, number, name, unit, lc_value, floor_value, ratios, target, passed, note=""):
+        self.number = number
+        self.name = name
+        self.unit = unit
+        self.lc_value = lc_value
+        self.floor_value = floor_value
+        self.ratios = ratios
+        self.target = target
+        self.passed = passed
+        self.note = note
+
+    @property
+    def median(self):
+        return statistics.median(self.ratios)
+
+    def spread(self):
+        return "%.2f..%.2f" % (min(self.ratios), max(self.ratios))
+
+    @property
+    def verdict(self):
+        return "info" if self.passed is None else "PASS" if self.passed else "FAIL"
+
+    def line(self):
+        return "[%d] %s: loopclient %s, floor %s; ratio %.3f (%s, %d pairs), target %s: %s%s" % (
+            self.number, self.name, self.lc_value, self.floor_value, self.median, self.spread(), len(self.ratios),
+            self.target, self.verdict, ("\n    " + self.note) if self.note else "")
+
+
+def fmt_rate(x, unit):
+    return "{:,.0f} {}".format(x, unit)
+
+
+def collect():
+    gc.collect()
+
+
+# -----------------------------------------------------------------------------------------------------
+# 1 and 3. Stream throughput and memory
+# -----------------------------------------------------------------------------------------------------
+
+RECV = lc.RECV_SIZE if isinstance(getattr(lc, "RECV_SIZE", None), int) else 256 * 1024
+
+
+def floor_stream(path, request):
+    """The least a correct reader does: one socket, de-chunk, split lines, json.loads each data line,
+    append the content.  No checks.  Returns (content events, text)."""
+    loads = json.loads
+    parts = []
+    append = parts.append
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(request)
+    recv = s.recv
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += recv(RECV)
+    data = data[data.index(b"\r\n\r\n") + 4 :]
+    left = 0  # chunk bytes still due, its closing CRLF included
+    pending = b""  # a partial chunk-size line
+    tail = b""  # a partial SSE line
+    done = False
+    while True:
+        if pending:
+            data = pending + data
+            pending = b""
+        out = []
+        pos = 0
+        end = len(data)
+        while pos < end:
+            if left:
+                take = end - pos
+                if take >= left:
+                    if left > 2:
+                        out.append(data[pos : pos + left - 2])
+                    pos += left
+                    left = 0
+                else:
+                    if left > 2:
+                        out.append(data[pos : pos + min(take, left - 2)])
+                    left -= take
+                    pos = end
+                continue
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                pending = data[pos:]
+                break
+            size = int(data[pos:nl], 16)
+            pos = nl + 1
+            if not size:
+                done = True
+                break
+            left = size + 2
+        block = tail + b"".join(out)
+        cut = block.rfind(b"\n") + 1
+        tail = block[cut:]
+        for line in block[:cut].decode().split("\n"):
+            if line.startswith("data: {"):
+                choices = loads(line[6:])["choices"]
+                if choices:
+                    text = choices[0]["delta"].get("content")
+                    if text:
+                        append(text)
+        if done:
+            break
+        data = recv(RECV)
+        if not data:
+            break
+    s.close()
+    return len(parts), "".join(parts)
+
+
+def lc_stream(path):
+    """loopclient's stream, iterated; returns (content events, completion text)."""
+    client = lc.Client(path)
+    n = 0
+    with client.stream(MSGS, slot=0) as stream:
+        for ev in stream:
+            if type(ev) is lc.Content:
+                n += 1
+    client.close()
+    return n, stream.completion.content
+
+
+def timed(fn, *args):
+    collect()
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - t0, result
+
+
+def fig_stream(cfg, server, request, text):
+    n_events = cfg.events
+
+    def check(result, who):
+        n, got = result
+        if n != n_events or got != text:
+            raise AssertionError("%s read %d events / %d chars; expected %d / %d" % (who, n, len(got), n_events, len(text)))
+
+    def a():
+        dt, res = timed(lc_stream, server.path)
+        check(res, "loopclient")
+        return n_events / dt
+
+    def b():
+        dt, res = timed(floor_stream, server.path, request)
+        check(res, "floor")
+        return n_events / dt
+
+    a(), b()  # warm-up
+    results = alternate(a, b, cfg.pairs)
+    ratios = [x / y for x, y in results]
+    lc_rate = statistics.median(x for x, _ in results)
+    floor_rate = statistics.median(y for _, y in results)
+    med = statistics.median(ratios)
+    return Figure(1, "stream throughput (%d events, %.1f MB)" % (n_events, server.info / 1e6), "events/s",
+                  fmt_rate(lc_rate, "ev/s"), fmt_rate(floor_rate, "ev/s"), ratios, ">= 0.85x", med >= 0.85)
+
+
+_MEM_CHILD = "--child-mem"
+
+
+def vm_hwm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def child_mem(mode, path):
+    """Runs in a fresh interpreter: VmHWM growth over one 200,000-event stream."""
+    request = request_bytes(lc.Client(path), 0)
+    gc.collect()
+    before = vm_hwm()
+    n, text = lc_stream(path) if mode == "lc" else floor_stream(path, request)
+    after = vm_hwm()
+    print(json.dumps({"growth": after - before, "before": before, "events": n, "chars": len(text)}))
+
+
+def fig_memory(cfg, server, text):
+    exe = os.path.realpath(sys.executable)
+    budget = len(text) + 8 * 1024 * 1024
+
+    def run(mode):
+        out = subprocess.run([exe, os.path.abspath(__file__), _MEM_CHILD, mode, server.path],
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError("memory child failed: %s" % out.stderr[-2000:])
+        doc = json.loads(out.stdout.strip().splitlines()[-1])
+        if doc["events"] != cfg.events or doc["chars"] != len(text):
+            raise AssertionError("memory child read %r" % doc)
+        return doc["growth"]
+
+    results = alternate(lambda: run("lc"), lambda: run("floor"), max(2, cfg.pairs))
+    ratios = [x / budget for x, _ in results]
+    worst = max(x for x, _ in results)
+    return Figure(3, "memory, peak RSS growth streaming %d events" % cfg.events, "bytes",
+                  "%.2f MiB (worst %.2f)" % (statistics.median(x for x, _ in results) / 2**20, worst / 2**20),
+                  "%.2f MiB" % (statistics.median(y for _, y in results) / 2**20),
+                  ratios, "<= 1.00 of text (%.2f MiB) + 8 MiB, worst run" % (len(text) / 2**20), worst <= budget,
+                  "ratio = loopclient growth / budget; the floor reader's growth is shown for scale")
+
+
+# -----------------------------------------------------------------------------------------------------
+# 2. Import cost
+# -----------------------------------------------------------------------------------------------------
+
+
+def fig_import(cfg):
+    exe = os.path.realpath(sys.executable)
+    cache = tempfile.mkdtemp(prefix="lcb-pyc", dir="/tmp")
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # measure what users get: bytecode cached
+    pre = "import sys; sys.path.insert(0, %r); " % ROOT
+    target = pre + "import loopclient"
+    floor = pre + "import socket, json, threading"
+
+    def runner(flags):
+        def run(code):
+            t0 = time.perf_counter()
+            subprocess.run([exe] + flags + ["-X", "pycache_prefix=" + cache, "-c", code], env=env, check=True)
+            return time.perf_counter() - t0
+        return run
+
+    figures = []
+    try:
+        for flags, label in (([], "plain"), (["-I", "-S"], "-I -S, for information")):
+            run = runner(flags)
+            for _ in range(3):  # warm the bytecode cache and the page cache
+                run(target), run(floor)
+            results = alternate(lambda: run(target), lambda: run(floor), cfg.import_pairs)
+            ratios = [x / y for x, y in results]
+            med = statistics.median(ratios)
+            figures.append(Figure(
+                2, "import cost (%s)" % label, "ms",
+                "%.1f ms" % (1000 * statistics.median(x for x, _ in results)),
+                "%.1f ms" % (1000 * statistics.median(y for _, y in results)),
+                ratios, "<= 1.15x" if not flags else "(info)", med <= 1.15 if not flags else None))
+        # For information: no bytecode cache at all (what PYTHONDONTWRITEBYTECODE=1 with no __pycache__ gives).
+        # The standard library keeps its own cached bytecode; loopclient.py is compiled on every import
+        # (unless a __pycache__ sits beside it).
+        env_nc = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+
+        def run_nc(code):
+            t0 = time.perf_counter()
+            subprocess.run([exe, "-c", code], env=env_nc, check=True)
+            return time.perf_counter() - t0
+
+        nc = alternate(lambda: run_nc(target), lambda: run_nc(floor), 5)
+        figures[0].note = "with PYTHONDONTWRITEBYTECODE=1 (as in this sandbox) loopclient costs %.1f ms vs %.1f ms%s" % (
+            1000 * statistics.median(x for x, _ in nc), 1000 * statistics.median(y for _, y in nc),
+            " (a __pycache__ is beside it)" if os.path.isdir(os.path.join(ROOT, "__pycache__")) else ", compiled on every import")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return figures
+
+
+# -----------------------------------------------------------------------------------------------------
+# 4. Per-request overhead
+# -----------------------------------------------------------------------------------------------------
+
+SHORT = ("The", " sea", " is", " wide", ".")
+
+
+def short_response():
+    return stream_response(len(SHORT), SHORT)
+
+
+def fig_requests(cfg):
+    response = short_response()
+    server = ServerProcess(_instant_server, response)
+    try:
+        client = lc.Client(server.path)
+        request = request_bytes(client, 0)
+        n = cfg.requests
+
+        def a():
+            collect()
+            events = 0
+            t0 = time.perf_counter()
+            for _ in range(n):
+                for ev in client.stream(MSGS, slot=0):
+                    events += 1
+            dt = time.perf_counter() - t0
+            if events != 5 * n:
+                raise AssertionError("loopclient got %d events, expected %d" % (events, 5 * n))
+            return n / dt
+
+        def b():
+            collect()
+            total = 0
+            t0 = time.perf_counter()
+            for _ in range(n):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(server.path)
+                s.sendall(request)
+                while True:
+                    data = s.recv(65536)
+                    if not data:
+                        break
+                    total += len(data)
+                s.close()
+            dt = time.perf_counter() - t0
+            if total != n * len(response):
+                raise AssertionError("raw floor read %d bytes" % total)
+            return n / dt
+
+        a(), b()
+        results = alternate(a, b, cfg.pairs)
+        client.close()
+    finally:
+        server.close()
+    ratios = [x / y for x, y in results]
+    med = statistics.median(ratios)
+    return Figure(4, "per-request overhead (%d sequential 5-event streams)" % n, "req/s",
+                  fmt_rate(statistics.median(x for x, _ in results), "req/s"),
+                  fmt_rate(statistics.median(y for _, y in results), "req/s"), ratios, ">= 0.70x", med >= 0.70)
+
+
+# -----------------------------------------------------------------------------------------------------
+# 5. Many waiters
+# -----------------------------------------------------------------------------------------------------
+
+N_THREADS = 64
+N_SLOTS = 8
+
+
+def many(path, total, slot_of, limits):
+    """``N_THREADS`` threads share ``total`` requests; returns (seconds, served, busy, errors, events)."""
+    client = lc.Client(path, limits=limits)
+    counter = itertools.count()
+    lock = threading.Lock()
+    tally = {"served": 0, "busy": 0, "events": 0, "errors": []}
+    barrier = threading.Barrier(N_THREADS + 1)
+
+    def worker(t):
+        slot = slot_of(t)
+        served = busy = events = 0
+        errors = []
+        barrier.wait()
+        while next(counter) < total:
+            try:
+                with client.stream(MSGS, slot=slot) as stream:
+                    for ev in stream:
+                        if type(ev) is lc.Content:
+                            events += 1
+                served += 1
+            except lc.BusyError:
+                busy += 1
+            except Exception as exc:  # noqa: BLE001 - reported, not hidden
+                errors.append(repr(exc))
+        with lock:
+            tally["served"] += served
+            tally["busy"] += busy
+            tally["events"] += events
+            tally["errors"] += errors
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(N_THREADS)]
+    for thread in threads:
+        thread.start()
+    collect()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.join(600)
+    dt = time.perf_counter() - t0
+    client.close()
+    return dt, tally
+
+
+def many_raw(path, total, requests):
+    counter = itertools.count()
+    barrier = threading.Barrier(N_THREADS + 1)
+
+    def worker(t):
+        request = requests[t % N_SLOTS]
+        barrier.wait()
+        while next(counter) < total:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(request)
+            while s.recv(65536):
+                pass
+            s.close()
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(N_THREADS)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.join(600)
+    return time.perf_counter() - t0
+
+
+def fig_waiters(cfg):
+    total = cfg.waiter_requests
+    hold_every = max(1, total // 10)  # ten slow requests per run
+    server = ServerProcess(_slot_server, short_response(), N_SLOTS, 0.005, hold_every, 0.12)
+    limits = lc.Limits(queue_len=8, poll=0.05)
+    problems = []
+    slots_seen = []
+
+    def run(slot_of, label):
+        raw_get(server.path, "/reset")
+        dt, tally = many(server.path, total, slot_of, limits)
+        stats = raw_get(server.path, "/stats")
+        if tally["served"] + tally["busy"] != total or tally["errors"]:
+            problems.append("%s: %d served + %d busy of %d, errors %s" % (label, tally["served"], tally["busy"], total, tally["errors"][:3]))
+        if tally["events"] != 5 * tally["served"] or stats["chats"] != tally["served"]:
+            problems.append("%s: %d events for %d served, server saw %d chats" % (label, tally["events"], tally["served"], stats["chats"]))
+        if stats["slots_max_in_flight"] > 1:
+            problems.append("%s: %d /slots requests in flight at once" % (label, stats["slots_max_in_flight"]))
+        slots_seen.append((label, stats["slots_requests"], stats["slots_max_in_flight"], tally["busy"]))
+        return dt
+
+    # Gated: thread t pins slot t % 8, so eight threads share each slot and the client's gate queues
+    # seven of them.  Ungated baseline: the same client code, server, request count and server-side slot
+    # (thread t asks slot t, which the server maps to t % 8, as llama-server wraps id_slot), but every
+    # thread has its own gate lane, so the gate never queues and the server's slot does the waiting.
+    # The difference is what the gate costs.  (Raw sockets would also count loopclient's per-request
+    # cost, which figure 4 measures; they are shown below for information.)
+    try:
+        gated = lambda: run(lambda t: t % N_SLOTS, "gated")  # noqa: E731
+        ungated = lambda: run(lambda t: t, "ungated")  # noqa: E731
+        results = alternate(gated, ungated, cfg.waiter_pairs)
+        client = lc.Client(server.path)
+        raw_time = many_raw(server.path, total, [request_bytes(client, s) for s in range(N_SLOTS)])
+    finally:
+        server.close()
+    ratios = [x / y for x, y in results]
+    med = statistics.median(ratios)
+    gated_polls = [s for s in slots_seen if s[0] == "gated"]
+    note = "checks: %s; /slots requests per gated run %s, most in flight at once %d; BusyError %d; raw sockets, 64 threads: %.2f s" % (
+        "all requests served or refused, events complete" if not problems else "; ".join(problems[:4]),
+        [s[1] for s in gated_polls], max(s[2] for s in slots_seen), sum(s[3] for s in slots_seen), raw_time)
+    return Figure(5, "many waiters (%d threads, %d requests, %d slots, queue_len 8)" % (N_THREADS, total, N_SLOTS), "s",
+                  "%.2f s" % statistics.median(x for x, _ in results), "%.2f s" % statistics.median(y for _, y in results),
+                  ratios, "< 1.10x, checks pass", med < 1.10 and not problems, note)
+
+
+# -----------------------------------------------------------------------------------------------------
+# Profile
+# -----------------------------------------------------------------------------------------------------
+
+
+def profile(cfg):
+    import cProfile
+    import pstats
+
+    server = ServerProcess(_stream_sender, cfg.events)
+    try:
+        lc_stream(server.path)
+        prof = cProfile.Profile()
+        prof.enable()
+        n, _ = lc_stream(server.path)
+        prof.disable()
+        print("cProfile of loopclient reading %d events (cProfile inflates per-call costs):" % n)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    finally:
+        server.close()
+
+
+# -----------------------------------------------------------------------------------------------------
+# Main
+# -----------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, a smoke check")
+    parser.add_argument("--only", type=int, choices=range(1, 6), metavar="N", help="run figure N only")
+    parser.add_argument("--pairs", type=int, help="pairs per figure (default 5; 2 with --quick)")
+    parser.add_argument("--profile", action="store_true", help="cProfile figure 1's loopclient side, then exit")
+    args = parser.parse_args(argv)
+    cfg = argparse.Namespace(
+        events=20_000 if args.quick else 200_000,
+        pairs=args.pairs or (2 if args.quick else 5),
+        import_pairs=10 if args.quick else 40,
+        requests=300 if args.quick else 2_000,
+        waiter_requests=600 if args.quick else 5_000,
+        waiter_pairs=args.pairs or (2 if args.quick else 5),
+    )
+    if args.profile:
+        profile(cfg)
+        return 0
+    print("loopclient %s, Python %s, %s, %d CPUs%s" % (lc.__version__, sys.version.split()[0], os.path.realpath(sys.executable),
+                                                  os.cpu_count() or 0, ", --quick" if args.quick else ""))
+    wanted = [args.only] if args.only else [1, 2, 3, 4, 5]
+    figures = []
+    sender = None
+    try:
+        for number in wanted:
+            t0 = time.perf_counter()
+            if number in (1, 3) and sender is None:
+                sender = ServerProcess(_stream_sender, cfg.events)
+            if number == 1:
+                request = request_bytes(lc.Client(sender.path), 0)
+                new = [fig_stream(cfg, sender, request, stream_text(cfg.events))]
+            elif number == 2:
+                new = fig_import(cfg)
+            elif number == 3:
+                new = [fig_memory(cfg, sender, stream_text(cfg.events))]
+            elif number == 4:
+                new = [fig_requests(cfg)]
+            else:
+                new = [fig_waiters(cfg)]
+            for fig in new:
+                print(fig.line())
+            print("    (%.1f s)" % (time.perf_counter() - t0))
+            sys.stdout.flush()
+            figures += new
+    finally:
+        if sender is not None:
+            sender.close()
+    print()
+    print("| # | figure | loopclient | floor | ratio, median (min..max) | target | result |")
+    print("|---|---|---|---|---|---|---|")
+    for fig in figures:
+        print("| %d | %s | %s | %s | %.3f (%s) | %s | %s |" % (
+            fig.number, fig.name, fig.lc_value, fig.floor_value, fig.median, fig.spread(), fig.target,
+            "**FAIL**" if fig.verdict == "FAIL" else fig.verdict))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == _MEM_CHILD:
+        child_mem(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

@@ -1,0 +1,1277 @@
+#!/usr/bin/env python3
+"""Fuzz loopclient.py with mutated llama-server responses (standard library only, seeded, time-bounded).
+
+    python3 dev/fuzz.py                   # 60 s, seed 1
+    python3 dev/fuzz.py --seconds 600 --seed 7
+    python3 dev/fuzz.py --long            # hours (4 h unless --seconds says otherwise)
+    python3 dev/fuzz.py --inputs 5000 --seed 7 --target http    # exactly these inputs, one target
+    python3 dev/fuzz.py --replay dev/fuzz-crashes/<hash>.bin
+
+Inputs are recorded llama-server responses (../shared/transcripts when it is beside the checkout, and the
+built-in seeds below), mutated by bit flips, byte sets, dictionary insertions, splices of two seeds,
+truncations, repeated and dropped spans, and structural JSON edits, then cut at random points into the
+pieces that successive reads return.  Targets:
+
+    http       ResponseReader -> SSEDecoder -> Assembler, the parsing a streamed request does
+    chunked    ChunkedDecoder alone
+    sse        SSEDecoder alone
+    assembler  Assembler fed mutated chunk payloads
+    client     the whole Client, chat() against a Unix socket server thread serving the mutated bytes
+
+Rules, each breach a violation: only ``LoopError`` subclasses may escape; no input may take more than a
+second (CPU time for the parsers, wall time for the client, whose budgets are a fraction of that); the
+decoders' buffers stay under their caps after every feed; the tracemalloc peak of an input stays under a
+bound linear in its caps and its size; events and completions hold the types the SPEC promises; the
+client leaves no thread or descriptor behind.  A violating input is written to
+``dev/fuzz-crashes/<hash>.bin`` (with ``<hash>.json`` saying how to replay it) and printed.  Everything
+an input does is decided by ``random.Random`` seeded from ``--seed`` and the input's number, so a run is
+repeatable.  The last line reads ``fuzz: N inputs, V violations in T s (seed S)``; the exit code is 1 when
+V is not 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import loopclient as lc  # noqa: E402
+
+CRASH_DIR = os.path.join(HERE, "fuzz-crashes")
+TRANSCRIPTS = os.environ.get("LOOPCLIENT_TRANSCRIPTS") or os.path.join(ROOT, "..", "shared", "transcripts")
+
+#: Longest input the mutators build, and the longest a "big" input may be (one in BIG_EVERY).
+MAX_INPUT = 256 * 1024
+MAX_BIG_INPUT = 2 * 1024 * 1024
+BIG_EVERY = 200
+#: No input may take longer than this (seconds).
+TIME_LIMIT = 1.0
+#: An input still running after this long is interrupted and reported as a hang.
+HANG_LIMIT = 10.0
+#: One input in TRACE_EVERY runs under tracemalloc, which slows allocation-heavy parsing by up to this much.
+TRACE_EVERY = 4
+TRACE_SLOWDOWN = 20
+
+# The client's budgets: small enough that any chain of them ends well inside TIME_LIMIT.
+CLIENT_LIMITS = lc.Limits(
+    poll=0.02,
+    liveness=0.15,
+    busy_wait=0.2,
+    load_wait=0.2,
+    idle_grace=0.1,
+    max_line=64 * 1024,
+    max_body=256 * 1024,
+    queue_len=1,
+    thinking_overrun=4,
+)
+CLIENT_LIMITS_CAPPED = lc.Limits(
+    poll=0.02,
+    liveness=0.15,
+    busy_wait=0.2,
+    load_wait=0.2,
+    idle_grace=0.1,
+    max_line=64 * 1024,
+    max_body=256 * 1024,
+    queue_len=1,
+    thinking_overrun=4,
+    thinking_cap=2,
+)
+
+# =====================================================================================================
+# Seeds
+# =====================================================================================================
+
+_CID = "chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn"
+
+
+def _chunk(delta=None, finish=None, extra=None, choices=True):
+    doc = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta or {}}] if choices else []}
+    doc.update(
+        {
+            "created": 1796006109,
+            "id": _CID,
+            "model": "models/gemma-3-270m-q4_k_m.gguf",
+            "system_fingerprint": "b0-unknown",
+            "object": "chat.completion.chunk",
+        }
+    )
+    doc.update(extra or {})
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _sse(*payloads):
+    return b"".join(b"data: " + p.encode() + b"\n\n" for p in payloads)
+
+
+def _chunked(*parts):
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\nX-Accel-Buffering: no\r\n"
+    b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+)
+_TIMINGS = {"prompt_n": 29, "prompt_ms": 76.7, "predicted_n": 16, "predicted_ms": 192.7, "predicted_per_second": 77.8}
+_USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34}
+
+
+def _json_response(doc, status=b"200 OK", extra=b""):
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return (
+        b"HTTP/1.1 %s\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n%s"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, extra, len(body), body)
+    )
+
+
+def builtin_seeds():
+    """(name, kind, bytes): kind "stream" (a chat response) or "json" (a single-shot response)."""
+    role = _chunk({"role": "assistant", "content": None})
+    words = [_chunk({"content": w}) for w in ("Hello", " wor", "ld", " \u00e9\u20ac")]
+    finish = _chunk({}, "stop", {"timings": _TIMINGS})
+    usage = _chunk(choices=False, extra={"usage": _USAGE, "timings": _TIMINGS})
+    reasoning = [_chunk({"reasoning_content": w}) for w in ("is", " the", " sky")]
+    tools = [
+        _chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{"},
+                    }
+                ]
+            }
+        ),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"city": '}}]}),
+        _chunk({"tool_calls": [{"index": 1, "id": "call_2", "function": {"name": "f", "arguments": "{}"}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+        _chunk({}, "tool_calls"),
+    ]
+    error503 = json.dumps({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}})
+    error500 = json.dumps({"error": {"code": 500, "message": "got exception", "type": "server_error"}})
+    return [
+        (
+            "stream",
+            "stream",
+            _STREAM_HEAD
+            + _chunked(
+                _sse(role, words[0]), *[_sse(w) for w in words[1:]], _sse(finish) + _sse(usage), b"data: [DONE]\n\n"
+            ),
+        ),
+        (
+            "reasoning",
+            "stream",
+            _STREAM_HEAD
+            + _chunked(_sse(role), *[_sse(r) for r in reasoning], _sse(words[0], finish), b"data: [DONE]\n\n"),
+        ),
+        ("tools", "stream", _STREAM_HEAD + _chunked(*[_sse(t) for t in [role] + tools], b"data: [DONE]\n\n")),
+        (
+            "pings",
+            "stream",
+            _STREAM_HEAD
+            + _chunked(b": ping\n\n", b": ping\n\n", _sse(words[0]), b":\r\n\r\n", _sse(finish), b"data: [DONE]\n\n"),
+        ),
+        ("error-event-503", "stream", _STREAM_HEAD + _chunked(_sse(error503))),
+        ("error-after-content", "stream", _STREAM_HEAD + _chunked(_sse(role, words[0]), _sse(error500))),
+        ("legacy-error", "stream", _STREAM_HEAD + _chunked(b"error: " + error500.encode() + b"\n\n")),
+        (
+            "crlf-bom",
+            "stream",
+            _STREAM_HEAD
+            + _chunked(
+                b"\xef\xbb\xbfdata: " + words[0].encode() + b"\r\n\r\n",
+                b"event: message\rdata: " + finish.encode() + b"\r\r",
+            ),
+        ),
+        (
+            "http10",
+            "stream",
+            b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+            + _sse(words[0], finish)
+            + b"data: [DONE]\n\n",
+        ),
+        (
+            "content-length",
+            "stream",
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(_sse(words[0], finish)), _sse(words[0], finish)),
+        ),
+        ("interim", "stream", b"HTTP/1.1 100 Continue\r\n\r\n" + _STREAM_HEAD + _chunked(_sse(words[0], finish))),
+        (
+            "503-retry-after",
+            "stream",
+            _json_response(json.loads(error503), b"503 Service Unavailable", b"Retry-After: 0\r\n"),
+        ),
+        (
+            "503-date",
+            "stream",
+            _json_response(
+                json.loads(error503), b"503 Service Unavailable", b"Retry-After: Wed, 21 Oct 2015 07:28:00 GMT\r\n"
+            ),
+        ),
+        (
+            "400",
+            "stream",
+            _json_response(
+                {
+                    "error": {
+                        "code": 400,
+                        "message": "the request exceeds the available context size",
+                        "type": "exceed_context_size_error",
+                    }
+                },
+                b"400 Bad Request",
+            ),
+        ),
+        (
+            "trailers",
+            "stream",
+            _STREAM_HEAD[:-2] + b"Trailer: X-T\r\n\r\n" + _chunked(_sse(words[0], finish))[:-2] + b"X-T: 1\r\n\r\n",
+        ),
+        (
+            "slots",
+            "json",
+            _json_response(
+                [{"id": 0, "n_ctx": 1024, "is_processing": False}, {"id": 1, "n_ctx": 1024, "is_processing": True}]
+            ),
+        ),
+        ("slots-busy", "json", _json_response([{"id": 0, "n_ctx": 1024, "is_processing": True}])),
+        ("props", "json", _json_response({"total_slots": 2, "build_info": "b0-unknown"})),
+        ("control", "json", _json_response({"success": True})),
+        ("control-refused", "json", _json_response({"success": False})),
+    ]
+
+
+def transcript_seeds():
+    seeds = []
+    for path in sorted(glob.glob(os.path.join(TRANSCRIPTS, "*.raw.txt"))):
+        with open(path, "rb") as f:
+            raw = f.read()
+        marker = raw.find(b"<<< RESPONSE")
+        if marker < 0:
+            continue
+        response = raw[raw.index(b"\n", marker) + 1 :]
+        kind = "stream" if b"text/event-stream" in response[:2000] or b"/v1/chat/completions" in raw[:300] else "json"
+        seeds.append((os.path.basename(path), kind, response))
+    return seeds
+
+
+class Corpus:
+    def __init__(self):
+        self.seeds = builtin_seeds() + transcript_seeds()
+        self.streams = [s[2] for s in self.seeds if s[1] == "stream"]
+        self.jsons = [s[2] for s in self.seeds if s[1] == "json"]
+        self.all = [s[2] for s in self.seeds]
+        self.bodies = [split_head(s)[1] for s in self.streams]
+        self.sse_bodies = [dechunk(b) for b in self.bodies]
+        self.payloads = [p for b in self.sse_bodies for p in sse_payloads(b)]
+        self.slots = [s[2] for s in self.seeds if s[0].startswith(("slots", "02_", "10_"))]
+        self.controls = [s[2] for s in self.seeds if s[0].startswith("control")]
+
+
+def split_head(response):
+    end = response.find(b"\r\n\r\n")
+    if end < 0:
+        return response, b""
+    head = response[: end + 4]
+    if head.startswith(b"HTTP/1.1 100"):
+        rest_head, body = split_head(response[end + 4 :])
+        return head + rest_head, body
+    return head, response[end + 4 :]
+
+
+def dechunk(body):
+    try:
+        return b"".join(lc.ChunkedDecoder().feed(body))
+    except lc.LoopError:
+        return body
+
+
+def sse_payloads(body):
+    try:
+        return [data for _, data in lc.SSEDecoder().feed(body)]
+    except lc.LoopError:
+        return []
+
+
+# =====================================================================================================
+# Mutators
+# =====================================================================================================
+
+TOKENS = [
+    b"\r\n",
+    b"\n",
+    b"\r",
+    b"\r\n\r\n",
+    b"\n\n",
+    b"\r\r",
+    b"data: ",
+    b"data:",
+    b"error: ",
+    b": ping\n\n",
+    b"event: error\n",
+    b"event: message\n",
+    b"id: 1\n",
+    b"retry: 5\n",
+    b"[DONE]",
+    b"0\r\n\r\n",
+    b"ffffffffffffffff",
+    b"-1",
+    b";ext=1",
+    b"Content-Length: ",
+    b"Content-Length: 7\r\n",
+    b"Transfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: gzip\r\n",
+    b"Retry-After: ",
+    b"Retry-After: 9999999999999999999999\r\n",
+    b"Retry-After: -1\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/1.0 200 OK\r\n",
+    b"HTTP/1.1 503 Service Unavailable\r\n",
+    b"\xef\xbb\xbf",
+    b"\x00",
+    b"\xff",
+    b"\xc3",
+    b"\xe2\x82",
+    b"\t",
+    b" ",
+    b":",
+    b'"',
+    b"\\",
+    b"\\u0000",
+    b"\\ud800",
+    b'"\xc2\xb2"',
+    b'"\\u00b2"',
+    b"1e999",
+    b"-0",
+    b"NaN",
+    b"9" * 30,
+    b"null",
+    b"true",
+    b'""',
+    b"{}",
+    b"[]",
+    b"[[[[[[[[[[[[[[[[",
+    b'{"error":{"code":503,"message":"x","type":"unavailable_error"}}',
+    b'{"error":{"code":"503"}}',
+    b'"index":',
+    b'"index":-1',
+    b'"index":1e3',
+    b'"tool_calls":[{}]',
+    b'"tool_calls":"x"',
+    b'"choices":{}',
+    b'"delta":"x"',
+    b'"finish_reason":"stop"',
+    b'"finish_reason":1',
+    b'"usage":[]',
+    b'"timings":1',
+    b'"reasoning_content":"r"',
+    b'"content":7',
+    b'"is_processing":true',
+    b'"success":true',
+    b'"id":"x"',
+]
+#: Lines that cost the most per byte: repeated, they probe for time that grows faster than the input.
+HOT_LINES = [b"data:\n", b"data: x\n", b": \n", b"\n", b"\r", b"x", b"data:\r\n", b"event: e\n", b"0\r\n"]
+
+
+def m_bitflip(rng, data, corpus):
+    if not data:
+        return data
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        i = rng.randrange(len(buf))
+        buf[i] ^= 1 << rng.randrange(8)
+    return bytes(buf)
+
+
+def m_byteset(rng, data, corpus):
+    if not data:
+        return data
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        buf[rng.randrange(len(buf))] = rng.choice(b'\r\n\x00\xff :;"{}[],0123456789abcdefx-\t\\\xc3\x80')
+    return bytes(buf)
+
+
+def m_insert(rng, data, corpus):
+    i = rng.randint(0, len(data))
+    token = rng.choice(TOKENS)
+    if rng.random() < 0.1:
+        token *= rng.randint(2, 100)
+    return data[:i] + token + data[i:]
+
+
+def m_splice(rng, data, corpus):
+    other = rng.choice(corpus.all)
+    i = rng.randint(0, len(data))
+    j = rng.randint(0, len(other))
+    return data[:i] + other[j:]
+
+
+def m_truncate(rng, data, corpus):
+    return data[: rng.randint(0, len(data))]
+
+
+def m_repeat(rng, data, corpus):
+    if not data:
+        return data
+    i = rng.randrange(len(data))
+    j = min(len(data), i + rng.randint(1, 64))
+    return data[:j] + data[i:j] * rng.randint(1, 64) + data[j:]
+
+
+def m_drop(rng, data, corpus):
+    if not data:
+        return data
+    i = rng.randrange(len(data))
+    j = min(len(data), i + rng.randint(1, 256))
+    return data[:i] + data[j:]
+
+
+def m_swap_case(rng, data, corpus):
+    if not data:
+        return data
+    i = rng.randrange(len(data))
+    j = min(len(data), i + rng.randint(1, 16))
+    return data[:i] + data[i:j].swapcase() + data[j:]
+
+
+def m_json(rng, data, corpus):
+    """Find a JSON object in the bytes and edit its structure (keeps the framing intact when it can)."""
+    start = data.find(b"{", rng.randrange(len(data)) if data else 0)
+    if start < 0:
+        start = data.find(b"{")
+    if start < 0:
+        return data
+    end = data.find(b"\n", start)
+    end = len(data) if end < 0 else end
+    text = data[start:end].rstrip(b"\r")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return data
+    new = json.dumps(mutate_doc(rng, doc), separators=(",", ":"), ensure_ascii=rng.random() < 0.5).encode(
+        "utf-8", "surrogatepass"
+    )
+    return data[:start] + new + data[start + len(text) :]
+
+
+def m_deep(rng, data, corpus):
+    """Deep nesting where a JSON value may start (json.dumps cannot build it: it recurses)."""
+    i = data.find(b":", rng.randrange(len(data))) + 1 if data else 0
+    depth = rng.choice([1000, 5000, 100000])
+    opener, closer = (b"[", b"]") if rng.random() < 0.5 else (b'{"a":', b"}")
+    return data[:i] + opener * depth + b"1" + closer * depth + data[i:]
+
+
+def m_big(rng, data, corpus):
+    """A long run of one hot line, or of a span of the input, somewhere in it (up to MAX_BIG_INPUT)."""
+    i = rng.randint(0, len(data))
+    if rng.random() < 0.7:
+        piece = rng.choice(HOT_LINES)
+    else:
+        j = min(len(data), i + rng.randint(1, 300))
+        piece = data[i:j] or b"x"
+    count = rng.randint(1000, MAX_BIG_INPUT // len(piece))
+    return data[:i] + piece * count + data[i:]
+
+
+MUTATORS = [
+    m_bitflip,
+    m_byteset,
+    m_insert,
+    m_insert,
+    m_splice,
+    m_truncate,
+    m_repeat,
+    m_drop,
+    m_swap_case,
+    m_json,
+    m_json,
+    m_deep,
+]
+
+PALETTE = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**70,
+    10**30,
+    1.5,
+    float("inf"),
+    "",
+    "x",
+    "\u00b2",
+    "\ud800",
+    "\x00",
+    "503",
+    "unavailable_error",
+    [],
+    {},
+    [None],
+    [{}],
+    {"index": None},
+    {"index": 0},
+    "stop",
+    "a" * 300,
+]
+KEYS = [
+    "error",
+    "choices",
+    "delta",
+    "tool_calls",
+    "index",
+    "finish_reason",
+    "usage",
+    "timings",
+    "reasoning_content",
+    "content",
+    "id",
+    "function",
+    "arguments",
+    "name",
+    "code",
+    "message",
+    "type",
+    "role",
+    "model",
+    "success",
+    "is_processing",
+    "total_slots",
+]
+
+
+def mutate_doc(rng, doc, depth=0):
+    """A copy of a JSON document with one random edit somewhere inside it."""
+    if depth > 8 or not isinstance(doc, (dict, list)) or rng.random() < 0.2:
+        choice = rng.random()
+        if choice < 0.75:
+            value = rng.choice(PALETTE)
+            return json.loads(json.dumps(value)) if not isinstance(value, float) else value
+        if choice < 0.9:
+            return [doc] * rng.randint(1, 3)
+        nested = doc
+        for _ in range(rng.choice([10, 100, 400])):  # deeper: m_deep, as json.dumps recurses
+            nested = [nested]
+        return nested
+    if isinstance(doc, dict):
+        doc = dict(doc)
+        roll = rng.random()
+        if doc and roll < 0.6:
+            key = rng.choice(sorted(doc))
+            doc[key] = mutate_doc(rng, doc[key], depth + 1)
+        elif doc and roll < 0.75:
+            del doc[rng.choice(sorted(doc))]
+        else:
+            doc[rng.choice(KEYS)] = mutate_doc(rng, rng.choice(PALETTE), depth + 1)
+        return doc
+    doc = list(doc)
+    if doc and rng.random() < 0.7:
+        i = rng.randrange(len(doc))
+        doc[i] = mutate_doc(rng, doc[i], depth + 1)
+    elif doc and rng.random() < 0.5:
+        del doc[rng.randrange(len(doc))]
+    else:
+        doc.append(mutate_doc(rng, rng.choice(PALETTE), depth + 1))
+    return doc
+
+
+def mutate(rng, data, corpus, big=False):
+    for _ in range(rng.choice([1, 1, 1, 2, 2, 3, 4, 6])):
+        data = rng.choice(MUTATORS)(rng, data, corpus)
+        if len(data) > MAX_INPUT:
+            data = data[:MAX_INPUT]
+    if big:
+        data = m_big(rng, data, corpus)[:MAX_BIG_INPUT]
+    return data
+
+
+def splits(rng, size):
+    """Where successive reads end: a sorted list of cut offsets (an input of one read has none)."""
+    roll = rng.random()
+    if size <= 1 or roll < 0.3:
+        return []
+    if roll < 0.4 and size <= 4096:
+        return list(range(1, size))  # byte by byte
+    count = min(size - 1, rng.choice([1, 2, 3, 5, 10, 50, 200]))
+    return sorted({rng.randrange(1, size) for _ in range(count)})
+
+
+def pieces(data, cuts):
+    out = []
+    last = 0
+    for cut in cuts:
+        out.append(data[last:cut])
+        last = cut
+    out.append(data[last:])
+    return out
+
+
+# =====================================================================================================
+# Checks
+# =====================================================================================================
+
+
+class Violation(Exception):
+    """A rule was broken (an escaping exception is carried as the cause)."""
+
+
+class Hang(BaseException):
+    """Raised by the watchdog signal in the main thread."""
+
+
+def check_reader(reader):
+    buf = getattr(reader, "_buf", None)
+    if reader.head is None and buf is not None and len(buf) > getattr(reader, "_max_head", lc.MAX_HEAD):
+        raise Violation("ResponseReader holds %d bytes of head, over its cap" % len(buf))
+    body = getattr(reader, "_body", None)
+    if isinstance(body, lc.ChunkedDecoder):
+        check_chunked(body)
+
+
+def check_chunked(decoder):
+    pending = getattr(decoder, "_pending", b"")
+    if len(pending) > lc.MAX_CHUNK_LINE + 2:
+        raise Violation("ChunkedDecoder holds %d pending bytes, over MAX_CHUNK_LINE" % len(pending))
+
+
+def check_sse(decoder):
+    cap = decoder.max_line
+    buf = getattr(decoder, "_buf", b"")
+    if len(buf) > cap:
+        raise Violation("SSEDecoder holds a partial line of %d bytes, over max_line %d" % (len(buf), cap))
+    data = getattr(decoder, "_data", None)
+    if isinstance(data, list):  # pieces joined at dispatch: summing them here at every feed would be quadratic
+        size = max(len(data) - 1 + (len(data[-1]) if data else 0), getattr(decoder, "_size", 0))
+    else:
+        size = len(data or "")
+    if size > cap + 1:
+        raise Violation("SSEDecoder holds an event of %d chars, over max_line %d" % (size, cap))
+    lead = getattr(decoder, "_lead", None)
+    if lead is not None and len(lead) > 3:
+        raise Violation("SSEDecoder holds %d lead bytes" % len(lead))
+
+
+EVENT_TYPES = {
+    lc.Reasoning: (("text", str),),
+    lc.Content: (("text", str),),
+    lc.ToolCall: (("index", int), ("id", (str, type(None))), ("name", (str, type(None))), ("arguments", str)),
+}
+CLIENT_EVENT_TYPES = dict(EVENT_TYPES)
+CLIENT_EVENT_TYPES.update(
+    {
+        lc.Queued: (("ahead", int),),
+        lc.Waiting: (("slot_busy", bool),),
+        lc.Retrying: (("attempt", int), ("delay", float), ("reason", str)),
+        lc.ThinkingCapped: (("tokens", int),),
+    }
+)
+
+
+def check_events(events, table=EVENT_TYPES):
+    for event in events:
+        fields = table.get(type(event))
+        if fields is None:
+            raise Violation("unexpected event %r" % (event,))
+        for name, kind in fields:
+            value = getattr(event, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise Violation("event %s.%s is %r" % (type(event).__name__, name, value))
+        if isinstance(event, (lc.Reasoning, lc.Content)) and not event.text:
+            raise Violation("empty %s event" % type(event).__name__)
+
+
+def check_completion(done):
+    if not isinstance(done, lc.Completion):
+        raise Violation("not a Completion: %r" % (done,))
+    for name in ("content", "reasoning", "finish_reason"):
+        if not isinstance(getattr(done, name), str):
+            raise Violation("Completion.%s is %r" % (name, getattr(done, name)))
+    for name in ("usage", "timings"):
+        if getattr(done, name) is not None and not isinstance(getattr(done, name), dict):
+            raise Violation("Completion.%s is %r" % (name, getattr(done, name)))
+    if not isinstance(done.tool_calls, list):
+        raise Violation("Completion.tool_calls is %r" % (done.tool_calls,))
+    for call in done.tool_calls:
+        if (
+            not isinstance(call.arguments, str)
+            or not isinstance(call.id, (str, type(None)))
+            or not isinstance(call.name, (str, type(None)))
+        ):
+            raise Violation("bad tool call %r" % (call,))
+
+
+# =====================================================================================================
+# Targets (each: (rng, corpus, big) -> case dict; run(case) -> outcome, raising Violation or anything else)
+# =====================================================================================================
+
+
+def make_http(rng, corpus, big):
+    data = mutate(rng, rng.choice(corpus.streams if rng.random() < 0.8 else corpus.all), corpus, big)
+    return {
+        "target": "http",
+        "data": data,
+        "cuts": splits(rng, len(data)),
+        "max_line": rng.choice([64, 4096, 64 * 1024, 1024 * 1024]),
+        "max_body": rng.choice([None, 1024, 64 * 1024]),
+    }
+
+
+def run_http(case):
+    reader = lc.ResponseReader(max_body=case["max_body"])
+    sse = None
+    asm = lc.Assembler()
+    events = []
+
+    error_body = []
+
+    def handle(body_pieces):
+        nonlocal sse
+        if reader.head is None:
+            return False
+        if reader.head.status != 200:  # the client keeps an error body and reads its envelope
+            error_body.extend(body_pieces)
+            return False
+        if sse is None:
+            sse = lc.SSEDecoder(case["max_line"])
+        for piece in body_pieces:
+            for kind, payload in sse.feed(piece):
+                if kind == "error":
+                    raise (
+                        lc._error_from(lc._json_or_text(payload))
+                        if hasattr(lc, "_error_from")
+                        else lc.ServerError(None, payload)
+                    )
+                if payload == "[DONE]":
+                    return True
+                events.extend(asm.feed(payload))
+            check_sse(sse)
+        return False
+
+    for piece in pieces(case["data"], case["cuts"]):
+        got = reader.feed(piece)
+        check_reader(reader)
+        if handle(got):
+            check_events(events)
+            return asm.completion()
+        if reader.done:
+            break
+    if not reader.done:
+        reader.feed_eof()
+    if sse is not None:
+        for kind, payload in sse.close():
+            if kind != "error" and payload != "[DONE]":
+                events.extend(asm.feed(payload))
+    check_events(events)
+    head = reader.head
+    if head is not None and head.status != 200:
+        message, _ = lc.parse_error_envelope(b"".join(error_body))
+        hint = lc.parse_retry_after(head.get("retry-after"))
+        if not isinstance(message, str) or (hint is not None and not (isinstance(hint, float) and hint >= 0)):
+            raise Violation("error envelope %r, Retry-After hint %r" % (message, hint))
+        return head.status
+    return asm.completion()
+
+
+def make_chunked(rng, corpus, big):
+    data = mutate(rng, rng.choice(corpus.bodies), corpus, big)
+    return {"target": "chunked", "data": data, "cuts": splits(rng, len(data))}
+
+
+def run_chunked(case):
+    decoder = lc.ChunkedDecoder()
+    size = 0
+    for piece in pieces(case["data"], case["cuts"]):
+        for out in decoder.feed(piece):
+            if not isinstance(out, (bytes, bytearray, memoryview)):
+                raise Violation("ChunkedDecoder yielded %r" % type(out))
+            size += len(out)
+        check_chunked(decoder)
+        if decoder.done:
+            return size
+    decoder.feed_eof()
+    return size
+
+
+def make_sse(rng, corpus, big):
+    data = mutate(rng, rng.choice(corpus.sse_bodies), corpus, big)
+    return {
+        "target": "sse",
+        "data": data,
+        "cuts": splits(rng, len(data)),
+        "max_line": rng.choice([16, 300, 4096, 1024 * 1024]),
+    }
+
+
+def run_sse(case):
+    decoder = lc.SSEDecoder(case["max_line"])
+    count = 0
+    for piece in pieces(case["data"], case["cuts"]) + [None]:
+        out = decoder.close() if piece is None else decoder.feed(piece)
+        for kind, payload in out:
+            if not isinstance(kind, str) or not isinstance(payload, str):
+                raise Violation("SSEDecoder yielded (%r, %r)" % (type(kind), type(payload)))
+            if len(payload) > case["max_line"]:
+                raise Violation("an event of %d chars passed max_line %d" % (len(payload), case["max_line"]))
+            count += 1
+        check_sse(decoder)
+    return count
+
+
+def make_assembler(rng, corpus, big):
+    start = rng.randrange(len(corpus.payloads))
+    payloads = corpus.payloads[start : start + rng.randint(1, 12)]
+    out = []
+    for payload in payloads:
+        roll = rng.random()
+        if roll < 0.45:
+            try:
+                payload = json.dumps(
+                    mutate_doc(rng, json.loads(payload)), separators=(",", ":"), ensure_ascii=rng.random() < 0.5
+                )
+            except (ValueError, RecursionError):
+                pass
+        elif roll < 0.7:
+            payload = mutate(rng, payload.encode("utf-8", "surrogatepass"), corpus).decode("utf-8", "replace")
+        out.append(payload)
+    if rng.random() < 0.3:
+        out.insert(
+            rng.randint(0, len(out)), json.dumps(mutate_doc(rng, {"error": {"code": 500, "message": "m", "type": "t"}}))
+        )
+    data = "\n\x1e".join(out).encode("utf-8", "surrogatepass")
+    return {"target": "assembler", "data": data, "cuts": []}
+
+
+def run_assembler(case):
+    asm = lc.Assembler()
+    events = []
+    for payload in case["data"].decode("utf-8", "surrogatepass").split("\n\x1e"):
+        if payload == "[DONE]":
+            break
+        events.extend(asm.feed(payload))
+    check_events(events)
+    done = asm.completion()
+    check_completion(done)
+    return done
+
+
+# -- the whole client ---------------------------------------------------------------------------------
+
+
+class Server:
+    """A Unix socket server thread answering by path from ``script``: (bytes, cuts, hold)."""
+
+    def __init__(self):
+        self.tmp = tempfile.mkdtemp(prefix="lcfz")
+        self.path = os.path.join(self.tmp, "s.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(64)
+        self.sock.settimeout(0.05)
+        self.script = {}
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.active = 0
+        self.connections = 0
+        self.thread = threading.Thread(target=self._accept, name="fuzz-accept", daemon=True)
+        self.thread.start()
+
+    def _accept(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with self.lock:
+                self.active += 1
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), name="fuzz-conn", daemon=True).start()
+
+    def _serve(self, conn):
+        try:
+            conn.settimeout(2.0)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                data += more
+            head, _, body = data.partition(b"\r\n\r\n")
+            parts = head.split(b" ", 2)
+            path = parts[1].decode("latin-1") if len(parts) > 1 else ""
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value.strip())
+            while len(body) < length:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                body += more
+            answer = self.script.get(path)
+            if answer is None:
+                conn.sendall(
+                    _json_response(
+                        {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}},
+                        b"404 Not Found",
+                    )
+                )
+                return
+            response, cuts, hold = answer
+            for i, piece in enumerate(pieces(response, cuts)):
+                conn.sendall(piece)
+                if i % 7 == 6:
+                    time.sleep(0.001)
+            if hold:
+                conn.settimeout(0.05)
+                deadline = time.monotonic() + 1.5
+                while time.monotonic() < deadline and not self.stopping.is_set():
+                    try:
+                        if not conn.recv(4096):
+                            break
+                    except socket.timeout:
+                        continue
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            with self.lock:
+                self.active -= 1
+
+    def close(self):
+        self.stopping.set()
+        self.sock.close()
+        self.thread.join(2)
+        try:
+            os.unlink(self.path)
+            os.rmdir(self.tmp)
+        except OSError:
+            pass
+
+
+_SERVER = None
+
+
+def server():
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = Server()
+    return _SERVER
+
+
+def make_client(rng, corpus, big):
+    chat = mutate(rng, rng.choice(corpus.streams), corpus)
+    slots = rng.choice(corpus.slots)
+    if rng.random() < 0.3:
+        slots = mutate(rng, slots, corpus)
+    control = rng.choice(corpus.controls)
+    if rng.random() < 0.3:
+        control = mutate(rng, control, corpus)
+    return {
+        "target": "client",
+        "data": chat,
+        "cuts": splits(rng, len(chat)),
+        "hold": rng.random() < 0.15,
+        "slots": slots,
+        "control": control,
+        "capped": rng.random() < 0.25,
+        "slot": rng.choice([0, 0, 0, 1, None]),
+    }
+
+
+def _fds():
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # pragma: no cover - not Linux
+        return 0
+
+
+def _client_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("loopclient")]
+
+
+def run_client(case):
+    srv = server()
+    srv.script = {
+        "/v1/chat/completions": (case["data"], case["cuts"], case["hold"]),
+        "/slots": (case["slots"], [], False),
+        "/props": (_json_response({"total_slots": 2}), [], False),
+        "/v1/chat/completions/control": (case["control"], [], False),
+    }
+    fds = case.setdefault("_fds", _fds())
+    client = lc.Client(srv.path, limits=CLIENT_LIMITS_CAPPED if case["capped"] else CLIENT_LIMITS)
+    events = []
+    start = time.monotonic()
+    try:
+        done = client.chat([{"role": "user", "content": "hi"}], slot=case["slot"], on_event=events.append)
+    finally:
+        case["_seconds"] = time.monotonic() - start
+        client.close()
+        check_events(events, CLIENT_EVENT_TYPES)
+        # nothing leaks: the client's threads end and every descriptor closes (the server's with them)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and (_client_threads() or srv.active or _fds() > fds):
+            time.sleep(0.002)
+        if _client_threads() or _fds() > fds:
+            raise Violation(
+                "leak after the request: threads %s, %d descriptors over %d (server connections open: %d)"
+                % ([t.name for t in _client_threads()], _fds() - fds, fds, srv.active)
+            )
+    check_completion(done)
+    return done
+
+
+#: name: (make a case, run it, weight).  A client input costs ~70 parser inputs (sockets, threads, and the
+#: budgets it waits out), so it gets about a third of the time at this weight.
+TARGETS = {
+    "http": (make_http, run_http, 35),
+    "chunked": (make_chunked, run_chunked, 12),
+    "sse": (make_sse, run_sse, 17),
+    "assembler": (make_assembler, run_assembler, 35),
+    "client": (make_client, run_client, 1),
+}
+
+
+# =====================================================================================================
+# The loop
+# =====================================================================================================
+
+
+def _on_alarm(signum, frame):
+    raise Hang("the input ran for more than %.0f s" % HANG_LIMIT)
+
+
+def run_case(case, trace):
+    """(outcome text, seconds, peak bytes or None); raises Violation for a broken rule."""
+    run = TARGETS[case["target"]][1]
+    wall = case["target"] == "client"
+    clock = time.monotonic if wall else time.thread_time  # the parsers: this thread's CPU time only
+    if trace:  # tracemalloc was started just before: its peak counts this input only
+        base = tracemalloc.get_traced_memory()[0]
+    signal.setitimer(signal.ITIMER_REAL, HANG_LIMIT)
+    start = clock()
+    try:
+        try:
+            outcome = run(case)
+            text = "ok %s" % type(outcome).__name__
+        except lc.LoopError as exc:
+            text = "raised %s" % type(exc).__name__
+        except Violation:
+            raise
+        except Hang as exc:
+            raise Violation("hang: %s" % exc) from exc
+        except BaseException as exc:  # noqa: B036 - anything else escaping is the finding
+            raise Violation("%s escaped: %s" % (type(exc).__name__, str(exc)[:200])) from exc
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    seconds = case.pop("_seconds", None) or (clock() - start)
+    peak = None
+    if trace:
+        peak = tracemalloc.get_traced_memory()[1] - base
+        size = len(case["data"]) + len(case.get("slots", b"")) + len(case.get("control", b""))
+        line_cap = min(case.get("max_line", 64 * 1024), size + 1)
+        # buffers are capped; what grows with the input is the output (text) and one event's JSON tree
+        bound = 4 * 1024 * 1024 + 3 * size + 64 * line_cap
+        if peak > bound:
+            raise Violation("memory: peak %d bytes for a %d-byte input (bound %d)" % (peak, size, bound))
+    limit = TIME_LIMIT * (TRACE_SLOWDOWN if trace and not wall else 1)
+    if seconds > limit:
+        raise Violation(
+            "slow: %.2f s for a %d-byte input (limit %.1f s%s)"
+            % (seconds, len(case["data"]), limit, ", traced" if trace else "")
+        )
+    return text, seconds, peak
+
+
+def make_case(seed, index, corpus, only=None):
+    rng = random.Random("%d:%d" % (seed, index))
+    names = sorted(TARGETS) if only is None else [only]
+    weights = [TARGETS[n][2] for n in names]
+    name = rng.choices(names, weights)[0]
+    big = name in ("http", "sse", "chunked") and rng.randrange(BIG_EVERY) == 0
+    case = TARGETS[name][0](rng, corpus, big)
+    case["seed"], case["index"] = seed, index
+    return case
+
+
+def case_id(case):
+    return hashlib.sha1(case["target"].encode() + b"\0" + case["data"]).hexdigest()[:16]
+
+
+def save(case, message, detail):
+    os.makedirs(CRASH_DIR, exist_ok=True)
+    name = case_id(case)
+    with open(os.path.join(CRASH_DIR, name + ".bin"), "wb") as f:
+        f.write(case["data"])
+    meta = {k: v for k, v in case.items() if k != "data" and not k.startswith("_")}
+    for key in ("slots", "control"):
+        if key in meta:
+            meta[key] = base64.b64encode(meta[key]).decode()
+    meta["violation"] = message
+    meta["detail"] = detail
+    with open(os.path.join(CRASH_DIR, name + ".json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return os.path.join(CRASH_DIR, name + ".bin")
+
+
+def load(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path[: -len(".bin")] + ".json") as f:
+        meta = json.load(f)
+    for key in ("slots", "control"):
+        if key in meta:
+            meta[key] = base64.b64decode(meta[key])
+    meta["data"] = data
+    return meta
+
+
+def signature(case, exc):
+    """Violations with the same signature are one finding (one saved input, counted many times)."""
+    cause = exc.__cause__
+    where = ""
+    if cause is not None and cause.__traceback__ is not None:
+        frame = traceback.extract_tb(cause.__traceback__)[-1]
+        where = "%s:%s" % (os.path.basename(frame.filename), frame.name)
+    kind = str(exc).split(":")[0] if cause is None else type(cause).__name__
+    return (case["target"], kind, where)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, help="how long to run (default 60; 4 hours with --long)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--long", action="store_true", help="run for hours")
+    parser.add_argument("--target", choices=sorted(TARGETS), help="fuzz one target only")
+    parser.add_argument("--inputs", type=int, help="stop after this many inputs (a repeatable run)")
+    parser.add_argument("--replay", metavar="FILE", nargs="+", help="run saved inputs (dev/fuzz-crashes/*.bin) once")
+    args = parser.parse_args(argv)
+    seconds = args.seconds if args.seconds is not None else (4 * 3600.0 if args.long else 60.0)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    tracemalloc.start()
+    tracemalloc.stop()
+
+    if args.replay:
+        bad = 0
+        for path in args.replay:
+            case = load(path)
+            try:
+                text, took, _ = run_case(case, trace=False)
+                print("%s: %s: %s in %.3f s" % (path, case["target"], text, took))
+            except Violation as exc:
+                bad += 1
+                print("%s: %s: VIOLATION %s" % (path, case["target"], exc))
+                traceback.print_exception(
+                    type(exc.__cause__ or exc), exc.__cause__ or exc, (exc.__cause__ or exc).__traceback__
+                )
+        return 1 if bad else 0
+
+    corpus = Corpus()
+    started = time.monotonic()
+    counts = dict.fromkeys(TARGETS, 0)
+    spent = dict.fromkeys(TARGETS, 0.0)
+    outcomes = {}
+    findings = {}
+    violations = 0
+    index = 0
+    peak_max = 0
+    slowest = (0.0, "")
+    last_report = started
+    print(
+        "fuzz: %d seeds (%d from transcripts), seed %d, %.0f s"
+        % (len(corpus.seeds), len(transcript_seeds()), args.seed, seconds)
+    )
+    sys.stdout.flush()
+    try:
+        while time.monotonic() - started < seconds and (args.inputs is None or index < args.inputs):
+            case = make_case(args.seed, index, corpus, args.target)
+            index += 1
+            trace = index % TRACE_EVERY == 0
+            if trace:
+                tracemalloc.start()
+            began = time.monotonic()
+            try:
+                text, took, peak = run_case(case, trace)
+                counts[case["target"]] += 1
+                key = "%s %s" % (case["target"], text)
+                outcomes[key] = outcomes.get(key, 0) + 1
+                if peak is not None:
+                    peak_max = max(peak_max, peak)
+                if took > slowest[0]:
+                    slowest = (took, case["target"])
+            except Violation as exc:
+                counts[case["target"]] += 1
+                violations += 1
+                sig = signature(case, exc)
+                if sig not in findings:
+                    detail = "".join(
+                        traceback.format_exception(
+                            type(exc.__cause__ or exc), exc.__cause__ or exc, (exc.__cause__ or exc).__traceback__
+                        )
+                    )
+                    path = save(case, str(exc), detail)
+                    findings[sig] = [1, path]
+                    print(
+                        "VIOLATION #%d (%s, input %d): %s\n  saved %s\n  input %r%s"
+                        % (
+                            len(findings),
+                            case["target"],
+                            index - 1,
+                            exc,
+                            path,
+                            case["data"][:300],
+                            "..." if len(case["data"]) > 300 else "",
+                        )
+                    )
+                    sys.stdout.write("  " + detail.strip().replace("\n", "\n  ") + "\n")
+                    sys.stdout.flush()
+                else:
+                    findings[sig][0] += 1
+            finally:
+                spent[case["target"]] += time.monotonic() - began
+                if trace:
+                    tracemalloc.stop()
+            now = time.monotonic()
+            if now - last_report >= 15:
+                last_report = now
+                print("fuzz: %.0f s, %d inputs, %d violations" % (now - started, index, violations))
+                sys.stdout.flush()
+    finally:
+        if _SERVER is not None:
+            _SERVER.close()
+    elapsed = time.monotonic() - started
+    print("fuzz: per target: " + ", ".join("%s %d (%.0f s)" % (n, c, spent[n]) for n, c in sorted(counts.items())))
+    print("fuzz: outcomes: " + ", ".join("%s %d" % (k, v) for k, v in sorted(outcomes.items())))
+    print("fuzz: slowest input %.3f s (%s), largest traced peak %.1f MiB" % (slowest[0], slowest[1], peak_max / 2**20))
+    for sig, (count, path) in sorted(findings.items()):
+        print("fuzz: finding %s x%d -> %s" % ("/".join(sig), count, path))
+    print("fuzz: %d inputs, %d violations in %.1f s (seed %d)" % (index, violations, elapsed, args.seed))
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

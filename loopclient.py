@@ -209,8 +209,11 @@ class _LazyMeta(type):
     makes it one first."""
 
     def __getattr__(cls, name: str) -> Any:
-        if name in ("__dataclass_fields__", "__dataclass_params__", "__match_args__") and not _lazy.done \
-                and _lazy.owner != threading.get_ident():
+        if (
+            name in ("__dataclass_fields__", "__dataclass_params__", "__match_args__")
+            and not _lazy.done
+            and _lazy.owner != threading.get_ident()
+        ):
             _materialize()
             return getattr(cls, name)
         raise AttributeError(name)
@@ -246,7 +249,7 @@ else:
         return register
 
 
-class _lazy:  # noqa: N801 - a namespace
+class _lazy:
     classes = []  # type: List[Tuple[type, bool]]
     owner = 0  # the thread making them, while dataclasses inspects them (it asks them for their fields)
     done = False
@@ -967,9 +970,8 @@ class SSEDecoder:
                 if self._data is None:
                     self._data = []
                 self._data.append(value.decode("utf-8", "replace"))
-            elif name == b"event":
-                if self._type != "error":
-                    self._type = value.decode("utf-8", "replace") or "message"
+            elif name == b"event" and self._type != "error":
+                self._type = value.decode("utf-8", "replace") or "message"
             # id, retry and unknown fields are ignored
         rest = end - pos
         if rest:
@@ -1285,7 +1287,9 @@ def parse_address(address: Any) -> _Address:
     elif "://" in address:
         scheme, _, rest = address.partition("://")
         if scheme.lower() != "http":
-            raise ValueError("unsupported address scheme %r: use a socket path, unix:///path or http://host:port" % scheme)
+            raise ValueError(
+                "unsupported address scheme %r: use a socket path, unix:///path or http://host:port" % scheme
+            )
         if rest.endswith("/"):
             rest = rest[:-1]
         if not rest or any(c in rest for c in "/?#@ \t\r\n\0"):
@@ -1456,7 +1460,8 @@ class _Gate:
             if len(lane.waiters) >= self._queue_len:
                 where = "slot %d" % key if key is not None else "any slot"
                 raise BusyError(
-                    "%d requests already wait for %s (queue_len %d): try later" % (len(lane.waiters), where, self._queue_len),
+                    "%d requests already wait for %s (queue_len %d): try later"
+                    % (len(lane.waiters), where, self._queue_len),
                     key,
                     self._queue_len,
                     len(lane.waiters),
@@ -1550,7 +1555,9 @@ class _SlotPoller:
         slots = None  # type: Optional[List[Slot]]
         limits = self._client.limits
         try:
-            slots = self._client._fetch_slots(timeout=min(limits.liveness, max(2 * limits.poll, 0.5)), owner=self._owner)
+            slots = self._client._fetch_slots(
+                timeout=min(limits.liveness, max(2 * limits.poll, 0.5)), owner=self._owner
+            )
         except Exception:  # any failure means "unavailable"; the worker must never die loudly
             slots = None
         with self._cond:
@@ -1602,7 +1609,7 @@ class _Owner:
     __slots__ = ("conns", "_lock")
 
     def __init__(self) -> None:
-        self.conns = set()  # type: Set[_Conn]
+        self.conns: Set[_Conn] = set()
         self._lock = threading.Lock()
 
     def add(self, conn: _Conn) -> None:
@@ -1639,9 +1646,21 @@ class _Retry:
 
 
 _BUDGETS = {
-    "busy": ("busy_wait", WaitTimeoutError, "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others"),
-    "unavailable": ("load_wait", LoadTimeoutError, "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)"),
-    "idle": ("idle_grace", StalledError, "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck"),
+    "busy": (
+        "busy_wait",
+        WaitTimeoutError,
+        "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
+    ),
+    "unavailable": (
+        "load_wait",
+        LoadTimeoutError,
+        "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
+    ),
+    "idle": (
+        "idle_grace",
+        StalledError,
+        "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    ),
 }
 
 
@@ -1912,7 +1931,9 @@ class ChatStream:
             raise ProtocolError("error body longer than max_body (%d bytes)" % limits.max_body)
         return b"".join(pieces)
 
-    def _events(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> Generator[Event, None, Union[Completion, _Retry]]:
+    def _events(
+        self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]
+    ) -> Generator[Event, None, Union[Completion, _Retry]]:
         client = self._client
         limits = client.limits
         liveness = limits.liveness
@@ -1986,7 +2007,8 @@ class ChatStream:
         quiet = time.monotonic() - progress
         if state != "busy":
             raise StalledError(
-                "only pings for %.1f s and the slot is %s: the stream is stuck" % (quiet, "idle" if state == "idle" else "unknown"),
+                "only pings for %.1f s and the slot is %s: the stream is stuck"
+                % (quiet, "idle" if state == "idle" else "unknown"),
                 quiet,
             )
         if quiet >= limits.busy_wait:
@@ -1994,15 +2016,21 @@ class ChatStream:
 
     def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> None:
         if not completion_id:
-            raise ThinkingOverrunError("reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens, tokens)
+            raise ThinkingOverrunError(
+                "reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens, tokens
+            )
         try:
             ok = self._client._control(completion_id, self._owner)
         except LoopError as exc:
             if self._cancel.is_set():
                 raise
-            raise ThinkingOverrunError("reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens) from exc
+            raise ThinkingOverrunError(
+                "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
+            ) from exc
         if not ok:
-            raise ThinkingOverrunError("reasoning reached the cap (%d tokens) and the server refused to end it" % tokens, tokens)
+            raise ThinkingOverrunError(
+                "reasoning reached the cap (%d tokens) and the server refused to end it" % tokens, tokens
+            )
 
 
 def _json_or_text(text: str) -> Any:
@@ -2065,7 +2093,7 @@ class Client:
         self._poller = _SlotPoller(self, self._lock)
         self._pool_size = None  # type: Optional[int]
         self._props_lock = threading.Lock()
-        self._streams = set()  # type: Set[ChatStream]
+        self._streams: Set[ChatStream] = set()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -2121,7 +2149,9 @@ class Client:
         body.update(params)
         body["stream"] = True
         options = body.get("stream_options")
-        body["stream_options"] = dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
+        body["stream_options"] = (
+            dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
+        )
         if slot is not None:
             body["id_slot"] = slot
         if self.limits.thinking_cap is not None:
@@ -2152,8 +2182,15 @@ class Client:
         assert stream.completion is not None
         return stream.completion
 
-    def _call(self, method: str, path: str, payload: Any = None, *, timeout: Optional[float] = None,
-              owner: Optional[_Owner] = None) -> Tuple[ResponseHead, bytes]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        timeout: Optional[float] = None,
+        owner: Optional[_Owner] = None,
+    ) -> Tuple[ResponseHead, bytes]:
         """One request on a new connection: (head, body).  Never retried."""
         request = self._encode(method, path, payload, "application/json")
         limits = self.limits
@@ -2172,7 +2209,9 @@ class Client:
                 try:
                     data = conn.recv(timeout)
                 except _Silence:
-                    raise StalledError("%s %s: no answer for %.1f s (liveness)" % (method, path, timeout), timeout) from None
+                    raise StalledError(
+                        "%s %s: no answer for %.1f s (liveness)" % (method, path, timeout), timeout
+                    ) from None
                 if not data:
                     reader.feed_eof()
                     break
@@ -2228,10 +2267,9 @@ class Client:
 
     def _object(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Dict[str, Any]:
         doc = self._json(method, path, payload, **kwargs)
-        if type(doc) is not dict:
+        if not isinstance(doc, dict):
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
-        result = doc  # type: Dict[str, Any]
-        return result
+        return doc
 
     def _control(self, completion_id: str, owner: Optional[_Owner]) -> bool:
         if not isinstance(completion_id, str):
@@ -2400,7 +2438,9 @@ class _Console:
         if isinstance(rate, (int, float)):
             parts.append("%.1f tokens/s" % rate)
         if completion.reasoning_tokens:
-            parts.append("%d reasoning%s" % (completion.reasoning_tokens, " (capped)" if completion.thinking_capped else ""))
+            parts.append(
+                "%d reasoning%s" % (completion.reasoning_tokens, " (capped)" if completion.thinking_capped else "")
+            )
         parts.append("finish: %s" % completion.finish_reason)
         return "[" + ", ".join(parts) + "]"
 
@@ -2421,7 +2461,9 @@ def _slots_table(slots: List[Slot]) -> str:
         if isinstance(nxt, dict) and isinstance(nxt.get("n_decoded"), int):
             decoded = str(nxt["n_decoded"])
         n_ctx = s.raw.get("n_ctx")
-        rows.append((str(s.id), "busy" if s.is_processing else "idle", decoded, str(n_ctx) if n_ctx is not None else ""))
+        rows.append(
+            (str(s.id), "busy" if s.is_processing else "idle", decoded, str(n_ctx) if n_ctx is not None else "")
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -2493,6 +2535,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _chat(client: Client, args: Any) -> int:
+    import functools
+
     params = {}  # type: Dict[str, Any]
     if args.max_tokens is not None:
         params["max_tokens"] = args.max_tokens
@@ -2522,9 +2566,8 @@ def _chat(client: Client, args: Any) -> int:
         assert prompt is not None
         history.append({"role": "user", "content": prompt})
         console = _Console(sys.stdout, sys.stderr)
-        completion = client.chat(
-            history, slot=args.slot, on_event=lambda ev: console.event(ev, show_text=not args.json), **params
-        )
+        show = functools.partial(console.event, show_text=not args.json)
+        completion = client.chat(history, slot=args.slot, on_event=show, **params)
         console.clear()
         if args.json:
             sys.stdout.write(_completion_json(completion) + "\n")

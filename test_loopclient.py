@@ -46,8 +46,15 @@ def chunk_json(delta=None, finish=None, cid=CID, extra=None, choices=True):
         doc["choices"] = [{"finish_reason": finish, "index": 0, "delta": delta if delta is not None else {}}]
     else:
         doc["choices"] = []
-    doc.update({"created": 1796006109, "id": cid, "model": MODEL, "system_fingerprint": "b0-unknown",
-                "object": "chat.completion.chunk"})
+    doc.update(
+        {
+            "created": 1796006109,
+            "id": cid,
+            "model": MODEL,
+            "system_fingerprint": "b0-unknown",
+            "object": "chat.completion.chunk",
+        }
+    )
     if extra:
         doc.update(extra)
     return json.dumps(doc, separators=(",", ":"))
@@ -62,10 +69,23 @@ def chunked(*bodies):
     return b"".join(b"%x\r\n%s\r\n" % (len(b), b) for b in bodies)
 
 
-TIMINGS = {"cache_n": 1, "prompt_n": 29, "prompt_ms": 76.722, "prompt_per_token_ms": 2.6455862068965517,
-           "prompt_per_second": 377.98806079090747, "predicted_n": 16, "predicted_ms": 192.748,
-           "predicted_per_token_ms": 12.849866666666665, "predicted_per_second": 77.82181916284476}
-USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34, "prompt_tokens_details": {"cached_tokens": 21}}
+TIMINGS = {
+    "cache_n": 1,
+    "prompt_n": 29,
+    "prompt_ms": 76.722,
+    "prompt_per_token_ms": 2.6455862068965517,
+    "prompt_per_second": 377.98806079090747,
+    "predicted_n": 16,
+    "predicted_ms": 192.748,
+    "predicted_per_token_ms": 12.849866666666665,
+    "predicted_per_second": 77.82181916284476,
+}
+USAGE = {
+    "completion_tokens": 8,
+    "prompt_tokens": 26,
+    "total_tokens": 34,
+    "prompt_tokens_details": {"cached_tokens": 21},
+}
 
 
 def content_stream(words, finish="stop", usage=True, done=True, role=True):
@@ -145,7 +165,7 @@ def _p_splittings(n, pairs_upto=40, sample=None, hot=(), seed=20240611):
 
 def _p_short(value, limit=300):
     text = repr(value)
-    return text if len(text) <= limit else "%s...(%d chars)...%s" % (text[:limit // 2], len(text), text[-limit // 2:])
+    return text if len(text) <= limit else "%s...(%d chars)...%s" % (text[: limit // 2], len(text), text[-limit // 2 :])
 
 
 def _p_run(make, pieces, end, state, join):
@@ -156,13 +176,13 @@ def _p_run(make, pieces, end, state, join):
     for piece in pieces:
         try:
             out.extend(parser.feed(piece))
-        except Exception as exc:  # noqa: BLE001 - any type is compared with the expected one
+        except Exception as exc:
             return ("raised", exc, start, start + len(piece))
         start += len(piece)
     if end is not None:
         try:
             out.extend(end(parser) or [])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return ("raised", exc, "eof", "eof")
     value = b"".join(out) if join else out
     if state is not None:
@@ -170,8 +190,20 @@ def _p_run(make, pieces, end, state, join):
     return ("ok", value)
 
 
-def _p_check_feeds(test, make, data, expect=None, raises=None, at=None, end=None, state=None, join=False,
-                   pairs_upto=40, sample=None, hot=()):
+def _p_check_feeds(
+    test,
+    make,
+    data,
+    expect=None,
+    raises=None,
+    at=None,
+    end=None,
+    state=None,
+    join=False,
+    pairs_upto=40,
+    sample=None,
+    hot=(),
+):
     """Assert every way of feeding ``data`` to ``make()`` gives ``expect`` exactly, or raises ``raises``.
 
     ``end(parser)`` runs after the last read (feed_eof, close) and may add output.  ``state(parser)`` is
@@ -203,8 +235,10 @@ def _p_check_feeds(test, make, data, expect=None, raises=None, at=None, end=None
             continue
         lo, hi = (at, at) if isinstance(at, int) else at
         if not (first <= hi and stop > lo):
-            test.fail("%s: %s raised by the read of bytes [%d, %d), expected by the read holding byte %s"
-                      % (label, raises.__name__, first, stop, at))
+            test.fail(
+                "%s: %s raised by the read of bytes [%d, %d), expected by the read holding byte %s"
+                % (label, raises.__name__, first, stop, at)
+            )
     return tried
 
 
@@ -225,15 +259,24 @@ def _p_eof(parser):
 
 class TestParserEncodeRequest(unittest.TestCase):
     def test_post_with_body_exact_bytes(self):
-        got = lc.encode_request("POST", "/v1/chat/completions", "localhost",
-                                [("Content-Type", "application/json"), ("Authorization", "Bearer k")], b'{"a":1}')
-        self.assertEqual(got, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
-                              b"Content-Type: application/json\r\nAuthorization: Bearer k\r\n"
-                              b"Content-Length: 7\r\n\r\n{\"a\":1}")
+        got = lc.encode_request(
+            "POST",
+            "/v1/chat/completions",
+            "localhost",
+            [("Content-Type", "application/json"), ("Authorization", "Bearer k")],
+            b'{"a":1}',
+        )
+        self.assertEqual(
+            got,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nAuthorization: Bearer k\r\n"
+            b'Content-Length: 7\r\n\r\n{"a":1}',
+        )
 
     def test_get_without_body_has_no_content_length(self):
-        self.assertEqual(lc.encode_request("GET", "/slots", "127.0.0.1:8080"),
-                         b"GET /slots HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n")
+        self.assertEqual(
+            lc.encode_request("GET", "/slots", "127.0.0.1:8080"), b"GET /slots HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n"
+        )
 
     def test_cr_lf_nul_refused_in_path_name_value_host(self):
         for bad in ("\r", "\n", "\r\n", "\0"):
@@ -266,8 +309,9 @@ class TestParserResponseReader(unittest.TestCase):
         return _p_check_feeds(self, reader, data, expect, join=True, **kw)
 
     def test_content_length_body_and_head_fields(self):
-        data = (b"HTTP/1.1 404 Not Found\r\nServer: llama.cpp\r\nX-Dup: a\r\nx-dup:  b \r\n"
-                b"Content-Length: 5\r\n\r\nhello")
+        data = (
+            b"HTTP/1.1 404 Not Found\r\nServer: llama.cpp\r\nX-Dup: a\r\nx-dup:  b \r\nContent-Length: 5\r\n\r\nhello"
+        )
         headers = [("server", "llama.cpp"), ("x-dup", "a"), ("x-dup", "b"), ("content-length", "5")]
         self.check(data, (b"hello", ("HTTP/1.1", 404, "Not Found", headers, True)))
         reader = lc.ResponseReader()
@@ -285,10 +329,13 @@ class TestParserResponseReader(unittest.TestCase):
         self.assertEqual(reader.head.status, 200)
 
     def test_reason_with_spaces_and_missing_reason(self):
-        self.check(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
-                   (b"", ("HTTP/1.1", 503, "Service Unavailable", [("content-length", "0")], True)))
-        self.check(b"HTTP/1.1 200\r\nContent-Length: 0\r\n\r\n",
-                   (b"", ("HTTP/1.1", 200, "", [("content-length", "0")], True)))
+        self.check(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",
+            (b"", ("HTTP/1.1", 503, "Service Unavailable", [("content-length", "0")], True)),
+        )
+        self.check(
+            b"HTTP/1.1 200\r\nContent-Length: 0\r\n\r\n", (b"", ("HTTP/1.1", 200, "", [("content-length", "0")], True))
+        )
 
     def test_until_close(self):
         data = b"HTTP/1.0 200 OK\r\nServer: x\r\n\r\nline1\nline2\r\n"
@@ -301,30 +348,50 @@ class TestParserResponseReader(unittest.TestCase):
 
     def test_chunked_stream_head(self):
         data = STREAM_HEAD + chunked(b"data: a\n\n", b"data: [DONE]\n\n") + b"0\r\n\r\n"
-        headers = [("server", "llama.cpp"), ("access-control-allow-origin", ""), ("x-accel-buffering", "no"),
-                   ("content-type", "text/event-stream"), ("transfer-encoding", "chunked"), ("connection", "close")]
-        self.check(data, (b"data: a\n\ndata: [DONE]\n\n", ("HTTP/1.1", 200, "OK", headers, True)),
-                   sample=150, hot=(len(STREAM_HEAD),))
+        headers = [
+            ("server", "llama.cpp"),
+            ("access-control-allow-origin", ""),
+            ("x-accel-buffering", "no"),
+            ("content-type", "text/event-stream"),
+            ("transfer-encoding", "chunked"),
+            ("connection", "close"),
+        ]
+        self.check(
+            data,
+            (b"data: a\n\ndata: [DONE]\n\n", ("HTTP/1.1", 200, "OK", headers, True)),
+            sample=150,
+            hot=(len(STREAM_HEAD),),
+        )
 
     def test_chunked_wins_over_content_length(self):
         data = b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
-        self.check(data, (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "99"), ("transfer-encoding", "chunked")], True)),
-                   sample=60)
+        self.check(
+            data,
+            (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "99"), ("transfer-encoding", "chunked")], True)),
+            sample=60,
+        )
 
     def test_interim_1xx_responses_skipped(self):
-        data = (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
-                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        data = (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        )
         self.check(data, (b"ok", ("HTTP/1.1", 200, "OK", [("content-length", "2")], True)), pairs_upto=0)
 
     def test_204_has_no_body(self):
         self.check(b"HTTP/1.1 204 No Content\r\n\r\n", (b"", ("HTTP/1.1", 204, "No Content", [], True)))
 
     def test_identical_duplicate_content_length_ok(self):
-        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
-                   (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "3"), ("content-length", "3")], True)),
-                   pairs_upto=0)
-        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc",
-                   (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "3, 3")], True)), pairs_upto=0)
+        self.check(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+            (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "3"), ("content-length", "3")], True)),
+            pairs_upto=0,
+        )
+        self.check(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc",
+            (b"abc", ("HTTP/1.1", 200, "OK", [("content-length", "3, 3")], True)),
+            pairs_upto=0,
+        )
 
     def test_conflicting_content_length(self):
         for head in (b"Content-Length: 3\r\nContent-Length: 4\r\n", b"Content-Length: 3, 4\r\n"):
@@ -347,8 +414,14 @@ class TestParserResponseReader(unittest.TestCase):
         self.check(b"HTTP/1.1 200 OK\r\n\r", raises=lc.StreamClosedError, at="eof")
 
     def test_malformed_status_line(self):
-        for line in (b"HTTP/2 200 OK", b"HTTP/1.1 20 OK", b"HTTP/1.1 2000 OK", b"ICY 200 OK", b"HTTP/1.1 abc OK",
-                     b"garbage"):
+        for line in (
+            b"HTTP/2 200 OK",
+            b"HTTP/1.1 20 OK",
+            b"HTTP/1.1 2000 OK",
+            b"ICY 200 OK",
+            b"HTTP/1.1 abc OK",
+            b"garbage",
+        ):
             data = line + b"\r\nContent-Length: 0\r\n\r\n"
             with self.subTest(line=line):
                 self.check(data, raises=lc.ProtocolError, at=(0, len(data) - 1), pairs_upto=0)
@@ -390,7 +463,11 @@ class TestParserResponseReader(unittest.TestCase):
         self.check(block + b"0000", raises=lc.ProtocolError, at=33, reader=tight)
 
     def _lines_head(self, n):
-        return b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(n - 1)) + b"Content-Length: 0\r\n"
+        return (
+            b"HTTP/1.1 200 OK\r\n"
+            + b"".join(b"X-H%d: %d\r\n" % (i, i) for i in range(n - 1))
+            + b"Content-Length: 0\r\n"
+        )
 
     def test_100_header_lines_ok(self):
         data = self._lines_head(100) + b"\r\n"
@@ -406,16 +483,18 @@ class TestParserResponseReader(unittest.TestCase):
     def test_101_header_lines_without_terminator(self):
         head = self._lines_head(101)
         first = len(self._lines_head(100))
-        self.check(head + b"X-More: 1", raises=lc.ProtocolError, at=(first, len(head) - 1), sample=200,
-                   hot=(first, len(head)))
+        self.check(
+            head + b"X-More: 1", raises=lc.ProtocolError, at=(first, len(head) - 1), sample=200, hot=(first, len(head))
+        )
 
     # ---- max_body
 
     def test_max_body_content_length(self):
         ten = lambda: lc.ResponseReader(max_body=10)
         data = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789"
-        self.check(data, (b"0123456789", ("HTTP/1.1", 200, "OK", [("content-length", "10")], True)), reader=ten,
-                   pairs_upto=0)
+        self.check(
+            data, (b"0123456789", ("HTTP/1.1", 200, "OK", [("content-length", "10")], True)), reader=ten, pairs_upto=0
+        )
         data = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n0123456789A"
         head_end = len(data) - 11
         self.check(data, raises=lc.ProtocolError, at=(head_end - 1, len(data) - 1), reader=ten, pairs_upto=0)
@@ -424,11 +503,15 @@ class TestParserResponseReader(unittest.TestCase):
         ten = lambda: lc.ResponseReader(max_body=10)
         head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         data = head + chunked(b"01234", b"56789") + b"0\r\n\r\n"
-        self.check(data, (b"0123456789", ("HTTP/1.1", 200, "OK", [("transfer-encoding", "chunked")], True)),
-                   reader=ten, pairs_upto=0)
+        self.check(
+            data,
+            (b"0123456789", ("HTTP/1.1", 200, "OK", [("transfer-encoding", "chunked")], True)),
+            reader=ten,
+            pairs_upto=0,
+        )
         data = head + chunked(b"01234", b"56789A") + b"0\r\n\r\n"
         eleventh = len(head) + len(chunked(b"01234")) + 3 + 5
-        self.assertEqual(data[eleventh:eleventh + 1], b"A")
+        self.assertEqual(data[eleventh : eleventh + 1], b"A")
         self.check(data, raises=lc.ProtocolError, at=eleventh, reader=ten, pairs_upto=0)
         # over without any terminator: one chunk announced bigger than the cap, cut off after 11 bytes
         data = head + b"20\r\n0123456789A"
@@ -468,8 +551,9 @@ class TestParserChunked(unittest.TestCase):
         dec.feed_eof()
 
     def test_extensions_ignored(self):
-        self.check(b'5;name=val\r\nhello\r\n6;a=1;q="x y"\r\n world\r\n0;last\r\n\r\n', (b"hello world", True),
-                   pairs_upto=20)
+        self.check(
+            b'5;name=val\r\nhello\r\n6;a=1;q="x y"\r\n world\r\n0;last\r\n\r\n', (b"hello world", True), pairs_upto=20
+        )
 
     def test_trailers_ignored(self):
         self.check(b"3\r\nabc\r\n0\r\nX-Trailer: 1\r\nAnother: two\r\n\r\n", (b"abc", True))
@@ -489,8 +573,18 @@ class TestParserChunked(unittest.TestCase):
         self.check(b"3\r\nabcd\r\n0\r\n\r\n", raises=lc.ProtocolError, at=6)
 
     def test_cut_short_is_stream_closed_at_eof(self):
-        for data in (b"", b"3", b"3\r", b"3\r\n", b"3\r\nab", b"3\r\nabc", b"3\r\nabc\r", b"3\r\nabc\r\n",
-                     b"3\r\nabc\r\n0;ext", b"3\r\nabc\r\n0\r\nX-T: 1"):
+        for data in (
+            b"",
+            b"3",
+            b"3\r",
+            b"3\r\n",
+            b"3\r\nab",
+            b"3\r\nabc",
+            b"3\r\nabc\r",
+            b"3\r\nabc\r\n",
+            b"3\r\nabc\r\n0;ext",
+            b"3\r\nabc\r\n0\r\nX-T: 1",
+        ):
             with self.subTest(data=data):
                 self.check(data, raises=lc.StreamClosedError, at="eof")
 
@@ -582,16 +676,23 @@ class TestParserSSE(unittest.TestCase):
         self.check(b"\xefdata: a\n\ndata: b\n\n", [("message", "b")])
 
     def test_comments_ignored(self):
-        self.check(b": ping\n\n:\ndata: a\n: in the middle\ndata: b\n:x\n\n: tail\n",
-                   [("message", "a\nb")])
+        self.check(b": ping\n\n:\ndata: a\n: in the middle\ndata: b\n:x\n\n: tail\n", [("message", "a\nb")])
 
     def test_comment_only_blocks_dispatch_nothing(self):
         self.check(b": ping - 1\n\n: ping - 2\r\n\r\n", [])
 
     def test_exactly_one_space_stripped_after_colon(self):
-        self.check(b"data:a\n\ndata: a\n\ndata:  a\n\ndata: \n\ndata:\n\ndata:\ta\n\n",
-                   [("message", "a"), ("message", "a"), ("message", " a"), ("message", ""), ("message", ""),
-                    ("message", "\ta")])
+        self.check(
+            b"data:a\n\ndata: a\n\ndata:  a\n\ndata: \n\ndata:\n\ndata:\ta\n\n",
+            [
+                ("message", "a"),
+                ("message", "a"),
+                ("message", " a"),
+                ("message", ""),
+                ("message", ""),
+                ("message", "\ta"),
+            ],
+        )
         self.check(b"event:  x\ndata: 1\n\nevent:y\ndata: 2\n\n", [(" x", "1"), ("y", "2")])
 
     def test_multiline_data_joined_with_lf(self):
@@ -624,17 +725,24 @@ class TestParserSSE(unittest.TestCase):
         self.check(b"data: " + text.encode() + b"\n\n", [("message", text)])
 
     def test_invalid_utf8_replaced(self):
-        self.check(b"data: a\xffb\n\ndata: \xe2\x82\n\ndata: \xc3\n\n",
-                   [("message", "a\ufffdb"), ("message", "\ufffd"), ("message", "\ufffd")])
+        self.check(
+            b"data: a\xffb\n\ndata: \xe2\x82\n\ndata: \xc3\n\n",
+            [("message", "a\ufffdb"), ("message", "\ufffd"), ("message", "\ufffd")],
+        )
 
     def test_legacy_error_line(self):
-        self.check(b'error: {"code":500,"message":"boom"}\n\ndata: x\n\n',
-                   [("error", '{"code":500,"message":"boom"}'), ("message", "x")])
+        self.check(
+            b'error: {"code":500,"message":"boom"}\n\ndata: x\n\n',
+            [("error", '{"code":500,"message":"boom"}'), ("message", "x")],
+        )
 
     def test_llama_server_stream_shape(self):
         payload = chunk_json({"content": "hi"})
-        self.check(sse(payload) + b": ping\n\n" + b"data: [DONE]\n\n",
-                   [("message", payload), ("message", "[DONE]")], pairs_upto=0)
+        self.check(
+            sse(payload) + b": ping\n\n" + b"data: [DONE]\n\n",
+            [("message", payload), ("message", "[DONE]")],
+            pairs_upto=0,
+        )
 
 
 class TestParserSSELimits(unittest.TestCase):
@@ -663,13 +771,17 @@ class TestParserSSELimits(unittest.TestCase):
 
     def test_event_at_limit(self):
         # the event is its data: 16 + 1 (the joining LF) + 15 = 32 bytes
-        self.check(b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 15 + b"\n\n", [("message", "a" * 16 + "\n" + "b" * 15)],
-                   max_line=32, pairs_upto=0)
+        self.check(
+            b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 15 + b"\n\n",
+            [("message", "a" * 16 + "\n" + "b" * 15)],
+            max_line=32,
+            pairs_upto=0,
+        )
 
     def test_event_one_over(self):
         data = b"data:" + b"a" * 16 + b"\ndata:" + b"b" * 16 + b"\n\n"
         last_b = 22 + 5 + 15
-        self.assertEqual(data[last_b:last_b + 2], b"b\n")
+        self.assertEqual(data[last_b : last_b + 2], b"b\n")
         self.check(data, raises=lc.ProtocolError, at=(last_b, last_b + 1), max_line=32, pairs_upto=0)
 
     def test_event_over_without_newline(self):
@@ -718,14 +830,32 @@ def _p_tool(index, cid=None, name=None, args=None):
 
 class TestParserAssembler(unittest.TestCase):
     def test_content_deltas_concatenate_in_order(self):
-        asm, events = _p_feed_payloads([chunk_json({"role": "assistant", "content": None}),
-                                        chunk_json({"content": "Hel"}), chunk_json({"content": "lo"}),
-                                        chunk_json({"content": " w\u00f6rld\n"}), chunk_json({}, "stop")])
+        asm, events = _p_feed_payloads(
+            [
+                chunk_json({"role": "assistant", "content": None}),
+                chunk_json({"content": "Hel"}),
+                chunk_json({"content": "lo"}),
+                chunk_json({"content": " w\u00f6rld\n"}),
+                chunk_json({}, "stop"),
+            ]
+        )
         self.assertEqual(events, [lc.Content("Hel"), lc.Content("lo"), lc.Content(" w\u00f6rld\n")])
         self.assertEqual(asm.id, CID)
-        self.assertEqual(asm.completion(), lc.Completion(
-            id=CID, model=MODEL, content="Hello w\u00f6rld\n", reasoning="", tool_calls=[], finish_reason="stop",
-            usage=None, timings=None, reasoning_tokens=0, thinking_capped=False))
+        self.assertEqual(
+            asm.completion(),
+            lc.Completion(
+                id=CID,
+                model=MODEL,
+                content="Hello w\u00f6rld\n",
+                reasoning="",
+                tool_calls=[],
+                finish_reason="stop",
+                usage=None,
+                timings=None,
+                reasoning_tokens=0,
+                thinking_capped=False,
+            ),
+        )
 
     def test_reasoning_then_content(self):
         asm = lc.Assembler()
@@ -741,24 +871,37 @@ class TestParserAssembler(unittest.TestCase):
         self.assertEqual((done.reasoning, done.content, done.reasoning_tokens), ("Let me", "Yes", 2))
 
     def test_one_reasoning_token_per_chunk_with_nonempty_reasoning(self):
-        asm, events = _p_feed_payloads([
-            chunk_json({"reasoning_content": "a few words in one chunk"}),
-            chunk_json({"reasoning_content": ""}),
-            chunk_json({"reasoning_content": None}),
-            chunk_json({"reasoning_content": "b", "content": "c"}),
-            chunk_json({"content": "d"}),
-            chunk_json({}, "stop")])
-        self.assertEqual(events, [lc.Reasoning("a few words in one chunk"), lc.Reasoning("b"), lc.Content("c"),
-                                  lc.Content("d")])
+        asm, events = _p_feed_payloads(
+            [
+                chunk_json({"reasoning_content": "a few words in one chunk"}),
+                chunk_json({"reasoning_content": ""}),
+                chunk_json({"reasoning_content": None}),
+                chunk_json({"reasoning_content": "b", "content": "c"}),
+                chunk_json({"content": "d"}),
+                chunk_json({}, "stop"),
+            ]
+        )
+        self.assertEqual(
+            events, [lc.Reasoning("a few words in one chunk"), lc.Reasoning("b"), lc.Content("c"), lc.Content("d")]
+        )
         self.assertEqual(asm.reasoning_tokens, 2)
         self.assertEqual(asm.completion().reasoning_tokens, 2)
 
     def test_empty_deltas_and_role_only_chunks_produce_no_event(self):
         asm = lc.Assembler()
-        for delta in ({"role": "assistant", "content": None}, {"role": "assistant"}, {}, {"content": ""},
-                      {"content": None}, {"reasoning_content": ""}, {"tool_calls": []}, {"tool_calls": None},
-                      {"tool_calls": [{"index": 0}]}, {"tool_calls": [{"index": 0, "id": "", "function": {}}]},
-                      {"tool_calls": [{"index": 0, "function": {"name": "", "arguments": ""}}]}):
+        for delta in (
+            {"role": "assistant", "content": None},
+            {"role": "assistant"},
+            {},
+            {"content": ""},
+            {"content": None},
+            {"reasoning_content": ""},
+            {"tool_calls": []},
+            {"tool_calls": None},
+            {"tool_calls": [{"index": 0}]},
+            {"tool_calls": [{"index": 0, "id": "", "function": {}}]},
+            {"tool_calls": [{"index": 0, "function": {"name": "", "arguments": ""}}]},
+        ):
             with self.subTest(delta=delta):
                 self.assertEqual(asm.feed(chunk_json(delta)), [])
         self.assertEqual(asm.feed(json.dumps({"choices": [{"index": 0, "delta": None, "finish_reason": None}]})), [])
@@ -775,39 +918,57 @@ class TestParserAssembler(unittest.TestCase):
             chunk_json({}, "tool_calls"),
         ]
         asm, events = _p_feed_payloads(payloads)
-        self.assertEqual(events, [
-            lc.ToolCall(3, "call-A", "get_weather", '{"ci'),
-            lc.ToolCall(5, "call-B", "get_time", ""),
-            lc.ToolCall(3, None, None, 'ty": "Pa'),
-            lc.ToolCall(5, "call-B", "get_time", '{"tz":'),
-            lc.ToolCall(3, "call-Z", "other", 'ris"}'),
-            lc.ToolCall(5, None, None, ' "UTC"}'),
-        ])
+        self.assertEqual(
+            events,
+            [
+                lc.ToolCall(3, "call-A", "get_weather", '{"ci'),
+                lc.ToolCall(5, "call-B", "get_time", ""),
+                lc.ToolCall(3, None, None, 'ty": "Pa'),
+                lc.ToolCall(5, "call-B", "get_time", '{"tz":'),
+                lc.ToolCall(3, "call-Z", "other", 'ris"}'),
+                lc.ToolCall(5, None, None, ' "UTC"}'),
+            ],
+        )
         done = asm.completion()
-        self.assertEqual(done.tool_calls, [lc.ToolCallResult("call-A", "get_weather", '{"city": "Paris"}'),
-                                           lc.ToolCallResult("call-B", "get_time", '{"tz": "UTC"}')])
+        self.assertEqual(
+            done.tool_calls,
+            [
+                lc.ToolCallResult("call-A", "get_weather", '{"city": "Paris"}'),
+                lc.ToolCallResult("call-B", "get_time", '{"tz": "UTC"}'),
+            ],
+        )
         self.assertEqual(done.finish_reason, "tool_calls")
         self.assertEqual(done.content, "")
 
     def test_tool_calls_in_index_order_whatever_the_arrival(self):
-        asm, _ = _p_feed_payloads([
-            chunk_json({"tool_calls": [_p_tool(7, "b", "g", "{}")]}),
-            chunk_json({"tool_calls": [_p_tool(2, "a", "f", "[]")]}),
-            chunk_json({}, "tool_calls")])
-        self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")])
+        asm, _ = _p_feed_payloads(
+            [
+                chunk_json({"tool_calls": [_p_tool(7, "b", "g", "{}")]}),
+                chunk_json({"tool_calls": [_p_tool(2, "a", "f", "[]")]}),
+                chunk_json({}, "tool_calls"),
+            ]
+        )
+        self.assertEqual(
+            asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")]
+        )
 
     def test_two_tool_calls_in_one_delta(self):
-        asm, events = _p_feed_payloads([
-            chunk_json({"tool_calls": [_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")]}),
-            chunk_json({}, "tool_calls")])
+        asm, events = _p_feed_payloads(
+            [
+                chunk_json({"tool_calls": [_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")]}),
+                chunk_json({}, "tool_calls"),
+            ]
+        )
         self.assertEqual(events, [lc.ToolCall(0, "x", "f", "{"), lc.ToolCall(1, "y", "g", "[")])
 
     def test_usage_only_chunk_and_timings_merged(self):
-        asm, events = _p_feed_payloads([
-            chunk_json({"content": "hi"}),
-            chunk_json({}, "stop", extra={"timings": {"prompt_n": 5, "predicted_n": 1}}),
-            chunk_json(choices=False, extra={"usage": USAGE, "timings": {"predicted_n": 2, "cache_n": 21}}),
-        ])
+        asm, events = _p_feed_payloads(
+            [
+                chunk_json({"content": "hi"}),
+                chunk_json({}, "stop", extra={"timings": {"prompt_n": 5, "predicted_n": 1}}),
+                chunk_json(choices=False, extra={"usage": USAGE, "timings": {"predicted_n": 2, "cache_n": 21}}),
+            ]
+        )
         self.assertEqual(events, [lc.Content("hi")])
         done = asm.completion()
         self.assertEqual(done.usage, USAGE)
@@ -815,8 +976,9 @@ class TestParserAssembler(unittest.TestCase):
         self.assertEqual((done.content, done.finish_reason), ("hi", "stop"))
 
     def test_usage_chunk_before_finish(self):
-        asm, _ = _p_feed_payloads([chunk_json(choices=False, extra={"usage": {"total_tokens": 3}}),
-                                   chunk_json({"content": "x"}, "length")])
+        asm, _ = _p_feed_payloads(
+            [chunk_json(choices=False, extra={"usage": {"total_tokens": 3}}), chunk_json({"content": "x"}, "length")]
+        )
         done = asm.completion()
         self.assertEqual((done.usage, done.timings, done.finish_reason), ({"total_tokens": 3}, None, "length"))
 
@@ -826,16 +988,32 @@ class TestParserAssembler(unittest.TestCase):
             asm.completion()
         with self.assertRaises(lc.StreamClosedError):
             lc.Assembler().completion()
-        asm, _ = _p_feed_payloads([chunk_json({"content": "x"}),
-                                   chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS})])
+        asm, _ = _p_feed_payloads(
+            [chunk_json({"content": "x"}), chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS})]
+        )
         with self.assertRaises(lc.StreamClosedError):
             asm.completion()
 
     def test_unknown_fields_ignored(self):
-        asm, events = _p_feed_payloads([
-            json.dumps({"choices": [{"index": 0, "delta": {"content": "a", "new_field": [1]}, "logprobs": None,
-                                     "finish_reason": None}], "id": "c1", "future": {"x": 1}}),
-            json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "id": "c2"})])
+        asm, events = _p_feed_payloads(
+            [
+                json.dumps(
+                    {
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"content": "a", "new_field": [1]},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        "id": "c1",
+                        "future": {"x": 1},
+                    }
+                ),
+                json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "id": "c2"}),
+            ]
+        )
         self.assertEqual(events, [lc.Content("a")])
         self.assertEqual((asm.id, asm.completion().id, asm.completion().content), ("c1", "c1", "a"))
 
@@ -869,9 +1047,8 @@ class TestParserAssembler(unittest.TestCase):
             "deep nesting": "[" * 100000 + "]" * 100000,
         }
         for what, payload in bad.items():
-            with self.subTest(what=what):
-                with self.assertRaises(lc.ProtocolError):
-                    lc.Assembler().feed(payload)
+            with self.subTest(what=what), self.assertRaises(lc.ProtocolError):
+                lc.Assembler().feed(payload)
 
     def test_error_envelope_is_server_error(self):
         asm = lc.Assembler()
@@ -895,9 +1072,21 @@ class TestParserAssembler(unittest.TestCase):
 
 class TestParserSmallFunctions(unittest.TestCase):
     def test_retry_after_seconds(self):
-        for value, expect in (("120", 120.0), ("0", 0.0), (" 7 ", 7.0), (None, None), ("", None), ("-1", None),
-                              ("-0", None), ("+5", None), ("1.5", None), ("abc", None), ("5s", None),
-                              ("\u0663", None), ("Wed, 99 Foo 2015", None)):
+        for value, expect in (
+            ("120", 120.0),
+            ("0", 0.0),
+            (" 7 ", 7.0),
+            (None, None),
+            ("", None),
+            ("-1", None),
+            ("-0", None),
+            ("+5", None),
+            ("1.5", None),
+            ("abc", None),
+            ("5s", None),
+            ("\u0663", None),
+            ("Wed, 99 Foo 2015", None),
+        ):
             with self.subTest(value=value):
                 self.assertEqual(lc.parse_retry_after(value, now=1000.0), expect)
 
@@ -908,8 +1097,10 @@ class TestParserSmallFunctions(unittest.TestCase):
 
     def test_error_envelope(self):
         body = b'{"error":{"code":400,"message":"bad thing","type":"invalid_request_error"}}'
-        self.assertEqual(lc.parse_error_envelope(body),
-                         ("bad thing", {"error": {"code": 400, "message": "bad thing", "type": "invalid_request_error"}}))
+        self.assertEqual(
+            lc.parse_error_envelope(body),
+            ("bad thing", {"error": {"code": 400, "message": "bad thing", "type": "invalid_request_error"}}),
+        )
         self.assertEqual(lc.parse_error_envelope(b'{"error":"just text"}'), ("just text", {"error": "just text"}))
         self.assertEqual(lc.parse_error_envelope(b'{"message":"top"}'), ("top", {"message": "top"}))
         self.assertEqual(lc.parse_error_envelope(b"Service Unavailable\n"), ("Service Unavailable", None))
@@ -919,10 +1110,17 @@ class TestParserSmallFunctions(unittest.TestCase):
     def test_error_envelope_from_transcripts(self):
         for name, status, message in (
             ("12_unknown_endpoint.raw.txt", 404, "File Not Found"),
-            ("11_prompt_exceeds_ctx.raw.txt", 400,
-             "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it"),
-            ("07_malformed_json.raw.txt", 400, "[json.exception.parse_error.101] parse error at line 1, column 60: "
-             "syntax error while parsing object key - unexpected end of input; expected string literal"),
+            (
+                "11_prompt_exceeds_ctx.raw.txt",
+                400,
+                "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it",
+            ),
+            (
+                "07_malformed_json.raw.txt",
+                400,
+                "[json.exception.parse_error.101] parse error at line 1, column 60: "
+                "syntax error while parsing object key - unexpected end of input; expected string literal",
+            ),
         ):
             raw = load_transcript(name)
             if raw is None:
@@ -959,11 +1157,22 @@ class TestParserSmallFunctions(unittest.TestCase):
             lc.parse_address("unix://" + ok + "s")
 
     def test_parse_address_refused(self):
-        for bad in ("", "https://h:1", "ftp://x", "http://", "http://h:0", "http://h:65536", "http://h:x",
-                    "http://h:8080/path", "http://u@h:1", "http://[::1", "unix://", "/tmp/a\0b"):
-            with self.subTest(bad=bad):
-                with self.assertRaises(ValueError):
-                    lc.parse_address(bad)
+        for bad in (
+            "",
+            "https://h:1",
+            "ftp://x",
+            "http://",
+            "http://h:0",
+            "http://h:65536",
+            "http://h:x",
+            "http://h:8080/path",
+            "http://u@h:1",
+            "http://[::1",
+            "unix://",
+            "/tmp/a\0b",
+        ):
+            with self.subTest(bad=bad), self.assertRaises(ValueError):
+                lc.parse_address(bad)
         with self.assertRaises(TypeError):
             lc.parse_address(8080)
 
@@ -1013,13 +1222,20 @@ def _p_stream_outcome(pieces):
     except lc.StreamClosedError:
         return ("stream closed", stream.reader.head.status, stream.events)
     except lc.ServerError as exc:
-        return ("server error", stream.reader.head.status, stream.events, exc.code, exc.message, exc.type,
-                stream.asm.reasoning_tokens)
+        return (
+            "server error",
+            stream.reader.head.status,
+            stream.events,
+            exc.code,
+            exc.message,
+            exc.type,
+            stream.asm.reasoning_tokens,
+        )
 
 
 def _p_stream_splittings(data, every=True, sample=300, seed=7):
     yield "whole", [data]
-    yield "byte by byte", [data[i:i + 1] for i in range(len(data))]
+    yield "byte by byte", [data[i : i + 1] for i in range(len(data))]
     if every:
         offsets = range(1, len(data))
     else:
@@ -1050,29 +1266,79 @@ class TestParserTranscripts(unittest.TestCase):
 
     def test_04_chat_stream(self):
         raw = self.transcript("04_chat_stream.raw.txt")
-        words = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|", "im", "_", "end", "|>", "\n", "<",
-                 "|", "im"]
-        timings = {"cache_n": 1, "prompt_n": 29, "prompt_ms": 76.722, "prompt_per_token_ms": 2.6455862068965517,
-                   "prompt_per_second": 377.98806079090747, "predicted_n": 16, "predicted_ms": 192.748,
-                   "predicted_per_token_ms": 12.849866666666665, "predicted_per_second": 77.82181916284476}
+        words = [
+            "Write",
+            " one",
+            " sentence",
+            " about",
+            " the",
+            " sea",
+            ".<",
+            "|",
+            "im",
+            "_",
+            "end",
+            "|>",
+            "\n",
+            "<",
+            "|",
+            "im",
+        ]
+        timings = {
+            "cache_n": 1,
+            "prompt_n": 29,
+            "prompt_ms": 76.722,
+            "prompt_per_token_ms": 2.6455862068965517,
+            "prompt_per_second": 377.98806079090747,
+            "predicted_n": 16,
+            "predicted_ms": 192.748,
+            "predicted_per_token_ms": 12.849866666666665,
+            "predicted_per_second": 77.82181916284476,
+        }
         completion = lc.Completion(
-            id="chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn", model="models/gemma-3-270m-q4_k_m.gguf",
-            content="Write one sentence about the sea.<|im_end|>\n<|im", reasoning="", tool_calls=[],
-            finish_reason="length", usage=None, timings=timings, reasoning_tokens=0, thinking_capped=False)
+            id="chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn",
+            model="models/gemma-3-270m-q4_k_m.gguf",
+            content="Write one sentence about the sea.<|im_end|>\n<|im",
+            reasoning="",
+            tool_calls=[],
+            finish_reason="length",
+            usage=None,
+            timings=timings,
+            reasoning_tokens=0,
+            thinking_capped=False,
+        )
         self.check(raw, ("ok", 200, [lc.Content(w) for w in words], completion))
 
     def test_06_include_usage(self):
         raw = self.transcript("06_chat_stream_include_usage.raw.txt")
         words = ["Say", " hi", ".<", "|", "im", "_", "end", "|>"]
         completion = lc.Completion(
-            id="chatcmpl-joWrtwhUf305cc7PVLBxr68d8BnqhE0q", model="models/gemma-3-270m-q4_k_m.gguf",
-            content="Say hi.<|im_end|>", reasoning="", tool_calls=[], finish_reason="length",
-            usage={"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34,
-                   "prompt_tokens_details": {"cached_tokens": 21}},
-            timings={"cache_n": 21, "prompt_n": 5, "prompt_ms": 22.313, "prompt_per_token_ms": 4.4626,
-                     "prompt_per_second": 224.08461435037873, "predicted_n": 8, "predicted_ms": 84.958,
-                     "predicted_per_token_ms": 12.136857142857142, "predicted_per_second": 82.39365333458886},
-            reasoning_tokens=0, thinking_capped=False)
+            id="chatcmpl-joWrtwhUf305cc7PVLBxr68d8BnqhE0q",
+            model="models/gemma-3-270m-q4_k_m.gguf",
+            content="Say hi.<|im_end|>",
+            reasoning="",
+            tool_calls=[],
+            finish_reason="length",
+            usage={
+                "completion_tokens": 8,
+                "prompt_tokens": 26,
+                "total_tokens": 34,
+                "prompt_tokens_details": {"cached_tokens": 21},
+            },
+            timings={
+                "cache_n": 21,
+                "prompt_n": 5,
+                "prompt_ms": 22.313,
+                "prompt_per_token_ms": 4.4626,
+                "prompt_per_second": 224.08461435037873,
+                "predicted_n": 8,
+                "predicted_ms": 84.958,
+                "predicted_per_token_ms": 12.136857142857142,
+                "predicted_per_second": 82.39365333458886,
+            },
+            reasoning_tokens=0,
+            thinking_capped=False,
+        )
         self.check(raw, ("ok", 200, [lc.Content(w) for w in words], completion))
 
     def test_14_reasoning(self):
@@ -1081,35 +1347,73 @@ class TestParserTranscripts(unittest.TestCase):
         answer = ["the", " ", "answer", " is", " yes"]
         self.assertEqual(len(thoughts), 76)
         completion = lc.Completion(
-            id="chatcmpl-JIfSrDp0Zx7SYO4w8iGypUzGsPY8HdtD", model="models/gemma-3-270m-q4_k_m.gguf",
-            content="the answer is yes", reasoning="is" + " the sky blue is" * 18 + " the sky ", tool_calls=[],
-            finish_reason="stop", usage=None,
-            timings={"cache_n": 1, "prompt_n": 32, "prompt_ms": 100.071, "prompt_per_token_ms": 3.12721875,
-                     "prompt_per_second": 319.77296119754976, "predicted_n": 88, "predicted_ms": 1410.771,
-                     "predicted_per_token_ms": 16.215758620689655, "predicted_per_second": 61.66840684987146},
-            reasoning_tokens=76, thinking_capped=False)
+            id="chatcmpl-JIfSrDp0Zx7SYO4w8iGypUzGsPY8HdtD",
+            model="models/gemma-3-270m-q4_k_m.gguf",
+            content="the answer is yes",
+            reasoning="is" + " the sky blue is" * 18 + " the sky ",
+            tool_calls=[],
+            finish_reason="stop",
+            usage=None,
+            timings={
+                "cache_n": 1,
+                "prompt_n": 32,
+                "prompt_ms": 100.071,
+                "prompt_per_token_ms": 3.12721875,
+                "prompt_per_second": 319.77296119754976,
+                "predicted_n": 88,
+                "predicted_ms": 1410.771,
+                "predicted_per_token_ms": 16.215758620689655,
+                "predicted_per_second": 61.66840684987146,
+            },
+            reasoning_tokens=76,
+            thinking_capped=False,
+        )
         events = [lc.Reasoning(t) for t in thoughts] + [lc.Content(t) for t in answer]
         self.check(raw, ("ok", 200, events, completion), every=False)
 
     def test_17_midstream_error(self):
         raw = self.transcript("17_midstream_error.raw.txt")
         events = [lc.Reasoning(t) for t in ("is", " the", " sky", " blue", " is")]
-        self.check(raw, ("server error", 200, events, 500,
-                         "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)",
-                         "server_error", 5))
+        self.check(
+            raw,
+            (
+                "server error",
+                200,
+                events,
+                500,
+                "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)",
+                "server_error",
+                5,
+            ),
+        )
 
     def test_18_tool_call(self):
         raw = self.transcript("18_tools_required_stream.raw.txt")
         events = [lc.ToolCall(0, _p_TOOL_ID, "get_weather", "{")] + [
-            lc.ToolCall(0, None, None, frag) for frag in ('"', "city", '":', ' "', "Paris", ' "', "}")]
+            lc.ToolCall(0, None, None, frag) for frag in ('"', "city", '":', ' "', "Paris", ' "', "}")
+        ]
         completion = lc.Completion(
-            id="chatcmpl-aXwtKQdGgvz4IeWD184XVrTmqqlptIts", model="models/gemma-3-270m-q4_k_m.gguf",
-            content="", reasoning="", tool_calls=[lc.ToolCallResult(_p_TOOL_ID, "get_weather", '{"city": "Paris "}')],
-            finish_reason="tool_calls", usage=None,
-            timings={"cache_n": 1, "prompt_n": 137, "prompt_ms": 238.581, "prompt_per_token_ms": 1.7414671532846715,
-                     "prompt_per_second": 574.2284590977489, "predicted_n": 21, "predicted_ms": 623.895,
-                     "predicted_per_token_ms": 31.19475, "predicted_per_second": 32.056676203527836},
-            reasoning_tokens=0, thinking_capped=False)
+            id="chatcmpl-aXwtKQdGgvz4IeWD184XVrTmqqlptIts",
+            model="models/gemma-3-270m-q4_k_m.gguf",
+            content="",
+            reasoning="",
+            tool_calls=[lc.ToolCallResult(_p_TOOL_ID, "get_weather", '{"city": "Paris "}')],
+            finish_reason="tool_calls",
+            usage=None,
+            timings={
+                "cache_n": 1,
+                "prompt_n": 137,
+                "prompt_ms": 238.581,
+                "prompt_per_token_ms": 1.7414671532846715,
+                "prompt_per_second": 574.2284590977489,
+                "predicted_n": 21,
+                "predicted_ms": 623.895,
+                "predicted_per_token_ms": 31.19475,
+                "predicted_per_second": 32.056676203527836,
+            },
+            reasoning_tokens=0,
+            thinking_capped=False,
+        )
         self.check(raw, ("ok", 200, events, completion))
 
     def test_04_cut_before_finish_is_stream_closed(self):
@@ -1136,8 +1440,16 @@ class TestParserTranscripts(unittest.TestCase):
 
 def _p_raw_chunk(delta, finish=None):
     """A chunk payload with raw UTF-8 (llama-server's own JSON writer does not escape non-ASCII)."""
-    return json.dumps({"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], "id": CID,
-                       "model": MODEL, "object": "chat.completion.chunk"}, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(
+        {
+            "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+            "id": CID,
+            "model": MODEL,
+            "object": "chat.completion.chunk",
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
 
 
 def _p_sse_stream(payloads, newline, rng):
@@ -1151,14 +1463,26 @@ def _p_sse_stream(payloads, newline, rng):
     bodies, i = [], 0
     while i < len(events):
         n = rng.randint(1, 3)
-        bodies.append(b"".join(events[i:i + n]))
+        bodies.append(b"".join(events[i : i + n]))
         i += n
     return chunked(*bodies) + b"0\r\n\r\n"
 
 
 class TestParserRandomSplits(unittest.TestCase):
-    words = ["Hello", ",", " w\u00f6rld", " \u20ac", " \U0001f30a", "\n", "data: fake\n\n", "\r", "\u4e2d\u6587",
-             ":", " ", "end."]
+    words = [
+        "Hello",
+        ",",
+        " w\u00f6rld",
+        " \u20ac",
+        " \U0001f30a",
+        "\n",
+        "data: fake\n\n",
+        "\r",
+        "\u4e2d\u6587",
+        ":",
+        " ",
+        "end.",
+    ]
 
     def outcomes(self, data, seed, trials):
         rng = random.Random(seed)
@@ -1167,15 +1491,25 @@ class TestParserRandomSplits(unittest.TestCase):
             cuts = sorted(set(rng.randint(1, len(data) - 1) for _ in range(rng.randint(1, 60))))
             got = _p_stream_outcome(_p_pieces(data, cuts))
             if got != whole:
-                self.fail("seed %d trial %d cuts %r: got %s, expected %s" % (seed, trial, cuts, _p_short(got, 2000),
-                                                                             _p_short(whole, 2000)))
+                self.fail(
+                    "seed %d trial %d cuts %r: got %s, expected %s"
+                    % (seed, trial, cuts, _p_short(got, 2000), _p_short(whole, 2000))
+                )
         return whole
 
     def test_content_stream_random_splits(self):
         data = STREAM_HEAD + content_stream(self.words)
         whole = self.outcomes(data, 1, 300)
-        completion = lc.Completion(id=CID, model=MODEL, content="".join(self.words), reasoning="", tool_calls=[],
-                                   finish_reason="stop", usage=USAGE, timings=TIMINGS)
+        completion = lc.Completion(
+            id=CID,
+            model=MODEL,
+            content="".join(self.words),
+            reasoning="",
+            tool_calls=[],
+            finish_reason="stop",
+            usage=USAGE,
+            timings=TIMINGS,
+        )
         self.assertEqual(whole, ("ok", 200, [lc.Content(w) for w in self.words], completion))
 
     def test_done_without_finish_reason_random_splits(self):
@@ -1192,9 +1526,17 @@ class TestParserRandomSplits(unittest.TestCase):
             rng = random.Random(100 + seed)
             data = STREAM_HEAD + _p_sse_stream(payloads, newline, rng)
             whole = self.outcomes(data, 200 + seed, 150)
-            completion = lc.Completion(id=CID, model=MODEL, content="".join(self.words),
-                                       reasoning="pens\u00e9e \U0001f914", tool_calls=[], finish_reason="stop",
-                                       usage=None, timings=None, reasoning_tokens=2)
+            completion = lc.Completion(
+                id=CID,
+                model=MODEL,
+                content="".join(self.words),
+                reasoning="pens\u00e9e \U0001f914",
+                tool_calls=[],
+                finish_reason="stop",
+                usage=None,
+                timings=None,
+                reasoning_tokens=2,
+            )
             events = [lc.Reasoning("pens\u00e9e"), lc.Reasoning(" \U0001f914")] + [lc.Content(w) for w in self.words]
             self.assertEqual(whole, ("ok", 200, events, completion), "line end %r" % newline)
 
@@ -1244,8 +1586,11 @@ class FakeRequest:
 
 def respond_json(req, doc, status=200, reason="OK", extra_headers=b""):
     body = json.dumps(doc, separators=(",", ":")).encode()
-    req.send(b"HTTP/1.1 %d %s\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
-             b"Content-Length: %d\r\n%sConnection: close\r\n\r\n%s" % (status, reason.encode(), len(body), extra_headers, body))
+    req.send(
+        b"HTTP/1.1 %d %s\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
+        b"Content-Length: %d\r\n%sConnection: close\r\n\r\n%s"
+        % (status, reason.encode(), len(body), extra_headers, body)
+    )
 
 
 class FakeServer:
@@ -1269,7 +1614,9 @@ class FakeServer:
         self.listener = None
         self.address = None
         self.route("GET", "/slots", self._slots)
-        self.route("GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"}))
+        self.route(
+            "GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"})
+        )
         self.route("GET", "/health", lambda req: respond_json(req, {"status": "ok"}))
         if listen:
             self.listen()
@@ -1306,7 +1653,9 @@ class FakeServer:
         try:
             if self.slots_delay:
                 self.stopping.wait(self.slots_delay)
-            respond_json(req, [{"id": i, "n_ctx": 1024, "speculative": False, "is_processing": b} for i, b in enumerate(busy)])
+            respond_json(
+                req, [{"id": i, "n_ctx": 1024, "speculative": False, "is_processing": b} for i, b in enumerate(busy)]
+            )
         finally:
             with self.lock:
                 self.slots_in_flight -= 1
@@ -1354,7 +1703,12 @@ class FakeServer:
                 self.requests.append(req)
             handler = self.routes.get((method, path))
             if handler is None:
-                respond_json(req, {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}, 404, "Not Found")
+                respond_json(
+                    req,
+                    {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}},
+                    404,
+                    "Not Found",
+                )
             else:
                 handler(req)
         except OSError:
@@ -1451,7 +1805,9 @@ class ServerCase(unittest.TestCase):
     def collect(self, client=None, **kw):
         events = []
         slot = kw.pop("slot", 0)
-        completion = run_with_timeout(lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw))
+        completion = run_with_timeout(
+            lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw)
+        )
         return completion, events
 
 
@@ -1469,9 +1825,21 @@ class TestClientStream(ServerCase):
         self.use(serve_body(content_stream(["Write", " one", " sentence"])))
         completion, events = self.collect(max_tokens=16, temperature=0)
         self.assertEqual(events, [lc.Content("Write"), lc.Content(" one"), lc.Content(" sentence")])
-        self.assertEqual(completion, lc.Completion(
-            id=CID, model=MODEL, content="Write one sentence", reasoning="", tool_calls=[], finish_reason="stop",
-            usage=USAGE, timings=TIMINGS, reasoning_tokens=0, thinking_capped=False))
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=CID,
+                model=MODEL,
+                content="Write one sentence",
+                reasoning="",
+                tool_calls=[],
+                finish_reason="stop",
+                usage=USAGE,
+                timings=TIMINGS,
+                reasoning_tokens=0,
+                thinking_capped=False,
+            ),
+        )
 
     def test_transcript_04_replayed_byte_for_byte(self):
         raw = load_transcript("04_chat_stream.raw.txt")
@@ -1486,22 +1854,38 @@ class TestClientStream(ServerCase):
 
     def test_request_bytes_follow_the_wire_rules(self):
         self.use(serve_body(content_stream(["ok"])))
-        self.collect(slot=1, max_tokens=8, tools=[{"type": "function", "function": {"name": "f"}}],
-                     stop=["\n"], seed=7, chat_template_kwargs={"enable_thinking": True},
-                     stream_options={"continuous_usage_stats": True})
+        self.collect(
+            slot=1,
+            max_tokens=8,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            stop=["\n"],
+            seed=7,
+            chat_template_kwargs={"enable_thinking": True},
+            stream_options={"continuous_usage_stats": True},
+        )
         req = self.server.chat_requests()[0]
         head = req.raw_head.decode()
         self.assertTrue(head.startswith("POST /v1/chat/completions HTTP/1.1\r\n"))
-        self.assertEqual(req.headers["host"], self.server.address[len("http://"):] if self.tcp else "localhost")
+        self.assertEqual(req.headers["host"], self.server.address[len("http://") :] if self.tcp else "localhost")
         self.assertEqual(req.headers["content-type"], "application/json")
         self.assertEqual(req.headers["accept"], "text/event-stream")
         self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
         self.assertEqual(int(req.headers["content-length"]), len(req.body))
         self.assertNotIn("authorization", req.headers)
-        self.assertEqual(req.json(), {
-            "messages": MSGS, "max_tokens": 8, "tools": [{"type": "function", "function": {"name": "f"}}],
-            "stop": ["\n"], "seed": 7, "chat_template_kwargs": {"enable_thinking": True}, "stream": True,
-            "stream_options": {"continuous_usage_stats": True, "include_usage": True}, "id_slot": 1})
+        self.assertEqual(
+            req.json(),
+            {
+                "messages": MSGS,
+                "max_tokens": 8,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "stop": ["\n"],
+                "seed": 7,
+                "chat_template_kwargs": {"enable_thinking": True},
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+                "id_slot": 1,
+            },
+        )
 
     def test_any_slot_sends_no_id_slot(self):
         self.use(serve_body(content_stream(["ok"])))
@@ -1526,24 +1910,46 @@ class TestClientStream(ServerCase):
         self.assertEqual(stream.completion.content, "ab")
 
     def test_reasoning_and_tool_calls(self):
-        body = chunked(
-            sse(chunk_json({"role": "assistant", "content": None})),
-            sse(chunk_json({"reasoning_content": "think"})),
-            sse(chunk_json({"reasoning_content": ""})),
-            sse(chunk_json({"reasoning_content": " more"})),
-            sse(chunk_json({"tool_calls": [{"index": 0, "id": "call1", "type": "function",
-                                            "function": {"name": "get_weather", "arguments": "{"}}]})),
-            sse(chunk_json({"tool_calls": [{"index": 0, "function": {"arguments": "\"city\": \"Paris\"}"}}]})),
-            sse(chunk_json({}, "tool_calls")),
-            b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        body = (
+            chunked(
+                sse(chunk_json({"role": "assistant", "content": None})),
+                sse(chunk_json({"reasoning_content": "think"})),
+                sse(chunk_json({"reasoning_content": ""})),
+                sse(chunk_json({"reasoning_content": " more"})),
+                sse(
+                    chunk_json(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": 0,
+                                    "id": "call1",
+                                    "type": "function",
+                                    "function": {"name": "get_weather", "arguments": "{"},
+                                }
+                            ]
+                        }
+                    )
+                ),
+                sse(chunk_json({"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Paris"}'}}]})),
+                sse(chunk_json({}, "tool_calls")),
+                b"data: [DONE]\n\n",
+            )
+            + b"0\r\n\r\n"
+        )
         self.use(serve_body(body))
         completion, events = self.collect()
-        self.assertEqual(events, [
-            lc.Reasoning("think"), lc.Reasoning(" more"),
-            lc.ToolCall(0, "call1", "get_weather", "{"), lc.ToolCall(0, None, None, "\"city\": \"Paris\"}")])
+        self.assertEqual(
+            events,
+            [
+                lc.Reasoning("think"),
+                lc.Reasoning(" more"),
+                lc.ToolCall(0, "call1", "get_weather", "{"),
+                lc.ToolCall(0, None, None, '"city": "Paris"}'),
+            ],
+        )
         self.assertEqual(completion.reasoning, "think more")
         self.assertEqual(completion.reasoning_tokens, 2)
-        self.assertEqual(completion.tool_calls, [lc.ToolCallResult("call1", "get_weather", "{\"city\": \"Paris\"}")])
+        self.assertEqual(completion.tool_calls, [lc.ToolCallResult("call1", "get_weather", '{"city": "Paris"}')])
         self.assertEqual(completion.finish_reason, "tool_calls")
 
     def test_clean_end_after_finish_without_done(self):
@@ -1570,26 +1976,41 @@ class TestClientStream(ServerCase):
         self.assertEqual(completion.content, "x")
 
     def test_http_error_status_carries_the_envelope(self):
-        body = (b'{"error":{"code":400,"message":"request (3024 tokens) exceeds the available context size (1024 tokens),'
-                b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":3024,"n_ctx":1024}}')
-        self.use(lambda req: req.send(b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\nContent-Type: application/json;"
-                                      b" charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)))
+        body = (
+            b'{"error":{"code":400,"message":"request (3024 tokens) exceeds the available context size (1024 tokens),'
+            b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":3024,"n_ctx":1024}}'
+        )
+        self.use(
+            lambda req: req.send(
+                b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\nContent-Type: application/json;"
+                b" charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+            )
+        )
         with self.assertRaises(lc.HTTPStatusError) as cm:
             self.collect()
         self.assertEqual(cm.exception.status, 400)
-        self.assertEqual(cm.exception.message,
-                         "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it")
+        self.assertEqual(
+            cm.exception.message,
+            "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it",
+        )
         self.assertEqual(cm.exception.body, body)
         self.assertEqual(len(self.server.chat_requests()), 1)
 
     def test_midstream_error_event_is_server_error_and_not_replayed(self):
-        body = chunked(sse(chunk_json({"role": "assistant", "content": None})),
-                       sse(chunk_json({"reasoning_content": "is"})),
-                       b'data: {"error":{"code":500,"message":"got exception: boom","type":"server_error"}}\n\n') + b"0\r\n\r\n"
+        body = (
+            chunked(
+                sse(chunk_json({"role": "assistant", "content": None})),
+                sse(chunk_json({"reasoning_content": "is"})),
+                b'data: {"error":{"code":500,"message":"got exception: boom","type":"server_error"}}\n\n',
+            )
+            + b"0\r\n\r\n"
+        )
         self.use(serve_body(body))
         with self.assertRaises(lc.ServerError) as cm:
             self.collect()
-        self.assertEqual((cm.exception.code, cm.exception.message, cm.exception.type), (500, "got exception: boom", "server_error"))
+        self.assertEqual(
+            (cm.exception.code, cm.exception.message, cm.exception.type), (500, "got exception: boom", "server_error")
+        )
         self.assertEqual(len(self.server.chat_requests()), 1)
 
 
@@ -1600,7 +2021,9 @@ class TestClientStreamTCP(TestClientStream):
 class TestSingleShot(ServerCase):
     def test_slots_health_props_models(self):
         self.server.busy[1] = True
-        self.server.route("GET", "/v1/models", lambda req: respond_json(req, {"object": "list", "data": [{"id": MODEL}]}))
+        self.server.route(
+            "GET", "/v1/models", lambda req: respond_json(req, {"object": "list", "data": [{"id": MODEL}]})
+        )
         slots = self.client.slots()
         self.assertEqual([(s.id, s.is_processing) for s in slots], [(0, False), (1, True)])
         self.assertEqual(slots[0].raw["n_ctx"], 1024)
@@ -1609,8 +2032,16 @@ class TestSingleShot(ServerCase):
         self.assertEqual(self.client.models()["data"][0]["id"], MODEL)
 
     def test_loading_server_is_http_status_error(self):
-        self.server.route("GET", "/health", lambda req: respond_json(
-            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "Service Unavailable"))
+        self.server.route(
+            "GET",
+            "/health",
+            lambda req: respond_json(
+                req,
+                {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
+                503,
+                "Service Unavailable",
+            ),
+        )
         with self.assertRaises(lc.HTTPStatusError) as cm:
             self.client.health()
         self.assertEqual((cm.exception.status, cm.exception.message), (503, "Loading model"))
@@ -1651,7 +2082,15 @@ class TestSingleShot(ServerCase):
 
 class TestCallerMistakes(unittest.TestCase):
     def test_bad_addresses(self):
-        for bad in ("", "ftp://x", "http://", "http://host:99999", "http://host:port", "http://h/path", "/tmp/" + "x" * 120):
+        for bad in (
+            "",
+            "ftp://x",
+            "http://",
+            "http://host:99999",
+            "http://host:port",
+            "http://h/path",
+            "/tmp/" + "x" * 120,
+        ):
             with self.assertRaises(ValueError, msg=bad):
                 lc.Client(bad)
         with self.assertRaises(TypeError):
@@ -1764,8 +2203,16 @@ class TestWaitForHead(ServerCase):
         self.assertTrue(events and all(e == lc.Waiting(False) for e in events))
 
     def test_slots_failing_is_load_timeout_after_load_wait(self):
-        self.server.route("GET", "/slots", lambda req: respond_json(
-            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "Service Unavailable"))
+        self.server.route(
+            "GET",
+            "/slots",
+            lambda req: respond_json(
+                req,
+                {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
+                503,
+                "Service Unavailable",
+            ),
+        )
         self.use(hold_then(b"", threading.Event()))
         client = lc.Client(self.server.address, limits=self.budget(load_wait=0.5))
         t = Timer()
@@ -1781,7 +2228,9 @@ class TestWaitForHead(ServerCase):
 
         def slots(req):
             if phase["state"] == "down":
-                respond_json(req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x")
+                respond_json(
+                    req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
+                )
             else:
                 respond_json(req, [{"id": 0, "is_processing": True}])
 
@@ -1819,6 +2268,7 @@ class TestWaitForHead(ServerCase):
             def on_event(ev):
                 with lock:
                     waits.append(ev)
+
             return client.chat(MSGS, slot=slot, on_event=on_event)
 
         threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(5)]
@@ -1903,7 +2353,9 @@ class TestLiveness(ServerCase):
     def test_pings_then_data_completes(self):
         stop = threading.Event()
         self.server.busy[0] = True
-        rest = chunked(sse(chunk_json({"content": "b"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        rest = (
+            chunked(sse(chunk_json({"content": "b"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        )
         self.use(self.pinger(stop, then=rest))
         client = lc.Client(self.server.address, limits=self.limits_(busy_wait=5.0))
         threading.Timer(0.7, stop.set).start()
@@ -1985,8 +2437,14 @@ class TestRetries(ServerCase):
         return calls, handler
 
     def test_503_then_200(self):
-        calls, handler = self.unavailable_then(lambda req: respond_json(
-            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "Service Unavailable"))
+        calls, handler = self.unavailable_then(
+            lambda req: respond_json(
+                req,
+                {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
+                503,
+                "Service Unavailable",
+            )
+        )
         self.use(handler)
         client = lc.Client(self.server.address, limits=self.limits_())
         completion, events = self.collect(client=client)
@@ -1999,8 +2457,11 @@ class TestRetries(ServerCase):
         self.assertIn("Loading model", retry.reason)
 
     def test_retry_after_seconds_honoured(self):
-        calls, handler = self.unavailable_then(lambda req: respond_json(
-            req, {"error": {"message": "busy", "code": 503}}, 503, "Service Unavailable", b"Retry-After: 1\r\n"))
+        calls, handler = self.unavailable_then(
+            lambda req: respond_json(
+                req, {"error": {"message": "busy", "code": 503}}, 503, "Service Unavailable", b"Retry-After: 1\r\n"
+            )
+        )
         self.use(handler)
         client = lc.Client(self.server.address, limits=self.limits_())
         t = Timer()
@@ -2014,7 +2475,9 @@ class TestRetries(ServerCase):
 
         def first(req):
             when = email.utils.formatdate(time.time() + 2, usegmt=True)
-            respond_json(req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n")
+            respond_json(
+                req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n"
+            )
 
         calls, handler = self.unavailable_then(first)
         self.use(handler)
@@ -2024,7 +2487,11 @@ class TestRetries(ServerCase):
         self.assertEqual(completion.content, "fine")
 
     def test_retry_after_beyond_load_wait_fails_at_once(self):
-        self.use(lambda req: respond_json(req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: 3600\r\n"))
+        self.use(
+            lambda req: respond_json(
+                req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: 3600\r\n"
+            )
+        )
         client = lc.Client(self.server.address, limits=self.limits_(load_wait=10))
         t = Timer()
         with self.assertRaises(lc.LoadTimeoutError) as cm:
@@ -2033,7 +2500,10 @@ class TestRetries(ServerCase):
         self.assertIsInstance(cm.exception.__cause__, lc.HTTPStatusError)
 
     def test_first_event_503_error_is_retried(self):
-        error = chunked(b'data: {"error":{"code":503,"message":"no slot available","type":"unavailable_error"}}\n\n') + b"0\r\n\r\n"
+        error = (
+            chunked(b'data: {"error":{"code":503,"message":"no slot available","type":"unavailable_error"}}\n\n')
+            + b"0\r\n\r\n"
+        )
         calls, handler = self.unavailable_then(lambda req: req.send(STREAM_HEAD + error))
         self.use(handler)
         completion, events = self.collect()
@@ -2042,7 +2512,9 @@ class TestRetries(ServerCase):
         self.assertIsInstance(events[0], lc.Retrying)
 
     def test_first_event_400_error_is_server_error(self):
-        error = chunked(b'data: {"error":{"code":400,"message":"bad","type":"invalid_request_error"}}\n\n') + b"0\r\n\r\n"
+        error = (
+            chunked(b'data: {"error":{"code":400,"message":"bad","type":"invalid_request_error"}}\n\n') + b"0\r\n\r\n"
+        )
         self.use(serve_body(error))
         with self.assertRaises(lc.ServerError) as cm:
             self.collect()
@@ -2050,8 +2522,13 @@ class TestRetries(ServerCase):
         self.assertEqual(len(self.server.chat_requests()), 1)
 
     def test_error_after_content_is_not_retried(self):
-        body = chunked(sse(chunk_json({"content": "x"})),
-                       b'data: {"error":{"code":503,"message":"gone","type":"unavailable_error"}}\n\n') + b"0\r\n\r\n"
+        body = (
+            chunked(
+                sse(chunk_json({"content": "x"})),
+                b'data: {"error":{"code":503,"message":"gone","type":"unavailable_error"}}\n\n',
+            )
+            + b"0\r\n\r\n"
+        )
         self.use(serve_body(body))
         events = []
         with self.assertRaises(lc.ServerError):
@@ -2117,8 +2594,9 @@ def start_chat(client, marker, slot=0, events=None, results=None, **params):
 
     def run():
         try:
-            results[marker] = client.chat([{"role": "user", "content": marker}], slot=slot, on_event=events[marker].append,
-                                          **params)
+            results[marker] = client.chat(
+                [{"role": "user", "content": marker}], slot=slot, on_event=events[marker].append, **params
+            )
         except BaseException as exc:  # noqa: B036
             results[marker] = exc
 
@@ -2393,7 +2871,9 @@ def reasoning_stream(n_reasoning, content="yes", cid=CID):
 
 class TestThinkingCap(ServerCase):
     def capped(self, cap=3, overrun=4):
-        return lc.Client(self.server.address, limits=lc.Limits(poll=0.05, liveness=2.0, thinking_cap=cap, thinking_overrun=overrun))
+        return lc.Client(
+            self.server.address, limits=lc.Limits(poll=0.05, liveness=2.0, thinking_cap=cap, thinking_overrun=overrun)
+        )
 
     def controlled(self, answer):
         """A server that streams reasoning until the control endpoint is called, then 1 more token and content."""
@@ -2410,8 +2890,15 @@ class TestThinkingCap(ServerCase):
             for i in range(50):
                 req.send(chunked(sse(chunk_json({"reasoning_content": " r%d" % i}))))
                 if ended.wait(0.02):
-                    req.send(chunked(sse(chunk_json({"reasoning_content": " last"})), sse(chunk_json({"content": "yes"})),
-                                     sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+                    req.send(
+                        chunked(
+                            sse(chunk_json({"reasoning_content": " last"})),
+                            sse(chunk_json({"content": "yes"})),
+                            sse(chunk_json({}, "stop")),
+                            b"data: [DONE]\n\n",
+                        )
+                        + b"0\r\n\r\n"
+                    )
                     return
             req.send(chunked(sse(chunk_json({}, "length"))) + b"0\r\n\r\n")
 
@@ -2424,7 +2911,9 @@ class TestThinkingCap(ServerCase):
         completion, events = self.collect(client=self.capped(cap=3))
         self.assertEqual(self.server.chat_requests()[0].json()["reasoning_control"], True)
         self.assertEqual(controls, [{"id": CID, "action": "reasoning_end"}])
-        self.assertEqual(events[:4], [lc.Reasoning(" r0"), lc.Reasoning(" r1"), lc.Reasoning(" r2"), lc.ThinkingCapped(3)])
+        self.assertEqual(
+            events[:4], [lc.Reasoning(" r0"), lc.Reasoning(" r1"), lc.Reasoning(" r2"), lc.ThinkingCapped(3)]
+        )
         self.assertEqual(events[-1], lc.Content("yes"))
         self.assertTrue(completion.thinking_capped)
         self.assertLessEqual(completion.reasoning_tokens, 3 + 4)
@@ -2436,7 +2925,9 @@ class TestThinkingCap(ServerCase):
             self.collect(client=self.capped())
 
     def test_control_endpoint_missing(self):
-        self.controlled(lambda req: respond_json(req, {"error": {"message": "File Not Found", "code": 404}}, 404, "Not Found"))
+        self.controlled(
+            lambda req: respond_json(req, {"error": {"message": "File Not Found", "code": 404}}, 404, "Not Found")
+        )
         with self.assertRaises(lc.ThinkingOverrunError) as cm:
             self.collect(client=self.capped())
         self.assertIsInstance(cm.exception.__cause__, lc.HTTPStatusError)
@@ -2488,9 +2979,15 @@ class TestStress(ServerCase):
             elif fault == "close":
                 req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"})))[:-7])
             elif fault == "error":
-                req.send(STREAM_HEAD + chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n")
+                req.send(
+                    STREAM_HEAD
+                    + chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n')
+                    + b"0\r\n\r\n"
+                )
             elif fault == "400":
-                respond_json(req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request")
+                respond_json(
+                    req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request"
+                )
             else:
                 req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
                 for word in (marker, ""):
@@ -2520,8 +3017,12 @@ class TestStress(ServerCase):
             for n in range(6):
                 marker = "t%d-%d" % (t, n)
                 fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
-                plans[marker] = {"fault": fault, "slot": rng.randrange(4), "pace": rng.uniform(0.002, 0.02),
-                                 "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None}
+                plans[marker] = {
+                    "fault": fault,
+                    "slot": rng.randrange(4),
+                    "pace": rng.uniform(0.002, 0.02),
+                    "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None,
+                }
 
         def worker(t):
             for n in range(6):
@@ -2575,8 +3076,8 @@ class TestStress(ServerCase):
 # The command line
 # =====================================================================================================
 
-import dataclasses  # noqa: E402
-from unittest import mock  # noqa: E402
+import dataclasses
+from unittest import mock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2593,8 +3094,9 @@ class QuickLimits(lc.Limits):
 class CLICase(ServerCase):
     def run_main(self, argv, stdin=""):
         out, err = io.StringIO(), io.StringIO()
-        with mock.patch.object(sys, "stdin", io.StringIO(stdin)), mock.patch.object(lc, "Limits", QuickLimits), \
-                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with mock.patch.object(sys, "stdin", io.StringIO(stdin)), mock.patch.object(
+            lc, "Limits", QuickLimits
+        ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = run_with_timeout(lambda: lc.main(argv))
         return code, out.getvalue(), err.getvalue()
 
@@ -2617,19 +3119,24 @@ class CLICase(ServerCase):
 class TestCommandLine(CLICase):
     def test_chat_prompt_streams_to_stdout_and_figures_to_stderr(self):
         self.use(serve_body(content_stream(["Hello", " world"])))
-        out, err = self.main_ok("chat", "Say hello", "--max-tokens", "8", "--temperature", "0", "--slot", "1",
-                                "--system", "Be brief")
+        out, err = self.main_ok(
+            "chat", "Say hello", "--max-tokens", "8", "--temperature", "0", "--slot", "1", "--system", "Be brief"
+        )
         self.assertEqual(out, "Hello world\n")
         self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 77\.8 tokens/s, finish: stop\]\n$")
         body = self.server.chat_requests()[0].json()
-        self.assertEqual(body["messages"], [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say hello"}])
+        self.assertEqual(
+            body["messages"], [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Say hello"}]
+        )
         self.assertEqual((body["max_tokens"], body["temperature"], body["id_slot"]), (8, 0.0, 1))
 
     def test_chat_reads_a_piped_prompt(self):
         self.use(serve_body(content_stream(["ok"])))
         out, _ = self.main_ok("chat", stdin="from stdin\n")
         self.assertEqual(out, "ok\n")
-        self.assertEqual(self.server.chat_requests()[0].json()["messages"], [{"role": "user", "content": "from stdin\n"}])
+        self.assertEqual(
+            self.server.chat_requests()[0].json()["messages"], [{"role": "user", "content": "from stdin\n"}]
+        )
         self.assertNotIn("id_slot", self.server.chat_requests()[0].json())
 
     def test_chat_json(self):
@@ -2662,8 +3169,13 @@ class TestCommandLine(CLICase):
 
     def test_slots_table(self):
         def slots(req):
-            respond_json(req, [{"id": 0, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
-                               {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]}])
+            respond_json(
+                req,
+                [
+                    {"id": 0, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
+                    {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]},
+                ],
+            )
 
         self.server.route("GET", "/slots", slots)
         out, _ = self.main_ok("slots")
@@ -2688,8 +3200,13 @@ class TestCommandLine(CLICase):
         self.assertIn("start llama-server, or pass --socket", err)
         err = self.main_fails("chat", "x", address=self.server.tmp + "/none.sock")
         self.assertIn("stayed unreachable or loading", err)
-        self.server.route("GET", "/health", lambda req: respond_json(
-            req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"))
+        self.server.route(
+            "GET",
+            "/health",
+            lambda req: respond_json(
+                req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
+            ),
+        )
         self.assertIn("HTTP 503: Loading model", self.main_fails("health"))
         self.server.route("GET", "/props", lambda req: req.send(b"SSH-2.0-OpenSSH\r\n\r\n"))
         self.assertIn("malformed status line", self.main_fails("props"))
@@ -2697,7 +3214,10 @@ class TestCommandLine(CLICase):
         self.assertIn("no answer", self.main_fails("slots"))
         cases = [
             (chunked(sse(chunk_json({"content": "x"})))[:-5], "closed"),
-            (chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n", "boom"),
+            (
+                chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n",
+                "boom",
+            ),
             (chunked(b"data: {not json\n\n") + b"0\r\n\r\n", "invalid JSON"),
         ]
         for body, text in cases:
@@ -2734,10 +3254,17 @@ class TestCommandLineTerminal(ServerCase):
         self.use(handler)
         master, slave = pty.openpty()
         # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell.
-        launcher = ("import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
-        proc = subprocess.Popen([sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket",
-                                 self.server.path, "chat"], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+        launcher = (
+            "import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path, "chat"],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            close_fds=True,
+        )
         os.close(slave)
         seen = bytearray()
 
@@ -2775,8 +3302,14 @@ class TestCommandLineTerminal(ServerCase):
             except OSError:
                 pass
             os.close(master)
-        self.assertEqual(turns[1], [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi there"},
-                                    {"role": "user", "content": "and you?"}])
+        self.assertEqual(
+            turns[1],
+            [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "Hi there"},
+                {"role": "user", "content": "and you?"},
+            ],
+        )
         self.assertTrue(self.server.chat_requests()[1].closed_by_peer.wait(2))
 
 
@@ -4108,12 +4641,19 @@ QUESTION = [{"role": "user", "content": "Think step by step: is the sky blue?"}]
 
 
 def grammar(reps):
-    return ('root ::= <[236820]> <[36345]> <[236813]> [a-z ]{%s} <[954]> <[36345]> <[236813]> "the answer is yes"' % reps)
+    return 'root ::= <[236820]> <[36345]> <[236813]> [a-z ]{%s} <[954]> <[36345]> <[236813]> "the answer is yes"' % reps
 
 
-WEATHER_TOOL = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def real_server_command(sock_path):
@@ -4121,7 +4661,9 @@ def real_server_command(sock_path):
     import subprocess
 
     script = os.path.join(HERE, "dev", "llama-server.sh")
-    binary = subprocess.run([script, "path"], capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")[0]
+    binary = subprocess.run([script, "path"], capture_output=True, text=True, timeout=60, check=True).stdout.split(
+        "\n"
+    )[0]
     args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.split()
     return [binary] + args + ["--host", sock_path]
 
@@ -4143,14 +4685,18 @@ class TestRealServer(unittest.TestCase):
     def setUp(self):
         self.client = lc.Client(REAL_SOCKET, limits=self.limits)
         self.fds = fd_count()
-        wait_for(lambda: not any(s.is_processing for s in self.client.slots()), 30, "the real server's slots to be idle")
+        wait_for(
+            lambda: not any(s.is_processing for s in self.client.slots()), 30, "the real server's slots to be idle"
+        )
 
     def tearDown(self):
         self.client.close()
 
     def chat(self, client=None, messages=MSGS, timeout=60, **kw):
         events = []
-        completion = run_with_timeout(lambda: (client or self.client).chat(messages, on_event=events.append, **kw), timeout)
+        completion = run_with_timeout(
+            lambda: (client or self.client).chat(messages, on_event=events.append, **kw), timeout
+        )
         return completion, events
 
     def streamed_equals_unstreamed(self, client):
@@ -4189,7 +4735,10 @@ class TestRealServer(unittest.TestCase):
             def on_event(ev):
                 first_events.append(ev)
                 started.set()
-            results["first"] = other.chat(MSGS, slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0)
+
+            results["first"] = other.chat(
+                MSGS, slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0
+            )
             results["first_done"] = time.monotonic()
 
         thread = threading.Thread(target=first, daemon=True)
@@ -4230,6 +4779,7 @@ class TestRealServer(unittest.TestCase):
                 if isinstance(ev, lc.Content) and name not in results:
                     results[name] = "streaming"
                     overlap.wait()  # both streams deliver before either finishes
+
             results[name + "-completion"] = self.client.chat(MSGS, on_event=on_event, max_tokens=40, ignore_eos=True)
 
         threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in "AB"]
@@ -4241,7 +4791,9 @@ class TestRealServer(unittest.TestCase):
         self.assertEqual(results["B-completion"].usage["completion_tokens"], 40)
 
     def test_reasoning_forced_by_grammar(self):
-        completion, events = self.chat(messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar("1,300"))
+        completion, events = self.chat(
+            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar("1,300")
+        )
         reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
         self.assertGreater(len(reasoning), 3)
         self.assertEqual(completion.reasoning, "".join(e.text for e in reasoning))
@@ -4254,7 +4806,9 @@ class TestRealServer(unittest.TestCase):
     def test_thinking_cap_ends_reasoning(self):
         client = lc.Client(REAL_SOCKET, limits=dataclasses.replace(self.limits, thinking_cap=3, thinking_overrun=8))
         self.addCleanup(client.close)
-        completion, events = self.chat(client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300"))
+        completion, events = self.chat(
+            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300")
+        )
         self.assertIn(lc.ThinkingCapped(3), events)
         capped = events.index(lc.ThinkingCapped(3))
         self.assertEqual(sum(isinstance(e, lc.Reasoning) for e in events[:capped]), 3)
@@ -4264,8 +4818,15 @@ class TestRealServer(unittest.TestCase):
 
     def test_forced_tool_call(self):
         completion, events = self.chat(
-            messages=[{"role": "user", "content": "What is the weather in Paris?"}], slot=0, max_tokens=60, temperature=0,
-            tools=WEATHER_TOOL, tool_choice="required", parallel_tool_calls=False, logit_bias=[["{\"name\": \"", 10]])
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            slot=0,
+            max_tokens=60,
+            temperature=0,
+            tools=WEATHER_TOOL,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            logit_bias=[['{"name": "', 10]],
+        )
         calls = [e for e in events if isinstance(e, lc.ToolCall)]
         self.assertEqual((calls[0].index, calls[0].name), (0, "get_weather"))
         self.assertTrue(calls[0].id)
@@ -4284,8 +4845,18 @@ class TestRealServer(unittest.TestCase):
     def test_midstream_error_is_server_error_not_replayed(self):
         events = []
         with self.assertRaises(lc.ServerError) as cm:
-            run_with_timeout(lambda: self.client.chat(QUESTION, slot=0, on_event=events.append, max_tokens=150,
-                                                      temperature=0, grammar=grammar("20,300"), thinking_budget_tokens=5), 60)
+            run_with_timeout(
+                lambda: self.client.chat(
+                    QUESTION,
+                    slot=0,
+                    on_event=events.append,
+                    max_tokens=150,
+                    temperature=0,
+                    grammar=grammar("20,300"),
+                    thinking_budget_tokens=5,
+                ),
+                60,
+            )
         self.assertEqual(cm.exception.code, 500)
         self.assertTrue(any(isinstance(e, lc.Reasoning) for e in events))
         self.assertFalse(any(isinstance(e, lc.Retrying) for e in events))
@@ -4351,7 +4922,9 @@ class TestRealServerLifecycle(unittest.TestCase):
             if isinstance(ev, lc.Retrying) and ev.attempt == 2:
                 self.start()
 
-        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=on_event, max_tokens=8, temperature=0), 90)
+        completion = run_with_timeout(
+            lambda: client.chat(MSGS, slot=0, on_event=on_event, max_tokens=8, temperature=0), 90
+        )
         retries = [e for e in events if isinstance(e, lc.Retrying)]
         self.assertGreaterEqual(len(retries), 2)
         self.assertIn("No such file", retries[0].reason)

@@ -60,27 +60,112 @@ STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\nX-Accel-Buffering: no\r\n"
     b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
 )
-TIMINGS = {"cache_n": 1, "prompt_n": 29, "prompt_ms": 76.722, "prompt_per_token_ms": 2.6455862068965517,
-           "prompt_per_second": 377.98806079090747, "predicted_n": 16, "predicted_ms": 192.748,
-           "predicted_per_token_ms": 12.849866666666665, "predicted_per_second": 77.82181916284476}
-USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34, "prompt_tokens_details": {"cached_tokens": 21}}
+TIMINGS = {
+    "cache_n": 1,
+    "prompt_n": 29,
+    "prompt_ms": 76.722,
+    "prompt_per_token_ms": 2.6455862068965517,
+    "prompt_per_second": 377.98806079090747,
+    "predicted_n": 16,
+    "predicted_ms": 192.748,
+    "predicted_per_token_ms": 12.849866666666665,
+    "predicted_per_second": 77.82181916284476,
+}
+USAGE = {
+    "completion_tokens": 8,
+    "prompt_tokens": 26,
+    "total_tokens": 34,
+    "prompt_tokens_details": {"cached_tokens": 21},
+}
 MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 # Token-sized pieces, as a tokenizer cuts prose: leading spaces, punctuation, newlines, a quote, a
 # Latin-1 letter (the server writes UTF-8 unescaped).
 WORDS = tuple(
-    "Write| one| sentence| about| the| sea|.|\n|The| sea| is| a| vast|,| restless| expanse| of| salt| water"
-    "| that| covers| most| of| the| planet|,| shaping| weather|,| trade| and| the| stories| we| tell|."
-    "|\n\n|Sailors| call| it| \"|the| deep|\"|;| poets| call| it| a| mirror|.| Caf|é| owners| by| the| harbour"
-    "| simply| call| it| business|.|\n".split("|")
+    [
+        "Write",
+        " one",
+        " sentence",
+        " about",
+        " the",
+        " sea",
+        ".",
+        "\n",
+        "The",
+        " sea",
+        " is",
+        " a",
+        " vast",
+        ",",
+        " restless",
+        " expanse",
+        " of",
+        " salt",
+        " water",
+        " that",
+        " covers",
+        " most",
+        " of",
+        " the",
+        " planet",
+        ",",
+        " shaping",
+        " weather",
+        ",",
+        " trade",
+        " and",
+        " the",
+        " stories",
+        " we",
+        " tell",
+        ".",
+        "\n\n",
+        "Sailors",
+        " call",
+        " it",
+        ' "',
+        "the",
+        " deep",
+        '"',
+        ";",
+        " poets",
+        " call",
+        " it",
+        " a",
+        " mirror",
+        ".",
+        " Caf",
+        "é",
+        " owners",
+        " by",
+        " the",
+        " harbour",
+        " simply",
+        " call",
+        " it",
+        " business",
+        ".",
+        "\n",
+    ]
 )
 
 
 def chunk_json(delta=None, finish=None, extra=None, choices=True):
     """One chunk payload as llama-server writes it (key order, separators, raw UTF-8)."""
-    doc = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta if delta is not None else {}}] if choices else []}
-    doc.update({"created": 1796006109, "id": CID, "model": MODEL, "system_fingerprint": "b0-unknown",
-                "object": "chat.completion.chunk"})
+    doc = {
+        "choices": [{"finish_reason": finish, "index": 0, "delta": delta if delta is not None else {}}]
+        if choices
+        else []
+    }
+    doc.update(
+        {
+            "created": 1796006109,
+            "id": CID,
+            "model": MODEL,
+            "system_fingerprint": "b0-unknown",
+            "object": "chat.completion.chunk",
+        }
+    )
     if extra:
         doc.update(extra)
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -102,7 +187,10 @@ def stream_response(n_events, words=WORDS):
     """The whole response, head included: role chunk sharing an HTTP chunk with the first delta, one HTTP
     chunk per content delta, finish (with timings) and usage chunks sharing one, [DONE], the 0 chunk."""
     framed = {w: chunk(sse(chunk_json({"content": w}))) for w in set(words)}
-    parts = [STREAM_HEAD, chunk(sse(chunk_json({"role": "assistant", "content": None})) + sse(chunk_json({"content": words[0]})))]
+    parts = [
+        STREAM_HEAD,
+        chunk(sse(chunk_json({"role": "assistant", "content": None})) + sse(chunk_json({"content": words[0]}))),
+    ]
     parts.extend(framed[words[i % len(words)]] for i in range(1, n_events))
     fin = sse(chunk_json({}, "stop", extra={"timings": TIMINGS}))
     fin += sse(chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS}))
@@ -112,8 +200,10 @@ def stream_response(n_events, words=WORDS):
 
 def json_response(doc):
     body = json.dumps(doc, separators=(",", ":")).encode()
-    return (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    return (
+        b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
 
 
 def read_request(conn):
@@ -250,7 +340,9 @@ def _slot_server(listener, pipe, response, n_slots, slots_delay, hold_every, hol
                         stats["slots_max_in_flight"] = max(stats["slots_max_in_flight"], stats["slots_in_flight"])
                     try:
                         time.sleep(slots_delay)
-                        conn.sendall(json_response([{"id": i, "n_ctx": 1024, "is_processing": b} for i, b in enumerate(busy)]))
+                        conn.sendall(
+                            json_response([{"id": i, "n_ctx": 1024, "is_processing": b} for i, b in enumerate(busy)])
+                        )
                     finally:
                         with lock:
                             stats["slots_in_flight"] -= 1
@@ -297,10 +389,21 @@ def request_bytes(client, slot):
     stream = client.stream(MSGS, slot=slot)
     data = getattr(stream, "_request", None)
     if not isinstance(data, bytes):  # private attribute renamed: build an equivalent request
-        body = json.dumps({"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": slot}).encode()
-        data = lc.encode_request("POST", "/v1/chat/completions", "localhost",
-                                 [("Accept", "text/event-stream"), ("Content-Type", "application/json"),
-                                  ("Connection", "close"), ("User-Agent", "loopclient/" + lc.__version__)], body)
+        body = json.dumps(
+            {"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": slot}
+        ).encode()
+        data = lc.encode_request(
+            "POST",
+            "/v1/chat/completions",
+            "localhost",
+            [
+                ("Accept", "text/event-stream"),
+                ("Content-Type", "application/json"),
+                ("Connection", "close"),
+                ("User-Agent", "loopclient/" + lc.__version__),
+            ],
+            body,
+        )
     return data
 
 
@@ -348,8 +451,17 @@ class Figure:
 
     def line(self):
         return "[%d] %s: loopclient %s, floor %s; ratio %.3f (%s, %d pairs), target %s: %s%s" % (
-            self.number, self.name, self.lc_value, self.floor_value, self.median, self.spread(), len(self.ratios),
-            self.target, self.verdict, ("\n    " + self.note) if self.note else "")
+            self.number,
+            self.name,
+            self.lc_value,
+            self.floor_value,
+            self.median,
+            self.spread(),
+            len(self.ratios),
+            self.target,
+            self.verdict,
+            ("\n    " + self.note) if self.note else "",
+        )
 
 
 def fmt_rate(x, unit):
@@ -460,7 +572,9 @@ def fig_stream(cfg, server, request, text):
     def check(result, who):
         n, got = result
         if n != n_events or got != text:
-            raise AssertionError("%s read %d events / %d chars; expected %d / %d" % (who, n, len(got), n_events, len(text)))
+            raise AssertionError(
+                "%s read %d events / %d chars; expected %d / %d" % (who, n, len(got), n_events, len(text))
+            )
 
     def a():
         dt, res = timed(lc_stream, server.path)
@@ -478,8 +592,16 @@ def fig_stream(cfg, server, request, text):
     lc_rate = statistics.median(x for x, _ in results)
     floor_rate = statistics.median(y for _, y in results)
     med = statistics.median(ratios)
-    return Figure(1, "stream throughput (%d events, %.1f MB)" % (n_events, server.info / 1e6), "events/s",
-                  fmt_rate(lc_rate, "ev/s"), fmt_rate(floor_rate, "ev/s"), ratios, ">= 0.85x", med >= 0.85)
+    return Figure(
+        1,
+        "stream throughput (%d events, %.1f MB)" % (n_events, server.info / 1e6),
+        "events/s",
+        fmt_rate(lc_rate, "ev/s"),
+        fmt_rate(floor_rate, "ev/s"),
+        ratios,
+        ">= 0.85x",
+        med >= 0.85,
+    )
 
 
 _MEM_CHILD = "--child-mem"
@@ -508,8 +630,9 @@ def fig_memory(cfg, server, text):
     budget = len(text) + 8 * 1024 * 1024
 
     def run(mode):
-        out = subprocess.run([exe, os.path.abspath(__file__), _MEM_CHILD, mode, server.path],
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [exe, os.path.abspath(__file__), _MEM_CHILD, mode, server.path], capture_output=True, text=True, timeout=600
+        )
         if out.returncode != 0:
             raise RuntimeError("memory child failed: %s" % out.stderr[-2000:])
         doc = json.loads(out.stdout.strip().splitlines()[-1])
@@ -520,11 +643,17 @@ def fig_memory(cfg, server, text):
     results = alternate(lambda: run("lc"), lambda: run("floor"), max(2, cfg.pairs))
     ratios = [x / budget for x, _ in results]
     worst = max(x for x, _ in results)
-    return Figure(3, "memory, peak RSS growth streaming %d events" % cfg.events, "bytes",
-                  "%.2f MiB (worst %.2f)" % (statistics.median(x for x, _ in results) / 2**20, worst / 2**20),
-                  "%.2f MiB" % (statistics.median(y for _, y in results) / 2**20),
-                  ratios, "<= 1.00 of text (%.2f MiB) + 8 MiB, worst run" % (len(text) / 2**20), worst <= budget,
-                  "ratio = loopclient growth / budget; the floor reader's growth is shown for scale")
+    return Figure(
+        3,
+        "memory, peak RSS growth streaming %d events" % cfg.events,
+        "bytes",
+        "%.2f MiB (worst %.2f)" % (statistics.median(x for x, _ in results) / 2**20, worst / 2**20),
+        "%.2f MiB" % (statistics.median(y for _, y in results) / 2**20),
+        ratios,
+        "<= 1.00 of text (%.2f MiB) + 8 MiB, worst run" % (len(text) / 2**20),
+        worst <= budget,
+        "ratio = loopclient growth / budget; the floor reader's growth is shown for scale",
+    )
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -546,6 +675,7 @@ def fig_import(cfg):
             t0 = time.perf_counter()
             subprocess.run([exe] + flags + ["-X", "pycache_prefix=" + cache, "-c", code], env=env, check=True)
             return time.perf_counter() - t0
+
         return run
 
     figures = []
@@ -557,11 +687,18 @@ def fig_import(cfg):
             results = alternate(lambda: run(target), lambda: run(floor), cfg.import_pairs)
             ratios = [x / y for x, y in results]
             med = statistics.median(ratios)
-            figures.append(Figure(
-                2, "import cost (%s)" % label, "ms",
-                "%.1f ms" % (1000 * statistics.median(x for x, _ in results)),
-                "%.1f ms" % (1000 * statistics.median(y for _, y in results)),
-                ratios, "<= 1.15x" if not flags else "(info)", med <= 1.15 if not flags else None))
+            figures.append(
+                Figure(
+                    2,
+                    "import cost (%s)" % label,
+                    "ms",
+                    "%.1f ms" % (1000 * statistics.median(x for x, _ in results)),
+                    "%.1f ms" % (1000 * statistics.median(y for _, y in results)),
+                    ratios,
+                    "<= 1.15x" if not flags else "(info)",
+                    med <= 1.15 if not flags else None,
+                )
+            )
         # For information: no bytecode cache at all (what PYTHONDONTWRITEBYTECODE=1 with no __pycache__ gives).
         # The standard library keeps its own cached bytecode; loopclient.py is compiled on every import
         # (unless a __pycache__ sits beside it).
@@ -573,9 +710,16 @@ def fig_import(cfg):
             return time.perf_counter() - t0
 
         nc = alternate(lambda: run_nc(target), lambda: run_nc(floor), 5)
-        figures[0].note = "with PYTHONDONTWRITEBYTECODE=1 (as in this sandbox) loopclient costs %.1f ms vs %.1f ms%s" % (
-            1000 * statistics.median(x for x, _ in nc), 1000 * statistics.median(y for _, y in nc),
-            " (a __pycache__ is beside it)" if os.path.isdir(os.path.join(ROOT, "__pycache__")) else ", compiled on every import")
+        figures[0].note = (
+            "with PYTHONDONTWRITEBYTECODE=1 (as in this sandbox) loopclient costs %.1f ms vs %.1f ms%s"
+            % (
+                1000 * statistics.median(x for x, _ in nc),
+                1000 * statistics.median(y for _, y in nc),
+                " (a __pycache__ is beside it)"
+                if os.path.isdir(os.path.join(ROOT, "__pycache__"))
+                else ", compiled on every import",
+            )
+        )
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return figures
@@ -638,9 +782,16 @@ def fig_requests(cfg):
         server.close()
     ratios = [x / y for x, y in results]
     med = statistics.median(ratios)
-    return Figure(4, "per-request overhead (%d sequential 5-event streams)" % n, "req/s",
-                  fmt_rate(statistics.median(x for x, _ in results), "req/s"),
-                  fmt_rate(statistics.median(y for _, y in results), "req/s"), ratios, ">= 0.70x", med >= 0.70)
+    return Figure(
+        4,
+        "per-request overhead (%d sequential 5-event streams)" % n,
+        "req/s",
+        fmt_rate(statistics.median(x for x, _ in results), "req/s"),
+        fmt_rate(statistics.median(y for _, y in results), "req/s"),
+        ratios,
+        ">= 0.70x",
+        med >= 0.70,
+    )
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -673,7 +824,7 @@ def many(path, total, slot_of, limits):
                 served += 1
             except lc.BusyError:
                 busy += 1
-            except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            except Exception as exc:
                 errors.append(repr(exc))
         with lock:
             tally["served"] += served
@@ -732,9 +883,15 @@ def fig_waiters(cfg):
         dt, tally = many(server.path, total, slot_of, limits)
         stats = raw_get(server.path, "/stats")
         if tally["served"] + tally["busy"] != total or tally["errors"]:
-            problems.append("%s: %d served + %d busy of %d, errors %s" % (label, tally["served"], tally["busy"], total, tally["errors"][:3]))
+            problems.append(
+                "%s: %d served + %d busy of %d, errors %s"
+                % (label, tally["served"], tally["busy"], total, tally["errors"][:3])
+            )
         if tally["events"] != 5 * tally["served"] or stats["chats"] != tally["served"]:
-            problems.append("%s: %d events for %d served, server saw %d chats" % (label, tally["events"], tally["served"], stats["chats"]))
+            problems.append(
+                "%s: %d events for %d served, server saw %d chats"
+                % (label, tally["events"], tally["served"], stats["chats"])
+            )
         if stats["slots_max_in_flight"] > 1:
             problems.append("%s: %d /slots requests in flight at once" % (label, stats["slots_max_in_flight"]))
         slots_seen.append((label, stats["slots_requests"], stats["slots_max_in_flight"], tally["busy"]))
@@ -757,12 +914,27 @@ def fig_waiters(cfg):
     ratios = [x / y for x, y in results]
     med = statistics.median(ratios)
     gated_polls = [s for s in slots_seen if s[0] == "gated"]
-    note = "checks: %s; /slots requests per gated run %s, most in flight at once %d; BusyError %d; raw sockets, 64 threads: %.2f s" % (
-        "all requests served or refused, events complete" if not problems else "; ".join(problems[:4]),
-        [s[1] for s in gated_polls], max(s[2] for s in slots_seen), sum(s[3] for s in slots_seen), raw_time)
-    return Figure(5, "many waiters (%d threads, %d requests, %d slots, queue_len 8)" % (N_THREADS, total, N_SLOTS), "s",
-                  "%.2f s" % statistics.median(x for x, _ in results), "%.2f s" % statistics.median(y for _, y in results),
-                  ratios, "< 1.10x, checks pass", med < 1.10 and not problems, note)
+    note = (
+        "checks: %s; /slots requests per gated run %s, most in flight at once %d; BusyError %d; raw sockets, 64 threads: %.2f s"
+        % (
+            "all requests served or refused, events complete" if not problems else "; ".join(problems[:4]),
+            [s[1] for s in gated_polls],
+            max(s[2] for s in slots_seen),
+            sum(s[3] for s in slots_seen),
+            raw_time,
+        )
+    )
+    return Figure(
+        5,
+        "many waiters (%d threads, %d requests, %d slots, queue_len 8)" % (N_THREADS, total, N_SLOTS),
+        "s",
+        "%.2f s" % statistics.median(x for x, _ in results),
+        "%.2f s" % statistics.median(y for _, y in results),
+        ratios,
+        "< 1.10x, checks pass",
+        med < 1.10 and not problems,
+        note,
+    )
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -810,8 +982,16 @@ def main(argv=None):
     if args.profile:
         profile(cfg)
         return 0
-    print("loopclient %s, Python %s, %s, %d CPUs%s" % (lc.__version__, sys.version.split()[0], os.path.realpath(sys.executable),
-                                                  os.cpu_count() or 0, ", --quick" if args.quick else ""))
+    print(
+        "loopclient %s, Python %s, %s, %d CPUs%s"
+        % (
+            lc.__version__,
+            sys.version.split()[0],
+            os.path.realpath(sys.executable),
+            os.cpu_count() or 0,
+            ", --quick" if args.quick else "",
+        )
+    )
     wanted = [args.only] if args.only else [1, 2, 3, 4, 5]
     figures = []
     sender = None
@@ -843,9 +1023,19 @@ def main(argv=None):
     print("| # | figure | loopclient | floor | ratio, median (min..max) | target | result |")
     print("|---|---|---|---|---|---|---|")
     for fig in figures:
-        print("| %d | %s | %s | %s | %.3f (%s) | %s | %s |" % (
-            fig.number, fig.name, fig.lc_value, fig.floor_value, fig.median, fig.spread(), fig.target,
-            "**FAIL**" if fig.verdict == "FAIL" else fig.verdict))
+        print(
+            "| %d | %s | %s | %s | %.3f (%s) | %s | %s |"
+            % (
+                fig.number,
+                fig.name,
+                fig.lc_value,
+                fig.floor_value,
+                fig.median,
+                fig.spread(),
+                fig.target,
+                "**FAIL**" if fig.verdict == "FAIL" else fig.verdict,
+            )
+        )
     return 0
 
 

@@ -2402,7 +2402,7 @@ class _Console:
                 self._end_reasoning()
             if show_text:
                 if event.name:
-                    self.out.write("\n[tool call %s] %s(" % (event.index, event.name))
+                    self.out.write("\n[tool call %s] %s " % (event.index, event.name))
                 self.out.write(event.arguments)
                 self.out.flush()
         elif isinstance(event, Queued):

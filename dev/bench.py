@@ -54,29 +54,9 @@ _ctx = multiprocessing.get_context("fork")
 # Fixtures: bytes in the real server's shape (../shared/transcripts/04 and 06)
 # -----------------------------------------------------------------------------------------------------
 
-CID = "chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn"
-MODEL = "models/gemma-3-270m-q4_k_m.gguf"
-STREAM_HEAD = (
-    b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\nX-Accel-Buffering: no\r\n"
-    b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-)
-TIMINGS = {
-    "cache_n": 1,
-    "prompt_n": 29,
-    "prompt_ms": 76.722,
-    "prompt_per_token_ms": 2.6455862068965517,
-    "prompt_per_second": 377.98806079090747,
-    "predicted_n": 16,
-    "predicted_ms": 192.748,
-    "predicted_per_token_ms": 12.849866666666665,
-    "predicted_per_second": 77.82181916284476,
-}
-USAGE = {
-    "completion_tokens": 8,
-    "prompt_tokens": 26,
-    "total_tokens": 34,
-    "prompt_tokens_details": {"cached_tokens": 21},
-}
+# The real server's byte shapes, shared with the tests.
+from test_loopclient import CID, MODEL, STREAM_HEAD, TIMINGS, USAGE  # noqa: E402
+
 MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 # Token-sized pieces, as a tokenizer cuts prose: leading spaces, punctuation, newlines, a quote, a

@@ -1726,7 +1726,8 @@ class ChatStream:
         self._client = client
         self._request = request
         self._slot = slot
-        self._gen = None  # type: Optional[Generator[Event, None, None]]
+        self._gen = None  # type: Optional[Generator[List[Event], None, None]]
+        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
         self._lock = threading.Lock()  # held by the thread inside __next__
         self._cancel = _Flag()
         self._cancelled = False  # the same as _cancel.is_set(), read per event
@@ -1740,6 +1741,13 @@ class ChatStream:
         return self
 
     def __next__(self) -> Event:
+        # The request yields events in batches (all that one read produced): most calls pop one here.
+        batch = self._batch
+        if batch and not self._cancelled:
+            return batch.pop()
+        return self._advance()
+
+    def _advance(self) -> Event:
         lock = self._lock
         lock.acquire()
         try:
@@ -1748,14 +1756,19 @@ class ChatStream:
             if self._cancelled:
                 self._finish()
                 raise CancelledError("the request was cancelled")
-            gen = self._gen
-            if gen is None:
-                gen = self._gen = self._run()
-            try:
-                return next(gen)
-            except BaseException:
-                self._done = True
-                raise
+            batch = self._batch
+            if not batch:
+                gen = self._gen
+                if gen is None:
+                    gen = self._gen = self._run()
+                try:
+                    batch = next(gen)
+                except BaseException:
+                    self._done = True
+                    raise
+                batch.reverse()  # a fresh list, never empty: popped from its end
+                self._batch = batch
+            return batch.pop()
         finally:
             lock.release()
 
@@ -1807,7 +1820,7 @@ class ChatStream:
 
     # -- the life of one request -------------------------------------------------------------------
 
-    def _run(self) -> Generator[Event, None, None]:
+    def _run(self) -> Generator[List[Event], None, None]:
         client = self._client
         try:
             client._remember(self)
@@ -1816,12 +1829,12 @@ class ChatStream:
             self._check()
             ticket = self._ticket = client._gate.enter(slot, capacity)
             if not ticket.granted:
-                yield Queued(ticket.ahead)
+                yield [Queued(ticket.ahead)]
                 while True:
                     ahead = client._gate.wait(ticket, self._cancel)
                     if ahead is None:
                         break
-                    yield Queued(ahead)
+                    yield [Queued(ahead)]
             completion = yield from self._attempts()
         except LoopError:
             if self._cancel.is_set():
@@ -1832,7 +1845,7 @@ class ChatStream:
             self._release()
         self.completion = completion
 
-    def _attempts(self) -> Generator[Event, None, Completion]:
+    def _attempts(self) -> Generator[List[Event], None, Completion]:
         client = self._client
         limits = client.limits
         situation = _Situation(limits, self._slot, client._addr.text)
@@ -1869,11 +1882,11 @@ class ChatStream:
                 delay = max(delay, retry.hint)
             delay = min(delay, left)
             attempt += 1
-            yield Retrying(attempt, delay, retry.reason)
+            yield [Retrying(attempt, delay, retry.reason)]
             if self._cancel.wait(delay):
                 raise CancelledError("the request was cancelled while backing off")
 
-    def _exchange(self, conn: _Conn, situation: _Situation) -> Generator[Event, None, Union[Completion, _Retry]]:
+    def _exchange(self, conn: _Conn, situation: _Situation) -> Generator[List[Event], None, Union[Completion, _Retry]]:
         client = self._client
         limits = client.limits
         conn.sendall(self._request, limits.liveness)
@@ -1904,7 +1917,7 @@ class ChatStream:
                     raise situation.expired() from None
                 state = client._slot_state(slot, self._cancel, all_busy=True)
                 situation.observe(state)
-                yield Waiting(state == "busy")
+                yield [Waiting(state == "busy")]
                 left = situation.remaining()
                 if left is not None and left <= 0:
                     raise situation.expired() from None
@@ -1947,7 +1960,7 @@ class ChatStream:
 
     def _events(
         self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]
-    ) -> Generator[Event, None, Union[Completion, _Retry]]:
+    ) -> Generator[List[Event], None, Union[Completion, _Retry]]:
         client = self._client
         limits = client.limits
         liveness = limits.liveness
@@ -1958,47 +1971,57 @@ class ChatStream:
         delivered = False
         progress = time.monotonic()
         eof = False
+        feed = asm.feed
         data = b"".join(pieces) if len(pieces) != 1 else pieces[0]
         while True:
             batch = sse.feed(data) if data else []
             if eof or reader.done:
                 batch += sse.close()
-            for kind, payload in batch:
-                if kind != "message" and kind == "error":
-                    err = _error_from(_json_or_text(payload))
-                    if not delivered and _retryable(err):
-                        return _Retry("server error %s: %s" % (err.code, err.message), None, err)
-                    raise err
-                if payload == "[DONE]":
-                    return asm.completion()
-                try:
-                    events = asm.feed(payload)
-                except ServerError as err:
-                    if not delivered and _retryable(err):
-                        return _Retry("server error %s: %s" % (err.code, err.message), None, err)
-                    raise
-                if events:
-                    delivered = True
-                    if len(events) == 1:
-                        yield events[0]
-                    else:
-                        yield from events
-                if cap is not None and asm.in_reasoning:
-                    tokens = asm.reasoning_tokens
-                    if capped_at < 0:
-                        if tokens >= cap:
-                            capped_at = tokens
-                            self._end_reasoning(asm.id, tokens)
-                            asm.thinking_capped = True
-                            yield ThinkingCapped(tokens)
-                    elif tokens > capped_at + limits.thinking_overrun:
-                        raise ThinkingOverrunError(
-                            "reasoning went on for %d tokens after the server accepted to end it at %d "
-                            "(thinking_overrun %d)" % (tokens - capped_at, capped_at, limits.thinking_overrun),
-                            tokens,
-                        )
-            if eof or reader.done:
-                return asm.completion()
+            out = []  # type: List[Event]  # what this read produced, handed to the caller as one batch
+            done = None  # type: Optional[Completion]
+            try:
+                for kind, payload in batch:
+                    if kind != "message" and kind == "error":
+                        err = _error_from(_json_or_text(payload))
+                        if not delivered and _retryable(err):
+                            return _Retry("server error %s: %s" % (err.code, err.message), None, err)
+                        raise err
+                    if payload == "[DONE]":
+                        done = asm.completion()
+                        break
+                    try:
+                        events = feed(payload)
+                    except ServerError as err:
+                        if not delivered and _retryable(err):
+                            return _Retry("server error %s: %s" % (err.code, err.message), None, err)
+                        raise
+                    if events:
+                        delivered = True
+                        out += events
+                    if cap is not None and asm.in_reasoning:
+                        tokens = asm.reasoning_tokens
+                        if capped_at < 0:
+                            if tokens >= cap:
+                                capped_at = tokens
+                                self._end_reasoning(asm.id, tokens)
+                                asm.thinking_capped = True
+                                out.append(ThinkingCapped(tokens))
+                        elif tokens > capped_at + limits.thinking_overrun:
+                            raise ThinkingOverrunError(
+                                "reasoning went on for %d tokens after the server accepted to end it at %d "
+                                "(thinking_overrun %d)" % (tokens - capped_at, capped_at, limits.thinking_overrun),
+                                tokens,
+                            )
+                if done is None and (eof or reader.done):
+                    done = asm.completion()
+            except LoopError:
+                if out:
+                    yield out  # the caller gets what came before the error, then the error
+                raise
+            if out:
+                yield out
+            if done is not None:
+                return done
             if batch:
                 progress = time.monotonic()
             elif time.monotonic() - progress >= liveness:

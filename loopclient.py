@@ -1014,9 +1014,6 @@ class _Text:
         self.blocks.append("".join(self.parts))
         self.parts.clear()
 
-    def __bool__(self) -> bool:
-        return bool(self.parts or self.blocks)
-
     def __str__(self) -> str:
         return "".join(self.blocks) + "".join(self.parts)
 
@@ -1245,10 +1242,6 @@ class Assembler:
     @property
     def reasoning(self) -> str:
         return str(self._reasoning)
-
-    @property
-    def has_output(self) -> bool:
-        return bool(self._content or self._reasoning or self._tools)
 
     def completion(self) -> Completion:
         """The assembled ``Completion``; ``StreamClosedError`` when no ``finish_reason`` arrived."""
@@ -1542,7 +1535,6 @@ class _SlotPoller:
         self._stamp = float("-inf")  # when the last answer arrived
         self._slots = None  # type: Optional[List[Slot]]
         self._owner = _Owner()
-        self.requests = 0  # how many /slots requests were made, for tests
 
     def get(self, interval: float, cancelled: _Flag) -> Optional[List[Slot]]:
         """The slots, or None when ``/slots`` failed or did not answer within ``interval``."""
@@ -1552,7 +1544,6 @@ class _SlotPoller:
                 return self._slots
             if not self._busy:
                 self._busy = True
-                self.requests += 1
                 worker = threading.Thread(target=self._work, name="loopclient-slots", daemon=True)
                 worker.start()
             deadline = asked + interval

@@ -1719,7 +1719,7 @@ class ChatStream:
         self._slot = slot
         self._gen = None  # type: Optional[Generator[List[Event], None, None]]
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
-        self._lock = threading.Lock()  # held by the thread inside __next__
+        self._lock = threading.Lock()  # held while the request's generator runs (in _advance)
         self._cancel = _Flag()
         self._cancelled = False  # the same as _cancel.is_set(), read per event
         self._owner = _Owner()
@@ -1735,7 +1735,10 @@ class ChatStream:
         # The request yields events in batches (all that one read produced): most calls pop one here.
         batch = self._batch
         if batch and not self._cancelled:
-            return batch.pop()
+            try:
+                return batch.pop()
+            except IndexError:  # another thread iterating the same stream took the last one
+                pass
         return self._advance()
 
     def _advance(self) -> Event:
@@ -1772,8 +1775,8 @@ class ChatStream:
         self._cancel.set()
         self._owner.abort()
         self._client._wake()
-        # Nobody inside __next__: clean up here, so the socket and permit are freed now, not at the next
-        # call.  Otherwise the iterating thread wakes from the aborted socket and cleans up itself.
+        # The generator is not running: clean up here, so the socket and permit are freed now, not at the
+        # next call.  Otherwise the iterating thread wakes from the aborted socket and cleans up itself.
         if self._lock.acquire(blocking=False):
             try:
                 self._finish()

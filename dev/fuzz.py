@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import glob
 import hashlib
 import json
@@ -80,18 +81,7 @@ CLIENT_LIMITS = lc.Limits(
     queue_len=1,
     thinking_overrun=4,
 )
-CLIENT_LIMITS_CAPPED = lc.Limits(
-    poll=0.02,
-    liveness=0.15,
-    busy_wait=0.2,
-    load_wait=0.2,
-    idle_grace=0.1,
-    max_line=64 * 1024,
-    max_body=256 * 1024,
-    queue_len=1,
-    thinking_overrun=4,
-    thinking_cap=2,
-)
+CLIENT_LIMITS_CAPPED = dataclasses.replace(CLIENT_LIMITS, thinking_cap=2)
 
 # =====================================================================================================
 # Seeds

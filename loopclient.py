@@ -39,14 +39,10 @@ import sys
 import threading
 import time
 
-# Importing typing and dataclasses costs more than socket, json and threading together: typing is only
-# read by type checkers, and dataclasses (which pulls in inspect) is imported at the first use of a result
-# class, not at import (see _materialize).
+# typing is only read by type checkers: importing it would cost more than socket, json and threading.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from dataclasses import dataclass as _dataclass
-    from dataclasses import field as _field
-    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, Union
+    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 __version__ = "0.1.0"
 __license__ = "MIT"
@@ -57,6 +53,7 @@ __all__ = [
     "Limits",
     "Completion",
     "ToolCallResult",
+    "Choice",
     "Slot",
     "Queued",
     "Waiting",
@@ -65,11 +62,14 @@ __all__ = [
     "Content",
     "ToolCall",
     "ThinkingCapped",
+    "Progress",
+    "Chunk",
     "LoopError",
     "BusyError",
     "WaitTimeoutError",
     "LoadTimeoutError",
     "StalledError",
+    "WedgedSlotError",
     "StreamClosedError",
     "ThinkingOverrunError",
     "HTTPStatusError",
@@ -195,183 +195,316 @@ class CancelledError(LoopError):
     """``cancel()`` was called; the thread iterating the stream hears it."""
 
 
-class _FieldSpec:
-    """A ``dataclasses.field()`` to be, until ``dataclasses`` is imported."""
+class WedgedSlotError(StalledError):
+    """A processing slot stopped moving for ``wedge_wait``: the server is wedged and must be restarted.
 
-    __slots__ = ("kwargs",)
+    ``slot`` and ``task`` name the slot and its task (``task`` is None when the server does not say),
+    ``seconds`` how long nothing moved.  A subclass of ``StalledError`` (and so of ``TimeoutError``).
+    """
 
-    def __init__(self, kwargs: Dict[str, Any]) -> None:
-        self.kwargs = kwargs
-
-
-class _LazyMeta(type):
-    """Asking a result class whether it is a dataclass (``dataclasses.fields``, ``is_dataclass``, a ``match``)
-    makes it one first."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if (
-            name in ("__dataclass_fields__", "__dataclass_params__", "__match_args__")
-            and not _lazy.done
-            and _lazy.owner != threading.get_ident()
-        ):
-            _materialize()
-            return getattr(cls, name)
-        raise AttributeError(name)
+    def __init__(self, message: str, slot: Optional[int] = None, task: Optional[int] = None, seconds: float = 0.0):
+        super().__init__(message, seconds)
+        self.slot = slot
+        self.task = task
+        self.seconds = seconds
 
 
+# -- Value objects -------------------------------------------------------------------------------------
+#
+# Plain classes on one small base, as h11's events are: the fields are the ``__slots__``, ``__init__`` is
+# written out (so ``help()`` and ``inspect.signature()`` show the real fields), and the base gives
+# immutability, ``==``, ``hash``, ``repr``, ``replace()`` and a ``__reduce__`` that rebuilds through
+# ``__init__`` (so ``copy``, ``deepcopy`` and ``pickle`` work).  ``dataclasses`` would cost more to import
+# than ``socket``, ``json`` and ``threading`` together.
+
+_set = object.__setattr__
 if TYPE_CHECKING:
-
-    class _Lazy:
-        __slots__ = ()
-
-else:
-
-    class _Lazy(metaclass=_LazyMeta):
-        """Base of the result classes until ``dataclasses`` has made them frozen dataclasses."""
-
-        __slots__ = ()
-
-        def __init__(self, *args, **kwargs):
-            _materialize()
-            init = type(self).__init__
-            if init is _Lazy.__init__:  # pragma: no cover - _materialize always replaces it
-                raise TypeError("%s is not a dataclass" % type(self).__name__)
-            init(self, *args, **kwargs)
-
-    def _field(**kwargs):
-        return _FieldSpec(kwargs)
-
-    def _dataclass(frozen=False):
-        def register(cls):
-            _lazy.classes.append((cls, frozen))
-            return cls
-
-        return register
+    _V = TypeVar("_V", bound="_Value")
 
 
-class _lazy:
-    classes = []  # type: List[Tuple[type, bool]]
-    owner = 0  # the thread making them, while dataclasses inspects them (it asks them for their fields)
-    done = False
-    lock = threading.Lock()
+class _Value:
+    """Base of the immutable value objects: events, ``Completion``, ``Choice``, ``ToolCallResult``,
+    ``Slot`` and ``Limits``."""
+
+    __slots__ = ()
+    __match_args__ = ()  # type: Tuple[str, ...]  # the fields, in order (subclasses inherit them)
+    _hidden = ()  # type: Tuple[str, ...]  # fields left out of repr()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("%s is immutable: use .replace(%s=...)" % (type(self).__name__, name))
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("%s is immutable" % type(self).__name__)
+
+    def _values(self) -> Tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__match_args__)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined, no-any-return]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__,) + self._values())
+
+    def __repr__(self) -> str:
+        fields = ("%s=%r" % (name, getattr(self, name)) for name in self.__match_args__ if name not in self._hidden)
+        return "%s(%s)" % (type(self).__name__, ", ".join(fields))
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return type(self), self._values()
+
+    def replace(self: _V, **changes: Any) -> _V:
+        """A copy with the given fields changed (``TypeError`` for a name that is not a field)."""
+        values = dict(zip(self.__match_args__, self._values()))
+        for name in changes:
+            if name not in values:
+                raise TypeError("%s has no field %r" % (type(self).__name__, name))
+        values.update(changes)
+        return type(self)(**values)
 
 
-def _materialize() -> None:
-    """Turn the result classes into frozen dataclasses, once, at their first use."""
-    if _lazy.done:
-        return
-    with _lazy.lock:
-        if _lazy.done:
-            return
-        _lazy.owner = threading.get_ident()
-        import dataclasses
-
-        for cls, frozen in _lazy.classes:
-            for name, value in list(vars(cls).items()):
-                if isinstance(value, _FieldSpec):
-                    setattr(cls, name, dataclasses.field(**value.kwargs))
-            dataclasses.dataclass(frozen=frozen)(cls)
-        _lazy.done = True
-        _lazy.owner = 0
-
-
-@_dataclass(frozen=True)
-class Queued(_Lazy):
-    """The request waits in this client's queue; ``ahead`` counts the requests before it, in flight included."""
+class Queued(_Value):
+    """The request waits in this client's queue: ``ahead`` requests of this client come before it on its
+    slot, the one in flight included (the first waiter hears ``Queued(1)``).  Heard again, at most once per
+    ``Limits.poll``, when ``ahead`` has shrunk; never repeated or increased."""
 
     __slots__ = ("ahead",)
+    __match_args__ = __slots__
     ahead: int
 
+    def __init__(self, ahead: int) -> None:
+        _set(self, "ahead", ahead)
 
-@_dataclass(frozen=True)
-class Waiting(_Lazy):
-    """A ``/slots`` poll was made because the head had not started to arrive."""
 
-    __slots__ = ("slot_busy",)
+class Waiting(_Value):
+    """``/slots`` was asked because the response head had not started to arrive.  ``slot_busy``: the slot
+    is processing (with ``slot=None``: every slot that is not wedged is).  ``wedged``: the slot is
+    processing yet nothing in it has moved for ``Limits.wedge_wait``."""
+
+    __slots__ = ("slot_busy", "wedged")
+    __match_args__ = __slots__
     slot_busy: bool
+    wedged: bool
+
+    def __init__(self, slot_busy: bool, wedged: bool = False) -> None:
+        _set(self, "slot_busy", slot_busy)
+        _set(self, "wedged", wedged)
 
 
-@_dataclass(frozen=True)
-class Retrying(_Lazy):
-    """Nothing was delivered yet; the request is sent again after ``delay`` seconds."""
+class Retrying(_Value):
+    """Nothing was delivered yet; the request is sent again after ``delay`` seconds (``attempt`` counts
+    from 1; ``reason`` says what failed)."""
 
     __slots__ = ("attempt", "delay", "reason")
+    __match_args__ = __slots__
     attempt: int
     delay: float
     reason: str
 
+    def __init__(self, attempt: int, delay: float, reason: str) -> None:
+        _set(self, "attempt", attempt)
+        _set(self, "delay", delay)
+        _set(self, "reason", reason)
 
-@_dataclass(frozen=True)
-class Reasoning(_Lazy):
-    """A ``reasoning_content`` delta."""
 
-    __slots__ = ("text",)
+class Reasoning(_Value):
+    """A ``reasoning_content`` delta of choice ``choice``."""
+
+    __slots__ = ("text", "choice")
+    __match_args__ = __slots__
     text: str
+    choice: int
+
+    def __init__(self, text: str, choice: int = 0) -> None:
+        _set(self, "text", text)
+        _set(self, "choice", choice)
 
 
-@_dataclass(frozen=True)
-class Content(_Lazy):
-    """A ``content`` delta."""
+class Content(_Value):
+    """A ``content`` delta of choice ``choice``."""
 
-    __slots__ = ("text",)
+    __slots__ = ("text", "choice")
+    __match_args__ = __slots__
     text: str
+    choice: int
+
+    def __init__(self, text: str, choice: int = 0) -> None:
+        _set(self, "text", text)
+        _set(self, "choice", choice)
 
 
-@_dataclass(frozen=True)
-class ToolCall(_Lazy):
-    """A tool-call delta: ``id`` and ``name`` as this delta carries them, ``arguments`` its fragment."""
+class ToolCall(_Value):
+    """A tool-call delta of choice ``choice``: ``index`` keys the call; ``id`` and ``name`` as this delta
+    carries them (None when it does not), ``arguments`` its fragment of the JSON arguments."""
 
-    __slots__ = ("index", "id", "name", "arguments")
+    __slots__ = ("index", "id", "name", "arguments", "choice")
+    __match_args__ = __slots__
     index: int
     id: Optional[str]
     name: Optional[str]
     arguments: str
+    choice: int
+
+    def __init__(self, index: int, id: Optional[str], name: Optional[str], arguments: str, choice: int = 0) -> None:
+        _set(self, "index", index)
+        _set(self, "id", id)
+        _set(self, "name", name)
+        _set(self, "arguments", arguments)
+        _set(self, "choice", choice)
 
 
-@_dataclass(frozen=True)
-class ThinkingCapped(_Lazy):
+class ThinkingCapped(_Value):
     """The server accepted the request to end reasoning; ``tokens`` is the count at which the cap fired."""
 
     __slots__ = ("tokens",)
+    __match_args__ = __slots__
     tokens: int
+
+    def __init__(self, tokens: int) -> None:
+        _set(self, "tokens", tokens)
+
+
+class Progress(_Value):
+    """Prompt processing progress (the request asked for ``return_progress``): ``processed`` of ``total``
+    prompt tokens, ``cache`` of them from the cache, ``time_ms`` spent.  Not delivered output: an error
+    after only ``Progress`` events is still retried."""
+
+    __slots__ = ("processed", "total", "cache", "time_ms")
+    __match_args__ = __slots__
+    processed: int
+    total: int
+    cache: int
+    time_ms: float
+
+    def __init__(self, processed: int, total: int, cache: int, time_ms: float) -> None:
+        _set(self, "processed", processed)
+        _set(self, "total", total)
+        _set(self, "cache", cache)
+        _set(self, "time_ms", time_ms)
+
+
+class Chunk(_Value):
+    """The parsed payload of one data event, as the server sent it (only with ``raw_chunks=True``); it
+    comes before the events derived from it."""
+
+    __slots__ = ("data",)
+    __match_args__ = __slots__
+    data: Dict[str, Any]
+
+    def __init__(self, data: Dict[str, Any]) -> None:
+        _set(self, "data", data)
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    Event = Union[Queued, Waiting, Retrying, Reasoning, Content, ToolCall, ThinkingCapped]
+    Event = Union[Queued, Waiting, Retrying, Reasoning, Content, ToolCall, ThinkingCapped, Progress, Chunk]
 
 
-# The hot path builds the two text events without the frozen dataclass __init__ (object.__setattr__ per
-# field): a third of the cost, same object.
+# The assembler builds the two text events per token: object.__new__ and the slot descriptors directly,
+# without the call into __init__ (TestAssemblerPaths.test_fast_and_general_paths_agree keeps them equal).
 _new_object = object.__new__
 _set_content_text = Content.__dict__["text"].__set__
+_set_content_choice = Content.__dict__["choice"].__set__
 _set_reasoning_text = Reasoning.__dict__["text"].__set__
+_set_reasoning_choice = Reasoning.__dict__["choice"].__set__
 
 
 def _new_content(text: str) -> Content:
     event = _new_object(Content)
     _set_content_text(event, text)
+    _set_content_choice(event, 0)
     return event
 
 
 def _new_reasoning(text: str) -> Reasoning:
     event = _new_object(Reasoning)
     _set_reasoning_text(event, text)
+    _set_reasoning_choice(event, 0)
     return event
 
 
-@_dataclass(frozen=True)
-class ToolCallResult(_Lazy):
-    """One assembled tool call."""
+class ToolCallResult(_Value):
+    """One assembled tool call: ``id`` and ``name`` as first sent, ``arguments`` all fragments joined."""
 
+    __slots__ = ("id", "name", "arguments")
+    __match_args__ = __slots__
     id: Optional[str]
     name: Optional[str]
     arguments: str
 
+    def __init__(self, id: Optional[str], name: Optional[str], arguments: str) -> None:
+        _set(self, "id", id)
+        _set(self, "name", name)
+        _set(self, "arguments", arguments)
 
-@_dataclass(frozen=True)
-class Completion(_Lazy):
-    """The assembled answer of one streamed request."""
+    def to_dict(self) -> Dict[str, Any]:
+        """``{"id", "name", "arguments"}``."""
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
 
+
+class Choice(_Value):
+    """One choice of a completion (``n`` > 1 gives several): its assembled ``content``, ``reasoning``,
+    ``tool_calls`` and ``finish_reason``; ``logprobs`` and ``reasoning_logprobs`` are the entries the server
+    sent (dicts, in order), or None when it sent none."""
+
+    __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "reasoning_logprobs")
+    __match_args__ = __slots__
+    index: int
+    content: str
+    reasoning: str
+    tool_calls: List[ToolCallResult]
+    finish_reason: Optional[str]
+    logprobs: Optional[List[Dict[str, Any]]]
+    reasoning_logprobs: Optional[List[Dict[str, Any]]]
+
+    def __init__(
+        self,
+        index: int,
+        content: str,
+        reasoning: str,
+        tool_calls: List[ToolCallResult],
+        finish_reason: Optional[str],
+        logprobs: Optional[List[Dict[str, Any]]],
+        reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
+    ) -> None:
+        _set(self, "index", index)
+        _set(self, "content", content)
+        _set(self, "reasoning", reasoning)
+        _set(self, "tool_calls", tool_calls)
+        _set(self, "finish_reason", finish_reason)
+        _set(self, "logprobs", logprobs)
+        _set(self, "reasoning_logprobs", reasoning_logprobs)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict of the fields."""
+        doc = {name: getattr(self, name) for name in self.__match_args__}
+        doc["tool_calls"] = [call.to_dict() for call in self.tool_calls]
+        return doc
+
+
+class Completion(_Value):
+    """The assembled answer of one streamed request.
+
+    ``content``, ``reasoning``, ``tool_calls`` (in index order) and ``finish_reason`` are those of the
+    first choice; ``choices`` holds every choice (one even for a single answer).  ``usage`` and ``timings``
+    are the server's dicts (None when it sent none), ``reasoning_tokens`` counts the chunks that carried
+    reasoning, ``thinking_capped`` says whether the thinking cap fired.
+    """
+
+    __slots__ = (
+        "id",
+        "model",
+        "content",
+        "reasoning",
+        "tool_calls",
+        "finish_reason",
+        "usage",
+        "timings",
+        "reasoning_tokens",
+        "thinking_capped",
+        "choices",
+    )
+    __match_args__ = __slots__
     id: Optional[str]
     model: Optional[str]
     content: str
@@ -380,52 +513,172 @@ class Completion(_Lazy):
     finish_reason: Optional[str]
     usage: Optional[Dict[str, Any]]
     timings: Optional[Dict[str, Any]]
-    reasoning_tokens: int = 0
-    thinking_capped: bool = False
+    reasoning_tokens: int
+    thinking_capped: bool
+    choices: Tuple[Choice, ...]
+
+    def __init__(
+        self,
+        id: Optional[str],
+        model: Optional[str],
+        content: str,
+        reasoning: str,
+        tool_calls: List[ToolCallResult],
+        finish_reason: Optional[str],
+        usage: Optional[Dict[str, Any]],
+        timings: Optional[Dict[str, Any]],
+        reasoning_tokens: int = 0,
+        thinking_capped: bool = False,
+        choices: Optional[Sequence[Choice]] = None,
+    ) -> None:
+        """``choices`` defaults to the one choice that the other fields describe."""
+        _set(self, "id", id)
+        _set(self, "model", model)
+        _set(self, "content", content)
+        _set(self, "reasoning", reasoning)
+        _set(self, "tool_calls", tool_calls)
+        _set(self, "finish_reason", finish_reason)
+        _set(self, "usage", usage)
+        _set(self, "timings", timings)
+        _set(self, "reasoning_tokens", reasoning_tokens)
+        _set(self, "thinking_capped", thinking_capped)
+        if choices is None:
+            choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None),)
+        _set(self, "choices", tuple(choices))
+
+    @property
+    def logprobs(self) -> Optional[List[Dict[str, Any]]]:
+        """The first choice's log probabilities (None when the server sent none)."""
+        return self.choices[0].logprobs if self.choices else None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict of the fields (what ``loopclient chat --json`` prints)."""
+        doc = {name: getattr(self, name) for name in self.__match_args__}
+        doc["tool_calls"] = [call.to_dict() for call in self.tool_calls]
+        doc["choices"] = [choice.to_dict() for choice in self.choices]
+        return doc
 
 
-@_dataclass(frozen=True)
-class Slot(_Lazy):
-    """One entry of ``/slots``."""
+class Slot(_Value):
+    """One entry of ``/slots``: ``id``, ``is_processing``, and the progress fields that tell a working slot
+    from a wedged one: ``task`` (``id_task``), ``decoded`` (``next_token[0].n_decoded``) and
+    ``prompt_processed`` (``n_prompt_tokens_processed``), each None when the server does not send it.
+    ``raw`` is the whole entry as the server sent it."""
 
+    __slots__ = ("id", "is_processing", "raw", "task", "decoded", "prompt_processed")
+    __match_args__ = __slots__
+    _hidden = ("raw",)
     id: int
     is_processing: bool
-    raw: Dict[str, Any] = _field(repr=False)
+    raw: Dict[str, Any]
+    task: Optional[int]
+    decoded: Optional[int]
+    prompt_processed: Optional[int]
+
+    def __init__(
+        self,
+        id: int,
+        is_processing: bool,
+        raw: Dict[str, Any],
+        task: Optional[int] = None,
+        decoded: Optional[int] = None,
+        prompt_processed: Optional[int] = None,
+    ) -> None:
+        _set(self, "id", id)
+        _set(self, "is_processing", is_processing)
+        _set(self, "raw", raw)
+        _set(self, "task", task)
+        _set(self, "decoded", decoded)
+        _set(self, "prompt_processed", prompt_processed)
 
 
-@_dataclass(frozen=True)
-class Limits(_Lazy):
-    """Budgets in seconds (float) and caps in bytes.  A negative value is a ``ValueError``."""
+_INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body")
+_SECONDS_LIMITS = ("poll", "liveness", "busy_wait", "load_wait", "idle_grace", "wedge_wait")
 
-    queue_len: int = 8
-    poll: float = 1.0
-    liveness: float = 30.0
-    busy_wait: float = 600.0
-    load_wait: float = 120.0
-    idle_grace: float = 10.0
-    thinking_cap: Optional[int] = None
-    thinking_overrun: int = 256
-    max_line: int = 1024 * 1024
-    max_body: int = 16 * 1024 * 1024
 
-    def __post_init__(self) -> None:
-        for name in ("queue_len", "thinking_overrun", "max_line", "max_body", "thinking_cap"):
-            value = getattr(self, name)
+class Limits(_Value):
+    """How long each wait may last and how much a response may hold.  Immutable; ``replace()`` makes a
+    changed copy.  Times are seconds (int or float), sizes bytes, counts plain ints.  A value of the wrong
+    type is ``TypeError``, a negative one ``ValueError``; ``poll``, ``liveness``, ``max_line`` and
+    ``max_body`` must be greater than zero.
+
+    queue_len        8      requests of this client that may wait behind the one in flight on a slot;
+                            the next is refused with ``BusyError``
+    poll             1.0    how often ``/slots`` is asked while a response head is awaited
+    liveness         30.0   the longest silence once a response has started: ``StalledError``
+    busy_wait        600.0  how long a busy slot is waited out before the first byte: ``WaitTimeoutError``
+    load_wait        120.0  how long an unreachable or loading server is waited out: ``LoadTimeoutError``
+    idle_grace       10.0   how long an idle slot may leave the request unanswered: ``StalledError``
+    thinking_cap     None   reasoning tokens (chunks) before the client asks the server to end reasoning
+    thinking_overrun 256    reasoning tokens tolerated after that: ``ThinkingOverrunError``
+    max_line         1 MiB  longest SSE line and event: ``ProtocolError``
+    max_body         16 MiB longest non-streamed body: ``ProtocolError``
+    wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
+                            ``WedgedSlotError`` (None: never)
+    """
+
+    __slots__ = (
+        "queue_len",
+        "poll",
+        "liveness",
+        "busy_wait",
+        "load_wait",
+        "idle_grace",
+        "thinking_cap",
+        "thinking_overrun",
+        "max_line",
+        "max_body",
+        "wedge_wait",
+    )
+    __match_args__ = __slots__
+    queue_len: int
+    poll: float
+    liveness: float
+    busy_wait: float
+    load_wait: float
+    idle_grace: float
+    thinking_cap: Optional[int]
+    thinking_overrun: int
+    max_line: int
+    max_body: int
+    wedge_wait: Optional[float]
+
+    def __init__(
+        self,
+        queue_len: int = 8,
+        poll: float = 1.0,
+        liveness: float = 30.0,
+        busy_wait: float = 600.0,
+        load_wait: float = 120.0,
+        idle_grace: float = 10.0,
+        thinking_cap: Optional[int] = None,
+        thinking_overrun: int = 256,
+        max_line: int = 1024 * 1024,
+        max_body: int = 16 * 1024 * 1024,
+        wedge_wait: Optional[float] = 120.0,
+    ) -> None:
+        values = locals()
+        for name in _INT_LIMITS:
+            value = values[name]
             if value is None and name == "thinking_cap":
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError("Limits.%s must be an int, not %r" % (name, value))
             if value < 0:
                 raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
-        for name in ("poll", "liveness", "busy_wait", "load_wait", "idle_grace"):
-            value = getattr(self, name)
+        for name in _SECONDS_LIMITS:
+            value = values[name]
+            if value is None and name == "wedge_wait":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError("Limits.%s must be a number of seconds, not %r" % (name, value))
             if not value >= 0:  # also refuses NaN
                 raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
         for name in ("poll", "liveness", "max_line", "max_body"):
-            if not getattr(self, name) > 0:
+            if not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
+        for name in self.__match_args__:
+            _set(self, name, values[name])
 
 
 # =====================================================================================================
@@ -1063,7 +1316,6 @@ class Assembler:
     )
 
     def __init__(self) -> None:
-        _materialize()
         self.id = None  # type: Optional[str]
         self.model = None  # type: Optional[str]
         self.finish_reason = None  # type: Optional[str]
@@ -1113,6 +1365,7 @@ class Assembler:
                             self._content.fold()
                         event = _new_object(Content)  # as _new_content(text), inlined: this runs per token
                         _set_content_text(event, text)
+                        _set_content_choice(event, 0)
                         return [event]
                     text = delta.get("reasoning_content")
                     if type(text) is str:
@@ -2063,6 +2316,16 @@ class ChatStream:
             )
 
 
+def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """(task, decoded, prompt_processed) of a ``/slots`` entry; None for what the server does not send."""
+    nxt = item.get("next_token")
+    if type(nxt) is list and nxt:
+        nxt = nxt[0]
+    decoded = nxt.get("n_decoded") if type(nxt) is dict else None
+    values = (item.get("id_task"), decoded, item.get("n_prompt_tokens_processed"))
+    return tuple(v if type(v) is int else None for v in values)  # type: ignore[return-value]
+
+
 def _json_or_text(text: str) -> Any:
     try:
         return json.loads(text)
@@ -2268,7 +2531,7 @@ class Client:
         for item in doc:
             if type(item) is not dict or type(item.get("id")) is not int or type(item.get("is_processing")) is not bool:
                 raise ProtocolError("/slots answered an entry without an integer id and a boolean is_processing")
-            slots.append(Slot(item["id"], item["is_processing"], item))
+            slots.append(Slot(item["id"], item["is_processing"], item, *_progress(item)))
         return slots
 
     def slots(self) -> List[Slot]:
@@ -2472,9 +2735,7 @@ class _Console:
 
 
 def _completion_json(completion: Completion) -> str:
-    import dataclasses
-
-    return json.dumps(dataclasses.asdict(completion), ensure_ascii=False, indent=2)
+    return json.dumps(completion.to_dict(), ensure_ascii=False, indent=2)
 
 
 def _slots_table(slots: List[Slot]) -> str:

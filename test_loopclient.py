@@ -3114,37 +3114,65 @@ class TestCallerMistakesMore(unittest.TestCase):
         self.assertNotIn(b"loopclient/", request)
         self.assertTrue(request.endswith(b"\r\n\r\n"))
 
-    def test_result_classes_become_dataclasses_when_asked(self):
+    def test_value_objects_are_plain_from_import(self):
+        import copy
+        import inspect
+        import pickle
         import subprocess
 
-        code = (
-            "import dataclasses, loopclient as lc; print(dataclasses.is_dataclass(lc.Content), "
-            "[f.name for f in dataclasses.fields(lc.ToolCall)], 'dataclasses' in __import__('sys').modules)"
-        )
         out = subprocess.run(
             [
                 sys.executable,
                 "-S",
                 "-c",
-                "import sys; import loopclient; print('dataclasses' in sys.modules, 'typing' in sys.modules)",
+                "import sys; import loopclient; loopclient.Client('/tmp/x.sock');"
+                "print('dataclasses' in sys.modules, 'typing' in sys.modules, 'inspect' in sys.modules)",
             ],
             cwd=HERE,
             capture_output=True,
             text=True,
             timeout=30,
         ).stdout
-        self.assertEqual(out, "False False\n")  # importing costs neither
-        out = subprocess.run(
-            [sys.executable, "-S", "-c", code], cwd=HERE, capture_output=True, text=True, timeout=30
-        ).stdout
-        self.assertEqual(out, "True ['index', 'id', 'name', 'arguments'] True\n")
-        import dataclasses
-
-        with self.assertRaises(dataclasses.FrozenInstanceError):
+        self.assertEqual(out, "False False False\n")  # importing and a Client() cost none of them
+        self.assertEqual(list(inspect.signature(lc.ToolCall).parameters), ["index", "id", "name", "arguments", "choice"])
+        self.assertIn("wedge_wait", str(inspect.signature(lc.Limits)))
+        with self.assertRaises(AttributeError):
             lc.Limits().poll = 2.0  # type: ignore[misc]
-        self.assertEqual(dataclasses.replace(lc.Limits(), poll=2.0).poll, 2.0)
+        with self.assertRaises(AttributeError):
+            del lc.Content("a").text  # type: ignore[misc]
+        self.assertEqual(lc.Limits().replace(poll=2.0).poll, 2.0)
+        with self.assertRaises(TypeError):
+            lc.Limits().replace(pol=2.0)
+        with self.assertRaises(ValueError):
+            lc.Limits().replace(poll=-1)
         self.assertEqual(lc.Content("a"), lc.Assembler().feed(chunk_json({"content": "a"}))[0])
         self.assertEqual(hash(lc.Reasoning("r")), hash(lc.Reasoning("r")))
+        self.assertNotEqual(lc.Content("r"), lc.Reasoning("r"))
+        values = [
+            lc.Queued(2),
+            lc.Waiting(True, wedged=True),
+            lc.Retrying(1, 0.25, "HTTP 503: Loading model"),
+            lc.Reasoning("r", choice=1),
+            lc.Content("c"),
+            lc.ToolCall(0, "id", "f", "{", choice=2),
+            lc.ThinkingCapped(3),
+            lc.Progress(10, 20, 5, 1.5),
+            lc.Chunk({"choices": [{"delta": {"content": "x"}}]}),
+            lc.ToolCallResult("id", "f", "{}"),
+            lc.Choice(1, "c", "r", [lc.ToolCallResult("id", "f", "{}")], "stop", [{"token": "c"}]),
+            lc.Completion("id", "m", "c", "", [], "stop", {"total_tokens": 3}, None),
+            lc.Slot(0, True, {"id": 0, "is_processing": True}, task=7, decoded=3, prompt_processed=12),
+            lc.Limits(queue_len=1, wedge_wait=None),
+        ]
+        for value in values:
+            with self.subTest(value=value):
+                self.assertEqual(copy.copy(value), value)
+                self.assertEqual(copy.deepcopy(value), value)
+                self.assertEqual(pickle.loads(pickle.dumps(value)), value)
+                self.assertEqual(eval(repr(value), vars(lc)), value) if not isinstance(value, lc.Slot) else None
+        self.assertEqual(repr(lc.Slot(1, False, {"secret": 1})), "Slot(id=1, is_processing=False, task=None, decoded=None, prompt_processed=None)")
+        deep = copy.deepcopy(values[-3])
+        self.assertIsNot(deep.usage, values[-3].usage)
 
 
 class TestEdges(ServerCase):
@@ -3266,19 +3294,18 @@ class TestEdges(ServerCase):
 # The command line
 # =====================================================================================================
 
-import dataclasses
 from unittest import mock
 
 
-@dataclasses.dataclass(frozen=True)
 class QuickLimits(lc.Limits):
     """The CLI's default limits, shortened so that error paths end quickly in tests."""
 
-    poll: float = 0.05
-    liveness: float = 0.5
-    load_wait: float = 0.3
-    idle_grace: float = 0.5
-    busy_wait: float = 0.5
+    __slots__ = ()
+
+    def __init__(self, **changes):
+        quick = dict(poll=0.05, liveness=0.5, load_wait=0.3, idle_grace=0.5, busy_wait=0.5)
+        quick.update(changes)
+        super().__init__(**quick)
 
 
 class CLICase(ServerCase):
@@ -3594,7 +3621,6 @@ class TestCommandLineTerminal(ServerCase):
 # whole tier stays quick; each slow case waits one short budget, never several.
 
 import base64 as _f_base64
-import dataclasses as _f_dataclasses
 import email.utils as _f_email_utils
 import hashlib as _f_hashlib
 import logging as _f_logging
@@ -3718,7 +3744,7 @@ class _f_Case(ServerCase):
     def _f_limits(self, **changes):
         """Replace this test's client by one with ``changes`` to _F_LIMITS."""
         self.client.close()
-        self.client = lc.Client(self.server.address, limits=_f_dataclasses.replace(_F_LIMITS, **changes))
+        self.client = lc.Client(self.server.address, limits=_F_LIMITS.replace(**changes))
         return self.client
 
     def _f_run(self, fn, timeout):
@@ -4391,7 +4417,7 @@ class TestFaultSlots(_f_Case):
 
 
 class TestFaultControl(_f_Case):
-    limits = _f_dataclasses.replace(_F_LIMITS, thinking_cap=2)
+    limits = _F_LIMITS.replace(thinking_cap=2)
 
     def setUp(self):
         super().setUp()
@@ -5025,7 +5051,7 @@ class TestRealServer(unittest.TestCase):
         self.assertEqual(completion.usage["completion_tokens"], 8)
 
     def test_three_on_one_slot_with_queue_len_one(self):
-        client = lc.Client(REAL_SOCKET, limits=dataclasses.replace(self.limits, queue_len=1))
+        client = lc.Client(REAL_SOCKET, limits=self.limits.replace(queue_len=1))
         self.addCleanup(client.close)
         events, results = {}, {}
         params = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
@@ -5075,7 +5101,7 @@ class TestRealServer(unittest.TestCase):
         self.assertTrue(all(isinstance(e, lc.Reasoning) for e in events[:first_content]))
 
     def test_thinking_cap_ends_reasoning(self):
-        client = lc.Client(REAL_SOCKET, limits=dataclasses.replace(self.limits, thinking_cap=3, thinking_overrun=8))
+        client = lc.Client(REAL_SOCKET, limits=self.limits.replace(thinking_cap=3, thinking_overrun=8))
         self.addCleanup(client.close)
         completion, events = self.chat(
             client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import glob
 import hashlib
 import json
@@ -81,7 +80,7 @@ CLIENT_LIMITS = lc.Limits(
     queue_len=1,
     thinking_overrun=4,
 )
-CLIENT_LIMITS_CAPPED = dataclasses.replace(CLIENT_LIMITS, thinking_cap=2)
+CLIENT_LIMITS_CAPPED = CLIENT_LIMITS.replace(thinking_cap=2)
 
 # =====================================================================================================
 # Seeds

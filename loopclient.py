@@ -1516,25 +1516,236 @@ class Assembler:
 
 
 # =====================================================================================================
+# 5. The response pump: one streamed chat response, bytes in, events and decisions out
+# =====================================================================================================
+
+
+class _Retry:
+    """An attempt that failed before anything was delivered and may be sent again."""
+
+    __slots__ = ("reason", "hint", "cause")
+
+    def __init__(self, reason: str, hint: Optional[float], cause: BaseException) -> None:
+        self.reason = reason
+        self.hint = hint  # Retry-After, in seconds
+        self.cause = cause
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _retryable(err: ServerError) -> bool:
+    return err.code == 503 or err.type == "unavailable_error"
+
+
+class ResponsePump:
+    """The bytes of one streamed chat response in, events and decisions out; no socket, no clock.
+
+    It owns the ``ResponseReader``, the ``SSEDecoder`` and the ``Assembler``.  ``feed(data)`` (and
+    ``feed_eof()`` when the connection closed) returns the events those bytes completed.  After each call
+    the caller looks at, in this order:
+
+    ``failed``
+        an error found after the returned events (deliver them, then raise it); a later call raises it too.
+    ``cap_due``
+        ``(completion id, tokens)``: reasoning reached ``thinking_cap`` and the rest of the bytes wait;
+        the caller asks the server to end reasoning and passes the answer to ``capped(ok)``.
+    ``outcome``
+        once decided: the ``Completion``, or a retry (a 503 status, or a 503/``unavailable_error`` error
+        event before anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its
+        body is in.
+
+    ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
+    event (pings do not count: they prove the connection, not progress); ``delivered`` whether a
+    ``Reasoning``, ``Content`` or ``ToolCall`` event has been produced.
+    """
+
+    __slots__ = (
+        "head",
+        "failed",
+        "cap_due",
+        "outcome",
+        "progressed",
+        "delivered",
+        "_limits",
+        "_reader",
+        "_sse",
+        "_asm",
+        "_body",
+        "_size",
+        "_pending",
+        "_ending",
+        "_capped_at",
+    )
+
+    def __init__(self, limits: Limits, raw_chunks: bool = False) -> None:
+        self.head = None  # type: Optional[ResponseHead]
+        self.failed = None  # type: Optional[LoopError]
+        self.cap_due = None  # type: Optional[Tuple[Optional[str], int]]
+        self.outcome = None  # type: Optional[Union[Completion, _Retry]]
+        self.progressed = False
+        self.delivered = False
+        self._limits = limits
+        self._reader = ResponseReader()
+        self._sse = SSEDecoder(limits.max_line)
+        self._asm = Assembler(raw_chunks) if raw_chunks else Assembler()
+        self._body = []  # type: List[bytes]  # an error response's body
+        self._size = 0
+        self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
+        self._ending = False  # the body is complete: the events in hand are the last
+        self._capped_at = -1
+
+    def feed(self, data: bytes) -> List[Event]:
+        """Bytes received (``b""`` is not end of file: use ``feed_eof()``)."""
+        return self._guard(self._feed, data, False)
+
+    def feed_eof(self) -> List[Event]:
+        """The connection closed."""
+        return self._guard(self._feed, b"", True)
+
+    def capped(self, ok: bool) -> List[Event]:
+        """The answer of the control endpoint to ``cap_due``: True when the server accepted."""
+        return self._guard(self._capped, ok)
+
+    def _guard(self, step: Callable[..., List[Event]], *args: Any) -> List[Event]:
+        if self.failed is not None:
+            raise self.failed
+        out = []  # type: List[Event]
+        self.progressed = False
+        try:
+            step(out, *args)
+        except LoopError as exc:
+            if not out:
+                raise
+            self.failed = exc  # the events before the error are delivered first
+        return out
+
+    def _feed(self, out: List[Event], data: bytes, eof: bool) -> None:
+        reader = self._reader
+        if self.outcome is not None or self.cap_due is not None:
+            return
+        if eof:
+            reader.feed_eof()  # StreamClosedError when the head or a chunk is cut short
+            pieces = []  # type: List[bytes]
+        else:
+            pieces = reader.feed(data)
+        head = self.head = reader.head
+        if head is None:
+            return
+        if head.status != 200:
+            self._error_body(head, pieces, eof or reader.done)
+            return
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        batch = self._sse.feed(data) if data else []
+        if eof or reader.done:
+            batch += self._sse.close()
+            self._ending = True
+        self._events(out, batch)
+
+    def _error_body(self, head: ResponseHead, pieces: List[bytes], complete: bool) -> None:
+        for piece in pieces:
+            self._size += len(piece)
+            self._body.append(piece)
+        if self._size > self._limits.max_body:
+            raise ProtocolError("error body longer than max_body (%d bytes)" % self._limits.max_body)
+        if not complete:
+            return
+        body = b"".join(self._body)
+        message, _ = parse_error_envelope(body)
+        error = HTTPStatusError(head.status, message, body)
+        if head.status != 503:
+            raise error
+        self.outcome = _Retry("HTTP 503: %s" % message, parse_retry_after(head.get("retry-after")), error)
+
+    def _capped(self, out: List[Event], ok: bool) -> None:
+        assert self.cap_due is not None
+        tokens = self.cap_due[1]
+        self.cap_due = None
+        if not ok:
+            raise ThinkingOverrunError(
+                "reasoning reached the cap (%d tokens) and the server refused to end it" % tokens, tokens
+            )
+        self._capped_at = tokens
+        self._asm.thinking_capped = True
+        out.append(ThinkingCapped(tokens))
+        batch, self._pending = self._pending, []
+        self._events(out, batch)
+
+    def _events(self, out: List[Event], batch: List[Tuple[str, str]]) -> None:
+        asm = self._asm
+        feed = asm.feed
+        cap = self._limits.thinking_cap
+        for i, (kind, payload) in enumerate(batch):
+            self.progressed = True
+            if payload == "[DONE]" and kind != "error":
+                self.outcome = asm.completion()
+                return
+            try:
+                if kind == "error":  # the legacy `error:` line
+                    raise _error_from(_json_or_text(payload))
+                events = feed(payload)
+            except ServerError as err:
+                if not self.delivered and _retryable(err):
+                    self.outcome = _Retry("server error %s: %s" % (err.code, err.message), None, err)
+                    return
+                raise
+            if events:
+                out += events
+                if not self.delivered:
+                    self.delivered = any(type(e) in _OUTPUT for e in events)
+            if cap is not None and asm.in_reasoning:
+                tokens = asm.reasoning_tokens
+                if self._capped_at < 0:
+                    if tokens >= cap:
+                        if not asm.id:
+                            raise ThinkingOverrunError(
+                                "reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens,
+                                tokens,
+                            )
+                        self.cap_due = (asm.id, tokens)
+                        self._pending = batch[i + 1 :]
+                        return
+                elif tokens > self._capped_at + self._limits.thinking_overrun:
+                    raise ThinkingOverrunError(
+                        "reasoning went on for %d tokens after the server accepted to end it at %d "
+                        "(thinking_overrun %d)" % (tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun),
+                        tokens,
+                    )
+        if self._ending:
+            self.outcome = asm.completion()
+
+
+_OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered
+
+
+# =====================================================================================================
 # 5. Transport: the only code that touches socket
 # =====================================================================================================
 
 
 class _Address:
-    __slots__ = ("text", "unix", "target", "host")
+    __slots__ = ("text", "unix", "target", "host", "tls", "prefix")
 
-    def __init__(self, text: str, unix: bool, target: Any, host: str) -> None:
+    def __init__(self, text: str, unix: bool, target: Any, host: str, tls: bool = False, prefix: str = "") -> None:
         self.text = text  # as the caller gave it, for messages
         self.unix = unix
         self.target = target  # a path, or (host, port)
         self.host = host  # the Host header
+        self.tls = tls
+        self.prefix = prefix  # put before every request path ("" or "/llama")
 
     def __repr__(self) -> str:
         return "_Address(%r)" % self.text
 
 
 def parse_address(address: Any) -> _Address:
-    """A path or ``unix:///path`` (AF_UNIX), or ``http://host[:port]`` (TCP).  ``ValueError``/``TypeError``."""
+    """A path or ``unix:///path`` (AF_UNIX), or ``http[s]://host[:port][/prefix]`` (TCP, TLS for https).
+
+    ``ValueError`` for what cannot be parsed, ``TypeError`` for what is not a string or path."""
     if isinstance(address, os.PathLike):
         address = os.fspath(address)
     if not isinstance(address, str):
@@ -1546,18 +1757,19 @@ def parse_address(address: Any) -> _Address:
         address = address[len("unix://") :]
     elif "://" in address:
         scheme, _, rest = address.partition("://")
-        if scheme.lower() != "http":
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
             raise ValueError(
-                "unsupported address scheme %r: use a socket path, unix:///path or http://host:port" % scheme
+                "unsupported address scheme %r: use a socket path, unix:///path or http(s)://host:port" % scheme
             )
-        if rest.endswith("/"):
-            rest = rest[:-1]
-        if not rest or any(c in rest for c in "/?#@ \t\r\n\0"):
-            raise ValueError("cannot parse %r: expected http://host:port" % text)
+        rest, slash, prefix = rest.partition("/")
+        prefix = ("/" + prefix.rstrip("/")) if slash and prefix.strip("/") else ""
+        if not rest or any(c in rest + prefix for c in "?#@ \t\r\n\0") or "//" in prefix:
+            raise ValueError("cannot parse %r: expected %s://host:port[/prefix]" % (text, scheme))
         if rest.startswith("["):
             host, sep, port_text = rest[1:].partition("]")
             if not sep or (port_text and not port_text.startswith(":")):
-                raise ValueError("cannot parse %r: expected http://[v6addr]:port" % text)
+                raise ValueError("cannot parse %r: expected %s://[v6addr]:port" % (text, scheme))
             port_text = port_text[1:]
             host_header = "[%s]" % host
         else:
@@ -1565,14 +1777,15 @@ def parse_address(address: Any) -> _Address:
             host_header = host
         if not host:
             raise ValueError("no host in %r" % text)
-        port = 80
+        default = 443 if scheme == "https" else 80
+        port = default
         if port_text or rest.endswith(":"):
             if not (port_text.isdigit() and port_text.isascii() and 0 < int(port_text) < 65536):
                 raise ValueError("bad port in %r" % text)
             port = int(port_text)
-        if port != 80:
+        if port != default:
             host_header += ":%d" % port
-        return _Address(text, False, (host, port), host_header)
+        return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
     if "\0" in address:
         raise ValueError("a Unix socket path must not contain NUL")
     if not address:
@@ -1594,8 +1807,9 @@ class _Conn:
 
     __slots__ = ("sock", "_timeout", "_lock", "_closed")
 
-    def __init__(self, addr: _Address, timeout: float) -> None:
-        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the caller
+    def __init__(self, addr: _Address, timeout: float, ssl_context: Any = None) -> None:
+        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the caller, who may
+        # retry; a failed TLS handshake or certificate check is ConnectError, which no caller retries.
         if addr.unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -1610,6 +1824,8 @@ class _Conn:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:  # pragma: no cover - not every TCP stack has it
                 pass
+            if addr.tls:
+                sock = _wrap_tls(sock, addr, ssl_context)
         self.sock = sock
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -1642,7 +1858,8 @@ class _Conn:
         with self._lock:
             if not self._closed:
                 try:
-                    self.sock.shutdown(socket.SHUT_RDWR)
+                    # the plain socket's shutdown: an SSLSocket's own would drop its TLS state under the reader
+                    socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
                 except OSError:
                     pass
 
@@ -1651,6 +1868,20 @@ class _Conn:
             if not self._closed:
                 self._closed = True
                 self.sock.close()
+
+
+def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
+    import ssl  # only for https://
+
+    try:
+        return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
+    except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
+        sock.close()
+        err = ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
+        raise err from exc
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
@@ -1777,28 +2008,39 @@ class _Gate:
             return {k: (lane.in_flight, len(lane.waiters)) for k, lane in self._lanes.items()}
 
 
-class _SlotPoller:
-    """One ``/slots`` request in flight per client, however many wait; an answer younger than ``poll`` is
-    reused.  The request runs in a short-lived thread so that a waiter can always be cancelled."""
+# Wait states of a request whose response has not started: what it is waiting on decides which budget runs.
+BUSY = "busy"  # the slot is processing another request: busy_wait
+UNAVAILABLE = "unavailable"  # the server cannot be reached, is loading, or /slots fails: load_wait
+IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
+WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
 
-    def __init__(self, client: Client, lock: threading.Lock) -> None:
-        self._client = client
-        self._cond = threading.Condition(lock)
+
+class _SlotPoller:
+    """``/slots`` of one model for every request of a client: one request in flight however many wait, an
+    answer younger than ``poll`` reused.  It remembers, per slot, since when the progress triple (task,
+    decoded, prompt processed) of a processing slot has not changed.  The request runs in a short-lived
+    thread so that a waiter can always be cancelled."""
+
+    def __init__(self, fetch: Callable[[float, _Owner], List[Slot]], limits: Limits) -> None:
+        self._fetch = fetch
+        self._limits = limits
+        self._cond = threading.Condition(threading.Lock())
         self._busy = False
         self._stamp = float("-inf")  # when the last answer arrived
         self._slots = None  # type: Optional[List[Slot]]
+        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]  # id: (triple, since)
         self._owner = _Owner()
 
-    def get(self, interval: float, cancelled: _Flag) -> Optional[List[Slot]]:
-        """The slots, or None when ``/slots`` failed or did not answer within ``interval``."""
+    def get(self, cancelled: threading.Event) -> Optional[List[Slot]]:
+        """The slots, or None when ``/slots`` failed or did not answer within ``poll``."""
+        interval = self._limits.poll
         with self._cond:
             asked = time.monotonic()
             if asked - self._stamp < interval:
                 return self._slots
             if not self._busy:
                 self._busy = True
-                worker = threading.Thread(target=self._work, name="loopclient-slots", daemon=True)
-                worker.start()
+                threading.Thread(target=self._work, name="loopclient-slots", daemon=True).start()
             deadline = asked + interval
             while self._stamp < asked:
                 if cancelled.is_set():
@@ -1806,21 +2048,37 @@ class _SlotPoller:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(min(left, 0.5))
+                self._cond.wait(min(left, 0.1))
             return self._slots
 
+    def still(self, slot: Slot) -> float:
+        """Seconds the processing ``slot`` has shown no progress (0 when it moves or sends no fields)."""
+        with self._cond:
+            entry = self._still.get(slot.id)
+        return time.monotonic() - entry[1] if entry is not None else 0.0
+
+    def wedged(self, slot: Slot) -> bool:
+        wait = self._limits.wedge_wait
+        return wait is not None and slot.is_processing and self.still(slot) >= wait
+
     def _work(self) -> None:
-        slots = None  # type: Optional[List[Slot]]
-        limits = self._client.limits
+        limits = self._limits
         try:
-            slots = self._client._fetch_slots(
-                timeout=min(limits.liveness, max(2 * limits.poll, 0.5)), owner=self._owner
-            )
+            slots = self._fetch(min(limits.liveness, max(2 * limits.poll, 0.5)), self._owner)  # type: Optional[List[Slot]]
         except Exception:  # any failure means "unavailable"; the worker must never die loudly
             slots = None
         with self._cond:
+            now = time.monotonic()
+            if slots is not None:
+                still = {}
+                for s in slots:
+                    triple = (s.task, s.decoded, s.prompt_processed)
+                    if s.is_processing and triple != (None, None, None):
+                        old = self._still.get(s.id)
+                        still[s.id] = (triple, old[1] if old is not None and old[0] == triple else now)
+                self._still = still
             self._slots = slots
-            self._stamp = time.monotonic()
+            self._stamp = now
             self._busy = False
             self._cond.notify_all()
 
@@ -1832,42 +2090,13 @@ class _SlotPoller:
         self._owner.abort()
 
 
-class _Flag:
-    """A cancel flag: ``is_set()`` costs an attribute read; the Event behind ``wait()`` exists only when
-    someone sleeps on it (most requests never back off)."""
-
-    __slots__ = ("value", "_event")
-
-    def __init__(self) -> None:
-        self.value = False  # read directly on the per-event path
-        self._event = None  # type: Optional[threading.Event]
-
-    def is_set(self) -> bool:
-        return self.value
-
-    def set(self) -> None:
-        self.value = True
-        event = self._event
-        if event is not None:
-            event.set()
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to ``timeout``; True at once (or as soon as) the flag is set."""
-        event = self._event
-        if event is None:
-            event = self._event = threading.Event()
-        if self.value:  # read after publishing the event: set() either sees it or was seen here
-            return True
-        return event.wait(timeout)
-
-
 class _Owner:
     """The connections a request has open, so that ``cancel()`` can shut them all down."""
 
     __slots__ = ("conns", "_lock")
 
     def __init__(self) -> None:
-        self.conns: Set[_Conn] = set()
+        self.conns = set()  # type: Set[_Conn]
         self._lock = threading.Lock()
 
     def add(self, conn: _Conn) -> None:
@@ -1885,36 +2114,170 @@ class _Owner:
             conn.abort()
 
 
+if TYPE_CHECKING:
+    _Call = Callable[..., Any]  # Client._json: (method, path, body=None, query=None, *, model, timeout, owner)
+
+
+class _Board:
+    """What the streams of one client share, and all they need of it: the address, the limits, the gate,
+    a ``/slots`` poller and a pool size per model, and the streams in flight (``close()`` cancels them).
+    It reaches the server through ``call``, the client's one request path."""
+
+    def __init__(self, addr: _Address, limits: Limits, call: _Call, ssl_context: Any) -> None:
+        self.addr = addr
+        self.limits = limits
+        self.ssl_context = ssl_context
+        self._call = call
+        self._lock = threading.Lock()
+        self.gate = _Gate(self._lock, limits.queue_len)
+        self._pollers = {}  # type: Dict[Optional[str], _SlotPoller]
+        self._pools = {}  # type: Dict[Optional[str], int]
+        self._props_lock = threading.Lock()
+        self._streams = set()  # type: Set[ChatStream]
+
+    def connect(self, timeout: float) -> _Conn:
+        """A new connection; ``OSError`` when the server cannot be reached (a retry), ``ConnectError`` when
+        TLS fails (no retry)."""
+        return _Conn(self.addr, timeout, self.ssl_context)
+
+    def capacity(self, model: Optional[str], owner: _Owner, cancelled: threading.Event) -> int:
+        """``total_slots`` of the model from ``/props``, read once; 1 until the server has answered."""
+        while model not in self._pools:
+            if not self._props_lock.acquire(timeout=0.05):
+                if cancelled.is_set():
+                    raise CancelledError("the request was cancelled")
+                continue
+            try:
+                if model not in self._pools:
+                    try:
+                        props = self._call("GET", "/props", model=model, owner=owner)
+                    except LoopError:
+                        return 1
+                    total = props.get("total_slots") if isinstance(props, dict) else None
+                    if type(total) is not int or total < 1:
+                        return 1
+                    self._pools[model] = total
+            finally:
+                self._props_lock.release()
+        return self._pools[model]
+
+    def _poller(self, model: Optional[str]) -> _SlotPoller:
+        with self._lock:
+            poller = self._pollers.get(model)
+            if poller is None:
+
+                def fetch(timeout: float, owner: _Owner) -> List[Slot]:
+                    return _slots_from(self._call("GET", "/slots", model=model, timeout=timeout, owner=owner))
+
+                poller = self._pollers[model] = _SlotPoller(fetch, self.limits)
+            return poller
+
+    def slot_state(
+        self, model: Optional[str], slot: Optional[int], cancelled: threading.Event, every: bool
+    ) -> Tuple[str, Optional[WedgedSlotError]]:
+        """The state of ``slot`` (``None``: the pool) and, when it is wedged, the error that says so.
+        ``every``: the pool is busy only when every slot is (else: when any is)."""
+        poller = self._poller(model)
+        slots = poller.get(cancelled)
+        if slots is None:
+            return UNAVAILABLE, None
+        if not slots:
+            return IDLE, None
+        if slot is not None:
+            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
+            mine = [s for s in slots if s.id == target]
+        else:
+            mine = slots
+        wedged = [s for s in mine if poller.wedged(s)]
+        moving = [s for s in mine if s not in wedged]
+        if wedged and (slot is not None or not every or not moving):
+            s = wedged[0]
+            seconds = poller.still(s)
+            message = (
+                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
+                "(wedge_wait); restart the server (SIGKILL if SIGTERM does not stop it)"
+                % (s.id, self.addr.text, s.task, seconds)
+            )
+            return WEDGED, WedgedSlotError(message, s.id, s.task, seconds)
+        flags = [s.is_processing for s in moving]
+        busy = all(flags) if every else any(flags)
+        return (BUSY if busy and flags else IDLE), None
+
+    def control(self, model: Optional[str], completion_id: str, owner: Optional[_Owner]) -> bool:
+        """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
+        if not isinstance(completion_id, str):
+            raise TypeError("completion_id must be a str")
+        doc = self._call(
+            "POST", "/v1/chat/completions/control", {"id": completion_id, "action": "reasoning_end"}, model=model, owner=owner
+        )
+        if not isinstance(doc, dict):
+            raise ProtocolError("the control endpoint did not answer a JSON object")
+        return doc.get("success") is True
+
+    def add(self, stream: ChatStream) -> None:
+        with self._lock:
+            self._streams.add(stream)
+
+    def discard(self, stream: ChatStream) -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
+    def wake(self) -> None:
+        self.gate.wake()
+        with self._lock:
+            pollers = list(self._pollers.values())
+        for poller in pollers:
+            poller.wake()
+
+    def close(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+            pollers = list(self._pollers.values())
+        for stream in streams:
+            stream.cancel()
+        for poller in pollers:
+            poller.abort()
+
+
+def _slots_from(doc: Any) -> List[Slot]:
+    if type(doc) is not list:
+        raise ProtocolError("/slots did not answer a list")
+    slots = []
+    for item in doc:
+        if type(item) is not dict or type(item.get("id")) is not int or type(item.get("is_processing")) is not bool:
+            raise ProtocolError("/slots answered an entry without an integer id and a boolean is_processing")
+        slots.append(Slot(item["id"], item["is_processing"], item, *_progress(item)))
+    return slots
+
+
+def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """(task, decoded, prompt_processed) of a ``/slots`` entry; None for what the server does not send."""
+    nxt = item.get("next_token")
+    if type(nxt) is list and nxt:
+        nxt = nxt[0]
+    decoded = nxt.get("n_decoded") if type(nxt) is dict else None
+    values = (item.get("id_task"), decoded, item.get("n_prompt_tokens_processed"))
+    return tuple(v if type(v) is int else None for v in values)  # type: ignore[return-value]
+
+
 # =====================================================================================================
 # 7. The client and its streams
 # =====================================================================================================
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
 
-
-class _Retry:
-    """An attempt that failed before anything was delivered and may be sent again."""
-
-    __slots__ = ("reason", "hint", "cause")
-
-    def __init__(self, reason: str, hint: Optional[float], cause: BaseException) -> None:
-        self.reason = reason
-        self.hint = hint
-        self.cause = cause
-
-
 _BUDGETS = {
-    "busy": (
+    BUSY: (
         "busy_wait",
         WaitTimeoutError,
         "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
     ),
-    "unavailable": (
+    UNAVAILABLE: (
         "load_wait",
         LoadTimeoutError,
         "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
     ),
-    "idle": (
+    IDLE: (
         "idle_grace",
         StalledError,
         "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
@@ -1922,8 +2285,9 @@ _BUDGETS = {
 }
 
 
-class _Situation:
-    """What the request is waiting on, and since when.  A budget restarts when the situation changes."""
+class _Waits:
+    """What a request waits on before its response starts, and since when: each state has its budget,
+    which restarts when the state changes."""
 
     __slots__ = ("limits", "state", "since", "sent_at", "slot", "address", "cause")
 
@@ -1950,9 +2314,15 @@ class _Situation:
         budget = getattr(self.limits, _BUDGETS[self.state][0])
         return float(budget - (time.monotonic() - self.since))
 
+    def check(self) -> None:
+        """Raise the budget's error when the current state has lasted longer than its budget."""
+        left = self.remaining()
+        if left is not None and left <= 0:
+            raise self.expired()
+
     def expired(self) -> LoopError:
         assert self.state is not None
-        name, cls, text = _BUDGETS[self.state]
+        _, cls, text = _BUDGETS[self.state]
         waited = time.monotonic() - self.since
         err = cls(text.format(slot=self.slot, address=self.address, waited=waited), waited)
         if self.cause is not None:
@@ -1962,18 +2332,23 @@ class _Situation:
 
 class ChatStream:
     """One streamed chat request: iterate it for events; ``completion`` is there once iteration has ended
-    without an error.  ``cancel()`` works from any thread; leaving the ``with`` block early cancels quietly.
-    The request starts when iteration starts.  Iteration raises the ``LoopError`` subclasses of the SPEC.
+    without an error.  The request starts when iteration starts.  ``cancel()`` works from any thread;
+    leaving the ``with`` block early cancels quietly.  Iteration raises the ``LoopError`` subclasses
+    (``CancelledError`` after ``cancel()``).  One thread iterates a stream at a time.
     """
 
-    def __init__(self, client: Client, request: bytes, slot: Optional[int]) -> None:
-        self._client = client
+    def __init__(
+        self, board: _Board, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool
+    ) -> None:
+        self._board = board
         self._request = request
         self._slot = slot
+        self._model = model
+        self._raw_chunks = raw_chunks
         self._gen = None  # type: Optional[Generator[List[Event], None, None]]
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
-        self._lock = threading.Lock()  # held while the request's generator runs (in _advance)
-        self._cancel = _Flag()
+        self._lock = threading.Lock()  # held while the request's generator runs
+        self._cancel = threading.Event()
         self._owner = _Owner()
         self._ticket = None  # type: Optional[_Ticket]
         self._done = False
@@ -1984,39 +2359,25 @@ class ChatStream:
         return self
 
     def __next__(self) -> Event:
-        # The request yields events in batches (all that one read produced): most calls pop one here.
-        batch = self._batch
-        if batch and not self._cancel.value:
-            try:
-                return batch.pop()
-            except IndexError:  # another thread iterating the same stream took the last one
-                pass
-        return self._advance()
-
-    def _advance(self) -> Event:
-        lock = self._lock
-        lock.acquire()
-        try:
+        with self._lock:
+            if self._batch and not self._cancel.is_set():  # a read yields all the events it completed
+                return self._batch.pop()
             if self._done:
                 raise StopIteration
-            if self._cancel.value:
+            if self._cancel.is_set():
+                self._done = True
                 self._finish()
                 raise CancelledError("the request was cancelled")
-            batch = self._batch
-            if not batch:
-                gen = self._gen
-                if gen is None:
-                    gen = self._gen = self._run()
-                try:
-                    batch = next(gen)
-                except BaseException:
-                    self._done = True
-                    raise
-                batch.reverse()  # a fresh list, never empty: popped from its end
-                self._batch = batch
+            if self._gen is None:
+                self._gen = self._run()
+            try:
+                batch = next(self._gen)
+            except BaseException:
+                self._done = True
+                raise
+            batch.reverse()  # a fresh list, never empty: popped from its end
+            self._batch = batch
             return batch.pop()
-        finally:
-            lock.release()
 
     def cancel(self) -> None:
         """Cancel the request from any thread: its sockets close, its permit is released, and the thread
@@ -2024,25 +2385,13 @@ class ChatStream:
         if self._done:
             return
         self._stop()
-        # The generator is not running: clean up here, so the socket and permit are freed now, not at the
-        # next call.  Otherwise the iterating thread wakes from the aborted socket and cleans up itself.
+        # When the generator is not running, clean up here so the socket and permit are freed now; else
+        # the iterating thread wakes from the aborted socket and cleans up itself.
         if self._lock.acquire(blocking=False):
             try:
                 self._finish()
             finally:
                 self._lock.release()
-
-    def _stop(self) -> None:
-        """Mark the request cancelled and wake whatever it waits on: its sockets, its queue, the poller."""
-        self._cancel.set()
-        self._owner.abort()
-        self._client._wake()
-
-    def _finish(self) -> None:
-        gen = self._gen
-        if gen is not None:
-            gen.close()  # runs the request's finally: socket closed, permit released
-        self._release()
 
     def __enter__(self) -> ChatStream:
         return self
@@ -2051,33 +2400,43 @@ class ChatStream:
         if not self._done:
             self._stop()
             with self._lock:
-                self._finish()
                 self._done = True
+                self._finish()
+
+    def _stop(self) -> None:
+        """Mark the request cancelled and wake whatever it waits on: its sockets, its queue, the poller."""
+        self._cancel.set()
+        self._owner.abort()
+        self._board.wake()
+
+    def _finish(self) -> None:
+        if self._gen is not None:
+            self._gen.close()  # runs the request's finally: socket closed, permit released
+        self._release()
 
     def _release(self) -> None:
-        ticket = self._ticket
-        if ticket is not None:
-            self._client._gate.leave(ticket)
-        self._client._forget(self)
+        if self._ticket is not None:
+            self._board.gate.leave(self._ticket)
+        self._board.discard(self)
 
     def _check(self) -> None:
-        if self._cancel.value:
+        if self._cancel.is_set():
             raise CancelledError("the request was cancelled")
 
     # -- the life of one request -------------------------------------------------------------------
 
     def _run(self) -> Generator[List[Event], None, None]:
-        client = self._client
+        board = self._board
         try:
-            client._remember(self)
+            board.add(self)
             slot = self._slot
-            capacity = 1 if slot is not None else client._pool_capacity(self._owner, self._cancel)
+            capacity = 1 if slot is not None else board.capacity(self._model, self._owner, self._cancel)
             self._check()
-            ticket = self._ticket = client._gate.enter(slot, capacity)
+            ticket = self._ticket = board.gate.enter(slot if self._model is None else (self._model, slot), capacity)
             if not ticket.granted:
                 yield [Queued(ticket.ahead)]
                 while True:
-                    ahead = client._gate.wait(ticket, self._cancel)
+                    ahead = board.gate.wait(ticket, self._cancel)
                     if ahead is None:
                         break
                     yield [Queued(ahead)]
@@ -2092,22 +2451,21 @@ class ChatStream:
         self.completion = completion
 
     def _attempts(self) -> Generator[List[Event], None, Completion]:
-        client = self._client
-        limits = client.limits
-        situation = _Situation(limits, self._slot, client._addr.text)
+        limits = self._board.limits
+        waits = _Waits(limits, self._slot, self._board.addr.text)
         attempt = 0
         backoff = BACKOFF_FIRST
         while True:
             self._check()
             try:
-                conn = _Conn(client._addr, max(limits.poll, 0.2))
+                conn = self._board.connect(max(limits.poll, 0.2))
             except OSError as exc:
                 retry = _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
             else:
                 self._owner.add(conn)
                 try:
-                    situation.sent_at = time.monotonic()
-                    outcome = yield from self._exchange(conn, situation)
+                    waits.sent_at = time.monotonic()
+                    outcome = yield from self._exchange(conn, waits)
                 finally:
                     conn.close()
                     self._owner.discard(conn)
@@ -2115,11 +2473,11 @@ class ChatStream:
                     return outcome
                 retry = outcome
             self._check()
-            situation.observe("unavailable", retry.cause)
-            left = situation.remaining()
+            waits.observe(UNAVAILABLE, retry.cause)
+            left = waits.remaining()
             assert left is not None
-            if left <= 0 or (retry.hint is not None and retry.hint > left):
-                raise situation.expired()
+            if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
+                raise waits.expired()
             import random  # only when a retry happens
 
             delay = backoff * (1.0 - 0.25 * random.random())
@@ -2132,216 +2490,155 @@ class ChatStream:
             if self._cancel.wait(delay):
                 raise CancelledError("the request was cancelled while backing off")
 
-    def _exchange(self, conn: _Conn, situation: _Situation) -> Generator[List[Event], None, Union[Completion, _Retry]]:
-        client = self._client
-        limits = client.limits
-        conn.sendall(self._request, limits.liveness)
-        reader = ResponseReader()
-        pieces = []  # type: List[bytes]
-        started = 0.0  # when the first byte of the head came
-        slot = self._slot
-        while reader.head is None:
-            if started:
-                timeout = started + limits.liveness - time.monotonic()
-                if timeout <= 0:
-                    raise StalledError(
-                        "the response head did not complete within %.1f s (liveness)" % limits.liveness, limits.liveness
-                    )
-            else:
-                left = situation.remaining()
-                timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
-            try:
-                data = conn.recv(timeout)
-            except _Silence:
-                self._check()
-                if started:
-                    raise StalledError(
-                        "the response head stopped for %.1f s (liveness)" % limits.liveness, limits.liveness
-                    ) from None
-                left = situation.remaining()
-                if left is not None and left <= 0:
-                    raise situation.expired() from None
-                state = client._slot_state(slot, self._cancel, all_busy=True)
-                situation.observe(state)
-                yield [Waiting(state == "busy")]
-                left = situation.remaining()
-                if left is not None and left <= 0:
-                    raise situation.expired() from None
-                continue
-            self._check()
-            if not data:
-                reader.feed_eof()
-            started = started or time.monotonic()
-            pieces = reader.feed(data)
-        head = reader.head
-        if head.status != 200:
-            body = self._read_body(conn, reader, pieces)
-            message, _ = parse_error_envelope(body)
-            error = HTTPStatusError(head.status, message, body)
-            if head.status == 503:
-                return _Retry("HTTP 503: %s" % message, parse_retry_after(head.get("retry-after")), error)
-            raise error
-        return (yield from self._events(conn, reader, pieces))
-
-    def _read_body(self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]) -> bytes:
-        limits = self._client.limits
-        size = sum(len(p) for p in pieces)
-        while size <= limits.max_body and not reader.done:
-            try:
-                data = conn.recv(limits.liveness)
-            except _Silence:
-                self._check()
-                raise StalledError(
-                    "the error body stopped for %.1f s (liveness)" % limits.liveness, limits.liveness
-                ) from None
-            if not data:
-                reader.feed_eof()
-                break
-            for piece in reader.feed(data):
-                pieces.append(piece)
-                size += len(piece)
-        if size > limits.max_body:
-            raise ProtocolError("error body longer than max_body (%d bytes)" % limits.max_body)
-        return b"".join(pieces)
-
-    def _events(
-        self, conn: _Conn, reader: ResponseReader, pieces: List[bytes]
-    ) -> Generator[List[Event], None, Union[Completion, _Retry]]:
-        client = self._client
-        limits = client.limits
+    def _exchange(self, conn: _Conn, waits: _Waits) -> Generator[List[Event], None, Union[Completion, _Retry]]:
+        """One attempt: send, wait for the head (polling /slots), then pump the response to its end."""
+        limits = self._board.limits
         liveness = limits.liveness
-        asm = Assembler()
-        sse = SSEDecoder(limits.max_line)
-        cap = limits.thinking_cap
-        capped_at = -1
-        delivered = False
-        progress = time.monotonic()
-        eof = False
-        feed = asm.feed
-        data = b"".join(pieces) if len(pieces) != 1 else pieces[0]
+        watch_wedge = limits.wedge_wait is not None
+        conn.sendall(self._request, liveness)
+        pump = ResponsePump(limits, self._raw_chunks)
+        events = []  # type: List[Event]
+        started = 0.0  # when the first byte came
+        heard = progress = time.monotonic()  # the last byte; the last data event
         while True:
-            batch = sse.feed(data) if data else []
-            if eof or reader.done:
-                batch += sse.close()
-            out = []  # type: List[Event]  # what this read produced, handed to the caller as one batch
-            done = None  # type: Optional[Completion]
+            if events:
+                yield events
+            if pump.failed is not None:
+                raise pump.failed
+            while pump.cap_due is not None:
+                events = pump.capped(self._end_reasoning(*pump.cap_due))
+                if events:
+                    yield events
+                if pump.failed is not None:
+                    raise pump.failed
+            if pump.outcome is not None:
+                return pump.outcome
+            now = time.monotonic()
+            if pump.progressed:
+                progress = now
+            elif pump.head is not None and pump.head.status == 200 and now - progress >= limits.poll:
+                self._check_quiet(now - progress, pinged=heard > progress)
+            if not started:
+                left = waits.remaining()
+                timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
+            elif pump.head is None:
+                timeout = started + liveness - now
+                if timeout <= 0:
+                    raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
+            else:
+                timeout = liveness - (now - heard)
+                if watch_wedge and pump.head.status == 200:
+                    timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
             try:
-                for kind, payload in batch:
-                    if payload == "[DONE]" and kind != "error":
-                        done = asm.completion()
-                        break
-                    try:
-                        if kind != "message" and kind == "error":  # the legacy `error:` line
-                            raise _error_from(_json_or_text(payload))
-                        events = feed(payload)
-                    except ServerError as err:
-                        if not delivered and _retryable(err):
-                            return _Retry("server error %s: %s" % (err.code, err.message), None, err)
-                        raise
-                    if events:
-                        delivered = True
-                        out += events
-                    if cap is not None and asm.in_reasoning:
-                        tokens = asm.reasoning_tokens
-                        if capped_at < 0:
-                            if tokens >= cap:
-                                capped_at = tokens
-                                self._end_reasoning(asm.id, tokens)
-                                asm.thinking_capped = True
-                                out.append(ThinkingCapped(tokens))
-                        elif tokens > capped_at + limits.thinking_overrun:
-                            raise ThinkingOverrunError(
-                                "reasoning went on for %d tokens after the server accepted to end it at %d "
-                                "(thinking_overrun %d)" % (tokens - capped_at, capped_at, limits.thinking_overrun),
-                                tokens,
-                            )
-                if done is None and (eof or reader.done):
-                    done = asm.completion()
-            except LoopError:
-                if out:
-                    yield out  # the caller gets what came before the error, then the error
-                raise
-            if out:
-                yield out
-            if done is not None:
-                return done
-            if batch:
-                progress = time.monotonic()
-            elif time.monotonic() - progress >= liveness:
-                self._check_pings(progress)
-            try:
-                data = conn.recv(liveness)
+                data = conn.recv(max(timeout, 0.001))
             except _Silence:
                 self._check()
+                if not started:
+                    events = yield from self._poll_for_head(waits)
+                    continue
+                events = []
+                if time.monotonic() - heard < liveness:
+                    continue
+                what = "the response head" if pump.head is None else "the error body" if pump.head.status != 200 else ""
+                if what:
+                    raise StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness) from None
                 raise StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness) from None
             self._check()
-            if data:
-                received = reader.feed(data)
-                data = received[0] if len(received) == 1 else b"".join(received)
-            else:
-                reader.feed_eof()  # StreamClosedError when cut mid-chunk or short of its length
-                eof = True
+            heard = time.monotonic()
+            if not started:
+                started = progress = heard
+            events = pump.feed(data) if data else pump.feed_eof()
 
-    def _check_pings(self, progress: float) -> None:
-        """Bytes arrive (pings) but no data event for ``liveness``: is the slot still working on it?"""
-        client = self._client
-        limits = client.limits
-        state = client._slot_state(self._slot, self._cancel, all_busy=False)
-        quiet = time.monotonic() - progress
-        if state != "busy":
+    def _poll_for_head(self, waits: _Waits) -> Generator[List[Event], None, List[Event]]:
+        """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
+        waits.check()
+        state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=True)
+        if wedged is not None:
+            yield [Waiting(True, wedged=True)]
+            raise wedged
+        waits.observe(state)
+        yield [Waiting(state == BUSY)]
+        waits.check()
+        return []
+
+    def _check_quiet(self, quiet: float, pinged: bool) -> None:
+        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is
+        an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the
+        stream is unknown); when only pings came for ``liveness``, only a slot still processing is waited
+        out, up to ``busy_wait`` counted from the last data event."""
+        limits = self._board.limits
+        wedge = limits.wedge_wait is not None and (self._slot is not None or quiet >= limits.wedge_wait)
+        pings = pinged and quiet >= limits.liveness
+        if not wedge and not pings:
+            return
+        state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=False)
+        if wedged is not None and wedge:
+            raise wedged
+        if not pings:
+            return
+        if state != BUSY:
             raise StalledError(
                 "only pings for %.1f s and the slot is %s: the stream is stuck"
-                % (quiet, "idle" if state == "idle" else "unknown"),
+                % (quiet, "idle" if state == IDLE else "unknown"),
                 quiet,
             )
         if quiet >= limits.busy_wait:
             raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
 
-    def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> None:
-        if not completion_id:
-            raise ThinkingOverrunError(
-                "reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens, tokens
-            )
+    def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
+        assert completion_id is not None
         try:
-            ok = self._client._control(completion_id, self._owner)
+            return self._board.control(self._model, completion_id, self._owner)
         except LoopError as exc:
             if self._cancel.is_set():
                 raise
             raise ThinkingOverrunError(
                 "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
             ) from exc
-        if not ok:
-            raise ThinkingOverrunError(
-                "reasoning reached the cap (%d tokens) and the server refused to end it" % tokens, tokens
-            )
 
 
-def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:
-    """(task, decoded, prompt_processed) of a ``/slots`` entry; None for what the server does not send."""
-    nxt = item.get("next_token")
-    if type(nxt) is list and nxt:
-        nxt = nxt[0]
-    decoded = nxt.get("n_decoded") if type(nxt) is dict else None
-    values = (item.get("id_task"), decoded, item.get("n_prompt_tokens_processed"))
-    return tuple(v if type(v) is int else None for v in values)  # type: ignore[return-value]
+def _read_response(conn: _Conn, timeout: float, max_body: int, what: str) -> Tuple[ResponseHead, bytes]:
+    """Read one non-streamed response to its end: (head, body).  Silence longer than ``timeout`` between
+    two reads is ``StalledError``; a body over ``max_body`` is ``ProtocolError``."""
+    reader = ResponseReader(max_body=max_body)
+    pieces = []  # type: List[bytes]
+    while not reader.done:
+        try:
+            data = conn.recv(timeout)
+        except _Silence:
+            raise StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout) from None
+        if not data:
+            reader.feed_eof()
+            break
+        pieces.extend(reader.feed(data))
+    assert reader.head is not None
+    return reader.head, b"".join(pieces)
 
 
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text
+_NO_MODEL = object()  # "route to the client's default model"
+_METHOD_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
-def _retryable(err: ServerError) -> bool:
-    return err.code == 503 or err.type == "unavailable_error"
+def _query_string(query: Dict[str, Any]) -> str:
+    from urllib.parse import urlencode  # only when a call has a query
+
+    for name, value in query.items():
+        for text in (str(name), str(value)):
+            if "\r" in text or "\n" in text or "\0" in text:
+                raise ValueError("a query name or value must not contain CR, LF or NUL")
+    return urlencode(query)
 
 
 class Client:
     """A client of one llama-server, shared by any number of threads.
 
-    ``address`` is a socket path, ``unix:///path`` or ``http://host:port``.  A malformed address, a CR or
-    LF in ``api_key`` or a header, or limits of the wrong type raise ``ValueError``/``TypeError`` here.
+    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
+    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
+    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
+    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
+    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
+    A malformed address, a CR or LF in ``api_key`` or a header, or limits of the wrong type raise
+    ``ValueError``/``TypeError`` here, before any connection.
     """
 
     def __init__(
@@ -2351,38 +2648,41 @@ class Client:
         limits: Optional[Limits] = None,
         api_key: Optional[str] = None,
         headers: Optional[Dict[str, str]] = None,
+        model: Optional[str] = None,
+        ssl_context: Any = None,
     ) -> None:
         if address is None:
             address = os.environ.get("LLAMA_SERVER") or DEFAULT_ADDRESS
-        self._addr = parse_address(address)
-        self.address = self._addr.text
+        addr = parse_address(address)
+        self.address = addr.text
         if limits is None:
             limits = Limits()
         elif not isinstance(limits, Limits):
             raise TypeError("limits must be a loopclient.Limits, not %s" % type(limits).__name__)
         self.limits = limits
+        if model is not None and not isinstance(model, str):
+            raise TypeError("model must be a str or None")
+        self.model = model
         extra = [("User-Agent", _USER_AGENT)]  # type: List[Tuple[str, str]]
-        if headers:
-            for name, value in dict(headers).items():
-                if not isinstance(name, str) or not isinstance(value, str):
-                    raise TypeError("header names and values must be str")
-                if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
-                    raise ValueError("header %s is set by loopclient itself" % name)
-                extra = [(k, v) for k, v in extra if k.lower() != name.lower()]
-                extra.append((name, value))
+        for name, value in dict(headers or {}).items():
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise TypeError("header names and values must be str")
+            if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
+                raise ValueError("header %s is set by loopclient itself" % name)
+            extra = [(k, v) for k, v in extra if k.lower() != name.lower()]
+            extra.append((name, value))
         if api_key is not None:
             if not isinstance(api_key, str):
                 raise TypeError("api_key must be a str")
             extra.append(("Authorization", "Bearer " + api_key))
-        encode_request("GET", "/", self._addr.host, extra)  # ValueError now for a CR, LF or bad name
+        encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
         self._headers = extra
-        self._prefixes = {}  # type: Dict[Tuple[str, str, str, bool], bytes]
-        self._lock = threading.Lock()
-        self._gate = _Gate(self._lock, limits.queue_len)
-        self._poller = _SlotPoller(self, self._lock)
-        self._pool_size = None  # type: Optional[int]
-        self._props_lock = threading.Lock()
-        self._streams: Set[ChatStream] = set()
+        if addr.tls and ssl_context is None:
+            import ssl  # only for https://
+
+            ssl_context = ssl.create_default_context()
+        self._addr = addr
+        self._board = _Board(addr, limits, self._json, ssl_context)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -2395,45 +2695,110 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Cancel this client's streams in flight and stop its poller.  Further calls are ``ValueError``."""
+        """Cancel this client's streams in flight and stop its poller.  Any later call is ``ValueError``."""
         self._closed = True
-        with self._lock:
-            streams = list(self._streams)
-        for stream in streams:
-            stream.cancel()
-        self._poller.abort()
+        self._board.close()
 
-    # -- requests ------------------------------------------------------------------------------------
+    # -- the one request path ------------------------------------------------------------------------
 
-    def _encode(self, method: str, path: str, payload: Any, accept: str) -> bytes:
-        """The request bytes; the head up to Content-Length is built (and checked) once per kind."""
-        key = (method, path, accept, payload is not None)
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            headers = [("Accept", accept)]
-            if payload is not None:
-                headers.append(("Content-Type", "application/json"))
-            headers.append(("Connection", "close"))
-            headers.extend(self._headers)
-            prefix = self._prefixes[key] = encode_request(method, path, self._addr.host, headers)[:-2]
-        if payload is None:
-            return prefix + b"\r\n"
-        body = json.dumps(payload, allow_nan=False).encode("utf-8")
-        return b"%sContent-Length: %d\r\n\r\n%s" % (prefix, len(body), body)
-
-    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> ChatStream:
-        """A ``ChatStream`` for ``messages``; every keyword goes into the JSON body unchanged.
-
-        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given) and
-        ``reasoning_control`` (when ``Limits.thinking_cap`` is set).  A body that is not JSON-serialisable is
-        ``TypeError``/``ValueError`` here, before any connection.
-        """
+    def _encode(
+        self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None
+    ) -> bytes:
+        """The request bytes.  ``ValueError``/``TypeError`` for what cannot be sent, before any connection."""
         if self._closed:
             raise ValueError("this client is closed")
+        if not method or not _METHOD_CHARS.issuperset(method):
+            raise ValueError("invalid HTTP method %r" % (method,))
+        target = self._addr.prefix + path
+        if query:
+            target += "?" + _query_string(query)
+        headers = [("Accept", accept)]
+        payload = None
+        if body is not None:
+            payload = json.dumps(body, allow_nan=False).encode("utf-8")
+            headers.append(("Content-Type", "application/json"))
+        headers.append(("Connection", "close"))
+        return encode_request(method, target, self._addr.host, headers + self._headers, payload)
+
+    def _route(
+        self, method: str, body: Any, query: Optional[Dict[str, Any]], model: Any
+    ) -> Tuple[Any, Optional[Dict[str, Any]]]:
+        """Name the model as a router needs it: ``?model=`` on a GET, ``"model"`` in a JSON object body."""
+        name = self.model if model is _NO_MODEL else model
+        if name is None:
+            return body, query
+        if method == "GET":
+            if not query or "model" not in query:
+                query = dict(query or {}, model=name)
+        elif isinstance(body, dict) and "model" not in body:
+            body = dict(body, model=name)
+        return body, query
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Optional[Dict[str, Any]] = None,
+        *,
+        model: Any = _NO_MODEL,
+        timeout: Optional[float] = None,
+        owner: Optional[_Owner] = None,
+    ) -> Tuple[ResponseHead, bytes]:
+        """One request on a new connection, never retried: (head, body)."""
+        body, query = self._route(method, body, query, model)
+        request = self._encode(method, path, body, "application/json", query)
+        timeout = self.limits.liveness if timeout is None else timeout
+        try:
+            conn = self._board.connect(timeout)
+        except OSError as exc:
+            raise _connect_error(self._addr, exc) from exc
+        if owner is not None:
+            owner.add(conn)
+        try:
+            conn.sendall(request, timeout)
+            return _read_response(conn, timeout, self.limits.max_body, "%s %s" % (method, path))
+        finally:
+            conn.close()
+            if owner is not None:
+                owner.discard(conn)
+
+    def _json(self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any) -> Any:
+        head, data = self._send(method, path, body, query, **kw)
+        if head.status != 200:
+            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        return _decode_json(data, "%s %s" % (method, path))
+
+    def _object(self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        doc = self._json(method, path, body, query)
+        if not isinstance(doc, dict):
+            raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
+        return doc
+
+    def _field(self, path: str, body: Any, name: str, kind: Any) -> Any:
+        doc = self._object("POST", path, body)
+        value = doc.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ProtocolError("POST %s answered no %r of the right type" % (path, name))
+        return value
+
+    # -- chat ------------------------------------------------------------------------------------------
+
+    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> ChatStream:
+        """A ``ChatStream`` for ``messages``; every keyword but ``raw_chunks`` goes into the JSON body
+        unchanged.  The request starts when iteration starts.
+
+        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given),
+        ``reasoning_control`` (when ``Limits.thinking_cap`` is set) and ``model`` (when the client has a
+        default and the call names none).  ``raw_chunks=True`` also yields a ``Chunk`` per data event.
+        A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
+        ``TypeError``/``ValueError`` here, before any connection.
+        """
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
             raise TypeError("slot must be an int or None, not %r" % (slot,))
         if slot is not None and slot < 0:
             raise ValueError("slot must not be negative")
+        raw_chunks = bool(params.pop("raw_chunks", False))
         body = {"messages": messages}  # type: Dict[str, Any]
         body.update(params)
         body["stream"] = True
@@ -2444,9 +2809,14 @@ class Client:
         if slot is not None:
             body["id_slot"] = slot
         if self.limits.thinking_cap is not None:
+            n = body.get("n", 1)
+            if isinstance(n, int) and n > 1:
+                raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
             body["reasoning_control"] = True
+        body, _ = self._route("POST", body, None, _NO_MODEL)
+        model = body.get("model")
         request = self._encode("POST", "/v1/chat/completions", body, "text/event-stream")
-        return ChatStream(self, request, slot)
+        return ChatStream(self._board, request, slot, model if isinstance(model, str) else None, raw_chunks)
 
     def chat(
         self,
@@ -2457,7 +2827,7 @@ class Client:
     ) -> Completion:
         """Stream a chat and return its ``Completion``, calling ``on_event`` in this thread for each event.
 
-        Raises the ``LoopError`` subclasses of the SPEC.  An exception from ``on_event`` (or a
+        Raises the ``LoopError`` subclasses (see ``ChatStream``).  An exception from ``on_event`` (or a
         KeyboardInterrupt) closes the request and propagates unchanged.
         """
         stream = self.stream(messages, slot=slot, **params)
@@ -2471,150 +2841,122 @@ class Client:
         assert stream.completion is not None
         return stream.completion
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout: Optional[float] = None,
-        owner: Optional[_Owner] = None,
-    ) -> Tuple[ResponseHead, bytes]:
-        """One request on a new connection: (head, body).  Never retried."""
-        request = self._encode(method, path, payload, "application/json")
-        limits = self.limits
-        timeout = limits.liveness if timeout is None else timeout
-        try:
-            conn = _Conn(self._addr, timeout)
-        except OSError as exc:
-            raise _connect_error(self._addr, exc) from exc
-        if owner is not None:
-            owner.add(conn)
-        try:
-            conn.sendall(request, timeout)
-            reader = ResponseReader(max_body=limits.max_body)
-            pieces = []  # type: List[bytes]
-            while not reader.done:
-                try:
-                    data = conn.recv(timeout)
-                except _Silence:
-                    raise StalledError(
-                        "%s %s: no answer for %.1f s (liveness)" % (method, path, timeout), timeout
-                    ) from None
-                if not data:
-                    reader.feed_eof()
-                    break
-                pieces.extend(reader.feed(data))
-            assert reader.head is not None
-            return reader.head, b"".join(pieces)
-        finally:
-            conn.close()
-            if owner is not None:
-                owner.discard(conn)
+    # -- single-shot calls: never retried; ConnectError, StalledError, HTTPStatusError, ProtocolError ----
 
-    def _json(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Any:
-        head, body = self._call(method, path, payload, **kwargs)
-        if head.status != 200:
-            raise HTTPStatusError(head.status, parse_error_envelope(body)[0], body)
-        try:
-            return json.loads(body.decode("utf-8", "replace"))
-        except ValueError as exc:
-            raise ProtocolError("%s %s answered invalid JSON: %s" % (method, path, exc)) from None
-        except RecursionError:
-            raise ProtocolError("%s %s answered JSON nested too deeply" % (method, path)) from None
+    def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
+        """Any endpoint: ``body`` (when not None) is sent as JSON, ``query`` (a dict) URL-encoded.  Returns
+        the decoded JSON when the response is JSON, else its text.  A 2xx status is success; any other is
+        ``HTTPStatusError``.  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
+        ``ValueError`` before anything is sent."""
+        if not isinstance(method, str) or not isinstance(path, str):
+            raise TypeError("method and path must be str")
+        head, data = self._send(method, path, body, query)
+        if not 200 <= head.status < 300:
+            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        if "json" in (head.get("content-type") or "").lower():
+            return _decode_json(data, "%s %s" % (method, path))
+        return data.decode("utf-8", "replace")
 
-    def _fetch_slots(self, timeout: Optional[float] = None, owner: Optional[_Owner] = None) -> List[Slot]:
-        doc = self._json("GET", "/slots", timeout=timeout, owner=owner)
-        if type(doc) is not list:
-            raise ProtocolError("/slots did not answer a list")
-        slots = []
-        for item in doc:
-            if type(item) is not dict or type(item.get("id")) is not int or type(item.get("is_processing")) is not bool:
-                raise ProtocolError("/slots answered an entry without an integer id and a boolean is_processing")
-            slots.append(Slot(item["id"], item["is_processing"], item, *_progress(item)))
-        return slots
-
-    def slots(self) -> List[Slot]:
-        """``GET /slots``.  ``ConnectError``, ``StalledError``, ``HTTPStatusError``, ``ProtocolError``."""
-        return self._fetch_slots()
+    def slots(self, model: Optional[str] = None) -> List[Slot]:
+        """``GET /slots`` (``?model=`` with ``model`` or the client's default)."""
+        return _slots_from(self._json("GET", "/slots", model=self.model if model is None else model))
 
     def health(self) -> Dict[str, Any]:
         """``GET /health``: ``{"status": "ok"}``; ``HTTPStatusError`` (503) while the model loads."""
         return self._object("GET", "/health")
 
-    def props(self) -> Dict[str, Any]:
-        """``GET /props``."""
-        return self._object("GET", "/props")
+    def props(self, model: Optional[str] = None) -> Dict[str, Any]:
+        """``GET /props`` (``?model=`` with ``model`` or the client's default)."""
+        doc = self._json("GET", "/props", model=self.model if model is None else model)
+        if not isinstance(doc, dict):
+            raise ProtocolError("GET /props did not answer a JSON object")
+        return doc
 
     def models(self) -> Dict[str, Any]:
-        """``GET /v1/models``."""
+        """``GET /v1/models``: the models the server (or router) serves, with their status on a router."""
         return self._object("GET", "/v1/models")
+
+    def load_model(self, name: str) -> Dict[str, Any]:
+        """Router mode: ``POST /models/load`` for ``name``; the server's answer."""
+        return self._object("POST", "/models/load", {"model": name})
+
+    def unload_model(self, name: str) -> Dict[str, Any]:
+        """Router mode: ``POST /models/unload`` for ``name``; the server's answer."""
+        return self._object("POST", "/models/unload", {"model": name})
 
     def end_reasoning(self, completion_id: str) -> bool:
         """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
-        return self._control(completion_id, None)
+        return self._board.control(self.model, completion_id, None)
 
-    def _object(self, method: str, path: str, payload: Any = None, **kwargs: Any) -> Dict[str, Any]:
-        doc = self._json(method, path, payload, **kwargs)
-        if not isinstance(doc, dict):
-            raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
-        return doc
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
+    ) -> List[Any]:
+        """``POST /tokenize``: the token ids (with ``with_pieces``: ``{"id", "piece"}`` dicts)."""
+        body = {"content": text, "add_special": add_special, "parse_special": parse_special, "with_pieces": with_pieces}
+        return self._field("/tokenize", body, "tokens", list)  # type: ignore[no-any-return]
 
-    def _control(self, completion_id: str, owner: Optional[_Owner]) -> bool:
-        if not isinstance(completion_id, str):
-            raise TypeError("completion_id must be a str")
-        doc = self._object(
-            "POST", "/v1/chat/completions/control", {"id": completion_id, "action": "reasoning_end"}, owner=owner
-        )
-        return doc.get("success") is True
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """``POST /detokenize``: the text of ``tokens``."""
+        return self._field("/detokenize", {"tokens": list(tokens)}, "content", str)  # type: ignore[no-any-return]
 
-    # -- shared state for streams --------------------------------------------------------------------
+    def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
+        """``POST /apply-template``: the prompt the server's chat template makes of ``messages``."""
+        body = dict(params, messages=messages)
+        return self._field("/apply-template", body, "prompt", str)  # type: ignore[no-any-return]
 
-    def _pool_capacity(self, owner: _Owner, cancelled: _Flag) -> int:
-        """``total_slots`` from ``/props``, read once; 1 until the server has answered."""
-        while self._pool_size is None:
-            if not self._props_lock.acquire(timeout=0.05):
-                if cancelled.is_set():
-                    raise CancelledError("the request was cancelled")
-                continue
-            try:
-                if self._pool_size is None:
-                    try:
-                        total = self._object("GET", "/props", owner=owner).get("total_slots")
-                    except LoopError:
-                        return 1
-                    if type(total) is not int or total < 1:
-                        return 1
-                    self._pool_size = total
-            finally:
-                self._props_lock.release()
-        return self._pool_size
+    def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+        """``POST /v1/chat/completions/input_tokens``: how many prompt tokens ``messages`` make."""
+        body = dict(params, messages=messages)
+        return self._field("/v1/chat/completions/input_tokens", body, "input_tokens", int)  # type: ignore[no-any-return]
 
-    def _slot_state(self, slot: Optional[int], cancelled: _Flag, all_busy: bool) -> str:
-        slots = self._poller.get(self.limits.poll, cancelled)
-        if slots is None:
-            return "unavailable"
-        if not slots:
-            return "idle"
-        if slot is None:
-            flags = [s.is_processing for s in slots]
-            busy = all(flags) if all_busy else any(flags)
-        else:
-            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
-            busy = any(s.is_processing for s in slots if s.id == target)
-        return "busy" if busy else "idle"
+    def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
+        """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
+        order."""
+        data = self._field("/v1/embeddings", dict(params, input=input), "data", list)
+        if not all(isinstance(d, dict) and isinstance(d.get("embedding"), list) for d in data):
+            raise ProtocolError("POST /v1/embeddings answered an entry without an embedding")
+        return [d["embedding"] for d in sorted(data, key=lambda d: d.get("index", 0))]
 
-    def _wake(self) -> None:
-        self._gate.wake()
-        self._poller.wake()
+    def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
+        """``POST /v1/rerank`` (a reranking model): the results, as the server orders them."""
+        body = dict(params, query=query, documents=list(documents))
+        return self._field("/v1/rerank", body, "results", list)  # type: ignore[no-any-return]
 
-    def _remember(self, stream: ChatStream) -> None:
-        with self._lock:
-            self._streams.add(stream)
+    def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``POST /slots/{slot}?action=save`` (a server started with ``--slot-save-path``)."""
+        return self._object("POST", "/slots/%d" % _slot_id(slot), {"filename": filename}, {"action": "save"})
 
-    def _forget(self, stream: ChatStream) -> None:
-        with self._lock:
-            self._streams.discard(stream)
+    def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``POST /slots/{slot}?action=restore``: load a saved prompt cache into the slot."""
+        return self._object("POST", "/slots/%d" % _slot_id(slot), {"filename": filename}, {"action": "restore"})
+
+    def erase_slot(self, slot: int) -> Dict[str, Any]:
+        """``POST /slots/{slot}?action=erase``: drop the slot's prompt cache."""
+        return self._object("POST", "/slots/%d" % _slot_id(slot), {}, {"action": "erase"})
+
+    def metrics(self) -> str:
+        """``GET /metrics`` (a server started with ``--metrics``): Prometheus text."""
+        head, data = self._send("GET", "/metrics")
+        if head.status != 200:
+            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        return data.decode("utf-8", "replace")
+
+
+def _slot_id(slot: Any) -> int:
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise TypeError("slot must be an int, not %r" % (slot,))
+    if slot < 0:
+        raise ValueError("slot must not be negative")
+    return slot
+
+
+def _decode_json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8", "replace"))
+    except ValueError as exc:
+        raise ProtocolError("%s answered invalid JSON: %s" % (what, exc)) from None
+    except RecursionError:
+        raise ProtocolError("%s answered JSON nested too deeply" % what) from None
 
 
 # =====================================================================================================

@@ -1159,13 +1159,16 @@ class TestParserSmallFunctions(unittest.TestCase):
     def test_parse_address_refused(self):
         for bad in (
             "",
-            "https://h:1",
             "ftp://x",
             "http://",
+            "https://",
             "http://h:0",
             "http://h:65536",
             "http://h:x",
-            "http://h:8080/path",
+            "http://h:8080/a//b",
+            "http://h:8080/p?q",
+            "http://h:8080/p#f",
+            "http://h:8080/a b",
             "http://u@h:1",
             "http://[::1",
             "unix://",
@@ -1175,6 +1178,20 @@ class TestParserSmallFunctions(unittest.TestCase):
                 lc.parse_address(bad)
         with self.assertRaises(TypeError):
             lc.parse_address(8080)
+
+    def test_parse_address_https_and_prefix(self):
+        cases = [
+            ("https://h", ("h", 443), "h", True, ""),
+            ("https://h:8443/", ("h", 8443), "h:8443", True, ""),
+            ("HTTPS://h:443/llama/", ("h", 443), "h", True, "/llama"),
+            ("http://h:8080/llama", ("h", 8080), "h:8080", False, "/llama"),
+            ("http://[::1]:8080/a/b", ("::1", 8080), "[::1]:8080", False, "/a/b"),
+        ]
+        for text, target, host, tls, prefix in cases:
+            with self.subTest(text=text):
+                addr = lc.parse_address(text)
+                self.assertEqual((addr.target, addr.host, addr.tls, addr.prefix), (target, host, tls, prefix))
+        self.assertEqual((lc.parse_address("/run/x.sock").tls, lc.parse_address("/run/x.sock").prefix), (False, ""))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -2091,7 +2108,7 @@ class TestCallerMistakes(unittest.TestCase):
             "http://",
             "http://host:99999",
             "http://host:port",
-            "http://h/path",
+            "http://h/pa th",
             "/tmp/" + "x" * 120,
         ):
             with self.assertRaises(ValueError, msg=bad):
@@ -2634,7 +2651,7 @@ class TestGate(ServerCase):
         self.assertEqual([m for _, m in keeper.order], ["A", "B", "C"])
         self.assertEqual(events["C"][:2], [lc.Queued(2), lc.Queued(1)])
         self.assertEqual([results[m].content for m in "ABC"], ["A", "B", "C"])
-        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
 
     def test_slots_are_independent(self):
         keeper = Gatekeeper(self.server)
@@ -2737,7 +2754,7 @@ class TestCancel(ServerCase):
         self.cancel_during(handler, lambda evs: evs)
         req = self.server.chat_requests()[0]
         self.assertTrue(req.closed_by_peer.wait(1))
-        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
 
     def test_cancel_while_waiting_for_the_head(self):
         self.server.busy[0] = True
@@ -2780,9 +2797,9 @@ class TestCancel(ServerCase):
         self.use(handler)
         stream = self.client.stream(MSGS, slot=0)
         self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content("a"))
-        self.assertEqual(self.client._gate.snapshot()[0], (1, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (1, 0))
         stream.cancel()  # nobody is iterating: cleanup happens here
-        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
         with self.assertRaises(lc.CancelledError):
             next(stream)
@@ -2801,7 +2818,7 @@ class TestCancel(ServerCase):
 
         self.assertEqual(run_with_timeout(body), lc.Content("a"))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
-        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
 
     def test_with_block_keeps_the_callers_exception(self):
         self.use(serve_body(content_stream(["a", "b"])))
@@ -2831,7 +2848,7 @@ class TestCancel(ServerCase):
         with self.assertRaises(Mine):
             run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
-        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
 
     def test_keyboard_interrupt_in_chat_propagates_as_itself(self):
         def handler(req):
@@ -2846,7 +2863,7 @@ class TestCancel(ServerCase):
         with self.assertRaises(KeyboardInterrupt):
             run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
-        self.assertEqual(self.client._gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
 
     def test_client_close_cancels_streams(self):
         def handler(req):
@@ -3002,7 +3019,7 @@ class TestStress(ServerCase):
         self.use(handler)
         tickets = {}
         refusals = []
-        enter = self.client._gate.enter
+        enter = self.client._board.gate.enter
 
         def recording_enter(key, capacity):
             marker = threading.current_thread().marker
@@ -3014,7 +3031,7 @@ class TestStress(ServerCase):
             tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.granted)
             return ticket
 
-        self.client._gate.enter = recording_enter
+        self.client._board.gate.enter = recording_enter
         outcomes = {}
         for t in range(16):
             for n in range(6):
@@ -3062,7 +3079,7 @@ class TestStress(ServerCase):
                 self.assertIn(outcome, (marker, "BusyError"))
         self.assertEqual(len(outcomes), 96)
         # every permit released
-        self.assertTrue(all(v == (0, 0) for v in self.client._gate.snapshot().values()), self.client._gate.snapshot())
+        self.assertTrue(all(v == (0, 0) for v in self.client._board.gate.snapshot().values()), self.client._board.gate.snapshot())
         # BusyError exactly when the queue was full
         busy = [m for m, o in outcomes.items() if o == "BusyError"]
         self.assertEqual(sorted(busy), sorted(m for m, _, _ in refusals))
@@ -3226,9 +3243,9 @@ class TestEdges(ServerCase):
         self.server.route("GET", "/props", lambda req: next(answers)(req))
         self.use(serve_body(content_stream(["ok"])))
         self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props failed: a pool of one
-        self.assertEqual(self.client._gate.snapshot()[None], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[None], (0, 0))
         self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props answered: the pool grows
-        self.assertEqual(self.client._gate._lanes[None].capacity, 2)
+        self.assertEqual(self.client._board.gate._lanes[None].capacity, 2)
 
     def test_single_shot_bodies(self):
         self.server.route("GET", "/health", lambda req: req.send(b'HTTP/1.0 200 OK\r\n\r\n{"status":"ok"}'))

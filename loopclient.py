@@ -2514,9 +2514,7 @@ class ChatStream:
             if pump.outcome is not None:
                 return pump.outcome
             now = time.monotonic()
-            if pump.progressed:
-                progress = now
-            elif pump.head is not None and pump.head.status == 200 and now - progress >= limits.poll:
+            if pump.head is not None and pump.head.status == 200 and now - progress >= limits.poll:
                 self._check_quiet(now - progress, pinged=heard > progress)
             if not started:
                 left = waits.remaining()
@@ -2548,6 +2546,8 @@ class ChatStream:
             if not started:
                 started = progress = heard
             events = pump.feed(data) if data else pump.feed_eof()
+            if pump.progressed:
+                progress = heard
 
     def _poll_for_head(self, waits: _Waits) -> Generator[List[Event], None, List[Event]]:
         """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""

@@ -1195,6 +1195,139 @@ class TestParserSmallFunctions(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
+# The response pump: a whole streamed response, bytes in, events and decisions out
+# -----------------------------------------------------------------------------------------------------
+
+
+def _pump_run(pieces, limits=None, answers=(), raw_chunks=False):
+    """Feed ``pieces`` (then end of file) to a ResponsePump, answering each cap with the next of ``answers``.
+    Returns (events, outcome or the error's class and message)."""
+    pump = lc.ResponsePump(limits or lc.Limits(thinking_cap=None), raw_chunks)
+    events = []
+    answers = list(answers)
+    try:
+        for piece in list(pieces) + [None]:
+            events += pump.feed(piece) if piece is not None else pump.feed_eof()
+            if pump.failed is not None:
+                raise pump.failed
+            while pump.cap_due is not None:
+                events += pump.capped(answers.pop(0))
+                if pump.failed is not None:
+                    raise pump.failed
+            if pump.outcome is not None:
+                break
+    except lc.LoopError as exc:
+        return events, (type(exc), str(exc))
+    outcome = pump.outcome
+    if isinstance(outcome, lc.Completion):
+        return events, outcome
+    return events, ("retry", outcome.reason, outcome.hint, type(outcome.cause))
+
+
+class TestPump(unittest.TestCase):
+    """Every case fed whole, byte by byte and split at every offset gives the same events and outcome."""
+
+    def check(self, data, limits=None, answers=(), every=True):
+        whole = _pump_run([data], limits, answers)
+        self.assertEqual(_pump_run([data[i : i + 1] for i in range(len(data))], limits, answers), whole)
+        cuts = range(1, len(data)) if every else random.Random(5).sample(range(1, len(data)), min(200, len(data) - 1))
+        for cut in cuts:
+            self.assertEqual(_pump_run([data[:cut], data[cut:]], limits, answers), whole, cut)
+        return whole
+
+    def test_a_stream_gives_its_events_and_completion(self):
+        events, outcome = self.check(STREAM_HEAD + content_stream(["Hello", " world"]))
+        self.assertEqual(events, [lc.Content("Hello"), lc.Content(" world")])
+        self.assertEqual(
+            outcome, lc.Completion(CID, MODEL, "Hello world", "", [], "stop", USAGE, TIMINGS, 0, False)
+        )
+
+    def test_a_503_is_a_retry_with_its_hint(self):
+        body = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+        data = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 2\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        self.assertEqual(self.check(data), ([], ("retry", "HTTP 503: Loading model", 2.0, lc.HTTPStatusError)))
+
+    def test_another_status_is_http_status_error_once_the_body_is_in(self):
+        body = b'{"error":{"code":400,"message":"the request exceeds the available context size","type":"x"}}'
+        data = b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        self.assertEqual(
+            self.check(data), ([], (lc.HTTPStatusError, "HTTP 400: the request exceeds the available context size"))
+        )
+        pump = lc.ResponsePump(lc.Limits())
+        self.assertEqual(pump.feed(data[:-1]), [])  # the body is not whole yet: no decision
+        self.assertIsNone(pump.outcome)
+        with self.assertRaises(lc.HTTPStatusError):
+            pump.feed(data[-1:])
+
+    def test_an_error_body_over_max_body_is_protocol_error(self):
+        data = b"HTTP/1.1 500 Oops\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
+        events, (cls, _) = self.check(data, lc.Limits(max_body=99), every=False)
+        self.assertEqual((events, cls), ([], lc.ProtocolError))
+
+    def test_a_retryable_error_before_delivery_is_a_retry_after_delivery_a_server_error(self):
+        err = '{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+        before = STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None})), sse(err))
+        self.assertEqual(self.check(before), ([], ("retry", "server error 503: Loading model", None, lc.ServerError)))
+        after = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"})), sse(err))
+        self.assertEqual(self.check(after), ([lc.Content("a")], (lc.ServerError, "server error 503: Loading model")))
+
+    def test_events_before_a_malformed_payload_come_first(self):
+        data = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}), chunk_json({"content": "b"})) + b"data: {nope\n\n")
+        events, (cls, message) = self.check(data)
+        self.assertEqual((events, cls), ([lc.Content("a"), lc.Content("b")], lc.ProtocolError))
+        pump = lc.ResponsePump(lc.Limits())
+        self.assertEqual(pump.feed(data), [lc.Content("a"), lc.Content("b")])
+        self.assertIsInstance(pump.failed, lc.ProtocolError)
+        with self.assertRaises(lc.ProtocolError):  # a later call raises it too
+            pump.feed(b"")
+
+    def test_the_thinking_cap_pauses_the_pump_until_the_server_answers(self):
+        data = STREAM_HEAD + reasoning_stream(4)
+        limits = lc.Limits(thinking_cap=2, thinking_overrun=5)
+        events, outcome = self.check(data, limits, answers=[True])
+        self.assertEqual(
+            events,
+            [lc.Reasoning(" r0"), lc.Reasoning(" r1"), lc.ThinkingCapped(2), lc.Reasoning(" r2"), lc.Reasoning(" r3"), lc.Content("yes")],
+        )
+        self.assertTrue(outcome.thinking_capped)
+        self.assertEqual(outcome.reasoning_tokens, 4)
+        pump = lc.ResponsePump(limits)
+        self.assertEqual(pump.feed(data), [lc.Reasoning(" r0"), lc.Reasoning(" r1")])
+        self.assertEqual(pump.cap_due, (CID, 2))
+        self.assertEqual(pump.feed(b"more bytes wait"), [])  # nothing moves while the cap is due
+        refused = self.check(data, limits, answers=[False])
+        self.assertEqual(refused[1][0], lc.ThinkingOverrunError)
+        self.assertIn("refused", refused[1][1])
+        overrun = self.check(data, lc.Limits(thinking_cap=1, thinking_overrun=2), answers=[True])
+        self.assertEqual(overrun[0][-1], lc.Reasoning(" r3"))
+        self.assertEqual(overrun[1][0], lc.ThinkingOverrunError)
+
+    def test_a_cap_without_a_completion_id_is_an_overrun(self):
+        data = STREAM_HEAD + reasoning_stream(3, cid=None)
+        events, (cls, message) = self.check(data, lc.Limits(thinking_cap=2))
+        self.assertEqual((events, cls), ([lc.Reasoning(" r0"), lc.Reasoning(" r1")], lc.ThinkingOverrunError))
+        self.assertIn("no completion id", message)
+
+    def test_pings_are_not_progress(self):
+        pump = lc.ResponsePump(lc.Limits())
+        pump.feed(STREAM_HEAD)
+        self.assertFalse(pump.progressed)
+        pump.feed(chunked(b": ping\n\n"))
+        self.assertFalse(pump.progressed)
+        self.assertEqual(pump.feed(chunked(sse(chunk_json({"role": "assistant", "content": None})))), [])
+        self.assertTrue(pump.progressed)  # a data event, even one that makes no event
+        self.assertFalse(pump.delivered)
+        pump.feed(chunked(sse(chunk_json({"content": "x"}))))
+        self.assertTrue(pump.delivered)
+
+    def test_a_stream_cut_short_is_stream_closed(self):
+        full = STREAM_HEAD + content_stream(["a"], finish=None, done=False)
+        self.assertEqual(self.check(full)[1][0], lc.StreamClosedError)
+        cut = (STREAM_HEAD + content_stream(["a", "b"]))[:-40]
+        self.assertEqual(self.check(cut)[1][0], lc.StreamClosedError)
+
+
+# -----------------------------------------------------------------------------------------------------
 # Whole streams: ResponseReader -> SSEDecoder -> Assembler, real transcripts and random splits
 # -----------------------------------------------------------------------------------------------------
 
@@ -2381,6 +2514,124 @@ class TestLiveness(ServerCase):
         threading.Timer(0.7, stop.set).start()
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=0))
         self.assertEqual(completion.content, "ab")
+
+
+class TestWedgedSlots(ServerCase):
+    """A processing slot whose progress triple stops moving for wedge_wait is wedged, not busy."""
+
+    WEDGE = 0.6
+    limits = FAST.replace(wedge_wait=0.6, busy_wait=3.0, liveness=3.0)
+
+    def setUp(self):
+        super().setUp()
+        self.state = {0: {"id_task": 7, "n_prompt_tokens_processed": 30, "n_decoded": 0, "busy": True},
+                      1: {"id_task": 9, "n_prompt_tokens_processed": 5, "n_decoded": 3, "busy": False}}
+        self.moving = {}  # slot: field that advances at each /slots answer
+        self.server.route("GET", "/slots", self.slots)
+
+    def slots(self, req):
+        entries = []
+        with self.server.lock:
+            for i, s in sorted(self.state.items()):
+                if i in self.moving:
+                    s[self.moving[i]] += 1
+                entries.append(
+                    {
+                        "id": i,
+                        "id_task": s["id_task"],
+                        "n_ctx": 1024,
+                        "is_processing": s["busy"],
+                        "n_prompt_tokens": 60,
+                        "n_prompt_tokens_processed": s["n_prompt_tokens_processed"],
+                        "next_token": [{"has_next_token": True, "n_remain": 48, "n_decoded": s["n_decoded"]}],
+                    }
+                )
+        respond_json(req, entries)
+
+    def test_a_request_pinned_to_a_frozen_slot_ends_wedged_within_wedge_wait_and_a_poll(self):
+        self.use(hold_then(content_stream(["x"]), threading.Event()))
+        events = []
+        t = Timer()
+        with self.assertRaises(lc.WedgedSlotError) as cm:
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreaterEqual(t.elapsed, self.WEDGE)
+        self.assertLess(t.elapsed, self.WEDGE + self.limits.poll + MARGIN)
+        err = cm.exception
+        self.assertEqual((err.slot, err.task), (0, 7))
+        self.assertGreaterEqual(err.seconds, self.WEDGE)
+        self.assertIsInstance(err, lc.StalledError)
+        self.assertIsInstance(err, TimeoutError)
+        self.assertIn("wedged", str(err))
+        self.assertIn("restart", str(err))
+        self.assertEqual(events[-1], lc.Waiting(True, wedged=True))
+        self.assertTrue(all(e == lc.Waiting(True) for e in events[:-1]), events)
+
+    def test_a_slow_prompt_or_a_slow_generation_is_busy_however_long(self):
+        for field in ("n_prompt_tokens_processed", "n_decoded"):
+            with self.subTest(field=field):
+                self.moving = {0: field}
+                release = threading.Event()
+                self.use(hold_then(content_stream(["ok"]), release))
+                threading.Timer(3 * self.WEDGE, release.set).start()
+                completion, events = self.collect()
+                self.assertEqual(completion.content, "ok")
+                self.assertIn(lc.Waiting(True), events)
+                self.assertFalse(any(isinstance(e, lc.Waiting) and e.wedged for e in events))
+
+    def test_without_progress_fields_or_with_wedge_wait_none_busy_is_waited_out(self):
+        cases = [("no fields", self.limits), ("wedge_wait None", self.limits.replace(wedge_wait=None))]
+        for what, limits in cases:
+            with self.subTest(what=what):
+                if what == "no fields":
+                    self.server.route("GET", "/slots", FakeServer._slots.__get__(self.server))
+                    self.server.busy[0] = True
+                client = lc.Client(self.server.address, limits=limits.replace(busy_wait=2 * self.WEDGE))
+                self.closers.append(client.close)
+                self.use(hold_then(content_stream(["x"]), threading.Event()))
+                with self.assertRaises(lc.WaitTimeoutError):
+                    run_with_timeout(lambda: client.chat(MSGS, slot=0))
+
+    def test_a_started_stream_whose_slot_freezes_ends_wedged(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+            req.wait_peer_close(5)
+
+        self.use(handler)
+        events = []
+        t = Timer()
+        with self.assertRaises(lc.WedgedSlotError) as cm:
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertEqual(events, [lc.Content("a")])
+        self.assertEqual(cm.exception.slot, 0)
+        self.assertLess(t.elapsed, self.WEDGE + self.limits.poll + MARGIN)
+
+    def test_any_slot_leaves_wedged_slots_out_of_busy(self):
+        # slot 0 wedged, slot 1 idle: the pool is not busy, so an unanswered request is stalled, not waiting
+        self.use(hold_then(content_stream(["x"]), threading.Event()))
+        client = lc.Client(self.server.address, limits=self.limits.replace(idle_grace=2 * self.WEDGE))
+        self.closers.append(client.close)
+        events = []
+        with self.assertRaises(lc.StalledError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=None, on_event=events.append))
+        self.assertNotIsInstance(cm.exception, lc.WedgedSlotError)
+        self.assertIn(lc.Waiting(False), events)
+        # every slot processing and wedged: nothing can serve the request
+        self.state[1].update(busy=True)
+        with self.assertRaises(lc.WedgedSlotError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=None))
+
+    def test_slot_progress_fields_from_real_bytes(self):
+        raw = load_transcript("10_slots_busy.raw.txt")
+        body = raw[raw.index(b"\r\n\r\n") + 4 :]
+        slots = lc._slots_from(json.loads(body))
+        busy = [s for s in slots if s.is_processing]
+        self.assertEqual(len(busy), 1)
+        entry = busy[0].raw
+        self.assertEqual(
+            (busy[0].task, busy[0].decoded, busy[0].prompt_processed),
+            (entry["id_task"], entry["next_token"][0]["n_decoded"], entry["n_prompt_tokens_processed"]),
+        )
+        self.assertEqual(lc.Slot(0, False, {}).task, None)
 
 
 class TestRetries(ServerCase):

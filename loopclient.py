@@ -2968,6 +2968,7 @@ _HINTS = (
     (WaitTimeoutError, "the slot stayed busy: try another --slot, or later"),
     (LoadTimeoutError, "start llama-server, or pass --socket PATH / --url URL"),
     (ConnectError, "start llama-server, or pass --socket PATH / --url URL"),
+    (WedgedSlotError, "restart llama-server (SIGKILL if SIGTERM does not stop it)"),
     (StalledError, "the server stopped answering: check its log"),
     (StreamClosedError, "the server closed the connection mid-answer: check its log, then retry"),
     (ThinkingOverrunError, "raise --thinking-cap, or drop it"),
@@ -3040,9 +3041,14 @@ class _Console:
             self.status("queued: %d ahead of this request" % event.ahead)
         elif isinstance(event, Waiting):
             waited = time.monotonic() - self.started
-            self.status("waiting %.0f s: %s" % (waited, "the slot is busy" if event.slot_busy else "no answer yet"))
+            state = "the slot is wedged" if event.wedged else "the slot is busy" if event.slot_busy else "no answer yet"
+            self.status("waiting %.0f s: %s" % (waited, state))
         elif isinstance(event, Retrying):
             self.status("retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason))
+        elif isinstance(event, Progress):
+            if event.total > 0 and event.processed < event.total:
+                share = 100 * event.processed // event.total
+                self.status("prompt {:,}/{:,} tokens, {}%".format(event.processed, event.total, share))
         elif isinstance(event, ThinkingCapped):
             if self._in_reasoning:
                 self._end_reasoning()
@@ -3080,21 +3086,61 @@ def _completion_json(completion: Completion) -> str:
     return json.dumps(completion.to_dict(), ensure_ascii=False, indent=2)
 
 
-def _slots_table(slots: List[Slot]) -> str:
-    rows = [("slot", "state", "decoded", "n_ctx")]
+def _watch_slots(client: Client, seconds: float) -> Tuple[List[Slot], Dict[int, float]]:
+    """The slots, and for each processing slot how long its progress was seen not to move: two looks
+    ``poll`` apart when a slot is processing, more for ``seconds``."""
+    poll = client.limits.poll
+    slots = client.slots()
+    first = {s.id: (s.task, s.decoded, s.prompt_processed) for s in slots}
+    since = {s.id: time.monotonic() for s in slots}
+    end = time.monotonic() + max(seconds, poll)
+    while any(s.is_processing for s in slots) and time.monotonic() < end:
+        time.sleep(min(poll, max(0.0, end - time.monotonic())))
+        slots = client.slots()
+        for s in slots:
+            triple = (s.task, s.decoded, s.prompt_processed)
+            if triple != first.get(s.id) or not s.is_processing or triple == (None, None, None):
+                first[s.id] = triple
+                since[s.id] = time.monotonic()
+    now = time.monotonic()
+    return slots, {s.id: now - since.get(s.id, now) for s in slots if s.is_processing}
+
+
+def _slots_table(slots: List[Slot], still: Optional[Dict[int, float]] = None, limits: Optional[Limits] = None) -> str:
+    """The table of ``loopclient slots``: a processing slot whose progress has not moved for longer than
+    ``poll`` shows for how long, and ``wedged`` past ``wedge_wait``."""
+    still = still or {}
+    limits = limits or Limits()
+    rows = [("slot", "state", "task", "decoded", "n_ctx", "still")]
     for s in slots:
-        decoded = ""
-        nxt = s.raw.get("next_token")
-        if isinstance(nxt, list) and nxt and isinstance(nxt[0], dict):
-            nxt = nxt[0]
-        if isinstance(nxt, dict) and isinstance(nxt.get("n_decoded"), int):
-            decoded = str(nxt["n_decoded"])
+        quiet = still.get(s.id, 0.0)
+        state = "busy" if s.is_processing else "idle"
+        if s.is_processing and limits.wedge_wait is not None and quiet >= limits.wedge_wait:
+            state = "wedged"
         n_ctx = s.raw.get("n_ctx")
         rows.append(
-            (str(s.id), "busy" if s.is_processing else "idle", decoded, str(n_ctx) if n_ctx is not None else "")
+            (
+                str(s.id),
+                state,
+                str(s.task) if s.task is not None and s.is_processing else "",
+                str(s.decoded) if s.decoded is not None else "",
+                str(n_ctx) if n_ctx is not None else "",
+                "%.1f s" % quiet if s.is_processing and quiet > limits.poll else "",
+            )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _models_table(doc: Dict[str, Any]) -> str:
+    rows = [("model", "status")]
+    for item in doc.get("data") or []:
+        if isinstance(item, dict):
+            status = item.get("status")
+            value = status.get("value") if isinstance(status, dict) else status
+            rows.append((str(item.get("id", "")), str(value) if value is not None else "loaded"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(("%s  %s" % (r[0].ljust(width), r[1])).rstrip() for r in rows)
 
 
 def _parser() -> Any:
@@ -3103,7 +3149,22 @@ def _parser() -> Any:
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help="llama-server's Unix socket")
-    where.add_argument("--url", metavar="URL", default=argparse.SUPPRESS, help="llama-server's http://host:port")
+    where.add_argument(
+        "--url", metavar="URL", default=argparse.SUPPRESS, help="llama-server's http(s)://host:port[/prefix]"
+    )
+    common.add_argument(
+        "--model", metavar="NAME", default=argparse.SUPPRESS, help="route to this model of a router ($LLAMA_MODEL)"
+    )
+    common.add_argument(
+        "--api-key", metavar="KEY", default=argparse.SUPPRESS, help="bearer token to send ($LLAMA_API_KEY)"
+    )
+    common.add_argument(
+        "--wait",
+        metavar="SECONDS",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="how long to wait for an absent, loading or busy server (load_wait and busy_wait)",
+    )
     parser = argparse.ArgumentParser(
         prog="loopclient",
         parents=[common],
@@ -3120,9 +3181,15 @@ def _parser() -> Any:
     chat.add_argument("--temperature", type=float, help="sampling temperature")
     chat.add_argument("--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens")
     chat.add_argument("--json", action="store_true", help="print the whole completion as JSON")
-    commands.add_parser("slots", parents=[common], help="show the server's slots")
+    slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
+    slots.add_argument(
+        "--watch", type=float, default=0.0, metavar="SECONDS", help="watch busy slots this long for progress"
+    )
     commands.add_parser("health", parents=[common], help="print /health as JSON")
     commands.add_parser("props", parents=[common], help="print /props as JSON")
+    commands.add_parser("models", parents=[common], help="show the models (a router's, with their status)")
+    tokens = commands.add_parser("tokens", parents=[common], help="count the tokens of TEXT (or stdin)")
+    tokens.add_argument("text", nargs="?", help="the text; without it, read stdin")
     return parser
 
 
@@ -3135,12 +3202,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if not args.command:
         parser.print_usage(sys.stderr)
-        sys.stderr.write("loopclient: error: a COMMAND is required (chat, slots, health, props)\n")
+        sys.stderr.write("loopclient: error: a COMMAND is required (chat, slots, health, props, models, tokens)\n")
         return 2
     address = getattr(args, "socket", None) or getattr(args, "url", None)
+    model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None
+    api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
     try:
-        limits = Limits(thinking_cap=args.thinking_cap) if getattr(args, "thinking_cap", None) is not None else None
-        client = Client(address, limits=limits)
+        changes = {}  # type: Dict[str, Any]
+        if getattr(args, "thinking_cap", None) is not None:
+            changes["thinking_cap"] = args.thinking_cap
+        if getattr(args, "wait", None) is not None:
+            changes["load_wait"] = changes["busy_wait"] = args.wait
+        client = Client(address, limits=Limits(**changes), api_key=api_key, model=model)
     except (ValueError, TypeError) as exc:
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
@@ -3149,11 +3222,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.command == "chat":
                 return _chat(client, args)
             if args.command == "slots":
-                print(_slots_table(client.slots()))
+                slots, still = _watch_slots(client, args.watch)
+                print(_slots_table(slots, still, client.limits))
             elif args.command == "health":
                 print(json.dumps(client.health()))
-            else:
+            elif args.command == "props":
                 print(json.dumps(client.props(), indent=2, ensure_ascii=False))
+            elif args.command == "models":
+                print(_models_table(client.models()))
+            else:
+                text = args.text if args.text is not None else sys.stdin.read()
+                print(len(client.tokenize(text)))
             return 0
     except LoopError as exc:
         sys.stderr.write(_describe(exc) + "\n")
@@ -3166,7 +3245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _chat(client: Client, args: Any) -> int:
     import functools
 
-    params = {}  # type: Dict[str, Any]
+    params = {"return_progress": True}  # type: Dict[str, Any]
     if args.max_tokens is not None:
         params["max_tokens"] = args.max_tokens
     if args.temperature is not None:

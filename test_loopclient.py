@@ -3571,7 +3571,7 @@ class QuickLimits(lc.Limits):
     __slots__ = ()
 
     def __init__(self, **changes):
-        quick = dict(poll=0.05, liveness=0.5, load_wait=0.3, idle_grace=0.5, busy_wait=0.5)
+        quick = dict(poll=0.05, liveness=0.5, load_wait=0.3, idle_grace=0.5, busy_wait=0.5, wedge_wait=0.2)
         quick.update(changes)
         super().__init__(**quick)
 
@@ -3653,18 +3653,68 @@ class TestCommandLine(CLICase):
         self.assertRegex(err, r"waiting \d+ s: the slot is busy\n")
 
     def test_slots_table(self):
+        looks = []
+
         def slots(req):
+            looks.append(time.monotonic())
             respond_json(
                 req,
                 [
-                    {"id": 0, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
+                    {"id": 0, "id_task": 5, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
                     {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]},
+                    {"id": 2, "id_task": 8, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": len(looks)}]},
                 ],
             )
 
         self.server.route("GET", "/slots", slots)
-        out, _ = self.main_ok("slots")
-        self.assertEqual(out, "slot  state  decoded  n_ctx\n0     busy   17       1024\n1     idle   0        1024\n")
+        out, _ = self.main_ok("slots")  # two looks a poll apart: slot 0 has not moved, slot 2 has
+        self.assertEqual(len(looks), 2)
+        self.assertRegex(
+            out,
+            r"^slot  state  task  decoded  n_ctx  still\n0     busy   5     17       1024   0\.\d s\n"
+            r"1     idle         0        1024\n2     busy   8     2        1024\n$",
+        )
+        del looks[:]
+        out, _ = self.main_ok("slots", "--watch", "0.4")  # past wedge_wait (0.2 s in these tests)
+        self.assertGreaterEqual(len(looks), 4)
+        self.assertRegex(out.splitlines()[1], r"^0     wedged  5     17       1024   0\.\d s$")
+        self.assertRegex(out.splitlines()[3], r"^2     busy    8     \d+ +1024$")
+
+    def test_models_and_tokens(self):
+        listing = {
+            "object": "list",
+            "data": [
+                {"id": "alpha", "object": "model", "status": {"value": "loaded"}},
+                {"id": "beta-longer", "object": "model", "status": {"value": "unloaded"}},
+                {"id": "plain", "object": "model"},
+            ],
+        }
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, listing))
+        out, _ = self.main_ok("models")
+        self.assertEqual(out, "model        status\nalpha        loaded\nbeta-longer  unloaded\nplain        loaded\n")
+        self.server.route("POST", "/tokenize", lambda req: respond_json(req, {"tokens": [1, 2, 3]}))
+        self.assertEqual(self.main_ok("tokens", "a b c")[0], "3\n")
+        self.assertEqual(self.main_ok("tokens", stdin="from stdin")[0], "3\n")
+        bodies = [r.json() for r in self.server.requests if r.path == "/tokenize"]
+        self.assertEqual([b["content"] for b in bodies], ["a b c", "from stdin"])
+
+    def test_model_api_key_and_wait_options(self):
+        self.server.route("GET", "/health?model=alpha", lambda req: respond_json(req, {"status": "ok"}))
+        code, out, err = self.run_main(["--socket", self.server.path, "--model", "alpha", "--api-key", "k-1", "health"])
+        self.assertEqual((code, out), (0, '{"status": "ok"}\n'), err)
+        req = self.server.requests[-1]
+        self.assertEqual((req.path, req.headers["authorization"]), ("/health?model=alpha", "Bearer k-1"))
+        self.use(serve_body(content_stream(["ok"])))
+        with mock.patch.dict(os.environ, {"LLAMA_MODEL": "beta", "LLAMA_API_KEY": "k-2"}):
+            out, _ = self.main_ok("chat", "x")
+        req = self.server.chat_requests()[-1]
+        self.assertEqual((out, req.json()["model"], req.headers["authorization"]), ("ok\n", "beta", "Bearer k-2"))
+        self.assertIs(req.json()["return_progress"], True)
+        t = Timer()
+        err = self.main_fails("--wait", "0.6", "chat", "x", address=self.server.tmp + "/none.sock")
+        self.assertGreaterEqual(t.elapsed, 0.6)
+        self.assertLess(t.elapsed, 0.6 + MARGIN + 0.5)
+        self.assertIn("0.6 s (load_wait)", err)
 
     def test_health_and_props(self):
         self.assertEqual(self.main_ok("health")[0], '{"status": "ok"}\n')
@@ -3750,6 +3800,24 @@ class TestConsole(unittest.TestCase):
             ),
             text,
         )
+
+    def test_prompt_progress_and_wedged_waits_on_the_status_line(self):
+        out, err = io.StringIO(), TtyText()
+        console = lc._Console(out, err)
+        for event in (
+            lc.Waiting(True, wedged=True),
+            lc.Progress(0, 8000, 0, 0.0),
+            lc.Progress(1234, 8000, 512, 950.5),
+            lc.Progress(8000, 8000, 512, 4100.0),
+            lc.Content("A"),
+        ):
+            console.event(event)
+        self.assertEqual(
+            err.getvalue(),
+            "\r\x1b[Kwaiting 0 s: the slot is wedged\r\x1b[Kprompt 0/8,000 tokens, 0%"
+            "\r\x1b[Kprompt 1,234/8,000 tokens, 15%\r\x1b[K",
+        )
+        self.assertEqual(out.getvalue(), "A")
 
     def test_figures(self):
         console = lc._Console(io.StringIO(), io.StringIO())

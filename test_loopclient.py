@@ -5589,3 +5589,232 @@ def _healthy(client):
         return client.health() == {"status": "ok"}
     except lc.LoopError:
         return False
+
+
+# -----------------------------------------------------------------------------------------------------
+# The real server: everything it streams, the rest of its API, router mode, a path prefix
+# -----------------------------------------------------------------------------------------------------
+
+REAL_ROUTER = os.environ.get("LOOPCLIENT_REAL_ROUTER")
+REAL_EMBED = os.environ.get("LOOPCLIENT_REAL_EMBED")
+REAL_PREFIX = os.environ.get("LOOPCLIENT_REAL_PREFIX")
+REAL_LIMITS = lc.Limits(poll=0.2, liveness=20.0, busy_wait=60.0, load_wait=60.0, idle_grace=20.0)
+SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+def _real_chat(client, messages=SEA, timeout=60, **kw):
+    events = []
+    completion = run_with_timeout(lambda: client.chat(messages, on_event=events.append, **kw), timeout)
+    return completion, events
+
+
+def _idle(client):
+    wait_for(lambda: not any(s.is_processing for s in client.slots()), 30, "the real server's slots to be idle")
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealStreams(unittest.TestCase):
+    """Choices, prompt progress and log probabilities, as the real server streams them."""
+
+    def setUp(self):
+        self.client = lc.Client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def test_two_choices_each_equal_the_unstreamed_single_reply(self):
+        params = {"max_tokens": 16, "temperature": 0, "seed": 3}
+        completion, events = _real_chat(self.client, slot=0, n=2, **params)
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        plain = self.client.request("POST", "/v1/chat/completions", dict(params, messages=SEA, id_slot=0))
+        single = plain["choices"][0]["message"]["content"]
+        for choice in completion.choices:
+            self.assertEqual(choice.content, single)
+            self.assertEqual(choice.finish_reason, plain["choices"][0]["finish_reason"])
+            text = "".join(e.text for e in events if isinstance(e, lc.Content) and e.choice == choice.index)
+            self.assertEqual(text, single)
+        self.assertEqual(completion.content, single)
+
+    def test_prompt_progress_ends_with_the_whole_prompt(self):
+        long = [{"role": "user", "content": "Summarise: " + "the tide comes in and goes out again. " * 40}]
+        completion, events = _real_chat(self.client, long, slot=0, max_tokens=4, return_progress=True)
+        progress = [e for e in events if isinstance(e, lc.Progress)]
+        self.assertTrue(progress, events[:5])
+        self.assertEqual(progress[-1].processed, progress[-1].total)
+        self.assertEqual([p.processed for p in progress], sorted(p.processed for p in progress))
+        first_text = next(i for i, e in enumerate(events) if isinstance(e, lc.Content))
+        self.assertLess(events.index(progress[-1]), first_text)
+        self.assertEqual(progress[-1].total, completion.usage["prompt_tokens"])
+
+    def test_logprobs_one_entry_per_completion_token(self):
+        completion, _ = _real_chat(self.client, slot=0, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+        entries = completion.logprobs
+        self.assertEqual(len(entries), completion.usage["completion_tokens"])
+        self.assertEqual("".join(e["token"] for e in entries), completion.content)
+        self.assertTrue(all(len(e["top_logprobs"]) == 2 for e in entries))
+
+    def test_raw_chunks_come_before_their_events(self):
+        _, events = _real_chat(self.client, slot=0, max_tokens=6, temperature=0, raw_chunks=True)
+        chunks = [e for e in events if isinstance(e, lc.Chunk)]
+        self.assertTrue(chunks)
+        for i, event in enumerate(events):
+            if isinstance(event, lc.Content):
+                self.assertIsInstance(events[i - 1], (lc.Chunk, lc.Content))
+        first = next(i for i, e in enumerate(events) if isinstance(e, lc.Content))
+        self.assertEqual(events[first - 1].data["choices"][0]["delta"]["content"], events[first].text)
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealAPI(unittest.TestCase):
+    """The rest of the server API, each call on the real server."""
+
+    def setUp(self):
+        self.client = lc.Client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def test_tokenize_detokenize_round_trip(self):
+        text = "The sea is calm tonight."
+        tokens = self.client.tokenize(text)
+        self.assertTrue(tokens and all(isinstance(t, int) for t in tokens))
+        self.assertEqual(self.client.detokenize(tokens), text)
+        pieces = self.client.tokenize(text, with_pieces=True)
+        self.assertEqual("".join(p["piece"] for p in pieces), text)
+
+    def test_count_tokens_and_apply_template_match_the_chat(self):
+        completion, _ = _real_chat(self.client, slot=1, max_tokens=4, temperature=0)
+        self.assertEqual(self.client.count_tokens(SEA), completion.usage["prompt_tokens"])
+        prompt = self.client.apply_template(SEA)
+        self.assertIn(SEA[0]["content"], prompt)
+        counted = self.client.tokenize(prompt, add_special=True, parse_special=True)
+        self.assertEqual(len(counted), completion.usage["prompt_tokens"])
+
+    def test_slot_save_erase_restore(self):
+        if not os.environ.get("LOOPCLIENT_REAL_SLOT_DIR"):
+            self.fail("LOOPCLIENT_REAL_SLOT_DIR is not set: the server needs --slot-save-path")
+        params = {"slot": 0, "max_tokens": 4, "temperature": 0}
+        _real_chat(self.client, **params)
+        saved = self.client.save_slot(0, "loopclient-test.bin")
+        self.assertGreater(saved["n_saved"], 0)
+        self.assertEqual(self.client.erase_slot(0)["id_slot"], 0)
+        erased, _ = _real_chat(self.client, **params)
+        self.assertEqual(erased.timings["cache_n"], 0)
+        self.client.erase_slot(0)
+        restored = self.client.restore_slot(0, "loopclient-test.bin")
+        self.assertEqual(restored["n_restored"], saved["n_saved"])
+        again, _ = _real_chat(self.client, **params)
+        self.assertGreater(again.timings["cache_n"], 0)
+
+    def test_metrics(self):
+        text = self.client.metrics()
+        self.assertIn("llamacpp:prompt_tokens_total", text)
+
+    def test_request_any_endpoint_json_and_text(self):
+        self.assertEqual(self.client.request("GET", "/health"), {"status": "ok"})
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.client.request("GET", "/no-such-endpoint")
+        self.assertEqual(cm.exception.status, 404)
+        self.assertIsInstance(self.client.request("GET", "/metrics"), str)
+
+    @unittest.skipUnless(REAL_EMBED, "no embeddings instance: set LOOPCLIENT_REAL_EMBED (.ci/run does)")
+    def test_embed_one_vector_per_input(self):
+        client = lc.Client(REAL_EMBED, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        meta = client.models()["data"][0].get("meta") or {}
+        vectors = client.embed(["the sea", "a mountain", "the sea"])
+        self.assertEqual(len(vectors), 3)
+        size = meta.get("n_embd", len(vectors[0]))
+        self.assertTrue(all(len(v) == size for v in vectors))
+        self.assertEqual(vectors[0], vectors[2])
+        self.assertNotEqual(vectors[0], vectors[1])
+        self.assertEqual(len(client.embed("one")), 1)
+
+    @unittest.skipUnless(REAL_PREFIX, "no --api-prefix instance: set LOOPCLIENT_REAL_PREFIX (.ci/run does)")
+    def test_a_path_prefix(self):
+        client = lc.Client(REAL_PREFIX, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        self.assertEqual(client.health(), {"status": "ok"})
+        self.assertTrue(client.slots())
+        completion, _ = _real_chat(client, slot=0, max_tokens=4, temperature=0)
+        self.assertEqual(completion.finish_reason, "length")
+        bare = lc.Client(REAL_PREFIX.rsplit("/", 1)[0], limits=REAL_LIMITS)
+        self.addCleanup(bare.close)
+        with self.assertRaises(lc.HTTPStatusError):
+            bare.health()
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouter(unittest.TestCase):
+    """llama-server --models-dir: the model under two names, alpha and beta."""
+
+    def setUp(self):
+        self.client = lc.Client(REAL_ROUTER, limits=REAL_LIMITS, model="alpha")
+        self.addCleanup(self.client.close)
+        for name in ("alpha", "beta"):
+            wait_for(lambda: _loaded(self.client, name), 60, "model %s to load" % name)
+            wait_for(
+                lambda: not any(s.is_processing for s in self.client.slots(model=name)), 30, "idle slots of " + name
+            )
+
+    def test_a_busy_slot_of_a_model_is_busy_not_loading(self):
+        first = threading.Thread(
+            target=lambda: _real_chat(self.client, slot=0, max_tokens=96, ignore_eos=True), daemon=True
+        )
+        first.start()
+        self.addCleanup(first.join, 60)
+        wait_for(lambda: self.client.slots()[0].is_processing, 20, "alpha's slot 0 to be busy")
+        other = lc.Client(REAL_ROUTER, limits=REAL_LIMITS, model="alpha")
+        self.addCleanup(other.close)
+        completion, events = _real_chat(other, slot=0, max_tokens=4)
+        self.assertIn(lc.Waiting(True), events)
+        self.assertFalse(any(isinstance(e, lc.Retrying) for e in events), events)
+        self.assertTrue(completion.content)
+
+    def test_slot_0_of_two_models_runs_at_once(self):
+        spans = {}
+
+        def run(name):
+            start = time.monotonic()
+            _real_chat(self.client, slot=0, model=name, max_tokens=48, ignore_eos=True)
+            spans[name] = (start, time.monotonic())
+
+        threads = [threading.Thread(target=run, args=(name,), daemon=True) for name in ("alpha", "beta")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        self.assertEqual(set(spans), {"alpha", "beta"})
+        (a0, a1), (b0, b1) = spans["alpha"], spans["beta"]
+        self.assertLess(max(a0, b0), min(a1, b1))  # they overlapped: neither queued behind the other
+
+    def test_thinking_cap_through_the_router(self):
+        client = lc.Client(REAL_ROUTER, limits=REAL_LIMITS.replace(thinking_cap=3, thinking_overrun=8), model="alpha")
+        self.addCleanup(client.close)
+        completion, events = _real_chat(
+            client, QUESTION, slot=0, max_tokens=200, temperature=0, grammar=grammar("20,200")
+        )
+        self.assertIn(lc.ThinkingCapped(3), events)
+        self.assertTrue(completion.thinking_capped)
+
+    def test_load_and_unload_change_what_models_reports(self):
+        self.client.unload_model("beta")
+        wait_for(lambda: _status(self.client, "beta") == "unloaded", 30, "beta to unload")
+        self.client.load_model("beta")
+        wait_for(lambda: _status(self.client, "beta") == "loaded", 60, "beta to load")
+
+
+def _status(client, name):
+    for item in client.models()["data"]:
+        if item.get("id") == name:
+            status = item.get("status")
+            return status.get("value") if isinstance(status, dict) else status
+    return None
+
+
+def _loaded(client, name):
+    if _status(client, name) != "loaded":
+        try:
+            client.load_model(name)
+        except lc.HTTPStatusError:
+            pass
+        return False
+    return True

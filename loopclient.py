@@ -2597,12 +2597,15 @@ class ChatStream:
             ) from exc
 
 
-def _read_response(conn: _Conn, timeout: float, max_body: int, what: str) -> Tuple[ResponseHead, bytes]:
+def _read_response(
+    conn: _Conn, timeout: float, max_body: int, what: str, head_only: bool = False
+) -> Tuple[ResponseHead, bytes]:
     """Read one non-streamed response to its end: (head, body).  Silence longer than ``timeout`` between
-    two reads is ``StalledError``; a body over ``max_body`` is ``ProtocolError``."""
+    two reads is ``StalledError``; a body over ``max_body`` is ``ProtocolError``.  ``head_only``: the
+    answer to a HEAD request, which ends at its head whatever its Content-Length says (RFC 9112 6.3)."""
     reader = ResponseReader(max_body=max_body)
     pieces = []  # type: List[bytes]
-    while not reader.done:
+    while not reader.done and not (head_only and reader.head is not None):
         try:
             data = conn.recv(timeout)
         except _Silence:
@@ -2623,7 +2626,9 @@ def _query_string(query: Dict[str, Any]) -> str:
     from urllib.parse import urlencode  # only when a call has a query
 
     for name, value in query.items():
-        for text in (str(name), str(value)):
+        for item in (name, value):
+            # urlencode sends bytes as they are: check their bytes, not their repr
+            text = item.decode("latin-1") if isinstance(item, bytes) else str(item)
             if "\r" in text or "\n" in text or "\0" in text:
                 raise ValueError("a query name or value must not contain CR, LF or NUL")
     return urlencode(query)
@@ -2709,9 +2714,11 @@ class Client:
             raise ValueError("this client is closed")
         if not method or not _METHOD_CHARS.issuperset(method):
             raise ValueError("invalid HTTP method %r" % (method,))
+        if not path.startswith("/"):  # checked before the prefix, which would make "/llama" + "x" look valid
+            raise ValueError("the request path must start with /: %r" % (path,))
         target = self._addr.prefix + path
         if query:
-            target += "?" + _query_string(query)
+            target += ("&" if "?" in path else "?") + _query_string(query)
         headers = [("Accept", accept)]
         payload = None
         if body is not None:
@@ -2721,14 +2728,15 @@ class Client:
         return encode_request(method, target, self._addr.host, headers + self._headers, payload)
 
     def _route(
-        self, method: str, body: Any, query: Optional[Dict[str, Any]], model: Any
+        self, method: str, body: Any, query: Optional[Dict[str, Any]], model: Any, path: str = ""
     ) -> Tuple[Any, Optional[Dict[str, Any]]]:
-        """Name the model as a router needs it: ``?model=`` on a GET, ``"model"`` in a JSON object body."""
+        """Name the model as a router needs it: ``?model=`` on a GET, ``"model"`` in a JSON object body;
+        a call that names its own (in the body, ``query`` or the path's query string) keeps it."""
         name = self.model if model is _NO_MODEL else model
         if name is None:
             return body, query
         if method == "GET":
-            if not query or "model" not in query:
+            if "model" not in (query or {}) and "&model=" not in "&" + path.partition("?")[2]:
                 query = dict(query or {}, model=name)
         elif isinstance(body, dict) and "model" not in body:
             body = dict(body, model=name)
@@ -2746,7 +2754,7 @@ class Client:
         owner: Optional[_Owner] = None,
     ) -> Tuple[ResponseHead, bytes]:
         """One request on a new connection, never retried: (head, body)."""
-        body, query = self._route(method, body, query, model)
+        body, query = self._route(method, body, query, model, path)
         request = self._encode(method, path, body, "application/json", query)
         timeout = self.limits.liveness if timeout is None else timeout
         try:
@@ -2757,7 +2765,7 @@ class Client:
             owner.add(conn)
         try:
             conn.sendall(request, timeout)
-            return _read_response(conn, timeout, self.limits.max_body, "%s %s" % (method, path))
+            return _read_response(conn, timeout, self.limits.max_body, "%s %s" % (method, path), method == "HEAD")
         finally:
             conn.close()
             if owner is not None:
@@ -2850,9 +2858,13 @@ class Client:
         ``ValueError`` before anything is sent."""
         if not isinstance(method, str) or not isinstance(path, str):
             raise TypeError("method and path must be str")
+        if query is not None and not isinstance(query, dict):
+            raise TypeError("query must be a dict, not %s" % type(query).__name__)
         head, data = self._send(method, path, body, query)
         if not 200 <= head.status < 300:
             raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        if method == "HEAD" or head.status == 204:  # no body, whatever Content-Type says
+            return ""
         if "json" in (head.get("content-type") or "").lower():
             return _decode_json(data, "%s %s" % (method, path))
         return data.decode("utf-8", "replace")
@@ -2913,8 +2925,11 @@ class Client:
         """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
         order."""
         data = self._field("/v1/embeddings", dict(params, input=input), "data", list)
-        if not all(isinstance(d, dict) and isinstance(d.get("embedding"), list) for d in data):
-            raise ProtocolError("POST /v1/embeddings answered an entry without an embedding")
+        if not all(
+            isinstance(d, dict) and isinstance(d.get("embedding"), list) and type(d.get("index", 0)) is int
+            for d in data
+        ):
+            raise ProtocolError("POST /v1/embeddings answered an entry without an embedding or an integer index")
         return [d["embedding"] for d in sorted(data, key=lambda d: d.get("index", 0))]
 
     def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:

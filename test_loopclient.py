@@ -2233,6 +2233,843 @@ class TestSingleShot(ServerCase):
         self.assertEqual(seen[0], {"id": "chatcmpl-1", "action": "reasoning_end"})
 
 
+# -----------------------------------------------------------------------------------------------------
+# The rest of the server API, HTTPS and path prefixes: every single-shot call goes through one request
+# path, so each is checked for its exact request, its decoded answer and every error class of that path
+# -----------------------------------------------------------------------------------------------------
+
+import ssl as _api_ssl
+
+#: A test-only key and self-signed certificate for localhost and 127.0.0.1 (see its README).
+_API_TLS_DIR = os.path.join(HERE, "dev", "testdata", "tls")
+_API_TLS_CERT = os.path.join(_API_TLS_DIR, "localhost.pem")
+_API_TLS_KEY = os.path.join(_API_TLS_DIR, "localhost.key")
+#: liveness for the stall tests (waited out once per call), and how late an error may come after it.
+_API_LIVENESS = 0.4
+_API_MARGIN = 0.3
+#: max_body for the cap tests: every answer of the table below fits in it once padded.
+_API_MAX_BODY = 256
+_API_MSGS = b'[{"role": "user", "content": "hi"}]'
+_API_METRICS = (
+    "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+    "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 29\n"
+)
+
+
+def _api_calls():
+    """Every single-shot call: (name, call, request line, JSON body as sent or None, answer, what the call
+    returns for it, answers of valid JSON in the wrong shape).  A str answer is served as text/plain."""
+    return [
+        (
+            "request GET",
+            lambda c: c.request("GET", "/v1/models", query={"limit": 2, "q": "a b&c"}),
+            b"GET /v1/models?limit=2&q=a+b%26c",
+            None,
+            {"data": []},
+            {"data": []},
+            [],
+        ),
+        (
+            "request POST",
+            lambda c: c.request("POST", "/infill", {"input_prefix": "def f"}),
+            b"POST /infill",
+            b'{"input_prefix": "def f"}',
+            {"content": "():"},
+            {"content": "():"},
+            [],
+        ),
+        (
+            "slots",
+            lambda c: [(s.id, s.is_processing, s.task, s.raw) for s in c.slots()],
+            b"GET /slots",
+            None,
+            [{"id": 0, "is_processing": True, "id_task": 7}],
+            [(0, True, 7, {"id": 0, "is_processing": True, "id_task": 7})],
+            [{"slots": []}, [{"id": "0", "is_processing": False}]],
+        ),
+        ("health", lambda c: c.health(), b"GET /health", None, {"status": "ok"}, {"status": "ok"}, [["ok"]]),
+        ("props", lambda c: c.props(), b"GET /props", None, {"total_slots": 2}, {"total_slots": 2}, [[2]]),
+        (
+            "models",
+            lambda c: c.models(),
+            b"GET /v1/models",
+            None,
+            {"data": [{"id": "m"}]},
+            {"data": [{"id": "m"}]},
+            [[]],
+        ),
+        (
+            "load_model",
+            lambda c: c.load_model("m2"),
+            b"POST /models/load",
+            b'{"model": "m2"}',
+            {"success": True},
+            {"success": True},
+            [[True]],
+        ),
+        (
+            "unload_model",
+            lambda c: c.unload_model("m2"),
+            b"POST /models/unload",
+            b'{"model": "m2"}',
+            {"success": True},
+            {"success": True},
+            [[True]],
+        ),
+        (
+            "end_reasoning",
+            lambda c: c.end_reasoning("chatcmpl-1"),
+            b"POST /v1/chat/completions/control",
+            b'{"id": "chatcmpl-1", "action": "reasoning_end"}',
+            {"success": True},
+            True,
+            [[True]],
+        ),
+        (
+            "tokenize",
+            lambda c: c.tokenize("Hi there"),
+            b"POST /tokenize",
+            b'{"content": "Hi there", "add_special": false, "parse_special": true, "with_pieces": false}',
+            {"tokens": [13347, 1070]},
+            [13347, 1070],
+            [{"tokens": "13347"}, {}, [13347]],
+        ),
+        (
+            "tokenize with pieces",
+            lambda c: c.tokenize("Hi", add_special=True, parse_special=False, with_pieces=True),
+            b"POST /tokenize",
+            b'{"content": "Hi", "add_special": true, "parse_special": false, "with_pieces": true}',
+            {"tokens": [{"id": 2, "piece": "<s>"}]},
+            [{"id": 2, "piece": "<s>"}],
+            [{"pieces": []}],
+        ),
+        (
+            "detokenize",
+            lambda c: c.detokenize((13347, 1070)),
+            b"POST /detokenize",
+            b'{"tokens": [13347, 1070]}',
+            {"content": "Hi there"},
+            "Hi there",
+            [{"content": 5}, {"content": None}],
+        ),
+        (
+            "apply_template",
+            lambda c: c.apply_template(MSGS, add_generation_prompt=True),
+            b"POST /apply-template",
+            b'{"add_generation_prompt": true, "messages": ' + _API_MSGS + b"}",
+            {"prompt": "<|im_start|>user\nhi"},
+            "<|im_start|>user\nhi",
+            [{"prompt": ["x"]}],
+        ),
+        (
+            "count_tokens",
+            lambda c: c.count_tokens(MSGS),
+            b"POST /v1/chat/completions/input_tokens",
+            b'{"messages": ' + _API_MSGS + b"}",
+            {"input_tokens": 9},
+            9,
+            [{"input_tokens": True}, {"input_tokens": 9.5}],
+        ),
+        (
+            "embed",
+            lambda c: c.embed(["a", "b"]),
+            b"POST /v1/embeddings",
+            b'{"input": ["a", "b"]}',
+            {"data": [{"index": 1, "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
+            [[-1.0], [0.5]],
+            [
+                {"data": [{"index": 0}]},
+                {"data": {}},
+                {"data": [{"index": "1", "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
+                {"data": [{"index": None, "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
+            ],
+        ),
+        (
+            "embed one",
+            lambda c: c.embed("a", encoding_format="float"),
+            b"POST /v1/embeddings",
+            b'{"encoding_format": "float", "input": "a"}',
+            {"data": [{"index": 0, "embedding": [0.25, 1.5]}]},
+            [[0.25, 1.5]],
+            [{"data": [{"index": 0, "embedding": "0.25"}]}],
+        ),
+        (
+            "rerank",
+            lambda c: c.rerank("q", ("d0", "d1"), top_n=2),
+            b"POST /v1/rerank",
+            b'{"top_n": 2, "query": "q", "documents": ["d0", "d1"]}',
+            {"results": [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -2}]},
+            [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -2}],
+            [{"results": {}}],
+        ),
+        (
+            "save_slot",
+            lambda c: c.save_slot(1, "s.bin"),
+            b"POST /slots/1?action=save",
+            b'{"filename": "s.bin"}',
+            {"id_slot": 1, "n_saved": 12},
+            {"id_slot": 1, "n_saved": 12},
+            [[1]],
+        ),
+        (
+            "restore_slot",
+            lambda c: c.restore_slot(1, "s.bin"),
+            b"POST /slots/1?action=restore",
+            b'{"filename": "s.bin"}',
+            {"id_slot": 1, "n_restored": 12},
+            {"id_slot": 1, "n_restored": 12},
+            [[1]],
+        ),
+        (
+            "erase_slot",
+            lambda c: c.erase_slot(0),
+            b"POST /slots/0?action=erase",
+            b"{}",
+            {"id_slot": 0, "n_erased": 12},
+            {"id_slot": 0, "n_erased": 12},
+            [[0]],
+        ),
+        ("metrics", lambda c: c.metrics(), b"GET /metrics", None, _API_METRICS, _API_METRICS, []),
+    ]
+
+
+def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b""):
+    """The request head loopclient sends (as FakeRequest.raw_head holds it: without the blank line)."""
+    head = line + b" HTTP/1.1\r\nHost: " + host + b"\r\nAccept: " + accept + b"\r\n"
+    if body is not None:
+        head += b"Content-Type: application/json\r\n"
+    head += b"Connection: close\r\nUser-Agent: loopclient/" + lc.__version__.encode() + extra
+    if body is not None:
+        head += b"\r\nContent-Length: %d" % len(body)
+    return head
+
+
+def _api_body(answer):
+    """(body bytes, Content-Type) of an answer: JSON as llama-server writes it, or text for a str."""
+    if isinstance(answer, str):
+        return answer.encode(), b"text/plain; version=0.0.4"
+    return json.dumps(answer, separators=(",", ":")).encode(), b"application/json; charset=utf-8"
+
+
+def _api_response(body, ctype, framing="length", status=b"200 OK"):
+    """A whole response framed by Content-Length, chunked (two chunks) or until close."""
+    head = b"HTTP/1.1 %s\r\nServer: llama.cpp\r\nContent-Type: %s\r\n" % (status, ctype)
+    if framing == "length":
+        return head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+    if framing == "chunked":
+        cut = len(body) // 2
+        return (
+            head
+            + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            + chunked(body[:cut], body[cut:])
+            + b"0\r\n\r\n"
+        )
+    assert framing == "close"
+    return head + b"Connection: close\r\n\r\n" + body
+
+
+def _api_route(server, line, handler):
+    method, target = line.decode().split(" ", 1)
+    server.route(method, target, handler)
+
+
+def _api_answering(answer, status=b"200 OK"):
+    return lambda req: req.send(_api_response(*_api_body(answer), status=status))
+
+
+class _ApiCase(ServerCase):
+    def _api_one_request(self, since):
+        """The one request the server received since ``since`` requests."""
+        with self.server.lock:
+            reqs = self.server.requests[since:]
+        self.assertEqual(len(reqs), 1, [r.raw_head for r in reqs])
+        return reqs[0]
+
+    def _api_nothing_sent(self, client=None):
+        """Prove that no call so far connected: a sentinel call is the server's first connection (the
+        listener accepts in order, so an earlier connection would have been accepted before it)."""
+        self.assertEqual((client or self.client).health(), {"status": "ok"})
+        with self.server.lock:
+            self.assertEqual([r.raw_head.split(b"\r\n")[0] for r in self.server.requests], [b"GET /health HTTP/1.1"])
+            self.assertEqual(len(self.server.conns), 1)
+
+
+class TestApiCalls(_ApiCase):
+    """Each single-shot call: the exact request line, headers and body sent, and the answer decoded."""
+
+    def test_each_call_sends_its_exact_request_and_decodes_the_answer(self):
+        for name, call, line, body, answer, value, _ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, _api_answering(answer))
+                since = len(self.server.requests)
+                got = run_with_timeout(lambda call=call: call(self.client))
+                self.assertEqual(got, value)
+                self.assertIs(type(got), type(value))
+                req = self._api_one_request(since)
+                self.assertEqual(req.raw_head, _api_head(line, body))
+                self.assertEqual(req.body, body or b"")
+
+    def test_request_bytes_with_api_key_and_headers_whole(self):
+        self.server.route("POST", "/tokenize", _api_answering({"tokens": [1]}))
+        client = lc.Client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
+        self.closers.append(client.close)
+        self.assertEqual(run_with_timeout(lambda: client.tokenize("a\r\nb")), [1])
+        req = self.server.requests[0]
+        self.assertEqual(
+            req.raw_head + b"\r\n\r\n" + req.body,
+            b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\nUser-Agent: loopclient/%s\r\n"
+            b"X-Trace: 1\r\nAuthorization: Bearer sk-1\r\nContent-Length: 88\r\n\r\n"
+            b'{"content": "a\\r\\nb", "add_special": false, "parse_special": true, "with_pieces": false}'
+            % lc.__version__.encode(),
+        )
+
+    def test_request_decodes_json_by_content_type_else_text(self):
+        cases = [
+            (b"application/json; charset=utf-8", b'{"a":[1,2.5,null]}', b"200 OK", {"a": [1, 2.5, None]}),
+            (b"application/problem+json", b'"x"', b"200 OK", "x"),
+            (b"text/plain; charset=utf-8", b'{"a":1}', b"200 OK", '{"a":1}'),
+            (b"text/html", b"<p>caf\xc3\xa9 \xff</p>", b"200 OK", "<p>caf\u00e9 \ufffd</p>"),
+            (b"application/json", b'{"id":3}', b"201 Created", {"id": 3}),
+        ]
+        for ctype, body, status, value in cases:
+            with self.subTest(ctype=ctype, status=status):
+                self.server.route(
+                    "GET", "/x", lambda req, a=(body, ctype, "length", status): req.send(_api_response(*a))
+                )
+                self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/x")), value)
+        self.server.route("GET", "/plain", lambda req: req.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
+        self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/plain")), "ok")  # no Content-Type
+
+    def test_head_and_204_answers_have_no_body(self):
+        # RFC 9112 6.3: a HEAD response and a 204 end at their head, whatever Content-Length says; the
+        # server keeps the connection open, so reading on would stall.
+        def head(req):
+            req.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n")
+            req.wait_peer_close(3)
+
+        def no_content(req):
+            req.send(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n\r\n")
+            req.wait_peer_close(3)
+
+        self.server.route("HEAD", "/health", head)
+        self.server.route("DELETE", "/slots/0", no_content)
+        start = time.monotonic()
+        self.assertEqual(run_with_timeout(lambda: self.client.request("HEAD", "/health")), "")
+        self.assertEqual(run_with_timeout(lambda: self.client.request("DELETE", "/slots/0")), "")
+        self.assertLess(time.monotonic() - start, 1.0)  # liveness is 2 s: neither waited for a body
+        self.assertEqual(
+            [r.raw_head for r in self.server.requests],
+            [_api_head(b"HEAD /health"), _api_head(b"DELETE /slots/0")],
+        )
+
+    def test_query_joins_a_query_already_in_the_path(self):
+        self.server.route("GET", "/props?a=1&b=2", _api_answering({"ok": 1}))
+        self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/props?a=1", query={"b": 2})), {"ok": 1})
+        self.assertEqual(self.server.requests[0].raw_head, _api_head(b"GET /props?a=1&b=2"))
+
+
+class TestApiErrors(_ApiCase):
+    """Each single-shot call meets each error class of the one request path."""
+
+    def test_unreachable_is_connect_error_with_address_and_cause(self):
+        missing = os.path.join(self.server.tmp, "missing.sock")
+        bound = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound, never listening: refused
+        self.closers.append(bound.close)
+        bound.bind(("127.0.0.1", 0))
+        url = "http://127.0.0.1:%d" % bound.getsockname()[1]
+        for address, cause, text in (
+            (missing, FileNotFoundError, "no llama-server at %s: the socket file does not exist" % missing),
+            (url, ConnectionRefusedError, "no llama-server listening at %s (connection refused)" % url),
+        ):
+            client = lc.Client(address, limits=FAST)
+            for name, call, *_ in _api_calls():
+                with self.subTest(call=name, address=address):
+                    with self.assertRaises(lc.ConnectError) as cm:
+                        run_with_timeout(lambda call=call: call(client))
+                    self.assertEqual(cm.exception.address, address)
+                    self.assertIsInstance(cm.exception.__cause__, cause)
+                    self.assertEqual(str(cm.exception), text)
+
+    def test_error_status_is_http_status_error_with_the_envelope(self):
+        envelope = b'{"error":{"code":500,"message":"slot 1 is busy: boom","type":"server_error"}}'
+        not_found = b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
+        for name, call, line, *_ in _api_calls():
+            with self.subTest(call=name):
+                self.server.routes.clear()  # the FakeServer's own 404, as llama-server words it
+                with self.assertRaises(lc.HTTPStatusError) as cm:
+                    run_with_timeout(lambda call=call: call(self.client))
+                err = cm.exception
+                self.assertEqual((err.status, err.message, err.body), (404, "File Not Found", not_found))
+                _api_route(
+                    self.server,
+                    line,
+                    lambda req: req.send(
+                        _api_response(envelope, b"application/json", "chunked", b"500 Internal Server Error")
+                    ),
+                )
+                with self.assertRaises(lc.HTTPStatusError) as cm:
+                    run_with_timeout(lambda call=call: call(self.client))
+                err = cm.exception
+                self.assertEqual((err.status, err.message, err.body), (500, "slot 1 is busy: boom", envelope))
+                self.assertEqual(str(err), "HTTP 500: slot 1 is busy: boom")
+
+    def test_silence_is_stalled_after_liveness(self):
+        client = lc.Client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
+        self.closers.append(client.close)
+        for name, call, line, *_ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, lambda req: req.wait_peer_close(5))
+                start = time.monotonic()
+                with self.assertRaises(lc.StalledError) as cm:
+                    run_with_timeout(lambda call=call: call(client))
+                elapsed = time.monotonic() - start
+                self.assertIs(type(cm.exception), lc.StalledError)
+                self.assertGreaterEqual(elapsed, _API_LIVENESS - 0.03)
+                self.assertLess(elapsed, _API_LIVENESS + _API_MARGIN)
+
+    def test_silence_after_the_head_is_stalled_but_slow_progress_is_not(self):
+        # liveness bounds the gap between two reads, never the whole answer
+        client = lc.Client(self.server.address, limits=FAST.replace(liveness=0.4))
+        self.closers.append(client.close)
+        body = b'{"tokens":[1,2,3,4,5,6,7,8,9]}'
+
+        def drip(req):  # the head, then the body 3 bytes at a time, 0.1 s apart
+            req.send(_api_response(body, b"application/json")[: -len(body)])
+            for i in range(0, len(body), 3):
+                time.sleep(0.1)
+                if not req.send(body[i : i + 3]):
+                    return
+
+        self.server.route("POST", "/tokenize", drip)
+        start = time.monotonic()
+        self.assertEqual(run_with_timeout(lambda: client.tokenize("x")), [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        self.assertGreaterEqual(time.monotonic() - start, 0.8)  # twice liveness, in gaps of 0.1 s
+
+        def head_then_silence(req):
+            req.send(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{"tok')
+            req.wait_peer_close(5)
+
+        self.server.route("POST", "/tokenize", head_then_silence)
+        start = time.monotonic()
+        with self.assertRaises(lc.StalledError):
+            run_with_timeout(lambda: client.tokenize("x"))
+        self.assertGreaterEqual(time.monotonic() - start, 0.4 - 0.03)
+        self.assertLess(time.monotonic() - start, 0.4 + _API_MARGIN)
+
+    def test_body_over_max_body_is_protocol_error(self):
+        client = lc.Client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
+        self.closers.append(client.close)
+        for name, call, line, _, answer, value, _ in _api_calls():
+            body, ctype = _api_body(answer)
+            self.assertLessEqual(len(body), _API_MAX_BODY)
+            pad = (b"#" if isinstance(answer, str) else b" ") * (_API_MAX_BODY - len(body))
+            for framing in ("length", "chunked", "close"):
+                with self.subTest(call=name, framing=framing):
+                    _api_route(
+                        self.server, line, lambda req, a=(body + pad, ctype, framing): req.send(_api_response(*a))
+                    )
+                    expect = value + pad.decode() if isinstance(answer, str) else value
+                    self.assertEqual(run_with_timeout(lambda call=call: call(client)), expect)  # exactly max_body
+                    _api_route(
+                        self.server,
+                        line,
+                        lambda req, a=(body + pad + b" ", ctype, framing): req.send(_api_response(*a)),
+                    )
+                    with self.assertRaises(lc.ProtocolError) as cm:
+                        run_with_timeout(lambda call=call: call(client))
+                    self.assertIn("max_body", str(cm.exception))
+        big = json.dumps({"error": {"code": 500, "message": "x" * _API_MAX_BODY}}).encode()
+        self.server.route(
+            "POST", "/tokenize", lambda req: req.send(_api_response(big, b"application/json", status=b"500 Oops"))
+        )
+        with self.assertRaises(lc.ProtocolError):  # an error body is capped too
+            run_with_timeout(lambda: client.tokenize("x"))
+
+    def test_malformed_answer_is_protocol_error(self):
+        framing = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+        not_http = b"SSH-2.0-OpenSSH_9.6\r\n"
+        for name, call, line, _, answer, _, wrong in _api_calls():
+            bad = [framing, not_http]
+            if not isinstance(answer, str):  # a JSON answer: broken JSON, and JSON of the wrong shape
+                bad.append(_api_response(b'{"tokens":[1,', b"application/json; charset=utf-8"))
+                bad += [_api_response(*_api_body(doc)) for doc in wrong]
+            for raw in bad:
+                with self.subTest(call=name, answer=raw[-60:]):
+                    _api_route(self.server, line, lambda req, raw=raw: req.send(raw))
+                    with self.assertRaises(lc.ProtocolError):
+                        run_with_timeout(lambda call=call: call(self.client))
+            with self.subTest(call=name, answer="cut short"):
+                _api_route(
+                    self.server, line, lambda req: req.send(b'HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{"a"')
+                )
+                with self.assertRaises(lc.StreamClosedError):
+                    run_with_timeout(lambda call=call: call(self.client))
+
+    def test_cr_lf_nul_in_method_path_or_query_refused_before_anything_is_sent(self):
+        c = self.client
+        for method, path, query in (
+            ("GET\r\n", "/health", None),
+            ("GE\nT", "/health", None),
+            ("G\0T", "/health", None),
+            ("GET /x", "/health", None),
+            ("", "/health", None),
+            ("GET", "/health\r\nX-Injected: 1", None),
+            ("GET", "/health\n", None),
+            ("GET", "/health\r", None),
+            ("GET", "/he\0alth", None),
+            ("GET", "/he alth", None),
+            ("GET", "health", None),
+            ("GET", "", None),
+            ("GET", "/health", {"a\r\nX-Injected: 1": "v"}),
+            ("GET", "/health", {"a": "v\r\nX-Injected: 1"}),
+            ("GET", "/health", {"a": "v\n"}),
+            ("GET", "/health", {"a": "\0"}),
+            ("GET", "/health", {b"a\r": "v"}),
+            ("GET", "/health", {"a": b"v\r\n"}),
+            ("POST", "/tokenize\r\n", {"a": "1"}),
+        ):
+            with self.subTest(method=method, path=path, query=query), self.assertRaises(ValueError):
+                c.request(method, path, {"content": "x"} if method == "POST" else None, query=query)
+        with self.assertRaises(TypeError):  # a query is a dict
+            c.request("GET", "/health", query=[("a", "1")])
+        self._api_nothing_sent()
+
+    def test_closed_client_refuses_every_call_without_connecting(self):
+        client = lc.Client(self.server.address, limits=FAST)
+        client.close()
+        calls = [(name, call) for name, call, *_ in _api_calls()]
+        calls += [("stream", lambda c: c.stream(MSGS, slot=0)), ("chat", lambda c: c.chat(MSGS, slot=None))]
+        for name, call in calls:
+            with self.subTest(call=name):
+                with self.assertRaises(ValueError) as cm:
+                    run_with_timeout(lambda call=call: call(client))
+                self.assertEqual(str(cm.exception), "this client is closed")
+        client.close()  # twice is fine
+        self._api_nothing_sent()
+
+
+class TestApiRouting(_ApiCase):
+    """Client(..., model="alpha"): a GET names the model in its query, a JSON object body without a model
+    gets it, one with a model keeps its own; request() included."""
+
+    def test_single_shot_calls_are_routed_to_the_default_model(self):
+        client = lc.Client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        m = b', "model": "alpha"}'
+        for name, call, line, body, answer in (
+            ("request GET", lambda c: c.request("GET", "/props"), b"GET /props?model=alpha", None, {}),
+            (
+                "request GET with a query",
+                lambda c: c.request("GET", "/x", query={"n": 2}),
+                b"GET /x?n=2&model=alpha",
+                None,
+                {},
+            ),
+            (
+                "request GET naming a model",
+                lambda c: c.request("GET", "/props", query={"model": "beta"}),
+                b"GET /props?model=beta",
+                None,
+                {},
+            ),
+            (
+                "request GET naming a model in its path",
+                lambda c: c.request("GET", "/props?model=beta"),
+                b"GET /props?model=beta",
+                None,
+                {},
+            ),
+            (
+                "request POST",
+                lambda c: c.request("POST", "/completion", {"prompt": "x"}),
+                b"POST /completion",
+                b'{"prompt": "x"' + m,
+                {},
+            ),
+            (
+                "request POST naming a model",
+                lambda c: c.request("POST", "/completion", {"model": "beta", "prompt": "x"}),
+                b"POST /completion",
+                b'{"model": "beta", "prompt": "x"}',
+                {},
+            ),
+            ("request POST with a list body", lambda c: c.request("POST", "/x", [1]), b"POST /x", b"[1]", {}),
+            (
+                "request POST without a body",
+                lambda c: c.request("POST", "/x", query={"a": 1}),
+                b"POST /x?a=1",
+                None,
+                {},
+            ),
+            ("slots", lambda c: c.slots(), b"GET /slots?model=alpha", None, []),
+            ("slots(model=)", lambda c: c.slots(model="beta"), b"GET /slots?model=beta", None, []),
+            ("props", lambda c: c.props(), b"GET /props?model=alpha", None, {"total_slots": 1}),
+            ("props(model=)", lambda c: c.props(model="beta"), b"GET /props?model=beta", None, {"total_slots": 1}),
+            ("metrics", lambda c: c.metrics(), b"GET /metrics?model=alpha", None, _API_METRICS),
+            (
+                "tokenize",
+                lambda c: c.tokenize("x"),
+                b"POST /tokenize",
+                b'{"content": "x", "add_special": false, "parse_special": true, "with_pieces": false' + m,
+                {"tokens": [1]},
+            ),
+            ("detokenize", lambda c: c.detokenize([1]), b"POST /detokenize", b'{"tokens": [1]' + m, {"content": "x"}),
+            (
+                "apply_template",
+                lambda c: c.apply_template(MSGS),
+                b"POST /apply-template",
+                b'{"messages": ' + _API_MSGS + m,
+                {"prompt": "p"},
+            ),
+            (
+                "apply_template naming a model",
+                lambda c: c.apply_template(MSGS, model="beta"),
+                b"POST /apply-template",
+                b'{"model": "beta", "messages": ' + _API_MSGS + b"}",
+                {"prompt": "p"},
+            ),
+            (
+                "count_tokens",
+                lambda c: c.count_tokens(MSGS),
+                b"POST /v1/chat/completions/input_tokens",
+                b'{"messages": ' + _API_MSGS + m,
+                {"input_tokens": 3},
+            ),
+            ("embed", lambda c: c.embed("a"), b"POST /v1/embeddings", b'{"input": "a"' + m, {"data": []}),
+            (
+                "rerank",
+                lambda c: c.rerank("q", ["d"]),
+                b"POST /v1/rerank",
+                b'{"query": "q", "documents": ["d"]' + m,
+                {"results": []},
+            ),
+            (
+                "save_slot",
+                lambda c: c.save_slot(1, "s.bin"),
+                b"POST /slots/1?action=save",
+                b'{"filename": "s.bin"' + m,
+                {},
+            ),
+            (
+                "restore_slot",
+                lambda c: c.restore_slot(1, "s.bin"),
+                b"POST /slots/1?action=restore",
+                b'{"filename": "s.bin"' + m,
+                {},
+            ),
+            ("erase_slot", lambda c: c.erase_slot(1), b"POST /slots/1?action=erase", b'{"model": "alpha"}', {}),
+            ("load_model", lambda c: c.load_model("beta"), b"POST /models/load", b'{"model": "beta"}', {}),
+            ("unload_model", lambda c: c.unload_model("beta"), b"POST /models/unload", b'{"model": "beta"}', {}),
+            (
+                "end_reasoning",
+                lambda c: c.end_reasoning("chatcmpl-1"),
+                b"POST /v1/chat/completions/control",
+                b'{"id": "chatcmpl-1", "action": "reasoning_end"' + m,
+                {"success": True},
+            ),
+        ):
+            with self.subTest(call=name):
+                self.server.routes.clear()  # a request that is not routed as expected gets a 404
+                _api_route(self.server, line, _api_answering(answer))
+                since = len(self.server.requests)
+                run_with_timeout(lambda call=call: call(client))
+                req = self._api_one_request(since)
+                self.assertEqual(req.raw_head, _api_head(line, body))
+                self.assertEqual(req.body, body or b"")
+
+
+class TestApiPrefix(_ApiCase):
+    """http://host:port/llama: every request path carries the prefix, streams and their /slots and /props
+    polls included."""
+
+    tcp = True
+
+    def test_every_call_and_stream_carries_the_prefix(self):
+        self.client.close()
+        self.client = lc.Client(self.server.address + "/llama/", limits=FAST)
+        host = self.server.address[len("http://") :].encode()
+        self.server.routes.clear()  # an unprefixed request gets a 404
+        with self.assertRaises(ValueError):  # "/llama" + "health" would be another path: refused
+            self.client.request("GET", "health")
+        for name, call, line, body, answer, value, _ in _api_calls():
+            with self.subTest(call=name):
+                method, target = line.split(b" ", 1)
+                prefixed = method + b" /llama" + target
+                _api_route(self.server, prefixed, _api_answering(answer))
+                since = len(self.server.requests)
+                self.assertEqual(run_with_timeout(lambda call=call: call(self.client)), value)
+                req = self._api_one_request(since)
+                self.assertEqual(req.raw_head, _api_head(prefixed, body, host=host))
+        with self.server.lock:  # the refused path never connected: one connection per request
+            self.assertEqual(len(self.server.conns), len(self.server.requests))
+
+        # streams: the chat, the /slots polls while its head is awaited, /props for slot=None
+        self.server.route("GET", "/llama/slots", self.server._slots)
+        self.server.route("GET", "/llama/props", lambda req: respond_json(req, {"total_slots": 2}))
+
+        def after_a_poll(req):
+            seen = self.server.slots_requests
+            deadline = time.monotonic() + 5
+            while self.server.slots_requests == seen and time.monotonic() < deadline:
+                time.sleep(0.005)
+            req.send(STREAM_HEAD + content_stream(["ok"]))
+
+        self.server.route("POST", "/llama/v1/chat/completions", after_a_poll)
+        for slot in (0, None):
+            completion, events = self.collect(slot=slot)
+            self.assertEqual(completion.content, "ok")
+            self.assertEqual(events[0], lc.Waiting(False))
+            self.assertEqual(events[-1], lc.Content("ok"))
+        with self.server.lock:
+            paths = [r.path for r in self.server.requests]
+        self.assertTrue(all(p.startswith("/llama/") for p in paths), paths)
+        self.assertEqual(paths.count("/llama/v1/chat/completions"), 2)
+        self.assertGreaterEqual(paths.count("/llama/slots"), 3)  # slots() above, then a poll per chat
+        self.assertEqual(paths.count("/llama/props"), 2)  # props() above, then the pool size for slot=None
+
+
+class _ApiTLSServer(FakeServer):
+    """The fake server over TLS with the committed test certificate: TCP on ``host``, each accepted
+    connection's handshake done in its own thread.  ``handshakes`` holds None per completed handshake and
+    the server-side error per failed one."""
+
+    def __init__(self, host="127.0.0.1", **kw):
+        self.host = host
+        self.handshakes = []
+        self.context = _api_ssl.SSLContext(_api_ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(_API_TLS_CERT, _API_TLS_KEY)
+        super().__init__(tcp=True, **kw)
+
+    def listen(self):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((self.host, 0))
+        self.address = "https://%s:%d" % (self.host, sock.getsockname()[1])
+        sock.listen(64)
+        sock.settimeout(0.05)
+        self.listener = sock
+        thread = threading.Thread(target=self._accept, args=(sock,), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _serve(self, conn):
+        conn.settimeout(5)
+        try:
+            tls = self.context.wrap_socket(conn, server_side=True)
+        except OSError as exc:  # the client refused the certificate (or left)
+            conn.close()
+            with self.lock:
+                self.handshakes.append(exc)
+            return
+        with self.lock:
+            self.handshakes.append(None)
+            self.conns.append(tls)  # so that close() shuts the TLS connection down
+        super()._serve(tls)
+
+
+class TestApiTLS(_ApiCase):
+    """https:// against a local TLS server with a self-signed test certificate."""
+
+    def setUp(self):
+        self.fds = fd_count()
+        self.threads = threading.active_count()
+        self.server = _ApiTLSServer()
+        self.trusting = _api_ssl.create_default_context(cafile=_API_TLS_CERT)
+        self.client = lc.Client(self.server.address, limits=FAST, ssl_context=self.trusting)
+        self.closers = []
+
+    def test_stream_and_calls_over_https_with_a_context_that_trusts_the_certificate(self):
+        self.server.busy[0] = True
+
+        def after_a_busy_poll(req):
+            deadline = time.monotonic() + 5
+            while self.server.slots_requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            with self.server.lock:  # after the poll has read the flags
+                self.server.busy[0] = False
+            req.send(STREAM_HEAD + content_stream(["Hello", " world"]))
+
+        self.use(after_a_busy_poll)
+        completion, events = self.collect(slot=0, max_tokens=4)
+        self.assertEqual(completion.content, "Hello world")
+        self.assertEqual(events[0], lc.Waiting(True))  # the /slots poll went over TLS too
+        self.assertEqual(events[-2:], [lc.Content("Hello"), lc.Content(" world")])
+        host = self.server.address[len("https://") :].encode()
+        body = (
+            b'{"messages": '
+            + _API_MSGS
+            + b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
+        )
+        req = self.server.chat_requests()[0]
+        self.assertEqual(
+            req.raw_head, _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream")
+        )
+        self.assertEqual(req.body, body)
+        self.server.route("POST", "/tokenize", _api_answering({"tokens": [5, 6]}))
+        self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
+        # the host name is checked too: localhost is in the certificate
+        port = self.server.address.rsplit(":", 1)[1]
+        by_name = lc.Client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
+        self.closers.append(by_name.close)
+        self.assertEqual(run_with_timeout(by_name.health), {"status": "ok"})
+        self.assertEqual(self.server.requests[-1].headers["host"], "localhost:%s" % port)
+        with self.server.lock:
+            paths = [r.path for r in self.server.requests]
+        self.assertEqual(paths[-2:], ["/tokenize", "/health"])
+        self.assertEqual(sorted(set(paths)), ["/health", "/slots", "/tokenize", "/v1/chat/completions"])
+
+    def _api_refused(self, call, client):
+        """``call(client)`` is ConnectError at once, caused by the certificate check; returns it."""
+        start = time.monotonic()
+        with self.assertRaises(lc.ConnectError) as cm:
+            run_with_timeout(lambda: call(client))
+        self.assertLess(time.monotonic() - start, 1.0)
+        err = cm.exception
+        self.assertEqual(err.address, client.address)
+        self.assertIsInstance(err.__cause__, _api_ssl.SSLCertVerificationError)
+        self.assertEqual(str(err), "TLS with %s failed: %s" % (client.address, err.__cause__.verify_message))
+        return err
+
+    def test_untrusted_certificate_is_connect_error_at_once_never_retried(self):
+        # verification is on by default: the system store does not trust the test certificate
+        client = lc.Client(self.server.address, limits=FAST.replace(load_wait=30.0))
+        self.closers.append(client.close)
+        events = []
+        calls = (
+            lambda c: c.health(),
+            lambda c: c.tokenize("x"),
+            lambda c: c.chat(MSGS, slot=0, on_event=events.append),
+            lambda c: list(c.stream(MSGS, slot=1)),
+        )
+        for n, call in enumerate(calls, 1):
+            err = self._api_refused(call, client)
+            self.assertEqual(err.__cause__.verify_code, 18)  # X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT
+            wait_for(lambda n=n: len(self.server.handshakes) == n, 5, "the server to see the handshake")
+        time.sleep(3 * lc.BACKOFF_FIRST)  # a retry would have come by now
+        with self.server.lock:
+            self.assertEqual(len(self.server.handshakes), len(calls))  # one attempt per call, none retried
+            self.assertNotIn(None, self.server.handshakes)
+            self.assertEqual(self.server.requests, [])
+        self.assertEqual(events, [])  # no Retrying
+
+        events = []  # slot=None: asking /props for the pool size fails the same way, and is not the error
+        self._api_refused(lambda c: c.chat(MSGS, slot=None, on_event=events.append), client)
+        self.assertEqual(events, [])
+
+    def test_host_name_mismatch_is_connect_error(self):
+        try:
+            other = _ApiTLSServer(host="127.0.0.2")  # loopback too, but not in the certificate
+        except OSError as exc:  # pragma: no cover - a host without 127.0.0.0/8 on lo
+            self.skipTest("cannot listen on 127.0.0.2: %s" % exc)
+        self.closers.append(other.close)
+        client = lc.Client(other.address, limits=FAST, ssl_context=self.trusting)
+        self.closers.append(client.close)
+        for call in (lambda c: c.health(), lambda c: c.chat(MSGS, slot=0)):
+            err = self._api_refused(call, client)
+            self.assertEqual(err.__cause__.verify_code, 64)  # X509_V_ERR_IP_ADDRESS_MISMATCH
+        self.assertEqual(other.requests, [])
+
+
 class TestCallerMistakes(unittest.TestCase):
     def test_bad_addresses(self):
         for bad in (

@@ -2134,6 +2134,7 @@ class _Board:
         self._pools = {}  # type: Dict[Optional[str], int]
         self._props_lock = threading.Lock()
         self._streams = set()  # type: Set[ChatStream]
+        self.closed = False
 
     def connect(self, timeout: float) -> _Conn:
         """A new connection; ``OSError`` when the server cannot be reached (a retry), ``ConnectError`` when
@@ -2216,6 +2217,8 @@ class _Board:
 
     def add(self, stream: ChatStream) -> None:
         with self._lock:
+            if self.closed:
+                raise CancelledError("the client was closed before this request started")
             self._streams.add(stream)
 
     def discard(self, stream: ChatStream) -> None:
@@ -2231,6 +2234,7 @@ class _Board:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             streams = list(self._streams)
             pollers = list(self._pollers.values())
         for stream in streams:
@@ -2682,10 +2686,13 @@ class Client:
             extra.append(("Authorization", "Bearer " + api_key))
         encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
         self._headers = extra
-        if addr.tls and ssl_context is None:
+        if addr.tls or ssl_context is not None:
             import ssl  # only for https://
 
-            ssl_context = ssl.create_default_context()
+            if ssl_context is None:
+                ssl_context = ssl.create_default_context()
+            elif not isinstance(ssl_context, ssl.SSLContext):
+                raise TypeError("ssl_context must be an ssl.SSLContext, not %s" % type(ssl_context).__name__)
         self._addr = addr
         self._board = _Board(addr, limits, self._json, ssl_context)
         self._closed = False

@@ -2746,7 +2746,15 @@ class TestApiErrors(_ApiCase):
                     run_with_timeout(lambda call=call: call(client))
                 self.assertEqual(str(cm.exception), "this client is closed")
         client.close()  # twice is fine
+        for slot in (0, None):  # a stream made before close() and iterated after it is cancelled, unsent
+            early = lc.Client(self.server.address, limits=FAST)
+            stream = early.stream(MSGS, slot=slot)
+            early.close()
+            with self.subTest(slot=slot), self.assertRaises(lc.CancelledError):
+                run_with_timeout(lambda stream=stream: next(stream))
         self._api_nothing_sent()
+        with self.assertRaises(TypeError):
+            lc.Client("https://localhost:1", ssl_context="no")
 
 
 class TestApiRouting(_ApiCase):

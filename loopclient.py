@@ -242,7 +242,7 @@ class _Value:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined, no-any-return]
+        return self._values() == other._values()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash((type(self).__name__,) + self._values())
@@ -269,8 +269,8 @@ class Queued(_Value):
     slot, the one in flight included (the first waiter hears ``Queued(1)``).  Heard again, at most once per
     ``Limits.poll``, when ``ahead`` has shrunk; never repeated or increased."""
 
-    __slots__ = ("ahead",)
-    __match_args__ = __slots__
+    __match_args__ = ("ahead",)
+    __slots__ = __match_args__
     ahead: int
 
     def __init__(self, ahead: int) -> None:
@@ -282,8 +282,8 @@ class Waiting(_Value):
     is processing (with ``slot=None``: every slot that is not wedged is).  ``wedged``: the slot is
     processing yet nothing in it has moved for ``Limits.wedge_wait``."""
 
-    __slots__ = ("slot_busy", "wedged")
-    __match_args__ = __slots__
+    __match_args__ = ("slot_busy", "wedged")
+    __slots__ = __match_args__
     slot_busy: bool
     wedged: bool
 
@@ -296,8 +296,8 @@ class Retrying(_Value):
     """Nothing was delivered yet; the request is sent again after ``delay`` seconds (``attempt`` counts
     from 1; ``reason`` says what failed)."""
 
-    __slots__ = ("attempt", "delay", "reason")
-    __match_args__ = __slots__
+    __match_args__ = ("attempt", "delay", "reason")
+    __slots__ = __match_args__
     attempt: int
     delay: float
     reason: str
@@ -311,8 +311,8 @@ class Retrying(_Value):
 class Reasoning(_Value):
     """A ``reasoning_content`` delta of choice ``choice``."""
 
-    __slots__ = ("text", "choice")
-    __match_args__ = __slots__
+    __match_args__ = ("text", "choice")
+    __slots__ = __match_args__
     text: str
     choice: int
 
@@ -324,8 +324,8 @@ class Reasoning(_Value):
 class Content(_Value):
     """A ``content`` delta of choice ``choice``."""
 
-    __slots__ = ("text", "choice")
-    __match_args__ = __slots__
+    __match_args__ = ("text", "choice")
+    __slots__ = __match_args__
     text: str
     choice: int
 
@@ -338,8 +338,8 @@ class ToolCall(_Value):
     """A tool-call delta of choice ``choice``: ``index`` keys the call; ``id`` and ``name`` as this delta
     carries them (None when it does not), ``arguments`` its fragment of the JSON arguments."""
 
-    __slots__ = ("index", "id", "name", "arguments", "choice")
-    __match_args__ = __slots__
+    __match_args__ = ("index", "id", "name", "arguments", "choice")
+    __slots__ = __match_args__
     index: int
     id: Optional[str]
     name: Optional[str]
@@ -357,8 +357,8 @@ class ToolCall(_Value):
 class ThinkingCapped(_Value):
     """The server accepted the request to end reasoning; ``tokens`` is the count at which the cap fired."""
 
-    __slots__ = ("tokens",)
-    __match_args__ = __slots__
+    __match_args__ = ("tokens",)
+    __slots__ = __match_args__
     tokens: int
 
     def __init__(self, tokens: int) -> None:
@@ -370,8 +370,8 @@ class Progress(_Value):
     prompt tokens, ``cache`` of them from the cache, ``time_ms`` spent.  Not delivered output: an error
     after only ``Progress`` events is still retried."""
 
-    __slots__ = ("processed", "total", "cache", "time_ms")
-    __match_args__ = __slots__
+    __match_args__ = ("processed", "total", "cache", "time_ms")
+    __slots__ = __match_args__
     processed: int
     total: int
     cache: int
@@ -388,8 +388,8 @@ class Chunk(_Value):
     """The parsed payload of one data event, as the server sent it (only with ``raw_chunks=True``); it
     comes before the events derived from it."""
 
-    __slots__ = ("data",)
-    __match_args__ = __slots__
+    __match_args__ = ("data",)
+    __slots__ = __match_args__
     data: Dict[str, Any]
 
     def __init__(self, data: Dict[str, Any]) -> None:
@@ -426,8 +426,8 @@ def _new_reasoning(text: str) -> Reasoning:
 class ToolCallResult(_Value):
     """One assembled tool call: ``id`` and ``name`` as first sent, ``arguments`` all fragments joined."""
 
-    __slots__ = ("id", "name", "arguments")
-    __match_args__ = __slots__
+    __match_args__ = ("id", "name", "arguments")
+    __slots__ = __match_args__
     id: Optional[str]
     name: Optional[str]
     arguments: str
@@ -447,8 +447,8 @@ class Choice(_Value):
     ``tool_calls`` and ``finish_reason``; ``logprobs`` and ``reasoning_logprobs`` are the entries the server
     sent (dicts, in order), or None when it sent none."""
 
-    __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "reasoning_logprobs")
-    __match_args__ = __slots__
+    __match_args__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "reasoning_logprobs")
+    __slots__ = __match_args__
     index: int
     content: str
     reasoning: str
@@ -491,7 +491,7 @@ class Completion(_Value):
     reasoning, ``thinking_capped`` says whether the thinking cap fired.
     """
 
-    __slots__ = (
+    __match_args__ = (
         "id",
         "model",
         "content",
@@ -504,7 +504,7 @@ class Completion(_Value):
         "thinking_capped",
         "choices",
     )
-    __match_args__ = __slots__
+    __slots__ = __match_args__
     id: Optional[str]
     model: Optional[str]
     content: str
@@ -565,8 +565,8 @@ class Slot(_Value):
     ``prompt_processed`` (``n_prompt_tokens_processed``), each None when the server does not send it.
     ``raw`` is the whole entry as the server sent it."""
 
-    __slots__ = ("id", "is_processing", "raw", "task", "decoded", "prompt_processed")
-    __match_args__ = __slots__
+    __match_args__ = ("id", "is_processing", "raw", "task", "decoded", "prompt_processed")
+    __slots__ = __match_args__
     _hidden = ("raw",)
     id: int
     is_processing: bool
@@ -617,7 +617,7 @@ class Limits(_Value):
                             ``WedgedSlotError`` (None: never)
     """
 
-    __slots__ = (
+    __match_args__ = (
         "queue_len",
         "poll",
         "liveness",
@@ -630,7 +630,7 @@ class Limits(_Value):
         "max_body",
         "wedge_wait",
     )
-    __match_args__ = __slots__
+    __slots__ = __match_args__
     queue_len: int
     poll: float
     liveness: float
@@ -1611,7 +1611,7 @@ class ResponsePump:
         """The answer of the control endpoint to ``cap_due``: True when the server accepted."""
         return self._guard(self._capped, ok)
 
-    def _guard(self, step: Callable[..., List[Event]], *args: Any) -> List[Event]:
+    def _guard(self, step: Callable[..., None], *args: Any) -> List[Event]:
         if self.failed is not None:
             raise self.failed
         out = []  # type: List[Event]
@@ -2028,7 +2028,7 @@ class _SlotPoller:
         self._busy = False
         self._stamp = float("-inf")  # when the last answer arrived
         self._slots = None  # type: Optional[List[Slot]]
-        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]  # id: (triple, since)
+        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
         self._owner = _Owner()
 
     def get(self, cancelled: threading.Event) -> Optional[List[Slot]]:

@@ -1292,41 +1292,116 @@ def _error_from(err: Any) -> ServerError:
     return ServerError(None, str(err)[:200], None, err)
 
 
+class _ChoiceState:
+    """What one choice (one ``index``) has assembled so far."""
+
+    __slots__ = ("content", "reasoning", "tools", "finish_reason", "logprobs", "reasoning_logprobs")
+
+    def __init__(self) -> None:
+        self.content = _Text()
+        self.reasoning = _Text()
+        self.tools = {}  # type: Dict[int, List[Any]]  # tool index -> [id, name, arguments]
+        self.finish_reason = None  # type: Optional[str]
+        self.logprobs = None  # type: Optional[List[Dict[str, Any]]]
+        self.reasoning_logprobs = None  # type: Optional[List[Dict[str, Any]]]
+
+    def result(self, index: int) -> Choice:
+        calls = [ToolCallResult(e[0], e[1], str(e[2])) for _, e in sorted(self.tools.items())]
+        return Choice(
+            index,
+            str(self.content),
+            str(self.reasoning),
+            calls,
+            self.finish_reason,
+            self.logprobs,
+            self.reasoning_logprobs,
+        )
+
+
+def _entries(kept: Optional[List[Dict[str, Any]]], entries: Any, payload: str) -> List[Dict[str, Any]]:
+    """``kept`` (a new list when None) with the log-probability ``entries`` of one chunk appended."""
+    if type(entries) is not list:
+        raise ProtocolError("log probabilities that are not a list: %r" % payload[:80])
+    for entry in entries:
+        if type(entry) is not dict:
+            raise ProtocolError("a log-probability entry is not an object: %r" % payload[:80])
+    if kept is None:
+        return list(entries)
+    kept.extend(entries)
+    return kept
+
+
+def _progress_event(progress: Any, payload: str) -> Optional[Progress]:
+    """The ``Progress`` of a ``prompt_progress`` object: None when it lacks ``processed`` or ``total``."""
+    if type(progress) is not dict:
+        raise ProtocolError("'prompt_progress' is not an object: %r" % payload[:80])
+    processed, total, cache, time_ms = (progress.get(k) for k in ("processed", "total", "cache", "time_ms"))
+    for value in (processed, total, cache):
+        if value is not None and type(value) is not int:
+            raise ProtocolError("a 'prompt_progress' count is not an integer: %r" % payload[:80])
+    if time_ms is not None:
+        if type(time_ms) is not float and type(time_ms) is not int:
+            raise ProtocolError("'prompt_progress.time_ms' is not a number: %r" % payload[:80])
+        try:
+            time_ms = float(time_ms)
+        except OverflowError:
+            raise ProtocolError("'prompt_progress.time_ms' is out of range: %r" % payload[:80]) from None
+    if processed is None or total is None:
+        return None
+    return Progress(processed, total, cache or 0, time_ms or 0.0)
+
+
 class Assembler:
     """Turns chunk payloads into events and, at the end, a ``Completion``.
 
-    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  A JSON error, a payload that is
-    not an object, ``choices`` that is not a list or a delta that is not an object is ``ProtocolError``;
-    an error object is raised as ``ServerError``.  ``completion()`` raises ``StreamClosedError`` when no
-    ``finish_reason`` arrived.
+    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
+    ``index`` (a missing or null index is 0): each has its own content, reasoning, tool calls (keyed by the
+    tool's ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
+    ``logprobs.reasoning_content``, appended as sent; None while none came), and the events carry
+    ``choice=index``.  A ``prompt_progress`` object gives ``Progress(processed, total, cache, time_ms)``;
+    one without ``processed`` or ``total`` gives no event, a missing ``cache`` reads 0 and a missing
+    ``time_ms`` 0.0.  ``usage`` and ``timings`` objects are merged, the last value of a key winning (with
+    ``n`` > 1 llama-server sends them per choice, without saying which).  With ``raw_chunks=True`` every
+    payload also gives ``Chunk(data)``, first.
+
+    A JSON error, a payload that is not an object, ``choices`` that is not a list, a choice or delta that is
+    not an object, an index that is not an integer, or a field of the wrong type is ``ProtocolError``;
+    unknown fields are ignored.  An error object is raised as ``ServerError``.  Each call either returns all
+    the events of its payload or raises, so the caller delivers the earlier payloads' events first.
+
+    ``completion()`` raises ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.
+    ``reasoning_tokens`` and ``in_reasoning`` (what the thinking cap reads) count the reasoning of every
+    choice: the client refuses a thinking cap with ``n`` > 1.
     """
 
     __slots__ = (
         "id",
         "model",
-        "finish_reason",
         "usage",
         "timings",
         "reasoning_tokens",
         "in_reasoning",
         "thinking_capped",
-        "_content",
-        "_reasoning",
-        "_tools",
+        "raw_chunks",
+        "_choices",
+        "_content0",
+        "_reasoning0",
+        "_fast",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, raw_chunks: bool = False) -> None:
         self.id = None  # type: Optional[str]
         self.model = None  # type: Optional[str]
-        self.finish_reason = None  # type: Optional[str]
         self.usage = None  # type: Optional[Dict[str, Any]]
         self.timings = None  # type: Optional[Dict[str, Any]]
         self.reasoning_tokens = 0
         self.in_reasoning = False
         self.thinking_capped = False
-        self._content = _Text()
-        self._reasoning = _Text()
-        self._tools = {}  # type: Dict[int, List[Any]]
+        self.raw_chunks = raw_chunks
+        self._choices = {}  # type: Dict[int, _ChoiceState]
+        self._content0 = _Text()  # choice 0's texts, reached without a lookup by the fast path
+        self._reasoning0 = _Text()
+        self._fast = False  # the fast path may run: the id is known, choice 0 appeared, no raw chunks
 
     def feed(self, payload: str) -> List[Event]:
         try:
@@ -1341,28 +1416,32 @@ class Assembler:
             raise ProtocolError("JSON nested too deeply in the stream") from None
         if type(doc) is not dict:
             raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
-        # The hot path: one choice whose delta is only text, no finish, no usage, not the first chunk.
+        # The hot path: choice 0 alone, its delta only text; no finish, log probabilities, usage or progress.
+        # It must give exactly what _feed gives (TestAssemblerPaths.test_fast_and_general_paths_agree).
         choices = doc.get("choices")
-        if type(choices) is list and len(choices) == 1 and self.id is not None:
+        if self._fast and type(choices) is list and len(choices) == 1:
             choice = choices[0]
             if (
                 type(choice) is dict
                 and choice.get("finish_reason") is None
+                and choice.get("logprobs") is None
                 and "error" not in doc
                 and "usage" not in doc
                 and "timings" not in doc
+                and "prompt_progress" not in doc
             ):
+                index = choice.get("index")
                 delta = choice.get("delta")
-                if type(delta) is dict and len(delta) == 1:
+                if (index == 0 and type(index) is int or index is None) and type(delta) is dict and len(delta) == 1:
                     text = delta.get("content")
                     if type(text) is str:
                         if not text:
                             return []
                         self.in_reasoning = False
-                        parts = self._content.parts
+                        parts = self._content0.parts
                         parts.append(text)
                         if len(parts) >= 2048:
-                            self._content.fold()
+                            self._content0.fold()
                         event = _new_object(Content)  # as _new_content(text), inlined: this runs per token
                         _set_content_text(event, text)
                         _set_content_choice(event, 0)
@@ -1373,7 +1452,7 @@ class Assembler:
                             return []
                         self.reasoning_tokens += 1
                         self.in_reasoning = True
-                        self._reasoning.add(text)
+                        self._reasoning0.add(text)
                         return [_new_reasoning(text)]
         return self._feed(doc, payload)
 
@@ -1388,6 +1467,7 @@ class Assembler:
             raise ProtocolError("JSON nested too deeply in the stream") from None
 
     def _feed(self, doc: Dict[str, Any], payload: str) -> List[Event]:
+        """The general path: any parsed payload."""
         if "error" in doc:
             raise _error_from(doc["error"])
         if self.id is None:
@@ -1397,7 +1477,12 @@ class Assembler:
             model = doc.get("model")
             if isinstance(model, str):
                 self.model = model
-        events = []  # type: List[Event]
+        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
+        progress = doc.get("prompt_progress")
+        if progress is not None:
+            event = _progress_event(progress, payload)
+            if event is not None:
+                events.append(event)
         choices = doc.get("choices")
         if choices:
             if type(choices) is not list:
@@ -1405,18 +1490,39 @@ class Assembler:
             for choice in choices:
                 if type(choice) is not dict:
                     raise ProtocolError("a choice is not an object: %r" % payload[:80])
+                index = choice.get("index")
+                if index is None:
+                    index = 0
+                elif type(index) is not int:
+                    raise ProtocolError("a choice's 'index' is not an integer: %r" % payload[:80])
+                state = self._choices.get(index)
+                if state is None:
+                    state = self._choices[index] = _ChoiceState()
+                    if index == 0:
+                        state.content = self._content0
+                        state.reasoning = self._reasoning0
                 delta = choice.get("delta")
                 if delta:
                     if type(delta) is not dict:
                         raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                    self._delta(delta, events)
+                    self._delta(delta, state, index, events)
                 elif delta is not None and type(delta) is not dict:
                     raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                logprobs = choice.get("logprobs")
+                if logprobs is not None:
+                    if type(logprobs) is not dict:
+                        raise ProtocolError("a choice's 'logprobs' is not an object: %r" % payload[:80])
+                    entries = logprobs.get("content")
+                    if entries is not None:
+                        state.logprobs = _entries(state.logprobs, entries, payload)
+                    entries = logprobs.get("reasoning_content")
+                    if entries is not None:
+                        state.reasoning_logprobs = _entries(state.reasoning_logprobs, entries, payload)
                 reason = choice.get("finish_reason")
                 if reason is not None:
                     if type(reason) is not str:
                         raise ProtocolError("'finish_reason' is not a string: %r" % payload[:80])
-                    self.finish_reason = reason
+                    state.finish_reason = reason
         elif choices is not None and type(choices) is not list:
             raise ProtocolError("'choices' is not a list: %r" % payload[:80])
         usage = doc.get("usage")
@@ -1429,17 +1535,19 @@ class Assembler:
             if type(timings) is not dict:
                 raise ProtocolError("'timings' is not an object: %r" % payload[:80])
             self.timings = dict(self.timings, **timings) if self.timings else timings
+        if not self._fast:
+            self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks
         return events
 
-    def _delta(self, delta: Dict[str, Any], events: List[Event]) -> None:
+    def _delta(self, delta: Dict[str, Any], state: _ChoiceState, index: int, events: List[Event]) -> None:
         text = delta.get("reasoning_content")
         if text:
             if type(text) is not str:
                 raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
             self.reasoning_tokens += 1
             self.in_reasoning = True
-            self._reasoning.add(text)
-            events.append(_new_reasoning(text))
+            state.reasoning.add(text)
+            events.append(Reasoning(text, index))
         elif text is not None and type(text) is not str:
             raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
         text = delta.get("content")
@@ -1447,8 +1555,8 @@ class Assembler:
             if type(text) is not str:
                 raise ProtocolError("'content' is not a string: %r" % (text,))
             self.in_reasoning = False
-            self._content.add(text)
-            events.append(_new_content(text))
+            state.content.add(text)
+            events.append(Content(text, index))
         elif text is not None and type(text) is not str:
             raise ProtocolError("'content' is not a string: %r" % (text,))
         calls = delta.get("tool_calls")
@@ -1457,11 +1565,12 @@ class Assembler:
                 raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
             self.in_reasoning = False
             for call in calls:
-                self._tool_call(call, events)
+                self._tool_call(call, state, index, events)
         elif calls is not None and type(calls) is not list:
             raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
 
-    def _tool_call(self, call: Any, events: List[Event]) -> None:
+    @staticmethod
+    def _tool_call(call: Any, state: _ChoiceState, choice: int, events: List[Event]) -> None:
         if type(call) is not dict:
             raise ProtocolError("a tool-call delta is not an object: %r" % (call,))
         index = call.get("index")
@@ -1476,9 +1585,9 @@ class Assembler:
         for what, value in (("id", cid), ("name", name), ("arguments", args)):
             if value is not None and type(value) is not str:
                 raise ProtocolError("a tool call's %r is not a string: %r" % (what, call))
-        entry = self._tools.get(index)
+        entry = state.tools.get(index)
         if entry is None:
-            entry = self._tools[index] = [None, None, _Text()]
+            entry = state.tools[index] = [None, None, _Text()]
         if cid and entry[0] is None:
             entry[0] = cid
         if name and entry[1] is None:
@@ -1486,32 +1595,56 @@ class Assembler:
         if args:
             entry[2].add(args)
         if cid or name or args:
-            events.append(ToolCall(index, cid or None, name or None, args or ""))
+            events.append(ToolCall(index, cid or None, name or None, args or "", choice))
+
+    def _lowest(self) -> Optional[_ChoiceState]:
+        return self._choices[min(self._choices)] if self._choices else None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """The lowest-index choice's ``finish_reason`` so far (None: none yet)."""
+        state = self._lowest()
+        return state.finish_reason if state is not None else None
 
     @property
     def content(self) -> str:
-        return str(self._content)
+        """The lowest-index choice's content so far."""
+        state = self._lowest()
+        return str(state.content) if state is not None else ""
 
     @property
     def reasoning(self) -> str:
-        return str(self._reasoning)
+        """The lowest-index choice's reasoning so far."""
+        state = self._lowest()
+        return str(state.reasoning) if state is not None else ""
 
     def completion(self) -> Completion:
-        """The assembled ``Completion``; ``StreamClosedError`` when no ``finish_reason`` arrived."""
-        if self.finish_reason is None:
+        """The assembled ``Completion``: ``choices`` in index order, the lowest index giving ``content``,
+        ``reasoning``, ``tool_calls`` and ``finish_reason``.  ``StreamClosedError`` when a choice that
+        appeared has no ``finish_reason`` (or no choice has one)."""
+        states = sorted(self._choices.items())
+        unfinished = [index for index, state in states if state.finish_reason is None]
+        if len(unfinished) == len(states):
             raise StreamClosedError("the stream ended without a finish_reason: the server stopped mid-answer")
-        calls = [ToolCallResult(e[0], e[1], str(e[2])) for _, e in sorted(self._tools.items())]
+        if unfinished:
+            raise StreamClosedError(
+                "the stream ended before choice %s had a finish_reason: the server stopped mid-answer"
+                % ", ".join(str(index) for index in unfinished)
+            )
+        choices = tuple(state.result(index) for index, state in states)
+        first = choices[0]
         return Completion(
             id=self.id,
             model=self.model,
-            content=self.content,
-            reasoning=self.reasoning,
-            tool_calls=calls,
-            finish_reason=self.finish_reason,
+            content=first.content,
+            reasoning=first.reasoning,
+            tool_calls=first.tool_calls,
+            finish_reason=first.finish_reason,
             usage=self.usage,
             timings=self.timings,
             reasoning_tokens=self.reasoning_tokens,
             thinking_capped=self.thinking_capped,
+            choices=choices,
         )
 
 

@@ -1542,6 +1542,562 @@ class TestParserRandomSplits(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
+# Whole responses through ResponseReader -> SSEDecoder -> Assembler, as the client runs them
+# -----------------------------------------------------------------------------------------------------
+
+
+class _p_Pipe:
+    """ResponseReader -> SSEDecoder -> Assembler as the client runs them."""
+
+    def __init__(self, raw_chunks=False, max_line=1024 * 1024, max_body=None):
+        self.reader = lc.ResponseReader(max_body=max_body)
+        self.sse = lc.SSEDecoder(max_line)
+        self.asm = lc.Assembler(raw_chunks=raw_chunks)
+        self.events = []
+        self.done = None  # the Completion, from [DONE] or the end of the stream
+
+    def _payloads(self, items):
+        for kind, data in items:
+            if self.done is not None:
+                return
+            if kind != "message":
+                raise AssertionError("unexpected SSE event type %r" % kind)
+            if data == "[DONE]":
+                self.done = self.asm.completion()
+                return
+            self.events += self.asm.feed(data)
+
+    def feed(self, data):
+        if self.done is not None:
+            return
+        for piece in self.reader.feed(data):
+            self._payloads(self.sse.feed(piece))
+
+    def end(self):
+        if self.done is None:
+            self.reader.feed_eof()
+            self._payloads(self.sse.close())
+        if self.done is None:
+            self.done = self.asm.completion()
+
+
+def _p_pipe_outcome(pieces, **kw):
+    """("ok", events, completion) or ("raised", events delivered first, error class)."""
+    pipe = _p_Pipe(**kw)
+    try:
+        for piece in pieces:
+            pipe.feed(piece)
+        pipe.end()
+    except lc.LoopError as exc:
+        return ("raised", pipe.events, type(exc))
+    return ("ok", pipe.events, pipe.done)
+
+
+def _p_check_pipe(test, data, expect, every=True, sample=300, **kw):
+    """Every way of splitting ``data`` (whole, byte by byte, at each offset, at random sets of offsets) gives
+    ``expect`` exactly."""
+    tried = 0
+    for label, pieces in _p_stream_splittings(data, every, sample):
+        got = _p_pipe_outcome(pieces, **kw)
+        tried += 1
+        if got != expect:
+            test.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 2000), _p_short(expect, 2000)))
+    return tried
+
+
+# -----------------------------------------------------------------------------------------------------
+# Everything llama-server streams: choices, log probabilities, prompt progress, raw chunks.  Synthetic
+# streams in the real server's shape, fed through ResponseReader -> SSEDecoder -> Assembler whole, byte by
+# byte, split at every offset and at random sets of offsets.
+# -----------------------------------------------------------------------------------------------------
+
+
+def _p_choice(index=0, delta=None, finish=None, logprobs=None):
+    """One entry of ``choices`` in llama-server's key order; ``index=None`` leaves the index out."""
+    choice = {"finish_reason": finish}
+    if index is not None:
+        choice["index"] = index
+    choice["delta"] = {} if delta is None else delta
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    return choice
+
+
+def _p_chunk(*choices, extra=None):
+    doc = {
+        "choices": list(choices),
+        "created": 1796072537,
+        "id": CID,
+        "model": MODEL,
+        "system_fingerprint": "b0-unknown",
+        "object": "chat.completion.chunk",
+    }
+    doc.update(extra or {})
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _p_role(index=0, extra=None):
+    return _p_chunk(_p_choice(index, {"role": "assistant", "content": None}), extra=extra)
+
+
+def _p_text(index, text, what="content", logprobs=None):
+    return _p_chunk(_p_choice(index, {what: text}, logprobs=logprobs))
+
+
+def _p_finish(index, reason="stop", extra=None):
+    return _p_chunk(_p_choice(index, {}, reason), extra=extra)
+
+
+def _p_usage(extra=None):
+    return _p_chunk(extra=dict({"usage": USAGE, "timings": TIMINGS}, **(extra or {})))
+
+
+def _p_progress(processed, total=230, cache=0, time_ms=0, index=0):
+    progress = {"total": total, "cache": cache, "processed": processed, "time_ms": time_ms}
+    return _p_role(index, extra={"prompt_progress": progress})
+
+
+def _p_http(payloads, done=True):
+    """A whole streamed response: the payloads as SSE events grouped 1, 2, 3, 1, ... per HTTP chunk."""
+    events = [sse(p) for p in payloads] + ([b"data: [DONE]\n\n"] if done else [])
+    bodies, i, n = [], 0, 0
+    while i < len(events):
+        n = n % 3 + 1
+        bodies.append(b"".join(events[i : i + n]))
+        i += n
+    return STREAM_HEAD + chunked(*bodies) + b"0\r\n\r\n"
+
+
+def _p_completion(choices, usage=USAGE, timings=TIMINGS, reasoning_tokens=0):
+    first = choices[0]
+    return lc.Completion(
+        id=CID,
+        model=MODEL,
+        content=first.content,
+        reasoning=first.reasoning,
+        tool_calls=first.tool_calls,
+        finish_reason=first.finish_reason,
+        usage=usage,
+        timings=timings,
+        reasoning_tokens=reasoning_tokens,
+        choices=choices,
+    )
+
+
+def _p_lp(token, logprob, *tops):
+    """A log-probability entry as llama-server writes it; ``tops`` are (token, logprob) pairs."""
+    entry = {"id": len(token), "token": token, "bytes": list(token.encode()), "logprob": logprob}
+    entry["top_logprobs"] = [{"id": len(t), "token": t, "bytes": list(t.encode()), "logprob": p} for t, p in tops]
+    return entry
+
+
+class TestParserChoices(unittest.TestCase):
+    def test_two_interleaved_choices_tool_calls_in_one(self):
+        payloads = [
+            _p_role(0),
+            _p_role(1),
+            _p_text(0, "It is"),
+            _p_chunk(_p_choice(1, {"tool_calls": [_p_tool(0, "call-A", "get_weather", '{"ci')]})),
+            _p_text(0, " sunny"),
+            _p_chunk(_p_choice(1, {"tool_calls": [_p_tool(0, None, None, 'ty": "Paris"}')]})),
+            _p_chunk(_p_choice(1, {"tool_calls": [_p_tool(1, "call-B", "get_time", "{}")]})),
+            _p_finish(0, "stop"),
+            _p_finish(1, "tool_calls"),
+            _p_usage(),
+        ]
+        events = [
+            lc.Content("It is", 0),
+            lc.ToolCall(0, "call-A", "get_weather", '{"ci', 1),
+            lc.Content(" sunny", 0),
+            lc.ToolCall(0, None, None, 'ty": "Paris"}', 1),
+            lc.ToolCall(1, "call-B", "get_time", "{}", 1),
+        ]
+        calls = [
+            lc.ToolCallResult("call-A", "get_weather", '{"city": "Paris"}'),
+            lc.ToolCallResult("call-B", "get_time", "{}"),
+        ]
+        choices = (
+            lc.Choice(0, "It is sunny", "", [], "stop", None),
+            lc.Choice(1, "", "", calls, "tool_calls", None),
+        )
+        _p_check_pipe(self, _p_http(payloads), ("ok", events, _p_completion(choices)))
+
+    def test_three_interleaved_choices_one_finishes_early(self):
+        payloads = [_p_role(0), _p_role(1), _p_role(2)]
+        payloads += [_p_text(1, "hm", "reasoning_content"), _p_text(2, "No."), _p_finish(2, "stop")]
+        payloads += [_p_text(0, "Yes"), _p_text(1, "Maybe"), _p_text(0, ", yes."), _p_text(1, " not.")]
+        payloads += [_p_finish(1, "length"), _p_finish(0, "stop")]
+        events = [
+            lc.Reasoning("hm", 1),
+            lc.Content("No.", 2),
+            lc.Content("Yes", 0),
+            lc.Content("Maybe", 1),
+            lc.Content(", yes.", 0),
+            lc.Content(" not.", 1),
+        ]
+        choices = (
+            lc.Choice(0, "Yes, yes.", "", [], "stop", None),
+            lc.Choice(1, "Maybe not.", "hm", [], "length", None),
+            lc.Choice(2, "No.", "", [], "stop", None),
+        )
+        done = _p_completion(choices, usage=None, timings=None, reasoning_tokens=1)
+        _p_check_pipe(self, _p_http(payloads), ("ok", events, done))
+        # also when the last finish is followed by nothing at all: a clean end after every finish_reason
+        _p_check_pipe(self, _p_http(payloads, done=False), ("ok", events, done), every=False)
+
+    def test_two_choices_in_one_chunk_never_mix(self):
+        both = _p_chunk(
+            _p_choice(1, {"content": "b", "tool_calls": [_p_tool(0, "y", "g", "[")]}),
+            _p_choice(0, {"content": "a", "tool_calls": [_p_tool(0, "x", "f", "{")]}),
+        )
+        ends = _p_chunk(_p_choice(0, {"tool_calls": [_p_tool(0, args="}")]}, "tool_calls"), _p_choice(1, {}, "stop"))
+        events = [
+            lc.Content("b", 1),
+            lc.ToolCall(0, "y", "g", "[", 1),
+            lc.Content("a", 0),
+            lc.ToolCall(0, "x", "f", "{", 0),
+            lc.ToolCall(0, None, None, "}", 0),
+        ]
+        choices = (
+            lc.Choice(0, "a", "", [lc.ToolCallResult("x", "f", "{}")], "tool_calls", None),
+            lc.Choice(1, "b", "", [lc.ToolCallResult("y", "g", "[")], "stop", None),
+        )
+        _p_check_pipe(self, _p_http([both, ends]), ("ok", events, _p_completion(choices, None, None)))
+
+    def test_stream_ending_before_every_choice_finished(self):
+        payloads = [_p_role(0), _p_role(1), _p_text(0, "a"), _p_text(1, "b"), _p_finish(0, "stop"), _p_text(1, "c")]
+        events = [lc.Content("a", 0), lc.Content("b", 1), lc.Content("c", 1)]
+        for done in (True, False):
+            with self.subTest(done=done):
+                _p_check_pipe(self, _p_http(payloads, done), ("raised", events, lc.StreamClosedError))
+        asm, _ = _p_feed_payloads(payloads)
+        with self.assertRaises(lc.StreamClosedError) as cm:
+            asm.completion()
+        self.assertIn("choice 1 ", str(cm.exception))
+        # no finish_reason at all: the message of a single choice that never finished
+        asm, _ = _p_feed_payloads(payloads[:4])
+        with self.assertRaisesRegex(lc.StreamClosedError, "ended without a finish_reason"):
+            asm.completion()
+
+    def test_missing_or_null_index_is_zero(self):
+        payloads = [
+            _p_chunk(_p_choice(None, {"content": "a"})),
+            json.dumps({"choices": [{"index": None, "delta": {"content": "b"}}], "id": CID}),
+            _p_text(0, "c"),
+            _p_finish(None, "stop"),
+        ]
+        asm, events = _p_feed_payloads(payloads)
+        self.assertEqual(events, [lc.Content("a"), lc.Content("b"), lc.Content("c")])
+        self.assertEqual(asm.completion().choices, (lc.Choice(0, "abc", "", [], "stop", None),))
+
+    def test_index_not_an_integer_is_protocol_error(self):
+        for index in ("0", 0.0, 1.5, True, False, [0], {}):
+            payload = json.dumps({"choices": [{"index": index, "delta": {"content": "x"}}], "id": CID})
+            with self.subTest(index=index):
+                asm = lc.Assembler()
+                asm.feed(_p_text(0, "warm"))  # the fast path is on
+                with self.assertRaises(lc.ProtocolError):
+                    asm.feed(payload)
+
+    def test_lowest_index_gives_the_completion_fields(self):
+        payloads = [_p_text(5, "five"), _p_text(2, "two"), _p_finish(5, "length"), _p_finish(2, "stop")]
+        asm, events = _p_feed_payloads(payloads)
+        self.assertEqual(events, [lc.Content("five", 5), lc.Content("two", 2)])
+        self.assertEqual((asm.content, asm.finish_reason), ("two", "stop"))
+        done = asm.completion()
+        self.assertEqual([c.index for c in done.choices], [2, 5])
+        self.assertEqual((done.content, done.finish_reason, done.logprobs), ("two", "stop", None))
+        self.assertEqual(done, _p_completion(done.choices, None, None))
+
+    def test_a_choice_appears_with_a_role_only_chunk(self):
+        asm, events = _p_feed_payloads([_p_role(0), _p_role(1), _p_text(0, "a"), _p_finish(0, "stop")])
+        self.assertEqual(events, [lc.Content("a")])
+        with self.assertRaisesRegex(lc.StreamClosedError, "choice 1 "):
+            asm.completion()
+
+
+class TestParserLogprobs(unittest.TestCase):
+    def test_entries_appended_in_order_per_choice(self):
+        lp = [_p_lp("<", -2.1, ("Is", -1.4)), _p_lp("is", -2.5, ("\n", -1.4)), _p_lp(" the", -0.7, (" the", -0.7))]
+        lp += [_p_lp("ok", -0.1, ("ok", -0.1)), _p_lp("!", -3.0, (".", -0.2))]
+        payloads = [
+            # llama-server puts the entry of a token it hides (the <think> tag's first piece) on the role chunk
+            _p_chunk(_p_choice(0, {"role": "assistant", "content": None}, logprobs={"content": [lp[0]]})),
+            _p_role(1),
+            _p_text(0, "is", "reasoning_content", {"content": [lp[1]]}),
+            _p_text(1, "ok", logprobs={"content": [lp[3]]}),
+            _p_text(0, " the", "reasoning_content", {"content": [lp[2]], "reasoning_content": [lp[2], lp[1]]}),
+            _p_chunk(_p_choice(0, {"content": "!"}, logprobs={"content": [lp[4]], "future": 1}, finish="stop")),
+            _p_chunk(_p_choice(1, {}, logprobs={"content": [], "reasoning_content": None}, finish="stop")),
+            _p_usage(),
+        ]
+        events = [lc.Reasoning("is", 0), lc.Content("ok", 1), lc.Reasoning(" the", 0), lc.Content("!", 0)]
+        choices = (
+            lc.Choice(0, "!", "is the", [], "stop", [lp[0], lp[1], lp[2], lp[4]], [lp[2], lp[1]]),
+            lc.Choice(1, "ok", "", [], "stop", [lp[3]], None),
+        )
+        done = _p_completion(choices, reasoning_tokens=2)
+        _p_check_pipe(self, _p_http(payloads), ("ok", events, done))
+        self.assertEqual(done.logprobs, [lp[0], lp[1], lp[2], lp[4]])
+
+    def test_none_when_never_sent_empty_list_when_sent_empty(self):
+        asm, _ = _p_feed_payloads([_p_text(0, "a", logprobs=None), _p_finish(0)])
+        self.assertEqual((asm.completion().logprobs, asm.completion().choices[0].reasoning_logprobs), (None, None))
+        payload = _p_chunk(_p_choice(0, {"content": "a"}, logprobs={"content": None, "reasoning_content": None}))
+        asm, _ = _p_feed_payloads([payload, _p_finish(0)])
+        self.assertEqual((asm.completion().logprobs, asm.completion().choices[0].reasoning_logprobs), (None, None))
+        payload = _p_chunk(_p_choice(0, {"content": "a"}, logprobs={"content": [], "reasoning_content": []}))
+        asm, _ = _p_feed_payloads([payload, _p_finish(0)])
+        self.assertEqual((asm.completion().logprobs, asm.completion().choices[0].reasoning_logprobs), ([], []))
+
+    def test_malformed_log_probabilities_are_protocol_errors(self):
+        for logprobs in ([], "x", 1, {"content": {}}, {"content": "x"}, {"content": [1]}, {"reasoning_content": [[]]}):
+            payload = _p_chunk(_p_choice(0, {"content": "a"}, logprobs=logprobs))
+            with self.subTest(logprobs=logprobs), self.assertRaises(lc.ProtocolError):
+                _p_feed_payloads([_p_text(0, "warm"), payload])
+
+
+class TestParserProgress(unittest.TestCase):
+    def test_progress_chunks_before_the_first_token(self):
+        # as llama-server sends them: an empty assistant delta and prompt_progress, first at 0 of the total
+        payloads = [_p_progress(p, 230, 0, t) for p, t in ((0, 0), (1, 35), (65, 118), (226, 362), (230, 399))]
+        payloads += [_p_role(0), _p_text(0, "The"), _p_text(0, " end"), _p_finish(0, "length"), _p_usage()]
+        events = [lc.Progress(p, 230, 0, float(t)) for p, t in ((0, 0), (1, 35), (65, 118), (226, 362), (230, 399))]
+        events += [lc.Content("The"), lc.Content(" end")]
+        done = _p_completion((lc.Choice(0, "The end", "", [], "length", None),))
+        _p_check_pipe(self, _p_http(payloads), ("ok", events, done))
+        got = _p_pipe_outcome([_p_http(payloads)])[1][0]
+        self.assertIs(type(got.time_ms), float)
+        self.assertIs(type(got.processed), int)
+
+    def test_progress_with_cache_and_float_time(self):
+        asm = lc.Assembler()
+        payload = _p_chunk(
+            extra={"prompt_progress": {"total": 8000, "cache": 1234, "processed": 1300, "time_ms": 15.5}}
+        )
+        self.assertEqual(asm.feed(payload), [lc.Progress(1300, 8000, 1234, 15.5)])
+
+    def test_missing_fields(self):
+        def progress(**fields):
+            return lc.Assembler().feed(_p_chunk(extra={"prompt_progress": fields}))
+
+        self.assertEqual(progress(total=10, processed=3), [lc.Progress(3, 10, 0, 0.0)])
+        self.assertEqual(progress(total=10, processed=3, cache=None, time_ms=None), [lc.Progress(3, 10, 0, 0.0)])
+        self.assertEqual(progress(total=10, processed=3, future=[1], cache=2), [lc.Progress(3, 10, 2, 0.0)])
+        # without what it is about, a progress object gives no event (and no error)
+        self.assertEqual(progress(total=10, cache=1, time_ms=2), [])
+        self.assertEqual(progress(processed=3), [])
+        self.assertEqual(progress(), [])
+        self.assertEqual(lc.Assembler().feed(_p_chunk(extra={"prompt_progress": None})), [])
+
+    def test_malformed_progress_is_protocol_error(self):
+        good = {"total": 10, "cache": 0, "processed": 3, "time_ms": 5}
+        bad = [[], "x", 1, {"processed": "3", "total": 10}, {"processed": 3, "total": True}]
+        bad += [dict(good, cache=0.5), dict(good, time_ms="5"), dict(good, time_ms=False), dict(good, time_ms=10**400)]
+        bad += [dict(good, total=None, processed=[3])]
+        for progress in bad:
+            with self.subTest(progress=progress), self.assertRaises(lc.ProtocolError):
+                lc.Assembler().feed(_p_chunk(extra={"prompt_progress": progress}))
+
+    def test_progress_then_error_delivers_the_progress(self):
+        payloads = [_p_progress(0, 100), _p_progress(50, 100, time_ms=80)]
+        data = _p_http(payloads, done=False)
+        data = data[: -len(b"0\r\n\r\n")] + chunked(
+            sse('{"error":{"code":503,"message":"busy","type":"unavailable_error"}}')
+        )
+        events = [lc.Progress(0, 100, 0, 0.0), lc.Progress(50, 100, 0, 80.0)]
+        _p_check_pipe(self, data + b"0\r\n\r\n", ("raised", events, lc.ServerError))
+
+
+class TestParserRawChunks(unittest.TestCase):
+    def test_every_payload_gives_its_chunk_first(self):
+        payloads = [_p_progress(0, 4), _p_role(0), _p_role(1), _p_text(0, "a"), _p_text(1, "b")]
+        payloads += [_p_finish(1), _p_finish(0), _p_usage()]
+        derived = {
+            0: [lc.Progress(0, 4, 0, 0.0)],
+            3: [lc.Content("a", 0)],
+            4: [lc.Content("b", 1)],
+        }
+        events = []
+        for i, payload in enumerate(payloads):
+            events.append(lc.Chunk(json.loads(payload)))
+            events += derived.get(i, [])
+        choices = (lc.Choice(0, "a", "", [], "stop", None), lc.Choice(1, "b", "", [], "stop", None))
+        done = _p_completion(choices)
+        _p_check_pipe(self, _p_http(payloads), ("ok", events, done), raw_chunks=True)
+        # without raw_chunks, no Chunk is built and the rest is the same
+        plain = [e for e in events if type(e) is not lc.Chunk]
+        _p_check_pipe(self, _p_http(payloads), ("ok", plain, done), every=False)
+
+    def test_the_hot_path_with_raw_chunks(self):
+        asm = lc.Assembler(raw_chunks=True)
+        self.assertTrue(asm.raw_chunks)
+        for word in ("one", " two", " three"):
+            payload = _p_text(0, word)
+            self.assertEqual(asm.feed(payload), [lc.Chunk(json.loads(payload)), lc.Content(word)])
+        self.assertFalse(lc.Assembler().raw_chunks)
+
+    def test_error_payload_raises_without_a_chunk(self):
+        asm = lc.Assembler(raw_chunks=True)
+        with self.assertRaises(lc.ServerError):
+            asm.feed('{"error":{"code":500,"message":"boom","type":"server_error"}}')
+
+
+class TestParserUnknownFields(unittest.TestCase):
+    def test_unknown_fields_at_every_level_are_ignored(self):
+        tool = dict(_p_tool(0, "c", "f", "{}"), extra={"x": 1})
+        tool["function"]["strict"] = True
+        payloads = [
+            _p_chunk(
+                dict(_p_choice(0, {"role": "assistant", "content": None, "refusal": None}), future=[1]),
+                extra={"prompt_progress": {"total": 2, "processed": 1, "cache": 0, "time_ms": 1, "batch": 9}, "x": {}},
+            ),
+            _p_chunk(
+                dict(_p_choice(0, {"content": "a", "audio": {}}, logprobs={"content": [{"t": 1}], "refusal": []}), y=2)
+            ),
+            _p_chunk(_p_choice(0, {"tool_calls": [tool], "annotations": []}), extra={"service_tier": "x"}),
+            _p_finish(0, "tool_calls", extra={"timings": {"new": 1}, "usage": {"n": 2}, "z": None}),
+        ]
+        events = [lc.Progress(1, 2, 0, 1.0), lc.Content("a"), lc.ToolCall(0, "c", "f", "{}")]
+        choice = lc.Choice(0, "a", "", [lc.ToolCallResult("c", "f", "{}")], "tool_calls", [{"t": 1}])
+        done = _p_completion((choice,), {"n": 2}, {"new": 1})
+        _p_check_pipe(self, _p_http(payloads), ("ok", events, done))
+
+
+# The fast path (one choice, index 0, a text-only delta) and the general path must agree on everything.
+
+
+def _p_general_feed(asm, payload):
+    """Feed ``payload`` to the general path alone (the fast path skipped)."""
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        raise lc.ProtocolError("invalid JSON") from None
+    if type(doc) is not dict:
+        raise lc.ProtocolError("not an object")
+    return asm._feed(doc, payload)
+
+
+def _p_random_payload(rng, words):
+    def pick(*options):
+        return options[rng.randrange(len(options))]
+
+    def delta():
+        return pick(
+            {"content": rng.choice(words)},
+            {"content": rng.choice(words)},
+            {"reasoning_content": rng.choice(words)},
+            {"content": ""},
+            {"reasoning_content": ""},
+            {"content": None},
+            {"role": "assistant", "content": None},
+            {"content": rng.choice(words), "reasoning_content": rng.choice(words)},
+            {"content": rng.choice(words), "future": 1},
+            {"tool_calls": [_p_tool(rng.randrange(3), pick(None, "id"), pick(None, "f"), rng.choice(words))]},
+            {},
+            {"content": 5},
+            {"reasoning_content": ["x"]},
+            [],
+            None,
+            "text",
+        )
+
+    def choice():
+        entry = {}
+        if rng.random() < 0.9:
+            entry["index"] = pick(0, 0, 0, 0, 0, None, 1, 2, -1, "0", 0.0, False, True)
+        if rng.random() < 0.95:
+            entry["delta"] = delta()
+        roll = rng.random()
+        if roll < 0.8:
+            entry["finish_reason"] = None
+        elif roll < 0.9:
+            entry["finish_reason"] = pick("stop", "length", 1, "")
+        if rng.random() < 0.15:
+            entry["logprobs"] = pick(
+                None, {}, {"content": [{"token": "t"}]}, {"reasoning_content": []}, {"content": 1}, "x"
+            )
+        return entry if rng.random() < 0.98 else pick([], "x", None)
+
+    doc = {}
+    roll = rng.random()
+    if roll < 0.85:
+        doc["choices"] = [choice()]
+    elif roll < 0.93:
+        doc["choices"] = [choice() for _ in range(rng.randint(0, 3))]
+    elif roll < 0.96:
+        doc["choices"] = pick(None, {}, "x", 0)
+    if rng.random() < 0.9:
+        doc["id"] = pick(CID, CID, CID, "other", 5)
+    if rng.random() < 0.5:
+        doc["model"] = pick(MODEL, None, 1)
+    doc["object"] = "chat.completion.chunk"
+    for key, values in (
+        ("usage", ({"total_tokens": 3}, None, [1])),
+        ("timings", ({"predicted_n": 1}, None, "x")),
+        ("prompt_progress", ({"total": 9, "processed": 1, "cache": 0, "time_ms": 2}, None, {"total": "x"}, [])),
+        ("error", ({"code": 500, "message": "m"}, "plain")),
+        ("future", ({"x": 1}, None)),
+    ):
+        if rng.random() < (0.01 if key == "error" else 0.05):
+            doc[key] = pick(*values)
+    if rng.random() < 0.02:
+        return pick("[1]", "null", '"x"', "{", "")
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=rng.random() < 0.5)
+
+
+class TestAssemblerPaths(unittest.TestCase):
+    def run_both(self, payloads, raw_chunks=False):
+        """The same payloads through feed() (fast path where it applies) and through the general path
+        alone: every step's events or error, the state the thinking cap reads, and the completion."""
+        fast, general = lc.Assembler(raw_chunks), lc.Assembler(raw_chunks)
+        fast_steps = 0
+        for payload in payloads:
+            fast_steps += fast._fast
+            results = []
+            for feed in (fast.feed, lambda p: _p_general_feed(general, p)):
+                try:
+                    results.append(("events", feed(payload)))
+                except lc.LoopError as exc:
+                    results.append(("raised", type(exc)))
+            self.assertEqual(results[0], results[1], payload)
+            for name in ("id", "model", "usage", "timings", "reasoning_tokens", "in_reasoning", "content", "reasoning"):
+                self.assertEqual(getattr(fast, name), getattr(general, name), (name, payload))
+            self.assertEqual(fast.finish_reason, general.finish_reason)
+            if results[0][0] == "raised":
+                return fast_steps
+        outcomes = []
+        for asm in (fast, general):
+            try:
+                outcomes.append(asm.completion())
+            except lc.LoopError as exc:
+                outcomes.append(type(exc))
+        self.assertEqual(outcomes[0], outcomes[1])
+        return fast_steps
+
+    def test_fast_and_general_paths_agree(self):
+        words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']
+        rng = random.Random(20240611)
+        fast_steps = 0
+        for trial in range(3000):
+            payloads = [_p_role(0)] if rng.random() < 0.7 else []
+            payloads += [_p_random_payload(rng, words) for _ in range(rng.randint(1, 16))]
+            with self.subTest(trial=trial):
+                fast_steps += self.run_both(payloads, raw_chunks=rng.random() < 0.1)
+        self.assertGreater(fast_steps, 3000)  # the fast path was on for many of the payloads
+
+    def test_fast_and_general_paths_agree_on_real_streams(self):
+        payloads = [_p_role(0)] + [
+            _p_text(0, w, what) for w in ("x", "", " y") for what in ("content", "reasoning_content")
+        ]
+        payloads += [_p_text(0, "z", logprobs={"content": [_p_lp("z", -1.0)]}), _p_text(None, "n"), _p_text(1, "one")]
+        payloads += [_p_chunk(_p_choice(0, {"content": "p"}), extra={"prompt_progress": {"total": 1, "processed": 1}})]
+        payloads += [_p_finish(1), _p_text(0, "w"), _p_finish(0), _p_usage()]
+        self.assertGreater(self.run_both(payloads), 5)
+        self.assertEqual(self.run_both(payloads, raw_chunks=True), 0)  # a Chunk per payload: never the fast path
+
+
+# -----------------------------------------------------------------------------------------------------
 # The fake server: a real Unix (or TCP) socket, one thread per connection, scripted by path
 # -----------------------------------------------------------------------------------------------------
 

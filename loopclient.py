@@ -751,8 +751,11 @@ _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 
 
 def _parse_status_line(line: bytes) -> List[bytes]:
-    """[version, code, reason?] of a status line; ``ProtocolError`` when it is not HTTP/1.x NNN."""
-    status_line = line.rstrip(b"\r")
+    """[version, code, reason?] of a status line (its LF gone, a CR before it allowed); ``ProtocolError``
+    when it is not HTTP/1.x NNN or holds a NUL, a bare CR, a vertical tab or a form feed."""
+    status_line = line[:-1] if line.endswith(b"\r") else line
+    if _has_bad_controls(status_line):
+        raise ProtocolError("a NUL, bare CR, VT or FF in the status line %r" % status_line[:80])
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise ProtocolError("malformed status line %r" % status_line[:80])
@@ -762,17 +765,38 @@ def _parse_status_line(line: bytes) -> List[bytes]:
     return parts
 
 
+def _has_bad_controls(text: bytes) -> bool:
+    """A NUL, a CR, a vertical tab or a form feed: what RFC 9112 lets no head line hold (other control bytes
+    are tolerated in a reason phrase or a header value, as h11 does: real-world cookies carry them)."""
+    return b"\0" in text or b"\r" in text or b"\x0b" in text or b"\x0c" in text
+
+
 def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
-    """Parse a head block (without its blank line).  Bare LF line ends are accepted."""
+    """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.
+
+    An obsolete folded line (starting with SP or HTAB) continues the previous header's value, joined by one
+    space (RFC 9112 section 5.2); a fold right after the status line is ``ProtocolError``.  Folded lines
+    count as header lines for ``max_headers``.
+    """
     lines = block.split(b"\n")
     if len(lines) - 1 > max_headers:
         raise ProtocolError("response has more than %d header lines" % max_headers)
     parts = _parse_status_line(lines[0])
     code = parts[1]
     reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
-    headers = []
+    headers = []  # type: List[Tuple[str, str]]
     for raw in lines[1:]:
         line = raw[:-1] if raw.endswith(b"\r") else raw
+        if _has_bad_controls(line):
+            raise ProtocolError("a NUL, bare CR, VT or FF in the header line %r" % line[:80])
+        if line.startswith((b" ", b"\t")):
+            if not headers:
+                raise ProtocolError("a folded header line right after the status line: %r" % line[:80])
+            more = line.strip(b" \t").decode("latin-1")
+            if more:
+                key, text = headers[-1]
+                headers[-1] = (key, text + " " + more if text else more)
+            continue
         colon = line.find(b":")
         if colon <= 0:
             raise ProtocolError("malformed header line %r" % line[:80])
@@ -780,8 +804,6 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
         if not _TOKEN_CHARS.issuperset(name):
             raise ProtocolError("malformed header name %r" % name[:80])
         value = line[colon + 1 :].strip(b" \t")
-        if b"\r" in value or b"\0" in value:
-            raise ProtocolError("header %r holds a CR or NUL" % name[:80])
         headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
     return ResponseHead(parts[0].decode("ascii"), int(code), reason, headers)
 
@@ -944,7 +966,9 @@ class ResponseReader:
     is ``Transfer-Encoding: chunked``, ``Content-Length`` or read-until-close, picked from the head.
     ``feed_eof()`` tells the reader the connection closed: a head or body cut short is
     ``StreamClosedError``.  Malformed input, or a head over ``max_head`` bytes or ``max_headers`` lines,
-    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given.
+    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given.  The head follows RFC 9112 as a
+    user agent reads it: lines end in CRLF or a bare LF, an obsolete folded line is unfolded, a NUL, bare
+    CR, VT or FF in the status line or a header is refused.
     """
 
     __slots__ = ("head", "_buf", "_scan", "_lines", "_body", "_max_head", "_max_headers", "_max_body", "_received")
@@ -995,16 +1019,15 @@ class ResponseReader:
             start = max(0, self._scan - 3)
             end = _find_head_end(buf, start)
             if end is None:
-                over = len(buf) - self._max_head
-                # up to 3 bytes past the cap may be the start of the blank line that ends the head
-                if over > 0 and (over > 3 or buf[self._max_head :].strip(b"\r\n")):
+                if len(buf) - _head_end_begun(buf) > self._max_head:
                     raise ProtocolError("response head is longer than %d bytes" % self._max_head)
                 if self._lines > self._max_headers + 1:
                     raise ProtocolError("response has more than %d header lines" % self._max_headers)
                 self._scan = len(buf)
                 return b""
             block_end, body_start = end
-            if block_end > self._max_head:
+            # the cap counts the status line and header lines, not the line ends after the last of them
+            if block_end - (buf[block_end - 1] == 13) > self._max_head:
                 raise ProtocolError("response head is longer than %d bytes" % self._max_head)
             head = _parse_head(bytes(buf[:block_end]), self._max_headers)
             rest = bytes(buf[body_start:])
@@ -1051,15 +1074,28 @@ class ResponseReader:
 
 
 def _find_head_end(buf: bytearray, start: int) -> Optional[Tuple[int, int]]:
-    """(end of head block, start of body) or None.  CRLF CRLF or, leniently, LF LF."""
-    crlf = buf.find(b"\r\n\r\n", start)
+    """(end of the head block, start of the body), or None: the head ends at the first empty line, whatever
+    mix of CRLF and bare LF ends it and the line before (``\\r\\n\\r\\n``, ``\\n\\n``, ``\\r\\n\\n``,
+    ``\\n\\r\\n``).  The block keeps its last line's CR, if any, and drops its LF."""
     lf = buf.find(b"\n\n", start)
-    if crlf < 0 and lf < 0:
+    crlf = buf.find(b"\n\r\n", start, lf + 1 if lf >= 0 else len(buf))
+    if crlf >= 0:
+        lf, body = crlf, crlf + 3
+    elif lf >= 0:
+        body = lf + 2
+    else:
         return None
-    if lf < 0 or (0 <= crlf < lf):
-        return crlf, crlf + 4
-    # "\r\n\n" is also an end: the block is everything before the first of the two newlines
-    return lf, lf + 2
+    return lf, body
+
+
+def _head_end_begun(buf: bytearray) -> int:
+    """How many bytes at the end of an unfinished head may be the start of the line ends that finish it: its
+    last line's CR and LF, the blank line's CR.  They are not counted against ``max_head``."""
+    if buf.endswith(b"\r\n\r"):
+        return 3
+    if buf.endswith((b"\r\n", b"\n\r")):
+        return 2
+    return 1 if buf.endswith((b"\r", b"\n")) else 0
 
 
 def parse_error_envelope(body: bytes) -> Tuple[str, Any]:

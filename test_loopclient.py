@@ -1542,6 +1542,140 @@ class TestParserRandomSplits(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
+# RFC 9112 as a user agent reads a head: line ends, obsolete folding, control bytes, caps at every split
+# -----------------------------------------------------------------------------------------------------
+
+
+class TestParserHeadRules(unittest.TestCase):
+    def check(self, data, expect=None, reader=lambda: lc.ResponseReader(), **kw):
+        kw.setdefault("end", _p_eof)
+        if kw.get("raises") is None:
+            kw.setdefault("state", _p_reader_state)
+        return _p_check_feeds(self, reader, data, expect, join=True, **kw)
+
+    def test_head_ends_at_the_first_empty_line_whatever_the_line_ends(self):
+        ends = (b"\r\n", b"\n")
+        headers = [("x-a", "1"), ("content-length", "2")]
+        for status_end in ends:
+            for a_end in ends:
+                for cl_end in ends:
+                    for blank in ends:
+                        data = b"HTTP/1.1 200 OK" + status_end + b"X-A: 1" + a_end + b"Content-Length: 2" + cl_end
+                        data += blank + b"ok"
+                        with self.subTest(data=data):
+                            self.check(data, (b"ok", ("HTTP/1.1", 200, "OK", headers, True)), pairs_upto=0)
+
+    def test_crlf_then_lf_and_lf_then_crlf(self):
+        state = ("HTTP/1.1", 200, "OK", [("content-length", "3")], True)
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\nabc", (b"abc", state))
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3\n\r\nabc", (b"abc", state))
+        # the body starts right after the empty line: a CR or LF there is body
+        self.check(b"HTTP/1.1 200 OK\r\nContent-Length: 3\n\r\n\r\nx", (b"\r\nx", state))
+        self.check(b"HTTP/1.1 200 OK\nContent-Length: 3\n\n\nab", (b"\nab", state))
+        # an empty head (no header line): the status line's end, then the empty line
+        for end in (b"\r\n\r\n", b"\r\n\n", b"\n\r\n", b"\n\n"):
+            with self.subTest(end=end):
+                self.check(b"HTTP/1.0 200 OK" + end + b"xy", (b"xy", ("HTTP/1.0", 200, "OK", [], True)))
+
+    def test_interim_response_ended_by_mixed_line_ends(self):
+        data = b"HTTP/1.1 100 Continue\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 1\r\n\nz"
+        self.check(data, (b"z", ("HTTP/1.1", 200, "OK", [("content-length", "1")], True)), pairs_upto=0)
+
+    def test_obsolete_folding_unfolded_with_one_space(self):
+        data = (
+            b"HTTP/1.1 200 OK\r\nX-A: one\r\n  two \r\n\tthree\r\nX-Empty:\r\n folded\r\n"
+            b"X-Blank: b\r\n \t \r\nContent-Length: 0\r\n\r\n"
+        )
+        headers = [("x-a", "one two three"), ("x-empty", "folded"), ("x-blank", "b"), ("content-length", "0")]
+        self.check(data, (b"", ("HTTP/1.1", 200, "OK", headers, True)), pairs_upto=0)
+        self.check(
+            b"HTTP/1.1 200 OK\nX-A: a\n\tb\nContent-Length: 0\n\n",
+            (b"", ("HTTP/1.1", 200, "OK", [("x-a", "a b"), ("content-length", "0")], True)),
+        )
+
+    def test_folded_line_right_after_the_status_line(self):
+        for fold in (b" X-A: a", b"\tX-A: a", b" "):
+            data = b"HTTP/1.1 200 OK\r\n" + fold + b"\r\nContent-Length: 0\r\n\r\n"
+            with self.subTest(fold=fold):
+                self.check(data, raises=lc.ProtocolError, at=(17, len(data) - 1), pairs_upto=0)
+
+    def test_folded_lines_count_as_header_lines(self):
+        def head(n):  # the status line and n header lines, one of them folded
+            return b"HTTP/1.1 200 OK\r\nX-A: a\r\n b\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(n - 2))
+
+        data = head(100) + b"Content-Length: 0\r\n\r\n"
+        self.check(data, raises=lc.ProtocolError, sample=100, hot=(len(head(100)),))
+        data = head(99) + b"Content-Length: 0\r\n\r\n"
+        headers = [("x-a", "a b")] + [("x-%d" % i, "v") for i in range(97)] + [("content-length", "0")]
+        self.check(data, (b"", ("HTTP/1.1", 200, "OK", headers, True)), sample=100, hot=(len(head(99)),))
+
+    def test_nul_bare_cr_ff_vt_refused_in_the_status_line(self):
+        for bad in (b"\x00", b"\r", b"\x0c", b"\x0b"):
+            for line in (b"HTTP/1.1 200 O" + bad + b"K", b"HTTP/1.1 200 OK" + bad, b"HTTP/1.1 200" + bad):
+                data = line + b"\r\nContent-Length: 0\r\n\r\n"
+                with self.subTest(line=line):
+                    # refused as soon as the status line is whole, before the head ends
+                    self.check(data, raises=lc.ProtocolError, at=len(line) + 1, pairs_upto=0)
+
+    def test_nul_bare_cr_ff_vt_refused_in_a_header(self):
+        for bad in (b"\x00", b"\r", b"\x0c", b"\x0b"):
+            for line in (b"X-A: a" + bad + b"b", b"X-A: " + bad, b"X-A" + bad + b": a", b"X-A: a" + bad):
+                data = b"HTTP/1.1 200 OK\r\n" + line + b"\r\nContent-Length: 0\r\n\r\n"
+                with self.subTest(line=line):
+                    self.check(data, raises=lc.ProtocolError, at=(17, len(data) - 1), pairs_upto=0)
+        # a CR before CR LF is a bare CR too, even on the last line whichever blank line follows, and a line
+        # holding only CR CR LF is no blank line
+        for end in (b"\r\n\r\n", b"\r\n\n"):
+            data = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r" + end
+            with self.subTest(end=end):
+                self.check(data, raises=lc.ProtocolError, at=(17, len(data) - 1))
+        data = b"HTTP/1.1 200 OK\r\nX-A: a\r\n\r\r\nContent-Length: 0\r\n\r\n"
+        self.check(data, raises=lc.ProtocolError, at=(17, len(data) - 1), pairs_upto=0)
+
+    def test_other_control_bytes_tolerated_in_reason_and_values(self):
+        data = b"HTTP/1.1 200 O\x01K\x7f\r\nSet-Cookie: a=\x1b[0m\x01\x7f; b\tc\r\nContent-Length: 0\r\n\r\n"
+        headers = [("set-cookie", "a=\x1b[0m\x01\x7f; b\tc"), ("content-length", "0")]
+        self.check(data, (b"", ("HTTP/1.1", 200, "O\x01K\x7f", headers, True)), pairs_upto=0)
+        # and in the obsolete folding of a value
+        data = b"HTTP/1.1 200 OK\r\nX-A: a\r\n \x01b\r\n\r\n"
+        self.check(data, (b"", ("HTTP/1.1", 200, "OK", [("x-a", "a \x01b")], False)), end=None, pairs_upto=0)
+
+    def test_cap_is_exact_whatever_the_line_ends(self):
+        block = b"HTTP/1.1 200 OK\r\nContent-Length: 0"  # 34 bytes: the cap counts the head without its line ends
+        state = ("HTTP/1.1", 200, "OK", [("content-length", "0")], True)
+        for end in (b"\r\n\r\n", b"\r\n\n", b"\n\r\n", b"\n\n"):
+            with self.subTest(end=end):
+                self.check(block + end, (b"", state), reader=lambda: lc.ResponseReader(max_head=34))
+                self.check(block + end, raises=lc.ProtocolError, at=33, reader=lambda: lc.ResponseReader(max_head=33))
+        lf_block = b"HTTP/1.1 200 OK\nContent-Length: 0"  # 33 bytes
+        for end in (b"\r\n\r\n", b"\n\r\n", b"\n\n"):
+            with self.subTest(end=end):
+                self.check(
+                    lf_block + end, (b"", state), reader=lambda: lc.ResponseReader(max_head=33), state=_p_reader_state
+                )
+                self.check(
+                    lf_block + end, raises=lc.ProtocolError, at=32, reader=lambda: lc.ResponseReader(max_head=32)
+                )
+        # unfinished at the cap: a line end may follow, anything else may not
+        for tail in (b"\r\r", b"\rx", b"\r\nx", b"\n\rx", b"\r\n\rx", b"x"):
+            with self.subTest(tail=tail):
+                self.check(block + tail, raises=lc.ProtocolError, reader=lambda: lc.ResponseReader(max_head=34))
+
+    def test_100_header_lines_with_bare_lf_ok_101_refused(self):
+        def head(n, end):
+            return b"HTTP/1.1 200 OK" + end + b"".join(b"X-H%d: %d%s" % (i, i, end) for i in range(n))
+
+        headers = [("x-h%d" % i, str(i)) for i in range(100)]
+        for end in (b"\n", b"\r\n"):
+            with self.subTest(end=end):
+                data = head(100, end) + b"\r\n"
+                self.check(data, (b"", ("HTTP/1.1", 200, "OK", headers, False)), end=None, sample=100, hot=(len(data),))
+                first = len(head(100, end))  # the 101st header line starts here
+                self.check(head(101, end) + end, raises=lc.ProtocolError, at=(first, len(head(101, end))), sample=100)
+                self.check(head(101, end) + b"X", raises=lc.ProtocolError, at=(first, len(head(101, end))), sample=100)
+
+
+# -----------------------------------------------------------------------------------------------------
 # Whole responses through ResponseReader -> SSEDecoder -> Assembler, as the client runs them
 # -----------------------------------------------------------------------------------------------------
 
@@ -4463,8 +4597,9 @@ class TestFaultHead(_f_Case):
         self._f_fails(lc.ProtocolError)
 
     def test_folded_header_line(self):
+        # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent (SPEC: HTTP as a user agent)
         self.use(_f_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
-        self._f_fails(lc.ProtocolError)
+        self.assertEqual(self._f_succeeds().content, "Hello world")
 
     def test_eof_in_the_middle_of_the_head(self):
         self.use(_f_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"))

@@ -811,24 +811,42 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
 class ChunkedDecoder:
     """``Transfer-Encoding: chunked`` framing: ``feed(bytes) -> list[bytes]`` of payload; ``done`` at the end.
 
-    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.
+    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.  Malformed framing
+    is ``ProtocolError``: when the same read produced payload before the malformed bytes, ``feed`` returns
+    that payload and keeps the error in ``failed``, raised by the next ``feed`` or ``feed_eof`` (a caller
+    may raise it at once after using the payload); what is delivered does not depend on how the bytes were
+    split between reads.
     """
 
-    __slots__ = ("done", "_state", "_left", "_pending", "_trailers")
+    __slots__ = ("done", "failed", "_state", "_left", "_pending", "_trailers")
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
     def __init__(self) -> None:
         self.done = False
+        #: the error met in the bytes after the payload the last ``feed`` returned (None: none)
+        self.failed = None  # type: Optional[LoopError]
         self._state = self._SIZE
         self._left = 0
         self._pending = b""
         self._trailers = 0
 
     def feed(self, data: bytes) -> List[bytes]:
+        if self.failed is not None:
+            raise self.failed
         out = []  # type: List[bytes]
         if self.done:
             return out
+        try:
+            self._feed(data, out)
+        except ProtocolError as exc:
+            self.failed = exc
+            self._pending = b""
+            if not out:
+                raise
+        return out
+
+    def _feed(self, data: bytes, out: List[bytes]) -> None:
         if self._pending:
             data = self._pending + data
             self._pending = b""
@@ -902,10 +920,11 @@ class ChunkedDecoder:
                 if self._trailers > MAX_HEADERS:
                     raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
         self._state = state
-        return out
 
     def feed_eof(self) -> None:
-        """The connection closed: ``StreamClosedError`` unless the last chunk was seen."""
+        """The connection closed: ``StreamClosedError`` unless the last chunk was seen (or ``failed``)."""
+        if self.failed is not None:
+            raise self.failed
         if not self.done:
             if self._state == 3 and not self._pending:
                 # The final 0 chunk arrived and only its closing CRLF is missing: the body is whole.
@@ -927,6 +946,7 @@ def _parse_chunk_size(line: bytes) -> int:
 
 class _LengthDecoder:
     __slots__ = ("done", "_left")
+    failed = None  # type: Optional[LoopError]  # as ChunkedDecoder's; framing by length cannot fail
 
     def __init__(self, length: int) -> None:
         self._left = length
@@ -948,6 +968,7 @@ class _LengthDecoder:
 
 class _CloseDecoder:
     __slots__ = ("done",)
+    failed = None  # type: Optional[LoopError]
 
     def __init__(self) -> None:
         self.done = False
@@ -966,15 +987,32 @@ class ResponseReader:
     is ``Transfer-Encoding: chunked``, ``Content-Length`` or read-until-close, picked from the head.
     ``feed_eof()`` tells the reader the connection closed: a head or body cut short is
     ``StreamClosedError``.  Malformed input, or a head over ``max_head`` bytes or ``max_headers`` lines,
-    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given.  The head follows RFC 9112 as a
-    user agent reads it: lines end in CRLF or a bare LF, an obsolete folded line is unfolded, a NUL, bare
-    CR, VT or FF in the status line or a header is refused.
+    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given (the first ``max_body`` bytes
+    are delivered).  The head follows RFC 9112 as a user agent reads it: lines end in CRLF or a bare LF, an
+    obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
+
+    Payload before malformed bytes is delivered first: when a read produced payload and then met an error,
+    ``feed`` returns the payload and keeps the error in ``failed``; the next ``feed`` or ``feed_eof`` raises
+    it (a caller may raise it at once after using the payload).  A read that produced nothing raises at once.
     """
 
-    __slots__ = ("head", "_buf", "_scan", "_lines", "_body", "_max_head", "_max_headers", "_max_body", "_received")
+    __slots__ = (
+        "head",
+        "failed",
+        "_buf",
+        "_scan",
+        "_lines",
+        "_body",
+        "_max_head",
+        "_max_headers",
+        "_max_body",
+        "_received",
+    )
 
     def __init__(self, max_head: int = MAX_HEAD, max_headers: int = MAX_HEADERS, max_body: Optional[int] = None):
         self.head = None  # type: Optional[ResponseHead]
+        #: the error met after the payload the last ``feed`` returned (None: none)
+        self.failed = None  # type: Optional[LoopError]
         self._buf = bytearray()
         self._scan = 0
         self._lines = 0
@@ -989,35 +1027,58 @@ class ResponseReader:
         return self._body is not None and self._body.done
 
     def feed(self, data: bytes) -> List[bytes]:
+        if self.failed is not None:
+            raise self.failed
         body = self._body
         if body is None:
-            self._buf += data
-            seen = self._lines
-            self._lines += data.count(b"\n")
-            if not seen and self._lines:
-                # the status line is whole: a reply that is not HTTP fails now, not when a head ends that never will
-                _parse_status_line(bytes(self._buf[: self._buf.find(b"\n")]))
-            pieces = self._feed_head()
+            try:
+                data = self._feed_head(data)
+            except ProtocolError as exc:
+                self.failed = exc
+                del self._buf[:]
+                raise
             body = self._body
-            if body is None:
+            if body is None or not data:
                 return []
-            data = pieces
-            if not data:
-                return []
-        out = body.feed(data)
+        try:
+            out = body.feed(data)
+        except ProtocolError as exc:
+            self.failed = exc
+            raise
+        if body.failed is not None:
+            self.failed = body.failed
         if self._max_body is not None:
-            for piece in out:
-                self._received += len(piece)
-            if self._received > self._max_body:
-                raise ProtocolError("response body is longer than max_body (%d bytes)" % self._max_body)
+            out = self._cap_body(out, self._max_body)
         return out
 
-    def _feed_head(self) -> bytes:
-        """Find the end of the head; returns the bytes after it once the head is parsed."""
+    def _cap_body(self, out: List[bytes], cap: int) -> List[bytes]:
+        """``out`` cut at ``cap`` bytes of body in all; passing it is the error, raised after what fits."""
+        received = self._received
+        for i, piece in enumerate(out):
+            received += len(piece)
+            if received > cap:
+                out = out[:i]
+                if received - len(piece) < cap:
+                    out.append(piece[: cap - (received - len(piece))])
+                self._received = cap
+                self.failed = error = ProtocolError("response body is longer than max_body (%d bytes)" % cap)
+                if not out:
+                    raise error
+                return out
+        self._received = received
+        return out
+
+    def _feed_head(self, data: bytes) -> bytes:
+        """Add ``data`` to the head; once the head is whole, parse it and return the bytes after it."""
         buf = self._buf
+        buf += data
+        seen = self._lines
+        self._lines += data.count(b"\n")
+        if not seen and self._lines:
+            # the status line is whole: a reply that is not HTTP fails now, not when a head ends that never will
+            _parse_status_line(bytes(buf[: buf.find(b"\n")]))
         while True:
-            start = max(0, self._scan - 3)
-            end = _find_head_end(buf, start)
+            end = _find_head_end(buf, max(0, self._scan - 3))
             if end is None:
                 if len(buf) - _head_end_begun(buf) > self._max_head:
                     raise ProtocolError("response head is longer than %d bytes" % self._max_head)
@@ -1065,7 +1126,10 @@ class ResponseReader:
         return _CloseDecoder()
 
     def feed_eof(self) -> None:
-        """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete."""
+        """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete; ``failed``
+        if a read met an error."""
+        if self.failed is not None:
+            raise self.failed
         if self._body is None:
             if self._buf:
                 raise StreamClosedError("the connection closed in the middle of the response head")
@@ -1159,12 +1223,18 @@ class SSEDecoder:
     llama-server's legacy ``error: {...}`` line dispatches as type "error".  Text is UTF-8 with invalid
     bytes replaced.  A line or an event longer than ``max_line`` bytes is ``ProtocolError`` as soon as the
     limit is passed.  ``close()`` ends the stream: an event not closed by a blank line is discarded.
+
+    Events before an error are delivered first: when a read dispatched events and then passed a limit,
+    ``feed`` returns the events and keeps the error in ``failed``; the next ``feed`` or ``close`` raises it
+    (a caller may raise it at once after handling the events).  A read that dispatched nothing raises at once.
     """
 
-    __slots__ = ("max_line", "_buf", "_cr", "_lead", "_data", "_type", "_size")
+    __slots__ = ("max_line", "failed", "_buf", "_cr", "_lead", "_data", "_type", "_size")
 
     def __init__(self, max_line: int = 1024 * 1024) -> None:
         self.max_line = max_line
+        #: the error met after the events the last ``feed`` returned (None: none)
+        self.failed = None  # type: Optional[LoopError]
         self._buf = bytearray()  # the partial line, never holding a line end
         self._cr = False  # a CR ended the previous read
         self._lead = b""  # type: Optional[bytes]  # the first bytes, until the BOM question is settled
@@ -1173,6 +1243,8 @@ class SSEDecoder:
         self._size = 0
 
     def feed(self, data: bytes) -> List[Tuple[str, str]]:
+        if self.failed is not None:
+            raise self.failed
         if self._lead is not None:
             data = self._lead + data
             if len(data) < 3 and _BOM.startswith(data):
@@ -1189,22 +1261,42 @@ class SSEDecoder:
             self._cr = True
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        return self._lines(data)
+        out = []  # type: List[Tuple[str, str]]
+        try:
+            self._lines(data, out)
+        except ProtocolError as exc:
+            self._fail(exc)
+            if not out:
+                raise
+        return out
 
     def close(self) -> List[Tuple[str, str]]:
-        """End of stream: a held CR still ends its line; an unterminated event is discarded."""
+        """End of stream: a held CR still ends its line; an unterminated event is discarded.  Raises
+        ``failed``."""
+        if self.failed is not None:
+            raise self.failed
         out = []  # type: List[Tuple[str, str]]
         if self._cr:
             self._cr = False
-            out = self._lines(b"\n")
+            try:
+                self._lines(b"\n", out)
+            except ProtocolError as exc:
+                self._fail(exc)
+                raise
         self._buf.clear()
         self._data = None
         self._type = "message"
         self._size = 0
         return out
 
-    def _lines(self, data: bytes) -> List[Tuple[str, str]]:
-        out = []  # type: List[Tuple[str, str]]
+    def _fail(self, exc: LoopError) -> None:
+        self.failed = exc
+        self._buf.clear()
+        self._data = None
+        self._cr = False
+
+    def _lines(self, data: bytes, out: List[Tuple[str, str]]) -> None:
+        """Decode whole lines into ``out``; keep the unfinished last one."""
         buf = self._buf
         max_line = self.max_line
         pos = 0
@@ -1272,7 +1364,6 @@ class SSEDecoder:
                 pending = len(buf) - (6 if buf.startswith(b" ", 5) else 5)
                 if self._size + pending > max_line:
                     raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
-        return out
 
 
 # =====================================================================================================

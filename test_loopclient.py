@@ -169,21 +169,31 @@ def _p_short(value, limit=300):
 
 
 def _p_run(make, pieces, end, state, join):
-    """Feed ``pieces`` to a fresh parser: ("ok", output) or ("raised", exc, first byte, end of the read)."""
+    """Feed ``pieces`` to a fresh parser: ("ok", output) or ("raised", exc, first byte, end of the read,
+    output delivered before the error).  A parser that returns output and keeps the error in ``failed``
+    raised it at that read: the caller raises it once the output is used, as the client does."""
     parser = make()
     out = []
     start = 0
+
+    def raised(exc, first, stop):
+        return ("raised", exc, first, stop, b"".join(out) if join else out)
+
     for piece in pieces:
         try:
             out.extend(parser.feed(piece))
         except Exception as exc:
-            return ("raised", exc, start, start + len(piece))
+            return raised(exc, start, start + len(piece))
+        if getattr(parser, "failed", None) is not None:
+            return raised(parser.failed, start, start + len(piece))
         start += len(piece)
     if end is not None:
         try:
             out.extend(end(parser) or [])
         except Exception as exc:
-            return ("raised", exc, "eof", "eof")
+            return raised(exc, "eof", "eof")
+        if getattr(parser, "failed", None) is not None:
+            return raised(parser.failed, "eof", "eof")
     value = b"".join(out) if join else out
     if state is not None:
         value = (value, state(parser))
@@ -203,14 +213,16 @@ def _p_check_feeds(
     pairs_upto=40,
     sample=None,
     hot=(),
+    before=None,
 ):
     """Assert every way of feeding ``data`` to ``make()`` gives ``expect`` exactly, or raises ``raises``.
 
     ``end(parser)`` runs after the last read (feed_eof, close) and may add output.  ``state(parser)`` is
     compared too: the output is then ``(output, state)``.  ``join`` joins bytes pieces.  With ``raises``,
     ``at`` says which read must raise: "eof" (the end call), an index (the read holding that byte), or
-    (lo, hi): the read holding some byte from lo to hi.  Big inputs: pass ``sample`` (how many single
-    offsets to try) and ``hot`` (offsets tried with their neighbours).
+    (lo, hi): the read holding some byte from lo to hi; ``before`` is the output every way of feeding
+    delivers before the error.  Big inputs: pass ``sample`` (how many single offsets to try) and ``hot``
+    (offsets tried with their neighbours).
     """
     tried = 0
     for label, cuts in _p_splittings(len(data), pairs_upto, sample, hot):
@@ -224,9 +236,11 @@ def _p_check_feeds(
             continue
         if result[0] != "raised":
             test.fail("%s: returned %s, expected %s" % (label, _p_short(result[1]), raises.__name__))
-        exc, first, stop = result[1:]
+        exc, first, stop, delivered = result[1:]
         if type(exc) is not raises:
             test.fail("%s: raised %r, expected %s" % (label, exc, raises.__name__))
+        if before is not None and delivered != before:
+            test.fail("%s: delivered %s before %s, expected %s" % (label, _p_short(delivered), exc, _p_short(before)))
         if at is None:
             continue
         if at == "eof" or first == "eof":
@@ -1681,7 +1695,8 @@ class TestParserHeadRules(unittest.TestCase):
 
 
 class _p_Pipe:
-    """ResponseReader -> SSEDecoder -> Assembler as the client runs them."""
+    """ResponseReader -> SSEDecoder -> Assembler as the client runs them: what each read produced is
+    delivered, then an error the reader or the decoder kept in ``failed`` is raised."""
 
     def __init__(self, raw_chunks=False, max_line=1024 * 1024, max_body=None):
         self.reader = lc.ResponseReader(max_body=max_body)
@@ -1706,6 +1721,10 @@ class _p_Pipe:
             return
         for piece in self.reader.feed(data):
             self._payloads(self.sse.feed(piece))
+            if self.sse.failed is not None:
+                raise self.sse.failed
+        if self.reader.failed is not None:
+            raise self.reader.failed
 
     def end(self):
         if self.done is None:
@@ -1737,6 +1756,114 @@ def _p_check_pipe(test, data, expect, every=True, sample=300, **kw):
         if got != expect:
             test.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 2000), _p_short(expect, 2000)))
     return tried
+
+
+# -----------------------------------------------------------------------------------------------------
+# Deliver before failing: what a read decoded before malformed bytes is delivered, then the error, however
+# the bytes are split between reads
+# -----------------------------------------------------------------------------------------------------
+
+
+class TestParserDeliverBeforeFailing(unittest.TestCase):
+    def test_failed_is_none_normally(self):
+        for parser in (lc.ResponseReader(), lc.ChunkedDecoder(), lc.SSEDecoder()):
+            self.assertIsNone(parser.failed)
+        reader = lc.ResponseReader()
+        reader.feed(STREAM_HEAD + content_stream(["a"]))
+        self.assertIsNone(reader.failed)
+        reader.feed_eof()
+
+    def test_chunked_payload_before_a_malformed_size_then_the_error(self):
+        data = b"3\r\nabc\r\n2\r\nde\r\nzz\r\n0\r\n\r\n"
+        _p_check_feeds(self, lc.ChunkedDecoder, data, raises=lc.ProtocolError, at=(15, 18), before=b"abcde", join=True)
+        dec = lc.ChunkedDecoder()
+        self.assertEqual(dec.feed(data), [b"abc", b"de"])
+        error = dec.failed
+        self.assertIsInstance(error, lc.ProtocolError)
+        for call in (lambda: dec.feed(b"1\r\nx\r\n"), dec.feed_eof, lambda: dec.feed(b"")):
+            with self.assertRaises(lc.ProtocolError) as cm:
+                call()
+            self.assertIs(cm.exception, error)
+        # a read that produced nothing raises at once, and keeps the error too
+        dec = lc.ChunkedDecoder()
+        with self.assertRaises(lc.ProtocolError):
+            dec.feed(b"zz\r\n")
+        self.assertIsInstance(dec.failed, lc.ProtocolError)
+
+    def test_chunked_partial_data_then_missing_crlf(self):
+        data = b"5\r\nhello\r\n6\r\n worldXX0\r\n\r\n"
+        _p_check_feeds(self, lc.ChunkedDecoder, data, raises=lc.ProtocolError, at=19, before=b"hello world", join=True)
+
+    def test_reader_body_before_malformed_framing(self):
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        data = head + b"3\r\nabc\r\n3\r\ndefX\r\n"
+        _p_check_feeds(
+            self, lc.ResponseReader, data, raises=lc.ProtocolError, at=len(data) - 3, before=b"abcdef", join=True
+        )
+        reader = lc.ResponseReader()
+        self.assertEqual(reader.feed(data), [b"abc", b"def"])
+        self.assertEqual(reader.head.status, 200)
+        self.assertIsInstance(reader.failed, lc.ProtocolError)
+        with self.assertRaises(lc.ProtocolError) as cm:
+            reader.feed_eof()
+        self.assertIs(cm.exception, reader.failed)
+
+    def test_reader_max_body_delivers_what_fits(self):
+        ten = lambda: lc.ResponseReader(max_body=10)
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        data = head + chunked(b"01234", b"56789AB") + b"0\r\n\r\n"
+        eleventh = len(head) + len(chunked(b"01234")) + 3 + 5
+        _p_check_feeds(self, ten, data, raises=lc.ProtocolError, at=eleventh, before=b"0123456789", join=True)
+        data = b"HTTP/1.0 200 OK\r\n\r\n0123456789ABC"
+        _p_check_feeds(self, ten, data, raises=lc.ProtocolError, at=len(data) - 3, before=b"0123456789", join=True)
+
+    def test_sse_events_before_an_overlong_line(self):
+        data = b"data: a\n\ndata: b\r\n\r\n: " + b"p" * 20 + b"\ndata: c\n\n"
+        _p_check_feeds(
+            self,
+            _p_sse(16),
+            data,
+            raises=lc.ProtocolError,
+            at=20 + 16,  # the 17th byte of the comment line
+            before=[("message", "a"), ("message", "b")],
+            end=_p_close,
+        )
+        dec = lc.SSEDecoder(16)
+        self.assertEqual(dec.feed(data), [("message", "a"), ("message", "b")])
+        self.assertIsInstance(dec.failed, lc.ProtocolError)
+        with self.assertRaises(lc.ProtocolError) as cm:
+            dec.close()
+        self.assertIs(cm.exception, dec.failed)
+
+    def test_sse_events_before_an_overlong_event(self):
+        data = b"data: a\n\ndata:" + b"x" * 10 + b"\ndata:" + b"y" * 10 + b"\n\n"
+        _p_check_feeds(self, _p_sse(16), data, raises=lc.ProtocolError, before=[("message", "a")], end=_p_close)
+
+    def _stream(self, tail):
+        words = ["Hel", "lo", " there"]
+        body = chunked(sse(chunk_json({"role": "assistant", "content": None})))
+        body += chunked(*(sse(chunk_json({"content": w})) for w in words))
+        return STREAM_HEAD + body + tail, [lc.Content(w) for w in words]
+
+    def test_stream_events_then_malformed_chunk_size(self):
+        data, events = self._stream(b"zz\r\n" + chunked(sse(chunk_json({}, "stop"))) + b"0\r\n\r\n")
+        _p_check_pipe(self, data, ("raised", events, lc.ProtocolError))
+
+    def test_stream_events_then_chunk_data_without_crlf(self):
+        data, events = self._stream(b"%x\r\n%sXX0\r\n\r\n" % (len(sse("x")), sse("x")))
+        _p_check_pipe(self, data, ("raised", events, lc.ProtocolError))
+
+    def test_stream_events_then_overlong_sse_line(self):
+        data, events = self._stream(chunked(b"data: " + b"x" * 2000) + b"0\r\n\r\n")
+        _p_check_pipe(self, data, ("raised", events, lc.ProtocolError), max_line=1024)
+
+    def test_stream_events_then_bad_json(self):
+        data, events = self._stream(chunked(b'data: {"choices": [\n\n') + b"0\r\n\r\n")
+        _p_check_pipe(self, data, ("raised", events, lc.ProtocolError))
+
+    def test_stream_events_then_cut_mid_chunk(self):
+        data, events = self._stream(b"40\r\ndata: ")
+        _p_check_pipe(self, data, ("raised", events, lc.StreamClosedError))
 
 
 # -----------------------------------------------------------------------------------------------------

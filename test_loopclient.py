@@ -2359,6 +2359,224 @@ class TestAssemblerPaths(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
+# Real bytes of n > 1, prompt progress and log probabilities (dev/testdata/transcripts/30-32), captured from
+# llama-server started with `LOOPCLIENT_LLAMA_EXTRA_ARGS="--no-repack -b 64 -ub 64" dev/llama-server.sh
+# start` (a batch smaller than the prompt, so that it reports progress more than once).  What they show:
+# every choice sends its own role chunk(s), its own finish chunk and, with include_usage, its own usage
+# chunk (no index: the usage and timings of one choice; the last one sent wins); progress chunks carry the
+# index of the choice whose task reports them; the tokens' entries come one per chunk in
+# ``logprobs.content``, reasoning tokens' too (``logprobs.reasoning_content`` is never sent), and the role
+# chunk of a reasoning stream carries the entry of the first, hidden, token of the <think> tag.
+# -----------------------------------------------------------------------------------------------------
+
+TESTDATA_TRANSCRIPTS = os.path.join(HERE, "dev", "testdata", "transcripts")
+_p_MODEL_PATH = "/root/.cache/loopclient/gemma-3-270m-q4_k_m.gguf"
+
+
+def _p_testdata_transcript(name):
+    """The raw response bytes of a transcript in dev/testdata/transcripts, or None when it is missing."""
+    path = os.path.join(TESTDATA_TRANSCRIPTS, name)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read()
+    return raw[raw.index(b"\n", raw.index(b"<<< RESPONSE")) + 1 :]
+
+
+def _p_entry(tid, token, logprob, *tops):
+    """A log-probability entry as the server sent it: ``tops`` are (id, token, logprob)."""
+    entry = {"id": tid, "token": token, "bytes": list(token.encode()), "logprob": logprob}
+    entry["top_logprobs"] = [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": p} for i, t, p in tops]
+    return entry
+
+
+class TestParserChoiceTranscripts(unittest.TestCase):
+    def transcript(self, name):
+        raw = _p_testdata_transcript(name)
+        if raw is None:
+            self.skipTest("transcript %s not found in dev/testdata/transcripts" % name)
+        return raw
+
+    def check(self, raw, expect, every=True):
+        tried = _p_check_pipe(self, raw, expect, every, sample=1000)
+        self.assertGreater(tried, len(raw) if every else 1000)
+        outcome = _p_pipe_outcome([raw], raw_chunks=True)  # the same with a Chunk before each payload's events
+        self.assertEqual([e for e in outcome[1] if type(e) is not lc.Chunk], expect[1])
+        self.assertEqual(outcome[2], expect[2])
+
+    def test_30_two_choices_progress_logprobs_temperature_0(self):
+        raw = self.transcript("30_chat_stream_n2_progress_logprobs.raw.txt")
+        words = ["The", " keeper", " of", " the", " lighthouse", " kept"]
+        steps = ((0, 0), (1, 35), (65, 118), (129, 210), (166, 268), (226, 362), (230, 394))
+        events = [lc.Progress(p, 230, 0, float(t)) for p, t in steps]
+        events += [lc.Content("The", 1), lc.Progress(230, 230, 0, 399.0), lc.Content("The", 0)]
+        for word in words[1:]:
+            events += [lc.Content(word, 1), lc.Content(word, 0)]
+        logprobs = [
+            _p_entry(818, "The", -1.4798029661178589, (818, "The", -1.4798029661178589), (236820, "<", -2.0855979919433594)),
+            _p_entry(64222, " keeper", -1.715211033821106, (64222, " keeper", -1.715211033821106), (63937, " lighthouse", -2.132290840148926)),
+            _p_entry(529, " of", -1.6078027486801147, (529, " of", -1.6078027486801147), (7953, " kept", -2.020444393157959)),
+            _p_entry(506, " the", -0.14537063241004944, (506, " the", -0.14537063241004944), (496, " a", -2.7692224979400635)),
+            _p_entry(63937, " lighthouse", -0.5113813281059265, (63937, " lighthouse", -0.5113813281059265), (7507, " ship", -4.255830764770508)),
+            _p_entry(7953, " kept", -2.048600673675537, (7953, " kept", -2.048600673675537), (691, " was", -2.2447752952575684)),
+        ]  # fmt: skip
+        text = "The keeper of the lighthouse kept"
+        choices = (lc.Choice(0, text, "", [], "length", logprobs), lc.Choice(1, text, "", [], "length", logprobs))
+        completion = lc.Completion(
+            id="chatcmpl-J63SQaeZohWQzm6aFJt7VZ2UadGCn20t",
+            model=_p_MODEL_PATH,
+            content=text,
+            reasoning="",
+            tool_calls=[],
+            finish_reason="length",
+            usage={
+                "completion_tokens": 6,
+                "prompt_tokens": 230,
+                "total_tokens": 236,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            timings={  # choice 0's: its usage chunk came last
+                "cache_n": 0,
+                "prompt_n": 230,
+                "prompt_ms": 400.004,
+                "prompt_per_token_ms": 1.7391478260869566,
+                "prompt_per_second": 574.9942500574994,
+                "predicted_n": 6,
+                "predicted_ms": 158.727,
+                "predicted_per_token_ms": 31.7454,
+                "predicted_per_second": 31.50062686247456,
+            },
+            choices=choices,
+        )
+        self.check(raw, ("ok", events, completion))
+        self.assertEqual(completion.logprobs, logprobs)
+
+    def test_31_two_choices_progress_logprobs_temperature_0_9(self):
+        raw = self.transcript("31_chat_stream_n2_t09_progress_logprobs.raw.txt")
+        steps = ((0, 0), (1, 4), (65, 90), (129, 177), (151, 214), (211, 305), (215, 324))
+        events = [lc.Progress(p, 215, 0, float(t)) for p, t in steps]
+        events += [lc.Content("A", 0), lc.Progress(215, 215, 0, 326.0), lc.Content("A", 1)]
+        zero = ["A", " recipe", " for", " bread", " begins", " with", " flour", ","]
+        one = ["A", " recipe", " for", " a", " loaf", " of", " bread", " begins"]
+        for a, b in zip(zero[1:], one[1:]):
+            events += [lc.Content(a, 0), lc.Content(b, 1)]
+        lp0 = [
+            _p_entry(236776, "A", -1.7863634824752808, (236776, "A", -1.7863634824752808), (236820, "<", -2.126858711242676)),
+            _p_entry(15028, " recipe", -1.0426180362701416, (15028, " recipe", -1.0426180362701416), (86396, " baker", -3.478832483291626)),
+            _p_entry(573, " for", -0.03036627359688282, (573, " for", -0.03036627359688282), (531, " to", -5.311124324798584)),
+        ]  # fmt: skip
+        lp1 = lp0 + [
+            _p_entry(496, " a", -2.6972055435180664, (12175, " bread", -1.241759181022644), (496, " a", -2.6972055435180664)),
+            _p_entry(72276, " loaf", -2.4273104667663574, (12580, " cake", -2.0815463066101074), (72276, " loaf", -2.4273104667663574)),
+            _p_entry(529, " of", -0.16343477368354797, (529, " of", -0.16343477368354797), (563, " is", -3.5912740230560303)),
+            _p_entry(12175, " bread", -0.38308072090148926, (12175, " bread", -0.38308072090148926), (2173, " white", -4.051033973693848)),
+            _p_entry(12502, " begins", -1.082929253578186, (12502, " begins", -1.082929253578186), (563, " is", -1.883905053138733)),
+        ]  # fmt: skip
+        lp0 = lp0 + [
+            _p_entry(12175, " bread", -1.241759181022644, (12175, " bread", -1.241759181022644), (496, " a", -2.6972055435180664)),
+            _p_entry(12502, " begins", -0.16543486714363098, (12502, " begins", -0.16543486714363098), (9857, " starts", -3.451441764831543)),
+            _p_entry(607, " with", -0.009987592697143555, (607, " with", -0.009987592697143555), (684, " by", -5.8237104415893555)),
+            _p_entry(18763, " flour", -0.08550732582807541, (18763, " flour", -0.08550732582807541), (496, " a", -4.513678550720215)),
+            _p_entry(236764, ",", -0.018818872049450874, (236764, ",", -0.018818872049450874), (532, " and", -4.663834571838379)),
+        ]  # fmt: skip
+        choices = (
+            lc.Choice(0, "".join(zero), "", [], "length", lp0),
+            lc.Choice(1, "".join(one), "", [], "length", lp1),
+        )
+        completion = lc.Completion(
+            id="chatcmpl-CgpZOAAckx3PAm6sOfl2YHqb5bDeCrJ1",
+            model=_p_MODEL_PATH,
+            content="A recipe for bread begins with flour,",
+            reasoning="",
+            tool_calls=[],
+            finish_reason="length",
+            usage={
+                "completion_tokens": 8,
+                "prompt_tokens": 215,
+                "total_tokens": 223,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            timings={  # choice 1's: choice 0 finished first
+                "cache_n": 0,
+                "prompt_n": 215,
+                "prompt_ms": 326.701,
+                "prompt_per_token_ms": 1.519539534883721,
+                "prompt_per_second": 658.0940982733447,
+                "predicted_n": 8,
+                "predicted_ms": 208.588,
+                "predicted_per_token_ms": 29.798285714285715,
+                "predicted_per_second": 33.55897750589679,
+            },
+            choices=choices,
+        )
+        self.check(raw, ("ok", events, completion), every=False)  # the shape of 30, split at 1,000 offsets
+
+    def test_32_two_choices_reasoning_logprobs(self):
+        raw = self.transcript("32_reasoning_n2_logprobs.raw.txt")
+        thoughts, answer = ["is", " the", " sky", " a"], ["the", " ", "answer", " is", " yes"]
+        events = []
+        for cls, words in ((lc.Reasoning, thoughts), (lc.Content, answer)):
+            for word in words:
+                events += [cls(word, 0), cls(word, 1)]
+        logprobs = [  # the first entry came with the role chunk: the hidden "<" of <think>
+            _p_entry(236820, "<", -2.107464551925659, (4602, "Is", -1.3712775707244873)),
+            _p_entry(511, "is", -2.472975254058838, (107, "\n", -1.4195847511291504)),
+            _p_entry(506, " the", -0.6985302567481995, (506, " the", -0.6985302567481995)),
+            _p_entry(7217, " sky", -0.33211347460746765, (7217, " sky", -0.33211347460746765)),
+            _p_entry(496, " a", -6.750306129455566, (3730, " blue", -0.12635499238967896)),
+            _p_entry(1437, "the", -5.134098052978516, (107, "\n", -1.365402102470398)),
+            _p_entry(236743, " ", -5.88148307800293, (7217, " sky", -0.7689611911773682)),
+            _p_entry(14433, "answer", -16.392276763916016, (107, "\n", -1.4316818714141846)),
+            _p_entry(563, " is", -2.07139253616333, (236881, "?", -1.9522062540054321)),
+            _p_entry(11262, " yes", -2.938149929046631, (3730, " blue", -0.863429605960846)),
+        ]
+        choice = lc.Choice(0, "the answer is yes", "is the sky a", [], "stop", logprobs, None)
+        completion = lc.Completion(
+            id="chatcmpl-UT7y4QKWnieKZlUMeWj880aTeMsPQGne",
+            model=_p_MODEL_PATH,
+            content="the answer is yes",
+            reasoning="is the sky a",
+            tool_calls=[],
+            finish_reason="stop",
+            usage={
+                "completion_tokens": 16,
+                "prompt_tokens": 28,
+                "total_tokens": 44,
+                "prompt_tokens_details": {"cached_tokens": 1},
+            },
+            timings={
+                "cache_n": 1,
+                "prompt_n": 27,
+                "prompt_ms": 125.898,
+                "prompt_per_token_ms": 4.662888888888888,
+                "prompt_per_second": 214.4593242148406,
+                "predicted_n": 16,
+                "predicted_ms": 1335.871,
+                "predicted_per_token_ms": 89.05806666666668,
+                "predicted_per_second": 11.228629111643263,
+            },
+            reasoning_tokens=8,  # four per choice: the cap is refused with n > 1, so counting both is harmless
+            choices=(choice, choice.replace(index=1)),
+        )
+        self.check(raw, ("ok", events, completion))
+
+    def test_30_cut_before_the_last_finish_is_stream_closed(self):
+        raw = self.transcript("30_chat_stream_n2_progress_logprobs.raw.txt")
+        # the stream up to choice 1's finish chunk (and its usage chunk), then the connection closes
+        event = raw.rindex(b"data: ", 0, raw.rindex(b'"delta":{"content":" kept"}'))  # choice 0's last token
+        cut = raw.rindex(b"\r\n", 0, event - 2) + 2  # at the start of its HTTP chunk
+        got = _p_pipe_outcome([raw[:cut]])
+        self.assertEqual(got[0], "raised")
+        self.assertIs(got[2], lc.StreamClosedError)
+        self.assertEqual(len(got[1]), 8 + 2 * 6 - 1)  # every event but choice 0's " kept"
+        asm = lc.Assembler()
+        for _, payload in lc.SSEDecoder().feed(b"".join(lc.ResponseReader().feed(raw[:cut]))):
+            asm.feed(payload)
+        with self.assertRaisesRegex(lc.StreamClosedError, "choice 0 "):
+            asm.completion()
+
+
+# -----------------------------------------------------------------------------------------------------
 # The fake server: a real Unix (or TCP) socket, one thread per connection, scripted by path
 # -----------------------------------------------------------------------------------------------------
 

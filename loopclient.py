@@ -1279,7 +1279,7 @@ class SSEDecoder:
         if self._cr:
             self._cr = False
             try:
-                self._lines(b"\n", out)
+                self._lines(b"\n", out)  # ends one line: it dispatches an event or fails, never both
             except ProtocolError as exc:
                 self._fail(exc)
                 raise

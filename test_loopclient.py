@@ -1839,6 +1839,34 @@ class TestParserDeliverBeforeFailing(unittest.TestCase):
         data = b"data: a\n\ndata:" + b"x" * 10 + b"\ndata:" + b"y" * 10 + b"\n\n"
         _p_check_feeds(self, _p_sse(16), data, raises=lc.ProtocolError, before=[("message", "a")], end=_p_close)
 
+    def test_every_later_call_raises_the_kept_error(self):
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        cases = (
+            (lc.ResponseReader, head + b"1\r\na\r\nzz\r\n", [b"a"], ("feed", "feed_eof")),
+            (lc.ChunkedDecoder, b"1\r\na\r\nzz\r\n", [b"a"], ("feed", "feed_eof")),
+            (lambda: lc.SSEDecoder(16), b"data: a\n\n:" + b"c" * 20, [("message", "a")], ("feed", "close")),
+        )
+        for make, data, before, calls in cases:
+            parser = make()
+            with self.subTest(parser=type(parser).__name__):
+                self.assertEqual(parser.feed(data), before)
+                error = parser.failed
+                self.assertIsInstance(error, lc.ProtocolError)
+                for name in calls * 2:
+                    with self.assertRaises(lc.ProtocolError) as cm:
+                        getattr(parser, name)(b"1\r\nb\r\n") if name == "feed" else getattr(parser, name)()
+                    self.assertIs(cm.exception, error)
+
+    def test_sse_error_line_over_the_event_cap_at_close(self):
+        # a held CR ends the legacy error line only at close(): the event passes max_line there
+        data = b"data:" + b"a" * 10 + b"\nerror:" + b"b" * 10 + b"\r"
+        _p_check_feeds(self, _p_sse(16), data, raises=lc.ProtocolError, at="eof", before=[], end=_p_close)
+        dec = lc.SSEDecoder(16)
+        self.assertEqual(dec.feed(data), [])
+        with self.assertRaises(lc.ProtocolError):
+            dec.close()
+        self.assertIsInstance(dec.failed, lc.ProtocolError)
+
     def _stream(self, tail):
         words = ["Hel", "lo", " there"]
         body = chunked(sse(chunk_json({"role": "assistant", "content": None})))

@@ -751,8 +751,11 @@ _HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
 
 
 def _parse_status_line(line: bytes) -> List[bytes]:
-    """[version, code, reason?] of a status line; ``ProtocolError`` when it is not HTTP/1.x NNN."""
-    status_line = line.rstrip(b"\r")
+    """[version, code, reason?] of a status line (its LF gone, a CR before it allowed); ``ProtocolError``
+    when it is not HTTP/1.x NNN or holds a NUL, a bare CR, a vertical tab or a form feed."""
+    status_line = line[:-1] if line.endswith(b"\r") else line
+    if _has_bad_controls(status_line):
+        raise ProtocolError("a NUL, bare CR, VT or FF in the status line %r" % status_line[:80])
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or parts[0] not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise ProtocolError("malformed status line %r" % status_line[:80])
@@ -762,17 +765,38 @@ def _parse_status_line(line: bytes) -> List[bytes]:
     return parts
 
 
+def _has_bad_controls(text: bytes) -> bool:
+    """A NUL, a CR, a vertical tab or a form feed: what RFC 9112 lets no head line hold (other control bytes
+    are tolerated in a reason phrase or a header value, as h11 does: real-world cookies carry them)."""
+    return b"\0" in text or b"\r" in text or b"\x0b" in text or b"\x0c" in text
+
+
 def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
-    """Parse a head block (without its blank line).  Bare LF line ends are accepted."""
+    """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.
+
+    An obsolete folded line (starting with SP or HTAB) continues the previous header's value, joined by one
+    space (RFC 9112 section 5.2); a fold right after the status line is ``ProtocolError``.  Folded lines
+    count as header lines for ``max_headers``.
+    """
     lines = block.split(b"\n")
     if len(lines) - 1 > max_headers:
         raise ProtocolError("response has more than %d header lines" % max_headers)
     parts = _parse_status_line(lines[0])
     code = parts[1]
     reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
-    headers = []
+    headers = []  # type: List[Tuple[str, str]]
     for raw in lines[1:]:
         line = raw[:-1] if raw.endswith(b"\r") else raw
+        if _has_bad_controls(line):
+            raise ProtocolError("a NUL, bare CR, VT or FF in the header line %r" % line[:80])
+        if line.startswith((b" ", b"\t")):
+            if not headers:
+                raise ProtocolError("a folded header line right after the status line: %r" % line[:80])
+            more = line.strip(b" \t").decode("latin-1")
+            if more:
+                key, text = headers[-1]
+                headers[-1] = (key, text + " " + more if text else more)
+            continue
         colon = line.find(b":")
         if colon <= 0:
             raise ProtocolError("malformed header line %r" % line[:80])
@@ -780,8 +804,6 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
         if not _TOKEN_CHARS.issuperset(name):
             raise ProtocolError("malformed header name %r" % name[:80])
         value = line[colon + 1 :].strip(b" \t")
-        if b"\r" in value or b"\0" in value:
-            raise ProtocolError("header %r holds a CR or NUL" % name[:80])
         headers.append((name.decode("ascii").lower(), value.decode("latin-1")))
     return ResponseHead(parts[0].decode("ascii"), int(code), reason, headers)
 
@@ -789,24 +811,42 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
 class ChunkedDecoder:
     """``Transfer-Encoding: chunked`` framing: ``feed(bytes) -> list[bytes]`` of payload; ``done`` at the end.
 
-    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.
+    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.  Malformed framing
+    is ``ProtocolError``: when the same read produced payload before the malformed bytes, ``feed`` returns
+    that payload and keeps the error in ``failed``, raised by the next ``feed`` or ``feed_eof`` (a caller
+    may raise it at once after using the payload); what is delivered does not depend on how the bytes were
+    split between reads.
     """
 
-    __slots__ = ("done", "_state", "_left", "_pending", "_trailers")
+    __slots__ = ("done", "failed", "_state", "_left", "_pending", "_trailers")
 
     _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
     def __init__(self) -> None:
         self.done = False
+        #: the error met in the bytes after the payload the last ``feed`` returned (None: none)
+        self.failed = None  # type: Optional[LoopError]
         self._state = self._SIZE
         self._left = 0
         self._pending = b""
         self._trailers = 0
 
     def feed(self, data: bytes) -> List[bytes]:
+        if self.failed is not None:
+            raise self.failed
         out = []  # type: List[bytes]
         if self.done:
             return out
+        try:
+            self._feed(data, out)
+        except ProtocolError as exc:
+            self.failed = exc
+            self._pending = b""
+            if not out:
+                raise
+        return out
+
+    def _feed(self, data: bytes, out: List[bytes]) -> None:
         if self._pending:
             data = self._pending + data
             self._pending = b""
@@ -880,10 +920,11 @@ class ChunkedDecoder:
                 if self._trailers > MAX_HEADERS:
                     raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
         self._state = state
-        return out
 
     def feed_eof(self) -> None:
-        """The connection closed: ``StreamClosedError`` unless the last chunk was seen."""
+        """The connection closed: ``StreamClosedError`` unless the last chunk was seen (or ``failed``)."""
+        if self.failed is not None:
+            raise self.failed
         if not self.done:
             if self._state == 3 and not self._pending:
                 # The final 0 chunk arrived and only its closing CRLF is missing: the body is whole.
@@ -905,6 +946,7 @@ def _parse_chunk_size(line: bytes) -> int:
 
 class _LengthDecoder:
     __slots__ = ("done", "_left")
+    failed = None  # type: Optional[LoopError]  # as ChunkedDecoder's; framing by length cannot fail
 
     def __init__(self, length: int) -> None:
         self._left = length
@@ -926,6 +968,7 @@ class _LengthDecoder:
 
 class _CloseDecoder:
     __slots__ = ("done",)
+    failed = None  # type: Optional[LoopError]
 
     def __init__(self) -> None:
         self.done = False
@@ -944,13 +987,32 @@ class ResponseReader:
     is ``Transfer-Encoding: chunked``, ``Content-Length`` or read-until-close, picked from the head.
     ``feed_eof()`` tells the reader the connection closed: a head or body cut short is
     ``StreamClosedError``.  Malformed input, or a head over ``max_head`` bytes or ``max_headers`` lines,
-    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given.
+    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given (the first ``max_body`` bytes
+    are delivered).  The head follows RFC 9112 as a user agent reads it: lines end in CRLF or a bare LF, an
+    obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
+
+    Payload before malformed bytes is delivered first: when a read produced payload and then met an error,
+    ``feed`` returns the payload and keeps the error in ``failed``; the next ``feed`` or ``feed_eof`` raises
+    it (a caller may raise it at once after using the payload).  A read that produced nothing raises at once.
     """
 
-    __slots__ = ("head", "_buf", "_scan", "_lines", "_body", "_max_head", "_max_headers", "_max_body", "_received")
+    __slots__ = (
+        "head",
+        "failed",
+        "_buf",
+        "_scan",
+        "_lines",
+        "_body",
+        "_max_head",
+        "_max_headers",
+        "_max_body",
+        "_received",
+    )
 
     def __init__(self, max_head: int = MAX_HEAD, max_headers: int = MAX_HEADERS, max_body: Optional[int] = None):
         self.head = None  # type: Optional[ResponseHead]
+        #: the error met after the payload the last ``feed`` returned (None: none)
+        self.failed = None  # type: Optional[LoopError]
         self._buf = bytearray()
         self._scan = 0
         self._lines = 0
@@ -965,46 +1027,68 @@ class ResponseReader:
         return self._body is not None and self._body.done
 
     def feed(self, data: bytes) -> List[bytes]:
+        if self.failed is not None:
+            raise self.failed
         body = self._body
         if body is None:
-            self._buf += data
-            seen = self._lines
-            self._lines += data.count(b"\n")
-            if not seen and self._lines:
-                # the status line is whole: a reply that is not HTTP fails now, not when a head ends that never will
-                _parse_status_line(bytes(self._buf[: self._buf.find(b"\n")]))
-            pieces = self._feed_head()
+            try:
+                data = self._feed_head(data)
+            except ProtocolError as exc:
+                self.failed = exc
+                del self._buf[:]
+                raise
             body = self._body
-            if body is None:
+            if body is None or not data:
                 return []
-            data = pieces
-            if not data:
-                return []
-        out = body.feed(data)
+        try:
+            out = body.feed(data)
+        except ProtocolError as exc:
+            self.failed = exc
+            raise
+        if body.failed is not None:
+            self.failed = body.failed
         if self._max_body is not None:
-            for piece in out:
-                self._received += len(piece)
-            if self._received > self._max_body:
-                raise ProtocolError("response body is longer than max_body (%d bytes)" % self._max_body)
+            out = self._cap_body(out, self._max_body)
         return out
 
-    def _feed_head(self) -> bytes:
-        """Find the end of the head; returns the bytes after it once the head is parsed."""
+    def _cap_body(self, out: List[bytes], cap: int) -> List[bytes]:
+        """``out`` cut at ``cap`` bytes of body in all; passing it is the error, raised after what fits."""
+        received = self._received
+        for i, piece in enumerate(out):
+            received += len(piece)
+            if received > cap:
+                out = out[:i]
+                if received - len(piece) < cap:
+                    out.append(piece[: cap - (received - len(piece))])
+                self._received = cap
+                self.failed = error = ProtocolError("response body is longer than max_body (%d bytes)" % cap)
+                if not out:
+                    raise error
+                return out
+        self._received = received
+        return out
+
+    def _feed_head(self, data: bytes) -> bytes:
+        """Add ``data`` to the head; once the head is whole, parse it and return the bytes after it."""
         buf = self._buf
+        buf += data
+        seen = self._lines
+        self._lines += data.count(b"\n")
+        if not seen and self._lines:
+            # the status line is whole: a reply that is not HTTP fails now, not when a head ends that never will
+            _parse_status_line(bytes(buf[: buf.find(b"\n")]))
         while True:
-            start = max(0, self._scan - 3)
-            end = _find_head_end(buf, start)
+            end = _find_head_end(buf, max(0, self._scan - 3))
             if end is None:
-                over = len(buf) - self._max_head
-                # up to 3 bytes past the cap may be the start of the blank line that ends the head
-                if over > 0 and (over > 3 or buf[self._max_head :].strip(b"\r\n")):
+                if len(buf) - _head_end_begun(buf) > self._max_head:
                     raise ProtocolError("response head is longer than %d bytes" % self._max_head)
                 if self._lines > self._max_headers + 1:
                     raise ProtocolError("response has more than %d header lines" % self._max_headers)
                 self._scan = len(buf)
                 return b""
             block_end, body_start = end
-            if block_end > self._max_head:
+            # the cap counts the status line and header lines, not the line ends after the last of them
+            if block_end - (buf[block_end - 1] == 13) > self._max_head:
                 raise ProtocolError("response head is longer than %d bytes" % self._max_head)
             head = _parse_head(bytes(buf[:block_end]), self._max_headers)
             rest = bytes(buf[body_start:])
@@ -1042,7 +1126,10 @@ class ResponseReader:
         return _CloseDecoder()
 
     def feed_eof(self) -> None:
-        """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete."""
+        """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete; ``failed``
+        if a read met an error."""
+        if self.failed is not None:
+            raise self.failed
         if self._body is None:
             if self._buf:
                 raise StreamClosedError("the connection closed in the middle of the response head")
@@ -1051,15 +1138,28 @@ class ResponseReader:
 
 
 def _find_head_end(buf: bytearray, start: int) -> Optional[Tuple[int, int]]:
-    """(end of head block, start of body) or None.  CRLF CRLF or, leniently, LF LF."""
-    crlf = buf.find(b"\r\n\r\n", start)
+    """(end of the head block, start of the body), or None: the head ends at the first empty line, whatever
+    mix of CRLF and bare LF ends it and the line before (``\\r\\n\\r\\n``, ``\\n\\n``, ``\\r\\n\\n``,
+    ``\\n\\r\\n``).  The block keeps its last line's CR, if any, and drops its LF."""
     lf = buf.find(b"\n\n", start)
-    if crlf < 0 and lf < 0:
+    crlf = buf.find(b"\n\r\n", start, lf + 1 if lf >= 0 else len(buf))
+    if crlf >= 0:
+        lf, body = crlf, crlf + 3
+    elif lf >= 0:
+        body = lf + 2
+    else:
         return None
-    if lf < 0 or (0 <= crlf < lf):
-        return crlf, crlf + 4
-    # "\r\n\n" is also an end: the block is everything before the first of the two newlines
-    return lf, lf + 2
+    return lf, body
+
+
+def _head_end_begun(buf: bytearray) -> int:
+    """How many bytes at the end of an unfinished head may be the start of the line ends that finish it: its
+    last line's CR and LF, the blank line's CR.  They are not counted against ``max_head``."""
+    if buf.endswith(b"\r\n\r"):
+        return 3
+    if buf.endswith((b"\r\n", b"\n\r")):
+        return 2
+    return 1 if buf.endswith((b"\r", b"\n")) else 0
 
 
 def parse_error_envelope(body: bytes) -> Tuple[str, Any]:
@@ -1123,12 +1223,18 @@ class SSEDecoder:
     llama-server's legacy ``error: {...}`` line dispatches as type "error".  Text is UTF-8 with invalid
     bytes replaced.  A line or an event longer than ``max_line`` bytes is ``ProtocolError`` as soon as the
     limit is passed.  ``close()`` ends the stream: an event not closed by a blank line is discarded.
+
+    Events before an error are delivered first: when a read dispatched events and then passed a limit,
+    ``feed`` returns the events and keeps the error in ``failed``; the next ``feed`` or ``close`` raises it
+    (a caller may raise it at once after handling the events).  A read that dispatched nothing raises at once.
     """
 
-    __slots__ = ("max_line", "_buf", "_cr", "_lead", "_data", "_type", "_size")
+    __slots__ = ("max_line", "failed", "_buf", "_cr", "_lead", "_data", "_type", "_size")
 
     def __init__(self, max_line: int = 1024 * 1024) -> None:
         self.max_line = max_line
+        #: the error met after the events the last ``feed`` returned (None: none)
+        self.failed = None  # type: Optional[LoopError]
         self._buf = bytearray()  # the partial line, never holding a line end
         self._cr = False  # a CR ended the previous read
         self._lead = b""  # type: Optional[bytes]  # the first bytes, until the BOM question is settled
@@ -1137,6 +1243,8 @@ class SSEDecoder:
         self._size = 0
 
     def feed(self, data: bytes) -> List[Tuple[str, str]]:
+        if self.failed is not None:
+            raise self.failed
         if self._lead is not None:
             data = self._lead + data
             if len(data) < 3 and _BOM.startswith(data):
@@ -1153,22 +1261,42 @@ class SSEDecoder:
             self._cr = True
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        return self._lines(data)
+        out = []  # type: List[Tuple[str, str]]
+        try:
+            self._lines(data, out)
+        except ProtocolError as exc:
+            self._fail(exc)
+            if not out:
+                raise
+        return out
 
     def close(self) -> List[Tuple[str, str]]:
-        """End of stream: a held CR still ends its line; an unterminated event is discarded."""
+        """End of stream: a held CR still ends its line; an unterminated event is discarded.  Raises
+        ``failed``."""
+        if self.failed is not None:
+            raise self.failed
         out = []  # type: List[Tuple[str, str]]
         if self._cr:
             self._cr = False
-            out = self._lines(b"\n")
+            try:
+                self._lines(b"\n", out)  # ends one line: it dispatches an event or fails, never both
+            except ProtocolError as exc:
+                self._fail(exc)
+                raise
         self._buf.clear()
         self._data = None
         self._type = "message"
         self._size = 0
         return out
 
-    def _lines(self, data: bytes) -> List[Tuple[str, str]]:
-        out = []  # type: List[Tuple[str, str]]
+    def _fail(self, exc: LoopError) -> None:
+        self.failed = exc
+        self._buf.clear()
+        self._data = None
+        self._cr = False
+
+    def _lines(self, data: bytes, out: List[Tuple[str, str]]) -> None:
+        """Decode whole lines into ``out``; keep the unfinished last one."""
         buf = self._buf
         max_line = self.max_line
         pos = 0
@@ -1236,7 +1364,6 @@ class SSEDecoder:
                 pending = len(buf) - (6 if buf.startswith(b" ", 5) else 5)
                 if self._size + pending > max_line:
                     raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
-        return out
 
 
 # =====================================================================================================
@@ -1292,41 +1419,116 @@ def _error_from(err: Any) -> ServerError:
     return ServerError(None, str(err)[:200], None, err)
 
 
+class _ChoiceState:
+    """What one choice (one ``index``) has assembled so far."""
+
+    __slots__ = ("content", "reasoning", "tools", "finish_reason", "logprobs", "reasoning_logprobs")
+
+    def __init__(self) -> None:
+        self.content = _Text()
+        self.reasoning = _Text()
+        self.tools = {}  # type: Dict[int, List[Any]]  # tool index -> [id, name, arguments]
+        self.finish_reason = None  # type: Optional[str]
+        self.logprobs = None  # type: Optional[List[Dict[str, Any]]]
+        self.reasoning_logprobs = None  # type: Optional[List[Dict[str, Any]]]
+
+    def result(self, index: int) -> Choice:
+        calls = [ToolCallResult(e[0], e[1], str(e[2])) for _, e in sorted(self.tools.items())]
+        return Choice(
+            index,
+            str(self.content),
+            str(self.reasoning),
+            calls,
+            self.finish_reason,
+            self.logprobs,
+            self.reasoning_logprobs,
+        )
+
+
+def _entries(kept: Optional[List[Dict[str, Any]]], entries: Any, payload: str) -> List[Dict[str, Any]]:
+    """``kept`` (a new list when None) with the log-probability ``entries`` of one chunk appended."""
+    if type(entries) is not list:
+        raise ProtocolError("log probabilities that are not a list: %r" % payload[:80])
+    for entry in entries:
+        if type(entry) is not dict:
+            raise ProtocolError("a log-probability entry is not an object: %r" % payload[:80])
+    if kept is None:
+        return list(entries)
+    kept.extend(entries)
+    return kept
+
+
+def _progress_event(progress: Any, payload: str) -> Optional[Progress]:
+    """The ``Progress`` of a ``prompt_progress`` object: None when it lacks ``processed`` or ``total``."""
+    if type(progress) is not dict:
+        raise ProtocolError("'prompt_progress' is not an object: %r" % payload[:80])
+    processed, total, cache, time_ms = (progress.get(k) for k in ("processed", "total", "cache", "time_ms"))
+    for value in (processed, total, cache):
+        if value is not None and type(value) is not int:
+            raise ProtocolError("a 'prompt_progress' count is not an integer: %r" % payload[:80])
+    if time_ms is not None:
+        if type(time_ms) is not float and type(time_ms) is not int:
+            raise ProtocolError("'prompt_progress.time_ms' is not a number: %r" % payload[:80])
+        try:
+            time_ms = float(time_ms)
+        except OverflowError:
+            raise ProtocolError("'prompt_progress.time_ms' is out of range: %r" % payload[:80]) from None
+    if processed is None or total is None:
+        return None
+    return Progress(processed, total, cache or 0, time_ms or 0.0)
+
+
 class Assembler:
     """Turns chunk payloads into events and, at the end, a ``Completion``.
 
-    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  A JSON error, a payload that is
-    not an object, ``choices`` that is not a list or a delta that is not an object is ``ProtocolError``;
-    an error object is raised as ``ServerError``.  ``completion()`` raises ``StreamClosedError`` when no
-    ``finish_reason`` arrived.
+    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
+    ``index`` (a missing or null index is 0): each has its own content, reasoning, tool calls (keyed by the
+    tool's ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
+    ``logprobs.reasoning_content``, appended as sent; None while none came), and the events carry
+    ``choice=index``.  A ``prompt_progress`` object gives ``Progress(processed, total, cache, time_ms)``;
+    one without ``processed`` or ``total`` gives no event, a missing ``cache`` reads 0 and a missing
+    ``time_ms`` 0.0.  ``usage`` and ``timings`` objects are merged, the last value of a key winning (with
+    ``n`` > 1 llama-server sends them per choice, without saying which).  With ``raw_chunks=True`` every
+    payload also gives ``Chunk(data)``, first.
+
+    A JSON error, a payload that is not an object, ``choices`` that is not a list, a choice or delta that is
+    not an object, an index that is not an integer, or a field of the wrong type is ``ProtocolError``;
+    unknown fields are ignored.  An error object is raised as ``ServerError``.  Each call either returns all
+    the events of its payload or raises, so the caller delivers the earlier payloads' events first.
+
+    ``completion()`` raises ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.
+    ``reasoning_tokens`` and ``in_reasoning`` (what the thinking cap reads) count the reasoning of every
+    choice: the client refuses a thinking cap with ``n`` > 1.
     """
 
     __slots__ = (
         "id",
         "model",
-        "finish_reason",
         "usage",
         "timings",
         "reasoning_tokens",
         "in_reasoning",
         "thinking_capped",
-        "_content",
-        "_reasoning",
-        "_tools",
+        "raw_chunks",
+        "_choices",
+        "_content0",
+        "_reasoning0",
+        "_fast",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, raw_chunks: bool = False) -> None:
         self.id = None  # type: Optional[str]
         self.model = None  # type: Optional[str]
-        self.finish_reason = None  # type: Optional[str]
         self.usage = None  # type: Optional[Dict[str, Any]]
         self.timings = None  # type: Optional[Dict[str, Any]]
         self.reasoning_tokens = 0
         self.in_reasoning = False
         self.thinking_capped = False
-        self._content = _Text()
-        self._reasoning = _Text()
-        self._tools = {}  # type: Dict[int, List[Any]]
+        self.raw_chunks = raw_chunks
+        self._choices = {}  # type: Dict[int, _ChoiceState]
+        self._content0 = _Text()  # choice 0's texts, reached without a lookup by the fast path
+        self._reasoning0 = _Text()
+        self._fast = False  # the fast path may run: the id is known, choice 0 appeared, no raw chunks
 
     def feed(self, payload: str) -> List[Event]:
         try:
@@ -1341,28 +1543,32 @@ class Assembler:
             raise ProtocolError("JSON nested too deeply in the stream") from None
         if type(doc) is not dict:
             raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
-        # The hot path: one choice whose delta is only text, no finish, no usage, not the first chunk.
+        # The hot path: choice 0 alone, its delta only text; no finish, log probabilities, usage or progress.
+        # It must give exactly what _feed gives (TestAssemblerPaths.test_fast_and_general_paths_agree).
         choices = doc.get("choices")
-        if type(choices) is list and len(choices) == 1 and self.id is not None:
+        if self._fast and type(choices) is list and len(choices) == 1:
             choice = choices[0]
             if (
                 type(choice) is dict
                 and choice.get("finish_reason") is None
+                and choice.get("logprobs") is None
                 and "error" not in doc
                 and "usage" not in doc
                 and "timings" not in doc
+                and "prompt_progress" not in doc
             ):
+                index = choice.get("index")
                 delta = choice.get("delta")
-                if type(delta) is dict and len(delta) == 1:
+                if (index == 0 and type(index) is int or index is None) and type(delta) is dict and len(delta) == 1:
                     text = delta.get("content")
                     if type(text) is str:
                         if not text:
                             return []
                         self.in_reasoning = False
-                        parts = self._content.parts
+                        parts = self._content0.parts
                         parts.append(text)
                         if len(parts) >= 2048:
-                            self._content.fold()
+                            self._content0.fold()
                         event = _new_object(Content)  # as _new_content(text), inlined: this runs per token
                         _set_content_text(event, text)
                         _set_content_choice(event, 0)
@@ -1373,7 +1579,7 @@ class Assembler:
                             return []
                         self.reasoning_tokens += 1
                         self.in_reasoning = True
-                        self._reasoning.add(text)
+                        self._reasoning0.add(text)
                         return [_new_reasoning(text)]
         return self._feed(doc, payload)
 
@@ -1388,6 +1594,7 @@ class Assembler:
             raise ProtocolError("JSON nested too deeply in the stream") from None
 
     def _feed(self, doc: Dict[str, Any], payload: str) -> List[Event]:
+        """The general path: any parsed payload."""
         if "error" in doc:
             raise _error_from(doc["error"])
         if self.id is None:
@@ -1397,7 +1604,12 @@ class Assembler:
             model = doc.get("model")
             if isinstance(model, str):
                 self.model = model
-        events = []  # type: List[Event]
+        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
+        progress = doc.get("prompt_progress")
+        if progress is not None:
+            event = _progress_event(progress, payload)
+            if event is not None:
+                events.append(event)
         choices = doc.get("choices")
         if choices:
             if type(choices) is not list:
@@ -1405,18 +1617,39 @@ class Assembler:
             for choice in choices:
                 if type(choice) is not dict:
                     raise ProtocolError("a choice is not an object: %r" % payload[:80])
+                index = choice.get("index")
+                if index is None:
+                    index = 0
+                elif type(index) is not int:
+                    raise ProtocolError("a choice's 'index' is not an integer: %r" % payload[:80])
+                state = self._choices.get(index)
+                if state is None:
+                    state = self._choices[index] = _ChoiceState()
+                    if index == 0:
+                        state.content = self._content0
+                        state.reasoning = self._reasoning0
                 delta = choice.get("delta")
                 if delta:
                     if type(delta) is not dict:
                         raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                    self._delta(delta, events)
+                    self._delta(delta, state, index, events)
                 elif delta is not None and type(delta) is not dict:
                     raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                logprobs = choice.get("logprobs")
+                if logprobs is not None:
+                    if type(logprobs) is not dict:
+                        raise ProtocolError("a choice's 'logprobs' is not an object: %r" % payload[:80])
+                    entries = logprobs.get("content")
+                    if entries is not None:
+                        state.logprobs = _entries(state.logprobs, entries, payload)
+                    entries = logprobs.get("reasoning_content")
+                    if entries is not None:
+                        state.reasoning_logprobs = _entries(state.reasoning_logprobs, entries, payload)
                 reason = choice.get("finish_reason")
                 if reason is not None:
                     if type(reason) is not str:
                         raise ProtocolError("'finish_reason' is not a string: %r" % payload[:80])
-                    self.finish_reason = reason
+                    state.finish_reason = reason
         elif choices is not None and type(choices) is not list:
             raise ProtocolError("'choices' is not a list: %r" % payload[:80])
         usage = doc.get("usage")
@@ -1429,17 +1662,19 @@ class Assembler:
             if type(timings) is not dict:
                 raise ProtocolError("'timings' is not an object: %r" % payload[:80])
             self.timings = dict(self.timings, **timings) if self.timings else timings
+        if not self._fast:
+            self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks
         return events
 
-    def _delta(self, delta: Dict[str, Any], events: List[Event]) -> None:
+    def _delta(self, delta: Dict[str, Any], state: _ChoiceState, index: int, events: List[Event]) -> None:
         text = delta.get("reasoning_content")
         if text:
             if type(text) is not str:
                 raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
             self.reasoning_tokens += 1
             self.in_reasoning = True
-            self._reasoning.add(text)
-            events.append(_new_reasoning(text))
+            state.reasoning.add(text)
+            events.append(Reasoning(text, index))
         elif text is not None and type(text) is not str:
             raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
         text = delta.get("content")
@@ -1447,8 +1682,8 @@ class Assembler:
             if type(text) is not str:
                 raise ProtocolError("'content' is not a string: %r" % (text,))
             self.in_reasoning = False
-            self._content.add(text)
-            events.append(_new_content(text))
+            state.content.add(text)
+            events.append(Content(text, index))
         elif text is not None and type(text) is not str:
             raise ProtocolError("'content' is not a string: %r" % (text,))
         calls = delta.get("tool_calls")
@@ -1457,11 +1692,12 @@ class Assembler:
                 raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
             self.in_reasoning = False
             for call in calls:
-                self._tool_call(call, events)
+                self._tool_call(call, state, index, events)
         elif calls is not None and type(calls) is not list:
             raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
 
-    def _tool_call(self, call: Any, events: List[Event]) -> None:
+    @staticmethod
+    def _tool_call(call: Any, state: _ChoiceState, choice: int, events: List[Event]) -> None:
         if type(call) is not dict:
             raise ProtocolError("a tool-call delta is not an object: %r" % (call,))
         index = call.get("index")
@@ -1476,9 +1712,9 @@ class Assembler:
         for what, value in (("id", cid), ("name", name), ("arguments", args)):
             if value is not None and type(value) is not str:
                 raise ProtocolError("a tool call's %r is not a string: %r" % (what, call))
-        entry = self._tools.get(index)
+        entry = state.tools.get(index)
         if entry is None:
-            entry = self._tools[index] = [None, None, _Text()]
+            entry = state.tools[index] = [None, None, _Text()]
         if cid and entry[0] is None:
             entry[0] = cid
         if name and entry[1] is None:
@@ -1486,32 +1722,56 @@ class Assembler:
         if args:
             entry[2].add(args)
         if cid or name or args:
-            events.append(ToolCall(index, cid or None, name or None, args or ""))
+            events.append(ToolCall(index, cid or None, name or None, args or "", choice))
+
+    def _lowest(self) -> Optional[_ChoiceState]:
+        return self._choices[min(self._choices)] if self._choices else None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """The lowest-index choice's ``finish_reason`` so far (None: none yet)."""
+        state = self._lowest()
+        return state.finish_reason if state is not None else None
 
     @property
     def content(self) -> str:
-        return str(self._content)
+        """The lowest-index choice's content so far."""
+        state = self._lowest()
+        return str(state.content) if state is not None else ""
 
     @property
     def reasoning(self) -> str:
-        return str(self._reasoning)
+        """The lowest-index choice's reasoning so far."""
+        state = self._lowest()
+        return str(state.reasoning) if state is not None else ""
 
     def completion(self) -> Completion:
-        """The assembled ``Completion``; ``StreamClosedError`` when no ``finish_reason`` arrived."""
-        if self.finish_reason is None:
+        """The assembled ``Completion``: ``choices`` in index order, the lowest index giving ``content``,
+        ``reasoning``, ``tool_calls`` and ``finish_reason``.  ``StreamClosedError`` when a choice that
+        appeared has no ``finish_reason`` (or no choice has one)."""
+        states = sorted(self._choices.items())
+        unfinished = [index for index, state in states if state.finish_reason is None]
+        if len(unfinished) == len(states):
             raise StreamClosedError("the stream ended without a finish_reason: the server stopped mid-answer")
-        calls = [ToolCallResult(e[0], e[1], str(e[2])) for _, e in sorted(self._tools.items())]
+        if unfinished:
+            raise StreamClosedError(
+                "the stream ended before choice %s had a finish_reason: the server stopped mid-answer"
+                % ", ".join(str(index) for index in unfinished)
+            )
+        choices = tuple(state.result(index) for index, state in states)
+        first = choices[0]
         return Completion(
             id=self.id,
             model=self.model,
-            content=self.content,
-            reasoning=self.reasoning,
-            tool_calls=calls,
-            finish_reason=self.finish_reason,
+            content=first.content,
+            reasoning=first.reasoning,
+            tool_calls=first.tool_calls,
+            finish_reason=first.finish_reason,
             usage=self.usage,
             timings=self.timings,
             reasoning_tokens=self.reasoning_tokens,
             thinking_capped=self.thinking_capped,
+            choices=choices,
         )
 
 

@@ -1852,7 +1852,7 @@ class ResponsePump:
         self._limits = limits
         self._reader = ResponseReader()
         self._sse = SSEDecoder(limits.max_line)
-        self._asm = Assembler(raw_chunks) if raw_chunks else Assembler()
+        self._asm = Assembler(raw_chunks)
         self._body = []  # type: List[bytes]  # an error response's body
         self._size = 0
         self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
@@ -1900,11 +1900,20 @@ class ResponsePump:
             self._error_body(head, pieces, eof or reader.done)
             return
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        batch = self._sse.feed(data) if data else []
-        if eof or reader.done:
-            batch += self._sse.close()
+        sse = self._sse
+        batch = sse.feed(data) if data else []
+        if (eof or reader.done) and sse.failed is None:
+            batch += sse.close()
             self._ending = True
         self._events(out, batch)
+        self._decoders_failed()
+
+    def _decoders_failed(self) -> None:
+        """Raise what a decoder kept behind the output it returned (the stream's bytes, in order)."""
+        if self.cap_due is None and self.outcome is None:
+            failed = self._sse.failed or self._reader.failed
+            if failed is not None:
+                raise failed
 
     def _error_body(self, head: ResponseHead, pieces: List[bytes], complete: bool) -> None:
         for piece in pieces:
@@ -1912,6 +1921,8 @@ class ResponsePump:
             self._body.append(piece)
         if self._size > self._limits.max_body:
             raise ProtocolError("error body longer than max_body (%d bytes)" % self._limits.max_body)
+        if self._reader.failed is not None:
+            raise self._reader.failed
         if not complete:
             return
         body = b"".join(self._body)
@@ -1934,6 +1945,7 @@ class ResponsePump:
         out.append(ThinkingCapped(tokens))
         batch, self._pending = self._pending, []
         self._events(out, batch)
+        self._decoders_failed()
 
     def _events(self, out: List[Event], batch: List[Tuple[str, str]]) -> None:
         asm = self._asm
@@ -2878,6 +2890,8 @@ def _read_response(
             reader.feed_eof()
             break
         pieces.extend(reader.feed(data))
+        if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
+            raise reader.failed
     assert reader.head is not None
     return reader.head, b"".join(pieces)
 

@@ -1285,6 +1285,21 @@ class TestPump(unittest.TestCase):
         after = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"})), sse(err))
         self.assertEqual(self.check(after), ([lc.Content("a")], (lc.ServerError, "server error 503: Loading model")))
 
+    def test_progress_and_raw_chunks_are_not_delivery(self):
+        err = '{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+        progress = chunk_json({"role": "assistant", "content": None}, extra={"prompt_progress": {"total": 9, "cache": 0, "processed": 4, "time_ms": 12}})
+        data = STREAM_HEAD + chunked(sse(progress), sse(err))
+        pump = lc.ResponsePump(lc.Limits(), raw_chunks=True)
+        events = pump.feed(data)
+        self.assertEqual(events, [lc.Chunk(json.loads(progress)), lc.Progress(4, 9, 0, 12.0)])
+        self.assertFalse(pump.delivered)
+        self.assertEqual((pump.outcome.reason, type(pump.outcome.cause)), ("server error 503: Loading model", lc.ServerError))
+
+    def test_events_before_malformed_framing_come_first(self):
+        data = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))) + b"zz\r\n"
+        events, (cls, _) = self.check(data)
+        self.assertEqual((events, cls), ([lc.Content("a")], lc.ProtocolError))
+
     def test_events_before_a_malformed_payload_come_first(self):
         data = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}), chunk_json({"content": "b"})) + b"data: {nope\n\n")
         events, (cls, message) = self.check(data)

@@ -663,15 +663,23 @@ def check_sse(decoder):
 
 
 EVENT_TYPES = {
-    lc.Reasoning: (("text", str),),
-    lc.Content: (("text", str),),
-    lc.ToolCall: (("index", int), ("id", (str, type(None))), ("name", (str, type(None))), ("arguments", str)),
+    lc.Reasoning: (("text", str), ("choice", int)),
+    lc.Content: (("text", str), ("choice", int)),
+    lc.ToolCall: (
+        ("index", int),
+        ("id", (str, type(None))),
+        ("name", (str, type(None))),
+        ("arguments", str),
+        ("choice", int),
+    ),
+    lc.Progress: (("processed", int), ("total", int), ("cache", int), ("time_ms", float)),
+    lc.Chunk: (("data", dict),),
 }
 CLIENT_EVENT_TYPES = dict(EVENT_TYPES)
 CLIENT_EVENT_TYPES.update(
     {
         lc.Queued: (("ahead", int),),
-        lc.Waiting: (("slot_busy", bool),),
+        lc.Waiting: (("slot_busy", bool), ("wedged", bool)),
         lc.Retrying: (("attempt", int), ("delay", float), ("reason", str)),
         lc.ThinkingCapped: (("tokens", int),),
     }

@@ -25,10 +25,10 @@ import unittest
 import loopclient as lc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRANSCRIPTS = os.path.join(HERE, "..", "shared", "transcripts")
+TRANSCRIPTS = os.path.join(HERE, "dev", "testdata", "transcripts")
 
 # -----------------------------------------------------------------------------------------------------
-# Fixtures: bytes copied from a real llama-server (../shared/transcripts), shortened where noted
+# Fixtures: bytes copied from a real llama-server (dev/testdata/transcripts), shortened where noted
 # -----------------------------------------------------------------------------------------------------
 
 CID = "chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn"
@@ -111,11 +111,8 @@ def content_stream(words, finish="stop", usage=True, done=True, role=True):
 
 
 def load_transcript(name):
-    """The raw response bytes of a transcript file, or None when ../shared is not beside the checkout."""
-    path = os.path.join(TRANSCRIPTS, name)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
+    """The raw response bytes of a transcript file (a missing file fails the test: they ship with the code)."""
+    with open(os.path.join(TRANSCRIPTS, name), "rb") as f:
         raw = f.read()
     marker = raw.index(b"<<< RESPONSE")
     return raw[raw.index(b"\n", marker) + 1 :]
@@ -1123,8 +1120,6 @@ class TestParserSmallFunctions(unittest.TestCase):
             ),
         ):
             raw = load_transcript(name)
-            if raw is None:
-                self.skipTest("transcripts not found beside the checkout")
             with self.subTest(name=name):
                 reader = lc.ResponseReader()
                 body = b"".join(reader.feed(raw))
@@ -1253,10 +1248,7 @@ _p_TOOL_ID = "uzrJnRe3BYtgqVs4caaGJ5gmdf9eIOA7"
 
 class TestParserTranscripts(unittest.TestCase):
     def transcript(self, name):
-        raw = load_transcript(name)
-        if raw is None:
-            self.skipTest("transcript %s not found beside the checkout" % name)
-        return raw
+        return load_transcript(name)
 
     def check(self, raw, expect, every=True):
         for label, pieces in _p_stream_splittings(raw, every):
@@ -1846,8 +1838,6 @@ class TestClientStream(ServerCase):
 
     def test_transcript_04_replayed_byte_for_byte(self):
         raw = load_transcript("04_chat_stream.raw.txt")
-        if raw is None:
-            self.skipTest("../shared/transcripts is not beside this checkout")
         self.use(lambda req: req.send(raw))
         completion, events = self.collect()
         self.assertEqual(completion.content, "Write one sentence about the sea.<|im_end|>\n<|im")
@@ -3585,7 +3575,7 @@ class TestCommandLineTerminal(ServerCase):
 
 # =====================================================================================================
 # -----------------------------------------------------------------------------------------------------
-# Hostile servers and faults (issue 7): one test per row of the README's fault table
+# Hostile servers and faults: one test per row of the README's fault table
 # -----------------------------------------------------------------------------------------------------
 #
 # Every test runs against a FakeServer on a real socket, asserts the exact error class, that it came

@@ -4901,8 +4901,24 @@ SKIP_REAL = "no real llama-server: run dev/llama-server.sh start and set LOOPCLI
 QUESTION = [{"role": "user", "content": "Think step by step: is the sky blue?"}]
 
 
-def grammar(reps):
-    return 'root ::= <[236820]> <[36345]> <[236813]> [a-z ]{%s} <[954]> <[36345]> <[236813]> "the answer is yes"' % reps
+def real_token_ids(client, text):
+    """The token ids the real server gives ``text`` (special tokens parsed, no BOS added)."""
+    reply = client._json(
+        "POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True, "with_pieces": True}
+    )
+    return [token["id"] for token in reply["tokens"]]
+
+
+def grammar(client, reps):
+    """Reasoning forced as the model's own tokens: ``<think>``, ``reps`` letters, ``</think>``, the answer.
+
+    The tags are written as token ids from the running server; the text "<think>" in a grammar tokenizes
+    differently, and then no thinking budget or control ever triggers."""
+
+    def tokens(text):
+        return " ".join("<[%d]>" % i for i in real_token_ids(client, text))
+
+    return 'root ::= %s [a-z ]{%s} %s "the answer is yes"' % (tokens("<think>"), reps, tokens("</think>"))
 
 
 WEATHER_TOOL = [
@@ -4925,7 +4941,7 @@ def real_server_command(sock_path):
     binary = subprocess.run([script, "path"], capture_output=True, text=True, timeout=60, check=True).stdout.split(
         "\n"
     )[0]
-    args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
     return [binary] + args + ["--host", sock_path]
 
 
@@ -5053,7 +5069,7 @@ class TestRealServer(unittest.TestCase):
 
     def test_reasoning_forced_by_grammar(self):
         completion, events = self.chat(
-            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar("1,300")
+            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar(self.client, "1,300")
         )
         reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
         self.assertGreater(len(reasoning), 3)
@@ -5068,7 +5084,7 @@ class TestRealServer(unittest.TestCase):
         client = lc.Client(REAL_SOCKET, limits=dataclasses.replace(self.limits, thinking_cap=3, thinking_overrun=8))
         self.addCleanup(client.close)
         completion, events = self.chat(
-            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300")
+            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar(self.client, "1,300")
         )
         self.assertIn(lc.ThinkingCapped(3), events)
         capped = events.index(lc.ThinkingCapped(3))
@@ -5113,7 +5129,7 @@ class TestRealServer(unittest.TestCase):
                     on_event=events.append,
                     max_tokens=150,
                     temperature=0,
-                    grammar=grammar("20,300"),
+                    grammar=grammar(self.client, "20,300"),
                     thinking_budget_tokens=5,
                 ),
                 60,

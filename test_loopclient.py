@@ -5233,3 +5233,24 @@ def _healthy(client):
         return client.health() == {"status": "ok"}
     except lc.LoopError:
         return False
+
+
+REAL_DEMO = os.environ.get("LOOPCLIENT_REAL_DEMO")
+COLOURS = {"red", "orange", "yellow", "green", "blue", "indigo", "violet", "purple", "pink", "black", "white", "grey"}
+
+
+@unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
+class TestRealDemo(unittest.TestCase):
+    def test_readme_demo_names_colours_and_stops(self):
+        """The README's demo command against `dev/llama-server.sh demo`, at temperature 0 to be repeatable."""
+        import subprocess
+
+        argv = ["--socket", REAL_DEMO, "chat", "Name three colours.", "--max-tokens", "40", "--temperature", "0"]
+        done = subprocess.run(
+            [sys.executable, os.path.join(HERE, "loopclient.py")] + argv, capture_output=True, text=True, timeout=60
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        words = set(done.stdout.lower().replace(",", " ").replace(".", " ").split())
+        self.assertGreaterEqual(len(words & COLOURS), 3, done.stdout)
+        self.assertIn("finish: stop", done.stderr)
+        self.assertEqual(done.stdout.count("\n"), 1, done.stdout)

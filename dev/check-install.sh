@@ -10,7 +10,7 @@
 #   2. `pip install` of that wheel, then the installed `loopclient --version` must print the version;
 #   3. `pip install .` in the copy, as the README documents, and the same --version check;
 #   4. `pip install git+file://CHECKOUT` (the committed HEAD, as `pip install git+URL` fetches it;
-#      skipped when the checkout has uncommitted changes).
+#      skipped when the checkout has uncommitted changes, a failure under CI=true).
 # Then the checkout must hold no build/, dist/ or *.egg-info, and `git status --porcelain --ignored` must
 # read as it did before. Needs PyPI (build isolation fetches setuptools). Last line: "check-install: ok".
 set -euo pipefail
@@ -76,6 +76,7 @@ PY
     check_version "$TMP/dot$n" "$label, pip install ."
     # 4. pip install git+file:// (HEAD of the checkout; only meaningful when HEAD is what is checked out)
     if [[ -n $(git status --porcelain) ]]; then
+        [[ ${CI:-} != true ]] || fail "the checkout has uncommitted changes (CI checks a clean clone): $(git status --porcelain)"
         say "$label, pip install git+file://: skipped, the checkout has uncommitted changes"
     else
         "$py" -m venv "$TMP/git$n"

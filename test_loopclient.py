@@ -25,10 +25,10 @@ import unittest
 import loopclient as lc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRANSCRIPTS = os.path.join(HERE, "..", "shared", "transcripts")
+TRANSCRIPTS = os.path.join(HERE, "dev", "testdata", "transcripts")
 
 # -----------------------------------------------------------------------------------------------------
-# Fixtures: bytes copied from a real llama-server (../shared/transcripts), shortened where noted
+# Fixtures: bytes copied from a real llama-server (dev/testdata/transcripts), shortened where noted
 # -----------------------------------------------------------------------------------------------------
 
 CID = "chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn"
@@ -111,11 +111,8 @@ def content_stream(words, finish="stop", usage=True, done=True, role=True):
 
 
 def load_transcript(name):
-    """The raw response bytes of a transcript file, or None when ../shared is not beside the checkout."""
-    path = os.path.join(TRANSCRIPTS, name)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
+    """The raw response bytes of a transcript file (a missing file fails the test: they ship with the code)."""
+    with open(os.path.join(TRANSCRIPTS, name), "rb") as f:
         raw = f.read()
     marker = raw.index(b"<<< RESPONSE")
     return raw[raw.index(b"\n", marker) + 1 :]
@@ -1137,8 +1134,6 @@ class TestParserSmallFunctions(unittest.TestCase):
             ),
         ):
             raw = load_transcript(name)
-            if raw is None:
-                self.skipTest("transcripts not found beside the checkout")
             with self.subTest(name=name):
                 reader = lc.ResponseReader()
                 body = b"".join(reader.feed(raw))
@@ -1432,10 +1427,7 @@ _p_TOOL_ID = "uzrJnRe3BYtgqVs4caaGJ5gmdf9eIOA7"
 
 class TestParserTranscripts(unittest.TestCase):
     def transcript(self, name):
-        raw = load_transcript(name)
-        if raw is None:
-            self.skipTest("transcript %s not found beside the checkout" % name)
-        return raw
+        return load_transcript(name)
 
     def check(self, raw, expect, every=True):
         for label, pieces in _p_stream_splittings(raw, every):
@@ -3074,8 +3066,6 @@ class TestClientStream(ServerCase):
 
     def test_transcript_04_replayed_byte_for_byte(self):
         raw = load_transcript("04_chat_stream.raw.txt")
-        if raw is None:
-            self.skipTest("../shared/transcripts is not beside this checkout")
         self.use(lambda req: req.send(raw))
         completion, events = self.collect()
         self.assertEqual(completion.content, "Write one sentence about the sea.<|im_end|>\n<|im")
@@ -5871,7 +5861,7 @@ class TestCommandLineTerminal(ServerCase):
 
 # =====================================================================================================
 # -----------------------------------------------------------------------------------------------------
-# Hostile servers and faults (issue 7): one test per row of the README's fault table
+# Hostile servers and faults: one test per row of the README's fault table
 # -----------------------------------------------------------------------------------------------------
 #
 # Every test runs against a FakeServer on a real socket, asserts the exact error class, that it came
@@ -7197,8 +7187,24 @@ SKIP_REAL = "no real llama-server: run dev/llama-server.sh start and set LOOPCLI
 QUESTION = [{"role": "user", "content": "Think step by step: is the sky blue?"}]
 
 
-def grammar(reps):
-    return 'root ::= <[236820]> <[36345]> <[236813]> [a-z ]{%s} <[954]> <[36345]> <[236813]> "the answer is yes"' % reps
+def real_token_ids(client, text):
+    """The token ids the real server gives ``text`` (special tokens parsed, no BOS added)."""
+    reply = client._json(
+        "POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True, "with_pieces": True}
+    )
+    return [token["id"] for token in reply["tokens"]]
+
+
+def grammar(client, reps):
+    """Reasoning forced as the model's own tokens: ``<think>``, ``reps`` letters, ``</think>``, the answer.
+
+    The tags are written as token ids from the running server; the text "<think>" in a grammar tokenizes
+    differently, and then no thinking budget or control ever triggers."""
+
+    def tokens(text):
+        return " ".join("<[%d]>" % i for i in real_token_ids(client, text))
+
+    return 'root ::= %s [a-z ]{%s} %s "the answer is yes"' % (tokens("<think>"), reps, tokens("</think>"))
 
 
 WEATHER_TOOL = [
@@ -7221,7 +7227,7 @@ def real_server_command(sock_path):
     binary = subprocess.run([script, "path"], capture_output=True, text=True, timeout=60, check=True).stdout.split(
         "\n"
     )[0]
-    args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
     return [binary] + args + ["--host", sock_path]
 
 
@@ -7349,7 +7355,7 @@ class TestRealServer(unittest.TestCase):
 
     def test_reasoning_forced_by_grammar(self):
         completion, events = self.chat(
-            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar("1,300")
+            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar(self.client, "1,300")
         )
         reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
         self.assertGreater(len(reasoning), 3)
@@ -7364,7 +7370,7 @@ class TestRealServer(unittest.TestCase):
         client = lc.Client(REAL_SOCKET, limits=self.limits.replace(thinking_cap=3, thinking_overrun=8))
         self.addCleanup(client.close)
         completion, events = self.chat(
-            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300")
+            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar(self.client, "1,300")
         )
         self.assertIn(lc.ThinkingCapped(3), events)
         capped = events.index(lc.ThinkingCapped(3))
@@ -7409,7 +7415,7 @@ class TestRealServer(unittest.TestCase):
                     on_event=events.append,
                     max_tokens=150,
                     temperature=0,
-                    grammar=grammar("20,300"),
+                    grammar=grammar(self.client, "20,300"),
                     thinking_budget_tokens=5,
                 ),
                 60,
@@ -7742,3 +7748,24 @@ def _loaded(client, name):
             pass
         return False
     return True
+
+
+REAL_DEMO = os.environ.get("LOOPCLIENT_REAL_DEMO")
+COLOURS = {"red", "orange", "yellow", "green", "blue", "indigo", "violet", "purple", "pink", "black", "white", "grey"}
+
+
+@unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
+class TestRealDemo(unittest.TestCase):
+    def test_readme_demo_names_colours_and_stops(self):
+        """The README's demo command against `dev/llama-server.sh demo`, at temperature 0 to be repeatable."""
+        import subprocess
+
+        argv = ["--socket", REAL_DEMO, "chat", "Name three colours.", "--max-tokens", "40", "--temperature", "0"]
+        done = subprocess.run(
+            [sys.executable, os.path.join(HERE, "loopclient.py")] + argv, capture_output=True, text=True, timeout=60
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        words = set(done.stdout.lower().replace(",", " ").replace(".", " ").split())
+        self.assertGreaterEqual(len(words & COLOURS), 3, done.stdout)
+        self.assertIn("finish: stop", done.stderr)
+        self.assertEqual(done.stdout.count("\n"), 1, done.stdout)

@@ -51,7 +51,7 @@ import loopclient as lc  # noqa: E402  (imported by path: the repository root)
 _ctx = multiprocessing.get_context("fork")
 
 # -----------------------------------------------------------------------------------------------------
-# Fixtures: bytes in the real server's shape (../shared/transcripts/04 and 06)
+# Fixtures: bytes in the real server's shape (dev/testdata/transcripts/04 and 06)
 # -----------------------------------------------------------------------------------------------------
 
 # The real server's byte shapes, shared with the tests.

@@ -7,7 +7,7 @@
     python3 dev/fuzz.py --inputs 5000 --seed 7 --target http    # exactly these inputs, one target
     python3 dev/fuzz.py --replay dev/fuzz-crashes/<hash>.bin
 
-Inputs are recorded llama-server responses (../shared/transcripts when it is beside the checkout, and the
+Inputs are recorded llama-server responses (dev/testdata/transcripts, captured from a real server, and the
 built-in seeds below), mutated by bit flips, byte sets, dictionary insertions, splices of two seeds,
 truncations, repeated and dropped spans, and structural JSON edits, then cut at random points into the
 pieces that successive reads return.  Targets:
@@ -21,7 +21,7 @@ pieces that successive reads return.  Targets:
 Rules, each breach a violation: only ``LoopError`` subclasses may escape; no input may take more than a
 second (CPU time for the parsers, wall time for the client, whose budgets are a fraction of that); the
 decoders' buffers stay under their caps after every feed; the tracemalloc peak of an input stays under a
-bound linear in its caps and its size; events and completions hold the types the SPEC promises; the
+bound linear in its caps and its size; events and completions hold the types the API documents; the
 client leaves no thread or descriptor behind.  A violating input is written to
 ``dev/fuzz-crashes/<hash>.bin`` (with ``<hash>.json`` saying how to replay it) and printed.  Everything
 an input does is decided by ``random.Random`` seeded from ``--seed`` and the input's number, so a run is
@@ -54,7 +54,7 @@ sys.path.insert(0, ROOT)
 import loopclient as lc  # noqa: E402
 
 CRASH_DIR = os.path.join(HERE, "fuzz-crashes")
-TRANSCRIPTS = os.environ.get("LOOPCLIENT_TRANSCRIPTS") or os.path.join(ROOT, "..", "shared", "transcripts")
+TRANSCRIPTS = os.environ.get("LOOPCLIENT_TRANSCRIPTS") or os.path.join(HERE, "testdata", "transcripts")
 
 #: Longest input the mutators build, and the longest a "big" input may be (one in BIG_EVERY).
 MAX_INPUT = 256 * 1024

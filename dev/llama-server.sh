@@ -1,25 +1,54 @@
 #!/usr/bin/env bash
 # Provision and run a real llama.cpp llama-server for loopclient's tests and demo.
 #
-# Usage:
-#   dev/llama-server.sh build            build/fetch everything into the cache (idempotent)
-#   dev/llama-server.sh start [SOCKET]   build if needed, start a server on a Unix socket
-#                                        (default /tmp/loopclient-llama/llama.sock), wait until
-#                                        /health is 200 {"status":"ok"}; last stdout line = SOCKET
-#   dev/llama-server.sh stop [SOCKET]    SIGTERM (SIGKILL after 10 s), remove socket + pidfile
-#   dev/llama-server.sh start-tcp PORT   same server on 127.0.0.1:PORT (a separate instance;
-#                                        llama-server listens on one address only); last line = PORT
-#   dev/llama-server.sh stop-tcp PORT    stop that instance
-#   dev/llama-server.sh status [SOCKET]  exit 0 if the Unix-socket server answers /health ok
-#   dev/llama-server.sh path             two lines: the llama-server binary, the GGUF model
-#                                        (printed even if not built yet; run `build` first)
-#   dev/llama-server.sh args             the common server arguments, ONE PER LINE (no --host/--port):
-#                                        -m MODEL -c 2048 -np 2 -t 2 --jinja --chat-template-file T
-#                                        A test starting its own instance runs:
-#                                        BINARY <args...> --host /short/dir/x.sock
+# Usage (each start command builds first if needed, waits until /health is 200 {"status":"ok"}, and
+# prints the instance's address as its LAST stdout line; progress and errors go to stderr):
+#   dev/llama-server.sh build              build/fetch everything into the cache (idempotent; prints
+#                                          progress every 15 s while a step runs)
+#   dev/llama-server.sh start [SOCKET]     the test server on a Unix socket (default RUN_DIR/llama.sock),
+#                                          with --metrics and --slot-save-path SOCKET's .slots/ directory
+#   dev/llama-server.sh stop [SOCKET]      stop any Unix-socket instance below: SIGTERM to its process
+#                                          group (SIGKILL after 10 s); removes socket, pidfile, .slots/, .models/
+#   dev/llama-server.sh start-tcp PORT     the test server on 127.0.0.1:PORT (a separate instance;
+#                                          llama-server listens on one address only); last line = PORT
+#   dev/llama-server.sh stop-tcp PORT      stop that instance
+#   dev/llama-server.sh start-prefix PORT  the test server on 127.0.0.1:PORT under --api-prefix /llama (only
+#                                          /llama/... paths answer; bare ones are 404, hence its own
+#                                          instance); last line = http://127.0.0.1:PORT/llama
+#   dev/llama-server.sh stop-prefix PORT   stop that instance
+#   dev/llama-server.sh start-router [SOCKET]  a router (--models-dir, no -m; default RUN_DIR/router.sock)
+#                                          serving the model as "alpha" and "beta" (symlinks in SOCKET's
+#                                          .models/ directory), loaded on first use; every child gets the
+#                                          router's arguments (see GET /models: status.args)
+#   dev/llama-server.sh stop-router [SOCKET]   stop it (its children exit with it)
+#   dev/llama-server.sh start-embed [SOCKET]   an --embeddings --pooling mean instance (default
+#                                          RUN_DIR/embed.sock): /v1/embeddings answers 640 floats per input
+#   dev/llama-server.sh stop-embed [SOCKET]    stop it
+#   dev/llama-server.sh demo [SOCKET]      the demo (default RUN_DIR/demo.sock): dev/qa.jinja frames the chat
+#                                          as "Question: ...\nAnswer:" for this base model and --reverse-prompt
+#                                          '\n' is every request's default stop (a request's own "stop"
+#                                          replaces it); then
+#                                          python3 loopclient.py --socket SOCKET chat "Name three colours."
+#   dev/llama-server.sh stop-demo [SOCKET] stop it
+#   dev/llama-server.sh status [SOCKET]    exit 0 if the Unix-socket server answers /health ok
+#   dev/llama-server.sh path               two lines: the llama-server binary, the GGUF model
+#                                          (printed even if not built yet; run `build` first)
+#   dev/llama-server.sh args               the test server's arguments, ONE PER LINE (no --host/--port):
+#                                          -m MODEL -c 2048 -np 2 -t 2 --no-repack --swa-full --jinja --chat-template-file T
+#                                          A test starting its own instance runs:
+#                                          BINARY <args...> --host /short/dir/x.sock
 #
-# Files: pidfile and log sit next to the socket: SOCKET with ".sock" replaced by ".pid" / ".log"
-# (default /tmp/loopclient-llama/llama.pid, llama.log); TCP: /tmp/loopclient-llama/tcp-PORT.{pid,log}.
+# Every instance gets the same common arguments, -c 2048 -np 2 -t 2 --no-repack --swa-full (2 slots of 1024
+# tokens, 2 threads). --no-repack: the -march=native build segfaults on CPUs with AMX (Intel Sapphire Rapids
+# and newer) in the repacked AMX matmul at the first warm-up; without repacking it runs on every x86-64 CPU.
+# --swa-full: gemma 3 uses sliding-window attention; without a full-size cache a slot restored from a file
+# is not reused (measured: cache_n 0 after restore_slot without it, 29 of 30 prompt tokens with it).
+#
+# Files: pidfile and log sit next to the socket: SOCKET with ".sock" replaced by ".pid" / ".log" (and
+# ".slots/", ".models/" where used); TCP: RUN_DIR/tcp-PORT.{pid,log}, RUN_DIR/prefix-PORT.{pid,log}.
+# RUN_DIR is $LOOPCLIENT_LLAMA_RUN_DIR, default /tmp/loopclient-llama (.ci/run uses a fresh one per run,
+# so it never reuses or stops another run's servers). A server started in the background may stay a
+# zombie after it exits (nothing reaps it here), so "running" means alive and not in state Z.
 # Cache (outside the checkout, binary keyed by version; the build uses -march=native so it is
 # only valid on the machine that built it):
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/llama-server-11434.0.0/llama-server
@@ -27,15 +56,17 @@
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/venv            (holds the model package)
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/build.log       (all build/download output)
 # Environment: LOOPCLIENT_LLAMA_START_TIMEOUT (s, default 60), LOOPCLIENT_LLAMA_EXTRA_ARGS
-# (extra server arguments, word-split), LOOPCLIENT_LLAMA_BUILD_TIMEOUT (s, default 3600).
+# (extra server arguments for every instance, word-split), LOOPCLIENT_LLAMA_BUILD_TIMEOUT (s, default
+# 3600), LOOPCLIENT_LLAMA_RUN_DIR.
 # The template dev/chatml-think-tools.jinja makes llama.cpp stream `reasoning_content`
-# (<think>...</think>) and `tool_calls` ({"name": ..., "arguments": ...}) deltas.
+# (<think>...</think>) and `tool_calls` ({"name": ..., "arguments": ...}) deltas; the test instances use it.
 set -euo pipefail
 
 LLAMA_VERSION=11434.0.0
 MODEL_PKG_VERSION=1.0.0
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TEMPLATE="$SCRIPT_DIR/chatml-think-tools.jinja"
+DEMO_TEMPLATE="$SCRIPT_DIR/qa.jinja"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/loopclient"
 BIN_DIR="$CACHE/llama-server-$LLAMA_VERSION"
 BIN="$BIN_DIR/llama-server"
@@ -44,8 +75,8 @@ BUILD_DIR="$CACHE/build-$LLAMA_VERSION"
 VENV="$CACHE/venv"
 MODEL="$CACHE/gemma-3-270m-q4_k_m.gguf"
 LOG="$CACHE/build.log"
-RUN_DIR=/tmp/loopclient-llama
-DEFAULT_SOCKET="$RUN_DIR/llama.sock"
+RUN_DIR="${LOOPCLIENT_LLAMA_RUN_DIR:-/tmp/loopclient-llama}"
+API_PREFIX=/llama
 START_TIMEOUT="${LOOPCLIENT_LLAMA_START_TIMEOUT:-60}"
 BUILD_TIMEOUT="${LOOPCLIENT_LLAMA_BUILD_TIMEOUT:-3600}"
 
@@ -62,13 +93,24 @@ die_with_log() { # die_with_log LOGFILE MESSAGE
     exit 1
 }
 
-# run_step NAME SECONDS CMD... : run a bounded build step, output appended to $LOG.
+# run_step NAME SECONDS CMD... : run a bounded build step, output appended to $LOG; every 15 s a progress
+# line on stderr (elapsed seconds and, for the cmake build, the last "[ NN%]" of its log).
 run_step() {
     local name=$1 secs=$2; shift 2
     say "$name (log: $LOG)"
     printf '\n===== %s: %s =====\n+ %s\n' "$(date -u +%FT%TZ)" "$name" "$*" >>"$LOG"
-    local rc=0
-    timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1 || rc=$?
+    local rc=0 start=$SECONDS next=$((SECONDS + 15)) pct
+    timeout --kill-after=10 "$secs" "$@" >>"$LOG" 2>&1 &
+    local pid=$!
+    while pid_alive "$pid"; do
+        if ((SECONDS >= next)); then
+            pct=$(tail -c 4096 "$LOG" 2>/dev/null | grep -o '^\[ *[0-9]*%\]' | tail -n 1 || true)
+            say "$name: $((SECONDS - start)) s${pct:+, $pct}"
+            next=$((SECONDS + 15))
+        fi
+        sleep 1
+    done
+    wait "$pid" || rc=$?
     if ((rc != 0)); then
         if ((rc == 124 || rc == 137)); then
             die_with_log "$LOG" "step '$name' timed out after ${secs}s"
@@ -154,33 +196,41 @@ cmd_build() {
     exec 9>&- # release the lock; a server launched next must not inherit it
 }
 
+# The arguments every instance gets (the router passes them on to each model it starts).
 common_args() {
-    printf '%s\n' -m "$MODEL" -c 2048 -np 2 -t 2 --jinja --chat-template-file "$TEMPLATE"
+    printf '%s\n' -c 2048 -np 2 -t 2 --no-repack --swa-full
     if [[ -n ${LOOPCLIENT_LLAMA_EXTRA_ARGS:-} ]]; then
         # shellcheck disable=SC2086
         printf '%s\n' $LOOPCLIENT_LLAMA_EXTRA_ARGS
     fi
 }
 
-# http_health unix SOCKET | http_health tcp PORT : exit 0 iff GET /health is 200 {"status":"ok"}
+# The test server's arguments (`args`): the model, the common arguments, the think/tools template.
+test_args() {
+    printf '%s\n' -m "$MODEL"
+    common_args
+    printf '%s\n' --jinja --chat-template-file "$TEMPLATE"
+}
+
+# http_health unix SOCKET | http_health tcp PORT [PREFIX] : exit 0 iff GET PREFIX/health is 200 {"status":"ok"}
 http_health() {
-    local kind=$1 where=$2 out
+    local kind=$1 where=$2 prefix=${3:-} out
     if command -v curl >/dev/null 2>&1; then
         if [[ $kind == unix ]]; then
-            out=$(curl -s --max-time 2 --unix-socket "$where" -w '\n%{http_code}' http://localhost/health 2>/dev/null) || return 1
+            out=$(curl -s --max-time 2 --unix-socket "$where" -w '\n%{http_code}' "http://localhost$prefix/health" 2>/dev/null) || return 1
         else
-            out=$(curl -s --max-time 2 -w '\n%{http_code}' "http://127.0.0.1:$where/health" 2>/dev/null) || return 1
+            out=$(curl -s --max-time 2 -w '\n%{http_code}' "http://127.0.0.1:$where$prefix/health" 2>/dev/null) || return 1
         fi
         [[ ${out##*$'\n'} == 200 && ${out%$'\n'*} == *'"status":"ok"'* ]]
     else
         timeout 5 python3 -c '
 import json, socket, sys
-kind, where = sys.argv[1], sys.argv[2]
+kind, where, prefix = sys.argv[1], sys.argv[2], sys.argv[3]
 if kind == "unix":
     s = socket.socket(socket.AF_UNIX); s.settimeout(2); s.connect(where)
 else:
     s = socket.create_connection(("127.0.0.1", int(where)), timeout=2)
-s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+s.sendall(b"GET " + prefix.encode() + b"/health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
 data = b""
 while True:
     chunk = s.recv(65536)
@@ -189,51 +239,80 @@ while True:
 head, _, body = data.partition(b"\r\n\r\n")
 ok = head.split(b" ")[1] == b"200" and json.loads(body).get("status") == "ok"
 sys.exit(0 if ok else 1)
-' "$kind" "$where" 2>/dev/null
+' "$kind" "$where" "$prefix" 2>/dev/null
     fi
+}
+
+# pid_alive PID: the process exists and is not a zombie. A server started in the background outlives this
+# script and nothing on these machines reaps it when it exits, so `kill -0` alone succeeds on its zombie.
+pid_alive() {
+    local pid=$1 state
+    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
+    state=$(ps -o stat= -p "$pid" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z* ]]
 }
 
 pid_is_ours() { # the pid is alive and is a llama-server
     local pid=$1
-    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
+    pid_alive "$pid" || return 1
     [[ -r /proc/$pid/cmdline ]] || return 0
     grep -qa llama-server "/proc/$pid/cmdline"
 }
 
-# launch KIND WHERE PIDFILE LOGFILE HOSTARGS...
+# signal_group SIGNAL PID: the server and everything in its process group (a router's children).
+# setsid made each server the leader of its own group; fall back to the pid alone if it is not.
+signal_group() {
+    local sig=$1 pid=$2 pgid
+    pgid=$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ' || true)
+    if [[ $pgid == "$pid" ]]; then
+        kill "-$sig" -- "-$pid" 2>/dev/null || true
+    else
+        kill "-$sig" "$pid" 2>/dev/null || true
+    fi
+}
+
+group_alive() { # group_alive PID: the server or any process of its group is alive (zombies aside)
+    local pid=$1 p
+    pid_alive "$pid" && return 0
+    for p in $(pgrep -g "$pid" 2>/dev/null || true); do
+        pid_alive "$p" && return 0
+    done
+    return 1
+}
+
+# launch KIND WHERE HEALTH_PREFIX ADDRESS PIDFILE LOGFILE SERVER_ARGS...
+# KIND unix|tcp, WHERE the socket or port; ADDRESS is printed as the last line once healthy.
 launch() {
-    local kind=$1 where=$2 pidfile=$3 logfile=$4; shift 4
+    local kind=$1 where=$2 prefix=$3 address=$4 pidfile=$5 logfile=$6; shift 6
     local oldpid
     oldpid=$(cat "$pidfile" 2>/dev/null || true)
     if pid_is_ours "$oldpid"; then
-        if http_health "$kind" "$where"; then
+        if http_health "$kind" "$where" "$prefix"; then
             say "already running (pid $oldpid)"
-            echo "$where"
+            echo "$address"
             return 0
         fi
         say "ERROR: a server (pid $oldpid, pidfile $pidfile) is running but not healthy; run stop first"
         exit 1
     fi
-    [[ -f $TEMPLATE ]] || { say "ERROR: template missing: $TEMPLATE"; exit 1; }
     cmd_build
     [[ $kind == unix ]] && rm -f "$where"
-    local -a args
-    mapfile -t args < <(common_args)
     : >"$logfile"
-    # setsid + nohup: the server outlives this script and its terminal; stdin from /dev/null
-    setsid nohup "$BIN" "${args[@]}" "$@" </dev/null >>"$logfile" 2>&1 &
+    # setsid + nohup: the server outlives this script and its terminal, in a process group of its own
+    # (stop signals the group); stdin from /dev/null
+    setsid nohup "$BIN" "$@" </dev/null >>"$logfile" 2>&1 &
     local pid=$!
     echo "$pid" >"$pidfile"
     local start=$SECONDS t0
     t0=$(date +%s.%N)
     while :; do
-        if ! kill -0 "$pid" 2>/dev/null; then
+        if ! pid_alive "$pid"; then
             rm -f "$pidfile"
             die_with_log "$logfile" "llama-server (pid $pid) exited during start-up; log: $logfile"
         fi
-        if http_health "$kind" "$where"; then break; fi
+        if http_health "$kind" "$where" "$prefix"; then break; fi
         if ((SECONDS - start >= START_TIMEOUT)); then
-            kill -KILL "$pid" 2>/dev/null || true
+            signal_group KILL "$pid"
             rm -f "$pidfile"
             [[ $kind == unix ]] && rm -f "$where"
             die_with_log "$logfile" "llama-server not healthy after ${START_TIMEOUT}s (killed); log: $logfile"
@@ -241,23 +320,29 @@ launch() {
         sleep 0.1
     done
     say "healthy after $(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 2))" "$t0" "$(date +%s.%N)" 2>/dev/null || echo "$((SECONDS - start))")s, pid $pid, log $logfile"
-    echo "$where"
+    echo "$address"
 }
 
 terminate() { # terminate PIDFILE
     local pidfile=$1 pid
     pid=$(cat "$pidfile" 2>/dev/null || true)
     if pid_is_ours "$pid"; then
-        kill -TERM "$pid" 2>/dev/null || true
+        signal_group TERM "$pid"
         local i
         for ((i = 0; i < 100; i++)); do
-            kill -0 "$pid" 2>/dev/null || break
+            group_alive "$pid" || break
             sleep 0.1
         done
-        if kill -0 "$pid" 2>/dev/null; then
+        if group_alive "$pid"; then
+            # a server with streams in flight (or a wedged slot) may ignore SIGTERM; SIGKILL always works
             say "pid $pid ignored SIGTERM for 10 s; sending SIGKILL"
-            kill -KILL "$pid" 2>/dev/null || true
-            for ((i = 0; i < 50; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+            signal_group KILL "$pid"
+            for ((i = 0; i < 50; i++)); do group_alive "$pid" || break; sleep 0.1; done
+        fi
+        if group_alive "$pid"; then
+            say "ERROR: pid $pid (or its process group) still runs after SIGKILL"
+            rm -f "$pidfile"
+            exit 1
         fi
         say "stopped pid $pid"
     elif [[ -n $pid ]]; then
@@ -268,8 +353,8 @@ terminate() { # terminate PIDFILE
     rm -f "$pidfile"
 }
 
-unix_paths() { # sets SOCKET PIDFILE LOGFILE from $1
-    SOCKET=${1:-$DEFAULT_SOCKET}
+unix_paths() { # unix_paths SOCKET DEFAULT_NAME: sets SOCKET PIDFILE LOGFILE SLOTS MODELS
+    SOCKET=${1:-$RUN_DIR/$2}
     [[ $SOCKET == *.sock ]] || { say "ERROR: socket path must end in .sock (llama-server's rule): $SOCKET"; exit 2; }
     [[ $SOCKET == /* ]] || SOCKET="$PWD/$SOCKET"
     if ((${#SOCKET} > 107)); then
@@ -278,11 +363,24 @@ unix_paths() { # sets SOCKET PIDFILE LOGFILE from $1
     fi
     PIDFILE="${SOCKET%.sock}.pid"
     LOGFILE="${SOCKET%.sock}.log"
+    SLOTS="${SOCKET%.sock}.slots"
+    MODELS="${SOCKET%.sock}.models"
+    mkdir -p "$(dirname "$SOCKET")"
+}
+
+stop_unix() { # stop_unix SOCKET DEFAULT_NAME
+    unix_paths "${1:-}" "$2"
+    terminate "$PIDFILE"
+    rm -f "$SOCKET"
+    rm -rf "$SLOTS" "$MODELS"
 }
 
 tcp_port() {
     [[ ${1:-} =~ ^[0-9]+$ ]] || { say "ERROR: expected a TCP port, got '${1:-}'"; exit 2; }
+    mkdir -p "$RUN_DIR"
 }
+
+need_file() { [[ -f $1 ]] || { say "ERROR: missing: $1"; exit 1; }; }
 
 cmd=${1:-}
 shift || true
@@ -293,33 +391,82 @@ case $cmd in
         say "model:  $MODEL"
         ;;
     start)
-        unix_paths "${1:-}"
-        mkdir -p "$(dirname "$SOCKET")"
-        launch unix "$SOCKET" "$PIDFILE" "$LOGFILE" --host "$SOCKET"
+        unix_paths "${1:-}" llama.sock
+        need_file "$TEMPLATE"
+        if ! pid_is_ours "$(cat "$PIDFILE" 2>/dev/null || true)"; then
+            rm -rf "$SLOTS"
+            mkdir -p "$SLOTS"
+        fi
+        mapfile -t args < <(test_args)
+        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" "${args[@]}" \
+            --metrics --slot-save-path "$SLOTS" --host "$SOCKET"
         ;;
     stop)
-        unix_paths "${1:-}"
-        terminate "$PIDFILE"
-        rm -f "$SOCKET"
+        stop_unix "${1:-}" llama.sock
         ;;
     status)
-        unix_paths "${1:-}"
+        unix_paths "${1:-}" llama.sock
         http_health unix "$SOCKET"
         ;;
     start-tcp)
         tcp_port "${1:-}"
-        mkdir -p "$RUN_DIR"
-        launch tcp "$1" "$RUN_DIR/tcp-$1.pid" "$RUN_DIR/tcp-$1.log" --host 127.0.0.1 --port "$1"
+        need_file "$TEMPLATE"
+        mapfile -t args < <(test_args)
+        launch tcp "$1" "" "$1" "$RUN_DIR/tcp-$1.pid" "$RUN_DIR/tcp-$1.log" "${args[@]}" --host 127.0.0.1 --port "$1"
         ;;
     stop-tcp)
         tcp_port "${1:-}"
         terminate "$RUN_DIR/tcp-$1.pid"
         ;;
+    start-prefix)
+        tcp_port "${1:-}"
+        need_file "$TEMPLATE"
+        mapfile -t args < <(test_args)
+        launch tcp "$1" "$API_PREFIX" "http://127.0.0.1:$1$API_PREFIX" "$RUN_DIR/prefix-$1.pid" "$RUN_DIR/prefix-$1.log" \
+            "${args[@]}" --api-prefix "$API_PREFIX" --host 127.0.0.1 --port "$1"
+        ;;
+    stop-prefix)
+        tcp_port "${1:-}"
+        terminate "$RUN_DIR/prefix-$1.pid"
+        ;;
+    start-router)
+        unix_paths "${1:-}" router.sock
+        need_file "$TEMPLATE"
+        mkdir -p "$MODELS"
+        ln -sfn "$MODEL" "$MODELS/alpha.gguf"
+        ln -sfn "$MODEL" "$MODELS/beta.gguf"
+        mapfile -t args < <(common_args)
+        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" --models-dir "$MODELS" "${args[@]}" \
+            --jinja --chat-template-file "$TEMPLATE" --host "$SOCKET"
+        ;;
+    stop-router)
+        stop_unix "${1:-}" router.sock
+        ;;
+    start-embed)
+        unix_paths "${1:-}" embed.sock
+        need_file "$TEMPLATE"
+        mapfile -t args < <(test_args)
+        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" "${args[@]}" --embeddings --pooling mean --host "$SOCKET"
+        ;;
+    stop-embed)
+        stop_unix "${1:-}" embed.sock
+        ;;
+    demo)
+        unix_paths "${1:-}" demo.sock
+        need_file "$DEMO_TEMPLATE"
+        mapfile -t args < <(common_args)
+        # --reverse-prompt: the server unescapes it, so '\n' is a newline: the answer ends with its line
+        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" -m "$MODEL" "${args[@]}" \
+            --jinja --chat-template-file "$DEMO_TEMPLATE" --reverse-prompt '\n' --host "$SOCKET"
+        ;;
+    stop-demo)
+        stop_unix "${1:-}" demo.sock
+        ;;
     path)
         printf '%s\n%s\n' "$BIN" "$MODEL"
         ;;
     args)
-        common_args
+        test_args
         ;;
     *)
         sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2

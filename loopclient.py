@@ -1838,7 +1838,7 @@ class _Conn:
                 self._timeout = timeout
             self.sock.sendall(data)
         except socket.timeout:
-            raise StalledError("the server did not take the request for %.1f s" % timeout, timeout) from None
+            raise _send_stalled(timeout) from None
         except OSError as exc:
             raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
 
@@ -1851,7 +1851,7 @@ class _Conn:
         except socket.timeout:
             raise _Silence() from None
         except OSError as exc:
-            raise StreamClosedError("the connection failed: %s" % exc) from exc
+            raise _connection_failed(exc) from exc
 
     def abort(self) -> None:
         """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd."""
@@ -1877,11 +1877,22 @@ def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socke
         return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
     except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
         sock.close()
-        err = ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
-        raise err from exc
+        raise _tls_failed(addr, exc) from exc
     except BaseException:
         sock.close()
         raise
+
+
+def _tls_failed(addr: _Address, exc: BaseException) -> ConnectError:
+    return ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
+
+
+def _send_stalled(timeout: float) -> StalledError:
+    return StalledError("the server did not take the request for %.1f s" % timeout, timeout)
+
+
+def _connection_failed(exc: BaseException) -> StreamClosedError:
+    return StreamClosedError("the connection failed: %s" % exc)
 
 
 def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
@@ -2015,20 +2026,76 @@ IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
 WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
 
 
-class _SlotPoller:
+class _SlotWatch:
+    """What a ``/slots`` poller (threads or asyncio) makes of the answers: per slot, since when the progress
+    triple (task, decoded, prompt processed) of a processing slot has not changed, and from one answer,
+    what a request's slot is doing."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]  # id: (triple, since)
+
+    def _remember(self, slots: List[Slot], now: float) -> None:
+        still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]
+        for s in slots:
+            triple = (s.task, s.decoded, s.prompt_processed)
+            if s.is_processing and triple != (None, None, None):
+                old = self._still.get(s.id)
+                still[s.id] = (triple, old[1] if old is not None and old[0] == triple else now)
+        self._still = still  # replaced whole, never changed in place: readers need no lock
+
+    def still(self, slot: Slot) -> float:
+        """Seconds the processing ``slot`` has shown no progress (0 when it moves or sends no fields)."""
+        entry = self._still.get(slot.id)
+        return time.monotonic() - entry[1] if entry is not None else 0.0
+
+    def wedged(self, slot: Slot) -> bool:
+        wait = self._limits.wedge_wait
+        return wait is not None and slot.is_processing and self.still(slot) >= wait
+
+    def state(
+        self, slots: Optional[List[Slot]], slot: Optional[int], every: bool, address: str
+    ) -> Tuple[str, Optional[WedgedSlotError]]:
+        """The state of ``slot`` (``None``: the pool) in an answer (``None``: no answer) and, when it is
+        wedged, the error that says so.  ``every``: the pool is busy only when every slot is (else: any)."""
+        if slots is None:
+            return UNAVAILABLE, None
+        if not slots:
+            return IDLE, None
+        if slot is not None:
+            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
+            mine = [s for s in slots if s.id == target]
+        else:
+            mine = slots
+        wedged = [s for s in mine if self.wedged(s)]
+        moving = [s for s in mine if s not in wedged]
+        if wedged and (slot is not None or not every or not moving):
+            s = wedged[0]
+            seconds = self.still(s)
+            message = (
+                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
+                "(wedge_wait); restart the server (SIGKILL if SIGTERM does not stop it)"
+                % (s.id, address, s.task, seconds)
+            )
+            return WEDGED, WedgedSlotError(message, s.id, s.task, seconds)
+        flags = [s.is_processing for s in moving]
+        busy = all(flags) if every else any(flags)
+        return (BUSY if busy and flags else IDLE), None
+
+
+class _SlotPoller(_SlotWatch):
     """``/slots`` of one model for every request of a client: one request in flight however many wait, an
     answer younger than ``poll`` reused.  It remembers, per slot, since when the progress triple (task,
     decoded, prompt processed) of a processing slot has not changed.  The request runs in a short-lived
     thread so that a waiter can always be cancelled."""
 
     def __init__(self, fetch: Callable[[float, _Owner], List[Slot]], limits: Limits) -> None:
+        _SlotWatch.__init__(self, limits)
         self._fetch = fetch
-        self._limits = limits
         self._cond = threading.Condition(threading.Lock())
         self._busy = False
         self._stamp = float("-inf")  # when the last answer arrived
         self._slots = None  # type: Optional[List[Slot]]
-        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]  # id: (triple, since)
         self._owner = _Owner()
 
     def get(self, cancelled: threading.Event) -> Optional[List[Slot]]:
@@ -2051,16 +2118,6 @@ class _SlotPoller:
                 self._cond.wait(min(left, 0.1))
             return self._slots
 
-    def still(self, slot: Slot) -> float:
-        """Seconds the processing ``slot`` has shown no progress (0 when it moves or sends no fields)."""
-        with self._cond:
-            entry = self._still.get(slot.id)
-        return time.monotonic() - entry[1] if entry is not None else 0.0
-
-    def wedged(self, slot: Slot) -> bool:
-        wait = self._limits.wedge_wait
-        return wait is not None and slot.is_processing and self.still(slot) >= wait
-
     def _work(self) -> None:
         limits = self._limits
         try:
@@ -2070,13 +2127,7 @@ class _SlotPoller:
         with self._cond:
             now = time.monotonic()
             if slots is not None:
-                still = {}
-                for s in slots:
-                    triple = (s.task, s.decoded, s.prompt_processed)
-                    if s.is_processing and triple != (None, None, None):
-                        old = self._still.get(s.id)
-                        still[s.id] = (triple, old[1] if old is not None and old[0] == triple else now)
-                self._still = still
+                self._remember(slots, now)
             self._slots = slots
             self._stamp = now
             self._busy = False
@@ -2153,8 +2204,8 @@ class _Board:
                         props = self._call("GET", "/props", model=model, owner=owner)
                     except LoopError:
                         return 1
-                    total = props.get("total_slots") if isinstance(props, dict) else None
-                    if type(total) is not int or total < 1:
+                    total = _total_slots(props)
+                    if total is None:
                         return 1
                     self._pools[model] = total
             finally:
@@ -2178,30 +2229,7 @@ class _Board:
         """The state of ``slot`` (``None``: the pool) and, when it is wedged, the error that says so.
         ``every``: the pool is busy only when every slot is (else: when any is)."""
         poller = self._poller(model)
-        slots = poller.get(cancelled)
-        if slots is None:
-            return UNAVAILABLE, None
-        if not slots:
-            return IDLE, None
-        if slot is not None:
-            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
-            mine = [s for s in slots if s.id == target]
-        else:
-            mine = slots
-        wedged = [s for s in mine if poller.wedged(s)]
-        moving = [s for s in mine if s not in wedged]
-        if wedged and (slot is not None or not every or not moving):
-            s = wedged[0]
-            seconds = poller.still(s)
-            message = (
-                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
-                "(wedge_wait); restart the server (SIGKILL if SIGTERM does not stop it)"
-                % (s.id, self.addr.text, s.task, seconds)
-            )
-            return WEDGED, WedgedSlotError(message, s.id, s.task, seconds)
-        flags = [s.is_processing for s in moving]
-        busy = all(flags) if every else any(flags)
-        return (BUSY if busy and flags else IDLE), None
+        return poller.state(poller.get(cancelled), slot, every, self.addr.text)
 
     def control(self, model: Optional[str], completion_id: str, owner: Optional[_Owner]) -> bool:
         """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
@@ -2237,6 +2265,12 @@ class _Board:
             stream.cancel()
         for poller in pollers:
             poller.abort()
+
+
+def _total_slots(props: Any) -> Optional[int]:
+    """``total_slots`` of a ``/props`` answer; None when it has none that makes sense."""
+    total = props.get("total_slots") if isinstance(props, dict) else None
+    return total if type(total) is int and total >= 1 else None
 
 
 def _slots_from(doc: Any) -> List[Slot]:
@@ -2473,29 +2507,16 @@ class ChatStream:
                     return outcome
                 retry = outcome
             self._check()
-            waits.observe(UNAVAILABLE, retry.cause)
-            left = waits.remaining()
-            assert left is not None
-            if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
-                raise waits.expired()
-            import random  # only when a retry happens
-
-            delay = backoff * (1.0 - 0.25 * random.random())
-            backoff = min(backoff * 2, BACKOFF_MAX)
-            if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
-                delay = max(delay, retry.hint)
-            delay = min(delay, left)
-            attempt += 1
-            yield [Retrying(attempt, delay, retry.reason)]
-            if self._cancel.wait(delay):
+            event, backoff = _next_retry(waits, retry, attempt, backoff)
+            attempt = event.attempt
+            yield [event]
+            if self._cancel.wait(event.delay):
                 raise CancelledError("the request was cancelled while backing off")
 
     def _exchange(self, conn: _Conn, waits: _Waits) -> Generator[List[Event], None, Union[Completion, _Retry]]:
         """One attempt: send, wait for the head (polling /slots), then pump the response to its end."""
         limits = self._board.limits
-        liveness = limits.liveness
-        watch_wedge = limits.wedge_wait is not None
-        conn.sendall(self._request, liveness)
+        conn.sendall(self._request, limits.liveness)
         pump = ResponsePump(limits, self._raw_chunks)
         events = []  # type: List[Event]
         started = 0.0  # when the first byte came
@@ -2516,33 +2537,20 @@ class ChatStream:
             now = time.monotonic()
             if pump.progressed:
                 progress = now
-            elif pump.head is not None and pump.head.status == 200 and now - progress >= limits.poll:
+            elif _quiet_due(limits, pump.head, progress, now):
                 self._check_quiet(now - progress, pinged=heard > progress)
-            if not started:
-                left = waits.remaining()
-                timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
-            elif pump.head is None:
-                timeout = started + liveness - now
-                if timeout <= 0:
-                    raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
-            else:
-                timeout = liveness - (now - heard)
-                if watch_wedge and pump.head.status == 200:
-                    timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
             try:
-                data = conn.recv(max(timeout, 0.001))
+                data = conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))
             except _Silence:
                 self._check()
                 if not started:
                     events = yield from self._poll_for_head(waits)
                     continue
                 events = []
-                if time.monotonic() - heard < liveness:
+                stalled = _silence(limits, pump.head, heard)
+                if stalled is None:
                     continue
-                what = "the response head" if pump.head is None else "the error body" if pump.head.status != 200 else ""
-                if what:
-                    raise StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness) from None
-                raise StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness) from None
+                raise stalled from None
             self._check()
             heard = time.monotonic()
             if not started:
@@ -2567,23 +2575,10 @@ class ChatStream:
         stream is unknown); when only pings came for ``liveness``, only a slot still processing is waited
         out, up to ``busy_wait`` counted from the last data event."""
         limits = self._board.limits
-        wedge = limits.wedge_wait is not None and (self._slot is not None or quiet >= limits.wedge_wait)
-        pings = pinged and quiet >= limits.liveness
-        if not wedge and not pings:
-            return
-        state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=False)
-        if wedged is not None and wedge:
-            raise wedged
-        if not pings:
-            return
-        if state != BUSY:
-            raise StalledError(
-                "only pings for %.1f s and the slot is %s: the stream is stuck"
-                % (quiet, "idle" if state == IDLE else "unknown"),
-                quiet,
-            )
-        if quiet >= limits.busy_wait:
-            raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+        wedge, pings = _quiet_rule(limits, self._slot, quiet, pinged)
+        if wedge or pings:
+            state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=False)
+            _quiet_verdict(limits, state, wedged, wedge, pings, quiet)
 
     def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
         assert completion_id is not None
@@ -2592,9 +2587,98 @@ class ChatStream:
         except LoopError as exc:
             if self._cancel.is_set():
                 raise
-            raise ThinkingOverrunError(
-                "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
-            ) from exc
+            raise _cap_failed(tokens, exc) from exc
+
+
+def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
+    """The ``Retrying`` event for a failed attempt (its delay: ``backoff`` jittered down by up to a quarter,
+    ``Retry-After`` as a floor, never past ``load_wait``) and the next backoff; the budget's error when
+    ``load_wait`` is spent or a hint goes past it."""
+    waits.observe(UNAVAILABLE, retry.cause)
+    left = waits.remaining()
+    assert left is not None
+    if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
+        raise waits.expired()
+    import random  # only when a retry happens
+
+    delay = backoff * (1.0 - 0.25 * random.random())
+    if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
+        delay = max(delay, retry.hint)
+    return Retrying(attempt + 1, min(delay, left), retry.reason), min(backoff * 2, BACKOFF_MAX)
+
+
+def _read_timeout(
+    limits: Limits, waits: _Waits, head: Optional[ResponseHead], started: float, heard: float, now: float
+) -> float:
+    """How long the next read of an attempt may wait: ``poll`` (within the wait's budget) before the first
+    byte, what is left of ``liveness`` after it; at most ``poll`` on a silent stream when slots are watched
+    for a wedge.  A head that has not completed within ``liveness`` of its first byte is ``StalledError``."""
+    liveness = limits.liveness
+    if not started:
+        left = waits.remaining()
+        timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
+    elif head is None:
+        timeout = started + liveness - now
+        if timeout <= 0:
+            raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
+    else:
+        timeout = liveness - (now - heard)
+        if limits.wedge_wait is not None and head.status == 200:
+            timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
+    return max(timeout, 0.001)
+
+
+def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
+    """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
+    liveness = limits.liveness
+    if time.monotonic() - heard < liveness:
+        return None
+    what = "the response head" if head is None else "the error body" if head.status != 200 else ""
+    if what:
+        return StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness)
+    return StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness)
+
+
+def _quiet_due(limits: Limits, head: Optional[ResponseHead], progress: float, now: float) -> bool:
+    """A started stream has had no data event for ``poll``: time to apply the quiet rule."""
+    return head is not None and head.status == 200 and now - progress >= limits.poll
+
+
+def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
+    """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
+    being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
+    serves the stream is unknown); pings alone are judged once they have lasted ``liveness``."""
+    wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
+    return wedge, pinged and quiet >= limits.liveness
+
+
+def _quiet_verdict(
+    limits: Limits, state: str, wedged: Optional[WedgedSlotError], wedge: bool, pings: bool, quiet: float
+) -> None:
+    """Raise what the slot's state makes of a quiet stream: a wedged slot, or pings from a slot that no
+    longer processes (or still does after ``busy_wait``, counted from the last data event)."""
+    if wedged is not None and wedge:
+        raise wedged
+    if not pings:
+        return
+    if state != BUSY:
+        raise StalledError(
+            "only pings for %.1f s and the slot is %s: the stream is stuck"
+            % (quiet, "idle" if state == IDLE else "unknown"),
+            quiet,
+        )
+    if quiet >= limits.busy_wait:
+        raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+
+
+def _cap_failed(tokens: int, exc: BaseException) -> ThinkingOverrunError:
+    return ThinkingOverrunError(
+        "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
+    )
+
+
+def _no_answer(what: str, timeout: float) -> StalledError:
+    return StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout)
 
 
 def _read_response(conn: _Conn, timeout: float, max_body: int, what: str) -> Tuple[ResponseHead, bytes]:
@@ -2606,7 +2690,7 @@ def _read_response(conn: _Conn, timeout: float, max_body: int, what: str) -> Tup
         try:
             data = conn.recv(timeout)
         except _Silence:
-            raise StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout) from None
+            raise _no_answer(what, timeout) from None
         if not data:
             reader.feed_eof()
             break
@@ -2794,6 +2878,12 @@ class Client:
         A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
         ``TypeError``/``ValueError`` here, before any connection.
         """
+        return ChatStream(self._board, *self._chat_request(messages, slot, params))
+
+    def _chat_request(
+        self, messages: Sequence[Dict[str, Any]], slot: Optional[int], params: Dict[str, Any]
+    ) -> Tuple[bytes, Optional[int], Optional[str], bool]:
+        """(request bytes, slot, model, raw_chunks) of a streamed chat; the checks ``stream()`` documents."""
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
             raise TypeError("slot must be an int or None, not %r" % (slot,))
         if slot is not None and slot < 0:
@@ -2816,7 +2906,7 @@ class Client:
         body, _ = self._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
         request = self._encode("POST", "/v1/chat/completions", body, "text/event-stream")
-        return ChatStream(self._board, request, slot, model if isinstance(model, str) else None, raw_chunks)
+        return request, slot, model if isinstance(model, str) else None, raw_chunks
 
     def chat(
         self,

@@ -50,6 +50,8 @@ __license__ = "MIT"
 __all__ = [
     "Client",
     "ChatStream",
+    "AsyncClient",
+    "AsyncChatStream",
     "Limits",
     "Completion",
     "ToolCallResult",
@@ -2494,7 +2496,7 @@ class ChatStream:
             try:
                 conn = self._board.connect(max(limits.poll, 0.2))
             except OSError as exc:
-                retry = _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
+                retry = _cannot_connect(exc)
             else:
                 self._owner.add(conn)
                 try:
@@ -2588,6 +2590,10 @@ class ChatStream:
             if self._cancel.is_set():
                 raise
             raise _cap_failed(tokens, exc) from exc
+
+
+def _cannot_connect(exc: OSError) -> _Retry:
+    return _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
 
 
 def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
@@ -2830,9 +2836,7 @@ class Client:
         owner: Optional[_Owner] = None,
     ) -> Tuple[ResponseHead, bytes]:
         """One request on a new connection, never retried: (head, body)."""
-        body, query = self._route(method, body, query, model)
-        request = self._encode(method, path, body, "application/json", query)
-        timeout = self.limits.liveness if timeout is None else timeout
+        request, timeout = self._prepare(method, path, body, query, model, timeout)
         try:
             conn = self._board.connect(timeout)
         except OSError as exc:
@@ -2846,6 +2850,14 @@ class Client:
             conn.close()
             if owner is not None:
                 owner.discard(conn)
+
+    def _prepare(
+        self, method: str, path: str, body: Any, query: Optional[Dict[str, Any]], model: Any, timeout: Optional[float]
+    ) -> Tuple[bytes, float]:
+        """The bytes of a single-shot request, routed to its model, and its timeout (``liveness`` unless given)."""
+        body, query = self._route(method, body, query, model)
+        request = self._encode(method, path, body, "application/json", query)
+        return request, self.limits.liveness if timeout is None else timeout
 
     def _json(self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any) -> Any:
         head, data = self._send(method, path, body, query, **kw)
@@ -3047,6 +3059,1004 @@ def _decode_json(data: bytes, what: str) -> Any:
         raise ProtocolError("%s answered invalid JSON: %s" % (what, exc)) from None
     except RecursionError:
         raise ProtocolError("%s answered JSON nested too deeply" % what) from None
+
+
+# =====================================================================================================
+# 8. The asyncio client
+# =====================================================================================================
+#
+# The same request, on an event loop: the pump, the waits and budgets, the retry and quiet rules, the
+# /slots verdict and every message are the functions the threaded client calls; what is new here is only
+# the I/O (asyncio transports instead of blocking sockets) and the gate (a queue of futures).  asyncio is
+# imported by the first AsyncClient, never by ``import loopclient``.
+
+if TYPE_CHECKING:
+    import asyncio
+    from typing import AsyncGenerator
+
+    _T = TypeVar("_T")
+
+
+def _ring(alarm: asyncio.Future[None]) -> None:
+    if not alarm.done():
+        alarm.set_result(None)
+
+
+async def _sleep(loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], timeout: Optional[float]) -> None:
+    """Until ``alarm`` rings or ``timeout`` passes (None: no timer); a timer handle, no task of its own."""
+    timer = loop.call_later(timeout, _ring, alarm) if timeout is not None else None
+    try:
+        await alarm
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _busy_error(slot: Optional[int], waiting: int, queue_len: int) -> BusyError:
+    where = "slot %d" % slot if slot is not None else "any slot"
+    return BusyError(
+        "%d requests already wait for %s (queue_len %d): try later" % (waiting, where, queue_len),
+        slot,
+        queue_len,
+        waiting,
+    )
+
+
+class _AsyncConn:
+    """One connection on an event loop: asyncio's transport below, ``recv(timeout)`` and ``send()`` above,
+    as ``_Conn`` has them.  It is the transport's protocol (duck-typed: subclassing ``asyncio.Protocol``
+    would import asyncio with loopclient).  At most ``RECV_SIZE`` bytes wait unread: beyond that the
+    transport stops reading, so a fast server cannot fill memory ahead of a slow caller."""
+
+    __slots__ = ("_loop", "_transport", "_chunks", "_size", "_eof", "_error", "_waiter", "_paused", "_blocked")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport = None  # type: Optional[asyncio.Transport]
+        self._chunks = []  # type: List[bytes]
+        self._size = 0
+        self._eof = False
+        self._error = None  # type: Optional[BaseException]
+        self._waiter = None  # type: Optional[asyncio.Future[None]]
+        self._paused = False  # reading paused: RECV_SIZE bytes wait
+        self._blocked = False  # writing paused: the server does not take the request
+
+    # -- the protocol, called by the transport -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size >= RECV_SIZE and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self._eof = True
+        if exc is not None and self._error is None:
+            self._error = exc
+        self._blocked = False
+        self._wake()
+
+    def pause_writing(self) -> None:
+        self._blocked = True
+
+    def resume_writing(self) -> None:
+        self._blocked = False
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            _ring(self._waiter)
+
+    # -- for the request -----------------------------------------------------------------------------
+
+    async def _wait(self, timeout: float) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await _sleep(self._loop, waiter, timeout)
+        finally:
+            self._waiter = None
+
+    async def send(self, data: bytes, timeout: float) -> None:
+        """Write the request; ``StalledError`` when the server takes none of it for ``timeout``."""
+        assert self._transport is not None
+        self._transport.write(data)  # a failure shows at the next read, as the connection's loss
+        deadline = time.monotonic() + timeout
+        while self._blocked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _send_stalled(timeout)
+            await self._wait(left)
+
+    async def recv(self, timeout: float) -> bytes:
+        """The bytes received (all of them), ``b""`` at the end; ``_Silence`` when nothing came for
+        ``timeout``, ``StreamClosedError`` when the connection failed."""
+        deadline = 0.0
+        while True:
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                self._chunks = []
+                self._size = 0
+                if self._paused and self._transport is not None:
+                    self._paused = False
+                    self._transport.resume_reading()
+                return data
+            if self._eof:
+                if self._error is not None:
+                    raise _connection_failed(self._error) from self._error
+                return b""
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + timeout
+            elif now >= deadline:
+                raise _Silence()
+            await self._wait(deadline - now)
+
+    def abort(self) -> None:
+        """Close now, whatever is buffered: the server sees the client go away; a waiting read wakes."""
+        self._eof = True
+        if self._transport is not None:
+            self._transport.abort()
+        self._wake()
+
+
+async def _read_response_async(
+    conn: _AsyncConn, timeout: float, max_body: int, what: str
+) -> Tuple[ResponseHead, bytes]:
+    """``_read_response`` on an event loop."""
+    reader = ResponseReader(max_body=max_body)
+    pieces = []  # type: List[bytes]
+    while not reader.done:
+        try:
+            data = await conn.recv(timeout)
+        except _Silence:
+            raise _no_answer(what, timeout) from None
+        if not data:
+            reader.feed_eof()
+            break
+        pieces.extend(reader.feed(data))
+    assert reader.head is not None
+    return reader.head, b"".join(pieces)
+
+
+class _AsyncLane:
+    __slots__ = ("capacity", "in_flight", "queue", "entered", "served", "gone")
+
+    def __init__(self, capacity: int) -> None:
+        import collections
+
+        self.capacity = capacity
+        self.in_flight = 0
+        self.queue = collections.deque()  # type: Any  # _AsyncTicket, in entry order; those gone stay until served
+        self.entered = 0  # places handed out: a waiter's place is its number
+        self.served = 0  # places that left the front of the queue
+        self.gone = set()  # type: Set[int]  # places of waiters that left while still in the queue
+
+    def waiting(self) -> int:
+        return len(self.queue) - len(self.gone)
+
+
+class _AsyncTicket:
+    __slots__ = ("lane", "seq", "place", "granted", "ahead", "left", "alarm")
+
+    def __init__(self, lane: _AsyncLane, seq: int) -> None:
+        self.lane = lane
+        self.seq = seq  # entry order, for diagnostics
+        self.place = -1
+        self.granted = False
+        self.ahead = 0
+        self.left = False
+        self.alarm = None  # type: Optional[asyncio.Future[None]]  # rung when the permit is handed over
+
+
+class _AsyncGate:
+    """Per ``(model, slot)`` FIFO queues on one event loop: ``capacity`` requests in flight (1 per slot;
+    ``total_slots`` for any slot), ``queue_len`` more waiting, the next refused with ``BusyError``.  A
+    release hands the permit to the first waiter and wakes only that one; the others learn how far they
+    moved up when their own timer (``Limits.poll``) fires, from two counters, whatever the queue's length."""
+
+    def __init__(self, queue_len: int) -> None:
+        self._queue_len = queue_len
+        self._lanes = {}  # type: Dict[Tuple[Optional[str], Optional[int]], _AsyncLane]
+        self._seq = 0
+
+    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> _AsyncTicket:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _AsyncLane(capacity)
+        elif key[1] is None and capacity != lane.capacity:  # the pool's size came late, or changed
+            lane.capacity = capacity
+            self._hand_over(lane)
+        self._seq += 1
+        ticket = _AsyncTicket(lane, self._seq)
+        waiting = lane.waiting()
+        if lane.in_flight < lane.capacity and not waiting:
+            lane.in_flight += 1
+            ticket.granted = True
+            return ticket
+        if waiting >= self._queue_len:
+            raise _busy_error(key[1], waiting, self._queue_len)
+        ticket.place = lane.entered
+        lane.entered += 1
+        lane.queue.append(ticket)
+        ticket.ahead = lane.in_flight + waiting
+        return ticket
+
+    def ahead(self, ticket: _AsyncTicket) -> int:
+        """How many requests come before a waiting ticket, the ones in flight included."""
+        lane = ticket.lane
+        place = ticket.place
+        before = place - lane.served - sum(1 for p in lane.gone if p < place)
+        return lane.in_flight + before
+
+    def leave(self, ticket: _AsyncTicket) -> None:
+        """Release the permit (handing it over), or leave the queue; idempotent."""
+        if ticket.left:
+            return
+        ticket.left = True
+        lane = ticket.lane
+        if ticket.granted:
+            lane.in_flight -= 1
+            self._hand_over(lane)
+            return
+        lane.gone.add(ticket.place)
+        if len(lane.gone) > 32 and 2 * len(lane.gone) > len(lane.queue):
+            self._compact(lane)
+
+    def _hand_over(self, lane: _AsyncLane) -> None:
+        while lane.in_flight < lane.capacity and lane.queue:
+            ticket = lane.queue.popleft()
+            lane.served += 1
+            if ticket.left:
+                lane.gone.discard(ticket.place)
+                continue
+            lane.in_flight += 1
+            ticket.granted = True
+            if ticket.alarm is not None:
+                _ring(ticket.alarm)
+
+    def _compact(self, lane: _AsyncLane) -> None:
+        """Drop the places of waiters gone, so that cancelled waiters cost nothing once many have left."""
+        import collections
+
+        live = [t for t in lane.queue if not t.left]
+        for i, ticket in enumerate(live):
+            ticket.place = lane.served + i
+        lane.queue = collections.deque(live)
+        lane.entered = lane.served + len(live)
+        lane.gone = set()
+
+    def snapshot(self) -> Dict[Tuple[Optional[str], Optional[int]], Tuple[int, int]]:
+        """{(model, slot): (in flight, waiting)}, for tests and diagnostics."""
+        return {k: (lane.in_flight, lane.waiting()) for k, lane in self._lanes.items()}
+
+
+class _AsyncSlotPoller(_SlotWatch):
+    """``/slots`` of one model for every stream of an AsyncClient on one loop: one request in flight
+    however many wait (a task of the board), an answer younger than ``poll`` reused."""
+
+    def __init__(self, board: _AsyncBoard, model: Optional[str]) -> None:
+        _SlotWatch.__init__(self, board.limits)
+        self._board = board
+        self._model = model
+        self._stamp = float("-inf")  # when the last answer arrived
+        self._slots = None  # type: Optional[List[Slot]]
+        self._task = None  # type: Optional[asyncio.Task[None]]
+        self._waiters = set()  # type: Set[asyncio.Future[None]]
+
+    async def get(self, stream: AsyncChatStream) -> Optional[List[Slot]]:
+        """The slots, or None when ``/slots`` failed or did not answer within ``poll``."""
+        interval = self._limits.poll
+        asked = time.monotonic()
+        if asked - self._stamp < interval:
+            return self._slots
+        if self._task is None:
+            self._task = self._board.spawn(self._work())
+        deadline = asked + interval
+        while self._stamp < asked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            alarm = stream._arm()
+            self._waiters.add(alarm)
+            try:
+                await stream._sleep(alarm, left)
+            finally:
+                self._waiters.discard(alarm)
+            if stream._cancelled:
+                raise CancelledError("the request was cancelled while polling /slots")
+        return self._slots
+
+    async def _work(self) -> None:
+        limits = self._limits
+        client = self._board.client
+        try:
+            timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
+            doc = await client._call(client._plan._json, "GET", "/slots", model=self._model, timeout=timeout)
+            slots = _slots_from(doc)  # type: Optional[List[Slot]]
+        except Exception:  # any failure means "unavailable"
+            slots = None
+        finally:
+            self._task = None
+        now = time.monotonic()
+        if slots is not None:
+            self._remember(slots, now)
+        self._slots = slots
+        self._stamp = now
+        for alarm in self._waiters:
+            _ring(alarm)
+
+
+class _AsyncBoard:
+    """What the streams of an AsyncClient share on one event loop: the gate, a ``/slots`` poller and a pool
+    size per model, the streams in flight and the tasks the board started.  ``close()`` ends them all."""
+
+    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop, previous: Optional[_AsyncBoard]) -> None:
+        self.client = client
+        self.loop = loop
+        self.limits = client.limits
+        self.gate = _AsyncGate(client.limits.queue_len)
+        self.streams = set()  # type: Set[AsyncChatStream]
+        self._pollers = {}  # type: Dict[Optional[str], _AsyncSlotPoller]
+        self._pools = dict(previous._pools) if previous is not None else {}  # type: Dict[Optional[str], int]
+        self._props = {}  # type: Dict[Optional[str], Set[asyncio.Future[None]]]  # model: who waits for its /props
+        self._tasks = set()  # type: Set[asyncio.Task[Any]]
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def busy(self) -> bool:
+        return bool(self.streams or self._tasks)
+
+    async def capacity(self, model: Optional[str], stream: AsyncChatStream) -> int:
+        """``total_slots`` of the model from ``/props``, read once; 1 until the server has answered."""
+        while model not in self._pools:
+            waiters = self._props.get(model)
+            if waiters is not None:  # another stream is asking: its answer will do
+                alarm = stream._arm()
+                waiters.add(alarm)
+                try:
+                    await stream._sleep(alarm, None)
+                finally:
+                    waiters.discard(alarm)
+                stream._check()
+                continue
+            waiters = self._props[model] = set()
+            try:
+                props = await self.client._call_for(
+                    stream._conns, self.client._plan._json, "GET", "/props", model=model
+                )
+            except LoopError:
+                return 1
+            finally:
+                del self._props[model]
+                for alarm in waiters:
+                    _ring(alarm)
+            total = _total_slots(props)
+            if total is None:
+                return 1
+            self._pools[model] = total
+        return self._pools[model]
+
+    async def slot_state(
+        self, model: Optional[str], slot: Optional[int], stream: AsyncChatStream, every: bool
+    ) -> Tuple[str, Optional[WedgedSlotError]]:
+        """``_Board.slot_state`` on this loop."""
+        poller = self._pollers.get(model)
+        if poller is None:
+            poller = self._pollers[model] = _AsyncSlotPoller(self, model)
+        return poller.state(await poller.get(stream), slot, every, self.client.address)
+
+    async def close(self) -> None:
+        import asyncio
+
+        for stream in list(self.streams):
+            stream.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+class AsyncChatStream:
+    """One streamed chat request on an event loop (``AsyncClient.stream()``): iterate it with ``async for``
+    for events; ``completion`` is there once iteration has ended without an error.  The request starts when
+    iteration starts.  ``cancel()`` (a plain method, called in the loop's thread) closes the connection and
+    releases the permit at once; the code iterating then gets ``CancelledError``.  Cancelling the task that
+    iterates does the same, and that task sees ``asyncio.CancelledError``.  Leaving ``async with`` early
+    cancels quietly.  Iteration raises the ``LoopError`` subclasses, as ``ChatStream`` does.
+    """
+
+    def __init__(
+        self, client: AsyncClient, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool
+    ) -> None:
+        self._client = client
+        self._request = request
+        self._slot = slot
+        self._model = model
+        self._raw_chunks = raw_chunks
+        self._gen = None  # type: Optional[AsyncGenerator[List[Event], None]]
+        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
+        self._board = None  # type: Optional[_AsyncBoard]
+        self._conns = set()  # type: Set[_AsyncConn]
+        self._alarm = None  # type: Optional[asyncio.Future[None]]  # what the request waits on, but a read
+        self._ticket = None  # type: Optional[_AsyncTicket]
+        self._outcome = None  # type: Optional[Union[Completion, _Retry]]
+        self._cancelled = False
+        self._running = False
+        self._done = False
+        #: the assembled answer, once iteration ended without an error
+        self.completion = None  # type: Optional[Completion]
+
+    def __aiter__(self) -> AsyncChatStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        batch = self._batch
+        if batch and not self._cancelled:  # a read yields all the events it completed
+            return batch.pop()
+        if self._done:
+            raise StopAsyncIteration
+        if self._running:
+            raise RuntimeError("another task is iterating this stream")
+        if self._cancelled:
+            self._done = True
+            await self._close_gen()
+            raise CancelledError("the request was cancelled")
+        if self._gen is None:
+            self._gen = self._run()
+        self._running = True
+        try:
+            batch = await self._gen.__anext__()
+        except BaseException:
+            self._done = True
+            raise
+        finally:
+            self._running = False
+        batch.reverse()  # a fresh list, never empty: popped from its end
+        self._batch = batch
+        return batch.pop()
+
+    def cancel(self) -> None:
+        """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
+        its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
+        if self._done:
+            return
+        self._cancelled = True
+        self._abort()
+        if self._alarm is not None:
+            _ring(self._alarm)
+        self._release()
+
+    async def __aenter__(self) -> AsyncChatStream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        if not self._done:
+            self.cancel()
+            self._done = True
+            await self._close_gen()
+
+    async def _close_gen(self) -> None:
+        if self._gen is not None and not self._running:
+            await self._gen.aclose()  # runs the request's finally, which never waits
+
+    def _abort(self) -> None:
+        for conn in list(self._conns):
+            conn.abort()
+
+    def _release(self) -> None:
+        board = self._board
+        if board is not None:
+            if self._ticket is not None:
+                board.gate.leave(self._ticket)
+            board.streams.discard(self)
+
+    def _check(self) -> None:
+        if self._cancelled:
+            raise CancelledError("the request was cancelled")
+
+    def _arm(self) -> asyncio.Future[None]:
+        """A new alarm for the next wait, which ``cancel()`` rings."""
+        assert self._board is not None
+        alarm = self._alarm = self._board.loop.create_future()
+        if self._cancelled:
+            _ring(alarm)
+        return alarm
+
+    async def _sleep(self, alarm: asyncio.Future[None], timeout: Optional[float]) -> None:
+        assert self._board is not None
+        try:
+            await _sleep(self._board.loop, alarm, timeout)
+        finally:
+            self._alarm = None
+
+    # -- the life of one request: ChatStream's, on an event loop ------------------------------------
+
+    async def _run(self) -> AsyncGenerator[List[Event], None]:
+        client = self._client
+        board = self._board = client._board_here()
+        limits = board.limits
+        completion = None
+        try:
+            board.streams.add(self)
+            slot = self._slot
+            capacity = 1 if slot is not None else await board.capacity(self._model, self)
+            self._check()
+            ticket = self._ticket = board.gate.enter((self._model, slot), capacity)
+            if not ticket.granted:
+                yield [Queued(ticket.ahead)]
+                while True:
+                    ticket.alarm = self._arm()
+                    await self._sleep(ticket.alarm, limits.poll)
+                    ticket.alarm = None
+                    self._check()
+                    if ticket.granted:
+                        break
+                    ahead = board.gate.ahead(ticket)
+                    if ahead < ticket.ahead:  # coalesced: never repeated or increased
+                        ticket.ahead = ahead
+                        yield [Queued(ahead)]
+            waits = _Waits(limits, slot, client.address)
+            attempt = 0
+            backoff = BACKOFF_FIRST
+            while True:
+                self._check()
+                try:
+                    conn = await client._open(board, max(limits.poll, 0.2), self)
+                except OSError as exc:
+                    retry = _cannot_connect(exc)
+                else:
+                    self._conns.add(conn)
+                    self._check()  # cancelled while connecting: send nothing
+                    exchange = self._exchange(conn, waits)
+                    try:
+                        waits.sent_at = time.monotonic()
+                        async for batch in exchange:
+                            yield batch
+                    finally:
+                        await exchange.aclose()  # its cleanup never waits
+                        conn.abort()
+                        self._conns.discard(conn)
+                    outcome = self._outcome
+                    if not isinstance(outcome, _Retry):
+                        completion = outcome
+                        break
+                    retry = outcome
+                self._check()
+                event, backoff = _next_retry(waits, retry, attempt, backoff)
+                attempt = event.attempt
+                yield [event]
+                await self._sleep(self._arm(), event.delay)
+                if self._cancelled:
+                    raise CancelledError("the request was cancelled while backing off")
+        except LoopError:
+            if self._cancelled:
+                raise CancelledError("the request was cancelled") from None
+            raise
+        finally:
+            self._abort()
+            self._release()
+        self.completion = completion
+
+    async def _exchange(self, conn: _AsyncConn, waits: _Waits) -> AsyncGenerator[List[Event], None]:
+        """One attempt (``ChatStream._exchange``): send, wait for the head (polling /slots), then pump the
+        response to its end; the outcome is left in ``_outcome``."""
+        board = self._board
+        assert board is not None
+        limits = board.limits
+        self._outcome = None
+        await conn.send(self._request, limits.liveness)
+        pump = ResponsePump(limits, self._raw_chunks)
+        events = []  # type: List[Event]
+        started = 0.0  # when the first byte came
+        heard = progress = time.monotonic()  # the last byte; the last data event
+        while True:
+            if events:
+                yield events
+            if pump.failed is not None:
+                raise pump.failed
+            while pump.cap_due is not None:
+                events = pump.capped(await self._end_reasoning(*pump.cap_due))
+                if events:
+                    yield events
+                if pump.failed is not None:
+                    raise pump.failed
+            if pump.outcome is not None:
+                self._outcome = pump.outcome
+                return
+            now = time.monotonic()
+            if pump.progressed:
+                progress = now
+            elif _quiet_due(limits, pump.head, progress, now):
+                await self._check_quiet(now - progress, pinged=heard > progress)
+            try:
+                data = await conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))  # type: Optional[bytes]
+            except _Silence:
+                data = None
+            self._check()
+            if data is None:
+                events = []
+                if not started:  # ChatStream._poll_for_head
+                    waits.check()
+                    state, wedged = await board.slot_state(self._model, self._slot, self, every=True)
+                    if wedged is not None:
+                        yield [Waiting(True, wedged=True)]
+                        raise wedged
+                    waits.observe(state)
+                    yield [Waiting(state == BUSY)]
+                    waits.check()
+                    continue
+                stalled = _silence(limits, pump.head, heard)
+                if stalled is None:
+                    continue
+                raise stalled
+            heard = time.monotonic()
+            if not started:
+                started = progress = heard
+            events = pump.feed(data) if data else pump.feed_eof()
+
+    async def _check_quiet(self, quiet: float, pinged: bool) -> None:
+        """``ChatStream._check_quiet``: the quiet rule, around one ``/slots`` poll when it needs one."""
+        assert self._board is not None
+        wedge, pings = _quiet_rule(self._board.limits, self._slot, quiet, pinged)
+        if wedge or pings:
+            state, wedged = await self._board.slot_state(self._model, self._slot, self, every=False)
+            _quiet_verdict(self._board.limits, state, wedged, wedge, pings, quiet)
+
+    async def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
+        assert completion_id is not None
+        client = self._client
+        try:
+            return await client._call_for(self._conns, client._plan._board.control, self._model, completion_id, None)
+        except LoopError as exc:
+            if self._cancelled:
+                raise
+            raise _cap_failed(tokens, exc) from exc
+
+
+class _Asked(BaseException):
+    """A replayed helper reached its request (internal: a BaseException, so that no handler on its way
+    mistakes it for a failure)."""
+
+    def __init__(self, request: bytes, timeout: float, what: str) -> None:
+        BaseException.__init__(self)  # no args: the request may carry an API key, and args show in repr()
+        self.request = request
+        self.timeout = timeout
+        self.what = what
+
+
+class _Replay(Client):
+    """A ``Client`` that never opens a socket.  ``AsyncClient`` runs ``Client``'s own single-shot helpers
+    on it, twice: the first run stops at the one request the helper makes (``_send`` raises ``_Asked``
+    with its bytes), the second is handed the answer the event loop got for it.  So both clients check
+    arguments, build requests and read answers with the same code; only the exchange in between differs.
+    It also checks ``AsyncClient``'s constructor arguments and builds its streamed requests."""
+
+    _answer = None  # type: Optional[Tuple[ResponseHead, bytes]]
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Optional[Dict[str, Any]] = None,
+        *,
+        model: Any = _NO_MODEL,
+        timeout: Optional[float] = None,
+        owner: Optional[_Owner] = None,
+    ) -> Tuple[ResponseHead, bytes]:
+        answer = self._answer
+        if answer is None:
+            request, timeout = self._prepare(method, path, body, query, model, timeout)
+            raise _Asked(request, timeout, "%s %s" % (method, path))
+        self._answer = None  # one request per helper
+        return answer
+
+
+class AsyncClient:
+    """A client of one llama-server for asyncio programs: ``Client``'s constructor and calls, as
+    coroutines (``stream()`` is a plain method returning an ``AsyncChatStream``).  The same limits, events,
+    ``Completion``, errors, budgets, gates, retries and wire rules, on the same parsers; no threads.
+
+        async with lc.AsyncClient("/run/llama.sock") as client:
+            reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
+            async with client.stream(messages) as stream:
+                async for event in stream: ...
+
+    Its gates and ``/slots`` poller belong to the event loop that uses it.  A client made outside any loop
+    may serve several loops one after another; using it from two running loops at once is
+    ``RuntimeError``.  ``on_event`` runs in the loop's thread.  Unix sockets and numeric addresses need no
+    resolver; a host name goes through the loop's own (``loop.getaddrinfo``).  ``await client.close()``
+    (or leaving ``async with``) cancels its streams and ends its tasks.
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        *,
+        limits: Optional[Limits] = None,
+        api_key: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+        model: Optional[str] = None,
+        ssl_context: Any = None,
+    ) -> None:
+        plan = self._plan = _Replay(
+            address, limits=limits, api_key=api_key, headers=headers, model=model, ssl_context=ssl_context
+        )
+        self.address = plan.address
+        self.limits = plan.limits
+        self.model = plan.model
+        self._addr = plan._addr
+        self._ssl_context = plan._board.ssl_context
+        self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client
+        self._lock = threading.Lock()  # two threads may race to bind the client to their loops
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return "<loopclient.AsyncClient %s>" % self.address
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel this client's streams in flight and end its tasks.  Any later call is ``ValueError``."""
+        import asyncio
+
+        self._closed = True
+        self._plan.close()
+        with self._lock:
+            board = self._board
+            self._board = None
+        if board is None:
+            return
+        if board.loop is asyncio.get_running_loop():
+            await board.close()
+        elif board.loop.is_running():
+            raise RuntimeError("this AsyncClient is in use by another running event loop: close it there")
+        else:  # a loop that no longer runs: nothing of it can be awaited
+            for stream in list(board.streams):
+                stream.cancel()
+
+    def _board_here(self) -> _AsyncBoard:
+        """The board of the running loop, made when a loop first uses the client."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        board = self._board
+        if board is not None and board.loop is loop:
+            return board
+        with self._lock:
+            if self._closed:
+                raise CancelledError("the client is closed")
+            board = self._board
+            if board is None or board.loop is not loop:
+                if board is not None and (board.loop.is_running() or (board.busy() and not board.loop.is_closed())):
+                    raise RuntimeError(
+                        "this AsyncClient is in use by another event loop: use one client per loop at a time"
+                    )
+                board = self._board = _AsyncBoard(self, loop, board)
+        return board
+
+    # -- the one request path ------------------------------------------------------------------------
+
+    async def _open(self, board: _AsyncBoard, timeout: float, stream: Optional[AsyncChatStream]) -> _AsyncConn:
+        """A new connection; ``OSError`` when the server cannot be reached (a retry), ``ConnectError`` when
+        TLS fails (no retry).  ``stream.cancel()`` ends the wait."""
+        loop = board.loop
+        addr = self._addr
+        conn = _AsyncConn(loop)
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                # A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a
+                # connect failure like a refusal (asyncio's own connect would wait on it as "in progress"
+                # and report a connection that is not there).
+                sock.connect(addr.target)
+                protocol = conn  # type: Any  # duck-typed: see _AsyncConn
+                await loop.create_unix_connection(lambda: protocol, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+            return conn
+        host, port = addr.target
+        tls = self._ssl_context if addr.tls else None
+        task = board.spawn(
+            loop.create_connection(
+                lambda: conn,
+                host,
+                port,
+                ssl=tls,
+                server_hostname=host if tls is not None else None,
+                ssl_handshake_timeout=timeout if tls is not None else None,
+            )
+        )
+        alarm = stream._arm() if stream is not None else loop.create_future()
+        task.add_done_callback(lambda _: _ring(alarm))
+        try:
+            if stream is not None:
+                await stream._sleep(alarm, timeout)
+            else:
+                await _sleep(loop, alarm, timeout)
+        finally:
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            if stream is not None:
+                stream._check()
+            raise socket.timeout("timed out")
+        exc = task.exception()
+        if exc is not None:
+            if addr.tls:
+                import ssl
+
+                if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
+                    raise _tls_failed(addr, exc) from exc
+            raise exc
+        return conn
+
+    async def _send(
+        self, request: bytes, timeout: float, what: str, conns: Optional[Set[_AsyncConn]]
+    ) -> Tuple[ResponseHead, bytes]:
+        """One request on a new connection, never retried: (head, body)."""
+        board = self._board_here()
+        try:
+            conn = await self._open(board, timeout, None)
+        except OSError as exc:
+            raise _connect_error(self._addr, exc) from exc
+        if conns is not None:
+            conns.add(conn)
+        try:
+            await conn.send(request, timeout)
+            return await _read_response_async(conn, timeout, self.limits.max_body, what)
+        finally:
+            conn.abort()
+            if conns is not None:
+                conns.discard(conn)
+
+    async def _call(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``fn`` (a single-shot helper of ``self._plan``), its one request made on this loop."""
+        return await self._call_for(None, fn, *args, **kw)
+
+    async def _call_for(self, conns: Optional[Set[_AsyncConn]], fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``_call``, the connection added to ``conns`` while it is open (a stream's, for ``cancel()``)."""
+        try:
+            fn(*args, **kw)
+        except _Asked as asked:
+            request, timeout, what = asked.request, asked.timeout, asked.what
+        else:  # pragma: no cover - every helper makes one request
+            raise AssertionError("%r made no request" % (fn,))
+        answer = await self._send(request, timeout, what, conns)
+        plan = self._plan
+        plan._answer = answer
+        try:
+            return fn(*args, **kw)
+        finally:
+            plan._answer = None
+
+    # -- chat ------------------------------------------------------------------------------------------
+
+    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncChatStream:
+        """``Client.stream()`` for asyncio: an ``AsyncChatStream`` (a plain call; the request starts when
+        iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
+        return AsyncChatStream(self, *self._plan._chat_request(messages, slot, params))
+
+    async def chat(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """Stream a chat and return its ``Completion``, calling ``on_event`` (a plain callable, in the loop's
+        thread) for each event.  Raises the ``LoopError`` subclasses; an exception from ``on_event`` closes
+        the request and propagates unchanged."""
+        stream = self.stream(messages, slot=slot, **params)
+        try:
+            async for event in stream:
+                if on_event is not None:
+                    on_event(event)
+        except BaseException:
+            await stream.__aexit__(None, None, None)
+            raise
+        assert stream.completion is not None
+        return stream.completion
+
+    # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
+
+    async def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
+        """``Client.request``, as a coroutine."""
+        return await self._call(self._plan.request, method, path, body, query=query)
+
+    async def slots(self, model: Optional[str] = None) -> List[Slot]:
+        """``Client.slots``, as a coroutine."""
+        return await self._call(self._plan.slots, model)
+
+    async def health(self) -> Dict[str, Any]:
+        """``Client.health``, as a coroutine."""
+        return await self._call(self._plan.health)
+
+    async def props(self, model: Optional[str] = None) -> Dict[str, Any]:
+        """``Client.props``, as a coroutine."""
+        return await self._call(self._plan.props, model)
+
+    async def models(self) -> Dict[str, Any]:
+        """``Client.models``, as a coroutine."""
+        return await self._call(self._plan.models)
+
+    async def load_model(self, name: str) -> Dict[str, Any]:
+        """``Client.load_model``, as a coroutine."""
+        return await self._call(self._plan.load_model, name)
+
+    async def unload_model(self, name: str) -> Dict[str, Any]:
+        """``Client.unload_model``, as a coroutine."""
+        return await self._call(self._plan.unload_model, name)
+
+    async def end_reasoning(self, completion_id: str) -> bool:
+        """``Client.end_reasoning``, as a coroutine."""
+        return await self._call(self._plan.end_reasoning, completion_id)
+
+    async def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
+    ) -> List[Any]:
+        """``Client.tokenize``, as a coroutine."""
+        return await self._call(
+            self._plan.tokenize, text, add_special=add_special, parse_special=parse_special, with_pieces=with_pieces
+        )
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """``Client.detokenize``, as a coroutine."""
+        return await self._call(self._plan.detokenize, tokens)
+
+    async def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
+        """``Client.apply_template``, as a coroutine."""
+        return await self._call(self._plan.apply_template, messages, **params)
+
+    async def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+        """``Client.count_tokens``, as a coroutine."""
+        return await self._call(self._plan.count_tokens, messages, **params)
+
+    async def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
+        """``Client.embed``, as a coroutine."""
+        return await self._call(self._plan.embed, input, **params)
+
+    async def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
+        """``Client.rerank``, as a coroutine."""
+        return await self._call(self._plan.rerank, query, documents, **params)
+
+    async def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``Client.save_slot``, as a coroutine."""
+        return await self._call(self._plan.save_slot, slot, filename)
+
+    async def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``Client.restore_slot``, as a coroutine."""
+        return await self._call(self._plan.restore_slot, slot, filename)
+
+    async def erase_slot(self, slot: int) -> Dict[str, Any]:
+        """``Client.erase_slot``, as a coroutine."""
+        return await self._call(self._plan.erase_slot, slot)
+
+    async def metrics(self) -> str:
+        """``Client.metrics``, as a coroutine."""
+        return await self._call(self._plan.metrics)
 
 
 # =====================================================================================================

@@ -3436,9 +3436,7 @@ class _AsyncBoard:
                 continue
             waiters = self._props[model] = set()
             try:
-                props = await self.client._call_for(
-                    stream._conns, self.client._plan._json, "GET", "/props", model=model
-                )
+                props = await self.client._call_for(stream, self.client._plan._json, "GET", "/props", model=model)
             except LoopError:
                 return 1
             finally:
@@ -3722,7 +3720,7 @@ class AsyncChatStream:
         assert completion_id is not None
         client = self._client
         try:
-            return await client._call_for(self._conns, client._plan._board.control, self._model, completion_id, None)
+            return await client._call_for(self, client._plan._board.control, self._model, completion_id, None)
         except LoopError as exc:
             if self._cancelled:
                 raise
@@ -3914,37 +3912,40 @@ class AsyncClient:
         return conn
 
     async def _send(
-        self, request: bytes, timeout: float, what: str, conns: Optional[Set[_AsyncConn]]
+        self, request: bytes, timeout: float, what: str, owner: Optional[AsyncChatStream]
     ) -> Tuple[ResponseHead, bytes]:
-        """One request on a new connection, never retried: (head, body)."""
+        """One request on a new connection, never retried: (head, body).  Made for a stream (``owner``),
+        its connection is the stream's while open, so that ``cancel()`` closes it too."""
         board = self._board_here()
         try:
-            conn = await self._open(board, timeout, None)
+            conn = await self._open(board, timeout, owner)
         except OSError as exc:
             raise _connect_error(self._addr, exc) from exc
-        if conns is not None:
-            conns.add(conn)
+        if owner is not None:
+            owner._conns.add(conn)
         try:
+            if owner is not None:
+                owner._check()  # cancelled while connecting: send nothing
             await conn.send(request, timeout)
             return await _read_response_async(conn, timeout, self.limits.max_body, what)
         finally:
             conn.abort()
-            if conns is not None:
-                conns.discard(conn)
+            if owner is not None:
+                owner._conns.discard(conn)
 
     async def _call(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
         """``fn`` (a single-shot helper of ``self._plan``), its one request made on this loop."""
         return await self._call_for(None, fn, *args, **kw)
 
-    async def _call_for(self, conns: Optional[Set[_AsyncConn]], fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
-        """``_call``, the connection added to ``conns`` while it is open (a stream's, for ``cancel()``)."""
+    async def _call_for(self, owner: Optional[AsyncChatStream], fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``_call`` made for a stream (``owner``): its ``cancel()`` ends the call."""
         try:
             fn(*args, **kw)
         except _Asked as asked:
             request, timeout, what = asked.request, asked.timeout, asked.what
         else:  # pragma: no cover - every helper makes one request
             raise AssertionError("%r made no request" % (fn,))
-        answer = await self._send(request, timeout, what, conns)
+        answer = await self._send(request, timeout, what, owner)
         plan = self._plan
         plan._answer = answer
         try:

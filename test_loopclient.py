@@ -1798,7 +1798,17 @@ FAST = lc.Limits(poll=0.05, liveness=2.0, busy_wait=3.0, load_wait=2.0, idle_gra
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-class ServerCase(unittest.TestCase):
+class ClientFactory:
+    """The client a test class drives: ``lc.Client`` here; ``AsyncDriver`` (mixed in first) makes it
+    ``lc.AsyncClient`` behind the same blocking calls, so that one description of a behaviour runs twice."""
+
+    CLIENT = "sync"
+
+    def new_client(self, *args, **kw):
+        return lc.Client(*args, **kw)
+
+
+class ServerCase(ClientFactory, unittest.TestCase):
     """A fake server per test, with descriptor and thread counts checked at the end."""
 
     tcp = False
@@ -1808,7 +1818,7 @@ class ServerCase(unittest.TestCase):
         self.fds = fd_count()
         self.threads = threading.active_count()
         self.server = FakeServer(tcp=self.tcp)
-        self.client = lc.Client(self.server.address, limits=self.limits)
+        self.client = self.new_client(self.server.address, limits=self.limits)
         self.closers = []
 
     def tearDown(self):
@@ -1914,7 +1924,7 @@ class TestClientStream(ServerCase):
 
     def test_api_key_and_extra_headers(self):
         self.use(serve_body(content_stream(["ok"])))
-        client = lc.Client(self.server.address, limits=FAST, api_key="sk-secret", headers={"X-Trace": "1"})
+        client = self.new_client(self.server.address, limits=FAST, api_key="sk-secret", headers={"X-Trace": "1"})
         self.collect(client=client)
         req = self.server.chat_requests()[0]
         self.assertEqual(req.headers["authorization"], "Bearer sk-secret")
@@ -2072,7 +2082,7 @@ class TestSingleShot(ServerCase):
         self.assertEqual((cm.exception.status, cm.exception.message), (404, "File Not Found"))
 
     def test_missing_socket_is_connect_error(self):
-        client = lc.Client(self.server.tmp + "/missing.sock", limits=FAST)
+        client = self.new_client(self.server.tmp + "/missing.sock", limits=FAST)
         with self.assertRaises(lc.ConnectError) as cm:
             client.health()
         self.assertEqual(cm.exception.address, self.server.tmp + "/missing.sock")
@@ -2080,7 +2090,7 @@ class TestSingleShot(ServerCase):
 
     def test_silence_is_stalled_after_liveness(self):
         self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))
-        client = lc.Client(self.server.address, limits=lc.Limits(liveness=0.3))
+        client = self.new_client(self.server.address, limits=lc.Limits(liveness=0.3))
         start = time.monotonic()
         with self.assertRaises(lc.StalledError):
             client.props()
@@ -2200,7 +2210,7 @@ class TestWaitForHead(ServerCase):
     def test_busy_slot_past_busy_wait(self):
         self.server.busy[0] = True
         self.use(hold_then(b"", threading.Event()))
-        client = lc.Client(self.server.address, limits=self.budget(busy_wait=0.6))
+        client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.6))
         t = Timer()
         events = []
         with self.assertRaises(lc.WaitTimeoutError) as cm:
@@ -2213,7 +2223,7 @@ class TestWaitForHead(ServerCase):
 
     def test_idle_slot_and_no_head_is_stalled_after_idle_grace(self):
         self.use(hold_then(b"", threading.Event()))
-        client = lc.Client(self.server.address, limits=self.budget(idle_grace=0.5))
+        client = self.new_client(self.server.address, limits=self.budget(idle_grace=0.5))
         t = Timer()
         events = []
         with self.assertRaises(lc.StalledError):
@@ -2234,7 +2244,7 @@ class TestWaitForHead(ServerCase):
             ),
         )
         self.use(hold_then(b"", threading.Event()))
-        client = lc.Client(self.server.address, limits=self.budget(load_wait=0.5))
+        client = self.new_client(self.server.address, limits=self.budget(load_wait=0.5))
         t = Timer()
         with self.assertRaises(lc.LoadTimeoutError):
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -2263,7 +2273,7 @@ class TestWaitForHead(ServerCase):
 
         self.server.route("GET", "/slots", slots)
         self.use(hold_then(content_stream(["ok"]), release))
-        client = lc.Client(self.server.address, limits=self.budget(busy_wait=0.5, load_wait=0.5))
+        client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.5, load_wait=0.5))
         threading.Thread(target=driver, daemon=True).start()
         events = []
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
@@ -2280,7 +2290,7 @@ class TestWaitForHead(ServerCase):
         self.server.slots_delay = 0.08
         release = threading.Event()
         self.use(hold_then(content_stream(["ok"]), release))
-        client = lc.Client(self.server.address, limits=self.budget(poll=0.05))
+        client = self.new_client(self.server.address, limits=self.budget(poll=0.05))
         waits = []
         lock = threading.Lock()
 
@@ -2308,7 +2318,7 @@ class TestWaitForHead(ServerCase):
             req.wait_peer_close(5)
 
         self.use(handler)
-        client = lc.Client(self.server.address, limits=self.budget(liveness=0.4))
+        client = self.new_client(self.server.address, limits=self.budget(liveness=0.4))
         t = Timer()
         with self.assertRaises(lc.StalledError):
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -2326,7 +2336,7 @@ class TestLiveness(ServerCase):
             req.wait_peer_close(5)
 
         self.use(handler)
-        client = lc.Client(self.server.address, limits=self.limits_())
+        client = self.new_client(self.server.address, limits=self.limits_())
         events = []
         t = Timer()
         with self.assertRaises(lc.StalledError):
@@ -2349,7 +2359,7 @@ class TestLiveness(ServerCase):
     def test_pings_with_idle_slot_are_stalled_after_liveness(self):
         stop = threading.Event()
         self.use(self.pinger(stop))
-        client = lc.Client(self.server.address, limits=self.limits_())
+        client = self.new_client(self.server.address, limits=self.limits_())
         t = Timer()
         with self.assertRaises(lc.StalledError) as cm:
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -2362,7 +2372,7 @@ class TestLiveness(ServerCase):
         stop = threading.Event()
         self.server.busy[0] = True
         self.use(self.pinger(stop))
-        client = lc.Client(self.server.address, limits=self.limits_(busy_wait=1.0))
+        client = self.new_client(self.server.address, limits=self.limits_(busy_wait=1.0))
         t = Timer()
         with self.assertRaises(lc.StalledError):
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -2377,7 +2387,7 @@ class TestLiveness(ServerCase):
             chunked(sse(chunk_json({"content": "b"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n"
         )
         self.use(self.pinger(stop, then=rest))
-        client = lc.Client(self.server.address, limits=self.limits_(busy_wait=5.0))
+        client = self.new_client(self.server.address, limits=self.limits_(busy_wait=5.0))
         threading.Timer(0.7, stop.set).start()
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=0))
         self.assertEqual(completion.content, "ab")
@@ -2391,7 +2401,7 @@ class TestRetries(ServerCase):
         late = FakeServer(listen=False)
         self.closers.append(late.close)
         late.stream(serve_body(content_stream(["up"])))
-        client = lc.Client(late.path, limits=self.limits_())
+        client = self.new_client(late.path, limits=self.limits_())
         events = []
 
         def on_event(ev):
@@ -2408,7 +2418,7 @@ class TestRetries(ServerCase):
         self.assertIn("No such file", retries[0].reason)
 
     def test_backoff_doubles_to_two_seconds_with_jitter_down(self):
-        client = lc.Client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=30.0))
+        client = self.new_client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=30.0))
         stream = client.stream(MSGS, slot=0)
         delays = []
         originals = lc.BACKOFF_FIRST
@@ -2426,7 +2436,7 @@ class TestRetries(ServerCase):
             self.assertTrue(0.75 * base <= delay <= base, (delay, base))
 
     def test_load_wait_spent_is_load_timeout_with_os_cause(self):
-        client = lc.Client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=0.6))
+        client = self.new_client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=0.6))
         t = Timer()
         with self.assertRaises(lc.LoadTimeoutError) as cm:
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -2439,7 +2449,7 @@ class TestRetries(ServerCase):
         dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         dead.bind(path)  # bound, never listening: connect is refused
         self.closers.append(dead.close)
-        client = lc.Client(path, limits=self.limits_(load_wait=0.4))
+        client = self.new_client(path, limits=self.limits_(load_wait=0.4))
         with self.assertRaises(lc.LoadTimeoutError) as cm:
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
         self.assertIsInstance(cm.exception.__cause__, ConnectionRefusedError)
@@ -2466,7 +2476,7 @@ class TestRetries(ServerCase):
             )
         )
         self.use(handler)
-        client = lc.Client(self.server.address, limits=self.limits_())
+        client = self.new_client(self.server.address, limits=self.limits_())
         completion, events = self.collect(client=client)
         self.assertEqual(completion.content, "fine")
         self.assertEqual(len(calls), 2)
@@ -2483,7 +2493,7 @@ class TestRetries(ServerCase):
             )
         )
         self.use(handler)
-        client = lc.Client(self.server.address, limits=self.limits_())
+        client = self.new_client(self.server.address, limits=self.limits_())
         t = Timer()
         completion, events = self.collect(client=client)
         self.assertEqual(events[0], lc.Retrying(1, 1.0, "HTTP 503: busy"))
@@ -2501,7 +2511,7 @@ class TestRetries(ServerCase):
 
         calls, handler = self.unavailable_then(first)
         self.use(handler)
-        client = lc.Client(self.server.address, limits=self.limits_())
+        client = self.new_client(self.server.address, limits=self.limits_())
         completion, events = self.collect(client=client)
         self.assertTrue(1.0 <= events[0].delay <= 2.0, events[0])
         self.assertEqual(completion.content, "fine")
@@ -2512,7 +2522,7 @@ class TestRetries(ServerCase):
                 req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: 3600\r\n"
             )
         )
-        client = lc.Client(self.server.address, limits=self.limits_(load_wait=10))
+        client = self.new_client(self.server.address, limits=self.limits_(load_wait=10))
         t = Timer()
         with self.assertRaises(lc.LoadTimeoutError) as cm:
             self.collect(client=client)
@@ -2644,7 +2654,9 @@ class TestGate(ServerCase):
         self.assertLess(t.elapsed, 0.1)
         self.assertEqual(events["B"], [lc.Queued(1)])
         self.assertEqual(events["C"], [lc.Queued(2)])
-        for marker in "ABC":
+        keeper.release("A")
+        wait_for(lambda: len(events["C"]) >= 2, what="C to hear it moved up")  # within poll: its own timer
+        for marker in "BC":
             keeper.release(marker)
         for th in threads:
             th.join(5)
@@ -2763,7 +2775,7 @@ class TestCancel(ServerCase):
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
 
     def test_cancel_while_backing_off(self):
-        client = lc.Client(self.server.tmp + "/never.sock", limits=self.limits)
+        client = self.new_client(self.server.tmp + "/never.sock", limits=self.limits)
         events, _ = self.cancel_during(None, lambda evs: evs, client=client)
         self.assertIsInstance(events[0], lc.Retrying)
 
@@ -2891,7 +2903,7 @@ def reasoning_stream(n_reasoning, content="yes", cid=CID):
 
 class TestThinkingCap(ServerCase):
     def capped(self, cap=3, overrun=4):
-        return lc.Client(
+        return self.new_client(
             self.server.address, limits=lc.Limits(poll=0.05, liveness=2.0, thinking_cap=cap, thinking_overrun=overrun)
         )
 
@@ -3268,7 +3280,7 @@ class TestEdges(ServerCase):
     def test_slots_empty_list_means_idle(self):
         self.server.route("GET", "/slots", lambda req: respond_json(req, []))
         self.use(hold_then(b"", threading.Event()))
-        client = lc.Client(self.server.address, limits=lc.Limits(poll=0.05, idle_grace=0.3))
+        client = self.new_client(self.server.address, limits=lc.Limits(poll=0.05, idle_grace=0.3))
         with self.assertRaises(lc.StalledError):
             run_with_timeout(lambda: client.chat(MSGS, slot=0))
 
@@ -3761,7 +3773,7 @@ class _f_Case(ServerCase):
     def _f_limits(self, **changes):
         """Replace this test's client by one with ``changes`` to _F_LIMITS."""
         self.client.close()
-        self.client = lc.Client(self.server.address, limits=_F_LIMITS.replace(**changes))
+        self.client = self.new_client(self.server.address, limits=_F_LIMITS.replace(**changes))
         return self.client
 
     def _f_run(self, fn, timeout):
@@ -3817,7 +3829,7 @@ class TestFaultConnect(_f_Case):
 
     def _f_at(self, address):
         self.client.close()
-        self.client = lc.Client(address, limits=_F_LIMITS)
+        self.client = self.new_client(address, limits=_F_LIMITS)
 
     def test_socket_file_missing_stream(self):
         self._f_at(self._f_missing())
@@ -4482,7 +4494,7 @@ _F_KEY = "sk-loopclient-SECRET-7f3a9c"
 class TestSecurity(_f_Case):
     def _f_keyed(self, address=None):
         self.client.close()
-        self.client = lc.Client(address or self.server.address, limits=_F_LIMITS, api_key=_F_KEY)
+        self.client = self.new_client(address or self.server.address, limits=_F_LIMITS, api_key=_F_KEY)
         return self.client
 
     def test_api_key_never_in_errors_reprs_or_logs(self):
@@ -4529,7 +4541,7 @@ class TestSecurity(_f_Case):
             errors.append(self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait))
             for bad in ({"api_key": _F_KEY + "\r\n"}, {"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}):
                 with self.assertRaises(ValueError) as caught:
-                    lc.Client(self.server.address, **bad)
+                    self.new_client(self.server.address, **bad)
                 errors.append(caught.exception)
             for err in errors:
                 _f_secret_free(self, _F_KEY, err)
@@ -4541,15 +4553,15 @@ class TestSecurity(_f_Case):
 
     def test_crlf_in_header_value_name_key_or_path_refused_before_sending(self):
         with self.assertRaises(ValueError):
-            lc.Client(self.server.address, headers={"X-Trace": "1\r\nX-Injected: yes"})
+            self.new_client(self.server.address, headers={"X-Trace": "1\r\nX-Injected: yes"})
         with self.assertRaises(ValueError):
-            lc.Client(self.server.address, headers={"X-Trace\r\nX-Injected": "1"})
+            self.new_client(self.server.address, headers={"X-Trace\r\nX-Injected": "1"})
         with self.assertRaises(ValueError):
-            lc.Client(self.server.address, headers={"X-Trace": "1\nX-Injected: yes"})
+            self.new_client(self.server.address, headers={"X-Trace": "1\nX-Injected: yes"})
         with self.assertRaises(ValueError):
-            lc.Client(self.server.address, api_key="key\nX-Injected: yes")
+            self.new_client(self.server.address, api_key="key\nX-Injected: yes")
         with self.assertRaises(ValueError):
-            lc.Client("http://127.0.0.1:8080/\r\nX-Injected: yes")
+            self.new_client("http://127.0.0.1:8080/\r\nX-Injected: yes")
         with self.assertRaises(ValueError):
             lc.encode_request("GET", "/slots\r\nX-Injected: yes", "localhost")
         with self.assertRaises(ValueError):
@@ -4993,11 +5005,11 @@ class TestRealServerConfigured(unittest.TestCase):
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
-class TestRealServer(unittest.TestCase):
+class TestRealServer(ClientFactory, unittest.TestCase):
     limits = lc.Limits(poll=0.2, liveness=20.0, busy_wait=60.0, load_wait=60.0, idle_grace=20.0)
 
     def setUp(self):
-        self.client = lc.Client(REAL_SOCKET, limits=self.limits)
+        self.client = self.new_client(REAL_SOCKET, limits=self.limits)
         self.fds = fd_count()
         wait_for(
             lambda: not any(s.is_processing for s in self.client.slots()), 30, "the real server's slots to be idle"
@@ -5030,7 +5042,7 @@ class TestRealServer(unittest.TestCase):
 
     @unittest.skipUnless(REAL_URL, "no TCP instance: set LOOPCLIENT_REAL_URL (.ci/run does)")
     def test_streamed_matches_unstreamed_over_tcp(self):
-        with lc.Client(REAL_URL, limits=self.limits) as client:
+        with self.new_client(REAL_URL, limits=self.limits) as client:
             self.streamed_equals_unstreamed(client)
 
     def test_single_shot_calls(self):
@@ -5040,7 +5052,7 @@ class TestRealServer(unittest.TestCase):
         self.assertEqual(self.client.models()["object"], "list")
 
     def test_same_slot_from_two_clients_waits_busy_then_completes(self):
-        other = lc.Client(REAL_SOCKET, limits=self.limits)
+        other = self.new_client(REAL_SOCKET, limits=self.limits)
         self.addCleanup(other.close)
         first_events, results = [], {}
         started = threading.Event()
@@ -5068,7 +5080,7 @@ class TestRealServer(unittest.TestCase):
         self.assertEqual(completion.usage["completion_tokens"], 8)
 
     def test_three_on_one_slot_with_queue_len_one(self):
-        client = lc.Client(REAL_SOCKET, limits=self.limits.replace(queue_len=1))
+        client = self.new_client(REAL_SOCKET, limits=self.limits.replace(queue_len=1))
         self.addCleanup(client.close)
         events, results = {}, {}
         params = {"max_tokens": 60, "ignore_eos": True, "temperature": 0}
@@ -5118,7 +5130,7 @@ class TestRealServer(unittest.TestCase):
         self.assertTrue(all(isinstance(e, lc.Reasoning) for e in events[:first_content]))
 
     def test_thinking_cap_ends_reasoning(self):
-        client = lc.Client(REAL_SOCKET, limits=self.limits.replace(thinking_cap=3, thinking_overrun=8))
+        client = self.new_client(REAL_SOCKET, limits=self.limits.replace(thinking_cap=3, thinking_overrun=8))
         self.addCleanup(client.close)
         completion, events = self.chat(
             client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar("1,300")

@@ -3404,7 +3404,7 @@ class _AsyncBoard:
     def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop, previous: Optional[_AsyncBoard]) -> None:
         self.client = client
         self.loop = loop
-        self.limits = client.limits
+        self.limits = client.limits  # type: Limits
         self.gate = _AsyncGate(client.limits.queue_len)
         self.streams = set()  # type: Set[AsyncChatStream]
         self._pollers = {}  # type: Dict[Optional[str], _AsyncSlotPoller]
@@ -3796,9 +3796,9 @@ class AsyncClient:
         plan = self._plan = _Replay(
             address, limits=limits, api_key=api_key, headers=headers, model=model, ssl_context=ssl_context
         )
-        self.address = plan.address
-        self.limits = plan.limits
-        self.model = plan.model
+        self.address = plan.address  # type: str
+        self.limits = plan.limits  # type: Limits
+        self.model = plan.model  # type: Optional[str]
         self._addr = plan._addr
         self._ssl_context = plan._board.ssl_context
         self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client

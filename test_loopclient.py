@@ -5340,6 +5340,92 @@ class TestListenQueueFull(ServerCase):
         drain()
 
 
+#: A self-signed certificate for 127.0.0.1 (EC P-256, valid until 2126) and its key, for the TLS tests.
+_TLS_CERT = """-----BEGIN CERTIFICATE-----
+MIIBmzCCAUKgAwIBAgIUKBtRaqksrpaSGGLIB9tA9/ZKe68wCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPbG9vcGNsaWVudCB0ZXN0MCAXDTI2MTEzMDIxNTI1OVoYDzIx
+MjYxMTA2MjE1MjU5WjAaMRgwFgYDVQQDDA9sb29wY2xpZW50IHRlc3QwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAASf9LPK8Dd7/XJvTESxm5r02EW6nBgGlM7rarQ9
+6qKlPomXAAugUsJOel8NT9fjn4zTcs1VpLzd8c01Eu4WyCIVo2QwYjAdBgNVHQ4E
+FgQUzaP9BmdN6wTFxE2DrquEi+Vlb8IwHwYDVR0jBBgwFoAUzaP9BmdN6wTFxE2D
+rquEi+Vlb8IwDwYDVR0TAQH/BAUwAwEB/zAPBgNVHREECDAGhwR/AAABMAoGCCqG
+SM49BAMCA0cAMEQCID00tsp3Q9xxUsh/gWdquVXr9FTbu1gxFm70Q2IwiAqaAiA1
+W0Zz7g7ZLnJzRHzeBVfwudzIRMumlqtvDQ5LQUUK7w==
+-----END CERTIFICATE-----
+"""
+_TLS_KEY = """-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgHE5dGcLh761J5xAz
+10jhQsM7aIQCZxJ17Lkzd/JB1hqhRANCAASf9LPK8Dd7/XJvTESxm5r02EW6nBgG
+lM7rarQ96qKlPomXAAugUsJOel8NT9fjn4zTcs1VpLzd8c01Eu4WyCIV
+-----END PRIVATE KEY-----
+"""
+
+
+class TLSFakeServer(FakeServer):
+    """FakeServer behind TLS, with the certificate above; ``address`` is ``https://127.0.0.1:PORT``."""
+
+    def __init__(self):
+        import ssl
+
+        super().__init__(tcp=True, listen=False)
+        pem = os.path.join(self.tmp, "server.pem")
+        with open(pem, "w") as f:
+            f.write(_TLS_CERT + _TLS_KEY)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(pem)
+        self.listen()
+        self.address = self.address.replace("http://", "https://")
+
+    def _serve(self, conn):
+        try:
+            conn.settimeout(5)
+            conn = self.context.wrap_socket(conn, server_side=True)
+        except OSError:  # the client refused the certificate, or left
+            conn.close()
+            return
+        super()._serve(conn)
+
+
+class TestTLS(ServerCase):
+    """https://: a private CA through ``ssl_context``; a certificate that does not verify is ConnectError at
+    once, never retried, nothing sent."""
+
+    limits = FAST.replace(poll=0.5)  # the connect timeout (TLS handshake included) is max(poll, 0.2)
+
+    def setUp(self):
+        super().setUp()
+        self.tls = TLSFakeServer()
+        self.closers.append(self.tls.close)
+
+    def test_stream_and_single_shot_with_a_private_ca(self):
+        import ssl
+
+        self.tls.stream(serve_body(content_stream(["sealed"])))
+        client = self.new_client(
+            self.tls.address, limits=self.limits, ssl_context=ssl.create_default_context(cadata=_TLS_CERT)
+        )
+        completion, _ = self.collect(client=client)
+        self.assertEqual(completion.content, "sealed")
+        self.assertEqual(run_with_timeout(client.health), {"status": "ok"})
+        self.assertEqual(self.tls.chat_requests()[0].headers["host"], self.tls.address[len("https://") :])
+
+    def test_certificate_that_does_not_verify_is_connect_error_at_once(self):
+        import ssl
+
+        client = self.new_client(self.tls.address, limits=self.limits)  # the system's trust store
+        t = Timer()
+        events = []
+        with self.assertRaises(lc.ConnectError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertLess(t.elapsed, 0.5 + MARGIN)
+        self.assertEqual(events, [])  # no Retrying: not a server that is down
+        self.assertIsInstance(cm.exception.__cause__, ssl.SSLError)
+        self.assertIn("TLS with %s failed" % self.tls.address, str(cm.exception))
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(client.health)
+        self.assertEqual(self.tls.requests, [])
+
+
 # -- the tiers above, through AsyncClient; a test that looks at threaded internals sees GateView ----------
 #
 # Lean: the async variants leave out a few slow tests whose async path another async test already walks
@@ -5393,6 +5479,10 @@ class TestServerApiAsync(AsyncDriver, TestServerApi):
 
 
 class TestListenQueueFullAsync(AsyncDriver, TestListenQueueFull):
+    pass
+
+
+class TestTLSAsync(AsyncDriver, TestTLS):
     pass
 
 
@@ -5461,7 +5551,9 @@ def run_on_new_loop(test, main, timeout=30.0, debug=True):
     problems = []
 
     async def wrapper():
-        asyncio.get_running_loop().set_exception_handler(lambda loop, context: problems.append(context))
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: problems.append(context))
+        loop.slow_callback_duration = 5.0  # a loaded machine is not a bug
         try:
             return await asyncio.wait_for(main(), timeout)
         finally:
@@ -5604,6 +5696,119 @@ class TestAsyncCancel(ServerCase):
                 await client.slots()
 
         run_on_new_loop(self, main)  # fails on a task still pending
+
+
+class TestAsyncStress(ServerCase):
+    """48 streams over 4 slots on one loop, queue_len 2, with cancel() and task.cancel() and server faults
+    at random: every request ends in a documented way, every permit is released, BusyError comes exactly
+    when a queue is full, and each slot's requests reach the server in the order they entered its queue."""
+
+    limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
+
+    def test_random_cancels_and_faults(self):
+        self.server.busy = [False] * 4
+        rng = random.Random(20261201)
+        plans = {}
+        for n in range(48):
+            fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
+            plans["s%d" % n] = {
+                "fault": fault,
+                "slot": rng.randrange(4),
+                "start": rng.uniform(0.0, 0.3),
+                "pace": rng.uniform(0.002, 0.02),
+                "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None,
+                "how": rng.choice(["cancel()", "task.cancel()"]),
+            }
+        arrivals = []
+        lock = threading.Lock()
+
+        def handler(req):
+            marker = req.json()["messages"][0]["content"]
+            with lock:
+                arrivals.append((req.json()["id_slot"], marker))
+            fault = plans[marker]["fault"]
+            if fault == "hold":
+                req.wait_peer_close(5)
+            elif fault == "close":
+                req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"})))[:-7])
+            elif fault == "error":
+                req.send(
+                    STREAM_HEAD + chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n')
+                )
+            elif fault == "400":
+                respond_json(req, {"error": {"code": 400, "message": "bad"}}, 400, "Bad Request")
+            else:
+                time.sleep(plans[marker]["pace"])  # the scripted server's generation pace
+                req.send(STREAM_HEAD + content_stream([marker]))
+
+        self.use(handler)
+
+        async def main():
+            async with lc.AsyncClient(self.server.address, limits=self.limits) as client:
+                await client.health()  # the board of this loop exists: its gate can be watched
+                gate = client._board.gate
+                enter = gate.enter
+                entered, refusals, current = [], [], [None]
+
+                def watching_enter(key, capacity):
+                    full = gate.snapshot().get(key, (0, 0))[1] >= 2
+                    try:
+                        ticket = enter(key, capacity)
+                    except lc.BusyError as exc:
+                        refusals.append((current[0], full, exc.waiting, exc.queue_len))
+                        raise
+                    self.assertFalse(full)
+                    entered.append((key[1], current[0]))
+                    return ticket
+
+                gate.enter = watching_enter
+                outcomes = {}
+
+                async def one(marker):
+                    plan = plans[marker]
+                    await asyncio.sleep(plan["start"])
+                    stream = client.stream([{"role": "user", "content": marker}], slot=plan["slot"])
+                    if plan["cancel"] is not None:
+                        task = asyncio.current_task()
+                        cancel = stream.cancel if plan["how"] == "cancel()" else task.cancel
+                        asyncio.get_running_loop().call_later(plan["cancel"], cancel)
+                    current[0] = marker  # the gate is entered in this step: no await until then
+                    try:
+                        async for _ in stream:
+                            pass
+                        outcomes[marker] = stream.completion.content
+                    except lc.LoopError as exc:
+                        outcomes[marker] = type(exc).__name__
+
+                tasks = {m: asyncio.ensure_future(one(m)) for m in plans}
+                await asyncio.wait(tasks.values(), timeout=30)
+                for marker, task in tasks.items():
+                    self.assertTrue(task.done(), marker)
+                    if task.cancelled():
+                        outcomes[marker] = "asyncio.CancelledError"
+                return outcomes, entered, refusals, {k: v for k, v in gate.snapshot().items() if v != (0, 0)}
+
+        outcomes, entered, refusals, busy_lanes = run_on_new_loop(self, main)
+        allowed = {
+            "BusyError",
+            "CancelledError",
+            "asyncio.CancelledError",
+            "StreamClosedError",
+            "ServerError",
+            "HTTPStatusError",
+        }
+        self.assertEqual(len(outcomes), 48)
+        for marker, outcome in outcomes.items():
+            self.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
+            if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
+                self.assertIn(outcome, (marker, "BusyError"))
+        self.assertEqual(busy_lanes, {}, "a permit or a place was not released")
+        self.assertEqual(sorted(m for m, o in outcomes.items() if o == "BusyError"), sorted(r[0] for r in refusals))
+        self.assertTrue(all(full and waiting == qlen == 2 for _, full, waiting, qlen in refusals), refusals)
+        for slot in range(4):
+            sent = [m for s, m in arrivals if s == slot]
+            self.assertEqual(sent, [m for s, m in entered if s == slot and m in sent], "slot %d out of order" % slot)
+        self.assertLessEqual(self.server.slots_max_in_flight, 1)
 
 
 class TestAsyncClient(ServerCase):

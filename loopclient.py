@@ -50,6 +50,8 @@ __license__ = "MIT"
 __all__ = [
     "Client",
     "ChatStream",
+    "AsyncClient",
+    "AsyncChatStream",
     "Limits",
     "Completion",
     "ToolCallResult",
@@ -2110,7 +2112,7 @@ class _Conn:
                 self._timeout = timeout
             self.sock.sendall(data)
         except socket.timeout:
-            raise StalledError("the server did not take the request for %.1f s" % timeout, timeout) from None
+            raise _send_stalled(timeout) from None
         except OSError as exc:
             raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
 
@@ -2123,7 +2125,7 @@ class _Conn:
         except socket.timeout:
             raise _Silence() from None
         except OSError as exc:
-            raise StreamClosedError("the connection failed: %s" % exc) from exc
+            raise _connection_failed(exc) from exc
 
     def abort(self) -> None:
         """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd."""
@@ -2149,11 +2151,22 @@ def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socke
         return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
     except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
         sock.close()
-        err = ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
-        raise err from exc
+        raise _tls_failed(addr, exc) from exc
     except BaseException:
         sock.close()
         raise
+
+
+def _tls_failed(addr: _Address, exc: BaseException) -> ConnectError:
+    return ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
+
+
+def _send_stalled(timeout: float) -> StalledError:
+    return StalledError("the server did not take the request for %.1f s" % timeout, timeout)
+
+
+def _connection_failed(exc: BaseException) -> StreamClosedError:
+    return StreamClosedError("the connection failed: %s" % exc)
 
 
 def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
@@ -2287,20 +2300,76 @@ IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
 WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
 
 
-class _SlotPoller:
+class _SlotWatch:
+    """What a ``/slots`` poller (threads or asyncio) makes of the answers: per slot, since when the progress
+    triple (task, decoded, prompt processed) of a processing slot has not changed, and from one answer,
+    what a request's slot is doing."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
+
+    def _remember(self, slots: List[Slot], now: float) -> None:
+        still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]
+        for s in slots:
+            triple = (s.task, s.decoded, s.prompt_processed)
+            if s.is_processing and triple != (None, None, None):
+                old = self._still.get(s.id)
+                still[s.id] = (triple, old[1] if old is not None and old[0] == triple else now)
+        self._still = still  # replaced whole, never changed in place: readers need no lock
+
+    def still(self, slot: Slot) -> float:
+        """Seconds the processing ``slot`` has shown no progress (0 when it moves or sends no fields)."""
+        entry = self._still.get(slot.id)
+        return time.monotonic() - entry[1] if entry is not None else 0.0
+
+    def wedged(self, slot: Slot) -> bool:
+        wait = self._limits.wedge_wait
+        return wait is not None and slot.is_processing and self.still(slot) >= wait
+
+    def state(
+        self, slots: Optional[List[Slot]], slot: Optional[int], every: bool, address: str
+    ) -> Tuple[str, Optional[WedgedSlotError]]:
+        """The state of ``slot`` (``None``: the pool) in an answer (``None``: no answer) and, when it is
+        wedged, the error that says so.  ``every``: the pool is busy only when every slot is (else: any)."""
+        if slots is None:
+            return UNAVAILABLE, None
+        if not slots:
+            return IDLE, None
+        if slot is not None:
+            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
+            mine = [s for s in slots if s.id == target]
+        else:
+            mine = slots
+        wedged = [s for s in mine if self.wedged(s)]
+        moving = [s for s in mine if s not in wedged]
+        if wedged and (slot is not None or not every or not moving):
+            s = wedged[0]
+            seconds = self.still(s)
+            message = (
+                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
+                "(wedge_wait); restart the server (SIGKILL if SIGTERM does not stop it)"
+                % (s.id, address, s.task, seconds)
+            )
+            return WEDGED, WedgedSlotError(message, s.id, s.task, seconds)
+        flags = [s.is_processing for s in moving]
+        busy = all(flags) if every else any(flags)
+        return (BUSY if busy and flags else IDLE), None
+
+
+class _SlotPoller(_SlotWatch):
     """``/slots`` of one model for every request of a client: one request in flight however many wait, an
     answer younger than ``poll`` reused.  It remembers, per slot, since when the progress triple (task,
     decoded, prompt processed) of a processing slot has not changed.  The request runs in a short-lived
     thread so that a waiter can always be cancelled."""
 
     def __init__(self, fetch: Callable[[float, _Owner], List[Slot]], limits: Limits) -> None:
+        _SlotWatch.__init__(self, limits)
         self._fetch = fetch
-        self._limits = limits
         self._cond = threading.Condition(threading.Lock())
         self._busy = False
         self._stamp = float("-inf")  # when the last answer arrived
         self._slots = None  # type: Optional[List[Slot]]
-        self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
         self._owner = _Owner()
 
     def get(self, cancelled: threading.Event) -> Optional[List[Slot]]:
@@ -2323,16 +2392,6 @@ class _SlotPoller:
                 self._cond.wait(min(left, 0.1))
             return self._slots
 
-    def still(self, slot: Slot) -> float:
-        """Seconds the processing ``slot`` has shown no progress (0 when it moves or sends no fields)."""
-        with self._cond:
-            entry = self._still.get(slot.id)
-        return time.monotonic() - entry[1] if entry is not None else 0.0
-
-    def wedged(self, slot: Slot) -> bool:
-        wait = self._limits.wedge_wait
-        return wait is not None and slot.is_processing and self.still(slot) >= wait
-
     def _work(self) -> None:
         limits = self._limits
         try:
@@ -2342,13 +2401,7 @@ class _SlotPoller:
         with self._cond:
             now = time.monotonic()
             if slots is not None:
-                still = {}
-                for s in slots:
-                    triple = (s.task, s.decoded, s.prompt_processed)
-                    if s.is_processing and triple != (None, None, None):
-                        old = self._still.get(s.id)
-                        still[s.id] = (triple, old[1] if old is not None and old[0] == triple else now)
-                self._still = still
+                self._remember(slots, now)
             self._slots = slots
             self._stamp = now
             self._busy = False
@@ -2426,8 +2479,8 @@ class _Board:
                         props = self._call("GET", "/props", model=model, owner=owner)
                     except LoopError:
                         return 1
-                    total = props.get("total_slots") if isinstance(props, dict) else None
-                    if type(total) is not int or total < 1:
+                    total = _total_slots(props)
+                    if total is None:
                         return 1
                     self._pools[model] = total
             finally:
@@ -2451,30 +2504,7 @@ class _Board:
         """The state of ``slot`` (``None``: the pool) and, when it is wedged, the error that says so.
         ``every``: the pool is busy only when every slot is (else: when any is)."""
         poller = self._poller(model)
-        slots = poller.get(cancelled)
-        if slots is None:
-            return UNAVAILABLE, None
-        if not slots:
-            return IDLE, None
-        if slot is not None:
-            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
-            mine = [s for s in slots if s.id == target]
-        else:
-            mine = slots
-        wedged = [s for s in mine if poller.wedged(s)]
-        moving = [s for s in mine if s not in wedged]
-        if wedged and (slot is not None or not every or not moving):
-            s = wedged[0]
-            seconds = poller.still(s)
-            message = (
-                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
-                "(wedge_wait); restart the server (SIGKILL if SIGTERM does not stop it)"
-                % (s.id, self.addr.text, s.task, seconds)
-            )
-            return WEDGED, WedgedSlotError(message, s.id, s.task, seconds)
-        flags = [s.is_processing for s in moving]
-        busy = all(flags) if every else any(flags)
-        return (BUSY if busy and flags else IDLE), None
+        return poller.state(poller.get(cancelled), slot, every, self.addr.text)
 
     def control(self, model: Optional[str], completion_id: str, owner: Optional[_Owner]) -> bool:
         """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
@@ -2513,6 +2543,12 @@ class _Board:
             stream.cancel()
         for poller in pollers:
             poller.abort()
+
+
+def _total_slots(props: Any) -> Optional[int]:
+    """``total_slots`` of a ``/props`` answer; None when it has none that makes sense."""
+    total = props.get("total_slots") if isinstance(props, dict) else None
+    return total if type(total) is int and total >= 1 else None
 
 
 def _slots_from(doc: Any) -> List[Slot]:
@@ -2736,7 +2772,7 @@ class ChatStream:
             try:
                 conn = self._board.connect(max(limits.poll, 0.2))
             except OSError as exc:
-                retry = _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
+                retry = _cannot_connect(exc)
             else:
                 self._owner.add(conn)
                 try:
@@ -2749,29 +2785,16 @@ class ChatStream:
                     return outcome
                 retry = outcome
             self._check()
-            waits.observe(UNAVAILABLE, retry.cause)
-            left = waits.remaining()
-            assert left is not None
-            if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
-                raise waits.expired()
-            import random  # only when a retry happens
-
-            delay = backoff * (1.0 - 0.25 * random.random())
-            backoff = min(backoff * 2, BACKOFF_MAX)
-            if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
-                delay = max(delay, retry.hint)
-            delay = min(delay, left)
-            attempt += 1
-            yield [Retrying(attempt, delay, retry.reason)]
-            if self._cancel.wait(delay):
+            event, backoff = _next_retry(waits, retry, attempt, backoff)
+            attempt = event.attempt
+            yield [event]
+            if self._cancel.wait(event.delay):
                 raise CancelledError("the request was cancelled while backing off")
 
     def _exchange(self, conn: _Conn, waits: _Waits) -> Generator[List[Event], None, Union[Completion, _Retry]]:
         """One attempt: send, wait for the head (polling /slots), then pump the response to its end."""
         limits = self._board.limits
-        liveness = limits.liveness
-        watch_wedge = limits.wedge_wait is not None
-        conn.sendall(self._request, liveness)
+        conn.sendall(self._request, limits.liveness)
         pump = ResponsePump(limits, self._raw_chunks)
         events = []  # type: List[Event]
         started = 0.0  # when the first byte came
@@ -2790,33 +2813,20 @@ class ChatStream:
             if pump.outcome is not None:
                 return pump.outcome
             now = time.monotonic()
-            if pump.head is not None and pump.head.status == 200 and now - progress >= limits.poll:
+            if _quiet_due(limits, pump.head, progress, now):
                 self._check_quiet(now - progress, pinged=heard > progress)
-            if not started:
-                left = waits.remaining()
-                timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
-            elif pump.head is None:
-                timeout = started + liveness - now
-                if timeout <= 0:
-                    raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
-            else:
-                timeout = liveness - (now - heard)
-                if watch_wedge and pump.head.status == 200:
-                    timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
             try:
-                data = conn.recv(max(timeout, 0.001))
+                data = conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))
             except _Silence:
                 self._check()
                 if not started:
                     events = yield from self._poll_for_head(waits)
                     continue
                 events = []
-                if time.monotonic() - heard < liveness:
+                stalled = _silence(limits, pump.head, heard)
+                if stalled is None:
                     continue
-                what = "the response head" if pump.head is None else "the error body" if pump.head.status != 200 else ""
-                if what:
-                    raise StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness) from None
-                raise StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness) from None
+                raise stalled from None
             self._check()
             heard = time.monotonic()
             if not started:
@@ -2843,23 +2853,10 @@ class ChatStream:
         stream is unknown); when only pings came for ``liveness``, only a slot still processing is waited
         out, up to ``busy_wait`` counted from the last data event."""
         limits = self._board.limits
-        wedge = limits.wedge_wait is not None and (self._slot is not None or quiet >= limits.wedge_wait)
-        pings = pinged and quiet >= limits.liveness
-        if not wedge and not pings:
-            return
-        state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=False)
-        if wedged is not None and wedge:
-            raise wedged
-        if not pings:
-            return
-        if state != BUSY:
-            raise StalledError(
-                "only pings for %.1f s and the slot is %s: the stream is stuck"
-                % (quiet, "idle" if state == IDLE else "unknown"),
-                quiet,
-            )
-        if quiet >= limits.busy_wait:
-            raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+        wedge, pings = _quiet_rule(limits, self._slot, quiet, pinged)
+        if wedge or pings:
+            state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=False)
+            _quiet_verdict(limits, state, wedged, wedge, pings, quiet)
 
     def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
         assert completion_id is not None
@@ -2868,9 +2865,102 @@ class ChatStream:
         except LoopError as exc:
             if self._cancel.is_set():
                 raise
-            raise ThinkingOverrunError(
-                "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
-            ) from exc
+            raise _cap_failed(tokens, exc) from exc
+
+
+def _cannot_connect(exc: OSError) -> _Retry:
+    return _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
+
+
+def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
+    """The ``Retrying`` event for a failed attempt (its delay: ``backoff`` jittered down by up to a quarter,
+    ``Retry-After`` as a floor, never past ``load_wait``) and the next backoff; the budget's error when
+    ``load_wait`` is spent or a hint goes past it."""
+    waits.observe(UNAVAILABLE, retry.cause)
+    left = waits.remaining()
+    assert left is not None
+    if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
+        raise waits.expired()
+    import random  # only when a retry happens
+
+    delay = backoff * (1.0 - 0.25 * random.random())
+    if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
+        delay = max(delay, retry.hint)
+    return Retrying(attempt + 1, min(delay, left), retry.reason), min(backoff * 2, BACKOFF_MAX)
+
+
+def _read_timeout(
+    limits: Limits, waits: _Waits, head: Optional[ResponseHead], started: float, heard: float, now: float
+) -> float:
+    """How long the next read of an attempt may wait: ``poll`` (within the wait's budget) before the first
+    byte, what is left of ``liveness`` after it; at most ``poll`` on a silent stream when slots are watched
+    for a wedge.  A head that has not completed within ``liveness`` of its first byte is ``StalledError``."""
+    liveness = limits.liveness
+    if not started:
+        left = waits.remaining()
+        timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
+    elif head is None:
+        timeout = started + liveness - now
+        if timeout <= 0:
+            raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
+    else:
+        timeout = liveness - (now - heard)
+        if limits.wedge_wait is not None and head.status == 200:
+            timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
+    return max(timeout, 0.001)
+
+
+def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
+    """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
+    liveness = limits.liveness
+    if time.monotonic() - heard < liveness:
+        return None
+    what = "the response head" if head is None else "the error body" if head.status != 200 else ""
+    if what:
+        return StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness)
+    return StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness)
+
+
+def _quiet_due(limits: Limits, head: Optional[ResponseHead], progress: float, now: float) -> bool:
+    """A started stream has had no data event for ``poll``: time to apply the quiet rule."""
+    return head is not None and head.status == 200 and now - progress >= limits.poll
+
+
+def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
+    """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
+    being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
+    serves the stream is unknown); pings alone are judged once they have lasted ``liveness``."""
+    wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
+    return wedge, pinged and quiet >= limits.liveness
+
+
+def _quiet_verdict(
+    limits: Limits, state: str, wedged: Optional[WedgedSlotError], wedge: bool, pings: bool, quiet: float
+) -> None:
+    """Raise what the slot's state makes of a quiet stream: a wedged slot, or pings from a slot that no
+    longer processes (or still does after ``busy_wait``, counted from the last data event)."""
+    if wedged is not None and wedge:
+        raise wedged
+    if not pings:
+        return
+    if state != BUSY:
+        raise StalledError(
+            "only pings for %.1f s and the slot is %s: the stream is stuck"
+            % (quiet, "idle" if state == IDLE else "unknown"),
+            quiet,
+        )
+    if quiet >= limits.busy_wait:
+        raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+
+
+def _cap_failed(tokens: int, exc: BaseException) -> ThinkingOverrunError:
+    return ThinkingOverrunError(
+        "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
+    )
+
+
+def _no_answer(what: str, timeout: float) -> StalledError:
+    return StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout)
 
 
 def _read_response(
@@ -2885,7 +2975,7 @@ def _read_response(
         try:
             data = conn.recv(timeout)
         except _Silence:
-            raise StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout) from None
+            raise _no_answer(what, timeout) from None
         if not data:
             reader.feed_eof()
             break
@@ -3035,9 +3125,7 @@ class Client:
         owner: Optional[_Owner] = None,
     ) -> Tuple[ResponseHead, bytes]:
         """One request on a new connection, never retried: (head, body)."""
-        body, query = self._route(method, body, query, model, path)
-        request = self._encode(method, path, body, "application/json", query)
-        timeout = self.limits.liveness if timeout is None else timeout
+        request, timeout = self._prepare(method, path, body, query, model, timeout)
         try:
             conn = self._board.connect(timeout)
         except OSError as exc:
@@ -3051,6 +3139,14 @@ class Client:
             conn.close()
             if owner is not None:
                 owner.discard(conn)
+
+    def _prepare(
+        self, method: str, path: str, body: Any, query: Optional[Dict[str, Any]], model: Any, timeout: Optional[float]
+    ) -> Tuple[bytes, float]:
+        """The bytes of a single-shot request, routed to its model, and its timeout (``liveness`` unless given)."""
+        body, query = self._route(method, body, query, model, path)
+        request = self._encode(method, path, body, "application/json", query)
+        return request, self.limits.liveness if timeout is None else timeout
 
     def _json(self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any) -> Any:
         head, data = self._send(method, path, body, query, **kw)
@@ -3083,6 +3179,12 @@ class Client:
         A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
         ``TypeError``/``ValueError`` here, before any connection.
         """
+        return ChatStream(self._board, *self._chat_request(messages, slot, params))
+
+    def _chat_request(
+        self, messages: Sequence[Dict[str, Any]], slot: Optional[int], params: Dict[str, Any]
+    ) -> Tuple[bytes, Optional[int], Optional[str], bool]:
+        """(request bytes, slot, model, raw_chunks) of a streamed chat; the checks ``stream()`` documents."""
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
             raise TypeError("slot must be an int or None, not %r" % (slot,))
         if slot is not None and slot < 0:
@@ -3105,7 +3207,7 @@ class Client:
         body, _ = self._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
         request = self._encode("POST", "/v1/chat/completions", body, "text/event-stream")
-        return ChatStream(self._board, request, slot, model if isinstance(model, str) else None, raw_chunks)
+        return request, slot, model if isinstance(model, str) else None, raw_chunks
 
     def chat(
         self,
@@ -3253,6 +3355,1005 @@ def _decode_json(data: bytes, what: str) -> Any:
         raise ProtocolError("%s answered invalid JSON: %s" % (what, exc)) from None
     except RecursionError:
         raise ProtocolError("%s answered JSON nested too deeply" % what) from None
+
+
+# =====================================================================================================
+# 8. The asyncio client
+# =====================================================================================================
+#
+# The same request, on an event loop: the pump, the waits and budgets, the retry and quiet rules, the
+# /slots verdict and every message are the functions the threaded client calls; what is new here is only
+# the I/O (asyncio transports instead of blocking sockets) and the gate (a queue of futures).  asyncio is
+# imported by the first AsyncClient, never by ``import loopclient``.
+
+if TYPE_CHECKING:
+    import asyncio
+    from typing import AsyncGenerator
+
+    _T = TypeVar("_T")
+
+
+def _ring(alarm: asyncio.Future[None]) -> None:
+    if not alarm.done():
+        alarm.set_result(None)
+
+
+async def _sleep(loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], timeout: Optional[float]) -> None:
+    """Until ``alarm`` rings or ``timeout`` passes (None: no timer); a timer handle, no task of its own."""
+    timer = loop.call_later(timeout, _ring, alarm) if timeout is not None else None
+    try:
+        await alarm
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _busy_error(slot: Optional[int], waiting: int, queue_len: int) -> BusyError:
+    where = "slot %d" % slot if slot is not None else "any slot"
+    return BusyError(
+        "%d requests already wait for %s (queue_len %d): try later" % (waiting, where, queue_len),
+        slot,
+        queue_len,
+        waiting,
+    )
+
+
+class _AsyncConn:
+    """One connection on an event loop: asyncio's transport below, ``recv(timeout)`` and ``send()`` above,
+    as ``_Conn`` has them.  It is the transport's protocol (duck-typed: subclassing ``asyncio.Protocol``
+    would import asyncio with loopclient).  At most ``RECV_SIZE`` bytes wait unread: beyond that the
+    transport stops reading, so a fast server cannot fill memory ahead of a slow caller."""
+
+    __slots__ = ("_loop", "_transport", "_chunks", "_size", "_eof", "_error", "_waiter", "_paused", "_blocked")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport = None  # type: Optional[asyncio.Transport]
+        self._chunks = []  # type: List[bytes]
+        self._size = 0
+        self._eof = False
+        self._error = None  # type: Optional[BaseException]
+        self._waiter = None  # type: Optional[asyncio.Future[None]]
+        self._paused = False  # reading paused: RECV_SIZE bytes wait
+        self._blocked = False  # writing paused: the server does not take the request
+
+    # -- the protocol, called by the transport -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size >= RECV_SIZE and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self._eof = True
+        if exc is not None and self._error is None:
+            self._error = exc
+        self._blocked = False
+        self._wake()
+
+    def pause_writing(self) -> None:
+        self._blocked = True
+
+    def resume_writing(self) -> None:
+        self._blocked = False
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            _ring(self._waiter)
+
+    # -- for the request -----------------------------------------------------------------------------
+
+    async def _wait(self, timeout: float) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await _sleep(self._loop, waiter, timeout)
+        finally:
+            self._waiter = None
+
+    async def send(self, data: bytes, timeout: float) -> None:
+        """Write the request; ``StalledError`` when the server takes none of it for ``timeout``."""
+        assert self._transport is not None
+        self._transport.write(data)  # a failure shows at the next read, as the connection's loss
+        deadline = time.monotonic() + timeout
+        while self._blocked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _send_stalled(timeout)
+            await self._wait(left)
+
+    async def recv(self, timeout: float) -> bytes:
+        """The bytes received (all of them), ``b""`` at the end; ``_Silence`` when nothing came for
+        ``timeout``, ``StreamClosedError`` when the connection failed."""
+        deadline = 0.0
+        while True:
+            chunks = self._chunks
+            if chunks:
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                self._chunks = []
+                self._size = 0
+                if self._paused and self._transport is not None:
+                    self._paused = False
+                    self._transport.resume_reading()
+                return data
+            if self._eof:
+                if self._error is not None:
+                    raise _connection_failed(self._error) from self._error
+                return b""
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + timeout
+            elif now >= deadline:
+                raise _Silence()
+            await self._wait(deadline - now)
+
+    def abort(self) -> None:
+        """Close now, whatever is buffered: the server sees the client go away; a waiting read wakes."""
+        self._eof = True
+        if self._transport is not None:
+            self._transport.abort()
+        self._wake()
+
+
+async def _read_response_async(
+    conn: _AsyncConn, timeout: float, max_body: int, what: str
+) -> Tuple[ResponseHead, bytes]:
+    """``_read_response`` on an event loop."""
+    reader = ResponseReader(max_body=max_body)
+    pieces = []  # type: List[bytes]
+    while not reader.done:
+        try:
+            data = await conn.recv(timeout)
+        except _Silence:
+            raise _no_answer(what, timeout) from None
+        if not data:
+            reader.feed_eof()
+            break
+        pieces.extend(reader.feed(data))
+    assert reader.head is not None
+    return reader.head, b"".join(pieces)
+
+
+class _AsyncLane:
+    __slots__ = ("capacity", "in_flight", "queue", "entered", "served", "gone")
+
+    def __init__(self, capacity: int) -> None:
+        import collections
+
+        self.capacity = capacity
+        self.in_flight = 0
+        self.queue = collections.deque()  # type: Any  # _AsyncTicket, in entry order; those gone stay until served
+        self.entered = 0  # places handed out: a waiter's place is its number
+        self.served = 0  # places that left the front of the queue
+        self.gone = set()  # type: Set[int]  # places of waiters that left while still in the queue
+
+    def waiting(self) -> int:
+        return len(self.queue) - len(self.gone)
+
+
+class _AsyncTicket:
+    __slots__ = ("lane", "seq", "place", "granted", "ahead", "left", "alarm")
+
+    def __init__(self, lane: _AsyncLane, seq: int) -> None:
+        self.lane = lane
+        self.seq = seq  # entry order, for diagnostics
+        self.place = -1
+        self.granted = False
+        self.ahead = 0
+        self.left = False
+        self.alarm = None  # type: Optional[asyncio.Future[None]]  # rung when the permit is handed over
+
+
+class _AsyncGate:
+    """Per ``(model, slot)`` FIFO queues on one event loop: ``capacity`` requests in flight (1 per slot;
+    ``total_slots`` for any slot), ``queue_len`` more waiting, the next refused with ``BusyError``.  A
+    release hands the permit to the first waiter and wakes only that one; the others learn how far they
+    moved up when their own timer (``Limits.poll``) fires, from two counters, whatever the queue's length."""
+
+    def __init__(self, queue_len: int) -> None:
+        self._queue_len = queue_len
+        self._lanes = {}  # type: Dict[Tuple[Optional[str], Optional[int]], _AsyncLane]
+        self._seq = 0
+
+    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> _AsyncTicket:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _AsyncLane(capacity)
+        elif key[1] is None and capacity != lane.capacity:  # the pool's size came late, or changed
+            lane.capacity = capacity
+            self._hand_over(lane)
+        self._seq += 1
+        ticket = _AsyncTicket(lane, self._seq)
+        waiting = lane.waiting()
+        if lane.in_flight < lane.capacity and not waiting:
+            lane.in_flight += 1
+            ticket.granted = True
+            return ticket
+        if waiting >= self._queue_len:
+            raise _busy_error(key[1], waiting, self._queue_len)
+        ticket.place = lane.entered
+        lane.entered += 1
+        lane.queue.append(ticket)
+        ticket.ahead = lane.in_flight + waiting
+        return ticket
+
+    def ahead(self, ticket: _AsyncTicket) -> int:
+        """How many requests come before a waiting ticket, the ones in flight included."""
+        lane = ticket.lane
+        place = ticket.place
+        before = place - lane.served - sum(1 for p in lane.gone if p < place)
+        return lane.in_flight + before
+
+    def leave(self, ticket: _AsyncTicket) -> None:
+        """Release the permit (handing it over), or leave the queue; idempotent."""
+        if ticket.left:
+            return
+        ticket.left = True
+        lane = ticket.lane
+        if ticket.granted:
+            lane.in_flight -= 1
+            self._hand_over(lane)
+            return
+        lane.gone.add(ticket.place)
+        if len(lane.gone) > 32 and 2 * len(lane.gone) > len(lane.queue):
+            self._compact(lane)
+
+    def _hand_over(self, lane: _AsyncLane) -> None:
+        while lane.in_flight < lane.capacity and lane.queue:
+            ticket = lane.queue.popleft()
+            lane.served += 1
+            if ticket.left:
+                lane.gone.discard(ticket.place)
+                continue
+            lane.in_flight += 1
+            ticket.granted = True
+            if ticket.alarm is not None:
+                _ring(ticket.alarm)
+
+    def _compact(self, lane: _AsyncLane) -> None:
+        """Drop the places of waiters gone, so that cancelled waiters cost nothing once many have left."""
+        import collections
+
+        live = [t for t in lane.queue if not t.left]
+        for i, ticket in enumerate(live):
+            ticket.place = lane.served + i
+        lane.queue = collections.deque(live)
+        lane.entered = lane.served + len(live)
+        lane.gone = set()
+
+    def snapshot(self) -> Dict[Tuple[Optional[str], Optional[int]], Tuple[int, int]]:
+        """{(model, slot): (in flight, waiting)}, for tests and diagnostics."""
+        return {k: (lane.in_flight, lane.waiting()) for k, lane in self._lanes.items()}
+
+
+class _AsyncSlotPoller(_SlotWatch):
+    """``/slots`` of one model for every stream of an AsyncClient on one loop: one request in flight
+    however many wait (a task of the board), an answer younger than ``poll`` reused."""
+
+    def __init__(self, board: _AsyncBoard, model: Optional[str]) -> None:
+        _SlotWatch.__init__(self, board.limits)
+        self._board = board
+        self._model = model
+        self._stamp = float("-inf")  # when the last answer arrived
+        self._slots = None  # type: Optional[List[Slot]]
+        self._task = None  # type: Optional[asyncio.Task[None]]
+        self._waiters = set()  # type: Set[asyncio.Future[None]]
+
+    async def get(self, stream: AsyncChatStream) -> Optional[List[Slot]]:
+        """The slots, or None when ``/slots`` failed or did not answer within ``poll``."""
+        interval = self._limits.poll
+        asked = time.monotonic()
+        if asked - self._stamp < interval:
+            return self._slots
+        if self._task is None:
+            self._task = self._board.spawn(self._work())
+        deadline = asked + interval
+        while self._stamp < asked:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            alarm = stream._arm()
+            self._waiters.add(alarm)
+            try:
+                await stream._sleep(alarm, left)
+            finally:
+                self._waiters.discard(alarm)
+            if stream._cancelled:
+                raise CancelledError("the request was cancelled while polling /slots")
+        return self._slots
+
+    async def _work(self) -> None:
+        limits = self._limits
+        client = self._board.client
+        try:
+            timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
+            doc = await client._call(client._plan._json, "GET", "/slots", model=self._model, timeout=timeout)
+            slots = _slots_from(doc)  # type: Optional[List[Slot]]
+        except Exception:  # any failure means "unavailable"
+            slots = None
+        finally:
+            self._task = None
+        now = time.monotonic()
+        if slots is not None:
+            self._remember(slots, now)
+        self._slots = slots
+        self._stamp = now
+        for alarm in self._waiters:
+            _ring(alarm)
+
+
+class _AsyncBoard:
+    """What the streams of an AsyncClient share on one event loop: the gate, a ``/slots`` poller and a pool
+    size per model, the streams in flight and the tasks the board started.  ``close()`` ends them all."""
+
+    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop, previous: Optional[_AsyncBoard]) -> None:
+        self.client = client
+        self.loop = loop
+        self.limits = client.limits  # type: Limits
+        self.gate = _AsyncGate(client.limits.queue_len)
+        self.streams = set()  # type: Set[AsyncChatStream]
+        self._pollers = {}  # type: Dict[Optional[str], _AsyncSlotPoller]
+        self._pools = dict(previous._pools) if previous is not None else {}  # type: Dict[Optional[str], int]
+        self._props = {}  # type: Dict[Optional[str], Set[asyncio.Future[None]]]  # model: who waits for its /props
+        self._tasks = set()  # type: Set[asyncio.Task[Any]]
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def busy(self) -> bool:
+        return bool(self.streams or self._tasks)
+
+    async def capacity(self, model: Optional[str], stream: AsyncChatStream) -> int:
+        """``total_slots`` of the model from ``/props``, read once; 1 until the server has answered."""
+        while model not in self._pools:
+            waiters = self._props.get(model)
+            if waiters is not None:  # another stream is asking: its answer will do
+                alarm = stream._arm()
+                waiters.add(alarm)
+                try:
+                    await stream._sleep(alarm, None)
+                finally:
+                    waiters.discard(alarm)
+                stream._check()
+                continue
+            waiters = self._props[model] = set()
+            try:
+                props = await self.client._call_for(stream, self.client._plan._json, "GET", "/props", model=model)
+            except LoopError:
+                return 1
+            finally:
+                del self._props[model]
+                for alarm in waiters:
+                    _ring(alarm)
+            total = _total_slots(props)
+            if total is None:
+                return 1
+            self._pools[model] = total
+        return self._pools[model]
+
+    async def slot_state(
+        self, model: Optional[str], slot: Optional[int], stream: AsyncChatStream, every: bool
+    ) -> Tuple[str, Optional[WedgedSlotError]]:
+        """``_Board.slot_state`` on this loop."""
+        poller = self._pollers.get(model)
+        if poller is None:
+            poller = self._pollers[model] = _AsyncSlotPoller(self, model)
+        return poller.state(await poller.get(stream), slot, every, self.client.address)
+
+    async def close(self) -> None:
+        import asyncio
+
+        for stream in list(self.streams):
+            stream.cancel()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+class AsyncChatStream:
+    """One streamed chat request on an event loop (``AsyncClient.stream()``): iterate it with ``async for``
+    for events; ``completion`` is there once iteration has ended without an error.  The request starts when
+    iteration starts.  ``cancel()`` (a plain method, called in the loop's thread) closes the connection and
+    releases the permit at once; the code iterating then gets ``CancelledError``.  Cancelling the task that
+    iterates does the same, and that task sees ``asyncio.CancelledError``.  Leaving ``async with`` early
+    cancels quietly.  Iteration raises the ``LoopError`` subclasses, as ``ChatStream`` does.
+    """
+
+    def __init__(
+        self, client: AsyncClient, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool
+    ) -> None:
+        self._client = client
+        self._request = request
+        self._slot = slot
+        self._model = model
+        self._raw_chunks = raw_chunks
+        self._gen = None  # type: Optional[AsyncGenerator[List[Event], None]]
+        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
+        self._board = None  # type: Optional[_AsyncBoard]
+        self._conns = set()  # type: Set[_AsyncConn]
+        self._alarm = None  # type: Optional[asyncio.Future[None]]  # what the request waits on, but a read
+        self._ticket = None  # type: Optional[_AsyncTicket]
+        self._outcome = None  # type: Optional[Union[Completion, _Retry]]
+        self._cancelled = False
+        self._running = False
+        self._done = False
+        #: the assembled answer, once iteration ended without an error
+        self.completion = None  # type: Optional[Completion]
+
+    def __aiter__(self) -> AsyncChatStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        batch = self._batch
+        if batch and not self._cancelled:  # a read yields all the events it completed
+            return batch.pop()
+        if self._done:
+            raise StopAsyncIteration
+        if self._running:
+            raise RuntimeError("another task is iterating this stream")
+        if self._cancelled:
+            self._done = True
+            await self._close_gen()
+            raise CancelledError("the request was cancelled")
+        if self._gen is None:
+            self._gen = self._run()
+        self._running = True
+        try:
+            batch = await self._gen.__anext__()
+        except BaseException:
+            self._done = True
+            raise
+        finally:
+            self._running = False
+        batch.reverse()  # a fresh list, never empty: popped from its end
+        self._batch = batch
+        return batch.pop()
+
+    def cancel(self) -> None:
+        """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
+        its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
+        if self._done:
+            return
+        self._cancelled = True
+        self._abort()
+        if self._alarm is not None:
+            _ring(self._alarm)
+        self._release()
+
+    async def __aenter__(self) -> AsyncChatStream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        if not self._done:
+            self.cancel()
+            self._done = True
+            await self._close_gen()
+
+    async def _close_gen(self) -> None:
+        if self._gen is not None and not self._running:
+            await self._gen.aclose()  # runs the request's finally, which never waits
+
+    def _abort(self) -> None:
+        for conn in list(self._conns):
+            conn.abort()
+
+    def _release(self) -> None:
+        board = self._board
+        if board is not None:
+            if self._ticket is not None:
+                board.gate.leave(self._ticket)
+            board.streams.discard(self)
+
+    def _check(self) -> None:
+        if self._cancelled:
+            raise CancelledError("the request was cancelled")
+
+    def _arm(self) -> asyncio.Future[None]:
+        """A new alarm for the next wait, which ``cancel()`` rings."""
+        assert self._board is not None
+        alarm = self._alarm = self._board.loop.create_future()
+        if self._cancelled:
+            _ring(alarm)
+        return alarm
+
+    async def _sleep(self, alarm: asyncio.Future[None], timeout: Optional[float]) -> None:
+        assert self._board is not None
+        try:
+            await _sleep(self._board.loop, alarm, timeout)
+        finally:
+            self._alarm = None
+
+    # -- the life of one request: ChatStream's, on an event loop ------------------------------------
+
+    async def _run(self) -> AsyncGenerator[List[Event], None]:
+        client = self._client
+        board = self._board = client._board_here()
+        limits = board.limits
+        completion = None
+        try:
+            board.streams.add(self)
+            slot = self._slot
+            capacity = 1 if slot is not None else await board.capacity(self._model, self)
+            self._check()
+            ticket = self._ticket = board.gate.enter((self._model, slot), capacity)
+            if not ticket.granted:
+                yield [Queued(ticket.ahead)]
+                while True:
+                    ticket.alarm = self._arm()
+                    await self._sleep(ticket.alarm, limits.poll)
+                    ticket.alarm = None
+                    self._check()
+                    if ticket.granted:
+                        break
+                    ahead = board.gate.ahead(ticket)
+                    if ahead < ticket.ahead:  # coalesced: never repeated or increased
+                        ticket.ahead = ahead
+                        yield [Queued(ahead)]
+            waits = _Waits(limits, slot, client.address)
+            attempt = 0
+            backoff = BACKOFF_FIRST
+            while True:
+                self._check()
+                try:
+                    conn = await client._open(board, max(limits.poll, 0.2), self)
+                except OSError as exc:
+                    retry = _cannot_connect(exc)
+                else:
+                    self._conns.add(conn)
+                    self._check()  # cancelled while connecting: send nothing
+                    exchange = self._exchange(conn, waits)
+                    try:
+                        waits.sent_at = time.monotonic()
+                        async for batch in exchange:
+                            yield batch
+                    finally:
+                        await exchange.aclose()  # its cleanup never waits
+                        conn.abort()
+                        self._conns.discard(conn)
+                    outcome = self._outcome
+                    if not isinstance(outcome, _Retry):
+                        completion = outcome
+                        break
+                    retry = outcome
+                self._check()
+                event, backoff = _next_retry(waits, retry, attempt, backoff)
+                attempt = event.attempt
+                yield [event]
+                await self._sleep(self._arm(), event.delay)
+                if self._cancelled:
+                    raise CancelledError("the request was cancelled while backing off")
+        except LoopError:
+            if self._cancelled:
+                raise CancelledError("the request was cancelled") from None
+            raise
+        finally:
+            self._abort()
+            self._release()
+        self.completion = completion
+
+    async def _exchange(self, conn: _AsyncConn, waits: _Waits) -> AsyncGenerator[List[Event], None]:
+        """One attempt (``ChatStream._exchange``): send, wait for the head (polling /slots), then pump the
+        response to its end; the outcome is left in ``_outcome``."""
+        board = self._board
+        assert board is not None
+        limits = board.limits
+        self._outcome = None
+        await conn.send(self._request, limits.liveness)
+        pump = ResponsePump(limits, self._raw_chunks)
+        events = []  # type: List[Event]
+        started = 0.0  # when the first byte came
+        heard = progress = time.monotonic()  # the last byte; the last data event
+        while True:
+            if events:
+                yield events
+            if pump.failed is not None:
+                raise pump.failed
+            while pump.cap_due is not None:
+                events = pump.capped(await self._end_reasoning(*pump.cap_due))
+                if events:
+                    yield events
+                if pump.failed is not None:
+                    raise pump.failed
+            if pump.outcome is not None:
+                self._outcome = pump.outcome
+                return
+            now = time.monotonic()
+            if _quiet_due(limits, pump.head, progress, now):
+                await self._check_quiet(now - progress, pinged=heard > progress)
+            try:
+                data = await conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))  # type: Optional[bytes]
+            except _Silence:
+                data = None
+            self._check()
+            if data is None:
+                events = []
+                if not started:  # ChatStream._poll_for_head
+                    waits.check()
+                    state, wedged = await board.slot_state(self._model, self._slot, self, every=True)
+                    if wedged is not None:
+                        yield [Waiting(True, wedged=True)]
+                        raise wedged
+                    waits.observe(state)
+                    yield [Waiting(state == BUSY)]
+                    waits.check()
+                    continue
+                stalled = _silence(limits, pump.head, heard)
+                if stalled is None:
+                    continue
+                raise stalled
+            heard = time.monotonic()
+            if not started:
+                started = progress = heard
+            events = pump.feed(data) if data else pump.feed_eof()
+            if pump.progressed:
+                progress = heard
+
+    async def _check_quiet(self, quiet: float, pinged: bool) -> None:
+        """``ChatStream._check_quiet``: the quiet rule, around one ``/slots`` poll when it needs one."""
+        assert self._board is not None
+        wedge, pings = _quiet_rule(self._board.limits, self._slot, quiet, pinged)
+        if wedge or pings:
+            state, wedged = await self._board.slot_state(self._model, self._slot, self, every=False)
+            _quiet_verdict(self._board.limits, state, wedged, wedge, pings, quiet)
+
+    async def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
+        assert completion_id is not None
+        client = self._client
+        try:
+            return await client._call_for(self, client._plan._board.control, self._model, completion_id, None)
+        except LoopError as exc:
+            if self._cancelled:
+                raise
+            raise _cap_failed(tokens, exc) from exc
+
+
+class _Asked(BaseException):
+    """A replayed helper reached its request (internal: a BaseException, so that no handler on its way
+    mistakes it for a failure)."""
+
+    def __init__(self, request: bytes, timeout: float, what: str) -> None:
+        BaseException.__init__(self)  # no args: the request may carry an API key, and args show in repr()
+        self.request = request
+        self.timeout = timeout
+        self.what = what
+
+
+class _Replay(Client):
+    """A ``Client`` that never opens a socket.  ``AsyncClient`` runs ``Client``'s own single-shot helpers
+    on it, twice: the first run stops at the one request the helper makes (``_send`` raises ``_Asked``
+    with its bytes), the second is handed the answer the event loop got for it.  So both clients check
+    arguments, build requests and read answers with the same code; only the exchange in between differs.
+    It also checks ``AsyncClient``'s constructor arguments and builds its streamed requests."""
+
+    _answer = None  # type: Optional[Tuple[ResponseHead, bytes]]
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Optional[Dict[str, Any]] = None,
+        *,
+        model: Any = _NO_MODEL,
+        timeout: Optional[float] = None,
+        owner: Optional[_Owner] = None,
+    ) -> Tuple[ResponseHead, bytes]:
+        answer = self._answer
+        if answer is None:
+            request, timeout = self._prepare(method, path, body, query, model, timeout)
+            raise _Asked(request, timeout, "%s %s" % (method, path))
+        self._answer = None  # one request per helper
+        return answer
+
+
+class AsyncClient:
+    """A client of one llama-server for asyncio programs: ``Client``'s constructor and calls, as
+    coroutines (``stream()`` is a plain method returning an ``AsyncChatStream``).  The same limits, events,
+    ``Completion``, errors, budgets, gates, retries and wire rules, on the same parsers; no threads.
+
+        async with lc.AsyncClient("/run/llama.sock") as client:
+            reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
+            async with client.stream(messages) as stream:
+                async for event in stream: ...
+
+    Its gates and ``/slots`` poller belong to the event loop that uses it.  A client made outside any loop
+    may serve several loops one after another; using it from two running loops at once is
+    ``RuntimeError``.  ``on_event`` runs in the loop's thread.  Unix sockets and numeric addresses need no
+    resolver; a host name goes through the loop's own (``loop.getaddrinfo``).  ``await client.close()``
+    (or leaving ``async with``) cancels its streams and ends its tasks.
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        *,
+        limits: Optional[Limits] = None,
+        api_key: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+        model: Optional[str] = None,
+        ssl_context: Any = None,
+    ) -> None:
+        plan = self._plan = _Replay(
+            address, limits=limits, api_key=api_key, headers=headers, model=model, ssl_context=ssl_context
+        )
+        self.address = plan.address  # type: str
+        self.limits = plan.limits  # type: Limits
+        self.model = plan.model  # type: Optional[str]
+        self._addr = plan._addr
+        self._ssl_context = plan._board.ssl_context
+        self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client
+        self._lock = threading.Lock()  # two threads may race to bind the client to their loops
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return "<loopclient.AsyncClient %s>" % self.address
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel this client's streams in flight and end its tasks.  Any later call is ``ValueError``."""
+        import asyncio
+
+        self._closed = True
+        self._plan.close()
+        with self._lock:
+            board = self._board
+            self._board = None
+        if board is None:
+            return
+        if board.loop is asyncio.get_running_loop():
+            await board.close()
+        elif board.loop.is_running():
+            raise RuntimeError("this AsyncClient is in use by another running event loop: close it there")
+        else:  # a loop that no longer runs: nothing of it can be awaited
+            for stream in list(board.streams):
+                stream.cancel()
+
+    def _board_here(self) -> _AsyncBoard:
+        """The board of the running loop, made when a loop first uses the client."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        board = self._board
+        if board is not None and board.loop is loop:
+            return board
+        with self._lock:
+            if self._closed:
+                raise CancelledError("the client is closed")
+            board = self._board
+            if board is None or board.loop is not loop:
+                if board is not None and (board.loop.is_running() or (board.busy() and not board.loop.is_closed())):
+                    raise RuntimeError(
+                        "this AsyncClient is in use by another event loop: use one client per loop at a time"
+                    )
+                board = self._board = _AsyncBoard(self, loop, board)
+        return board
+
+    # -- the one request path ------------------------------------------------------------------------
+
+    async def _open(self, board: _AsyncBoard, timeout: float, stream: Optional[AsyncChatStream]) -> _AsyncConn:
+        """A new connection; ``OSError`` when the server cannot be reached (a retry), ``ConnectError`` when
+        TLS fails (no retry).  ``stream.cancel()`` ends the wait."""
+        loop = board.loop
+        addr = self._addr
+        conn = _AsyncConn(loop)
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                # A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a
+                # connect failure like a refusal (asyncio's own connect would wait on it as "in progress"
+                # and report a connection that is not there).
+                sock.connect(addr.target)
+                protocol = conn  # type: Any  # duck-typed: see _AsyncConn
+                await loop.create_unix_connection(lambda: protocol, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+            return conn
+        host, port = addr.target
+        tls = self._ssl_context if addr.tls else None
+        task = board.spawn(
+            loop.create_connection(
+                lambda: conn,
+                host,
+                port,
+                ssl=tls,
+                server_hostname=host if tls is not None else None,
+                ssl_handshake_timeout=timeout if tls is not None else None,
+            )
+        )
+        alarm = stream._arm() if stream is not None else loop.create_future()
+        task.add_done_callback(lambda _: _ring(alarm))
+        try:
+            if stream is not None:
+                await stream._sleep(alarm, timeout)
+            else:
+                await _sleep(loop, alarm, timeout)
+        finally:
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            if stream is not None:
+                stream._check()
+            raise socket.timeout("timed out")
+        exc = task.exception()
+        if exc is not None:
+            if addr.tls:
+                import ssl
+
+                if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
+                    raise _tls_failed(addr, exc) from exc
+            raise exc
+        return conn
+
+    async def _send(
+        self, request: bytes, timeout: float, what: str, owner: Optional[AsyncChatStream]
+    ) -> Tuple[ResponseHead, bytes]:
+        """One request on a new connection, never retried: (head, body).  Made for a stream (``owner``),
+        its connection is the stream's while open, so that ``cancel()`` closes it too."""
+        board = self._board_here()
+        try:
+            conn = await self._open(board, timeout, owner)
+        except OSError as exc:
+            raise _connect_error(self._addr, exc) from exc
+        if owner is not None:
+            owner._conns.add(conn)
+        try:
+            if owner is not None:
+                owner._check()  # cancelled while connecting: send nothing
+            await conn.send(request, timeout)
+            return await _read_response_async(conn, timeout, self.limits.max_body, what)
+        finally:
+            conn.abort()
+            if owner is not None:
+                owner._conns.discard(conn)
+
+    async def _call(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``fn`` (a single-shot helper of ``self._plan``), its one request made on this loop."""
+        return await self._call_for(None, fn, *args, **kw)
+
+    async def _call_for(self, owner: Optional[AsyncChatStream], fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``_call`` made for a stream (``owner``): its ``cancel()`` ends the call."""
+        try:
+            fn(*args, **kw)
+        except _Asked as asked:
+            request, timeout, what = asked.request, asked.timeout, asked.what
+        else:  # pragma: no cover - every helper makes one request
+            raise AssertionError("%r made no request" % (fn,))
+        answer = await self._send(request, timeout, what, owner)
+        plan = self._plan
+        plan._answer = answer
+        try:
+            return fn(*args, **kw)
+        finally:
+            plan._answer = None
+
+    # -- chat ------------------------------------------------------------------------------------------
+
+    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncChatStream:
+        """``Client.stream()`` for asyncio: an ``AsyncChatStream`` (a plain call; the request starts when
+        iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
+        return AsyncChatStream(self, *self._plan._chat_request(messages, slot, params))
+
+    async def chat(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """Stream a chat and return its ``Completion``, calling ``on_event`` (a plain callable, in the loop's
+        thread) for each event.  Raises the ``LoopError`` subclasses; an exception from ``on_event`` closes
+        the request and propagates unchanged."""
+        stream = self.stream(messages, slot=slot, **params)
+        try:
+            async for event in stream:
+                if on_event is not None:
+                    on_event(event)
+        except BaseException:
+            await stream.__aexit__(None, None, None)
+            raise
+        assert stream.completion is not None
+        return stream.completion
+
+    # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
+
+    async def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
+        """``Client.request``, as a coroutine."""
+        return await self._call(self._plan.request, method, path, body, query=query)
+
+    async def slots(self, model: Optional[str] = None) -> List[Slot]:
+        """``Client.slots``, as a coroutine."""
+        return await self._call(self._plan.slots, model)
+
+    async def health(self) -> Dict[str, Any]:
+        """``Client.health``, as a coroutine."""
+        return await self._call(self._plan.health)
+
+    async def props(self, model: Optional[str] = None) -> Dict[str, Any]:
+        """``Client.props``, as a coroutine."""
+        return await self._call(self._plan.props, model)
+
+    async def models(self) -> Dict[str, Any]:
+        """``Client.models``, as a coroutine."""
+        return await self._call(self._plan.models)
+
+    async def load_model(self, name: str) -> Dict[str, Any]:
+        """``Client.load_model``, as a coroutine."""
+        return await self._call(self._plan.load_model, name)
+
+    async def unload_model(self, name: str) -> Dict[str, Any]:
+        """``Client.unload_model``, as a coroutine."""
+        return await self._call(self._plan.unload_model, name)
+
+    async def end_reasoning(self, completion_id: str) -> bool:
+        """``Client.end_reasoning``, as a coroutine."""
+        return await self._call(self._plan.end_reasoning, completion_id)
+
+    async def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
+    ) -> List[Any]:
+        """``Client.tokenize``, as a coroutine."""
+        return await self._call(
+            self._plan.tokenize, text, add_special=add_special, parse_special=parse_special, with_pieces=with_pieces
+        )
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """``Client.detokenize``, as a coroutine."""
+        return await self._call(self._plan.detokenize, tokens)
+
+    async def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
+        """``Client.apply_template``, as a coroutine."""
+        return await self._call(self._plan.apply_template, messages, **params)
+
+    async def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+        """``Client.count_tokens``, as a coroutine."""
+        return await self._call(self._plan.count_tokens, messages, **params)
+
+    async def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
+        """``Client.embed``, as a coroutine."""
+        return await self._call(self._plan.embed, input, **params)
+
+    async def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
+        """``Client.rerank``, as a coroutine."""
+        return await self._call(self._plan.rerank, query, documents, **params)
+
+    async def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``Client.save_slot``, as a coroutine."""
+        return await self._call(self._plan.save_slot, slot, filename)
+
+    async def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``Client.restore_slot``, as a coroutine."""
+        return await self._call(self._plan.restore_slot, slot, filename)
+
+    async def erase_slot(self, slot: int) -> Dict[str, Any]:
+        """``Client.erase_slot``, as a coroutine."""
+        return await self._call(self._plan.erase_slot, slot)
+
+    async def metrics(self) -> str:
+        """``Client.metrics``, as a coroutine."""
+        return await self._call(self._plan.metrics)
 
 
 # =====================================================================================================

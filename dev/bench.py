@@ -6,6 +6,7 @@ the same run, the two alternated (ABBA order, so drift cancels), reported as med
     python3 dev/bench.py --quick      # smaller sizes, a smoke check
     python3 dev/bench.py --only 3     # one figure
     python3 dev/bench.py --profile    # cProfile of figure 1's loopclient side (top functions)
+    python3 dev/bench.py --async      # figure 7 only: figure 1 through AsyncClient
 
 Figures:
     1. Stream throughput: events/s reading a 200,000-event llama-server stream over a Unix socket, against
@@ -19,6 +20,8 @@ Figures:
     5. Many waiters: 64 threads, 5,000 requests over 8 pinned slots with Limits(queue_len=8), against the
        same load with the client's gate never queueing.  Target < 1.10x, every request served or refused
        with BusyError, at most one /slots request in flight.
+    7. Async stream throughput (``--async``): figure 1 read through ``AsyncClient`` on an event loop, against
+       the same floor.  Target >= 0.80x.
 
 Every server is a separate process (fork), so it never competes with the measured reader for the GIL.
 The exit code is 0 even when a figure fails: this is a report.  The Markdown table at the end is for the
@@ -918,6 +921,59 @@ def fig_waiters(cfg):
 
 
 # -----------------------------------------------------------------------------------------------------
+# 7. Async stream throughput
+# -----------------------------------------------------------------------------------------------------
+
+
+def lc_stream_async(path):
+    """loopclient's AsyncClient stream, iterated on a fresh event loop; returns (content events, text)."""
+    import asyncio
+
+    async def main():
+        n = 0
+        async with lc.AsyncClient(path) as client, client.stream(MSGS, slot=0) as stream:
+            async for ev in stream:
+                if type(ev) is lc.Content:
+                    n += 1
+        return n, stream.completion.content
+
+    return asyncio.run(main())
+
+
+def fig_async_stream(cfg):
+    """Figure 1's stream and floor, the stream read through AsyncClient; its own server process."""
+    n_events = cfg.events
+    text = stream_text(n_events)
+    server = ServerProcess(_stream_sender, n_events)
+    try:
+        request = request_bytes(lc.Client(server.path), 0)
+
+        def rate(fn, *args):
+            dt, (n, got) = timed(fn, *args)
+            if n != n_events or got != text:
+                raise AssertionError("%s read %d events / %d chars" % (fn.__name__, n, len(got)))
+            return n_events / dt
+
+        rate(lc_stream_async, server.path), rate(floor_stream, server.path, request)  # warm-up
+        results = alternate(
+            lambda: rate(lc_stream_async, server.path), lambda: rate(floor_stream, server.path, request), cfg.pairs
+        )
+    finally:
+        server.close()
+    ratios = [x / y for x, y in results]
+    return Figure(
+        7,
+        "async stream throughput (%d events, AsyncClient)" % n_events,
+        "events/s",
+        fmt_rate(statistics.median(x for x, _ in results), "ev/s"),
+        fmt_rate(statistics.median(y for _, y in results), "ev/s"),
+        ratios,
+        ">= 0.80x",
+        statistics.median(ratios) >= 0.80,
+    )
+
+
+# -----------------------------------------------------------------------------------------------------
 # Profile
 # -----------------------------------------------------------------------------------------------------
 
@@ -950,6 +1006,7 @@ def main(argv=None):
     parser.add_argument("--only", type=int, choices=range(1, 6), metavar="N", help="run figure N only")
     parser.add_argument("--pairs", type=int, help="pairs per figure (default 5; 2 with --quick)")
     parser.add_argument("--profile", action="store_true", help="cProfile figure 1's loopclient side, then exit")
+    parser.add_argument("--async", dest="async_stream", action="store_true", help="figure 7 (AsyncClient) only")
     args = parser.parse_args(argv)
     cfg = argparse.Namespace(
         events=20_000 if args.quick else 200_000,
@@ -973,6 +1030,8 @@ def main(argv=None):
         )
     )
     wanted = [args.only] if args.only else [1, 2, 3, 4, 5]
+    if args.async_stream:
+        wanted = [7]
     figures = []
     sender = None
     try:
@@ -989,6 +1048,8 @@ def main(argv=None):
                 new = [fig_memory(cfg, sender, stream_text(cfg.events))]
             elif number == 4:
                 new = [fig_requests(cfg)]
+            elif number == 7:
+                new = [fig_async_stream(cfg)]
             else:
                 new = [fig_waiters(cfg)]
             for fig in new:

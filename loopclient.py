@@ -242,9 +242,9 @@ class _Value:
         return tuple(getattr(self, name) for name in self.__match_args__)
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
+        if type(other) is not type(self) or not isinstance(other, _Value):
             return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
+        return self._values() == other._values()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__,) + self._values())
@@ -1986,7 +1986,8 @@ class ResponsePump:
                 elif tokens > self._capped_at + self._limits.thinking_overrun:
                     raise ThinkingOverrunError(
                         "reasoning went on for %d tokens after the server accepted to end it at %d "
-                        "(thinking_overrun %d)" % (tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun),
+                        "(thinking_overrun %d)"
+                        % (tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun),
                         tokens,
                     )
         if self._ending:
@@ -2310,7 +2311,7 @@ class _SlotWatch:
         self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
 
     def _remember(self, slots: List[Slot], now: float) -> None:
-        still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], ...], float]]
+        still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
         for s in slots:
             triple = (s.task, s.decoded, s.prompt_processed)
             if s.is_processing and triple != (None, None, None):
@@ -2421,7 +2422,7 @@ class _Owner:
     __slots__ = ("conns", "_lock")
 
     def __init__(self) -> None:
-        self.conns = set()  # type: Set[_Conn]
+        self.conns: Set[_Conn] = set()
         self._lock = threading.Lock()
 
     def add(self, conn: _Conn) -> None:
@@ -2458,7 +2459,7 @@ class _Board:
         self._pollers = {}  # type: Dict[Optional[str], _SlotPoller]
         self._pools = {}  # type: Dict[Optional[str], int]
         self._props_lock = threading.Lock()
-        self._streams = set()  # type: Set[ChatStream]
+        self._streams: Set[ChatStream] = set()
         self.closed = False
 
     def connect(self, timeout: float) -> _Conn:
@@ -2511,7 +2512,11 @@ class _Board:
         if not isinstance(completion_id, str):
             raise TypeError("completion_id must be a str")
         doc = self._call(
-            "POST", "/v1/chat/completions/control", {"id": completion_id, "action": "reasoning_end"}, model=model, owner=owner
+            "POST",
+            "/v1/chat/completions/control",
+            {"id": completion_id, "action": "reasoning_end"},
+            model=model,
+            owner=owner,
         )
         if not isinstance(doc, dict):
             raise ProtocolError("the control endpoint did not answer a JSON object")
@@ -3077,9 +3082,7 @@ class Client:
 
     # -- the one request path ------------------------------------------------------------------------
 
-    def _encode(
-        self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None
-    ) -> bytes:
+    def _encode(self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None) -> bytes:
         """The request bytes.  ``ValueError``/``TypeError`` for what cannot be sent, before any connection."""
         if self._closed:
             raise ValueError("this client is closed")
@@ -3154,7 +3157,9 @@ class Client:
             raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
         return _decode_json(data, "%s %s" % (method, path))
 
-    def _object(self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    def _object(
+        self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None
+    ) -> Dict[str, Any]:
         doc = self._json(method, path, body, query)
         if not isinstance(doc, dict):
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
@@ -3345,7 +3350,7 @@ def _slot_id(slot: Any) -> int:
         raise TypeError("slot must be an int, not %r" % (slot,))
     if slot < 0:
         raise ValueError("slot must not be negative")
-    return slot
+    return int(slot)
 
 
 def _decode_json(data: bytes, what: str) -> Any:
@@ -3536,7 +3541,7 @@ class _AsyncLane:
         self.queue = collections.deque()  # type: Any  # _AsyncTicket, in entry order; those gone stay until served
         self.entered = 0  # places handed out: a waiter's place is its number
         self.served = 0  # places that left the front of the queue
-        self.gone = set()  # type: Set[int]  # places of waiters that left while still in the queue
+        self.gone: Set[int] = set()  # places of waiters that left while still in the queue
 
     def waiting(self) -> int:
         return len(self.queue) - len(self.gone)
@@ -3702,7 +3707,7 @@ class _AsyncBoard:
         self.loop = loop
         self.limits = client.limits  # type: Limits
         self.gate = _AsyncGate(client.limits.queue_len)
-        self.streams = set()  # type: Set[AsyncChatStream]
+        self.streams: Set[AsyncChatStream] = set()
         self._pollers = {}  # type: Dict[Optional[str], _AsyncSlotPoller]
         self._pools = dict(previous._pools) if previous is not None else {}  # type: Dict[Optional[str], int]
         self._props = {}  # type: Dict[Optional[str], Set[asyncio.Future[None]]]  # model: who waits for its /props
@@ -3786,7 +3791,7 @@ class AsyncChatStream:
         self._gen = None  # type: Optional[AsyncGenerator[List[Event], None]]
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
         self._board = None  # type: Optional[_AsyncBoard]
-        self._conns = set()  # type: Set[_AsyncConn]
+        self._conns: Set[_AsyncConn] = set()
         self._alarm = None  # type: Optional[asyncio.Future[None]]  # what the request waits on, but a read
         self._ticket = None  # type: Optional[_AsyncTicket]
         self._outcome = None  # type: Optional[Union[Completion, _Retry]]

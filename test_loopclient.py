@@ -1247,9 +1247,7 @@ class TestPump(unittest.TestCase):
     def test_a_stream_gives_its_events_and_completion(self):
         events, outcome = self.check(STREAM_HEAD + content_stream(["Hello", " world"]))
         self.assertEqual(events, [lc.Content("Hello"), lc.Content(" world")])
-        self.assertEqual(
-            outcome, lc.Completion(CID, MODEL, "Hello world", "", [], "stop", USAGE, TIMINGS, 0, False)
-        )
+        self.assertEqual(outcome, lc.Completion(CID, MODEL, "Hello world", "", [], "stop", USAGE, TIMINGS, 0, False))
 
     def test_a_503_is_a_retry_with_its_hint(self):
         body = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
@@ -1282,13 +1280,18 @@ class TestPump(unittest.TestCase):
 
     def test_progress_and_raw_chunks_are_not_delivery(self):
         err = '{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
-        progress = chunk_json({"role": "assistant", "content": None}, extra={"prompt_progress": {"total": 9, "cache": 0, "processed": 4, "time_ms": 12}})
+        progress = chunk_json(
+            {"role": "assistant", "content": None},
+            extra={"prompt_progress": {"total": 9, "cache": 0, "processed": 4, "time_ms": 12}},
+        )
         data = STREAM_HEAD + chunked(sse(progress), sse(err))
         pump = lc.ResponsePump(lc.Limits(), raw_chunks=True)
         events = pump.feed(data)
         self.assertEqual(events, [lc.Chunk(json.loads(progress)), lc.Progress(4, 9, 0, 12.0)])
         self.assertFalse(pump.delivered)
-        self.assertEqual((pump.outcome.reason, type(pump.outcome.cause)), ("server error 503: Loading model", lc.ServerError))
+        self.assertEqual(
+            (pump.outcome.reason, type(pump.outcome.cause)), ("server error 503: Loading model", lc.ServerError)
+        )
 
     def test_events_before_malformed_framing_come_first(self):
         data = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))) + b"zz\r\n"
@@ -1296,7 +1299,9 @@ class TestPump(unittest.TestCase):
         self.assertEqual((events, cls), ([lc.Content("a")], lc.ProtocolError))
 
     def test_events_before_a_malformed_payload_come_first(self):
-        data = STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}), chunk_json({"content": "b"})) + b"data: {nope\n\n")
+        data = STREAM_HEAD + chunked(
+            sse(chunk_json({"content": "a"}), chunk_json({"content": "b"})) + b"data: {nope\n\n"
+        )
         events, (cls, message) = self.check(data)
         self.assertEqual((events, cls), ([lc.Content("a"), lc.Content("b")], lc.ProtocolError))
         pump = lc.ResponsePump(lc.Limits())
@@ -1311,7 +1316,14 @@ class TestPump(unittest.TestCase):
         events, outcome = self.check(data, limits, answers=[True])
         self.assertEqual(
             events,
-            [lc.Reasoning(" r0"), lc.Reasoning(" r1"), lc.ThinkingCapped(2), lc.Reasoning(" r2"), lc.Reasoning(" r3"), lc.Content("yes")],
+            [
+                lc.Reasoning(" r0"),
+                lc.Reasoning(" r1"),
+                lc.ThinkingCapped(2),
+                lc.Reasoning(" r2"),
+                lc.Reasoning(" r3"),
+                lc.Content("yes"),
+            ],
         )
         self.assertTrue(outcome.thinking_capped)
         self.assertEqual(outcome.reasoning_tokens, 4)
@@ -4447,8 +4459,10 @@ class TestWedgedSlots(ServerCase):
 
     def setUp(self):
         super().setUp()
-        self.state = {0: {"id_task": 7, "n_prompt_tokens_processed": 30, "n_decoded": 0, "busy": True},
-                      1: {"id_task": 9, "n_prompt_tokens_processed": 5, "n_decoded": 3, "busy": False}}
+        self.state = {
+            0: {"id_task": 7, "n_prompt_tokens_processed": 30, "n_decoded": 0, "busy": True},
+            1: {"id_task": 9, "n_prompt_tokens_processed": 5, "n_decoded": 3, "busy": False},
+        }
         self.moving = {}  # slot: field that advances at each /slots answer
         self.server.route("GET", "/slots", self.slots)
 
@@ -5255,7 +5269,9 @@ class TestStress(ServerCase):
                 self.assertIn(outcome, (marker, "BusyError"))
         self.assertEqual(len(outcomes), 96)
         # every permit released
-        self.assertTrue(all(v == (0, 0) for v in self.client._board.gate.snapshot().values()), self.client._board.gate.snapshot())
+        self.assertTrue(
+            all(v == (0, 0) for v in self.client._board.gate.snapshot().values()), self.client._board.gate.snapshot()
+        )
         # BusyError exactly when the queue was full
         busy = [m for m, o in outcomes.items() if o == "BusyError"]
         self.assertEqual(sorted(busy), sorted(m for m, _, _ in refusals))
@@ -5327,7 +5343,9 @@ class TestCallerMistakesMore(unittest.TestCase):
             timeout=30,
         ).stdout
         self.assertEqual(out, "False False False\n")  # importing and a Client() cost none of them
-        self.assertEqual(list(inspect.signature(lc.ToolCall).parameters), ["index", "id", "name", "arguments", "choice"])
+        self.assertEqual(
+            list(inspect.signature(lc.ToolCall).parameters), ["index", "id", "name", "arguments", "choice"]
+        )
         self.assertIn("wedge_wait", str(inspect.signature(lc.Limits)))
         with self.assertRaises(AttributeError):
             lc.Limits().poll = 2.0  # type: ignore[misc]
@@ -5363,7 +5381,10 @@ class TestCallerMistakesMore(unittest.TestCase):
                 self.assertEqual(copy.deepcopy(value), value)
                 self.assertEqual(pickle.loads(pickle.dumps(value)), value)
                 self.assertEqual(eval(repr(value), vars(lc)), value) if not isinstance(value, lc.Slot) else None
-        self.assertEqual(repr(lc.Slot(1, False, {"secret": 1})), "Slot(id=1, is_processing=False, task=None, decoded=None, prompt_processed=None)")
+        self.assertEqual(
+            repr(lc.Slot(1, False, {"secret": 1})),
+            "Slot(id=1, is_processing=False, task=None, decoded=None, prompt_processed=None)",
+        )
         deep = copy.deepcopy(values[-3])
         self.assertIsNot(deep.usage, values[-3].usage)
 
@@ -5587,7 +5608,13 @@ class TestCommandLine(CLICase):
                 [
                     {"id": 0, "id_task": 5, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
                     {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]},
-                    {"id": 2, "id_task": 8, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": len(looks)}]},
+                    {
+                        "id": 2,
+                        "id_task": 8,
+                        "n_ctx": 1024,
+                        "is_processing": True,
+                        "next_token": [{"n_decoded": len(looks)}],
+                    },
                 ],
             )
 

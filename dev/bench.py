@@ -2,7 +2,7 @@
 """Benchmarks for loopclient.py (standard library only): each figure is a ratio against a floor measured in
 the same run, the two alternated (ABBA order, so drift cancels), reported as median and spread (min..max).
 
-    python3 dev/bench.py              # all five figures, full sizes
+    python3 dev/bench.py              # all six figures, full sizes
     python3 dev/bench.py --quick      # smaller sizes, a smoke check
     python3 dev/bench.py --only 3     # one figure
     python3 dev/bench.py --profile    # cProfile of figure 1's loopclient side (top functions)
@@ -19,6 +19,10 @@ Figures:
     5. Many waiters: 64 threads, 5,000 requests over 8 pinned slots with Limits(queue_len=8), against the
        same load with the client's gate never queueing.  Target < 1.10x, every request served or refused
        with BusyError, at most one /slots request in flight.
+    6. Queue scaling: 10, 100, 1,000 and 4,000 threads on one client, each sending one short stream to an
+       instant server, all let go at once, on one slot and on a ``slot=None`` pool of 8: wall and process
+       CPU time per request, as ratios to the 10-thread figure of the same pass.  Target <= 1.5x at 4,000.
+       Starting the threads is timed apart (bounded: n threads with 512 KiB stacks, reused over rounds).
 
 Every server is a separate process (fork), so it never competes with the measured reader for the GIL.
 The exit code is 0 even when a figure fails: this is a report.  The Markdown table at the end is for the
@@ -265,9 +269,10 @@ def _stream_sender(listener, pipe, n_events):
                 pass
 
 
-def _instant_server(listener, pipe, response):
-    """One connection at a time: read the request, answer the canned response, close."""
-    props = json_response({"total_slots": 1})
+def _instant_server(listener, pipe, response, n_slots=1):
+    """One connection at a time: read the request, answer the canned response, close.  /props says
+    ``n_slots``."""
+    props = json_response({"total_slots": n_slots})
     pipe.send(None)
     pipe.close()
     while True:
@@ -407,7 +412,7 @@ def alternate(measure_a, measure_b, pairs):
 
 
 class Figure:
-    def __init__(self, number, name, unit, lc_value, floor_value, ratios, target, passed, note=""):
+    def __init__(self, number, name, unit, lc_value, floor_value, ratios, target, passed, note="", versus="floor"):
         self.number = number
         self.name = name
         self.unit = unit
@@ -417,6 +422,7 @@ class Figure:
         self.target = target
         self.passed = passed
         self.note = note
+        self.versus = versus  # what the ratio divides by
 
     @property
     def median(self):
@@ -430,10 +436,11 @@ class Figure:
         return "info" if self.passed is None else "PASS" if self.passed else "FAIL"
 
     def line(self):
-        return "[%d] %s: loopclient %s, floor %s; ratio %.3f (%s, %d pairs), target %s: %s%s" % (
+        return "[%d] %s: loopclient %s, %s %s; ratio %.3f (%s, %d pairs), target %s: %s%s" % (
             self.number,
             self.name,
             self.lc_value,
+            self.versus,
             self.floor_value,
             self.median,
             self.spread(),
@@ -918,6 +925,132 @@ def fig_waiters(cfg):
 
 
 # -----------------------------------------------------------------------------------------------------
+# 6. Queue scaling
+# -----------------------------------------------------------------------------------------------------
+
+#: Stack size of the benchmark's crew threads: 4,000 threads at the default 8 MiB would reserve 32 GiB of
+#: address space for stacks that use a few pages.
+CREW_STACK = 512 * 1024
+
+
+def crew_run(path, n, slot, rounds, limits):
+    """``n`` threads on one client, each sending one short stream per round, all let go at once (so ``n - 1``
+    wait behind the first, or ``n - 8`` behind a pool of 8).  Thread start is timed apart from the rounds.
+    Returns (seconds, CPU seconds, requests, seconds to start the threads, problems)."""
+    client = lc.Client(path, limits=limits)
+    for _ in client.stream(MSGS, slot=slot):  # warm: connection path, and /props for a pool
+        pass
+    lock = threading.Lock()
+    state = {"left": 0, "events": 0, "errors": []}
+    done = threading.Event()
+    start = threading.Barrier(n + 1)
+
+    def worker():
+        for _ in range(rounds):
+            start.wait(600)
+            events = 0
+            error = None
+            try:
+                for ev in client.stream(MSGS, slot=slot):
+                    if type(ev) is lc.Content:
+                        events += 1
+            except Exception as exc:
+                error = repr(exc)
+            with lock:
+                state["events"] += events
+                if error is not None:
+                    state["errors"].append(error)
+                state["left"] -= 1
+                if not state["left"]:
+                    done.set()
+
+    old = threading.stack_size(CREW_STACK)
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(n)]
+        for thread in threads:
+            thread.start()
+        spawn = time.perf_counter() - t0
+    finally:
+        threading.stack_size(old)
+    wall = cpu = 0.0
+    for _ in range(rounds):
+        state["left"] = n
+        done.clear()
+        collect()
+        start.wait(600)
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        if not done.wait(600):
+            raise RuntimeError("a scaling round did not finish in 600 s")
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+    for thread in threads:
+        thread.join(60)
+    client.close()
+    problems = state["errors"][:3]
+    if state["events"] != 5 * n * rounds:
+        problems.append("%d events, expected %d" % (state["events"], 5 * n * rounds))
+    return wall, cpu, n * rounds, spawn, problems
+
+
+def fig_scaling(cfg):
+    """Per-request wall and CPU time with ``cfg.crews`` threads queued on one client, as ratios to the
+    smallest crew measured in the same pass; passes alternate the order of the sizes (ABBA)."""
+    sizes = cfg.crews
+    response = short_response()
+    figures = []
+    for label, n_slots, slot in (("one slot", 1, 0), ("pool of 8", 8, None)):
+        server = ServerProcess(_instant_server, response, n_slots)
+        per = {n: [] for n in sizes}  # n -> [(µs wall per request, µs CPU per request)], one per pass
+        spawn = {n: [] for n in sizes}
+        problems = []
+        try:
+            for p in range(cfg.crew_pairs * 2):
+                for n in sizes if p % 2 == 0 else sizes[::-1]:
+                    rounds = max(1, cfg.crew_requests // n)
+                    limits = lc.Limits(queue_len=n, poll=1.0)
+                    wall, cpu, done, started, trouble = crew_run(server.path, n, slot, rounds, limits)
+                    per[n].append((1e6 * wall / done, 1e6 * cpu / done))
+                    spawn[n].append(1e6 * started / n)
+                    problems += ["%s, %d threads: %s" % (label, n, t) for t in trouble]
+        finally:
+            server.close()
+        small, big = sizes[0], sizes[-1]
+        for metric, index in (("wall", 0), ("CPU", 1)):
+            ratios = [b[index] / a[index] for a, b in zip(per[small], per[big])]
+            middle = ", ".join(
+                "%d: %.2fx" % (n, statistics.median(b[index] / a[index] for a, b in zip(per[small], per[n])))
+                for n in sizes[1:-1]
+            )
+            note = "median ratio at %s; µs per request %s" % (
+                middle,
+                ", ".join("%d: %.0f" % (n, statistics.median(x[index] for x in per[n])) for n in sizes),
+            )
+            if index == 0:
+                note += "; thread start (not timed above), µs per thread: %s" % ", ".join(
+                    "%d: %.0f" % (n, statistics.median(spawn[n])) for n in sizes
+                )
+                if problems:
+                    note += "; PROBLEMS: " + "; ".join(problems[:4])
+            figures.append(
+                Figure(
+                    6,
+                    "queue scaling, %s: %s per request, %d threads vs %d" % (label, metric, big, small),
+                    "µs",
+                    "%.0f µs" % statistics.median(x[index] for x in per[big]),
+                    "%.0f µs" % statistics.median(x[index] for x in per[small]),
+                    ratios,
+                    "<= 1.5x",
+                    statistics.median(ratios) <= 1.5 and not problems,
+                    note,
+                    versus="%d threads" % small,
+                )
+            )
+    return figures
+
+
+# -----------------------------------------------------------------------------------------------------
 # Profile
 # -----------------------------------------------------------------------------------------------------
 
@@ -947,7 +1080,7 @@ def profile(cfg):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, a smoke check")
-    parser.add_argument("--only", type=int, choices=range(1, 6), metavar="N", help="run figure N only")
+    parser.add_argument("--only", type=int, choices=range(1, 7), metavar="N", help="run figure N only")
     parser.add_argument("--pairs", type=int, help="pairs per figure (default 5; 2 with --quick)")
     parser.add_argument("--profile", action="store_true", help="cProfile figure 1's loopclient side, then exit")
     args = parser.parse_args(argv)
@@ -958,6 +1091,9 @@ def main(argv=None):
         requests=300 if args.quick else 2_000,
         waiter_requests=600 if args.quick else 5_000,
         waiter_pairs=args.pairs or (2 if args.quick else 5),
+        crews=(10, 100, 1_000) if args.quick else (10, 100, 1_000, 4_000),
+        crew_requests=1_000 if args.quick else 4_000,
+        crew_pairs=args.pairs or (1 if args.quick else 2),
     )
     if args.profile:
         profile(cfg)
@@ -972,7 +1108,7 @@ def main(argv=None):
             ", --quick" if args.quick else "",
         )
     )
-    wanted = [args.only] if args.only else [1, 2, 3, 4, 5]
+    wanted = [args.only] if args.only else [1, 2, 3, 4, 5, 6]
     figures = []
     sender = None
     try:
@@ -989,8 +1125,10 @@ def main(argv=None):
                 new = [fig_memory(cfg, sender, stream_text(cfg.events))]
             elif number == 4:
                 new = [fig_requests(cfg)]
-            else:
+            elif number == 5:
                 new = [fig_waiters(cfg)]
+            else:
+                new = fig_scaling(cfg)
             for fig in new:
                 print(fig.line())
             print("    (%.1f s)" % (time.perf_counter() - t0))

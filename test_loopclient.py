@@ -2608,6 +2608,58 @@ def start_chat(client, marker, slot=0, events=None, results=None, **params):
     return thread
 
 
+class SpyLock:
+    """Stands in for a queued ticket's waker and counts releases: the gate wakes a thread by releasing it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.releases = 0
+        self.sleeps = 0  # blocking acquires: the waiting thread is asleep (or about to be)
+
+    def acquire(self, blocking=True, timeout=-1):
+        if blocking:
+            self.sleeps += 1
+        return self.inner.acquire(blocking, timeout)
+
+    def release(self):
+        self.releases += 1
+        self.inner.release()
+
+
+def gate_problems(gate, queue_len=None):
+    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+    problems = []
+    with gate._lock:
+        for key, lane in gate._lanes.items():
+            queue, holes = lane.queue, lane.holes
+            where = "%r: " % (key,)
+            if not 0 <= lane.in_flight <= lane.capacity:
+                problems.append(where + "%d in flight, capacity %d" % (lane.in_flight, lane.capacity))
+            if queue and lane.in_flight != lane.capacity:
+                problems.append(where + "%d wait while a permit is free" % len(queue))
+            if queue_len is not None and len(queue) > queue_len:
+                problems.append(where + "%d waiting, queue_len %d" % (len(queue), queue_len))
+            if holes != sorted(set(holes)) or set(holes) & set(queue):
+                problems.append(where + "holes %r not sorted or overlapping the queue" % holes[:10])
+            if set(holes) | set(queue) != set(range(lane.head, lane.tail)):
+                problems.append(where + "positions do not tile head %d .. tail %d" % (lane.head, lane.tail))
+            if (lane.head not in queue) if queue else (lane.head, lane.tail) != (0, 0):
+                problems.append(where + "head %d, tail %d for %d queued" % (lane.head, lane.tail, len(queue)))
+            if len(holes) > len(queue):
+                problems.append(where + "%d holes for %d queued" % (len(holes), len(queue)))
+            for rank, pos in enumerate(sorted(queue)):
+                ticket = queue[pos]
+                if ticket.pos != pos or ticket.granted or ticket.left or ticket.waker is None:
+                    problems.append(where + "ticket %d at %d is not a plain waiter" % (ticket.seq, pos))
+                if lane.before(ticket) != rank:
+                    problems.append(
+                        where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank)
+                    )
+                if ticket.ahead < lane.in_flight + rank:
+                    problems.append(where + "ticket at %d announced %d, fewer than now" % (pos, ticket.ahead))
+    return problems
+
+
 class TestGate(ServerCase):
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=5.0, idle_grace=10.0, queue_len=2)
 
@@ -2704,6 +2756,344 @@ class TestGate(ServerCase):
             th.join(5)
         self.assertEqual(results["C"].content, "C")
         self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
+
+    def test_cancel_wakes_a_queued_request_at_once_whatever_the_poll(self):
+        client = lc.Client(self.server.address, limits=self.limits.replace(poll=30.0))
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        a = start_chat(client, "A", 0)
+        wait_for(lambda: keeper.arrived("A"))
+        stream = client.stream([{"role": "user", "content": "B"}], slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream), 5), lc.Queued(1))
+        spy = stream._ticket.waker = SpyLock(stream._ticket.waker)
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(self.next_error(stream)), daemon=True)
+        thread.start()
+        wait_for(lambda: spy.sleeps, what="the stream's thread to sleep in the queue")
+        t = Timer()
+        stream.cancel()  # the waiter's 30 s timer is far off: only the wake of its own ticket ends the wait
+        thread.join(0.2)
+        self.assertFalse(thread.is_alive())
+        self.assertLess(t.elapsed, 0.2)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertEqual(spy.releases, 1)
+        self.assertEqual(client._gate.snapshot()[(None, 0)], (1, 0))
+        keeper.release("A")
+        a.join(5)
+        self.assertEqual([m for _, m in keeper.order], ["A"])
+
+    @staticmethod
+    def next_error(stream):
+        try:
+            next(stream)
+        except lc.LoopError as exc:
+            return exc
+        return None
+
+    def test_queued_is_coalesced_never_repeated_or_increased(self):
+        """Twenty waiters on one slot: each hears its place first, then only smaller ones, at most once per
+        poll; the request sent at once hears none; the slot serves them in entry order."""
+        limits = self.limits.replace(queue_len=20)
+        client = lc.Client(self.server.address, limits=limits)
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        heard, results, threads = {}, {}, []
+
+        def run(marker):
+            log = heard[marker] = []
+            try:
+                results[marker] = client.chat(
+                    [{"role": "user", "content": marker}],
+                    slot=0,
+                    on_event=lambda ev: log.append((time.monotonic(), ev)),
+                )
+            except BaseException as exc:  # noqa: B036
+                results[marker] = exc
+
+        markers = ["A"] + ["W%02d" % i for i in range(1, 21)]
+        for i, marker in enumerate(markers):
+            threads.append(threading.Thread(target=run, args=(marker,), daemon=True))
+            threads[-1].start()
+            if i == 0:
+                wait_for(lambda: keeper.arrived("A"))
+            else:  # one at a time, so that the entry order is known
+                wait_for(lambda: heard.get(marker), what="%s to queue" % marker)
+        last = lambda: [ev.ahead for _, ev in list(heard["W20"]) if isinstance(ev, lc.Queued)]
+        # released in batches of five: once a batch is served, W20 stands at a known place, which it hears
+        # on its timer, however many smaller steps it heard or skipped while the batch went through
+        for batch, place in ((markers[:5], 15), (markers[5:10], 10), (markers[10:15], 5), (markers[15:], None)):
+            for marker in batch:
+                keeper.release(marker)
+            if place is not None:
+                wait_for(lambda: place in last(), what="W20 to hear Queued(%d)" % place)
+        for thread in threads:
+            thread.join(10)
+            self.assertFalse(thread.is_alive())
+        self.assertEqual([m for _, m in keeper.order], markers)
+        self.assertEqual([results[m].content for m in markers], markers)
+        self.assertFalse(any(isinstance(ev, lc.Queued) for _, ev in heard["A"]))
+        for i, marker in enumerate(markers[1:], 1):
+            queued = [(t, ev.ahead) for t, ev in heard[marker] if isinstance(ev, lc.Queued)]
+            aheads = [a for _, a in queued]
+            self.assertEqual(aheads[0], i, marker)
+            self.assertEqual(aheads, sorted(set(aheads), reverse=True), marker)  # only ever smaller
+            self.assertGreaterEqual(aheads[-1], 1, marker)
+            gaps = [b - a for (a, _), (b, _) in zip(queued, queued[1:])]
+            self.assertTrue(all(gap >= limits.poll for gap in gaps), (marker, gaps))
+            first_other = next(j for j, (_, ev) in enumerate(heard[marker]) if not isinstance(ev, lc.Queued))
+            self.assertEqual(first_other, len(queued), marker)  # every Queued comes before the answer
+        self.assertTrue({20, 15, 10, 5} <= set(last()), last())
+        self.assertEqual(client._gate.snapshot()[(None, 0)], (0, 0))
+        self.assertEqual(gate_problems(client._gate), [])
+
+
+class TestGateHandover(unittest.TestCase):
+    """The gate alone: a release hands over to one waiter, positions are counted without walking the
+    queue, memory is constant per waiter (the SPEC's "Queues at scale")."""
+
+    def wait_in_threads(self, gate, tickets, poll=60.0):
+        """One thread per ticket in ``gate.wait``; returns (flags, results, threads)."""
+        flags = [lc._Flag() for _ in tickets]
+        results = {}
+
+        def run(i):
+            try:
+                results[i] = gate.wait(tickets[i], flags[i], poll)
+            except lc.CancelledError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(tickets))]
+        for thread in threads:
+            thread.start()
+        return flags, results, threads
+
+    def test_a_release_wakes_the_next_waiter_only(self):
+        gate = lc._Gate(threading.Lock(), 100)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        tickets = [gate.enter(key, 1) for _ in range(20)]
+        self.assertEqual([t.ahead for t in tickets], list(range(1, 21)))
+        for ticket in tickets:
+            ticket.waker = SpyLock(ticket.waker)
+        flags, results, threads = self.wait_in_threads(gate, tickets)
+        releases = lambda: [t.waker.releases for t in tickets]
+
+        gate.leave(holder)
+        threads[0].join(5)
+        self.assertIsNone(results[0])
+        self.assertEqual(releases(), [1] + [0] * 19)
+        self.assertEqual(gate.snapshot()[key], (1, 19))
+
+        # a waiter cancelled from the middle: only its own thread wakes, and leaving wakes nobody
+        flags[7].set()
+        gate.wake(tickets[7])
+        threads[7].join(5)
+        self.assertIsInstance(results[7], lc.CancelledError)
+        gate.leave(tickets[7])
+        self.assertEqual(releases(), [1] + [0] * 6 + [1] + [0] * 12)
+        self.assertEqual(gate.snapshot()[key], (1, 18))
+
+        gate.leave(tickets[0])  # handed to the next in line
+        threads[1].join(5)
+        self.assertIsNone(results[1])
+        self.assertEqual(releases(), [1, 1] + [0] * 5 + [1] + [0] * 12)
+        self.assertEqual(sorted(results), [0, 1, 7])  # the rest still sleep on their 60 s timers
+        self.assertEqual(gate_problems(gate), [])
+
+        rest = [i for i in range(20) if i not in (0, 1, 7)]
+        for i in rest:
+            flags[i].set()
+            gate.wake(tickets[i])
+        for i in rest:
+            threads[i].join(5)
+            self.assertIsInstance(results[i], lc.CancelledError)
+            gate.leave(tickets[i])
+        gate.leave(tickets[1])
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+        self.assertEqual(releases(), [1] * 20)  # one wake each, never two
+        self.assertEqual(gate_problems(gate), [])
+
+    def test_a_granted_ticket_is_told_even_when_its_release_came_before_wait(self):
+        gate = lc._Gate(threading.Lock(), 4)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        ticket = gate.enter(key, 1)
+        gate.leave(holder)  # granted and woken before its thread ever sleeps
+        self.assertTrue(ticket.granted and ticket.woken)
+        self.assertIsNone(run_with_timeout(lambda: gate.wait(ticket, lc._Flag(), 60.0), 5))
+        self.assertFalse(ticket.woken)
+        self.assertFalse(ticket.waker.acquire(False))  # the release was taken back: never released twice
+        gate.wake(ticket)  # a granted ticket has nothing to wake
+        self.assertFalse(ticket.woken)
+        gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_wait_announces_a_smaller_ahead_on_its_timer_only(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        first, second, third = (gate.enter(key, 1) for _ in range(3))
+        self.assertEqual(third.ahead, 3)
+        gate.leave(first)  # cancelled from the queue: nobody is woken, third learns it on its timer
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: gate.wait(third, lc._Flag(), 0.05), 5), 2)
+        self.assertGreaterEqual(t.elapsed, 0.05)
+        self.assertEqual(third.ahead, 2)
+        gate.leave(holder)  # second is granted; third is next but is told only when its timer fires
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: gate.wait(third, lc._Flag(), 0.05), 5), 1)
+        self.assertGreaterEqual(t.elapsed, 0.05)
+        cancelled = lc._Flag()
+        cancelled.set()
+        with self.assertRaises(lc.CancelledError):
+            gate.wait(third, cancelled, 60.0)  # checked before sleeping
+        for ticket in (second, third):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_positions_match_a_plain_list(self):
+        """Random enters, cancels from anywhere, releases and pool growth against a list model."""
+        from unittest import mock
+
+        rng = random.Random(20261201)
+        gate = lc._Gate(threading.Lock(), 10**6)
+        key = (None, None)
+        queued, held = [], []
+        capacity = 1
+        renumbered = []
+        original = lc._Lane._renumber
+        patch = mock.patch.object(lc._Lane, "_renumber", lambda lane: (renumbered.append(1), original(lane)))
+        patch.start()
+        self.addCleanup(patch.stop)
+        for step in range(6000):
+            lane = gate._lanes.get(key)
+            r = rng.random()
+            if r < 0.02 and capacity < 6:
+                capacity += 1
+                queued.append(gate.enter(key, capacity))
+            elif r < 0.47 or not (queued or held):
+                queued.append(gate.enter(key, capacity))
+            elif r < 0.85 and queued:
+                # cancels favour the middle and the tail, where they leave holes
+                gate.leave(queued.pop(rng.randrange(1, len(queued)) if len(queued) > 1 else 0))
+            elif held:
+                gate.leave(held.pop(rng.randrange(len(held))))
+            lane = gate._lanes[key]
+            moved = [t for t in queued if t.granted]
+            self.assertEqual(moved, queued[: len(moved)], "granted out of order at step %d" % step)
+            held += moved
+            del queued[: len(moved)]
+            self.assertEqual(lane.in_flight, len(held))
+            for rank, ticket in enumerate(queued):
+                self.assertEqual(lane.before(ticket), rank)
+            if step % 50 == 0:
+                self.assertEqual(gate_problems(gate), [], "step %d" % step)
+        self.assertEqual(gate_problems(gate), [])
+        self.assertTrue(renumbered)
+        for ticket in queued + held:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_churn_behind_a_held_head_stays_bounded(self):
+        """Waiters that come and go while the head never moves: the holes they leave are renumbered away."""
+        import tracemalloc
+
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        head = gate.enter(key, 1)
+        previous = gate.enter(key, 1)
+        lane = gate._lanes[key]
+        tracemalloc.start()
+        try:
+            for i in range(20000):
+                if i == 1000:
+                    start = tracemalloc.get_traced_memory()[0]
+                newer = gate.enter(key, 1)
+                gate.leave(previous)  # leaves a hole behind the head every time
+                previous = newer
+            grown = tracemalloc.get_traced_memory()[0] - start
+        finally:
+            tracemalloc.stop()
+        self.assertLess(grown, 4096)
+        self.assertLessEqual(len(lane.holes), len(lane.queue))
+        self.assertLessEqual(lane.tail, 8)
+        self.assertEqual(lane.before(previous), 1)
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in (previous, head, holder):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_memory_per_waiter_is_constant(self):
+        import tracemalloc
+
+        def per_waiter(n):
+            gate = lc._Gate(threading.Lock(), n)
+            gate.enter((None, 0), 1)
+            tickets = [None] * n
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                for i in range(n):
+                    tickets[i] = gate.enter((None, 0), 1)
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            return grown / n
+
+        small, large = per_waiter(250), per_waiter(4000)
+        self.assertLess(large, 1024)
+        self.assertLess(large, 1.5 * small)
+
+    def test_a_pool_that_grows_admits_the_waiters_that_fit(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        first = gate.enter(key, 1)  # /props not answered yet: a pool of one
+        waiting = [gate.enter(key, 1) for _ in range(3)]
+        self.assertEqual([t.ahead for t in waiting], [1, 2, 3])
+        late = gate.enter(key, 3)  # /props answered 3: the first two waiters get the new permits at once
+        self.assertEqual([t.granted for t in waiting], [True, True, False])
+        self.assertEqual([t.woken for t in waiting], [True, True, False])
+        self.assertFalse(late.granted)
+        self.assertEqual(late.ahead, 4)  # three in flight, one queued before it
+        self.assertEqual(gate.snapshot()[key], (3, 2))
+        stale = gate.enter(key, 1)  # a caller that had not heard /props yet does not shrink the pool
+        self.assertEqual(gate._lanes[key].capacity, 3)
+        self.assertEqual(gate.snapshot()[key], (3, 3))
+        gate.leave(first)
+        self.assertTrue(waiting[2].granted)
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in waiting + [late, stale]:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_busy_error_names_the_slot_and_the_model(self):
+        gate = lc._Gate(threading.Lock(), 1)
+        for key, slot, where in (
+            ((None, 3), 3, "slot 3"),
+            ((None, None), None, "any slot"),
+            (("qwen3-4b", 0), 0, "slot 0 of model qwen3-4b"),
+            (("qwen3-4b", None), None, "any slot of model qwen3-4b"),
+        ):
+            with self.subTest(key=key):
+                held, queued = gate.enter(key, 1), gate.enter(key, 1)
+                with self.assertRaises(lc.BusyError) as caught:
+                    gate.enter(key, 1)
+                exc = caught.exception
+                self.assertEqual((exc.slot, exc.queue_len, exc.waiting), (slot, 1, 1))
+                self.assertIn("wait for %s (queue_len 1)" % where, str(exc))
+                if key[0] is None:
+                    self.assertNotIn("model", str(exc))
+                gate.leave(queued)
+                gate.leave(held)
+        self.assertEqual(set(gate.snapshot().values()), {(0, 0)})
+
+    def test_keys_are_model_and_slot_together(self):
+        gate = lc._Gate(threading.Lock(), 4)
+        a, b = gate.enter(("a", 0), 1), gate.enter(("b", 0), 1)
+        self.assertTrue(a.granted and b.granted)  # slot 0 of model a and of model b are different queues
+        gate.leave(a)
+        gate.leave(b)
 
 
 class TestCancel(ServerCase):

@@ -3353,7 +3353,10 @@ class TestThinkingCap(ServerCase):
 
 
 class TestStress(ServerCase):
-    """16 threads over 4 slots, queue_len 2, random cancels and random server faults."""
+    """Threads x requests over slots, random cancels and random server faults: every request ends in a
+    documented way, every permit comes back, BusyError exactly at queue_len, each slot served in entry
+    order, every Queued sequence starts at the entry position and only shrinks, and the gate's invariants
+    hold throughout (sampled while it runs)."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
 
@@ -3362,15 +3365,47 @@ class TestStress(ServerCase):
         self.server.busy = [False] * 4
 
     def test_sixteen_threads(self):
-        rng = random.Random(20261130)
+        self.stress(self.client, threads=16, per_thread=6, slots=4, seed=20261130)
+
+    def test_a_thousand_waiters(self):
+        """1,100 threads on two slots with queue_len 500: the first request on each slot is held until
+        every thread has entered the gate, so 1,000 wait at once (fewer as cancels come) and the rest are
+        refused."""
+        limits = self.limits.replace(queue_len=500, poll=0.2)
+        client = lc.Client(self.server.address, limits=limits)
+        self.closers.append(client.close)
+        peak = self.stress(
+            client,
+            threads=1100,
+            per_thread=1,
+            slots=2,
+            seed=20261201,
+            pace=(0.0005, 0.002),
+            cancel_within=1.0,
+            hold_first=True,
+        )
+        self.assertGreaterEqual(peak, 900)
+
+    def stress(
+        self, client, threads, per_thread, slots, seed, pace=(0.002, 0.02), cancel_within=0.08, hold_first=False
+    ):
+        """Run the load; check it; return the most requests seen waiting at once."""
+        queue_len = client.limits.queue_len
+        gate = client._gate
+        rng = random.Random(seed)
         plans = {}
         arrivals = []
         alock = threading.Lock()
+        everyone_in = threading.Event()  # every thread has entered the gate or been refused
 
         def handler(req):
             marker = req.json()["messages"][0]["content"]
+            slot = req.json()["id_slot"]
             with alock:
-                arrivals.append((req.json()["id_slot"], marker))
+                first = hold_first and all(s != slot for s, _ in arrivals)
+                arrivals.append((slot, marker))
+            if first:
+                everyone_in.wait(30)
             fault = plans[marker]["fault"]
             if fault == "hold":
                 req.wait_peer_close(5)
@@ -3397,44 +3432,58 @@ class TestStress(ServerCase):
         self.use(handler)
         tickets = {}
         refusals = []
-        enter = self.client._gate.enter
+        enter = gate.enter
+        first_round = threads
 
         def recording_enter(key, capacity):
+            nonlocal first_round
             marker = threading.current_thread().marker
             try:
                 ticket = enter(key, capacity)
             except lc.BusyError as exc:
-                refusals.append((marker, exc.waiting, exc.queue_len))
+                refusals.append((marker, exc.waiting, exc.queue_len, exc.slot, key))
                 raise
-            tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.granted)
+            finally:
+                if marker.endswith("-0"):
+                    with alock:
+                        first_round -= 1
+                        if not first_round:
+                            everyone_in.set()
+            tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.waker is not None)  # queued at entry
             return ticket
 
-        self.client._gate.enter = recording_enter
+        gate.enter = recording_enter
         outcomes = {}
-        for t in range(16):
-            for n in range(6):
+        heard = {}
+        for t in range(threads):
+            for n in range(per_thread):
                 marker = "t%d-%d" % (t, n)
                 fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
                 plans[marker] = {
                     "fault": fault,
-                    "slot": rng.randrange(4),
-                    "pace": rng.uniform(0.002, 0.02),
-                    "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None,
+                    "slot": rng.randrange(slots),
+                    "pace": rng.uniform(*pace),
+                    "cancel": rng.uniform(0.0, cancel_within) if fault == "hold" or rng.random() < 0.15 else None,
                 }
 
+        go = threading.Event()
+
         def worker(t):
-            for n in range(6):
+            go.wait(30)
+            for n in range(per_thread):
                 marker = "t%d-%d" % (t, n)
                 threading.current_thread().marker = marker
                 plan = plans[marker]
-                stream = self.client.stream([{"role": "user", "content": marker}], slot=plan["slot"])
+                stream = client.stream([{"role": "user", "content": marker}], slot=plan["slot"])
                 timer = None
                 if plan["cancel"] is not None:
                     timer = threading.Timer(plan["cancel"], stream.cancel)
                     timer.start()
+                queued = heard[marker] = []
                 try:
-                    for _ in stream:
-                        pass
+                    for ev in stream:
+                        if type(ev) is lc.Queued:
+                            queued.append(ev.ahead)
                     outcomes[marker] = stream.completion.content
                 except lc.LoopError as exc:
                     outcomes[marker] = type(exc).__name__
@@ -3443,31 +3492,60 @@ class TestStress(ServerCase):
                         timer.cancel()
                         timer.join(2)
 
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(16)]
-        for th in threads:
+        sampled = []
+        peak = 0
+        stop = threading.Event()
+
+        def sampler():
+            nonlocal peak
+            while not stop.wait(0.05):
+                sampled.extend(gate_problems(gate, queue_len))
+                peak = max(peak, sum(w for _, w in gate.snapshot().values()))
+
+        workers = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(threads)]
+        for th in workers:
             th.start()
-        for th in threads:
-            th.join(60)
+        watch = threading.Thread(target=sampler, daemon=True)
+        watch.start()
+        go.set()
+        deadline = time.monotonic() + 120
+        for th in workers:
+            th.join(max(0.1, deadline - time.monotonic()))
             self.assertFalse(th.is_alive(), "a worker hung")
+        stop.set()
+        watch.join(5)
         # every request ended in a documented way
         allowed = {"BusyError", "CancelledError", "StreamClosedError", "ServerError", "HTTPStatusError"}
         for marker, outcome in outcomes.items():
             self.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
             if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
                 self.assertIn(outcome, (marker, "BusyError"))
-        self.assertEqual(len(outcomes), 96)
-        # every permit released
-        self.assertTrue(all(v == (0, 0) for v in self.client._gate.snapshot().values()), self.client._gate.snapshot())
-        # BusyError exactly when the queue was full
+        self.assertEqual(len(outcomes), threads * per_thread)
+        # every permit released, and the invariants held whenever they were looked at
+        self.assertTrue(all(v == (0, 0) for v in gate.snapshot().values()), gate.snapshot())
+        self.assertEqual(sampled[:5], [])
+        self.assertEqual(gate_problems(gate, queue_len), [])
+        # BusyError exactly when the queue was full, naming its slot
         busy = [m for m, o in outcomes.items() if o == "BusyError"]
-        self.assertEqual(sorted(busy), sorted(m for m, _, _ in refusals))
-        self.assertTrue(all(waiting == qlen == 2 for _, waiting, qlen in refusals), refusals)
-        self.assertTrue(all(ahead <= 2 for _, _, ahead, granted in tickets.values() if not granted))
+        self.assertEqual(sorted(busy), sorted(m for m, *_ in refusals))
+        self.assertTrue(all(waiting == qlen == queue_len for _, waiting, qlen, _, _ in refusals), refusals[:5])
+        self.assertTrue(all(slot == key[1] for *_, slot, key in refusals))
+        self.assertTrue(all(ahead <= queue_len for _, _, ahead, queued in tickets.values() if queued))
+        # Queued: the entry position first, then only smaller; none for a request granted at once
+        for marker, (_, _, ahead, queued) in tickets.items():
+            said = heard[marker]
+            if not queued:
+                self.assertEqual(said, [], marker)
+            elif said:  # a request cancelled at once may not have heard its first one
+                self.assertEqual(said[0], ahead, marker)
+                self.assertEqual(said, sorted(set(said), reverse=True), marker)
+                self.assertGreaterEqual(said[-1], 1, marker)
         # FIFO per slot: the server saw each slot's requests in the order they entered the gate
-        for slot in range(4):
+        for slot in range(slots):
             seen = [tickets[m][1] for s, m in arrivals if s == slot]
             self.assertEqual(seen, sorted(seen), "slot %d out of order" % slot)
         self.assertLessEqual(self.server.slots_max_in_flight, 1)
+        return peak
 
 
 class TestCallerMistakesMore(unittest.TestCase):

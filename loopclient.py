@@ -1686,8 +1686,9 @@ class _Lane:
          ``in_flight == capacity``.
       2. The positions of ``queue`` and the ``holes`` together are exactly ``range(head, tail)``, without
          overlap; ``holes`` is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
-      3. ``len(holes) <= len(queue)``: past that the positions are renumbered (O(queued), once per as
-         many cancels), so memory stays constant per waiter however many come and go.
+      3. ``len(holes) <= len(queue)``: whenever a cancel or a grant would break it, the positions are
+         renumbered (O(queued), paid for by the cancels that made the holes), so memory stays constant per
+         waiter however many come and go.
     """
 
     __slots__ = ("capacity", "in_flight", "queue", "head", "tail", "holes")
@@ -1748,10 +1749,12 @@ class _Lane:
             pos += 1
         if skipped:
             del holes[:skipped]
-        if self.queue:
-            self.head = pos
-        else:  # pos == tail, and no holes are left
+        if not self.queue:  # pos == tail, and no holes are left
             self.head = self.tail = 0
+            return
+        self.head = pos
+        if len(holes) > len(self.queue):  # holes behind the new head outnumber the waiters (invariant 3)
+            self._renumber()
 
     def _renumber(self) -> None:
         queue = self.queue

@@ -3412,7 +3412,7 @@ class TestStress(ServerCase):
         plans = {}
         arrivals = []
         alock = threading.Lock()
-        everyone_in = threading.Event()  # every thread has entered the gate or been refused
+        everyone_in = threading.Event()  # every thread's first request has entered the gate or ended
 
         def handler(req):
             marker = req.json()["messages"][0]["content"]
@@ -3449,10 +3449,19 @@ class TestStress(ServerCase):
         tickets = {}
         refusals = []
         enter = gate.enter
-        first_round = threads
+        first_round = [threads]
+
+        def arrived():
+            """This thread's first request entered the gate, was refused, or ended before (cancelled)."""
+            me = threading.current_thread()
+            if not getattr(me, "arrived", False):
+                me.arrived = True
+                with alock:
+                    first_round[0] -= 1
+                    if not first_round[0]:
+                        everyone_in.set()
 
         def recording_enter(key, capacity):
-            nonlocal first_round
             marker = threading.current_thread().marker
             try:
                 ticket = enter(key, capacity)
@@ -3460,11 +3469,7 @@ class TestStress(ServerCase):
                 refusals.append((marker, exc.waiting, exc.queue_len, exc.slot, key))
                 raise
             finally:
-                if marker.endswith("-0"):
-                    with alock:
-                        first_round -= 1
-                        if not first_round:
-                            everyone_in.set()
+                arrived()
             tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.waker is not None)  # queued at entry
             return ticket
 
@@ -3504,6 +3509,7 @@ class TestStress(ServerCase):
                 except lc.LoopError as exc:
                     outcomes[marker] = type(exc).__name__
                 finally:
+                    arrived()  # a request cancelled before it reached the gate never entered it
                     if timer is not None:
                         timer.cancel()
                         timer.join(2)

@@ -1794,6 +1794,15 @@ class _Ticket:
             waker.release()
 
 
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class _Cancelled(Protocol):
+        """What ``_Gate.wait`` reads of a request's cancel flag (a ``_Flag`` or a ``threading.Event``)."""
+
+        def is_set(self) -> bool: ...
+
+
 class _Gate:
     """FIFO queues that hand over: per key, ``capacity`` requests in flight (1 for a slot, ``total_slots``
     for a pool) and ``queue_len`` more waiting; the next is refused with ``BusyError``.
@@ -1849,7 +1858,7 @@ class _Gate:
             waiting,
         )
 
-    def wait(self, ticket: _Ticket, cancelled: _Flag, poll: float) -> Optional[int]:
+    def wait(self, ticket: _Ticket, cancelled: _Cancelled, poll: float) -> Optional[int]:
         """Sleep until ``ticket`` is granted (None), or until a wake on its own timer, every ``poll``
         seconds, finds its ``ahead`` smaller than last announced (the new value: at least ``poll`` after
         the call, so announcements are at most one per ``poll``).  ``CancelledError`` once

@@ -2190,88 +2190,224 @@ def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
 
 
 class _Lane:
-    __slots__ = ("cond", "capacity", "in_flight", "waiters")
+    """One queue: a slot, or the ``slot=None`` pool, of one model.  Read and written under the gate's lock.
 
-    def __init__(self, lock: threading.Lock, capacity: int) -> None:
-        self.cond = threading.Condition(lock)
+    Queued tickets hold positions handed out in entry order (``tail`` is the next one).  ``head`` is the
+    first queued ticket's position, and ``holes`` the sorted positions between it and ``tail`` whose
+    ticket was cancelled out of the queue.  The tickets queued before the one at ``pos`` then number
+    ``pos - head - (holes below pos)``: a bisection, where walking the queue would make thousands of
+    waiters, each asking every ``poll``, cost the square of their number.
+
+    Invariants, whenever the lock is free:
+      1. ``in_flight <= capacity``, and nobody waits while a permit is free: ``queue`` is empty or
+         ``in_flight == capacity``.
+      2. The positions of ``queue`` and the ``holes`` together are exactly ``range(head, tail)``, without
+         overlap; ``holes`` is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
+      3. ``len(holes) <= len(queue)``: whenever a cancel or a grant would break it, the positions are
+         renumbered (O(queued), paid for by the cancels that made the holes), so memory stays constant per
+         waiter however many come and go.
+    """
+
+    __slots__ = ("capacity", "in_flight", "queue", "head", "tail", "holes")
+
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.in_flight = 0
-        self.waiters = []  # type: List[_Ticket]
+        self.queue = {}  # type: Dict[int, _Ticket]  # by position
+        self.head = 0
+        self.tail = 0
+        self.holes = []  # type: List[int]
+
+    def before(self, ticket: _Ticket) -> int:
+        """How many tickets are queued before ``ticket``."""
+        pos = ticket.pos
+        holes = self.holes
+        if not holes:
+            return pos - self.head
+        from bisect import bisect_left  # only once a waiter was cancelled from the middle of a queue
+
+        return pos - self.head - bisect_left(holes, pos)
+
+    def push(self, ticket: _Ticket) -> None:
+        ticket.pos = pos = self.tail
+        self.queue[pos] = ticket
+        self.tail = pos + 1
+
+    def admit(self) -> None:
+        """Hand the free permits to the first waiters, waking those threads only."""
+        queue = self.queue
+        while queue and self.in_flight < self.capacity:
+            ticket = queue.pop(self.head)
+            self._advance()
+            self.in_flight += 1
+            ticket.granted = True
+            ticket.signal()
+
+    def remove(self, ticket: _Ticket) -> None:
+        """Take a waiter out of the queue; nobody else is woken (they learn it on their timer)."""
+        pos = ticket.pos
+        del self.queue[pos]
+        if pos == self.head:
+            self._advance()
+            return
+        from bisect import insort
+
+        insort(self.holes, pos)
+        if len(self.holes) > len(self.queue):
+            self._renumber()
+
+    def _advance(self) -> None:
+        """The ticket at ``head`` has left the queue: the head moves to the next queued position."""
+        holes = self.holes
+        pos = self.head + 1
+        skipped = 0
+        while skipped < len(holes) and holes[skipped] == pos:
+            skipped += 1
+            pos += 1
+        if skipped:
+            del holes[:skipped]
+        if not self.queue:  # pos == tail, and no holes are left
+            self.head = self.tail = 0
+            return
+        self.head = pos
+        if len(holes) > len(self.queue):  # holes behind the new head outnumber the waiters (invariant 3)
+            self._renumber()
+
+    def _renumber(self) -> None:
+        queue = self.queue
+        order = [queue[pos] for pos in range(self.head, self.tail) if pos in queue]
+        self.queue = {}
+        for pos, ticket in enumerate(order):
+            ticket.pos = pos
+            self.queue[pos] = ticket
+        self.head = 0
+        self.tail = len(order)
+        self.holes = []
 
 
 class _Ticket:
-    __slots__ = ("lane", "seq", "granted", "ahead", "left")
+    """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
+    permit.  A queued ticket's thread sleeps on its own ``waker``, a lock the gate acquires when the ticket
+    is queued and releases once to wake it (as ``threading.Condition`` does for each of its waiters);
+    ``woken`` says that release has not been taken back yet, so it is never released twice."""
+
+    __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "waker", "woken")
 
     def __init__(self, lane: _Lane, seq: int) -> None:
         self.lane = lane
-        self.seq = seq  # entry order, for diagnostics
+        self.seq = seq  # entry order across the gate, for diagnostics
+        self.pos = 0  # position in the lane's queue, while queued
         self.granted = False
-        self.ahead = 0
         self.left = False
+        self.ahead = 0  # the last ``Queued(ahead)`` announced
+        self.waker = None  # type: Optional[threading.Lock]  # only queued tickets need one
+        self.woken = False
+
+    def signal(self) -> None:
+        """Wake the thread waiting on this ticket, if it has not been woken since it last looked."""
+        waker = self.waker
+        if waker is not None and not self.woken:
+            self.woken = True
+            waker.release()
+
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class _Cancelled(Protocol):
+        """What ``_Gate.wait`` reads of a request's cancel flag (a ``threading.Event``, or anything with ``is_set()``)."""
+
+        def is_set(self) -> bool: ...
 
 
 class _Gate:
-    """Per-slot FIFO queues: ``capacity`` requests in flight (1 per slot; ``total_slots`` for any slot),
-    ``queue_len`` more waiting, the next refused with ``BusyError``."""
+    """FIFO queues that hand over: per key, ``capacity`` requests in flight (1 for a slot, ``total_slots``
+    for a pool) and ``queue_len`` more waiting; the next is refused with ``BusyError``.
+
+    A key is a hashable pair ``(model, slot)``: model None is the server's default, slot None the pool;
+    the gate reads them only to word ``BusyError``.  A release grants the permit to the first waiter and
+    wakes that thread only; a waiter that leaves wakes nobody.  Waiters wake every ``poll`` seconds on their
+    own timer to learn how far they have moved up, which is why ``Queued`` announcements are coalesced.
+    A slot with thousands of waiters costs the same per request as a slot with ten."""
 
     def __init__(self, lock: threading.Lock, queue_len: int) -> None:
         self._lock = lock
         self._queue_len = queue_len
-        self._lanes = {}  # type: Dict[Optional[int], _Lane]
+        self._lanes = {}  # type: Dict[Tuple[Optional[str], Optional[int]], _Lane]
         self._seq = 0
 
-    def enter(self, key: Optional[int], capacity: int) -> _Ticket:
+    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> _Ticket:
+        """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
+        when ``queue_len`` already wait.  A ``capacity`` above the lane's grows it (a pool sized late by
+        ``/props``) and admits the waiters that now fit; a smaller one (a caller that had not heard
+        ``/props`` yet) changes nothing."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
-                lane = self._lanes[key] = _Lane(self._lock, capacity)
-            elif key is None and capacity != lane.capacity:
+                lane = self._lanes[key] = _Lane(capacity)
+            elif capacity > lane.capacity:
                 lane.capacity = capacity
-                lane.cond.notify_all()
+                lane.admit()
             self._seq += 1
             ticket = _Ticket(lane, self._seq)
-            if lane.in_flight < lane.capacity and not lane.waiters:
+            if lane.in_flight < lane.capacity:  # then nobody waits (invariant 1)
                 lane.in_flight += 1
                 ticket.granted = True
                 return ticket
-            if len(lane.waiters) >= self._queue_len:
-                where = "slot %d" % key if key is not None else "any slot"
-                raise BusyError(
-                    "%d requests already wait for %s (queue_len %d): try later"
-                    % (len(lane.waiters), where, self._queue_len),
-                    key,
-                    self._queue_len,
-                    len(lane.waiters),
-                )
-            lane.waiters.append(ticket)
-            ticket.ahead = lane.in_flight + len(lane.waiters) - 1
+            waiting = len(lane.queue)
+            if waiting >= self._queue_len:
+                raise self._refusal(key, waiting)
+            ticket.ahead = lane.in_flight + waiting
+            ticket.waker = waker = threading.Lock()
+            waker.acquire()
+            lane.push(ticket)
             return ticket
 
-    def wait(self, ticket: _Ticket, cancelled: _Flag) -> Optional[int]:
-        """Block until the ticket is granted (None) or its ``ahead`` shrinks (the new value)."""
+    def _refusal(self, key: Tuple[Optional[str], Optional[int]], waiting: int) -> BusyError:
+        model, slot = key
+        where = "any slot" if slot is None else "slot %s" % (slot,)
+        if model is not None:
+            where += " of model %s" % (model,)
+        return BusyError(
+            "%d requests already wait for %s (queue_len %d): try later" % (waiting, where, self._queue_len),
+            slot,
+            self._queue_len,
+            waiting,
+        )
+
+    def wait(self, ticket: _Ticket, cancelled: _Cancelled, poll: float) -> Optional[int]:
+        """Sleep until ``ticket`` is granted (None), or until a wake on its own timer, every ``poll``
+        seconds, finds its ``ahead`` smaller than last announced (the new value: at least ``poll`` after
+        the call, so announcements are at most one per ``poll``).  ``CancelledError`` once
+        ``cancelled.is_set()``; ``wake(ticket)`` cuts the sleep short for that."""
         lane = ticket.lane
-        with self._lock:
-            while True:
+        waker = ticket.waker
+        assert waker is not None, "wait() on a ticket that was granted at once"
+        lock = self._lock
+        due = time.monotonic() + poll
+        got = False
+        while True:
+            with lock:
+                if ticket.woken:  # take the release back: a blocking acquire did, or timed out just before
+                    if not got:
+                        waker.acquire(False)
+                    ticket.woken = False
                 if cancelled.is_set():
                     raise CancelledError("the request was cancelled while queued")
-                waiters = lane.waiters
-                if waiters[0] is ticket and lane.in_flight < lane.capacity:
-                    del waiters[0]
-                    lane.in_flight += 1
-                    ticket.granted = True
-                    # those behind keep their `ahead` (one more in flight, one fewer queued); wake them only
-                    # when a pool lane still has room for the next
-                    if waiters and lane.in_flight < lane.capacity:
-                        lane.cond.notify_all()
+                if ticket.granted:
                     return None
-                ahead = lane.in_flight + waiters.index(ticket)
-                if ahead < ticket.ahead:
-                    ticket.ahead = ahead
-                    return ahead
-                lane.cond.wait(1.0)
+                now = time.monotonic()
+                if now >= due:
+                    ahead = lane.in_flight + lane.before(ticket)
+                    if ahead < ticket.ahead:
+                        ticket.ahead = ahead
+                        return ahead
+                    due = now + poll
+                left = due - now
+            got = waker.acquire(True, min(left, threading.TIMEOUT_MAX))
 
     def leave(self, ticket: _Ticket) -> None:
-        """Release the permit, or leave the queue; idempotent."""
+        """Release the permit, handing it to the next waiter, or leave the queue; idempotent."""
         with self._lock:
             if ticket.left:
                 return
@@ -2279,19 +2415,23 @@ class _Gate:
             lane = ticket.lane
             if ticket.granted:
                 lane.in_flight -= 1
+                lane.admit()
             else:
-                lane.waiters.remove(ticket)
-            lane.cond.notify_all()
+                lane.remove(ticket)
 
-    def wake(self) -> None:
+    def wake(self, ticket: Optional[_Ticket]) -> None:
+        """Wake the thread waiting on ``ticket`` (its request was cancelled), and no other; None, or a
+        ticket that is not queued, is nothing to wake."""
+        if ticket is None:
+            return
         with self._lock:
-            for lane in self._lanes.values():
-                lane.cond.notify_all()
+            if not ticket.granted and not ticket.left:
+                ticket.signal()
 
-    def snapshot(self) -> Dict[Optional[int], Tuple[int, int]]:
+    def snapshot(self) -> Dict[Tuple[Optional[str], Optional[int]], Tuple[int, int]]:
         """{key: (in flight, waiting)}, for tests and diagnostics."""
         with self._lock:
-            return {k: (lane.in_flight, len(lane.waiters)) for k, lane in self._lanes.items()}
+            return {k: (lane.in_flight, len(lane.queue)) for k, lane in self._lanes.items()}
 
 
 # Wait states of a request whose response has not started: what it is waiting on decides which budget runs.
@@ -2532,8 +2672,9 @@ class _Board:
         with self._lock:
             self._streams.discard(stream)
 
-    def wake(self) -> None:
-        self.gate.wake()
+    def wake(self, ticket: Optional[_Ticket]) -> None:
+        """Wake a cancelled request wherever it waits: its place in the queue, or a /slots poll."""
+        self.gate.wake(ticket)
         with self._lock:
             pollers = list(self._pollers.values())
         for poller in pollers:
@@ -2724,7 +2865,7 @@ class ChatStream:
         """Mark the request cancelled and wake whatever it waits on: its sockets, its queue, the poller."""
         self._cancel.set()
         self._owner.abort()
-        self._board.wake()
+        self._board.wake(self._ticket)
 
     def _finish(self) -> None:
         if self._gen is not None:
@@ -2749,11 +2890,11 @@ class ChatStream:
             slot = self._slot
             capacity = 1 if slot is not None else board.capacity(self._model, self._owner, self._cancel)
             self._check()
-            ticket = self._ticket = board.gate.enter(slot if self._model is None else (self._model, slot), capacity)
+            ticket = self._ticket = board.gate.enter((self._model, slot), capacity)
             if not ticket.granted:
                 yield [Queued(ticket.ahead)]
                 while True:
-                    ahead = board.gate.wait(ticket, self._cancel)
+                    ahead = board.gate.wait(ticket, self._cancel, board.limits.poll)
                     if ahead is None:
                         break
                     yield [Queued(ahead)]

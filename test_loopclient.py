@@ -4813,6 +4813,58 @@ def start_chat(client, marker, slot=0, events=None, results=None, **params):
     return thread
 
 
+class SpyLock:
+    """Stands in for a queued ticket's waker and counts releases: the gate wakes a thread by releasing it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.releases = 0
+        self.sleeps = 0  # blocking acquires: the waiting thread is asleep (or about to be)
+
+    def acquire(self, blocking=True, timeout=-1):
+        if blocking:
+            self.sleeps += 1
+        return self.inner.acquire(blocking, timeout)
+
+    def release(self):
+        self.releases += 1
+        self.inner.release()
+
+
+def gate_problems(gate, queue_len=None):
+    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+    problems = []
+    with gate._lock:
+        for key, lane in gate._lanes.items():
+            queue, holes = lane.queue, lane.holes
+            where = "%r: " % (key,)
+            if not 0 <= lane.in_flight <= lane.capacity:
+                problems.append(where + "%d in flight, capacity %d" % (lane.in_flight, lane.capacity))
+            if queue and lane.in_flight != lane.capacity:
+                problems.append(where + "%d wait while a permit is free" % len(queue))
+            if queue_len is not None and len(queue) > queue_len:
+                problems.append(where + "%d waiting, queue_len %d" % (len(queue), queue_len))
+            if holes != sorted(set(holes)) or set(holes) & set(queue):
+                problems.append(where + "holes %r not sorted or overlapping the queue" % holes[:10])
+            if set(holes) | set(queue) != set(range(lane.head, lane.tail)):
+                problems.append(where + "positions do not tile head %d .. tail %d" % (lane.head, lane.tail))
+            if (lane.head not in queue) if queue else (lane.head, lane.tail) != (0, 0):
+                problems.append(where + "head %d, tail %d for %d queued" % (lane.head, lane.tail, len(queue)))
+            if len(holes) > len(queue):
+                problems.append(where + "%d holes for %d queued" % (len(holes), len(queue)))
+            for rank, pos in enumerate(sorted(queue)):
+                ticket = queue[pos]
+                if ticket.pos != pos or ticket.granted or ticket.left or ticket.waker is None:
+                    problems.append(where + "ticket %d at %d is not a plain waiter" % (ticket.seq, pos))
+                if lane.before(ticket) != rank:
+                    problems.append(
+                        where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank)
+                    )
+                if ticket.ahead < lane.in_flight + rank:
+                    problems.append(where + "ticket at %d announced %d, fewer than now" % (pos, ticket.ahead))
+    return problems
+
+
 class TestGate(ServerCase):
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=5.0, idle_grace=10.0, queue_len=2)
 
@@ -4832,16 +4884,19 @@ class TestGate(ServerCase):
         self.assertLess(t.elapsed, 0.1)
         self.assertEqual(events["B"], [lc.Queued(1)])
         self.assertEqual(events["C"], [lc.Queued(2)])
+        # A's release hands the permit to B; C learns it moved up on its own timer (within poll)
         keeper.release("A")
-        wait_for(lambda: len(events["C"]) >= 2, what="C to hear it moved up")  # within poll: its own timer
+        wait_for(lambda: keeper.arrived("B"), what="B to get the permit")
+        wait_for(lambda: len(events["C"]) == 2, what="C to hear it moved up")
+        self.assertEqual(events["C"], [lc.Queued(2), lc.Queued(1)])
+        self.assertFalse(keeper.arrived("C"))
         for marker in "BC":
             keeper.release(marker)
         for th in threads:
             th.join(5)
         self.assertEqual([m for _, m in keeper.order], ["A", "B", "C"])
-        self.assertEqual(events["C"][:2], [lc.Queued(2), lc.Queued(1)])
         self.assertEqual([results[m].content for m in "ABC"], ["A", "B", "C"])
-        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_slots_are_independent(self):
         keeper = Gatekeeper(self.server)
@@ -4907,6 +4962,360 @@ class TestGate(ServerCase):
         self.assertEqual(results["C"].content, "C")
         self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
 
+    def test_cancel_wakes_a_queued_request_at_once_whatever_the_poll(self):
+        client = lc.Client(self.server.address, limits=self.limits.replace(poll=30.0))
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        a = start_chat(client, "A", 0)
+        wait_for(lambda: keeper.arrived("A"))
+        stream = client.stream([{"role": "user", "content": "B"}], slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream), 5), lc.Queued(1))
+        spy = stream._ticket.waker = SpyLock(stream._ticket.waker)
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(self.next_error(stream)), daemon=True)
+        thread.start()
+        wait_for(lambda: spy.sleeps, what="the stream's thread to sleep in the queue")
+        t = Timer()
+        stream.cancel()  # the waiter's 30 s timer is far off: only the wake of its own ticket ends the wait
+        thread.join(0.2)
+        self.assertFalse(thread.is_alive())
+        self.assertLess(t.elapsed, 0.2)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertEqual(spy.releases, 1)
+        self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1, 0))
+        keeper.release("A")
+        a.join(5)
+        self.assertEqual([m for _, m in keeper.order], ["A"])
+
+    @staticmethod
+    def next_error(stream):
+        try:
+            next(stream)
+        except lc.LoopError as exc:
+            return exc
+        return None
+
+    def test_queued_is_coalesced_never_repeated_or_increased(self):
+        """Twenty waiters on one slot: each hears its place first, then only smaller ones, at most once per
+        poll; the request sent at once hears none; the slot serves them in entry order."""
+        limits = self.limits.replace(queue_len=20)
+        client = lc.Client(self.server.address, limits=limits)
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        heard, results, threads = {}, {}, []
+
+        def run(marker):
+            log = heard[marker] = []
+            try:
+                results[marker] = client.chat(
+                    [{"role": "user", "content": marker}],
+                    slot=0,
+                    on_event=lambda ev: log.append((time.monotonic(), ev)),
+                )
+            except BaseException as exc:  # noqa: B036
+                results[marker] = exc
+
+        markers = ["A"] + ["W%02d" % i for i in range(1, 21)]
+        for i, marker in enumerate(markers):
+            threads.append(threading.Thread(target=run, args=(marker,), daemon=True))
+            threads[-1].start()
+            if i == 0:
+                wait_for(lambda: keeper.arrived("A"))
+            else:  # one at a time, so that the entry order is known
+                wait_for(lambda: heard.get(marker), what="%s to queue" % marker)
+        last = lambda: [ev.ahead for _, ev in list(heard["W20"]) if isinstance(ev, lc.Queued)]
+        # released in batches of five: once a batch is served, W20 stands at a known place, which it hears
+        # on its timer, however many smaller steps it heard or skipped while the batch went through
+        for batch, place in ((markers[:5], 15), (markers[5:10], 10), (markers[10:15], 5), (markers[15:], None)):
+            for marker in batch:
+                keeper.release(marker)
+            if place is not None:
+                wait_for(lambda: place in last(), what="W20 to hear Queued(%d)" % place)
+        for thread in threads:
+            thread.join(10)
+            self.assertFalse(thread.is_alive())
+        self.assertEqual([m for _, m in keeper.order], markers)
+        self.assertEqual([results[m].content for m in markers], markers)
+        self.assertFalse(any(isinstance(ev, lc.Queued) for _, ev in heard["A"]))
+        for i, marker in enumerate(markers[1:], 1):
+            queued = [(t, ev.ahead) for t, ev in heard[marker] if isinstance(ev, lc.Queued)]
+            aheads = [a for _, a in queued]
+            self.assertEqual(aheads[0], i, marker)
+            self.assertEqual(aheads, sorted(set(aheads), reverse=True), marker)  # only ever smaller
+            self.assertGreaterEqual(aheads[-1], 1, marker)
+            gaps = [b - a for (a, _), (b, _) in zip(queued, queued[1:])]
+            self.assertTrue(all(gap >= limits.poll for gap in gaps), (marker, gaps))
+            first_other = next(j for j, (_, ev) in enumerate(heard[marker]) if not isinstance(ev, lc.Queued))
+            self.assertEqual(first_other, len(queued), marker)  # every Queued comes before the answer
+        self.assertTrue({20, 15, 10, 5} <= set(last()), last())
+        self.assertEqual(client._board.gate.snapshot()[(None, 0)], (0, 0))
+        self.assertEqual(gate_problems(client._board.gate), [])
+
+
+class TestGateHandover(unittest.TestCase):
+    """The gate alone: a release hands over to one waiter, positions are counted without walking the
+    queue, memory is constant per waiter (the SPEC's "Queues at scale")."""
+
+    def wait_in_threads(self, gate, tickets, poll=60.0):
+        """One thread per ticket in ``gate.wait``; returns (flags, results, threads)."""
+        flags = [threading.Event() for _ in tickets]
+        results = {}
+
+        def run(i):
+            try:
+                results[i] = gate.wait(tickets[i], flags[i], poll)
+            except lc.CancelledError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(tickets))]
+        for thread in threads:
+            thread.start()
+        return flags, results, threads
+
+    def test_a_release_wakes_the_next_waiter_only(self):
+        gate = lc._Gate(threading.Lock(), 100)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        tickets = [gate.enter(key, 1) for _ in range(20)]
+        self.assertEqual([t.ahead for t in tickets], list(range(1, 21)))
+        for ticket in tickets:
+            ticket.waker = SpyLock(ticket.waker)
+        flags, results, threads = self.wait_in_threads(gate, tickets)
+        releases = lambda: [t.waker.releases for t in tickets]
+
+        gate.leave(holder)
+        threads[0].join(5)
+        self.assertIsNone(results[0])
+        self.assertEqual(releases(), [1] + [0] * 19)
+        self.assertEqual(gate.snapshot()[key], (1, 19))
+
+        # a waiter cancelled from the middle: only its own thread wakes, and leaving wakes nobody
+        flags[7].set()
+        gate.wake(tickets[7])
+        threads[7].join(5)
+        self.assertIsInstance(results[7], lc.CancelledError)
+        gate.leave(tickets[7])
+        self.assertEqual(releases(), [1] + [0] * 6 + [1] + [0] * 12)
+        self.assertEqual(gate.snapshot()[key], (1, 18))
+
+        gate.leave(tickets[0])  # handed to the next in line
+        threads[1].join(5)
+        self.assertIsNone(results[1])
+        self.assertEqual(releases(), [1, 1] + [0] * 5 + [1] + [0] * 12)
+        self.assertEqual(sorted(results), [0, 1, 7])  # the rest still sleep on their 60 s timers
+        self.assertEqual(gate_problems(gate), [])
+
+        rest = [i for i in range(20) if i not in (0, 1, 7)]
+        for i in rest:
+            flags[i].set()
+            gate.wake(tickets[i])
+        for i in rest:
+            threads[i].join(5)
+            self.assertIsInstance(results[i], lc.CancelledError)
+            gate.leave(tickets[i])
+        gate.leave(tickets[1])
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+        self.assertEqual(releases(), [1] * 20)  # one wake each, never two
+        self.assertEqual(gate_problems(gate), [])
+
+    def test_a_granted_ticket_is_told_even_when_its_release_came_before_wait(self):
+        gate = lc._Gate(threading.Lock(), 4)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        ticket = gate.enter(key, 1)
+        gate.leave(holder)  # granted and woken before its thread ever sleeps
+        self.assertTrue(ticket.granted and ticket.woken)
+        self.assertIsNone(run_with_timeout(lambda: gate.wait(ticket, threading.Event(), 60.0), 5))
+        self.assertFalse(ticket.woken)
+        self.assertFalse(ticket.waker.acquire(False))  # the release was taken back: never released twice
+        gate.wake(ticket)  # a granted ticket has nothing to wake
+        self.assertFalse(ticket.woken)
+        gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_wait_announces_a_smaller_ahead_on_its_timer_only(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        first, second, third = (gate.enter(key, 1) for _ in range(3))
+        self.assertEqual(third.ahead, 3)
+        gate.leave(first)  # cancelled from the queue: nobody is woken, third learns it on its timer
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: gate.wait(third, threading.Event(), 0.05), 5), 2)
+        self.assertGreaterEqual(t.elapsed, 0.05)
+        self.assertEqual(third.ahead, 2)
+        gate.leave(holder)  # second is granted; third is next but is told only when its timer fires
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: gate.wait(third, threading.Event(), 0.05), 5), 1)
+        self.assertGreaterEqual(t.elapsed, 0.05)
+        cancelled = threading.Event()
+        cancelled.set()
+        with self.assertRaises(lc.CancelledError):
+            gate.wait(third, cancelled, 60.0)  # checked before sleeping
+        for ticket in (second, third):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_positions_match_a_plain_list(self):
+        """Random enters, cancels from anywhere, releases and pool growth against a list model."""
+        from unittest import mock
+
+        rng = random.Random(20261201)
+        gate = lc._Gate(threading.Lock(), 10**6)
+        key = (None, None)
+        queued, held = [], []
+        capacity = 1
+        renumbered = []
+        original = lc._Lane._renumber
+        patch = mock.patch.object(lc._Lane, "_renumber", lambda lane: (renumbered.append(1), original(lane)))
+        patch.start()
+        self.addCleanup(patch.stop)
+        for step in range(6000):
+            lane = gate._lanes.get(key)
+            r = rng.random()
+            if r < 0.02 and capacity < 6:
+                capacity += 1
+                queued.append(gate.enter(key, capacity))
+            elif r < 0.47 or not (queued or held):
+                queued.append(gate.enter(key, capacity))
+            elif r < 0.85 and queued:
+                # cancels favour the middle and the tail, where they leave holes
+                gate.leave(queued.pop(rng.randrange(1, len(queued)) if len(queued) > 1 else 0))
+            elif held:
+                gate.leave(held.pop(rng.randrange(len(held))))
+            lane = gate._lanes[key]
+            moved = [t for t in queued if t.granted]
+            self.assertEqual(moved, queued[: len(moved)], "granted out of order at step %d" % step)
+            held += moved
+            del queued[: len(moved)]
+            self.assertEqual(lane.in_flight, len(held))
+            for rank, ticket in enumerate(queued):
+                self.assertEqual(lane.before(ticket), rank)
+            self.assertEqual(gate_problems(gate), [], "step %d" % step)
+        self.assertEqual(gate_problems(gate), [])
+        self.assertTrue(renumbered)
+        for ticket in queued + held:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_churn_behind_a_held_head_stays_bounded(self):
+        """Waiters that come and go while the head never moves: the holes they leave are renumbered away."""
+        import tracemalloc
+
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        head = gate.enter(key, 1)
+        previous = gate.enter(key, 1)
+        lane = gate._lanes[key]
+        tracemalloc.start()
+        try:
+            for i in range(20000):
+                if i == 1000:
+                    start = tracemalloc.get_traced_memory()[0]
+                newer = gate.enter(key, 1)
+                gate.leave(previous)  # leaves a hole behind the head every time
+                previous = newer
+            grown = tracemalloc.get_traced_memory()[0] - start
+        finally:
+            tracemalloc.stop()
+        self.assertLess(grown, 4096)
+        self.assertLessEqual(len(lane.holes), len(lane.queue))
+        self.assertLessEqual(lane.tail, 8)
+        self.assertEqual(lane.before(previous), 1)
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in (previous, head, holder):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_holes_stay_fewer_than_waiters_as_the_head_moves(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, 0)
+        holder = gate.enter(key, 1)
+        tickets = [gate.enter(key, 1) for _ in range(6)]  # positions 0 to 5
+        for ticket in tickets[2:5]:
+            gate.leave(ticket)  # three holes, three waiting: 0, 1 and 5
+        lane = gate._lanes[key]
+        self.assertEqual((lane.holes, sorted(lane.queue)), ([2, 3, 4], [0, 1, 5]))
+        gate.leave(holder)  # 0 is granted; the holes behind the new head would outnumber 1 and 5
+        self.assertTrue(tickets[0].granted)
+        self.assertEqual(gate_problems(gate), [])
+        self.assertEqual([lane.before(t) for t in (tickets[1], tickets[5])], [0, 1])
+        for ticket in (tickets[0], tickets[1], tickets[5]):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_memory_per_waiter_is_constant(self):
+        import tracemalloc
+
+        def per_waiter(n):
+            gate = lc._Gate(threading.Lock(), n)
+            gate.enter((None, 0), 1)
+            tickets = [None] * n
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                for i in range(n):
+                    tickets[i] = gate.enter((None, 0), 1)
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            return grown / n
+
+        small, large = per_waiter(250), per_waiter(4000)
+        self.assertLess(large, 1024)
+        self.assertLess(large, 1.5 * small)
+
+    def test_a_pool_that_grows_admits_the_waiters_that_fit(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        first = gate.enter(key, 1)  # /props not answered yet: a pool of one
+        waiting = [gate.enter(key, 1) for _ in range(3)]
+        self.assertEqual([t.ahead for t in waiting], [1, 2, 3])
+        late = gate.enter(key, 3)  # /props answered 3: the first two waiters get the new permits at once
+        self.assertEqual([t.granted for t in waiting], [True, True, False])
+        self.assertEqual([t.woken for t in waiting], [True, True, False])
+        self.assertFalse(late.granted)
+        self.assertEqual(late.ahead, 4)  # three in flight, one queued before it
+        self.assertEqual(gate.snapshot()[key], (3, 2))
+        stale = gate.enter(key, 1)  # a caller that had not heard /props yet does not shrink the pool
+        self.assertEqual(gate._lanes[key].capacity, 3)
+        self.assertEqual(gate.snapshot()[key], (3, 3))
+        gate.leave(first)
+        self.assertTrue(waiting[2].granted)
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in waiting + [late, stale]:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_busy_error_names_the_slot_and_the_model(self):
+        gate = lc._Gate(threading.Lock(), 1)
+        for key, slot, where in (
+            ((None, 3), 3, "slot 3"),
+            ((None, None), None, "any slot"),
+            (("qwen3-4b", 0), 0, "slot 0 of model qwen3-4b"),
+            (("qwen3-4b", None), None, "any slot of model qwen3-4b"),
+        ):
+            with self.subTest(key=key):
+                held, queued = gate.enter(key, 1), gate.enter(key, 1)
+                with self.assertRaises(lc.BusyError) as caught:
+                    gate.enter(key, 1)
+                exc = caught.exception
+                self.assertEqual((exc.slot, exc.queue_len, exc.waiting), (slot, 1, 1))
+                self.assertIn("wait for %s (queue_len 1)" % where, str(exc))
+                if key[0] is None:
+                    self.assertNotIn("model", str(exc))
+                gate.leave(queued)
+                gate.leave(held)
+        self.assertEqual(set(gate.snapshot().values()), {(0, 0)})
+
+    def test_keys_are_model_and_slot_together(self):
+        gate = lc._Gate(threading.Lock(), 4)
+        a, b = gate.enter(("a", 0), 1), gate.enter(("b", 0), 1)
+        self.assertTrue(a.granted and b.granted)  # slot 0 of model a and of model b are different queues
+        gate.leave(a)
+        gate.leave(b)
+
 
 class TestCancel(ServerCase):
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0)
@@ -4944,7 +5353,7 @@ class TestCancel(ServerCase):
         self.cancel_during(handler, lambda evs: evs)
         req = self.server.chat_requests()[0]
         self.assertTrue(req.closed_by_peer.wait(1))
-        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_cancel_while_waiting_for_the_head(self):
         self.server.busy[0] = True
@@ -4987,9 +5396,9 @@ class TestCancel(ServerCase):
         self.use(handler)
         stream = self.client.stream(MSGS, slot=0)
         self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content("a"))
-        self.assertEqual(self.client._board.gate.snapshot()[0], (1, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
         stream.cancel()  # nobody is iterating: cleanup happens here
-        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
         with self.assertRaises(lc.CancelledError):
             next(stream)
@@ -5008,7 +5417,7 @@ class TestCancel(ServerCase):
 
         self.assertEqual(run_with_timeout(body), lc.Content("a"))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
-        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_with_block_keeps_the_callers_exception(self):
         self.use(serve_body(content_stream(["a", "b"])))
@@ -5038,7 +5447,7 @@ class TestCancel(ServerCase):
         with self.assertRaises(Mine):
             run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
-        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_keyboard_interrupt_in_chat_propagates_as_itself(self):
         def handler(req):
@@ -5053,7 +5462,7 @@ class TestCancel(ServerCase):
         with self.assertRaises(KeyboardInterrupt):
             run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(1))
-        self.assertEqual(self.client._board.gate.snapshot()[0], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_client_close_cancels_streams(self):
         def handler(req):
@@ -5165,7 +5574,10 @@ class TestThinkingCap(ServerCase):
 
 
 class TestStress(ServerCase):
-    """16 threads over 4 slots, queue_len 2, random cancels and random server faults."""
+    """Threads x requests over slots, random cancels and random server faults: every request ends in a
+    documented way, every permit comes back, BusyError exactly at queue_len, each slot served in entry
+    order, every Queued sequence starts at the entry position and only shrinks, and the gate's invariants
+    hold throughout (sampled while it runs)."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
 
@@ -5174,15 +5586,47 @@ class TestStress(ServerCase):
         self.server.busy = [False] * 4
 
     def test_sixteen_threads(self):
-        rng = random.Random(20261130)
+        self.stress(self.client, threads=16, per_thread=6, slots=4, seed=20261130)
+
+    def test_a_thousand_waiters(self):
+        """1,100 threads on two slots with queue_len 500: the first request on each slot is held until
+        every thread has entered the gate, so 1,000 wait at once (fewer as cancels come) and the rest are
+        refused."""
+        limits = self.limits.replace(queue_len=500, poll=0.2)
+        client = lc.Client(self.server.address, limits=limits)
+        self.closers.append(client.close)
+        peak = self.stress(
+            client,
+            threads=1100,
+            per_thread=1,
+            slots=2,
+            seed=20261201,
+            pace=(0.0005, 0.002),
+            cancel_within=1.0,
+            hold_first=True,
+        )
+        self.assertGreaterEqual(peak, 900)
+
+    def stress(
+        self, client, threads, per_thread, slots, seed, pace=(0.002, 0.02), cancel_within=0.08, hold_first=False
+    ):
+        """Run the load; check it; return the most requests seen waiting at once."""
+        queue_len = client.limits.queue_len
+        gate = client._board.gate
+        rng = random.Random(seed)
         plans = {}
         arrivals = []
         alock = threading.Lock()
+        everyone_in = threading.Event()  # every thread's first request has entered the gate or ended
 
         def handler(req):
             marker = req.json()["messages"][0]["content"]
+            slot = req.json()["id_slot"]
             with alock:
-                arrivals.append((req.json()["id_slot"], marker))
+                first = hold_first and all(s != slot for s, _ in arrivals)
+                arrivals.append((slot, marker))
+            if first:
+                everyone_in.wait(30)
             fault = plans[marker]["fault"]
             if fault == "hold":
                 req.wait_peer_close(5)
@@ -5209,79 +5653,126 @@ class TestStress(ServerCase):
         self.use(handler)
         tickets = {}
         refusals = []
-        enter = self.client._board.gate.enter
+        enter = gate.enter
+        first_round = [threads]
+
+        def arrived():
+            """This thread's first request entered the gate, was refused, or ended before (cancelled)."""
+            me = threading.current_thread()
+            if not getattr(me, "arrived", False):
+                me.arrived = True
+                with alock:
+                    first_round[0] -= 1
+                    if not first_round[0]:
+                        everyone_in.set()
 
         def recording_enter(key, capacity):
             marker = threading.current_thread().marker
             try:
                 ticket = enter(key, capacity)
             except lc.BusyError as exc:
-                refusals.append((marker, exc.waiting, exc.queue_len))
+                refusals.append((marker, exc.waiting, exc.queue_len, exc.slot, key))
                 raise
-            tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.granted)
+            finally:
+                arrived()
+            tickets[marker] = (key, ticket.seq, ticket.ahead, ticket.waker is not None)  # queued at entry
             return ticket
 
-        self.client._board.gate.enter = recording_enter
+        gate.enter = recording_enter
         outcomes = {}
-        for t in range(16):
-            for n in range(6):
+        heard = {}
+        for t in range(threads):
+            for n in range(per_thread):
                 marker = "t%d-%d" % (t, n)
                 fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
                 plans[marker] = {
                     "fault": fault,
-                    "slot": rng.randrange(4),
-                    "pace": rng.uniform(0.002, 0.02),
-                    "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None,
+                    "slot": rng.randrange(slots),
+                    "pace": rng.uniform(*pace),
+                    "cancel": rng.uniform(0.0, cancel_within) if fault == "hold" or rng.random() < 0.15 else None,
                 }
 
+        go = threading.Event()
+
         def worker(t):
-            for n in range(6):
+            go.wait(30)
+            for n in range(per_thread):
                 marker = "t%d-%d" % (t, n)
                 threading.current_thread().marker = marker
                 plan = plans[marker]
-                stream = self.client.stream([{"role": "user", "content": marker}], slot=plan["slot"])
+                stream = client.stream([{"role": "user", "content": marker}], slot=plan["slot"])
                 timer = None
                 if plan["cancel"] is not None:
                     timer = threading.Timer(plan["cancel"], stream.cancel)
                     timer.start()
+                queued = heard[marker] = []
                 try:
-                    for _ in stream:
-                        pass
+                    for ev in stream:
+                        if type(ev) is lc.Queued:
+                            queued.append(ev.ahead)
                     outcomes[marker] = stream.completion.content
                 except lc.LoopError as exc:
                     outcomes[marker] = type(exc).__name__
                 finally:
+                    arrived()  # a request cancelled before it reached the gate never entered it
                     if timer is not None:
                         timer.cancel()
                         timer.join(2)
 
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(16)]
-        for th in threads:
+        sampled = []
+        peak = 0
+        stop = threading.Event()
+
+        def sampler():
+            nonlocal peak
+            while not stop.wait(0.05):
+                sampled.extend(gate_problems(gate, queue_len))
+                peak = max(peak, sum(w for _, w in gate.snapshot().values()))
+
+        workers = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(threads)]
+        for th in workers:
             th.start()
-        for th in threads:
-            th.join(60)
+        watch = threading.Thread(target=sampler, daemon=True)
+        watch.start()
+        go.set()
+        deadline = time.monotonic() + 120
+        for th in workers:
+            th.join(max(0.1, deadline - time.monotonic()))
             self.assertFalse(th.is_alive(), "a worker hung")
+        stop.set()
+        watch.join(5)
         # every request ended in a documented way
         allowed = {"BusyError", "CancelledError", "StreamClosedError", "ServerError", "HTTPStatusError"}
         for marker, outcome in outcomes.items():
             self.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
             if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
                 self.assertIn(outcome, (marker, "BusyError"))
-        self.assertEqual(len(outcomes), 96)
-        # every permit released
-        self.assertTrue(
-            all(v == (0, 0) for v in self.client._board.gate.snapshot().values()), self.client._board.gate.snapshot()
-        )
-        # BusyError exactly when the queue was full
+        self.assertEqual(len(outcomes), threads * per_thread)
+        # every permit released, and the invariants held whenever they were looked at
+        self.assertTrue(all(v == (0, 0) for v in gate.snapshot().values()), gate.snapshot())
+        self.assertEqual(sampled[:5], [])
+        self.assertEqual(gate_problems(gate, queue_len), [])
+        # BusyError exactly when the queue was full, naming its slot
         busy = [m for m, o in outcomes.items() if o == "BusyError"]
-        self.assertEqual(sorted(busy), sorted(m for m, _, _ in refusals))
-        self.assertTrue(all(waiting == qlen == 2 for _, waiting, qlen in refusals), refusals)
-        self.assertTrue(all(ahead <= 2 for _, _, ahead, granted in tickets.values() if not granted))
+        self.assertEqual(sorted(busy), sorted(m for m, *_ in refusals))
+        self.assertTrue(all(waiting == qlen == queue_len for _, waiting, qlen, _, _ in refusals), refusals[:5])
+        self.assertTrue(all(slot == key[1] for *_, slot, key in refusals))
+        self.assertTrue(all(ahead <= queue_len for _, _, ahead, queued in tickets.values() if queued))
+        # Queued: the entry position first, then only smaller; none for a request granted at once
+        for marker, (_, _, ahead, queued) in tickets.items():
+            said = heard[marker]
+            if not queued:
+                self.assertEqual(said, [], marker)
+            elif said:  # a request cancelled at once may not have heard its first one
+                self.assertEqual(said[0], ahead, marker)
+                self.assertEqual(said, sorted(set(said), reverse=True), marker)
+                self.assertGreaterEqual(said[-1], 1, marker)
         # FIFO per slot: the server saw each slot's requests in the order they entered the gate
-        for slot in range(4):
+        for slot in range(slots):
             seen = [tickets[m][1] for s, m in arrivals if s == slot]
             self.assertEqual(seen, sorted(seen), "slot %d out of order" % slot)
         self.assertLessEqual(self.server.slots_max_in_flight, 1)
+        return peak
 
 
 class TestCallerMistakesMore(unittest.TestCase):
@@ -5440,9 +5931,9 @@ class TestEdges(ServerCase):
         self.server.route("GET", "/props", lambda req: next(answers)(req))
         self.use(serve_body(content_stream(["ok"])))
         self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props failed: a pool of one
-        self.assertEqual(self.client._board.gate.snapshot()[None], (0, 0))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (0, 0))
         self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props answered: the pool grows
-        self.assertEqual(self.client._board.gate._lanes[None].capacity, 2)
+        self.assertEqual(self.client._board.gate._lanes[(None, None)].capacity, 2)
 
     def test_single_shot_bodies(self):
         self.server.route("GET", "/health", lambda req: req.send(b'HTTP/1.0 200 OK\r\n\r\n{"status":"ok"}'))
@@ -7340,7 +7831,7 @@ class GateView:
 
     @staticmethod
     def _key(key):
-        return key[1] if key[0] is None else key
+        return key
 
     def snapshot(self):
         snap = self._facade._runner.call(lambda: self._board().gate.snapshot())

@@ -1,28 +1,38 @@
 #!/usr/bin/env python3
 """Soak a real llama-server with concurrent streams and early cancels, and watch ``/slots`` for wedged slots
 (standard library only; loopclient is imported by path from the repository root and used through its public
-API only).
+API only: ``Client``, ``stream``, ``ChatStream.cancel``, ``slots``, ``Limits`` and the error classes).
 
-    python3 dev/soak.py /tmp/lc-soak/llama.sock                      # the reported pattern, 120 s cap
-    python3 dev/soak.py SOCK --stop-on-wedge --seconds 90            # stop at the first wedge
-    python3 dev/soak.py SOCK --probe                                 # after a wedge: persists? pinned request?
+    python3 dev/soak.py SOCK                                   # the reported pattern, 120 s cap
+    python3 dev/soak.py SOCK --recipe fast --stop-on-wedge --confirm 3 --seconds 90
+    python3 dev/soak.py SOCK --recipe fast --stop-on-wedge --probe  # persists? pinned request? other slot?
     python3 dev/soak.py SOCK --restart-at 20 --pidfile P --restart-cmd 'dev/llama-server.sh start SOCK'
-    python3 dev/soak.py SOCK --terminate-pidfile P                   # at the end: time SIGTERM (SIGKILL after 15 s)
+    python3 dev/soak.py SOCK --terminate --pidfile P           # at the end: time SIGTERM (SIGKILL after 15 s)
 
-The pattern: ``--threads`` threads, ``--requests`` requests each; request ``i`` of thread ``t`` is pinned to
-``--slots[(t + i) % len]`` (``none`` = any slot); ``max_tokens`` drawn from ``--max-tokens``; a
-``--cancel-fraction`` of the streams are cancelled after ``--cancel-at`` content events (drawn), half of them
-with ``stream.cancel()`` and half by leaving the ``with`` block (``--cancel-how``).  Every request runs under
-small ``lc.Limits`` (liveness 10 s, busy_wait 30 s, load_wait 30 s, idle_grace 10 s), so the soak always ends;
-``--seconds`` caps the whole run.
+The pattern: ``--threads`` threads on one ``lc.Client`` (``--client-per-thread``: one each), ``--requests``
+requests each (``--loop``: until stopped); request ``i`` of thread ``t`` is pinned to ``--slots[(t + i) % len]``
+(``none`` = any slot), ``max_tokens`` drawn from ``--max-tokens``, temperature ``--temperature``; a drawn
+``--cancel-fraction`` of the streams are cancelled after a drawn ``--cancel-at`` count of content events, by
+``stream.cancel()`` or by leaving the ``with`` block (``--cancel-how``, drawn).  Every request runs under small
+``lc.Limits`` (``LIMITS``: liveness 10 s, busy_wait 30 s, load_wait 30 s), so the soak always ends; ``--seconds``
+caps the whole run; it stops when /slots has failed for 10 s (the server died).
 
 A monitor thread polls ``/slots`` every ``--poll`` seconds (its own client) and remembers, per slot, when the
 triple (id_task, n_prompt_tokens_processed, next_token[0].n_decoded) last changed while ``is_processing``.  A
-processing slot whose triple has not changed for ``--wedge-after`` seconds is reported as wedged.
+processing slot whose triple has not changed for ``--wedge-after`` seconds is reported as wedged.  A stalled
+server (CPU starvation on a loaded machine) freezes every slot alike for seconds and looks the same: a wedge
+is only certain when it outlives the soak's streams (``--confirm``, ``provoke_wedge``).
 
-For tests: ``provoke_wedge(address, seconds=..., wedge_after=...)`` runs the pattern until a slot wedges, closes
-every stream it opened, checks that the wedge persists without them, and returns ``(slot_id, id_task)`` or
-None.  ``probe_pinned``, ``serves`` and ``stop_server`` are the checks the report of a wedge needs.
+What was measured with this script (2 cores, gemma3-270m, -np 2) is in the commit messages that changed
+``FAST``; in short: this build wedges a slot in its prompt phase (n_decoded 0) within seconds under the FAST
+load, cancels are not needed for it, and once every client socket is closed the wedge lasts only while the
+server keeps producing results for someone at least once a second (a /slots poll counts): llama-server checks
+for a vanished client only after a full second without any result, then cancels the task and frees the slot.
+
+For tests: ``provoke_wedge(address, seconds=..., wedge_after=...)`` runs FAST until a slot wedges, closes every
+stream it opened, checks that the wedge persists without them, and returns ``Wedge((slot_id, id_task))`` (with
+a keeper thread polling /slots so that it stays; ``close()`` it) or None.  ``probe_pinned``, ``serves``,
+``examine_wedge`` and ``stop_server`` are the checks around a wedge.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ PROMPTS = (
     "The weather today is",
 )
 
-#: The reported pattern (the defaults of ``soak``).
+#: The reported pattern (the defaults of ``soak``; it ran 8 x 12 requests, not in a loop).
 REPORTED = dict(
     threads=8,
     requests=12,
@@ -195,6 +205,9 @@ class Monitor(threading.Thread):
                     record["seconds"] = round(still, 2)
                     record["raw"] = s.raw
                 elif still >= self.wedge_after:
+                    # how long the other processing slots had not moved: all frozen alike hints at a stalled
+                    # server (CPU starvation) rather than one wedged slot; the persistence check tells
+                    others = {o: round(now - st[1], 2) for o, st in self.state.items() if o != s.id}
                     record = {
                         "slot": s.id,
                         "task": triple[0],
@@ -204,6 +217,7 @@ class Monitor(threading.Thread):
                         "still_since": round(prev[1] - self.t0, 2),
                         "seconds": round(still, 2),
                         "released_at": None,
+                        "others_still": others,
                         "raw": s.raw,
                     }
                     self.wedges[s.id] = record
@@ -640,16 +654,20 @@ def examine_wedge(address: str, monitor: Monitor, slot: int, task: Any, probe_se
 class Wedge(tuple):
     """``(slot, task)`` of a wedged slot, as ``provoke_wedge`` returns it; unpacks as a pair.
 
-    ``seconds``: how long the slot had not moved when it was returned; ``raw``: its /slots entry (trimmed).
+    ``seconds``: how long the slot had not moved when it was returned; ``raw``: its /slots entry (trimmed);
+    ``wedged``: every slot that was wedged (and persisted) at that moment, this one first; both slots of a
+    two-slot server sometimes wedge together, and then no slot serves.
     While ``keeper`` (a ``Monitor`` polling /slots every 0.5 s) runs, the wedge stays: llama-server cancels
     the orphaned task about a second after its result queue goes quiet, and each /slots answer counts as
     traffic.  ``close()`` (or leaving a ``with`` block) stops the keeper; ``still()`` is how long the slot
     has not moved according to the keeper (None once it moved or went idle, or without a keeper).
     """
 
-    def __new__(cls, slot: int, task: int, seconds: float, raw: Dict[str, Any], keeper: Optional[Monitor]) -> Wedge:
+    def __new__(cls, slot: int, task: int, seconds: float, raw: Dict[str, Any], keeper: Optional[Monitor],
+                wedged: Sequence[int] = ()) -> Wedge:
         self = tuple.__new__(cls, (slot, task))
         self.seconds = seconds
+        self.wedged = list(wedged) or [slot]
         self.raw = raw
         self.keeper = keeper
         return self
@@ -734,25 +752,30 @@ def provoke_wedge(
             say("the server went down during the soak: restarting it")
             restart()
             continue
+        found = []  # type: List[Tuple[int, Any, Dict[str, Any]]]
         for slot, record in sorted(report["wedged_now"].items()):
-            ok, raw = persists(monitor, slot, record["task"], persist)
-            say("wedge on slot %s task %s %s %.1f s after the streams closed"
-                % (slot, record["task"], "persists" if ok else "did NOT persist", persist))
+            ok, raw = persists(monitor, slot, record["task"], persist if not found else 0.0)
+            say("wedge on slot %s task %s %s after the streams closed"
+                % (slot, record["task"], "persists" if ok else "did NOT persist"))
             if ok:
-                with monitor.lock:
-                    seconds_still = monitor.wedges[slot]["seconds"]
-                if not keep:
-                    monitor.stop()
-                return Wedge(slot, record["task"], seconds_still, trim_slot(raw), monitor if keep else None)
+                found.append((slot, record["task"], raw))
+        if found:
+            slot, task, raw = found[0]
+            with monitor.lock:
+                seconds_still = monitor.wedges[slot]["seconds"] if slot in monitor.wedges else None
+            if not keep:
+                monitor.stop()
+            return Wedge(slot, task, seconds_still, trim_slot(raw), monitor if keep else None, [f[0] for f in found])
         monitor.stop()
         # no wedge, or one that did not outlive the streams: go again (a new seed) while time is left
 
 
-#: The fastest reliable recipe measured (2 cores, gemma3-270m, -np 2; see the commit that set it):
-#: short answers so that prompts start often, half the streams cancelled at their first content event.
-#: Cancels are not needed for a wedge (runs with none wedged too) but help; all of them (1.0) once made the
-#: server abort instead.  provoke_wedge's default.
-FAST = dict(REPORTED, max_tokens=(4, 16), cancel_fraction=0.5, cancel_at=(1,), loop=True)
+#: The fastest reliable recipe measured (2 cores, gemma3-270m, -np 2, --no-repack; see the commit that set it):
+#: eight threads on one client cycling slots 0, 1 and any, short answers (4 or 16 tokens) so that prompts
+#: start often, and no cancels at all: the wedge does not need them, and heavy cancelling (half or all of
+#: the streams at their first token) sometimes made this build abort (GGML_ASSERT(batch.size() > 0))
+#: instead of wedging.  provoke_wedge's default.
+FAST = dict(REPORTED, max_tokens=(4, 16), cancel_fraction=0.0, loop=True)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -781,15 +804,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("address", help="socket path, unix:///path or http://host:port")
-    p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--requests", type=int, default=12, help="requests per thread (default 12)")
-    p.add_argument("--loop", action="store_true", help="keep requesting until --seconds or a stop")
-    p.add_argument("--slots", type=_slots_arg, default=[0, 1, None], help="slot cycle, e.g. 0,1,none")
-    p.add_argument("--max-tokens", type=_ints, default=[4, 16, 48])
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--cancel-fraction", type=float, default=0.25)
-    p.add_argument("--cancel-at", type=_ints, default=[1, 3, 8], help="content events before a cancel")
-    p.add_argument("--cancel-how", default="cancel,exit", help="cancel, exit or both (cancel,exit)")
+    p.add_argument("--recipe", choices=("reported", "fast"), default="reported",
+                   help="defaults for the pattern options below: the reported pattern (8 threads x 12 requests, "
+                   "max_tokens 4/16/48, a quarter cancelled after 1/3/8 events) or FAST (--loop, max_tokens "
+                   "4/16, no cancels), the quickest to wedge")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--requests", type=int, help="requests per thread (reported: 12)")
+    p.add_argument("--loop", action="store_true", default=None, help="keep requesting until --seconds or a stop")
+    p.add_argument("--no-loop", dest="loop", action="store_false", help="--requests per thread, then stop")
+    p.add_argument("--slots", type=_slots_arg, help="slot cycle, e.g. 0,1,none")
+    p.add_argument("--max-tokens", type=_ints)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--cancel-fraction", type=float)
+    p.add_argument("--cancel-at", type=_ints, help="content events before a cancel, drawn per stream")
+    p.add_argument("--cancel-how", type=lambda t: [h for h in t.split(",") if h],
+                   help="cancel (stream.cancel()), exit (leave the with block) or both, drawn: cancel,exit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limits", type=_limits_arg, default={},
                    help="lc.Limits overrides for the soak's requests, e.g. poll=20,liveness=30 (defaults: %s)"
@@ -802,6 +831,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--restart-at", type=float, help="SIGKILL the server this many seconds in, then restart it")
     p.add_argument("--pidfile", help="the server's pid file (for --restart-at and --terminate)")
     p.add_argument("--restart-cmd", help="shell command that starts the server again (run from the repo root)")
+    p.add_argument("--confirm", type=float, default=0.0, metavar="SECONDS",
+                   help="after the soak, check that each wedge outlives the closed streams for SECONDS")
     p.add_argument("--probe", action="store_true",
                    help="after a wedge: check it persists, probe a pinned request, check the other slot serves")
     p.add_argument("--probe-seconds", type=float, default=10.0)
@@ -816,20 +847,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.stderr.write("[%6.1f] %s\n" % (time.monotonic() - t0, text))
             sys.stderr.flush()
 
+    recipe = dict(REPORTED, loop=False) if a.recipe == "reported" else dict(FAST)
+    for name in ("threads", "requests", "loop", "slots", "max_tokens", "temperature", "cancel_fraction",
+                 "cancel_at", "cancel_how"):
+        if getattr(a, name) is not None:
+            recipe[name] = getattr(a, name)
     report = soak(
-        a.address, threads=a.threads, requests=a.requests, slots=a.slots, max_tokens=a.max_tokens,
-        temperature=a.temperature, cancel_fraction=a.cancel_fraction, cancel_at=a.cancel_at,
-        cancel_how=[h for h in a.cancel_how.split(",") if h], seed=a.seed, seconds=a.seconds,
-        wedge_after=a.wedge_after, stop_on_wedge=a.stop_on_wedge, poll=a.poll,
-        client_per_thread=a.client_per_thread, loop=a.loop, restart_at=a.restart_at, pidfile=a.pidfile,
-        restart_cmd=a.restart_cmd, limits=a.limits, log=say, keep_monitor=a.probe,
+        a.address, seed=a.seed, seconds=a.seconds, wedge_after=a.wedge_after, stop_on_wedge=a.stop_on_wedge,
+        poll=a.poll, client_per_thread=a.client_per_thread, restart_at=a.restart_at, pidfile=a.pidfile,
+        restart_cmd=a.restart_cmd, limits=a.limits, log=say, keep_monitor=a.probe or a.confirm > 0, **recipe
     )
     monitor = report.pop("monitor_thread", None)
+    if a.confirm > 0 and monitor is not None:
+        report["confirmed"] = {}
+        for slot, record in sorted(report["wedged_now"].items()):
+            ok, raw = persists(monitor, slot, record["task"], a.confirm)
+            report["confirmed"][slot] = ok
+            say("wedge on slot %s task %s %s %.1f s after the streams closed"
+                % (slot, record["task"], "persists" if ok else "did NOT persist", a.confirm))
     if a.probe and report["wedged_now"]:
         slot, record = sorted(report["wedged_now"].items())[0]
         report["probe"] = examine_wedge(a.address, monitor, slot, record["task"], a.probe_seconds, log=say)
     if monitor is not None:
         monitor.stop()
+        settle = time.monotonic()
+        while threading.active_count() > report["threads"][0] and time.monotonic() - settle < 3.0:
+            time.sleep(0.05)
+        report["fds"][1], report["threads"][1] = open_fds(), threading.active_count()
     if a.terminate:
         pid = _read_pid(a.pidfile) if a.pidfile else None
         if pid is None:
@@ -869,6 +913,8 @@ def _print_report(r: Dict[str, Any]) -> None:
         out("wedged slot (trimmed): %s\n" % json.dumps(r["wedge_example"]))
     else:
         out("no wedge\n")
+    if "confirmed" in r:
+        out("persisted after the streams closed: %s\n" % json.dumps(r["confirmed"]))
     if r.get("restart"):
         out("restart: %s\n" % json.dumps(r["restart"]))
     if r.get("probe"):

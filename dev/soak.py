@@ -708,6 +708,7 @@ def provoke_wedge(
     wedge_after: float = 5.0,
     persist: float = 3.0,
     keep: bool = True,
+    prompt_phase: bool = True,
     restart: Optional[Callable[[], Any]] = None,
     log: Optional[Callable[[str], None]] = None,
     **recipe: Any,
@@ -720,6 +721,9 @@ def provoke_wedge(
     5``), or when the server went down (this build can also abort, ``GGML_ASSERT(batch.size() > 0)``, under
     this load) and ``restart`` is None; ``restart()``, when given, must bring a fresh server up at ``address``
     (e.g. SIGKILL the dead one's pid, then start it again), and the soak goes on while time is left.
+    With ``prompt_phase`` only a slot frozen before its first token (n_decoded 0) counts: every wedge seen on
+    a calm machine was so, while a stalled server (load in the hundreds) also froze generating slots for
+    longer than ``wedge_after + persist``.
     ``recipe`` overrides keyword arguments of ``soak`` (defaults: ``FAST``).  Every stream
     is closed and every soak thread joined when it returns.
 
@@ -754,6 +758,12 @@ def provoke_wedge(
             continue
         found = []  # type: List[Tuple[int, Any, Dict[str, Any]]]
         for slot, record in sorted(report["wedged_now"].items()):
+            with monitor.lock:
+                decoded = _triple(monitor.last.get(slot, {}))[2]
+            if prompt_phase and decoded != 0:
+                say("slot %s task %s stands still after %s decoded tokens: a stall, not the prompt-phase wedge"
+                    % (slot, record["task"], decoded))
+                continue
             ok, raw = persists(monitor, slot, record["task"], persist if not found else 0.0)
             say("wedge on slot %s task %s %s after the streams closed"
                 % (slot, record["task"], "persists" if ok else "did NOT persist"))

@@ -9419,3 +9419,47 @@ for _name in list(vars(TestRealServer)):
         "test_cancel_frees_the_slot_within_a_second",
     ):
         setattr(TestRealServerAsync, _name, None)
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealWedge(unittest.TestCase):
+    """A server of our own, wedged on purpose by dev/soak.py's recipe (8 threads, short answers, the slot
+    cycling 0, 1, any): a request pinned to the wedged slot ends in WedgedSlotError, not a 10-minute wait."""
+
+    def setUp(self):
+        import importlib.util
+        import subprocess
+
+        spec = importlib.util.spec_from_file_location("loopclient_soak", os.path.join(HERE, "dev", "soak.py"))
+        self.soak = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.soak)
+        self.tmp = tempfile.mkdtemp(prefix="lcw", dir="/tmp")
+        self.sock = os.path.join(self.tmp, "wedge.sock")
+        self.log = open(os.path.join(self.tmp, "server.log"), "wb")
+        self.proc = subprocess.Popen(real_server_command(self.sock), stdout=self.log, stderr=subprocess.STDOUT)
+        self.addCleanup(self.stop)
+        wait_for(lambda: _healthy(lc.Client(self.sock)), 60, "our own server to load")
+
+    def stop(self):
+        self.proc.kill()  # a wedged server ignores SIGTERM while streams are in flight
+        self.proc.wait(10)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_a_request_pinned_to_a_wedged_slot_ends_in_wedged_slot_error(self):
+        wedge = self.soak.provoke_wedge(self.sock, seconds=120.0)
+        self.assertIsNotNone(wedge, "this llama-server build did not wedge a slot within 120 s of the soak recipe")
+        self.addCleanup(wedge.close)  # its keeper polls /slots, without which the server frees the slot
+        slot, task = wedge
+        limits = REAL_LIMITS.replace(poll=0.5, wedge_wait=3.0)
+        client = lc.Client(self.sock, limits=limits)
+        self.addCleanup(client.close)
+        events = []
+        t = Timer()
+        with self.assertRaises(lc.WedgedSlotError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=slot, max_tokens=4, on_event=events.append), 60)
+        self.assertLess(t.elapsed, limits.wedge_wait + limits.poll + MARGIN + 1.0)
+        self.assertEqual((cm.exception.slot, cm.exception.task), (slot, task))
+        self.assertGreaterEqual(cm.exception.seconds, limits.wedge_wait)
+        self.assertEqual(events[-1], lc.Waiting(True, wedged=True))
+        self.assertIn("task %d" % task, str(cm.exception))

@@ -34,15 +34,18 @@
 #   dev/llama-server.sh path               two lines: the llama-server binary, the GGUF model
 #                                          (printed even if not built yet; run `build` first)
 #   dev/llama-server.sh args               the test server's arguments, ONE PER LINE (no --host/--port):
-#                                          -m MODEL -c 2048 -np 2 -t 2 --no-repack --swa-full --jinja --chat-template-file T
+#                                          -m MODEL -c 2048 -np 2 -t 2 --no-repack --jinja --chat-template-file T
 #                                          A test starting its own instance runs:
 #                                          BINARY <args...> --host /short/dir/x.sock
 #
-# Every instance gets the same common arguments, -c 2048 -np 2 -t 2 --no-repack --swa-full (2 slots of 1024
-# tokens, 2 threads). --no-repack: the -march=native build segfaults on CPUs with AMX (Intel Sapphire Rapids
-# and newer) in the repacked AMX matmul at the first warm-up; without repacking it runs on every x86-64 CPU.
-# --swa-full: gemma 3 uses sliding-window attention; without a full-size cache a slot restored from a file
-# is not reused (measured: cache_n 0 after restore_slot without it, 29 of 30 prompt tokens with it).
+# Every instance gets the same common arguments, -c 2048 -np 2 -t 2 --no-repack (2 slots of 1024 tokens, 2
+# threads). --no-repack: the -march=native build segfaults on CPUs with AMX (Intel Sapphire Rapids and newer)
+# in the repacked AMX matmul at the first warm-up; without repacking it runs on every x86-64 CPU.
+# The Unix test server (start) also gets --metrics, --slot-save-path and --swa-full: gemma 3 uses
+# sliding-window attention, and without a full-size cache a slot restored from a file is not reused
+# (measured: cache_n 0 after restore_slot without it, 29 of 30 prompt tokens with it). Only there: with
+# --swa-full this build no longer wedges a slot under the soak recipe (dev/soak.py), which the default does
+# within seconds, and the wedge test starts its own server with the default arguments (args).
 #
 # Files: pidfile and log sit next to the socket: SOCKET with ".sock" replaced by ".pid" / ".log" (and
 # ".slots/", ".models/" where used); TCP: RUN_DIR/tcp-PORT.{pid,log}, RUN_DIR/prefix-PORT.{pid,log}.
@@ -198,7 +201,7 @@ cmd_build() {
 
 # The arguments every instance gets (the router passes them on to each model it starts).
 common_args() {
-    printf '%s\n' -c 2048 -np 2 -t 2 --no-repack --swa-full
+    printf '%s\n' -c 2048 -np 2 -t 2 --no-repack
     if [[ -n ${LOOPCLIENT_LLAMA_EXTRA_ARGS:-} ]]; then
         # shellcheck disable=SC2086
         printf '%s\n' $LOOPCLIENT_LLAMA_EXTRA_ARGS
@@ -399,7 +402,7 @@ case $cmd in
         fi
         mapfile -t args < <(test_args)
         launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" "${args[@]}" \
-            --metrics --slot-save-path "$SLOTS" --host "$SOCKET"
+            --metrics --slot-save-path "$SLOTS" --swa-full --host "$SOCKET"
         ;;
     stop)
         stop_unix "${1:-}" llama.sock

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 #: Budgets for every soak request: small, so that a wedged slot costs seconds, not the 10-minute default.
-LIMITS = dict(poll=0.5, liveness=10.0, busy_wait=30.0, load_wait=30.0, idle_grace=10.0)
+LIMITS = {"poll": 0.5, "liveness": 10.0, "busy_wait": 30.0, "load_wait": 30.0, "idle_grace": 10.0}
 
 PROMPTS = (
     "The three primary colours are",
@@ -73,16 +73,16 @@ PROMPTS = (
 )
 
 #: The reported pattern (the defaults of ``soak``; it ran 8 x 12 requests, not in a loop).
-REPORTED = dict(
-    threads=8,
-    requests=12,
-    slots=(0, 1, None),
-    max_tokens=(4, 16, 48),
-    temperature=0.7,
-    cancel_fraction=0.25,
-    cancel_at=(1, 3, 8),
-    cancel_how=("cancel", "exit"),
-)
+REPORTED = {
+    "threads": 8,
+    "requests": 12,
+    "slots": (0, 1, None),
+    "max_tokens": (4, 16, 48),
+    "temperature": 0.7,
+    "cancel_fraction": 0.25,
+    "cancel_at": (1, 3, 8),
+    "cancel_how": ("cancel", "exit"),
+}
 
 
 def _triple(raw: Dict[str, Any]) -> Tuple[Any, Any, Any]:
@@ -126,8 +126,13 @@ class Monitor(threading.Thread):
     ``seconds`` (longest stillness seen), ``released_at`` (None while it lasts), ``raw`` (the /slots entry).
     """
 
-    def __init__(self, address: str, interval: float = 0.5, wedge_after: float = 5.0,
-                 on_wedge: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        interval: float = 0.5,
+        wedge_after: float = 5.0,
+        on_wedge: Optional[Callable[[Dict[str, Any]], None]] = None,
+    ) -> None:
         super().__init__(name="soak-monitor", daemon=True)
         self.client = lc.Client(address, limits=lc.Limits(liveness=5.0))
         self.interval = interval
@@ -182,14 +187,22 @@ class Monitor(threading.Thread):
                 self.last[s.id] = s.raw
                 triple = _triple(s.raw)
                 prev = self.state.get(s.id)
-                if not s.is_processing or prev is None or prev[0] != triple:
-                    if prev is not None:
-                        self.max_recovered = max(self.max_recovered, now - prev[1])
-                        if now - prev[1] >= self.wedge_after / 2:
-                            self.episodes.append((s.id, list(prev[0]), round(now - prev[1], 2),
-                                                  "moved" if s.is_processing and triple[0] == prev[0][0] else
-                                                  "idle" if not s.is_processing else "next task",
-                                                  round(now - self.t0, 2)))
+                if (not s.is_processing or prev is None or prev[0] != triple) and prev is not None:
+                    self.max_recovered = max(self.max_recovered, now - prev[1])
+                    if now - prev[1] >= self.wedge_after / 2:
+                        self.episodes.append(
+                            (
+                                s.id,
+                                list(prev[0]),
+                                round(now - prev[1], 2),
+                                "moved"
+                                if s.is_processing and triple[0] == prev[0][0]
+                                else "idle"
+                                if not s.is_processing
+                                else "next task",
+                                round(now - self.t0, 2),
+                            )
+                        )
                 if not s.is_processing:
                     self.state.pop(s.id, None)
                     self._release(s.id, now, "idle")
@@ -278,11 +291,20 @@ class _Run:
             stream.cancel()
 
 
-def _one(run: _Run, client: lc.Client, rng: random.Random, slot: Optional[int], max_tokens: int,
-         temperature: float, cancel_at: Optional[int], how: str) -> None:
+def _one(
+    run: _Run,
+    client: lc.Client,
+    rng: random.Random,
+    slot: Optional[int],
+    max_tokens: int,
+    temperature: float,
+    cancel_at: Optional[int],
+    how: str,
+) -> None:
     messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
-    stream = client.stream(messages, slot=slot, max_tokens=max_tokens, temperature=temperature,
-                           seed=rng.randrange(1 << 30))
+    stream = client.stream(
+        messages, slot=slot, max_tokens=max_tokens, temperature=temperature, seed=rng.randrange(1 << 30)
+    )
     with run.lock:
         run.active.add(stream)
         run.started += 1
@@ -326,7 +348,7 @@ def _pid_alive(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:][:1] not in ("Z", "X")
+    return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
 
 
 def _read_pid(pidfile: str) -> Optional[int]:
@@ -386,8 +408,9 @@ def _restart(pidfile: Optional[str], cmd: Optional[str], log: Callable[[str], No
     if cmd:
         t1 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                                  stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                cmd, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+            )
             out["cmd_rc"] = proc.returncode
             out["cmd_tail"] = (proc.stderr + proc.stdout).strip().splitlines()[-2:]
         except subprocess.TimeoutExpired:
@@ -436,9 +459,17 @@ def soak(
     first_wedge = []  # type: List[Dict[str, Any]]
 
     def on_wedge(record: Dict[str, Any]) -> None:
-        say("wedge: slot %s task %s triple %s n_remain %s, still %.1f s (detected %.1f s into the run)"
-            % (record["slot"], record["task"], record["triple"], record["n_remain"], record["seconds"],
-               record["detected_at"]))
+        say(
+            "wedge: slot %s task %s triple %s n_remain %s, still %.1f s (detected %.1f s into the run)"
+            % (
+                record["slot"],
+                record["task"],
+                record["triple"],
+                record["n_remain"],
+                record["seconds"],
+                record["detected_at"],
+            )
+        )
         first_wedge.append(record)
         if stop_on_wedge:
             run.stop.set()
@@ -510,9 +541,19 @@ def soak(
     monitor.lock.acquire()  # a kept monitor is still running
     report = {
         "address": address,
-        "recipe": dict(threads=threads, requests=requests, slots=list(slots), max_tokens=list(max_tokens),
-                       temperature=temperature, cancel_fraction=cancel_fraction, cancel_at=list(cancel_at),
-                       cancel_how=list(cancel_how), seed=seed, client_per_thread=client_per_thread, loop=loop),
+        "recipe": {
+            "threads": threads,
+            "requests": requests,
+            "slots": list(slots),
+            "max_tokens": list(max_tokens),
+            "temperature": temperature,
+            "cancel_fraction": cancel_fraction,
+            "cancel_at": list(cancel_at),
+            "cancel_how": list(cancel_how),
+            "seed": seed,
+            "client_per_thread": client_per_thread,
+            "loop": loop,
+        },
         "outcomes": dict(sorted(run.outcomes.items())),
         "examples": run.examples,
         "requests_started": run.started,
@@ -524,7 +565,7 @@ def soak(
         "total_s": round(elapsed, 2),
         "first_wedge_s": first_wedge[0]["detected_at"] if first_wedge else None,
         "wedges": [{k: v for k, v in r.items() if k != "raw"} for r in monitor.history],
-        "wedged_now": {s: dict(task=r["task"], seconds=r["seconds"]) for s, r in monitor.wedges.items()},
+        "wedged_now": {s: {"task": r["task"], "seconds": r["seconds"]} for s, r in monitor.wedges.items()},
         "wedge_example": trim_slot(monitor.history[0]["raw"]) if monitor.history else None,
         "max_still_s": {s: round(v, 2) for s, v in sorted(monitor.max_still.items())},
         "max_recovered_still_s": round(monitor.max_recovered, 2),
@@ -565,10 +606,18 @@ def probe_pinned(address: str, slot: int, seconds: float = 5.0, max_tokens: int 
     ``seconds``: ``{"bytes": n, "first_byte_s": t or None, "head": first line or None}``.  Raw on purpose:
     "zero bytes, not even the status line" is exactly what the client cannot observe through its API."""
     addr = lc.parse_address(address)
-    body = json.dumps({"messages": [{"role": "user", "content": "The sea is"}], "id_slot": slot,
-                       "max_tokens": max_tokens, "stream": True}).encode()
-    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-           b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "The sea is"}],
+            "id_slot": slot,
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
+    req = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     if address.startswith("http"):
         sock = socket.create_connection(addr.target, 5.0)
     else:
@@ -593,8 +642,13 @@ def probe_pinned(address: str, slot: int, seconds: float = 5.0, max_tokens: int 
             got += data
     finally:
         sock.close()
-    return {"slot": slot, "bytes": len(got), "first_byte_s": None if first is None else round(first, 3),
-            "head": got.split(b"\r\n", 1)[0].decode("latin-1") if got else None, "waited_s": seconds}
+    return {
+        "slot": slot,
+        "bytes": len(got),
+        "first_byte_s": None if first is None else round(first, 3),
+        "head": got.split(b"\r\n", 1)[0].decode("latin-1") if got else None,
+        "waited_s": seconds,
+    }
 
 
 def serves(address: str, slot: Optional[int], max_tokens: int = 8) -> Dict[str, Any]:
@@ -602,16 +656,27 @@ def serves(address: str, slot: Optional[int], max_tokens: int = 8) -> Dict[str, 
     t0 = time.monotonic()
     with lc.Client(address, limits=lc.Limits(**dict(LIMITS, busy_wait=10.0))) as client:
         try:
-            reply = client.chat([{"role": "user", "content": "The three primary colours are"}], slot=slot,
-                                max_tokens=max_tokens, temperature=0)
+            reply = client.chat(
+                [{"role": "user", "content": "The three primary colours are"}],
+                slot=slot,
+                max_tokens=max_tokens,
+                temperature=0,
+            )
             outcome = "Completion(%s, %r)" % (reply.finish_reason, reply.content[:40])
         except lc.LoopError as exc:
             outcome = "%s: %s" % (type(exc).__name__, exc)
     return {"slot": slot, "outcome": outcome, "seconds": round(time.monotonic() - t0, 2)}
 
 
-def examine_wedge(address: str, monitor: Monitor, slot: int, task: Any, probe_seconds: float = 10.0,
-                  quiet: float = 5.0, log: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+def examine_wedge(
+    address: str,
+    monitor: Monitor,
+    slot: int,
+    task: Any,
+    probe_seconds: float = 10.0,
+    quiet: float = 5.0,
+    log: Optional[Callable[[str], None]] = None,
+) -> Dict[str, Any]:
     """What a wedge does once the soak's streams are all closed, ``monitor`` (still running, polling /slots
     every 0.5 s) watching it; in this order:
 
@@ -640,8 +705,7 @@ def examine_wedge(address: str, monitor: Monitor, slot: int, task: Any, probe_se
     out["pinned"] = box
     ok, raw = persists(monitor, slot, task, 1.0)
     out["persists_after_probe"] = ok
-    say("pinned to the wedged slot: %s; others: %s; any: %s; still wedged: %s"
-        % (box, out["others"], out["any"], ok))
+    say("pinned to the wedged slot: %s; others: %s; any: %s; still wedged: %s" % (box, out["others"], out["any"], ok))
     monitor.stop()
     time.sleep(quiet)
     entry = next((s for s in lc.Client(address).slots() if s.id == slot), None)
@@ -663,8 +727,15 @@ class Wedge(tuple):
     has not moved according to the keeper (None once it moved or went idle, or without a keeper).
     """
 
-    def __new__(cls, slot: int, task: int, seconds: float, raw: Dict[str, Any], keeper: Optional[Monitor],
-                wedged: Sequence[int] = ()) -> Wedge:
+    def __new__(
+        cls,
+        slot: int,
+        task: int,
+        seconds: float,
+        raw: Dict[str, Any],
+        keeper: Optional[Monitor],
+        wedged: Sequence[int] = (),
+    ) -> Wedge:
         self = tuple.__new__(cls, (slot, task))
         self.seconds = seconds
         self.wedged = list(wedged) or [slot]
@@ -741,13 +812,28 @@ def provoke_wedge(
         left = end - time.monotonic()
         if left <= wedge_after:
             return None
-        report = soak(address, seconds=left, wedge_after=wedge_after, stop_on_wedge=True, seed=seed, log=say,
-                      keep_monitor=True, **params)
+        report = soak(
+            address,
+            seconds=left,
+            wedge_after=wedge_after,
+            stop_on_wedge=True,
+            seed=seed,
+            log=say,
+            keep_monitor=True,
+            **params,
+        )
         monitor = report["monitor_thread"]
         seed += 1
-        say("soak round: %d requests in %.1f s, outcomes %s, longest stillness %s, wedges %s"
-            % (report["requests_started"], report["stopped_at_s"], report["outcomes"], report["max_still_s"],
-               [(w["slot"], w["task"], w["triple"]) for w in report["wedges"]]))
+        say(
+            "soak round: %d requests in %.1f s, outcomes %s, longest stillness %s, wedges %s"
+            % (
+                report["requests_started"],
+                report["stopped_at_s"],
+                report["outcomes"],
+                report["max_still_s"],
+                [(w["slot"], w["task"], w["triple"]) for w in report["wedges"]],
+            )
+        )
         if report["server_down"]:
             monitor.stop()
             if restart is None:
@@ -761,12 +847,16 @@ def provoke_wedge(
             with monitor.lock:
                 decoded = _triple(monitor.last.get(slot, {}))[2]
             if prompt_phase and decoded != 0:
-                say("slot %s task %s stands still after %s decoded tokens: a stall, not the prompt-phase wedge"
-                    % (slot, record["task"], decoded))
+                say(
+                    "slot %s task %s stands still after %s decoded tokens: a stall, not the prompt-phase wedge"
+                    % (slot, record["task"], decoded)
+                )
                 continue
             ok, raw = persists(monitor, slot, record["task"], persist if not found else 0.0)
-            say("wedge on slot %s task %s %s after the streams closed"
-                % (slot, record["task"], "persists" if ok else "did NOT persist"))
+            say(
+                "wedge on slot %s task %s %s after the streams closed"
+                % (slot, record["task"], "persists" if ok else "did NOT persist")
+            )
             if ok:
                 found.append((slot, record["task"], raw))
         if found:
@@ -811,13 +901,18 @@ def _ints(text: str) -> List[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("address", help="socket path, unix:///path or http://host:port")
-    p.add_argument("--recipe", choices=("reported", "fast"), default="reported",
-                   help="defaults for the pattern options below: the reported pattern (8 threads x 12 requests, "
-                   "max_tokens 4/16/48, a quarter cancelled after 1/3/8 events) or FAST (--loop, max_tokens "
-                   "4/16, no cancels), the quickest to wedge")
+    p.add_argument(
+        "--recipe",
+        choices=("reported", "fast"),
+        default="reported",
+        help="defaults for the pattern options below: the reported pattern (8 threads x 12 requests, "
+        "max_tokens 4/16/48, a quarter cancelled after 1/3/8 events) or FAST (--loop, max_tokens "
+        "4/16, no cancels), the quickest to wedge",
+    )
     p.add_argument("--threads", type=int)
     p.add_argument("--requests", type=int, help="requests per thread (reported: 12)")
     p.add_argument("--loop", action="store_true", default=None, help="keep requesting until --seconds or a stop")
@@ -827,12 +922,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--temperature", type=float)
     p.add_argument("--cancel-fraction", type=float)
     p.add_argument("--cancel-at", type=_ints, help="content events before a cancel, drawn per stream")
-    p.add_argument("--cancel-how", type=lambda t: [h for h in t.split(",") if h],
-                   help="cancel (stream.cancel()), exit (leave the with block) or both, drawn: cancel,exit")
+    p.add_argument(
+        "--cancel-how",
+        type=lambda t: [h for h in t.split(",") if h],
+        help="cancel (stream.cancel()), exit (leave the with block) or both, drawn: cancel,exit",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limits", type=_limits_arg, default={},
-                   help="lc.Limits overrides for the soak's requests, e.g. poll=20,liveness=30 (defaults: %s)"
-                   % ",".join("%s=%g" % kv for kv in sorted(LIMITS.items())))
+    p.add_argument(
+        "--limits",
+        type=_limits_arg,
+        default={},
+        help="lc.Limits overrides for the soak's requests, e.g. poll=20,liveness=30 (defaults: %s)"
+        % ",".join("%s=%g" % kv for kv in sorted(LIMITS.items())),
+    )
     p.add_argument("--client-per-thread", action="store_true", help="one lc.Client per thread (default: shared)")
     p.add_argument("--seconds", type=float, default=120.0, help="cap on the whole run (default 120)")
     p.add_argument("--wedge-after", type=float, default=5.0, help="seconds without movement = wedged (default 5)")
@@ -841,10 +943,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--restart-at", type=float, help="SIGKILL the server this many seconds in, then restart it")
     p.add_argument("--pidfile", help="the server's pid file (for --restart-at and --terminate)")
     p.add_argument("--restart-cmd", help="shell command that starts the server again (run from the repo root)")
-    p.add_argument("--confirm", type=float, default=0.0, metavar="SECONDS",
-                   help="after the soak, check that each wedge outlives the closed streams for SECONDS")
-    p.add_argument("--probe", action="store_true",
-                   help="after a wedge: check it persists, probe a pinned request, check the other slot serves")
+    p.add_argument(
+        "--confirm",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after the soak, check that each wedge outlives the closed streams for SECONDS",
+    )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="after a wedge: check it persists, probe a pinned request, check the other slot serves",
+    )
     p.add_argument("--probe-seconds", type=float, default=10.0)
     p.add_argument("--terminate", action="store_true", help="at the end: SIGTERM the server of --pidfile, time it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -858,14 +968,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.stderr.flush()
 
     recipe = dict(REPORTED, loop=False) if a.recipe == "reported" else dict(FAST)
-    for name in ("threads", "requests", "loop", "slots", "max_tokens", "temperature", "cancel_fraction",
-                 "cancel_at", "cancel_how"):
+    for name in (
+        "threads",
+        "requests",
+        "loop",
+        "slots",
+        "max_tokens",
+        "temperature",
+        "cancel_fraction",
+        "cancel_at",
+        "cancel_how",
+    ):
         if getattr(a, name) is not None:
             recipe[name] = getattr(a, name)
     report = soak(
-        a.address, seed=a.seed, seconds=a.seconds, wedge_after=a.wedge_after, stop_on_wedge=a.stop_on_wedge,
-        poll=a.poll, client_per_thread=a.client_per_thread, restart_at=a.restart_at, pidfile=a.pidfile,
-        restart_cmd=a.restart_cmd, limits=a.limits, log=say, keep_monitor=a.probe or a.confirm > 0, **recipe
+        a.address,
+        seed=a.seed,
+        seconds=a.seconds,
+        wedge_after=a.wedge_after,
+        stop_on_wedge=a.stop_on_wedge,
+        poll=a.poll,
+        client_per_thread=a.client_per_thread,
+        restart_at=a.restart_at,
+        pidfile=a.pidfile,
+        restart_cmd=a.restart_cmd,
+        limits=a.limits,
+        log=say,
+        keep_monitor=a.probe or a.confirm > 0,
+        **recipe,
     )
     monitor = report.pop("monitor_thread", None)
     if a.confirm > 0 and monitor is not None:
@@ -873,8 +1003,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for slot, record in sorted(report["wedged_now"].items()):
             ok, raw = persists(monitor, slot, record["task"], a.confirm)
             report["confirmed"][slot] = ok
-            say("wedge on slot %s task %s %s %.1f s after the streams closed"
-                % (slot, record["task"], "persists" if ok else "did NOT persist", a.confirm))
+            say(
+                "wedge on slot %s task %s %s %.1f s after the streams closed"
+                % (slot, record["task"], "persists" if ok else "did NOT persist", a.confirm)
+            )
     if a.probe and report["wedged_now"]:
         slot, record = sorted(report["wedged_now"].items())[0]
         report["probe"] = examine_wedge(a.address, monitor, slot, record["task"], a.probe_seconds, log=say)
@@ -901,25 +1033,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _print_report(r: Dict[str, Any]) -> None:
     out = sys.stdout.write
     out("recipe: %s\n" % json.dumps(r["recipe"]))
-    out("requests started: %d (cancels planned %d); stopped at %.1f s; total %.1f s\n"
-        % (r["requests_started"], r["cancels_planned"], r["stopped_at_s"], r["total_s"]))
+    out(
+        "requests started: %d (cancels planned %d); stopped at %.1f s; total %.1f s\n"
+        % (r["requests_started"], r["cancels_planned"], r["stopped_at_s"], r["total_s"])
+    )
     out("outcomes:\n")
     for name, n in r["outcomes"].items():
         out("  %-26s %5d%s\n" % (name, n, ("   e.g. " + r["examples"][name][:90]) if name in r["examples"] else ""))
-    out("fds before/after: %d/%d; threads before/after: %d/%d%s\n"
-        % (r["fds"][0], r["fds"][1], r["threads"][0], r["threads"][1],
-           ("; HUNG workers: %s" % r["hung_workers"]) if r["hung_workers"] else ""))
-    out("/slots polls: %d, errors: %s; longest stillness per slot: %s; longest that then moved: %.1f s\n"
-        % (r["monitor"]["polls"], r["monitor"]["errors"], r["max_still_s"], r["max_recovered_still_s"]))
+    out(
+        "fds before/after: %d/%d; threads before/after: %d/%d%s\n"
+        % (
+            r["fds"][0],
+            r["fds"][1],
+            r["threads"][0],
+            r["threads"][1],
+            ("; HUNG workers: %s" % r["hung_workers"]) if r["hung_workers"] else "",
+        )
+    )
+    out(
+        "/slots polls: %d, errors: %s; longest stillness per slot: %s; longest that then moved: %.1f s\n"
+        % (r["monitor"]["polls"], r["monitor"]["errors"], r["max_still_s"], r["max_recovered_still_s"])
+    )
     if r["server_down"]:
         out("SERVER DOWN: /slots kept failing; the run stopped early (see the server's log)\n")
     if r["wedges"]:
         for w in r["wedges"]:
-            out("WEDGED: slot %s task %s triple %s n_remain %s: still since %.1f s, detected at %.1f s, %.1f s "
+            out(
+                "WEDGED: slot %s task %s triple %s n_remain %s: still since %.1f s, detected at %.1f s, %.1f s "
                 "without movement%s\n"
-                % (w["slot"], w["task"], w["triple"], w["n_remain"], w["still_since"], w["detected_at"], w["seconds"],
-                   "" if w["released_at"] is None
-                   else ", released at %.1f s (%s)" % (w["released_at"], w.get("released_by"))))
+                % (
+                    w["slot"],
+                    w["task"],
+                    w["triple"],
+                    w["n_remain"],
+                    w["still_since"],
+                    w["detected_at"],
+                    w["seconds"],
+                    ""
+                    if w["released_at"] is None
+                    else ", released at %.1f s (%s)" % (w["released_at"], w.get("released_by")),
+                )
+            )
         out("wedged slot (trimmed): %s\n" % json.dumps(r["wedge_example"]))
     else:
         out("no wedge\n")

@@ -2315,7 +2315,7 @@ if TYPE_CHECKING:
     from typing import Protocol
 
     class _Cancelled(Protocol):
-        """What ``_Gate.wait`` reads of a request's cancel flag (a ``threading.Event``, or anything with ``is_set()``)."""
+        """What ``_Gate.wait`` reads of a cancel flag: a ``threading.Event``, or anything with ``is_set()``."""
 
         def is_set(self) -> bool: ...
 

@@ -2,9 +2,11 @@
 """loopclient: a one-file, standard-library client for llama.cpp's ``llama-server``.
 
 Copy this file into your project; it needs nothing but Python 3.8 or newer.  It speaks raw HTTP/1.1 over
-a Unix domain socket (or plain TCP), reads streamed chat completions as Server-Sent Events, assembles the
-deltas, waits out busy slots and loading servers by polling ``/slots``, and queues this client's requests
-per slot.  There is no total deadline: every wait has its own budget (see ``Limits``).
+a Unix domain socket, TCP or TLS (``https://``), reads streamed chat completions as Server-Sent Events,
+assembles the deltas (choices, reasoning, tool calls, log probabilities, prompt progress), waits out busy
+slots and loading servers by polling ``/slots``, tells a wedged slot from a busy one, and queues this
+client's requests per slot (and per model, behind a router).  There is no total deadline: every wait has its
+own budget (see ``Limits``).  ``Client`` serves threads, ``AsyncClient`` serves asyncio programs.
 
 Example::
 
@@ -17,17 +19,23 @@ Example::
 Threading model: a ``Client`` is shared by any number of threads.  Each streamed request runs in the
 thread that iterates its ``ChatStream`` (``chat()`` iterates for you).  ``ChatStream.cancel()`` may be
 called from any thread; it shuts the request's sockets down, which wakes the iterating thread at once.
-The only threads the library starts are short-lived ``/slots`` pollers, at most one per client at a time.
+The only threads the library starts are short-lived ``/slots`` pollers, at most one per client and model at
+a time.  An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
+
+The flow of a streamed response: bytes from the socket -> ``ResponsePump`` (``ResponseReader`` for the
+HTTP framing, ``SSEDecoder`` for the events, ``Assembler`` for the deltas) -> events -> ``Completion``.
 
 Sections:
-    1. Errors and events
+    1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
     2. HTTP/1.1 without sockets: request encoding, response head, body framing
     3. Server-Sent Events decoder
     4. Delta assembler
-    5. Transport: the only code that touches ``socket``
-    6. Slot gates and the shared /slots poller
-    7. The client and its streams
-    8. Command line
+    5. The response pump: one streamed response, bytes in, events and decisions out
+    6. Transport: the only code that touches ``socket``
+    7. Slot gates and the shared /slots poller
+    8. The threaded client and its streams
+    9. The asyncio client
+    10. Command line
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ __all__ = [
     "ChunkedDecoder",
     "SSEDecoder",
     "Assembler",
+    "ResponsePump",
     "encode_request",
     "parse_address",
     "main",
@@ -107,7 +116,7 @@ _USER_AGENT = "loopclient/" + __version__
 
 
 # =====================================================================================================
-# 1. Errors and events
+# 1. Errors and value objects
 # =====================================================================================================
 
 
@@ -1998,7 +2007,7 @@ _OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered
 
 
 # =====================================================================================================
-# 5. Transport: the only code that touches socket
+# 6. Transport: the only code that touches socket
 # =====================================================================================================
 
 
@@ -2185,7 +2194,7 @@ def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
 
 
 # =====================================================================================================
-# 6. Slot gates and the shared /slots poller
+# 7. Slot gates and the shared /slots poller
 # =====================================================================================================
 
 
@@ -2719,7 +2728,7 @@ def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optio
 
 
 # =====================================================================================================
-# 7. The client and its streams
+# 8. The threaded client and its streams
 # =====================================================================================================
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
@@ -2951,7 +2960,7 @@ class ChatStream:
             if pump.failed is not None:
                 raise pump.failed
             while pump.cap_due is not None:
-                events = pump.capped(self._end_reasoning(*pump.cap_due))
+                events = pump.capped(_end_reasoning(self._board, self._model, self._owner, self._cancel, *pump.cap_due))
                 if events:
                     yield events
                 if pump.failed is not None:
@@ -2960,13 +2969,13 @@ class ChatStream:
                 return pump.outcome
             now = time.monotonic()
             if _quiet_due(limits, pump.head, progress, now):
-                self._check_quiet(now - progress, pinged=heard > progress)
+                _check_quiet(self._board, self._model, self._slot, self._cancel, now - progress, heard > progress)
             try:
                 data = conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))
             except _Silence:
                 self._check()
                 if not started:
-                    events = yield from self._poll_for_head(waits)
+                    events = yield from _poll_for_head(self._board, self._model, self._slot, self._cancel, waits)
                     continue
                 events = []
                 stalled = _silence(limits, pump.head, heard)
@@ -2981,37 +2990,52 @@ class ChatStream:
             if pump.progressed:
                 progress = heard
 
-    def _poll_for_head(self, waits: _Waits) -> Generator[List[Event], None, List[Event]]:
-        """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
-        waits.check()
-        state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=True)
-        if wedged is not None:
-            yield [Waiting(True, wedged=True)]
-            raise wedged
-        waits.observe(state)
-        yield [Waiting(state == BUSY)]
-        waits.check()
-        return []
 
-    def _check_quiet(self, quiet: float, pinged: bool) -> None:
-        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is
-        an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the
-        stream is unknown); when only pings came for ``liveness``, only a slot still processing is waited
-        out, up to ``busy_wait`` counted from the last data event."""
-        limits = self._board.limits
-        wedge, pings = _quiet_rule(limits, self._slot, quiet, pinged)
-        if wedge or pings:
-            state, wedged = self._board.slot_state(self._model, self._slot, self._cancel, every=False)
-            _quiet_verdict(limits, state, wedged, wedge, pings, quiet)
+def _poll_for_head(
+    board: _Board, model: Optional[str], slot: Optional[int], cancel: threading.Event, waits: _Waits
+) -> Generator[List[Event], None, List[Event]]:
+    """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
+    waits.check()
+    state, wedged = board.slot_state(model, slot, cancel, every=True)
+    if wedged is not None:
+        yield [Waiting(True, wedged=True)]
+        raise wedged
+    waits.observe(state)
+    yield [Waiting(state == BUSY)]
+    waits.check()
+    return []
 
-    def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
-        assert completion_id is not None
-        try:
-            return self._board.control(self._model, completion_id, self._owner)
-        except LoopError as exc:
-            if self._cancel.is_set():
-                raise
-            raise _cap_failed(tokens, exc) from exc
+
+def _check_quiet(
+    board: _Board, model: Optional[str], slot: Optional[int], cancel: threading.Event, quiet: float, pinged: bool
+) -> None:
+    """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
+    error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream is
+    unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
+    ``busy_wait`` counted from the last data event."""
+    wedge, pings = _quiet_rule(board.limits, slot, quiet, pinged)
+    if wedge or pings:
+        state, wedged = board.slot_state(model, slot, cancel, every=False)
+        limits = board.limits
+        _quiet_verdict(limits, state, wedged, wedge, pings, quiet)
+
+
+def _end_reasoning(
+    board: _Board,
+    model: Optional[str],
+    owner: _Owner,
+    cancel: threading.Event,
+    completion_id: Optional[str],
+    tokens: int,
+) -> bool:
+    """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
+    assert completion_id is not None
+    try:
+        return board.control(model, completion_id, owner)
+    except LoopError as exc:
+        if cancel.is_set():
+            raise
+        raise _cap_failed(tokens, exc) from exc
 
 
 def _cannot_connect(exc: OSError) -> _Retry:
@@ -3504,7 +3528,7 @@ def _decode_json(data: bytes, what: str) -> Any:
 
 
 # =====================================================================================================
-# 8. The asyncio client
+# 9. The asyncio client
 # =====================================================================================================
 #
 # The same request, on an event loop: the pump, the waits and budgets, the retry and quiet rules, the
@@ -4503,7 +4527,7 @@ class AsyncClient:
 
 
 # =====================================================================================================
-# 8. Command line
+# 10. Command line
 # =====================================================================================================
 
 _HINTS = (

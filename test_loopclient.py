@@ -8822,10 +8822,7 @@ QUESTION = [{"role": "user", "content": "Think step by step: is the sky blue?"}]
 
 def real_token_ids(client, text):
     """The token ids the real server gives ``text`` (special tokens parsed, no BOS added)."""
-    reply = client._json(
-        "POST", "/tokenize", {"content": text, "add_special": False, "parse_special": True, "with_pieces": True}
-    )
-    return [token["id"] for token in reply["tokens"]]
+    return client.tokenize(text, add_special=False, parse_special=True)
 
 
 def grammar(client, reps):
@@ -9287,8 +9284,9 @@ class TestRealAPI(unittest.TestCase):
         self.assertEqual(len(vectors), 3)
         size = meta.get("n_embd", len(vectors[0]))
         self.assertTrue(all(len(v) == size for v in vectors))
-        self.assertEqual(vectors[0], vectors[2])
-        self.assertNotEqual(vectors[0], vectors[1])
+        # the same text twice: the same vector but for float noise of the batch it was computed in
+        self.assertGreater(_cosine(vectors[0], vectors[2]), 0.9999)
+        self.assertLess(_cosine(vectors[0], vectors[1]), _cosine(vectors[0], vectors[2]))
         self.assertEqual(len(client.embed("one")), 1)
 
     @unittest.skipUnless(REAL_PREFIX, "no --api-prefix instance: set LOOPCLIENT_REAL_PREFIX (.ci/run does)")
@@ -9353,7 +9351,7 @@ class TestRealRouter(unittest.TestCase):
         client = lc.Client(REAL_ROUTER, limits=REAL_LIMITS.replace(thinking_cap=3, thinking_overrun=8), model="alpha")
         self.addCleanup(client.close)
         completion, events = _real_chat(
-            client, QUESTION, slot=0, max_tokens=200, temperature=0, grammar=grammar("20,200")
+            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar(client, "1,300")
         )
         self.assertIn(lc.ThinkingCapped(3), events)
         self.assertTrue(completion.thinking_capped)
@@ -9363,6 +9361,11 @@ class TestRealRouter(unittest.TestCase):
         wait_for(lambda: _status(self.client, "beta") == "unloaded", 30, "beta to unload")
         self.client.load_model("beta")
         wait_for(lambda: _status(self.client, "beta") == "loaded", 60, "beta to load")
+
+
+def _cosine(a, b):
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
 
 
 def _status(client, name):
@@ -9447,19 +9450,29 @@ class TestRealWedge(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_a_request_pinned_to_a_wedged_slot_ends_in_wedged_slot_error(self):
-        wedge = self.soak.provoke_wedge(self.sock, seconds=120.0)
-        self.assertIsNotNone(wedge, "this llama-server build did not wedge a slot within 120 s of the soak recipe")
-        self.addCleanup(wedge.close)  # its keeper polls /slots, without which the server frees the slot
-        slot, task = wedge
         limits = REAL_LIMITS.replace(poll=0.5, wedge_wait=3.0)
-        client = lc.Client(self.sock, limits=limits)
-        self.addCleanup(client.close)
-        events = []
-        t = Timer()
-        with self.assertRaises(lc.WedgedSlotError) as cm:
-            run_with_timeout(lambda: client.chat(MSGS, slot=slot, max_tokens=4, on_event=events.append), 60)
+        deadline = time.monotonic() + 240
+        while True:  # a wedge may dissolve before the probe lands (the server frees it after a quiet second)
+            left = deadline - time.monotonic()
+            wedge = self.soak.provoke_wedge(self.sock, seconds=max(left, 10.0))
+            self.assertIsNotNone(wedge, "this llama-server build did not wedge a slot under the soak recipe")
+            slot, task = wedge
+            client = lc.Client(self.sock, limits=limits)
+            events = []
+            t = Timer()
+            try:
+                run_with_timeout(lambda: client.chat(MSGS, slot=slot, max_tokens=4, on_event=events.append), 60)
+            except lc.WedgedSlotError as exc:
+                err = exc
+                break
+            finally:
+                client.close()
+                still = wedge.still()  # None once the keeper saw the slot leave that task
+                wedge.close()
+            self.assertIsNone(still, "the request was served while the slot stayed wedged")
+            self.assertGreater(deadline - time.monotonic(), 0, "the wedge dissolved before every probe")
         self.assertLess(t.elapsed, limits.wedge_wait + limits.poll + MARGIN + 1.0)
-        self.assertEqual((cm.exception.slot, cm.exception.task), (slot, task))
-        self.assertGreaterEqual(cm.exception.seconds, limits.wedge_wait)
+        self.assertEqual((err.slot, err.task), (slot, task))
+        self.assertGreaterEqual(err.seconds, limits.wedge_wait)
         self.assertEqual(events[-1], lc.Waiting(True, wedged=True))
-        self.assertIn("task %d" % task, str(cm.exception))
+        self.assertIn("task %d" % task, str(err))

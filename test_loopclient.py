@@ -3029,6 +3029,17 @@ def run_with_timeout(fn, timeout=10.0):
     return box.get("value")
 
 
+class Timer:
+    """Seconds since it was made: ``Timer().elapsed``."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+
+    @property
+    def elapsed(self):
+        return time.monotonic() - self.start
+
+
 #: How much slower a line tracer (coverage) makes pure-Python work, for the few CPU-bound time limits.
 TRACED = 4.0 if sys.gettrace() is not None else 1.0
 
@@ -3036,8 +3047,17 @@ TRACED = 4.0 if sys.gettrace() is not None else 1.0
 #: the one timing margin of the suite.  On a slow or loaded machine, widen it with the environment
 #: variable LOOPCLIENT_TIME_MARGIN, a number of seconds *added* to it (e.g. LOOPCLIENT_TIME_MARGIN=1).
 MARGIN = 0.35 + float(os.environ.get("LOOPCLIENT_TIME_MARGIN") or 0)
+#: How early a budget error may come (clock granularity); not widened.
+EARLY = 0.03
 
+#: The one family of test limits: FAST for the client tiers, and short variants of it.
 FAST = lc.Limits(poll=0.05, liveness=2.0, busy_wait=3.0, load_wait=2.0, idle_grace=0.5)
+#: Small budgets for the fault tier: every wait there is under a second.
+FAST_FAULTS = FAST.replace(
+    liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024
+)
+#: The command line's limits in tests (see QuickLimits), so that its error paths end quickly.
+FAST_CLI = FAST.replace(liveness=0.5, busy_wait=0.5, load_wait=0.3, wedge_wait=0.2)
 MSGS = [{"role": "user", "content": "hi"}]
 
 
@@ -3055,7 +3075,10 @@ class ServerCase(ClientFactory, unittest.TestCase):
     """A fake server per test, with descriptor and thread counts checked at the end."""
 
     tcp = False
+    #: The limits of the client set up for each test.
     limits = FAST
+    #: What ``limits_()`` starts from, when a class's variants differ from its own client (default: ``limits``).
+    base_limits = None
 
     def setUp(self):
         self.fds = fd_count()
@@ -3071,6 +3094,16 @@ class ServerCase(ClientFactory, unittest.TestCase):
         self.server.close()
         wait_for(lambda: threading.active_count() <= self.threads, 5, "threads to end")
         wait_for(lambda: fd_count() <= self.fds, 5, "descriptors to close")
+
+    def limits_(self, **changes):
+        """This class's limits (``base_limits``, else ``limits``) with ``changes``."""
+        return (self.base_limits or self.limits).replace(**changes)
+
+    def client_with(self, **changes):
+        """Replace this test's client by one with ``limits_(**changes)``; return it."""
+        self.client.close()
+        self.client = self.new_client(self.server.address, limits=self.limits_(**changes))
+        return self.client
 
     def use(self, handler):
         self.server.stream(handler)
@@ -4258,15 +4291,6 @@ def hold_then(body, release, server=None):
     return handler
 
 
-class Timer:
-    def __init__(self):
-        self.start = time.monotonic()
-
-    @property
-    def elapsed(self):
-        return time.monotonic() - self.start
-
-
 class TestWaitForHead(ServerCase):
     def budget(self, **kw):
         return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=5.0, idle_grace=5.0), **kw))
@@ -4408,8 +4432,7 @@ class TestWaitForHead(ServerCase):
 
 
 class TestLiveness(ServerCase):
-    def limits_(self, **kw):
-        return lc.Limits(**dict(dict(poll=0.05, liveness=0.4, busy_wait=1.0, load_wait=5.0, idle_grace=5.0), **kw))
+    base_limits = FAST.replace(liveness=0.4, busy_wait=1.0, load_wait=5.0, idle_grace=5.0)
 
     def test_silence_mid_stream_is_stalled(self):
         def handler(req):
@@ -4595,8 +4618,7 @@ class TestWedgedSlots(ServerCase):
 
 
 class TestRetries(ServerCase):
-    def limits_(self, **kw):
-        return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=3.0, idle_grace=5.0), **kw))
+    base_limits = FAST.replace(busy_wait=5.0, load_wait=3.0, idle_grace=5.0)
 
     def test_socket_appears_after_a_while(self):
         late = FakeServer(listen=False)
@@ -6009,12 +6031,12 @@ class TestEdges(ServerCase):
 
 
 class QuickLimits(lc.Limits):
-    """The CLI's default limits, shortened so that error paths end quickly in tests."""
+    """``lc.Limits`` for the command line in tests: FAST_CLI, with what the command line changes."""
 
     __slots__ = ()
 
     def __init__(self, **changes):
-        quick = dict(poll=0.05, liveness=0.5, load_wait=0.3, idle_grace=0.5, busy_wait=0.5, wedge_wait=0.2)
+        quick = {name: getattr(FAST_CLI, name) for name in lc.Limits.__match_args__}
         quick.update(changes)
         super().__init__(**quick)
 
@@ -6402,13 +6424,6 @@ class TestCommandLineTerminal(ServerCase):
 # whole tier stays quick; each slow case waits one short budget, never several.
 
 
-#: Small budgets: every wait in this tier is under a second.
-_F_LIMITS = lc.Limits(
-    poll=0.05, liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024
-)
-#: How early a budget error may come (clock granularity).
-_F_EARLY = 0.03
-
 _F_OK_BODY = content_stream(["Hello", " world"])
 _F_SSE_HEAD = b"Content-Type: text/event-stream\r\n"
 
@@ -6511,22 +6526,16 @@ def _f_secret_free(test, key, exc):
 class _f_Case(ServerCase):
     """ServerCase with small limits and helpers that time an outcome."""
 
-    limits = _F_LIMITS
-
-    def _f_limits(self, **changes):
-        """Replace this test's client by one with ``changes`` to _F_LIMITS."""
-        self.client.close()
-        self.client = self.new_client(self.server.address, limits=_F_LIMITS.replace(**changes))
-        return self.client
+    limits = FAST_FAULTS
 
     def _f_run(self, fn, timeout):
         events = self._f_events = []
-        start = time.monotonic()
+        t = Timer()
         try:
             value = run_with_timeout(lambda: fn(events), timeout)
         except lc.LoopError as exc:
             value = exc
-        return value, time.monotonic() - start
+        return value, t.elapsed
 
     def _f_chat(self, slot=0, **params):
         return lambda events: self.client.chat(MSGS, slot=slot, on_event=events.append, **params)
@@ -6541,7 +6550,7 @@ class _f_Case(ServerCase):
         )
         if budget and not at_once:
             self.assertGreaterEqual(
-                elapsed, budget - _F_EARLY, "%s came early: %.3f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
+                elapsed, budget - EARLY, "%s came early: %.3f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
             )
         return outcome
 
@@ -6572,11 +6581,11 @@ class TestFaultConnect(_f_Case):
 
     def _f_at(self, address):
         self.client.close()
-        self.client = self.new_client(address, limits=_F_LIMITS)
+        self.client = self.new_client(address, limits=FAST_FAULTS)
 
     def test_socket_file_missing_stream(self):
         self._f_at(self._f_missing())
-        err = self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        err = self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertIsInstance(err.__cause__, FileNotFoundError)
         self.assertIn("Retrying", self._f_kinds())
 
@@ -6588,7 +6597,7 @@ class TestFaultConnect(_f_Case):
 
     def test_socket_file_without_listener_stream(self):
         self._f_at(self._f_stale())
-        err = self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        err = self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertIsInstance(err.__cause__, ConnectionRefusedError)
 
     def test_socket_file_without_listener_single_shot(self):
@@ -6690,12 +6699,12 @@ class TestFaultHead(_f_Case):
     def test_head_trickled_forever(self):
         # One header byte every 20 ms: never silent, never a head.  No progress for liveness: stalled.
         self.use(_f_drip(_f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0))
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
     def test_interim_responses_forever(self):
         # "100 Continue" heads forever: each is a whole head but none is the response.
         self.use(_f_drip(_f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0))
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
 
 # -- body framing -------------------------------------------------------------------------------------
@@ -6797,14 +6806,14 @@ class TestFaultFraming(_f_Case):
         self._f_fails(lc.StreamClosedError)
 
     def test_error_body_over_max_body(self):
-        self.use(_f_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (_F_LIMITS.max_body + 10)))
+        self.use(_f_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)))
         self._f_fails(lc.ProtocolError)
 
     def test_single_shot_length_over_max_body(self):
         self.server.route(
             "GET",
             "/slots",
-            _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (_F_LIMITS.max_body + 1), hold=True),
+            _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), hold=True),
         )
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
 
@@ -6816,7 +6825,7 @@ class TestFaultSSE(_f_Case):
     def test_two_mib_line_trickled(self):
         # A 2 MiB line sent one byte a millisecond, slot busy: ProtocolError as max_line is passed, long
         # before the line ends, with the client never holding more than max_line of it.
-        self._f_limits(max_line=1024, liveness=5.0, busy_wait=10.0)
+        self.client_with(max_line=1024, liveness=5.0, busy_wait=10.0)
         self.server.busy[0] = True
         sent = [0]
 
@@ -6837,16 +6846,16 @@ class TestFaultSSE(_f_Case):
     def test_slow_line_without_event_hits_liveness(self):
         # Bytes trickle but no event completes for liveness, the slot is idle: a stuck stream.
         self.use(_f_drip(_f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02))
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
     def test_line_of_max_line_exactly(self):
-        line = _f_padded_line(_F_LIMITS.max_line)
+        line = _f_padded_line(FAST_FAULTS.max_line)
         self.use(_f_reply(STREAM_HEAD + chunked(line + b"\n\n") + content_stream(["!"], role=False)))
         done = self._f_succeeds()
         self.assertEqual(done.content, "x!")
 
     def test_line_of_max_line_plus_one(self):
-        line = _f_padded_line(_F_LIMITS.max_line + 1)
+        line = _f_padded_line(FAST_FAULTS.max_line + 1)
         self.use(_f_reply(STREAM_HEAD + chunked(line + b"\n\n") + content_stream(["!"], role=False)))
         self._f_fails(lc.ProtocolError)
 
@@ -6857,7 +6866,7 @@ class TestFaultSSE(_f_Case):
     def test_half_million_empty_data_lines(self):
         # 512 Ki + 2 empty "data:" lines in one event, max_line 512 KiB: ProtocolError, in linear time
         # (joining the lines one += at a time took seconds; at the default 1 MiB, 15 s).
-        self._f_limits(max_line=512 * 1024, liveness=30.0)
+        self.client_with(max_line=512 * 1024, liveness=30.0)
         body = b"data:\n" * (512 * 1024 + 2) + b"\n"
         self.use(_f_reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
         self._f_fails(lc.ProtocolError, 1.0 * TRACED, at_once=True)  # CPU-bound: allow for a line tracer
@@ -6908,7 +6917,7 @@ class TestFaultJSON(_f_Case):
         )
 
     def test_deeply_nested_json(self):
-        self._f_limits(max_line=1024 * 1024)
+        self.client_with(max_line=1024 * 1024)
         self._f_payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}")
 
     def test_error_code_not_a_decimal(self):
@@ -6929,32 +6938,32 @@ class TestFaultWaits(_f_Case):
 
     def test_pings_forever_idle_slot(self):
         self.use(self._f_pings())
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
     def test_pings_forever_processing_slot(self):
         self.server.busy[0] = True
         self.use(self._f_pings())
-        self._f_fails(lc.StalledError, _F_LIMITS.busy_wait)
+        self._f_fails(lc.StalledError, FAST_FAULTS.busy_wait)
 
     def test_stall_before_head_idle_slot(self):
         self.use(_f_hold)
-        self._f_fails(lc.StalledError, _F_LIMITS.idle_grace)
+        self._f_fails(lc.StalledError, FAST_FAULTS.idle_grace)
         self.assertIn("Waiting", self._f_kinds())
 
     def test_stall_before_head_busy_slot(self):
         self.server.busy[0] = True
         self.use(_f_hold)
-        self._f_fails(lc.WaitTimeoutError, _F_LIMITS.busy_wait)
+        self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait)
         self.assertTrue(all(e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
 
     def test_stall_mid_stream(self):
         self.use(_f_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
         self.assertEqual(self._f_kinds(), ["Content"])
 
     def test_stall_mid_head(self):
         self.use(_f_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", hold=True))
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
 
 # -- error statuses and error events ------------------------------------------------------------------
@@ -6970,7 +6979,7 @@ class TestFaultErrors(_f_Case):
                 "Service Unavailable",
             )
         )
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertGreaterEqual(len(self.server.chat_requests()), 2)
 
     def test_http_400_prompt_too_long(self):
@@ -6999,7 +7008,7 @@ class TestFaultErrors(_f_Case):
                 hold=True,
             )
         )
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
     def test_error_body_deeply_nested(self):
         # fuzz (http target): json.loads of the error envelope raised RecursionError.
@@ -7023,7 +7032,7 @@ class TestFaultErrors(_f_Case):
     def test_error_event_first_503_forever(self):
         event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
         self.use(_f_reply(event))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertGreaterEqual(len(self.server.chat_requests()), 2)
 
     def test_error_event_first_400(self):
@@ -7059,7 +7068,7 @@ class TestFaultErrors(_f_Case):
 
     def test_legacy_error_line_deeply_nested(self):
         # fuzz (http target): the legacy payload went through json.loads, whose RecursionError escaped.
-        self._f_limits(max_line=1024 * 1024)
+        self.client_with(max_line=1024 * 1024)
         self.use(_f_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"))
         self._f_fails(lc.ServerError)
 
@@ -7087,7 +7096,7 @@ class TestFaultRetryAfter(_f_Case):
 
     def test_date_beyond_load_wait(self):
         self.use(_f_reply(_f_retry_after(email.utils.formatdate(time.time() + 5, usegmt=True).encode())))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
         self.assertEqual(self._f_delays(), [])
 
     def test_date_in_the_past(self):
@@ -7100,7 +7109,7 @@ class TestFaultRetryAfter(_f_Case):
     def test_zero_forever(self):
         # "Retry-After: 0" on every answer: retried at the backoff's pace, not hundreds of times a second.
         self.use(_f_reply(_f_retry_after(b"0")))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertLessEqual(len(self.server.chat_requests()), 4)
 
     def test_negative(self):
@@ -7116,18 +7125,18 @@ class TestFaultRetryAfter(_f_Case):
 
     def test_huge(self):
         self.use(_f_reply(_f_retry_after(b"99999999999999999999")))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
         self.assertEqual(self._f_delays(), [])
 
     def test_huge_past_float_range(self):
         # 400 digits: float(int(...)) raised a bare OverflowError.
         self.use(_f_reply(_f_retry_after(b"9" * 400)))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
 
     def test_huge_past_int_digit_limit(self):
         # 5000 digits: int() refuses strings over 4300 digits with a bare ValueError.
         self.use(_f_reply(_f_retry_after(b"9" * 5000)))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait, at_once=True)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
 
 
 # -- /slots -------------------------------------------------------------------------------------------
@@ -7137,7 +7146,7 @@ class TestFaultSlots(_f_Case):
     def test_slots_garbage_while_waiting(self):
         self.server.route("GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
         self.use(_f_hold)
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertTrue(all(not e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
 
     def test_slots_garbage_single_shot(self):
@@ -7151,11 +7160,11 @@ class TestFaultSlots(_f_Case):
     def test_slots_hanging_while_waiting(self):
         self.server.route("GET", "/slots", _f_hold)
         self.use(_f_hold)
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
 
     def test_slots_hanging_single_shot(self):
         self.server.route("GET", "/slots", _f_hold)
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness, fn=lambda ev: self.client.slots())
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness, fn=lambda ev: self.client.slots())
 
     def test_slots_501_while_waiting(self):
         not_supported = {
@@ -7167,7 +7176,7 @@ class TestFaultSlots(_f_Case):
         }
         self.server.route("GET", "/slots", lambda req: respond_json(req, not_supported, 501, "Not Implemented"))
         self.use(_f_hold)
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
 
     def test_slots_501_single_shot(self):
         not_supported = {
@@ -7190,7 +7199,7 @@ class TestFaultSlots(_f_Case):
 
 
 class TestFaultControl(_f_Case):
-    limits = _F_LIMITS.replace(thinking_cap=2)
+    limits = FAST_FAULTS.replace(thinking_cap=2)
 
     def setUp(self):
         super().setUp()
@@ -7225,7 +7234,7 @@ class TestFaultControl(_f_Case):
 
     def test_control_hanging(self):
         self._f_control(_f_hold)
-        err = self._f_fails(lc.ThinkingOverrunError, _F_LIMITS.liveness)
+        err = self._f_fails(lc.ThinkingOverrunError, FAST_FAULTS.liveness)
         self.assertIsInstance(err.__cause__, lc.StalledError)
 
 
@@ -7238,7 +7247,7 @@ _F_KEY = "sk-loopclient-SECRET-7f3a9c"
 class TestSecurity(_f_Case):
     def _f_keyed(self, address=None):
         self.client.close()
-        self.client = self.new_client(address or self.server.address, limits=_F_LIMITS, api_key=_F_KEY)
+        self.client = self.new_client(address or self.server.address, limits=FAST_FAULTS, api_key=_F_KEY)
         return self.client
 
     def test_api_key_never_in_errors_reprs_or_logs(self):
@@ -7268,7 +7277,7 @@ class TestSecurity(_f_Case):
             self.use(_f_reply(b"HELLO\r\n\r\n"))
             errors.append(self._f_fails(lc.ProtocolError))
             self.use(_f_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
-            errors.append(self._f_fails(lc.StalledError, _F_LIMITS.liveness))
+            errors.append(self._f_fails(lc.StalledError, FAST_FAULTS.liveness))
             self.server.route(
                 "GET",
                 "/slots",
@@ -7282,7 +7291,7 @@ class TestSecurity(_f_Case):
             stream.cancel()
             self._f_keyed(os.path.join(self.server.tmp, "missing.sock"))
             errors.append(self._f_fails(lc.ConnectError, fn=lambda ev: self.client.props()))
-            errors.append(self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait))
+            errors.append(self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait))
             for bad in ({"api_key": _F_KEY + "\r\n"}, {"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}):
                 with self.assertRaises(ValueError) as caught:
                     self.new_client(self.server.address, **bad)
@@ -7493,7 +7502,7 @@ class TestFaultFuzzRegressions(_f_Case):
             req.wait_peer_close(5)
 
         self.use(handler)
-        self._f_fails(lc.StalledError, _F_LIMITS.liveness)
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
     def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
         # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
@@ -7513,7 +7522,7 @@ class TestFaultFuzzRegressions(_f_Case):
         message, _ = lc.parse_error_envelope(body)
         self.assertTrue(message.startswith('{"error":{"code":503'))
         self.use(_f_reply(data))
-        self._f_fails(lc.LoadTimeoutError, _F_LIMITS.load_wait)
+        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
 
     def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
         # assembler target: {"code": "\u00b2"} passed str.isdigit(), then int() raised a bare ValueError.
@@ -7622,7 +7631,7 @@ class TestFaultFuzzRegressions(_f_Case):
             "DbsLm23a7mZpzNP07K9VlbYm4+HksBAXZZHGOyRG4z8vHEKj6elfU5u4nbWxaOo0/2Qy/G7/xye++uHj+Y/Xvd6vrrBSLw=="
         )
         self.assertTrue(_f_saved("http", data, "e517c807fa701495"))
-        self._f_limits(max_line=1024 * 1024)  # as the fuzzer ran it
+        self.client_with(max_line=1024 * 1024)  # as the fuzzer ran it
         self.use(_f_reply(data))
         self._f_fails(lc.ServerError)
 
@@ -7695,7 +7704,7 @@ class TestFaultFuzzRegressions(_f_Case):
                 req.send(piece)
             req.wait_peer_close(5)
 
-        self._f_limits(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4)
+        self.client_with(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4)
         self.use(handler)
         self._f_fails(lc.ServerError, slot=1)
 

@@ -19,8 +19,8 @@ AsyncClient.  Every blocking call has a timeout; on a slow machine set LOOPCLIEN
 from __future__ import annotations
 
 import asyncio
-import base64
 import calendar
+import collections
 import contextlib
 import copy
 import email.utils
@@ -52,7 +52,6 @@ import tracemalloc
 import types
 import unittest
 import warnings
-import zlib
 from unittest import mock
 
 import loopclient as lc
@@ -154,6 +153,35 @@ def load_transcript(name):
 # -----------------------------------------------------------------------------------------------------
 # The fake server: a real Unix (or TCP) socket, one thread per connection, scripted by path
 # -----------------------------------------------------------------------------------------------------
+
+
+#: One HTTP request as read_request() returns it (header names lower-cased; ``head``: the raw head bytes).
+HTTPRequest = collections.namedtuple("HTTPRequest", "method path headers body head")
+
+
+def read_request(conn):
+    """Read one HTTP request from ``conn``: an HTTPRequest, or None when the peer closes before it is whole.
+    FakeServer, dev/fuzz.py's and dev/bench.py's servers all read their requests with it."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = conn.recv(65536)
+        if not more:
+            return None
+        data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        more = conn.recv(65536)
+        if not more:
+            return None
+        body += more
+    return HTTPRequest(method, path, headers, body, head)
 
 
 class FakeRequest:
@@ -288,25 +316,10 @@ class FakeServer:
     def _serve(self, conn):
         try:
             conn.settimeout(5)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                more = conn.recv(65536)
-                if not more:
-                    return
-                data += more
-            head, _, body = data.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, path, _ = lines[0].split(" ", 2)
-            headers = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-            length = int(headers.get("content-length", "0"))
-            while len(body) < length:
-                more = conn.recv(65536)
-                if not more:
-                    return
-                body += more
+            request = read_request(conn)
+            if request is None:
+                return
+            method, path, headers, body, head = request
             req = FakeRequest(self, conn, method, path, headers, body)
             req.raw_head = head
             with self.lock:
@@ -7988,11 +8001,17 @@ class TestFaultControlAsync(AsyncDriver, TestFaultControl):
     pass
 
 
-# -- inputs dev/fuzz.py found, fed again as saved in dev/fuzz-crashes/<hash>.bin ------------------------
+# -- inputs dev/fuzz.py found, fed again from dev/testdata/fuzz/<hash>.bin ---------------------------------
 
 
-def _f_unpack(*lines):
-    return zlib.decompress(base64.b64decode("".join(lines)))
+#: Inputs dev/fuzz.py found, kept as it saves them: the raw bytes of <hash>.bin (copied from dev/fuzz-crashes/).
+FUZZ_INPUTS = os.path.join(HERE, "dev", "testdata", "fuzz")
+
+
+def _f_input(name):
+    """The saved fuzz input ``dev/testdata/fuzz/<name>.bin``."""
+    with open(os.path.join(FUZZ_INPUTS, name + ".bin"), "rb") as f:
+        return f.read()
 
 
 def _f_saved(target, data, name):
@@ -8003,10 +8022,7 @@ def _f_saved(target, data, name):
 class TestFaultFuzzRegressions(_f_Case):
     def test_fuzz_e2748cec9571aae2_error_body_stalls(self):
         # client target, connection held open: loopclient._Silence (internal) escaped from _read_body.
-        data = (
-            b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
-            b"Content-Length: 116\r\nConnection: close\r\n\r\n-1"
-        )
+        data = _f_input("e2748cec9571aae2")
         self.assertTrue(_f_saved("client", data, "e2748cec9571aae2"))
         cuts = [
             1,
@@ -8106,13 +8122,7 @@ class TestFaultFuzzRegressions(_f_Case):
     def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
         # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
         # RecursionError out.  Through the client the 503 is retried (its Retry-After is a past date).
-        data = _f_unpack(
-            "eNrt3bFOg0AYwPGdhHe43NxaqCFtzjgYBx1qNIpxMuaEry1KDwLXJk3T+OAuFh36AC7W/v/Db4BwHB8PcNdpejeIT2KVRKfq"
-            "QZpVkYl6dHZli9K+lhIG3UVpjCpLu7AnWV2HwWXlvDjfT9e1GGXruiwy64vKDd7ayp2pbG6bVvz50k/74zC4F9+s+xdT3y3z"
-            "JHlPDWN1m3k1jOJERSMzHJsoUlc36X7ppnvGqCSYiJv5uVGj5Pumk6x7kVFZWbW73YXBRkvTVI02G51VuWiz+5KeXkjb2pl0"
-            "Vy0AAAAAAAAAAAAAAAAcPZ/MAAAAAAAAAAAAAAAA4Bj5YAYAAAAAAAAAAAAAAAAAAAAAAAC/5J0ZAAAAHB7xloiI6DBa/und"
-            "rflBRERERP+3Z0ZAREREh5WeVDYv3EwtqlxK3dN+XYs2erk/ifzl55jv7fYL1WhviQ=="
-        )
+        data = _f_input("403724efe73ee4d8")
         self.assertTrue(_f_saved("http", data, "403724efe73ee4d8"))
         reader = lc.ResponseReader(max_body=65536)
         body = b"".join(reader.feed(data))
@@ -8125,14 +8135,7 @@ class TestFaultFuzzRegressions(_f_Case):
 
     def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
         # assembler target: {"code": "\u00b2"} passed str.isdigit(), then int() raised a bare ValueError.
-        data = _f_unpack(
-            "eNrlk89OAjEQxu88hCFz3sUuIOieTQzxoolREiSb0i1LpX+WtiviZh/N+Ei+grNo1IsGPBCMvXTafNPO9+u0BG6tsRA3S2Am"
-            "5RjAbUHIpA1BExR3jmbrTVWv/SpfLzxUVeMAM2ZGMO4gHpUwFVq4WWI5dUZDrAspgz0JQOiUP0BMAkhT6SnEJXhjZMKolG/V"
-            "fyqmhWZe1LklUJsVimuPGmDCr9D2y/NTVY0DYGjU8xTiqH/SI6QXRX28J62FM+qZymVIh0t/fpmeZfeP3QG/OY2Ou8Nre6UW"
-            "C5n7AR4agELkEnPWszvMuFI07ITtPlHhopvME9XKsqJCpVs5z1WClDNucyu0hxhrmZCw0HNtliPUmMkdZ/69hBYzWASvrbTY"
-            "DEWATxaRH8cmb/oVJv8tzOYtIMvxzklOvyEJHxz1Rhx3hOmCWuG2AhU3c/TVaOwVsAC8UJiNlrwtePV/2+yIdLburxrHH/8m"
-            "r6SfJkg="
-        )
+        data = _f_input("080ec222851097f5")
         self.assertTrue(_f_saved("assembler", data, "080ec222851097f5"))
         asm = lc.Assembler()
         with self.assertRaises(lc.LoopError) as caught:
@@ -8144,13 +8147,7 @@ class TestFaultFuzzRegressions(_f_Case):
 
     def test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event(self):
         # sse target, max_line 1 MiB: 605,552 "data:" lines in one event took 5 s (a str += per line).
-        prefix, suffix = _f_unpack(
-            "eNrtk8FOwkAQhjnzFGTOLRY1EPYmB40GjVGMQWOa7Xbaru3ulu5UIIR3ZyDGi0fjCU47u5n5598vM6kkKXobUIXTCj2I9w1k"
-            "2mpfxA1K7ywI21ZVANqmuAIRBZBiRRLEBhpXIQiQ3mtP0hIEoJwl5OhQtN1+8AvLEKYgBqPxMIqGg2jMYnznlpKUqatw+nLz"
-            "kN3Nvu7Xbyu8etKTfFlfzzMcTxZJPS8t6xrHXbnmcPqzHI2R4UV4PopMuLiMy9j087zNONOvPaGJ+Q85NnWj92YgicLWltYt"
-            "91ou+URF3wb6yrEFJO1sXxWcBNtuN/0DlB8C8NpoQjhyCD1nTww87kN1AiET19LRU6DiCCeh8/w4vZ11fm2G/C8UO0O3Tbw="
-        ).split(b"\0SPLIT\0")
-        data = prefix + b"data:\n" * 605552 + suffix
+        data = _f_input("5dff79bad8bec29d")
         self.assertTrue(_f_saved("sse", data, "5dff79bad8bec29d"))
         cuts = [
             114632,
@@ -8217,18 +8214,7 @@ class TestFaultFuzzRegressions(_f_Case):
 
     def test_fuzz_e517c807fa701495_deeply_nested_error_event(self):
         # http target: "event: error" blocks whose data nests 100,000 lists; _json_or_text let RecursionError out.
-        data = _f_unpack(
-            "eNrt081u20YUBtC9AL+DMWtJptxCqriL2yZBmjhF4CwcwxBkaiSzFklZpP8g6N07aoOi3RZtNz1nd2e+OzOXAN9eXPx8Mhpm"
-            "x6dZdvzxp6Pe903dxbobXLxsYn7cxefuJD4eFtpuG+fVUe+ot5h38/x4F4rbpixiG/KrXViWddnezlKkbeqQ1w/rdT+U9SI+"
-            "hzzrh0Vcd/OQp57fjw95eBvX6ybs99f9UKS2Li5CPppMx1k2HmXT1JzqdMW8K6rNevD+85vz5buLxw8vX57jq0/l2epp8/py"
-            "Gadn9zeby7s69EPVpFvSYwAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
-            "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAOB/YnQNAAAAAAAAAAAAAAAAAAAAAAAA/7L4GOsuP47b"
-            "bbPtKRT/fOEnAwAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
-            "AAAAAAAAAAAAAAAAAAAA+PtC1Sziuj1ZxaqaD74ZnE6yanD/7exuVg1Xq4dl6If2pe1iNVuW9SpuN9uy7kIebrLBQ31XN091"
-            "SjQ3v8TisFrczrth0VSbdezKph4WtykU9r3eYt7N8+NdCjRlEduQX+1COrBsb2fbOG+bOjW3XbNJh5X1Ij6HPOuH9LBuHvLd"
-            "fn/dD0XKdXER8tFkOs6y8Sibpuzi66VFunLw/vOb8+W7i8cPL1+e46tP5dnqafP6chmnZ/c3m8u7w0t/mzb1/AdT90NXVqk7"
-            "DbsLm23a7mZpzNP07K9VlbYm4+HksBAXZZHGOyRG4z8vHEKj6elfU5u4nbWxaOo0/2Qy/G7/xye++uHj+Y/Xvd6vrrBSLw=="
-        )
+        data = _f_input("e517c807fa701495")
         self.assertTrue(_f_saved("http", data, "e517c807fa701495"))
         self.client_with(max_line=1024 * 1024)  # as the fuzzer ran it
         self.use(_f_reply(data))
@@ -8236,13 +8222,7 @@ class TestFaultFuzzRegressions(_f_Case):
 
     def test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client(self):
         # client target (thinking_cap 2, slot 1, connection held): the same RecursionError, through chat().
-        data = _f_unpack(
-            "eNrt3TFLw0AYgOH94P7Dkdm0idAlW5WK4FCxGQQRCenXGEzvwl1aW0r/u0kc/AVakPcdHkLuErhM2b77PH+cppPUXCeJWT5o"
-            "tRK/F5+Zpim2xaRsW63mZSkhxLfOdt418bxp3Ge89HVV28xo9RwPG5r4ZrfZiK9tlRnrtBq2i+3i/NhKZjo5dFPZDzdC56XY"
-            "apX7wq7uFk/xD6F/wWVZ2NKtxzOU7zv7IevxIFbKrnb9acvGBdFKq9lMK/He9V/qFI0X0XDVPyxRdooKAAAAAAAAAAAAAAAA"
-            "AAAAAAAAAAAAAAAAAAAAAAAA+FNeiOjfl74S0b+PnxoAAAAAAAAAAAAAAAAAAAAAgEuRnomIiIiIiIiIiOjXM7MkuTLRVkIo"
-            "KokyE1WuM3IopR0GqUf9Wndsx4UwDpx/+56hfj4rpVUyTFj/AjdNSCg="
-        )
+        data = _f_input("0f7c31287867b84c")
         self.assertTrue(_f_saved("client", data, "0f7c31287867b84c"))
         cuts = [
             411,

@@ -67,7 +67,7 @@ _ctx = multiprocessing.get_context("fork")
 # -----------------------------------------------------------------------------------------------------
 
 # The real server's byte shapes, shared with the tests.
-from test_loopclient import CID, MODEL, STREAM_HEAD, TIMINGS, USAGE  # noqa: E402
+from test_loopclient import CID, MODEL, STREAM_HEAD, TIMINGS, USAGE, read_request  # noqa: E402
 
 MSGS = [{"role": "user", "content": "Write one sentence about the sea."}]
 
@@ -198,30 +198,6 @@ def json_response(doc):
     )
 
 
-def read_request(conn):
-    """(method, path, body) of one HTTP request, or None when the peer closed first."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        more = conn.recv(65536)
-        if not more:
-            return None
-        data += more
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    method, path, _ = lines[0].decode("latin-1").split(" ", 2)
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(body) < length:
-        more = conn.recv(65536)
-        if not more:
-            break
-        body += more
-    return method, path, body
-
-
 # -----------------------------------------------------------------------------------------------------
 # Server processes: the parent binds and listens, the forked child accepts (so it is ready at once)
 # -----------------------------------------------------------------------------------------------------
@@ -320,7 +296,7 @@ def _slot_server(listener, pipe, response, n_slots, slots_delay, hold_every, hol
                 req = read_request(conn)
                 if req is None:
                     return
-                method, path, body = req
+                path, body = req.path, req.body
                 if path == "/v1/chat/completions":
                     slot = json.loads(body).get("id_slot", 0) % n_slots
                     with slot_locks[slot]:

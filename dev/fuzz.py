@@ -7,6 +7,7 @@
     python3 dev/fuzz.py --inputs 5000 --seed 7 --target http    # exactly these inputs, one target
     python3 dev/fuzz.py --replay dev/fuzz-crashes/<hash>.bin
 
+The seeds' stream pieces and the servers' request reader are test_loopclient's (imported, not copied).
 Inputs are recorded llama-server responses (dev/testdata/transcripts, captured from a real server, and the
 built-in seeds below), mutated by bit flips, byte sets, dictionary insertions, splices of two seeds,
 truncations, repeated and dropped spans, and structural JSON edits, then cut at random points into the
@@ -23,7 +24,9 @@ second (CPU time for the parsers, wall time for the client, whose budgets are a 
 decoders' buffers stay under their caps after every feed; the tracemalloc peak of an input stays under a
 bound linear in its caps and its size; events and completions hold the types the API documents; the
 client leaves no thread or descriptor behind.  A violating input is written to
-``dev/fuzz-crashes/<hash>.bin`` (with ``<hash>.json`` saying how to replay it) and printed.  Everything
+``dev/fuzz-crashes/<hash>.bin`` (its raw bytes; ``<hash>.json`` says how to replay it) and printed.  A
+fixed crash stays as a regression test: copy ``<hash>.bin`` as it is to ``dev/testdata/fuzz/`` and add a
+test to test_loopclient's TestFaultFuzzRegressions that reads it with ``_f_input("<hash>")``.  Everything
 an input does is decided by ``random.Random`` seeded from ``--seed`` and the input's number, so a run is
 repeatable.  The last line reads ``fuzz: N inputs, V violations in T s (seed S)``; the exit code is 1 when
 V is not 0.
@@ -52,6 +55,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import loopclient as lc  # noqa: E402
+from test_loopclient import STREAM_HEAD, chunk_json, chunked, read_request, sse  # noqa: E402
 
 CRASH_DIR = os.path.join(HERE, "fuzz-crashes")
 TRANSCRIPTS = os.environ.get("LOOPCLIENT_TRANSCRIPTS") or os.path.join(HERE, "testdata", "transcripts")
@@ -86,36 +90,18 @@ CLIENT_LIMITS_CAPPED = CLIENT_LIMITS.replace(thinking_cap=2)
 # Seeds
 # =====================================================================================================
 
-_CID = "chatcmpl-LUGNfJTvMyZxeARiBgwpFYfe9BqbpYkn"
+# The canned stream pieces (STREAM_HEAD, chunk_json, sse, chunked) are test_loopclient's.
 
 
 def _chunk(delta=None, finish=None, extra=None, choices=True):
-    doc = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta or {}}] if choices else []}
-    doc.update(
-        {
-            "created": 1796006109,
-            "id": _CID,
-            "model": "models/gemma-3-270m-q4_k_m.gguf",
-            "system_fingerprint": "b0-unknown",
-            "object": "chat.completion.chunk",
-        }
-    )
-    doc.update(extra or {})
-    return json.dumps(doc, separators=(",", ":"))
-
-
-def _sse(*payloads):
-    return b"".join(b"data: " + p.encode() + b"\n\n" for p in payloads)
+    return chunk_json(delta, finish, extra=extra, choices=choices)
 
 
 def _chunked(*parts):
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    """A whole chunked body: test_loopclient's chunks, then the last chunk."""
+    return chunked(*parts) + b"0\r\n\r\n"
 
 
-_STREAM_HEAD = (
-    b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\nX-Accel-Buffering: no\r\n"
-    b"Content-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-)
 _TIMINGS = {"prompt_n": 29, "prompt_ms": 76.7, "predicted_n": 16, "predicted_ms": 192.7, "predicted_per_second": 77.8}
 _USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34}
 
@@ -159,31 +145,30 @@ def builtin_seeds():
         (
             "stream",
             "stream",
-            _STREAM_HEAD
+            STREAM_HEAD
             + _chunked(
-                _sse(role, words[0]), *[_sse(w) for w in words[1:]], _sse(finish) + _sse(usage), b"data: [DONE]\n\n"
+                sse(role, words[0]), *[sse(w) for w in words[1:]], sse(finish) + sse(usage), b"data: [DONE]\n\n"
             ),
         ),
         (
             "reasoning",
             "stream",
-            _STREAM_HEAD
-            + _chunked(_sse(role), *[_sse(r) for r in reasoning], _sse(words[0], finish), b"data: [DONE]\n\n"),
+            STREAM_HEAD + _chunked(sse(role), *[sse(r) for r in reasoning], sse(words[0], finish), b"data: [DONE]\n\n"),
         ),
-        ("tools", "stream", _STREAM_HEAD + _chunked(*[_sse(t) for t in [role] + tools], b"data: [DONE]\n\n")),
+        ("tools", "stream", STREAM_HEAD + _chunked(*[sse(t) for t in [role] + tools], b"data: [DONE]\n\n")),
         (
             "pings",
             "stream",
-            _STREAM_HEAD
-            + _chunked(b": ping\n\n", b": ping\n\n", _sse(words[0]), b":\r\n\r\n", _sse(finish), b"data: [DONE]\n\n"),
+            STREAM_HEAD
+            + _chunked(b": ping\n\n", b": ping\n\n", sse(words[0]), b":\r\n\r\n", sse(finish), b"data: [DONE]\n\n"),
         ),
-        ("error-event-503", "stream", _STREAM_HEAD + _chunked(_sse(error503))),
-        ("error-after-content", "stream", _STREAM_HEAD + _chunked(_sse(role, words[0]), _sse(error500))),
-        ("legacy-error", "stream", _STREAM_HEAD + _chunked(b"error: " + error500.encode() + b"\n\n")),
+        ("error-event-503", "stream", STREAM_HEAD + _chunked(sse(error503))),
+        ("error-after-content", "stream", STREAM_HEAD + _chunked(sse(role, words[0]), sse(error500))),
+        ("legacy-error", "stream", STREAM_HEAD + _chunked(b"error: " + error500.encode() + b"\n\n")),
         (
             "crlf-bom",
             "stream",
-            _STREAM_HEAD
+            STREAM_HEAD
             + _chunked(
                 b"\xef\xbb\xbfdata: " + words[0].encode() + b"\r\n\r\n",
                 b"event: message\rdata: " + finish.encode() + b"\r\r",
@@ -192,17 +177,15 @@ def builtin_seeds():
         (
             "http10",
             "stream",
-            b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
-            + _sse(words[0], finish)
-            + b"data: [DONE]\n\n",
+            b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + sse(words[0], finish) + b"data: [DONE]\n\n",
         ),
         (
             "content-length",
             "stream",
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(_sse(words[0], finish)), _sse(words[0], finish)),
+            % (len(sse(words[0], finish)), sse(words[0], finish)),
         ),
-        ("interim", "stream", b"HTTP/1.1 100 Continue\r\n\r\n" + _STREAM_HEAD + _chunked(_sse(words[0], finish))),
+        ("interim", "stream", b"HTTP/1.1 100 Continue\r\n\r\n" + STREAM_HEAD + _chunked(sse(words[0], finish))),
         (
             "503-retry-after",
             "stream",
@@ -232,7 +215,7 @@ def builtin_seeds():
         (
             "trailers",
             "stream",
-            _STREAM_HEAD[:-2] + b"Trailer: X-T\r\n\r\n" + _chunked(_sse(words[0], finish))[:-2] + b"X-T: 1\r\n\r\n",
+            STREAM_HEAD[:-2] + b"Trailer: X-T\r\n\r\n" + _chunked(sse(words[0], finish))[:-2] + b"X-T: 1\r\n\r\n",
         ),
         (
             "slots",
@@ -910,26 +893,10 @@ class Server:
     def _serve(self, conn):
         try:
             conn.settimeout(2.0)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                more = conn.recv(65536)
-                if not more:
-                    return
-                data += more
-            head, _, body = data.partition(b"\r\n\r\n")
-            parts = head.split(b" ", 2)
-            path = parts[1].decode("latin-1") if len(parts) > 1 else ""
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value.strip())
-            while len(body) < length:
-                more = conn.recv(65536)
-                if not more:
-                    return
-                body += more
-            answer = self.script.get(path)
+            request = read_request(conn)
+            if request is None:
+                return
+            answer = self.script.get(request.path)
             if answer is None:
                 conn.sendall(
                     _json_response(

@@ -5431,7 +5431,7 @@ class TestWedgedSlots(ServerCase):
                 if what == "no fields":
                     self.server.route("GET", "/slots", FakeServer._slots.__get__(self.server))
                     self.server.busy[0] = True
-                client = lc.Client(self.server.address, limits=limits.replace(busy_wait=2 * self.WEDGE))
+                client = self.new_client(self.server.address, limits=limits.replace(busy_wait=2 * self.WEDGE))
                 self.closers.append(client.close)
                 self.use(hold_then(content_stream(["x"]), threading.Event()))
                 with self.assertRaises(lc.WaitTimeoutError):
@@ -5454,7 +5454,7 @@ class TestWedgedSlots(ServerCase):
     def test_any_slot_leaves_wedged_slots_out_of_busy(self):
         # slot 0 wedged, slot 1 idle: the pool is not busy, so an unanswered request is stalled, not waiting
         self.use(hold_then(content_stream(["x"]), threading.Event()))
-        client = lc.Client(self.server.address, limits=self.limits.replace(idle_grace=2 * self.WEDGE))
+        client = self.new_client(self.server.address, limits=self.limits.replace(idle_grace=2 * self.WEDGE))
         self.closers.append(client.close)
         events = []
         with self.assertRaises(lc.StalledError) as cm:
@@ -5478,6 +5478,10 @@ class TestWedgedSlots(ServerCase):
             (entry["id_task"], entry["next_token"][0]["n_decoded"], entry["n_prompt_tokens_processed"]),
         )
         self.assertEqual(lc.Slot(0, False, {}).task, None)
+
+
+class TestWedgedSlotsAsync(AsyncDriver, TestWedgedSlots):
+    """The wedge rule through AsyncClient."""
 
 
 class TestRetries(ServerCase):

@@ -6025,7 +6025,7 @@ class TestGateAsync(AsyncDriver, TestGate):
 
 class TestGateHandover(unittest.TestCase):
     """The gate alone: a release hands over to one waiter, positions are counted without walking the
-    queue, memory is constant per waiter (the SPEC's "Queues at scale")."""
+    queue, memory is constant per waiter."""
 
     def wait_in_threads(self, gate, tickets, poll=60.0):
         """One thread per ticket in ``gate.wait``; returns (flags, results, threads)."""
@@ -7419,7 +7419,7 @@ class TestFaultHead(_f_Case):
         self._f_fails(lc.ProtocolError)
 
     def test_folded_header_line(self):
-        # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent (SPEC: HTTP as a user agent)
+        # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
         self.use(_f_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
         self.assertEqual(self._f_succeeds().content, "Hello world")
 

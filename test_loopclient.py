@@ -6678,7 +6678,9 @@ class TestStress(ServerCase):
         """1,100 threads on two slots with queue_len 500: the first request on each slot is held until
         every thread has entered the gate, so 1,000 wait at once (fewer as cancels come) and the rest are
         refused."""
-        limits = self.limits.replace(queue_len=500, poll=0.2)
+        # load_wait generous: when the held requests are let go, hundreds connect at once and overflow the
+        # fake server's listen queue, which is retried under load_wait (a budget this test is not about)
+        limits = self.limits.replace(queue_len=500, poll=0.2, load_wait=60.0)
         client = lc.Client(self.server.address, limits=limits)
         self.closers.append(client.close)
         peak = self.stress(

@@ -50,7 +50,7 @@ import time
 # typing is only read by type checkers: importing it would cost more than socket, json and threading.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 __version__ = "0.1.0"
 __license__ = "MIT"
@@ -2013,7 +2013,7 @@ _OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered
 
 
 # =====================================================================================================
-# 6. Transport: the only code that touches socket
+# 6. Addresses, waits and their budgets, the timing rules: what a request decides, without I/O
 # =====================================================================================================
 
 
@@ -2092,87 +2092,6 @@ class _Silence(Exception):
     """A read timed out (internal: each caller turns it into the budget error that applies)."""
 
 
-class _Conn:
-    """One connection.  Socket errors are translated here and nowhere else, narrowest first."""
-
-    __slots__ = ("sock", "_timeout", "_lock", "_closed")
-
-    def __init__(self, addr: _Address, timeout: float, ssl_context: Any = None) -> None:
-        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the caller, who may
-        # retry; a failed TLS handshake or certificate check is ConnectError, which no caller retries.
-        if addr.unix:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(addr.target)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection(addr.target, timeout)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # pragma: no cover - not every TCP stack has it
-                pass
-            if addr.tls:
-                sock = _wrap_tls(sock, addr, ssl_context)
-        self.sock = sock
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def sendall(self, data: bytes, timeout: float) -> None:
-        try:
-            if timeout != self._timeout:
-                self.sock.settimeout(timeout)
-                self._timeout = timeout
-            self.sock.sendall(data)
-        except socket.timeout:
-            raise _send_stalled(timeout) from None
-        except OSError as exc:
-            raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
-
-    def recv(self, timeout: float) -> bytes:
-        try:
-            if timeout != self._timeout:
-                self.sock.settimeout(timeout)
-                self._timeout = timeout
-            return self.sock.recv(RECV_SIZE)
-        except socket.timeout:
-            raise _Silence() from None
-        except OSError as exc:
-            raise _connection_failed(exc) from exc
-
-    def abort(self) -> None:
-        """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd."""
-        with self._lock:
-            if not self._closed:
-                try:
-                    # the plain socket's shutdown: an SSLSocket's own would drop its TLS state under the reader
-                    socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self.sock.close()
-
-
-def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
-    import ssl  # only for https://
-
-    try:
-        return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
-    except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
-        sock.close()
-        raise _tls_failed(addr, exc) from exc
-    except BaseException:
-        sock.close()
-        raise
-
-
 def _tls_failed(addr: _Address, exc: BaseException) -> ConnectError:
     return ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
 
@@ -2199,8 +2118,174 @@ def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
     return err
 
 
+def _cap_failed(tokens: int, exc: BaseException) -> ThinkingOverrunError:
+    return ThinkingOverrunError(
+        "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
+    )
+
+
+def _no_answer(what: str, timeout: float) -> StalledError:
+    return StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout)
+
+
+# Wait states of a request whose response has not started: what it is waiting on decides which budget runs.
+BUSY = "busy"  # the slot is processing another request: busy_wait
+UNAVAILABLE = "unavailable"  # the server cannot be reached, is loading, or /slots fails: load_wait
+IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
+WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
+
+
+_BUDGETS = {
+    BUSY: (
+        "busy_wait",
+        WaitTimeoutError,
+        "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
+    ),
+    UNAVAILABLE: (
+        "load_wait",
+        LoadTimeoutError,
+        "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
+    ),
+    IDLE: (
+        "idle_grace",
+        StalledError,
+        "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    ),
+}
+
+
+class _Waits:
+    """What a request waits on before its response starts, and since when: each state has its budget,
+    which restarts when the state changes."""
+
+    __slots__ = ("limits", "state", "since", "sent_at", "slot", "address", "cause")
+
+    def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
+        self.limits = limits
+        self.slot = "any" if slot is None else str(slot)
+        self.address = address
+        self.state = None  # type: Optional[str]
+        self.since = time.monotonic()
+        self.sent_at = self.since
+        self.cause = None  # type: Optional[BaseException]
+
+    def observe(self, state: str, cause: Optional[BaseException] = None) -> None:
+        if state != self.state:
+            self.since = self.sent_at if self.state is None else time.monotonic()
+            self.state = state
+            self.cause = None
+        if cause is not None:  # a poll that sees the same state keeps the last failure as the cause
+            self.cause = cause
+
+    def remaining(self) -> Optional[float]:
+        if self.state is None:
+            return None
+        budget = getattr(self.limits, _BUDGETS[self.state][0])
+        return float(budget - (time.monotonic() - self.since))
+
+    def check(self) -> None:
+        """Raise the budget's error when the current state has lasted longer than its budget."""
+        left = self.remaining()
+        if left is not None and left <= 0:
+            raise self.expired()
+
+    def expired(self) -> LoopError:
+        assert self.state is not None
+        _, cls, text = _BUDGETS[self.state]
+        waited = time.monotonic() - self.since
+        err = cls(text.format(slot=self.slot, address=self.address, waited=waited), waited)
+        if self.cause is not None:
+            err.__cause__ = self.cause
+        return err
+
+
+def _cannot_connect(exc: OSError) -> _Retry:
+    return _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
+
+
+def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
+    """The ``Retrying`` event for a failed attempt (its delay: ``backoff`` jittered down by up to a quarter,
+    ``Retry-After`` as a floor, never past ``load_wait``) and the next backoff; the budget's error when
+    ``load_wait`` is spent or a hint goes past it."""
+    waits.observe(UNAVAILABLE, retry.cause)
+    left = waits.remaining()
+    assert left is not None
+    if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
+        raise waits.expired()
+    import random  # only when a retry happens
+
+    delay = backoff * (1.0 - 0.25 * random.random())
+    if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
+        delay = max(delay, retry.hint)
+    return Retrying(attempt + 1, min(delay, left), retry.reason), min(backoff * 2, BACKOFF_MAX)
+
+
+def _read_timeout(
+    limits: Limits, waits: _Waits, head: Optional[ResponseHead], started: float, heard: float, now: float
+) -> float:
+    """How long the next read of an attempt may wait: ``poll`` (within the wait's budget) before the first
+    byte, what is left of ``liveness`` after it; at most ``poll`` on a silent stream when slots are watched
+    for a wedge.  A head that has not completed within ``liveness`` of its first byte is ``StalledError``."""
+    liveness = limits.liveness
+    if not started:
+        left = waits.remaining()
+        timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
+    elif head is None:
+        timeout = started + liveness - now
+        if timeout <= 0:
+            raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
+    else:
+        timeout = liveness - (now - heard)
+        if limits.wedge_wait is not None and head.status == 200:
+            timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
+    return max(timeout, 0.001)
+
+
+def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
+    """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
+    liveness = limits.liveness
+    if time.monotonic() - heard < liveness:
+        return None
+    what = "the response head" if head is None else "the error body" if head.status != 200 else ""
+    if what:
+        return StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness)
+    return StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness)
+
+
+def _quiet_due(limits: Limits, head: Optional[ResponseHead], progress: float, now: float) -> bool:
+    """A started stream has had no data event for ``poll``: time to apply the quiet rule."""
+    return head is not None and head.status == 200 and now - progress >= limits.poll
+
+
+def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
+    """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
+    being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
+    serves the stream is unknown); pings alone are judged once they have lasted ``liveness``."""
+    wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
+    return wedge, pinged and quiet >= limits.liveness
+
+
+def _quiet_verdict(
+    limits: Limits, state: str, wedged: Optional[WedgedSlotError], wedge: bool, pings: bool, quiet: float
+) -> None:
+    """Raise what the slot's state makes of a quiet stream: a wedged slot, or pings from a slot that no
+    longer processes (or still does after ``busy_wait``, counted from the last data event)."""
+    if wedged is not None and wedge:
+        raise wedged
+    if not pings:
+        return
+    if state != BUSY:
+        raise StalledError(
+            "only pings for %.1f s and the slot is %s: the stream is stuck"
+            % (quiet, "idle" if state == IDLE else "unknown"),
+            quiet,
+        )
+    if quiet >= limits.busy_wait:
+        raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+
+
 # =====================================================================================================
-# 7. Slot gates and the shared /slots poller
+# 7. Slot gates and the /slots watch: plain data, the waking passed in
 # =====================================================================================================
 
 
@@ -2302,37 +2387,33 @@ class _Lane:
 
 class _Ticket:
     """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
-    permit.  A queued ticket's thread sleeps on its own ``waker``, a lock the gate acquires when the ticket
-    is queued and releases once to wake it (as ``threading.Condition`` does for each of its waiters);
-    ``woken`` says that release has not been taken back yet, so it is never released twice."""
+    permit.  A queued ticket's request sleeps on its own ``waker`` (the driver's: anything with a
+    ``signal()`` that wakes that one request, a thread's event or a task's future), which the gate signals
+    when it hands the ticket the permit, and never for anything else."""
 
-    __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "waker", "woken")
+    __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "waker")
 
-    def __init__(self, lane: _Lane, seq: int) -> None:
+    def __init__(self, lane: _Lane, seq: int, waker: Optional[_Waker]) -> None:
         self.lane = lane
         self.seq = seq  # entry order across the gate, for diagnostics
         self.pos = 0  # position in the lane's queue, while queued
         self.granted = False
         self.left = False
         self.ahead = 0  # the last ``Queued(ahead)`` announced
-        self.waker = None  # type: Optional[threading.Lock]  # only queued tickets need one
-        self.woken = False
+        self.waker = waker
 
     def signal(self) -> None:
-        """Wake the thread waiting on this ticket, if it has not been woken since it last looked."""
-        waker = self.waker
-        if waker is not None and not self.woken:
-            self.woken = True
-            waker.release()
+        if self.waker is not None:
+            self.waker.signal()
 
 
 if TYPE_CHECKING:
     from typing import Protocol
 
-    class _Cancelled(Protocol):
-        """What ``_Gate.wait`` reads of a cancel flag: a ``threading.Event``, or anything with ``is_set()``."""
+    class _Waker(Protocol):
+        """What the gate and the poller know of a waiting request: how to wake it."""
 
-        def is_set(self) -> bool: ...
+        def signal(self) -> None: ...
 
 
 class _Gate:
@@ -2341,9 +2422,10 @@ class _Gate:
 
     A key is a hashable pair ``(model, slot)``: model None is the server's default, slot None the pool;
     the gate reads them only to word ``BusyError``.  A release grants the permit to the first waiter and
-    wakes that thread only; a waiter that leaves wakes nobody.  Waiters wake every ``poll`` seconds on their
-    own timer to learn how far they have moved up, which is why ``Queued`` announcements are coalesced.
-    A slot with thousands of waiters costs the same per request as a slot with ten."""
+    signals that waiter's waker only; a waiter that leaves wakes nobody.  Waiters look up how far they have
+    moved up (``position``) when their own timer fires, every ``poll`` seconds, which is why ``Queued``
+    announcements are coalesced.  A slot with thousands of waiters costs the same per request as a slot
+    with ten.  Both drivers use it: the lock is uncontended on an event loop."""
 
     def __init__(self, lock: threading.Lock, queue_len: int) -> None:
         self._lock = lock
@@ -2351,11 +2433,11 @@ class _Gate:
         self._lanes = {}  # type: Dict[Tuple[Optional[str], Optional[int]], _Lane]
         self._seq = 0
 
-    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> _Ticket:
+    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int, waker: Optional[_Waker] = None) -> _Ticket:
         """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
         when ``queue_len`` already wait.  A ``capacity`` above the lane's grows it (a pool sized late by
         ``/props``) and admits the waiters that now fit; a smaller one (a caller that had not heard
-        ``/props`` yet) changes nothing."""
+        ``/props`` yet) changes nothing.  ``waker`` is signalled when a queued ticket is granted."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -2364,7 +2446,7 @@ class _Gate:
                 lane.capacity = capacity
                 lane.admit()
             self._seq += 1
-            ticket = _Ticket(lane, self._seq)
+            ticket = _Ticket(lane, self._seq, waker)
             if lane.in_flight < lane.capacity:  # then nobody waits (invariant 1)
                 lane.in_flight += 1
                 ticket.granted = True
@@ -2373,8 +2455,6 @@ class _Gate:
             if waiting >= self._queue_len:
                 raise self._refusal(key, waiting)
             ticket.ahead = lane.in_flight + waiting
-            ticket.waker = waker = threading.Lock()
-            waker.acquire()
             lane.push(ticket)
             return ticket
 
@@ -2390,36 +2470,12 @@ class _Gate:
             waiting,
         )
 
-    def wait(self, ticket: _Ticket, cancelled: _Cancelled, poll: float) -> Optional[int]:
-        """Sleep until ``ticket`` is granted (None), or until a wake on its own timer, every ``poll``
-        seconds, finds its ``ahead`` smaller than last announced (the new value: at least ``poll`` after
-        the call, so announcements are at most one per ``poll``).  ``CancelledError`` once
-        ``cancelled.is_set()``; ``wake(ticket)`` cuts the sleep short for that."""
-        lane = ticket.lane
-        waker = ticket.waker
-        assert waker is not None, "wait() on a ticket that was granted at once"
-        lock = self._lock
-        due = time.monotonic() + poll
-        got = False
-        while True:
-            with lock:
-                if ticket.woken:  # take the release back: a blocking acquire did, or timed out just before
-                    if not got:
-                        waker.acquire(False)
-                    ticket.woken = False
-                if cancelled.is_set():
-                    raise CancelledError("the request was cancelled while queued")
-                if ticket.granted:
-                    return None
-                now = time.monotonic()
-                if now >= due:
-                    ahead = lane.in_flight + lane.before(ticket)
-                    if ahead < ticket.ahead:
-                        ticket.ahead = ahead
-                        return ahead
-                    due = now + poll
-                left = due - now
-            got = waker.acquire(True, min(left, threading.TIMEOUT_MAX))
+    def position(self, ticket: _Ticket) -> Optional[int]:
+        """None once ``ticket`` is granted; else how many requests come before it, those in flight included."""
+        with self._lock:
+            if ticket.granted:
+                return None
+            return ticket.lane.in_flight + ticket.lane.before(ticket)
 
     def leave(self, ticket: _Ticket) -> None:
         """Release the permit, handing it to the next waiter, or leave the queue; idempotent."""
@@ -2434,26 +2490,10 @@ class _Gate:
             else:
                 lane.remove(ticket)
 
-    def wake(self, ticket: Optional[_Ticket]) -> None:
-        """Wake the thread waiting on ``ticket`` (its request was cancelled), and no other; None, or a
-        ticket that is not queued, is nothing to wake."""
-        if ticket is None:
-            return
-        with self._lock:
-            if not ticket.granted and not ticket.left:
-                ticket.signal()
-
     def snapshot(self) -> Dict[Tuple[Optional[str], Optional[int]], Tuple[int, int]]:
         """{key: (in flight, waiting)}, for tests and diagnostics."""
         with self._lock:
             return {k: (lane.in_flight, len(lane.queue)) for k, lane in self._lanes.items()}
-
-
-# Wait states of a request whose response has not started: what it is waiting on decides which budget runs.
-BUSY = "busy"  # the slot is processing another request: busy_wait
-UNAVAILABLE = "unavailable"  # the server cannot be reached, is loading, or /slots fails: load_wait
-IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
-WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
 
 
 class _SlotWatch:
@@ -2514,196 +2554,100 @@ class _SlotWatch:
 
 
 class _SlotPoller(_SlotWatch):
-    """``/slots`` of one model for every request of a client: one request in flight however many wait, an
-    answer younger than ``poll`` reused.  It remembers, per slot, since when the progress triple (task,
-    decoded, prompt processed) of a processing slot has not changed.  The request runs in a short-lived
-    thread so that a waiter can always be cancelled."""
+    """``/slots`` of one model, shared by every request of a board: one request in flight however many wait
+    (``start()`` says who sends it), an answer younger than ``poll`` reused, the waiters' wakers signalled
+    when it comes (``answered``).  The asking is a plan (``_Calls._slot_state``)."""
 
-    def __init__(self, fetch: Callable[[float, _Owner], List[Slot]], limits: Limits) -> None:
+    def __init__(self, limits: Limits, lock: threading.Lock) -> None:
         _SlotWatch.__init__(self, limits)
-        self._fetch = fetch
-        self._cond = threading.Condition(threading.Lock())
-        self._busy = False
-        self._stamp = float("-inf")  # when the last answer arrived
-        self._slots = None  # type: Optional[List[Slot]]
-        self._owner = _Owner()
+        self._lock = lock
+        self.stamp = float("-inf")  # when the last answer arrived
+        self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
+        self.waiters = set()  # type: Set[_Waker]
+        self._asking = False
 
-    def get(self, cancelled: threading.Event) -> Optional[List[Slot]]:
-        """The slots, or None when ``/slots`` failed or did not answer within ``poll``."""
-        interval = self._limits.poll
-        with self._cond:
-            asked = time.monotonic()
-            if asked - self._stamp < interval:
-                return self._slots
-            if not self._busy:
-                self._busy = True
-                threading.Thread(target=self._work, name="loopclient-slots", daemon=True).start()
-            deadline = asked + interval
-            while self._stamp < asked:
-                if cancelled.is_set():
-                    raise CancelledError("the request was cancelled while polling /slots")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(min(left, 0.1))
-            return self._slots
+    def start(self) -> bool:
+        """True when the caller is to send the request: none is in flight."""
+        with self._lock:
+            if self._asking:
+                return False
+            self._asking = True
+            return True
 
-    def _work(self) -> None:
-        limits = self._limits
-        try:
-            slots = self._fetch(min(limits.liveness, max(2 * limits.poll, 0.5)), self._owner)  # type: Optional[List[Slot]]
-        except Exception:  # any failure means "unavailable"; the worker must never die loudly
-            slots = None
-        with self._cond:
-            now = time.monotonic()
+    def wait(self, waker: _Waker, on: bool) -> None:
+        with self._lock:
+            if on:
+                self.waiters.add(waker)
+            else:
+                self.waiters.discard(waker)
+
+    def answered(self, slots: Optional[List[Slot]]) -> None:
+        now = time.monotonic()
+        with self._lock:
             if slots is not None:
                 self._remember(slots, now)
-            self._slots = slots
-            self._stamp = now
-            self._busy = False
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def abort(self) -> None:
-        self._owner.abort()
-
-
-class _Owner:
-    """The connections a request has open, so that ``cancel()`` can shut them all down."""
-
-    __slots__ = ("conns", "_lock")
-
-    def __init__(self) -> None:
-        self.conns: Set[_Conn] = set()
-        self._lock = threading.Lock()
-
-    def add(self, conn: _Conn) -> None:
-        with self._lock:
-            self.conns.add(conn)
-
-    def discard(self, conn: _Conn) -> None:
-        with self._lock:
-            self.conns.discard(conn)
-
-    def abort(self) -> None:
-        with self._lock:
-            conns = list(self.conns)
-        for conn in conns:
-            conn.abort()
+            self.slots = slots
+            self.stamp = now
+            self._asking = False
+            waiters = list(self.waiters)
+        for waker in waiters:
+            waker.signal()
 
 
 if TYPE_CHECKING:
-    _Call = Callable[..., Any]  # Client._json: (method, path, body=None, query=None, *, model, timeout, owner)
+
+    class _Run(_Waker, Protocol):
+        """What a plan knows of the driver running it: whether it was cancelled, its ticket (so that a
+        cancel can release it), and its connections (closed when the plan ends)."""
+
+        cancelled: bool
+        ticket: Optional[_Ticket]
+
+        def close_all(self) -> None: ...
+
+        def cancel(self) -> None: ...
 
 
 class _Board:
-    """What the streams of one client share, and all they need of it: the address, the limits, the gate,
-    a ``/slots`` poller and a pool size per model, and the streams in flight (``close()`` cancels them).
-    It reaches the server through ``call``, the client's one request path."""
+    """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
+    ``/slots`` poller and a pool size per model, who is asking ``/props`` for which model, and the runs in
+    flight, which ``close()`` cancels.  Plain data under one lock; no I/O."""
 
-    def __init__(self, addr: _Address, limits: Limits, call: _Call, ssl_context: Any) -> None:
-        self.addr = addr
-        self.limits = limits
-        self.ssl_context = ssl_context
-        self._call = call
-        self._lock = threading.Lock()
-        self.gate = _Gate(self._lock, limits.queue_len)
-        self._pollers = {}  # type: Dict[Optional[str], _SlotPoller]
-        self._pools = {}  # type: Dict[Optional[str], int]
-        self._props_lock = threading.Lock()
-        self._streams: Set[ChatStream] = set()
+    def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
+        self.calls = calls
+        self.limits = calls.limits
+        self.lock = threading.Lock()
+        self.gate = _Gate(self.lock, calls.limits.queue_len)
+        self.pollers = {}  # type: Dict[Optional[str], _SlotPoller]
+        self.pools = dict(previous.pools) if previous is not None else {}  # type: Dict[Optional[str], int]
+        self.props = {}  # type: Dict[Optional[str], Set[_Waker]]  # model: who waits for the /props in flight
+        self.runs = set()  # type: Set[_Run]
         self.closed = False
 
-    def connect(self, timeout: float) -> _Conn:
-        """A new connection; ``OSError`` when the server cannot be reached (a retry), ``ConnectError`` when
-        TLS fails (no retry)."""
-        return _Conn(self.addr, timeout, self.ssl_context)
-
-    def capacity(self, model: Optional[str], owner: _Owner, cancelled: threading.Event) -> int:
-        """``total_slots`` of the model from ``/props``, read once; 1 until the server has answered."""
-        while model not in self._pools:
-            if not self._props_lock.acquire(timeout=0.05):
-                if cancelled.is_set():
-                    raise CancelledError("the request was cancelled")
-                continue
-            try:
-                if model not in self._pools:
-                    try:
-                        props = self._call("GET", "/props", model=model, owner=owner)
-                    except LoopError:
-                        return 1
-                    total = _total_slots(props)
-                    if total is None:
-                        return 1
-                    self._pools[model] = total
-            finally:
-                self._props_lock.release()
-        return self._pools[model]
-
-    def _poller(self, model: Optional[str]) -> _SlotPoller:
-        with self._lock:
-            poller = self._pollers.get(model)
+    def poller(self, model: Optional[str]) -> _SlotPoller:
+        with self.lock:
+            poller = self.pollers.get(model)
             if poller is None:
-
-                def fetch(timeout: float, owner: _Owner) -> List[Slot]:
-                    return _slots_from(self._call("GET", "/slots", model=model, timeout=timeout, owner=owner))
-
-                poller = self._pollers[model] = _SlotPoller(fetch, self.limits)
+                poller = self.pollers[model] = _SlotPoller(self.limits, threading.Lock())
             return poller
 
-    def slot_state(
-        self, model: Optional[str], slot: Optional[int], cancelled: threading.Event, every: bool
-    ) -> Tuple[str, Optional[WedgedSlotError]]:
-        """The state of ``slot`` (``None``: the pool) and, when it is wedged, the error that says so.
-        ``every``: the pool is busy only when every slot is (else: when any is)."""
-        poller = self._poller(model)
-        return poller.state(poller.get(cancelled), slot, every, self.addr.text)
-
-    def control(self, model: Optional[str], completion_id: str, owner: Optional[_Owner]) -> bool:
-        """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
-        if not isinstance(completion_id, str):
-            raise TypeError("completion_id must be a str")
-        doc = self._call(
-            "POST",
-            "/v1/chat/completions/control",
-            {"id": completion_id, "action": "reasoning_end"},
-            model=model,
-            owner=owner,
-        )
-        if not isinstance(doc, dict):
-            raise ProtocolError("the control endpoint did not answer a JSON object")
-        return doc.get("success") is True
-
-    def add(self, stream: ChatStream) -> None:
-        with self._lock:
+    def add(self, run: _Run) -> None:
+        with self.lock:
             if self.closed:
                 raise CancelledError("the client was closed before this request started")
-            self._streams.add(stream)
+            self.runs.add(run)
 
-    def discard(self, stream: ChatStream) -> None:
-        with self._lock:
-            self._streams.discard(stream)
-
-    def wake(self, ticket: Optional[_Ticket]) -> None:
-        """Wake a cancelled request wherever it waits: its place in the queue, or a /slots poll."""
-        self.gate.wake(ticket)
-        with self._lock:
-            pollers = list(self._pollers.values())
-        for poller in pollers:
-            poller.wake()
+    def discard(self, run: _Run) -> None:
+        with self.lock:
+            self.runs.discard(run)
 
     def close(self) -> None:
-        with self._lock:
+        """Cancel every run in flight: streams and polls."""
+        with self.lock:
             self.closed = True
-            streams = list(self._streams)
-            pollers = list(self._pollers.values())
-        for stream in streams:
-            stream.cancel()
-        for poller in pollers:
-            poller.abort()
+            runs = list(self.runs)
+        for run in runs:
+            run.cancel()
 
 
 def _total_slots(props: Any) -> Optional[int]:
@@ -2734,434 +2678,32 @@ def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optio
 
 
 # =====================================================================================================
-# 8. The threaded client and its streams
+# 8. The request logic: plans that ask for I/O and never do it
 # =====================================================================================================
+#
+# Every call, streamed or single-shot, is a plan: a generator that yields what it needs done and receives
+# the result (or has the error thrown into it).  It yields either a list of events (hand them to the
+# caller) or one of these operations, a tuple whose first item says which:
+#
+#     (_CONNECT, timeout)           -> a connection (a driver's object with close()); OSError when the
+#                                      server cannot be reached, ConnectError when TLS fails
+#     (_SEND, conn, data, timeout)  -> None; StalledError, StreamClosedError
+#     (_RECV, conn, timeout)        -> bytes, b"" at the end; _Silence after ``timeout``, StreamClosedError
+#     (_PARK, timeout)              -> None, when the plan's waker is signalled or ``timeout`` (None: no
+#                                      timer) passes; the plan then looks again at what it waits for
+#     (_SLEEP, seconds)             -> None
+#     (_SPAWN, plan)                -> None; ``plan`` runs in the background, on a run of its own
+#
+# A driver performs them (section 9: one with blocking sockets, one with asyncio) and, after every
+# operation, throws CancelledError into the plan once the run was cancelled.  So each rule exists once.
+
+_CONNECT, _SEND, _RECV, _PARK, _SLEEP, _SPAWN = range(6)
+
+if TYPE_CHECKING:
+    _T = TypeVar("_T")
+    _Plan = Generator[Any, Any, _T]  # a plan that returns a _T
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8080"
-
-_BUDGETS = {
-    BUSY: (
-        "busy_wait",
-        WaitTimeoutError,
-        "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
-    ),
-    UNAVAILABLE: (
-        "load_wait",
-        LoadTimeoutError,
-        "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
-    ),
-    IDLE: (
-        "idle_grace",
-        StalledError,
-        "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
-    ),
-}
-
-
-class _Waits:
-    """What a request waits on before its response starts, and since when: each state has its budget,
-    which restarts when the state changes."""
-
-    __slots__ = ("limits", "state", "since", "sent_at", "slot", "address", "cause")
-
-    def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
-        self.limits = limits
-        self.slot = "any" if slot is None else str(slot)
-        self.address = address
-        self.state = None  # type: Optional[str]
-        self.since = time.monotonic()
-        self.sent_at = self.since
-        self.cause = None  # type: Optional[BaseException]
-
-    def observe(self, state: str, cause: Optional[BaseException] = None) -> None:
-        if state != self.state:
-            self.since = self.sent_at if self.state is None else time.monotonic()
-            self.state = state
-            self.cause = None
-        if cause is not None:  # a poll that sees the same state keeps the last failure as the cause
-            self.cause = cause
-
-    def remaining(self) -> Optional[float]:
-        if self.state is None:
-            return None
-        budget = getattr(self.limits, _BUDGETS[self.state][0])
-        return float(budget - (time.monotonic() - self.since))
-
-    def check(self) -> None:
-        """Raise the budget's error when the current state has lasted longer than its budget."""
-        left = self.remaining()
-        if left is not None and left <= 0:
-            raise self.expired()
-
-    def expired(self) -> LoopError:
-        assert self.state is not None
-        _, cls, text = _BUDGETS[self.state]
-        waited = time.monotonic() - self.since
-        err = cls(text.format(slot=self.slot, address=self.address, waited=waited), waited)
-        if self.cause is not None:
-            err.__cause__ = self.cause
-        return err
-
-
-class ChatStream:
-    """One streamed chat request: iterate it for events; ``completion`` is there once iteration has ended
-    without an error.  The request starts when iteration starts.  ``cancel()`` works from any thread;
-    leaving the ``with`` block early cancels quietly.  Iteration raises the ``LoopError`` subclasses
-    (``CancelledError`` after ``cancel()``).  One thread iterates a stream at a time.
-    """
-
-    def __init__(
-        self, board: _Board, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool
-    ) -> None:
-        self._board = board
-        self._request = request
-        self._slot = slot
-        self._model = model
-        self._raw_chunks = raw_chunks
-        self._gen = None  # type: Optional[Generator[List[Event], None, None]]
-        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
-        self._lock = threading.Lock()  # held while the request's generator runs
-        self._cancel = threading.Event()
-        self._owner = _Owner()
-        self._ticket = None  # type: Optional[_Ticket]
-        self._done = False
-        #: the assembled answer, once iteration ended without an error
-        self.completion = None  # type: Optional[Completion]
-
-    def __iter__(self) -> ChatStream:
-        return self
-
-    def __next__(self) -> Event:
-        with self._lock:
-            if self._batch and not self._cancel.is_set():  # a read yields all the events it completed
-                return self._batch.pop()
-            if self._done:
-                raise StopIteration
-            if self._cancel.is_set():
-                self._done = True
-                self._finish()
-                raise CancelledError("the request was cancelled")
-            if self._gen is None:
-                self._gen = self._run()
-            try:
-                batch = next(self._gen)
-            except BaseException:
-                self._done = True
-                raise
-            batch.reverse()  # a fresh list, never empty: popped from its end
-            self._batch = batch
-            return batch.pop()
-
-    def cancel(self) -> None:
-        """Cancel the request from any thread: its sockets close, its permit is released, and the thread
-        iterating the stream gets ``CancelledError`` within 0.2 s."""
-        if self._done:
-            return
-        self._stop()
-        # When the generator is not running, clean up here so the socket and permit are freed now; else
-        # the iterating thread wakes from the aborted socket and cleans up itself.
-        if self._lock.acquire(blocking=False):
-            try:
-                self._finish()
-            finally:
-                self._lock.release()
-
-    def __enter__(self) -> ChatStream:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if not self._done:
-            self._stop()
-            with self._lock:
-                self._done = True
-                self._finish()
-
-    def _stop(self) -> None:
-        """Mark the request cancelled and wake whatever it waits on: its sockets, its queue, the poller."""
-        self._cancel.set()
-        self._owner.abort()
-        self._board.wake(self._ticket)
-
-    def _finish(self) -> None:
-        if self._gen is not None:
-            self._gen.close()  # runs the request's finally: socket closed, permit released
-        self._release()
-
-    def _release(self) -> None:
-        if self._ticket is not None:
-            self._board.gate.leave(self._ticket)
-        self._board.discard(self)
-
-    def _check(self) -> None:
-        if self._cancel.is_set():
-            raise CancelledError("the request was cancelled")
-
-    # -- the life of one request -------------------------------------------------------------------
-
-    def _run(self) -> Generator[List[Event], None, None]:
-        board = self._board
-        try:
-            board.add(self)
-            slot = self._slot
-            capacity = 1 if slot is not None else board.capacity(self._model, self._owner, self._cancel)
-            self._check()
-            ticket = self._ticket = board.gate.enter((self._model, slot), capacity)
-            if not ticket.granted:
-                yield [Queued(ticket.ahead)]
-                while True:
-                    ahead = board.gate.wait(ticket, self._cancel, board.limits.poll)
-                    if ahead is None:
-                        break
-                    yield [Queued(ahead)]
-            completion = yield from self._attempts()
-        except LoopError:
-            if self._cancel.is_set():
-                raise CancelledError("the request was cancelled") from None
-            raise
-        finally:
-            self._owner.abort()
-            self._release()
-        self.completion = completion
-
-    def _attempts(self) -> Generator[List[Event], None, Completion]:
-        limits = self._board.limits
-        waits = _Waits(limits, self._slot, self._board.addr.text)
-        attempt = 0
-        backoff = BACKOFF_FIRST
-        while True:
-            self._check()
-            try:
-                conn = self._board.connect(max(limits.poll, 0.2))
-            except OSError as exc:
-                retry = _cannot_connect(exc)
-            else:
-                self._owner.add(conn)
-                try:
-                    waits.sent_at = time.monotonic()
-                    outcome = yield from self._exchange(conn, waits)
-                finally:
-                    conn.close()
-                    self._owner.discard(conn)
-                if not isinstance(outcome, _Retry):
-                    return outcome
-                retry = outcome
-            self._check()
-            event, backoff = _next_retry(waits, retry, attempt, backoff)
-            attempt = event.attempt
-            yield [event]
-            if self._cancel.wait(event.delay):
-                raise CancelledError("the request was cancelled while backing off")
-
-    def _exchange(self, conn: _Conn, waits: _Waits) -> Generator[List[Event], None, Union[Completion, _Retry]]:
-        """One attempt: send, wait for the head (polling /slots), then pump the response to its end."""
-        limits = self._board.limits
-        conn.sendall(self._request, limits.liveness)
-        pump = ResponsePump(limits, self._raw_chunks)
-        events = []  # type: List[Event]
-        started = 0.0  # when the first byte came
-        heard = progress = time.monotonic()  # the last byte; the last data event
-        while True:
-            if events:
-                yield events
-            if pump.failed is not None:
-                raise pump.failed
-            while pump.cap_due is not None:
-                events = pump.capped(_end_reasoning(self._board, self._model, self._owner, self._cancel, *pump.cap_due))
-                if events:
-                    yield events
-                if pump.failed is not None:
-                    raise pump.failed
-            if pump.outcome is not None:
-                return pump.outcome
-            now = time.monotonic()
-            if _quiet_due(limits, pump.head, progress, now):
-                _check_quiet(self._board, self._model, self._slot, self._cancel, now - progress, heard > progress)
-            try:
-                data = conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))
-            except _Silence:
-                self._check()
-                if not started:
-                    events = yield from _poll_for_head(self._board, self._model, self._slot, self._cancel, waits)
-                    continue
-                events = []
-                stalled = _silence(limits, pump.head, heard)
-                if stalled is None:
-                    continue
-                raise stalled from None
-            self._check()
-            heard = time.monotonic()
-            if not started:
-                started = progress = heard
-            events = pump.feed(data) if data else pump.feed_eof()
-            if pump.progressed:
-                progress = heard
-
-
-def _poll_for_head(
-    board: _Board, model: Optional[str], slot: Optional[int], cancel: threading.Event, waits: _Waits
-) -> Generator[List[Event], None, List[Event]]:
-    """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
-    waits.check()
-    state, wedged = board.slot_state(model, slot, cancel, every=True)
-    if wedged is not None:
-        yield [Waiting(True, wedged=True)]
-        raise wedged
-    waits.observe(state)
-    yield [Waiting(state == BUSY)]
-    waits.check()
-    return []
-
-
-def _check_quiet(
-    board: _Board, model: Optional[str], slot: Optional[int], cancel: threading.Event, quiet: float, pinged: bool
-) -> None:
-    """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
-    error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream is
-    unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
-    ``busy_wait`` counted from the last data event."""
-    wedge, pings = _quiet_rule(board.limits, slot, quiet, pinged)
-    if wedge or pings:
-        state, wedged = board.slot_state(model, slot, cancel, every=False)
-        limits = board.limits
-        _quiet_verdict(limits, state, wedged, wedge, pings, quiet)
-
-
-def _end_reasoning(
-    board: _Board,
-    model: Optional[str],
-    owner: _Owner,
-    cancel: threading.Event,
-    completion_id: Optional[str],
-    tokens: int,
-) -> bool:
-    """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
-    assert completion_id is not None
-    try:
-        return board.control(model, completion_id, owner)
-    except LoopError as exc:
-        if cancel.is_set():
-            raise
-        raise _cap_failed(tokens, exc) from exc
-
-
-def _cannot_connect(exc: OSError) -> _Retry:
-    return _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
-
-
-def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
-    """The ``Retrying`` event for a failed attempt (its delay: ``backoff`` jittered down by up to a quarter,
-    ``Retry-After`` as a floor, never past ``load_wait``) and the next backoff; the budget's error when
-    ``load_wait`` is spent or a hint goes past it."""
-    waits.observe(UNAVAILABLE, retry.cause)
-    left = waits.remaining()
-    assert left is not None
-    if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
-        raise waits.expired()
-    import random  # only when a retry happens
-
-    delay = backoff * (1.0 - 0.25 * random.random())
-    if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
-        delay = max(delay, retry.hint)
-    return Retrying(attempt + 1, min(delay, left), retry.reason), min(backoff * 2, BACKOFF_MAX)
-
-
-def _read_timeout(
-    limits: Limits, waits: _Waits, head: Optional[ResponseHead], started: float, heard: float, now: float
-) -> float:
-    """How long the next read of an attempt may wait: ``poll`` (within the wait's budget) before the first
-    byte, what is left of ``liveness`` after it; at most ``poll`` on a silent stream when slots are watched
-    for a wedge.  A head that has not completed within ``liveness`` of its first byte is ``StalledError``."""
-    liveness = limits.liveness
-    if not started:
-        left = waits.remaining()
-        timeout = limits.poll if left is None else max(0.001, min(limits.poll, left))
-    elif head is None:
-        timeout = started + liveness - now
-        if timeout <= 0:
-            raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
-    else:
-        timeout = liveness - (now - heard)
-        if limits.wedge_wait is not None and head.status == 200:
-            timeout = min(timeout, limits.poll)  # to look for a wedged slot while the stream is silent
-    return max(timeout, 0.001)
-
-
-def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
-    """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
-    liveness = limits.liveness
-    if time.monotonic() - heard < liveness:
-        return None
-    what = "the response head" if head is None else "the error body" if head.status != 200 else ""
-    if what:
-        return StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness)
-    return StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness)
-
-
-def _quiet_due(limits: Limits, head: Optional[ResponseHead], progress: float, now: float) -> bool:
-    """A started stream has had no data event for ``poll``: time to apply the quiet rule."""
-    return head is not None and head.status == 200 and now - progress >= limits.poll
-
-
-def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
-    """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
-    being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
-    serves the stream is unknown); pings alone are judged once they have lasted ``liveness``."""
-    wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
-    return wedge, pinged and quiet >= limits.liveness
-
-
-def _quiet_verdict(
-    limits: Limits, state: str, wedged: Optional[WedgedSlotError], wedge: bool, pings: bool, quiet: float
-) -> None:
-    """Raise what the slot's state makes of a quiet stream: a wedged slot, or pings from a slot that no
-    longer processes (or still does after ``busy_wait``, counted from the last data event)."""
-    if wedged is not None and wedge:
-        raise wedged
-    if not pings:
-        return
-    if state != BUSY:
-        raise StalledError(
-            "only pings for %.1f s and the slot is %s: the stream is stuck"
-            % (quiet, "idle" if state == IDLE else "unknown"),
-            quiet,
-        )
-    if quiet >= limits.busy_wait:
-        raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
-
-
-def _cap_failed(tokens: int, exc: BaseException) -> ThinkingOverrunError:
-    return ThinkingOverrunError(
-        "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
-    )
-
-
-def _no_answer(what: str, timeout: float) -> StalledError:
-    return StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout)
-
-
-def _read_response(
-    conn: _Conn, timeout: float, max_body: int, what: str, head_only: bool = False
-) -> Tuple[ResponseHead, bytes]:
-    """Read one non-streamed response to its end: (head, body).  Silence longer than ``timeout`` between
-    two reads is ``StalledError``; a body over ``max_body`` is ``ProtocolError``.  ``head_only``: the
-    answer to a HEAD request, which ends at its head whatever its Content-Length says (RFC 9112 6.3)."""
-    reader = ResponseReader(max_body=max_body)
-    pieces = []  # type: List[bytes]
-    while not reader.done and not (head_only and reader.head is not None):
-        try:
-            data = conn.recv(timeout)
-        except _Silence:
-            raise _no_answer(what, timeout) from None
-        if not data:
-            reader.feed_eof()
-            break
-        pieces.extend(reader.feed(data))
-        if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
-            raise reader.failed
-    assert reader.head is not None
-    return reader.head, b"".join(pieces)
-
-
 _NO_MODEL = object()  # "route to the client's default model"
 _METHOD_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
@@ -3178,27 +2720,55 @@ def _query_string(query: Dict[str, Any]) -> str:
     return urlencode(query)
 
 
-class Client:
-    """A client of one llama-server, shared by any number of threads.
+def _cancelled() -> CancelledError:
+    return CancelledError("the request was cancelled")
 
-    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
-    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
-    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
-    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
-    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
-    A malformed address, a CR or LF in ``api_key`` or a header, or limits of the wrong type raise
-    ``ValueError``/``TypeError`` here, before any connection.
-    """
+
+class _StreamRequest:
+    """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
+
+    __slots__ = ("request", "slot", "model", "raw_chunks")
+
+    def __init__(self, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool) -> None:
+        self.request = request
+        self.slot = slot
+        self.model = model
+        self.raw_chunks = raw_chunks
+
+
+def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
+    """Wait in the queue until ``ticket`` is granted: a hand-over signals the run's waker; every ``poll``
+    seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
+    coalesced, never repeated or increased)."""
+    yield [Queued(ticket.ahead)]
+    due = time.monotonic() + poll
+    while True:
+        yield (_PARK, max(due - time.monotonic(), 0.0))
+        ahead = gate.position(ticket)
+        if ahead is None:
+            return
+        now = time.monotonic()
+        if now >= due:
+            if ahead < ticket.ahead:
+                ticket.ahead = ahead
+                yield [Queued(ahead)]
+            due = now + poll
+
+
+class _Calls:
+    """The request logic of one client, shared by ``Client`` and ``AsyncClient``: how every call builds its
+    request and reads its answer, and the life of a streamed request (gate, head wait, retries, liveness,
+    the wedge rule, the thinking cap).  Its methods return plans (see above); it never touches a socket.
+    The constructor checks what ``Client`` documents."""
 
     def __init__(
         self,
-        address: Any = None,
-        *,
-        limits: Optional[Limits] = None,
-        api_key: Optional[str] = None,
-        headers: Optional[Dict[str, str]] = None,
-        model: Optional[str] = None,
-        ssl_context: Any = None,
+        address: Any,
+        limits: Optional[Limits],
+        api_key: Optional[str],
+        headers: Optional[Dict[str, str]],
+        model: Optional[str],
+        ssl_context: Any,
     ) -> None:
         if address is None:
             address = os.environ.get("LLAMA_SERVER") or DEFAULT_ADDRESS
@@ -3233,35 +2803,21 @@ class Client:
                 ssl_context = ssl.create_default_context()
             elif not isinstance(ssl_context, ssl.SSLContext):
                 raise TypeError("ssl_context must be an ssl.SSLContext, not %s" % type(ssl_context).__name__)
-        self._addr = addr
-        self._board = _Board(addr, limits, self._json, ssl_context)
-        self._closed = False
+        self.addr = addr
+        self.ssl_context = ssl_context
+        self.closed = False
 
-    def __repr__(self) -> str:
-        return "<loopclient.Client %s>" % self.address
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Cancel this client's streams in flight and stop its poller.  Any later call is ``ValueError``."""
-        self._closed = True
-        self._board.close()
-
-    # -- the one request path ------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------------
 
     def _encode(self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None) -> bytes:
         """The request bytes.  ``ValueError``/``TypeError`` for what cannot be sent, before any connection."""
-        if self._closed:
+        if self.closed:
             raise ValueError("this client is closed")
         if not method or not _METHOD_CHARS.issuperset(method):
             raise ValueError("invalid HTTP method %r" % (method,))
         if not path.startswith("/"):  # checked before the prefix, which would make "/llama" + "x" look valid
             raise ValueError("the request path must start with /: %r" % (path,))
-        target = self._addr.prefix + path
+        target = self.addr.prefix + path
         if query:
             target += ("&" if "?" in path else "?") + _query_string(query)
         headers = [("Accept", accept)]
@@ -3270,7 +2826,7 @@ class Client:
             payload = json.dumps(body, allow_nan=False).encode("utf-8")
             headers.append(("Content-Type", "application/json"))
         headers.append(("Connection", "close"))
-        return encode_request(method, target, self._addr.host, headers + self._headers, payload)
+        return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
     def _route(
         self, method: str, body: Any, query: Optional[Dict[str, Any]], model: Any, path: str = ""
@@ -3287,6 +2843,39 @@ class Client:
             body = dict(body, model=name)
         return body, query
 
+    # -- single-shot calls: one exchange, never retried -----------------------------------------------------
+
+    def _exchange(
+        self, request: bytes, timeout: float, what: str, head_only: bool = False
+    ) -> _Plan[Tuple[ResponseHead, bytes]]:
+        """Send one request on a new connection and read its response to the end: (head, body).  A server
+        that cannot be reached is ``ConnectError``; silence longer than ``timeout`` between two reads is
+        ``StalledError``; a body over ``max_body`` is ``ProtocolError``.  ``head_only``: the answer to a
+        HEAD request, which ends at its head whatever its Content-Length says (RFC 9112 6.3)."""
+        try:
+            conn = yield (_CONNECT, timeout)
+        except OSError as exc:
+            raise _connect_error(self.addr, exc) from exc
+        try:
+            yield (_SEND, conn, request, timeout)
+            reader = ResponseReader(max_body=self.limits.max_body)
+            pieces = []  # type: List[bytes]
+            while not reader.done and not (head_only and reader.head is not None):
+                try:
+                    data = yield (_RECV, conn, timeout)
+                except _Silence:
+                    raise _no_answer(what, timeout) from None
+                if not data:
+                    reader.feed_eof()
+                    break
+                pieces.extend(reader.feed(data))
+                if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
+                    raise reader.failed
+            assert reader.head is not None
+            return reader.head, b"".join(pieces)
+        finally:
+            conn.close()
+
     def _send(
         self,
         method: str,
@@ -3296,71 +2885,123 @@ class Client:
         *,
         model: Any = _NO_MODEL,
         timeout: Optional[float] = None,
-        owner: Optional[_Owner] = None,
-    ) -> Tuple[ResponseHead, bytes]:
-        """One request on a new connection, never retried: (head, body)."""
-        request, timeout = self._prepare(method, path, body, query, model, timeout)
-        try:
-            conn = self._board.connect(timeout)
-        except OSError as exc:
-            raise _connect_error(self._addr, exc) from exc
-        if owner is not None:
-            owner.add(conn)
-        try:
-            conn.sendall(request, timeout)
-            return _read_response(conn, timeout, self.limits.max_body, "%s %s" % (method, path), method == "HEAD")
-        finally:
-            conn.close()
-            if owner is not None:
-                owner.discard(conn)
-
-    def _prepare(
-        self, method: str, path: str, body: Any, query: Optional[Dict[str, Any]], model: Any, timeout: Optional[float]
-    ) -> Tuple[bytes, float]:
-        """The bytes of a single-shot request, routed to its model, and its timeout (``liveness`` unless given)."""
+    ) -> _Plan[Tuple[ResponseHead, bytes]]:
+        """One request, routed to its model, on a new connection: (head, body).  ``timeout``: ``liveness``."""
         body, query = self._route(method, body, query, model, path)
         request = self._encode(method, path, body, "application/json", query)
-        return request, self.limits.liveness if timeout is None else timeout
+        timeout = self.limits.liveness if timeout is None else timeout
+        return (yield from self._exchange(request, timeout, "%s %s" % (method, path), method == "HEAD"))
 
-    def _json(self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any) -> Any:
-        head, data = self._send(method, path, body, query, **kw)
+    def _json(
+        self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any
+    ) -> _Plan[Any]:
+        head, data = yield from self._send(method, path, body, query, **kw)
         if head.status != 200:
             raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
         return _decode_json(data, "%s %s" % (method, path))
 
     def _object(
         self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None
-    ) -> Dict[str, Any]:
-        doc = self._json(method, path, body, query)
+    ) -> _Plan[Dict[str, Any]]:
+        doc = yield from self._json(method, path, body, query)
         if not isinstance(doc, dict):
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
         return doc
 
-    def _field(self, path: str, body: Any, name: str, kind: Any) -> Any:
-        doc = self._object("POST", path, body)
+    def _field(self, path: str, body: Any, name: str, kind: Any) -> _Plan[Any]:
+        doc = yield from self._object("POST", path, body)
         value = doc.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ProtocolError("POST %s answered no %r of the right type" % (path, name))
         return value
 
-    # -- chat ------------------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any, query: Optional[Dict[str, Any]]) -> _Plan[Any]:
+        if not isinstance(method, str) or not isinstance(path, str):
+            raise TypeError("method and path must be str")
+        if query is not None and not isinstance(query, dict):
+            raise TypeError("query must be a dict, not %s" % type(query).__name__)
+        head, data = yield from self._send(method, path, body, query)
+        if not 200 <= head.status < 300:
+            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        if method == "HEAD" or head.status == 204:  # no body, whatever Content-Type says
+            return ""
+        if "json" in (head.get("content-type") or "").lower():
+            return _decode_json(data, "%s %s" % (method, path))
+        return data.decode("utf-8", "replace")
 
-    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> ChatStream:
-        """A ``ChatStream`` for ``messages``; every keyword but ``raw_chunks`` goes into the JSON body
-        unchanged.  The request starts when iteration starts.
+    def slots(self, model: Optional[str]) -> _Plan[List[Slot]]:
+        return _slots_from((yield from self._json("GET", "/slots", model=self.model if model is None else model)))
 
-        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given),
-        ``reasoning_control`` (when ``Limits.thinking_cap`` is set) and ``model`` (when the client has a
-        default and the call names none).  ``raw_chunks=True`` also yields a ``Chunk`` per data event.
-        A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
-        ``TypeError``/``ValueError`` here, before any connection.
-        """
-        return ChatStream(self._board, *self._chat_request(messages, slot, params))
+    def health(self) -> _Plan[Dict[str, Any]]:
+        return (yield from self._object("GET", "/health"))
 
-    def _chat_request(
+    def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
+        doc = yield from self._json("GET", "/props", model=self.model if model is None else model)
+        if not isinstance(doc, dict):
+            raise ProtocolError("GET /props did not answer a JSON object")
+        return doc
+
+    def models(self) -> _Plan[Dict[str, Any]]:
+        return (yield from self._object("GET", "/v1/models"))
+
+    def load_model(self, name: str) -> _Plan[Dict[str, Any]]:
+        return (yield from self._object("POST", "/models/load", {"model": name}))
+
+    def unload_model(self, name: str) -> _Plan[Dict[str, Any]]:
+        return (yield from self._object("POST", "/models/unload", {"model": name}))
+
+    def control(self, model: Optional[str], completion_id: str) -> _Plan[bool]:
+        """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
+        if not isinstance(completion_id, str):
+            raise TypeError("completion_id must be a str")
+        body = {"id": completion_id, "action": "reasoning_end"}
+        doc = yield from self._json("POST", "/v1/chat/completions/control", body, model=model)
+        if not isinstance(doc, dict):
+            raise ProtocolError("the control endpoint did not answer a JSON object")
+        return doc.get("success") is True
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> _Plan[List[Any]]:
+        body = {"content": text, "add_special": add_special, "parse_special": parse_special, "with_pieces": with_pieces}
+        return (yield from self._field("/tokenize", body, "tokens", list))  # type: ignore[no-any-return]
+
+    def detokenize(self, tokens: Sequence[int]) -> _Plan[str]:
+        return (yield from self._field("/detokenize", {"tokens": list(tokens)}, "content", str))  # type: ignore[no-any-return]
+
+    def apply_template(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[str]:
+        return (yield from self._field("/apply-template", dict(params, messages=messages), "prompt", str))  # type: ignore[no-any-return]
+
+    def count_tokens(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[int]:
+        body = dict(params, messages=messages)
+        return (yield from self._field("/v1/chat/completions/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
+
+    def embed(self, input: Union[str, Sequence[str]], params: Dict[str, Any]) -> _Plan[List[List[float]]]:
+        data = yield from self._field("/v1/embeddings", dict(params, input=input), "data", list)
+        if not all(
+            isinstance(d, dict) and isinstance(d.get("embedding"), list) and type(d.get("index", 0)) is int
+            for d in data
+        ):
+            raise ProtocolError("POST /v1/embeddings answered an entry without an embedding or an integer index")
+        return [d["embedding"] for d in sorted(data, key=lambda d: d.get("index", 0))]
+
+    def rerank(self, query: str, documents: Sequence[str], params: Dict[str, Any]) -> _Plan[List[Dict[str, Any]]]:
+        body = dict(params, query=query, documents=list(documents))
+        return (yield from self._field("/v1/rerank", body, "results", list))  # type: ignore[no-any-return]
+
+    def slot_action(self, slot: int, action: str, body: Dict[str, Any]) -> _Plan[Dict[str, Any]]:
+        return (yield from self._object("POST", "/slots/%d" % _slot_id(slot), body, {"action": action}))
+
+    def metrics(self) -> _Plan[str]:
+        head, data = yield from self._send("GET", "/metrics")
+        if head.status != 200:
+            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        return data.decode("utf-8", "replace")
+
+    # -- streamed requests ----------------------------------------------------------------------------
+
+    def chat_request(
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int], params: Dict[str, Any]
-    ) -> Tuple[bytes, Optional[int], Optional[str], bool]:
-        """(request bytes, slot, model, raw_chunks) of a streamed chat; the checks ``stream()`` documents."""
+    ) -> _StreamRequest:
+        """A streamed chat, built and checked as ``Client.stream()`` documents."""
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
             raise TypeError("slot must be an int or None, not %r" % (slot,))
         if slot is not None and slot < 0:
@@ -3383,137 +3024,207 @@ class Client:
         body, _ = self._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
         request = self._encode("POST", "/v1/chat/completions", body, "text/event-stream")
-        return request, slot, model if isinstance(model, str) else None, raw_chunks
+        return _StreamRequest(request, slot, model if isinstance(model, str) else None, raw_chunks)
 
-    def chat(
-        self,
-        messages: Sequence[Dict[str, Any]],
-        slot: Optional[int] = None,
-        on_event: Optional[Callable[[Event], Any]] = None,
-        **params: Any,
-    ) -> Completion:
-        """Stream a chat and return its ``Completion``, calling ``on_event`` in this thread for each event.
-
-        Raises the ``LoopError`` subclasses (see ``ChatStream``).  An exception from ``on_event`` (or a
-        KeyboardInterrupt) closes the request and propagates unchanged.
-        """
-        stream = self.stream(messages, slot=slot, **params)
+    def stream(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
+        """The life of one streamed request: its place in the gate, then attempts until one is answered;
+        returns the ``Completion``.  Whatever ends it, its sockets are closed and its permit released
+        before the result or the error leaves the plan."""
         try:
-            for event in stream:
-                if on_event is not None:
-                    on_event(event)
-        except BaseException:
-            stream.__exit__(None, None, None)
+            board.add(run)
+            slot = req.slot
+            capacity = 1 if slot is not None else (yield from self._capacity(board, run, req.model))
+            ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
+            if not ticket.granted:
+                yield from _queued(board.gate, ticket, self.limits.poll)
+            return (yield from self._attempts(board, run, req))
+        except LoopError:
+            if run.cancelled:
+                raise _cancelled() from None
             raise
-        assert stream.completion is not None
-        return stream.completion
+        finally:
+            run.close_all()
+            if run.ticket is not None:
+                board.gate.leave(run.ticket)
+            board.discard(run)
 
-    # -- single-shot calls: never retried; ConnectError, StalledError, HTTPStatusError, ProtocolError ----
+    def _capacity(self, board: _Board, run: _Run, model: Optional[str]) -> _Plan[int]:
+        """``total_slots`` of the model from ``/props``, read once per board; 1 until the server has
+        answered.  One request asks; the others wait for its answer."""
+        while True:
+            with board.lock:
+                if model in board.pools:
+                    return board.pools[model]
+                asking = model not in board.props
+                if asking:
+                    board.props[model] = set()
+                waiters = board.props[model]
+                if not asking:
+                    waiters.add(run)
+            if not asking:
+                try:
+                    yield (_PARK, None)
+                finally:
+                    with board.lock:
+                        waiters.discard(run)
+                continue
+            total = None
+            try:
+                total = _total_slots((yield from self._json("GET", "/props", model=model)))
+            except CancelledError:
+                raise
+            except LoopError:
+                pass
+            finally:
+                with board.lock:
+                    del board.props[model]
+                    if total is not None:
+                        board.pools[model] = total
+                for waiter in waiters:
+                    waiter.signal()
+            return 1 if total is None else total
 
-    def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
-        """Any endpoint: ``body`` (when not None) is sent as JSON, ``query`` (a dict) URL-encoded.  Returns
-        the decoded JSON when the response is JSON, else its text.  A 2xx status is success; any other is
-        ``HTTPStatusError``.  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
-        ``ValueError`` before anything is sent."""
-        if not isinstance(method, str) or not isinstance(path, str):
-            raise TypeError("method and path must be str")
-        if query is not None and not isinstance(query, dict):
-            raise TypeError("query must be a dict, not %s" % type(query).__name__)
-        head, data = self._send(method, path, body, query)
-        if not 200 <= head.status < 300:
-            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
-        if method == "HEAD" or head.status == 204:  # no body, whatever Content-Type says
-            return ""
-        if "json" in (head.get("content-type") or "").lower():
-            return _decode_json(data, "%s %s" % (method, path))
-        return data.decode("utf-8", "replace")
+    def _attempts(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
+        """Send, and send again after a failure before delivery (backoff, ``Retrying``) until an attempt
+        is answered or a budget is spent."""
+        limits = self.limits
+        waits = _Waits(limits, req.slot, self.address)
+        attempt = 0
+        backoff = BACKOFF_FIRST
+        while True:
+            try:
+                conn = yield (_CONNECT, max(limits.poll, 0.2))
+            except OSError as exc:
+                retry = _cannot_connect(exc)
+            else:
+                try:
+                    waits.sent_at = time.monotonic()
+                    outcome = yield from self._attempt(board, run, req, conn, waits)
+                finally:
+                    conn.close()
+                if not isinstance(outcome, _Retry):
+                    return outcome
+                retry = outcome
+            event, backoff = _next_retry(waits, retry, attempt, backoff)
+            attempt = event.attempt
+            yield [event]
+            yield (_SLEEP, event.delay)
 
-    def slots(self, model: Optional[str] = None) -> List[Slot]:
-        """``GET /slots`` (``?model=`` with ``model`` or the client's default)."""
-        return _slots_from(self._json("GET", "/slots", model=self.model if model is None else model))
+    def _attempt(
+        self, board: _Board, run: _Run, req: _StreamRequest, conn: Any, waits: _Waits
+    ) -> _Plan[Union[Completion, _Retry]]:
+        """One attempt: send, wait for the head (polling /slots), then pump the response to its end: the
+        ``Completion``, or a ``_Retry``."""
+        limits = self.limits
+        yield (_SEND, conn, req.request, limits.liveness)
+        pump = ResponsePump(limits, req.raw_chunks)
+        events = []  # type: List[Event]
+        started = 0.0  # when the first byte came
+        heard = progress = time.monotonic()  # the last byte; the last data event
+        while True:
+            if events:
+                yield events
+            if pump.failed is not None:
+                raise pump.failed
+            while pump.cap_due is not None:
+                ok = yield from self._end_reasoning(run, req.model, *pump.cap_due)
+                events = pump.capped(ok)
+                if events:
+                    yield events
+                if pump.failed is not None:
+                    raise pump.failed
+            if pump.outcome is not None:
+                return pump.outcome
+            now = time.monotonic()
+            if _quiet_due(limits, pump.head, progress, now):
+                yield from self._check_quiet(board, run, req, now - progress, heard > progress)
+            try:
+                data = yield (_RECV, conn, _read_timeout(limits, waits, pump.head, started, heard, now))
+            except _Silence:
+                events = []
+                if not started:
+                    yield from self._poll_for_head(board, run, req, waits)
+                    continue
+                stalled = _silence(limits, pump.head, heard)
+                if stalled is None:
+                    continue
+                raise stalled from None
+            heard = time.monotonic()
+            if not started:
+                started = progress = heard
+            events = pump.feed(data) if data else pump.feed_eof()
+            if pump.progressed:
+                progress = heard
 
-    def health(self) -> Dict[str, Any]:
-        """``GET /health``: ``{"status": "ok"}``; ``HTTPStatusError`` (503) while the model loads."""
-        return self._object("GET", "/health")
+    def _poll_for_head(self, board: _Board, run: _Run, req: _StreamRequest, waits: _Waits) -> _Plan[None]:
+        """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
+        waits.check()
+        state, wedged = yield from self._slot_state(board, run, req.model, req.slot, every=True)
+        if wedged is not None:
+            yield [Waiting(True, wedged=True)]
+            raise wedged
+        waits.observe(state)
+        yield [Waiting(state == BUSY)]
+        waits.check()
 
-    def props(self, model: Optional[str] = None) -> Dict[str, Any]:
-        """``GET /props`` (``?model=`` with ``model`` or the client's default)."""
-        doc = self._json("GET", "/props", model=self.model if model is None else model)
-        if not isinstance(doc, dict):
-            raise ProtocolError("GET /props did not answer a JSON object")
-        return doc
+    def _check_quiet(self, board: _Board, run: _Run, req: _StreamRequest, quiet: float, pinged: bool) -> _Plan[None]:
+        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
+        error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream
+        is unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
+        ``busy_wait`` counted from the last data event."""
+        wedge, pings = _quiet_rule(self.limits, req.slot, quiet, pinged)
+        if wedge or pings:
+            state, wedged = yield from self._slot_state(board, run, req.model, req.slot, every=False)
+            _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
 
-    def models(self) -> Dict[str, Any]:
-        """``GET /v1/models``: the models the server (or router) serves, with their status on a router."""
-        return self._object("GET", "/v1/models")
+    def _slot_state(
+        self, board: _Board, run: _Run, model: Optional[str], slot: Optional[int], every: bool
+    ) -> _Plan[Tuple[str, Optional[WedgedSlotError]]]:
+        """The state of ``slot`` (``None``: the pool) from the shared poller, and the error that says so when
+        it is wedged.  ``every``: the pool is busy only when every slot is (else: when any is).  An answer
+        younger than ``poll`` is reused; else one request (the first to ask) goes out, and the others wait
+        for it, at most ``poll``: no answer by then is an unavailable server."""
+        poller = board.poller(model)
+        interval = self.limits.poll
+        asked = time.monotonic()
+        if asked - poller.stamp >= interval:
+            if poller.start():
+                yield (_SPAWN, self._poll_slots(poller, model))
+            deadline = asked + interval
+            poller.wait(run, True)
+            try:
+                while poller.stamp < asked:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    yield (_PARK, left)
+            finally:
+                poller.wait(run, False)
+            if poller.stamp < asked:
+                return poller.state(None, slot, every, self.address)
+        return poller.state(poller.slots, slot, every, self.address)
 
-    def load_model(self, name: str) -> Dict[str, Any]:
-        """Router mode: ``POST /models/load`` for ``name``; the server's answer."""
-        return self._object("POST", "/models/load", {"model": name})
+    def _poll_slots(self, poller: _SlotPoller, model: Optional[str]) -> _Plan[None]:
+        """The shared ``/slots`` request, in the background; any failure means "unavailable"."""
+        limits = self.limits
+        slots = None  # type: Optional[List[Slot]]
+        try:
+            timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
+            slots = _slots_from((yield from self._json("GET", "/slots", model=model, timeout=timeout)))
+        except Exception:
+            pass
+        finally:
+            poller.answered(slots)
 
-    def unload_model(self, name: str) -> Dict[str, Any]:
-        """Router mode: ``POST /models/unload`` for ``name``; the server's answer."""
-        return self._object("POST", "/models/unload", {"model": name})
-
-    def end_reasoning(self, completion_id: str) -> bool:
-        """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
-        return self._board.control(self.model, completion_id, None)
-
-    def tokenize(
-        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
-    ) -> List[Any]:
-        """``POST /tokenize``: the token ids (with ``with_pieces``: ``{"id", "piece"}`` dicts)."""
-        body = {"content": text, "add_special": add_special, "parse_special": parse_special, "with_pieces": with_pieces}
-        return self._field("/tokenize", body, "tokens", list)  # type: ignore[no-any-return]
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        """``POST /detokenize``: the text of ``tokens``."""
-        return self._field("/detokenize", {"tokens": list(tokens)}, "content", str)  # type: ignore[no-any-return]
-
-    def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
-        """``POST /apply-template``: the prompt the server's chat template makes of ``messages``."""
-        body = dict(params, messages=messages)
-        return self._field("/apply-template", body, "prompt", str)  # type: ignore[no-any-return]
-
-    def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
-        """``POST /v1/chat/completions/input_tokens``: how many prompt tokens ``messages`` make."""
-        body = dict(params, messages=messages)
-        return self._field("/v1/chat/completions/input_tokens", body, "input_tokens", int)  # type: ignore[no-any-return]
-
-    def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
-        """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
-        order."""
-        data = self._field("/v1/embeddings", dict(params, input=input), "data", list)
-        if not all(
-            isinstance(d, dict) and isinstance(d.get("embedding"), list) and type(d.get("index", 0)) is int
-            for d in data
-        ):
-            raise ProtocolError("POST /v1/embeddings answered an entry without an embedding or an integer index")
-        return [d["embedding"] for d in sorted(data, key=lambda d: d.get("index", 0))]
-
-    def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
-        """``POST /v1/rerank`` (a reranking model): the results, as the server orders them."""
-        body = dict(params, query=query, documents=list(documents))
-        return self._field("/v1/rerank", body, "results", list)  # type: ignore[no-any-return]
-
-    def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
-        """``POST /slots/{slot}?action=save`` (a server started with ``--slot-save-path``)."""
-        return self._object("POST", "/slots/%d" % _slot_id(slot), {"filename": filename}, {"action": "save"})
-
-    def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
-        """``POST /slots/{slot}?action=restore``: load a saved prompt cache into the slot."""
-        return self._object("POST", "/slots/%d" % _slot_id(slot), {"filename": filename}, {"action": "restore"})
-
-    def erase_slot(self, slot: int) -> Dict[str, Any]:
-        """``POST /slots/{slot}?action=erase``: drop the slot's prompt cache."""
-        return self._object("POST", "/slots/%d" % _slot_id(slot), {}, {"action": "erase"})
-
-    def metrics(self) -> str:
-        """``GET /metrics`` (a server started with ``--metrics``): Prometheus text."""
-        head, data = self._send("GET", "/metrics")
-        if head.status != 200:
-            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
-        return data.decode("utf-8", "replace")
+    def _end_reasoning(self, run: _Run, model: Optional[str], completion_id: Optional[str], tokens: int) -> _Plan[bool]:
+        """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
+        assert completion_id is not None
+        try:
+            return (yield from self.control(model, completion_id))
+        except LoopError as exc:
+            if run.cancelled:
+                raise
+            raise _cap_failed(tokens, exc) from exc
 
 
 def _slot_id(slot: Any) -> int:
@@ -3534,19 +3245,468 @@ def _decode_json(data: bytes, what: str) -> Any:
 
 
 # =====================================================================================================
-# 9. The asyncio client
+# 9. The drivers: blocking sockets and threads, then asyncio
 # =====================================================================================================
 #
-# The same request, on an event loop: the pump, the waits and budgets, the retry and quiet rules, the
-# /slots verdict and every message are the functions the threaded client calls; what is new here is only
-# the I/O (asyncio transports instead of blocking sockets) and the gate (a queue of futures).  asyncio is
-# imported by the first AsyncClient, never by ``import loopclient``.
+# A driver performs the operations a plan yields, and nothing else: connections, reads and writes with
+# their timeouts, parking a request until its waker is signalled, sleeping, starting a background plan.
+# Socket errors become the library's errors in each driver's connection class, narrowest first.
+
+
+class _Conn:
+    """One connection with a blocking socket.  Socket errors are translated here, narrowest first:
+    ``socket.timeout`` (on 3.8 not a ``TimeoutError``) before ``OSError``."""
+
+    __slots__ = ("sock", "owner", "_timeout", "_lock", "_closed")
+
+    def __init__(self, addr: _Address, timeout: float, ssl_context: Any, owner: _SyncRun) -> None:
+        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the plan, which may
+        # retry; a failed TLS handshake or certificate check is ConnectError, which no plan retries.
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(addr.target)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection(addr.target, timeout)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - not every TCP stack has it
+                pass
+            if addr.tls:
+                sock = _wrap_tls(sock, addr, ssl_context)
+        self.sock = sock
+        self.owner = owner
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def sendall(self, data: bytes, timeout: float) -> None:
+        try:
+            if timeout != self._timeout:
+                self.sock.settimeout(timeout)
+                self._timeout = timeout
+            self.sock.sendall(data)
+        except socket.timeout:
+            raise _send_stalled(timeout) from None
+        except OSError as exc:
+            raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
+
+    def recv(self, timeout: float) -> bytes:
+        try:
+            if timeout != self._timeout:
+                self.sock.settimeout(timeout)
+                self._timeout = timeout
+            return self.sock.recv(RECV_SIZE)
+        except socket.timeout:
+            raise _Silence() from None
+        except OSError as exc:
+            raise _connection_failed(exc) from exc
+
+    def abort(self) -> None:
+        """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd
+        (on Linux, closing a socket another thread reads does not wake that thread)."""
+        with self._lock:
+            if not self._closed:
+                try:
+                    # the plain socket's shutdown: an SSLSocket's own would drop its TLS state under the reader
+                    socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """In the thread that uses it; idempotent."""
+        self.owner.forget(self)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.sock.close()
+
+
+def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
+    import ssl  # only for https://
+
+    try:
+        return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
+    except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
+        sock.close()
+        raise _tls_failed(addr, exc) from exc
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _SyncRun:
+    """A plan driven in the calling thread with blocking sockets.  ``cancel()`` works from any thread: it
+    shuts the run's sockets down (a blocked read wakes at once) and signals its waker (a park or a sleep
+    ends); the driving thread then throws ``CancelledError`` into the plan.  When no thread drives the plan
+    at that moment, ``cancel()`` ends it itself, so that its socket and permit are freed at once."""
+
+    __slots__ = ("board", "gen", "value", "cancelled", "ticket", "lock", "_conns", "_conns_lock", "_event")
+
+    def __init__(self, board: _Board) -> None:
+        self.board = board
+        self.gen = None  # type: Optional[_Plan[Any]]
+        self.value = None  # type: Any  # what the plan returned
+        self.cancelled = False
+        self.ticket = None  # type: Optional[_Ticket]
+        self.lock = threading.Lock()  # held while a thread drives the plan
+        self._conns = set()  # type: Set[_Conn]
+        self._conns_lock = threading.Lock()
+        self._event = threading.Event()
+
+    def signal(self) -> None:
+        self._event.set()
+
+    def step(self) -> Optional[List[Event]]:
+        """Drive the plan to the next events it yields (None: it returned, its value in ``value``)."""
+        gen = self.gen
+        assert gen is not None
+        value = None  # type: Any
+        exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
+        while True:
+            try:
+                op = gen.send(value) if exc is None else gen.throw(exc)
+            except StopIteration as stop:
+                self.value = stop.value
+                return None
+            if type(op) is list:
+                return op
+            value = exc = None
+            try:
+                code = op[0]
+                if code == _RECV:
+                    value = op[1].recv(op[2])
+                elif code == _SEND:
+                    op[1].sendall(op[2], op[3])
+                elif code == _PARK:
+                    self._event.wait(op[1])
+                    self._event.clear()
+                elif code == _CONNECT:
+                    value = self._connect(op[1])
+                elif code == _SLEEP:
+                    self._sleep(op[1])
+                else:
+                    self._spawn(op[1])
+            except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
+                exc = caught
+            if self.cancelled and (exc is None or isinstance(exc, Exception)) and type(exc) is not CancelledError:
+                exc = _cancelled()
+
+    def finish(self) -> Any:
+        """Drive a plan that yields no events to its end: its value."""
+        with self.lock:
+            try:
+                while self.step() is not None:
+                    pass
+            finally:
+                self.close_all()
+        return self.value
+
+    def _connect(self, timeout: float) -> _Conn:
+        board = self.board
+        conn = _Conn(board.calls.addr, timeout, board.calls.ssl_context, self)
+        with self._conns_lock:
+            self._conns.add(conn)
+        return conn
+
+    def forget(self, conn: _Conn) -> None:
+        with self._conns_lock:
+            self._conns.discard(conn)
+
+    def close_all(self) -> None:
+        """Close the connections still open (the driving thread, at the plan's end)."""
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.close()
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.cancelled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._event.wait(left)
+            self._event.clear()
+
+    def _spawn(self, plan: _Plan[Any]) -> None:
+        run = _SyncRun(self.board)
+        run.gen = plan
+        self.board.add(run)
+        threading.Thread(target=run._background, name="loopclient-slots", daemon=True).start()
+
+    def _background(self) -> None:
+        try:
+            self.finish()
+        except BaseException:  # noqa: B036 - a background plan has no caller to tell
+            pass
+        finally:
+            self.board.discard(self)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.abort()
+        self._event.set()
+        if self.gen is not None and self.lock.acquire(False):  # nobody drives it: end it here
+            try:
+                self.gen.close()  # runs the plan's finally: sockets closed, permit released
+            finally:
+                self.lock.release()
+
+
+class Stream:
+    """One streamed request (``Client.stream()`` and the other ``stream_*`` calls): iterate it for events;
+    ``completion`` is there once iteration has ended without an error.  The request starts when iteration
+    starts.  ``cancel()`` works from any thread; leaving the ``with`` block early cancels quietly.
+    Iteration raises the ``LoopError`` subclasses (``CancelledError`` after ``cancel()``).  One thread
+    iterates a stream at a time.
+    """
+
+    def __init__(self, board: _Board, req: _StreamRequest) -> None:
+        run = self._run = _SyncRun(board)
+        run.gen = board.calls.stream(board, run, req)
+        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
+        self._done = False
+        #: the assembled answer, once iteration ended without an error
+        self.completion = None  # type: Optional[Completion]
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Event:
+        run = self._run
+        with run.lock:
+            if self._batch and not run.cancelled:  # a read yields all the events it completed
+                return self._batch.pop()
+            if self._done:
+                raise StopIteration
+            if run.cancelled:
+                self._done = True
+                assert run.gen is not None
+                run.gen.close()
+                raise _cancelled()
+            try:
+                batch = run.step()
+            except BaseException:
+                self._done = True
+                raise
+            if batch is None:
+                self._done = True
+                self.completion = run.value
+                raise StopIteration
+            batch.reverse()  # a fresh list, never empty: popped from its end
+            self._batch = batch
+            return batch.pop()
+
+    def cancel(self) -> None:
+        """Cancel the request from any thread: its sockets close, its permit is released, and the thread
+        iterating the stream gets ``CancelledError`` within 0.2 s."""
+        if not self._done:
+            self._run.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not self._done:
+            run = self._run
+            run.cancel()
+            with run.lock:
+                self._done = True
+                assert run.gen is not None
+                run.gen.close()
+
+
+#: The name of ``Stream`` from the time when chat was the only streamed endpoint.
+ChatStream = Stream
+
+
+class Client:
+    """A client of one llama-server, shared by any number of threads.
+
+    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
+    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
+    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
+    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
+    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
+    A malformed address, a CR or LF in ``api_key`` or a header, or limits of the wrong type raise
+    ``ValueError``/``TypeError`` here, before any connection.
+
+    Single-shot calls (everything but the streams) are never retried: a server that cannot be reached is
+    ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
+    ``HTTPStatusError``, a malformed answer or one over ``max_body`` is ``ProtocolError``.
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        *,
+        limits: Optional[Limits] = None,
+        api_key: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+        model: Optional[str] = None,
+        ssl_context: Any = None,
+    ) -> None:
+        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context)
+        self.address = calls.address  # type: str
+        self.limits = calls.limits  # type: Limits
+        self.model = calls.model  # type: Optional[str]
+        self._board = _Board(calls)
+
+    def __repr__(self) -> str:
+        return "<loopclient.Client %s>" % self.address
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cancel this client's streams in flight and stop its poller.  Any later call is ``ValueError``."""
+        self._calls.closed = True
+        self._board.close()
+
+    def _run(self, plan: _Plan[_T]) -> _T:
+        run = _SyncRun(self._board)
+        run.gen = plan
+        return run.finish()  # type: ignore[no-any-return]
+
+    # -- chat ------------------------------------------------------------------------------------------
+
+    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
+        """A ``Stream`` of the chat ``messages``; every keyword but ``raw_chunks`` goes into the JSON body
+        unchanged.  The request starts when iteration starts.
+
+        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given),
+        ``reasoning_control`` (when ``Limits.thinking_cap`` is set) and ``model`` (when the client has a
+        default and the call names none).  ``raw_chunks=True`` also yields a ``Chunk`` per data event.
+        A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
+        ``TypeError``/``ValueError`` here, before any connection.
+        """
+        return Stream(self._board, self._calls.chat_request(messages, slot, params))
+
+    def chat(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """Stream a chat and return its ``Completion``, calling ``on_event`` in this thread for each event.
+
+        Raises the ``LoopError`` subclasses (see ``Stream``).  An exception from ``on_event`` (or a
+        KeyboardInterrupt) closes the request and propagates unchanged.
+        """
+        return _consume(self.stream(messages, slot=slot, **params), on_event)
+
+    # -- single-shot calls --------------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
+        """Any endpoint: ``body`` (when not None) is sent as JSON, ``query`` (a dict) URL-encoded.  Returns
+        the decoded JSON when the response is JSON, else its text.  A 2xx status is success; any other is
+        ``HTTPStatusError``.  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
+        ``ValueError`` before anything is sent."""
+        return self._run(self._calls.request(method, path, body, query))
+
+    def slots(self, model: Optional[str] = None) -> List[Slot]:
+        """``GET /slots`` (``?model=`` with ``model`` or the client's default)."""
+        return self._run(self._calls.slots(model))
+
+    def health(self) -> Dict[str, Any]:
+        """``GET /health``: ``{"status": "ok"}``; ``HTTPStatusError`` (503) while the model loads."""
+        return self._run(self._calls.health())
+
+    def props(self, model: Optional[str] = None) -> Dict[str, Any]:
+        """``GET /props`` (``?model=`` with ``model`` or the client's default)."""
+        return self._run(self._calls.props(model))
+
+    def models(self) -> Dict[str, Any]:
+        """``GET /v1/models``: the models the server (or router) serves, with their status on a router."""
+        return self._run(self._calls.models())
+
+    def load_model(self, name: str) -> Dict[str, Any]:
+        """Router mode: ``POST /models/load`` for ``name``; the server's answer."""
+        return self._run(self._calls.load_model(name))
+
+    def unload_model(self, name: str) -> Dict[str, Any]:
+        """Router mode: ``POST /models/unload`` for ``name``; the server's answer."""
+        return self._run(self._calls.unload_model(name))
+
+    def end_reasoning(self, completion_id: str) -> bool:
+        """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
+        return self._run(self._calls.control(self.model, completion_id))
+
+    def tokenize(
+        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
+    ) -> List[Any]:
+        """``POST /tokenize``: the token ids (with ``with_pieces``: ``{"id", "piece"}`` dicts)."""
+        return self._run(self._calls.tokenize(text, add_special, parse_special, with_pieces))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """``POST /detokenize``: the text of ``tokens``."""
+        return self._run(self._calls.detokenize(tokens))
+
+    def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
+        """``POST /apply-template``: the prompt the server's chat template makes of ``messages``."""
+        return self._run(self._calls.apply_template(messages, params))
+
+    def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+        """``POST /v1/chat/completions/input_tokens``: how many prompt tokens ``messages`` make."""
+        return self._run(self._calls.count_tokens(messages, params))
+
+    def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
+        """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
+        order."""
+        return self._run(self._calls.embed(input, params))
+
+    def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
+        """``POST /v1/rerank`` (a reranking model): the results, as the server orders them."""
+        return self._run(self._calls.rerank(query, documents, params))
+
+    def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``POST /slots/{slot}?action=save`` (a server started with ``--slot-save-path``)."""
+        return self._run(self._calls.slot_action(slot, "save", {"filename": filename}))
+
+    def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+        """``POST /slots/{slot}?action=restore``: load a saved prompt cache into the slot."""
+        return self._run(self._calls.slot_action(slot, "restore", {"filename": filename}))
+
+    def erase_slot(self, slot: int) -> Dict[str, Any]:
+        """``POST /slots/{slot}?action=erase``: drop the slot's prompt cache."""
+        return self._run(self._calls.slot_action(slot, "erase", {}))
+
+    def metrics(self) -> str:
+        """``GET /metrics`` (a server started with ``--metrics``): Prometheus text."""
+        return self._run(self._calls.metrics())
+
+
+def _consume(stream: Stream, on_event: Optional[Callable[[Event], Any]]) -> Completion:
+    """Iterate ``stream`` to its end, calling ``on_event``; an exception from it closes the request."""
+    try:
+        for event in stream:
+            if on_event is not None:
+                on_event(event)
+    except BaseException:
+        stream.__exit__(None, None, None)
+        raise
+    assert stream.completion is not None
+    return stream.completion
+
+
+# -- asyncio: the same plans on an event loop, with no threads ------------------------------------------
+#
+# asyncio is imported by the first AsyncClient, never by ``import loopclient``.
 
 if TYPE_CHECKING:
     import asyncio
-    from typing import AsyncGenerator
-
-    _T = TypeVar("_T")
 
 
 def _ring(alarm: asyncio.Future[None]) -> None:
@@ -3564,14 +3724,170 @@ async def _sleep(loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], t
             timer.cancel()
 
 
-def _busy_error(slot: Optional[int], waiting: int, queue_len: int) -> BusyError:
-    where = "slot %d" % slot if slot is not None else "any slot"
-    return BusyError(
-        "%d requests already wait for %s (queue_len %d): try later" % (waiting, where, queue_len),
-        slot,
-        queue_len,
-        waiting,
-    )
+class _AsyncRun:
+    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) closes the run's connections,
+    signals its waker and releases its permit at once; the plan, wherever it waits, then has
+    ``CancelledError`` thrown into it.  Cancelling the task that drives it throws ``asyncio.CancelledError``
+    into the plan the same way."""
+
+    __slots__ = ("board", "gen", "value", "cancelled", "ticket", "running", "_conns", "_alarm", "_rung")
+
+    def __init__(self, board: _AsyncBoard) -> None:
+        self.board = board
+        self.gen = None  # type: Optional[_Plan[Any]]
+        self.value = None  # type: Any
+        self.cancelled = False
+        self.ticket = None  # type: Optional[_Ticket]
+        self.running = False  # a task is driving the plan
+        self._conns = set()  # type: Set[_AsyncConn]
+        self._alarm = None  # type: Optional[asyncio.Future[None]]  # what a park or a sleep awaits
+        self._rung = False  # signalled while not parked: the next park returns at once
+
+    def signal(self) -> None:
+        alarm = self._alarm
+        if alarm is not None:
+            _ring(alarm)
+        else:
+            self._rung = True
+
+    async def _park(self, timeout: Optional[float]) -> None:
+        if self._rung or self.cancelled:
+            self._rung = False
+            return
+        loop = self.board.loop
+        self._alarm = loop.create_future()
+        try:
+            await _sleep(loop, self._alarm, timeout)
+        finally:
+            self._alarm = None
+
+    async def step(self) -> Optional[List[Event]]:
+        """``_SyncRun.step`` on an event loop."""
+        gen = self.gen
+        assert gen is not None
+        value = None  # type: Any
+        exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
+        while True:
+            try:
+                op = gen.send(value) if exc is None else gen.throw(exc)
+            except StopIteration as stop:
+                self.value = stop.value
+                return None
+            if type(op) is list:
+                return op
+            value = exc = None
+            try:
+                code = op[0]
+                if code == _RECV:
+                    value = await op[1].recv(op[2])
+                elif code == _SEND:
+                    await op[1].send(op[2], op[3])
+                elif code == _PARK:
+                    await self._park(op[1])
+                elif code == _CONNECT:
+                    value = await self._connect(op[1])
+                elif code == _SLEEP:
+                    deadline = time.monotonic() + op[1]
+                    while not self.cancelled and time.monotonic() < deadline:
+                        await self._park(deadline - time.monotonic())
+                else:
+                    run = _AsyncRun(self.board)
+                    run.gen = op[1]
+                    self.board.add(run)
+                    self.board.spawn(run._background())
+            except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
+                exc = caught
+            if self.cancelled and (exc is None or isinstance(exc, Exception)) and type(exc) is not CancelledError:
+                exc = _cancelled()
+
+    async def finish(self) -> Any:
+        """Drive a plan that yields no events to its end: its value."""
+        self.running = True
+        try:
+            while (await self.step()) is not None:
+                pass
+        finally:
+            self.running = False
+            self.close_all()
+        return self.value
+
+    async def _background(self) -> None:
+        try:
+            await self.finish()
+        finally:
+            self.board.discard(self)
+
+    async def _connect(self, timeout: float) -> _AsyncConn:
+        """A new connection; ``OSError`` when the server cannot be reached, ``ConnectError`` when TLS fails.
+        No executor: a Unix socket connects at once, a host name goes through the loop's own resolver."""
+        board = self.board
+        loop = board.loop
+        addr = board.calls.addr
+        conn = _AsyncConn(loop, self)
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                # A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a
+                # connect failure like a refusal (asyncio's own connect would wait on it as "in progress"
+                # and report a connection that is not there).
+                sock.connect(addr.target)
+                protocol = conn  # type: Any  # duck-typed: see _AsyncConn
+                await loop.create_unix_connection(lambda: protocol, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+            self._conns.add(conn)
+            return conn
+        host, port = addr.target
+        tls = board.calls.ssl_context if addr.tls else None
+        task = board.spawn(
+            loop.create_connection(
+                lambda: conn,
+                host,
+                port,
+                ssl=tls,
+                server_hostname=host if tls is not None else None,
+                ssl_handshake_timeout=timeout if tls is not None else None,
+            )
+        )
+        task.add_done_callback(lambda _: self.signal())
+        try:
+            deadline = time.monotonic() + timeout
+            while not task.done() and not self.cancelled and time.monotonic() < deadline:
+                await self._park(deadline - time.monotonic())
+        finally:
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            raise socket.timeout("timed out")
+        exc = task.exception()
+        if exc is not None:
+            if addr.tls:
+                import ssl
+
+                if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
+                    raise _tls_failed(addr, exc) from exc
+            raise exc
+        self._conns.add(conn)
+        return conn
+
+    def forget(self, conn: _AsyncConn) -> None:
+        self._conns.discard(conn)
+
+    def close_all(self) -> None:
+        for conn in list(self._conns):
+            conn.close()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for conn in list(self._conns):
+            conn.abort()
+        self.signal()
+        if self.gen is not None and not self.running:
+            self.gen.close()  # nobody drives it: its finally runs now
+        elif self.ticket is not None:
+            self.board.gate.leave(self.ticket)  # the permit now; the plan ends when its task wakes
 
 
 class _AsyncConn:
@@ -3580,9 +3896,10 @@ class _AsyncConn:
     would import asyncio with loopclient).  At most ``RECV_SIZE`` bytes wait unread: beyond that the
     transport stops reading, so a fast server cannot fill memory ahead of a slow caller."""
 
-    __slots__ = ("_loop", "_transport", "_chunks", "_size", "_eof", "_error", "_waiter", "_paused", "_blocked")
+    __slots__ = ("owner", "_loop", "_transport", "_chunks", "_size", "_eof", "_error", "_waiter", "_paused", "_blocked")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, owner: _AsyncRun) -> None:
+        self.owner = owner
         self._loop = loop
         self._transport = None  # type: Optional[asyncio.Transport]
         self._chunks = []  # type: List[bytes]
@@ -3681,298 +3998,60 @@ class _AsyncConn:
             self._transport.abort()
         self._wake()
 
-
-async def _read_response_async(
-    conn: _AsyncConn, timeout: float, max_body: int, what: str
-) -> Tuple[ResponseHead, bytes]:
-    """``_read_response`` on an event loop."""
-    reader = ResponseReader(max_body=max_body)
-    pieces = []  # type: List[bytes]
-    while not reader.done:
-        try:
-            data = await conn.recv(timeout)
-        except _Silence:
-            raise _no_answer(what, timeout) from None
-        if not data:
-            reader.feed_eof()
-            break
-        pieces.extend(reader.feed(data))
-    assert reader.head is not None
-    return reader.head, b"".join(pieces)
+    def close(self) -> None:
+        self.owner.forget(self)
+        self.abort()
 
 
-class _AsyncLane:
-    __slots__ = ("capacity", "in_flight", "queue", "entered", "served", "gone")
+class _AsyncBoard(_Board):
+    """The board of one event loop, with the tasks it started (background polls, connects)."""
 
-    def __init__(self, capacity: int) -> None:
-        import collections
-
-        self.capacity = capacity
-        self.in_flight = 0
-        self.queue = collections.deque()  # type: Any  # _AsyncTicket, in entry order; those gone stay until served
-        self.entered = 0  # places handed out: a waiter's place is its number
-        self.served = 0  # places that left the front of the queue
-        self.gone: Set[int] = set()  # places of waiters that left while still in the queue
-
-    def waiting(self) -> int:
-        return len(self.queue) - len(self.gone)
-
-
-class _AsyncTicket:
-    __slots__ = ("lane", "seq", "place", "granted", "ahead", "left", "alarm")
-
-    def __init__(self, lane: _AsyncLane, seq: int) -> None:
-        self.lane = lane
-        self.seq = seq  # entry order, for diagnostics
-        self.place = -1
-        self.granted = False
-        self.ahead = 0
-        self.left = False
-        self.alarm = None  # type: Optional[asyncio.Future[None]]  # rung when the permit is handed over
-
-
-class _AsyncGate:
-    """Per ``(model, slot)`` FIFO queues on one event loop: ``capacity`` requests in flight (1 per slot;
-    ``total_slots`` for any slot), ``queue_len`` more waiting, the next refused with ``BusyError``.  A
-    release hands the permit to the first waiter and wakes only that one; the others learn how far they
-    moved up when their own timer (``Limits.poll``) fires, from two counters, whatever the queue's length."""
-
-    def __init__(self, queue_len: int) -> None:
-        self._queue_len = queue_len
-        self._lanes = {}  # type: Dict[Tuple[Optional[str], Optional[int]], _AsyncLane]
-        self._seq = 0
-
-    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> _AsyncTicket:
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = _AsyncLane(capacity)
-        elif key[1] is None and capacity != lane.capacity:  # the pool's size came late, or changed
-            lane.capacity = capacity
-            self._hand_over(lane)
-        self._seq += 1
-        ticket = _AsyncTicket(lane, self._seq)
-        waiting = lane.waiting()
-        if lane.in_flight < lane.capacity and not waiting:
-            lane.in_flight += 1
-            ticket.granted = True
-            return ticket
-        if waiting >= self._queue_len:
-            raise _busy_error(key[1], waiting, self._queue_len)
-        ticket.place = lane.entered
-        lane.entered += 1
-        lane.queue.append(ticket)
-        ticket.ahead = lane.in_flight + waiting
-        return ticket
-
-    def ahead(self, ticket: _AsyncTicket) -> int:
-        """How many requests come before a waiting ticket, the ones in flight included."""
-        lane = ticket.lane
-        place = ticket.place
-        before = place - lane.served - sum(1 for p in lane.gone if p < place)
-        return lane.in_flight + before
-
-    def leave(self, ticket: _AsyncTicket) -> None:
-        """Release the permit (handing it over), or leave the queue; idempotent."""
-        if ticket.left:
-            return
-        ticket.left = True
-        lane = ticket.lane
-        if ticket.granted:
-            lane.in_flight -= 1
-            self._hand_over(lane)
-            return
-        lane.gone.add(ticket.place)
-        if len(lane.gone) > 32 and 2 * len(lane.gone) > len(lane.queue):
-            self._compact(lane)
-
-    def _hand_over(self, lane: _AsyncLane) -> None:
-        while lane.in_flight < lane.capacity and lane.queue:
-            ticket = lane.queue.popleft()
-            lane.served += 1
-            if ticket.left:
-                lane.gone.discard(ticket.place)
-                continue
-            lane.in_flight += 1
-            ticket.granted = True
-            if ticket.alarm is not None:
-                _ring(ticket.alarm)
-
-    def _compact(self, lane: _AsyncLane) -> None:
-        """Drop the places of waiters gone, so that cancelled waiters cost nothing once many have left."""
-        import collections
-
-        live = [t for t in lane.queue if not t.left]
-        for i, ticket in enumerate(live):
-            ticket.place = lane.served + i
-        lane.queue = collections.deque(live)
-        lane.entered = lane.served + len(live)
-        lane.gone = set()
-
-    def snapshot(self) -> Dict[Tuple[Optional[str], Optional[int]], Tuple[int, int]]:
-        """{(model, slot): (in flight, waiting)}, for tests and diagnostics."""
-        return {k: (lane.in_flight, lane.waiting()) for k, lane in self._lanes.items()}
-
-
-class _AsyncSlotPoller(_SlotWatch):
-    """``/slots`` of one model for every stream of an AsyncClient on one loop: one request in flight
-    however many wait (a task of the board), an answer younger than ``poll`` reused."""
-
-    def __init__(self, board: _AsyncBoard, model: Optional[str]) -> None:
-        _SlotWatch.__init__(self, board.limits)
-        self._board = board
-        self._model = model
-        self._stamp = float("-inf")  # when the last answer arrived
-        self._slots = None  # type: Optional[List[Slot]]
-        self._task = None  # type: Optional[asyncio.Task[None]]
-        self._waiters = set()  # type: Set[asyncio.Future[None]]
-
-    async def get(self, stream: AsyncChatStream) -> Optional[List[Slot]]:
-        """The slots, or None when ``/slots`` failed or did not answer within ``poll``."""
-        interval = self._limits.poll
-        asked = time.monotonic()
-        if asked - self._stamp < interval:
-            return self._slots
-        if self._task is None:
-            self._task = self._board.spawn(self._work())
-        deadline = asked + interval
-        while self._stamp < asked:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            alarm = stream._arm()
-            self._waiters.add(alarm)
-            try:
-                await stream._sleep(alarm, left)
-            finally:
-                self._waiters.discard(alarm)
-            if stream._cancelled:
-                raise CancelledError("the request was cancelled while polling /slots")
-        return self._slots
-
-    async def _work(self) -> None:
-        limits = self._limits
-        client = self._board.client
-        try:
-            timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
-            doc = await client._call(client._plan._json, "GET", "/slots", model=self._model, timeout=timeout)
-            slots = _slots_from(doc)  # type: Optional[List[Slot]]
-        except Exception:  # any failure means "unavailable"
-            slots = None
-        finally:
-            self._task = None
-        now = time.monotonic()
-        if slots is not None:
-            self._remember(slots, now)
-        self._slots = slots
-        self._stamp = now
-        for alarm in self._waiters:
-            _ring(alarm)
-
-
-class _AsyncBoard:
-    """What the streams of an AsyncClient share on one event loop: the gate, a ``/slots`` poller and a pool
-    size per model, the streams in flight and the tasks the board started.  ``close()`` ends them all."""
-
-    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop, previous: Optional[_AsyncBoard]) -> None:
-        self.client = client
+    def __init__(self, calls: _Calls, loop: asyncio.AbstractEventLoop, previous: Optional[_Board]) -> None:
+        _Board.__init__(self, calls, previous)
         self.loop = loop
-        self.limits = client.limits  # type: Limits
-        self.gate = _AsyncGate(client.limits.queue_len)
-        self.streams: Set[AsyncChatStream] = set()
-        self._pollers = {}  # type: Dict[Optional[str], _AsyncSlotPoller]
-        self._pools = dict(previous._pools) if previous is not None else {}  # type: Dict[Optional[str], int]
-        self._props = {}  # type: Dict[Optional[str], Set[asyncio.Future[None]]]  # model: who waits for its /props
-        self._tasks = set()  # type: Set[asyncio.Task[Any]]
+        self.tasks = set()  # type: Set[asyncio.Task[Any]]
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         return task
 
     def busy(self) -> bool:
-        return bool(self.streams or self._tasks)
+        return bool(self.runs or self.tasks)
 
-    async def capacity(self, model: Optional[str], stream: AsyncChatStream) -> int:
-        """``total_slots`` of the model from ``/props``, read once; 1 until the server has answered."""
-        while model not in self._pools:
-            waiters = self._props.get(model)
-            if waiters is not None:  # another stream is asking: its answer will do
-                alarm = stream._arm()
-                waiters.add(alarm)
-                try:
-                    await stream._sleep(alarm, None)
-                finally:
-                    waiters.discard(alarm)
-                stream._check()
-                continue
-            waiters = self._props[model] = set()
-            try:
-                props = await self.client._call_for(stream, self.client._plan._json, "GET", "/props", model=model)
-            except LoopError:
-                return 1
-            finally:
-                del self._props[model]
-                for alarm in waiters:
-                    _ring(alarm)
-            total = _total_slots(props)
-            if total is None:
-                return 1
-            self._pools[model] = total
-        return self._pools[model]
-
-    async def slot_state(
-        self, model: Optional[str], slot: Optional[int], stream: AsyncChatStream, every: bool
-    ) -> Tuple[str, Optional[WedgedSlotError]]:
-        """``_Board.slot_state`` on this loop."""
-        poller = self._pollers.get(model)
-        if poller is None:
-            poller = self._pollers[model] = _AsyncSlotPoller(self, model)
-        return poller.state(await poller.get(stream), slot, every, self.client.address)
-
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         import asyncio
 
-        for stream in list(self.streams):
-            stream.cancel()
-        tasks = list(self._tasks)
+        self.close()
+        tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
 
 
-class AsyncChatStream:
-    """One streamed chat request on an event loop (``AsyncClient.stream()``): iterate it with ``async for``
-    for events; ``completion`` is there once iteration has ended without an error.  The request starts when
-    iteration starts.  ``cancel()`` (a plain method, called in the loop's thread) closes the connection and
-    releases the permit at once; the code iterating then gets ``CancelledError``.  Cancelling the task that
-    iterates does the same, and that task sees ``asyncio.CancelledError``.  Leaving ``async with`` early
-    cancels quietly.  Iteration raises the ``LoopError`` subclasses, as ``ChatStream`` does.
+class AsyncStream:
+    """One streamed request on an event loop (``AsyncClient.stream()`` and the other ``stream_*`` calls):
+    iterate it with ``async for`` for events; ``completion`` is there once iteration has ended without an
+    error.  The request starts when iteration starts.  ``cancel()`` (a plain method, called in the loop's
+    thread) closes the connection and releases the permit at once; the code iterating then gets
+    ``CancelledError``.  Cancelling the task that iterates does the same, and that task sees
+    ``asyncio.CancelledError``.  Leaving ``async with`` early cancels quietly.  Iteration raises the
+    ``LoopError`` subclasses, as ``Stream`` does.
     """
 
-    def __init__(
-        self, client: AsyncClient, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool
-    ) -> None:
+    def __init__(self, client: AsyncClient, req: _StreamRequest) -> None:
         self._client = client
-        self._request = request
-        self._slot = slot
-        self._model = model
-        self._raw_chunks = raw_chunks
-        self._gen = None  # type: Optional[AsyncGenerator[List[Event], None]]
+        self._req = req
+        self._run = None  # type: Optional[_AsyncRun]  # made when iteration starts, on the loop that iterates
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
-        self._board = None  # type: Optional[_AsyncBoard]
-        self._conns: Set[_AsyncConn] = set()
-        self._alarm = None  # type: Optional[asyncio.Future[None]]  # what the request waits on, but a read
-        self._ticket = None  # type: Optional[_AsyncTicket]
-        self._outcome = None  # type: Optional[Union[Completion, _Retry]]
         self._cancelled = False
-        self._running = False
         self._done = False
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
 
-    def __aiter__(self) -> AsyncChatStream:
+    def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> Event:
@@ -3981,267 +4060,64 @@ class AsyncChatStream:
             return batch.pop()
         if self._done:
             raise StopAsyncIteration
-        if self._running:
+        run = self._run
+        if run is not None and run.running:
             raise RuntimeError("another task is iterating this stream")
         if self._cancelled:
             self._done = True
-            await self._close_gen()
-            raise CancelledError("the request was cancelled")
-        if self._gen is None:
-            self._gen = self._run()
-        self._running = True
+            self._close()
+            raise _cancelled()
+        if run is None:
+            board = self._client._board_here()
+            run = self._run = _AsyncRun(board)
+            run.gen = board.calls.stream(board, run, self._req)
+        run.running = True
         try:
-            batch = await self._gen.__anext__()
+            got = await run.step()
         except BaseException:
             self._done = True
             raise
         finally:
-            self._running = False
-        batch.reverse()  # a fresh list, never empty: popped from its end
-        self._batch = batch
-        return batch.pop()
+            run.running = False
+        if got is None:
+            self._done = True
+            self.completion = run.value
+            raise StopAsyncIteration
+        got.reverse()  # a fresh list, never empty: popped from its end
+        self._batch = got
+        return got.pop()
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
         its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
-        if self._done:
-            return
-        self._cancelled = True
-        self._abort()
-        if self._alarm is not None:
-            _ring(self._alarm)
-        self._release()
+        if not self._done:
+            self._cancelled = True
+            if self._run is not None:
+                self._run.cancel()
 
-    async def __aenter__(self) -> AsyncChatStream:
+    def _close(self) -> None:
+        if self._run is not None and not self._run.running and self._run.gen is not None:
+            self._run.gen.close()  # runs the plan's finally, which never waits
+
+    async def __aenter__(self) -> AsyncStream:
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         if not self._done:
             self.cancel()
             self._done = True
-            await self._close_gen()
-
-    async def _close_gen(self) -> None:
-        if self._gen is not None and not self._running:
-            await self._gen.aclose()  # runs the request's finally, which never waits
-
-    def _abort(self) -> None:
-        for conn in list(self._conns):
-            conn.abort()
-
-    def _release(self) -> None:
-        board = self._board
-        if board is not None:
-            if self._ticket is not None:
-                board.gate.leave(self._ticket)
-            board.streams.discard(self)
-
-    def _check(self) -> None:
-        if self._cancelled:
-            raise CancelledError("the request was cancelled")
-
-    def _arm(self) -> asyncio.Future[None]:
-        """A new alarm for the next wait, which ``cancel()`` rings."""
-        assert self._board is not None
-        alarm = self._alarm = self._board.loop.create_future()
-        if self._cancelled:
-            _ring(alarm)
-        return alarm
-
-    async def _sleep(self, alarm: asyncio.Future[None], timeout: Optional[float]) -> None:
-        assert self._board is not None
-        try:
-            await _sleep(self._board.loop, alarm, timeout)
-        finally:
-            self._alarm = None
-
-    # -- the life of one request: ChatStream's, on an event loop ------------------------------------
-
-    async def _run(self) -> AsyncGenerator[List[Event], None]:
-        client = self._client
-        board = self._board = client._board_here()
-        limits = board.limits
-        completion = None
-        try:
-            board.streams.add(self)
-            slot = self._slot
-            capacity = 1 if slot is not None else await board.capacity(self._model, self)
-            self._check()
-            ticket = self._ticket = board.gate.enter((self._model, slot), capacity)
-            if not ticket.granted:
-                yield [Queued(ticket.ahead)]
-                while True:
-                    ticket.alarm = self._arm()
-                    await self._sleep(ticket.alarm, limits.poll)
-                    ticket.alarm = None
-                    self._check()
-                    if ticket.granted:
-                        break
-                    ahead = board.gate.ahead(ticket)
-                    if ahead < ticket.ahead:  # coalesced: never repeated or increased
-                        ticket.ahead = ahead
-                        yield [Queued(ahead)]
-            waits = _Waits(limits, slot, client.address)
-            attempt = 0
-            backoff = BACKOFF_FIRST
-            while True:
-                self._check()
-                try:
-                    conn = await client._open(board, max(limits.poll, 0.2), self)
-                except OSError as exc:
-                    retry = _cannot_connect(exc)
-                else:
-                    self._conns.add(conn)
-                    self._check()  # cancelled while connecting: send nothing
-                    exchange = self._exchange(conn, waits)
-                    try:
-                        waits.sent_at = time.monotonic()
-                        async for batch in exchange:
-                            yield batch
-                    finally:
-                        await exchange.aclose()  # its cleanup never waits
-                        conn.abort()
-                        self._conns.discard(conn)
-                    outcome = self._outcome
-                    if not isinstance(outcome, _Retry):
-                        completion = outcome
-                        break
-                    retry = outcome
-                self._check()
-                event, backoff = _next_retry(waits, retry, attempt, backoff)
-                attempt = event.attempt
-                yield [event]
-                await self._sleep(self._arm(), event.delay)
-                if self._cancelled:
-                    raise CancelledError("the request was cancelled while backing off")
-        except LoopError:
-            if self._cancelled:
-                raise CancelledError("the request was cancelled") from None
-            raise
-        finally:
-            self._abort()
-            self._release()
-        self.completion = completion
-
-    async def _exchange(self, conn: _AsyncConn, waits: _Waits) -> AsyncGenerator[List[Event], None]:
-        """One attempt (``ChatStream._exchange``): send, wait for the head (polling /slots), then pump the
-        response to its end; the outcome is left in ``_outcome``."""
-        board = self._board
-        assert board is not None
-        limits = board.limits
-        self._outcome = None
-        await conn.send(self._request, limits.liveness)
-        pump = ResponsePump(limits, self._raw_chunks)
-        events = []  # type: List[Event]
-        started = 0.0  # when the first byte came
-        heard = progress = time.monotonic()  # the last byte; the last data event
-        while True:
-            if events:
-                yield events
-            if pump.failed is not None:
-                raise pump.failed
-            while pump.cap_due is not None:
-                events = pump.capped(await self._end_reasoning(*pump.cap_due))
-                if events:
-                    yield events
-                if pump.failed is not None:
-                    raise pump.failed
-            if pump.outcome is not None:
-                self._outcome = pump.outcome
-                return
-            now = time.monotonic()
-            if _quiet_due(limits, pump.head, progress, now):
-                await self._check_quiet(now - progress, pinged=heard > progress)
-            try:
-                data = await conn.recv(_read_timeout(limits, waits, pump.head, started, heard, now))  # type: Optional[bytes]
-            except _Silence:
-                data = None
-            self._check()
-            if data is None:
-                events = []
-                if not started:  # ChatStream._poll_for_head
-                    waits.check()
-                    state, wedged = await board.slot_state(self._model, self._slot, self, every=True)
-                    if wedged is not None:
-                        yield [Waiting(True, wedged=True)]
-                        raise wedged
-                    waits.observe(state)
-                    yield [Waiting(state == BUSY)]
-                    waits.check()
-                    continue
-                stalled = _silence(limits, pump.head, heard)
-                if stalled is None:
-                    continue
-                raise stalled
-            heard = time.monotonic()
-            if not started:
-                started = progress = heard
-            events = pump.feed(data) if data else pump.feed_eof()
-            if pump.progressed:
-                progress = heard
-
-    async def _check_quiet(self, quiet: float, pinged: bool) -> None:
-        """``ChatStream._check_quiet``: the quiet rule, around one ``/slots`` poll when it needs one."""
-        assert self._board is not None
-        wedge, pings = _quiet_rule(self._board.limits, self._slot, quiet, pinged)
-        if wedge or pings:
-            state, wedged = await self._board.slot_state(self._model, self._slot, self, every=False)
-            _quiet_verdict(self._board.limits, state, wedged, wedge, pings, quiet)
-
-    async def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> bool:
-        assert completion_id is not None
-        client = self._client
-        try:
-            return await client._call_for(self, client._plan._board.control, self._model, completion_id, None)
-        except LoopError as exc:
-            if self._cancelled:
-                raise
-            raise _cap_failed(tokens, exc) from exc
+            self._close()
 
 
-class _Asked(BaseException):
-    """A replayed helper reached its request (internal: a BaseException, so that no handler on its way
-    mistakes it for a failure)."""
-
-    def __init__(self, request: bytes, timeout: float, what: str) -> None:
-        BaseException.__init__(self)  # no args: the request may carry an API key, and args show in repr()
-        self.request = request
-        self.timeout = timeout
-        self.what = what
-
-
-class _Replay(Client):
-    """A ``Client`` that never opens a socket.  ``AsyncClient`` runs ``Client``'s own single-shot helpers
-    on it, twice: the first run stops at the one request the helper makes (``_send`` raises ``_Asked``
-    with its bytes), the second is handed the answer the event loop got for it.  So both clients check
-    arguments, build requests and read answers with the same code; only the exchange in between differs.
-    It also checks ``AsyncClient``'s constructor arguments and builds its streamed requests."""
-
-    _answer = None  # type: Optional[Tuple[ResponseHead, bytes]]
-
-    def _send(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        query: Optional[Dict[str, Any]] = None,
-        *,
-        model: Any = _NO_MODEL,
-        timeout: Optional[float] = None,
-        owner: Optional[_Owner] = None,
-    ) -> Tuple[ResponseHead, bytes]:
-        answer = self._answer
-        if answer is None:
-            request, timeout = self._prepare(method, path, body, query, model, timeout)
-            raise _Asked(request, timeout, "%s %s" % (method, path))
-        self._answer = None  # one request per helper
-        return answer
+#: The name of ``AsyncStream`` from the time when chat was the only streamed endpoint.
+AsyncChatStream = AsyncStream
 
 
 class AsyncClient:
     """A client of one llama-server for asyncio programs: ``Client``'s constructor and calls, as
-    coroutines (``stream()`` is a plain method returning an ``AsyncChatStream``).  The same limits, events,
-    ``Completion``, errors, budgets, gates, retries and wire rules, on the same parsers; no threads.
+    coroutines (``stream()`` is a plain method returning an ``AsyncStream``).  The same limits, events,
+    ``Completion``, errors, budgets, gates, retries and wire rules: the same request logic, driven on an
+    event loop; no threads.
 
         async with lc.AsyncClient("/run/llama.sock") as client:
             reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
@@ -4265,17 +4141,12 @@ class AsyncClient:
         model: Optional[str] = None,
         ssl_context: Any = None,
     ) -> None:
-        plan = self._plan = _Replay(
-            address, limits=limits, api_key=api_key, headers=headers, model=model, ssl_context=ssl_context
-        )
-        self.address = plan.address  # type: str
-        self.limits = plan.limits  # type: Limits
-        self.model = plan.model  # type: Optional[str]
-        self._addr = plan._addr
-        self._ssl_context = plan._board.ssl_context
+        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context)
+        self.address = calls.address  # type: str
+        self.limits = calls.limits  # type: Limits
+        self.model = calls.model  # type: Optional[str]
         self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client
         self._lock = threading.Lock()  # two threads may race to bind the client to their loops
-        self._closed = False
 
     def __repr__(self) -> str:
         return "<loopclient.AsyncClient %s>" % self.address
@@ -4290,20 +4161,18 @@ class AsyncClient:
         """Cancel this client's streams in flight and end its tasks.  Any later call is ``ValueError``."""
         import asyncio
 
-        self._closed = True
-        self._plan.close()
+        self._calls.closed = True
         with self._lock:
             board = self._board
             self._board = None
         if board is None:
             return
         if board.loop is asyncio.get_running_loop():
-            await board.close()
+            await board.aclose()
         elif board.loop.is_running():
             raise RuntimeError("this AsyncClient is in use by another running event loop: close it there")
         else:  # a loop that no longer runs: nothing of it can be awaited
-            for stream in list(board.streams):
-                stream.cancel()
+            board.close()
 
     def _board_here(self) -> _AsyncBoard:
         """The board of the running loop, made when a loop first uses the client."""
@@ -4314,123 +4183,30 @@ class AsyncClient:
         if board is not None and board.loop is loop:
             return board
         with self._lock:
-            if self._closed:
-                raise CancelledError("the client is closed")
+            if self._calls.closed:  # a board that refuses what starts on it, as a closed Client's does
+                board = _AsyncBoard(self._calls, loop, None)
+                board.closed = True
+                return board
             board = self._board
             if board is None or board.loop is not loop:
                 if board is not None and (board.loop.is_running() or (board.busy() and not board.loop.is_closed())):
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )
-                board = self._board = _AsyncBoard(self, loop, board)
+                board = self._board = _AsyncBoard(self._calls, loop, board)
         return board
 
-    # -- the one request path ------------------------------------------------------------------------
-
-    async def _open(self, board: _AsyncBoard, timeout: float, stream: Optional[AsyncChatStream]) -> _AsyncConn:
-        """A new connection; ``OSError`` when the server cannot be reached (a retry), ``ConnectError`` when
-        TLS fails (no retry).  ``stream.cancel()`` ends the wait."""
-        loop = board.loop
-        addr = self._addr
-        conn = _AsyncConn(loop)
-        if addr.unix:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.setblocking(False)
-                # A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a
-                # connect failure like a refusal (asyncio's own connect would wait on it as "in progress"
-                # and report a connection that is not there).
-                sock.connect(addr.target)
-                protocol = conn  # type: Any  # duck-typed: see _AsyncConn
-                await loop.create_unix_connection(lambda: protocol, sock=sock)
-            except BaseException:
-                sock.close()
-                raise
-            return conn
-        host, port = addr.target
-        tls = self._ssl_context if addr.tls else None
-        task = board.spawn(
-            loop.create_connection(
-                lambda: conn,
-                host,
-                port,
-                ssl=tls,
-                server_hostname=host if tls is not None else None,
-                ssl_handshake_timeout=timeout if tls is not None else None,
-            )
-        )
-        alarm = stream._arm() if stream is not None else loop.create_future()
-        task.add_done_callback(lambda _: _ring(alarm))
-        try:
-            if stream is not None:
-                await stream._sleep(alarm, timeout)
-            else:
-                await _sleep(loop, alarm, timeout)
-        finally:
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            if stream is not None:
-                stream._check()
-            raise socket.timeout("timed out")
-        exc = task.exception()
-        if exc is not None:
-            if addr.tls:
-                import ssl
-
-                if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
-                    raise _tls_failed(addr, exc) from exc
-            raise exc
-        return conn
-
-    async def _send(
-        self, request: bytes, timeout: float, what: str, owner: Optional[AsyncChatStream]
-    ) -> Tuple[ResponseHead, bytes]:
-        """One request on a new connection, never retried: (head, body).  Made for a stream (``owner``),
-        its connection is the stream's while open, so that ``cancel()`` closes it too."""
-        board = self._board_here()
-        try:
-            conn = await self._open(board, timeout, owner)
-        except OSError as exc:
-            raise _connect_error(self._addr, exc) from exc
-        if owner is not None:
-            owner._conns.add(conn)
-        try:
-            if owner is not None:
-                owner._check()  # cancelled while connecting: send nothing
-            await conn.send(request, timeout)
-            return await _read_response_async(conn, timeout, self.limits.max_body, what)
-        finally:
-            conn.abort()
-            if owner is not None:
-                owner._conns.discard(conn)
-
-    async def _call(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
-        """``fn`` (a single-shot helper of ``self._plan``), its one request made on this loop."""
-        return await self._call_for(None, fn, *args, **kw)
-
-    async def _call_for(self, owner: Optional[AsyncChatStream], fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
-        """``_call`` made for a stream (``owner``): its ``cancel()`` ends the call."""
-        try:
-            fn(*args, **kw)
-        except _Asked as asked:
-            request, timeout, what = asked.request, asked.timeout, asked.what
-        else:  # pragma: no cover - every helper makes one request
-            raise AssertionError("%r made no request" % (fn,))
-        answer = await self._send(request, timeout, what, owner)
-        plan = self._plan
-        plan._answer = answer
-        try:
-            return fn(*args, **kw)
-        finally:
-            plan._answer = None
+    async def _run(self, plan: _Plan[_T]) -> _T:
+        run = _AsyncRun(self._board_here())
+        run.gen = plan
+        return await run.finish()  # type: ignore[no-any-return]
 
     # -- chat ------------------------------------------------------------------------------------------
 
-    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncChatStream:
-        """``Client.stream()`` for asyncio: an ``AsyncChatStream`` (a plain call; the request starts when
+    def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:
+        """``Client.stream()`` for asyncio: an ``AsyncStream`` (a plain call; the request starts when
         iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
-        return AsyncChatStream(self, *self._plan._chat_request(messages, slot, params))
+        return AsyncStream(self, self._calls.chat_request(messages, slot, params))
 
     async def chat(
         self,
@@ -4442,94 +4218,96 @@ class AsyncClient:
         """Stream a chat and return its ``Completion``, calling ``on_event`` (a plain callable, in the loop's
         thread) for each event.  Raises the ``LoopError`` subclasses; an exception from ``on_event`` closes
         the request and propagates unchanged."""
-        stream = self.stream(messages, slot=slot, **params)
-        try:
-            async for event in stream:
-                if on_event is not None:
-                    on_event(event)
-        except BaseException:
-            await stream.__aexit__(None, None, None)
-            raise
-        assert stream.completion is not None
-        return stream.completion
+        return await _aconsume(self.stream(messages, slot=slot, **params), on_event)
 
     # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
 
     async def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
         """``Client.request``, as a coroutine."""
-        return await self._call(self._plan.request, method, path, body, query=query)
+        return await self._run(self._calls.request(method, path, body, query))
 
     async def slots(self, model: Optional[str] = None) -> List[Slot]:
         """``Client.slots``, as a coroutine."""
-        return await self._call(self._plan.slots, model)
+        return await self._run(self._calls.slots(model))
 
     async def health(self) -> Dict[str, Any]:
         """``Client.health``, as a coroutine."""
-        return await self._call(self._plan.health)
+        return await self._run(self._calls.health())
 
     async def props(self, model: Optional[str] = None) -> Dict[str, Any]:
         """``Client.props``, as a coroutine."""
-        return await self._call(self._plan.props, model)
+        return await self._run(self._calls.props(model))
 
     async def models(self) -> Dict[str, Any]:
         """``Client.models``, as a coroutine."""
-        return await self._call(self._plan.models)
+        return await self._run(self._calls.models())
 
     async def load_model(self, name: str) -> Dict[str, Any]:
         """``Client.load_model``, as a coroutine."""
-        return await self._call(self._plan.load_model, name)
+        return await self._run(self._calls.load_model(name))
 
     async def unload_model(self, name: str) -> Dict[str, Any]:
         """``Client.unload_model``, as a coroutine."""
-        return await self._call(self._plan.unload_model, name)
+        return await self._run(self._calls.unload_model(name))
 
     async def end_reasoning(self, completion_id: str) -> bool:
         """``Client.end_reasoning``, as a coroutine."""
-        return await self._call(self._plan.end_reasoning, completion_id)
+        return await self._run(self._calls.control(self.model, completion_id))
 
     async def tokenize(
         self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
     ) -> List[Any]:
         """``Client.tokenize``, as a coroutine."""
-        return await self._call(
-            self._plan.tokenize, text, add_special=add_special, parse_special=parse_special, with_pieces=with_pieces
-        )
+        return await self._run(self._calls.tokenize(text, add_special, parse_special, with_pieces))
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         """``Client.detokenize``, as a coroutine."""
-        return await self._call(self._plan.detokenize, tokens)
+        return await self._run(self._calls.detokenize(tokens))
 
     async def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
         """``Client.apply_template``, as a coroutine."""
-        return await self._call(self._plan.apply_template, messages, **params)
+        return await self._run(self._calls.apply_template(messages, params))
 
     async def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
         """``Client.count_tokens``, as a coroutine."""
-        return await self._call(self._plan.count_tokens, messages, **params)
+        return await self._run(self._calls.count_tokens(messages, params))
 
     async def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
         """``Client.embed``, as a coroutine."""
-        return await self._call(self._plan.embed, input, **params)
+        return await self._run(self._calls.embed(input, params))
 
     async def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
         """``Client.rerank``, as a coroutine."""
-        return await self._call(self._plan.rerank, query, documents, **params)
+        return await self._run(self._calls.rerank(query, documents, params))
 
     async def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
         """``Client.save_slot``, as a coroutine."""
-        return await self._call(self._plan.save_slot, slot, filename)
+        return await self._run(self._calls.slot_action(slot, "save", {"filename": filename}))
 
     async def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
         """``Client.restore_slot``, as a coroutine."""
-        return await self._call(self._plan.restore_slot, slot, filename)
+        return await self._run(self._calls.slot_action(slot, "restore", {"filename": filename}))
 
     async def erase_slot(self, slot: int) -> Dict[str, Any]:
         """``Client.erase_slot``, as a coroutine."""
-        return await self._call(self._plan.erase_slot, slot)
+        return await self._run(self._calls.slot_action(slot, "erase", {}))
 
     async def metrics(self) -> str:
         """``Client.metrics``, as a coroutine."""
-        return await self._call(self._plan.metrics)
+        return await self._run(self._calls.metrics())
+
+
+async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], Any]]) -> Completion:
+    """``_consume`` on an event loop."""
+    try:
+        async for event in stream:
+            if on_event is not None:
+                on_event(event)
+    except BaseException:
+        await stream.__aexit__(None, None, None)
+        raise
+    assert stream.completion is not None
+    return stream.completion
 
 
 # =====================================================================================================

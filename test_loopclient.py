@@ -5072,7 +5072,7 @@ class TestCallerMistakes(unittest.TestCase):
         self.assertEqual(lc.parse_address(pathlib.Path("/run/x.sock")).target, "/run/x.sock")
         self.assertEqual(lc.parse_address("http://example:80").host, "example")
         client = lc.Client("/tmp/x.sock", headers={"user-agent": "mine/1"})
-        request = client._encode("GET", "/health", None, "application/json")
+        request = client._calls._encode("GET", "/health", None, "application/json")
         self.assertIn(b"\r\nuser-agent: mine/1\r\n", request)
         self.assertNotIn(b"loopclient/", request)
         self.assertTrue(request.endswith(b"\r\n\r\n"))
@@ -5780,22 +5780,16 @@ def start_chat(client, marker, slot=0, events=None, results=None, **params):
     return thread
 
 
-class SpyLock:
-    """Stands in for a queued ticket's waker and counts releases: the gate wakes a thread by releasing it."""
+class CountingRun(lc._SyncRun):
+    """A threaded run (no board: it only waits in a gate) that counts the signals its waker receives."""
 
-    def __init__(self, inner):
-        self.inner = inner
-        self.releases = 0
-        self.sleeps = 0  # blocking acquires: the waiting thread is asleep (or about to be)
+    def __init__(self):
+        super().__init__(None)
+        self.signals = 0
 
-    def acquire(self, blocking=True, timeout=-1):
-        if blocking:
-            self.sleeps += 1
-        return self.inner.acquire(blocking, timeout)
-
-    def release(self):
-        self.releases += 1
-        self.inner.release()
+    def signal(self):
+        self.signals += 1
+        super().signal()
 
 
 def gate_problems(gate, queue_len=None):
@@ -5821,7 +5815,7 @@ def gate_problems(gate, queue_len=None):
                 problems.append(where + "%d holes for %d queued" % (len(holes), len(queue)))
             for rank, pos in enumerate(sorted(queue)):
                 ticket = queue[pos]
-                if ticket.pos != pos or ticket.granted or ticket.left or ticket.waker is None:
+                if ticket.pos != pos or ticket.granted or ticket.left:
                     problems.append(where + "ticket %d at %d is not a plain waiter" % (ticket.seq, pos))
                 if lane.before(ticket) != rank:
                     problems.append(
@@ -5937,18 +5931,17 @@ class TestGate(ServerCase):
         wait_for(lambda: keeper.arrived("A"))
         stream = client.stream([{"role": "user", "content": "B"}], slot=0)
         self.assertEqual(run_with_timeout(lambda: next(stream), 5), lc.Queued(1))
-        spy = stream._ticket.waker = SpyLock(stream._ticket.waker)
+        run = stream._run
         outcome = []
         thread = threading.Thread(target=lambda: outcome.append(self.next_error(stream)), daemon=True)
         thread.start()
-        wait_for(lambda: spy.sleeps, what="the stream's thread to sleep in the queue")
+        wait_for(lambda: run.lock.locked(), what="the stream's thread to park in the queue")
         t = Timer()
         stream.cancel()  # the waiter's 30 s timer is far off: only the wake of its own ticket ends the wait
         thread.join(0.2)
         self.assertFalse(thread.is_alive())
         self.assertLess(t.elapsed, 0.2)
         self.assertIsInstance(outcome[0], lc.CancelledError)
-        self.assertEqual(spy.releases, 1)
         self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1, 0))
         keeper.release("A")
         a.join(5)
@@ -6027,80 +6020,80 @@ class TestGateHandover(unittest.TestCase):
     """The gate alone: a release hands over to one waiter, positions are counted without walking the
     queue, memory is constant per waiter."""
 
-    def wait_in_threads(self, gate, tickets, poll=60.0):
-        """One thread per ticket in ``gate.wait``; returns (flags, results, threads)."""
-        flags = [threading.Event() for _ in tickets]
+    def wait_in_threads(self, gate, key, n, poll=60.0):
+        """``n`` tickets, each waited for in a thread of its own (the queue plan on a run of its own);
+        returns (runs, tickets, results, threads) once every thread is parked."""
+        runs = [CountingRun() for _ in range(n)]
+        tickets = [gate.enter(key, 1, run) for run in runs]
         results = {}
 
-        def run(i):
+        def wait(i):
+            runs[i].gen = lc._queued(gate, tickets[i], poll)
             try:
-                results[i] = gate.wait(tickets[i], flags[i], poll)
+                results[i] = runs[i].finish()
             except lc.CancelledError as exc:
                 results[i] = exc
 
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(tickets))]
+        threads = [threading.Thread(target=wait, args=(i,), daemon=True) for i in range(n)]
         for thread in threads:
             thread.start()
-        return flags, results, threads
+        wait_for(lambda: all(run.lock.locked() for run in runs), 5, "every waiter to park")
+        return runs, tickets, results, threads
 
     def test_a_release_wakes_the_next_waiter_only(self):
         gate = lc._Gate(threading.Lock(), 100)
         key = (None, 0)
         holder = gate.enter(key, 1)
-        tickets = [gate.enter(key, 1) for _ in range(20)]
+        runs, tickets, results, threads = self.wait_in_threads(gate, key, 20)
         self.assertEqual([t.ahead for t in tickets], list(range(1, 21)))
-        for ticket in tickets:
-            ticket.waker = SpyLock(ticket.waker)
-        flags, results, threads = self.wait_in_threads(gate, tickets)
-        releases = lambda: [t.waker.releases for t in tickets]
+        signals = lambda: [run.signals for run in runs]
 
         gate.leave(holder)
         threads[0].join(5)
         self.assertIsNone(results[0])
-        self.assertEqual(releases(), [1] + [0] * 19)
+        self.assertEqual(signals(), [1] + [0] * 19)
         self.assertEqual(gate.snapshot()[key], (1, 19))
 
-        # a waiter cancelled from the middle: only its own thread wakes, and leaving wakes nobody
-        flags[7].set()
-        gate.wake(tickets[7])
+        # a waiter cancelled from the middle: its own run wakes it, and leaving the queue wakes nobody
+        runs[7].cancel()
         threads[7].join(5)
         self.assertIsInstance(results[7], lc.CancelledError)
         gate.leave(tickets[7])
-        self.assertEqual(releases(), [1] + [0] * 6 + [1] + [0] * 12)
+        self.assertEqual(signals(), [1] + [0] * 19)
         self.assertEqual(gate.snapshot()[key], (1, 18))
 
         gate.leave(tickets[0])  # handed to the next in line
         threads[1].join(5)
         self.assertIsNone(results[1])
-        self.assertEqual(releases(), [1, 1] + [0] * 5 + [1] + [0] * 12)
+        self.assertEqual(signals(), [1, 1] + [0] * 18)
         self.assertEqual(sorted(results), [0, 1, 7])  # the rest still sleep on their 60 s timers
         self.assertEqual(gate_problems(gate), [])
 
         rest = [i for i in range(20) if i not in (0, 1, 7)]
         for i in rest:
-            flags[i].set()
-            gate.wake(tickets[i])
+            runs[i].cancel()
         for i in rest:
             threads[i].join(5)
             self.assertIsInstance(results[i], lc.CancelledError)
             gate.leave(tickets[i])
         gate.leave(tickets[1])
         self.assertEqual(gate.snapshot()[key], (0, 0))
-        self.assertEqual(releases(), [1] * 20)  # one wake each, never two
+        self.assertEqual(signals(), [1, 1] + [0] * 18)  # one signal per hand-over, never two
         self.assertEqual(gate_problems(gate), [])
 
     def test_a_granted_ticket_is_told_even_when_its_release_came_before_wait(self):
         gate = lc._Gate(threading.Lock(), 4)
         key = (None, 0)
         holder = gate.enter(key, 1)
-        ticket = gate.enter(key, 1)
-        gate.leave(holder)  # granted and woken before its thread ever sleeps
-        self.assertTrue(ticket.granted and ticket.woken)
-        self.assertIsNone(run_with_timeout(lambda: gate.wait(ticket, threading.Event(), 60.0), 5))
-        self.assertFalse(ticket.woken)
-        self.assertFalse(ticket.waker.acquire(False))  # the release was taken back: never released twice
-        gate.wake(ticket)  # a granted ticket has nothing to wake
-        self.assertFalse(ticket.woken)
+        run = CountingRun()
+        ticket = gate.enter(key, 1, run)
+        gate.leave(holder)  # granted and signalled before its waiter ever parks
+        self.assertTrue(ticket.granted)
+        self.assertEqual(run.signals, 1)
+        run.gen = lc._queued(gate, ticket, 60.0)
+        t = Timer()
+        self.assertIsNone(run_with_timeout(run.finish, 5))
+        self.assertLess(t.elapsed, 5.0)  # the signal was kept, not lost before the park
         gate.leave(ticket)
         self.assertEqual(gate.snapshot()[key], (0, 0))
 
@@ -6108,21 +6101,25 @@ class TestGateHandover(unittest.TestCase):
         gate = lc._Gate(threading.Lock(), 8)
         key = (None, 0)
         holder = gate.enter(key, 1)
-        first, second, third = (gate.enter(key, 1) for _ in range(3))
+        first, second = gate.enter(key, 1), gate.enter(key, 1)
+        run = CountingRun()
+        third = gate.enter(key, 1, run)
         self.assertEqual(third.ahead, 3)
+        run.gen = lc._queued(gate, third, 0.05)
+        self.assertEqual(run_with_timeout(run.step, 5), [lc.Queued(3)])
         gate.leave(first)  # cancelled from the queue: nobody is woken, third learns it on its timer
         t = Timer()
-        self.assertEqual(run_with_timeout(lambda: gate.wait(third, threading.Event(), 0.05), 5), 2)
-        self.assertGreaterEqual(t.elapsed, 0.05)
+        self.assertEqual(run_with_timeout(run.step, 5), [lc.Queued(2)])
+        self.assertGreaterEqual(t.elapsed, 0.05 - EARLY)
         self.assertEqual(third.ahead, 2)
         gate.leave(holder)  # second is granted; third is next but is told only when its timer fires
         t = Timer()
-        self.assertEqual(run_with_timeout(lambda: gate.wait(third, threading.Event(), 0.05), 5), 1)
-        self.assertGreaterEqual(t.elapsed, 0.05)
-        cancelled = threading.Event()
-        cancelled.set()
+        self.assertEqual(run_with_timeout(run.step, 5), [lc.Queued(1)])
+        self.assertGreaterEqual(t.elapsed, 0.05 - EARLY)
+        self.assertEqual(run.signals, 0)
+        run.cancelled = True
         with self.assertRaises(lc.CancelledError):
-            gate.wait(third, cancelled, 60.0)  # checked before sleeping
+            run.step()  # checked before parking again
         for ticket in (second, third):
             gate.leave(ticket)
         self.assertEqual(gate.snapshot()[key], (0, 0))
@@ -6227,7 +6224,7 @@ class TestGateHandover(unittest.TestCase):
                 tracemalloc.stop()
             return grown / n
 
-        small, large = per_waiter(250), per_waiter(4000)
+        small, large = per_waiter(1000), per_waiter(8000)  # past the small-dict sizes of the queue
         self.assertLess(large, 1024)
         self.assertLess(large, 1.5 * small)
 
@@ -6235,11 +6232,12 @@ class TestGateHandover(unittest.TestCase):
         gate = lc._Gate(threading.Lock(), 8)
         key = (None, None)
         first = gate.enter(key, 1)  # /props not answered yet: a pool of one
-        waiting = [gate.enter(key, 1) for _ in range(3)]
+        wakers = [CountingRun() for _ in range(3)]
+        waiting = [gate.enter(key, 1, w) for w in wakers]
         self.assertEqual([t.ahead for t in waiting], [1, 2, 3])
         late = gate.enter(key, 3)  # /props answered 3: the first two waiters get the new permits at once
         self.assertEqual([t.granted for t in waiting], [True, True, False])
-        self.assertEqual([t.woken for t in waiting], [True, True, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 0])
         self.assertFalse(late.granted)
         self.assertEqual(late.ahead, 4)  # three in flight, one queued before it
         self.assertEqual(gate.snapshot()[key], (3, 2))
@@ -6491,7 +6489,7 @@ class TestAsyncCancel(ServerCase):
                 start = time.monotonic()
                 if how == "cancel()":
                     stream.cancel()
-                    self.assertTrue(all(c._transport.is_closing() for c in stream._conns), "not closed by cancel()")
+                    self.assertTrue(all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()")
                     self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1 if first else 0, 0))
                 else:
                     task.cancel()
@@ -6503,7 +6501,7 @@ class TestAsyncCancel(ServerCase):
                 else:
                     self.assertTrue(task.cancelled())
                 self.assertLess(elapsed, 0.2)
-                self.assertFalse(stream._conns)
+                self.assertFalse(stream._run._conns)
                 self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1 if first else 0, 0))
                 if state in ("head", "streaming"):
                     request = server.chat_requests()[0]
@@ -6754,10 +6752,10 @@ class TestStress(ServerCase):
                     if not first_round[0]:
                         everyone_in.set()
 
-        def recording_enter(key, capacity):
+        def recording_enter(key, capacity, waker=None):
             marker = threading.current_thread().marker
             try:
-                ticket = enter(key, capacity)
+                ticket = enter(key, capacity, waker)
             except lc.BusyError as exc:
                 refusals.append((marker, exc.waiting, exc.queue_len, exc.slot, key))
                 raise
@@ -6915,10 +6913,10 @@ class TestAsyncStress(ServerCase):
                 enter = gate.enter
                 entered, refusals, current = [], [], [None]
 
-                def watching_enter(key, capacity):
+                def watching_enter(key, capacity, waker=None):
                     full = gate.snapshot().get(key, (0, 0))[1] >= 2
                     try:
-                        ticket = enter(key, capacity)
+                        ticket = enter(key, capacity, waker)
                     except lc.BusyError as exc:
                         refusals.append((current[0], full, exc.waiting, exc.queue_len))
                         raise
@@ -8937,7 +8935,7 @@ class TestRealServer(ClientFactory, unittest.TestCase):
         params = {"max_tokens": 24, "temperature": 0, "seed": 42}
         msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
         completion, events = self.chat(client, msgs, slot=0, **params)
-        plain = client._json("POST", "/v1/chat/completions", dict(params, messages=msgs, id_slot=0))
+        plain = client.request("POST", "/v1/chat/completions", dict(params, messages=msgs, id_slot=0))
         self.assertEqual(completion.content, plain["choices"][0]["message"]["content"])
         self.assertEqual(completion.content, "".join(e.text for e in events if isinstance(e, lc.Content)))
         self.assertEqual(completion.finish_reason, plain["choices"][0]["finish_reason"])

@@ -2161,7 +2161,7 @@ class _Conn:
 
 
 def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
-    import ssl  # only for https://
+    ssl = _import_ssl()
 
     try:
         return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
@@ -3227,7 +3227,7 @@ class Client:
         encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
         self._headers = extra
         if addr.tls or ssl_context is not None:
-            import ssl  # only for https://
+            ssl = _import_ssl()
 
             if ssl_context is None:
                 ssl_context = ssl.create_default_context()
@@ -4376,7 +4376,7 @@ class AsyncClient:
         exc = task.exception()
         if exc is not None:
             if addr.tls:
-                import ssl
+                ssl = _import_ssl()
 
                 if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
                     raise _tls_failed(addr, exc) from exc
@@ -4530,6 +4530,18 @@ class AsyncClient:
     async def metrics(self) -> str:
         """``Client.metrics``, as a coroutine."""
         return await self._call(self._plan.metrics)
+
+
+def _import_ssl() -> Any:
+    """The ``ssl`` module, imported only for ``https://``; a Python built without it is ``ValueError``."""
+    try:
+        import ssl
+    except ImportError as exc:
+        raise ValueError(
+            "https:// needs Python's ssl module, which this Python (%s) lacks: use a Python built with ssl "
+            "(OpenSSL), or reach the server over http:// or a Unix socket" % sys.executable
+        ) from exc
+    return ssl
 
 
 # =====================================================================================================

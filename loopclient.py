@@ -4573,17 +4573,24 @@ def _describe(exc: LoopError) -> str:
     return "loopclient: %s%s" % (exc_text, ": " + hint if hint else "")
 
 
+def _isatty(stream: Any) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 class _Console:
-    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise."""
+    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  Off a terminal
+    the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%)."""
 
     def __init__(self, out: Any, err: Any) -> None:
         self.out = out
         self.err = err
-        self.tty = bool(getattr(err, "isatty", lambda: False)())
+        self.tty = _isatty(err)
         self._status = False
         self._in_reasoning = False
         self.started = time.monotonic()
         self.first_token = None  # type: Optional[float]
+        self._prompt = None  # type: Optional[Tuple[int, int]]  # (processed, total) last shown
+        self._quarter = -1  # off a terminal: the last quarter of the prompt given a line
 
     def status(self, text: str) -> None:
         if self.tty:
@@ -4602,6 +4609,9 @@ class _Console:
         if isinstance(event, (Content, Reasoning, ToolCall)):
             if self.first_token is None:
                 self.first_token = time.monotonic() - self.started
+                if self._prompt is not None and self._prompt[0] < self._prompt[1]:
+                    # the server's last progress chunk may stop short (47 of 51): a token means all of it
+                    self._progress(self._prompt[1], self._prompt[1])
             self.clear()
         if isinstance(event, Content):
             if self._in_reasoning:
@@ -4631,9 +4641,8 @@ class _Console:
         elif isinstance(event, Retrying):
             self.status("retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason))
         elif isinstance(event, Progress):
-            if event.total > 0 and event.processed < event.total:
-                share = 100 * event.processed // event.total
-                self.status("prompt {:,}/{:,} tokens, {}%".format(event.processed, event.total, share))
+            if event.total > 0 and self.first_token is None:
+                self._progress(min(event.processed, event.total), event.total)
         elif isinstance(event, ThinkingCapped):
             if self._in_reasoning:
                 self._end_reasoning()
@@ -4641,6 +4650,13 @@ class _Console:
             if self.tty:
                 self.err.write("\n")
                 self._status = False
+
+    def _progress(self, processed: int, total: int) -> None:
+        self._prompt = (processed, total)
+        quarter = 4 * processed // total
+        if self.tty or quarter > self._quarter:
+            self._quarter = quarter
+            self.status("prompt {:,}/{:,} tokens, {}%".format(processed, total, 100 * processed // total))
 
     def _end_reasoning(self) -> None:
         self._in_reasoning = False

@@ -8719,9 +8719,40 @@ class TestConsole(unittest.TestCase):
         self.assertEqual(
             err.getvalue(),
             "\r\x1b[Kwaiting 0 s: the slot is wedged\r\x1b[Kprompt 0/8,000 tokens, 0%"
-            "\r\x1b[Kprompt 1,234/8,000 tokens, 15%\r\x1b[K",
+            "\r\x1b[Kprompt 1,234/8,000 tokens, 15%\r\x1b[Kprompt 8,000/8,000 tokens, 100%\r\x1b[K",
         )
         self.assertEqual(out.getvalue(), "A")
+
+    def test_the_first_token_completes_a_prompt_that_stopped_short(self):
+        """The real server's last progress chunk can say 47 of 51; the first token means the whole prompt."""
+        for err, want in [
+            (
+                TtyText(),
+                "\r\x1b[Kprompt 0/51 tokens, 0%\r\x1b[Kprompt 47/51 tokens, 92%\r\x1b[Kprompt 51/51 tokens, 100%\r\x1b[K",
+            ),
+            (io.StringIO(), "prompt 0/51 tokens, 0%\nprompt 47/51 tokens, 92%\nprompt 51/51 tokens, 100%\n"),
+        ]:
+            console = lc._Console(io.StringIO(), err)
+            for event in (lc.Progress(0, 51, 0, 0.0), lc.Progress(47, 51, 0, 9.0), lc.Content("A"), lc.Content("B")):
+                console.event(event)
+            self.assertEqual(err.getvalue(), want)
+
+    def test_off_a_terminal_progress_is_a_line_a_quarter(self):
+        err = io.StringIO()
+        console = lc._Console(io.StringIO(), err)
+        for processed in range(0, 8001, 100):
+            console.event(lc.Progress(processed, 8000, 0, 0.0))
+        console.event(lc.Content("A"))
+        self.assertEqual(
+            err.getvalue(),
+            "prompt 0/8,000 tokens, 0%\nprompt 2,000/8,000 tokens, 25%\nprompt 4,000/8,000 tokens, 50%\n"
+            "prompt 6,000/8,000 tokens, 75%\nprompt 8,000/8,000 tokens, 100%\n",
+        )
+        err = io.StringIO()  # a prompt served from the cache at once: one line, and no second 100%
+        console = lc._Console(io.StringIO(), err)
+        for event in (lc.Progress(51, 51, 51, 0.0), lc.Content("A")):
+            console.event(event)
+        self.assertEqual(err.getvalue(), "prompt 51/51 tokens, 100%\n")
 
     def test_figures(self):
         console = lc._Console(io.StringIO(), io.StringIO())

@@ -9777,17 +9777,45 @@ COLOURS = {"red", "orange", "yellow", "green", "blue", "indigo", "violet", "purp
 
 @unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
 class TestRealDemo(unittest.TestCase):
-    def test_readme_demo_names_colours_and_stops(self):
-        """The README's demo command against `dev/llama-server.sh demo`, at temperature 0 to be repeatable."""
-        argv = ["--socket", REAL_DEMO, "chat", "Name three colours.", "--max-tokens", "40", "--temperature", "0"]
+    """The command line against `dev/llama-server.sh demo`, at temperature 0 to be repeatable: the answer
+    ends where the request says (the server itself stops at no newline)."""
+
+    def loopclient(self, *argv):
         done = subprocess.run(
-            [sys.executable, os.path.join(HERE, "loopclient.py")] + argv, capture_output=True, text=True, timeout=60
+            [sys.executable, os.path.join(HERE, "loopclient.py"), "--socket", REAL_DEMO] + list(argv),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         self.assertEqual(done.returncode, 0, done.stderr)
-        words = set(done.stdout.lower().replace(",", " ").replace(".", " ").split())
-        self.assertGreaterEqual(len(words & COLOURS), 3, done.stdout)
-        self.assertIn("finish: stop", done.stderr)
-        self.assertEqual(done.stdout.count("\n"), 1, done.stdout)
+        return done.stdout, done.stderr.splitlines()[-1]
+
+    def test_readme_demo_names_colours_and_stops(self):
+        """The README's demo command: one line, ended by its --stop '\\n'."""
+        out, figures = self.loopclient(
+            "chat", "Name three colours.", "--stop", "\\n", "--max-tokens", "40", "--temperature", "0"
+        )
+        words = set(out.lower().replace(",", " ").replace(".", " ").split())
+        self.assertGreaterEqual(len(words & COLOURS), 3, out)
+        self.assertRegex(figures, r"^\[\d+ tokens, .*finish: stop\]$")
+        self.assertEqual(out.count("\n"), 1, out)
+
+    def test_without_a_stop_the_answer_goes_past_its_line(self):
+        out, figures = self.loopclient("chat", "Name three colours.", "--max-tokens", "40", "--temperature", "0")
+        self.assertGreater(out.count("\n"), 1, out)
+        self.assertRegex(figures, r"^\[40 tokens, .*finish: length\]$")
+
+    def test_a_long_answer_has_as_many_tokens_as_asked(self):
+        out, figures = self.loopclient(
+            "chat", "Write about the sea.", "--max-tokens", "120", "--ignore-eos", "--temperature", "0"
+        )
+        self.assertRegex(figures, r"^\[120 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$")
+        self.assertGreater(out.count("\n"), 2, out)
+        out, _ = self.loopclient(
+            "chat", "Write about the sea.", "--max-tokens", "120", "--ignore-eos", "--temperature", "0", "--json"
+        )
+        doc = json.loads(out)
+        self.assertEqual((doc["usage"]["completion_tokens"], doc["finish_reason"]), (120, "length"))
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)

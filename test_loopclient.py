@@ -9151,7 +9151,7 @@ class TestCommandLineWithoutSSL(CLICase):
 class RealTierSummary(unittest.TestSuite):
     """This module's tests, as ``load_tests`` hands them to unittest.  When real-server tests (classes named
     ``TestReal*``) were skipped, one line on stderr at exit, after unittest's own summary, says how many and
-    which variables (named in the skip reasons) turn them on."""
+    which of the variables this file reads (``LOOPCLIENT_REAL_*``) are unset."""
 
     def run(self, result, debug=False):
         result = super().run(result, debug)
@@ -9164,17 +9164,17 @@ class RealTierSummary(unittest.TestSuite):
 
     @staticmethod
     def report(result):
-        reasons = [why for test, why in result.skipped if type(test).__name__.startswith("TestReal")]
-        if reasons:
-            names = []
-            for why in reasons:
-                for word in why.replace(",", " ").replace(")", " ").split():
-                    if word.startswith("LOOPCLIENT_") and word not in names:
-                        names.append(word)
+        skipped = [test for test, _ in result.skipped if type(test).__name__.startswith("TestReal")]
+        if skipped:
+            import re
+
+            with open(__file__, encoding="utf-8") as source:
+                names = dict.fromkeys(re.findall(r"\bLOOPCLIENT_REAL_[A-Z_]+\b", source.read()))
+            unset = [name for name in names if not os.environ.get(name)]
             sys.stderr.write(
-                "test_loopclient: %d real-server tests were skipped; set %s to run them "
+                "test_loopclient: %d real-server tests were skipped; to run them set %s "
                 "(dev/llama-server.sh starts the servers, .ci/run does it all; README: Testing)\n"
-                % (len(reasons), ", ".join(names) or "the LOOPCLIENT_REAL_* variables")
+                % (len(skipped), ", ".join(unset) or "the LOOPCLIENT_REAL_* variables")
             )
 
 

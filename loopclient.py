@@ -50,7 +50,7 @@ import time
 # typing is only read by type checkers: importing it would cost more than socket, json and threading.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, TypeVar, Union
+    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 __version__ = "0.1.0"
 __license__ = "MIT"
@@ -2797,7 +2797,7 @@ class _Calls:
         encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
         self._headers = extra
         if addr.tls or ssl_context is not None:
-            import ssl  # only for https://
+            ssl = _import_ssl()
 
             if ssl_context is None:
                 ssl_context = ssl.create_default_context()
@@ -3327,7 +3327,7 @@ class _Conn:
 
 
 def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
-    import ssl  # only for https://
+    ssl = _import_ssl()
 
     try:
         return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
@@ -3864,7 +3864,7 @@ class _AsyncRun:
         exc = task.exception()
         if exc is not None:
             if addr.tls:
-                import ssl
+                ssl = _import_ssl()
 
                 if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
                     raise _tls_failed(addr, exc) from exc
@@ -4310,6 +4310,18 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
     return stream.completion
 
 
+def _import_ssl() -> Any:
+    """The ``ssl`` module, imported only for ``https://``; a Python built without it is ``ValueError``."""
+    try:
+        import ssl
+    except ImportError as exc:
+        raise ValueError(
+            "https:// needs Python's ssl module, which this Python (%s) lacks: use a Python built with ssl "
+            "(OpenSSL), or reach the server over http:// or a Unix socket" % sys.executable
+        ) from exc
+    return ssl
+
+
 # =====================================================================================================
 # 10. Command line
 # =====================================================================================================
@@ -4339,17 +4351,24 @@ def _describe(exc: LoopError) -> str:
     return "loopclient: %s%s" % (exc_text, ": " + hint if hint else "")
 
 
+def _isatty(stream: Any) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 class _Console:
-    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise."""
+    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  Off a terminal
+    the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%)."""
 
     def __init__(self, out: Any, err: Any) -> None:
         self.out = out
         self.err = err
-        self.tty = bool(getattr(err, "isatty", lambda: False)())
+        self.tty = _isatty(err)
         self._status = False
         self._in_reasoning = False
         self.started = time.monotonic()
         self.first_token = None  # type: Optional[float]
+        self._prompt = None  # type: Optional[Tuple[int, int]]  # (processed, total) last shown
+        self._quarter = -1  # off a terminal: the last quarter of the prompt given a line
 
     def status(self, text: str) -> None:
         if self.tty:
@@ -4368,6 +4387,9 @@ class _Console:
         if isinstance(event, (Content, Reasoning, ToolCall)):
             if self.first_token is None:
                 self.first_token = time.monotonic() - self.started
+                if self._prompt is not None and self._prompt[0] < self._prompt[1]:
+                    # the server's last progress chunk may stop short (47 of 51): a token means all of it
+                    self._progress(self._prompt[1], self._prompt[1])
             self.clear()
         if isinstance(event, Content):
             if self._in_reasoning:
@@ -4397,9 +4419,8 @@ class _Console:
         elif isinstance(event, Retrying):
             self.status("retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason))
         elif isinstance(event, Progress):
-            if event.total > 0 and event.processed < event.total:
-                share = 100 * event.processed // event.total
-                self.status("prompt {:,}/{:,} tokens, {}%".format(event.processed, event.total, share))
+            if event.total > 0 and self.first_token is None:
+                self._progress(min(event.processed, event.total), event.total)
         elif isinstance(event, ThinkingCapped):
             if self._in_reasoning:
                 self._end_reasoning()
@@ -4407,6 +4428,13 @@ class _Console:
             if self.tty:
                 self.err.write("\n")
                 self._status = False
+
+    def _progress(self, processed: int, total: int) -> None:
+        self._prompt = (processed, total)
+        quarter = 4 * processed // total
+        if self.tty or quarter > self._quarter:
+            self._quarter = quarter
+            self.status("prompt {:,}/{:,} tokens, {}%".format(processed, total, 100 * processed // total))
 
     def _end_reasoning(self) -> None:
         self._in_reasoning = False
@@ -4437,42 +4465,21 @@ def _completion_json(completion: Completion) -> str:
     return json.dumps(completion.to_dict(), ensure_ascii=False, indent=2)
 
 
-def _watch_slots(client: Client, seconds: float) -> Tuple[List[Slot], Dict[int, float]]:
-    """The slots, and for each processing slot how long its progress was seen not to move: two looks
-    ``poll`` apart when a slot is processing, more for ``seconds``."""
-    poll = client.limits.poll
-    slots = client.slots()
-    first = {s.id: (s.task, s.decoded, s.prompt_processed) for s in slots}
-    since = {s.id: time.monotonic() for s in slots}
-    end = time.monotonic() + max(seconds, poll)
-    while any(s.is_processing for s in slots) and time.monotonic() < end:
-        time.sleep(min(poll, max(0.0, end - time.monotonic())))
-        slots = client.slots()
-        for s in slots:
-            triple = (s.task, s.decoded, s.prompt_processed)
-            if triple != first.get(s.id) or not s.is_processing or triple == (None, None, None):
-                first[s.id] = triple
-                since[s.id] = time.monotonic()
-    now = time.monotonic()
-    return slots, {s.id: now - since.get(s.id, now) for s in slots if s.is_processing}
+def _slot_state(s: Slot, watch: _SlotWatch) -> str:
+    return "wedged" if watch.wedged(s) else "busy" if s.is_processing else "idle"
 
 
-def _slots_table(slots: List[Slot], still: Optional[Dict[int, float]] = None, limits: Optional[Limits] = None) -> str:
-    """The table of ``loopclient slots``: a processing slot whose progress has not moved for longer than
-    ``poll`` shows for how long, and ``wedged`` past ``wedge_wait``."""
-    still = still or {}
-    limits = limits or Limits()
+def _slots_table(slots: List[Slot], watch: _SlotWatch, limits: Limits) -> str:
+    """The table of ``loopclient slots``: a processing slot whose progress ``watch`` has seen not move for
+    longer than ``poll`` shows for how long, and ``wedged`` past ``wedge_wait``."""
     rows = [("slot", "state", "task", "decoded", "n_ctx", "still")]
     for s in slots:
-        quiet = still.get(s.id, 0.0)
-        state = "busy" if s.is_processing else "idle"
-        if s.is_processing and limits.wedge_wait is not None and quiet >= limits.wedge_wait:
-            state = "wedged"
+        quiet = watch.still(s)
         n_ctx = s.raw.get("n_ctx")
         rows.append(
             (
                 str(s.id),
-                state,
+                _slot_state(s, watch),
                 str(s.task) if s.task is not None and s.is_processing else "",
                 str(s.decoded) if s.decoded is not None else "",
                 str(n_ctx) if n_ctx is not None else "",
@@ -4481,6 +4488,65 @@ def _slots_table(slots: List[Slot], still: Optional[Dict[int, float]] = None, li
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _slot_line(s: Slot, watch: _SlotWatch) -> str:
+    """One slot as a line of the watch's log, after the time of day."""
+    state = _slot_state(s, watch)
+    line = "slot %d %s" % (s.id, state)
+    if s.is_processing:
+        line += " task %s decoded %s" % (s.task, s.decoded)
+        if state == "wedged":
+            line += " still %.1f s" % watch.still(s)
+    return line
+
+
+def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
+    """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot
+    is processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds``
+    (infinite: until Ctrl-C), the table redrawn in place on a terminal, else a line per slot whose state
+    or task changed (every slot on the first look)."""
+    limits = client.limits
+    watch = _SlotWatch(limits)
+    slots = client.slots()
+    watch._remember(slots, time.monotonic())
+    if seconds is None:
+        if any(s.is_processing for s in slots):
+            time.sleep(limits.poll)
+            slots = client.slots()
+            watch._remember(slots, time.monotonic())
+        out.write(_slots_table(slots, watch, limits) + "\n")
+        return
+    tty = _isatty(out)
+    end = time.monotonic() + seconds
+    until = "until Ctrl-C" if seconds == float("inf") else "for %g s" % seconds
+    drawn = 0  # lines of the last drawing, to go back over
+    seen = {}  # type: Dict[int, Tuple[str, Optional[int]]]
+    while True:
+        clock = time.strftime("%H:%M:%S")
+        if tty:
+            text = "slots of %s, every %g s %s  %s\n%s\n" % (
+                client.address,
+                limits.poll,
+                until,
+                clock,
+                _slots_table(slots, watch, limits),
+            )
+            out.write(("\x1b[%dA\r\x1b[J" % drawn if drawn else "") + text)
+            drawn = text.count("\n")
+        else:
+            for s in slots:
+                key = (_slot_state(s, watch), s.task if s.is_processing else None)
+                if seen.get(s.id) != key:
+                    seen[s.id] = key
+                    out.write("%s %s\n" % (clock, _slot_line(s, watch)))
+        out.flush()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(limits.poll, left))
+        slots = client.slots()
+        watch._remember(slots, time.monotonic())
 
 
 def _models_table(doc: Dict[str, Any]) -> str:
@@ -4492,6 +4558,79 @@ def _models_table(doc: Dict[str, Any]) -> str:
             rows.append((str(item.get("id", "")), str(value) if value is not None else "loaded"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(("%s  %s" % (r[0].ljust(width), r[1])).rstrip() for r in rows)
+
+
+def _unescape(text: str) -> str:
+    """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` in a command-line TEXT as the characters they name (as
+    llama-server's own flags read them), so that ``--stop '\\n'`` works in any shell."""
+    out, i = [], 0
+    while i < len(text):
+        pair = text[i : i + 2]
+        char = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}.get(pair)
+        out.append(char if char is not None else text[i])
+        i += 2 if char is not None else 1
+    return "".join(out)
+
+
+def _body_param(text: str) -> Tuple[str, Any]:
+    """``--param KEY=VALUE``: VALUE as JSON when it parses (``8``, ``true``, ``["a"]``, ``{"k": 1}``,
+    ``"8"``), else as the string it is."""
+    key, eq, value = text.partition("=")
+    if not eq or not key.strip():
+        import argparse
+
+        raise argparse.ArgumentTypeError("expected KEY=VALUE, got %r" % text)
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
+
+
+def _add_answer_options(command: Any) -> None:
+    """The options that shape an answer, for every command that streams one (``chat`` so far); read them
+    back with ``_answer_params``."""
+    command.add_argument("--slot", type=int, metavar="N", help="pin the request to this slot")
+    command.add_argument("--max-tokens", type=int, metavar="N", help="cap the answer's tokens")
+    command.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
+    command.add_argument(
+        "--stop",
+        action="append",
+        type=_unescape,
+        metavar="TEXT",
+        help="end the answer where TEXT would appear (repeatable; \\n is a newline, \\t a tab, \\\\ a backslash)",
+    )
+    command.add_argument(
+        "--ignore-eos", action="store_true", help="go on past the model's end of text (up to --max-tokens)"
+    )
+    command.add_argument(
+        "--param",
+        action="append",
+        type=_body_param,
+        metavar="KEY=VALUE",
+        help="put KEY in the request body: VALUE as JSON when it parses, else as a string (repeatable; "
+        "applied last, so it wins over the options above)",
+    )
+    command.add_argument("--json", action="store_true", help="print the whole completion as JSON")
+
+
+def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
+    """The body fields of ``_add_answer_options``' options in ``args``; ``taken`` are fields the command
+    sets itself (``stream`` and ``id_slot`` always), which ``--param`` may not: ``ValueError``."""
+    params = {}  # type: Dict[str, Any]
+    if args.max_tokens is not None:
+        params["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        params["temperature"] = args.temperature
+    if args.stop:
+        params["stop"] = list(args.stop)
+    if args.ignore_eos:
+        params["ignore_eos"] = True
+    for key, value in args.param or ():
+        if key in ("stream", "id_slot", *taken):
+            hint = ": use --slot" if key == "id_slot" else ""
+            raise ValueError("--param %s: loopclient sets %s itself%s" % (key, key, hint))
+        params[key] = value
+    return params
 
 
 def _parser() -> Any:
@@ -4526,15 +4665,17 @@ def _parser() -> Any:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     chat = commands.add_parser("chat", parents=[common], help="stream an answer (PROMPT, stdin, or a conversation)")
     chat.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
-    chat.add_argument("--slot", type=int, help="pin the request to this slot")
     chat.add_argument("--system", help="a system message")
-    chat.add_argument("--max-tokens", type=int, help="cap the answer's tokens")
-    chat.add_argument("--temperature", type=float, help="sampling temperature")
     chat.add_argument("--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens")
-    chat.add_argument("--json", action="store_true", help="print the whole completion as JSON")
+    _add_answer_options(chat)
     slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
     slots.add_argument(
-        "--watch", type=float, default=0.0, metavar="SECONDS", help="watch busy slots this long for progress"
+        "--watch",
+        type=float,
+        nargs="?",
+        const=float("inf"),
+        metavar="SECONDS",
+        help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
     )
     commands.add_parser("health", parents=[common], help="print /health as JSON")
     commands.add_parser("props", parents=[common], help="print /props as JSON")
@@ -4559,6 +4700,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None
     api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
     try:
+        params = _answer_params(args, ("messages",)) if args.command == "chat" else {}
         changes = {}  # type: Dict[str, Any]
         if getattr(args, "thinking_cap", None) is not None:
             changes["thinking_cap"] = args.thinking_cap
@@ -4566,15 +4708,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             changes["load_wait"] = changes["busy_wait"] = args.wait
         client = Client(address, limits=Limits(**changes), api_key=api_key, model=model)
     except (ValueError, TypeError) as exc:
+        if isinstance(exc.__cause__, ImportError):  # no ssl module: this Python, not the usage, is at fault
+            sys.stderr.write("loopclient: %s\n" % exc)
+            return 1
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
     try:
         with client:
             if args.command == "chat":
-                return _chat(client, args)
+                return _chat(client, args, params)
             if args.command == "slots":
-                slots, still = _watch_slots(client, args.watch)
-                print(_slots_table(slots, still, client.limits))
+                _slots(client, sys.stdout, args.watch)
             elif args.command == "health":
                 print(json.dumps(client.health()))
             elif args.command == "props":
@@ -4593,14 +4737,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
-def _chat(client: Client, args: Any) -> int:
+def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
-    params = {"return_progress": True}  # type: Dict[str, Any]
-    if args.max_tokens is not None:
-        params["max_tokens"] = args.max_tokens
-    if args.temperature is not None:
-        params["temperature"] = args.temperature
+    params = dict({"return_progress": True}, **params)
     history = []  # type: List[Dict[str, Any]]
     if args.system:
         history.append({"role": "system", "content": args.system})

@@ -8473,16 +8473,16 @@ class QuickLimits(lc.Limits):
 
 
 class CLICase(ServerCase):
-    def run_main(self, argv, stdin=""):
-        out, err = io.StringIO(), io.StringIO()
+    def run_main(self, argv, stdin="", out=None):
+        out, err = out or io.StringIO(), io.StringIO()
         with mock.patch.object(sys, "stdin", io.StringIO(stdin)), mock.patch.object(
             lc, "Limits", QuickLimits
         ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = run_with_timeout(lambda: lc.main(argv))
         return code, out.getvalue(), err.getvalue()
 
-    def main_ok(self, *argv, stdin=""):
-        code, out, err = self.run_main(["--socket", self.server.path] + list(argv), stdin)
+    def main_ok(self, *argv, stdin="", out=None):
+        code, out, err = self.run_main(["--socket", self.server.path] + list(argv), stdin, out)
         self.assertEqual(code, 0, err)
         return out, err
 
@@ -8577,10 +8577,16 @@ class TestCommandLine(CLICase):
             r"1     idle         0        1024\n2     busy   8     2        1024\n$",
         )
         del looks[:]
+        t = Timer()
         out, _ = self.main_ok("slots", "--watch", "0.4")  # past wedge_wait (0.2 s in these tests)
+        self.assertGreaterEqual(t.elapsed, 0.4)
+        self.assertLess(t.elapsed, 0.4 + MARGIN)
         self.assertGreaterEqual(len(looks), 4)
-        self.assertRegex(out.splitlines()[1], r"^0     wedged  5     17       1024   0\.\d s$")
-        self.assertRegex(out.splitlines()[3], r"^2     busy    8     \d+ +1024$")
+        self.assertRegex(
+            out,
+            r"^\d\d:\d\d:\d\d slot 0 busy task 5 decoded 17\n\d\d:\d\d:\d\d slot 1 idle\n"
+            r"\d\d:\d\d:\d\d slot 2 busy task 8 decoded 1\n\d\d:\d\d:\d\d slot 0 wedged task 5 decoded 17 still 0\.\d s\n$",
+        )
 
     def test_models_and_tokens(self):
         listing = {
@@ -8669,6 +8675,153 @@ class TestCommandLine(CLICase):
         code, out, _ = self.run_main(["--version"])
         self.assertEqual((code, out), (0, "loopclient %s\n" % lc.__version__))
 
+    def test_answer_options_shape_the_body(self):
+        self.use(serve_body(content_stream(["ok"])))
+        out, _ = self.main_ok(
+            "chat",
+            "x",
+            "--stop",
+            "\\n",
+            "--stop",
+            "END\\\\n",
+            "--ignore-eos",
+            "--max-tokens",
+            "5",
+            "--param",
+            "top_k=40",
+            "--param",
+            'grammar=root ::= "a"',
+            "--param",
+            "logit_bias=[[1, -1]]",
+            "--param",
+            'name="8"',
+            "--param",
+            "max_tokens=9",
+            "--param",
+            "empty=",
+        )
+        self.assertEqual(out, "ok\n")
+        body = self.server.chat_requests()[0].json()
+        self.assertEqual(
+            {
+                k: body[k]
+                for k in ("stop", "ignore_eos", "max_tokens", "top_k", "grammar", "logit_bias", "name", "empty")
+            },
+            {
+                "stop": ["\n", "END\\n"],
+                "ignore_eos": True,
+                "max_tokens": 9,  # --param is applied last
+                "top_k": 40,
+                "grammar": 'root ::= "a"',  # not JSON: the text as it is
+                "logit_bias": [[1, -1]],
+                "name": "8",
+                "empty": "",
+            },
+        )
+        self.assertIs(body["return_progress"], True)
+        self.use(serve_body(content_stream(["ok"])))
+        self.main_ok("chat", "x", "--param", "return_progress=false")
+        body = self.server.chat_requests()[1].json()
+        self.assertIs(body["return_progress"], False)
+        self.assertNotIn("stop", body)
+        self.assertNotIn("ignore_eos", body)
+
+    def test_bad_params_are_usage_errors(self):
+        cases = [
+            (["--param", "top_k"], "loopclient chat: error: argument --param: expected KEY=VALUE, got 'top_k'"),
+            (["--param", "=1"], "loopclient chat: error: argument --param: expected KEY=VALUE, got '=1'"),
+            (["--param", "stream=false"], "loopclient: error: --param stream: loopclient sets stream itself"),
+            (["--param", "messages=[]"], "loopclient: error: --param messages: loopclient sets messages itself"),
+            (
+                ["--param", "id_slot=1"],
+                "loopclient: error: --param id_slot: loopclient sets id_slot itself: use --slot",
+            ),
+        ]
+        for extra, line in cases:
+            code, out, err = self.run_main(["--socket", self.server.path, "chat", "x"] + extra)
+            self.assertEqual((code, out, err.splitlines()[-1]), (2, "", line), err)
+        self.assertEqual(self.server.chat_requests(), [])
+
+    def test_unescape(self):
+        for text, want in [
+            ("\\n", "\n"),
+            ("a\\tb\\r", "a\tb\r"),
+            ("\\\\n", "\\n"),
+            ("\\x\\", "\\x\\"),
+            ("plain", "plain"),
+            ("", ""),
+        ]:
+            self.assertEqual(lc._unescape(text), want, text)
+
+    def test_slots_watch_logs_a_line_per_change(self):
+        looks = []
+        answers = [
+            [
+                {"id": 0, "is_processing": False},
+                {"id": 1, "id_task": 3, "is_processing": True, "next_token": [{"n_decoded": 1}]},
+            ],
+            [
+                {"id": 0, "id_task": 4, "is_processing": True, "next_token": [{"n_decoded": 0}]},
+                {"id": 1, "id_task": 3, "is_processing": True, "next_token": [{"n_decoded": 2}]},
+            ],
+        ]
+
+        def slots(req):
+            looks.append(time.monotonic())
+            if len(looks) <= len(answers):
+                respond_json(req, answers[len(looks) - 1])
+            else:  # slot 0 keeps moving, so it is never wedged; slot 1 is done
+                respond_json(
+                    req,
+                    [
+                        {"id": 0, "id_task": 4, "is_processing": True, "next_token": [{"n_decoded": len(looks)}]},
+                        {"id": 1, "is_processing": False, "next_token": [{"n_decoded": 9}]},
+                    ],
+                )
+
+        self.server.route("GET", "/slots", slots)
+        t = Timer()
+        out, _ = self.main_ok("slots", "--watch", "0.3")
+        self.assertLess(t.elapsed, 0.3 + MARGIN)
+        self.assertGreaterEqual(len(looks), 4)
+        self.assertLessEqual(len(looks), 0.3 / 0.05 + 2)  # one look a poll
+        self.assertRegex(out, r"^(\d\d:\d\d:\d\d [^\n]*\n)*$")
+        self.assertEqual(
+            [line[9:] for line in out.splitlines()],
+            ["slot 0 idle", "slot 1 busy task 3 decoded 1", "slot 0 busy task 4 decoded 0", "slot 1 idle"],
+        )
+
+    def test_slots_watch_redraws_the_table_on_a_terminal(self):
+        looks = []
+
+        def slots(req):
+            looks.append(time.monotonic())
+            respond_json(
+                req,
+                [
+                    {
+                        "id": 0,
+                        "id_task": 7,
+                        "n_ctx": 1024,
+                        "is_processing": True,
+                        "next_token": [{"n_decoded": len(looks)}],
+                    }
+                ],
+            )
+
+        self.server.route("GET", "/slots", slots)
+        out, _ = self.main_ok("slots", "--watch", "0.12", out=TtyText())
+        drawings = out.split("\x1b[3A\r\x1b[J")
+        self.assertEqual(len(drawings), len(looks))
+        self.assertGreaterEqual(len(looks), 3)
+        head = "slots of %s, every 0.05 s for 0.12 s  " % self.server.path
+        for i, drawing in enumerate(drawings):
+            self.assertTrue(drawing.startswith(head), drawing)
+            self.assertRegex(
+                drawing[len(head) :],
+                r"^\d\d:\d\d:\d\d\nslot  state  task  decoded  n_ctx  still\n0     busy   7     %d +1024\n$" % (i + 1),
+            )
+
 
 class TtyText(io.StringIO):
     def isatty(self):
@@ -8717,9 +8870,40 @@ class TestConsole(unittest.TestCase):
         self.assertEqual(
             err.getvalue(),
             "\r\x1b[Kwaiting 0 s: the slot is wedged\r\x1b[Kprompt 0/8,000 tokens, 0%"
-            "\r\x1b[Kprompt 1,234/8,000 tokens, 15%\r\x1b[K",
+            "\r\x1b[Kprompt 1,234/8,000 tokens, 15%\r\x1b[Kprompt 8,000/8,000 tokens, 100%\r\x1b[K",
         )
         self.assertEqual(out.getvalue(), "A")
+
+    def test_the_first_token_completes_a_prompt_that_stopped_short(self):
+        """The real server's last progress chunk can say 47 of 51; the first token means the whole prompt."""
+        for err, want in [
+            (
+                TtyText(),
+                "\r\x1b[Kprompt 0/51 tokens, 0%\r\x1b[Kprompt 47/51 tokens, 92%\r\x1b[Kprompt 51/51 tokens, 100%\r\x1b[K",
+            ),
+            (io.StringIO(), "prompt 0/51 tokens, 0%\nprompt 47/51 tokens, 92%\nprompt 51/51 tokens, 100%\n"),
+        ]:
+            console = lc._Console(io.StringIO(), err)
+            for event in (lc.Progress(0, 51, 0, 0.0), lc.Progress(47, 51, 0, 9.0), lc.Content("A"), lc.Content("B")):
+                console.event(event)
+            self.assertEqual(err.getvalue(), want)
+
+    def test_off_a_terminal_progress_is_a_line_a_quarter(self):
+        err = io.StringIO()
+        console = lc._Console(io.StringIO(), err)
+        for processed in range(0, 8001, 100):
+            console.event(lc.Progress(processed, 8000, 0, 0.0))
+        console.event(lc.Content("A"))
+        self.assertEqual(
+            err.getvalue(),
+            "prompt 0/8,000 tokens, 0%\nprompt 2,000/8,000 tokens, 25%\nprompt 4,000/8,000 tokens, 50%\n"
+            "prompt 6,000/8,000 tokens, 75%\nprompt 8,000/8,000 tokens, 100%\n",
+        )
+        err = io.StringIO()  # a prompt served from the cache at once: one line, and no second 100%
+        console = lc._Console(io.StringIO(), err)
+        for event in (lc.Progress(51, 51, 51, 0.0), lc.Content("A")):
+            console.event(event)
+        self.assertEqual(err.getvalue(), "prompt 51/51 tokens, 100%\n")
 
     def test_figures(self):
         console = lc._Console(io.StringIO(), io.StringIO())
@@ -8769,7 +8953,72 @@ class TestCommandLineInProcess(CLICase):
 
 
 class TestCommandLineTerminal(ServerCase):
-    """The conversation mode and Ctrl-C, driven through a pseudo-terminal."""
+    """The conversation mode, the answer options, the slots view and Ctrl-C, driven through a
+    pseudo-terminal (stdin, stdout and stderr all on it, as in a shell)."""
+
+    def spawn(self, *argv):
+        """``loopclient.py --socket SERVER argv...`` on a new pty: what it writes collects in ``self.seen``."""
+        master, slave = pty.openpty()
+        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell.
+        launcher = (
+            "import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path]
+            + list(argv),
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            close_fds=True,
+        )
+        os.close(slave)
+        self.master = master
+        self.seen = bytearray()
+
+    def tearDown(self):
+        if getattr(self, "master", None) is not None:  # before ServerCase counts the descriptors
+            self.reap()
+        super().tearDown()
+
+    def reap(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        # drain so the pty closes cleanly
+        try:
+            while select.select([self.master], [], [], 0)[0] and os.read(self.master, 4096):
+                pass
+        except OSError:
+            pass
+        os.close(self.master)
+
+    def read_until(self, needle, count=1, timeout=10):
+        deadline = time.monotonic() + timeout
+        while self.seen.count(needle) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    "no %r on the terminal; saw %r (exit %r)" % (needle, bytes(self.seen), self.proc.poll())
+                )
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    self.seen.extend(os.read(self.master, 4096))
+                except OSError:  # the child closed the pty: nothing more will come
+                    break
+
+    def read_to_exit(self, timeout=10):
+        code = self.proc.wait(timeout)
+        while select.select([self.master], [], [], 0.2)[0]:
+            try:
+                data = os.read(self.master, 4096)
+            except OSError:
+                break
+            if not data:
+                break
+            self.seen.extend(data)
+        return code
 
     def test_conversation_then_ctrl_c(self):
         turns = []
@@ -8783,56 +9032,16 @@ class TestCommandLineTerminal(ServerCase):
                 req.wait_peer_close(10)
 
         self.use(handler)
-        master, slave = pty.openpty()
-        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell.
-        launcher = (
-            "import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path, "chat"],
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            close_fds=True,
-        )
-        os.close(slave)
-        seen = bytearray()
-
-        def read_until(needle, count=1, timeout=10):
-            deadline = time.monotonic() + timeout
-            while seen.count(needle) < count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError("no %r on the terminal; saw %r (exit %r)" % (needle, bytes(seen), proc.poll()))
-                ready, _, _ = select.select([master], [], [], left)
-                if ready:
-                    try:
-                        seen.extend(os.read(master, 4096))
-                    except OSError:
-                        break
-
-        try:
-            read_until(b"> ")
-            os.write(master, b"hello\n")
-            read_until(b"Hi there")
-            read_until(b"finish: stop]")
-            read_until(b"> ", count=2)
-            os.write(master, b"and you?\n")
-            read_until(b"thinking...")
-            os.write(master, b"\x03")  # the terminal turns it into SIGINT for the foreground process
-            self.assertEqual(proc.wait(10), 130)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
-            # drain so the pty closes cleanly
-            try:
-                while select.select([master], [], [], 0)[0] and os.read(master, 4096):
-                    pass
-            except OSError:
-                pass
-            os.close(master)
+        self.spawn("chat")
+        self.read_until(b"> ")
+        os.write(self.master, b"hello\n")
+        self.read_until(b"Hi there")
+        self.read_until(b"finish: stop]")
+        self.read_until(b"> ", count=2)
+        os.write(self.master, b"and you?\n")
+        self.read_until(b"thinking...")
+        os.write(self.master, b"\x03")  # the terminal turns it into SIGINT for the foreground process
+        self.assertEqual(self.proc.wait(10), 130)
         self.assertEqual(
             turns[1],
             [
@@ -8842,6 +9051,133 @@ class TestCommandLineTerminal(ServerCase):
             ],
         )
         self.assertTrue(self.server.chat_requests()[1].closed_by_peer.wait(2))
+
+    def test_answer_options_and_prompt_progress_on_a_terminal(self):
+        def progress(processed):
+            return sse(_p_progress(processed, total=51))
+
+        self.use(serve_body(chunked(progress(0), progress(47)) + content_stream(["Hi", " there"])))
+        self.spawn(
+            "chat", "x", "--stop", "\\n", "--stop", "Question:", "--ignore-eos", "--max-tokens", "64",
+            "--param", "top_k=1", "--param", "samplers=[\"top_k\"]",
+        )  # fmt: skip
+        self.assertEqual(self.read_to_exit(), 0, bytes(self.seen))
+        self.assertRegex(
+            bytes(self.seen),
+            rb"^\r\x1b\[Kprompt 0/51 tokens, 0%\r\x1b\[Kprompt 47/51 tokens, 92%\r\x1b\[Kprompt 51/51 tokens, 100%"
+            rb"\r\x1b\[KHi there\r\n\[8 tokens, first token \d+\.\d\d s, 77\.8 tokens/s, finish: stop\]\r\n$",
+        )
+        body = self.server.chat_requests()[0].json()
+        self.assertEqual(
+            {k: body[k] for k in ("stop", "ignore_eos", "max_tokens", "top_k", "samplers", "return_progress")},
+            {
+                "stop": ["\n", "Question:"],
+                "ignore_eos": True,
+                "max_tokens": 64,
+                "top_k": 1,
+                "samplers": ["top_k"],
+                "return_progress": True,
+            },
+        )
+
+    def test_slots_watch_redraws_in_place_until_ctrl_c(self):
+        looks = []
+
+        def slots(req):
+            looks.append(time.monotonic())
+            respond_json(
+                req,
+                [
+                    {
+                        "id": 0,
+                        "id_task": 7,
+                        "n_ctx": 1024,
+                        "is_processing": True,
+                        "next_token": [{"n_decoded": len(looks)}],
+                    }
+                ],
+            )
+
+        self.server.route("GET", "/slots", slots)
+        self.spawn("slots", "--watch")  # every poll (1 s by default) until Ctrl-C
+        redraw = b"\x1b[3A\r\x1b[J"  # up over the three lines drawn, clear to the end of the screen
+        self.read_until(redraw, count=2)
+        os.write(self.master, b"\x03")
+        self.assertEqual(self.read_to_exit(), 130)
+        drawings = bytes(self.seen).split(redraw)
+        self.assertGreaterEqual(len(drawings), 3)
+        end = b"^C\r\nloopclient: interrupted\r\n"  # the terminal echoes ^C; then the CLI's line
+        self.assertTrue(drawings[-1].endswith(end), drawings[-1])
+        drawings[-1] = drawings[-1][: -len(end)]
+        head = b"slots of %s, every 1 s until Ctrl-C  " % self.server.path.encode()
+        for i, drawing in enumerate(drawings):
+            self.assertTrue(drawing.startswith(head), drawing)
+            self.assertRegex(
+                drawing[len(head) :],
+                rb"^\d\d:\d\d:\d\d\r\nslot  state  task  decoded  n_ctx  still\r\n0     busy   7     %d +1024\r\n$"
+                % (i + 1),
+            )
+        gaps = [b - a for a, b in zip(looks, looks[1:])]
+        self.assertTrue(all(0.9 < gap < 1.0 + MARGIN for gap in gaps), gaps)
+
+
+class TestCommandLineWithoutSSL(CLICase):
+    """A Python built without ``ssl``: https:// is a ValueError that says so, from both clients, and one
+    line from the command line (exit 1); Unix sockets and http:// need no ssl."""
+
+    NO_SSL = (
+        "https:// needs Python's ssl module, which this Python (%s) lacks: use a Python built with ssl "
+        "(OpenSSL), or reach the server over http:// or a Unix socket" % sys.executable
+    )
+
+    def test_https_without_ssl(self):
+        with mock.patch.dict(sys.modules, {"ssl": None}):  # import ssl now raises ImportError
+            for cls in (lc.Client, lc.AsyncClient):
+                with self.assertRaises(ValueError) as caught:
+                    cls("https://127.0.0.1:1")
+                self.assertEqual(str(caught.exception), self.NO_SSL)
+                self.assertIsInstance(caught.exception.__cause__, ImportError)
+            for argv in (["health"], ["chat", "hi"], ["slots", "--watch", "1"]):
+                code, out, err = self.run_main(["--url", "https://127.0.0.1:1"] + argv)
+                self.assertEqual((code, out, err), (1, "", "loopclient: %s\n" % self.NO_SSL), argv)
+            self.assertEqual(self.main_ok("health")[0], '{"status": "ok"}\n')
+            tcp = FakeServer(tcp=True)
+            self.closers.append(tcp.close)
+            self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
+
+
+class RealTierSummary(unittest.TestSuite):
+    """This module's tests, as ``load_tests`` hands them to unittest.  When real-server tests (classes named
+    ``TestReal*``) were skipped, one line on stderr at exit, after unittest's own summary, says how many and
+    which of the variables this file reads (``LOOPCLIENT_REAL_*``) are unset."""
+
+    def run(self, result, debug=False):
+        result = super().run(result, debug)
+        if not getattr(self, "_summary", False):
+            self._summary = True
+            import atexit  # only for this line at the end of a run
+
+            atexit.register(self.report, result)
+        return result
+
+    @staticmethod
+    def report(result):
+        skipped = [test for test, _ in result.skipped if type(test).__name__.startswith("TestReal")]
+        if skipped:
+            import re
+
+            with open(__file__, encoding="utf-8") as source:
+                names = dict.fromkeys(re.findall(r"\bLOOPCLIENT_REAL_[A-Z_]+\b", source.read()))
+            unset = [name for name in names if not os.environ.get(name)]
+            sys.stderr.write(
+                "test_loopclient: %d real-server tests were skipped; to run them set %s "
+                "(dev/llama-server.sh starts the servers, .ci/run does it all; README: Testing)\n"
+                % (len(skipped), ", ".join(unset) or "the LOOPCLIENT_REAL_* variables")
+            )
+
+
+def load_tests(loader, tests, pattern):
+    return RealTierSummary([tests])
 
 
 # =====================================================================================================
@@ -9439,17 +9775,45 @@ COLOURS = {"red", "orange", "yellow", "green", "blue", "indigo", "violet", "purp
 
 @unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
 class TestRealDemo(unittest.TestCase):
-    def test_readme_demo_names_colours_and_stops(self):
-        """The README's demo command against `dev/llama-server.sh demo`, at temperature 0 to be repeatable."""
-        argv = ["--socket", REAL_DEMO, "chat", "Name three colours.", "--max-tokens", "40", "--temperature", "0"]
+    """The command line against `dev/llama-server.sh demo`, at temperature 0 to be repeatable: the answer
+    ends where the request says (the server itself stops at no newline)."""
+
+    def loopclient(self, *argv):
         done = subprocess.run(
-            [sys.executable, os.path.join(HERE, "loopclient.py")] + argv, capture_output=True, text=True, timeout=60
+            [sys.executable, os.path.join(HERE, "loopclient.py"), "--socket", REAL_DEMO] + list(argv),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         self.assertEqual(done.returncode, 0, done.stderr)
-        words = set(done.stdout.lower().replace(",", " ").replace(".", " ").split())
-        self.assertGreaterEqual(len(words & COLOURS), 3, done.stdout)
-        self.assertIn("finish: stop", done.stderr)
-        self.assertEqual(done.stdout.count("\n"), 1, done.stdout)
+        return done.stdout, done.stderr.splitlines()[-1]
+
+    def test_readme_demo_names_colours_and_stops(self):
+        """The README's demo command: one line, ended by its --stop '\\n'."""
+        out, figures = self.loopclient(
+            "chat", "Name three colours.", "--stop", "\\n", "--max-tokens", "40", "--temperature", "0"
+        )
+        words = set(out.lower().replace(",", " ").replace(".", " ").split())
+        self.assertGreaterEqual(len(words & COLOURS), 3, out)
+        self.assertRegex(figures, r"^\[\d+ tokens, .*finish: stop\]$")
+        self.assertEqual(out.count("\n"), 1, out)
+
+    def test_without_a_stop_the_answer_goes_past_its_line(self):
+        out, figures = self.loopclient("chat", "Name three colours.", "--max-tokens", "40", "--temperature", "0")
+        self.assertGreater(out.count("\n"), 1, out)
+        self.assertRegex(figures, r"^\[40 tokens, .*finish: length\]$")
+
+    def test_a_long_answer_has_as_many_tokens_as_asked(self):
+        out, figures = self.loopclient(
+            "chat", "Write about the sea.", "--max-tokens", "120", "--ignore-eos", "--temperature", "0"
+        )
+        self.assertRegex(figures, r"^\[120 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$")
+        self.assertGreater(out.count("\n"), 2, out)
+        out, _ = self.loopclient(
+            "chat", "Write about the sea.", "--max-tokens", "120", "--ignore-eos", "--temperature", "0", "--json"
+        )
+        doc = json.loads(out)
+        self.assertEqual((doc["usage"]["completion_tokens"], doc["finish_reason"]), (120, "length"))
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)

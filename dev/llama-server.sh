@@ -25,10 +25,10 @@
 #                                          RUN_DIR/embed.sock): /v1/embeddings answers 640 floats per input
 #   dev/llama-server.sh stop-embed [SOCKET]    stop it
 #   dev/llama-server.sh demo [SOCKET]      the demo (default RUN_DIR/demo.sock): dev/qa.jinja frames the chat
-#                                          as "Question: ...\nAnswer:" for this base model and --reverse-prompt
-#                                          '\n' is every request's default stop (a request's own "stop"
-#                                          replaces it); then
-#                                          python3 loopclient.py --socket SOCKET chat "Name three colours."
+#                                          as "Question: ...\nAnswer:" for this base model; no server-side
+#                                          stop (--reverse-prompt is one no request can lift), so a one-line
+#                                          answer is the request's own stop:
+#                                          python3 loopclient.py --socket SOCKET chat "Name three colours." --stop '\n'
 #   dev/llama-server.sh stop-demo [SOCKET] stop it
 #   dev/llama-server.sh status [SOCKET]    exit 0 if the Unix-socket server answers /health ok
 #   dev/llama-server.sh path               two lines: the llama-server binary, the GGUF model
@@ -458,9 +458,10 @@ case $cmd in
         unix_paths "${1:-}" demo.sock
         need_file "$DEMO_TEMPLATE"
         mapfile -t args < <(common_args)
-        # --reverse-prompt: the server unescapes it, so '\n' is a newline: the answer ends with its line
+        # No --reverse-prompt: it would end every answer at its first newline whatever the request asks
+        # ("stop": [] and "ignore_eos" do not lift it); the one-line answer is the request's "stop": ["\n"].
         launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" -m "$MODEL" "${args[@]}" \
-            --jinja --chat-template-file "$DEMO_TEMPLATE" --reverse-prompt '\n' --host "$SOCKET"
+            --jinja --chat-template-file "$DEMO_TEMPLATE" --host "$SOCKET"
         ;;
     stop-demo)
         stop_unix "${1:-}" demo.sock

@@ -2563,7 +2563,7 @@ class _SlotPoller(_SlotWatch):
         self._lock = lock
         self.stamp = float("-inf")  # when the last answer arrived
         self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
-        self.waiters = set()  # type: Set[_Waker]
+        self.waiters: Set[_Waker] = set()
         self._asking = False
 
     def start(self) -> bool:
@@ -2621,7 +2621,7 @@ class _Board:
         self.pollers = {}  # type: Dict[Optional[str], _SlotPoller]
         self.pools = dict(previous.pools) if previous is not None else {}  # type: Dict[Optional[str], int]
         self.props = {}  # type: Dict[Optional[str], Set[_Waker]]  # model: who waits for the /props in flight
-        self.runs = set()  # type: Set[_Run]
+        self.runs: Set[_Run] = set()
         self.closed = False
 
     def poller(self, model: Optional[str]) -> _SlotPoller:
@@ -3354,7 +3354,7 @@ class _SyncRun:
         self.cancelled = False
         self.ticket = None  # type: Optional[_Ticket]
         self.lock = threading.Lock()  # held while a thread drives the plan
-        self._conns = set()  # type: Set[_Conn]
+        self._conns: Set[_Conn] = set()
         self._conns_lock = threading.Lock()
         self._event = threading.Event()
 
@@ -3739,7 +3739,7 @@ class _AsyncRun:
         self.cancelled = False
         self.ticket = None  # type: Optional[_Ticket]
         self.running = False  # a task is driving the plan
-        self._conns = set()  # type: Set[_AsyncConn]
+        self._conns: Set[_AsyncConn] = set()
         self._alarm = None  # type: Optional[asyncio.Future[None]]  # what a park or a sleep awaits
         self._rung = False  # signalled while not parked: the next park returns at once
 
@@ -4009,7 +4009,7 @@ class _AsyncBoard(_Board):
     def __init__(self, calls: _Calls, loop: asyncio.AbstractEventLoop, previous: Optional[_Board]) -> None:
         _Board.__init__(self, calls, previous)
         self.loop = loop
-        self.tasks = set()  # type: Set[asyncio.Task[Any]]
+        self.tasks: Set[asyncio.Task[Any]] = set()
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)

@@ -6489,7 +6489,9 @@ class TestAsyncCancel(ServerCase):
                 start = time.monotonic()
                 if how == "cancel()":
                     stream.cancel()
-                    self.assertTrue(all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()")
+                    self.assertTrue(
+                        all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()"
+                    )
                     self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1 if first else 0, 0))
                 else:
                     task.cancel()

@@ -35,6 +35,7 @@ OUT = os.path.join(HERE, "testdata", "transcripts")
 # the grammar that forces <think> ... </think> as the tokens the template's reasoning tags tokenize to
 THINK = 'root ::= <[236820]> <[36345]> <[236813]> [a-z ]{%s} <[954]> <[36345]> <[236813]> "the answer is yes"'
 GRAMMAR = THINK % "1,300"
+GRAMMAR_SHORT = THINK % "1,20"  # reasoning of a few tokens, then the content
 GRAMMAR_ERR = THINK % "20,300"  # with a reasoning budget of 5: an error in mid-stream
 SEED = 42
 WEATHER_SCHEMA = {
@@ -344,7 +345,7 @@ TOOL_PROMPT = "What is the weather in Paris?"
 def responses(a):
     """/v1/responses streamed: text; reasoning by grammar; a tool call; max_output_tokens; an error."""
     Exchange(a.socket, "POST", "/v1/responses", responses_body()).run().save("50_responses_stream.raw.txt")
-    body = responses_body(input="Think step by step: is the sky blue?", max_output_tokens=40, grammar=GRAMMAR)
+    body = responses_body(input="Think step by step: is the sky blue?", max_output_tokens=40, grammar=GRAMMAR_SHORT)
     Exchange(a.socket, "POST", "/v1/responses", body).run().save("51_responses_reasoning_grammar.raw.txt")
     tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER_SCHEMA}]
     body = responses_body(
@@ -389,17 +390,33 @@ FEW_SHOT_THINKING = [
 ]
 
 
+def tool_turn(city, n, thinking=None):
+    """An earlier question answered by a tool_use, its tool_result and the answer (few-shot for the base
+    model: /v1/messages does not pass logit_bias on, and tool_choice alone does not make it call)."""
+    call_blocks = [{"type": "tool_use", "id": "toolu_%d" % n, "name": "get_weather", "input": {"city": city}}]
+    if thinking:
+        call_blocks.insert(0, {"type": "thinking", "thinking": thinking, "signature": ""})
+    return [
+        {"role": "user", "content": "What is the weather in %s?" % city},
+        {"role": "assistant", "content": call_blocks},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_%d" % n, "content": "sunny"}]},
+        {"role": "assistant", "content": "It is sunny in %s." % city},
+    ]
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_SCHEMA}]
+
+
 @capture
 def messages(a):
     """/v1/messages streamed: text; reasoning; tool_use; max_tokens; count_tokens; an error."""
     Exchange(a.socket, "POST", "/v1/messages", messages_body()).run().save("60_messages_stream.raw.txt")
     body = messages_body(messages=FEW_SHOT_THINKING, max_tokens=24, thinking={"type": "enabled", "budget_tokens": 100})
     Exchange(a.socket, "POST", "/v1/messages", body).run().save("61_messages_thinking.raw.txt")
-    tools = [{"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_SCHEMA}]
     body = messages_body(
-        messages=[{"role": "user", "content": TOOL_PROMPT}],
-        max_tokens=40,
-        tools=tools,
+        messages=tool_turn("Rome", 1) + tool_turn("Oslo", 2) + [{"role": "user", "content": TOOL_PROMPT}],
+        max_tokens=30,
+        tools=ANTHROPIC_TOOLS,
         tool_choice={"type": "tool", "name": "get_weather"},
     )
     Exchange(a.socket, "POST", "/v1/messages", body).run().save("62_messages_tool_use.raw.txt")
@@ -407,9 +424,19 @@ def messages(a):
     Exchange(a.socket, "POST", "/v1/messages", body).run().save("63_messages_max_tokens.raw.txt")
     count = {"messages": body["messages"]}
     Exchange(a.socket, "POST", "/v1/messages/count_tokens", count).run().save("64_messages_count_tokens.raw.txt")
-    body = messages_body(messages=FEW_SHOT_THINKING, max_tokens=150, thinking={"type": "enabled", "budget_tokens": 2})
+    body = messages_body(messages=FEW_SHOT_THINKING, max_tokens=12, thinking={"type": "enabled", "budget_tokens": 2})
     Exchange(a.socket, "POST", "/v1/messages", body).run().save("65_messages_thinking_budget.raw.txt")
     Exchange(a.socket, "POST", "/v1/messages", messages_body(stream=False)).run().save("66_messages_nonstream.raw.txt")
+    # tools offered (tool_choice auto), earlier turns that thought and then called, a thinking budget of 1:
+    # the tool call streams, then the chat parser fails: "event: error" in mid-stream
+    history = tool_turn("Rome", 1, "i need the weather tool") + tool_turn("Oslo", 2, "i need the weather tool")
+    body = messages_body(
+        messages=history + [{"role": "user", "content": TOOL_PROMPT}],
+        max_tokens=30,
+        tools=ANTHROPIC_TOOLS,
+        thinking={"type": "enabled", "budget_tokens": 1},
+    )
+    Exchange(a.socket, "POST", "/v1/messages", body).run().save("67_messages_midstream_error.raw.txt")
 
 
 CHAT = {

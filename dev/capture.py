@@ -491,6 +491,309 @@ def resumable(a):
     notes.save()
 
 
+# -- experiments: what the server does, written down as notes (.txt) ------------------------------------
+
+
+class SlotPoller:
+    """Polls /slots every 50 ms in a thread: [(t, [(id, is_processing, id_task, n_decoded)])]."""
+
+    def __init__(self, sock_path, notes):
+        self.sock_path, self.notes, self.seen, self.running = sock_path, notes, [], True
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while self.running:
+            try:
+                now = [
+                    (x["id"], x["is_processing"], x.get("id_task"), (x.get("next_token") or [{}])[0].get("n_decoded"))
+                    for x in slots(self.sock_path)
+                ]
+                self.seen.append((time.monotonic() - self.notes.t0, now))
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return self.seen
+
+    def busy_slots(self):
+        return sorted({i for _, now in self.seen for i, busy, _, _ in now if busy})
+
+    def write(self, every=4):
+        for n, (t, now) in enumerate(self.seen):
+            if n % every == 0 or n == len(self.seen) - 1:
+                self.notes.lines.append("  slots t=%.2fs %s" % (t, now))
+
+
+LONG_CHAT = {
+    "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
+    "max_tokens": 30,
+    "temperature": 0,
+    "stream": True,
+}
+
+LONG_BODIES = {
+    "/completion": {"prompt": "Tell me a story about a cat.", "n_predict": 30, "temperature": 0, "stream": True},
+    "/infill": {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 30, "temperature": 0, "stream": True},
+    "/v1/chat/completions": LONG_CHAT,
+    "/v1/responses": {"input": "Tell me a story about a cat.", "max_output_tokens": 30, "temperature": 0, "stream": True},
+    "/v1/messages": {
+        "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
+        "max_tokens": 30,
+        "temperature": 0,
+        "stream": True,
+    },
+}
+
+
+def first_byte_time(ex):
+    return ex.recvs[0][0] if ex.recvs else None
+
+
+@capture
+def id_slot(a):
+    """Per endpoint: is id_slot honoured (/slots while it runs), and does a second request on the same
+    slot get no byte until the first ends?"""
+    notes = Notes("80_id_slot_per_endpoint.txt")
+    for path, body in LONG_BODIES.items():
+        sock = a.fim_socket if path == "/infill" else a.socket
+        if sock is None:
+            continue
+        wait_idle(sock)
+        for want in (1, 0):
+            poll = SlotPoller(sock, notes)
+            Exchange(sock, "POST", path, dict(body, id_slot=want)).run()
+            poll.stop()
+            notes("%s id_slot=%d: busy slots seen %s", path, want, poll.busy_slots())
+        wait_idle(sock)
+        t_send = time.monotonic()
+        first = Exchange(sock, "POST", path, dict(body, id_slot=1))
+        t1, box1 = in_thread(first.run)
+        time.sleep(0.3)
+        second = Exchange(sock, "POST", path, dict(body, id_slot=1, **({"n_predict": 4} if "n_predict" in body else {})))
+        t_second = time.monotonic() - t_send
+        t2, box2 = in_thread(second.run)
+        t1.join()
+        t2.join()
+        end_first = first.recvs[-1][0]
+        notes(
+            "%s two requests with id_slot 1: first ended at %.3fs; second sent at %.3fs, its first byte at %.3fs "
+            "(%.3fs after the first ended)",
+            path,
+            end_first,
+            t_second,
+            t_second + first_byte_time(second),
+            t_second + first_byte_time(second) - end_first,
+        )
+    notes.save()
+
+
+@capture
+def progress(a):
+    """return_progress on /v1/responses and /v1/messages: where prompt_progress appears, if at all."""
+    notes = Notes("81_return_progress.txt")
+    long_input = "The lighthouse keeper kept a log of every ship that passed the point. " * 6 + "Question: what did he keep?"
+    r = Exchange(a.socket, "POST", "/v1/responses", responses_body(input=long_input, max_output_tokens=3, return_progress=True)).run()
+    r.save("56_responses_stream_progress.raw.txt")
+    for ev, d in r.events():
+        if isinstance(d, dict) and "prompt_progress" in d:
+            notes("/v1/responses: event %s carries prompt_progress %s", ev, d["prompt_progress"])
+    m = Exchange(
+        a.socket,
+        "POST",
+        "/v1/messages",
+        messages_body(messages=[{"role": "user", "content": long_input + " again"}], max_tokens=3, return_progress=True),
+    ).run()
+    notes("/v1/messages: prompt_progress in the body: %s", b"prompt_progress" in m.body())
+    notes.save()
+
+
+@capture
+def same_text(a):
+    """At temperature 0: /v1/messages, /v1/responses and /v1/chat/completions, the same prompt and limit."""
+    notes = Notes("82_same_text_three_endpoints.txt")
+    for prompt, limit in (("Write one sentence about the sea.", 16), ("Tell me a story about a cat.", 24)):
+        msgs = [{"role": "user", "content": prompt}]
+        chat = call(a.socket, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": limit, "temperature": 0}).json()
+        resp = call(a.socket, "POST", "/v1/responses", {"input": prompt, "max_output_tokens": limit, "temperature": 0}).json()
+        mess = call(a.socket, "POST", "/v1/messages", {"messages": msgs, "max_tokens": limit, "temperature": 0}).json()
+        texts = (
+            chat["choices"][0]["message"]["content"],
+            resp["output"][0]["content"][0]["text"],
+            mess["content"][0]["text"],
+        )
+        counts = (chat["usage"]["completion_tokens"], resp["usage"]["output_tokens"], mess["usage"]["output_tokens"])
+        prompts = (
+            chat["usage"]["prompt_tokens"],
+            resp["usage"]["input_tokens"],
+            mess["usage"]["input_tokens"] + mess["usage"].get("cache_read_input_tokens", 0),
+        )
+        notes("%r max %d: texts chat/responses/messages %r; equal %s", prompt, limit, texts, len(set(texts)) == 1)
+        notes("  completion tokens %s; prompt tokens %s (messages: input + cache_read)", counts, prompts)
+        count = call(a.socket, "POST", "/v1/messages/count_tokens", {"messages": msgs}).json()
+        notes("  /v1/messages/count_tokens %s", count)
+    notes.save()
+
+
+@capture
+def control(a):
+    """reasoning_control on /v1/responses and /v1/messages: which id does /v1/chat/completions/control take?"""
+    notes = Notes("83_reasoning_control_other_endpoints.txt")
+    # chat, for reference
+    body = {
+        "messages": [{"role": "user", "content": "Think step by step: is the sky blue?"}],
+        "max_tokens": 100,
+        "temperature": 0,
+        "stream": True,
+        "grammar": GRAMMAR,
+        "reasoning_control": True,
+    }
+    for path, body in (
+        ("/v1/chat/completions", body),
+        ("/v1/responses", responses_body(input="Think step by step: is the sky blue?", max_output_tokens=100, grammar=GRAMMAR, reasoning_control=True)),
+        ("/v1/messages", messages_body(messages=FEW_SHOT_THINKING, max_tokens=100, reasoning_control=True, thinking={"type": "enabled", "budget_tokens": 50})),
+    ):
+        wait_idle(a.socket)
+        ex = Exchange(a.socket, "POST", path, body)
+        ids, sent = [], []
+
+        def until(raw, ex=ex):
+            if sent:
+                return False
+            events = sse_events(dechunk(raw.partition(b"\r\n\r\n")[2])[0])
+            if len(events) < 4:
+                return False
+            for _, d in events:
+                if isinstance(d, dict):
+                    for key in ("id",):
+                        if isinstance(d.get(key), str):
+                            ids.append(d[key])
+                    for sub in ("response", "message"):
+                        if isinstance(d.get(sub), dict) and isinstance(d[sub].get("id"), str):
+                            ids.append(d[sub]["id"])
+            for cid in sorted(set(ids)):
+                r = call(a.socket, "POST", "/v1/chat/completions/control", {"id": cid, "action": "reasoning_end"})
+                sent.append((cid, r.status, r.body().decode()))
+            return False
+
+        ex.run(until=until)
+        for cid, status, answer in sent:
+            notes("%s: control with id %s -> %s %s", path, cid, status, answer)
+        kinds = [(e, (d.get("type") if isinstance(d, dict) else d)) for e, d in ex.events()]
+        reasoning = sum(1 for e, d in ex.events() if isinstance(d, dict) and (
+            "reasoning_content" in json.dumps(d.get("choices", "")) or d.get("type") == "response.reasoning_text.delta"
+            or (d.get("delta") or {}).get("type") == "thinking_delta"))
+        notes("  %d reasoning deltas in all; chatcmpl anywhere in the body: %s; events: %d", reasoning, b"chatcmpl" in ex.body(), len(kinds))
+        ex.save({"/v1/chat/completions": "84_chat_reasoning_control.raw.txt",
+                 "/v1/responses": "85_responses_reasoning_control.raw.txt",
+                 "/v1/messages": "86_messages_reasoning_control.raw.txt"}[path])
+    notes.save()
+
+
+@capture
+def resumable_endpoints(a):
+    """X-Conversation-Id on /completion, /v1/responses, /v1/messages: buffered and replayed too?"""
+    notes = Notes("78_resumable_other_endpoints.txt")
+    for path, body in (
+        ("/completion", completion_body(n_predict=16)),
+        ("/v1/responses", responses_body(max_output_tokens=16)),
+        ("/v1/messages", messages_body(max_tokens=16)),
+        ("/v1/chat/completions", dict(CHAT, max_tokens=16)),
+    ):
+        wait_idle(a.socket)
+        conv = "lc-" + os.urandom(16).hex()
+        first = Exchange(a.socket, "POST", path, body, [("X-Conversation-Id", conv)])
+        first.run(until=lambda raw: raw.count(b"data: ") >= 2)
+        kept = first.body()
+        look = call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode()
+        rest = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=%d" % (conv, len(kept)))
+        whole = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=0" % conv)
+        ok = kept + rest.body() == whole.body()
+        notes("%s: cut after %d body bytes; lookup %s; resumed %s %d bytes; prefix+rest == replay: %s; ends %r",
+              path, len(kept), look, rest.status, len(rest.body()), ok, whole.body()[-60:])
+        if path != "/v1/chat/completions":
+            call(a.socket, "DELETE", "/v1/stream?conv_id=%s" % conv)
+    bad = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=abc" % conv)
+    notes("GET /v1/stream?conv_id=<known>&from=abc: %s %s", bad.status, bad.body().decode())
+    call(a.socket, "DELETE", "/v1/stream?conv_id=%s" % conv)
+    bad = call(a.socket, "GET", "/v1/stream?from=0")
+    notes("GET /v1/stream?from=0 (no conv_id): %s %s", bad.status, bad.body().decode())
+    bad = call(a.socket, "DELETE", "/v1/stream")
+    notes("DELETE /v1/stream (no conv_id): %s %s", bad.status, bad.body().decode())
+    notes.save()
+
+
+@capture
+def resumable_cancel(a):
+    """A resumable chat cut by the client: does generation go on until its end, or until DELETE?"""
+    notes = Notes("79_resumable_cancel_delete.txt")
+    for delete in (False, True):
+        # without DELETE: 40 tokens, waited for to their end; with DELETE: 200, cut short by it
+        long_chat = dict(CHAT, max_tokens=200 if delete else 40, ignore_eos=True, id_slot=0)
+        wait_idle(a.socket)
+        conv = "lc-" + os.urandom(16).hex()
+        poll = SlotPoller(a.socket, notes)
+        first = Exchange(a.socket, "POST", "/v1/chat/completions", long_chat, [("X-Conversation-Id", conv)])
+        first.run(until=lambda raw: raw.count(b"data: ") >= 3)
+        notes("cut the connection (delete=%s)", delete)
+        if delete:
+            time.sleep(0.5)
+            r = call(a.socket, "DELETE", "/v1/stream?conv_id=%s" % conv)
+            notes("DELETE -> %s", r.status)
+        t_cut = time.monotonic()
+        since = t_cut - notes.t0
+        while time.monotonic() - t_cut < 30:
+            if poll.seen and not poll.seen[-1][1][0][1] and time.monotonic() - t_cut > 0.3:
+                break
+            time.sleep(0.05)
+        poll.stop()
+        free = ["%.3fs" % t for t, now in poll.seen if not now[0][1] and t > since]
+        notes("slot 0 free again at t=%s; max n_decoded seen %s", free[0] if free else None,
+              max((now[0][3] or 0) for _, now in poll.seen))
+        look = call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode()
+        notes("lookup afterwards: %s", look)
+        if not delete:
+            replay = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=0" % conv).events()
+            last = [d for _, d in replay if isinstance(d, dict) and d.get("timings")]
+            notes("replay: %d events, the last with timings: finish %s, predicted_n %s", len(replay),
+                  last[-1]["choices"][0]["finish_reason"] if last else None, last[-1]["timings"]["predicted_n"] if last else None)
+        poll.write(every=5)
+        call(a.socket, "DELETE", "/v1/stream?conv_id=%s" % conv)
+    notes.save()
+
+
+@capture
+def resumable_queued(a):
+    """A resumable request queued behind a busy slot, its connection closed before its head."""
+    notes = Notes("87_resumable_queued_lost_head.txt")
+    wait_idle(a.socket)
+    poll = SlotPoller(a.socket, notes)
+    busy = Exchange(a.socket, "POST", "/v1/chat/completions", dict(CHAT, max_tokens=120, ignore_eos=True, id_slot=0))
+    tb, _ = in_thread(busy.run)
+    time.sleep(0.3)
+    conv = "lc-" + os.urandom(16).hex()
+    queued = Exchange(a.socket, "POST", "/v1/chat/completions", dict(CHAT, max_tokens=10, id_slot=0), [("X-Conversation-Id", conv)])
+    time.sleep(0.2)
+    queued.close()
+    notes("queued request sent and its connection closed before any byte")
+    while tb.is_alive():
+        notes("lookup while the slot is busy: %s", call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode())
+        tb.join(0.5)
+    notes("the busy request ended")
+    for _ in range(8):
+        notes("lookup: %s", call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode())
+        time.sleep(0.5)
+    poll.stop()
+    r = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=0" % conv, timeout=10)
+    notes("GET /v1/stream from=0: %s, %d body bytes", r.status, len(r.body()))
+    notes("tasks seen on slot 0: %s", sorted({now[0][2] for _, now in poll.seen}))
+    poll.write(every=10)
+    notes.save()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--socket", help="the test server's Unix socket (dev/llama-server.sh start)")

@@ -671,7 +671,7 @@ def control(a):
                     for key in ("id",):
                         if isinstance(d.get(key), str):
                             ids.append(d[key])
-                    for sub in ("response", "message"):
+                    for sub in ("response", "message", "item"):
                         if isinstance(d.get(sub), dict) and isinstance(d[sub].get("id"), str):
                             ids.append(d[sub]["id"])
             for cid in sorted(set(ids)):
@@ -685,7 +685,7 @@ def control(a):
         kinds = [(e, (d.get("type") if isinstance(d, dict) else d)) for e, d in ex.events()]
         reasoning = sum(1 for e, d in ex.events() if isinstance(d, dict) and (
             "reasoning_content" in json.dumps(d.get("choices", "")) or d.get("type") == "response.reasoning_text.delta"
-            or (d.get("delta") or {}).get("type") == "thinking_delta"))
+            or (isinstance(d.get("delta"), dict) and d["delta"].get("type") == "thinking_delta")))
         notes("  %d reasoning deltas in all; chatcmpl anywhere in the body: %s; events: %d", reasoning, b"chatcmpl" in ex.body(), len(kinds))
         ex.save({"/v1/chat/completions": "84_chat_reasoning_control.raw.txt",
                  "/v1/responses": "85_responses_reasoning_control.raw.txt",

@@ -794,10 +794,44 @@ def resumable_queued(a):
     notes.save()
 
 
+@capture
+def router_resumable(a):
+    """Router mode: do /v1/streams/lookup, GET /v1/stream and DELETE need ?model=?"""
+    if not a.router_socket:
+        print("  (no --router-socket: skipped)", file=sys.stderr)
+        return
+    r = a.router_socket
+    notes = Notes("88_router_resumable.txt")
+    conv = "lc-" + os.urandom(16).hex()
+    body = dict(CHAT, model="alpha", max_tokens=30)
+    first = Exchange(r, "POST", "/v1/chat/completions", body, [("X-Conversation-Id", conv)], timeout=120)
+    first.run(until=lambda raw: raw.count(b"data: ") >= 3)
+    kept = first.body()
+    notes("cut the first connection after %d body bytes (status %s)", len(kept), first.status)
+    for path in ("/v1/streams/lookup", "/v1/streams/lookup?model=alpha"):
+        x = call(r, "POST", path, {"conversation_ids": [conv]})
+        notes("POST %s: %s %s", path, x.status, x.body().decode()[:300])
+    x = Exchange(r, "GET", "/v1/stream?conv_id=%s&from=%d" % (conv, len(kept)), timeout=60).run()
+    x.save("89_router_replay_from_n.raw.txt")
+    whole = call(r, "GET", "/v1/stream?conv_id=%s&from=0&model=alpha" % conv)
+    notes("GET /v1/stream from=N without model: %s, %d bytes; with model=alpha from 0: %s, %d bytes; prefix+rest == replay: %s",
+          x.status, len(x.body()), whole.status, len(whole.body()), kept + x.body() == whole.body())
+    x = call(r, "DELETE", "/v1/stream?conv_id=%s" % conv)
+    notes("DELETE without model: %s", x.status)
+    x = call(r, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]})
+    notes("lookup after DELETE: %s %s", x.status, x.body().decode())
+    x = call(r, "GET", "/v1/stream?conv_id=%s&from=0" % conv)
+    notes("GET after DELETE: %s %s", x.status, x.body().decode()[:200])
+    x = call(r, "GET", "/v1/stream?conv_id=lc-unknown&from=0")
+    notes("GET unknown id: %s %s", x.status, x.body().decode()[:200])
+    notes.save()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--socket", help="the test server's Unix socket (dev/llama-server.sh start)")
     ap.add_argument("--fim-socket", help="the fill-in-the-middle server's socket (dev/llama-server.sh start-fim)")
+    ap.add_argument("--router-socket", help="a router's socket (dev/llama-server.sh start-router), for router_resumable")
     ap.add_argument("--list", action="store_true", help="list the captures")
     ap.add_argument("names", nargs="*")
     a = ap.parse_args()

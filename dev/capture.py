@@ -301,6 +301,13 @@ def completion_stop_word(a):
 
 
 @capture
+def completion_eos(a):
+    """/completion streamed to the end of generation: a grammar that ends, then the EOS token (stop_type eos)."""
+    body = completion_body(prompt="Think step by step: is the sky blue?", n_predict=40, grammar=GRAMMAR_SHORT)
+    Exchange(a.socket, "POST", "/completion", body).run().save("39_completion_stream_eos.raw.txt")
+
+
+@capture
 def completion_midstream_error(a):
     """/completion streamed: the reasoning grammar with {20,300} and a 5-token budget: an error chunk."""
     body = completion_body(

@@ -12,7 +12,8 @@ load_transcript() and _p_testdata_transcript() read):
 Usage (servers started with dev/llama-server.sh: `start` for the test server, `start-fim` for the
 fill-in-the-middle one):
 
-    python3 dev/capture.py --socket RUN_DIR/llama.sock --fim-socket RUN_DIR/fim.sock [NAME...]
+    python3 dev/capture.py --socket RUN_DIR/llama.sock --fim-socket RUN_DIR/fim.sock \
+        [--router-socket RUN_DIR/router.sock] [NAME...]
     python3 dev/capture.py --list
 
 With no NAME every capture is made. Generations are at temperature 0 (greedy) with a fixed seed, so the
@@ -107,7 +108,11 @@ class Exchange:
     def transcript(self):
         first = self.recvs[0][0] if self.recvs else 0.0
         last = self.recvs[-1][0] if self.recvs else 0.0
-        note = "<<< RESPONSE (raw bytes, %d recv() calls, first at %.3fs, last at %.3fs)\n" % (len(self.recvs), first, last)
+        note = "<<< RESPONSE (raw bytes, %d recv() calls, first at %.3fs, last at %.3fs)\n" % (
+            len(self.recvs),
+            first,
+            last,
+        )
         return b">>> REQUEST\n" + self.request + b"\n\n" + note.encode() + self.raw
 
     def save(self, name):
@@ -340,7 +345,13 @@ def infill(a):
 
 
 def responses_body(**extra):
-    body = {"input": "Write one sentence about the sea.", "max_output_tokens": 8, "temperature": 0, "seed": SEED, "stream": True}
+    body = {
+        "input": "Write one sentence about the sea.",
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "seed": SEED,
+        "stream": True,
+    }
     body.update(extra)
     return body
 
@@ -354,7 +365,14 @@ def responses(a):
     Exchange(a.socket, "POST", "/v1/responses", responses_body()).run().save("50_responses_stream.raw.txt")
     body = responses_body(input="Think step by step: is the sky blue?", max_output_tokens=40, grammar=GRAMMAR_SHORT)
     Exchange(a.socket, "POST", "/v1/responses", body).run().save("51_responses_reasoning_grammar.raw.txt")
-    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER_SCHEMA}]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": WEATHER_SCHEMA,
+        }
+    ]
     body = responses_body(
         input=TOOL_PROMPT,
         max_output_tokens=40,
@@ -367,10 +385,15 @@ def responses(a):
     body = responses_body(input="Tell me a story about a cat.", max_output_tokens=4)
     Exchange(a.socket, "POST", "/v1/responses", body).run().save("53_responses_max_output_tokens.raw.txt")
     body = responses_body(
-        input="Think step by step: is the sky blue?", max_output_tokens=150, grammar=GRAMMAR_ERR, thinking_budget_tokens=5
+        input="Think step by step: is the sky blue?",
+        max_output_tokens=150,
+        grammar=GRAMMAR_ERR,
+        thinking_budget_tokens=5,
     )
     Exchange(a.socket, "POST", "/v1/responses", body).run().save("54_responses_midstream_error.raw.txt")
-    Exchange(a.socket, "POST", "/v1/responses", responses_body(stream=False)).run().save("55_responses_nonstream.raw.txt")
+    Exchange(a.socket, "POST", "/v1/responses", responses_body(stream=False)).run().save(
+        "55_responses_nonstream.raw.txt"
+    )
 
 
 def messages_body(**extra):
@@ -388,11 +411,26 @@ def messages_body(**extra):
 # base model, greedy, goes on in the same pattern (a grammar is not passed on by /v1/messages)
 FEW_SHOT_THINKING = [
     {"role": "user", "content": "Is water wet?"},
-    {"role": "assistant", "content": [{"type": "thinking", "thinking": "water is a liquid", "signature": ""}, {"type": "text", "text": "yes"}]},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "water is a liquid", "signature": ""},
+            {"type": "text", "text": "yes"},
+        ],
+    },
     {"role": "user", "content": "Is fire hot?"},
-    {"role": "assistant", "content": [{"type": "thinking", "thinking": "fire burns", "signature": ""}, {"type": "text", "text": "yes"}]},
+    {
+        "role": "assistant",
+        "content": [{"type": "thinking", "thinking": "fire burns", "signature": ""}, {"type": "text", "text": "yes"}],
+    },
     {"role": "user", "content": "Is ice cold?"},
-    {"role": "assistant", "content": [{"type": "thinking", "thinking": "ice is frozen water", "signature": ""}, {"type": "text", "text": "yes"}]},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "ice is frozen water", "signature": ""},
+            {"type": "text", "text": "yes"},
+        ],
+    },
     {"role": "user", "content": "Is the sky blue?"},
 ]
 
@@ -544,9 +582,20 @@ LONG_CHAT = {
 
 LONG_BODIES = {
     "/completion": {"prompt": "Tell me a story about a cat.", "n_predict": 30, "temperature": 0, "stream": True},
-    "/infill": {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 30, "temperature": 0, "stream": True},
+    "/infill": {
+        "input_prefix": "def add(a, b):\n",
+        "input_suffix": "\n",
+        "n_predict": 30,
+        "temperature": 0,
+        "stream": True,
+    },
     "/v1/chat/completions": LONG_CHAT,
-    "/v1/responses": {"input": "Tell me a story about a cat.", "max_output_tokens": 30, "temperature": 0, "stream": True},
+    "/v1/responses": {
+        "input": "Tell me a story about a cat.",
+        "max_output_tokens": 30,
+        "temperature": 0,
+        "stream": True,
+    },
     "/v1/messages": {
         "messages": [{"role": "user", "content": "Tell me a story about a cat."}],
         "max_tokens": 30,
@@ -580,7 +629,9 @@ def id_slot(a):
         first = Exchange(sock, "POST", path, dict(body, id_slot=1))
         t1, box1 = in_thread(first.run)
         time.sleep(0.3)
-        second = Exchange(sock, "POST", path, dict(body, id_slot=1, **({"n_predict": 4} if "n_predict" in body else {})))
+        second = Exchange(
+            sock, "POST", path, dict(body, id_slot=1, **({"n_predict": 4} if "n_predict" in body else {}))
+        )
         t_second = time.monotonic() - t_send
         t2, box2 = in_thread(second.run)
         t1.join()
@@ -602,8 +653,12 @@ def id_slot(a):
 def progress(a):
     """return_progress on /v1/responses and /v1/messages: where prompt_progress appears, if at all."""
     notes = Notes("81_return_progress.txt")
-    long_input = "The lighthouse keeper kept a log of every ship that passed the point. " * 6 + "Question: what did he keep?"
-    r = Exchange(a.socket, "POST", "/v1/responses", responses_body(input=long_input, max_output_tokens=3, return_progress=True)).run()
+    long_input = (
+        "The lighthouse keeper kept a log of every ship that passed the point. " * 6 + "Question: what did he keep?"
+    )
+    r = Exchange(
+        a.socket, "POST", "/v1/responses", responses_body(input=long_input, max_output_tokens=3, return_progress=True)
+    ).run()
     r.save("56_responses_stream_progress.raw.txt")
     for ev, d in r.events():
         if isinstance(d, dict) and "prompt_progress" in d:
@@ -612,7 +667,9 @@ def progress(a):
         a.socket,
         "POST",
         "/v1/messages",
-        messages_body(messages=[{"role": "user", "content": long_input + " again"}], max_tokens=3, return_progress=True),
+        messages_body(
+            messages=[{"role": "user", "content": long_input + " again"}], max_tokens=3, return_progress=True
+        ),
     ).run()
     notes("/v1/messages: prompt_progress in the body: %s", b"prompt_progress" in m.body())
     notes.save()
@@ -624,8 +681,12 @@ def same_text(a):
     notes = Notes("82_same_text_three_endpoints.txt")
     for prompt, limit in (("Write one sentence about the sea.", 16), ("Tell me a story about a cat.", 24)):
         msgs = [{"role": "user", "content": prompt}]
-        chat = call(a.socket, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": limit, "temperature": 0}).json()
-        resp = call(a.socket, "POST", "/v1/responses", {"input": prompt, "max_output_tokens": limit, "temperature": 0}).json()
+        chat = call(
+            a.socket, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": limit, "temperature": 0}
+        ).json()
+        resp = call(
+            a.socket, "POST", "/v1/responses", {"input": prompt, "max_output_tokens": limit, "temperature": 0}
+        ).json()
         mess = call(a.socket, "POST", "/v1/messages", {"messages": msgs, "max_tokens": limit, "temperature": 0}).json()
         texts = (
             chat["choices"][0]["message"]["content"],
@@ -650,7 +711,7 @@ def control(a):
     """reasoning_control on /v1/responses and /v1/messages: which id does /v1/chat/completions/control take?"""
     notes = Notes("83_reasoning_control_other_endpoints.txt")
     # chat, for reference
-    body = {
+    chat = {
         "messages": [{"role": "user", "content": "Think step by step: is the sky blue?"}],
         "max_tokens": 100,
         "temperature": 0,
@@ -659,9 +720,25 @@ def control(a):
         "reasoning_control": True,
     }
     for path, body in (
-        ("/v1/chat/completions", body),
-        ("/v1/responses", responses_body(input="Think step by step: is the sky blue?", max_output_tokens=100, grammar=GRAMMAR, reasoning_control=True)),
-        ("/v1/messages", messages_body(messages=FEW_SHOT_THINKING, max_tokens=100, reasoning_control=True, thinking={"type": "enabled", "budget_tokens": 50})),
+        ("/v1/chat/completions", chat),
+        (
+            "/v1/responses",
+            responses_body(
+                input="Think step by step: is the sky blue?",
+                max_output_tokens=100,
+                grammar=GRAMMAR,
+                reasoning_control=True,
+            ),
+        ),
+        (
+            "/v1/messages",
+            messages_body(
+                messages=FEW_SHOT_THINKING,
+                max_tokens=100,
+                reasoning_control=True,
+                thinking={"type": "enabled", "budget_tokens": 50},
+            ),
+        ),
     ):
         wait_idle(a.socket)
         ex = Exchange(a.socket, "POST", path, body)
@@ -690,13 +767,29 @@ def control(a):
         for cid, status, answer in sent:
             notes("%s: control with id %s -> %s %s", path, cid, status, answer)
         kinds = [(e, (d.get("type") if isinstance(d, dict) else d)) for e, d in ex.events()]
-        reasoning = sum(1 for e, d in ex.events() if isinstance(d, dict) and (
-            "reasoning_content" in json.dumps(d.get("choices", "")) or d.get("type") == "response.reasoning_text.delta"
-            or (isinstance(d.get("delta"), dict) and d["delta"].get("type") == "thinking_delta")))
-        notes("  %d reasoning deltas in all; chatcmpl anywhere in the body: %s; events: %d", reasoning, b"chatcmpl" in ex.body(), len(kinds))
-        ex.save({"/v1/chat/completions": "84_chat_reasoning_control.raw.txt",
-                 "/v1/responses": "85_responses_reasoning_control.raw.txt",
-                 "/v1/messages": "86_messages_reasoning_control.raw.txt"}[path])
+        reasoning = sum(
+            1
+            for e, d in ex.events()
+            if isinstance(d, dict)
+            and (
+                "reasoning_content" in json.dumps(d.get("choices", ""))
+                or d.get("type") == "response.reasoning_text.delta"
+                or (isinstance(d.get("delta"), dict) and d["delta"].get("type") == "thinking_delta")
+            )
+        )
+        notes(
+            "  %d reasoning deltas in all; chatcmpl anywhere in the body: %s; events: %d",
+            reasoning,
+            b"chatcmpl" in ex.body(),
+            len(kinds),
+        )
+        ex.save(
+            {
+                "/v1/chat/completions": "84_chat_reasoning_control.raw.txt",
+                "/v1/responses": "85_responses_reasoning_control.raw.txt",
+                "/v1/messages": "86_messages_reasoning_control.raw.txt",
+            }[path]
+        )
     notes.save()
 
 
@@ -719,8 +812,16 @@ def resumable_endpoints(a):
         rest = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=%d" % (conv, len(kept)))
         whole = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=0" % conv)
         ok = kept + rest.body() == whole.body()
-        notes("%s: cut after %d body bytes; lookup %s; resumed %s %d bytes; prefix+rest == replay: %s; ends %r",
-              path, len(kept), look, rest.status, len(rest.body()), ok, whole.body()[-60:])
+        notes(
+            "%s: cut after %d body bytes; lookup %s; resumed %s %d bytes; prefix+rest == replay: %s; ends %r",
+            path,
+            len(kept),
+            look,
+            rest.status,
+            len(rest.body()),
+            ok,
+            whole.body()[-60:],
+        )
         if path != "/v1/chat/completions":
             call(a.socket, "DELETE", "/v1/stream?conv_id=%s" % conv)
     bad = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=abc" % conv)
@@ -758,15 +859,22 @@ def resumable_cancel(a):
             time.sleep(0.05)
         poll.stop()
         free = ["%.3fs" % t for t, now in poll.seen if not now[0][1] and t > since]
-        notes("slot 0 free again at t=%s; max n_decoded seen %s", free[0] if free else None,
-              max((now[0][3] or 0) for _, now in poll.seen))
+        notes(
+            "slot 0 free again at t=%s; max n_decoded seen %s",
+            free[0] if free else None,
+            max((now[0][3] or 0) for _, now in poll.seen),
+        )
         look = call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode()
         notes("lookup afterwards: %s", look)
         if not delete:
             replay = call(a.socket, "GET", "/v1/stream?conv_id=%s&from=0" % conv).events()
             last = [d for _, d in replay if isinstance(d, dict) and d.get("timings")]
-            notes("replay: %d events, the last with timings: finish %s, predicted_n %s", len(replay),
-                  last[-1]["choices"][0]["finish_reason"] if last else None, last[-1]["timings"]["predicted_n"] if last else None)
+            notes(
+                "replay: %d events, the last with timings: finish %s, predicted_n %s",
+                len(replay),
+                last[-1]["choices"][0]["finish_reason"] if last else None,
+                last[-1]["timings"]["predicted_n"] if last else None,
+            )
         poll.write(every=5)
         call(a.socket, "DELETE", "/v1/stream?conv_id=%s" % conv)
     notes.save()
@@ -782,12 +890,17 @@ def resumable_queued(a):
     tb, _ = in_thread(busy.run)
     time.sleep(0.3)
     conv = "lc-" + os.urandom(16).hex()
-    queued = Exchange(a.socket, "POST", "/v1/chat/completions", dict(CHAT, max_tokens=10, id_slot=0), [("X-Conversation-Id", conv)])
+    queued = Exchange(
+        a.socket, "POST", "/v1/chat/completions", dict(CHAT, max_tokens=10, id_slot=0), [("X-Conversation-Id", conv)]
+    )
     time.sleep(0.2)
     queued.close()
     notes("queued request sent and its connection closed before any byte")
     while tb.is_alive():
-        notes("lookup while the slot is busy: %s", call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode())
+        notes(
+            "lookup while the slot is busy: %s",
+            call(a.socket, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]}).body().decode(),
+        )
         tb.join(0.5)
     notes("the busy request ended")
     for _ in range(8):
@@ -821,8 +934,14 @@ def router_resumable(a):
     x = Exchange(r, "GET", "/v1/stream?conv_id=%s&from=%d" % (conv, len(kept)), timeout=60).run()
     x.save("89_router_replay_from_n.raw.txt")
     whole = call(r, "GET", "/v1/stream?conv_id=%s&from=0&model=alpha" % conv)
-    notes("GET /v1/stream from=N without model: %s, %d bytes; with model=alpha from 0: %s, %d bytes; prefix+rest == replay: %s",
-          x.status, len(x.body()), whole.status, len(whole.body()), kept + x.body() == whole.body())
+    notes(
+        "GET /v1/stream from=N without model: %s, %d bytes; with model=alpha from 0: %s, %d bytes; prefix+rest == replay: %s",
+        x.status,
+        len(x.body()),
+        whole.status,
+        len(whole.body()),
+        kept + x.body() == whole.body(),
+    )
     x = call(r, "DELETE", "/v1/stream?conv_id=%s" % conv)
     notes("DELETE without model: %s", x.status)
     x = call(r, "POST", "/v1/streams/lookup", {"conversation_ids": [conv]})
@@ -838,7 +957,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--socket", help="the test server's Unix socket (dev/llama-server.sh start)")
     ap.add_argument("--fim-socket", help="the fill-in-the-middle server's socket (dev/llama-server.sh start-fim)")
-    ap.add_argument("--router-socket", help="a router's socket (dev/llama-server.sh start-router), for router_resumable")
+    ap.add_argument(
+        "--router-socket", help="a router's socket (dev/llama-server.sh start-router), for router_resumable"
+    )
     ap.add_argument("--list", action="store_true", help="list the captures")
     ap.add_argument("names", nargs="*")
     a = ap.parse_args()

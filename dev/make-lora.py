@@ -47,7 +47,9 @@ def main(base_path, out_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    print("make-lora.py: %d tensor pairs (rank %d, %s) -> %s" % (len(targets), RANK, arch_name, out_path), file=sys.stderr)
+    print(
+        "make-lora.py: %d tensor pairs (rank %d, %s) -> %s" % (len(targets), RANK, arch_name, out_path), file=sys.stderr
+    )
 
 
 if __name__ == "__main__":

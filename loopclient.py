@@ -111,6 +111,13 @@ RECV_SIZE = 256 * 1024
 #: Backoff between retries: first delay, cap.  Each delay is jittered down by up to a quarter.
 BACKOFF_FIRST = 0.25
 BACKOFF_MAX = 2.0
+#: How often ``/slots`` is asked again once it answered that it is not served (404, 403, 405, 501).
+UNSEEN_POLL = 30.0
+#: The size of a ``slot=None`` pool when ``/props`` does not say (``Limits.pool`` sets it).
+POOL_GUESS = 4
+#: How long a kept connection may stay idle when the server's ``Keep-Alive`` does not say (it says
+#: ``timeout=5`` on llama-server; a connection is kept one second less than the server's timeout).
+KEEP_IDLE = 4.0
 
 _USER_AGENT = "loopclient/" + __version__
 
@@ -291,16 +298,19 @@ class Queued(_Value):
 class Waiting(_Value):
     """``/slots`` was asked because the response head had not started to arrive.  ``slot_busy``: the slot
     is processing (with ``slot=None``: every slot that is not wedged is).  ``wedged``: the slot is
-    processing yet nothing in it has moved for ``Limits.wedge_wait``."""
+    processing yet nothing in it has moved for ``Limits.wedge_wait``.  ``slots_known``: False when the
+    server (or a proxy in front of it) does not serve ``/slots``, so that what the slot does is unknown."""
 
-    __match_args__ = ("slot_busy", "wedged")
+    __match_args__ = ("slot_busy", "wedged", "slots_known")
     __slots__ = __match_args__
     slot_busy: bool
     wedged: bool
+    slots_known: bool
 
-    def __init__(self, slot_busy: bool, wedged: bool = False) -> None:
+    def __init__(self, slot_busy: bool, wedged: bool = False, slots_known: bool = True) -> None:
         _set(self, "slot_busy", slot_busy)
         _set(self, "wedged", wedged)
+        _set(self, "slots_known", slots_known)
 
 
 class Retrying(_Value):
@@ -604,7 +614,7 @@ class Slot(_Value):
         _set(self, "prompt_processed", prompt_processed)
 
 
-_INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body")
+_INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body", "pool", "keep_alive")
 _SECONDS_LIMITS = ("poll", "liveness", "busy_wait", "load_wait", "idle_grace", "wedge_wait")
 
 
@@ -627,6 +637,10 @@ class Limits(_Value):
     max_body         16 MiB longest non-streamed body: ``ProtocolError``
     wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
                             ``WedgedSlotError`` (None: never)
+    pool             None   how many requests of a ``slot=None`` pool may be in flight at once (None:
+                            ``total_slots`` from ``/props``, 4 when it does not say; set it behind a balancer)
+    keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
+                            connection per request)
     """
 
     __match_args__ = (
@@ -641,6 +655,8 @@ class Limits(_Value):
         "max_line",
         "max_body",
         "wedge_wait",
+        "pool",
+        "keep_alive",
     )
     __slots__ = __match_args__
     queue_len: int
@@ -654,6 +670,8 @@ class Limits(_Value):
     max_line: int
     max_body: int
     wedge_wait: Optional[float]
+    pool: Optional[int]
+    keep_alive: int
 
     def __init__(
         self,
@@ -668,11 +686,13 @@ class Limits(_Value):
         max_line: int = 1024 * 1024,
         max_body: int = 16 * 1024 * 1024,
         wedge_wait: Optional[float] = 120.0,
+        pool: Optional[int] = None,
+        keep_alive: int = 2,
     ) -> None:
         values = locals()
         for name in _INT_LIMITS:
             value = values[name]
-            if value is None and name == "thinking_cap":
+            if value is None and name in ("thinking_cap", "pool"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError("Limits.%s must be an int, not %r" % (name, value))
@@ -686,8 +706,8 @@ class Limits(_Value):
                 raise TypeError("Limits.%s must be a number of seconds, not %r" % (name, value))
             if not value >= 0:  # also refuses NaN
                 raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
-        for name in ("poll", "liveness", "max_line", "max_body"):
-            if not values[name] > 0:
+        for name in ("poll", "liveness", "max_line", "max_body", "pool"):
+            if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
         for name in self.__match_args__:
             _set(self, name, values[name])
@@ -820,6 +840,13 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
     return ResponseHead(parts[0].decode("ascii"), int(code), reason, headers)
 
 
+# The states of ChunkedDecoder: where the next byte belongs.
+_CHUNK_SIZE = 0  # a chunk-size line
+_CHUNK_DATA = 1  # a chunk's data, ``_left`` bytes of it to come
+_CHUNK_DATA_END = 2  # the CRLF after a chunk's data
+_CHUNK_TRAILER = 3  # after the last chunk: trailer lines up to a blank one
+
+
 class ChunkedDecoder:
     """``Transfer-Encoding: chunked`` framing: ``feed(bytes) -> list[bytes]`` of payload; ``done`` at the end.
 
@@ -830,15 +857,14 @@ class ChunkedDecoder:
     split between reads.
     """
 
-    __slots__ = ("done", "failed", "_state", "_left", "_pending", "_trailers")
-
-    _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+    __slots__ = ("done", "failed", "surplus", "_state", "_left", "_pending", "_trailers")
 
     def __init__(self) -> None:
         self.done = False
+        self.surplus = False  # bytes came after the last chunk's blank line
         #: the error met in the bytes after the payload the last ``feed`` returned (None: none)
         self.failed = None  # type: Optional[LoopError]
-        self._state = self._SIZE
+        self._state = _CHUNK_SIZE
         self._left = 0
         self._pending = b""
         self._trailers = 0
@@ -848,6 +874,7 @@ class ChunkedDecoder:
             raise self.failed
         out = []  # type: List[bytes]
         if self.done:
+            self.surplus = self.surplus or bool(data)
             return out
         try:
             self._feed(data, out)
@@ -866,18 +893,18 @@ class ChunkedDecoder:
         end = len(data)
         state = self._state
         while pos < end:
-            if state == 1:  # _DATA
+            if state == _CHUNK_DATA:
                 left = self._left
                 if end - pos >= left:
                     out.append(data[pos : pos + left])
                     pos += left
                     self._left = 0
-                    state = 2
+                    state = _CHUNK_DATA_END
                 else:
                     out.append(data[pos:] if pos else data)
                     self._left = left - (end - pos)
                     pos = end
-            elif state == 2:  # _DATA_END: the CRLF after a chunk's data
+            elif state == _CHUNK_DATA_END:  # the CRLF after a chunk's data
                 if data.startswith(b"\r\n", pos):
                     pos += 2
                 elif data[pos] == 10:
@@ -888,8 +915,8 @@ class ChunkedDecoder:
                     break
                 else:
                     raise ProtocolError("chunk data is not followed by CRLF")
-                state = 0
-            elif state == 0:  # _SIZE
+                state = _CHUNK_SIZE
+            elif state == _CHUNK_SIZE:
                 nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
                     if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
@@ -913,10 +940,10 @@ class ChunkedDecoder:
                         pos = stop + 2
                         continue
                     self._left = size
-                    state = 1
+                    state = _CHUNK_DATA
                 else:
-                    state = 3
-            else:  # _TRAILER: ignored lines up to a blank one
+                    state = _CHUNK_TRAILER
+            else:  # _CHUNK_TRAILER: ignored lines up to a blank one
                 nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
                     if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
@@ -929,6 +956,7 @@ class ChunkedDecoder:
                 pos = nl + 1
                 if line in (b"", b"\r"):
                     self.done = True
+                    self.surplus = pos < end
                     break
                 self._trailers += 1
                 if self._trailers > MAX_HEADERS:
@@ -940,7 +968,7 @@ class ChunkedDecoder:
         if self.failed is not None:
             raise self.failed
         if not self.done:
-            if self._state == 3 and not self._pending:
+            if self._state == _CHUNK_TRAILER and not self._pending:
                 # The final 0 chunk arrived and only its closing CRLF is missing: the body is whole.
                 self.done = True
                 return
@@ -959,17 +987,20 @@ def _parse_chunk_size(line: bytes) -> int:
 
 
 class _LengthDecoder:
-    __slots__ = ("done", "_left")
+    __slots__ = ("done", "surplus", "_left")
     failed = None  # type: Optional[LoopError]  # as ChunkedDecoder's; framing by length cannot fail
 
     def __init__(self, length: int) -> None:
         self._left = length
         self.done = length == 0
+        self.surplus = False  # bytes came after the body
 
     def feed(self, data: bytes) -> List[bytes]:
         if self.done:
+            self.surplus = self.surplus or bool(data)
             return []
         if len(data) >= self._left:
+            self.surplus = len(data) > self._left
             data = data[: self._left]
             self.done = True
         self._left -= len(data)
@@ -983,6 +1014,7 @@ class _LengthDecoder:
 class _CloseDecoder:
     __slots__ = ("done",)
     failed = None  # type: Optional[LoopError]
+    surplus = False
 
     def __init__(self) -> None:
         self.done = False
@@ -1039,6 +1071,13 @@ class ResponseReader:
     @property
     def done(self) -> bool:
         return self._body is not None and self._body.done
+
+    @property
+    def reusable(self) -> bool:
+        """The body is whole, framed by its length or by chunks, with nothing after it: the connection
+        may carry another request."""
+        body = self._body
+        return body is not None and body.done and not isinstance(body, _CloseDecoder) and not body.surplus
 
     def feed(self, data: bytes) -> List[bytes]:
         if self.failed is not None:
@@ -1797,15 +1836,26 @@ class Assembler:
 # =====================================================================================================
 
 
+# Wait states of a request whose response has not started: what it is waiting on decides which budget runs.
+BUSY = "busy"  # the slot is processing another request: busy_wait
+UNAVAILABLE = "unavailable"  # the server cannot be reached, is loading, or /slots fails: load_wait
+IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
+WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
+CAPACITY = "capacity"  # the server (or a proxy in front of it) answered 429: busy_wait
+UNSEEN = "unseen"  # /slots is not served (a proxy, llama-swap, --no-slots): the server is up; busy_wait
+
+
 class _Retry:
-    """An attempt that failed before anything was delivered and may be sent again."""
+    """An attempt that failed before anything was delivered and may be sent again; ``state`` says whose
+    budget the wait counts under (``UNAVAILABLE``: load_wait; ``CAPACITY``, a 429: busy_wait)."""
 
-    __slots__ = ("reason", "hint", "cause")
+    __slots__ = ("reason", "hint", "cause", "state")
 
-    def __init__(self, reason: str, hint: Optional[float], cause: BaseException) -> None:
+    def __init__(self, reason: str, hint: Optional[float], cause: BaseException, state: str = UNAVAILABLE) -> None:
         self.reason = reason
         self.hint = hint  # Retry-After, in seconds
         self.cause = cause
+        self.state = state
 
 
 def _json_or_text(text: str) -> Any:
@@ -1945,9 +1995,14 @@ class ResponsePump:
         body = b"".join(self._body)
         message, _ = parse_error_envelope(body)
         error = HTTPStatusError(head.status, message, body)
-        if head.status != 503:
+        if head.status not in (503, 429):
             raise error
-        self.outcome = _Retry("HTTP 503: %s" % message, parse_retry_after(head.get("retry-after")), error)
+        self.outcome = _Retry(
+            "HTTP %d: %s" % (head.status, message),
+            parse_retry_after(head.get("retry-after")),
+            error,
+            CAPACITY if head.status == 429 else UNAVAILABLE,
+        )
 
     def _capped(self, out: List[Event], ok: bool) -> None:
         assert self.cap_due is not None
@@ -2128,13 +2183,6 @@ def _no_answer(what: str, timeout: float) -> StalledError:
     return StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout)
 
 
-# Wait states of a request whose response has not started: what it is waiting on decides which budget runs.
-BUSY = "busy"  # the slot is processing another request: busy_wait
-UNAVAILABLE = "unavailable"  # the server cannot be reached, is loading, or /slots fails: load_wait
-IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
-WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
-
-
 _BUDGETS = {
     BUSY: (
         "busy_wait",
@@ -2150,6 +2198,17 @@ _BUDGETS = {
         "idle_grace",
         StalledError,
         "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    ),
+    CAPACITY: (
+        "busy_wait",
+        WaitTimeoutError,
+        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait): try later",
+    ),
+    UNSEEN: (
+        "busy_wait",
+        WaitTimeoutError,
+        "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
+        "slot {slot} cannot be seen (busy_wait): the request may still be queued upstream",
     ),
 }
 
@@ -2205,9 +2264,9 @@ def _cannot_connect(exc: OSError) -> _Retry:
 
 def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
     """The ``Retrying`` event for a failed attempt (its delay: ``backoff`` jittered down by up to a quarter,
-    ``Retry-After`` as a floor, never past ``load_wait``) and the next backoff; the budget's error when
-    ``load_wait`` is spent or a hint goes past it."""
-    waits.observe(UNAVAILABLE, retry.cause)
+    ``Retry-After`` as a floor, never past the budget of the retry's state: ``load_wait``, or ``busy_wait``
+    for a 429) and the next backoff; the budget's error when it is spent or a hint goes past it."""
+    waits.observe(retry.state, retry.cause)
     left = waits.remaining()
     assert left is not None
     if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
@@ -2274,14 +2333,18 @@ def _quiet_verdict(
         raise wedged
     if not pings:
         return
-    if state != BUSY:
+    if state not in (BUSY, UNSEEN):  # a slot that cannot be seen may be processing: waited out as busy
         raise StalledError(
             "only pings for %.1f s and the slot is %s: the stream is stuck"
             % (quiet, "idle" if state == IDLE else "unknown"),
             quiet,
         )
     if quiet >= limits.busy_wait:
-        raise StalledError("only pings for %.1f s (busy_wait) while the slot stays busy" % quiet, quiet)
+        raise StalledError(
+            "only pings for %.1f s (busy_wait) while the slot %s"
+            % (quiet, "stays busy" if state == BUSY else "cannot be seen (/slots is not served)"),
+            quiet,
+        )
 
 
 # =====================================================================================================
@@ -2563,6 +2626,7 @@ class _SlotPoller(_SlotWatch):
         self._lock = lock
         self.stamp = float("-inf")  # when the last answer arrived
         self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
+        self.unseen = False  # the last answer said /slots is not served (404, 403, 405, 501)
         self.waiters: Set[_Waker] = set()
         self._asking = False
 
@@ -2581,11 +2645,16 @@ class _SlotPoller(_SlotWatch):
             else:
                 self.waiters.discard(waker)
 
-    def answered(self, slots: Optional[List[Slot]]) -> None:
+    def fresh(self, now: float) -> bool:
+        """The last answer may be reused: younger than ``poll`` (30 s when /slots is not served)."""
+        return now - self.stamp < (UNSEEN_POLL if self.unseen else self._limits.poll)
+
+    def answered(self, slots: Optional[List[Slot]], unseen: bool = False) -> None:
         now = time.monotonic()
         with self._lock:
             if slots is not None:
                 self._remember(slots, now)
+            self.unseen = unseen
             self.slots = slots
             self.stamp = now
             self._asking = False
@@ -2622,6 +2691,7 @@ class _Board:
         self.pools = dict(previous.pools) if previous is not None else {}  # type: Dict[Optional[str], int]
         self.props = {}  # type: Dict[Optional[str], Set[_Waker]]  # model: who waits for the /props in flight
         self.runs: Set[_Run] = set()
+        self.idle = []  # type: List[Tuple[Any, float, int]]  # kept connections: (conn, usable until, pid)
         self.closed = False
 
     def poller(self, model: Optional[str]) -> _SlotPoller:
@@ -2641,13 +2711,42 @@ class _Board:
         with self.lock:
             self.runs.discard(run)
 
+    def checkout(self) -> Any:
+        """A kept connection to reuse (the most recent), or None.  One idle past its time, or one of the
+        process this one was forked from, is never reused: it is closed (a forked child's close leaves the
+        parent's connection alone)."""
+        now, pid = time.monotonic(), os.getpid()
+        found = None
+        stale = []
+        with self.lock:
+            while self.idle:
+                conn, until, owner = self.idle.pop()
+                if owner == pid and now < until:
+                    found = conn
+                    break
+                stale.append(conn)
+        for conn in stale:
+            conn.close()
+        return found
+
+    def checkin(self, conn: Any, idle: float) -> bool:
+        """Keep ``conn`` for ``idle`` seconds; False (the caller closes it) when ``keep_alive`` are kept."""
+        with self.lock:
+            if self.closed or len(self.idle) >= self.limits.keep_alive:
+                return False
+            self.idle.append((conn, time.monotonic() + idle, os.getpid()))
+            return True
+
     def close(self) -> None:
-        """Cancel every run in flight: streams and polls."""
+        """Cancel every run in flight, streams and polls, and close the kept connections."""
         with self.lock:
             self.closed = True
             runs = list(self.runs)
+            idle, self.idle = self.idle, []
         for run in runs:
             run.cancel()
+        for conn, _, _ in idle:
+            conn.close()
 
 
 def _total_slots(props: Any) -> Optional[int]:
@@ -2685,8 +2784,10 @@ def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optio
 # the result (or has the error thrown into it).  It yields either a list of events (hand them to the
 # caller) or one of these operations, a tuple whose first item says which:
 #
-#     (_CONNECT, timeout)           -> a connection (a driver's object with close()); OSError when the
-#                                      server cannot be reached, ConnectError when TLS fails
+#     (_CONNECT, timeout, reuse)    -> a connection (a driver's object with close() and ``reused``), a kept
+#                                      one when ``reuse`` and the board has one; OSError when the server
+#                                      cannot be reached, ConnectError when TLS fails
+#     (_KEEP, conn, idle)           -> None; ``conn`` is kept for reuse ``idle`` seconds, or closed
 #     (_SEND, conn, data, timeout)  -> None; StalledError, StreamClosedError
 #     (_RECV, conn, timeout)        -> bytes, b"" at the end; _Silence after ``timeout``, StreamClosedError
 #     (_PARK, timeout)              -> None, when the plan's waker is signalled or ``timeout`` (None: no
@@ -2697,7 +2798,7 @@ def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optio
 # A driver performs them (section 9: one with blocking sockets, one with asyncio) and, after every
 # operation, throws CancelledError into the plan once the run was cancelled.  So each rule exists once.
 
-_CONNECT, _SEND, _RECV, _PARK, _SLEEP, _SPAWN = range(6)
+_CONNECT, _SEND, _RECV, _PARK, _SLEEP, _SPAWN, _KEEP = range(7)
 
 if TYPE_CHECKING:
     _T = TypeVar("_T")
@@ -2718,6 +2819,25 @@ def _query_string(query: Dict[str, Any]) -> str:
             if "\r" in text or "\n" in text or "\0" in text:
                 raise ValueError("a query name or value must not contain CR, LF or NUL")
     return urlencode(query)
+
+
+def _keep_for(head: ResponseHead) -> Optional[float]:
+    """How long the connection that answered ``head`` may idle before it is reused: one second less than
+    the server's ``Keep-Alive: timeout=N`` (``KEEP_IDLE`` when it does not say); None when it is not to be
+    reused (``Connection: close``, HTTP/1.0, or ``max=`` requests left below 2)."""
+    if head.version != "HTTP/1.1" or "close" in (head.get("connection") or "").lower():
+        return None
+    idle = KEEP_IDLE
+    for item in (head.get("keep-alive") or "").split(","):
+        name, _, value = item.strip().partition("=")
+        value = value.strip()
+        if not (value.isdigit() and value.isascii()):
+            continue
+        if name.strip().lower() == "timeout":
+            idle = int(value) - 1.0
+        elif name.strip().lower() == "max" and int(value) < 2:
+            return None
+    return idle if idle > 0 else None
 
 
 def _cancelled() -> CancelledError:
@@ -2809,8 +2929,11 @@ class _Calls:
 
     # -- requests ----------------------------------------------------------------------------------------
 
-    def _encode(self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None) -> bytes:
-        """The request bytes.  ``ValueError``/``TypeError`` for what cannot be sent, before any connection."""
+    def _encode(
+        self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None, keep: bool = False
+    ) -> bytes:
+        """The request bytes (``Connection: close`` unless ``keep``).  ``ValueError``/``TypeError`` for what
+        cannot be sent, before any connection."""
         if self.closed:
             raise ValueError("this client is closed")
         if not method or not _METHOD_CHARS.issuperset(method):
@@ -2825,7 +2948,8 @@ class _Calls:
         if body is not None:
             payload = json.dumps(body, allow_nan=False).encode("utf-8")
             headers.append(("Content-Type", "application/json"))
-        headers.append(("Connection", "close"))
+        if not keep:
+            headers.append(("Connection", "close"))
         return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
     def _route(
@@ -2848,33 +2972,54 @@ class _Calls:
     def _exchange(
         self, request: bytes, timeout: float, what: str, head_only: bool = False
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
-        """Send one request on a new connection and read its response to the end: (head, body).  A server
-        that cannot be reached is ``ConnectError``; silence longer than ``timeout`` between two reads is
-        ``StalledError``; a body over ``max_body`` is ``ProtocolError``.  ``head_only``: the answer to a
-        HEAD request, which ends at its head whatever its Content-Length says (RFC 9112 6.3)."""
-        try:
-            conn = yield (_CONNECT, timeout)
-        except OSError as exc:
-            raise _connect_error(self.addr, exc) from exc
-        try:
-            yield (_SEND, conn, request, timeout)
-            reader = ResponseReader(max_body=self.limits.max_body)
-            pieces = []  # type: List[bytes]
-            while not reader.done and not (head_only and reader.head is not None):
-                try:
-                    data = yield (_RECV, conn, timeout)
-                except _Silence:
-                    raise _no_answer(what, timeout) from None
-                if not data:
-                    reader.feed_eof()
-                    break
-                pieces.extend(reader.feed(data))
-                if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
-                    raise reader.failed
-            assert reader.head is not None
-            return reader.head, b"".join(pieces)
-        finally:
-            conn.close()
+        """Send one request and read its response to the end: (head, body).  A server that cannot be reached
+        is ``ConnectError``; silence longer than ``timeout`` between two reads is ``StalledError``; a body over
+        ``max_body`` is ``ProtocolError``.  ``head_only``: the answer to a HEAD request, which ends at its head
+        whatever its Content-Length says (RFC 9112 6.3).
+
+        With ``keep_alive``, a kept connection is reused, and kept again after an answer read whole with a
+        known length and no ``Connection: close``.  A kept connection that fails before any byte of the
+        answer was closed by the server while idle (it never saw the request): the request goes once more,
+        on a new connection."""
+        keep = self.limits.keep_alive > 0
+        reuse = keep
+        while True:
+            try:
+                conn = yield (_CONNECT, timeout, reuse)
+            except OSError as exc:
+                raise _connect_error(self.addr, exc) from exc
+            kept = heard = False
+            try:
+                yield (_SEND, conn, request, timeout)
+                reader = ResponseReader(max_body=self.limits.max_body)
+                pieces = []  # type: List[bytes]
+                while not reader.done and not (head_only and reader.head is not None):
+                    try:
+                        data = yield (_RECV, conn, timeout)
+                    except _Silence:
+                        raise _no_answer(what, timeout) from None
+                    if not data:
+                        reader.feed_eof()
+                        break
+                    heard = True
+                    pieces.extend(reader.feed(data))
+                    if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
+                        raise reader.failed
+                head = reader.head
+                assert head is not None
+                if keep and (head_only or reader.reusable):
+                    idle = _keep_for(head)
+                    if idle is not None:
+                        kept = True
+                        yield (_KEEP, conn, idle)
+                return head, b"".join(pieces)
+            except StreamClosedError:
+                if not conn.reused or heard:
+                    raise
+                reuse = False
+            finally:
+                if not kept:
+                    conn.close()
 
     def _send(
         self,
@@ -2888,7 +3033,7 @@ class _Calls:
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
         """One request, routed to its model, on a new connection: (head, body).  ``timeout``: ``liveness``."""
         body, query = self._route(method, body, query, model, path)
-        request = self._encode(method, path, body, "application/json", query)
+        request = self._encode(method, path, body, "application/json", query, self.limits.keep_alive > 0)
         timeout = self.limits.liveness if timeout is None else timeout
         return (yield from self._exchange(request, timeout, "%s %s" % (method, path), method == "HEAD"))
 
@@ -3049,8 +3194,12 @@ class _Calls:
             board.discard(run)
 
     def _capacity(self, board: _Board, run: _Run, model: Optional[str]) -> _Plan[int]:
-        """``total_slots`` of the model from ``/props``, read once per board; 1 until the server has
-        answered.  One request asks; the others wait for its answer."""
+        """The size of the ``slot=None`` pool: ``Limits.pool``, else ``total_slots`` of the model from
+        ``/props``, read once per board (``POOL_GUESS`` when it answers without it: a balancer in front).
+        Until ``/props`` has answered, 1, and the next request asks again.  One request asks; the others
+        wait for its answer."""
+        if self.limits.pool is not None:
+            return self.limits.pool
         while True:
             with board.lock:
                 if model in board.pools:
@@ -3070,7 +3219,7 @@ class _Calls:
                 continue
             total = None
             try:
-                total = _total_slots((yield from self._json("GET", "/props", model=model)))
+                total = _total_slots((yield from self._json("GET", "/props", model=model))) or POOL_GUESS
             except CancelledError:
                 raise
             except LoopError:
@@ -3093,7 +3242,7 @@ class _Calls:
         backoff = BACKOFF_FIRST
         while True:
             try:
-                conn = yield (_CONNECT, max(limits.poll, 0.2))
+                conn = yield (_CONNECT, max(limits.poll, 0.2), False)  # a connection of its own
             except OSError as exc:
                 retry = _cannot_connect(exc)
             else:
@@ -3164,7 +3313,7 @@ class _Calls:
             yield [Waiting(True, wedged=True)]
             raise wedged
         waits.observe(state)
-        yield [Waiting(state == BUSY)]
+        yield [Waiting(state == BUSY, slots_known=state != UNSEEN)]
         waits.check()
 
     def _check_quiet(self, board: _Board, run: _Run, req: _StreamRequest, quiet: float, pinged: bool) -> _Plan[None]:
@@ -3185,12 +3334,11 @@ class _Calls:
         younger than ``poll`` is reused; else one request (the first to ask) goes out, and the others wait
         for it, at most ``poll``: no answer by then is an unavailable server."""
         poller = board.poller(model)
-        interval = self.limits.poll
         asked = time.monotonic()
-        if asked - poller.stamp >= interval:
+        if not poller.fresh(asked):
             if poller.start():
                 yield (_SPAWN, self._poll_slots(poller, model))
-            deadline = asked + interval
+            deadline = asked + self.limits.poll
             poller.wait(run, True)
             try:
                 while poller.stamp < asked:
@@ -3202,19 +3350,25 @@ class _Calls:
                 poller.wait(run, False)
             if poller.stamp < asked:
                 return poller.state(None, slot, every, self.address)
+        if poller.unseen:
+            return UNSEEN, None
         return poller.state(poller.slots, slot, every, self.address)
 
     def _poll_slots(self, poller: _SlotPoller, model: Optional[str]) -> _Plan[None]:
-        """The shared ``/slots`` request, in the background; any failure means "unavailable"."""
+        """The shared ``/slots`` request, in the background: 404, 403, 405 and 501 say it is not served (a
+        proxy in front, llama-swap, ``--no-slots``); any other failure means "unavailable"."""
         limits = self.limits
         slots = None  # type: Optional[List[Slot]]
+        unseen = False
         try:
             timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
             slots = _slots_from((yield from self._json("GET", "/slots", model=model, timeout=timeout)))
+        except HTTPStatusError as exc:
+            unseen = exc.status in (403, 404, 405, 501)
         except Exception:
             pass
         finally:
-            poller.answered(slots)
+            poller.answered(slots, unseen)
 
     def _end_reasoning(self, run: _Run, model: Optional[str], completion_id: Optional[str], tokens: int) -> _Plan[bool]:
         """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
@@ -3257,7 +3411,7 @@ class _Conn:
     """One connection with a blocking socket.  Socket errors are translated here, narrowest first:
     ``socket.timeout`` (on 3.8 not a ``TimeoutError``) before ``OSError``."""
 
-    __slots__ = ("sock", "owner", "_timeout", "_lock", "_closed")
+    __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
     def __init__(self, addr: _Address, timeout: float, ssl_context: Any, owner: _SyncRun) -> None:
         # OSError (missing socket file, refused, unreachable, connect timeout) goes to the plan, which may
@@ -3280,6 +3434,7 @@ class _Conn:
                 sock = _wrap_tls(sock, addr, ssl_context)
         self.sock = sock
         self.owner = owner
+        self.reused = False  # handed out again by the board after an answer
         self._timeout = timeout
         self._lock = threading.Lock()
         self._closed = False
@@ -3386,7 +3541,9 @@ class _SyncRun:
                     self._event.wait(op[1])
                     self._event.clear()
                 elif code == _CONNECT:
-                    value = self._connect(op[1])
+                    value = self._connect(op[1], op[2])
+                elif code == _KEEP:
+                    self._keep(op[1], op[2])
                 elif code == _SLEEP:
                     self._sleep(op[1])
                 else:
@@ -3406,12 +3563,22 @@ class _SyncRun:
                 self.close_all()
         return self.value
 
-    def _connect(self, timeout: float) -> _Conn:
+    def _connect(self, timeout: float, reuse: bool) -> _Conn:
         board = self.board
-        conn = _Conn(board.calls.addr, timeout, board.calls.ssl_context, self)
+        conn = board.checkout() if reuse else None  # type: Optional[_Conn]
+        if conn is not None:
+            conn.owner = self
+            conn.reused = True
+        else:
+            conn = _Conn(board.calls.addr, timeout, board.calls.ssl_context, self)
         with self._conns_lock:
             self._conns.add(conn)
         return conn
+
+    def _keep(self, conn: _Conn, idle: float) -> None:
+        self.forget(conn)
+        if not self.board.checkin(conn, idle):
+            conn.close()
 
     def forget(self, conn: _Conn) -> None:
         with self._conns_lock:
@@ -3785,7 +3952,11 @@ class _AsyncRun:
                 elif code == _PARK:
                     await self._park(op[1])
                 elif code == _CONNECT:
-                    value = await self._connect(op[1])
+                    value = await self._connect(op[1], op[2])
+                elif code == _KEEP:
+                    self.forget(op[1])
+                    if not self.board.checkin(op[1], op[2]):
+                        op[1].close()
                 elif code == _SLEEP:
                     deadline = time.monotonic() + op[1]
                     while not self.cancelled and time.monotonic() < deadline:
@@ -3817,10 +3988,17 @@ class _AsyncRun:
         finally:
             self.board.discard(self)
 
-    async def _connect(self, timeout: float) -> _AsyncConn:
-        """A new connection; ``OSError`` when the server cannot be reached, ``ConnectError`` when TLS fails.
-        No executor: a Unix socket connects at once, a host name goes through the loop's own resolver."""
+    async def _connect(self, timeout: float, reuse: bool) -> _AsyncConn:
+        """A kept connection (``reuse``), else a new one; ``OSError`` when the server cannot be reached,
+        ``ConnectError`` when TLS fails.  No executor: a Unix socket connects at once, a host name goes
+        through the loop's own resolver."""
         board = self.board
+        kept = board.checkout() if reuse else None  # type: Optional[_AsyncConn]
+        if kept is not None:
+            kept.owner = self
+            kept.reused = True
+            self._conns.add(kept)
+            return kept
         loop = board.loop
         addr = board.calls.addr
         conn = _AsyncConn(loop, self)
@@ -3896,10 +4074,23 @@ class _AsyncConn:
     would import asyncio with loopclient).  At most ``RECV_SIZE`` bytes wait unread: beyond that the
     transport stops reading, so a fast server cannot fill memory ahead of a slow caller."""
 
-    __slots__ = ("owner", "_loop", "_transport", "_chunks", "_size", "_eof", "_error", "_waiter", "_paused", "_blocked")
+    __slots__ = (
+        "owner",
+        "reused",
+        "_loop",
+        "_transport",
+        "_chunks",
+        "_size",
+        "_eof",
+        "_error",
+        "_waiter",
+        "_paused",
+        "_blocked",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, owner: _AsyncRun) -> None:
         self.owner = owner
+        self.reused = False
         self._loop = loop
         self._transport = None  # type: Optional[asyncio.Transport]
         self._chunks = []  # type: List[bytes]

@@ -39,6 +39,7 @@ import random
 import resource
 import select
 import shutil
+import signal
 import socket
 import ssl
 import struct
@@ -3982,11 +3983,14 @@ def _api_calls():
 
 
 def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b""):
-    """The request head loopclient sends (as FakeRequest.raw_head holds it: without the blank line)."""
+    """The request head loopclient sends (as FakeRequest.raw_head holds it: without the blank line).  A
+    streamed request closes its connection; a single-shot one (keep_alive by default) does not say."""
     head = line + b" HTTP/1.1\r\nHost: " + host + b"\r\nAccept: " + accept + b"\r\n"
     if body is not None:
         head += b"Content-Type: application/json\r\n"
-    head += b"Connection: close\r\nUser-Agent: loopclient/" + lc.__version__.encode() + extra
+    if accept == b"text/event-stream":
+        head += b"Connection: close\r\n"
+    head += b"User-Agent: loopclient/" + lc.__version__.encode() + extra
     if body is not None:
         head += b"\r\nContent-Length: %d" % len(body)
     return head
@@ -4023,6 +4027,240 @@ def _api_route(server, line, handler):
 
 def _api_answering(answer, status=b"200 OK"):
     return lambda req: req.send(_api_response(*_api_body(answer), status=status))
+
+
+class KeepAliveServer:
+    """A Unix socket server that answers many requests on one connection, as llama-server does for plain
+    answers (``Keep-Alive: timeout=5, max=100``).  ``answer(req)`` gives each answer's bytes;
+    ``close_after`` answers, it closes the connection (None: when the client does)."""
+
+    def __init__(self, answer, close_after=None):
+        self.answer = answer
+        self.close_after = close_after
+        self.tmp = tempfile.mkdtemp(prefix="lcka", dir="/tmp")
+        self.address = os.path.join(self.tmp, "s.sock")
+        self.lock = threading.Lock()
+        self.connections = 0
+        self.requests = []  # (connection number, request)
+        self.stopping = threading.Event()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.address)
+        self.listener.listen(16)
+        self.listener.settimeout(0.05)
+        self.conns = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+                number = self.connections
+                self.conns.append(conn)
+            thread = threading.Thread(target=self._serve, args=(conn, number), daemon=True)
+            thread.start()
+            with self.lock:
+                self.threads.append(thread)
+
+    def _serve(self, conn, number):
+        try:
+            conn.settimeout(5)
+            served = 0
+            while not self.stopping.is_set():
+                request = read_request(conn)
+                if request is None:
+                    return
+                with self.lock:
+                    self.requests.append((number, request))
+                conn.sendall(self.answer(request))
+                served += 1
+                if self.close_after is not None and served >= self.close_after:
+                    return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            conns = list(self.conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in list(self.threads):
+            thread.join(5)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def keep_alive_answer(doc, headers=b"Keep-Alive: timeout=5, max=100\r\n", version=b"HTTP/1.1", body=None):
+    """A plain JSON answer as llama-server sends it, without ``Connection: close``."""
+    body = json.dumps(doc).encode() if body is None else body
+    return b"%s 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        version,
+        len(body),
+        headers,
+        body,
+    )
+
+
+class TestKeepAlive(ClientFactory, unittest.TestCase):
+    """Single-shot calls keep ``Limits.keep_alive`` idle connections and reuse them by the rules."""
+
+    def setUp(self):
+        self.fds = fd_count()
+        self.servers = []
+        self.clients = []
+
+    def tearDown(self):
+        for client in self.clients:
+            client.close()
+        for server in self.servers:
+            server.close()
+        wait_for(lambda: fd_count() <= self.fds, 5, "descriptors to close")
+
+    def serve(self, answer, close_after=None, **limits):
+        server = KeepAliveServer(answer, close_after)
+        self.servers.append(server)
+        client = self.new_client(server.address, limits=FAST.replace(**limits))
+        self.clients.append(client)
+        return server, client
+
+    def tokens(self, client, n):
+        return [run_with_timeout(lambda: client.tokenize("x")) for _ in range(n)]
+
+    def test_plain_answers_reuse_one_connection(self):
+        server, client = self.serve(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.assertEqual(self.tokens(client, 3), [[7]] * 3)
+        self.assertEqual(server.connections, 1)
+        self.assertEqual([n for n, _ in server.requests], [1, 1, 1])
+        self.assertNotIn(b"Connection:", server.requests[0][1].head)
+
+    def test_keep_alive_zero_opens_a_connection_per_call(self):
+        server, client = self.serve(lambda req: keep_alive_answer({"tokens": [7]}), keep_alive=0)
+        self.assertEqual(self.tokens(client, 3), [[7]] * 3)
+        self.assertEqual(server.connections, 3)
+        self.assertIn(b"\r\nConnection: close\r\n", server.requests[0][1].head + b"\r\n")
+
+    def test_a_kept_connection_the_server_closed_is_resent_once_on_a_new_one(self):
+        server, client = self.serve(lambda req: keep_alive_answer({"tokens": [7]}), close_after=1)
+        self.assertEqual(self.tokens(client, 3), [[7]] * 3)
+        self.assertEqual(server.connections, 3)
+        self.assertEqual(len(server.requests), 3)  # the server never saw a request twice
+
+    def test_answers_that_say_close_or_have_no_known_length_are_never_reused(self):
+        cases = {
+            "Connection: close": keep_alive_answer({"tokens": [7]}, headers=b"Connection: close\r\n"),
+            "HTTP/1.0": keep_alive_answer({"tokens": [7]}, version=b"HTTP/1.0"),
+            "Keep-Alive timeout=1": keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=1\r\n"),
+            "Keep-Alive max=1": keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=5, max=1\r\n"),
+        }
+        for name, answer in cases.items():
+            with self.subTest(name):
+                server, client = self.serve(lambda req, a=answer: a)
+                self.assertEqual(self.tokens(client, 2), [[7]] * 2)
+                self.assertEqual(server.connections, 2)
+
+    def test_a_short_body_fails_and_its_connection_is_not_reused(self):
+        answers = iter([keep_alive_answer(None, body=b'{"tokens": [7]}')[:-5], keep_alive_answer({"tokens": [8]})])
+        server, client = self.serve(lambda req: next(answers), close_after=1)
+        with self.assertRaises(lc.StreamClosedError):
+            run_with_timeout(lambda: client.tokenize("x"))
+        self.assertEqual(self.tokens(client, 1), [[8]])
+        self.assertEqual(server.connections, 2)
+
+    def test_a_connection_idle_past_the_servers_timeout_is_not_reused(self):
+        server, client = self.serve(
+            lambda req: keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=2\r\n")
+        )
+        self.assertEqual(self.tokens(client, 1), [[7]])
+        time.sleep(1.05)  # the subject: idle longer than the server's timeout less one second
+        self.assertEqual(self.tokens(client, 1), [[7]])
+        self.assertEqual(server.connections, 2)
+
+    def test_at_most_keep_alive_connections_are_kept(self):
+        def answer(req):
+            time.sleep(0.2)  # the server's pace: two calls at once are both in flight
+            return keep_alive_answer({"tokens": [7]})
+
+        server, client = self.serve(answer, keep_alive=1)
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(client.tokenize("x")), daemon=True) for _ in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(5)
+        self.assertEqual(results, [[7], [7]])
+        self.assertEqual(server.connections, 2)
+        self.assertEqual(self.tokens(client, 2), [[7]] * 2)  # one kept, the other closed
+        self.assertEqual(server.connections, 2)
+        self.assertEqual(server.requests[-1][0], server.requests[-2][0])
+
+    def test_streams_keep_a_connection_of_their_own(self):
+        def answer(req):
+            if req.path == "/v1/chat/completions":
+                return STREAM_HEAD + content_stream(["ok"])
+            return keep_alive_answer({"total_slots": 2})
+
+        server, client = self.serve(answer)
+        self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
+        self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
+        paths = [(n, r.path) for n, r in server.requests]
+        self.assertEqual([p for _, p in paths], ["/props", "/v1/chat/completions", "/v1/chat/completions"])
+        self.assertEqual(len({n for n, _ in paths}), 3)  # STREAM_HEAD says close: no stream reuses
+
+
+class TestKeepAliveAsync(AsyncDriver, TestKeepAlive):
+    pass
+
+
+class TestKeepAliveFork(unittest.TestCase):
+    """A process made by os.fork() never uses its parent's kept connections (threaded client only: asyncio
+    does not survive a fork of a running loop)."""
+
+    def test_the_child_opens_its_own_and_the_parent_keeps_its_own(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [os.getpid() % 1000]}))
+        self.addCleanup(server.close)
+        with lc.Client(server.address, limits=FAST) as client:
+            run_with_timeout(lambda: client.tokenize("x"))
+            self.assertEqual(server.connections, 1)
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: one call, its outcome through the pipe, and out
+                code = 1
+                try:
+                    client.tokenize("x")
+                    os.write(write, b"ok")
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(write)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                time.sleep(0.01)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                self.fail("the child did not finish")
+            self.assertEqual(os.read(read, 10), b"ok")
+            os.close(read)
+            self.assertEqual(os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status, 0)
+            self.assertEqual(server.connections, 2)  # the child's own
+            run_with_timeout(lambda: client.tokenize("x"))
+            self.assertEqual(server.connections, 2)  # the parent's kept connection still serves it
+            self.assertEqual([n for n, _ in server.requests], [1, 2, 1])
 
 
 class _ApiCase(ServerCase):
@@ -4066,7 +4304,7 @@ class TestApiCalls(_ApiCase):
         self.assertEqual(
             req.raw_head + b"\r\n\r\n" + req.body,
             b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n"
-            b"Content-Type: application/json\r\nConnection: close\r\nUser-Agent: loopclient/%s\r\n"
+            b"Content-Type: application/json\r\nUser-Agent: loopclient/%s\r\n"
             b"X-Trace: 1\r\nAuthorization: Bearer sk-1\r\nContent-Length: 88\r\n\r\n"
             b'{"content": "a\\r\\nb", "add_special": false, "parse_special": true, "with_pieces": false}'
             % lc.__version__.encode(),
@@ -4093,11 +4331,13 @@ class TestApiCalls(_ApiCase):
         # RFC 9112 6.3: a HEAD response and a 204 end at their head, whatever Content-Length says; the
         # server keeps the connection open, so reading on would stall.
         def head(req):
-            req.send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n")
+            req.send(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
+            )
             req.wait_peer_close(3)
 
         def no_content(req):
-            req.send(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n\r\n")
+            req.send(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
             req.wait_peer_close(3)
 
         self.server.route("HEAD", "/health", head)
@@ -7937,7 +8177,7 @@ class TestFaultSlots(_f_Case):
         }
         self.server.route("GET", "/slots", lambda req: respond_json(req, not_supported, 501, "Not Implemented"))
         self.use(_f_hold)
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
+        self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait)  # not served: the slots cannot be seen
 
     def test_slots_501_single_shot(self):
         not_supported = {
@@ -7958,6 +8198,117 @@ class TestFaultSlots(_f_Case):
 
 class TestFaultSlotsAsync(AsyncDriver, TestFaultSlots):
     test_slots_501_while_waiting = None  # a failing /slots: test_slots_garbage_while_waiting
+
+
+# -- behind proxies and balancers: 429, an unseen /slots, the pool's size -----------------------------
+
+
+def _f_too_many(retry_after=None):
+    """llama-swap's answer at its per-model concurrency limit."""
+    body = _f_error_json(429, "too many requests for model m1", "rate_limit_error").encode()
+    hint = b"Retry-After: %s\r\n" % retry_after if retry_after is not None else b""
+    return (
+        b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=utf-8\r\n%s"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (hint, len(body), body)
+    )
+
+
+class TestFaultProxies(_f_Case):
+    def _f_retries(self):
+        return [e for e in self._f_events if isinstance(e, lc.Retrying)]
+
+    def test_429_with_and_without_retry_after_is_retried_then_served(self):
+        for hint in (None, b"0"):
+            with self.subTest(retry_after=hint):
+                self.use(
+                    _f_sequence(
+                        _f_reply(_f_too_many(hint)), _f_reply(_f_too_many(hint)), _f_reply(STREAM_HEAD + _F_OK_BODY)
+                    )
+                )
+                done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
+                self.assertEqual(done.content, "Hello world")
+                retries = self._f_retries()
+                self.assertEqual([r.attempt for r in retries], [1, 2])
+                self.assertEqual({r.reason for r in retries}, {"HTTP 429: too many requests for model m1"})
+                self.assertEqual(self._f_kinds()[:2], ["Retrying", "Retrying"])
+                self.server.requests.clear()
+
+    def test_429_past_busy_wait_is_a_wait_timeout_naming_the_429(self):
+        self.client_with(busy_wait=0.8, load_wait=0.3)  # the wrong budget would end it far earlier
+        self.use(_f_reply(_f_too_many(b"0")))
+        exc = self._f_fails(lc.WaitTimeoutError, 0.8)
+        self.assertIn("answered 429 (at capacity)", str(exc))
+        self.assertIn("(busy_wait)", str(exc))
+        self.assertIsInstance(exc.__cause__, lc.HTTPStatusError)
+        self.assertEqual(exc.__cause__.status, 429)
+
+    def test_a_429_hint_past_busy_wait_ends_the_wait_at_once(self):
+        self.use(_f_reply(_f_too_many(b"30")))
+        self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait, at_once=True)
+        self.assertEqual(self._f_retries(), [])
+
+    def test_slots_not_served_while_waiting_counts_under_busy_wait(self):
+        for status, reason in ((404, b"Not Found"), (403, b"Forbidden"), (405, b"Method Not Allowed"), (501, b"x")):
+            with self.subTest(status=status):
+                self.server.route(
+                    "GET",
+                    "/slots",
+                    lambda req, s=status, r=reason: respond_json(
+                        req, {"error": {"code": s, "message": "no slots here", "type": "x"}}, s, r.decode()
+                    ),
+                )
+                self.client_with(busy_wait=0.8, load_wait=0.3, idle_grace=0.3)
+                self.use(_f_hold)
+                before = sum(1 for r in self.server.requests if r.path == "/slots")
+                exc = self._f_fails(lc.WaitTimeoutError, 0.8)
+                self.assertIn("does not serve /slots", str(exc))
+                waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
+                self.assertTrue(waits)
+                self.assertEqual(set(waits), {lc.Waiting(False, slots_known=False)})
+                # asked once: a /slots that is not served is asked again at most every 30 s
+                self.assertEqual(sum(1 for r in self.server.requests if r.path == "/slots") - before, 1)
+
+    def test_an_unseen_slot_is_never_wedged(self):
+        self.server.route("GET", "/slots", lambda req: respond_json(req, {"error": {"code": 404}}, 404, "Not Found"))
+        self.client_with(busy_wait=0.6, wedge_wait=0.1)
+        self.use(_f_hold)
+        self._f_fails(lc.WaitTimeoutError, 0.6)
+        self.assertFalse(any(isinstance(e, lc.Waiting) and e.wedged for e in self._f_events))
+
+    def test_limits_pool_sizes_the_pool_without_asking_props(self):
+        client = self.client_with(pool=3)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = [start_chat(client, m, None, events, results) for m in "ABC"]
+        wait_for(lambda: all(keeper.arrived(m) for m in "ABC"), what="three in flight at once")
+        fourth = start_chat(client, "D", None, events, results)
+        wait_for(lambda: events["D"], what="D queued")
+        self.assertEqual(events["D"], [lc.Queued(3)])
+        for marker in "ABCD":
+            keeper.release(marker)
+        for thread in threads + [fourth]:
+            thread.join(5)
+        self.assertEqual([results[m].content for m in "ABCD"], list("ABCD"))
+        self.assertEqual([r for r in self.server.requests if r.path == "/props"], [])
+
+    def test_props_without_total_slots_is_a_pool_of_four(self):
+        self.server.route("GET", "/props", lambda req: respond_json(req, {"role": "balancer"}))
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = [start_chat(self.client, m, None, events, results) for m in "ABCD"]
+        wait_for(lambda: all(keeper.arrived(m) for m in "ABCD"), what="four in flight at once")
+        fifth = start_chat(self.client, "E", None, events, results)
+        wait_for(lambda: events["E"], what="E queued")
+        self.assertEqual(events["E"], [lc.Queued(4)])
+        for marker in "ABCDE":
+            keeper.release(marker)
+        for thread in threads + [fifth]:
+            thread.join(5)
+        self.assertEqual(sorted(results[m].content for m in "ABCDE"), list("ABCDE"))
+
+
+class TestFaultProxiesAsync(AsyncDriver, TestFaultProxies):
+    pass
 
 
 # -- the reasoning control endpoint -------------------------------------------------------------------

@@ -457,9 +457,19 @@ class ToolCallResult(_Value):
 class Choice(_Value):
     """One choice of a completion (``n`` > 1 gives several): its assembled ``content``, ``reasoning``,
     ``tool_calls`` and ``finish_reason``; ``logprobs`` and ``reasoning_logprobs`` are the entries the server
-    sent (dicts, in order), or None when it sent none."""
+    sent (dicts, in order), or None when it sent none; ``tokens`` the token ids the server sent (``/completion``
+    and ``/infill`` with ``return_tokens``), or None when it sent none."""
 
-    __match_args__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "reasoning_logprobs")
+    __match_args__ = (
+        "index",
+        "content",
+        "reasoning",
+        "tool_calls",
+        "finish_reason",
+        "logprobs",
+        "reasoning_logprobs",
+        "tokens",
+    )
     __slots__ = __match_args__
     index: int
     content: str
@@ -468,6 +478,7 @@ class Choice(_Value):
     finish_reason: Optional[str]
     logprobs: Optional[List[Dict[str, Any]]]
     reasoning_logprobs: Optional[List[Dict[str, Any]]]
+    tokens: Optional[List[int]]
 
     def __init__(
         self,
@@ -478,6 +489,7 @@ class Choice(_Value):
         finish_reason: Optional[str],
         logprobs: Optional[List[Dict[str, Any]]],
         reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
+        tokens: Optional[List[int]] = None,
     ) -> None:
         _set(self, "index", index)
         _set(self, "content", content)
@@ -486,6 +498,7 @@ class Choice(_Value):
         _set(self, "finish_reason", finish_reason)
         _set(self, "logprobs", logprobs)
         _set(self, "reasoning_logprobs", reasoning_logprobs)
+        _set(self, "tokens", tokens)
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict of the fields."""
@@ -500,7 +513,11 @@ class Completion(_Value):
     ``content``, ``reasoning``, ``tool_calls`` (in index order) and ``finish_reason`` are those of the
     first choice; ``choices`` holds every choice (one even for a single answer).  ``usage`` and ``timings``
     are the server's dicts (None when it sent none), ``reasoning_tokens`` counts the chunks that carried
-    reasoning, ``thinking_capped`` says whether the thinking cap fired.
+    reasoning, ``thinking_capped`` says whether the thinking cap fired.  ``final`` is the endpoint's own closing
+    object as sent (``/completion`` and ``/infill``: the chunk with ``stop: true``; Responses: the last
+    event's ``response``; Messages: the ``message_start`` message with ``message_delta``'s ``stop_reason``,
+    ``stop_sequence`` and ``usage`` merged; chat: None); ``tokens`` the first choice's token ids (None when
+    the server sent none).
     """
 
     __match_args__ = (
@@ -515,6 +532,8 @@ class Completion(_Value):
         "reasoning_tokens",
         "thinking_capped",
         "choices",
+        "final",
+        "tokens",
     )
     __slots__ = __match_args__
     id: Optional[str]
@@ -528,6 +547,8 @@ class Completion(_Value):
     reasoning_tokens: int
     thinking_capped: bool
     choices: Tuple[Choice, ...]
+    final: Optional[Dict[str, Any]]
+    tokens: Optional[List[int]]
 
     def __init__(
         self,
@@ -542,6 +563,8 @@ class Completion(_Value):
         reasoning_tokens: int = 0,
         thinking_capped: bool = False,
         choices: Optional[Sequence[Choice]] = None,
+        final: Optional[Dict[str, Any]] = None,
+        tokens: Optional[List[int]] = None,
     ) -> None:
         """``choices`` defaults to the one choice that the other fields describe."""
         _set(self, "id", id)
@@ -555,8 +578,10 @@ class Completion(_Value):
         _set(self, "reasoning_tokens", reasoning_tokens)
         _set(self, "thinking_capped", thinking_capped)
         if choices is None:
-            choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None),)
+            choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None, None, tokens),)
         _set(self, "choices", tuple(choices))
+        _set(self, "final", final)
+        _set(self, "tokens", tokens)
 
     @property
     def logprobs(self) -> Optional[List[Dict[str, Any]]]:
@@ -1743,6 +1768,11 @@ class Assembler:
 
     def _lowest(self) -> Optional[_ChoiceState]:
         return self._choices[min(self._choices)] if self._choices else None
+
+    @property
+    def done(self) -> bool:
+        """Always False: a chat stream ends with ``[DONE]`` or the end of the body, which the pump sees."""
+        return False
 
     @property
     def finish_reason(self) -> Optional[str]:

@@ -2373,6 +2373,7 @@ class _MessagesAssembler(_EventAssembler):
     def feed(self, payload: str) -> List[Event]:
         doc, kind, events = self._begin(payload)
         if kind == "content_block_delta":
+            index = self._index(doc, payload)
             delta = _field(doc, "delta", dict, payload)
             if delta is None:
                 raise ProtocolError("content_block_delta without a 'delta' object: %r" % payload[:80])
@@ -2383,7 +2384,7 @@ class _MessagesAssembler(_EventAssembler):
                 self._text(_field(delta, "thinking", str, payload), events, True)
             elif dtype == "input_json_delta":
                 text = _field(delta, "partial_json", str, payload)
-                entry = self._blocks.get(self._index(doc, payload))
+                entry = self._blocks.get(index)
                 if entry is None:
                     raise ProtocolError("input_json_delta for a block that is not a tool_use block: %r" % payload[:80])
                 self._arguments(entry, text or "", events)

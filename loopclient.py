@@ -1915,7 +1915,9 @@ class _NativeAssembler:
     A chunk's ``index`` (missing: 0) names its choice (one per prompt): ``content`` is
     ``Content(text, choice=index)``, ``prompt_progress`` is ``Progress``, ``completion_probabilities`` entries
     are appended to the choice's ``logprobs`` and ``tokens`` to its ``tokens`` (None while no non-empty list
-    came: the server sends ``[]`` unless asked for ``return_tokens``).  The ``stop: true`` chunk ends its
+    came; this build sends each token's id even without ``return_tokens``, and a placeholder ``[0]`` with
+    each ``prompt_progress``, which is left out).  A ``null`` payload (a stream of
+    several prompts opens with one) gives nothing.  The ``stop: true`` chunk ends its
     choice: ``stop_type`` eos and word are "stop", limit is "length" (another word is kept as sent, none is
     "stop"), and the chunk is that choice's ``final``.  ``done`` once every choice that appeared has ended.
     ``usage`` sums ``tokens_evaluated`` and ``tokens_predicted`` over the choices, as ``prompt_tokens`` and
@@ -1954,6 +1956,8 @@ class _NativeAssembler:
 
     def feed(self, payload: str) -> List[Event]:
         # One parse and a handful of lookups per token: this runs per token, like Assembler's fast path.
+        if payload == "null":  # a stream of several prompts opens with it
+            return []
         doc = _payload_object(payload)
         if "error" in doc:
             raise _error_from(doc["error"])
@@ -1983,7 +1987,8 @@ class _NativeAssembler:
             events.append(event)
         elif text is not None and type(text) is not str:
             raise ProtocolError("'content' is not a string: %r" % payload[:80])
-        tokens = doc.get("tokens")
+        # a progress chunk's tokens are a placeholder ([0] on this build), not generated tokens
+        tokens = doc.get("tokens") if progress is None else None
         if tokens:
             if type(tokens) is not list or any(type(t) is not int for t in tokens):
                 raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])

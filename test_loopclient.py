@@ -4490,6 +4490,237 @@ class TestParserDialectBodies(unittest.TestCase):
             lc._messages_body(messages, {"messages": []})
 
 
+# -----------------------------------------------------------------------------------------------------
+# Real bytes of /completion, /infill, Responses and Messages (dev/testdata/transcripts/40-65, dev/capture.py
+# against this build).  What they show beyond the documented shapes: every /completion chunk carries its
+# token's id even without return_tokens; each prompt_progress chunk carries a placeholder "tokens": [0]; a
+# stream of several prompts opens with `data: null`; a stop word is held back (its chunk has "content": ""
+# and the token) and the stop chunk's content is "" again; an error mid-stream is `data: {"error": ...}` on
+# every endpoint (no `event: error`); Responses' function_call items carry both "id" (what the argument
+# deltas name as item_id) and "call_id", the deltas carry no output_index, response.created has no model,
+# the timings ride beside "response" in response.completed, and max_output_tokens ends "completed";
+# Messages' message_start counts input_tokens without the cached tokens (cache_read_input_tokens beside).
+# -----------------------------------------------------------------------------------------------------
+
+
+def _p_data_docs(raw):
+    """Every data payload of a captured stream, parsed (the bytes' own lines, not the decoders)."""
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+_p_GEMMA = "/root/.cache/loopclient/gemma-3-270m-q4_k_m.gguf"
+_p_SKY = [" the", " limit", " for", " the", " ", "2", "0", "1"]
+_p_SKY_TOKENS = [506, 4576, 573, 506, 236743, 236778, 236771, 236770]
+
+
+class TestParserDialectTranscripts(unittest.TestCase):
+    def transcript(self, name):
+        raw = _p_testdata_transcript(name)
+        if raw is None:
+            self.skipTest("transcript %s not found in dev/testdata/transcripts" % name)
+        return raw
+
+    def check(self, dialect, raw, expect):
+        # every offset where that stays quick; 300 seeded offsets (and the random sets) for the longer captures
+        _p_check_dialect(self, dialect, raw, expect, every=len(raw) <= 6000)
+        outcome = _p_dialect_outcome(dialect, [raw], raw_chunks=True)  # the same with a Chunk before each
+        self.assertEqual([e for e in outcome[1] if type(e) is not lc.Chunk], expect[1])
+        self.assertEqual(outcome[2:], expect[2:])
+
+    def native(self, raw, choices, model=_p_GEMMA):
+        docs = [d for d in _p_data_docs(raw) if d is not None]
+        finals = {d["index"]: d for d in docs if d.get("stop")}
+        evaluated = sum(f["tokens_evaluated"] for f in finals.values())
+        predicted = sum(f["tokens_predicted"] for f in finals.values())
+        usage = {
+            "tokens_evaluated": evaluated,
+            "tokens_predicted": predicted,
+            "tokens_cached": sum(f["tokens_cached"] for f in finals.values()),
+            "prompt_tokens": evaluated,
+            "completion_tokens": predicted,
+            "total_tokens": evaluated + predicted,
+        }
+        first = choices[0]
+        return lc.Completion(
+            id=None,
+            model=model,
+            content=first.content,
+            reasoning="",
+            tool_calls=[],
+            finish_reason=first.finish_reason,
+            usage=usage,
+            timings=finals[max(finals, key=lambda i: docs.index(finals[i]))]["timings"],
+            choices=choices,
+            final=finals[first.index],
+            tokens=first.tokens,
+        )
+
+    def test_40_completion_tokens_and_probabilities(self):
+        raw = self.transcript("40_completion_stream_tokens_probs.raw.txt")
+        probs = [e for d in _p_data_docs(raw) for e in d.get("completion_probabilities", [])]
+        self.assertEqual(len(probs), 8)
+        self.assertEqual(probs[0]["top_logprobs"][1]["token"], " blue")
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", probs, None, _p_SKY_TOKENS)
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in _p_SKY], self.native(raw, (choice,))))
+
+    def test_41_completion_progress_leaves_the_placeholder_token_out(self):
+        raw = self.transcript("41_completion_stream_progress.raw.txt")
+        events = [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 15.0)] + [lc.Content(w) for w in _p_SKY]
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS)
+        self.check(lc._NativeAssembler, raw, ("ok", events, self.native(raw, (choice,))))
+
+    def test_42_completion_token_id_prompt(self):
+        raw = self.transcript("42_completion_stream_token_ids.raw.txt")
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS)
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in _p_SKY], self.native(raw, (choice,))))
+
+    def test_43_two_prompts_open_with_null(self):
+        raw = self.transcript("43_completion_stream_two_prompts.raw.txt")
+        self.assertIsNone(_p_data_docs(raw)[0])
+        grass = [" green", ",", " the", " trees", " are", " green", ",", " and"]
+        events = []
+        for g, s in zip(grass, _p_SKY):
+            events += [lc.Content(g, 1), lc.Content(s, 0)]
+        choices = (
+            lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS),
+            lc.Choice(
+                1, "".join(grass), "", [], "length", None, None, [3826, 236764, 506, 7146, 659, 3826, 236764, 532]
+            ),
+        )
+        self.check(lc._NativeAssembler, raw, ("ok", events, self.native(raw, choices)))
+
+    def test_46_a_stop_word_is_held_back(self):
+        raw = self.transcript("46_completion_stream_stop_word.raw.txt")
+        choice = lc.Choice(0, "", "", [], "stop", None, None, [506])
+        done = self.native(raw, (choice,))
+        self.assertEqual(done.final["stopping_word"], " the")
+        self.check(lc._NativeAssembler, raw, ("ok", [], done))
+
+    def test_47_completion_error_mid_stream(self):
+        raw = self.transcript("47_completion_midstream_error.raw.txt")
+        words = ["<", "think", ">", " is", " the", " sky", " blue", " is"]
+        message = (
+            "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        )
+        self.check(lc._NativeAssembler, raw, ("raised", [lc.Content(w) for w in words], lc.ServerError, message))
+
+    def test_48_infill(self):
+        raw = self.transcript("48_infill_stream.raw.txt")
+        words = ["\n", "    "] * 4
+        choice = lc.Choice(0, "".join(words), "", [], "length", None, None, [107, 140] * 4)
+        done = self.native(raw, (choice,), model="/root/.cache/loopclient/gemma-3-270m-q4_k_m-fim.gguf")
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
+
+    def event_completion(self, raw, content, finish, reasoning="", calls=(), reasoning_tokens=0, messages=False):
+        docs = _p_data_docs(raw)
+        if messages:
+            start, delta = docs[0]["message"], [d for d in docs if d["type"] == "message_delta"][-1]
+            final = dict(
+                start, stop_reason=delta["delta"]["stop_reason"], stop_sequence=delta["delta"]["stop_sequence"]
+            )
+            final["usage"] = dict(start["usage"], **delta["usage"])
+            u = final["usage"]
+            prompt = u["input_tokens"] + u["cache_read_input_tokens"]
+            usage = dict(
+                u, prompt_tokens=prompt, completion_tokens=u["output_tokens"], total_tokens=prompt + u["output_tokens"]
+            )
+            cid, timings = start["id"], None
+        else:
+            last = docs[-1]
+            final, timings, u = last["response"], last["timings"], last["response"]["usage"]
+            usage = dict(u, prompt_tokens=u["input_tokens"], completion_tokens=u["output_tokens"])
+            cid = final["id"]
+        calls = list(calls)
+        return lc.Completion(
+            id=cid,
+            model=_p_GEMMA,
+            content=content,
+            reasoning=reasoning,
+            tool_calls=calls,
+            finish_reason=finish,
+            usage=usage,
+            timings=timings,
+            reasoning_tokens=reasoning_tokens,
+            choices=(lc.Choice(0, content, reasoning, calls, finish, None),),
+            final=final,
+        )
+
+    _SEA = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
+
+    def test_50_responses_text(self):
+        raw = self.transcript("50_responses_stream.raw.txt")
+        done = self.event_completion(raw, "".join(self._SEA), "stop")
+        self.assertEqual((done.usage["input_tokens"], done.usage["output_tokens"]), (30, 8))
+        self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Content(w) for w in self._SEA], done))
+
+    def test_51_responses_reasoning(self):
+        raw = self.transcript("51_responses_reasoning_grammar.raw.txt")
+        words = ["is"] + [" the", " sky", " blue", " is"] * 9
+        done = self.event_completion(raw, "", "stop", "".join(words), reasoning_tokens=37)
+        self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Reasoning(w) for w in words], done))
+
+    def test_52_responses_function_call(self):
+        raw = self.transcript("52_responses_tool_call.raw.txt")
+        cid = "call_zLtXRho2QWSsvCHwtZzIoejz8Kq3ooim"
+        pieces = ["{", '"', "city", '":', ' "', "Paris", ' "', "}"]
+        events = [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, p) for p in pieces]
+        calls = [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')]
+        self.check(
+            lc._ResponsesAssembler, raw, ("ok", events, self.event_completion(raw, "", "tool_calls", calls=calls))
+        )
+
+    def test_53_responses_max_output_tokens_ends_completed(self):
+        raw = self.transcript("53_responses_max_output_tokens.raw.txt")
+        words = ["Tell", " me", " a", " story"]
+        done = self.event_completion(raw, "Tell me a story", "stop")  # the server says completed: so do we
+        self.assertEqual(done.final["status"], "completed")
+        self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
+
+    def test_54_responses_error_mid_stream(self):
+        raw = self.transcript("54_responses_midstream_error.raw.txt")
+        events = [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]]
+        message = (
+            "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        )
+        self.check(lc._ResponsesAssembler, raw, ("raised", events, lc.ServerError, message))
+
+    def test_60_messages_text(self):
+        raw = self.transcript("60_messages_stream.raw.txt")
+        done = self.event_completion(raw, "".join(self._SEA), "length", messages=True)
+        self.assertEqual(done.usage["prompt_tokens"], 30)  # 1 + 29 from the cache, as Responses counts it
+        self.check(lc._MessagesAssembler, raw, ("ok", [lc.Content(w) for w in self._SEA], done))
+
+    def test_61_messages_thinking(self):
+        raw = self.transcript("61_messages_thinking.raw.txt")
+        thinking = ["blue", " sky", "\n"]
+        words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
+        events = [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words]
+        done = self.event_completion(
+            raw, "".join(words), "length", "".join(thinking), reasoning_tokens=3, messages=True
+        )
+        self.check(lc._MessagesAssembler, raw, ("ok", events, done))
+
+    def test_62_63_65_messages_more(self):
+        for name, thinking in (
+            ("62_messages_tool_use.raw.txt", ""),
+            ("63_messages_max_tokens.raw.txt", ""),
+            ("65_messages_thinking_budget.raw.txt", "blue"),
+        ):
+            raw = self.transcript(name)
+            docs = _p_data_docs(raw)
+            words = [
+                d["delta"]["text"]
+                for d in docs
+                if d["type"] == "content_block_delta" and d["delta"]["type"] == "text_delta"
+            ]
+            events = ([lc.Reasoning(thinking)] if thinking else []) + [lc.Content(w) for w in words]
+            done = self.event_completion(
+                raw, "".join(words), "length", thinking, reasoning_tokens=len(events) - len(words), messages=True
+            )
+            with self.subTest(name=name):
+                self.check(lc._MessagesAssembler, raw, ("ok", events, done))
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================

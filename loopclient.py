@@ -2284,11 +2284,13 @@ class _ResponsesAssembler(_EventAssembler):
         entry = self._lookup(item, ("call_id", "id")) or self._lookup(doc, ())
         if entry is None:
             entry = self._new_call(cid or iid, name, events)
-        else:
-            if entry[0] is None and (cid or iid):
-                entry[0] = cid or iid
-            if entry[1] is None and name:
-                entry[1] = name
+        else:  # an id or name the call did not have yet is delivered too, as a delta of its own
+            late_id = cid or iid if entry[0] is None else None
+            late_name = name or None if entry[1] is None else None
+            if late_id or late_name:
+                entry[0] = entry[0] or late_id
+                entry[1] = entry[1] or late_name
+                events.append(ToolCall(entry[3], late_id, late_name, ""))
         for key in (cid, iid):
             if key:
                 self._keys[key] = entry

@@ -3971,6 +3971,22 @@ class TestParserResponsesDialect(unittest.TestCase):
         )
         self.assertEqual((done.finish_reason, done.usage, done.id), ("tool_calls", None, _p_RESP))
 
+    def test_an_id_or_name_first_seen_in_the_done_item_is_delivered(self):
+        # dev/fuzz.py found it: the Completion named the call while no event had
+        asm = lc._ResponsesAssembler()
+        item = {"id": "fc_1", "arguments": "", "call_id": "call_1", "type": "function_call"}
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.added", item=item))), [lc.ToolCall(0, "call_1", None, "")]
+        )
+        done = dict(item, name="get_weather", arguments="{}")
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.done", item=done))),
+            [lc.ToolCall(0, None, "get_weather", ""), lc.ToolCall(0, None, None, "{}")],
+        )
+        self.assertEqual(asm.feed(_p_json(_p_resp("response.output_item.done", item=done))), [])
+        asm.feed(_p_json(_p_resp("response.completed", response={"id": _p_RESP, "output": [done]})))
+        self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("call_1", "get_weather", "{}")])
+
     def test_arguments_before_any_call_are_a_protocol_error(self):
         with self.assertRaises(lc.ProtocolError):
             lc._ResponsesAssembler().feed(

@@ -2193,8 +2193,10 @@ class _ResponsesAssembler(_EventAssembler):
     ``response.reasoning_summary_text.delta``) is ``Reasoning``, one reasoning token each; a ``function_call``
     output item starts a tool call (index in order of the calls, ``id`` its ``call_id``, else its ``id``;
     ``name`` once) and ``response.function_call_arguments.delta`` adds to the call its ``item_id`` (or
-    ``output_index``) names, else to the latest call.  A call first seen in ``response.output_item.done``
-    gets its arguments from that item.  ``id`` and ``model`` are the response's.  The stream ends at
+    ``output_index``) names, else to the latest call.  The ``.done`` events hold whole texts and whole
+    arguments: what they hold past the deltas is delivered as a last delta (a call first seen in
+    ``response.output_item.done`` gets all its arguments so; an id or name first seen late is a ToolCall of
+    its own).  ``id`` and ``model`` are the response's.  The stream ends at
     ``response.completed`` (finish "stop", or "tool_calls" when the output holds function calls) or
     ``response.incomplete`` (``max_output_tokens``: "length"); its ``response`` is ``final``, its ``usage``
     gains ``prompt_tokens`` and ``completion_tokens`` (from ``input_tokens`` and ``output_tokens``).
@@ -2239,8 +2241,9 @@ class _ResponsesAssembler(_EventAssembler):
         self, doc: Dict[str, Any], name: str, payload: str, events: List[Event], reasoning: bool, whole: bool = False
     ) -> None:
         """A text delta of an output item; with ``whole``, the item's whole text (a ``.done`` event): what it
-        holds past the deltas (text the server held back, as a possible stop word, and sent only there) is
-        a last delta."""
+        holds past that item's deltas (text the server held back, as a possible stop word, and sent only
+        there) is a last delta.  A done event of an item no delta named adds nothing once any text of its
+        kind came, since the deltas may have named their item otherwise."""
         text = _field(doc, name, str, payload)
         if not text:
             return
@@ -2248,6 +2251,9 @@ class _ResponsesAssembler(_EventAssembler):
         key = (item if type(item) is str else None, reasoning)
         kept = self._items.get(key)
         if whole:
+            seen = self._reasoning if reasoning else self._content
+            if kept is None and (seen.parts or seen.blocks):
+                return
             have = str(kept) if kept is not None else ""
             if len(text) <= len(have) or not text.startswith(have):
                 return

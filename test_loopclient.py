@@ -4003,9 +4003,16 @@ class TestParserResponsesDialect(unittest.TestCase):
         self.assertEqual(
             asm.feed(_p_json(_p_resp("response.output_text.done", item_id=_p_MSG, text="Hello world"))), []
         )
+        # a done event of an item no delta named: the deltas may have named it otherwise, so nothing is added
+        self.assertEqual(asm.feed(_p_json(_p_resp("response.output_text.done", item_id="other", text="Hello"))), [])
+        # a stream that sends its text only in the done event
+        only = lc._ResponsesAssembler()
         self.assertEqual(
-            asm.feed(_p_json(_p_resp("response.output_text.done", item_id="other", text="Different"))),
-            [lc.Content("Different")],
+            only.feed(_p_json(_p_resp("response.output_text.done", item_id=_p_MSG, text="All"))), [lc.Content("All")]
+        )
+        self.assertEqual(
+            only.feed(_p_json(_p_resp("response.reasoning_text.done", item_id=_p_RS, text="Why"))),
+            [lc.Reasoning("Why")],
         )
 
     def test_incomplete_for_max_output_tokens_is_length(self):

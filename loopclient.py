@@ -2118,16 +2118,27 @@ class _EventAssembler:
         return self._done
 
     def _begin(self, payload: str) -> Tuple[Dict[str, Any], Optional[str], List[Event]]:
-        """(doc, its type, the events list with its Chunk) for one payload; an error payload raises."""
+        """(doc, its type, the events list with its Chunk and Progress) for one payload; an error payload
+        raises: ``{"error": ...}``, type "error", or the bare error object this build sends mid-stream on
+        Messages (``{"code": 500, "message": ..., "type": "server_error"}``: a type ending in ``_error``)."""
         doc = _payload_object(payload)
         kind = doc.get("type")
         if "error" in doc or kind == "error":
             raise _error_from(doc.get("error", doc))
-        if kind is not None and type(kind) is not str:
-            raise ProtocolError("an event's 'type' is not a string: %r" % payload[:80])
+        if type(kind) is not str:
+            if kind is not None:
+                raise ProtocolError("an event's 'type' is not a string: %r" % payload[:80])
+        elif kind.endswith("_error"):
+            raise _error_from(doc)
         if "timings" in doc:
             self.timings = _merge_timings(self.timings, doc, payload)
-        return doc, kind, [Chunk(doc)] if self.raw_chunks else []
+        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
+        progress = doc.get("prompt_progress")
+        if progress is not None:
+            step = _progress_event(progress, payload)
+            if step is not None:
+                events.append(step)
+        return doc, kind, events
 
     def _text(self, text: Optional[str], events: List[Event], reasoning: bool) -> None:
         if not text:
@@ -2200,7 +2211,9 @@ class _ResponsesAssembler(_EventAssembler):
     ``response.completed`` (finish "stop", or "tool_calls" when the output holds function calls) or
     ``response.incomplete`` (``max_output_tokens``: "length"); its ``response`` is ``final``, its ``usage``
     gains ``prompt_tokens`` and ``completion_tokens`` (from ``input_tokens`` and ``output_tokens``).
-    ``response.failed`` and ``error`` events are ``ServerError``.  Unknown event types are ignored.
+    ``response.failed`` and ``error`` events are ``ServerError``.  A ``prompt_progress`` object (this build
+    sends it beside the ``response`` of ``response.in_progress``) is ``Progress``.  Unknown event types are
+    ignored.
     """
 
     __slots__ = ("_keys", "_items")
@@ -2369,7 +2382,8 @@ class _MessagesAssembler(_EventAssembler):
     over the message's; ``prompt_tokens`` counts ``input_tokens`` with ``cache_read_input_tokens`` and
     ``cache_creation_input_tokens`` (Anthropic's ``input_tokens`` leaves out what came from the cache).  The
     stream ends at ``message_stop``; ``final`` is the message with the stop reason, stop sequence and usage
-    merged.  ``error`` events are ``ServerError``; a ``message_stop`` without a stop reason, or a JSON delta
+    merged.  ``error`` events, and the bare ``{"code", "message", "type": "..._error"}`` object this build
+    sends mid-stream, are ``ServerError``; a ``message_stop`` without a stop reason, or a JSON delta
     for a block that is not a tool-use block, is ``ProtocolError``.
     """
 

@@ -4517,15 +4517,17 @@ class TestParserDialectBodies(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
-# Real bytes of /completion, /infill, Responses and Messages (dev/testdata/transcripts/40-65, dev/capture.py
-# against this build).  What they show beyond the documented shapes: every /completion chunk carries its
-# token's id even without return_tokens; each prompt_progress chunk carries a placeholder "tokens": [0]; a
-# stream of several prompts opens with `data: null`; a stop word is held back (its chunk has "content": ""
-# and the token) and the stop chunk's content is "" again; an error mid-stream is `data: {"error": ...}` on
-# every endpoint (no `event: error`); Responses' function_call items carry both "id" (what the argument
-# deltas name as item_id) and "call_id", the deltas carry no output_index, response.created has no model,
-# the timings ride beside "response" in response.completed, and max_output_tokens ends "completed";
-# Messages' message_start counts input_tokens without the cached tokens (cache_read_input_tokens beside).
+# Real bytes of /completion, /infill, Responses and Messages (dev/testdata/transcripts/39-67, 85-86, from
+# dev/capture.py against this build).  What they show beyond the documented shapes: every /completion chunk
+# carries its token's id even without return_tokens, the EOS token too (a chunk with "content": "" and its
+# id); each prompt_progress chunk carries a placeholder "tokens": [0]; a stream of several prompts opens
+# with `data: null`; a stop word is held back (its chunk has "content": "" and the token); an error
+# mid-stream is `data: {"error": ...}` on /completion and Responses, but a bare `data: {"code": 500,
+# "message": ..., "type": "server_error"}` on Messages (no envelope, no `event: error`); Responses'
+# function_call items carry both "id" (what the argument deltas name as item_id) and "call_id", the deltas
+# carry no output_index, response.created has no model, prompt_progress rides beside "response" in
+# response.in_progress, the timings beside it in response.completed, and max_output_tokens ends
+# "completed"; Messages' message_start counts input_tokens without the cached tokens.
 # -----------------------------------------------------------------------------------------------------
 
 
@@ -4679,22 +4681,6 @@ class TestParserDialectTranscripts(unittest.TestCase):
         self.assertEqual((done.usage["input_tokens"], done.usage["output_tokens"]), (30, 8))
         self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Content(w) for w in self._SEA], done))
 
-    def test_51_responses_reasoning(self):
-        raw = self.transcript("51_responses_reasoning_grammar.raw.txt")
-        words = ["is"] + [" the", " sky", " blue", " is"] * 9
-        done = self.event_completion(raw, "", "stop", "".join(words), reasoning_tokens=37)
-        self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Reasoning(w) for w in words], done))
-
-    def test_52_responses_function_call(self):
-        raw = self.transcript("52_responses_tool_call.raw.txt")
-        cid = "call_zLtXRho2QWSsvCHwtZzIoejz8Kq3ooim"
-        pieces = ["{", '"', "city", '":', ' "', "Paris", ' "', "}"]
-        events = [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, p) for p in pieces]
-        calls = [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')]
-        self.check(
-            lc._ResponsesAssembler, raw, ("ok", events, self.event_completion(raw, "", "tool_calls", calls=calls))
-        )
-
     def test_53_responses_max_output_tokens_ends_completed(self):
         raw = self.transcript("53_responses_max_output_tokens.raw.txt")
         words = ["Tell", " me", " a", " story"]
@@ -4726,25 +4712,110 @@ class TestParserDialectTranscripts(unittest.TestCase):
         )
         self.check(lc._MessagesAssembler, raw, ("ok", events, done))
 
-    def test_62_63_65_messages_more(self):
+    def expected_events(self, raw):
+        """The events a capture's data payloads say, read off the payloads directly (a test's own reading)."""
+        events, calls = [], {}
+        for doc in _p_data_docs(raw):
+            kind, delta = doc.get("type"), doc.get("delta")
+            if "prompt_progress" in doc:
+                p = doc["prompt_progress"]
+                events.append(lc.Progress(p["processed"], p["total"], p["cache"], float(p["time_ms"])))
+            if kind == "response.output_text.delta":
+                events.append(lc.Content(delta))
+            elif kind == "response.reasoning_text.delta":
+                events.append(lc.Reasoning(delta))
+            elif kind == "response.output_item.added" and doc["item"]["type"] == "function_call":
+                calls[doc["item"]["id"]] = len(calls)
+                events.append(lc.ToolCall(len(calls) - 1, doc["item"]["call_id"], doc["item"]["name"], ""))
+            elif kind == "response.function_call_arguments.delta":
+                events.append(lc.ToolCall(calls[doc["item_id"]], None, None, delta))
+            elif kind == "content_block_start" and doc["content_block"]["type"] == "tool_use":
+                calls[doc["index"]] = len(calls)
+                block = doc["content_block"]
+                events.append(lc.ToolCall(len(calls) - 1, block["id"], block["name"], ""))
+            elif kind == "content_block_delta":
+                if delta["type"] == "text_delta":
+                    events.append(lc.Content(delta["text"]))
+                elif delta["type"] == "thinking_delta":
+                    events.append(lc.Reasoning(delta["thinking"]))
+                elif delta["type"] == "input_json_delta":
+                    events.append(lc.ToolCall(calls[doc["index"]], None, None, delta["partial_json"]))
+        return events
+
+    def generic(self, name, finish, messages=False):
+        raw = self.transcript(name)
+        events = self.expected_events(raw)
+        content = "".join(e.text for e in events if type(e) is lc.Content)
+        reasoning = "".join(e.text for e in events if type(e) is lc.Reasoning)
+        calls = {}
+        for e in events:
+            if type(e) is lc.ToolCall:
+                entry = calls.setdefault(e.index, [e.id, e.name, ""])
+                entry[2] += e.arguments
+        calls = [lc.ToolCallResult(*calls[i]) for i in sorted(calls)]
+        rt = sum(1 for e in events if type(e) is lc.Reasoning)
+        done = self.event_completion(raw, content, finish, reasoning, calls, rt, messages)
+        self.check(lc._MessagesAssembler if messages else lc._ResponsesAssembler, raw, ("ok", events, done))
+        return done
+
+    def test_51_responses_reasoning_then_text(self):
+        done = self.generic("51_responses_reasoning_grammar.raw.txt", "stop")
+        self.assertEqual(
+            (done.reasoning, done.content, done.reasoning_tokens), ("is the sky blue is a", "the answer is yes", 6)
+        )
+
+    def test_52_responses_function_call(self):
+        done = self.generic("52_responses_tool_call.raw.txt", "tool_calls")
+        cid = "call_WuvgdAuvDRouqUfLNEvkLZ0FpcOWMKcw"  # the item's call_id, not its id fc_...
+        self.assertEqual(done.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')])
+
+    def test_56_responses_progress_beside_the_response(self):
+        done = self.generic("56_responses_stream_progress.raw.txt", "stop")
+        self.assertEqual(done.content, "The lighthouse keeper")
+        events = _p_dialect_outcome(lc._ResponsesAssembler, [self.transcript("56_responses_stream_progress.raw.txt")])[
+            1
+        ]
+        self.assertEqual(events[:2], [lc.Progress(9, 114, 9, 0.0), lc.Progress(114, 114, 9, 4003.0)])
+
+    def test_85_responses_reasoning(self):
+        done = self.generic("85_responses_reasoning_control.raw.txt", "stop")
+        self.assertEqual((done.content, done.reasoning_tokens), ("the answer is yes", 75))
+
+    def test_62_messages_tool_use(self):
+        done = self.generic("62_messages_tool_use.raw.txt", "tool_calls", messages=True)
+        self.assertEqual(
+            done.tool_calls, [lc.ToolCallResult("pbitHA1orxPQ2XjiPUvz7STbslHDhXhW", "get_weather", '{"city": "Paris"}')]
+        )
+        self.assertEqual(done.final["stop_reason"], "tool_use")
+
+    def test_63_65_86_messages_more(self):
         for name, thinking in (
-            ("62_messages_tool_use.raw.txt", ""),
             ("63_messages_max_tokens.raw.txt", ""),
             ("65_messages_thinking_budget.raw.txt", "blue"),
+            ("86_messages_reasoning_control.raw.txt", "blue sky\n"),
         ):
-            raw = self.transcript(name)
-            docs = _p_data_docs(raw)
-            words = [
-                d["delta"]["text"]
-                for d in docs
-                if d["type"] == "content_block_delta" and d["delta"]["type"] == "text_delta"
-            ]
-            events = ([lc.Reasoning(thinking)] if thinking else []) + [lc.Content(w) for w in words]
-            done = self.event_completion(
-                raw, "".join(words), "length", thinking, reasoning_tokens=len(events) - len(words), messages=True
-            )
             with self.subTest(name=name):
-                self.check(lc._MessagesAssembler, raw, ("ok", events, done))
+                done = self.generic(name, "length", messages=True)
+                self.assertEqual(done.reasoning, thinking)
+
+    def test_67_messages_bare_error_object_mid_stream(self):
+        raw = self.transcript("67_messages_midstream_error.raw.txt")
+        self.assertIn(b'data: {"code":500,"message":', raw)  # no "error" envelope, no event: line
+        events = self.expected_events(raw)
+        self.assertEqual(len(events), 8)
+        message = "server error 500: The model produced output that does not match the expected peg-native format"
+        self.check(lc._MessagesAssembler, raw, ("raised", events, lc.ServerError, message))
+
+    def test_39_completion_to_eos(self):
+        raw = self.transcript("39_completion_stream_eos.raw.txt")
+        words = ["<", "think", ">", " is", " the", " sky", " blue", " is", " ", "</", "think", ">"]
+        words += ["the", " ", "answer", " is", " yes"]
+        tokens = [236820, 36345, 236813, 563, 506, 7217, 3730, 563, 236743, 954, 36345, 236813, 1437, 236743]
+        tokens += [14433, 563, 11262, 1]  # the EOS token's own chunk: content "", tokens [1]
+        choice = lc.Choice(0, "".join(words), "", [], "stop", None, None, tokens)
+        done = self.native(raw, (choice,))
+        self.assertEqual(done.final["stop_type"], "eos")
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
 
 
 # =====================================================================================================

@@ -337,6 +337,7 @@ def dialect_seeds():
         {"type": "content_block_stop", "index": 2},
     ] + _p_msg_end("tool_use")
     overloaded = messages[:7] + [{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}]
+    bare = messages[:9] + [{"code": 500, "message": "does not match the expected format", "type": "server_error"}]
     return [
         ("native-one", "dialect:native", _p_dialect_http(native_one)),
         ("native-two", "dialect:native", _p_dialect_http(native_two)),
@@ -347,6 +348,11 @@ def dialect_seeds():
         ("responses-failed", "dialect:responses", _p_dialect_http([_p_typed(b) for b in failed])),
         ("messages", "dialect:messages", _p_dialect_http([_p_typed(d) for d in messages])),
         ("messages-overloaded", "dialect:messages", _p_dialect_http([_p_typed(d) for d in overloaded])),
+        (
+            "messages-bare-error",
+            "dialect:messages",
+            _p_dialect_http([_p_typed(d) for d in bare[:-1]] + [sse(json.dumps(bare[-1]))]),
+        ),
     ]
 
 

@@ -29,7 +29,7 @@ Sections:
     1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
     2. HTTP/1.1 without sockets: request encoding, response head, body framing
     3. Server-Sent Events decoder
-    4. Delta assembler
+    4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
     5. The response pump: one streamed response, bytes in, events and decisions out
     6. Transport: the only code that touches ``socket``
     7. Slot gates and the shared /slots poller
@@ -1408,7 +1408,7 @@ class SSEDecoder:
 
 
 # =====================================================================================================
-# 4. Delta assembler
+# 4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
 # =====================================================================================================
 
 # the C scanner that json.loads wraps, called without the wrapper calls and regex matches around it

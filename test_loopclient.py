@@ -4423,7 +4423,8 @@ class TestParserCompletionFields(unittest.TestCase):
 
 class TestParserDialectBodies(unittest.TestCase):
     def test_native(self):
-        for prompt in ("Once upon", [1, 2, 3], [1, "a", 2], ["one", "two"], [[1, 2], "two", [3, "x"]]):
+        mm = {"prompt_string": "<__media__> What is it?", "multimodal_data": ["aGk="]}
+        for prompt in ("Once upon", [1, 2, 3], [1, "a", 2], ["one", "two"], [[1, 2], "two", [3, "x"]], mm, [mm, "x"]):
             self.assertEqual(
                 lc._native_body(prompt, {"n_predict": 3}), {"prompt": prompt, "n_predict": 3, "stream": True}
             )
@@ -4437,6 +4438,7 @@ class TestParserDialectBodies(unittest.TestCase):
             ([1.5], TypeError),
             ([True], TypeError),
             ([[1], {}], TypeError),
+            ({"text": "x"}, TypeError),
             ([[1], []], ValueError),
         ):
             with self.subTest(prompt=prompt), self.assertRaises(error):

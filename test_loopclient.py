@@ -4519,7 +4519,7 @@ class TestParserDialectBodies(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
-# Real bytes of /completion, /infill, Responses and Messages (dev/testdata/transcripts/39-67, 85-86, from
+# Real bytes of /completion, /infill, Responses and Messages (dev/testdata/transcripts/38-67, 85-86, from
 # dev/capture.py against this build).  What they show beyond the documented shapes: every /completion chunk
 # carries its token's id even without return_tokens, the EOS token too (a chunk with "content": "" and its
 # id); each prompt_progress chunk carries a placeholder "tokens": [0]; a stream of several prompts opens
@@ -4629,6 +4629,14 @@ class TestParserDialectTranscripts(unittest.TestCase):
     def test_47_completion_error_mid_stream(self):
         raw = self.transcript("47_completion_midstream_error.raw.txt")
         words = ["<", "think", ">", " is", " the", " sky", " blue", " is"]
+        message = (
+            "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        )
+        self.check(lc._NativeAssembler, raw, ("raised", [lc.Content(w) for w in words], lc.ServerError, message))
+
+    def test_38_infill_error_mid_stream(self):
+        raw = self.transcript("38_infill_midstream_error.raw.txt")
+        words = ["<", "think", ">", "def", " add", "b", "to", "a"]
         message = (
             "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
         )

@@ -3421,6 +3421,1414 @@ class TestParserChoiceTranscripts(unittest.TestCase):
             asm.completion()
 
 
+# -----------------------------------------------------------------------------------------------------
+# The other streamed endpoints' dialects (/completion and /infill, Responses, Messages): each stream fed
+# through ResponseReader -> SSEDecoder -> the dialect, whole, byte by byte, split at every offset and at
+# random sets of offsets, stopping where the dialect says its stream ended, as the engine does.  The
+# streams are in the shapes llama-server writes (key order included).
+# -----------------------------------------------------------------------------------------------------
+
+
+class _p_DialectPipe:
+    """ResponseReader -> SSEDecoder -> a dialect: an SSE error event (``event: error`` or the legacy
+    ``error:`` line) raises ServerError as the pump does; the Completion once the dialect is ``done``, or
+    at the end of the stream."""
+
+    def __init__(self, dialect, raw_chunks=False):
+        self.reader = lc.ResponseReader()
+        self.sse = lc.SSEDecoder(1024 * 1024)
+        self.asm = dialect(raw_chunks)
+        self.events = []
+        self.done = None
+
+    def _payloads(self, items):
+        for kind, data in items:
+            if self.done is not None:
+                return
+            if kind == "error":
+                raise lc._error_from(lc._json_or_text(data))
+            self.events += self.asm.feed(data)
+            if self.asm.done:
+                self.done = self.asm.completion()
+
+    def feed(self, data):
+        if self.done is not None:
+            return
+        for piece in self.reader.feed(data):
+            self._payloads(self.sse.feed(piece))
+            if self.sse.failed is not None:
+                raise self.sse.failed
+        if self.reader.failed is not None:
+            raise self.reader.failed
+
+    def end(self):
+        if self.done is None:
+            self.reader.feed_eof()
+            self._payloads(self.sse.close())
+        if self.done is None:
+            self.done = self.asm.completion()
+
+
+def _p_dialect_outcome(dialect, pieces, raw_chunks=False):
+    """("ok", events, completion) or ("raised", events delivered first, error class, message)."""
+    pipe = _p_DialectPipe(dialect, raw_chunks)
+    try:
+        for piece in pieces:
+            pipe.feed(piece)
+        pipe.end()
+    except lc.LoopError as exc:
+        return ("raised", pipe.events, type(exc), str(exc))
+    return ("ok", pipe.events, pipe.done)
+
+
+def _p_check_dialect(test, dialect, data, expect, every=True, raw_chunks=False):
+    """Every way of splitting ``data`` gives ``expect`` exactly."""
+    for label, pieces in _p_stream_splittings(data, every):
+        got = _p_dialect_outcome(dialect, pieces, raw_chunks)
+        if got != expect:
+            test.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 3000), _p_short(expect, 3000)))
+
+
+def _p_dialect_http(events):
+    """A streamed response of SSE events (bytes), grouped 1, 2, 3, 1, ... per HTTP chunk."""
+    bodies, i, n = [], 0, 0
+    while i < len(events):
+        n = n % 3 + 1
+        bodies.append(b"".join(events[i : i + n]))
+        i += n
+    return STREAM_HEAD + chunked(*bodies) + b"0\r\n\r\n"
+
+
+def _p_json(doc):
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def _p_typed(doc):
+    """An ``event: <type>`` block with the document as its data, as Responses and Messages stream."""
+    return b"event: %s\ndata: %s\n\n" % (doc["type"].encode(), _p_json(doc).encode())
+
+
+# -- /completion and /infill ----------------------------------------------------------------------------
+
+_p_SETTINGS = {"seed": 4294967295, "temperature": 0.0, "n_predict": 3, "stream": True}
+_p_NATIVE_TIMINGS = {
+    "cache_n": 0,
+    "prompt_n": 4,
+    "prompt_ms": 21.5,
+    "prompt_per_token_ms": 5.375,
+    "prompt_per_second": 186.0,
+    "predicted_n": 3,
+    "predicted_ms": 30.0,
+    "predicted_per_token_ms": 10.0,
+    "predicted_per_second": 100.0,
+}
+
+
+def _p_native(content, tokens=(), index=0, predicted=1, evaluated=4, extra=None):
+    doc = {
+        "index": index,
+        "content": content,
+        "tokens": list(tokens),
+        "stop": False,
+        "id_slot": -1,
+        "tokens_predicted": predicted,
+        "tokens_evaluated": evaluated,
+    }
+    doc.update(extra or {})
+    return _p_json(doc)
+
+
+def _p_native_stop(index=0, stop_type="limit", predicted=3, evaluated=4, content="", extra=None):
+    doc = {
+        "index": index,
+        "content": content,
+        "tokens": [],
+        "id_slot": 0,
+        "stop": True,
+        "model": MODEL,
+        "tokens_predicted": predicted,
+        "tokens_evaluated": evaluated,
+        "generation_settings": _p_SETTINGS,
+        "prompt": "<bos>Once upon",
+        "has_new_line": False,
+        "truncated": False,
+        "stop_type": stop_type,
+        "stopping_word": "",
+        "tokens_cached": evaluated + predicted - 1,
+        "timings": _p_NATIVE_TIMINGS,
+    }
+    doc.update(extra or {})
+    return _p_json(doc)
+
+
+def _p_native_usage(evaluated=4, predicted=3, cached=6):
+    return {
+        "tokens_evaluated": evaluated,
+        "tokens_predicted": predicted,
+        "tokens_cached": cached,
+        "prompt_tokens": evaluated,
+        "completion_tokens": predicted,
+        "total_tokens": evaluated + predicted,
+    }
+
+
+def _p_native_completion(choices, final, usage=None, timings=_p_NATIVE_TIMINGS):
+    first = choices[0]
+    return lc.Completion(
+        id=None,
+        model=MODEL,
+        content=first.content,
+        reasoning="",
+        tool_calls=[],
+        finish_reason=first.finish_reason,
+        usage=usage if usage is not None else _p_native_usage(),
+        timings=timings,
+        choices=choices,
+        final=final,
+        tokens=first.tokens,
+    )
+
+
+class TestParserNativeDialect(unittest.TestCase):
+    def test_one_prompt(self):
+        stop = _p_native_stop()
+        data = _p_dialect_http(
+            [
+                sse(_p_native(" the", [506])),
+                sse(_p_native(" sea", [5442], predicted=2)),
+                sse(_p_native(".", [236761], predicted=3)),
+                sse(stop),
+            ]
+        )
+        choice = lc.Choice(0, " the sea.", "", [], "length", None, None, [506, 5442, 236761])
+        expect = (
+            "ok",
+            [lc.Content(" the"), lc.Content(" sea"), lc.Content(".")],
+            _p_native_completion((choice,), json.loads(stop)),
+        )
+        _p_check_dialect(self, lc._NativeAssembler, data, expect)
+
+    def test_no_token_ids_unless_sent(self):
+        asm = lc._NativeAssembler()
+        for payload in (_p_native("a"), _p_native("b"), _p_native_stop(stop_type="eos")):
+            asm.feed(payload)
+        done = asm.completion()
+        self.assertEqual(
+            (done.tokens, done.choices[0].tokens, done.content, done.finish_reason), (None, None, "ab", "stop")
+        )
+        self.assertIsNone(done.id)  # id_slot and index are not completion ids
+
+    def test_two_prompts_interleaved_by_index(self):
+        lp = _p_lp(" the", -0.5, (" the", -0.5), (" a", -1.25))
+        progress = {"total": 4, "cache": 0, "processed": 4, "time_ms": 12.5}
+        stop0, stop1 = _p_native_stop(0, "eos", 2, 4), _p_native_stop(1, "limit", 3, 5)
+        data = _p_dialect_http(
+            [
+                sse(_p_native("", [], 1, 0, 5, extra={"prompt_progress": progress})),
+                sse(_p_native(" the", [506], 0, extra={"completion_probabilities": [lp]})),
+                sse(_p_native(" one", [886], 1, evaluated=5)),
+                sse(_p_native(" end", [1345], 0, 2)),
+                sse(_p_native(" two", [1156], 1, 2, 5)),
+                sse(stop0),
+                sse(_p_native(" three", [1806], 1, 3, 5)),
+                sse(stop1),
+            ]
+        )
+        events = [
+            lc.Progress(4, 4, 0, 12.5),
+            lc.Content(" the", 0),
+            lc.Content(" one", 1),
+            lc.Content(" end", 0),
+            lc.Content(" two", 1),
+            lc.Content(" three", 1),
+        ]
+        choices = (
+            lc.Choice(0, " the end", "", [], "stop", [lp], None, [506, 1345]),
+            lc.Choice(1, " one two three", "", [], "length", None, None, [886, 1156, 1806]),
+        )
+        usage = _p_native_usage(9, 5, 5 + 7)
+        expect = ("ok", events, _p_native_completion(choices, json.loads(stop0), usage))
+        _p_check_dialect(self, lc._NativeAssembler, data, expect)
+
+    def test_a_stream_that_ends_before_every_stop_is_stream_closed(self):
+        data = _p_dialect_http([sse(_p_native("a", [1], 0)), sse(_p_native("b", [2], 1)), sse(_p_native_stop(1))])
+        expect = (
+            "raised",
+            [lc.Content("a", 0), lc.Content("b", 1)],
+            lc.StreamClosedError,
+            "the stream ended before choice 0 had its stop chunk: the server stopped mid-answer",
+        )
+        _p_check_dialect(self, lc._NativeAssembler, data, expect)
+        data = _p_dialect_http([sse(_p_native("a", [1]))])
+        expect = (
+            "raised",
+            [lc.Content("a")],
+            lc.StreamClosedError,
+            "the stream ended before its stop chunk: the server stopped mid-answer",
+        )
+        _p_check_dialect(self, lc._NativeAssembler, data, expect)
+        asm = lc._NativeAssembler()
+        self.assertFalse(asm.done)
+        with self.assertRaises(lc.StreamClosedError):
+            asm.completion()
+
+    def test_done_once_every_choice_that_appeared_has_stopped(self):
+        asm = lc._NativeAssembler()
+        asm.feed(_p_native("a", index=0))
+        asm.feed(_p_native("b", index=1))
+        asm.feed(_p_native_stop(0))
+        self.assertFalse(asm.done)
+        asm.feed(_p_native_stop(1))
+        self.assertTrue(asm.done)
+
+    def test_an_error_payload_before_and_after_content(self):
+        error = _p_json({"error": {"code": 500, "message": "boom", "type": "server_error"}})
+        for before in ([], [sse(_p_native("a", [1]))]):
+            data = _p_dialect_http(before + [sse(error)])
+            delivered = [lc.Content("a")] if before else []
+            _p_check_dialect(
+                self, lc._NativeAssembler, data, ("raised", delivered, lc.ServerError, "server error 500: boom")
+            )
+        legacy = _p_dialect_http([sse(_p_native("a", [1])), b"error: " + error.encode() + b"\n\n"])
+        _p_check_dialect(
+            self, lc._NativeAssembler, legacy, ("raised", [lc.Content("a")], lc.ServerError, "server error 500: boom")
+        )
+
+    def test_stop_types_in_chat_words(self):
+        for stop_type, reason in (
+            ("eos", "stop"),
+            ("word", "stop"),
+            ("limit", "length"),
+            ("none", "none"),
+            (None, "stop"),
+        ):
+            asm = lc._NativeAssembler()
+            asm.feed(_p_native_stop(stop_type=stop_type))
+            self.assertEqual(asm.completion().finish_reason, reason, stop_type)
+
+    def test_content_in_the_stop_chunk_is_delivered(self):
+        asm = lc._NativeAssembler()
+        self.assertEqual(asm.feed(_p_native_stop(content=" end")), [lc.Content(" end")])
+        self.assertEqual(asm.completion().content, " end")
+
+    def test_unknown_fields_are_ignored_and_raw_chunks_come_first(self):
+        payload = _p_native("a", [1], extra={"future": {"x": [1]}, "n_indent": 2})
+        asm = lc._NativeAssembler(raw_chunks=True)
+        self.assertEqual(asm.feed(payload), [lc.Chunk(json.loads(payload)), lc.Content("a")])
+        self.assertEqual(lc._NativeAssembler().feed(payload), [lc.Content("a")])
+
+    def test_wrong_types_are_protocol_errors(self):
+        for payload in (
+            "{",
+            "[]",
+            '"text"',
+            _p_native(7),
+            _p_native("a", extra={"index": "0"}),
+            _p_native("a", extra={"tokens": "1"}),
+            _p_native("a", extra={"tokens": [1, "2"]}),
+            _p_native("a", extra={"tokens": [True]}),
+            _p_native("a", extra={"stop": "yes"}),
+            _p_native("a", extra={"completion_probabilities": {}}),
+            _p_native("a", extra={"prompt_progress": []}),
+            _p_native("a", extra={"timings": 1}),
+            _p_native_stop(stop_type=3),
+            _p_native_stop(extra={"tokens_predicted": "3"}),
+        ):
+            with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError):
+                lc._NativeAssembler().feed(payload)
+
+    def test_the_thinking_cap_state_stays_idle(self):
+        asm = lc._NativeAssembler()
+        asm.feed(_p_native("a"))
+        self.assertEqual((asm.reasoning_tokens, asm.in_reasoning, asm.thinking_capped, asm.id), (0, False, False, None))
+        asm.thinking_capped = True
+        asm.feed(_p_native_stop())
+        self.assertTrue(asm.completion().thinking_capped)
+
+
+# -- Responses --------------------------------------------------------------------------------------------
+
+_p_RESP = "resp_Ms2lNBYqmG7I4BT2fwWT8uTzGVSjGJXm"
+_p_MSG = "msg_Y2X1F7cbBgD3SOUY0lpDbUVw6aqrBMfI"
+_p_RS = "rs_fUTp2mbXRvBqQm1FdY6EywvA0V3KXgh4"
+
+
+def _p_resp(kind, **fields):
+    return dict({"type": kind}, **fields)
+
+
+def _p_resp_text_stream(words, reasoning=(), status="completed", incomplete=None, extra_events=()):
+    """(SSE blocks, the closing response) of a Responses stream: reasoning deltas, text deltas, done events."""
+    blocks = [
+        _p_resp(
+            "response.created", response={"id": _p_RESP, "object": "response", "status": "in_progress", "model": MODEL}
+        ),
+        _p_resp("response.in_progress", response={"id": _p_RESP, "object": "response", "status": "in_progress"}),
+    ]
+    output = []
+    if reasoning:
+        blocks.append(
+            _p_resp(
+                "response.output_item.added",
+                item={
+                    "id": _p_RS,
+                    "summary": [],
+                    "type": "reasoning",
+                    "content": [],
+                    "encrypted_content": "",
+                    "status": "in_progress",
+                },
+            )
+        )
+        blocks += [_p_resp("response.reasoning_text.delta", item_id=_p_RS, delta=w) for w in reasoning]
+        item = {
+            "id": _p_RS,
+            "summary": [],
+            "type": "reasoning",
+            "content": [{"text": "".join(reasoning), "type": "reasoning_text"}],
+            "encrypted_content": "",
+        }
+        blocks.append(_p_resp("response.output_item.done", item=item))
+        output.append(item)
+    blocks.append(
+        _p_resp(
+            "response.output_item.added",
+            item={"content": [], "id": _p_MSG, "role": "assistant", "status": "in_progress", "type": "message"},
+        )
+    )
+    blocks.append(_p_resp("response.content_part.added", item_id=_p_MSG, part={"type": "output_text", "text": ""}))
+    blocks += [_p_resp("response.output_text.delta", item_id=_p_MSG, delta=w) for w in words]
+    blocks += list(extra_events)
+    text = "".join(words)
+    part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+    blocks.append(_p_resp("response.output_text.done", item_id=_p_MSG, text=text))
+    blocks.append(_p_resp("response.content_part.done", item_id=_p_MSG, part=part))
+    item = {"type": "message", "status": "completed", "id": _p_MSG, "content": [part], "role": "assistant"}
+    blocks.append(_p_resp("response.output_item.done", item=item))
+    output.append(item)
+    response = {
+        "id": _p_RESP,
+        "object": "response",
+        "created_at": 1796072537,
+        "status": status,
+        "model": MODEL,
+        "output": output,
+    }
+    if incomplete is not None:
+        response["incomplete_details"] = {"reason": incomplete}
+    response["usage"] = {
+        "input_tokens": 9,
+        "output_tokens": 3,
+        "total_tokens": 12,
+        "input_tokens_details": {"cached_tokens": 0},
+    }
+    blocks.append(_p_resp("response." + status, response=response))
+    return blocks, response
+
+
+def _p_resp_usage(input_tokens=9, output_tokens=3):
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "total_tokens": input_tokens + output_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens": input_tokens,
+        "completion_tokens": output_tokens,
+    }
+
+
+def _p_event_completion(cid, content, finish, usage, final, reasoning="", calls=(), reasoning_tokens=0):
+    calls = list(calls)
+    return lc.Completion(
+        id=cid,
+        model=MODEL,
+        content=content,
+        reasoning=reasoning,
+        tool_calls=calls,
+        finish_reason=finish,
+        usage=usage,
+        timings=None,
+        reasoning_tokens=reasoning_tokens,
+        choices=(lc.Choice(0, content, reasoning, calls, finish, None),),
+        final=final,
+    )
+
+
+class TestParserResponsesDialect(unittest.TestCase):
+    def test_reasoning_then_text(self):
+        blocks, response = _p_resp_text_stream([" the", " sea", "."], reasoning=["Let", " me"])
+        data = _p_dialect_http([_p_typed(b) for b in blocks])
+        events = [lc.Reasoning("Let"), lc.Reasoning(" me"), lc.Content(" the"), lc.Content(" sea"), lc.Content(".")]
+        completion = _p_event_completion(
+            _p_RESP, " the sea.", "stop", _p_resp_usage(), response, "Let me", reasoning_tokens=2
+        )
+        _p_check_dialect(self, lc._ResponsesAssembler, data, ("ok", events, completion))
+
+    def test_the_data_alone_suffices(self):
+        blocks, response = _p_resp_text_stream(["a"])
+        data = _p_dialect_http([sse(_p_json(b)) for b in blocks])  # no event: lines
+        completion = _p_event_completion(_p_RESP, "a", "stop", _p_resp_usage(), response)
+        _p_check_dialect(self, lc._ResponsesAssembler, data, ("ok", [lc.Content("a")], completion), every=False)
+
+    def test_function_calls(self):
+        call1 = {
+            "arguments": "",
+            "call_id": "fc_uzrJnRe3",
+            "name": "get_weather",
+            "type": "function_call",
+            "status": "in_progress",
+        }
+        call2 = {
+            "arguments": "",
+            "call_id": "fc_Xk2p",
+            "name": "get_time",
+            "type": "function_call",
+            "status": "in_progress",
+        }
+        blocks = [
+            _p_resp(
+                "response.created",
+                response={"id": _p_RESP, "object": "response", "status": "in_progress", "model": MODEL},
+            ),
+            _p_resp("response.output_item.added", item=call1),
+            _p_resp("response.function_call_arguments.delta", delta='{"city":', item_id="fc_uzrJnRe3"),
+            _p_resp("response.function_call_arguments.delta", delta='"Paris"}', item_id="fc_uzrJnRe3"),
+            _p_resp("response.output_item.added", item=call2),
+            _p_resp("response.function_call_arguments.delta", delta="{}", item_id="fc_Xk2p"),
+            _p_resp("response.output_item.done", item=dict(call1, arguments='{"city":"Paris"}', status="completed")),
+            _p_resp("response.output_item.done", item=dict(call2, arguments="{}", status="completed")),
+        ]
+        output = [
+            dict(call1, arguments='{"city":"Paris"}', status="completed"),
+            dict(call2, arguments="{}", status="completed"),
+        ]
+        response = {
+            "id": _p_RESP,
+            "object": "response",
+            "created_at": 1796072537,
+            "status": "completed",
+            "model": MODEL,
+            "output": output,
+            "usage": {"input_tokens": 40, "output_tokens": 20, "total_tokens": 60},
+        }
+        blocks.append(_p_resp("response.completed", response=response))
+        data = _p_dialect_http([_p_typed(b) for b in blocks])
+        events = [
+            lc.ToolCall(0, "fc_uzrJnRe3", "get_weather", ""),
+            lc.ToolCall(0, None, None, '{"city":'),
+            lc.ToolCall(0, None, None, '"Paris"}'),
+            lc.ToolCall(1, "fc_Xk2p", "get_time", ""),
+            lc.ToolCall(1, None, None, "{}"),
+        ]
+        calls = [
+            lc.ToolCallResult("fc_uzrJnRe3", "get_weather", '{"city":"Paris"}'),
+            lc.ToolCallResult("fc_Xk2p", "get_time", "{}"),
+        ]
+        usage = {
+            "input_tokens": 40,
+            "output_tokens": 20,
+            "total_tokens": 60,
+            "prompt_tokens": 40,
+            "completion_tokens": 20,
+        }
+        expect = ("ok", events, _p_event_completion(_p_RESP, "", "tool_calls", usage, response, calls=calls))
+        _p_check_dialect(self, lc._ResponsesAssembler, data, expect)
+
+    def test_openai_shaped_calls_by_item_id_and_output_index(self):
+        asm = lc._ResponsesAssembler()
+        item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": ""}
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.added", output_index=0, item=item))),
+            [lc.ToolCall(0, "call_1", "f", "")],
+        )
+        self.assertEqual(
+            asm.feed(
+                _p_json(_p_resp("response.function_call_arguments.delta", item_id="fc_1", output_index=0, delta="{"))
+            ),
+            [lc.ToolCall(0, None, None, "{")],
+        )
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.function_call_arguments.delta", output_index=0, delta="}"))),
+            [lc.ToolCall(0, None, None, "}")],
+        )
+        # the done item holds nothing the deltas did not bring
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.done", output_index=0, item=dict(item, arguments="{}")))), []
+        )
+        # a call seen only when done: its arguments come from the item
+        late = {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": '{"a":1}'}
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.done", output_index=1, item=late))),
+            [lc.ToolCall(1, "call_2", "g", ""), lc.ToolCall(1, None, None, '{"a":1}')],
+        )
+        asm.feed(
+            _p_json(
+                _p_resp("response.completed", response={"id": _p_RESP, "status": "completed", "output": [item, late]})
+            )
+        )
+        done = asm.completion()
+        self.assertEqual(
+            done.tool_calls, [lc.ToolCallResult("call_1", "f", "{}"), lc.ToolCallResult("call_2", "g", '{"a":1}')]
+        )
+        self.assertEqual((done.finish_reason, done.usage, done.id), ("tool_calls", None, _p_RESP))
+
+    def test_an_id_or_name_first_seen_in_the_done_item_is_delivered(self):
+        # dev/fuzz.py found it: the Completion named the call while no event had
+        asm = lc._ResponsesAssembler()
+        item = {"id": "fc_1", "arguments": "", "call_id": "call_1", "type": "function_call"}
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.added", item=item))), [lc.ToolCall(0, "call_1", None, "")]
+        )
+        done = dict(item, name="get_weather", arguments="{}")
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_item.done", item=done))),
+            [lc.ToolCall(0, None, "get_weather", ""), lc.ToolCall(0, None, None, "{}")],
+        )
+        self.assertEqual(asm.feed(_p_json(_p_resp("response.output_item.done", item=done))), [])
+        asm.feed(_p_json(_p_resp("response.completed", response={"id": _p_RESP, "output": [done]})))
+        self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("call_1", "get_weather", "{}")])
+
+    def test_arguments_before_any_call_are_a_protocol_error(self):
+        with self.assertRaises(lc.ProtocolError):
+            lc._ResponsesAssembler().feed(
+                _p_json(_p_resp("response.function_call_arguments.delta", item_id="x", delta="{"))
+            )
+
+    def test_text_held_back_and_sent_only_in_the_done_event_is_delivered(self):
+        asm = lc._ResponsesAssembler()
+        asm.feed(_p_json(_p_resp("response.output_text.delta", item_id=_p_MSG, delta="Hello")))
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_text.done", item_id=_p_MSG, text="Hello world"))),
+            [lc.Content(" world")],
+        )
+        self.assertEqual(
+            asm.feed(_p_json(_p_resp("response.output_text.done", item_id=_p_MSG, text="Hello world"))), []
+        )
+        # a done event of an item no delta named: the deltas may have named it otherwise, so nothing is added
+        self.assertEqual(asm.feed(_p_json(_p_resp("response.output_text.done", item_id="other", text="Hello"))), [])
+        # a stream that sends its text only in the done event
+        only = lc._ResponsesAssembler()
+        self.assertEqual(
+            only.feed(_p_json(_p_resp("response.output_text.done", item_id=_p_MSG, text="All"))), [lc.Content("All")]
+        )
+        self.assertEqual(
+            only.feed(_p_json(_p_resp("response.reasoning_text.done", item_id=_p_RS, text="Why"))),
+            [lc.Reasoning("Why")],
+        )
+
+    def test_incomplete_for_max_output_tokens_is_length(self):
+        blocks, response = _p_resp_text_stream(["a", "b"], status="incomplete", incomplete="max_output_tokens")
+        data = _p_dialect_http([_p_typed(b) for b in blocks])
+        completion = _p_event_completion(_p_RESP, "ab", "length", _p_resp_usage(), response)
+        _p_check_dialect(
+            self, lc._ResponsesAssembler, data, ("ok", [lc.Content("a"), lc.Content("b")], completion), every=False
+        )
+        for reason, finish in (("content_filter", "content_filter"), ("other", "other"), (None, "length")):
+            asm = lc._ResponsesAssembler()
+            details = {"incomplete_details": {"reason": reason}} if reason else {}
+            asm.feed(
+                _p_json(
+                    _p_resp("response.incomplete", response=dict({"id": _p_RESP, "status": "incomplete"}, **details))
+                )
+            )
+            self.assertEqual(asm.completion().finish_reason, finish)
+
+    def test_failed_and_error_events_are_server_errors(self):
+        failed = _p_resp(
+            "response.failed",
+            response={
+                "id": _p_RESP,
+                "status": "failed",
+                "error": {"code": "server_error", "message": "the model crashed"},
+            },
+        )
+        overloaded = {"type": "error", "error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        openai_error = {
+            "type": "error",
+            "code": "ERR_SOMETHING",
+            "message": "Something went wrong",
+            "param": None,
+            "sequence_number": 3,
+        }
+        for before in ([], ["x"]):
+            blocks, _ = _p_resp_text_stream(before)
+            head = [_p_typed(b) for b in blocks[: 4 + len(before)]]
+            delivered = [lc.Content(w) for w in before]
+            for bad, message in (
+                (failed, "server error None: the model crashed"),
+                (overloaded, "server error 503: Loading model"),
+                (openai_error, "server error None: Something went wrong"),
+            ):
+                data = _p_dialect_http(head + [_p_typed(bad)])
+                _p_check_dialect(
+                    self, lc._ResponsesAssembler, data, ("raised", delivered, lc.ServerError, message), every=False
+                )
+        with self.assertRaises(lc.ServerError) as cm:
+            lc._ResponsesAssembler().feed(_p_json(overloaded))
+        self.assertEqual((cm.exception.code, cm.exception.type), (503, "unavailable_error"))
+
+    def test_a_stream_that_ends_before_completed_is_stream_closed(self):
+        blocks, _ = _p_resp_text_stream(["a", "b"])
+        data = _p_dialect_http([_p_typed(b) for b in blocks[:-1]])
+        expect = (
+            "raised",
+            [lc.Content("a"), lc.Content("b")],
+            lc.StreamClosedError,
+            "the stream ended before response.completed: the server stopped mid-answer",
+        )
+        _p_check_dialect(self, lc._ResponsesAssembler, data, expect, every=False)
+
+    def test_unknown_events_and_fields_are_ignored(self):
+        extra = [
+            _p_resp("response.output_text.annotation.added", item_id=_p_MSG, annotation={"type": "url_citation"}),
+            _p_resp("response.web_search_call.searching", item_id="ws_1"),
+            _p_resp("response.output_text.delta", item_id=_p_MSG, delta="!", logprobs=[], sequence_number=9),
+        ]
+        blocks, response = _p_resp_text_stream(["a"], extra_events=extra)
+        blocks[-1] = dict(blocks[-1], sequence_number=12)
+        # (the done event's text, "a", is shorter than the deltas' "a!": it adds nothing)
+        data = _p_dialect_http([_p_typed(b) for b in blocks])
+        completion = _p_event_completion(_p_RESP, "a!", "stop", _p_resp_usage(), response)
+        _p_check_dialect(
+            self, lc._ResponsesAssembler, data, ("ok", [lc.Content("a"), lc.Content("!")], completion), every=False
+        )
+        asm = lc._ResponsesAssembler()
+        self.assertEqual(asm.feed('{"sequence_number":1}'), [])
+
+    def test_wrong_types_are_protocol_errors(self):
+        for doc in (
+            {"type": 7},
+            _p_resp("response.output_text.delta", delta=1),
+            _p_resp("response.output_item.added", item=[]),
+            _p_resp("response.output_item.added", item={"type": "function_call", "name": 3}),
+            _p_resp("response.completed"),
+            _p_resp("response.completed", response={"usage": {"input_tokens": "9"}}),
+            _p_resp("response.completed", response={"output": {}}),
+            _p_resp("response.created", response=[]),
+        ):
+            with self.subTest(doc=doc), self.assertRaises(lc.ProtocolError):
+                lc._ResponsesAssembler().feed(_p_json(doc))
+
+    def test_thinking_cap_state(self):
+        asm = lc._ResponsesAssembler()
+        asm.feed(_p_json(_p_resp("response.created", response={"id": _p_RESP})))
+        self.assertEqual(asm.id, _p_RESP)
+        asm.feed(_p_json(_p_resp("response.reasoning_text.delta", item_id=_p_RS, delta="a")))
+        self.assertEqual((asm.in_reasoning, asm.reasoning_tokens), (True, 1))
+        asm.feed(_p_json(_p_resp("response.output_text.delta", item_id=_p_MSG, delta="b")))
+        self.assertEqual((asm.in_reasoning, asm.reasoning_tokens), (False, 1))
+
+
+# -- Messages ---------------------------------------------------------------------------------------------
+
+_p_MSG_ID = "chatcmpl-xdlTsEL8sxv1yq5JpWLxoRq1UACyF3Fk"
+
+
+def _p_msg_start(usage=None):
+    usage = usage if usage is not None else {"cache_read_input_tokens": 0, "input_tokens": 9, "output_tokens": 0}
+    message = {
+        "id": _p_MSG_ID,
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": MODEL,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    return {"type": "message_start", "message": message}
+
+
+def _p_block_start(index, block):
+    return {"type": "content_block_start", "index": index, "content_block": block}
+
+
+def _p_block_delta(index, kind, **fields):
+    return {"type": "content_block_delta", "index": index, "delta": dict({"type": kind}, **fields)}
+
+
+def _p_msg_end(reason="end_turn", output_tokens=3, sequence=None):
+    return [
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": output_tokens},
+        },
+        {"type": "message_stop"},
+    ]
+
+
+def _p_msg_final(reason="end_turn", usage=None, sequence=None):
+    final = _p_msg_start()["message"]
+    final = dict(final, stop_reason=reason, stop_sequence=sequence)
+    final["usage"] = (
+        usage if usage is not None else {"cache_read_input_tokens": 0, "input_tokens": 9, "output_tokens": 3}
+    )
+    return final
+
+
+def _p_msg_usage(input_tokens=9, cached=0, output_tokens=3, extra=None):
+    usage = {"cache_read_input_tokens": cached, "input_tokens": input_tokens, "output_tokens": output_tokens}
+    usage.update(extra or {})
+    prompt = input_tokens + cached + (extra or {}).get("cache_creation_input_tokens", 0)
+    usage.update({"prompt_tokens": prompt, "completion_tokens": output_tokens, "total_tokens": prompt + output_tokens})
+    return usage
+
+
+class TestParserMessagesDialect(unittest.TestCase):
+    def test_thinking_text_and_tool_use(self):
+        docs = [
+            _p_msg_start(),
+            {"type": "ping"},
+            _p_block_start(0, {"type": "thinking", "thinking": ""}),
+            _p_block_delta(0, "thinking_delta", thinking="Let"),
+            _p_block_delta(0, "thinking_delta", thinking=" me"),
+            _p_block_start(1, {"type": "text", "text": ""}),
+            _p_block_delta(1, "text_delta", text="Sure"),
+            _p_block_start(2, {"type": "tool_use", "id": "uzrJnRe3BYtg", "name": "get_weather"}),
+            _p_block_delta(2, "input_json_delta", partial_json='{"city":'),
+            _p_block_start(3, {"type": "tool_use", "id": "Xk2pQ", "name": "get_time", "input": {}}),
+            _p_block_delta(3, "input_json_delta", partial_json="{}"),
+            _p_block_delta(2, "input_json_delta", partial_json='"Paris"}'),
+            _p_block_delta(0, "signature_delta", signature=""),
+            {"type": "content_block_stop", "index": 0},
+            {"type": "content_block_stop", "index": 1},
+            {"type": "content_block_stop", "index": 2},
+            {"type": "content_block_stop", "index": 3},
+        ] + _p_msg_end("tool_use")
+        data = _p_dialect_http([_p_typed(d) for d in docs])
+        events = [
+            lc.Reasoning("Let"),
+            lc.Reasoning(" me"),
+            lc.Content("Sure"),
+            lc.ToolCall(0, "uzrJnRe3BYtg", "get_weather", ""),
+            lc.ToolCall(0, None, None, '{"city":'),
+            lc.ToolCall(1, "Xk2pQ", "get_time", ""),
+            lc.ToolCall(1, None, None, "{}"),
+            lc.ToolCall(0, None, None, '"Paris"}'),
+        ]
+        calls = [
+            lc.ToolCallResult("uzrJnRe3BYtg", "get_weather", '{"city":"Paris"}'),
+            lc.ToolCallResult("Xk2pQ", "get_time", "{}"),
+        ]
+        completion = _p_event_completion(
+            _p_MSG_ID, "Sure", "tool_calls", _p_msg_usage(), _p_msg_final("tool_use"), "Let me", calls, 2
+        )
+        _p_check_dialect(self, lc._MessagesAssembler, data, ("ok", events, completion))
+
+    def test_the_data_alone_suffices(self):
+        docs = [
+            _p_msg_start(),
+            _p_block_start(0, {"type": "text", "text": ""}),
+            _p_block_delta(0, "text_delta", text="a"),
+        ] + _p_msg_end()
+        data = _p_dialect_http([sse(_p_json(d)) for d in docs])
+        completion = _p_event_completion(_p_MSG_ID, "a", "stop", _p_msg_usage(), _p_msg_final())
+        _p_check_dialect(self, lc._MessagesAssembler, data, ("ok", [lc.Content("a")], completion))
+
+    def test_stop_reasons_in_chat_words(self):
+        for reason, finish in (
+            ("end_turn", "stop"),
+            ("stop_sequence", "stop"),
+            ("max_tokens", "length"),
+            ("tool_use", "tool_calls"),
+            ("refusal", "content_filter"),
+            ("pause_turn", "pause_turn"),
+        ):
+            asm = lc._MessagesAssembler()
+            for doc in [_p_msg_start()] + _p_msg_end(reason, sequence="\n\n" if reason == "stop_sequence" else None):
+                asm.feed(_p_json(doc))
+            done = asm.completion()
+            self.assertEqual(done.finish_reason, finish, reason)
+            self.assertEqual(done.final["stop_reason"], reason)
+        self.assertEqual(done.final, _p_msg_final("pause_turn"))
+
+    def test_usage_counts_the_cache_in_prompt_tokens(self):
+        asm = lc._MessagesAssembler()
+        start = _p_msg_start(
+            {"cache_read_input_tokens": 20, "input_tokens": 5, "output_tokens": 0, "cache_creation_input_tokens": 7}
+        )
+        for doc in [start] + _p_msg_end("max_tokens", 4):
+            asm.feed(_p_json(doc))
+        done = asm.completion()
+        self.assertEqual(done.usage, _p_msg_usage(5, 20, 4, {"cache_creation_input_tokens": 7}))
+        self.assertEqual(done.usage["prompt_tokens"], 32)
+        self.assertEqual(
+            done.final["usage"],
+            {"cache_read_input_tokens": 20, "input_tokens": 5, "output_tokens": 4, "cache_creation_input_tokens": 7},
+        )
+
+    def test_error_events_before_and_after_content(self):
+        overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+        for before in (
+            [],
+            [
+                _p_msg_start(),
+                _p_block_start(0, {"type": "text", "text": ""}),
+                _p_block_delta(0, "text_delta", text="a"),
+            ],
+        ):
+            data = _p_dialect_http([_p_typed(d) for d in before + [overloaded]])
+            delivered = [lc.Content("a")] if before else []
+            _p_check_dialect(
+                self,
+                lc._MessagesAssembler,
+                data,
+                ("raised", delivered, lc.ServerError, "server error None: Overloaded"),
+            )
+        with self.assertRaises(lc.ServerError) as cm:
+            lc._MessagesAssembler().feed(_p_json(overloaded))
+        self.assertEqual(cm.exception.type, "overloaded_error")
+        with self.assertRaises(lc.ServerError):
+            lc._MessagesAssembler().feed(_p_json({"error": {"code": 500, "message": "m", "type": "server_error"}}))
+
+    def test_a_stream_that_ends_before_message_stop_is_stream_closed(self):
+        docs = [
+            _p_msg_start(),
+            _p_block_start(0, {"type": "text", "text": ""}),
+            _p_block_delta(0, "text_delta", text="a"),
+            _p_msg_end()[0],
+        ]
+        data = _p_dialect_http([_p_typed(d) for d in docs])
+        expect = (
+            "raised",
+            [lc.Content("a")],
+            lc.StreamClosedError,
+            "the stream ended before message_stop: the server stopped mid-answer",
+        )
+        _p_check_dialect(self, lc._MessagesAssembler, data, expect)
+
+    def test_unknown_block_and_event_types_are_ignored(self):
+        docs = [
+            dict(_p_msg_start(), future=1),
+            _p_block_start(0, {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search"}),
+            _p_block_delta(0, "citations_delta", citation={}),
+            {"type": "content_block_stop", "index": 0},
+            _p_block_start(1, {"type": "redacted_thinking", "data": "xyz"}),
+            _p_block_start(2, {"type": "text", "text": ""}),
+            _p_block_delta(2, "text_delta", text="a", extra=True),
+            {"type": "future_event", "payload": [1]},
+        ] + _p_msg_end()
+        data = _p_dialect_http([_p_typed(d) for d in docs])
+        completion = _p_event_completion(_p_MSG_ID, "a", "stop", _p_msg_usage(), _p_msg_final())
+        _p_check_dialect(self, lc._MessagesAssembler, data, ("ok", [lc.Content("a")], completion), every=False)
+
+    def test_protocol_errors(self):
+        for docs in (
+            [{"type": 3}],
+            [{"type": "message_start"}],
+            [{"type": "message_start", "message": []}],
+            [_p_block_delta("0", "text_delta", text="a")],
+            [_p_block_delta(0, "input_json_delta", partial_json="{")],  # no tool_use block 0
+            [_p_block_start(0, {"type": "text", "text": ""}), _p_block_delta(0, "input_json_delta", partial_json="{")],
+            [_p_block_delta(0, "text_delta", text=1)],
+            [{"type": "content_block_delta", "index": 0}],
+            [{"type": "content_block_start", "index": 0}],
+            [_p_msg_start(), {"type": "message_stop"}],  # no stop reason
+            [_p_msg_start({"input_tokens": "9"})] + _p_msg_end(),
+            [_p_msg_start(), {"type": "message_delta", "delta": {"stop_reason": 1}}],
+        ):
+            asm = lc._MessagesAssembler()
+            with self.subTest(docs=docs), self.assertRaises(lc.ProtocolError):
+                for doc in docs:
+                    asm.feed(_p_json(doc))
+
+    def test_thinking_cap_state(self):
+        asm = lc._MessagesAssembler()
+        asm.feed(_p_json(_p_msg_start()))
+        self.assertEqual((asm.id, asm.model, asm.done), (_p_MSG_ID, MODEL, False))
+        asm.feed(_p_json(_p_block_delta(0, "thinking_delta", thinking="a")))
+        self.assertEqual((asm.in_reasoning, asm.reasoning_tokens), (True, 1))
+        asm.feed(_p_json(_p_block_start(1, {"type": "tool_use", "id": "t", "name": "n"})))
+        self.assertFalse(asm.in_reasoning)
+        asm.thinking_capped = True
+        for doc in _p_msg_end():
+            asm.feed(_p_json(doc))
+        self.assertTrue(asm.done)
+        self.assertTrue(asm.completion().thinking_capped)
+
+
+# -- All dialects -----------------------------------------------------------------------------------------
+
+
+class TestParserDialectsAlike(unittest.TestCase):
+    def test_chat_assembler_is_never_done(self):
+        asm = lc.Assembler()
+        self.assertFalse(asm.done)
+        asm.feed(_p_finish(0))
+        self.assertFalse(asm.done)  # chat ends by [DONE] or the end of the body, in the pump
+
+    def test_every_dialect_has_the_interface(self):
+        for dialect in (lc.Assembler, lc._NativeAssembler, lc._ResponsesAssembler, lc._MessagesAssembler):
+            for raw in (False, True):
+                asm = dialect(raw_chunks=raw)
+                self.assertEqual(
+                    (asm.id, asm.model, asm.reasoning_tokens, asm.in_reasoning, asm.thinking_capped, asm.done),
+                    (None, None, 0, False, False, False),
+                )
+                asm.thinking_capped = True
+                with self.assertRaises(lc.StreamClosedError):
+                    asm.completion()
+                for bad in ("", "{", "[1]", "null", " ", '"x"'):
+                    if bad == "null" and dialect is lc._NativeAssembler:
+                        self.assertEqual(asm.feed(bad), [])  # a stream of several prompts opens with it
+                        continue
+                    with self.assertRaises(lc.ProtocolError):
+                        asm.feed(bad)
+
+    def test_raw_chunks_come_first_in_every_dialect(self):
+        for dialect, doc in (
+            (lc._NativeAssembler, json.loads(_p_native("a"))),
+            (lc._ResponsesAssembler, _p_resp("response.output_text.delta", item_id=_p_MSG, delta="a")),
+            (lc._MessagesAssembler, _p_block_delta(0, "text_delta", text="a")),
+        ):
+            self.assertEqual(dialect(raw_chunks=True).feed(_p_json(doc)), [lc.Chunk(doc), lc.Content("a")])
+            self.assertEqual(dialect().feed(_p_json(doc)), [lc.Content("a")])
+            self.assertEqual(dialect(raw_chunks=True).feed('{"type":"ping"}'), [lc.Chunk({"type": "ping"})])
+
+
+class TestParserCompletionFields(unittest.TestCase):
+    def test_new_fields_come_last_with_defaults(self):
+        self.assertEqual(lc.Completion.__match_args__[-3:], ("choices", "final", "tokens"))
+        self.assertEqual(lc.Choice.__match_args__[-2:], ("reasoning_logprobs", "tokens"))
+        self.assertEqual(list(inspect.signature(lc.Completion).parameters)[-2:], ["final", "tokens"])
+        old = lc.Completion(CID, MODEL, "a", "", [], "stop", None, None, 0, False)
+        self.assertEqual((old.final, old.tokens, old.choices[0].tokens), (None, None, None))
+        self.assertEqual(lc.Choice(0, "a", "", [], "stop", None).tokens, None)
+
+    def test_round_trips(self):
+        choice = lc.Choice(0, "a", "", [], "length", None, None, [1, 2])
+        done = lc.Completion(
+            None,
+            MODEL,
+            "a",
+            "",
+            [],
+            "length",
+            {"prompt_tokens": 1},
+            None,
+            choices=(choice,),
+            final={"stop": True},
+            tokens=[1, 2],
+        )
+        for copied in (copy.copy(done), copy.deepcopy(done), pickle.loads(pickle.dumps(done))):
+            self.assertEqual(copied, done)
+        self.assertEqual(done.replace(tokens=None).tokens, None)
+        self.assertEqual(done.replace(final=None).final, None)
+        doc = done.to_dict()
+        self.assertEqual((doc["final"], doc["tokens"], doc["choices"][0]["tokens"]), ({"stop": True}, [1, 2], [1, 2]))
+        json.dumps(doc)
+        self.assertIn("tokens=[1, 2]", repr(done))
+        self.assertEqual(lc.Completion(None, None, "x", "", [], "stop", None, None, tokens=[5]).choices[0].tokens, [5])
+
+
+class TestParserDialectBodies(unittest.TestCase):
+    def test_native(self):
+        mm = {"prompt_string": "<__media__> What is it?", "multimodal_data": ["aGk="]}
+        for prompt in ("Once upon", [1, 2, 3], [1, "a", 2], ["one", "two"], [[1, 2], "two", [3, "x"]], mm, [mm, "x"]):
+            self.assertEqual(
+                lc._native_body(prompt, {"n_predict": 3}), {"prompt": prompt, "n_predict": 3, "stream": True}
+            )
+        self.assertEqual(lc._native_body((1, 2), {"stream": False})["prompt"], [1, 2])
+        self.assertIs(lc._native_body("x", {"stream": False})["stream"], True)
+        for prompt, error in (
+            (None, TypeError),
+            (3, TypeError),
+            (b"x", TypeError),
+            ([], ValueError),
+            ([1.5], TypeError),
+            ([True], TypeError),
+            ([[1], {}], TypeError),
+            ({"text": "x"}, TypeError),
+            ([[1], []], ValueError),
+        ):
+            with self.subTest(prompt=prompt), self.assertRaises(error):
+                lc._native_body(prompt, {})
+        with self.assertRaises(TypeError):
+            lc._native_body("x", {"prompt": "y"})
+        self.assertNotIn("id_slot", lc._native_body("x", {}))
+
+    def test_infill(self):
+        body = lc._infill_body(
+            "def f(", "):\n", [("a.py", "x = 1"), {"filename": "b.py", "text": "y"}], {"n_indent": 4}
+        )
+        self.assertEqual(
+            body,
+            {
+                "input_prefix": "def f(",
+                "input_suffix": "):\n",
+                "input_extra": [{"filename": "a.py", "text": "x = 1"}, {"filename": "b.py", "text": "y"}],
+                "n_indent": 4,
+                "stream": True,
+            },
+        )
+        self.assertEqual(lc._infill_body("a", "", None, {}), {"input_prefix": "a", "input_suffix": "", "stream": True})
+        self.assertEqual(
+            lc._infill_body("a", "", iter([["f", "t"]]), {})["input_extra"], [{"filename": "f", "text": "t"}]
+        )
+        self.assertEqual(lc._infill_body("a", "", (), {})["input_extra"], [])
+        for args, error in (
+            ((1, "", None), TypeError),
+            (("a", None, None), TypeError),
+            (("a", "", "file.py"), TypeError),
+            (("a", "", {"filename": "f", "text": "t"}), TypeError),
+            (("a", "", 5), TypeError),
+            (("a", "", [("f",)]), ValueError),
+            (("a", "", [("f", "t", "u")]), ValueError),
+            (("a", "", [{"filename": "f"}]), ValueError),
+            (("a", "", [{"filename": "f", "text": "t", "x": 1}]), ValueError),
+            (("a", "", [("f", 3)]), TypeError),
+            (("a", "", [{"filename": 1, "text": "t"}]), TypeError),
+            (("a", "", ["f"]), TypeError),
+        ):
+            with self.subTest(args=args), self.assertRaises(error):
+                lc._infill_body(*args, {})
+        for key in ("input_prefix", "input_suffix", "input_extra"):
+            with self.assertRaises(TypeError):
+                lc._infill_body("a", "", None, {key: "x"})
+
+    def test_responses(self):
+        self.assertEqual(
+            lc._responses_body("Hi", {"max_output_tokens": 8}), {"input": "Hi", "max_output_tokens": 8, "stream": True}
+        )
+        items = [{"role": "user", "content": "Hi"}]
+        self.assertEqual(lc._responses_body(items, {})["input"], items)
+        for value, error in ((None, TypeError), (3, TypeError), ([], ValueError), (["Hi"], TypeError)):
+            with self.subTest(value=value), self.assertRaises(error):
+                lc._responses_body(value, {})
+        with self.assertRaises(TypeError):
+            lc._responses_body("Hi", {"input": "x"})
+
+    def test_messages(self):
+        messages = [{"role": "user", "content": "Hi"}]
+        self.assertEqual(
+            lc._messages_body(messages, {"max_tokens": 8, "system": "Be brief"}),
+            {"messages": messages, "max_tokens": 8, "system": "Be brief", "stream": True},
+        )
+        self.assertEqual(lc._messages_body(tuple(messages), {})["messages"], messages)
+        for value, error in (
+            (None, TypeError),
+            ("Hi", TypeError),
+            ({"role": "user"}, TypeError),
+            ([], ValueError),
+            (["Hi"], TypeError),
+        ):
+            with self.subTest(value=value), self.assertRaises(error):
+                lc._messages_body(value, {})
+        with self.assertRaises(TypeError):
+            lc._messages_body(messages, {"messages": []})
+
+
+# -----------------------------------------------------------------------------------------------------
+# Real bytes of /completion, /infill, Responses and Messages (dev/testdata/transcripts/38-67, 85-86, from
+# dev/capture.py against this build).  What they show beyond the documented shapes: every /completion chunk
+# carries its token's id even without return_tokens, the EOS token too (a chunk with "content": "" and its
+# id); each prompt_progress chunk carries a placeholder "tokens": [0]; a stream of several prompts opens
+# with `data: null`; a stop word is held back (its chunk has "content": "" and the token); an error
+# mid-stream is `data: {"error": ...}` on /completion and Responses, but a bare `data: {"code": 500,
+# "message": ..., "type": "server_error"}` on Messages (no envelope, no `event: error`); Responses'
+# function_call items carry both "id" (what the argument deltas name as item_id) and "call_id", the deltas
+# carry no output_index, response.created has no model, prompt_progress rides beside "response" in
+# response.in_progress, the timings beside it in response.completed, and max_output_tokens ends
+# "completed"; Messages' message_start counts input_tokens without the cached tokens.
+# -----------------------------------------------------------------------------------------------------
+
+
+def _p_data_docs(raw):
+    """Every data payload of a captured stream, parsed (the bytes' own lines, not the decoders)."""
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+_p_GEMMA = "/root/.cache/loopclient/gemma-3-270m-q4_k_m.gguf"
+_p_SKY = [" the", " limit", " for", " the", " ", "2", "0", "1"]
+_p_SKY_TOKENS = [506, 4576, 573, 506, 236743, 236778, 236771, 236770]
+
+
+class TestParserDialectTranscripts(unittest.TestCase):
+    def transcript(self, name):
+        raw = _p_testdata_transcript(name)
+        if raw is None:
+            self.skipTest("transcript %s not found in dev/testdata/transcripts" % name)
+        return raw
+
+    def check(self, dialect, raw, expect):
+        # every offset where that stays quick; 300 seeded offsets (and the random sets) for the longer captures
+        _p_check_dialect(self, dialect, raw, expect, every=len(raw) <= 6000)
+        outcome = _p_dialect_outcome(dialect, [raw], raw_chunks=True)  # the same with a Chunk before each
+        self.assertEqual([e for e in outcome[1] if type(e) is not lc.Chunk], expect[1])
+        self.assertEqual(outcome[2:], expect[2:])
+
+    def native(self, raw, choices, model=_p_GEMMA):
+        docs = [d for d in _p_data_docs(raw) if d is not None]
+        finals = {d["index"]: d for d in docs if d.get("stop")}
+        evaluated = sum(f["tokens_evaluated"] for f in finals.values())
+        predicted = sum(f["tokens_predicted"] for f in finals.values())
+        usage = {
+            "tokens_evaluated": evaluated,
+            "tokens_predicted": predicted,
+            "tokens_cached": sum(f["tokens_cached"] for f in finals.values()),
+            "prompt_tokens": evaluated,
+            "completion_tokens": predicted,
+            "total_tokens": evaluated + predicted,
+        }
+        first = choices[0]
+        return lc.Completion(
+            id=None,
+            model=model,
+            content=first.content,
+            reasoning="",
+            tool_calls=[],
+            finish_reason=first.finish_reason,
+            usage=usage,
+            timings=finals[max(finals, key=lambda i: docs.index(finals[i]))]["timings"],
+            choices=choices,
+            final=finals[first.index],
+            tokens=first.tokens,
+        )
+
+    def test_40_completion_tokens_and_probabilities(self):
+        raw = self.transcript("40_completion_stream_tokens_probs.raw.txt")
+        probs = [e for d in _p_data_docs(raw) for e in d.get("completion_probabilities", [])]
+        self.assertEqual(len(probs), 8)
+        self.assertEqual(probs[0]["top_logprobs"][1]["token"], " blue")
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", probs, None, _p_SKY_TOKENS)
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in _p_SKY], self.native(raw, (choice,))))
+
+    def test_41_completion_progress_leaves_the_placeholder_token_out(self):
+        raw = self.transcript("41_completion_stream_progress.raw.txt")
+        events = [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 15.0)] + [lc.Content(w) for w in _p_SKY]
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS)
+        self.check(lc._NativeAssembler, raw, ("ok", events, self.native(raw, (choice,))))
+
+    def test_42_completion_token_id_prompt(self):
+        raw = self.transcript("42_completion_stream_token_ids.raw.txt")
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS)
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in _p_SKY], self.native(raw, (choice,))))
+
+    def test_43_two_prompts_open_with_null(self):
+        raw = self.transcript("43_completion_stream_two_prompts.raw.txt")
+        self.assertIsNone(_p_data_docs(raw)[0])
+        grass = [" green", ",", " the", " trees", " are", " green", ",", " and"]
+        events = []
+        for g, s in zip(grass, _p_SKY):
+            events += [lc.Content(g, 1), lc.Content(s, 0)]
+        choices = (
+            lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS),
+            lc.Choice(
+                1, "".join(grass), "", [], "length", None, None, [3826, 236764, 506, 7146, 659, 3826, 236764, 532]
+            ),
+        )
+        self.check(lc._NativeAssembler, raw, ("ok", events, self.native(raw, choices)))
+
+    def test_46_a_stop_word_is_held_back(self):
+        raw = self.transcript("46_completion_stream_stop_word.raw.txt")
+        choice = lc.Choice(0, "", "", [], "stop", None, None, [506])
+        done = self.native(raw, (choice,))
+        self.assertEqual(done.final["stopping_word"], " the")
+        self.check(lc._NativeAssembler, raw, ("ok", [], done))
+
+    def test_47_completion_error_mid_stream(self):
+        raw = self.transcript("47_completion_midstream_error.raw.txt")
+        words = ["<", "think", ">", " is", " the", " sky", " blue", " is"]
+        message = (
+            "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        )
+        self.check(lc._NativeAssembler, raw, ("raised", [lc.Content(w) for w in words], lc.ServerError, message))
+
+    def test_38_infill_error_mid_stream(self):
+        raw = self.transcript("38_infill_midstream_error.raw.txt")
+        words = ["<", "think", ">", "def", " add", "b", "to", "a"]
+        message = (
+            "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        )
+        self.check(lc._NativeAssembler, raw, ("raised", [lc.Content(w) for w in words], lc.ServerError, message))
+
+    def test_48_infill(self):
+        raw = self.transcript("48_infill_stream.raw.txt")
+        words = ["\n", "    "] * 4
+        choice = lc.Choice(0, "".join(words), "", [], "length", None, None, [107, 140] * 4)
+        done = self.native(raw, (choice,), model="/root/.cache/loopclient/gemma-3-270m-q4_k_m-fim.gguf")
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
+
+    def event_completion(self, raw, content, finish, reasoning="", calls=(), reasoning_tokens=0, messages=False):
+        docs = _p_data_docs(raw)
+        if messages:
+            start, delta = docs[0]["message"], [d for d in docs if d["type"] == "message_delta"][-1]
+            final = dict(
+                start, stop_reason=delta["delta"]["stop_reason"], stop_sequence=delta["delta"]["stop_sequence"]
+            )
+            final["usage"] = dict(start["usage"], **delta["usage"])
+            u = final["usage"]
+            prompt = u["input_tokens"] + u["cache_read_input_tokens"]
+            usage = dict(
+                u, prompt_tokens=prompt, completion_tokens=u["output_tokens"], total_tokens=prompt + u["output_tokens"]
+            )
+            cid, timings = start["id"], None
+        else:
+            last = docs[-1]
+            final, timings, u = last["response"], last["timings"], last["response"]["usage"]
+            usage = dict(u, prompt_tokens=u["input_tokens"], completion_tokens=u["output_tokens"])
+            cid = final["id"]
+        calls = list(calls)
+        return lc.Completion(
+            id=cid,
+            model=_p_GEMMA,
+            content=content,
+            reasoning=reasoning,
+            tool_calls=calls,
+            finish_reason=finish,
+            usage=usage,
+            timings=timings,
+            reasoning_tokens=reasoning_tokens,
+            choices=(lc.Choice(0, content, reasoning, calls, finish, None),),
+            final=final,
+        )
+
+    _SEA = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
+
+    def test_50_responses_text(self):
+        raw = self.transcript("50_responses_stream.raw.txt")
+        done = self.event_completion(raw, "".join(self._SEA), "stop")
+        self.assertEqual((done.usage["input_tokens"], done.usage["output_tokens"]), (30, 8))
+        self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Content(w) for w in self._SEA], done))
+
+    def test_53_responses_max_output_tokens_ends_completed(self):
+        raw = self.transcript("53_responses_max_output_tokens.raw.txt")
+        words = ["Tell", " me", " a", " story"]
+        done = self.event_completion(raw, "Tell me a story", "stop")  # the server says completed: so do we
+        self.assertEqual(done.final["status"], "completed")
+        self.check(lc._ResponsesAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
+
+    def test_54_responses_error_mid_stream(self):
+        raw = self.transcript("54_responses_midstream_error.raw.txt")
+        events = [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]]
+        message = (
+            "server error 500: got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        )
+        self.check(lc._ResponsesAssembler, raw, ("raised", events, lc.ServerError, message))
+
+    def test_60_messages_text(self):
+        raw = self.transcript("60_messages_stream.raw.txt")
+        done = self.event_completion(raw, "".join(self._SEA), "length", messages=True)
+        self.assertEqual(done.usage["prompt_tokens"], 30)  # 1 + 29 from the cache, as Responses counts it
+        self.check(lc._MessagesAssembler, raw, ("ok", [lc.Content(w) for w in self._SEA], done))
+
+    def test_61_messages_thinking(self):
+        raw = self.transcript("61_messages_thinking.raw.txt")
+        thinking = ["blue", " sky", "\n"]
+        words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
+        events = [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words]
+        done = self.event_completion(
+            raw, "".join(words), "length", "".join(thinking), reasoning_tokens=3, messages=True
+        )
+        self.check(lc._MessagesAssembler, raw, ("ok", events, done))
+
+    def expected_events(self, raw):
+        """The events a capture's data payloads say, read off the payloads directly (a test's own reading)."""
+        events, calls = [], {}
+        for doc in _p_data_docs(raw):
+            kind, delta = doc.get("type"), doc.get("delta")
+            if "prompt_progress" in doc:
+                p = doc["prompt_progress"]
+                events.append(lc.Progress(p["processed"], p["total"], p["cache"], float(p["time_ms"])))
+            if kind == "response.output_text.delta":
+                events.append(lc.Content(delta))
+            elif kind == "response.reasoning_text.delta":
+                events.append(lc.Reasoning(delta))
+            elif kind == "response.output_item.added" and doc["item"]["type"] == "function_call":
+                calls[doc["item"]["id"]] = len(calls)
+                events.append(lc.ToolCall(len(calls) - 1, doc["item"]["call_id"], doc["item"]["name"], ""))
+            elif kind == "response.function_call_arguments.delta":
+                events.append(lc.ToolCall(calls[doc["item_id"]], None, None, delta))
+            elif kind == "content_block_start" and doc["content_block"]["type"] == "tool_use":
+                calls[doc["index"]] = len(calls)
+                block = doc["content_block"]
+                events.append(lc.ToolCall(len(calls) - 1, block["id"], block["name"], ""))
+            elif kind == "content_block_delta":
+                if delta["type"] == "text_delta":
+                    events.append(lc.Content(delta["text"]))
+                elif delta["type"] == "thinking_delta":
+                    events.append(lc.Reasoning(delta["thinking"]))
+                elif delta["type"] == "input_json_delta":
+                    events.append(lc.ToolCall(calls[doc["index"]], None, None, delta["partial_json"]))
+        return events
+
+    def generic(self, name, finish, messages=False):
+        raw = self.transcript(name)
+        events = self.expected_events(raw)
+        content = "".join(e.text for e in events if type(e) is lc.Content)
+        reasoning = "".join(e.text for e in events if type(e) is lc.Reasoning)
+        calls = {}
+        for e in events:
+            if type(e) is lc.ToolCall:
+                entry = calls.setdefault(e.index, [e.id, e.name, ""])
+                entry[2] += e.arguments
+        calls = [lc.ToolCallResult(*calls[i]) for i in sorted(calls)]
+        rt = sum(1 for e in events if type(e) is lc.Reasoning)
+        done = self.event_completion(raw, content, finish, reasoning, calls, rt, messages)
+        self.check(lc._MessagesAssembler if messages else lc._ResponsesAssembler, raw, ("ok", events, done))
+        return done
+
+    def test_51_responses_reasoning_then_text(self):
+        done = self.generic("51_responses_reasoning_grammar.raw.txt", "stop")
+        self.assertEqual(
+            (done.reasoning, done.content, done.reasoning_tokens), ("is the sky blue is a", "the answer is yes", 6)
+        )
+
+    def test_52_responses_function_call(self):
+        done = self.generic("52_responses_tool_call.raw.txt", "tool_calls")
+        cid = "call_WuvgdAuvDRouqUfLNEvkLZ0FpcOWMKcw"  # the item's call_id, not its id fc_...
+        self.assertEqual(done.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')])
+
+    def test_56_responses_progress_beside_the_response(self):
+        done = self.generic("56_responses_stream_progress.raw.txt", "stop")
+        self.assertEqual(done.content, "The lighthouse keeper")
+        events = _p_dialect_outcome(lc._ResponsesAssembler, [self.transcript("56_responses_stream_progress.raw.txt")])[
+            1
+        ]
+        self.assertEqual(events[:2], [lc.Progress(9, 114, 9, 0.0), lc.Progress(114, 114, 9, 4003.0)])
+
+    def test_85_responses_reasoning(self):
+        done = self.generic("85_responses_reasoning_control.raw.txt", "stop")
+        self.assertEqual((done.content, done.reasoning_tokens), ("the answer is yes", 75))
+
+    def test_62_messages_tool_use(self):
+        done = self.generic("62_messages_tool_use.raw.txt", "tool_calls", messages=True)
+        self.assertEqual(
+            done.tool_calls, [lc.ToolCallResult("pbitHA1orxPQ2XjiPUvz7STbslHDhXhW", "get_weather", '{"city": "Paris"}')]
+        )
+        self.assertEqual(done.final["stop_reason"], "tool_use")
+
+    def test_63_65_86_messages_more(self):
+        for name, thinking in (
+            ("63_messages_max_tokens.raw.txt", ""),
+            ("65_messages_thinking_budget.raw.txt", "blue"),
+            ("86_messages_reasoning_control.raw.txt", "blue sky\n"),
+        ):
+            with self.subTest(name=name):
+                done = self.generic(name, "length", messages=True)
+                self.assertEqual(done.reasoning, thinking)
+
+    def test_67_messages_bare_error_object_mid_stream(self):
+        raw = self.transcript("67_messages_midstream_error.raw.txt")
+        self.assertIn(b'data: {"code":500,"message":', raw)  # no "error" envelope, no event: line
+        events = self.expected_events(raw)
+        self.assertEqual(len(events), 8)
+        message = "server error 500: The model produced output that does not match the expected peg-native format"
+        self.check(lc._MessagesAssembler, raw, ("raised", events, lc.ServerError, message))
+
+    def test_39_completion_to_eos(self):
+        raw = self.transcript("39_completion_stream_eos.raw.txt")
+        words = ["<", "think", ">", " is", " the", " sky", " blue", " is", " ", "</", "think", ">"]
+        words += ["the", " ", "answer", " is", " yes"]
+        tokens = [236820, 36345, 236813, 563, 506, 7217, 3730, 563, 236743, 954, 36345, 236813, 1437, 236743]
+        tokens += [14433, 563, 11262, 1]  # the EOS token's own chunk: content "", tokens [1]
+        choice = lc.Choice(0, "".join(words), "", [], "stop", None, None, tokens)
+        done = self.native(raw, (choice,))
+        self.assertEqual(done.final["stop_type"], "eos")
+        self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================

@@ -17,14 +17,18 @@ pieces that successive reads return.  Targets:
     chunked    ChunkedDecoder alone
     sse        SSEDecoder alone
     assembler  Assembler fed mutated chunk payloads
+    dialect    ResponseReader -> SSEDecoder -> the /completion, Responses or Messages dialect, stopping where
+               the dialect says its stream ended (built-in seeds in the real shapes, and captures 40-66)
+    dialect_payloads  one of those dialects fed mutated payloads (structural edits with their own keys)
     client     the whole Client, chat() against a Unix socket server thread serving the mutated bytes
 
 Rules, each breach a violation: only ``LoopError`` subclasses may escape; no input may take more than a
 second (CPU time for the parsers, wall time for the client, whose budgets are a fraction of that); the
 decoders' buffers stay under their caps after every feed; the tracemalloc peak of an input stays under a
 bound linear in its caps and its size; events and completions hold the types the API documents; the
-client leaves no thread or descriptor behind.  A violating input is written to
-``dev/fuzz-crashes/<hash>.bin`` (its raw bytes; ``<hash>.json`` says how to replay it) and printed.  A
+client leaves no thread or descriptor behind; a dialect's Completion holds exactly what its events
+delivered (text per choice, reasoning, each call's id, name and arguments), with integer usage counts and
+token ids.  A violating input is written to ``dev/fuzz-crashes/<hash>.bin`` (its raw bytes; ``<hash>.json`` says how to replay it) and printed.  A
 fixed crash stays as a regression test: copy ``<hash>.bin`` as it is to ``dev/testdata/fuzz/`` and add a
 test to test_loopclient's TestFaultFuzzRegressions that reads it with ``_f_input("<hash>")``.  Everything
 an input does is decided by ``random.Random`` seeded from ``--seed`` and the input's number, so a run is
@@ -55,7 +59,23 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import loopclient as lc  # noqa: E402
-from test_loopclient import STREAM_HEAD, chunk_json, chunked, read_request, sse  # noqa: E402
+from test_loopclient import (  # noqa: E402
+    STREAM_HEAD,
+    _p_block_delta,
+    _p_block_start,
+    _p_dialect_http,
+    _p_msg_end,
+    _p_msg_start,
+    _p_native,
+    _p_native_stop,
+    _p_resp,
+    _p_resp_text_stream,
+    _p_typed,
+    chunk_json,
+    chunked,
+    read_request,
+    sse,
+)
 
 CRASH_DIR = os.path.join(HERE, "fuzz-crashes")
 TRANSCRIPTS = os.environ.get("LOOPCLIENT_TRANSCRIPTS") or os.path.join(HERE, "testdata", "transcripts")
@@ -242,13 +262,112 @@ def transcript_seeds():
         response = raw[raw.index(b"\n", marker) + 1 :]
         kind = "stream" if b"text/event-stream" in response[:2000] or b"/v1/chat/completions" in raw[:300] else "json"
         seeds.append((os.path.basename(path), kind, response))
+        if kind == "stream":
+            line = raw[raw.find(b"\n") + 1 :].split(b"\n", 1)[0].split()
+            dialect = DIALECT_PATHS.get(line[1] if len(line) > 1 else b"")
+            if dialect is not None:
+                seeds.append((os.path.basename(path), "dialect:" + dialect, response))
     return seeds
+
+
+#: The request path of a captured stream -> the dialect that reads it.
+DIALECT_PATHS = {
+    b"/completion": "native",
+    b"/infill": "native",
+    b"/v1/responses": "responses",
+    b"/v1/messages": "messages",
+}
+DIALECTS = {"native": lc._NativeAssembler, "responses": lc._ResponsesAssembler, "messages": lc._MessagesAssembler}
+
+
+def dialect_seeds():
+    """(name, "dialect:<name>", bytes): streams of /completion, Responses and Messages in the real shapes."""
+    native_one = [sse(_native(" the", [506])), sse(_native(" sea", [5442], predicted=2)), sse(_native_stop())]
+    progress = {"total": 4, "cache": 0, "processed": 4, "time_ms": 12.5}
+    native_two = [
+        b"data: null\n\n",
+        sse(_native("", [0], 1, 0, 5, extra={"prompt_progress": progress})),
+        sse(
+            _native(
+                " the", [506], 0, extra={"completion_probabilities": [{"id": 506, "token": " the", "logprob": -0.5}]}
+            )
+        ),
+        sse(_native(" one", [886], 1, evaluated=5)),
+        sse(_native_stop(0, "eos")),
+        sse(_native(" two", [1156], 1, 2, 5)),
+        sse(_native_stop(1, "word")),
+    ]
+    native_error = [
+        sse(_native("a", [1])),
+        sse(json.dumps({"error": {"code": 500, "message": "m", "type": "server_error"}})),
+    ]
+    text, _ = _p_resp_text_stream([" the", " sea", "."], reasoning=["Let", " me"])
+    call = {"id": "fc_1", "arguments": "", "call_id": "call_1", "name": "get_weather", "type": "function_call"}
+    calls = [
+        _p_resp("response.created", response={"id": "resp_1", "object": "response", "status": "in_progress"}),
+        _p_resp("response.output_item.added", item=call),
+        _p_resp("response.function_call_arguments.delta", delta='{"city":', item_id="fc_1"),
+        _p_resp("response.function_call_arguments.delta", delta='"Paris"}', item_id="fc_1"),
+        _p_resp("response.output_item.done", item=dict(call, arguments='{"city":"Paris"}')),
+        _p_resp(
+            "response.completed",
+            response={
+                "id": "resp_1",
+                "status": "completed",
+                "output": [call],
+                "usage": {"input_tokens": 9, "output_tokens": 3},
+            },
+        ),
+    ]
+    incomplete, _ = _p_resp_text_stream(["a"], status="incomplete", incomplete="max_output_tokens")
+    failed = text[:5] + [
+        _p_resp("response.failed", response={"id": "resp_1", "error": {"code": "server_error", "message": "m"}})
+    ]
+    messages = [
+        _p_msg_start(),
+        {"type": "ping"},
+        _p_block_start(0, {"type": "thinking", "thinking": ""}),
+        _p_block_delta(0, "thinking_delta", thinking="Let"),
+        _p_block_delta(0, "signature_delta", signature=""),
+        _p_block_start(1, {"type": "text", "text": ""}),
+        _p_block_delta(1, "text_delta", text="Sure"),
+        _p_block_start(2, {"type": "tool_use", "id": "toolu_1", "name": "get_weather"}),
+        _p_block_delta(2, "input_json_delta", partial_json='{"city":'),
+        _p_block_delta(2, "input_json_delta", partial_json='"Paris"}'),
+        {"type": "content_block_stop", "index": 2},
+    ] + _p_msg_end("tool_use")
+    overloaded = messages[:7] + [{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}]
+    bare = messages[:9] + [{"code": 500, "message": "does not match the expected format", "type": "server_error"}]
+    return [
+        ("native-one", "dialect:native", _p_dialect_http(native_one)),
+        ("native-two", "dialect:native", _p_dialect_http(native_two)),
+        ("native-error", "dialect:native", _p_dialect_http(native_error)),
+        ("responses-text", "dialect:responses", _p_dialect_http([_p_typed(b) for b in text])),
+        ("responses-calls", "dialect:responses", _p_dialect_http([_p_typed(b) for b in calls])),
+        ("responses-incomplete", "dialect:responses", _p_dialect_http([sse(json.dumps(b)) for b in incomplete])),
+        ("responses-failed", "dialect:responses", _p_dialect_http([_p_typed(b) for b in failed])),
+        ("messages", "dialect:messages", _p_dialect_http([_p_typed(d) for d in messages])),
+        ("messages-overloaded", "dialect:messages", _p_dialect_http([_p_typed(d) for d in overloaded])),
+        (
+            "messages-bare-error",
+            "dialect:messages",
+            _p_dialect_http([_p_typed(d) for d in bare[:-1]] + [sse(json.dumps(bare[-1]))]),
+        ),
+    ]
+
+
+_native, _native_stop = _p_native, _p_native_stop
 
 
 class Corpus:
     def __init__(self):
-        self.seeds = builtin_seeds() + transcript_seeds()
+        self.seeds = builtin_seeds() + transcript_seeds() + dialect_seeds()
         self.streams = [s[2] for s in self.seeds if s[1] == "stream"]
+        self.dialects = {name: [s[2] for s in self.seeds if s[1] == "dialect:" + name] for name in DIALECTS}
+        self.dialect_payloads = {
+            name: [p for data in streams for p in sse_payloads(dechunk(split_head(data)[1]))]
+            for name, streams in self.dialects.items()
+        }
         self.jsons = [s[2] for s in self.seeds if s[1] == "json"]
         self.all = [s[2] for s in self.seeds]
         self.bodies = [split_head(s)[1] for s in self.streams]
@@ -534,8 +653,9 @@ KEYS = [
 ]
 
 
-def mutate_doc(rng, doc, depth=0):
-    """A copy of a JSON document with one random edit somewhere inside it."""
+def mutate_doc(rng, doc, depth=0, keys=None):
+    """A copy of a JSON document with one random edit somewhere inside it (new keys from ``keys``, else KEYS)."""
+    keys = keys or KEYS
     if depth > 8 or not isinstance(doc, (dict, list)) or rng.random() < 0.2:
         choice = rng.random()
         if choice < 0.75:
@@ -552,20 +672,20 @@ def mutate_doc(rng, doc, depth=0):
         roll = rng.random()
         if doc and roll < 0.6:
             key = rng.choice(sorted(doc))
-            doc[key] = mutate_doc(rng, doc[key], depth + 1)
+            doc[key] = mutate_doc(rng, doc[key], depth + 1, keys)
         elif doc and roll < 0.75:
             del doc[rng.choice(sorted(doc))]
         else:
-            doc[rng.choice(KEYS)] = mutate_doc(rng, rng.choice(PALETTE), depth + 1)
+            doc[rng.choice(keys)] = mutate_doc(rng, rng.choice(PALETTE), depth + 1, keys)
         return doc
     doc = list(doc)
     if doc and rng.random() < 0.7:
         i = rng.randrange(len(doc))
-        doc[i] = mutate_doc(rng, doc[i], depth + 1)
+        doc[i] = mutate_doc(rng, doc[i], depth + 1, keys)
     elif doc and rng.random() < 0.5:
         del doc[rng.randrange(len(doc))]
     else:
-        doc.append(mutate_doc(rng, rng.choice(PALETTE), depth + 1))
+        doc.append(mutate_doc(rng, rng.choice(PALETTE), depth + 1, keys))
     return doc
 
 
@@ -856,6 +976,183 @@ def run_assembler(case):
     return done
 
 
+# -- the other endpoints' dialects (/completion and /infill, Responses, Messages) --------------------------
+
+#: Keys the dialects read, for the structural edits of their payloads.
+DIALECT_KEYS = KEYS + [
+    "stop",
+    "stop_type",
+    "tokens",
+    "completion_probabilities",
+    "prompt_progress",
+    "tokens_evaluated",
+    "tokens_predicted",
+    "item",
+    "item_id",
+    "output_index",
+    "call_id",
+    "response",
+    "output",
+    "incomplete_details",
+    "reason",
+    "text",
+    "thinking",
+    "partial_json",
+    "content_block",
+    "stop_reason",
+    "stop_sequence",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+]
+DIALECT_TYPES = [
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.reasoning_text.delta",
+    "response.function_call_arguments.delta",
+    "response.output_item.added",
+    "response.output_item.done",
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+    "function_call",
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "message_delta",
+    "message_stop",
+    "text_delta",
+    "thinking_delta",
+    "input_json_delta",
+    "tool_use",
+    "error",
+]
+
+
+def check_dialect(asm, events, done):
+    """The rules every dialect keeps: the Completion holds what the events delivered, in order (text per
+    choice, reasoning, each call's id, name and arguments), chat's usage keys are integers, ``final`` is an
+    object and the token ids integers."""
+    check_completion(done)
+    if not asm.done and not isinstance(asm, lc._NativeAssembler):
+        raise Violation("a Completion from %s before its stream's end" % type(asm).__name__)
+    texts, reasoning, calls = {}, {}, {}
+    for event in events:
+        if type(event) is lc.Content:
+            texts[event.choice] = texts.get(event.choice, "") + event.text
+        elif type(event) is lc.Reasoning:
+            reasoning[event.choice] = reasoning.get(event.choice, "") + event.text
+        elif type(event) is lc.ToolCall:
+            entry = calls.setdefault(event.index, [None, None, ""])
+            entry[0] = entry[0] or event.id
+            entry[1] = entry[1] or event.name
+            entry[2] += event.arguments
+    for choice in done.choices:
+        if choice.content != texts.get(choice.index, "") or choice.reasoning != reasoning.get(choice.index, ""):
+            raise Violation("choice %d holds text its events did not deliver" % choice.index)
+        if choice.tokens is not None and not all(type(t) is int for t in choice.tokens):
+            raise Violation("token ids %r" % (choice.tokens,))
+    got = [[c.id, c.name, c.arguments] for c in done.tool_calls]
+    if got != [calls[i] for i in sorted(calls)]:
+        raise Violation("tool calls %r, the events gave %r" % (got, calls))
+    if done.usage is not None:
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            if type(done.usage.get(key)) is not int:
+                raise Violation("usage[%r] is %r" % (key, done.usage.get(key)))
+    if done.final is not None and not isinstance(done.final, dict):
+        raise Violation("Completion.final is %r" % (done.final,))
+    if asm.reasoning_tokens != sum(1 for e in events if type(e) is lc.Reasoning):
+        raise Violation("%d reasoning tokens for %d Reasoning events" % (asm.reasoning_tokens, len(reasoning)))
+
+
+def make_dialect(rng, corpus, big):
+    name = rng.choice(sorted(DIALECTS))
+    seeds = corpus.dialects[name] if rng.random() < 0.85 else corpus.streams
+    data = mutate(rng, rng.choice(seeds), corpus, big)
+    return {
+        "target": "dialect",
+        "dialect": name,
+        "data": data,
+        "cuts": splits(rng, len(data)),
+        "raw_chunks": rng.random() < 0.2,
+    }
+
+
+def run_dialect(case):
+    """ResponseReader -> SSEDecoder -> the dialect, stopping where it says its stream ended."""
+    reader = lc.ResponseReader()
+    sse_decoder = lc.SSEDecoder(64 * 1024)
+    asm = DIALECTS[case["dialect"]](case["raw_chunks"])
+    events = []
+
+    def payloads(items):
+        for kind, payload in items:
+            if kind == "error":
+                raise lc._error_from(lc._json_or_text(payload))
+            events.extend(asm.feed(payload))
+            if asm.done:
+                return True
+        return False
+
+    for piece in pieces(case["data"], case["cuts"]):
+        for body in reader.feed(piece):
+            if reader.head is not None and reader.head.status != 200:
+                continue
+            if payloads(sse_decoder.feed(body)):
+                check_events(events)
+                done = asm.completion()
+                check_dialect(asm, [e for e in events if type(e) is not lc.Chunk], done)
+                return done
+            check_sse(sse_decoder)
+        check_reader(reader)
+        if reader.done:
+            break
+    if not reader.done:
+        reader.feed_eof()
+    payloads(sse_decoder.close())
+    check_events(events)
+    done = asm.completion()
+    check_dialect(asm, [e for e in events if type(e) is not lc.Chunk], done)
+    return done
+
+
+def make_dialect_payloads(rng, corpus, big):
+    name = rng.choice(sorted(DIALECTS))
+    source = corpus.dialect_payloads[name]
+    start = rng.randrange(len(source))
+    out = []
+    for payload in source[start : start + rng.randint(1, 16)]:
+        roll = rng.random()
+        if roll < 0.5:
+            try:
+                doc = json.loads(payload)
+                if isinstance(doc, dict) and rng.random() < 0.2:
+                    doc["type"] = rng.choice(DIALECT_TYPES)
+                payload = json.dumps(mutate_doc(rng, doc, keys=DIALECT_KEYS), separators=(",", ":"))
+            except (ValueError, RecursionError):
+                pass
+        elif roll < 0.65:
+            payload = mutate(rng, payload.encode("utf-8", "surrogatepass"), corpus).decode("utf-8", "replace")
+        out.append(payload)
+    if rng.random() < 0.2:
+        out.insert(rng.randint(0, len(out)), rng.choice(source))
+    data = "\n\x1e".join(out).encode("utf-8", "surrogatepass")
+    return {"target": "dialect_payloads", "dialect": name, "data": data, "cuts": [], "raw_chunks": rng.random() < 0.2}
+
+
+def run_dialect_payloads(case):
+    asm = DIALECTS[case["dialect"]](case["raw_chunks"])
+    events = []
+    for payload in case["data"].decode("utf-8", "surrogatepass").split("\n\x1e"):
+        events.extend(asm.feed(payload))
+        if asm.done:
+            break
+    check_events(events)
+    done = asm.completion()
+    check_dialect(asm, [e for e in events if type(e) is not lc.Chunk], done)
+    return done
+
+
 # -- the whole client ---------------------------------------------------------------------------------
 
 
@@ -1016,6 +1313,8 @@ TARGETS = {
     "chunked": (make_chunked, run_chunked, 12),
     "sse": (make_sse, run_sse, 17),
     "assembler": (make_assembler, run_assembler, 35),
+    "dialect": (make_dialect, run_dialect, 25),
+    "dialect_payloads": (make_dialect_payloads, run_dialect_payloads, 20),
     "client": (make_client, run_client, 1),
 }
 

@@ -57,8 +57,10 @@ __license__ = "MIT"
 
 __all__ = [
     "Client",
+    "Stream",
     "ChatStream",
     "AsyncClient",
+    "AsyncStream",
     "AsyncChatStream",
     "Limits",
     "Completion",
@@ -1808,10 +1810,8 @@ class Assembler:
     def _lowest(self) -> Optional[_ChoiceState]:
         return self._choices[min(self._choices)] if self._choices else None
 
-    @property
-    def done(self) -> bool:
-        """Always False: a chat stream ends with ``[DONE]`` or the end of the body, which the pump sees."""
-        return False
+    #: Always False: a chat stream ends with ``[DONE]`` or the end of the body, which the pump sees.
+    done = False
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -2630,7 +2630,7 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # =====================================================================================================
-# 5. The response pump: one streamed chat response, bytes in, events and decisions out
+# 5. The response pump: one streamed response, bytes in, events and decisions out
 # =====================================================================================================
 
 
@@ -2664,13 +2664,15 @@ def _json_or_text(text: str) -> Any:
 
 
 def _retryable(err: ServerError) -> bool:
-    return err.code == 503 or err.type == "unavailable_error"
+    return err.code == 503 or err.type in ("unavailable_error", "overloaded_error")
 
 
 class ResponsePump:
-    """The bytes of one streamed chat response in, events and decisions out; no socket, no clock.
+    """The bytes of one streamed response in, events and decisions out; no socket, no clock.
 
-    It owns the ``ResponseReader``, the ``SSEDecoder`` and the ``Assembler``.  ``feed(data)`` (and
+    It owns the ``ResponseReader``, the ``SSEDecoder`` and the endpoint's dialect: ``dialect(raw_chunks)``
+    reads its payloads (``Assembler``, chat's, by default; the native, Responses and Messages dialects end
+    the stream themselves, by their ``done``).  ``feed(data)`` (and
     ``feed_eof()`` when the connection closed) returns the events those bytes completed.  After each call
     the caller looks at, in this order:
 
@@ -2680,9 +2682,9 @@ class ResponsePump:
         ``(completion id, tokens)``: reasoning reached ``thinking_cap`` and the rest of the bytes wait;
         the caller asks the server to end reasoning and passes the answer to ``capped(ok)``.
     ``outcome``
-        once decided: the ``Completion``, or a retry (a 503 status, or a 503/``unavailable_error`` error
-        event before anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its
-        body is in.
+        once decided: the ``Completion``, or a retry (a 503 or 429 status, or a 503, ``unavailable_error``
+        or ``overloaded_error`` error event before anything was delivered).  Any other non-200 status raises
+        ``HTTPStatusError`` once its body is in.
 
     ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
     event (pings do not count: they prove the connection, not progress); ``delivered`` whether a
@@ -2707,7 +2709,7 @@ class ResponsePump:
         "_capped_at",
     )
 
-    def __init__(self, limits: Limits, raw_chunks: bool = False) -> None:
+    def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
         self.head = None  # type: Optional[ResponseHead]
         self.failed = None  # type: Optional[LoopError]
         self.cap_due = None  # type: Optional[Tuple[Optional[str], int]]
@@ -2717,7 +2719,7 @@ class ResponsePump:
         self._limits = limits
         self._reader = ResponseReader()
         self._sse = SSEDecoder(limits.max_line)
-        self._asm = Assembler(raw_chunks)
+        self._asm = (dialect or Assembler)(raw_chunks)  # type: Any
         self._body = []  # type: List[bytes]  # an error response's body
         self._size = 0
         self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
@@ -2858,6 +2860,9 @@ class ResponsePump:
                         % (tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun),
                         tokens,
                     )
+            if asm.done:  # the endpoint's own end (no [DONE] but on chat)
+                self.outcome = asm.completion()
+                return
         if self._ending:
             self.outcome = asm.completion()
 
@@ -3645,13 +3650,16 @@ def _cancelled() -> CancelledError:
 class _StreamRequest:
     """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
 
-    __slots__ = ("request", "slot", "model", "raw_chunks")
+    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect")
 
-    def __init__(self, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool) -> None:
+    def __init__(
+        self, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool, dialect: Any = None
+    ) -> None:
         self.request = request
         self.slot = slot
         self.model = model
         self.raw_chunks = raw_chunks
+        self.dialect = dialect  # the class that reads the endpoint's payloads (None: chat's Assembler)
 
 
 def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
@@ -3671,6 +3679,18 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
                 ticket.ahead = ahead
                 yield [Queued(ahead)]
             due = now + poll
+
+
+#: The streamed endpoints besides chat: name -> (path, dialect, whether the thinking cap can work there).
+#: On this llama-server the control endpoint ends reasoning only for chat: Responses never shows the
+#: completion id it needs, and Messages drops ``reasoning_control``; /completion and /infill stream no
+#: separate reasoning at all, so a cap has nothing to cap there.
+_ENDPOINTS = {
+    "complete": ("/completion", _NativeAssembler, True),
+    "infill": ("/infill", _NativeAssembler, True),
+    "respond": ("/v1/responses", _ResponsesAssembler, False),
+    "message": ("/v1/messages", _MessagesAssembler, False),
+}  # type: Dict[str, Tuple[str, Any, bool]]
 
 
 class _Calls:
@@ -3939,16 +3959,28 @@ class _Calls:
             raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
         return data.decode("utf-8", "replace")
 
+    def count_message_tokens(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[int]:
+        body = _messages_body(messages, params)
+        del body["stream"]
+        return (yield from self._field("/v1/messages/count_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
+
+    def lora_adapters(self) -> _Plan[List[Any]]:
+        doc = yield from self._json("GET", "/lora-adapters")
+        if not isinstance(doc, list):
+            raise ProtocolError("GET /lora-adapters did not answer a JSON list")
+        return doc
+
+    def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> _Plan[Any]:
+        if isinstance(adapters, (str, bytes, dict)) or not all(isinstance(a, dict) for a in adapters):
+            raise TypeError('adapters must be a list of {"id": int, "scale": float} dicts')
+        return (yield from self._json("POST", "/lora-adapters", list(adapters)))
+
     # -- streamed requests ----------------------------------------------------------------------------
 
     def chat_request(
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int], params: Dict[str, Any]
     ) -> _StreamRequest:
         """A streamed chat, built and checked as ``Client.stream()`` documents."""
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
-            raise TypeError("slot must be an int or None, not %r" % (slot,))
-        if slot is not None and slot < 0:
-            raise ValueError("slot must not be negative")
         raw_chunks = bool(params.pop("raw_chunks", False))
         body = {"messages": messages}  # type: Dict[str, Any]
         body.update(params)
@@ -3958,16 +3990,40 @@ class _Calls:
             dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
         )
         if slot is not None:
-            body["id_slot"] = slot
+            body["id_slot"] = slot  # in this order, as before: checked, and set again, by _stream_request
         if self.limits.thinking_cap is not None:
             n = body.get("n", 1)
             if isinstance(n, int) and n > 1:
                 raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
             body["reasoning_control"] = True
+        return self._stream_request("/v1/chat/completions", body, slot, raw_chunks, None)
+
+    def endpoint_request(self, endpoint: str, body: Dict[str, Any], slot: Optional[int]) -> _StreamRequest:
+        """A streamed request of another endpoint (``complete``, ``infill``, ``respond``, ``message``), its
+        ``body`` made by the endpoint's body function."""
+        path, dialect, capped = _ENDPOINTS[endpoint]
+        if self.limits.thinking_cap is not None and not capped:
+            raise ValueError(
+                "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
+                "(use the server's own budget, thinking_budget_tokens)" % path
+            )
+        raw_chunks = bool(body.pop("raw_chunks", False))
+        return self._stream_request(path, body, slot, raw_chunks, dialect)
+
+    def _stream_request(
+        self, path: str, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool, dialect: Any
+    ) -> _StreamRequest:
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
+            raise TypeError("slot must be an int or None, not %r" % (slot,))
+        if slot is not None and slot < 0:
+            raise ValueError("slot must not be negative")
+        body["stream"] = True
+        if slot is not None:
+            body["id_slot"] = slot
         body, _ = self._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
-        request = self._encode("POST", "/v1/chat/completions", body, "text/event-stream")
-        return _StreamRequest(request, slot, model if isinstance(model, str) else None, raw_chunks)
+        request = self._encode("POST", path, body, "text/event-stream")
+        return _StreamRequest(request, slot, model if isinstance(model, str) else None, raw_chunks, dialect)
 
     def stream(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
         """The life of one streamed request: its place in the gate, then attempts until one is answered;
@@ -3977,6 +4033,8 @@ class _Calls:
             board.add(run)
             slot = req.slot
             capacity = 1 if slot is not None else (yield from self._capacity(board, run, req.model))
+            if run.cancelled:  # cancelled on its way to the gate: it does not enter it
+                raise _cancelled()
             ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
             if not ticket.granted:
                 yield from _queued(board.gate, ticket, self.limits.poll)
@@ -4064,7 +4122,7 @@ class _Calls:
         ``Completion``, or a ``_Retry``."""
         limits = self.limits
         yield (_SEND, conn, req.request, limits.liveness)
-        pump = ResponsePump(limits, req.raw_chunks)
+        pump = ResponsePump(limits, req.raw_chunks, req.dialect)
         events = []  # type: List[Event]
         started = 0.0  # when the first byte came
         heard = progress = time.monotonic()  # the last byte; the last data event
@@ -4572,6 +4630,79 @@ class Client:
         """
         return _consume(self.stream(messages, slot=slot, **params), on_event)
 
+    # -- the other streamed endpoints: the same engine, another body and another reading ---------------
+
+    def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
+        """A ``Stream`` of ``POST /completion``: ``prompt`` is a string, a list of token ids, a mixed list, or
+        a list of prompts (one choice each, by the chunks' ``index``).  Keywords go into the body
+        (``n_predict``, ``n_probs``, ``return_tokens``, ``cache_prompt``, ``samplers``, ``lora``, ...).
+        ``content`` is ``Content(text, choice=index)``; ``completion_probabilities`` go to the choice's
+        ``logprobs``, ``tokens`` to its ``tokens``; the stream ends when every choice has had its
+        ``stop: true`` chunk, which is ``Completion.final``."""
+        return Stream(self._board, self._calls.endpoint_request("complete", _native_body(prompt, params), slot))
+
+    def complete(
+        self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
+    ) -> Completion:
+        """``stream_complete()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
+        return _consume(self.stream_complete(prompt, slot=slot, **params), on_event)
+
+    def stream_infill(
+        self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
+    ) -> Stream:
+        """A ``Stream`` of ``POST /infill`` (fill in the middle): ``prefix`` and ``suffix`` go in
+        ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or ``{"filename",
+        "text"}`` dicts) in ``input_extra``; read as ``stream_complete()``.  A model without
+        fill-in-the-middle tokens answers 501: ``HTTPStatusError`` with the server's message."""
+        body = _infill_body(prefix, suffix, extra, params)
+        return Stream(self._board, self._calls.endpoint_request("infill", body, slot))
+
+    def infill(
+        self,
+        prefix: str,
+        suffix: str = "",
+        *,
+        extra: Any = None,
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """``stream_infill()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
+        return _consume(self.stream_infill(prefix, suffix, extra=extra, slot=slot, **params), on_event)
+
+    def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> Stream:
+        """A ``Stream`` of ``POST /v1/responses`` (OpenAI Responses): ``input`` is a string or a list of
+        input items.  Text deltas are ``Content``, reasoning deltas ``Reasoning``, function calls
+        ``ToolCall``; ``Completion.final`` is the closing ``response``.  A thinking cap cannot work here:
+        ``ValueError``."""
+        body = _responses_body(input, params)
+        return Stream(self._board, self._calls.endpoint_request("respond", body, slot))
+
+    def respond(
+        self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
+    ) -> Completion:
+        """``stream_respond()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
+        return _consume(self.stream_respond(input, slot=slot, **params), on_event)
+
+    def stream_message(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
+        """A ``Stream`` of ``POST /v1/messages`` (Anthropic Messages): ``text_delta`` is ``Content``,
+        ``thinking_delta`` ``Reasoning``, a ``tool_use`` block and its ``input_json_delta`` ``ToolCall``;
+        ``Completion.final`` is the ``message_start`` message with the closing stop reason and usage.
+        ``max_tokens`` is the endpoint's own (required by Anthropic's API; the server has a default).  A
+        thinking cap cannot work here: ``ValueError``."""
+        body = _messages_body(messages, params)
+        return Stream(self._board, self._calls.endpoint_request("message", body, slot))
+
+    def message(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """``stream_message()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
+        return _consume(self.stream_message(messages, slot=slot, **params), on_event)
+
     # -- single-shot calls --------------------------------------------------------------------------------
 
     def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
@@ -4651,6 +4782,20 @@ class Client:
     def metrics(self) -> str:
         """``GET /metrics`` (a server started with ``--metrics``): Prometheus text."""
         return self._run(self._calls.metrics())
+
+    def count_message_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+        """``POST /v1/messages/count_tokens``: the prompt tokens of a Messages request, cached ones included
+        (as ``Completion.usage["prompt_tokens"]`` of ``message()``)."""
+        return self._run(self._calls.count_message_tokens(messages, params))
+
+    def lora_adapters(self) -> List[Any]:
+        """``GET /lora-adapters``: the server's LoRA adapters (``[]`` without ``--lora``)."""
+        return self._run(self._calls.lora_adapters())
+
+    def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> Any:
+        """``POST /lora-adapters`` with ``[{"id": int, "scale": float}, ...]``: the scales every request
+        uses unless it sends its own ``lora``; the server's answer."""
+        return self._run(self._calls.set_lora_adapters(adapters))
 
 
 def _consume(stream: Stream, on_event: Optional[Callable[[Event], Any]]) -> Completion:
@@ -5209,6 +5354,64 @@ class AsyncClient:
         the request and propagates unchanged."""
         return await _aconsume(self.stream(messages, slot=slot, **params), on_event)
 
+    # -- the other streamed endpoints -------------------------------------------------------------------
+
+    def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
+        """``Client.stream_complete()`` for asyncio (a plain call)."""
+        return AsyncStream(self, self._calls.endpoint_request("complete", _native_body(prompt, params), slot))
+
+    async def complete(
+        self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
+    ) -> Completion:
+        """``Client.complete()``, as a coroutine."""
+        return await _aconsume(self.stream_complete(prompt, slot=slot, **params), on_event)
+
+    def stream_infill(
+        self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
+    ) -> AsyncStream:
+        """``Client.stream_infill()`` for asyncio (a plain call)."""
+        body = _infill_body(prefix, suffix, extra, params)
+        return AsyncStream(self, self._calls.endpoint_request("infill", body, slot))
+
+    async def infill(
+        self,
+        prefix: str,
+        suffix: str = "",
+        *,
+        extra: Any = None,
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """``Client.infill()``, as a coroutine."""
+        return await _aconsume(self.stream_infill(prefix, suffix, extra=extra, slot=slot, **params), on_event)
+
+    def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
+        """``Client.stream_respond()`` for asyncio (a plain call)."""
+        return AsyncStream(self, self._calls.endpoint_request("respond", _responses_body(input, params), slot))
+
+    async def respond(
+        self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
+    ) -> Completion:
+        """``Client.respond()``, as a coroutine."""
+        return await _aconsume(self.stream_respond(input, slot=slot, **params), on_event)
+
+    def stream_message(
+        self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any
+    ) -> AsyncStream:
+        """``Client.stream_message()`` for asyncio (a plain call)."""
+        return AsyncStream(self, self._calls.endpoint_request("message", _messages_body(messages, params), slot))
+
+    async def message(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        slot: Optional[int] = None,
+        on_event: Optional[Callable[[Event], Any]] = None,
+        **params: Any,
+    ) -> Completion:
+        """``Client.message()``, as a coroutine."""
+        return await _aconsume(self.stream_message(messages, slot=slot, **params), on_event)
+
     # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
 
     async def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
@@ -5284,6 +5487,18 @@ class AsyncClient:
     async def metrics(self) -> str:
         """``Client.metrics``, as a coroutine."""
         return await self._run(self._calls.metrics())
+
+    async def count_message_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+        """``Client.count_message_tokens``, as a coroutine."""
+        return await self._run(self._calls.count_message_tokens(messages, params))
+
+    async def lora_adapters(self) -> List[Any]:
+        """``Client.lora_adapters``, as a coroutine."""
+        return await self._run(self._calls.lora_adapters())
+
+    async def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> Any:
+        """``Client.set_lora_adapters``, as a coroutine."""
+        return await self._run(self._calls.set_lora_adapters(adapters))
 
 
 async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], Any]]) -> Completion:
@@ -5576,8 +5791,8 @@ def _body_param(text: str) -> Tuple[str, Any]:
 
 
 def _add_answer_options(command: Any) -> None:
-    """The options that shape an answer, for every command that streams one (``chat`` so far); read them
-    back with ``_answer_params``."""
+    """The options that shape an answer, for every command that streams one (``chat``, ``complete``,
+    ``infill``); read them back with ``_answer_params``."""
     command.add_argument("--slot", type=int, metavar="N", help="pin the request to this slot")
     command.add_argument("--max-tokens", type=int, metavar="N", help="cap the answer's tokens")
     command.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
@@ -5671,6 +5886,15 @@ def _parser() -> Any:
     commands.add_parser("models", parents=[common], help="show the models (a router's, with their status)")
     tokens = commands.add_parser("tokens", parents=[common], help="count the tokens of TEXT (or stdin)")
     tokens.add_argument("text", nargs="?", help="the text; without it, read stdin")
+    complete = commands.add_parser(
+        "complete", parents=[common], help="stream the text that follows PROMPT (/completion)"
+    )
+    complete.add_argument("prompt", nargs="?", help="the raw prompt; without it, read stdin")
+    _add_answer_options(complete)
+    infill = commands.add_parser("infill", parents=[common], help="stream the middle between --prefix and --suffix")
+    infill.add_argument("--prefix", metavar="FILE", required=True, help="the text before the gap (- for stdin)")
+    infill.add_argument("--suffix", metavar="FILE", default=None, help="the text after the gap (- for stdin)")
+    _add_answer_options(infill)
     return parser
 
 
@@ -5683,13 +5907,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     if not args.command:
         parser.print_usage(sys.stderr)
-        sys.stderr.write("loopclient: error: a COMMAND is required (chat, slots, health, props, models, tokens)\n")
+        sys.stderr.write(
+            "loopclient: error: a COMMAND is required (chat, complete, infill, slots, health, props, models, tokens)\n"
+        )
         return 2
     address = getattr(args, "socket", None) or getattr(args, "url", None)
     model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None
     api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
     try:
-        params = _answer_params(args, ("messages",)) if args.command == "chat" else {}
+        taken = {"chat": ("messages",), "complete": ("prompt",), "infill": ("input_prefix", "input_suffix")}
+        params = _answer_params(args, taken[args.command]) if args.command in taken else {}
         changes = {}  # type: Dict[str, Any]
         if getattr(args, "thinking_cap", None) is not None:
             changes["thinking_cap"] = args.thinking_cap
@@ -5706,6 +5933,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with client:
             if args.command == "chat":
                 return _chat(client, args, params)
+            if args.command in ("complete", "infill"):
+                return _complete(client, args, params)
             if args.command == "slots":
                 _slots(client, sys.stdout, args.watch)
             elif args.command == "health":
@@ -5756,14 +5985,7 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
         console = _Console(sys.stdout, sys.stderr)
         show = functools.partial(console.event, show_text=not args.json)
         completion = client.chat(history, slot=args.slot, on_event=show, **params)
-        console.clear()
-        if args.json:
-            sys.stdout.write(_completion_json(completion) + "\n")
-        else:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            sys.stderr.write(console.figures(completion) + "\n")
-        sys.stderr.flush()
+        _answered(console, completion, args.json)
         if not interactive:
             return 0
         turn = {"role": "assistant", "content": completion.content}  # type: Dict[str, Any]
@@ -5775,6 +5997,57 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
                 for c in completion.tool_calls
             ]
         history.append(turn)
+
+
+def _answered(console: _Console, completion: Completion, as_json: bool) -> None:
+    """The end of an answer: the completion as JSON, or a newline and the figures on stderr."""
+    console.clear()
+    if as_json:
+        sys.stdout.write(_completion_json(completion) + "\n")
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        sys.stderr.write(console.figures(completion) + "\n")
+    sys.stderr.flush()
+
+
+def _read_arg(name: Optional[str]) -> str:
+    """The text of FILE (``-``: stdin; None: nothing)."""
+    if name is None:
+        return ""
+    if name == "-":
+        return sys.stdin.read()
+    try:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError("cannot read %s: %s" % (name, exc.strerror or exc)) from None
+
+
+def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
+    """``complete`` and ``infill``: llama-server's own endpoints, whose token cap is ``n_predict``."""
+    import functools
+
+    params = dict({"return_progress": True}, **params)
+    if "max_tokens" in params:
+        params["n_predict"] = params.pop("max_tokens")
+    console = _Console(sys.stdout, sys.stderr)
+    show = functools.partial(console.event, show_text=not args.json)
+    try:
+        if args.command == "complete":
+            prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+            text = (prompt,)  # type: Tuple[str, ...]
+        else:
+            text = (_read_arg(args.prefix), _read_arg(args.suffix))
+    except ValueError as exc:
+        sys.stderr.write("loopclient: error: %s\n" % exc)
+        return 2
+    if args.command == "complete":
+        completion = client.complete(text[0], slot=args.slot, on_event=show, **params)
+    else:
+        completion = client.infill(text[0], text[1], slot=args.slot, on_event=show, **params)
+    _answered(console, completion, args.json)
+    return 0
 
 
 if __name__ == "__main__":

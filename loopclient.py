@@ -70,6 +70,7 @@ __all__ = [
     "Queued",
     "Waiting",
     "Retrying",
+    "Resumed",
     "Reasoning",
     "Content",
     "ToolCall",
@@ -120,6 +121,8 @@ POOL_GUESS = 4
 #: How long a kept connection may stay idle when the server's ``Keep-Alive`` does not say (it says
 #: ``timeout=5`` on llama-server; a connection is kept one second less than the server's timeout).
 KEEP_IDLE = 4.0
+#: How long the DELETE of a resumable stream that ends early may take (it is tried once).
+FORGET_WAIT = 1.0
 
 _USER_AGENT = "loopclient/" + __version__
 
@@ -329,6 +332,20 @@ class Retrying(_Value):
         _set(self, "attempt", attempt)
         _set(self, "delay", delay)
         _set(self, "reason", reason)
+
+
+class Resumed(_Value):
+    """The connection of a resumable stream was lost and the client reattached to the server's buffer of
+    it, from ``offset`` body bytes (``attempt`` counts from 1).  Not output: nothing is repeated or lost."""
+
+    __match_args__ = ("offset", "attempt")
+    __slots__ = __match_args__
+    offset: int
+    attempt: int
+
+    def __init__(self, offset: int, attempt: int) -> None:
+        _set(self, "offset", offset)
+        _set(self, "attempt", attempt)
 
 
 class Reasoning(_Value):
@@ -2698,6 +2715,8 @@ class ResponsePump:
         "outcome",
         "progressed",
         "delivered",
+        "received",
+        "boundary",
         "_limits",
         "_reader",
         "_sse",
@@ -2707,6 +2726,8 @@ class ResponsePump:
         "_pending",
         "_ending",
         "_capped_at",
+        "_resuming",
+        "_last",
     )
 
     def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
@@ -2716,6 +2737,8 @@ class ResponsePump:
         self.outcome = None  # type: Optional[Union[Completion, _Retry]]
         self.progressed = False
         self.delivered = False
+        self.received = 0  # body bytes of a 200 response (de-chunked), resumed parts included
+        self.boundary = 0  # of those, the bytes that end where an event block ends (a blank line)
         self._limits = limits
         self._reader = ResponseReader()
         self._sse = SSEDecoder(limits.max_line)
@@ -2725,6 +2748,25 @@ class ResponsePump:
         self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
         self._ending = False  # the body is complete: the events in hand are the last
         self._capped_at = -1
+        self._resuming = False  # the response is the replay of a resumed stream
+        self._last = b""  # the last two body bytes, for a blank line split between reads
+
+    @property
+    def streaming(self) -> bool:
+        """A 200 head came and its body is not complete: a connection lost now lost part of a stream."""
+        head = self.head
+        return head is not None and head.status == 200 and not self._reader.done and self.outcome is None
+
+    def resume(self, offset: int) -> None:
+        """The next bytes are a new response, the server's replay of this stream from ``offset`` body bytes
+        (what ``received`` counted): its head is read afresh, its body goes on where the last one stopped.
+        A 404 or 400 answer is ``StreamClosedError``."""
+        self._reader = ResponseReader()
+        self.head = None
+        self.failed = None
+        self._resuming = True
+        self.received = self.boundary = offset
+        self._last = b""
 
     def feed(self, data: bytes) -> List[Event]:
         """Bytes received (``b""`` is not end of file: use ``feed_eof()``)."""
@@ -2767,6 +2809,8 @@ class ResponsePump:
             self._error_body(head, pieces, eof or reader.done)
             return
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if data:
+            self._count(data)
         sse = self._sse
         batch = sse.feed(data) if data else []
         if (eof or reader.done) and sse.failed is None:
@@ -2774,6 +2818,17 @@ class ResponsePump:
             self._ending = True
         self._events(out, batch)
         self._decoders_failed()
+
+    def _count(self, data: bytes) -> None:
+        """Count body bytes, and where the last block ended (LF or CRLF lines, as llama-server sends)."""
+        start = self.received
+        self.received = start + len(data)
+        joined = self._last + data
+        lf, crlf = joined.rfind(b"\n\n"), joined.rfind(b"\n\r\n")
+        end = max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
+        if end >= 0:
+            self.boundary = start - len(self._last) + end
+        self._last = joined[-2:]
 
     def _decoders_failed(self) -> None:
         """Raise what a decoder kept behind the output it returned (the stream's bytes, in order)."""
@@ -2795,6 +2850,17 @@ class ResponsePump:
         body = b"".join(self._body)
         message, _ = parse_error_envelope(body)
         error = HTTPStatusError(head.status, message, body)
+        if self._resuming and head.status in (404, 400):
+            raise StreamClosedError(
+                "the stream could not be resumed: the server %s (HTTP %d: %s)"
+                % (
+                    "no longer knows it (it restarted, or the stream expired)"
+                    if head.status == 404
+                    else "no longer holds its bytes from offset %d" % self.received,
+                    head.status,
+                    message,
+                )
+            )
         if head.status not in (503, 429):
             raise error
         self.outcome = _Retry(
@@ -3473,7 +3539,11 @@ if TYPE_CHECKING:
         cancel can release it), and its connections (closed when the plan ends)."""
 
         cancelled: bool
+        shield: bool
         ticket: Optional[_Ticket]
+        offset: int
+        gen: Optional[_Plan[Any]]
+        value: Any
 
         def close_all(self) -> None: ...
 
@@ -3643,23 +3713,95 @@ def _keep_for(head: ResponseHead) -> Optional[float]:
     return idle if idle > 0 else None
 
 
+def _conversation_id(value: Any) -> Optional[str]:
+    """``resumable``: True makes an id (``lc-`` and 32 hex digits), a str is the id (1 to 128 visible ASCII
+    characters), None or False is no resumable stream."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "lc-" + os.urandom(16).hex()
+    if not isinstance(value, str):
+        raise TypeError("resumable must be True, False or a conversation id (str), not %r" % (value,))
+    if not 1 <= len(value) <= 128 or not all("!" <= c <= "~" for c in value):
+        raise ValueError("a conversation id is 1 to 128 visible ASCII characters, not %r" % (value[:140],))
+    return value
+
+
+class _Lost:
+    """How the reattaching of a resumable stream stands: attempts made, and the backoff of the failed ones
+    under their own ``load_wait`` (counted from the first loss)."""
+
+    __slots__ = ("limits", "slot", "address", "waits", "attempts", "retries", "backoff", "retry", "silent", "moving")
+
+    def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
+        self.limits, self.slot, self.address = limits, slot, address
+        self.waits = _Waits(limits, slot, address)
+        self.attempts = 0  # reattaches begun: each is a Resumed(..., attempt)
+        self.retries = 0  # Retrying events told
+        self.backoff = BACKOFF_FIRST
+        self.retry = None  # type: Optional[_Retry]  # why the last reattach failed
+        self.silent = False  # a silence of liveness was already tried as a lost connection
+        self.moving = True  # data came since the last reattach: a new loss starts without backoff
+
+    def moved(self) -> None:
+        """Data came: the next loss is a new one, with a fresh budget."""
+        if not self.moving:
+            self.moving = True
+            self.silent = False
+            self.waits = _Waits(self.limits, self.slot, self.address)
+            self.backoff = BACKOFF_FIRST
+
+
 def _cancelled() -> CancelledError:
     return CancelledError("the request was cancelled")
+
+
+_DONE = object()  # a plan returned
+
+
+def _advance(run: _Run, value: Any, exc: Optional[BaseException]) -> Any:
+    """Resume ``run``'s plan with the result of its last operation (``value``) or its error (``exc``): what
+    it yields next, or ``_DONE`` once it returned (its value then in ``run.value``).  Both drivers' loop."""
+    gen = run.gen
+    assert gen is not None
+    try:
+        return gen.send(value) if exc is None else gen.throw(exc)
+    except StopIteration as stop:
+        run.value = stop.value
+        return _DONE
+
+
+def _after(run: _Run, exc: Optional[BaseException]) -> Optional[BaseException]:
+    """What to throw into the plan after an operation: ``CancelledError`` once the run is cancelled (unless
+    it says its last words, ``shield``); a ``BaseException`` (Ctrl-C, a task's cancellation) as it is."""
+    stop = run.cancelled and not run.shield and type(exc) is not CancelledError
+    if stop and (exc is None or isinstance(exc, Exception)):
+        return _cancelled()
+    return exc
 
 
 class _StreamRequest:
     """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
 
-    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect")
+    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset")
 
     def __init__(
-        self, request: bytes, slot: Optional[int], model: Optional[str], raw_chunks: bool, dialect: Any = None
+        self,
+        request: bytes,
+        slot: Optional[int],
+        model: Optional[str],
+        raw_chunks: bool,
+        dialect: Any = None,
+        conversation: Optional[str] = None,
+        offset: Optional[int] = None,
     ) -> None:
-        self.request = request
+        self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
         self.slot = slot
         self.model = model
         self.raw_chunks = raw_chunks
         self.dialect = dialect  # the class that reads the endpoint's payloads (None: chat's Assembler)
+        self.conversation = conversation  # the X-Conversation-Id of a resumable stream
+        self.offset = offset  # resume(): the body offset to read the buffer from
 
 
 def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
@@ -3748,7 +3890,14 @@ class _Calls:
     # -- requests ----------------------------------------------------------------------------------------
 
     def _encode(
-        self, method: str, path: str, body: Any, accept: str, query: Optional[Dict[str, Any]] = None, keep: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        accept: str,
+        query: Optional[Dict[str, Any]] = None,
+        keep: bool = False,
+        extra: Sequence[Tuple[str, str]] = (),
     ) -> bytes:
         """The request bytes (``Connection: close`` unless ``keep``).  ``ValueError``/``TypeError`` for what
         cannot be sent, before any connection."""
@@ -3768,6 +3917,7 @@ class _Calls:
             headers.append(("Content-Type", "application/json"))
         if not keep:
             headers.append(("Connection", "close"))
+        headers.extend(extra)
         return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
     def _route(
@@ -3964,6 +4114,27 @@ class _Calls:
         del body["stream"]
         return (yield from self._field("/v1/messages/count_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
+    def lookup_streams(self, conversation_ids: Sequence[str]) -> _Plan[List[Any]]:
+        if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
+            raise TypeError("conversation_ids must be a list of str")
+        body = {"conversation_ids": list(conversation_ids)}
+        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None)
+        if not isinstance(doc, list):
+            raise ProtocolError("POST /v1/streams/lookup did not answer a JSON list")
+        return doc
+
+    def delete_stream(self, conversation_id: str, timeout: Optional[float] = None) -> _Plan[bool]:
+        if not isinstance(conversation_id, str):
+            raise TypeError("conversation_id must be a str")
+        head, data = yield from self._send(
+            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout
+        )
+        if head.status == 404:
+            return False
+        if not 200 <= head.status < 300:
+            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+        return True
+
     def lora_adapters(self) -> _Plan[List[Any]]:
         doc = yield from self._json("GET", "/lora-adapters")
         if not isinstance(doc, list):
@@ -4013,6 +4184,7 @@ class _Calls:
     def _stream_request(
         self, path: str, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool, dialect: Any
     ) -> _StreamRequest:
+        conversation = _conversation_id(body.pop("resumable", None))
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
             raise TypeError("slot must be an int or None, not %r" % (slot,))
         if slot is not None and slot < 0:
@@ -4022,25 +4194,49 @@ class _Calls:
             body["id_slot"] = slot
         body, _ = self._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
-        request = self._encode("POST", path, body, "text/event-stream")
-        return _StreamRequest(request, slot, model if isinstance(model, str) else None, raw_chunks, dialect)
+        extra = [("X-Conversation-Id", conversation)] if conversation is not None else []
+        request = self._encode("POST", path, body, "text/event-stream", extra=extra)
+        return _StreamRequest(
+            request, slot, model if isinstance(model, str) else None, raw_chunks, dialect, conversation
+        )
+
+    def resume_request(
+        self, conversation_id: str, endpoint: str, offset: int, model: Optional[str], raw_chunks: bool
+    ) -> _StreamRequest:
+        """``Client.resume()``: read the server's buffer of a resumable stream from ``offset``."""
+        if not isinstance(conversation_id, str):
+            raise TypeError("conversation_id must be the id of a resumable stream (a str)")
+        conversation = _conversation_id(conversation_id)
+        if endpoint != "chat" and endpoint not in _ENDPOINTS:
+            raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(sorted(_ENDPOINTS)), endpoint))
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
+        dialect = None if endpoint == "chat" else _ENDPOINTS[endpoint][1]
+        name = self.model if model is None else model
+        return _StreamRequest(b"", None, name, raw_chunks, dialect, conversation, offset)
 
     def stream(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
         """The life of one streamed request: its place in the gate, then attempts until one is answered;
         returns the ``Completion``.  Whatever ends it, its sockets are closed and its permit released
-        before the result or the error leaves the plan."""
+        before the result or the error leaves the plan; a resumable stream that ends early is deleted on
+        the server first (which then stops generating).  ``resume()`` takes no permit and sends nothing."""
         try:
             board.add(run)
             slot = req.slot
-            capacity = 1 if slot is not None else (yield from self._capacity(board, run, req.model))
-            if run.cancelled:  # cancelled on its way to the gate: it does not enter it
-                raise _cancelled()
-            ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
-            if not ticket.granted:
-                yield from _queued(board.gate, ticket, self.limits.poll)
+            if req.offset is None:
+                capacity = 1 if slot is not None else (yield from self._capacity(board, run, req.model))
+                if run.cancelled:  # cancelled on its way to the gate: it does not enter it
+                    raise _cancelled()
+                ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
+                if not ticket.granted:
+                    yield from _queued(board.gate, ticket, self.limits.poll)
             return (yield from self._attempts(board, run, req))
-        except LoopError:
-            if run.cancelled:
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            if req.conversation is not None:
+                yield from self._forget(run, req.conversation)
+            if isinstance(exc, LoopError) and run.cancelled:
                 raise _cancelled() from None
             raise
         finally:
@@ -4048,6 +4244,18 @@ class _Calls:
             if run.ticket is not None:
                 board.gate.leave(run.ticket)
             board.discard(run)
+
+    def _forget(self, run: _Run, conversation: str) -> _Plan[None]:
+        """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
+        connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not; a failure is
+        ignored (the stream ends with its own error)."""
+        run.shield = True
+        try:
+            yield from self.delete_stream(conversation, FORGET_WAIT)
+        except LoopError:
+            pass
+        finally:
+            run.shield = False
 
     def _capacity(self, board: _Board, run: _Run, model: Optional[str]) -> _Plan[int]:
         """The size of the ``slot=None`` pool: ``Limits.pool``, else ``total_slots`` of the model from
@@ -4119,47 +4327,130 @@ class _Calls:
         self, board: _Board, run: _Run, req: _StreamRequest, conn: Any, waits: _Waits
     ) -> _Plan[Union[Completion, _Retry]]:
         """One attempt: send, wait for the head (polling /slots), then pump the response to its end: the
-        ``Completion``, or a ``_Retry``."""
+        ``Completion``, or a ``_Retry``.  A resumable stream whose connection is lost reattaches to the
+        server's buffer and goes on reading (``_reattach``); so does ``resume()``, from the start."""
         limits = self.limits
-        yield (_SEND, conn, req.request, limits.liveness)
         pump = ResponsePump(limits, req.raw_chunks, req.dialect)
+        if req.offset is None:
+            yield (_SEND, conn, req.request, limits.liveness)
+        else:
+            pump.resume(req.offset)
+            yield (_SEND, conn, self._replay(req, req.offset), limits.liveness)
+        leg = conn  # the connection being read: the first, or a reattached one
+        lost = None  # type: Optional[_Lost]
         events = []  # type: List[Event]
         started = 0.0  # when the first byte came
         heard = progress = time.monotonic()  # the last byte; the last data event
+        try:
+            while True:
+                try:
+                    if events:
+                        run.offset = pump.boundary
+                        yield events
+                        events = []
+                    if pump.failed is not None:
+                        raise pump.failed
+                    while pump.cap_due is not None:
+                        ok = yield from self._end_reasoning(run, req.model, *pump.cap_due)
+                        events = pump.capped(ok)
+                        if events:
+                            run.offset = pump.boundary
+                            yield events
+                            events = []
+                        if pump.failed is not None:
+                            raise pump.failed
+                    if pump.outcome is not None:
+                        if lost is None or not isinstance(pump.outcome, _Retry):
+                            return pump.outcome
+                        raise StreamClosedError(pump.outcome.reason)  # a replay answered 503: reattach again
+                    now = time.monotonic()
+                    if _quiet_due(limits, pump.head, progress, now):
+                        yield from self._check_quiet(board, run, req, now - progress, heard > progress)
+                    try:
+                        data = yield (_RECV, leg, _read_timeout(limits, waits, pump.head, started, heard, now))
+                    except _Silence:
+                        if not started:
+                            yield from self._poll_for_head(board, run, req, waits)
+                            continue
+                        stalled = _silence(limits, pump.head, heard)
+                        if stalled is None:
+                            continue
+                        if req.conversation is None or (lost is not None and lost.silent):
+                            raise stalled from None
+                        lost = lost or _Lost(limits, req.slot, self.address)
+                        lost.silent = True
+                        raise StreamClosedError(str(stalled)) from None  # tried once as a lost connection
+                    heard = time.monotonic()
+                    if not started:
+                        started = progress = heard
+                    events = pump.feed(data) if data else pump.feed_eof()
+                    if pump.progressed:
+                        progress = heard
+                        if lost is not None:
+                            lost.moved()
+                except StreamClosedError:
+                    if req.conversation is None or not (pump.streaming or pump.head is None):
+                        raise
+                    if pump.head is None and pump.received == 0 and req.offset is None and not started:
+                        # lost before any byte of the head: does the server know the stream?
+                        known = yield from self._known(req.conversation)
+                        if not known:
+                            return _Retry("the connection closed before the head", None, StreamClosedError("lost"))
+                    lost = lost or _Lost(limits, req.slot, self.address)
+                    if leg is not conn:
+                        leg.close()
+                    leg = yield from self._reattach(req, pump, lost)
+                    heard = progress = started = time.monotonic()
+        finally:
+            if leg is not conn:
+                leg.close()
+
+    def _replay(self, req: _StreamRequest, offset: int) -> bytes:
+        assert req.conversation is not None
+        query = {"conv_id": req.conversation, "from": offset}
+        return self._encode("GET", "/v1/stream", None, "text/event-stream", query)
+
+    def _known(self, conversation: str) -> _Plan[bool]:
+        """Whether the server knows a resumable stream (``/v1/streams/lookup``); a failure says no."""
+        try:
+            found = yield from self.lookup_streams([conversation])
+        except CancelledError:
+            raise
+        except LoopError:
+            return False
+        return any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found)
+
+    def _reattach(self, req: _StreamRequest, pump: ResponsePump, lost: _Lost) -> _Plan[Any]:
+        """A resumable stream's connection was lost: ask the server for its buffer from the body bytes
+        received (``GET /v1/stream``), on a new connection, and return it for the same pump to read on.
+        A reconnect that fails is retried with the usual backoff under ``load_wait`` (``Retrying``)."""
+        limits = self.limits
         while True:
-            if events:
-                yield events
-            if pump.failed is not None:
-                raise pump.failed
-            while pump.cap_due is not None:
-                ok = yield from self._end_reasoning(run, req.model, *pump.cap_due)
-                events = pump.capped(ok)
-                if events:
-                    yield events
-                if pump.failed is not None:
-                    raise pump.failed
-            if pump.outcome is not None:
-                return pump.outcome
-            now = time.monotonic()
-            if _quiet_due(limits, pump.head, progress, now):
-                yield from self._check_quiet(board, run, req, now - progress, heard > progress)
+            if not lost.moving:  # the last reattach failed before any data came: back off first
+                assert lost.retry is not None
+                event, lost.backoff = _next_retry(lost.waits, lost.retry, lost.retries, lost.backoff)
+                lost.retries = event.attempt
+                yield [event]
+                yield (_SLEEP, event.delay)
+            lost.attempts += 1
+            lost.moving = False
+            offset = pump.received
             try:
-                data = yield (_RECV, conn, _read_timeout(limits, waits, pump.head, started, heard, now))
-            except _Silence:
-                events = []
-                if not started:
-                    yield from self._poll_for_head(board, run, req, waits)
-                    continue
-                stalled = _silence(limits, pump.head, heard)
-                if stalled is None:
-                    continue
-                raise stalled from None
-            heard = time.monotonic()
-            if not started:
-                started = progress = heard
-            events = pump.feed(data) if data else pump.feed_eof()
-            if pump.progressed:
-                progress = heard
+                conn = yield (_CONNECT, max(limits.poll, 0.2), False)
+            except OSError as exc:
+                lost.retry = _cannot_connect(exc)
+                continue
+            try:
+                yield (_SEND, conn, self._replay(req, offset), limits.liveness)
+            except StreamClosedError as exc:
+                conn.close()
+                lost.retry = _Retry("the server closed the connection: %s" % exc, None, exc)
+                continue
+            pump.resume(offset)
+            lost.retry = _Retry("the resumed stream was lost again", None, StreamClosedError("lost"))
+            lost.moving = False
+            yield [Resumed(offset, lost.attempts)]
+            return conn
 
     def _poll_for_head(self, board: _Board, run: _Run, req: _StreamRequest, waits: _Waits) -> _Plan[None]:
         """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
@@ -4356,14 +4647,28 @@ class _SyncRun:
     ends); the driving thread then throws ``CancelledError`` into the plan.  When no thread drives the plan
     at that moment, ``cancel()`` ends it itself, so that its socket and permit are freed at once."""
 
-    __slots__ = ("board", "gen", "value", "cancelled", "ticket", "lock", "_conns", "_conns_lock", "_event")
+    __slots__ = (
+        "board",
+        "gen",
+        "value",
+        "cancelled",
+        "shield",
+        "ticket",
+        "offset",
+        "lock",
+        "_conns",
+        "_conns_lock",
+        "_event",
+    )
 
     def __init__(self, board: _Board) -> None:
         self.board = board
         self.gen = None  # type: Optional[_Plan[Any]]
         self.value = None  # type: Any  # what the plan returned
         self.cancelled = False
+        self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
         self.ticket = None  # type: Optional[_Ticket]
+        self.offset = 0  # a stream's body bytes whose events the plan has yielded
         self.lock = threading.Lock()  # held while a thread drives the plan
         self._conns: Set[_Conn] = set()
         self._conns_lock = threading.Lock()
@@ -4374,15 +4679,11 @@ class _SyncRun:
 
     def step(self) -> Optional[List[Event]]:
         """Drive the plan to the next events it yields (None: it returned, its value in ``value``)."""
-        gen = self.gen
-        assert gen is not None
         value = None  # type: Any
         exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
         while True:
-            try:
-                op = gen.send(value) if exc is None else gen.throw(exc)
-            except StopIteration as stop:
-                self.value = stop.value
+            op = _advance(self, value, exc)
+            if op is _DONE:
                 return None
             if type(op) is list:
                 return op
@@ -4406,8 +4707,17 @@ class _SyncRun:
                     self._spawn(op[1])
             except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
                 exc = caught
-            if self.cancelled and (exc is None or isinstance(exc, Exception)) and type(exc) is not CancelledError:
-                exc = _cancelled()
+            exc = _after(self, exc)
+
+    def unwind(self) -> None:
+        """End a cancelled plan in this thread: ``CancelledError`` thrown into it, so that its last words
+        (a resumable stream's DELETE) are said and its finally runs; the error stays here."""
+        self.cancelled = True
+        try:
+            while self.step() is not None:
+                pass
+        except CancelledError:
+            pass
 
     def finish(self) -> Any:
         """Drive a plan that yields no events to its end: its value."""
@@ -4479,7 +4789,7 @@ class _SyncRun:
         self._event.set()
         if self.gen is not None and self.lock.acquire(False):  # nobody drives it: end it here
             try:
-                self.gen.close()  # runs the plan's finally: sockets closed, permit released
+                self.unwind()  # sockets closed, a resumable stream deleted, permit released
             finally:
                 self.lock.release()
 
@@ -4496,9 +4806,15 @@ class Stream:
         run = self._run = _SyncRun(board)
         run.gen = board.calls.stream(board, run, req)
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
+        self._batch_offset = run.offset = req.offset or 0
         self._done = False
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
+        #: a resumable stream's id (its ``X-Conversation-Id``), else None
+        self.conversation_id = req.conversation
+        #: the stream's body bytes whose events have all been yielded: ``resume(conversation_id, offset=...)``
+        #: from here repeats none of them
+        self.offset = run.offset
 
     def __iter__(self) -> Stream:
         return self
@@ -4507,13 +4823,12 @@ class Stream:
         run = self._run
         with run.lock:
             if self._batch and not run.cancelled:  # a read yields all the events it completed
-                return self._batch.pop()
+                return self._pop()
             if self._done:
                 raise StopIteration
             if run.cancelled:
                 self._done = True
-                assert run.gen is not None
-                run.gen.close()
+                run.unwind()
                 raise _cancelled()
             try:
                 batch = run.step()
@@ -4523,14 +4838,23 @@ class Stream:
             if batch is None:
                 self._done = True
                 self.completion = run.value
+                self.offset = run.offset
                 raise StopIteration
             batch.reverse()  # a fresh list, never empty: popped from its end
             self._batch = batch
-            return batch.pop()
+            self._batch_offset = run.offset
+            return self._pop()
+
+    def _pop(self) -> Event:
+        event = self._batch.pop()
+        if not self._batch:
+            self.offset = self._batch_offset
+        return event
 
     def cancel(self) -> None:
         """Cancel the request from any thread: its sockets close, its permit is released, and the thread
-        iterating the stream gets ``CancelledError`` within 0.2 s."""
+        iterating the stream gets ``CancelledError`` within 0.2 s.  A resumable stream is deleted on the
+        server first (one attempt of at most a second), so that the server stops generating."""
         if not self._done:
             self._run.cancel()
 
@@ -4543,8 +4867,7 @@ class Stream:
             run.cancel()
             with run.lock:
                 self._done = True
-                assert run.gen is not None
-                run.gen.close()
+                run.unwind()
 
 
 #: The name of ``Stream`` from the time when chat was the only streamed endpoint.
@@ -4611,6 +4934,9 @@ class Client:
         The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given),
         ``reasoning_control`` (when ``Limits.thinking_cap`` is set) and ``model`` (when the client has a
         default and the call names none).  ``raw_chunks=True`` also yields a ``Chunk`` per data event.
+        ``resumable=True`` (or an id: 1 to 128 visible ASCII characters) sends ``X-Conversation-Id``: a
+        connection lost after the head, before or after delivery, is then resumed from the server's buffer
+        (``Resumed``), and an early end deletes the stream on the server (every streamed call takes it).
         A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
         ``TypeError``/``ValueError`` here, before any connection.
         """
@@ -4702,6 +5028,36 @@ class Client:
     ) -> Completion:
         """``stream_message()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
         return _consume(self.stream_message(messages, slot=slot, **params), on_event)
+
+    # -- resumable streams ------------------------------------------------------------------------------
+
+    def resume(
+        self,
+        conversation_id: str,
+        *,
+        endpoint: str = "chat",
+        offset: int = 0,
+        model: Optional[str] = None,
+        raw_chunks: bool = False,
+    ) -> Stream:
+        """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
+        ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
+        ``stream.offset``) and follows it to its end, read as ``endpoint`` (``"chat"``, ``"complete"``,
+        ``"infill"``, ``"respond"``, ``"message"``) reads it, with the same liveness and resume rules.  It
+        takes no slot permit and sends no request body.  The ``Completion`` holds what came after
+        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``."""
+        req = self._calls.resume_request(conversation_id, endpoint, offset, model, raw_chunks)
+        return Stream(self._board, req)
+
+    def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
+        """``POST /v1/streams/lookup``: what the server knows of these resumable streams (``conversation_id``,
+        ``is_done``, ``total_bytes``, ...), for the ids it knows."""
+        return self._run(self._calls.lookup_streams(conversation_ids))
+
+    def delete_stream(self, conversation_id: str) -> bool:
+        """``DELETE /v1/stream?conv_id=...``: stop a resumable stream's generation and drop its buffer; False
+        when the server says it is unknown (this build answers 204 for any id, so True then too)."""
+        return self._run(self._calls.delete_stream(conversation_id))
 
     # -- single-shot calls --------------------------------------------------------------------------------
 
@@ -4840,14 +5196,32 @@ class _AsyncRun:
     ``CancelledError`` thrown into it.  Cancelling the task that drives it throws ``asyncio.CancelledError``
     into the plan the same way."""
 
-    __slots__ = ("board", "gen", "value", "cancelled", "ticket", "running", "_conns", "_alarm", "_rung")
+    __slots__ = (
+        "board",
+        "gen",
+        "value",
+        "cancelled",
+        "shield",
+        "ticket",
+        "offset",
+        "resumable",
+        "running",
+        "unwinding",
+        "_conns",
+        "_alarm",
+        "_rung",
+    )
 
-    def __init__(self, board: _AsyncBoard) -> None:
+    def __init__(self, board: _AsyncBoard, resumable: bool = False) -> None:
         self.board = board
         self.gen = None  # type: Optional[_Plan[Any]]
         self.value = None  # type: Any
         self.cancelled = False
+        self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
         self.ticket = None  # type: Optional[_Ticket]
+        self.offset = 0  # a stream's body bytes whose events the plan has yielded
+        self.resumable = resumable  # its end says something to the server: it cannot be ended at once
+        self.unwinding = None  # type: Optional[asyncio.Task[None]]  # the task ending it after a cancel()
         self.running = False  # a task is driving the plan
         self._conns: Set[_AsyncConn] = set()
         self._alarm = None  # type: Optional[asyncio.Future[None]]  # what a park or a sleep awaits
@@ -4861,7 +5235,7 @@ class _AsyncRun:
             self._rung = True
 
     async def _park(self, timeout: Optional[float]) -> None:
-        if self._rung or self.cancelled:
+        if self._rung or (self.cancelled and not self.shield):
             self._rung = False
             return
         loop = self.board.loop
@@ -4873,15 +5247,11 @@ class _AsyncRun:
 
     async def step(self) -> Optional[List[Event]]:
         """``_SyncRun.step`` on an event loop."""
-        gen = self.gen
-        assert gen is not None
         value = None  # type: Any
         exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
         while True:
-            try:
-                op = gen.send(value) if exc is None else gen.throw(exc)
-            except StopIteration as stop:
-                self.value = stop.value
+            op = _advance(self, value, exc)
+            if op is _DONE:
                 return None
             if type(op) is list:
                 return op
@@ -4911,8 +5281,19 @@ class _AsyncRun:
                     self.board.spawn(run._background())
             except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
                 exc = caught
-            if self.cancelled and (exc is None or isinstance(exc, Exception)) and type(exc) is not CancelledError:
-                exc = _cancelled()
+            exc = _after(self, exc)
+
+    async def unwind(self) -> None:
+        """``_SyncRun.unwind`` on an event loop."""
+        self.cancelled = True
+        self.running = True
+        try:
+            while (await self.step()) is not None:
+                pass
+        except CancelledError:
+            pass
+        finally:
+            self.running = False
 
     async def finish(self) -> Any:
         """Drive a plan that yields no events to its end: its value."""
@@ -4975,7 +5356,7 @@ class _AsyncRun:
         task.add_done_callback(lambda _: self.signal())
         try:
             deadline = time.monotonic() + timeout
-            while not task.done() and not self.cancelled and time.monotonic() < deadline:
+            while not task.done() and not (self.cancelled and not self.shield) and time.monotonic() < deadline:
                 await self._park(deadline - time.monotonic())
         finally:
             if not task.done():
@@ -5005,9 +5386,13 @@ class _AsyncRun:
         for conn in list(self._conns):
             conn.abort()
         self.signal()
-        if self.gen is not None and not self.running:
-            self.gen.close()  # nobody drives it: its finally runs now
-        elif self.ticket is not None:
+        if self.gen is not None and not self.running:  # nobody drives it
+            if self.resumable:  # its DELETE is I/O: a task of the board ends it, then frees the permit
+                self.running = True
+                self.unwinding = self.board.spawn(self.unwind())
+            else:
+                self.gen.close()  # its finally runs now: socket closed, permit released
+        elif self.ticket is not None and not self.resumable:
             self.board.gate.leave(self.ticket)  # the permit now; the plan ends when its task wakes
 
 
@@ -5180,18 +5565,28 @@ class AsyncStream:
         self._req = req
         self._run = None  # type: Optional[_AsyncRun]  # made when iteration starts, on the loop that iterates
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
+        self._batch_offset = req.offset or 0
         self._cancelled = False
         self._done = False
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
+        #: a resumable stream's id (its ``X-Conversation-Id``), else None
+        self.conversation_id = req.conversation
+        #: the stream's body bytes whose events have all been yielded (see ``Stream.offset``)
+        self.offset = req.offset or 0
+
+    def _pop(self) -> Event:
+        event = self._batch.pop()
+        if not self._batch:
+            self.offset = self._batch_offset
+        return event
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> Event:
-        batch = self._batch
-        if batch and not self._cancelled:  # a read yields all the events it completed
-            return batch.pop()
+        if self._batch and not self._cancelled:  # a read yields all the events it completed
+            return self._pop()
         if self._done:
             raise StopAsyncIteration
         run = self._run
@@ -5199,11 +5594,12 @@ class AsyncStream:
             raise RuntimeError("another task is iterating this stream")
         if self._cancelled:
             self._done = True
-            self._close()
+            await self._end()
             raise _cancelled()
         if run is None:
             board = self._client._board_here()
-            run = self._run = _AsyncRun(board)
+            run = self._run = _AsyncRun(board, self._req.conversation is not None)
+            run.offset = self.offset
             run.gen = board.calls.stream(board, run, self._req)
         run.running = True
         try:
@@ -5216,10 +5612,12 @@ class AsyncStream:
         if got is None:
             self._done = True
             self.completion = run.value
+            self.offset = run.offset
             raise StopAsyncIteration
         got.reverse()  # a fresh list, never empty: popped from its end
         self._batch = got
-        return got.pop()
+        self._batch_offset = run.offset
+        return self._pop()
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
@@ -5229,9 +5627,15 @@ class AsyncStream:
             if self._run is not None:
                 self._run.cancel()
 
-    def _close(self) -> None:
-        if self._run is not None and not self._run.running and self._run.gen is not None:
-            self._run.gen.close()  # runs the plan's finally, which never waits
+    async def _end(self) -> None:
+        """End the plan of a cancelled stream: at once, or (a resumable one) once its DELETE is said."""
+        run = self._run
+        if run is None:
+            return
+        if run.unwinding is not None:
+            await run.unwinding
+        elif not run.running:
+            await run.unwind()
 
     async def __aenter__(self) -> AsyncStream:
         return self
@@ -5240,7 +5644,7 @@ class AsyncStream:
         if not self._done:
             self.cancel()
             self._done = True
-            self._close()
+            await self._end()
 
 
 #: The name of ``AsyncStream`` from the time when chat was the only streamed endpoint.
@@ -5411,6 +5815,28 @@ class AsyncClient:
     ) -> Completion:
         """``Client.message()``, as a coroutine."""
         return await _aconsume(self.stream_message(messages, slot=slot, **params), on_event)
+
+    # -- resumable streams ------------------------------------------------------------------------------
+
+    def resume(
+        self,
+        conversation_id: str,
+        *,
+        endpoint: str = "chat",
+        offset: int = 0,
+        model: Optional[str] = None,
+        raw_chunks: bool = False,
+    ) -> AsyncStream:
+        """``Client.resume()`` for asyncio (a plain call)."""
+        return AsyncStream(self, self._calls.resume_request(conversation_id, endpoint, offset, model, raw_chunks))
+
+    async def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
+        """``Client.lookup_streams``, as a coroutine."""
+        return await self._run(self._calls.lookup_streams(conversation_ids))
+
+    async def delete_stream(self, conversation_id: str) -> bool:
+        """``Client.delete_stream``, as a coroutine."""
+        return await self._run(self._calls.delete_stream(conversation_id))
 
     # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
 
@@ -5619,9 +6045,13 @@ class _Console:
         elif isinstance(event, Waiting):
             waited = time.monotonic() - self.started
             state = "the slot is wedged" if event.wedged else "the slot is busy" if event.slot_busy else "no answer yet"
+            if not event.slots_known:
+                state = "no answer yet (the server does not show its slots)"
             self.status("waiting %.0f s: %s" % (waited, state))
         elif isinstance(event, Retrying):
             self.status("retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason))
+        elif isinstance(event, Resumed):
+            self.status("connection lost: resumed from byte %d (attempt %d)" % (event.offset, event.attempt))
         elif isinstance(event, Progress):
             if event.total > 0 and self.first_token is None:
                 self._progress(min(event.processed, event.total), event.total)
@@ -5871,6 +6301,9 @@ def _parser() -> Any:
     chat.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
     chat.add_argument("--system", help="a system message")
     chat.add_argument("--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens")
+    chat.add_argument(
+        "--resumable", action="store_true", help="resume the answer from the server's buffer if the connection drops"
+    )
     _add_answer_options(chat)
     slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
     slots.add_argument(
@@ -5959,6 +6392,8 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
     params = dict({"return_progress": True}, **params)
+    if args.resumable:
+        params["resumable"] = True
     history = []  # type: List[Dict[str, Any]]
     if args.system:
         history.append({"role": "system", "content": args.system})

@@ -630,6 +630,10 @@ class GateView:
         snap = self._facade._runner.call(lambda: self._board().gate.snapshot())
         return {self._key(k): v for k, v in snap.items()}
 
+    def problems(self, queue_len=None):
+        """gate_problems() of the async board's gate, read in the loop's thread."""
+        return self._facade._runner.call(lambda: gate_problems(self._board().gate, queue_len))
+
     @property
     def _lanes(self):
         lanes = self._facade._runner.call(lambda: dict(self._board().gate._lanes))
@@ -653,6 +657,10 @@ class SyncFacade:
     @property
     def limits(self):
         return self._client.limits
+
+    @property
+    def address(self):
+        return self._client.address
 
     def __getattr__(self, name):  # the single-shot calls: slots(), health(), props(), request(), ...
         method = getattr(self._client, name)
@@ -4059,7 +4067,7 @@ class TestApiCalls(_ApiCase):
 
     def test_request_bytes_with_api_key_and_headers_whole(self):
         self.server.route("POST", "/tokenize", _api_answering({"tokens": [1]}))
-        client = lc.Client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
+        client = self.new_client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
         self.closers.append(client.close)
         self.assertEqual(run_with_timeout(lambda: client.tokenize("a\r\nb")), [1])
         req = self.server.requests[0]
@@ -4117,6 +4125,10 @@ class TestApiCalls(_ApiCase):
         self.assertEqual(self.server.requests[0].raw_head, _api_head(b"GET /props?a=1&b=2"))
 
 
+class TestApiCallsAsync(AsyncDriver, TestApiCalls):
+    pass
+
+
 class TestApiErrors(_ApiCase):
     """Each single-shot call meets each error class of the one request path."""
 
@@ -4130,7 +4142,8 @@ class TestApiErrors(_ApiCase):
             (missing, FileNotFoundError, "no llama-server at %s: the socket file does not exist" % missing),
             (url, ConnectionRefusedError, "no llama-server listening at %s (connection refused)" % url),
         ):
-            client = lc.Client(address, limits=FAST)
+            client = self.new_client(address, limits=FAST)
+            self.closers.append(client.close)
             for name, call, *_ in _api_calls():
                 with self.subTest(call=name, address=address):
                     with self.assertRaises(lc.ConnectError) as cm:
@@ -4163,7 +4176,7 @@ class TestApiErrors(_ApiCase):
                 self.assertEqual(str(err), "HTTP 500: slot 1 is busy: boom")
 
     def test_silence_is_stalled_after_liveness(self):
-        client = lc.Client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
+        client = self.new_client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
         self.closers.append(client.close)
         for name, call, line, *_ in _api_calls():
             with self.subTest(call=name):
@@ -4178,7 +4191,7 @@ class TestApiErrors(_ApiCase):
 
     def test_silence_after_the_head_is_stalled_but_slow_progress_is_not(self):
         # liveness bounds the gap between two reads, never the whole answer
-        client = lc.Client(self.server.address, limits=FAST.replace(liveness=0.4))
+        client = self.new_client(self.server.address, limits=FAST.replace(liveness=0.4))
         self.closers.append(client.close)
         body = b'{"tokens":[1,2,3,4,5,6,7,8,9]}'
 
@@ -4206,7 +4219,7 @@ class TestApiErrors(_ApiCase):
         self.assertLess(time.monotonic() - start, 0.4 + MARGIN)
 
     def test_body_over_max_body_is_protocol_error(self):
-        client = lc.Client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
+        client = self.new_client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
         self.closers.append(client.close)
         for name, call, line, _, answer, value, _ in _api_calls():
             body, ctype = _api_body(answer)
@@ -4222,11 +4235,16 @@ class TestApiErrors(_ApiCase):
                     _api_route(
                         self.server,
                         line,
-                        lambda req, a=(body + pad + b" ", ctype, framing): req.send(_api_response(*a)),
+                        lambda req, a=(body + pad + b" ", ctype, framing): (
+                            req.send(_api_response(*a)),
+                            req.wait_peer_close(5),  # the connection stays open: the cap alone ends the call
+                        ),
                     )
+                    t = Timer()
                     with self.assertRaises(lc.ProtocolError) as cm:
                         run_with_timeout(lambda call=call: call(client))
                     self.assertIn("max_body", str(cm.exception))
+                    self.assertLess(t.elapsed, 1.0)  # at once, not a StalledError after liveness (2 s)
         big = json.dumps({"error": {"code": 500, "message": "x" * _API_MAX_BODY}}).encode()
         self.server.route(
             "POST", "/tokenize", lambda req: req.send(_api_response(big, b"application/json", status=b"500 Oops"))
@@ -4284,7 +4302,7 @@ class TestApiErrors(_ApiCase):
         self._api_nothing_sent()
 
     def test_closed_client_refuses_every_call_without_connecting(self):
-        client = lc.Client(self.server.address, limits=FAST)
+        client = self.new_client(self.server.address, limits=FAST)
         client.close()
         calls = [(name, call) for name, call, *_ in _api_calls()]
         calls += [("stream", lambda c: c.stream(MSGS, slot=0)), ("chat", lambda c: c.chat(MSGS, slot=None))]
@@ -4295,14 +4313,18 @@ class TestApiErrors(_ApiCase):
                 self.assertEqual(str(cm.exception), "this client is closed")
         client.close()  # twice is fine
         for slot in (0, None):  # a stream made before close() and iterated after it is cancelled, unsent
-            early = lc.Client(self.server.address, limits=FAST)
+            early = self.new_client(self.server.address, limits=FAST)
             stream = early.stream(MSGS, slot=slot)
             early.close()
             with self.subTest(slot=slot), self.assertRaises(lc.CancelledError):
                 run_with_timeout(lambda stream=stream: next(stream))
         self._api_nothing_sent()
         with self.assertRaises(TypeError):
-            lc.Client("https://localhost:1", ssl_context="no")
+            self.new_client("https://localhost:1", ssl_context="no")
+
+
+class TestApiErrorsAsync(AsyncDriver, TestApiErrors):
+    pass
 
 
 class TestApiRouting(_ApiCase):
@@ -4310,7 +4332,7 @@ class TestApiRouting(_ApiCase):
     gets it, one with a model keeps its own; request() included."""
 
     def test_single_shot_calls_are_routed_to_the_default_model(self):
-        client = lc.Client(self.server.address, limits=FAST, model="alpha")
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
         self.closers.append(client.close)
         m = b', "model": "alpha"}'
         for name, call, line, body, answer in (
@@ -4435,6 +4457,10 @@ class TestApiRouting(_ApiCase):
                 self.assertEqual(req.body, body or b"")
 
 
+class TestApiRoutingAsync(AsyncDriver, TestApiRouting):
+    pass
+
+
 class TestApiPrefix(_ApiCase):
     """http://host:port/llama: every request path carries the prefix, streams and their /slots and /props
     polls included."""
@@ -4443,7 +4469,7 @@ class TestApiPrefix(_ApiCase):
 
     def test_every_call_and_stream_carries_the_prefix(self):
         self.client.close()
-        self.client = lc.Client(self.server.address + "/llama/", limits=FAST)
+        self.client = self.new_client(self.server.address + "/llama/", limits=FAST)
         host = self.server.address[len("http://") :].encode()
         self.server.routes.clear()  # an unprefixed request gets a 404
         with self.assertRaises(ValueError):  # "/llama" + "health" would be another path: refused
@@ -4483,6 +4509,10 @@ class TestApiPrefix(_ApiCase):
         self.assertEqual(paths.count("/llama/v1/chat/completions"), 2)
         self.assertGreaterEqual(paths.count("/llama/slots"), 3)  # slots() above, then a poll per chat
         self.assertEqual(paths.count("/llama/props"), 2)  # props() above, then the pool size for slot=None
+
+
+class TestApiPrefixAsync(AsyncDriver, TestApiPrefix):
+    pass
 
 
 class _ApiTLSServer(FakeServer):
@@ -4531,7 +4561,7 @@ class TestApiTLS(_ApiCase):
         self.threads = threading.active_count()
         self.server = _ApiTLSServer()
         self.trusting = ssl.create_default_context(cafile=_API_TLS_CERT)
-        self.client = lc.Client(self.server.address, limits=FAST, ssl_context=self.trusting)
+        self.client = self.new_client(self.server.address, limits=FAST, ssl_context=self.trusting)
         self.closers = []
 
     def test_stream_and_calls_over_https_with_a_context_that_trusts_the_certificate(self):
@@ -4565,7 +4595,7 @@ class TestApiTLS(_ApiCase):
         self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
         # the host name is checked too: localhost is in the certificate
         port = self.server.address.rsplit(":", 1)[1]
-        by_name = lc.Client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
+        by_name = self.new_client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
         self.closers.append(by_name.close)
         self.assertEqual(run_with_timeout(by_name.health), {"status": "ok"})
         self.assertEqual(self.server.requests[-1].headers["host"], "localhost:%s" % port)
@@ -4588,7 +4618,7 @@ class TestApiTLS(_ApiCase):
 
     def test_untrusted_certificate_is_connect_error_at_once_never_retried(self):
         # verification is on by default: the system store does not trust the test certificate
-        client = lc.Client(self.server.address, limits=FAST.replace(load_wait=30.0))
+        client = self.new_client(self.server.address, limits=FAST.replace(load_wait=30.0))
         self.closers.append(client.close)
         events = []
         calls = (
@@ -4618,12 +4648,16 @@ class TestApiTLS(_ApiCase):
         except OSError as exc:  # pragma: no cover - a host without 127.0.0.0/8 on lo
             self.skipTest("cannot listen on 127.0.0.2: %s" % exc)
         self.closers.append(other.close)
-        client = lc.Client(other.address, limits=FAST, ssl_context=self.trusting)
+        client = self.new_client(other.address, limits=FAST, ssl_context=self.trusting)
         self.closers.append(client.close)
         for call in (lambda c: c.health(), lambda c: c.chat(MSGS, slot=0)):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 64)  # X509_V_ERR_IP_ADDRESS_MISMATCH
         self.assertEqual(other.requests, [])
+
+
+class TestApiTLSAsync(AsyncDriver, TestApiTLS):
+    pass
 
 
 #: A self-signed certificate for 127.0.0.1 (EC P-256, valid until 2126) and its key, for the TLS tests.
@@ -4991,7 +5025,7 @@ class TestAsyncClient(ServerCase):
         self.assertEqual(out, "False\n")
 
 
-class TestCallerMistakes(unittest.TestCase):
+class TestCallerMistakes(ClientFactory, unittest.TestCase):
     """Each caller mistake is refused by the call that received it, before any connection."""
 
     def test_bad_addresses(self):
@@ -5005,9 +5039,9 @@ class TestCallerMistakes(unittest.TestCase):
             "/tmp/" + "x" * 120,
         ):
             with self.assertRaises(ValueError, msg=bad):
-                lc.Client(bad)
+                self.new_client(bad)
         with self.assertRaises(TypeError):
-            lc.Client(8080)
+            self.new_client(8080)
 
     def test_addresses(self):
         self.assertEqual(lc.parse_address("/run/llama.sock").target, "/run/llama.sock")
@@ -5020,13 +5054,13 @@ class TestCallerMistakes(unittest.TestCase):
     def test_header_injection_refused_before_sending(self):
         for kwargs in ({"api_key": "k\r\nX: y"}, {"headers": {"X-A": "v\nw"}}, {"headers": {"X\r\nB": "v"}}):
             with self.assertRaises(ValueError) as cm:
-                lc.Client("/tmp/x.sock", **kwargs)
+                self.new_client("/tmp/x.sock", **kwargs)
             self.assertNotIn("k\r\nX", str(cm.exception))
         with self.assertRaises(ValueError):
             lc.encode_request("GET", "/x\r\nY: z", "localhost")
 
     def test_body_not_serialisable_and_bad_limits(self):
-        client = lc.Client("/tmp/lc-none.sock")
+        client = self.new_client("/tmp/lc-none.sock")
         with self.assertRaises(TypeError):
             client.stream(MSGS, foo=object())
         with self.assertRaises(ValueError):
@@ -5050,15 +5084,15 @@ class TestCallerMistakes(unittest.TestCase):
             (ValueError, lambda: lc.encode_request("GET", "health", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/a b", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/", "localhost", [("Bad:Name", "v")])),
-            (TypeError, lambda: lc.Client("/tmp/x.sock", limits={"poll": 1})),
-            (TypeError, lambda: lc.Client("/tmp/x.sock", headers={"X-A": 1})),
-            (ValueError, lambda: lc.Client("/tmp/x.sock", headers={"X:A": "1"})),
-            (ValueError, lambda: lc.Client("/tmp/x.sock", headers={"Host": "evil"})),
-            (ValueError, lambda: lc.Client("/tmp/x.sock", headers={"content-length": "5"})),
-            (TypeError, lambda: lc.Client("/tmp/x.sock", api_key=b"k")),
-            (TypeError, lambda: lc.Client("/tmp/x.sock").stream(MSGS, slot=True)),
-            (TypeError, lambda: lc.Client("/tmp/x.sock").stream(MSGS, slot="0")),
-            (TypeError, lambda: lc.Client("/tmp/x.sock").end_reasoning(5)),
+            (TypeError, lambda: self.new_client("/tmp/x.sock", limits={"poll": 1})),
+            (TypeError, lambda: self.new_client("/tmp/x.sock", headers={"X-A": 1})),
+            (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"X:A": "1"})),
+            (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"Host": "evil"})),
+            (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"content-length": "5"})),
+            (TypeError, lambda: self.new_client("/tmp/x.sock", api_key=b"k")),
+            (TypeError, lambda: self.new_client("/tmp/x.sock").stream(MSGS, slot=True)),
+            (TypeError, lambda: self.new_client("/tmp/x.sock").stream(MSGS, slot="0")),
+            (TypeError, lambda: self.new_client("/tmp/x.sock").end_reasoning(5)),
             (ValueError, lambda: lc.parse_address("http://:8080")),
             (ValueError, lambda: lc.parse_address("http://[::1")),
             (ValueError, lambda: lc.parse_address("unix://")),
@@ -5071,6 +5105,7 @@ class TestCallerMistakes(unittest.TestCase):
     def test_path_like_address_and_user_headers_replace_defaults(self):
         self.assertEqual(lc.parse_address(pathlib.Path("/run/x.sock")).target, "/run/x.sock")
         self.assertEqual(lc.parse_address("http://example:80").host, "example")
+        # the threaded client's internals: the request bytes its call plan encodes (both clients share _Calls)
         client = lc.Client("/tmp/x.sock", headers={"user-agent": "mine/1"})
         request = client._calls._encode("GET", "/health", None, "application/json")
         self.assertIn(b"\r\nuser-agent: mine/1\r\n", request)
@@ -5136,6 +5171,10 @@ class TestCallerMistakes(unittest.TestCase):
         )
         deep = copy.deepcopy(values[-3])
         self.assertIsNot(deep.usage, values[-3].usage)
+
+
+class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
+    pass
 
 
 # =====================================================================================================
@@ -5794,6 +5833,8 @@ class CountingRun(lc._SyncRun):
 
 def gate_problems(gate, queue_len=None):
     """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+    if isinstance(gate, GateView):
+        return gate.problems(queue_len)
     problems = []
     with gate._lock:
         for key, lane in gate._lanes.items():
@@ -5923,7 +5964,43 @@ class TestGate(ServerCase):
         self.assertEqual(results["C"].content, "C")
         self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
 
+    def test_busy_error_names_the_slot_and_the_model(self):
+        """A client with model="m1": its BusyError names the slot (or the pool) of m1; the pool for slot=None
+        is the size that /props?model=m1 gives, one here."""
+        self.server.route("GET", "/slots?model=m1", self.server._slots)
+        self.server.route("GET", "/props?model=m1", lambda req: respond_json(req, {"total_slots": 1}))
+        client = self.new_client(self.server.address, limits=self.limits, model="m1")
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        for slot, where in ((0, "slot 0 of model m1"), (None, "any slot of model m1")):
+            with self.subTest(slot=slot):
+                events, results = {}, {}
+                a, b, c, d = ("%s%s" % (m, slot) for m in "ABCD")
+                threads = [start_chat(client, a, slot, events, results)]
+                wait_for(lambda: keeper.arrived(a), what="the first to be sent")
+                threads.append(start_chat(client, b, slot, events, results))
+                wait_for(lambda: events[b], what="the second to queue")
+                threads.append(start_chat(client, c, slot, events, results))
+                wait_for(lambda: events[c], what="the third to queue")
+                self.assertEqual((events[b], events[c]), ([lc.Queued(1)], [lc.Queued(2)]))  # a pool of one
+                t = Timer()
+                with self.assertRaises(lc.BusyError) as cm:
+                    run_with_timeout(lambda: client.chat([{"role": "user", "content": d}], slot=slot))
+                self.assertLess(t.elapsed, 0.1 + MARGIN)
+                err = cm.exception
+                self.assertEqual((err.slot, err.queue_len, err.waiting), (slot, 2, 2))
+                self.assertEqual(str(err), "2 requests already wait for %s (queue_len 2): try later" % where)
+                for marker in (a, b, c):
+                    keeper.release(marker)
+                for th in threads:
+                    th.join(5)
+                self.assertEqual([results[m].content for m in (a, b, c)], [a, b, c])
+        self.assertEqual([m for _, m in keeper.order], ["A0", "B0", "C0", "ANone", "BNone", "CNone"])
+        self.assertEqual({r.json()["model"] for r in self.server.chat_requests()}, {"m1"})
+        self.assertEqual(sum(1 for r in self.server.requests if r.path.startswith("/props")), 1)
+
     def test_cancel_wakes_a_queued_request_at_once_whatever_the_poll(self):
+        # the threaded client's internals: the stream's run parked on its lock (TestAsyncCancel: asyncio's)
         client = lc.Client(self.server.address, limits=self.limits.replace(poll=30.0))
         self.closers.append(client.close)
         keeper = Gatekeeper(self.server)
@@ -5959,7 +6036,7 @@ class TestGate(ServerCase):
         """Twenty waiters on one slot: each hears its place first, then only smaller ones, at most once per
         poll; the request sent at once hears none; the slot serves them in entry order."""
         limits = self.limits.replace(queue_len=20)
-        client = lc.Client(self.server.address, limits=limits)
+        client = self.new_client(self.server.address, limits=limits)
         self.closers.append(client.close)
         keeper = Gatekeeper(self.server)
         heard, results, threads = {}, {}, []
@@ -6679,6 +6756,7 @@ class TestStress(ServerCase):
         # load_wait generous: when the held requests are let go, hundreds connect at once and overflow the
         # fake server's listen queue, which is retried under load_wait (a budget this test is not about)
         limits = self.limits.replace(queue_len=500, poll=0.2, load_wait=60.0)
+        # the threaded client: 1,100 threads (TestAsyncStress and TestAsyncScale load the asyncio client)
         client = lc.Client(self.server.address, limits=limits)
         self.closers.append(client.close)
         peak = self.stress(

@@ -4177,7 +4177,7 @@ class TestApiErrors(_ApiCase):
         def drip(req):  # the head, then the body 3 bytes at a time, 0.1 s apart
             req.send(http_response(body, b"application/json")[: -len(body)])
             for i in range(0, len(body), 3):
-                time.sleep(0.1)
+                time.sleep(0.1)  # the scripted server's pace: slow progress is what this test is about
                 if not req.send(body[i : i + 3]):
                     return
 
@@ -4463,9 +4463,7 @@ class TestApiPrefix(_ApiCase):
 
         def after_a_poll(req):
             seen = self.server.slots_requests
-            deadline = time.monotonic() + 5
-            while self.server.slots_requests == seen and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for(lambda: self.server.slots_requests > seen, 5, "a /slots poll")
             req.send(STREAM_HEAD + content_stream(["ok"]))
 
         self.server.route("POST", "/llama/v1/chat/completions", after_a_poll)
@@ -4539,9 +4537,7 @@ class TestApiTLS(_ApiCase):
         self.server.busy[0] = True
 
         def after_a_busy_poll(req):
-            deadline = time.monotonic() + 5
-            while self.server.slots_requests == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for(lambda: self.server.slots_requests > 0, 5, "a /slots poll")
             with self.server.lock:  # after the poll has read the flags
                 self.server.busy[0] = False
             req.send(STREAM_HEAD + content_stream(["Hello", " world"]))
@@ -4602,11 +4598,15 @@ class TestApiTLS(_ApiCase):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 18)  # X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT
             wait_for(lambda n=n: len(self.server.handshakes) == n, 5, "the server to see the handshake")
-        time.sleep(3 * lc.BACKOFF_FIRST)  # a retry would have come by now
+        # None retried: a retry connects before its call returns, so before this trusting sentinel, and the
+        # listener accepts in order: once the sentinel is answered, every earlier connection was accepted.
+        sentinel = self.new_client(self.server.address, limits=FAST, ssl_context=self.trusting)
+        self.closers.append(sentinel.close)
+        self.assertEqual(run_with_timeout(sentinel.health), {"status": "ok"})
         with self.server.lock:
-            self.assertEqual(len(self.server.handshakes), len(calls))  # one attempt per call, none retried
-            self.assertNotIn(None, self.server.handshakes)
-            self.assertEqual(self.server.requests, [])
+            self.assertEqual(len(self.server.conns), len(calls) + 2)  # one per call; the sentinel's, and its TLS
+            self.assertEqual([h is None for h in self.server.handshakes], [False] * len(calls) + [True])
+            self.assertEqual([r.path for r in self.server.requests], ["/health"])  # the sentinel's only
         self.assertEqual(events, [])  # no Retrying
 
         events = []  # slot=None: asking /props for the pool size fails the same way, and is not the error
@@ -5220,31 +5220,37 @@ class TestWaitForHead(ServerCase):
         self.assertLess(t.elapsed, 0.5 + MARGIN)
 
     def test_budgets_restart_when_the_situation_changes(self):
-        # busy 0.35 s, unavailable 0.35 s, busy 0.35 s: each under its 0.5 s budget, 1.05 s in all
-        phase = {"state": "busy"}
+        # busy, unavailable, busy: each phase ends on the first poll 0.35 s after the phase's own first poll
+        # (so the client has seen every phase), under its 0.5 s budget; over 1.05 s in all
+        phases = ("busy", "down", "busy")
+        state = {"phase": 0, "since": None}
+        lock = threading.Lock()
         release = threading.Event()
 
         def slots(req):
-            if phase["state"] == "down":
+            with lock:
+                now = time.monotonic()
+                if state["since"] is None:
+                    state["since"] = now
+                elif now - state["since"] >= 0.35 and state["phase"] < len(phases):
+                    state.update(phase=state["phase"] + 1, since=now)
+                    if state["phase"] == len(phases):
+                        release.set()  # the last phase is over: the chat's head is sent
+                phase = phases[min(state["phase"], len(phases) - 1)]
+            if phase == "down":
                 respond_json(
                     req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
                 )
             else:
                 respond_json(req, [{"id": 0, "is_processing": True}])
 
-        def driver():
-            for state in ("down", "busy"):
-                time.sleep(0.35)  # the phases of the scripted server, not a wait for a condition
-                phase["state"] = state
-            time.sleep(0.35)
-            release.set()
-
         self.server.route("GET", "/slots", slots)
         self.use(hold_then(content_stream(["ok"]), release))
         client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.5, load_wait=0.5))
-        threading.Thread(target=driver, daemon=True).start()
         events = []
+        t = Timer()
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreaterEqual(t.elapsed, 3 * 0.35 - EARLY)  # longer than either budget: both restarted
         self.assertEqual(completion.content, "ok")
         waits = [e.slot_busy for e in events if isinstance(e, lc.Waiting)]
         self.assertIn(False, waits)
@@ -7230,7 +7236,7 @@ def _f_drip(pieces, interval, limit=4.0):
             if not req.send(piece):
                 return
             if interval:
-                time.sleep(interval)
+                time.sleep(interval)  # the scripted server's pace
 
     return handler
 
@@ -7390,12 +7396,13 @@ class TestFaultReset(_f_Case):
     def test_reset_mid_stream_is_not_replayed(self):
         def reset(req):
             req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))))
-            time.sleep(0.05)
+            # the RST once the client has delivered the content (an RST may discard bytes still unread)
+            wait_for(lambda: lc.Content("Hi") in self._f_events, 5, "the client to deliver the content")
             req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             req.conn.close()
 
         self.use(reset)
-        self._f_fails(lc.StreamClosedError, 0.05, at_once=True)
+        self._f_fails(lc.StreamClosedError)
         self.assertEqual(self._f_kinds(), ["Content"])
         self.assertEqual(len(self.server.chat_requests()), 1)
 
@@ -7613,7 +7620,7 @@ class TestFaultSSE(_f_Case):
                 if not req.send(b"x"):
                     return
                 sent[0] += 1
-                time.sleep(0.001)
+                time.sleep(0.001)  # the scripted server's pace: a byte at a time
 
         self.use(handler)
         self._f_fails(lc.ProtocolError, 1024 * 0.0011 + 0.5, at_once=True)

@@ -546,16 +546,8 @@ class ServerCase(ClientFactory, unittest.TestCase):
 # retrieved, a callback that failed), and so do tasks still pending when the test's clients are closed:
 # either fails the test.  Each ``...Async`` class follows its base class; the async variants leave out
 # a few slow tests whose async path another async test already walks (the behaviour they pin is shared
-# code, and the threaded run keeps them).  A test that looks at threaded internals sees GateView.
-
-
-#
-# AsyncDriver, mixed in first, makes a test class's ``new_client()`` return a SyncFacade: lc.AsyncClient
-# behind Client's blocking calls, its coroutines run on an event loop in a helper thread (one per test,
-# asyncio debug mode on).  A test written once for Client then runs twice, unchanged.  The loop's
-# exception handler records what debug mode reports (a task destroyed while pending, an exception never
-# retrieved, a callback that failed), and so do tasks still pending when the test's clients are closed:
-# either fails the test.
+# code, and the threaded run keeps them).  A test that looks at threaded internals sees GateView; one
+# that is about the threaded client itself builds lc.Client and says why.
 
 
 class LoopThread:

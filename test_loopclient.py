@@ -223,13 +223,53 @@ class FakeRequest:
         return False
 
 
+# -- canned answers: the one family of helpers that make a response (bytes, or a handler sending them) --
+
+JSON_TYPE = b"application/json; charset=utf-8"
+
+
+def http_response(body, ctype=JSON_TYPE, framing="length", status=b"200 OK", extra=b""):
+    """A whole response as llama-server frames it: by Content-Length, chunked (two chunks) or until close;
+    ``extra``: more header lines, each ending in CRLF."""
+    head = b"HTTP/1.1 %s\r\nServer: llama.cpp\r\nContent-Type: %s\r\n" % (status, ctype)
+    if framing == "length":
+        return head + b"Content-Length: %d\r\n%sConnection: close\r\n\r\n" % (len(body), extra) + body
+    if framing == "chunked":
+        cut = len(body) // 2
+        return (
+            head
+            + b"Transfer-Encoding: chunked\r\n%sConnection: close\r\n\r\n" % extra
+            + chunked(body[:cut], body[cut:])
+            + b"0\r\n\r\n"
+        )
+    assert framing == "close", framing
+    return head + extra + b"Connection: close\r\n\r\n" + body
+
+
+def json_response(doc, status=b"200 OK", extra=b""):
+    """A JSON answer (llama-server's separators) framed by Content-Length."""
+    return http_response(json.dumps(doc, separators=(",", ":")).encode(), status=status, extra=extra)
+
+
+def reply(data, hold=False):
+    """A handler that sends ``data``, then (``hold``) keeps the connection open until the client leaves."""
+
+    def handler(req):
+        req.send(data)
+        if hold:
+            req.wait_peer_close(5)
+
+    return handler
+
+
+def serve_body(body, hold=False):
+    """``reply()`` with a stream's head before ``body``."""
+    return reply(STREAM_HEAD + body, hold)
+
+
 def respond_json(req, doc, status=200, reason="OK", extra_headers=b""):
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    req.send(
-        b"HTTP/1.1 %d %s\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
-        b"Content-Length: %d\r\n%sConnection: close\r\n\r\n%s"
-        % (status, reason.encode(), len(body), extra_headers, body)
-    )
+    """Answer ``req`` with ``json_response(doc)``, in a handler that does more than answer."""
+    req.send(json_response(doc, b"%d %s" % (status, reason.encode()), extra_headers))
 
 
 class FakeServer:
@@ -507,16 +547,8 @@ class ServerCase(ClientFactory, unittest.TestCase):
 # retrieved, a callback that failed), and so do tasks still pending when the test's clients are closed:
 # either fails the test.  Each ``...Async`` class follows its base class; the async variants leave out
 # a few slow tests whose async path another async test already walks (the behaviour they pin is shared
-# code, and the threaded run keeps them).  A test that looks at threaded internals sees GateView.
-
-
-#
-# AsyncDriver, mixed in first, makes a test class's ``new_client()`` return a SyncFacade: lc.AsyncClient
-# behind Client's blocking calls, its coroutines run on an event loop in a helper thread (one per test,
-# asyncio debug mode on).  A test written once for Client then runs twice, unchanged.  The loop's
-# exception handler records what debug mode reports (a task destroyed while pending, an exception never
-# retrieved, a callback that failed), and so do tasks still pending when the test's clients are closed:
-# either fails the test.
+# code, and the threaded run keeps them).  A test that looks at threaded internals sees GateView; one
+# that is about the threaded client itself builds lc.Client and says why.
 
 
 class LoopThread:
@@ -631,6 +663,10 @@ class GateView:
         snap = self._facade._runner.call(lambda: self._board().gate.snapshot())
         return {self._key(k): v for k, v in snap.items()}
 
+    def problems(self, queue_len=None):
+        """gate_problems() of the async board's gate, read in the loop's thread."""
+        return self._facade._runner.call(lambda: gate_problems(self._board().gate, queue_len))
+
     @property
     def _lanes(self):
         lanes = self._facade._runner.call(lambda: dict(self._board().gate._lanes))
@@ -654,6 +690,10 @@ class SyncFacade:
     @property
     def limits(self):
         return self._client.limits
+
+    @property
+    def address(self):
+        return self._client.address
 
     def __getattr__(self, name):  # the single-shot calls: slots(), health(), props(), request(), ...
         method = getattr(self._client, name)
@@ -745,10 +785,6 @@ async def until(predicate, timeout=5.0, what="condition"):
 async def consume(stream, events):
     async for ev in stream:
         events.append(ev)
-
-
-def serve_body(body):
-    return lambda req: req.send(STREAM_HEAD + body)
 
 
 def hold_then(body, release, server=None):
@@ -2788,10 +2824,10 @@ def _p_completion(choices, usage=USAGE, timings=TIMINGS, reasoning_tokens=0):
     )
 
 
-def _p_lp(token, logprob, *tops):
-    """A log-probability entry as llama-server writes it; ``tops`` are (token, logprob) pairs."""
-    entry = {"id": len(token), "token": token, "bytes": list(token.encode()), "logprob": logprob}
-    entry["top_logprobs"] = [{"id": len(t), "token": t, "bytes": list(t.encode()), "logprob": p} for t, p in tops]
+def _p_entry(tid, token, logprob, *tops):
+    """A log-probability entry as llama-server writes it: ``tops`` are (id, token, logprob)."""
+    entry = {"id": tid, "token": token, "bytes": list(token.encode()), "logprob": logprob}
+    entry["top_logprobs"] = [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": p} for i, t, p in tops]
     return entry
 
 
@@ -2922,8 +2958,9 @@ class TestParserChoices(unittest.TestCase):
 
 class TestParserLogprobs(unittest.TestCase):
     def test_entries_appended_in_order_per_choice(self):
-        lp = [_p_lp("<", -2.1, ("Is", -1.4)), _p_lp("is", -2.5, ("\n", -1.4)), _p_lp(" the", -0.7, (" the", -0.7))]
-        lp += [_p_lp("ok", -0.1, ("ok", -0.1)), _p_lp("!", -3.0, (".", -0.2))]
+        lp = [_p_entry(1, "<", -2.1, (2, "Is", -1.4)), _p_entry(2, "is", -2.5, (1, "\n", -1.4))]
+        lp += [_p_entry(4, " the", -0.7, (4, " the", -0.7)), _p_entry(2, "ok", -0.1, (2, "ok", -0.1))]
+        lp += [_p_entry(1, "!", -3.0, (1, ".", -0.2))]
         payloads = [
             # llama-server puts the entry of a token it hides (the <think> tag's first piece) on the role chunk
             _p_chunk(_p_choice(0, {"role": "assistant", "content": None}, logprobs={"content": [lp[0]]})),
@@ -3194,7 +3231,11 @@ class TestAssemblerPaths(unittest.TestCase):
         payloads = [_p_role(0)] + [
             _p_text(0, w, what) for w in ("x", "", " y") for what in ("content", "reasoning_content")
         ]
-        payloads += [_p_text(0, "z", logprobs={"content": [_p_lp("z", -1.0)]}), _p_text(None, "n"), _p_text(1, "one")]
+        payloads += [
+            _p_text(0, "z", logprobs={"content": [_p_entry(1, "z", -1.0)]}),
+            _p_text(None, "n"),
+            _p_text(1, "one"),
+        ]
         payloads += [_p_chunk(_p_choice(0, {"content": "p"}), extra={"prompt_progress": {"total": 1, "processed": 1}})]
         payloads += [_p_finish(1), _p_text(0, "w"), _p_finish(0), _p_usage()]
         self.assertGreater(self.run_both(payloads), 5)
@@ -3212,35 +3253,12 @@ class TestAssemblerPaths(unittest.TestCase):
 # chunk of a reasoning stream carries the entry of the first, hidden, token of the <think> tag.
 # -----------------------------------------------------------------------------------------------------
 
-TESTDATA_TRANSCRIPTS = os.path.join(HERE, "dev", "testdata", "transcripts")
-
-
 _p_MODEL_PATH = "/root/.cache/loopclient/gemma-3-270m-q4_k_m.gguf"
-
-
-def _p_testdata_transcript(name):
-    """The raw response bytes of a transcript in dev/testdata/transcripts, or None when it is missing."""
-    path = os.path.join(TESTDATA_TRANSCRIPTS, name)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        raw = f.read()
-    return raw[raw.index(b"\n", raw.index(b"<<< RESPONSE")) + 1 :]
-
-
-def _p_entry(tid, token, logprob, *tops):
-    """A log-probability entry as the server sent it: ``tops`` are (id, token, logprob)."""
-    entry = {"id": tid, "token": token, "bytes": list(token.encode()), "logprob": logprob}
-    entry["top_logprobs"] = [{"id": i, "token": t, "bytes": list(t.encode()), "logprob": p} for i, t, p in tops]
-    return entry
 
 
 class TestParserChoiceTranscripts(unittest.TestCase):
     def transcript(self, name):
-        raw = _p_testdata_transcript(name)
-        if raw is None:
-            self.skipTest("transcript %s not found in dev/testdata/transcripts" % name)
-        return raw
+        return load_transcript(name)  # a missing file fails: the transcripts ship with the code
 
     def check(self, raw, expect, every=True):
         tried = _p_check_pipe(self, raw, expect, every, sample=1000)
@@ -3619,7 +3637,7 @@ class TestParserNativeDialect(unittest.TestCase):
         self.assertIsNone(done.id)  # id_slot and index are not completion ids
 
     def test_two_prompts_interleaved_by_index(self):
-        lp = _p_lp(" the", -0.5, (" the", -0.5), (" a", -1.25))
+        lp = _p_entry(4, " the", -0.5, (4, " the", -0.5), (2, " a", -1.25))
         progress = {"total": 4, "cache": 0, "processed": 4, "time_ms": 12.5}
         stop0, stop1 = _p_native_stop(0, "eos", 2, 4), _p_native_stop(1, "limit", 3, 5)
         data = _p_dialect_http(
@@ -4546,10 +4564,7 @@ _p_SKY_TOKENS = [506, 4576, 573, 506, 236743, 236778, 236771, 236770]
 
 class TestParserDialectTranscripts(unittest.TestCase):
     def transcript(self, name):
-        raw = _p_testdata_transcript(name)
-        if raw is None:
-            self.skipTest("transcript %s not found in dev/testdata/transcripts" % name)
-        return raw
+        return load_transcript(name)  # the captures ship with the code: a missing one fails
 
     def check(self, dialect, raw, expect):
         # every offset where that stays quick; 300 seeded offsets (and the random sets) for the longer captures
@@ -4857,7 +4872,7 @@ class TestClientStream(ServerCase):
 
     def test_transcript_04_replayed_byte_for_byte(self):
         raw = load_transcript("04_chat_stream.raw.txt")
-        self.use(lambda req: req.send(raw))
+        self.use(reply(raw))
         completion, events = self.collect()
         self.assertEqual(completion.content, "Write one sentence about the sea.<|im_end|>\n<|im")
         self.assertEqual(completion.finish_reason, "length")
@@ -4992,12 +5007,7 @@ class TestClientStream(ServerCase):
             b'{"error":{"code":400,"message":"request (3024 tokens) exceeds the available context size (1024 tokens),'
             b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":3024,"n_ctx":1024}}'
         )
-        self.use(
-            lambda req: req.send(
-                b"HTTP/1.1 400 Bad Request\r\nServer: llama.cpp\r\nContent-Type: application/json;"
-                b" charset=utf-8\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-            )
-        )
+        self.use(reply(http_response(body, status=b"400 Bad Request")))
         with self.assertRaises(lc.HTTPStatusError) as cm:
             self.collect()
         self.assertEqual(cm.exception.status, 400)
@@ -5078,15 +5088,6 @@ class TestSingleShot(ServerCase):
         self.assertEqual(cm.exception.address, self.server.tmp + "/missing.sock")
         self.assertIsInstance(cm.exception.__cause__, FileNotFoundError)
 
-    def test_silence_is_stalled_after_liveness(self):
-        self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))
-        client = self.new_client(self.server.address, limits=lc.Limits(liveness=0.3))
-        start = time.monotonic()
-        with self.assertRaises(lc.StalledError):
-            client.props()
-        self.assertGreaterEqual(time.monotonic() - start, 0.29)
-        self.assertLess(time.monotonic() - start, 0.8)
-
     def test_end_reasoning(self):
         seen = []
 
@@ -5130,7 +5131,7 @@ class TestClientEdges(ServerCase):
                     self.collect()
 
     def test_single_shot_bodies(self):
-        self.server.route("GET", "/health", lambda req: req.send(b'HTTP/1.0 200 OK\r\n\r\n{"status":"ok"}'))
+        self.server.route("GET", "/health", reply(b'HTTP/1.0 200 OK\r\n\r\n{"status":"ok"}'))
         self.assertEqual(self.client.health(), {"status": "ok"})  # read until close
         self.server.route("GET", "/props", lambda req: respond_json(req, [1, 2]))
         with self.assertRaises(lc.ProtocolError):
@@ -5142,7 +5143,7 @@ class TestClientEdges(ServerCase):
         self.server.route(
             "GET",
             "/v1/models",
-            lambda req: req.send(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(deep), deep)),
+            reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(deep), deep)),
         )
         with self.assertRaises(lc.ProtocolError):
             self.client.models()
@@ -5411,30 +5412,9 @@ def _api_body(answer):
     return json.dumps(answer, separators=(",", ":")).encode(), b"application/json; charset=utf-8"
 
 
-def _api_response(body, ctype, framing="length", status=b"200 OK"):
-    """A whole response framed by Content-Length, chunked (two chunks) or until close."""
-    head = b"HTTP/1.1 %s\r\nServer: llama.cpp\r\nContent-Type: %s\r\n" % (status, ctype)
-    if framing == "length":
-        return head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
-    if framing == "chunked":
-        cut = len(body) // 2
-        return (
-            head
-            + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-            + chunked(body[:cut], body[cut:])
-            + b"0\r\n\r\n"
-        )
-    assert framing == "close"
-    return head + b"Connection: close\r\n\r\n" + body
-
-
 def _api_route(server, line, handler):
     method, target = line.decode().split(" ", 1)
     server.route(method, target, handler)
-
-
-def _api_answering(answer, status=b"200 OK"):
-    return lambda req: req.send(_api_response(*_api_body(answer), status=status))
 
 
 class KeepAliveServer:
@@ -5694,7 +5674,7 @@ class TestApiCalls(_ApiCase):
     def test_each_call_sends_its_exact_request_and_decodes_the_answer(self):
         for name, call, line, body, answer, value, _ in _api_calls():
             with self.subTest(call=name):
-                _api_route(self.server, line, _api_answering(answer))
+                _api_route(self.server, line, reply(http_response(*_api_body(answer))))
                 since = len(self.server.requests)
                 got = run_with_timeout(lambda call=call: call(self.client))
                 self.assertEqual(got, value)
@@ -5704,8 +5684,8 @@ class TestApiCalls(_ApiCase):
                 self.assertEqual(req.body, body or b"")
 
     def test_request_bytes_with_api_key_and_headers_whole(self):
-        self.server.route("POST", "/tokenize", _api_answering({"tokens": [1]}))
-        client = lc.Client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
+        self.server.route("POST", "/tokenize", reply(json_response({"tokens": [1]})))
+        client = self.new_client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
         self.closers.append(client.close)
         self.assertEqual(run_with_timeout(lambda: client.tokenize("a\r\nb")), [1])
         req = self.server.requests[0]
@@ -5728,11 +5708,9 @@ class TestApiCalls(_ApiCase):
         ]
         for ctype, body, status, value in cases:
             with self.subTest(ctype=ctype, status=status):
-                self.server.route(
-                    "GET", "/x", lambda req, a=(body, ctype, "length", status): req.send(_api_response(*a))
-                )
+                self.server.route("GET", "/x", reply(http_response(body, ctype, "length", status)))
                 self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/x")), value)
-        self.server.route("GET", "/plain", lambda req: req.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
+        self.server.route("GET", "/plain", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
         self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/plain")), "ok")  # no Content-Type
 
     def test_head_and_204_answers_have_no_body(self):
@@ -5760,9 +5738,13 @@ class TestApiCalls(_ApiCase):
         )
 
     def test_query_joins_a_query_already_in_the_path(self):
-        self.server.route("GET", "/props?a=1&b=2", _api_answering({"ok": 1}))
+        self.server.route("GET", "/props?a=1&b=2", reply(json_response({"ok": 1})))
         self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/props?a=1", query={"b": 2})), {"ok": 1})
         self.assertEqual(self.server.requests[0].raw_head, _api_head(b"GET /props?a=1&b=2"))
+
+
+class TestApiCallsAsync(AsyncDriver, TestApiCalls):
+    pass
 
 
 class TestApiErrors(_ApiCase):
@@ -5778,7 +5760,8 @@ class TestApiErrors(_ApiCase):
             (missing, FileNotFoundError, "no llama-server at %s: the socket file does not exist" % missing),
             (url, ConnectionRefusedError, "no llama-server listening at %s (connection refused)" % url),
         ):
-            client = lc.Client(address, limits=FAST)
+            client = self.new_client(address, limits=FAST)
+            self.closers.append(client.close)
             for name, call, *_ in _api_calls():
                 with self.subTest(call=name, address=address):
                     with self.assertRaises(lc.ConnectError) as cm:
@@ -5800,9 +5783,7 @@ class TestApiErrors(_ApiCase):
                 _api_route(
                     self.server,
                     line,
-                    lambda req: req.send(
-                        _api_response(envelope, b"application/json", "chunked", b"500 Internal Server Error")
-                    ),
+                    reply(http_response(envelope, b"application/json", "chunked", b"500 Internal Server Error")),
                 )
                 with self.assertRaises(lc.HTTPStatusError) as cm:
                     run_with_timeout(lambda call=call: call(self.client))
@@ -5811,7 +5792,7 @@ class TestApiErrors(_ApiCase):
                 self.assertEqual(str(err), "HTTP 500: slot 1 is busy: boom")
 
     def test_silence_is_stalled_after_liveness(self):
-        client = lc.Client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
+        client = self.new_client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
         self.closers.append(client.close)
         for name, call, line, *_ in _api_calls():
             with self.subTest(call=name):
@@ -5821,19 +5802,19 @@ class TestApiErrors(_ApiCase):
                     run_with_timeout(lambda call=call: call(client))
                 elapsed = time.monotonic() - start
                 self.assertIs(type(cm.exception), lc.StalledError)
-                self.assertGreaterEqual(elapsed, _API_LIVENESS - 0.03)
+                self.assertGreaterEqual(elapsed, _API_LIVENESS - EARLY)
                 self.assertLess(elapsed, _API_LIVENESS + MARGIN)
 
     def test_silence_after_the_head_is_stalled_but_slow_progress_is_not(self):
         # liveness bounds the gap between two reads, never the whole answer
-        client = lc.Client(self.server.address, limits=FAST.replace(liveness=0.4))
+        client = self.new_client(self.server.address, limits=FAST.replace(liveness=0.4))
         self.closers.append(client.close)
         body = b'{"tokens":[1,2,3,4,5,6,7,8,9]}'
 
         def drip(req):  # the head, then the body 3 bytes at a time, 0.1 s apart
-            req.send(_api_response(body, b"application/json")[: -len(body)])
+            req.send(http_response(body, b"application/json")[: -len(body)])
             for i in range(0, len(body), 3):
-                time.sleep(0.1)
+                time.sleep(0.1)  # the scripted server's pace: slow progress is what this test is about
                 if not req.send(body[i : i + 3]):
                     return
 
@@ -5854,7 +5835,7 @@ class TestApiErrors(_ApiCase):
         self.assertLess(time.monotonic() - start, 0.4 + MARGIN)
 
     def test_body_over_max_body_is_protocol_error(self):
-        client = lc.Client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
+        client = self.new_client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
         self.closers.append(client.close)
         for name, call, line, _, answer, value, _ in _api_calls():
             body, ctype = _api_body(answer)
@@ -5862,23 +5843,22 @@ class TestApiErrors(_ApiCase):
             pad = (b"#" if isinstance(answer, str) else b" ") * (_API_MAX_BODY - len(body))
             for framing in ("length", "chunked", "close"):
                 with self.subTest(call=name, framing=framing):
-                    _api_route(
-                        self.server, line, lambda req, a=(body + pad, ctype, framing): req.send(_api_response(*a))
-                    )
+                    _api_route(self.server, line, reply(http_response(body + pad, ctype, framing)))
                     expect = value + pad.decode() if isinstance(answer, str) else value
                     self.assertEqual(run_with_timeout(lambda call=call: call(client)), expect)  # exactly max_body
                     _api_route(
                         self.server,
                         line,
-                        lambda req, a=(body + pad + b" ", ctype, framing): req.send(_api_response(*a)),
+                        # the connection stays open: the cap alone can end the call
+                        reply(http_response(body + pad + b" ", ctype, framing), hold=True),
                     )
+                    t = Timer()
                     with self.assertRaises(lc.ProtocolError) as cm:
                         run_with_timeout(lambda call=call: call(client))
                     self.assertIn("max_body", str(cm.exception))
+                    self.assertLess(t.elapsed, 1.0)  # at once, not a StalledError after liveness (2 s)
         big = json.dumps({"error": {"code": 500, "message": "x" * _API_MAX_BODY}}).encode()
-        self.server.route(
-            "POST", "/tokenize", lambda req: req.send(_api_response(big, b"application/json", status=b"500 Oops"))
-        )
+        self.server.route("POST", "/tokenize", reply(http_response(big, b"application/json", status=b"500 Oops")))
         with self.assertRaises(lc.ProtocolError):  # an error body is capped too
             run_with_timeout(lambda: client.tokenize("x"))
 
@@ -5888,17 +5868,15 @@ class TestApiErrors(_ApiCase):
         for name, call, line, _, answer, _, wrong in _api_calls():
             bad = [framing, not_http]
             if not isinstance(answer, str):  # a JSON answer: broken JSON, and JSON of the wrong shape
-                bad.append(_api_response(b'{"tokens":[1,', b"application/json; charset=utf-8"))
-                bad += [_api_response(*_api_body(doc)) for doc in wrong]
+                bad.append(http_response(b'{"tokens":[1,', b"application/json; charset=utf-8"))
+                bad += [http_response(*_api_body(doc)) for doc in wrong]
             for raw in bad:
                 with self.subTest(call=name, answer=raw[-60:]):
-                    _api_route(self.server, line, lambda req, raw=raw: req.send(raw))
+                    _api_route(self.server, line, reply(raw))
                     with self.assertRaises(lc.ProtocolError):
                         run_with_timeout(lambda call=call: call(self.client))
             with self.subTest(call=name, answer="cut short"):
-                _api_route(
-                    self.server, line, lambda req: req.send(b'HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{"a"')
-                )
+                _api_route(self.server, line, reply(b'HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{"a"'))
                 with self.assertRaises(lc.StreamClosedError):
                     run_with_timeout(lambda call=call: call(self.client))
 
@@ -5932,7 +5910,7 @@ class TestApiErrors(_ApiCase):
         self._api_nothing_sent()
 
     def test_closed_client_refuses_every_call_without_connecting(self):
-        client = lc.Client(self.server.address, limits=FAST)
+        client = self.new_client(self.server.address, limits=FAST)
         client.close()
         calls = [(name, call) for name, call, *_ in _api_calls()]
         calls += [("stream", lambda c: c.stream(MSGS, slot=0)), ("chat", lambda c: c.chat(MSGS, slot=None))]
@@ -5943,14 +5921,18 @@ class TestApiErrors(_ApiCase):
                 self.assertEqual(str(cm.exception), "this client is closed")
         client.close()  # twice is fine
         for slot in (0, None):  # a stream made before close() and iterated after it is cancelled, unsent
-            early = lc.Client(self.server.address, limits=FAST)
+            early = self.new_client(self.server.address, limits=FAST)
             stream = early.stream(MSGS, slot=slot)
             early.close()
             with self.subTest(slot=slot), self.assertRaises(lc.CancelledError):
                 run_with_timeout(lambda stream=stream: next(stream))
         self._api_nothing_sent()
         with self.assertRaises(TypeError):
-            lc.Client("https://localhost:1", ssl_context="no")
+            self.new_client("https://localhost:1", ssl_context="no")
+
+
+class TestApiErrorsAsync(AsyncDriver, TestApiErrors):
+    pass
 
 
 class TestApiRouting(_ApiCase):
@@ -5958,7 +5940,7 @@ class TestApiRouting(_ApiCase):
     gets it, one with a model keeps its own; request() included."""
 
     def test_single_shot_calls_are_routed_to_the_default_model(self):
-        client = lc.Client(self.server.address, limits=FAST, model="alpha")
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
         self.closers.append(client.close)
         m = b', "model": "alpha"}'
         for name, call, line, body, answer in (
@@ -6075,12 +6057,16 @@ class TestApiRouting(_ApiCase):
         ):
             with self.subTest(call=name):
                 self.server.routes.clear()  # a request that is not routed as expected gets a 404
-                _api_route(self.server, line, _api_answering(answer))
+                _api_route(self.server, line, reply(http_response(*_api_body(answer))))
                 since = len(self.server.requests)
                 run_with_timeout(lambda call=call: call(client))
                 req = self._api_one_request(since)
                 self.assertEqual(req.raw_head, _api_head(line, body))
                 self.assertEqual(req.body, body or b"")
+
+
+class TestApiRoutingAsync(AsyncDriver, TestApiRouting):
+    pass
 
 
 class TestApiPrefix(_ApiCase):
@@ -6091,7 +6077,7 @@ class TestApiPrefix(_ApiCase):
 
     def test_every_call_and_stream_carries_the_prefix(self):
         self.client.close()
-        self.client = lc.Client(self.server.address + "/llama/", limits=FAST)
+        self.client = self.new_client(self.server.address + "/llama/", limits=FAST)
         host = self.server.address[len("http://") :].encode()
         self.server.routes.clear()  # an unprefixed request gets a 404
         with self.assertRaises(ValueError):  # "/llama" + "health" would be another path: refused
@@ -6100,7 +6086,7 @@ class TestApiPrefix(_ApiCase):
             with self.subTest(call=name):
                 method, target = line.split(b" ", 1)
                 prefixed = method + b" /llama" + target
-                _api_route(self.server, prefixed, _api_answering(answer))
+                _api_route(self.server, prefixed, reply(http_response(*_api_body(answer))))
                 since = len(self.server.requests)
                 self.assertEqual(run_with_timeout(lambda call=call: call(self.client)), value)
                 req = self._api_one_request(since)
@@ -6114,9 +6100,7 @@ class TestApiPrefix(_ApiCase):
 
         def after_a_poll(req):
             seen = self.server.slots_requests
-            deadline = time.monotonic() + 5
-            while self.server.slots_requests == seen and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for(lambda: self.server.slots_requests > seen, 5, "a /slots poll")
             req.send(STREAM_HEAD + content_stream(["ok"]))
 
         self.server.route("POST", "/llama/v1/chat/completions", after_a_poll)
@@ -6131,6 +6115,10 @@ class TestApiPrefix(_ApiCase):
         self.assertEqual(paths.count("/llama/v1/chat/completions"), 2)
         self.assertGreaterEqual(paths.count("/llama/slots"), 3)  # slots() above, then a poll per chat
         self.assertEqual(paths.count("/llama/props"), 2)  # props() above, then the pool size for slot=None
+
+
+class TestApiPrefixAsync(AsyncDriver, TestApiPrefix):
+    pass
 
 
 class _ApiTLSServer(FakeServer):
@@ -6179,16 +6167,14 @@ class TestApiTLS(_ApiCase):
         self.threads = threading.active_count()
         self.server = _ApiTLSServer()
         self.trusting = ssl.create_default_context(cafile=_API_TLS_CERT)
-        self.client = lc.Client(self.server.address, limits=FAST, ssl_context=self.trusting)
+        self.client = self.new_client(self.server.address, limits=FAST, ssl_context=self.trusting)
         self.closers = []
 
     def test_stream_and_calls_over_https_with_a_context_that_trusts_the_certificate(self):
         self.server.busy[0] = True
 
         def after_a_busy_poll(req):
-            deadline = time.monotonic() + 5
-            while self.server.slots_requests == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for(lambda: self.server.slots_requests > 0, 5, "a /slots poll")
             with self.server.lock:  # after the poll has read the flags
                 self.server.busy[0] = False
             req.send(STREAM_HEAD + content_stream(["Hello", " world"]))
@@ -6209,11 +6195,11 @@ class TestApiTLS(_ApiCase):
             req.raw_head, _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream")
         )
         self.assertEqual(req.body, body)
-        self.server.route("POST", "/tokenize", _api_answering({"tokens": [5, 6]}))
+        self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))
         self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
         # the host name is checked too: localhost is in the certificate
         port = self.server.address.rsplit(":", 1)[1]
-        by_name = lc.Client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
+        by_name = self.new_client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
         self.closers.append(by_name.close)
         self.assertEqual(run_with_timeout(by_name.health), {"status": "ok"})
         self.assertEqual(self.server.requests[-1].headers["host"], "localhost:%s" % port)
@@ -6236,7 +6222,7 @@ class TestApiTLS(_ApiCase):
 
     def test_untrusted_certificate_is_connect_error_at_once_never_retried(self):
         # verification is on by default: the system store does not trust the test certificate
-        client = lc.Client(self.server.address, limits=FAST.replace(load_wait=30.0))
+        client = self.new_client(self.server.address, limits=FAST.replace(load_wait=30.0))
         self.closers.append(client.close)
         events = []
         calls = (
@@ -6249,11 +6235,15 @@ class TestApiTLS(_ApiCase):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 18)  # X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT
             wait_for(lambda n=n: len(self.server.handshakes) == n, 5, "the server to see the handshake")
-        time.sleep(3 * lc.BACKOFF_FIRST)  # a retry would have come by now
+        # None retried: a retry connects before its call returns, so before this trusting sentinel, and the
+        # listener accepts in order: once the sentinel is answered, every earlier connection was accepted.
+        sentinel = self.new_client(self.server.address, limits=FAST, ssl_context=self.trusting)
+        self.closers.append(sentinel.close)
+        self.assertEqual(run_with_timeout(sentinel.health), {"status": "ok"})
         with self.server.lock:
-            self.assertEqual(len(self.server.handshakes), len(calls))  # one attempt per call, none retried
-            self.assertNotIn(None, self.server.handshakes)
-            self.assertEqual(self.server.requests, [])
+            self.assertEqual(len(self.server.conns), len(calls) + 2)  # one per call; the sentinel's, and its TLS
+            self.assertEqual([h is None for h in self.server.handshakes], [False] * len(calls) + [True])
+            self.assertEqual([r.path for r in self.server.requests], ["/health"])  # the sentinel's only
         self.assertEqual(events, [])  # no Retrying
 
         events = []  # slot=None: asking /props for the pool size fails the same way, and is not the error
@@ -6266,12 +6256,16 @@ class TestApiTLS(_ApiCase):
         except OSError as exc:  # pragma: no cover - a host without 127.0.0.0/8 on lo
             self.skipTest("cannot listen on 127.0.0.2: %s" % exc)
         self.closers.append(other.close)
-        client = lc.Client(other.address, limits=FAST, ssl_context=self.trusting)
+        client = self.new_client(other.address, limits=FAST, ssl_context=self.trusting)
         self.closers.append(client.close)
         for call in (lambda c: c.health(), lambda c: c.chat(MSGS, slot=0)):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 64)  # X509_V_ERR_IP_ADDRESS_MISMATCH
         self.assertEqual(other.requests, [])
+
+
+class TestApiTLSAsync(AsyncDriver, TestApiTLS):
+    pass
 
 
 #: A self-signed certificate for 127.0.0.1 (EC P-256, valid until 2126) and its key, for the TLS tests.
@@ -6392,7 +6386,7 @@ class TestServerApi(ServerCase):
         self.server.route(
             "GET",
             "/metrics",
-            lambda req: req.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nm 1\n"),
+            reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nm 1\n"),
         )
         c = self.client
         self.assertEqual(c.tokenize("hi"), [1, 2])
@@ -6639,7 +6633,7 @@ class TestAsyncClient(ServerCase):
         self.assertEqual(out, "False\n")
 
 
-class TestCallerMistakes(unittest.TestCase):
+class TestCallerMistakes(ClientFactory, unittest.TestCase):
     """Each caller mistake is refused by the call that received it, before any connection."""
 
     def test_bad_addresses(self):
@@ -6653,9 +6647,9 @@ class TestCallerMistakes(unittest.TestCase):
             "/tmp/" + "x" * 120,
         ):
             with self.assertRaises(ValueError, msg=bad):
-                lc.Client(bad)
+                self.new_client(bad)
         with self.assertRaises(TypeError):
-            lc.Client(8080)
+            self.new_client(8080)
 
     def test_addresses(self):
         self.assertEqual(lc.parse_address("/run/llama.sock").target, "/run/llama.sock")
@@ -6668,13 +6662,13 @@ class TestCallerMistakes(unittest.TestCase):
     def test_header_injection_refused_before_sending(self):
         for kwargs in ({"api_key": "k\r\nX: y"}, {"headers": {"X-A": "v\nw"}}, {"headers": {"X\r\nB": "v"}}):
             with self.assertRaises(ValueError) as cm:
-                lc.Client("/tmp/x.sock", **kwargs)
+                self.new_client("/tmp/x.sock", **kwargs)
             self.assertNotIn("k\r\nX", str(cm.exception))
         with self.assertRaises(ValueError):
             lc.encode_request("GET", "/x\r\nY: z", "localhost")
 
     def test_body_not_serialisable_and_bad_limits(self):
-        client = lc.Client("/tmp/lc-none.sock")
+        client = self.new_client("/tmp/lc-none.sock")
         with self.assertRaises(TypeError):
             client.stream(MSGS, foo=object())
         with self.assertRaises(ValueError):
@@ -6698,15 +6692,15 @@ class TestCallerMistakes(unittest.TestCase):
             (ValueError, lambda: lc.encode_request("GET", "health", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/a b", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/", "localhost", [("Bad:Name", "v")])),
-            (TypeError, lambda: lc.Client("/tmp/x.sock", limits={"poll": 1})),
-            (TypeError, lambda: lc.Client("/tmp/x.sock", headers={"X-A": 1})),
-            (ValueError, lambda: lc.Client("/tmp/x.sock", headers={"X:A": "1"})),
-            (ValueError, lambda: lc.Client("/tmp/x.sock", headers={"Host": "evil"})),
-            (ValueError, lambda: lc.Client("/tmp/x.sock", headers={"content-length": "5"})),
-            (TypeError, lambda: lc.Client("/tmp/x.sock", api_key=b"k")),
-            (TypeError, lambda: lc.Client("/tmp/x.sock").stream(MSGS, slot=True)),
-            (TypeError, lambda: lc.Client("/tmp/x.sock").stream(MSGS, slot="0")),
-            (TypeError, lambda: lc.Client("/tmp/x.sock").end_reasoning(5)),
+            (TypeError, lambda: self.new_client("/tmp/x.sock", limits={"poll": 1})),
+            (TypeError, lambda: self.new_client("/tmp/x.sock", headers={"X-A": 1})),
+            (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"X:A": "1"})),
+            (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"Host": "evil"})),
+            (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"content-length": "5"})),
+            (TypeError, lambda: self.new_client("/tmp/x.sock", api_key=b"k")),
+            (TypeError, lambda: self.new_client("/tmp/x.sock").stream(MSGS, slot=True)),
+            (TypeError, lambda: self.new_client("/tmp/x.sock").stream(MSGS, slot="0")),
+            (TypeError, lambda: self.new_client("/tmp/x.sock").end_reasoning(5)),
             (ValueError, lambda: lc.parse_address("http://:8080")),
             (ValueError, lambda: lc.parse_address("http://[::1")),
             (ValueError, lambda: lc.parse_address("unix://")),
@@ -6719,6 +6713,7 @@ class TestCallerMistakes(unittest.TestCase):
     def test_path_like_address_and_user_headers_replace_defaults(self):
         self.assertEqual(lc.parse_address(pathlib.Path("/run/x.sock")).target, "/run/x.sock")
         self.assertEqual(lc.parse_address("http://example:80").host, "example")
+        # the threaded client's internals: the request bytes its call plan encodes (both clients share _Calls)
         client = lc.Client("/tmp/x.sock", headers={"user-agent": "mine/1"})
         request = client._calls._encode("GET", "/health", None, "application/json")
         self.assertIn(b"\r\nuser-agent: mine/1\r\n", request)
@@ -6784,6 +6779,10 @@ class TestCallerMistakes(unittest.TestCase):
         )
         deep = copy.deepcopy(values[-3])
         self.assertIsNot(deep.usage, values[-3].usage)
+
+
+class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
+    pass
 
 
 # =====================================================================================================
@@ -6858,31 +6857,38 @@ class TestWaitForHead(ServerCase):
         self.assertLess(t.elapsed, 0.5 + MARGIN)
 
     def test_budgets_restart_when_the_situation_changes(self):
-        # busy 0.35 s, unavailable 0.35 s, busy 0.35 s: each under its 0.5 s budget, 1.05 s in all
-        phase = {"state": "busy"}
+        # busy, unavailable, busy: each phase ends on the first poll 0.35 s after the phase's own first poll
+        # (so the client has seen every phase), under its 0.6 s budget (a late poll only lengthens a phase:
+        # 0.25 s to spare); the two busy phases alone outlast busy_wait, and all three take over 1.05 s
+        phases = ("busy", "down", "busy")
+        state = {"phase": 0, "since": None}
+        lock = threading.Lock()
         release = threading.Event()
 
         def slots(req):
-            if phase["state"] == "down":
+            with lock:
+                now = time.monotonic()
+                if state["since"] is None:
+                    state["since"] = now
+                elif now - state["since"] >= 0.35 and state["phase"] < len(phases):
+                    state.update(phase=state["phase"] + 1, since=now)
+                    if state["phase"] == len(phases):
+                        release.set()  # the last phase is over: the chat's head is sent
+                phase = phases[min(state["phase"], len(phases) - 1)]
+            if phase == "down":
                 respond_json(
                     req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
                 )
             else:
                 respond_json(req, [{"id": 0, "is_processing": True}])
 
-        def driver():
-            for state in ("down", "busy"):
-                time.sleep(0.35)  # the phases of the scripted server, not a wait for a condition
-                phase["state"] = state
-            time.sleep(0.35)
-            release.set()
-
         self.server.route("GET", "/slots", slots)
         self.use(hold_then(content_stream(["ok"]), release))
-        client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.5, load_wait=0.5))
-        threading.Thread(target=driver, daemon=True).start()
+        client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.6, load_wait=0.6))
         events = []
+        t = Timer()
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreaterEqual(t.elapsed, 3 * 0.35 - EARLY)  # longer than either budget: both restarted
         self.assertEqual(completion.content, "ok")
         waits = [e.slot_busy for e in events if isinstance(e, lc.Waiting)]
         self.assertIn(False, waits)
@@ -7270,7 +7276,7 @@ class TestRetries(ServerCase):
             chunked(b'data: {"error":{"code":503,"message":"no slot available","type":"unavailable_error"}}\n\n')
             + b"0\r\n\r\n"
         )
-        calls, handler = self.unavailable_then(lambda req: req.send(STREAM_HEAD + error))
+        calls, handler = self.unavailable_then(serve_body(error))
         self.use(handler)
         completion, events = self.collect()
         self.assertEqual(completion.content, "fine")
@@ -7304,7 +7310,7 @@ class TestRetries(ServerCase):
 
     def test_legacy_error_line_first_is_retried(self):
         error = chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n') + b"0\r\n\r\n"
-        calls, handler = self.unavailable_then(lambda req: req.send(STREAM_HEAD + error))
+        calls, handler = self.unavailable_then(serve_body(error))
         self.use(handler)
         completion, events = self.collect()
         self.assertEqual((completion.content, len(calls)), ("fine", 2))
@@ -7442,6 +7448,8 @@ class CountingRun(lc._SyncRun):
 
 def gate_problems(gate, queue_len=None):
     """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+    if isinstance(gate, GateView):
+        return gate.problems(queue_len)
     problems = []
     with gate._lock:
         for key, lane in gate._lanes.items():
@@ -7571,7 +7579,43 @@ class TestGate(ServerCase):
         self.assertEqual(results["C"].content, "C")
         self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
 
+    def test_busy_error_names_the_slot_and_the_model(self):
+        """A client with model="m1": its BusyError names the slot (or the pool) of m1; the pool for slot=None
+        is the size that /props?model=m1 gives, one here."""
+        self.server.route("GET", "/slots?model=m1", self.server._slots)
+        self.server.route("GET", "/props?model=m1", lambda req: respond_json(req, {"total_slots": 1}))
+        client = self.new_client(self.server.address, limits=self.limits, model="m1")
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        for slot, where in ((0, "slot 0 of model m1"), (None, "any slot of model m1")):
+            with self.subTest(slot=slot):
+                events, results = {}, {}
+                a, b, c, d = ("%s%s" % (m, slot) for m in "ABCD")
+                threads = [start_chat(client, a, slot, events, results)]
+                wait_for(lambda: keeper.arrived(a), what="the first to be sent")
+                threads.append(start_chat(client, b, slot, events, results))
+                wait_for(lambda: events[b], what="the second to queue")
+                threads.append(start_chat(client, c, slot, events, results))
+                wait_for(lambda: events[c], what="the third to queue")
+                self.assertEqual((events[b], events[c]), ([lc.Queued(1)], [lc.Queued(2)]))  # a pool of one
+                t = Timer()
+                with self.assertRaises(lc.BusyError) as cm:
+                    run_with_timeout(lambda: client.chat([{"role": "user", "content": d}], slot=slot))
+                self.assertLess(t.elapsed, 0.1 + MARGIN)
+                err = cm.exception
+                self.assertEqual((err.slot, err.queue_len, err.waiting), (slot, 2, 2))
+                self.assertEqual(str(err), "2 requests already wait for %s (queue_len 2): try later" % where)
+                for marker in (a, b, c):
+                    keeper.release(marker)
+                for th in threads:
+                    th.join(5)
+                self.assertEqual([results[m].content for m in (a, b, c)], [a, b, c])
+        self.assertEqual([m for _, m in keeper.order], ["A0", "B0", "C0", "ANone", "BNone", "CNone"])
+        self.assertEqual({r.json()["model"] for r in self.server.chat_requests()}, {"m1"})
+        self.assertEqual(sum(1 for r in self.server.requests if r.path.startswith("/props")), 1)
+
     def test_cancel_wakes_a_queued_request_at_once_whatever_the_poll(self):
+        # the threaded client's internals: the stream's run parked on its lock (TestAsyncCancel: asyncio's)
         client = lc.Client(self.server.address, limits=self.limits.replace(poll=30.0))
         self.closers.append(client.close)
         keeper = Gatekeeper(self.server)
@@ -7607,7 +7651,7 @@ class TestGate(ServerCase):
         """Twenty waiters on one slot: each hears its place first, then only smaller ones, at most once per
         poll; the request sent at once hears none; the slot serves them in entry order."""
         limits = self.limits.replace(queue_len=20)
-        client = lc.Client(self.server.address, limits=limits)
+        client = self.new_client(self.server.address, limits=limits)
         self.closers.append(client.close)
         keeper = Gatekeeper(self.server)
         heard, results, threads = {}, {}, []
@@ -8329,6 +8373,7 @@ class TestStress(ServerCase):
         # load_wait generous: when the held requests are let go, hundreds connect at once and overflow the
         # fake server's listen queue, which is retried under load_wait (a budget this test is not about)
         limits = self.limits.replace(queue_len=500, poll=0.2, load_wait=60.0)
+        # the threaded client: 1,100 threads (TestAsyncStress and TestAsyncScale load the asyncio client)
         client = lc.Client(self.server.address, limits=limits)
         self.closers.append(client.close)
         peak = self.stress(
@@ -8798,17 +8843,6 @@ _F_OK_BODY = content_stream(["Hello", " world"])
 _F_SSE_HEAD = b"Content-Type: text/event-stream\r\n"
 
 
-def _f_reply(data, hold=False):
-    """A handler that sends ``data``, then (``hold``) keeps the connection open until the client leaves."""
-
-    def handler(req):
-        req.send(data)
-        if hold:
-            req.wait_peer_close(5)
-
-    return handler
-
-
 def _f_hold(req):
     """Accept the request and say nothing until the client leaves."""
     req.wait_peer_close(5)
@@ -8840,7 +8874,7 @@ def _f_drip(pieces, interval, limit=4.0):
             if not req.send(piece):
                 return
             if interval:
-                time.sleep(interval)
+                time.sleep(interval)  # the scripted server's pace
 
     return handler
 
@@ -8865,11 +8899,8 @@ def _f_error_json(code, message, etype):
 
 
 def _f_retry_after(value, status=503):
-    body = _f_error_json(503, "Loading model", "unavailable_error").encode()
-    return (
-        b"HTTP/1.1 %d Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-        b"Retry-After: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, value, len(body), body)
-    )
+    doc = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    return json_response(doc, b"%d Service Unavailable" % status, b"Retry-After: %s\r\n" % value)
 
 
 def _f_padded_line(size):
@@ -9003,12 +9034,13 @@ class TestFaultReset(_f_Case):
     def test_reset_mid_stream_is_not_replayed(self):
         def reset(req):
             req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))))
-            time.sleep(0.05)
+            # the RST once the client has delivered the content (an RST may discard bytes still unread)
+            wait_for(lambda: lc.Content("Hi") in self._f_events, 5, "the client to deliver the content")
             req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             req.conn.close()
 
         self.use(reset)
-        self._f_fails(lc.StreamClosedError, 0.05, at_once=True)
+        self._f_fails(lc.StreamClosedError)
         self.assertEqual(self._f_kinds(), ["Content"])
         self.assertEqual(len(self.server.chat_requests()), 1)
 
@@ -9022,30 +9054,30 @@ class TestFaultResetAsync(AsyncDriver, TestFaultReset):
 
 class TestFaultHead(_f_Case):
     def test_garbage_status_line(self):
-        self.use(_f_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", hold=True))
+        self.use(reply(b"HELLO THERE\r\nServer: x\r\n\r\n", hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_garbage_banner_then_silence(self):
         # A non-HTTP service on the socket (an SSH banner) that then waits for us: the first line is enough.
-        self.use(_f_reply(b"SSH-2.0-OpenSSH_9.6\r\n", hold=True))
+        self.use(reply(b"SSH-2.0-OpenSSH_9.6\r\n", hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_bad_status_code(self):
-        self.use(_f_reply(b"HTTP/1.1 2000 OK\r\n\r\n", hold=True))
+        self.use(reply(b"HTTP/1.1 2000 OK\r\n\r\n", hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_http2_preface_version(self):
-        self.use(_f_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", hold=True))
+        self.use(reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_http10_reply_is_accepted(self):
         body = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
-        self.use(_f_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))  # no length: until close
+        self.use(reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))  # no length: until close
         done = self._f_succeeds()
         self.assertEqual((done.content, done.finish_reason), ("Hi", "stop"))
 
     def test_interim_response_then_stream(self):
-        self.use(_f_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + STREAM_HEAD + _F_OK_BODY))
+        self.use(reply(b"HTTP/1.1 100 Continue\r\n\r\n" + STREAM_HEAD + _F_OK_BODY))
         self.assertEqual(self._f_succeeds().content, "Hello world")
 
     def test_ten_megabytes_of_headers(self):
@@ -9061,20 +9093,20 @@ class TestFaultHead(_f_Case):
 
     def test_thousand_header_lines(self):
         head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n"
-        self.use(_f_reply(head + _F_OK_BODY, hold=True))
+        self.use(reply(head + _F_OK_BODY, hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_nul_in_header(self):
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
+        self.use(reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
         self._f_fails(lc.ProtocolError)
 
     def test_folded_header_line(self):
         # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
+        self.use(reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
         self.assertEqual(self._f_succeeds().content, "Hello world")
 
     def test_eof_in_the_middle_of_the_head(self):
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"))
+        self.use(reply(b"HTTP/1.1 200 OK\r\nContent-Ty"))
         self._f_fails(lc.StreamClosedError)
 
     def test_head_trickled_forever(self):
@@ -9100,105 +9132,105 @@ class TestFaultFraming(_f_Case):
         return b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"".join(b"Content-Length: %s\r\n" % v for v in values) + b"\r\n"
 
     def test_conflicting_content_length(self):
-        self.use(_f_reply(self._f_cl(b"10", b"20") + b"x" * 20, hold=True))
+        self.use(reply(self._f_cl(b"10", b"20") + b"x" * 20, hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_conflicting_content_length_single_shot(self):
         self.server.route(
-            "GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]")
+            "GET", "/slots", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]")
         )
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
 
     def test_negative_content_length(self):
-        self.use(_f_reply(self._f_cl(b"-1"), hold=True))
+        self.use(reply(self._f_cl(b"-1"), hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_non_numeric_content_length(self):
-        self.use(_f_reply(self._f_cl(b"12abc"), hold=True))
+        self.use(reply(self._f_cl(b"12abc"), hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_unsupported_transfer_encoding(self):
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY))
+        self.use(reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY))
         self._f_fails(lc.ProtocolError)
 
     def test_chunk_size_ffffffffffffffff(self):
         # A size no signed 64-bit counter holds, followed by a whole stream: refused, not read as one chunk.
         inner = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
-        self.use(_f_reply(STREAM_HEAD + b"ffffffffffffffff\r\n" + inner))
+        self.use(serve_body(b"ffffffffffffffff\r\n" + inner))
         self._f_fails(lc.ProtocolError)
 
     def test_chunk_size_line_without_crlf(self):
         payload = sse(chunk_json({"content": "Hi"}))
-        self.use(_f_reply(STREAM_HEAD + b"%x" % len(payload) + payload, hold=True))  # size runs into the data
+        self.use(serve_body(b"%x" % len(payload) + payload, hold=True))  # size runs into the data
         self._f_fails(lc.ProtocolError)
 
     def test_chunk_size_line_never_ends(self):
-        self.use(_f_reply(STREAM_HEAD + b"1" + b"0" * 5000, hold=True))
+        self.use(serve_body(b"1" + b"0" * 5000, hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_chunk_data_not_followed_by_crlf(self):
         payload = sse(chunk_json({"content": "Hi"}))
-        self.use(_f_reply(STREAM_HEAD + b"%x\r\n" % len(payload) + payload + b"XX" + b"0\r\n\r\n", hold=True))
+        self.use(serve_body(b"%x\r\n" % len(payload) + payload + b"XX" + b"0\r\n\r\n", hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_body_shorter_than_its_length_stream(self):
         body = sse(chunk_json({"content": "Hi"}))
-        self.use(_f_reply(self._f_cl(b"%d" % (len(body) + 500)) + body))
+        self.use(reply(self._f_cl(b"%d" % (len(body) + 500)) + body))
         self._f_fails(lc.StreamClosedError)
         self.assertEqual(self._f_kinds(), ["Content"])
 
     def test_body_shorter_than_its_length_single_shot(self):
-        self.server.route("GET", "/slots", _f_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'))
+        self.server.route("GET", "/slots", reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'))
         self._f_fails(lc.StreamClosedError, fn=lambda ev: self.client.slots())
 
     def test_close_mid_chunk(self):
         payload = sse(chunk_json({"content": "Hi"}))
-        self.use(_f_reply(STREAM_HEAD + b"%x\r\n" % (len(payload) + 200) + payload))
+        self.use(serve_body(b"%x\r\n" % (len(payload) + 200) + payload))
         self._f_fails(lc.StreamClosedError)
         self.assertEqual(self._f_kinds(), ["Content"])
 
     def test_close_mid_event(self):
         # Close-delimited body: the last event never gets its blank line, so it is discarded.
         body = sse(chunk_json({"content": "Hi"})) + b"data: " + chunk_json({}, "stop").encode()
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
+        self.use(reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
         self._f_fails(lc.StreamClosedError)
         self.assertEqual(self._f_kinds(), ["Content"])
 
     def test_close_after_finish_without_done_is_clean(self):
-        self.use(_f_reply(STREAM_HEAD + content_stream(["Hi"], done=False)))
+        self.use(serve_body(content_stream(["Hi"], done=False)))
         done = self._f_succeeds()
         self.assertEqual((done.content, done.finish_reason), ("Hi", "stop"))
 
     def test_done_then_connection_held(self):
         # [DONE] completes the response even if the server keeps the connection (and the final 0 chunk).
         body = chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n")
-        self.use(_f_reply(STREAM_HEAD + body, hold=True))
+        self.use(serve_body(body, hold=True))
         self.assertEqual(self._f_succeeds().content, "Hi")
 
     def test_html_page_with_200(self):
         page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
         self.use(
-            _f_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
+            reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
         )
         self._f_fails(lc.StreamClosedError)
 
     def test_done_without_finish_reason(self):
-        self.use(_f_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)))
+        self.use(serve_body(content_stream(["Hi"], finish=None)))
         self._f_fails(lc.StreamClosedError)
 
     def test_empty_chunked_body(self):
-        self.use(_f_reply(STREAM_HEAD + b"0\r\n\r\n"))
+        self.use(serve_body(b"0\r\n\r\n"))
         self._f_fails(lc.StreamClosedError)
 
     def test_error_body_over_max_body(self):
-        self.use(_f_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)))
+        self.use(reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)))
         self._f_fails(lc.ProtocolError)
 
     def test_single_shot_length_over_max_body(self):
         self.server.route(
             "GET",
             "/slots",
-            _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), hold=True),
+            reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), hold=True),
         )
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
 
@@ -9226,7 +9258,7 @@ class TestFaultSSE(_f_Case):
                 if not req.send(b"x"):
                     return
                 sent[0] += 1
-                time.sleep(0.001)
+                time.sleep(0.001)  # the scripted server's pace: a byte at a time
 
         self.use(handler)
         self._f_fails(lc.ProtocolError, 1024 * 0.0011 + 0.5, at_once=True)
@@ -9239,17 +9271,17 @@ class TestFaultSSE(_f_Case):
 
     def test_line_of_max_line_exactly(self):
         line = _f_padded_line(FAST_FAULTS.max_line)
-        self.use(_f_reply(STREAM_HEAD + chunked(line + b"\n\n") + content_stream(["!"], role=False)))
+        self.use(serve_body(chunked(line + b"\n\n") + content_stream(["!"], role=False)))
         done = self._f_succeeds()
         self.assertEqual(done.content, "x!")
 
     def test_line_of_max_line_plus_one(self):
         line = _f_padded_line(FAST_FAULTS.max_line + 1)
-        self.use(_f_reply(STREAM_HEAD + chunked(line + b"\n\n") + content_stream(["!"], role=False)))
+        self.use(serve_body(chunked(line + b"\n\n") + content_stream(["!"], role=False)))
         self._f_fails(lc.ProtocolError)
 
     def test_event_over_max_line_in_many_data_lines(self):
-        self.use(_f_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), hold=True))
+        self.use(serve_body(chunked(b"data: xx\n" * 2000 + b"\n"), hold=True))
         self._f_fails(lc.ProtocolError)
 
     def test_half_million_empty_data_lines(self):
@@ -9257,12 +9289,12 @@ class TestFaultSSE(_f_Case):
         # (joining the lines one += at a time took seconds; at the default 1 MiB, 15 s).
         self.client_with(max_line=512 * 1024, liveness=30.0)
         body = b"data:\n" * (512 * 1024 + 2) + b"\n"
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
+        self.use(reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
         self._f_fails(lc.ProtocolError, 1.0 * TRACED, at_once=True)  # CPU-bound: allow for a line tracer
 
     def test_invalid_utf8_is_replaced(self):
         raw = sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")
-        self.use(_f_reply(STREAM_HEAD + chunked(raw) + content_stream(["!"], role=False)))
+        self.use(serve_body(chunked(raw) + content_stream(["!"], role=False)))
         done = self._f_succeeds()
         self.assertEqual(done.content, "A\ufffd\ufffdB!")
 
@@ -9276,7 +9308,7 @@ class TestFaultSSE(_f_Case):
 
     def test_nul_byte_in_data(self):
         raw = sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")
-        self.use(_f_reply(STREAM_HEAD + chunked(raw) + content_stream(["!"], role=False)))
+        self.use(serve_body(chunked(raw) + content_stream(["!"], role=False)))
         self._f_fails(lc.ProtocolError)
 
 
@@ -9289,7 +9321,7 @@ class TestFaultSSEAsync(AsyncDriver, TestFaultSSE):
 
 class TestFaultJSON(_f_Case):
     def _f_payload(self, payload):
-        self.use(_f_reply(STREAM_HEAD + chunked(sse(payload)) + content_stream(["!"]), hold=True))
+        self.use(serve_body(chunked(sse(payload)) + content_stream(["!"]), hold=True))
         return self._f_fails(lc.ProtocolError)
 
     def test_invalid_json(self):
@@ -9315,9 +9347,7 @@ class TestFaultJSON(_f_Case):
 
     def test_error_code_not_a_decimal(self):
         # fuzz: {"code":"²"} passed str.isdigit() and broke int(): a bare ValueError escaped.
-        self.use(
-            _f_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}')))
-        )
+        self.use(serve_body(chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))))
         err = self._f_fails(lc.ServerError)
         self.assertIsNone(err.code)
 
@@ -9354,12 +9384,12 @@ class TestFaultWaits(_f_Case):
         self.assertTrue(all(e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
 
     def test_stall_mid_stream(self):
-        self.use(_f_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
+        self.use(serve_body(chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
         self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
         self.assertEqual(self._f_kinds(), ["Content"])
 
     def test_stall_mid_head(self):
-        self.use(_f_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", hold=True))
+        self.use(reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", hold=True))
         self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
 
@@ -9404,7 +9434,7 @@ class TestFaultErrors(_f_Case):
     def test_error_status_body_stalls(self):
         # fuzz (client target): a 400 whose body stops short of its Content-Length on a held connection.
         self.use(
-            _f_reply(
+            reply(
                 b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
                 hold=True,
             )
@@ -9414,33 +9444,31 @@ class TestFaultErrors(_f_Case):
     def test_error_body_deeply_nested(self):
         # fuzz (http target): json.loads of the error envelope raised RecursionError.
         body = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
-        self.use(_f_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)))
+        self.use(reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)))
         err = self._f_fails(lc.HTTPStatusError)
         self.assertEqual(err.status, 400)
 
     def test_http_500_html_body(self):
-        self.use(_f_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"))
+        self.use(reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"))
         err = self._f_fails(lc.HTTPStatusError)
         self.assertEqual((err.status, err.message), (500, "<h1>oops</h1>"))
 
     def test_error_event_first_503_is_retried(self):
         event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
-        self.use(_f_sequence(_f_reply(event), _f_reply(STREAM_HEAD + _F_OK_BODY)))
+        self.use(_f_sequence(reply(event), serve_body(_F_OK_BODY)))
         done = self._f_succeeds(0.25)
         self.assertEqual(done.content, "Hello world")
         self.assertEqual(self._f_kinds()[:1], ["Retrying"])
 
     def test_error_event_first_503_forever(self):
         event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
-        self.use(_f_reply(event))
+        self.use(reply(event))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertGreaterEqual(len(self.server.chat_requests()), 2)
 
     def test_error_event_first_400(self):
         self.use(
-            _f_reply(
-                STREAM_HEAD + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error"))) + b"0\r\n\r\n"
-            )
+            reply(STREAM_HEAD + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error"))) + b"0\r\n\r\n")
         )
         err = self._f_fails(lc.ServerError)
         self.assertEqual((err.code, err.message), (400, "bad grammar"))
@@ -9451,7 +9479,7 @@ class TestFaultErrors(_f_Case):
             chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
             + b"0\r\n\r\n"
         )
-        self.use(_f_reply(STREAM_HEAD + body))
+        self.use(serve_body(body))
         err = self._f_fails(lc.ServerError)
         self.assertEqual(err.code, 503)
         self.assertEqual(len(self.server.chat_requests()), 1, "delivered output must never be replayed")
@@ -9463,14 +9491,14 @@ class TestFaultErrors(_f_Case):
             )
             + b"0\r\n\r\n"
         )
-        self.use(_f_reply(STREAM_HEAD + body))
+        self.use(serve_body(body))
         err = self._f_fails(lc.ServerError)
         self.assertEqual((err.code, err.message), (500, "boom"))
 
     def test_legacy_error_line_deeply_nested(self):
         # fuzz (http target): the legacy payload went through json.loads, whose RecursionError escaped.
         self.client_with(max_line=1024 * 1024)
-        self.use(_f_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"))
+        self.use(serve_body(chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"))
         self._f_fails(lc.ServerError)
 
     def test_legacy_error_line_first_503_is_retried(self):
@@ -9479,7 +9507,7 @@ class TestFaultErrors(_f_Case):
             + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
             + b"0\r\n\r\n"
         )
-        self.use(_f_sequence(_f_reply(legacy), _f_reply(STREAM_HEAD + _F_OK_BODY)))
+        self.use(_f_sequence(reply(legacy), serve_body(_F_OK_BODY)))
         done = self._f_succeeds(0.25)
         self.assertEqual(done.content, "Hello world")
         self.assertEqual(len(self.server.chat_requests()), 2)
@@ -9494,13 +9522,13 @@ class TestFaultErrorsAsync(AsyncDriver, TestFaultErrors):
 
 class TestFaultRetryAfter(_f_Case):
     def _f_then_ok(self, value):
-        self.use(_f_sequence(_f_reply(_f_retry_after(value)), _f_reply(STREAM_HEAD + _F_OK_BODY)))
+        self.use(_f_sequence(reply(_f_retry_after(value)), serve_body(_F_OK_BODY)))
 
     def _f_delays(self):
         return [e.delay for e in self._f_events if isinstance(e, lc.Retrying)]
 
     def test_date_beyond_load_wait(self):
-        self.use(_f_reply(_f_retry_after(email.utils.formatdate(time.time() + 5, usegmt=True).encode())))
+        self.use(reply(_f_retry_after(email.utils.formatdate(time.time() + 5, usegmt=True).encode())))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
         self.assertEqual(self._f_delays(), [])
 
@@ -9513,7 +9541,7 @@ class TestFaultRetryAfter(_f_Case):
 
     def test_zero_forever(self):
         # "Retry-After: 0" on every answer: retried at the backoff's pace, not hundreds of times a second.
-        self.use(_f_reply(_f_retry_after(b"0")))
+        self.use(reply(_f_retry_after(b"0")))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertLessEqual(len(self.server.chat_requests()), 4)
 
@@ -9529,18 +9557,18 @@ class TestFaultRetryAfter(_f_Case):
         self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())
 
     def test_huge(self):
-        self.use(_f_reply(_f_retry_after(b"99999999999999999999")))
+        self.use(reply(_f_retry_after(b"99999999999999999999")))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
         self.assertEqual(self._f_delays(), [])
 
     def test_huge_past_float_range(self):
         # 400 digits: float(int(...)) raised a bare OverflowError.
-        self.use(_f_reply(_f_retry_after(b"9" * 400)))
+        self.use(reply(_f_retry_after(b"9" * 400)))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
 
     def test_huge_past_int_digit_limit(self):
         # 5000 digits: int() refuses strings over 4300 digits with a bare ValueError.
-        self.use(_f_reply(_f_retry_after(b"9" * 5000)))
+        self.use(reply(_f_retry_after(b"9" * 5000)))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
 
 
@@ -9553,13 +9581,13 @@ class TestFaultRetryAfterAsync(AsyncDriver, TestFaultRetryAfter):
 
 class TestFaultSlots(_f_Case):
     def test_slots_garbage_while_waiting(self):
-        self.server.route("GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
+        self.server.route("GET", "/slots", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
         self.use(_f_hold)
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
         self.assertTrue(all(not e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
 
     def test_slots_garbage_single_shot(self):
-        self.server.route("GET", "/slots", _f_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
+        self.server.route("GET", "/slots", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
 
     def test_slots_wrong_shape_single_shot(self):
@@ -9629,9 +9657,7 @@ class TestFaultProxies(_f_Case):
         for hint in (None, b"0"):
             with self.subTest(retry_after=hint):
                 self.use(
-                    _f_sequence(
-                        _f_reply(_f_too_many(hint)), _f_reply(_f_too_many(hint)), _f_reply(STREAM_HEAD + _F_OK_BODY)
-                    )
+                    _f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(STREAM_HEAD + _F_OK_BODY))
                 )
                 done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
                 self.assertEqual(done.content, "Hello world")
@@ -9643,7 +9669,7 @@ class TestFaultProxies(_f_Case):
 
     def test_429_past_busy_wait_is_a_wait_timeout_naming_the_429(self):
         self.client_with(busy_wait=0.8, load_wait=0.3)  # the wrong budget would end it far earlier
-        self.use(_f_reply(_f_too_many(b"0")))
+        self.use(reply(_f_too_many(b"0")))
         exc = self._f_fails(lc.WaitTimeoutError, 0.8)
         self.assertIn("answered 429 (at capacity)", str(exc))
         self.assertIn("(busy_wait)", str(exc))
@@ -9651,7 +9677,7 @@ class TestFaultProxies(_f_Case):
         self.assertEqual(exc.__cause__.status, 429)
 
     def test_a_429_hint_past_busy_wait_ends_the_wait_at_once(self):
-        self.use(_f_reply(_f_too_many(b"30")))
+        self.use(reply(_f_too_many(b"30")))
         self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait, at_once=True)
         self.assertEqual(self._f_retries(), [])
 
@@ -9728,7 +9754,7 @@ class TestFaultControl(_f_Case):
     def setUp(self):
         super().setUp()
         reasoning = [chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]
-        self.use(_f_reply(STREAM_HEAD + chunked(sse(*reasoning)), hold=True))
+        self.use(serve_body(chunked(sse(*reasoning)), hold=True))
 
     def _f_control(self, handler):
         self.server.route("POST", "/v1/chat/completions/control", handler)
@@ -9895,7 +9921,7 @@ class TestFaultFuzzRegressions(_f_Case):
         self.assertEqual(reader.head.status, 503)
         message, _ = lc.parse_error_envelope(body)
         self.assertTrue(message.startswith('{"error":{"code":503'))
-        self.use(_f_reply(data))
+        self.use(reply(data))
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
 
     def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
@@ -9982,7 +10008,7 @@ class TestFaultFuzzRegressions(_f_Case):
         data = _f_input("e517c807fa701495")
         self.assertTrue(_f_saved("http", data, "e517c807fa701495"))
         self.client_with(max_line=1024 * 1024)  # as the fuzzer ran it
-        self.use(_f_reply(data))
+        self.use(reply(data))
         self._f_fails(lc.ServerError)
 
     def test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client(self):
@@ -10098,9 +10124,9 @@ class TestSecurity(_f_Case):
             )
             errors.append(self._f_fails(lc.HTTPStatusError))
             self.assertEqual(self.server.chat_requests()[0].headers["authorization"], "Bearer " + _F_KEY)
-            self.use(_f_reply(b"HELLO\r\n\r\n"))
+            self.use(reply(b"HELLO\r\n\r\n"))
             errors.append(self._f_fails(lc.ProtocolError))
-            self.use(_f_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
+            self.use(serve_body(chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
             errors.append(self._f_fails(lc.StalledError, FAST_FAULTS.liveness))
             self.server.route(
                 "GET",
@@ -10146,7 +10172,7 @@ class TestSecurity(_f_Case):
         self.assertEqual(self.server.requests, [])
 
     def test_model_name_with_crlf_cannot_inject_a_header(self):
-        self.use(_f_reply(STREAM_HEAD + _F_OK_BODY))
+        self.use(serve_body(_F_OK_BODY))
         evil = "gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"
         self._f_succeeds(model=evil)
         req = self.server.chat_requests()[0]
@@ -10160,7 +10186,7 @@ class TestSecurity(_f_Case):
     def test_redirects_are_never_followed(self):
         decoy = FakeServer(tcp=True)
         try:
-            decoy.stream(_f_reply(STREAM_HEAD + _F_OK_BODY))
+            decoy.stream(serve_body(_F_OK_BODY))
             for status in (
                 b"301 Moved Permanently",
                 b"302 Found",
@@ -10169,13 +10195,13 @@ class TestSecurity(_f_Case):
                 b"308 Permanent Redirect",
             ):
                 location = decoy.address.encode() + b"/v1/chat/completions"
-                self.use(_f_reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")))
+                self.use(reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")))
                 err = self._f_fails(lc.HTTPStatusError)
                 self.assertEqual(err.status, int(status[:3]))
             self.server.route(
                 "GET",
                 "/slots",
-                _f_reply(
+                reply(
                     _f_head(b"302 Found", b"Location: " + decoy.address.encode() + b"/slots\r\nContent-Length: 0\r\n")
                 ),
             )
@@ -10198,9 +10224,9 @@ class TestSecurity(_f_Case):
         )
         unavailable = b"HTTP/1.1 503 Service Unavailable\r\n" + steer + b"Retry-After: 0\r\nContent-Length: 0\r\n\r\n"
         stream = b"HTTP/1.1 200 OK\r\n" + steer + b"Transfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
-        self.use(_f_sequence(_f_reply(unavailable), _f_reply(stream)))
+        self.use(_f_sequence(reply(unavailable), reply(stream)))
         self.server.route(
-            "GET", "/slots", _f_reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
+            "GET", "/slots", reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
         )
         socket.socket.connect = spy
         try:
@@ -10412,7 +10438,7 @@ class TestCommandLine(CLICase):
             ),
         )
         self.assertIn("HTTP 503: Loading model", self.main_fails("health"))
-        self.server.route("GET", "/props", lambda req: req.send(b"SSH-2.0-OpenSSH\r\n\r\n"))
+        self.server.route("GET", "/props", reply(b"SSH-2.0-OpenSSH\r\n\r\n"))
         self.assertIn("malformed status line", self.main_fails("props"))
         self.server.route("GET", "/slots", lambda req: req.wait_peer_close(3))
         self.assertIn("no answer", self.main_fails("slots"))

@@ -7,7 +7,8 @@
     python3 dev/fuzz.py --inputs 5000 --seed 7 --target http    # exactly these inputs, one target
     python3 dev/fuzz.py --replay dev/fuzz-crashes/<hash>.bin
 
-The seeds' stream pieces and the servers' request reader are test_loopclient's (imported, not copied).
+The seeds' stream pieces and JSON answers and the servers' request reader are test_loopclient's (imported,
+not copied).
 Inputs are recorded llama-server responses (dev/testdata/transcripts, captured from a real server, and the
 built-in seeds below), mutated by bit flips, byte sets, dictionary insertions, splices of two seeds,
 truncations, repeated and dropped spans, and structural JSON edits, then cut at random points into the
@@ -73,6 +74,7 @@ from test_loopclient import (  # noqa: E402
     _p_typed,
     chunk_json,
     chunked,
+    json_response,
     read_request,
     sse,
 )
@@ -124,14 +126,6 @@ def _chunked(*parts):
 
 _TIMINGS = {"prompt_n": 29, "prompt_ms": 76.7, "predicted_n": 16, "predicted_ms": 192.7, "predicted_per_second": 77.8}
 _USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34}
-
-
-def _json_response(doc, status=b"200 OK", extra=b""):
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    return (
-        b"HTTP/1.1 %s\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n%s"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, extra, len(body), body)
-    )
 
 
 def builtin_seeds():
@@ -209,19 +203,19 @@ def builtin_seeds():
         (
             "503-retry-after",
             "stream",
-            _json_response(json.loads(error503), b"503 Service Unavailable", b"Retry-After: 0\r\n"),
+            json_response(json.loads(error503), b"503 Service Unavailable", b"Retry-After: 0\r\n"),
         ),
         (
             "503-date",
             "stream",
-            _json_response(
+            json_response(
                 json.loads(error503), b"503 Service Unavailable", b"Retry-After: Wed, 21 Oct 2015 07:28:00 GMT\r\n"
             ),
         ),
         (
             "400",
             "stream",
-            _json_response(
+            json_response(
                 {
                     "error": {
                         "code": 400,
@@ -240,14 +234,14 @@ def builtin_seeds():
         (
             "slots",
             "json",
-            _json_response(
+            json_response(
                 [{"id": 0, "n_ctx": 1024, "is_processing": False}, {"id": 1, "n_ctx": 1024, "is_processing": True}]
             ),
         ),
-        ("slots-busy", "json", _json_response([{"id": 0, "n_ctx": 1024, "is_processing": True}])),
-        ("props", "json", _json_response({"total_slots": 2, "build_info": "b0-unknown"})),
-        ("control", "json", _json_response({"success": True})),
-        ("control-refused", "json", _json_response({"success": False})),
+        ("slots-busy", "json", json_response([{"id": 0, "n_ctx": 1024, "is_processing": True}])),
+        ("props", "json", json_response({"total_slots": 2, "build_info": "b0-unknown"})),
+        ("control", "json", json_response({"success": True})),
+        ("control-refused", "json", json_response({"success": False})),
     ]
 
 
@@ -1196,7 +1190,7 @@ class Server:
             answer = self.script.get(request.path)
             if answer is None:
                 conn.sendall(
-                    _json_response(
+                    json_response(
                         {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}},
                         b"404 Not Found",
                     )
@@ -1280,7 +1274,7 @@ def run_client(case):
     srv.script = {
         "/v1/chat/completions": (case["data"], case["cuts"], case["hold"]),
         "/slots": (case["slots"], [], False),
-        "/props": (_json_response({"total_slots": 2}), [], False),
+        "/props": (json_response({"total_slots": 2}), [], False),
         "/v1/chat/completions/control": (case["control"], [], False),
     }
     fds = case.setdefault("_fds", _fds())

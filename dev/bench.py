@@ -7,6 +7,8 @@ the same run, the two alternated (ABBA order, so drift cancels), reported as med
     python3 dev/bench.py --only 3     # one figure
     python3 dev/bench.py --profile    # cProfile of figure 1's loopclient side (top functions)
     python3 dev/bench.py --async      # figure 7 only: figure 1 through AsyncClient
+    python3 dev/bench.py --single-shot --socket S --url http://127.0.0.1:P   # figure 8, a REAL server
+    python3 dev/bench.py --setup-httpx  # httpx (pinned) into the bench's own venv, for figure 8
 
 Figures:
     1. Stream throughput: events/s reading a 200,000-event llama-server stream over a Unix socket, against
@@ -31,6 +33,14 @@ Figures:
        timed apart; the floor crew of figure 5 is measured beside it for scale.
     7. Async stream throughput (``--async``): figure 1 read through ``AsyncClient`` on an event loop, against
        the same floor.  Target >= 0.80x.
+    8. Single-shot calls (``--single-shot``), against a REAL llama-server (``dev/llama-server.sh start`` /
+       ``start-tcp PORT``): calls per second of ``client.tokenize(text)`` in a loop, one client object
+       reused, beside http.client on ONE persistent connection (the floor), http.client with a new
+       connection per call, and httpx's pooled ``httpx.Client`` (when installed: ``--setup-httpx``), over
+       the Unix socket and over TCP; the contenders interleaved in rounds (A B C, then C B A, ...), and
+       after each TCP run the sockets it left in TIME-WAIT towards the server's port (/proc/net/tcp).  With
+       a loopclient whose ``Limits`` has ``keep_alive``, both ``keep_alive=0`` and the default are shown.
+       Target: loopclient >= 1.00x on both transports, at most a few (5) TIME-WAIT after a TCP run.
 
 Every server is a separate process (fork), so it never competes with the measured reader for the GIL.
 The exit code is 0 even when a figure fails: this is a report.  The Markdown table at the end is for the
@@ -1189,6 +1199,320 @@ def fig_scaling(cfg):
 
 
 # -----------------------------------------------------------------------------------------------------
+# 8. Single-shot calls against a real llama-server (--single-shot)
+# -----------------------------------------------------------------------------------------------------
+
+#: httpx, pinned, lives in a virtual environment of the benchmark's own (``--setup-httpx`` makes it); the
+#: figure runs without it and says so.
+HTTPX_VERSION = "0.28.1"
+BENCH_VENV = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loopclient", "benchvenv")
+
+TOKENIZE_TEXT = "The sea is a vast, restless expanse of salt water that covers most of the planet."
+
+
+def setup_httpx():
+    """Create the benchmark's venv and install the pinned httpx into it (the only thing it holds)."""
+    if not os.path.exists(os.path.join(BENCH_VENV, "bin", "python")):
+        subprocess.run([sys.executable, "-m", "venv", BENCH_VENV], check=True)
+    subprocess.run(
+        [os.path.join(BENCH_VENV, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+         "httpx==" + HTTPX_VERSION],
+        check=True,
+    )
+
+
+def import_httpx():
+    """httpx from the benchmark's venv (the site-packages of this interpreter's version), else from this
+    interpreter's own path; None when neither has it."""
+    site = os.path.join(BENCH_VENV, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
+    if os.path.isdir(site) and site not in sys.path:
+        sys.path.append(site)
+    try:
+        import httpx
+    except ImportError:
+        return None
+    return httpx
+
+
+class _Connects:
+    """Counts connect() calls on every socket of this process (http.client, httpx and loopclient all
+    connect through ``socket.socket.connect``): connections opened per run, on either transport."""
+
+    count = 0
+    _orig = None
+
+    @classmethod
+    def install(cls):
+        if cls._orig is None:
+            orig = cls._orig = socket.socket.connect
+
+            def connect(sock, address):
+                cls.count += 1
+                return orig(sock, address)
+
+            socket.socket.connect = connect
+
+    @classmethod
+    def uninstall(cls):
+        if cls._orig is not None:
+            socket.socket.connect = cls._orig
+            cls._orig = None
+
+
+def time_wait(port):
+    """The TCP sockets of this network namespace in TIME-WAIT with ``port`` at one end, as a set of
+    (local, remote) address pairs, read from /proc/net/tcp{,6} (state 06)."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != "06":
+                continue
+            local, remote = fields[1], fields[2]
+            if int(local.rsplit(":", 1)[1], 16) == port or int(remote.rsplit(":", 1)[1], 16) == port:
+                found.add((local, remote))
+    return found
+
+
+def _tw_split(entries, port):
+    """(client side, server side): a TIME-WAIT socket is the client's when its remote port is the server's
+    (the client closed first), the server's when its local port is (the server closed first)."""
+    server = sum(1 for local, _ in entries if int(local.rsplit(":", 1)[1], 16) == port)
+    return len(entries) - server, server
+
+
+def _unix_http_connection(path, timeout):
+    import http.client
+
+    class UnixHTTPConnection(http.client.HTTPConnection):
+        def connect(self):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(path)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+
+    return UnixHTTPConnection("localhost", timeout=timeout)
+
+
+def _hc_connection(transport, target):
+    import http.client
+
+    if transport == "unix":
+        return _unix_http_connection(target, 30)
+    host, port = target
+    return http.client.HTTPConnection(host, port, timeout=30)
+
+
+def _tokenize_body(text):
+    """The body loopclient's tokenize() sends (its defaults), so every contender does the same work."""
+    return {"content": text, "add_special": False, "parse_special": True, "with_pieces": False}
+
+
+_HC_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
+def _hc_call(conn, text):
+    conn.request("POST", "/tokenize", json.dumps(_tokenize_body(text)).encode(), _HC_HEADERS)
+    response = conn.getresponse()
+    data = response.read()
+    if response.status != 200:
+        raise RuntimeError("POST /tokenize answered %d: %r" % (response.status, data[:200]))
+    return json.loads(data)["tokens"]
+
+
+def single_shot_contenders(transport, target, url, httpx):
+    """[(name, call, close)] for one transport: ``call(text)`` returns the token ids.  The first is the
+    floor: http.client on one persistent connection (it reconnects by itself when the server closes)."""
+    out = []
+    persistent = _hc_connection(transport, target)
+    out.append(("http.client, one persistent connection (floor)", lambda text: _hc_call(persistent, text), persistent.close))
+
+    def fresh(text):
+        conn = _hc_connection(transport, target)
+        try:
+            return _hc_call(conn, text)
+        finally:
+            conn.close()
+
+    out.append(("http.client, a new connection per call", fresh, lambda: None))
+    if httpx is None:
+        out.append(("httpx not installed (dev/bench.py --setup-httpx)", None, None))
+    else:
+        if transport == "unix":
+            hx = httpx.Client(transport=httpx.HTTPTransport(uds=target), base_url="http://localhost", trust_env=False)
+        else:
+            hx = httpx.Client(base_url=url, trust_env=False)
+
+        def hx_call(text):
+            response = hx.post("/tokenize", json=_tokenize_body(text))
+            if response.status_code != 200:
+                raise RuntimeError("httpx: POST /tokenize answered %d" % response.status_code)
+            return response.json()["tokens"]
+
+        out.append(("httpx %s, httpx.Client pool" % httpx.__version__, hx_call, hx.close))
+    address = target if transport == "unix" else url
+    try:
+        lc.Limits(keep_alive=0)
+    except TypeError:  # this loopclient has no keep-alive: it opens a connection per call
+        client = lc.Client(address)
+        out.append(("loopclient (a connection per call: no Limits.keep_alive)", client.tokenize, client.close))
+    else:
+        client0 = lc.Client(address, limits=lc.Limits(keep_alive=0))
+        out.append(("loopclient, Limits(keep_alive=0)", client0.tokenize, client0.close))
+        client = lc.Client(address)
+        out.append(
+            ("loopclient, default Limits (keep_alive=%r)" % (client.limits.keep_alive,), client.tokenize, client.close)
+        )
+    return out
+
+
+def fig_single_shot(cfg, transport, target, url, httpx):
+    """Calls per second of ``tokenize(text)`` in a loop, each contender's one client object reused, the
+    contenders interleaved in rounds (A B C ..., then reversed: ... C B A, so drift hits each alike); the
+    ratio of each to the floor in the same round; over TCP the TIME-WAIT sockets each run left."""
+    n = cfg.calls
+    port = target[1] if transport == "tcp" else None
+    contenders = single_shot_contenders(transport, target, url, httpx)
+    live = [c for c in contenders if c[1] is not None]
+    rates = {c[0]: [] for c in live}
+    connects = {c[0]: [] for c in live}
+    waits = {c[0]: [] for c in live}  # (client side, server side) per run
+    expected = None
+    _Connects.install()
+    try:
+        for name, call, _ in live:  # warm: connections, pools, imports, the server's cache
+            for _ in range(20):
+                got = call(TOKENIZE_TEXT)
+            if expected is None:
+                expected = got
+            elif got != expected:
+                raise AssertionError("%s answered %r, the floor %r" % (name, got[:8], expected[:8]))
+        for r in range(cfg.pairs):
+            for name, call, _ in live if r % 2 == 0 else live[::-1]:
+                before = time_wait(port) if port else set()
+                collect()
+                c0 = _Connects.count
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call(TOKENIZE_TEXT)
+                dt = time.perf_counter() - t0
+                connects[name].append(_Connects.count - c0)
+                rates[name].append(n / dt)
+                if port:
+                    waits[name].append(_tw_split(time_wait(port) - before, port))
+    finally:
+        _Connects.uninstall()
+        for _, call, close in live:
+            close()
+    floor_name = live[0][0]
+    rows = []
+    for name, call, _ in contenders:
+        if call is None:
+            rows.append((name, None, None, None, None))
+            continue
+        ratios = [x / y for x, y in zip(rates[name], rates[floor_name])]
+        tw = None
+        if port:
+            tw = (
+                statistics.median(w[0] for w in waits[name]),
+                statistics.median(w[1] for w in waits[name]),
+                max(sum(w) for w in waits[name]),
+            )
+        rows.append((name, statistics.median(rates[name]), ratios, statistics.median(connects[name]), tw))
+    return rows
+
+
+def print_single_shot(cfg, transport, where, rows):
+    port_note = ", TIME-WAIT sockets left per run (client side / server side)" if transport == "tcp" else ""
+    print(
+        "\n[8] single-shot: client.tokenize(%d chars) x %d calls over %s (%s), %d rounds%s"
+        % (len(TOKENIZE_TEXT), cfg.calls, "a Unix socket" if transport == "unix" else "TCP", where, cfg.pairs, port_note)
+    )
+    print("| contender | calls/s (median) | ratio to floor, median (min..max) | connections per run | TIME-WAIT after a run |")
+    print("|---|---|---|---|---|")
+    for name, rate, ratios, conns, tw in rows:
+        if rate is None:
+            print("| %s | - | - | - | - |" % name)
+            continue
+        tw_text = "-" if tw is None else "%d (%d / %d; worst %d)" % (tw[0] + tw[1], tw[0], tw[1], tw[2])
+        print(
+            "| %s | %s | %.3f (%.2f..%.2f) | %d | %s |"
+            % (name, fmt_rate(rate, "calls/s"), statistics.median(ratios), min(ratios), max(ratios), conns, tw_text)
+        )
+    sys.stdout.flush()
+
+
+def single_shot_figures(cfg, transport, rows):
+    """Figure lines for the loopclient rows: at least as fast as the floor, and over TCP at most a few
+    (5) sockets left in TIME-WAIT by a run."""
+    figures = []
+    floor_rate = rows[0][1]
+    for name, rate, ratios, conns, tw in rows:
+        if rate is None or not name.startswith("loopclient"):
+            continue
+        passed = statistics.median(ratios) >= 1.0
+        note = "%d connections per %d calls" % (conns, cfg.calls)
+        target = ">= 1.00x"
+        if tw is not None:
+            note += "; TIME-WAIT after a run: %d client side, %d server side (worst run %d in all)" % tw
+            passed = passed and tw[2] <= 5
+            target += ", <= 5 TIME-WAIT"
+        figures.append(
+            Figure(
+                8,
+                "single-shot tokenize, %s: %s" % ("Unix socket" if transport == "unix" else "TCP", name),
+                "calls/s",
+                fmt_rate(rate, "calls/s"),
+                fmt_rate(floor_rate, "calls/s"),
+                ratios,
+                target,
+                passed,
+                note,
+            )
+        )
+    return figures
+
+
+def run_single_shot(cfg, args):
+    if not args.socket and not args.url:
+        raise SystemExit(
+            "--single-shot needs a real llama-server: --socket PATH and/or --url http://127.0.0.1:PORT "
+            "(dev/llama-server.sh start / start-tcp PORT)"
+        )
+    httpx = import_httpx()
+    print("httpx: %s" % ("%s from %s" % (httpx.__version__, os.path.dirname(httpx.__file__)) if httpx else
+                         "not installed (python3 dev/bench.py --setup-httpx installs httpx==%s into %s)"
+                         % (HTTPX_VERSION, BENCH_VENV)))
+    figures = []
+    for transport, where in (("unix", args.socket), ("tcp", args.url)):
+        if not where:
+            continue
+        if transport == "unix":
+            target = where
+            url = None
+        else:
+            addr = lc.parse_address(where)
+            if addr.unix or addr.tls or addr.prefix:
+                raise SystemExit("--url must be http://host:port")
+            target, url = addr.target, where
+        t0 = time.perf_counter()
+        rows = fig_single_shot(cfg, transport, target, url, httpx)
+        print_single_shot(cfg, transport, where, rows)
+        print("    (%.1f s)" % (time.perf_counter() - t0))
+        figures += single_shot_figures(cfg, transport, rows)
+    return figures
+
+
+# -----------------------------------------------------------------------------------------------------
 # Profile
 # -----------------------------------------------------------------------------------------------------
 
@@ -1233,7 +1557,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, a smoke check")
     parser.add_argument("--only", type=int, choices=range(1, 7), metavar="N", help="run figure N only")
-    parser.add_argument("--pairs", type=int, help="pairs per figure (default 5; 2 with --quick)")
+    parser.add_argument("--pairs", type=int, help="pairs per figure, rounds for figure 8 (default 5; 2 with --quick)")
     parser.add_argument("--profile", action="store_true", help="cProfile figure 1's loopclient side, then exit")
     parser.add_argument("--async", dest="async_stream", action="store_true", help="figure 7 (AsyncClient) only")
     parser.add_argument(
@@ -1243,7 +1567,23 @@ def main(argv=None):
         help="Linux 6.16+: give this process a private futex hash of SLOTS buckets (by default 4 per CPU, at "
         "least 16), to see how much of figure 6 is the kernel walking long futex chains",
     )
+    parser.add_argument(
+        "--single-shot",
+        action="store_true",
+        help="figure 8 only: tokenize() calls per second against a REAL llama-server (give --socket and/or --url)",
+    )
+    parser.add_argument("--calls", type=int, default=1500, metavar="N", help="figure 8: calls per run (default 1500)")
+    parser.add_argument("--socket", metavar="PATH", help="figure 8: the real server's Unix socket")
+    parser.add_argument("--url", metavar="URL", help="figure 8: the real server over TCP, http://127.0.0.1:PORT")
+    parser.add_argument(
+        "--setup-httpx",
+        action="store_true",
+        help="install httpx==%s (figure 8's pooled contender) into %s, then exit" % (HTTPX_VERSION, BENCH_VENV),
+    )
     args = parser.parse_args(argv)
+    if args.setup_httpx:
+        setup_httpx()
+        return 0
     cfg = argparse.Namespace(
         events=20_000 if args.quick else 200_000,
         pairs=args.pairs or (2 if args.quick else 5),
@@ -1254,6 +1594,7 @@ def main(argv=None):
         crews=(10, 100, 1_000) if args.quick else (10, 100, 1_000, 4_000),
         crew_requests=1_000 if args.quick else 4_000,
         crew_pairs=args.pairs or (1 if args.quick else 2),
+        calls=args.calls,
     )
     if args.profile:
         profile(cfg)
@@ -1274,6 +1615,9 @@ def main(argv=None):
         wanted = [7]
     figures = []
     sender = None
+    if args.single_shot:
+        wanted = []
+        figures = run_single_shot(cfg, args)
     try:
         for number in wanted:
             t0 = time.perf_counter()

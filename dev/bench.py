@@ -6,6 +6,7 @@ the same run, the two alternated (ABBA order, so drift cancels), reported as med
     python3 dev/bench.py --quick      # smaller sizes, a smoke check
     python3 dev/bench.py --only 3     # one figure
     python3 dev/bench.py --profile    # cProfile of figure 1's loopclient side (top functions)
+    python3 dev/bench.py --profile 4  # figure 4's request cost item by item, beside the floor
     python3 dev/bench.py --async      # figure 7 only: figure 1 through AsyncClient
     python3 dev/bench.py --single-shot --socket S --url http://127.0.0.1:P   # figure 8, a REAL server
     python3 dev/bench.py --setup-httpx  # httpx (pinned) into the bench's own venv, for figure 8
@@ -1215,8 +1216,15 @@ def setup_httpx():
     if not os.path.exists(os.path.join(BENCH_VENV, "bin", "python")):
         subprocess.run([sys.executable, "-m", "venv", BENCH_VENV], check=True)
     subprocess.run(
-        [os.path.join(BENCH_VENV, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-         "httpx==" + HTTPX_VERSION],
+        [
+            os.path.join(BENCH_VENV, "bin", "python"),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "httpx==" + HTTPX_VERSION,
+        ],
         check=True,
     )
 
@@ -1467,10 +1475,19 @@ def print_single_shot(cfg, transport, where, rows):
     port_note = ", TIME-WAIT sockets left per run (client side / server side)" if transport == "tcp" else ""
     print(
         "\n[8] single-shot: client.tokenize(%d chars) x %d calls over %s (%s), %d rounds%s"
-        % (len(TOKENIZE_TEXT), cfg.calls, "a Unix socket" if transport == "unix" else "TCP", where, cfg.pairs, port_note)
+        % (
+            len(TOKENIZE_TEXT),
+            cfg.calls,
+            "a Unix socket" if transport == "unix" else "TCP",
+            where,
+            cfg.pairs,
+            port_note,
+        )
     )
     print("    the floor found its idle connection closed by the server %d times (and sent again)" % STALE["count"])
-    print("| contender | calls/s (median) | ratio to floor, median (min..max) | connections per run | TIME-WAIT after a run |")
+    print(
+        "| contender | calls/s (median) | ratio to floor, median (min..max) | connections per run | TIME-WAIT after a run |"
+    )
     print("|---|---|---|---|---|")
     for name, rate, ratios, conns, tw in rows:
         if rate is None:
@@ -1522,9 +1539,15 @@ def run_single_shot(cfg, args):
             "(dev/llama-server.sh start / start-tcp PORT)"
         )
     httpx = import_httpx()
-    print("httpx: %s" % ("%s from %s" % (httpx.__version__, os.path.dirname(httpx.__file__)) if httpx else
-                         "not installed (python3 dev/bench.py --setup-httpx installs httpx==%s into %s)"
-                         % (HTTPX_VERSION, BENCH_VENV)))
+    print(
+        "httpx: %s"
+        % (
+            "%s from %s" % (httpx.__version__, os.path.dirname(httpx.__file__))
+            if httpx
+            else "not installed (python3 dev/bench.py --setup-httpx installs httpx==%s into %s)"
+            % (HTTPX_VERSION, BENCH_VENV)
+        )
+    )
     figures = []
     for transport, where in (("unix", args.socket), ("tcp", args.url)):
         if not where:
@@ -1568,6 +1591,472 @@ def profile(cfg):
         server.close()
 
 
+class _FakeSock:
+    """A socket that answers ``response`` to its first recv() and then EOF, and does no I/O: what a request
+    costs in Python alone, with the transport taken out."""
+
+    response = b""
+
+    def __init__(self, *args):
+        self._left = _FakeSock.response
+
+    def settimeout(self, timeout):
+        pass
+
+    def setsockopt(self, *args):
+        pass
+
+    def connect(self, address):
+        pass
+
+    def sendall(self, data):
+        pass
+
+    def recv(self, size):
+        data, self._left = self._left, b""
+        return data
+
+    def shutdown(self, how):
+        pass
+
+    def close(self):
+        pass
+
+
+def _fake_socket_module():
+    """Stands in for the ``socket`` module inside loopclient and this script while the Python-only costs are
+    measured; everything but ``socket()`` is the real module's."""
+    import types
+
+    module = types.ModuleType("socket")
+    module.__dict__.update(vars(socket))
+    module.socket = _FakeSock
+    return module
+
+
+def _best_us(fn, n, repeat=7):
+    """The fastest of ``repeat`` runs of ``fn()`` ``n`` times, in µs per call (the least noisy estimate of
+    what the code itself costs on a shared machine)."""
+    best = None
+    for _ in range(repeat):
+        collect()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = (time.perf_counter() - t0) / n * 1e6
+        best = dt if best is None else min(best, dt)
+    return best
+
+
+class _NoIO:
+    """While active: loopclient and this script see the no-I/O socket (``_FakeSock`` answering ``response``)."""
+
+    def __init__(self, response):
+        self.response = response
+
+    def __enter__(self):
+        global socket
+        _FakeSock.response = self.response
+        fake = _fake_socket_module()
+        self.real = socket
+        lc.socket = socket = fake
+
+    def __exit__(self, *exc):
+        global socket
+        lc.socket = socket = self.real
+
+
+class _StubPump:
+    """Stands in for ``ResponsePump``: hands over ``events`` and ``ready``'s outcome at the first read, so
+    that what a request costs around its parsing can be measured alone."""
+
+    ready = None
+    events = []
+
+    def __init__(self, limits, raw_chunks=False):
+        self.head = None
+        self.failed = self.cap_due = self.outcome = None
+        self.progressed = False
+
+    def feed(self, data):
+        self.head = self.ready.head
+        self.outcome = self.ready.outcome
+        self.progressed = True
+        return list(self.events)
+
+
+class _Stubbed:
+    def __enter__(self):
+        self.pump = lc.ResponsePump
+        lc.ResponsePump = _StubPump
+
+    def __exit__(self, *exc):
+        lc.ResponsePump = self.pump
+
+
+class _Both:
+    def __init__(self, *managers):
+        self.managers = managers
+
+    def __enter__(self):
+        for m in self.managers:
+            m.__enter__()
+
+    def __exit__(self, *exc):
+        for m in reversed(self.managers):
+            m.__exit__(*exc)
+
+
+def _line(fn):
+    return fn.__code__.co_firstlineno
+
+
+def request_cost_items(path):
+    """[(name, where in loopclient.py, fn, weight, context)]: the pieces of figure 4's request, each run
+    alone; ``fn()`` costs ``weight`` times one request's share.  ``path`` is a socket path (no I/O is done:
+    the whole-request items run on a fake socket)."""
+    response = short_response()
+    client = lc.Client(path)
+    board = client._board
+    limits = client.limits
+    request = request_bytes(client, 0)
+    noio = _NoIO(response)
+
+    def lc_request():
+        for _ in client.stream(MSGS, slot=0):
+            pass
+
+    def floor_request():
+        floor_stream(path, request)
+
+    ready = lc.ResponsePump(limits)
+    _StubPump.events = ready.feed(response)
+    _StubPump.ready = ready
+    body = {"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": 0}
+    payload = json.dumps(body, allow_nan=False).encode("utf-8")
+    headers = [("Accept", "text/event-stream"), ("Content-Type", "application/json"), ("Connection", "close")]
+    headers += client._headers
+    stream = lc.ChatStream(board, request, 0, None, False)
+    head_block = response[: response.index(b"\r\n\r\n")]
+    chunked = response[response.index(b"\r\n\r\n") + 4 :]
+    body_bytes = b"".join(lc.ResponseReader().feed(response))
+    payloads = [p for _, p in lc.SSEDecoder(limits.max_line).feed(body_bytes) if p != "[DONE]"]
+    finished = lc.Assembler()
+    for p in payloads:
+        finished.feed(p)
+    addr = board.addr
+
+    def gate():
+        board.gate.leave(board.gate.enter((None, 0), 1))
+
+    def add_discard():
+        board.add(stream)
+        board.discard(stream)
+
+    def assemble():
+        asm = lc.Assembler()
+        for p in payloads:
+            asm.feed(p)
+        asm.completion()
+
+    def floor_loads():
+        for p in payloads:
+            json.loads(p)
+
+    def conn():
+        lc._Conn(addr, 1.0).close()
+
+    def fake_sock():
+        _FakeSock().close()
+
+    cs = lc.ChatStream
+    return [
+        ("TOTAL loopclient: figure 4's request, no I/O", "", lc_request, 1, noio),
+        ("TOTAL floor: the same bytes, no I/O", "", floor_request, 1, noio),
+        (
+            "the request's life around the parsing: generators, __next__ and its lock, the socket object, "
+            "clocks, cleanup (a stub pump hands over the events)",
+            "ChatStream.__next__ / _run / _attempts / _exchange (l. %d-%d)" % (_line(cs.__next__), _line(cs._exchange)),
+            lc_request,
+            1,
+            _Both(noio, _Stubbed()),
+        ),
+        (
+            "  of which _Conn() + close() (Lock, timeout), beyond the socket's own calls",
+            "_Conn.__init__ (l. %d)" % _line(lc._Conn.__init__),
+            conn,
+            1,
+            noio,
+        ),
+        ("  (the no-I/O socket's own calls, subtracted above)", "", fake_sock, -1, noio),
+        (
+            "  of which ChatStream() (threading.Lock, threading.Event, _Owner with its Lock)",
+            "ChatStream.__init__ (l. %d)" % _line(cs.__init__),
+            lambda: lc.ChatStream(board, request, 0, None, False),
+            1,
+            None,
+        ),
+        ("    of which threading.Event() alone", "ChatStream.__init__", threading.Event, 1, None),
+        (
+            "  of which gate enter + leave, uncontended",
+            "_Gate.enter / leave (l. %d, %d)" % (_line(lc._Gate.enter), _line(lc._Gate.leave)),
+            gate,
+            1,
+            None,
+        ),
+        ("  of which board add + discard", "_Board.add / discard (l. %d)" % _line(lc._Board.add), add_discard, 1, None),
+        (
+            "  of which _Waits()",
+            "_Waits.__init__ (l. %d)" % _line(lc._Waits.__init__),
+            lambda: lc._Waits(limits, 0, addr.text),
+            1,
+            None,
+        ),
+        (
+            "  of which stream(): body, checks, routing, json.dumps, encode_request",
+            "Client._chat_request (l. %d)" % _line(lc.Client._chat_request),
+            lambda: client._chat_request(MSGS, 0, {}),
+            1,
+            None,
+        ),
+        (
+            "    of which json.dumps(body)",
+            "Client._encode (l. %d)" % _line(lc.Client._encode),
+            lambda: json.dumps(body, allow_nan=False).encode("utf-8"),
+            1,
+            None,
+        ),
+        (
+            "    of which encode_request (header checks, join)",
+            "encode_request (l. %d)" % _line(lc.encode_request),
+            lambda: lc.encode_request("POST", "/v1/chat/completions", "localhost", headers, payload),
+            1,
+            None,
+        ),
+        (
+            "ResponsePump() + feed(the whole response): head, chunks, SSE, 8 payloads, Completion",
+            "ResponsePump.feed (l. %d)" % _line(lc.ResponsePump.feed),
+            lambda: lc.ResponsePump(limits).feed(response),
+            1,
+            None,
+        ),
+        (
+            "  of which ResponsePump() alone",
+            "ResponsePump.__init__ (l. %d)" % _line(lc.ResponsePump.__init__),
+            lambda: lc.ResponsePump(limits),
+            1,
+            None,
+        ),
+        (
+            "  of which ResponseReader: head + de-chunk",
+            "ResponseReader.feed (l. %d)" % _line(lc.ResponseReader.feed),
+            lambda: lc.ResponseReader().feed(response),
+            1,
+            None,
+        ),
+        (
+            "    of which _parse_head (%d header lines)" % head_block.count(b"\n"),
+            "_parse_head (l. %d)" % _line(lc._parse_head),
+            lambda: lc._parse_head(head_block, lc.MAX_HEADERS),
+            1,
+            None,
+        ),
+        (
+            "    of which ChunkedDecoder.feed (%d chunks)" % (chunked.count(b"\r\n") // 2),
+            "ChunkedDecoder._feed (l. %d)" % _line(lc.ChunkedDecoder._feed),
+            lambda: lc.ChunkedDecoder().feed(chunked),
+            1,
+            None,
+        ),
+        (
+            "  of which SSEDecoder.feed",
+            "SSEDecoder._lines (l. %d)" % _line(lc.SSEDecoder._lines),
+            lambda: lc.SSEDecoder(limits.max_line).feed(body_bytes),
+            1,
+            None,
+        ),
+        (
+            "  of which Assembler: %d payloads + completion()" % len(payloads),
+            "Assembler.feed (l. %d)" % _line(lc.Assembler.feed),
+            assemble,
+            1,
+            None,
+        ),
+        (
+            "    of which completion() (Choice, Completion)",
+            "Assembler.completion (l. %d)" % _line(lc.Assembler.completion),
+            finished.completion,
+            1,
+            None,
+        ),
+        ("(the floor's json.loads of the same %d payloads)" % len(payloads), "", floor_loads, 1, None),
+    ]
+
+
+def _syscall_items(n):
+    """The transport's extra system calls, timed (they cost the kernel, which an instruction count of the
+    process misses): a timeout on the socket is an ioctl(FIONBIO) per settimeout() and a poll() before each
+    recv and send."""
+    a, b = socket.socketpair()
+    try:
+
+        def settimeout():
+            a.settimeout(1.0)
+            a.settimeout(2.0)
+
+        def ping():
+            b.send(b"x")
+            a.recv(16)
+
+        ioctl = _best_us(settimeout, n) / 2 * 3
+        a.settimeout(None)
+        blocking = _best_us(ping, n)
+        a.settimeout(5.0)
+        timed = _best_us(ping, n)
+    finally:
+        a.close()
+        b.close()
+    return [
+        (
+            "settimeout() x 3 (an ioctl each: at connect, then liveness for the send, poll for the reads)",
+            "_Conn.__init__ / sendall / recv (l. %d)" % _line(lc._Conn.__init__),
+            ioctl,
+        ),
+        (
+            "poll() before the send and the recv (a socket with a timeout)",
+            "_Conn.sendall / recv",
+            2 * (timed - blocking),
+        ),
+    ]
+
+
+_INSTR_CHILD = "--child-instructions"
+_MARK = os.getppid  # a C function called nowhere else: callgrind dumps its counts before each call
+
+
+def child_instructions(path, k):
+    """Runs under callgrind (--dump-before=os_getppid*): each item ``k`` times between two marks."""
+    items = request_cost_items(path)
+    for _name, _where, fn, _weight, ctx in items:  # warm: imports, caches, first-call paths
+        with ctx or _Both():
+            for _ in range(20):
+                fn()
+    _MARK()
+    for _name, _where, fn, _weight, ctx in items:
+        with ctx or _Both():
+            _MARK()
+            for _ in range(k):
+                fn()
+            _MARK()
+    _MARK()
+
+
+def _instructions(k):
+    """{index: instructions per call} of ``request_cost_items``, counted by callgrind; None without valgrind."""
+    if not shutil.which("valgrind"):
+        return None
+    out = tempfile.mkdtemp(prefix="lcb-cg", dir="/tmp")
+    try:
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--dump-before=os_getppid*",
+                "--callgrind-out-file=" + os.path.join(out, "cg.out"),
+                os.path.realpath(sys.executable),
+                os.path.abspath(__file__),
+                _INSTR_CHILD,
+                "/tmp/lcb-none.sock",
+                str(k),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
+        numbered = []  # the dumps before each mark, in order (the one at exit has no number: not used)
+        for name in os.listdir(out):
+            suffix = name.rsplit(".", 1)[1]
+            if not suffix.isdigit():
+                continue
+            with open(os.path.join(out, name)) as f:
+                totals = [line for line in f.read().splitlines() if line.startswith(("summary:", "totals:"))]
+            numbered.append((int(suffix), int(totals[0].split()[1]) if totals else 0))
+        counts = [c for _, c in sorted(numbered)]
+        # dump 1 runs to the first mark (imports, warm-up), dump 2 to the first item's opening mark; then
+        # each item inside its marks, and what lies between two items: every second dump from the third
+        inside = counts[2::2]
+        return {i: c / k for i, c in enumerate(inside)}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def profile_requests(cfg, instructions=False):
+    """Figure 4's request cost, item by item: timed (best of 7 runs of each item alone), and with
+    ``instructions`` counted by callgrind (noise-free); then the whole request beside the floor, real
+    sockets; then a cProfile of it."""
+    import cProfile
+    import pstats
+
+    n = max(500, cfg.requests)
+    server = ServerProcess(_instant_server, short_response())
+    try:
+        items = request_cost_items(server.path)
+        times = []
+        for _name, _where, fn, _weight, ctx in items:
+            with ctx or _Both():
+                times.append(_best_us(fn, n))
+        syscalls = _syscall_items(n * 5)
+        client = lc.Client(server.path)
+        request = request_bytes(client, 0)
+
+        def lc_request():
+            for _ in client.stream(MSGS, slot=0):
+                pass
+
+        real = alternate(
+            lambda: _best_us(lc_request, n // 5, 3),
+            lambda: _best_us(lambda: floor_stream(server.path, request), n // 5, 3),
+            3,
+        )
+        counts = _instructions(200) if instructions else None
+        print(
+            "Figure 4's request (5 content events, 8 payloads), per request; times are the best of 7 runs on a "
+            "shared machine (compare them, do not quote one alone)%s"
+            % ("; instructions counted by callgrind in the client process" if counts else "")
+        )
+        lc_real, floor_real = min(a for a, _ in real), min(b for _, b in real)
+        print(
+            "  with real sockets (figure 4's server): loopclient %.1f µs, floor %.1f µs: ratio %.2f, gap %.1f µs"
+            % (lc_real, floor_real, floor_real / lc_real, lc_real - floor_real)
+        )
+        print()
+        print("| cost item | µs per request | instructions | where in loopclient.py |")
+        print("|---|---|---|---|")
+        for i, (name, where, _fn, weight, _ctx) in enumerate(items):
+            if weight < 0:
+                continue
+            us = times[i]
+            ins = counts.get(i) if counts else None
+            if i + 1 < len(items) and items[i + 1][3] < 0:  # less what the next (subtracted) item costs
+                us -= times[i + 1]
+                ins = None if ins is None or counts.get(i + 1) is None else ins - counts[i + 1]
+            print("| %s | %.2f | %s | %s |" % (name, us, "-" if ins is None else "{:,.0f}".format(ins), where))
+        for name, where, us in syscalls:
+            print("| %s | %.2f | (kernel) | %s |" % (name, us, where))
+        sys.stdout.flush()
+        for _ in range(20):
+            lc_request()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(cfg.requests):
+            lc_request()
+        prof.disable()
+        print("\ncProfile of %d figure-4 requests (cProfile inflates per-call costs):" % cfg.requests)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    finally:
+        server.close()
+
+
 # -----------------------------------------------------------------------------------------------------
 # Main
 # -----------------------------------------------------------------------------------------------------
@@ -1592,7 +2081,16 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller sizes, a smoke check")
     parser.add_argument("--only", type=int, choices=range(1, 7), metavar="N", help="run figure N only")
     parser.add_argument("--pairs", type=int, help="pairs per figure, rounds for figure 8 (default 5; 2 with --quick)")
-    parser.add_argument("--profile", action="store_true", help="cProfile figure 1's loopclient side, then exit")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        type=int,
+        const=1,
+        choices=(1, 4),
+        metavar="N",
+        help="cProfile figure 1's loopclient side (N=1, the default), or figure 4's request cost by item "
+        "beside the floor, then a cProfile (N=4); then exit",
+    )
     parser.add_argument("--async", dest="async_stream", action="store_true", help="figure 7 (AsyncClient) only")
     parser.add_argument(
         "--futex-hash",
@@ -1600,6 +2098,11 @@ def main(argv=None):
         metavar="SLOTS",
         help="Linux 6.16+: give this process a private futex hash of SLOTS buckets (by default 4 per CPU, at "
         "least 16), to see how much of figure 6 is the kernel walking long futex chains",
+    )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="with --profile 4: also count each item's instructions under valgrind's callgrind (noise-free; slow)",
     )
     parser.add_argument(
         "--single-shot",
@@ -1630,6 +2133,9 @@ def main(argv=None):
         crew_pairs=args.pairs or (1 if args.quick else 2),
         calls=args.calls,
     )
+    if args.profile == 4:
+        profile_requests(cfg, args.instructions)
+        return 0
     if args.profile:
         profile(cfg)
         return 0
@@ -1703,5 +2209,7 @@ def main(argv=None):
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == _MEM_CHILD:
         child_mem(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == _INSTR_CHILD:
+        child_instructions(sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit(main())

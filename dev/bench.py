@@ -6,7 +6,10 @@ the same run, the two alternated (ABBA order, so drift cancels), reported as med
     python3 dev/bench.py --quick      # smaller sizes, a smoke check
     python3 dev/bench.py --only 3     # one figure
     python3 dev/bench.py --profile    # cProfile of figure 1's loopclient side (top functions)
+    python3 dev/bench.py --profile 4  # figure 4's request cost item by item, beside the floor
     python3 dev/bench.py --async      # figure 7 only: figure 1 through AsyncClient
+    python3 dev/bench.py --single-shot --socket S --url http://127.0.0.1:P   # figure 8, a REAL server
+    python3 dev/bench.py --setup-httpx  # httpx (pinned) into the bench's own venv, for figure 8
 
 Figures:
     1. Stream throughput: events/s reading a 200,000-event llama-server stream over a Unix socket, against
@@ -31,6 +34,14 @@ Figures:
        timed apart; the floor crew of figure 5 is measured beside it for scale.
     7. Async stream throughput (``--async``): figure 1 read through ``AsyncClient`` on an event loop, against
        the same floor.  Target >= 0.80x.
+    8. Single-shot calls (``--single-shot``), against a REAL llama-server (``dev/llama-server.sh start`` /
+       ``start-tcp PORT``): calls per second of ``client.tokenize(text)`` in a loop, one client object
+       reused, beside http.client on ONE persistent connection (the floor), http.client with a new
+       connection per call, and httpx's pooled ``httpx.Client`` (when installed: ``--setup-httpx``), over
+       the Unix socket and over TCP; the contenders interleaved in rounds (A B C, then C B A, ...), and
+       after each TCP run the sockets it left in TIME-WAIT towards the server's port (/proc/net/tcp).  With
+       a loopclient whose ``Limits`` has ``keep_alive``, both ``keep_alive=0`` and the default are shown.
+       Target: loopclient >= 1.00x on both transports, at most a few (5) TIME-WAIT after a TCP run.
 
 Every server is a separate process (fork), so it never competes with the measured reader for the GIL.
 The exit code is 0 even when a figure fails: this is a report.  The Markdown table at the end is for the
@@ -1189,6 +1200,376 @@ def fig_scaling(cfg):
 
 
 # -----------------------------------------------------------------------------------------------------
+# 8. Single-shot calls against a real llama-server (--single-shot)
+# -----------------------------------------------------------------------------------------------------
+
+#: httpx, pinned, lives in a virtual environment of the benchmark's own (``--setup-httpx`` makes it); the
+#: figure runs without it and says so.
+HTTPX_VERSION = "0.28.1"
+BENCH_VENV = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loopclient", "benchvenv")
+
+TOKENIZE_TEXT = "The sea is a vast, restless expanse of salt water that covers most of the planet."
+
+
+def setup_httpx():
+    """Create the benchmark's venv and install the pinned httpx into it (the only thing it holds)."""
+    if not os.path.exists(os.path.join(BENCH_VENV, "bin", "python")):
+        subprocess.run([sys.executable, "-m", "venv", BENCH_VENV], check=True)
+    subprocess.run(
+        [
+            os.path.join(BENCH_VENV, "bin", "python"),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "httpx==" + HTTPX_VERSION,
+        ],
+        check=True,
+    )
+
+
+def import_httpx():
+    """httpx from the benchmark's venv (the site-packages of this interpreter's version), else from this
+    interpreter's own path; None when neither has it."""
+    site = os.path.join(BENCH_VENV, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
+    if os.path.isdir(site) and site not in sys.path:
+        sys.path.append(site)
+    try:
+        import httpx
+    except ImportError:
+        return None
+    return httpx
+
+
+class _Connects:
+    """Counts connect() calls on every socket of this process (http.client, httpx and loopclient all
+    connect through ``socket.socket.connect``): connections opened per run, on either transport; and keeps
+    the local port of each TCP one, so that the TIME-WAIT sockets a run left can be told from older ones."""
+
+    count = 0
+    ports = set()
+    _orig = None
+
+    @classmethod
+    def install(cls):
+        if cls._orig is None:
+            orig = cls._orig = socket.socket.connect
+
+            def connect(sock, address):
+                cls.count += 1
+                orig(sock, address)
+                if sock.family != socket.AF_UNIX:
+                    cls.ports.add(sock.getsockname()[1])
+
+            socket.socket.connect = connect
+
+    @classmethod
+    def uninstall(cls):
+        if cls._orig is not None:
+            socket.socket.connect = cls._orig
+            cls._orig = None
+
+
+def time_wait(port):
+    """The TCP sockets of this network namespace in TIME-WAIT with ``port`` at one end, as a set of
+    (local, remote) address pairs, read from /proc/net/tcp{,6} (state 06)."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != "06":
+                continue
+            local, remote = fields[1], fields[2]
+            if int(local.rsplit(":", 1)[1], 16) == port or int(remote.rsplit(":", 1)[1], 16) == port:
+                found.add((local, remote))
+    return found
+
+
+def _tw_split(entries, port, ours):
+    """(client side, server side) of the TIME-WAIT sockets of the connections whose client port is in
+    ``ours``: a TIME-WAIT socket is the client's when its remote port is the server's (the client closed
+    first), the server's when its local port is (the server closed first).  Counting by the run's own
+    ports, not by what is new since the run began: TIME-WAIT lasts 60 s, and on loopback (tcp_tw_reuse=2)
+    a new connection may take over the port of an old one in TIME-WAIT."""
+    client = server = 0
+    for local, remote in entries:
+        lport, rport = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+        if rport == port and lport in ours:
+            client += 1
+        elif lport == port and rport in ours:
+            server += 1
+    return client, server
+
+
+def _unix_http_connection(path, timeout):
+    import http.client
+
+    class UnixHTTPConnection(http.client.HTTPConnection):
+        def connect(self):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(path)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+
+    return UnixHTTPConnection("localhost", timeout=timeout)
+
+
+def _hc_connection(transport, target):
+    import http.client
+
+    if transport == "unix":
+        return _unix_http_connection(target, 30)
+    host, port = target
+    return http.client.HTTPConnection(host, port, timeout=30)
+
+
+def _tokenize_body(text):
+    """The body loopclient's tokenize() sends (its defaults), so every contender does the same work."""
+    return {"content": text, "add_special": False, "parse_special": True, "with_pieces": False}
+
+
+_HC_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
+def _hc_call(conn, text):
+    conn.request("POST", "/tokenize", json.dumps(_tokenize_body(text)).encode(), _HC_HEADERS)
+    response = conn.getresponse()
+    data = response.read()
+    if response.status != 200:
+        raise RuntimeError("POST /tokenize answered %d: %r" % (response.status, data[:200]))
+    return json.loads(data)["tokens"]
+
+
+#: How often the floor's persistent connection was found closed by the server when reused (llama-server
+#: closes a connection idle for 5 s, the Keep-Alive timeout it advertises): it then reconnects and sends again.
+STALE = {"count": 0}
+
+
+def single_shot_contenders(transport, target, url, httpx):
+    """[(name, call, close)] for one transport: ``call(text)`` returns the token ids.  The first is the
+    floor: http.client on one persistent connection.  http.client reconnects by itself when the server
+    said it closes (llama-server does after 100 requests on a connection: ``Keep-Alive: max=100``), but
+    not when the server closed an idle connection (after 5 s, while the other contenders ran): then the
+    send fails or no answer comes, and the floor does what its users must, reconnects and sends again."""
+    import http.client
+
+    out = []
+    persistent = _hc_connection(transport, target)
+
+    def floor(text):
+        try:
+            return _hc_call(persistent, text)
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            STALE["count"] += 1
+            persistent.close()
+            return _hc_call(persistent, text)
+
+    out.append(("http.client, one persistent connection (floor)", floor, persistent.close))
+
+    def fresh(text):
+        conn = _hc_connection(transport, target)
+        try:
+            return _hc_call(conn, text)
+        finally:
+            conn.close()
+
+    out.append(("http.client, a new connection per call", fresh, lambda: None))
+    if httpx is None:
+        out.append(("httpx not installed (dev/bench.py --setup-httpx)", None, None))
+    else:
+        if transport == "unix":
+            hx = httpx.Client(transport=httpx.HTTPTransport(uds=target), base_url="http://localhost", trust_env=False)
+        else:
+            hx = httpx.Client(base_url=url, trust_env=False)
+
+        def hx_call(text):
+            response = hx.post("/tokenize", json=_tokenize_body(text))
+            if response.status_code != 200:
+                raise RuntimeError("httpx: POST /tokenize answered %d" % response.status_code)
+            return response.json()["tokens"]
+
+        out.append(("httpx %s, httpx.Client pool" % httpx.__version__, hx_call, hx.close))
+    address = target if transport == "unix" else url
+    try:
+        lc.Limits(keep_alive=0)
+    except TypeError:  # this loopclient has no keep-alive: it opens a connection per call
+        client = lc.Client(address)
+        out.append(("loopclient (a connection per call: no Limits.keep_alive)", client.tokenize, client.close))
+    else:
+        client0 = lc.Client(address, limits=lc.Limits(keep_alive=0))
+        out.append(("loopclient, Limits(keep_alive=0)", client0.tokenize, client0.close))
+        client = lc.Client(address)
+        out.append(
+            ("loopclient, default Limits (keep_alive=%r)" % (client.limits.keep_alive,), client.tokenize, client.close)
+        )
+    return out
+
+
+def fig_single_shot(cfg, transport, target, url, httpx):
+    """Calls per second of ``tokenize(text)`` in a loop, each contender's one client object reused, the
+    contenders interleaved in rounds (A B C ..., then reversed: ... C B A, so drift hits each alike); the
+    ratio of each to the floor in the same round; over TCP the TIME-WAIT sockets each run left."""
+    n = cfg.calls
+    port = target[1] if transport == "tcp" else None
+    contenders = single_shot_contenders(transport, target, url, httpx)
+    live = [c for c in contenders if c[1] is not None]
+    rates = {c[0]: [] for c in live}
+    connects = {c[0]: [] for c in live}
+    waits = {c[0]: [] for c in live}  # (client side, server side) per run
+    expected = None
+    _Connects.install()
+    try:
+        for name, call, _ in live:  # warm: connections, pools, imports, the server's cache
+            for _ in range(20):
+                got = call(TOKENIZE_TEXT)
+            if expected is None:
+                expected = got
+            elif got != expected:
+                raise AssertionError("%s answered %r, the floor %r" % (name, got[:8], expected[:8]))
+        for r in range(cfg.pairs):
+            for name, call, _ in live if r % 2 == 0 else live[::-1]:
+                collect()
+                _Connects.ports = set()
+                c0 = _Connects.count
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call(TOKENIZE_TEXT)
+                dt = time.perf_counter() - t0
+                connects[name].append(_Connects.count - c0)
+                rates[name].append(n / dt)
+                if port:
+                    waits[name].append(_tw_split(time_wait(port), port, _Connects.ports))
+    finally:
+        _Connects.uninstall()
+        for _, call, close in live:
+            close()
+    floor_name = live[0][0]
+    rows = []
+    for name, call, _ in contenders:
+        if call is None:
+            rows.append((name, None, None, None, None))
+            continue
+        ratios = [x / y for x, y in zip(rates[name], rates[floor_name])]
+        tw = None
+        if port:
+            tw = (
+                statistics.median(w[0] for w in waits[name]),
+                statistics.median(w[1] for w in waits[name]),
+                max(sum(w) for w in waits[name]),
+            )
+        rows.append((name, statistics.median(rates[name]), ratios, statistics.median(connects[name]), tw))
+    return rows
+
+
+def print_single_shot(cfg, transport, where, rows):
+    port_note = ", TIME-WAIT sockets left per run (client side / server side)" if transport == "tcp" else ""
+    print(
+        "\n[8] single-shot: client.tokenize(%d chars) x %d calls over %s (%s), %d rounds%s"
+        % (
+            len(TOKENIZE_TEXT),
+            cfg.calls,
+            "a Unix socket" if transport == "unix" else "TCP",
+            where,
+            cfg.pairs,
+            port_note,
+        )
+    )
+    print("    the floor found its idle connection closed by the server %d times (and sent again)" % STALE["count"])
+    print(
+        "| contender | calls/s (median) | ratio to floor, median (min..max) | connections per run | TIME-WAIT after a run |"
+    )
+    print("|---|---|---|---|---|")
+    for name, rate, ratios, conns, tw in rows:
+        if rate is None:
+            print("| %s | - | - | - | - |" % name)
+            continue
+        tw_text = "-" if tw is None else "%d (%d / %d; worst %d)" % (tw[0] + tw[1], tw[0], tw[1], tw[2])
+        print(
+            "| %s | %s | %.3f (%.2f..%.2f) | %d | %s |"
+            % (name, fmt_rate(rate, "calls/s"), statistics.median(ratios), min(ratios), max(ratios), conns, tw_text)
+        )
+    sys.stdout.flush()
+
+
+def single_shot_figures(cfg, transport, rows):
+    """Figure lines for the loopclient rows: at least as fast as the floor, and over TCP at most a few
+    (5) sockets left in TIME-WAIT by a run."""
+    figures = []
+    floor_rate = rows[0][1]
+    for name, rate, ratios, conns, tw in rows:
+        if rate is None or not name.startswith("loopclient"):
+            continue
+        passed = statistics.median(ratios) >= 1.0
+        note = "%d connections per %d calls" % (conns, cfg.calls)
+        target = ">= 1.00x"
+        if tw is not None:
+            note += "; TIME-WAIT after a run: %d client side, %d server side (worst run %d in all)" % tw
+            passed = passed and tw[2] <= 5
+            target += ", <= 5 TIME-WAIT"
+        figures.append(
+            Figure(
+                8,
+                "single-shot tokenize, %s: %s" % ("Unix socket" if transport == "unix" else "TCP", name),
+                "calls/s",
+                fmt_rate(rate, "calls/s"),
+                fmt_rate(floor_rate, "calls/s"),
+                ratios,
+                target,
+                passed,
+                note,
+            )
+        )
+    return figures
+
+
+def run_single_shot(cfg, args):
+    if not args.socket and not args.url:
+        raise SystemExit(
+            "--single-shot needs a real llama-server: --socket PATH and/or --url http://127.0.0.1:PORT "
+            "(dev/llama-server.sh start / start-tcp PORT)"
+        )
+    httpx = import_httpx()
+    print(
+        "httpx: %s"
+        % (
+            "%s from %s" % (httpx.__version__, os.path.dirname(httpx.__file__))
+            if httpx
+            else "not installed (python3 dev/bench.py --setup-httpx installs httpx==%s into %s)"
+            % (HTTPX_VERSION, BENCH_VENV)
+        )
+    )
+    figures = []
+    for transport, where in (("unix", args.socket), ("tcp", args.url)):
+        if not where:
+            continue
+        if transport == "unix":
+            target = where
+            url = None
+        else:
+            addr = lc.parse_address(where)
+            if addr.unix or addr.tls or addr.prefix:
+                raise SystemExit("--url must be http://host:port")
+            target, url = addr.target, where
+        t0 = time.perf_counter()
+        STALE["count"] = 0
+        rows = fig_single_shot(cfg, transport, target, url, httpx)
+        print_single_shot(cfg, transport, where, rows)
+        print("    (%.1f s)" % (time.perf_counter() - t0))
+        figures += single_shot_figures(cfg, transport, rows)
+    return figures
+
+
+# -----------------------------------------------------------------------------------------------------
 # Profile
 # -----------------------------------------------------------------------------------------------------
 
@@ -1206,6 +1587,472 @@ def profile(cfg):
         prof.disable()
         print("cProfile of loopclient reading %d events (cProfile inflates per-call costs):" % n)
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    finally:
+        server.close()
+
+
+class _FakeSock:
+    """A socket that answers ``response`` to its first recv() and then EOF, and does no I/O: what a request
+    costs in Python alone, with the transport taken out."""
+
+    response = b""
+
+    def __init__(self, *args):
+        self._left = _FakeSock.response
+
+    def settimeout(self, timeout):
+        pass
+
+    def setsockopt(self, *args):
+        pass
+
+    def connect(self, address):
+        pass
+
+    def sendall(self, data):
+        pass
+
+    def recv(self, size):
+        data, self._left = self._left, b""
+        return data
+
+    def shutdown(self, how):
+        pass
+
+    def close(self):
+        pass
+
+
+def _fake_socket_module():
+    """Stands in for the ``socket`` module inside loopclient and this script while the Python-only costs are
+    measured; everything but ``socket()`` is the real module's."""
+    import types
+
+    module = types.ModuleType("socket")
+    module.__dict__.update(vars(socket))
+    module.socket = _FakeSock
+    return module
+
+
+def _best_us(fn, n, repeat=7):
+    """The fastest of ``repeat`` runs of ``fn()`` ``n`` times, in µs per call (the least noisy estimate of
+    what the code itself costs on a shared machine)."""
+    best = None
+    for _ in range(repeat):
+        collect()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dt = (time.perf_counter() - t0) / n * 1e6
+        best = dt if best is None else min(best, dt)
+    return best
+
+
+class _NoIO:
+    """While active: loopclient and this script see the no-I/O socket (``_FakeSock`` answering ``response``)."""
+
+    def __init__(self, response):
+        self.response = response
+
+    def __enter__(self):
+        global socket
+        _FakeSock.response = self.response
+        fake = _fake_socket_module()
+        self.real = socket
+        lc.socket = socket = fake
+
+    def __exit__(self, *exc):
+        global socket
+        lc.socket = socket = self.real
+
+
+class _StubPump:
+    """Stands in for ``ResponsePump``: hands over ``events`` and ``ready``'s outcome at the first read, so
+    that what a request costs around its parsing can be measured alone."""
+
+    ready = None
+    events = []
+
+    def __init__(self, limits, raw_chunks=False):
+        self.head = None
+        self.failed = self.cap_due = self.outcome = None
+        self.progressed = False
+
+    def feed(self, data):
+        self.head = self.ready.head
+        self.outcome = self.ready.outcome
+        self.progressed = True
+        return list(self.events)
+
+
+class _Stubbed:
+    def __enter__(self):
+        self.pump = lc.ResponsePump
+        lc.ResponsePump = _StubPump
+
+    def __exit__(self, *exc):
+        lc.ResponsePump = self.pump
+
+
+class _Both:
+    def __init__(self, *managers):
+        self.managers = managers
+
+    def __enter__(self):
+        for m in self.managers:
+            m.__enter__()
+
+    def __exit__(self, *exc):
+        for m in reversed(self.managers):
+            m.__exit__(*exc)
+
+
+def _line(fn):
+    return fn.__code__.co_firstlineno
+
+
+def request_cost_items(path):
+    """[(name, where in loopclient.py, fn, weight, context)]: the pieces of figure 4's request, each run
+    alone; ``fn()`` costs ``weight`` times one request's share.  ``path`` is a socket path (no I/O is done:
+    the whole-request items run on a fake socket)."""
+    response = short_response()
+    client = lc.Client(path)
+    board = client._board
+    limits = client.limits
+    request = request_bytes(client, 0)
+    noio = _NoIO(response)
+
+    def lc_request():
+        for _ in client.stream(MSGS, slot=0):
+            pass
+
+    def floor_request():
+        floor_stream(path, request)
+
+    ready = lc.ResponsePump(limits)
+    _StubPump.events = ready.feed(response)
+    _StubPump.ready = ready
+    body = {"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": 0}
+    payload = json.dumps(body, allow_nan=False).encode("utf-8")
+    headers = [("Accept", "text/event-stream"), ("Content-Type", "application/json"), ("Connection", "close")]
+    headers += client._headers
+    stream = lc.ChatStream(board, request, 0, None, False)
+    head_block = response[: response.index(b"\r\n\r\n")]
+    chunked = response[response.index(b"\r\n\r\n") + 4 :]
+    body_bytes = b"".join(lc.ResponseReader().feed(response))
+    payloads = [p for _, p in lc.SSEDecoder(limits.max_line).feed(body_bytes) if p != "[DONE]"]
+    finished = lc.Assembler()
+    for p in payloads:
+        finished.feed(p)
+    addr = board.addr
+
+    def gate():
+        board.gate.leave(board.gate.enter((None, 0), 1))
+
+    def add_discard():
+        board.add(stream)
+        board.discard(stream)
+
+    def assemble():
+        asm = lc.Assembler()
+        for p in payloads:
+            asm.feed(p)
+        asm.completion()
+
+    def floor_loads():
+        for p in payloads:
+            json.loads(p)
+
+    def conn():
+        lc._Conn(addr, 1.0).close()
+
+    def fake_sock():
+        _FakeSock().close()
+
+    cs = lc.ChatStream
+    return [
+        ("TOTAL loopclient: figure 4's request, no I/O", "", lc_request, 1, noio),
+        ("TOTAL floor: the same bytes, no I/O", "", floor_request, 1, noio),
+        (
+            "the request's life around the parsing: generators, __next__ and its lock, the socket object, "
+            "clocks, cleanup (a stub pump hands over the events)",
+            "ChatStream.__next__ / _run / _attempts / _exchange (l. %d-%d)" % (_line(cs.__next__), _line(cs._exchange)),
+            lc_request,
+            1,
+            _Both(noio, _Stubbed()),
+        ),
+        (
+            "  of which _Conn() + close() (Lock, timeout), beyond the socket's own calls",
+            "_Conn.__init__ (l. %d)" % _line(lc._Conn.__init__),
+            conn,
+            1,
+            noio,
+        ),
+        ("  (the no-I/O socket's own calls, subtracted above)", "", fake_sock, -1, noio),
+        (
+            "  of which ChatStream() (threading.Lock, threading.Event, _Owner with its Lock)",
+            "ChatStream.__init__ (l. %d)" % _line(cs.__init__),
+            lambda: lc.ChatStream(board, request, 0, None, False),
+            1,
+            None,
+        ),
+        ("    of which threading.Event() alone", "ChatStream.__init__", threading.Event, 1, None),
+        (
+            "  of which gate enter + leave, uncontended",
+            "_Gate.enter / leave (l. %d, %d)" % (_line(lc._Gate.enter), _line(lc._Gate.leave)),
+            gate,
+            1,
+            None,
+        ),
+        ("  of which board add + discard", "_Board.add / discard (l. %d)" % _line(lc._Board.add), add_discard, 1, None),
+        (
+            "  of which _Waits()",
+            "_Waits.__init__ (l. %d)" % _line(lc._Waits.__init__),
+            lambda: lc._Waits(limits, 0, addr.text),
+            1,
+            None,
+        ),
+        (
+            "  of which stream(): body, checks, routing, json.dumps, encode_request",
+            "Client._chat_request (l. %d)" % _line(lc.Client._chat_request),
+            lambda: client._chat_request(MSGS, 0, {}),
+            1,
+            None,
+        ),
+        (
+            "    of which json.dumps(body)",
+            "Client._encode (l. %d)" % _line(lc.Client._encode),
+            lambda: json.dumps(body, allow_nan=False).encode("utf-8"),
+            1,
+            None,
+        ),
+        (
+            "    of which encode_request (header checks, join)",
+            "encode_request (l. %d)" % _line(lc.encode_request),
+            lambda: lc.encode_request("POST", "/v1/chat/completions", "localhost", headers, payload),
+            1,
+            None,
+        ),
+        (
+            "ResponsePump() + feed(the whole response): head, chunks, SSE, 8 payloads, Completion",
+            "ResponsePump.feed (l. %d)" % _line(lc.ResponsePump.feed),
+            lambda: lc.ResponsePump(limits).feed(response),
+            1,
+            None,
+        ),
+        (
+            "  of which ResponsePump() alone",
+            "ResponsePump.__init__ (l. %d)" % _line(lc.ResponsePump.__init__),
+            lambda: lc.ResponsePump(limits),
+            1,
+            None,
+        ),
+        (
+            "  of which ResponseReader: head + de-chunk",
+            "ResponseReader.feed (l. %d)" % _line(lc.ResponseReader.feed),
+            lambda: lc.ResponseReader().feed(response),
+            1,
+            None,
+        ),
+        (
+            "    of which _parse_head (%d header lines)" % head_block.count(b"\n"),
+            "_parse_head (l. %d)" % _line(lc._parse_head),
+            lambda: lc._parse_head(head_block, lc.MAX_HEADERS),
+            1,
+            None,
+        ),
+        (
+            "    of which ChunkedDecoder.feed (%d chunks)" % (chunked.count(b"\r\n") // 2),
+            "ChunkedDecoder._feed (l. %d)" % _line(lc.ChunkedDecoder._feed),
+            lambda: lc.ChunkedDecoder().feed(chunked),
+            1,
+            None,
+        ),
+        (
+            "  of which SSEDecoder.feed",
+            "SSEDecoder._lines (l. %d)" % _line(lc.SSEDecoder._lines),
+            lambda: lc.SSEDecoder(limits.max_line).feed(body_bytes),
+            1,
+            None,
+        ),
+        (
+            "  of which Assembler: %d payloads + completion()" % len(payloads),
+            "Assembler.feed (l. %d)" % _line(lc.Assembler.feed),
+            assemble,
+            1,
+            None,
+        ),
+        (
+            "    of which completion() (Choice, Completion)",
+            "Assembler.completion (l. %d)" % _line(lc.Assembler.completion),
+            finished.completion,
+            1,
+            None,
+        ),
+        ("(the floor's json.loads of the same %d payloads)" % len(payloads), "", floor_loads, 1, None),
+    ]
+
+
+def _syscall_items(n):
+    """The transport's extra system calls, timed (they cost the kernel, which an instruction count of the
+    process misses): a timeout on the socket is an ioctl(FIONBIO) per settimeout() and a poll() before each
+    recv and send."""
+    a, b = socket.socketpair()
+    try:
+
+        def settimeout():
+            a.settimeout(1.0)
+            a.settimeout(2.0)
+
+        def ping():
+            b.send(b"x")
+            a.recv(16)
+
+        ioctl = _best_us(settimeout, n) / 2 * 3
+        a.settimeout(None)
+        blocking = _best_us(ping, n)
+        a.settimeout(5.0)
+        timed = _best_us(ping, n)
+    finally:
+        a.close()
+        b.close()
+    return [
+        (
+            "settimeout() x 3 (an ioctl each: at connect, then liveness for the send, poll for the reads)",
+            "_Conn.__init__ / sendall / recv (l. %d)" % _line(lc._Conn.__init__),
+            ioctl,
+        ),
+        (
+            "poll() before the send and the recv (a socket with a timeout)",
+            "_Conn.sendall / recv",
+            2 * (timed - blocking),
+        ),
+    ]
+
+
+_INSTR_CHILD = "--child-instructions"
+_MARK = os.getppid  # a C function called nowhere else: callgrind dumps its counts before each call
+
+
+def child_instructions(path, k):
+    """Runs under callgrind (--dump-before=os_getppid*): each item ``k`` times between two marks."""
+    items = request_cost_items(path)
+    for _name, _where, fn, _weight, ctx in items:  # warm: imports, caches, first-call paths
+        with ctx or _Both():
+            for _ in range(20):
+                fn()
+    _MARK()
+    for _name, _where, fn, _weight, ctx in items:
+        with ctx or _Both():
+            _MARK()
+            for _ in range(k):
+                fn()
+            _MARK()
+    _MARK()
+
+
+def _instructions(k):
+    """{index: instructions per call} of ``request_cost_items``, counted by callgrind; None without valgrind."""
+    if not shutil.which("valgrind"):
+        return None
+    out = tempfile.mkdtemp(prefix="lcb-cg", dir="/tmp")
+    try:
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--dump-before=os_getppid*",
+                "--callgrind-out-file=" + os.path.join(out, "cg.out"),
+                os.path.realpath(sys.executable),
+                os.path.abspath(__file__),
+                _INSTR_CHILD,
+                "/tmp/lcb-none.sock",
+                str(k),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=1800,
+        )
+        numbered = []  # the dumps before each mark, in order (the one at exit has no number: not used)
+        for name in os.listdir(out):
+            suffix = name.rsplit(".", 1)[1]
+            if not suffix.isdigit():
+                continue
+            with open(os.path.join(out, name)) as f:
+                totals = [line for line in f.read().splitlines() if line.startswith(("summary:", "totals:"))]
+            numbered.append((int(suffix), int(totals[0].split()[1]) if totals else 0))
+        counts = [c for _, c in sorted(numbered)]
+        # dump 1 runs to the first mark (imports, warm-up), dump 2 to the first item's opening mark; then
+        # each item inside its marks, and what lies between two items: every second dump from the third
+        inside = counts[2::2]
+        return {i: c / k for i, c in enumerate(inside)}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def profile_requests(cfg, instructions=False):
+    """Figure 4's request cost, item by item: timed (best of 7 runs of each item alone), and with
+    ``instructions`` counted by callgrind (noise-free); then the whole request beside the floor, real
+    sockets; then a cProfile of it."""
+    import cProfile
+    import pstats
+
+    n = max(500, cfg.requests)
+    server = ServerProcess(_instant_server, short_response())
+    try:
+        items = request_cost_items(server.path)
+        times = []
+        for _name, _where, fn, _weight, ctx in items:
+            with ctx or _Both():
+                times.append(_best_us(fn, n))
+        syscalls = _syscall_items(n * 5)
+        client = lc.Client(server.path)
+        request = request_bytes(client, 0)
+
+        def lc_request():
+            for _ in client.stream(MSGS, slot=0):
+                pass
+
+        real = alternate(
+            lambda: _best_us(lc_request, n // 5, 3),
+            lambda: _best_us(lambda: floor_stream(server.path, request), n // 5, 3),
+            3,
+        )
+        counts = _instructions(200) if instructions else None
+        print(
+            "Figure 4's request (5 content events, 8 payloads), per request; times are the best of 7 runs on a "
+            "shared machine (compare them, do not quote one alone)%s"
+            % ("; instructions counted by callgrind in the client process" if counts else "")
+        )
+        lc_real, floor_real = min(a for a, _ in real), min(b for _, b in real)
+        print(
+            "  with real sockets (figure 4's server): loopclient %.1f µs, floor %.1f µs: ratio %.2f, gap %.1f µs"
+            % (lc_real, floor_real, floor_real / lc_real, lc_real - floor_real)
+        )
+        print()
+        print("| cost item | µs per request | instructions | where in loopclient.py |")
+        print("|---|---|---|---|")
+        for i, (name, where, _fn, weight, _ctx) in enumerate(items):
+            if weight < 0:
+                continue
+            us = times[i]
+            ins = counts.get(i) if counts else None
+            if i + 1 < len(items) and items[i + 1][3] < 0:  # less what the next (subtracted) item costs
+                us -= times[i + 1]
+                ins = None if ins is None or counts.get(i + 1) is None else ins - counts[i + 1]
+            print("| %s | %.2f | %s | %s |" % (name, us, "-" if ins is None else "{:,.0f}".format(ins), where))
+        for name, where, us in syscalls:
+            print("| %s | %.2f | (kernel) | %s |" % (name, us, where))
+        sys.stdout.flush()
+        for _ in range(20):
+            lc_request()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(cfg.requests):
+            lc_request()
+        prof.disable()
+        print("\ncProfile of %d figure-4 requests (cProfile inflates per-call costs):" % cfg.requests)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     finally:
         server.close()
 
@@ -1233,8 +2080,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, a smoke check")
     parser.add_argument("--only", type=int, choices=range(1, 7), metavar="N", help="run figure N only")
-    parser.add_argument("--pairs", type=int, help="pairs per figure (default 5; 2 with --quick)")
-    parser.add_argument("--profile", action="store_true", help="cProfile figure 1's loopclient side, then exit")
+    parser.add_argument("--pairs", type=int, help="pairs per figure, rounds for figure 8 (default 5; 2 with --quick)")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        type=int,
+        const=1,
+        choices=(1, 4),
+        metavar="N",
+        help="cProfile figure 1's loopclient side (N=1, the default), or figure 4's request cost by item "
+        "beside the floor, then a cProfile (N=4); then exit",
+    )
     parser.add_argument("--async", dest="async_stream", action="store_true", help="figure 7 (AsyncClient) only")
     parser.add_argument(
         "--futex-hash",
@@ -1243,7 +2099,28 @@ def main(argv=None):
         help="Linux 6.16+: give this process a private futex hash of SLOTS buckets (by default 4 per CPU, at "
         "least 16), to see how much of figure 6 is the kernel walking long futex chains",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="with --profile 4: also count each item's instructions under valgrind's callgrind (noise-free; slow)",
+    )
+    parser.add_argument(
+        "--single-shot",
+        action="store_true",
+        help="figure 8 only: tokenize() calls per second against a REAL llama-server (give --socket and/or --url)",
+    )
+    parser.add_argument("--calls", type=int, default=1500, metavar="N", help="figure 8: calls per run (default 1500)")
+    parser.add_argument("--socket", metavar="PATH", help="figure 8: the real server's Unix socket")
+    parser.add_argument("--url", metavar="URL", help="figure 8: the real server over TCP, http://127.0.0.1:PORT")
+    parser.add_argument(
+        "--setup-httpx",
+        action="store_true",
+        help="install httpx==%s (figure 8's pooled contender) into %s, then exit" % (HTTPX_VERSION, BENCH_VENV),
+    )
     args = parser.parse_args(argv)
+    if args.setup_httpx:
+        setup_httpx()
+        return 0
     cfg = argparse.Namespace(
         events=20_000 if args.quick else 200_000,
         pairs=args.pairs or (2 if args.quick else 5),
@@ -1254,7 +2131,11 @@ def main(argv=None):
         crews=(10, 100, 1_000) if args.quick else (10, 100, 1_000, 4_000),
         crew_requests=1_000 if args.quick else 4_000,
         crew_pairs=args.pairs or (1 if args.quick else 2),
+        calls=args.calls,
     )
+    if args.profile == 4:
+        profile_requests(cfg, args.instructions)
+        return 0
     if args.profile:
         profile(cfg)
         return 0
@@ -1274,6 +2155,9 @@ def main(argv=None):
         wanted = [7]
     figures = []
     sender = None
+    if args.single_shot:
+        wanted = []
+        figures = run_single_shot(cfg, args)
     try:
         for number in wanted:
             t0 = time.perf_counter()
@@ -1325,5 +2209,7 @@ def main(argv=None):
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == _MEM_CHILD:
         child_mem(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == _INSTR_CHILD:
+        child_instructions(sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit(main())

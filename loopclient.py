@@ -2,11 +2,13 @@
 """loopclient: a one-file, standard-library client for llama.cpp's ``llama-server``.
 
 Copy this file into your project; it needs nothing but Python 3.8 or newer.  It speaks raw HTTP/1.1 over
-a Unix domain socket, TCP or TLS (``https://``), reads streamed chat completions as Server-Sent Events,
-assembles the deltas (choices, reasoning, tool calls, log probabilities, prompt progress), waits out busy
-slots and loading servers by polling ``/slots``, tells a wedged slot from a busy one, and queues this
-client's requests per slot (and per model, behind a router).  There is no total deadline: every wait has its
-own budget (see ``Limits``).  ``Client`` serves threads, ``AsyncClient`` serves asyncio programs.
+a Unix domain socket, TCP or TLS (``https://``), reads every stream llama-server sends as Server-Sent
+Events (chat, native ``/completion`` and ``/infill``, OpenAI Responses, Anthropic Messages), assembles the
+deltas (choices, reasoning, tool calls, log probabilities, prompt progress), waits out busy slots and
+loading servers by polling ``/slots``, tells a wedged slot from a busy one, queues this client's requests
+per slot (and per model, behind a router), and resumes a stream whose connection was lost.  There is no
+total deadline: every wait has its own budget (see ``Limits``).  ``Client`` serves threads,
+``AsyncClient`` serves asyncio programs; they are one behaviour.
 
 Example::
 
@@ -17,13 +19,17 @@ Example::
         print(reply.content)
 
 Threading model: a ``Client`` is shared by any number of threads.  Each streamed request runs in the
-thread that iterates its ``ChatStream`` (``chat()`` iterates for you).  ``ChatStream.cancel()`` may be
-called from any thread; it shuts the request's sockets down, which wakes the iterating thread at once.
-The only threads the library starts are short-lived ``/slots`` pollers, at most one per client and model at
-a time.  An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
+thread that iterates its ``Stream`` (``chat()`` iterates for you).  ``Stream.cancel()`` may be called from
+any thread; it shuts the request's sockets down, which wakes the iterating thread at once.  The only
+threads the library starts are short-lived ``/slots`` pollers, at most one per client and model at a time.
+An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
 
-The flow of a streamed response: bytes from the socket -> ``ResponsePump`` (``ResponseReader`` for the
-HTTP framing, ``SSEDecoder`` for the events, ``Assembler`` for the deltas) -> events -> ``Completion``.
+How it is built: the parsers take bytes and return values (sections 2 to 5); every call is a plan, a
+generator that yields the I/O it needs (connect, send, receive, park, sleep) and receives the results
+(section 8), with the waits, budgets and rules of sections 6 and 7; a driver performs the I/O, with
+blocking sockets or with asyncio (section 9).  The flow of a streamed response: bytes from the socket ->
+``ResponsePump`` (``ResponseReader`` for the HTTP framing, ``SSEDecoder`` for the events, the endpoint's
+dialect (``Assembler`` for chat) for the deltas) -> events -> ``Completion``.
 
 Sections:
     1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
@@ -31,10 +37,10 @@ Sections:
     3. Server-Sent Events decoder
     4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
     5. The response pump: one streamed response, bytes in, events and decisions out
-    6. Transport: the only code that touches ``socket``
-    7. Slot gates and the shared /slots poller
-    8. The threaded client and its streams
-    9. The asyncio client
+    6. Addresses, waits and their budgets, the timing rules
+    7. Slot gates and the /slots watch
+    8. The request logic: plans that ask for I/O and never do it
+    9. The drivers: blocking sockets and threads, then asyncio
     10. Command line
 """
 
@@ -1631,7 +1637,7 @@ class Assembler:
 
     def feed(self, payload: str) -> List[Event]:
         try:
-            doc, end = _scan_json(payload, 0)  # _loads(payload), inlined: this runs per token
+            doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per token
             if end != len(payload):
                 doc = json.loads(payload)
         except StopIteration:
@@ -2685,7 +2691,8 @@ def _retryable(err: ServerError) -> bool:
 
 
 class ResponsePump:
-    """The bytes of one streamed response in, events and decisions out; no socket, no clock.
+    """The bytes of one streamed response in, events and decisions out; no socket, and the clock only to
+    read a ``Retry-After`` date.
 
     It owns the ``ResponseReader``, the ``SSEDecoder`` and the endpoint's dialect: ``dialect(raw_chunks)``
     reads its payloads (``Assembler``, chat's, by default; the native, Responses and Messages dialects end
@@ -3014,6 +3021,18 @@ def parse_address(address: Any) -> _Address:
 
 class _Silence(Exception):
     """A read timed out (internal: each caller turns it into the budget error that applies)."""
+
+
+def _import_ssl() -> Any:
+    """The ``ssl`` module, imported only for ``https://``; a Python built without it is ``ValueError``."""
+    try:
+        import ssl
+    except ImportError as exc:
+        raise ValueError(
+            "https:// needs Python's ssl module, which this Python (%s) lacks: use a Python built with ssl "
+            "(OpenSSL), or reach the server over http:// or a Unix socket" % sys.executable
+        ) from exc
+    return ssl
 
 
 def _tls_failed(addr: _Address, exc: BaseException) -> ConnectError:
@@ -3532,18 +3551,26 @@ class _SlotPoller(_SlotWatch):
             waker.signal()
 
 
-if TYPE_CHECKING:
+class _Run:
+    """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): whether it was cancelled
+    and whether its last words are shielded from that, its ticket (so that a cancel can release it), the
+    stream offset its last events reach, what it returned; and, from the driver, how to wake it
+    (``signal``), close its connections and cancel it."""
 
-    class _Run(_Waker, Protocol):
-        """What a plan knows of the driver running it: whether it was cancelled, its ticket (so that a
-        cancel can release it), and its connections (closed when the plan ends)."""
+    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket", "offset")
 
-        cancelled: bool
-        shield: bool
-        ticket: Optional[_Ticket]
-        offset: int
-        gen: Optional[_Plan[Any]]
-        value: Any
+    def __init__(self, board: Any) -> None:
+        self.board = board
+        self.gen = None  # type: Optional[_Plan[Any]]
+        self.value = None  # type: Any  # what the plan returned
+        self.cancelled = False
+        self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
+        self.ticket = None  # type: Optional[_Ticket]
+        self.offset = 0  # a stream's body bytes whose events the plan has yielded
+
+    if TYPE_CHECKING:
+
+        def signal(self) -> None: ...
 
         def close_all(self) -> None: ...
 
@@ -4641,34 +4668,17 @@ def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socke
         raise
 
 
-class _SyncRun:
+class _SyncRun(_Run):
     """A plan driven in the calling thread with blocking sockets.  ``cancel()`` works from any thread: it
     shuts the run's sockets down (a blocked read wakes at once) and signals its waker (a park or a sleep
     ends); the driving thread then throws ``CancelledError`` into the plan.  When no thread drives the plan
     at that moment, ``cancel()`` ends it itself, so that its socket and permit are freed at once."""
 
-    __slots__ = (
-        "board",
-        "gen",
-        "value",
-        "cancelled",
-        "shield",
-        "ticket",
-        "offset",
-        "lock",
-        "_conns",
-        "_conns_lock",
-        "_event",
-    )
+    __slots__ = ("lock", "_conns", "_conns_lock", "_event")
+    board: _Board
 
     def __init__(self, board: _Board) -> None:
-        self.board = board
-        self.gen = None  # type: Optional[_Plan[Any]]
-        self.value = None  # type: Any  # what the plan returned
-        self.cancelled = False
-        self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
-        self.ticket = None  # type: Optional[_Ticket]
-        self.offset = 0  # a stream's body bytes whose events the plan has yielded
+        _Run.__init__(self, board)
         self.lock = threading.Lock()  # held while a thread drives the plan
         self._conns: Set[_Conn] = set()
         self._conns_lock = threading.Lock()
@@ -5190,36 +5200,17 @@ async def _sleep(loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], t
             timer.cancel()
 
 
-class _AsyncRun:
+class _AsyncRun(_Run):
     """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) closes the run's connections,
     signals its waker and releases its permit at once; the plan, wherever it waits, then has
     ``CancelledError`` thrown into it.  Cancelling the task that drives it throws ``asyncio.CancelledError``
     into the plan the same way."""
 
-    __slots__ = (
-        "board",
-        "gen",
-        "value",
-        "cancelled",
-        "shield",
-        "ticket",
-        "offset",
-        "resumable",
-        "running",
-        "unwinding",
-        "_conns",
-        "_alarm",
-        "_rung",
-    )
+    __slots__ = ("resumable", "running", "unwinding", "_conns", "_alarm", "_rung")
+    board: _AsyncBoard
 
     def __init__(self, board: _AsyncBoard, resumable: bool = False) -> None:
-        self.board = board
-        self.gen = None  # type: Optional[_Plan[Any]]
-        self.value = None  # type: Any
-        self.cancelled = False
-        self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
-        self.ticket = None  # type: Optional[_Ticket]
-        self.offset = 0  # a stream's body bytes whose events the plan has yielded
+        _Run.__init__(self, board)
         self.resumable = resumable  # its end says something to the server: it cannot be ended at once
         self.unwinding = None  # type: Optional[asyncio.Task[None]]  # the task ending it after a cancel()
         self.running = False  # a task is driving the plan
@@ -5938,18 +5929,6 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
         raise
     assert stream.completion is not None
     return stream.completion
-
-
-def _import_ssl() -> Any:
-    """The ``ssl`` module, imported only for ``https://``; a Python built without it is ``ValueError``."""
-    try:
-        import ssl
-    except ImportError as exc:
-        raise ValueError(
-            "https:// needs Python's ssl module, which this Python (%s) lacks: use a Python built with ssl "
-            "(OpenSSL), or reach the server over http:// or a Unix socket" % sys.executable
-        ) from exc
-    return ssl
 
 
 # =====================================================================================================

@@ -5181,6 +5181,664 @@ class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
 
 
 # -----------------------------------------------------------------------------------------------------
+# The other streamed endpoints (/completion, /infill, /v1/responses, /v1/messages) and their single-shot
+# companions, through the whole client: each request as sent, the captured bytes as answered
+# -----------------------------------------------------------------------------------------------------
+
+
+def open_stream(client, endpoint, *args, **kw):
+    """``client.stream_<endpoint>(...)``: a Stream; for AsyncDriver's facade, its AsyncStream behind
+    blocking iteration (as ``SyncFacade.stream`` does for chat)."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, getattr(client._client, "stream_" + endpoint)(*args, **kw))
+    return getattr(client, "stream_" + endpoint)(*args, **kw)
+
+
+def first_chunk(raw):
+    """A captured response cut after its head and its first HTTP chunk (the rest never comes)."""
+    head_end = raw.index(b"\r\n\r\n") + 4
+    line_end = raw.index(b"\r\n", head_end)
+    size = int(raw[head_end:line_end], 16)
+    return raw[: line_end + 2 + size + 2]
+
+
+_E_SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+#: What the captures 50 and 60 stream for _E_SEA at max 8 tokens
+_E_SEA_WORDS = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
+
+
+_E_SEA_TEXT = "".join(_E_SEA_WORDS)
+
+
+_E_PATHS = {"complete": "/completion", "infill": "/infill", "respond": "/v1/responses", "message": "/v1/messages"}
+
+
+#: For each endpoint: the call's arguments, a capture of its stream, and the text that capture streams.
+_E_CASES = {
+    "complete": (("The sky is",), "40_completion_stream_tokens_probs.raw.txt", "".join(_p_SKY)),
+    "infill": (("def add(a, b):\n    ", "\n    return c\n"), "48_infill_stream.raw.txt", "\n    " * 4),
+    "respond": (("Write one sentence about the sea.",), "50_responses_stream.raw.txt", _E_SEA_TEXT),
+    "message": ((_E_SEA,), "60_messages_stream.raw.txt", _E_SEA_TEXT),
+}
+
+
+def _e_native_usage(evaluated, predicted, cached):
+    return {
+        "tokens_evaluated": evaluated,
+        "tokens_predicted": predicted,
+        "tokens_cached": cached,
+        "prompt_tokens": evaluated,
+        "completion_tokens": predicted,
+        "total_tokens": evaluated + predicted,
+    }
+
+
+def _e_final(raw):
+    """The last data payload of a capture, parsed."""
+    return _p_data_docs(raw)[-1]
+
+
+class TestEndpoints(ServerCase):
+    """complete, infill, respond and message (and their stream_* forms) through the client, on the bytes
+    the real server sent (dev/testdata/transcripts); count_message_tokens and the LoRA calls."""
+
+    def serve(self, endpoint, name):
+        raw = load_transcript(name)
+        self.server.route("POST", _E_PATHS[endpoint], lambda req: req.send(raw))
+        return raw
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def call(self, endpoint, *args, client=None, **kw):
+        events = []
+        method = getattr(client or self.client, endpoint)
+        completion = run_with_timeout(lambda: method(*args, on_event=events.append, **kw))
+        return completion, events
+
+    def routed_client(self):
+        """A client with a default model, which every streamed body then names."""
+        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
+        self.closers.append(client.close)
+        return client
+
+    def check_head(self, req, path):
+        head = req.raw_head.decode()
+        self.assertTrue(head.startswith("POST %s HTTP/1.1\r\n" % path), head)
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertEqual(req.headers["content-type"], "application/json")
+        self.assertEqual(int(req.headers["content-length"]), len(req.body))
+
+    # -- /completion ------------------------------------------------------------------------------------
+
+    def test_complete_request_and_transcript_40(self):
+        raw = self.serve("complete", "40_completion_stream_tokens_probs.raw.txt")
+        completion, events = self.call(
+            "complete",
+            "The sky is",
+            slot=1,
+            client=self.routed_client(),
+            n_predict=8,
+            temperature=0,
+            return_tokens=True,
+            n_probs=2,
+        )
+        (req,) = self.sent("/completion")
+        self.check_head(req, "/completion")
+        self.assertEqual(
+            req.json(),
+            {
+                "prompt": "The sky is",
+                "n_predict": 8,
+                "temperature": 0,
+                "return_tokens": True,
+                "n_probs": 2,
+                "stream": True,
+                "id_slot": 1,
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
+        docs = _p_data_docs(raw)
+        probs = [d["completion_probabilities"][0] for d in docs[:-1]]
+        final = _e_final(raw)
+        self.assertEqual(final["stop"], True)
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=None,
+                model=_p_GEMMA,
+                content=" the limit for the 201",
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=_e_native_usage(4, 8, 11),
+                timings=final["timings"],
+                choices=(lc.Choice(0, " the limit for the 201", "", [], "length", probs, None, _p_SKY_TOKENS),),
+                final=final,
+                tokens=_p_SKY_TOKENS,
+            ),
+        )
+        self.assertEqual(completion.choices[0].tokens, _p_SKY_TOKENS)
+        self.assertEqual(len(completion.logprobs), 8)
+
+    def test_complete_without_slot_or_model_sends_neither(self):
+        self.serve("complete", "41_completion_stream_progress.raw.txt")
+        completion, events = self.call("complete", "The sky is", n_predict=8, return_progress=True)
+        self.assertEqual(
+            self.sent("/completion")[0].json(),
+            {"prompt": "The sky is", "n_predict": 8, "return_progress": True, "stream": True},
+        )
+        # the progress chunks' placeholder token [0] is no generated token
+        self.assertEqual(
+            events, [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 15.0)] + [lc.Content(w) for w in _p_SKY]
+        )
+        self.assertEqual((completion.content, completion.tokens), ("".join(_p_SKY), _p_SKY_TOKENS))
+        self.assertEqual(completion.usage["prompt_tokens"], 4)
+
+    def test_complete_token_id_prompt_transcript_42(self):
+        self.serve("complete", "42_completion_stream_token_ids.raw.txt")
+        completion, events = self.call("complete", [2, 818, 7217, 563], slot=0, n_predict=8, return_tokens=True)
+        self.assertEqual(self.sent("/completion")[0].json()["prompt"], [2, 818, 7217, 563])
+        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
+        self.assertEqual(
+            (completion.content, completion.tokens, completion.finish_reason),
+            ("".join(_p_SKY), _p_SKY_TOKENS, "length"),
+        )
+
+    def test_complete_two_prompts_transcript_43(self):
+        raw = self.serve("complete", "43_completion_stream_two_prompts.raw.txt")
+        self.assertIn(b"data: null\n\n", raw)
+        completion, events = self.call("complete", ["The sky is", "The grass is"], n_predict=8)
+        self.assertEqual(self.sent("/completion")[0].json()["prompt"], ["The sky is", "The grass is"])
+        grass = [" green", ",", " the", " trees", " are", " green", ",", " and"]
+        expect = []
+        for g, s in zip(grass, _p_SKY):
+            expect += [lc.Content(g, 1), lc.Content(s, 0)]
+        self.assertEqual(events, expect)
+        self.assertEqual(
+            [(c.index, c.content, c.finish_reason) for c in completion.choices],
+            [(0, "".join(_p_SKY), "length"), (1, "".join(grass), "length")],
+        )
+        self.assertEqual(completion.content, "".join(_p_SKY))
+        self.assertEqual(completion.final["index"], 0)
+        self.assertEqual(completion.usage["completion_tokens"], 16)  # both prompts' tokens
+        self.assertEqual(completion.usage["prompt_tokens"], completion.usage["tokens_evaluated"])
+
+    def test_complete_finish_reasons_eos_and_stop_word(self):
+        for name, finish, stop_type in (
+            ("39_completion_stream_eos.raw.txt", "stop", "eos"),
+            ("46_completion_stream_stop_word.raw.txt", "stop", "word"),
+            ("40_completion_stream_tokens_probs.raw.txt", "length", "limit"),
+        ):
+            with self.subTest(name=name):
+                self.serve("complete", name)
+                completion, _ = self.call("complete", "The sky is")
+                self.assertEqual((completion.finish_reason, completion.final["stop_type"]), (finish, stop_type))
+        self.assertEqual(completion.usage["total_tokens"], 12)
+
+    # -- /infill ----------------------------------------------------------------------------------------
+
+    def test_infill_request_and_transcript_48(self):
+        raw = self.serve("infill", "48_infill_stream.raw.txt")
+        completion, events = self.call(
+            "infill",
+            "def add(a, b):\n    ",
+            "\n    return c\n",
+            extra=[("util.py", "def sub(a, b):\n    return a - b\n")],
+            slot=0,
+            client=self.routed_client(),
+            n_predict=8,
+            temperature=0,
+            seed=42,
+        )
+        (req,) = self.sent("/infill")
+        self.check_head(req, "/infill")
+        self.assertEqual(
+            req.json(),
+            {
+                "input_prefix": "def add(a, b):\n    ",
+                "input_suffix": "\n    return c\n",
+                "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+                "n_predict": 8,
+                "temperature": 0,
+                "seed": 42,
+                "stream": True,
+                "id_slot": 0,
+                "model": "alpha",
+            },
+        )
+        words = ["\n", "    "] * 4
+        self.assertEqual(events, [lc.Content(w) for w in words])
+        final = _e_final(raw)
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=None,
+                model="/root/.cache/loopclient/gemma-3-270m-q4_k_m-fim.gguf",
+                content="".join(words),
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=_e_native_usage(18, 8, 25),
+                timings=final["timings"],
+                choices=(lc.Choice(0, "".join(words), "", [], "length", None, None, [107, 140] * 4),),
+                final=final,
+                tokens=[107, 140] * 4,
+            ),
+        )
+
+    def test_infill_not_supported_is_http_status_error_501(self):
+        raw = self.serve("infill", "49_infill_not_supported.raw.txt")
+        events = []
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            run_with_timeout(lambda: self.client.infill("def f():\n", "", on_event=events.append, n_predict=8))
+        self.assertEqual(cm.exception.status, 501)
+        self.assertEqual(
+            cm.exception.message,
+            "Infill is not supported by this model: prefix token is missing. suffix token is missing. "
+            "middle token is missing. ",
+        )
+        self.assertEqual(cm.exception.body, raw[raw.index(b"\r\n\r\n") + 4 :])
+        self.assertEqual(events, [])
+        self.assertEqual(len(self.sent("/infill")), 1)  # not retried
+        self.assertEqual(
+            self.sent("/infill")[0].json(),
+            {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 8, "stream": True},
+        )
+
+    # -- /v1/responses ----------------------------------------------------------------------------------
+
+    def test_respond_request_and_transcript_50(self):
+        raw = self.serve("respond", "50_responses_stream.raw.txt")
+        completion, events = self.call(
+            "respond",
+            "Write one sentence about the sea.",
+            slot=1,
+            client=self.routed_client(),
+            max_output_tokens=8,
+            temperature=0,
+        )
+        (req,) = self.sent("/v1/responses")
+        self.check_head(req, "/v1/responses")
+        self.assertEqual(
+            req.json(),
+            {
+                "input": "Write one sentence about the sea.",
+                "max_output_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                "id_slot": 1,
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _E_SEA_WORDS])
+        last = _e_final(raw)
+        self.assertEqual(last["type"], "response.completed")
+        usage = {
+            "input_tokens": 30,
+            "output_tokens": 8,
+            "total_tokens": 38,
+            "input_tokens_details": {"cached_tokens": 29},
+            "prompt_tokens": 30,
+            "completion_tokens": 8,
+        }
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id="resp_P400vjQqsH92lf8TuqMQ4vT4zpHXU1fv",
+                model=_p_GEMMA,
+                content=_E_SEA_TEXT,
+                reasoning="",
+                tool_calls=[],
+                finish_reason="stop",  # the server reports completed even at max_output_tokens
+                usage=usage,
+                timings=last["timings"],
+                final=last["response"],
+            ),
+        )
+
+    def test_respond_reasoning_and_tool_call(self):
+        self.serve("respond", "51_responses_reasoning_grammar.raw.txt")
+        completion, events = self.call("respond", "Think step by step: is the sky blue?", grammar="root ::= x")
+        self.assertEqual(self.sent("/v1/responses")[0].json()["grammar"], "root ::= x")  # passed on as sent
+        thinking = ["is", " the", " sky", " blue", " is", " a"]
+        self.assertEqual(events[: len(thinking)], [lc.Reasoning(w) for w in thinking])
+        self.assertTrue(all(type(e) is lc.Content for e in events[len(thinking) :]), events)
+        self.assertEqual(
+            (completion.reasoning, completion.content, completion.reasoning_tokens, completion.finish_reason),
+            ("is the sky blue is a", "the answer is yes", 6, "stop"),
+        )
+        self.serve("respond", "52_responses_tool_call.raw.txt")
+        tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+        completion, events = self.call("respond", "What is the weather in Paris?", tools=tools, tool_choice="required")
+        cid = "call_WuvgdAuvDRouqUfLNEvkLZ0FpcOWMKcw"
+        fragments = ["{", '"', "city", '":', ' "', "Paris", ' "', "}"]
+        self.assertEqual(
+            events, [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, f) for f in fragments]
+        )
+        self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')])
+        self.assertEqual(completion.finish_reason, "tool_calls")
+        self.assertEqual(self.sent("/v1/responses")[1].json()["tools"], tools)
+
+    # -- /v1/messages -----------------------------------------------------------------------------------
+
+    def test_message_request_and_transcript_60(self):
+        raw = self.serve("message", "60_messages_stream.raw.txt")
+        completion, events = self.call(
+            "message", _E_SEA, slot=0, client=self.routed_client(), max_tokens=8, temperature=0, system="Be brief"
+        )
+        (req,) = self.sent("/v1/messages")
+        self.check_head(req, "/v1/messages")
+        self.assertEqual(
+            req.json(),
+            {
+                "messages": _E_SEA,
+                "max_tokens": 8,
+                "temperature": 0,
+                "system": "Be brief",
+                "stream": True,
+                "id_slot": 0,  # sent, though this server's Messages endpoint ignores it
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _E_SEA_WORDS])
+        start = _p_data_docs(raw)[0]["message"]
+        final = dict(start, stop_reason="max_tokens", stop_sequence=None)
+        final["usage"] = {"cache_read_input_tokens": 29, "input_tokens": 1, "output_tokens": 8}
+        usage = dict(final["usage"], prompt_tokens=30, completion_tokens=8, total_tokens=38)
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id="chatcmpl-21iAlT8NSlUuS8bTlxIrzyf279JfysDw",
+                model=_p_GEMMA,
+                content=_E_SEA_TEXT,
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=usage,
+                timings=None,
+                final=final,
+            ),
+        )
+
+    def test_message_thinking_and_tool_use(self):
+        self.serve("message", "61_messages_thinking.raw.txt")
+        completion, events = self.call("message", _E_SEA, thinking={"type": "enabled", "budget_tokens": 8})
+        self.assertEqual(self.sent("/v1/messages")[0].json()["thinking"], {"type": "enabled", "budget_tokens": 8})
+        thinking = ["blue", " sky", "\n"]
+        words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
+        self.assertEqual(events, [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words])
+        self.assertEqual(
+            (completion.reasoning, completion.content, completion.reasoning_tokens, completion.finish_reason),
+            ("blue sky\n", "".join(words), 3, "length"),
+        )
+        self.serve("message", "62_messages_tool_use.raw.txt")
+        completion, events = self.call("message", _E_SEA, tool_choice={"type": "any"})
+        cid = "pbitHA1orxPQ2XjiPUvz7STbslHDhXhW"
+        fragments = ["{", '"', "city", '":', ' "', "Paris", '"}']
+        self.assertEqual(
+            events, [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, f) for f in fragments]
+        )
+        self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris"}')])
+        self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("tool_calls", "tool_use"))
+
+    def test_count_message_tokens_request_and_answer(self):
+        self.server.route(
+            "POST",
+            "/v1/messages/count_tokens",
+            lambda req: req.send(load_transcript("64_messages_count_tokens.raw.txt")),
+        )
+        msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+        self.assertEqual(run_with_timeout(lambda: self.client.count_message_tokens(msgs)), 31)
+        self.assertEqual(
+            run_with_timeout(lambda: self.routed_client().count_message_tokens(msgs, system="Be brief")), 31
+        )
+        plain, routed = self.sent("/v1/messages/count_tokens")
+        self.assertEqual(plain.json(), {"messages": msgs})  # no stream, no slot
+        self.assertEqual(routed.json(), {"messages": msgs, "system": "Be brief", "model": "alpha"})
+        self.assertEqual(plain.headers["accept"], "application/json")
+        for answer in ({"input_tokens": "31"}, {"tokens": 31}, [31], {"input_tokens": True}):
+            with self.subTest(answer=answer):
+                self.server.route("POST", "/v1/messages/count_tokens", lambda req, a=answer: respond_json(req, a))
+                with self.assertRaises(lc.ProtocolError):
+                    run_with_timeout(lambda: self.client.count_message_tokens(msgs))
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+
+    def test_lora_adapters_and_set_lora_adapters(self):
+        adapters = [{"id": 0, "path": "/cache/lora-test-r4.gguf", "scale": 0.0, "task_name": "", "prompt_prefix": ""}]
+        posted = []
+
+        def post(req):
+            posted.append(req.json())
+            respond_json(req, {"success": True})
+
+        self.server.route("GET", "/lora-adapters", lambda req: respond_json(req, adapters))
+        self.server.route("POST", "/lora-adapters", post)
+        self.assertEqual(run_with_timeout(self.client.lora_adapters), adapters)
+        self.assertEqual(
+            run_with_timeout(lambda: self.client.set_lora_adapters([{"id": 0, "scale": 1.0}])), {"success": True}
+        )
+        self.assertEqual(
+            run_with_timeout(lambda: self.client.set_lora_adapters(({"id": 0, "scale": 0.0},))), {"success": True}
+        )
+        self.assertEqual(posted, [[{"id": 0, "scale": 1.0}], [{"id": 0, "scale": 0.0}]])
+        get = [r for r in self.server.requests if r.path == "/lora-adapters" and r.method == "GET"]
+        self.assertEqual((len(get), get[0].body), (1, b""))
+        self.server.route("GET", "/lora-adapters", lambda req: respond_json(req, {"adapters": adapters}))
+        with self.assertRaises(lc.ProtocolError):
+            run_with_timeout(self.client.lora_adapters)
+        for bad in ({"id": 0, "scale": 1.0}, "x", [0], [{"id": 0}, 1]):
+            with self.subTest(bad=bad), self.assertRaises(TypeError):
+                self.client.set_lora_adapters(bad)
+        self.assertEqual(len(posted), 2)  # nothing was sent for the mistakes
+
+    # -- what every endpoint shares with chat ---------------------------------------------------------------
+
+    def test_stream_forms_iterate_and_keep_the_completion(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                self.serve(endpoint, name)
+                with open_stream(self.client, endpoint, *args, slot=1) as stream:
+                    self.assertIsNone(stream.completion)
+                    events = run_with_timeout(lambda: list(stream))
+                self.assertEqual("".join(e.text for e in events), text)
+                self.assertTrue(all(type(e) is lc.Content for e in events), events)
+                self.assertEqual(stream.completion.content, text)
+                self.assertIsNotNone(stream.completion.final)
+                self.assertEqual(self.sent(_E_PATHS[endpoint])[-1].json()["id_slot"], 1)
+
+    def test_the_closing_event_ends_the_response_without_the_last_chunk(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                raw = load_transcript(name)
+                self.assertTrue(raw.endswith(b"\r\n0\r\n\r\n"))
+
+                cut = raw[: -len(b"0\r\n\r\n")]
+
+                def handler(req, cut=cut):
+                    req.send(cut)
+                    req.wait_peer_close(3)  # never sends the 0 chunk: the client must not wait for it
+
+                self.server.route("POST", _E_PATHS[endpoint], handler)
+                t = Timer()
+                completion, _ = self.call(endpoint, *args)
+                self.assertLess(t.elapsed, 1.0)
+                self.assertEqual(completion.content, text)
+                self.assertTrue(self.sent(_E_PATHS[endpoint])[-1].closed_by_peer.wait(1))
+
+    def test_a_stream_cut_before_its_closing_event_is_stream_closed(self):
+        for endpoint, (args, name, _) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                cut = first_chunk(load_transcript(name)) + b"0\r\n\r\n"
+                self.server.route("POST", _E_PATHS[endpoint], lambda req, cut=cut: req.send(cut))
+                with self.assertRaises(lc.StreamClosedError):
+                    self.call(endpoint, *args)
+
+    def test_busy_slot_is_waited_out_then_streams(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                raw = load_transcript(name)
+                release = threading.Event()
+                self.server.busy[0] = True
+
+                def handler(req, raw=raw, release=release):
+                    while not release.is_set():  # the slot is busy: no byte until it frees
+                        if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                            return
+                    req.send(raw)
+
+                self.server.route("POST", _E_PATHS[endpoint], handler)
+                events = []
+
+                def on_event(ev, events=events, release=release):
+                    events.append(ev)
+                    if events.count(lc.Waiting(True)) == 2:
+                        self.server.busy[0] = False
+                        release.set()
+
+                completion = run_with_timeout(lambda: getattr(self.client, endpoint)(*args, slot=0, on_event=on_event))
+                self.assertEqual(events[:2], [lc.Waiting(True)] * 2)
+                self.assertEqual("".join(e.text for e in events[2:]), text)
+                self.assertEqual(completion.content, text)
+                self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 1)
+
+    def test_cancel_mid_stream_frees_the_permit(self):
+        for endpoint, (args, name, _) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                cut = first_chunk(load_transcript(name))
+
+                def handler(req, cut=cut):
+                    req.send(cut)
+                    req.wait_peer_close(5)
+
+                self.server.route("POST", _E_PATHS[endpoint], handler)
+                stream = open_stream(self.client, endpoint, *args, slot=0)
+                first = run_with_timeout(lambda: next(stream))
+                self.assertIsInstance(first, lc.Content)
+                self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
+                stream.cancel()  # nobody is iterating: cleanup happens here
+                self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+                self.assertTrue(self.sent(_E_PATHS[endpoint])[-1].closed_by_peer.wait(1))
+                with self.assertRaises(lc.CancelledError):
+                    run_with_timeout(lambda: next(stream))
+
+    def test_midstream_errors_are_server_errors_and_not_replayed(self):
+        grammar_error = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        cases = [
+            (
+                "complete",
+                ("x",),
+                "47_completion_midstream_error.raw.txt",
+                [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]],
+                grammar_error,
+            ),
+            (
+                "infill",
+                ("x", "y"),
+                "38_infill_midstream_error.raw.txt",
+                [lc.Content(w) for w in ["<", "think", ">", "def", " add", "b", "to", "a"]],
+                grammar_error,
+            ),
+            (
+                "respond",
+                ("x",),
+                "54_responses_midstream_error.raw.txt",
+                [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]],
+                grammar_error,
+            ),
+            (
+                "message",
+                (_E_SEA,),
+                "67_messages_midstream_error.raw.txt",
+                [lc.ToolCall(0, "4c86UqKUxfxdFUmDpiUFmMy1DLkXLCXN", "get_weather", "")]
+                + [lc.ToolCall(0, None, None, f) for f in ["{", '"', "city", '":', ' "', "Paris", '"}']],
+                "The model produced output that does not match the expected peg-native format",
+            ),
+        ]
+        for endpoint, args, name, expect, message in cases:
+            with self.subTest(endpoint=endpoint):
+                self.serve(endpoint, name)
+                events = []
+                with self.assertRaises(lc.ServerError) as cm:
+                    run_with_timeout(lambda: getattr(self.client, endpoint)(*args, slot=0, on_event=events.append))
+                self.assertEqual(
+                    (cm.exception.code, cm.exception.message, cm.exception.type), (500, message, "server_error")
+                )
+                self.assertEqual(events, expect)
+                self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 1)
+
+    def test_an_error_before_delivery_is_retried(self):
+        overloaded = (
+            b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
+        )
+        unavailable = b'data: {"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}\n\n'
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                answers = [
+                    STREAM_HEAD + chunked(overloaded if endpoint == "message" else unavailable) + b"0\r\n\r\n",
+                    load_transcript(name),
+                ]
+                self.server.route("POST", _E_PATHS[endpoint], lambda req, answers=answers: req.send(answers.pop(0)))
+                completion, events = self.call(endpoint, *args, slot=0)
+                self.assertIsInstance(events[0], lc.Retrying)
+                self.assertIn("Overloaded" if endpoint == "message" else "Loading model", events[0].reason)
+                self.assertEqual(completion.content, text)
+                self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 2)
+
+    def test_thinking_cap_is_value_error_before_sending_on_respond_and_message(self):
+        client = self.client_with(thinking_cap=3)
+        for endpoint, args in (("respond", ("x",)), ("message", (_E_SEA,))):
+            with self.subTest(endpoint=endpoint):
+                for make in (
+                    lambda: open_stream(client, endpoint, *args),
+                    lambda: run_with_timeout(lambda: getattr(client, endpoint)(*args, slot=0, max_tokens=4)),
+                ):
+                    with self.assertRaises(ValueError) as cm:
+                        make()
+                    self.assertIn(_E_PATHS[endpoint], str(cm.exception))
+                    self.assertIn("thinking_cap", str(cm.exception))
+        self.assertEqual(self.server.requests, [])  # not even /props or /slots
+        # on /completion and /infill the cap has nothing to cap: the request goes as it is
+        for endpoint in ("complete", "infill"):
+            args, name, text = _E_CASES[endpoint]
+            self.serve(endpoint, name)
+            completion, events = self.call(endpoint, *args, client=client)
+            self.assertEqual((completion.content, completion.thinking_capped), (text, False))
+            self.assertNotIn("reasoning_control", self.sent(_E_PATHS[endpoint])[0].json())
+        self.assertEqual(self.sent("/v1/chat/completions/control"), [])
+
+    def test_mistakes_are_raised_before_sending(self):
+        cases = [
+            (TypeError, "complete", (5,), {}),
+            (ValueError, "complete", ([],), {}),
+            (TypeError, "complete", ("x",), {"prompt": "y"}),
+            (TypeError, "infill", (b"x",), {}),
+            (TypeError, "infill", ("x",), {"extra": "util.py"}),
+            (ValueError, "infill", ("x",), {"extra": [("a.py",)]}),
+            (TypeError, "infill", ("x",), {"input_extra": []}),
+            (ValueError, "respond", ([],), {}),
+            (TypeError, "respond", (["x"],), {}),
+            (ValueError, "message", ([],), {}),
+            (TypeError, "message", ("hi",), {}),
+            (ValueError, "message", (_E_SEA,), {"slot": -1}),
+            (TypeError, "complete", ("x",), {"slot": True}),
+        ]
+        for error, endpoint, args, kw in cases:
+            with self.subTest(endpoint=endpoint, args=args, kw=kw), self.assertRaises(error):
+                open_stream(self.client, endpoint, *args, **kw)
+        self.assertEqual(self.server.requests, [])
+
+
+class TestEndpointsAsync(AsyncDriver, TestEndpoints):
+    pass
+
+
+# -----------------------------------------------------------------------------------------------------
 # The rest of the server API, HTTPS and path prefixes: every single-shot call goes through one request
 # path, so each is checked for its exact request, its decoded answer and every error class of that path
 # -----------------------------------------------------------------------------------------------------

@@ -11565,6 +11565,202 @@ class TestCommandLineWithoutSSL(CLICase):
             self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
 
 
+class TestCommandLineEndpoints(CLICase):
+    """``complete`` and ``infill``: /completion and /infill through ``main(argv)``, on captured bytes."""
+
+    def serve(self, path, name):
+        raw = load_transcript(name)
+        self.server.route("POST", path, lambda req: req.send(raw))
+
+    def bodies(self, path):
+        return [r.json() for r in self.server.requests if r.path == path]
+
+    def text_file(self, name, text):
+        path = os.path.join(self.server.tmp, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
+    def test_complete_streams_the_text_to_stdout_and_figures_to_stderr(self):
+        self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
+        out, err = self.main_ok("complete", "The sky is", "--max-tokens", "8", "--temperature", "0", "--slot", "1")
+        self.assertEqual(out, " the limit for the 201\n")
+        self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 20\.2 tokens/s, finish: length\]\n$")
+        self.assertEqual(
+            self.bodies("/completion"),
+            [
+                {
+                    "prompt": "The sky is",
+                    "n_predict": 8,  # --max-tokens, in /completion's own name
+                    "temperature": 0.0,
+                    "return_progress": True,
+                    "stream": True,
+                    "id_slot": 1,
+                }
+            ],
+        )
+
+    def test_complete_reads_a_piped_prompt_and_shows_progress(self):
+        self.serve("/completion", "41_completion_stream_progress.raw.txt")
+        out, err = self.main_ok("complete", stdin="The sky is")
+        self.assertEqual(out, " the limit for the 201\n")
+        lines = err.splitlines()
+        self.assertEqual(lines[:-1], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertRegex(lines[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$")
+        self.assertEqual(
+            self.bodies("/completion"), [{"prompt": "The sky is", "return_progress": True, "stream": True}]
+        )
+
+    def test_complete_json(self):
+        self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
+        out, err = self.main_ok("complete", "The sky is", "--json", "--param", "return_tokens=true")
+        self.assertEqual(err, "")
+        doc = json.loads(out)
+        self.assertEqual((doc["content"], doc["finish_reason"], doc["id"]), (" the limit for the 201", "length", None))
+        self.assertEqual(doc["tokens"], _p_SKY_TOKENS)
+        self.assertEqual(doc["final"]["stop_type"], "limit")
+        self.assertEqual(
+            (doc["usage"]["prompt_tokens"], doc["usage"]["completion_tokens"], doc["usage"]["total_tokens"]), (4, 8, 12)
+        )
+        self.assertEqual(len(doc["choices"][0]["logprobs"]), 8)
+        self.assertIs(self.bodies("/completion")[0]["return_tokens"], True)
+
+    def test_complete_answer_options_shape_the_body(self):
+        self.serve("/completion", "46_completion_stream_stop_word.raw.txt")
+        out, err = self.main_ok(
+            "complete",
+            "The sky is",
+            "--stop",
+            " the",
+            "--ignore-eos",
+            "--max-tokens",
+            "16",
+            "--param",
+            "n_probs=2",
+            "--param",
+            'lora=[{"id": 0, "scale": 1.0}]',
+        )
+        self.assertEqual(out, "\n")  # the stop word held back: no text at all
+        self.assertTrue(err.endswith("finish: stop]\n"), err)
+        self.assertEqual(
+            self.bodies("/completion")[0],
+            {
+                "prompt": "The sky is",
+                "stop": [" the"],
+                "ignore_eos": True,
+                "n_predict": 16,
+                "n_probs": 2,
+                "lora": [{"id": 0, "scale": 1.0}],
+                "return_progress": True,
+                "stream": True,
+            },
+        )
+
+    def test_param_n_predict_wins_over_max_tokens(self):
+        """--param is applied last (its help says so), and n_predict is what --max-tokens becomes."""
+        self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
+        self.main_ok("complete", "x", "--max-tokens", "8", "--param", "n_predict=3")
+        self.main_ok("complete", "x", "--param", "max_tokens=5")
+        self.main_ok("complete", "x", "--max-tokens", "8", "--param", "max_tokens=5")
+        self.assertEqual([b["n_predict"] for b in self.bodies("/completion")], [3, 5, 5])
+        self.assertTrue(all("max_tokens" not in b for b in self.bodies("/completion")))
+
+    def test_infill_reads_prefix_and_suffix_files(self):
+        self.serve("/infill", "48_infill_stream.raw.txt")
+        prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
+        suffix = self.text_file("suffix.py", "\n    return c\n")
+        out, err = self.main_ok("infill", "--prefix", prefix, "--suffix", suffix, "--max-tokens", "8", "--slot", "0")
+        self.assertEqual(out, "\n    " * 4 + "\n")
+        self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 13\.2 tokens/s, finish: length\]\n$")
+        self.assertEqual(
+            self.bodies("/infill"),
+            [
+                {
+                    "input_prefix": "def add(a, b):\n    ",
+                    "input_suffix": "\n    return c\n",
+                    "n_predict": 8,
+                    "return_progress": True,
+                    "stream": True,
+                    "id_slot": 0,
+                }
+            ],
+        )
+
+    def test_infill_reads_stdin_for_dash(self):
+        self.serve("/infill", "48_infill_stream.raw.txt")
+        out, _ = self.main_ok("infill", "--prefix", "-", stdin="def add(a, b):\n    ")
+        self.assertEqual(out, "\n    " * 4 + "\n")
+        suffix_first = self.text_file("prefix.py", "def add(a, b):\n    ")
+        out, _ = self.main_ok("infill", "--prefix", suffix_first, "--suffix", "-", "--json", stdin="\n    return c\n")
+        self.assertEqual(json.loads(out)["tokens"], [107, 140] * 4)
+        self.assertEqual(
+            [(b["input_prefix"], b["input_suffix"]) for b in self.bodies("/infill")],
+            [("def add(a, b):\n    ", ""), ("def add(a, b):\n    ", "\n    return c\n")],
+        )
+
+    def test_infill_extra_files_through_param(self):
+        self.serve("/infill", "48_infill_stream.raw.txt")
+        prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
+        self.main_ok(
+            "infill",
+            "--prefix",
+            prefix,
+            "--param",
+            'input_extra=[{"filename": "util.py", "text": "def sub(): pass\\n"}]',
+        )
+        self.assertEqual(
+            self.bodies("/infill")[0]["input_extra"], [{"filename": "util.py", "text": "def sub(): pass\n"}]
+        )
+
+    def test_infill_on_a_model_without_fim_tokens_is_one_line(self):
+        self.serve("/infill", "49_infill_not_supported.raw.txt")
+        prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
+        line = self.main_fails("infill", "--prefix", prefix)
+        self.assertIn("HTTP 501: Infill is not supported by this model: prefix token is missing.", line)
+        self.assertEqual(len(self.bodies("/infill")), 1)
+
+    def test_usage_errors_exit_2_and_send_nothing(self):
+        prefix = self.text_file("prefix.py", "x")
+        cases = [
+            (["infill"], "loopclient infill: error: the following arguments are required: --prefix"),
+            (
+                ["infill", "--prefix", self.server.tmp + "/missing.py"],
+                "loopclient: error: cannot read %s/missing.py: No such file or directory" % self.server.tmp,
+            ),
+            (
+                ["infill", "--prefix", prefix, "--suffix", self.server.tmp],
+                "loopclient: error: cannot read %s: Is a directory" % self.server.tmp,
+            ),
+            (
+                ["complete", "x", "--param", "prompt=y"],
+                "loopclient: error: --param prompt: loopclient sets prompt itself",
+            ),
+            (
+                ["infill", "--prefix", prefix, "--param", "input_prefix=y"],
+                "loopclient: error: --param input_prefix: loopclient sets input_prefix itself",
+            ),
+            (
+                ["infill", "--prefix", prefix, "--param", "input_suffix=y"],
+                "loopclient: error: --param input_suffix: loopclient sets input_suffix itself",
+            ),
+            (
+                ["complete", "x", "--param", "stream=false"],
+                "loopclient: error: --param stream: loopclient sets stream itself",
+            ),
+            (["complete", "x", "--slot", "-1"], "loopclient: error: slot must not be negative"),
+            (
+                ["infill", "--prefix", prefix, "--param", 'input_extra={"a": 1}'],
+                "loopclient: error: extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
+            ),
+        ]
+        for argv, line in cases:
+            with self.subTest(argv=argv):
+                code, out, err = self.run_main(["--socket", self.server.path] + argv)
+                self.assertEqual((code, out, err.splitlines()[-1]), (2, "", line), err)
+                self.assertNotIn("Traceback", err)
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], [])
+
+
 class RealTierSummary(unittest.TestSuite):
     """This module's tests, as ``load_tests`` hands them to unittest.  When real-server tests (classes named
     ``TestReal*``) were skipped, one line on stderr at exit, after unittest's own summary, says how many and

@@ -12497,3 +12497,289 @@ class TestRealWedge(unittest.TestCase):
         self.assertGreaterEqual(err.seconds, limits.wedge_wait)
         self.assertEqual(events[-1], lc.Waiting(True, wedged=True))
         self.assertIn("task %d" % task, str(err))
+
+
+# -----------------------------------------------------------------------------------------------------
+# The real server's other endpoints: /completion, /infill, /v1/responses, /v1/messages, count_tokens, LoRA
+# -----------------------------------------------------------------------------------------------------
+
+
+#: `dev/llama-server.sh start-fim`'s socket: the fill-in-the-middle model with the test LoRA adapter at 0
+REAL_FIM = os.environ.get("LOOPCLIENT_REAL_FIM")
+
+
+SKIP_FIM = "no fill-in-the-middle server: run dev/llama-server.sh start-fim and set LOOPCLIENT_REAL_FIM (.ci/run does)"
+
+
+#: The captures' infill (48): a function with its body missing, and a file beside it
+FIM_PREFIX, FIM_SUFFIX = "def add(a, b):\n    ", "\n    return c\n"
+
+
+FIM_EXTRA = [("util.py", "def sub(a, b):\n    return a - b\n")]
+
+
+WEATHER_TOOL_RESPONSES = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealEndpoints(ClientFactory, unittest.TestCase):
+    """complete, infill, respond and message on the real server (and the FIM server for infill and LoRA),
+    at temperature 0 so that answers compare exactly; short answers, generous timeouts."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def fim(self):
+        client = self.new_client(REAL_FIM, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        _idle(client)
+        return client
+
+    def run_call(self, endpoint, *args, client=None, timeout=120, **kw):
+        events = []
+        method = getattr(client or self.client, endpoint)
+        completion = run_with_timeout(lambda: method(*args, on_event=events.append, **kw), timeout)
+        return completion, events
+
+    def text_of(self, events, choice=0):
+        return "".join(e.text for e in events if isinstance(e, lc.Content) and e.choice == choice)
+
+    def test_complete_equals_the_unstreamed_answer(self):
+        body = {"prompt": "The sky is", "n_predict": 8, "temperature": 0}
+        plain = self.client.request("POST", "/completion", body)
+        completion, events = self.run_call("complete", "The sky is", n_predict=8, temperature=0)
+        self.assertEqual(completion.content, plain["content"])
+        self.assertEqual(self.text_of(events), plain["content"])
+        self.assertEqual((completion.finish_reason, completion.final["stop_type"]), ("length", plain["stop_type"]))
+        self.assertEqual(completion.usage["completion_tokens"], plain["tokens_predicted"])
+        self.assertEqual(completion.usage["prompt_tokens"], plain["tokens_evaluated"])
+        self.assertIsNone(completion.id)
+        self.assertTrue(completion.final["stop"])
+        self.assertIsNotNone(completion.timings)
+        # with return_tokens and n_probs, on slot 0: the same ids, and one log-probability entry per token
+        extra = {"return_tokens": True, "n_probs": 2}
+        plain = self.client.request("POST", "/completion", dict(body, id_slot=0, **extra))
+        completion, _ = self.run_call("complete", "The sky is", slot=0, n_predict=8, temperature=0, **extra)
+        self.assertEqual(completion.content, plain["content"])
+        self.assertEqual(completion.tokens, plain["tokens"])
+        self.assertEqual(len(completion.tokens), 8)
+        self.assertEqual(completion.final["id_slot"], 0)
+        entries = completion.logprobs
+        self.assertEqual(len(entries), len(completion.tokens))
+        self.assertEqual([e["id"] for e in entries], completion.tokens)
+        self.assertEqual("".join(e["token"] for e in entries), completion.content)
+        self.assertTrue(all(len(e["top_logprobs"]) == 2 for e in entries))
+
+    def test_a_token_id_prompt(self):
+        ids = self.client.tokenize("The sky is", add_special=True)  # with the BOS the model needs
+        text, _ = self.run_call("complete", "The sky is", n_predict=8, temperature=0)
+        completion, _ = self.run_call("complete", ids, n_predict=8, temperature=0, return_tokens=True)
+        self.assertEqual(completion.content, text.content)
+        self.assertEqual(completion.usage["prompt_tokens"], len(ids))
+
+    def test_two_prompts_give_two_choices(self):
+        prompts = ["The sky is", "The grass is"]
+        singles = [self.run_call("complete", p, n_predict=8, temperature=0)[0].content for p in prompts]
+        completion, events = self.run_call("complete", prompts, n_predict=8, temperature=0)
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        self.assertEqual([c.content for c in completion.choices], singles)
+        self.assertEqual([self.text_of(events, i) for i in (0, 1)], singles)
+        self.assertEqual([c.finish_reason for c in completion.choices], ["length", "length"])
+        self.assertEqual(completion.usage["completion_tokens"], 16)
+
+    def test_busy_slot_is_waited_out(self):
+        other = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(other.close)
+        started, results = threading.Event(), {}
+
+        def first():
+            def on_event(ev):
+                if isinstance(ev, lc.Content):
+                    started.set()
+
+            results["first"] = other.complete(
+                "The sky is", slot=0, on_event=on_event, n_predict=150, ignore_eos=True, temperature=0
+            )
+            results["first_done"] = time.monotonic()
+
+        thread = threading.Thread(target=first, daemon=True)
+        thread.start()
+        self.assertTrue(started.wait(60))
+        completion, events = self.run_call("complete", "The grass is", slot=0, n_predict=8, temperature=0)
+        done = time.monotonic()
+        thread.join(120)
+        self.assertEqual(events[0], lc.Waiting(True))
+        self.assertGreaterEqual(done, results["first_done"])
+        self.assertEqual(results["first"].usage["completion_tokens"], 150)
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+
+    def test_cancel_frees_the_slot_within_a_second(self):
+        stream = open_stream(self.client, "complete", "The sky is", slot=1, n_predict=500, ignore_eos=True)
+        got, outcome = threading.Event(), []
+
+        def run():
+            try:
+                for ev in stream:
+                    if isinstance(ev, lc.Content):
+                        got.set()
+            except lc.CancelledError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self.assertTrue(got.wait(60))
+        self.assertTrue(self.client.slots()[1].is_processing)
+        t = Timer()
+        stream.cancel()
+        thread.join(1)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertLess(t.elapsed, 0.2)
+        wait_for(lambda: not self.client.slots()[1].is_processing, 1.0 - t.elapsed, "slot 1 to go idle")
+
+    def test_message_and_respond_give_chat_text_and_token_count(self):
+        chat, _ = self.run_call("chat", _E_SEA, slot=0, max_tokens=16, temperature=0)
+        message, events = self.run_call("message", _E_SEA, max_tokens=16, temperature=0)
+        respond, _ = self.run_call("respond", _E_SEA[0]["content"], slot=0, max_output_tokens=16, temperature=0)
+        self.assertEqual(message.content, chat.content)
+        self.assertEqual(respond.content, chat.content)
+        self.assertEqual(self.text_of(events), chat.content)
+        counts = [c.usage["completion_tokens"] for c in (chat, message, respond)]
+        self.assertEqual(counts, [16, 16, 16])
+        self.assertEqual(message.usage["prompt_tokens"], chat.usage["prompt_tokens"])
+        self.assertEqual(respond.usage["prompt_tokens"], chat.usage["prompt_tokens"])
+        self.assertEqual((chat.finish_reason, message.finish_reason), ("length", "length"))
+        # Responses says completed even at max_output_tokens: only the count tells
+        self.assertEqual((respond.finish_reason, respond.final["status"]), ("stop", "completed"))
+        self.assertTrue(respond.id.startswith("resp_"))
+        self.assertTrue(message.id.startswith("chatcmpl-"))
+
+    def test_respond_reasoning_by_grammar(self):
+        completion, events = self.run_call(
+            "respond",
+            QUESTION[0]["content"],
+            slot=0,
+            max_output_tokens=150,
+            temperature=0,
+            grammar=grammar(self.client, "1,300"),
+        )
+        reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
+        self.assertGreater(len(reasoning), 3)
+        self.assertEqual(completion.reasoning, "".join(e.text for e in reasoning))
+        self.assertEqual(completion.reasoning_tokens, len(reasoning))
+        self.assertEqual(completion.content, "the answer is yes")
+        first_content = next(i for i, e in enumerate(events) if isinstance(e, lc.Content))
+        self.assertTrue(all(isinstance(e, lc.Reasoning) for e in events[:first_content]))
+        self.assertEqual([item["type"] for item in completion.final["output"]], ["reasoning", "message"])
+
+    def test_respond_tool_call_with_whole_arguments(self):
+        completion, events = self.run_call(
+            "respond",
+            "What is the weather in Paris?",
+            slot=0,
+            max_output_tokens=60,
+            temperature=0,
+            tools=WEATHER_TOOL_RESPONSES,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            logit_bias=[['{"name": "', 10]],
+        )
+        calls = [e for e in events if isinstance(e, lc.ToolCall)]
+        self.assertEqual((calls[0].index, calls[0].name), (0, "get_weather"))
+        self.assertTrue(calls[0].id.startswith("call_"), calls[0])
+        self.assertEqual(len(completion.tool_calls), 1)
+        call = completion.tool_calls[0]
+        self.assertEqual((call.id, call.name), (calls[0].id, "get_weather"))
+        self.assertEqual(call.arguments, "".join(e.arguments for e in calls))
+        self.assertIsInstance(json.loads(call.arguments)["city"], str)
+        self.assertEqual(completion.finish_reason, "tool_calls")
+
+    def test_count_message_tokens_equals_the_prompt_tokens_of_message(self):
+        msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+        completion, _ = self.run_call("message", msgs, max_tokens=4, temperature=0)
+        self.assertEqual(self.client.count_message_tokens(msgs), completion.usage["prompt_tokens"])
+        system = "You answer in one word."
+        completion, _ = self.run_call("message", msgs, max_tokens=4, temperature=0, system=system)
+        self.assertEqual(self.client.count_message_tokens(msgs, system=system), completion.usage["prompt_tokens"])
+
+    def test_thinking_cap_is_value_error_on_respond_and_message(self):
+        client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS.replace(thinking_cap=3))
+        self.addCleanup(client.close)
+        with self.assertRaises(ValueError):
+            run_with_timeout(lambda: client.respond(QUESTION[0]["content"], slot=0, max_output_tokens=8), 30)
+        with self.assertRaises(ValueError):
+            run_with_timeout(lambda: client.message(QUESTION, max_tokens=8), 30)
+        completion, _ = self.run_call("complete", "The sky is", client=client, slot=0, n_predict=4, temperature=0)
+        self.assertEqual((completion.usage["completion_tokens"], completion.thinking_capped), (4, False))
+
+    def test_infill_without_fim_tokens_is_501(self):
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.run_call("infill", FIM_PREFIX, FIM_SUFFIX, slot=0, n_predict=8)
+        self.assertEqual(cm.exception.status, 501)
+        self.assertTrue(cm.exception.message.startswith("Infill is not supported by this model:"), cm.exception.message)
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_infill_streams_a_middle(self):
+        fim = self.fim()
+        params = {"n_predict": 8, "temperature": 0}
+        completion, events = self.run_call(
+            "infill", FIM_PREFIX, FIM_SUFFIX, client=fim, extra=FIM_EXTRA, slot=0, **params
+        )
+        body = dict(params, input_prefix=FIM_PREFIX, input_suffix=FIM_SUFFIX, id_slot=0)
+        body["input_extra"] = [{"filename": name, "text": text} for name, text in FIM_EXTRA]
+        plain = fim.request("POST", "/infill", body)
+        self.assertEqual(completion.content, plain["content"])
+        self.assertEqual(self.text_of(events), plain["content"])
+        self.assertTrue(completion.content)
+        self.assertEqual((completion.usage["completion_tokens"], completion.finish_reason), (8, "length"))
+        # the FIM tokens (7, 8, 9) around prefix and suffix: the model's own template, not ours
+        self.assertIn("<unused1>" + FIM_PREFIX + "<unused2>" + FIM_SUFFIX + "<unused3>", completion.final["prompt"])
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_lora_adapters_list_the_adapter_at_scale_0(self):
+        adapters = self.fim().lora_adapters()
+        self.assertEqual([(a["id"], a["scale"]) for a in adapters], [(0, 0.0)])
+        self.assertTrue(adapters[0]["path"].endswith("lora-test-r4.gguf"), adapters)
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_a_request_lora_changes_the_text(self):
+        fim = self.fim()
+        params = {"n_predict": 8, "temperature": 0}
+        base, _ = self.run_call("complete", "The sky is", client=fim, **params)
+        scaled, _ = self.run_call("complete", "The sky is", client=fim, lora=[{"id": 0, "scale": 1.0}], **params)
+        zero, _ = self.run_call("complete", "The sky is", client=fim, lora=[{"id": 0, "scale": 0.0}], **params)
+        self.assertNotEqual(scaled.content, base.content)
+        self.assertEqual(zero.content, base.content)
+        self.assertEqual(scaled.usage["completion_tokens"], 8)
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_set_lora_adapters_changes_the_default_and_back(self):
+        fim = self.fim()
+        params = {"n_predict": 8, "temperature": 0}
+        base, _ = self.run_call("complete", "The sky is", client=fim, **params)
+        scaled, _ = self.run_call("complete", "The sky is", client=fim, lora=[{"id": 0, "scale": 1.0}], **params)
+        try:
+            self.assertEqual(fim.set_lora_adapters([{"id": 0, "scale": 1.0}]), {"success": True})
+            self.assertEqual(fim.lora_adapters()[0]["scale"], 1.0)
+            default, _ = self.run_call("complete", "The sky is", client=fim, **params)
+            self.assertEqual(default.content, scaled.content)
+            self.assertEqual(fim.set_lora_adapters([{"id": 0, "scale": 0.0}]), {"success": True})
+            self.assertEqual(fim.lora_adapters()[0]["scale"], 0.0)
+            restored, _ = self.run_call("complete", "The sky is", client=fim, **params)
+            self.assertEqual(restored.content, base.content)
+        finally:  # the server is shared: its default goes back to scale 0 whatever happened
+            with lc.Client(REAL_FIM, limits=REAL_LIMITS) as restore:
+                restore.set_lora_adapters([{"id": 0, "scale": 0.0}])
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealEndpointsAsync(AsyncDriver, TestRealEndpoints):
+    """The same on AsyncClient."""

@@ -5727,6 +5727,29 @@ class TestEndpoints(ServerCase):
                 with self.assertRaises(lc.CancelledError):
                     run_with_timeout(lambda: next(stream))
 
+    def test_cancel_while_sizing_the_pool_never_enters_the_gate(self):
+        self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))  # slot=None asks /props first
+        stream = open_stream(self.client, "complete", "The sky is")
+        outcome, done = [], threading.Event()
+
+        def run():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        wait_for(lambda: any(r.path == "/props" for r in self.server.requests), what="the /props request")
+        t = Timer()
+        stream.cancel()
+        self.assertTrue(done.wait(1.0))
+        self.assertLess(t.elapsed, 0.2)
+        self.assertEqual(len(outcome), 1)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertNotIn((None, None), self.client._board.gate.snapshot())
+        self.assertEqual(self.sent("/completion"), [])
+
     def test_midstream_errors_are_server_errors_and_not_replayed(self):
         grammar_error = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
         cases = [

@@ -5586,6 +5586,47 @@ class TestEndpoints(ServerCase):
         self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris"}')])
         self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("tool_calls", "tool_use"))
 
+    def test_the_token_cap_of_respond_and_message(self):
+        cat = "Tell me a story about a cat."
+        words = ["Tell", " me", " a", " story"]
+        self.serve("respond", "53_responses_max_output_tokens.raw.txt")
+        completion, events = self.call("respond", cat, max_output_tokens=4)
+        self.assertEqual(events, [lc.Content(w) for w in words])
+        # Responses says completed even at max_output_tokens: only the count tells
+        self.assertEqual((completion.finish_reason, completion.final["status"]), ("stop", "completed"))
+        self.assertEqual(
+            [completion.usage[k] for k in ("output_tokens", "prompt_tokens", "completion_tokens", "total_tokens")],
+            [4, 31, 4, 35],
+        )
+        self.serve("message", "63_messages_max_tokens.raw.txt")
+        completion, events = self.call("message", [{"role": "user", "content": cat}], max_tokens=4)
+        self.assertEqual(events, [lc.Content(w) for w in words])
+        self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("length", "max_tokens"))
+        # input_tokens leaves out the 30 read from the cache; prompt_tokens counts them
+        self.assertEqual(
+            [completion.usage[k] for k in ("input_tokens", "prompt_tokens", "completion_tokens", "total_tokens")],
+            [1, 31, 4, 35],
+        )
+
+    def test_respond_progress_and_message_thinking_budget(self):
+        self.serve("respond", "56_responses_stream_progress.raw.txt")
+        completion, events = self.call(
+            "respond", "The lighthouse keeper ...", max_output_tokens=3, return_progress=True
+        )
+        self.assertIs(self.sent("/v1/responses")[0].json()["return_progress"], True)
+        self.assertEqual(
+            events,
+            [lc.Progress(9, 114, 9, 0.0), lc.Progress(114, 114, 9, 4003.0)]
+            + [lc.Content(w) for w in ["The", " lighthouse", " keeper"]],
+        )
+        self.assertEqual(completion.content, "The lighthouse keeper")
+        self.serve("message", "65_messages_thinking_budget.raw.txt")
+        thinking = {"type": "enabled", "budget_tokens": 2}
+        completion, events = self.call("message", _E_SEA, max_tokens=12, thinking=thinking)
+        self.assertEqual(self.sent("/v1/messages")[0].json()["thinking"], thinking)
+        self.assertEqual(events, [lc.Reasoning("blue")] + [lc.Content(w) for w in ["yes", "<", "|"]])
+        self.assertEqual((completion.reasoning, completion.reasoning_tokens), ("blue", 1))
+
     def test_count_message_tokens_request_and_answer(self):
         self.server.route(
             "POST",

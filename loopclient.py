@@ -3971,9 +3971,11 @@ class _Calls:
         return doc
 
     def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> _Plan[Any]:
-        if isinstance(adapters, (str, bytes, dict)) or not all(isinstance(a, dict) for a in adapters):
+        if not isinstance(adapters, (str, bytes, dict)):
+            adapters = list(adapters)  # once: an iterator checked first would then send []
+        if not isinstance(adapters, list) or not all(isinstance(a, dict) for a in adapters):
             raise TypeError('adapters must be a list of {"id": int, "scale": float} dicts')
-        return (yield from self._json("POST", "/lora-adapters", list(adapters)))
+        return (yield from self._json("POST", "/lora-adapters", adapters))
 
     # -- streamed requests ----------------------------------------------------------------------------
 

@@ -5667,16 +5667,20 @@ class TestEndpoints(ServerCase):
         self.assertEqual(
             run_with_timeout(lambda: self.client.set_lora_adapters(({"id": 0, "scale": 0.0},))), {"success": True}
         )
-        self.assertEqual(posted, [[{"id": 0, "scale": 1.0}], [{"id": 0, "scale": 0.0}]])
+        self.assertEqual(
+            run_with_timeout(lambda: self.client.set_lora_adapters(a for a in [{"id": 0, "scale": 0.5}])),
+            {"success": True},
+        )
+        self.assertEqual(posted, [[{"id": 0, "scale": 1.0}], [{"id": 0, "scale": 0.0}], [{"id": 0, "scale": 0.5}]])
         get = [r for r in self.server.requests if r.path == "/lora-adapters" and r.method == "GET"]
         self.assertEqual((len(get), get[0].body), (1, b""))
         self.server.route("GET", "/lora-adapters", lambda req: respond_json(req, {"adapters": adapters}))
         with self.assertRaises(lc.ProtocolError):
             run_with_timeout(self.client.lora_adapters)
-        for bad in ({"id": 0, "scale": 1.0}, "x", [0], [{"id": 0}, 1]):
+        for bad in ({"id": 0, "scale": 1.0}, "x", [0], [{"id": 0}, 1], 5):
             with self.subTest(bad=bad), self.assertRaises(TypeError):
                 self.client.set_lora_adapters(bad)
-        self.assertEqual(len(posted), 2)  # nothing was sent for the mistakes
+        self.assertEqual(len(posted), 3)  # nothing was sent for the mistakes
 
     # -- what every endpoint shares with chat ---------------------------------------------------------------
 

@@ -5697,6 +5697,19 @@ class TestEndpoints(ServerCase):
                 self.assertIsNotNone(stream.completion.final)
                 self.assertEqual(self.sent(_E_PATHS[endpoint])[-1].json()["id_slot"], 1)
 
+    def test_raw_chunks_come_before_their_events_and_stay_out_of_the_body(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                raw = self.serve(endpoint, name)
+                completion, events = self.call(endpoint, *args, raw_chunks=True)
+                self.assertNotIn("raw_chunks", self.sent(_E_PATHS[endpoint])[-1].json())
+                chunks = [e.data for e in events if type(e) is lc.Chunk]
+                self.assertEqual(chunks, [d for d in _p_data_docs(raw) if d is not None])
+                for i, event in enumerate(events):
+                    if type(event) is lc.Content:
+                        self.assertIs(type(events[i - 1]), lc.Chunk)  # one text delta per payload here
+                self.assertEqual(completion.content, text)
+
     def test_the_closing_event_ends_the_response_without_the_last_chunk(self):
         for endpoint, (args, name, text) in _E_CASES.items():
             with self.subTest(endpoint=endpoint):

@@ -4169,9 +4169,11 @@ class _Calls:
         return doc
 
     def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> _Plan[Any]:
-        if isinstance(adapters, (str, bytes, dict)) or not all(isinstance(a, dict) for a in adapters):
+        if not isinstance(adapters, (str, bytes, dict)):
+            adapters = list(adapters)  # once: an iterator checked first would then send []
+        if not isinstance(adapters, list) or not all(isinstance(a, dict) for a in adapters):
             raise TypeError('adapters must be a list of {"id": int, "scale": float} dicts')
-        return (yield from self._json("POST", "/lora-adapters", list(adapters)))
+        return (yield from self._json("POST", "/lora-adapters", adapters))
 
     # -- streamed requests ----------------------------------------------------------------------------
 
@@ -6443,8 +6445,8 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
     params = dict({"return_progress": True}, **params)
-    if "max_tokens" in params:
-        params["n_predict"] = params.pop("max_tokens")
+    if "max_tokens" in params:  # --param n_predict, applied last, wins over --max-tokens
+        params.setdefault("n_predict", params.pop("max_tokens"))
     console = _Console(sys.stdout, sys.stderr)
     show = functools.partial(console.event, show_text=not args.json)
     try:
@@ -6456,10 +6458,16 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     except ValueError as exc:
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
-    if args.command == "complete":
-        completion = client.complete(text[0], slot=args.slot, on_event=show, **params)
-    else:
-        completion = client.infill(text[0], text[1], slot=args.slot, on_event=show, **params)
+    try:  # what the body functions refuse (a bad --slot, --param input_extra) is a usage error
+        if args.command == "complete":
+            stream = client.stream_complete(text[0], slot=args.slot, **params)
+        else:
+            extra = params.pop("input_extra", None)
+            stream = client.stream_infill(text[0], text[1], extra=extra, slot=args.slot, **params)
+    except (TypeError, ValueError) as exc:
+        sys.stderr.write("loopclient: error: %s\n" % exc)
+        return 2
+    completion = _consume(stream, show)
     _answered(console, completion, args.json)
     return 0
 

@@ -5182,6 +5182,745 @@ class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
 
 
 # -----------------------------------------------------------------------------------------------------
+# The other streamed endpoints (/completion, /infill, /v1/responses, /v1/messages) and their single-shot
+# companions, through the whole client: each request as sent, the captured bytes as answered
+# -----------------------------------------------------------------------------------------------------
+
+
+def open_stream(client, endpoint, *args, **kw):
+    """``client.stream_<endpoint>(...)``: a Stream; for AsyncDriver's facade, its AsyncStream behind
+    blocking iteration (as ``SyncFacade.stream`` does for chat)."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, getattr(client._client, "stream_" + endpoint)(*args, **kw))
+    return getattr(client, "stream_" + endpoint)(*args, **kw)
+
+
+def first_chunk(raw):
+    """A captured response cut after its head and its first HTTP chunk (the rest never comes)."""
+    head_end = raw.index(b"\r\n\r\n") + 4
+    line_end = raw.index(b"\r\n", head_end)
+    size = int(raw[head_end:line_end], 16)
+    return raw[: line_end + 2 + size + 2]
+
+
+_E_SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+#: What the captures 50 and 60 stream for _E_SEA at max 8 tokens
+_E_SEA_WORDS = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
+
+
+_E_SEA_TEXT = "".join(_E_SEA_WORDS)
+
+
+_E_PATHS = {"complete": "/completion", "infill": "/infill", "respond": "/v1/responses", "message": "/v1/messages"}
+
+
+#: For each endpoint: the call's arguments, a capture of its stream, and the text that capture streams.
+_E_CASES = {
+    "complete": (("The sky is",), "40_completion_stream_tokens_probs.raw.txt", "".join(_p_SKY)),
+    "infill": (("def add(a, b):\n    ", "\n    return c\n"), "48_infill_stream.raw.txt", "\n    " * 4),
+    "respond": (("Write one sentence about the sea.",), "50_responses_stream.raw.txt", _E_SEA_TEXT),
+    "message": ((_E_SEA,), "60_messages_stream.raw.txt", _E_SEA_TEXT),
+}
+
+
+def _e_native_usage(evaluated, predicted, cached):
+    return {
+        "tokens_evaluated": evaluated,
+        "tokens_predicted": predicted,
+        "tokens_cached": cached,
+        "prompt_tokens": evaluated,
+        "completion_tokens": predicted,
+        "total_tokens": evaluated + predicted,
+    }
+
+
+def _e_final(raw):
+    """The last data payload of a capture, parsed."""
+    return _p_data_docs(raw)[-1]
+
+
+class TestEndpoints(ServerCase):
+    """complete, infill, respond and message (and their stream_* forms) through the client, on the bytes
+    the real server sent (dev/testdata/transcripts); count_message_tokens and the LoRA calls."""
+
+    def serve(self, endpoint, name):
+        raw = load_transcript(name)
+        self.server.route("POST", _E_PATHS[endpoint], lambda req: req.send(raw))
+        return raw
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def call(self, endpoint, *args, client=None, **kw):
+        events = []
+        method = getattr(client or self.client, endpoint)
+        completion = run_with_timeout(lambda: method(*args, on_event=events.append, **kw))
+        return completion, events
+
+    def routed_client(self):
+        """A client with a default model, which every streamed body then names."""
+        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
+        self.closers.append(client.close)
+        return client
+
+    def check_head(self, req, path):
+        head = req.raw_head.decode()
+        self.assertTrue(head.startswith("POST %s HTTP/1.1\r\n" % path), head)
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertEqual(req.headers["content-type"], "application/json")
+        self.assertEqual(int(req.headers["content-length"]), len(req.body))
+
+    # -- /completion ------------------------------------------------------------------------------------
+
+    def test_complete_request_and_transcript_40(self):
+        raw = self.serve("complete", "40_completion_stream_tokens_probs.raw.txt")
+        completion, events = self.call(
+            "complete",
+            "The sky is",
+            slot=1,
+            client=self.routed_client(),
+            n_predict=8,
+            temperature=0,
+            return_tokens=True,
+            n_probs=2,
+        )
+        (req,) = self.sent("/completion")
+        self.check_head(req, "/completion")
+        self.assertEqual(
+            req.json(),
+            {
+                "prompt": "The sky is",
+                "n_predict": 8,
+                "temperature": 0,
+                "return_tokens": True,
+                "n_probs": 2,
+                "stream": True,
+                "id_slot": 1,
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
+        docs = _p_data_docs(raw)
+        probs = [d["completion_probabilities"][0] for d in docs[:-1]]
+        final = _e_final(raw)
+        self.assertEqual(final["stop"], True)
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=None,
+                model=_p_GEMMA,
+                content=" the limit for the 201",
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=_e_native_usage(4, 8, 11),
+                timings=final["timings"],
+                choices=(lc.Choice(0, " the limit for the 201", "", [], "length", probs, None, _p_SKY_TOKENS),),
+                final=final,
+                tokens=_p_SKY_TOKENS,
+            ),
+        )
+        self.assertEqual(completion.choices[0].tokens, _p_SKY_TOKENS)
+        self.assertEqual(len(completion.logprobs), 8)
+
+    def test_complete_without_slot_or_model_sends_neither(self):
+        self.serve("complete", "41_completion_stream_progress.raw.txt")
+        completion, events = self.call("complete", "The sky is", n_predict=8, return_progress=True)
+        self.assertEqual(
+            self.sent("/completion")[0].json(),
+            {"prompt": "The sky is", "n_predict": 8, "return_progress": True, "stream": True},
+        )
+        # the progress chunks' placeholder token [0] is no generated token
+        self.assertEqual(
+            events, [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 15.0)] + [lc.Content(w) for w in _p_SKY]
+        )
+        self.assertEqual((completion.content, completion.tokens), ("".join(_p_SKY), _p_SKY_TOKENS))
+        self.assertEqual(completion.usage["prompt_tokens"], 4)
+
+    def test_complete_token_id_prompt_transcript_42(self):
+        self.serve("complete", "42_completion_stream_token_ids.raw.txt")
+        completion, events = self.call("complete", [2, 818, 7217, 563], slot=0, n_predict=8, return_tokens=True)
+        self.assertEqual(self.sent("/completion")[0].json()["prompt"], [2, 818, 7217, 563])
+        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
+        self.assertEqual(
+            (completion.content, completion.tokens, completion.finish_reason),
+            ("".join(_p_SKY), _p_SKY_TOKENS, "length"),
+        )
+
+    def test_complete_two_prompts_transcript_43(self):
+        raw = self.serve("complete", "43_completion_stream_two_prompts.raw.txt")
+        self.assertIn(b"data: null\n\n", raw)
+        completion, events = self.call("complete", ["The sky is", "The grass is"], n_predict=8)
+        self.assertEqual(self.sent("/completion")[0].json()["prompt"], ["The sky is", "The grass is"])
+        grass = [" green", ",", " the", " trees", " are", " green", ",", " and"]
+        expect = []
+        for g, s in zip(grass, _p_SKY):
+            expect += [lc.Content(g, 1), lc.Content(s, 0)]
+        self.assertEqual(events, expect)
+        self.assertEqual(
+            [(c.index, c.content, c.finish_reason) for c in completion.choices],
+            [(0, "".join(_p_SKY), "length"), (1, "".join(grass), "length")],
+        )
+        self.assertEqual(completion.content, "".join(_p_SKY))
+        self.assertEqual(completion.final["index"], 0)
+        self.assertEqual(completion.usage["completion_tokens"], 16)  # both prompts' tokens
+        self.assertEqual(completion.usage["prompt_tokens"], completion.usage["tokens_evaluated"])
+
+    def test_complete_finish_reasons_eos_and_stop_word(self):
+        for name, finish, stop_type in (
+            ("39_completion_stream_eos.raw.txt", "stop", "eos"),
+            ("46_completion_stream_stop_word.raw.txt", "stop", "word"),
+            ("40_completion_stream_tokens_probs.raw.txt", "length", "limit"),
+        ):
+            with self.subTest(name=name):
+                self.serve("complete", name)
+                completion, _ = self.call("complete", "The sky is")
+                self.assertEqual((completion.finish_reason, completion.final["stop_type"]), (finish, stop_type))
+        self.assertEqual(completion.usage["total_tokens"], 12)
+
+    # -- /infill ----------------------------------------------------------------------------------------
+
+    def test_infill_request_and_transcript_48(self):
+        raw = self.serve("infill", "48_infill_stream.raw.txt")
+        completion, events = self.call(
+            "infill",
+            "def add(a, b):\n    ",
+            "\n    return c\n",
+            extra=[("util.py", "def sub(a, b):\n    return a - b\n")],
+            slot=0,
+            client=self.routed_client(),
+            n_predict=8,
+            temperature=0,
+            seed=42,
+        )
+        (req,) = self.sent("/infill")
+        self.check_head(req, "/infill")
+        self.assertEqual(
+            req.json(),
+            {
+                "input_prefix": "def add(a, b):\n    ",
+                "input_suffix": "\n    return c\n",
+                "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+                "n_predict": 8,
+                "temperature": 0,
+                "seed": 42,
+                "stream": True,
+                "id_slot": 0,
+                "model": "alpha",
+            },
+        )
+        words = ["\n", "    "] * 4
+        self.assertEqual(events, [lc.Content(w) for w in words])
+        final = _e_final(raw)
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=None,
+                model="/root/.cache/loopclient/gemma-3-270m-q4_k_m-fim.gguf",
+                content="".join(words),
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=_e_native_usage(18, 8, 25),
+                timings=final["timings"],
+                choices=(lc.Choice(0, "".join(words), "", [], "length", None, None, [107, 140] * 4),),
+                final=final,
+                tokens=[107, 140] * 4,
+            ),
+        )
+
+    def test_infill_not_supported_is_http_status_error_501(self):
+        raw = self.serve("infill", "49_infill_not_supported.raw.txt")
+        events = []
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            run_with_timeout(lambda: self.client.infill("def f():\n", "", on_event=events.append, n_predict=8))
+        self.assertEqual(cm.exception.status, 501)
+        self.assertEqual(
+            cm.exception.message,
+            "Infill is not supported by this model: prefix token is missing. suffix token is missing. "
+            "middle token is missing. ",
+        )
+        self.assertEqual(cm.exception.body, raw[raw.index(b"\r\n\r\n") + 4 :])
+        self.assertEqual(events, [])
+        self.assertEqual(len(self.sent("/infill")), 1)  # not retried
+        self.assertEqual(
+            self.sent("/infill")[0].json(),
+            {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 8, "stream": True},
+        )
+
+    # -- /v1/responses ----------------------------------------------------------------------------------
+
+    def test_respond_request_and_transcript_50(self):
+        raw = self.serve("respond", "50_responses_stream.raw.txt")
+        completion, events = self.call(
+            "respond",
+            "Write one sentence about the sea.",
+            slot=1,
+            client=self.routed_client(),
+            max_output_tokens=8,
+            temperature=0,
+        )
+        (req,) = self.sent("/v1/responses")
+        self.check_head(req, "/v1/responses")
+        self.assertEqual(
+            req.json(),
+            {
+                "input": "Write one sentence about the sea.",
+                "max_output_tokens": 8,
+                "temperature": 0,
+                "stream": True,
+                "id_slot": 1,
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _E_SEA_WORDS])
+        last = _e_final(raw)
+        self.assertEqual(last["type"], "response.completed")
+        usage = {
+            "input_tokens": 30,
+            "output_tokens": 8,
+            "total_tokens": 38,
+            "input_tokens_details": {"cached_tokens": 29},
+            "prompt_tokens": 30,
+            "completion_tokens": 8,
+        }
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id="resp_P400vjQqsH92lf8TuqMQ4vT4zpHXU1fv",
+                model=_p_GEMMA,
+                content=_E_SEA_TEXT,
+                reasoning="",
+                tool_calls=[],
+                finish_reason="stop",  # the server reports completed even at max_output_tokens
+                usage=usage,
+                timings=last["timings"],
+                final=last["response"],
+            ),
+        )
+
+    def test_respond_reasoning_and_tool_call(self):
+        self.serve("respond", "51_responses_reasoning_grammar.raw.txt")
+        completion, events = self.call("respond", "Think step by step: is the sky blue?", grammar="root ::= x")
+        self.assertEqual(self.sent("/v1/responses")[0].json()["grammar"], "root ::= x")  # passed on as sent
+        thinking = ["is", " the", " sky", " blue", " is", " a"]
+        self.assertEqual(events[: len(thinking)], [lc.Reasoning(w) for w in thinking])
+        self.assertTrue(all(type(e) is lc.Content for e in events[len(thinking) :]), events)
+        self.assertEqual(
+            (completion.reasoning, completion.content, completion.reasoning_tokens, completion.finish_reason),
+            ("is the sky blue is a", "the answer is yes", 6, "stop"),
+        )
+        self.serve("respond", "52_responses_tool_call.raw.txt")
+        tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+        completion, events = self.call("respond", "What is the weather in Paris?", tools=tools, tool_choice="required")
+        cid = "call_WuvgdAuvDRouqUfLNEvkLZ0FpcOWMKcw"
+        fragments = ["{", '"', "city", '":', ' "', "Paris", ' "', "}"]
+        self.assertEqual(
+            events, [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, f) for f in fragments]
+        )
+        self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')])
+        self.assertEqual(completion.finish_reason, "tool_calls")
+        self.assertEqual(self.sent("/v1/responses")[1].json()["tools"], tools)
+
+    # -- /v1/messages -----------------------------------------------------------------------------------
+
+    def test_message_request_and_transcript_60(self):
+        raw = self.serve("message", "60_messages_stream.raw.txt")
+        completion, events = self.call(
+            "message", _E_SEA, slot=0, client=self.routed_client(), max_tokens=8, temperature=0, system="Be brief"
+        )
+        (req,) = self.sent("/v1/messages")
+        self.check_head(req, "/v1/messages")
+        self.assertEqual(
+            req.json(),
+            {
+                "messages": _E_SEA,
+                "max_tokens": 8,
+                "temperature": 0,
+                "system": "Be brief",
+                "stream": True,
+                "id_slot": 0,  # sent, though this server's Messages endpoint ignores it
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _E_SEA_WORDS])
+        start = _p_data_docs(raw)[0]["message"]
+        final = dict(start, stop_reason="max_tokens", stop_sequence=None)
+        final["usage"] = {"cache_read_input_tokens": 29, "input_tokens": 1, "output_tokens": 8}
+        usage = dict(final["usage"], prompt_tokens=30, completion_tokens=8, total_tokens=38)
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id="chatcmpl-21iAlT8NSlUuS8bTlxIrzyf279JfysDw",
+                model=_p_GEMMA,
+                content=_E_SEA_TEXT,
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=usage,
+                timings=None,
+                final=final,
+            ),
+        )
+
+    def test_message_thinking_and_tool_use(self):
+        self.serve("message", "61_messages_thinking.raw.txt")
+        completion, events = self.call("message", _E_SEA, thinking={"type": "enabled", "budget_tokens": 8})
+        self.assertEqual(self.sent("/v1/messages")[0].json()["thinking"], {"type": "enabled", "budget_tokens": 8})
+        thinking = ["blue", " sky", "\n"]
+        words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
+        self.assertEqual(events, [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words])
+        self.assertEqual(
+            (completion.reasoning, completion.content, completion.reasoning_tokens, completion.finish_reason),
+            ("blue sky\n", "".join(words), 3, "length"),
+        )
+        self.serve("message", "62_messages_tool_use.raw.txt")
+        completion, events = self.call("message", _E_SEA, tool_choice={"type": "any"})
+        cid = "pbitHA1orxPQ2XjiPUvz7STbslHDhXhW"
+        fragments = ["{", '"', "city", '":', ' "', "Paris", '"}']
+        self.assertEqual(
+            events, [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, f) for f in fragments]
+        )
+        self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris"}')])
+        self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("tool_calls", "tool_use"))
+
+    def test_the_token_cap_of_respond_and_message(self):
+        cat = "Tell me a story about a cat."
+        words = ["Tell", " me", " a", " story"]
+        self.serve("respond", "53_responses_max_output_tokens.raw.txt")
+        completion, events = self.call("respond", cat, max_output_tokens=4)
+        self.assertEqual(events, [lc.Content(w) for w in words])
+        # Responses says completed even at max_output_tokens: only the count tells
+        self.assertEqual((completion.finish_reason, completion.final["status"]), ("stop", "completed"))
+        self.assertEqual(
+            [completion.usage[k] for k in ("output_tokens", "prompt_tokens", "completion_tokens", "total_tokens")],
+            [4, 31, 4, 35],
+        )
+        self.serve("message", "63_messages_max_tokens.raw.txt")
+        completion, events = self.call("message", [{"role": "user", "content": cat}], max_tokens=4)
+        self.assertEqual(events, [lc.Content(w) for w in words])
+        self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("length", "max_tokens"))
+        # input_tokens leaves out the 30 read from the cache; prompt_tokens counts them
+        self.assertEqual(
+            [completion.usage[k] for k in ("input_tokens", "prompt_tokens", "completion_tokens", "total_tokens")],
+            [1, 31, 4, 35],
+        )
+
+    def test_respond_progress_and_message_thinking_budget(self):
+        self.serve("respond", "56_responses_stream_progress.raw.txt")
+        completion, events = self.call(
+            "respond", "The lighthouse keeper ...", max_output_tokens=3, return_progress=True
+        )
+        self.assertIs(self.sent("/v1/responses")[0].json()["return_progress"], True)
+        self.assertEqual(
+            events,
+            [lc.Progress(9, 114, 9, 0.0), lc.Progress(114, 114, 9, 4003.0)]
+            + [lc.Content(w) for w in ["The", " lighthouse", " keeper"]],
+        )
+        self.assertEqual(completion.content, "The lighthouse keeper")
+        self.serve("message", "65_messages_thinking_budget.raw.txt")
+        thinking = {"type": "enabled", "budget_tokens": 2}
+        completion, events = self.call("message", _E_SEA, max_tokens=12, thinking=thinking)
+        self.assertEqual(self.sent("/v1/messages")[0].json()["thinking"], thinking)
+        self.assertEqual(events, [lc.Reasoning("blue")] + [lc.Content(w) for w in ["yes", "<", "|"]])
+        self.assertEqual((completion.reasoning, completion.reasoning_tokens), ("blue", 1))
+
+    def test_count_message_tokens_request_and_answer(self):
+        self.server.route(
+            "POST",
+            "/v1/messages/count_tokens",
+            lambda req: req.send(load_transcript("64_messages_count_tokens.raw.txt")),
+        )
+        msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+        self.assertEqual(run_with_timeout(lambda: self.client.count_message_tokens(msgs)), 31)
+        self.assertEqual(
+            run_with_timeout(lambda: self.routed_client().count_message_tokens(msgs, system="Be brief")), 31
+        )
+        plain, routed = self.sent("/v1/messages/count_tokens")
+        self.assertEqual(plain.json(), {"messages": msgs})  # no stream, no slot
+        self.assertEqual(routed.json(), {"messages": msgs, "system": "Be brief", "model": "alpha"})
+        self.assertEqual(plain.headers["accept"], "application/json")
+        for answer in ({"input_tokens": "31"}, {"tokens": 31}, [31], {"input_tokens": True}):
+            with self.subTest(answer=answer):
+                self.server.route("POST", "/v1/messages/count_tokens", lambda req, a=answer: respond_json(req, a))
+                with self.assertRaises(lc.ProtocolError):
+                    run_with_timeout(lambda: self.client.count_message_tokens(msgs))
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+
+    def test_lora_adapters_and_set_lora_adapters(self):
+        adapters = [{"id": 0, "path": "/cache/lora-test-r4.gguf", "scale": 0.0, "task_name": "", "prompt_prefix": ""}]
+        posted = []
+
+        def post(req):
+            posted.append(req.json())
+            respond_json(req, {"success": True})
+
+        self.server.route("GET", "/lora-adapters", lambda req: respond_json(req, adapters))
+        self.server.route("POST", "/lora-adapters", post)
+        self.assertEqual(run_with_timeout(self.client.lora_adapters), adapters)
+        self.assertEqual(
+            run_with_timeout(lambda: self.client.set_lora_adapters([{"id": 0, "scale": 1.0}])), {"success": True}
+        )
+        self.assertEqual(
+            run_with_timeout(lambda: self.client.set_lora_adapters(({"id": 0, "scale": 0.0},))), {"success": True}
+        )
+        self.assertEqual(
+            run_with_timeout(lambda: self.client.set_lora_adapters(a for a in [{"id": 0, "scale": 0.5}])),
+            {"success": True},
+        )
+        self.assertEqual(posted, [[{"id": 0, "scale": 1.0}], [{"id": 0, "scale": 0.0}], [{"id": 0, "scale": 0.5}]])
+        get = [r for r in self.server.requests if r.path == "/lora-adapters" and r.method == "GET"]
+        self.assertEqual((len(get), get[0].body), (1, b""))
+        self.server.route("GET", "/lora-adapters", lambda req: respond_json(req, {"adapters": adapters}))
+        with self.assertRaises(lc.ProtocolError):
+            run_with_timeout(self.client.lora_adapters)
+        for bad in ({"id": 0, "scale": 1.0}, "x", [0], [{"id": 0}, 1], 5):
+            with self.subTest(bad=bad), self.assertRaises(TypeError):
+                self.client.set_lora_adapters(bad)
+        self.assertEqual(len(posted), 3)  # nothing was sent for the mistakes
+
+    # -- what every endpoint shares with chat ---------------------------------------------------------------
+
+    def test_stream_forms_iterate_and_keep_the_completion(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                self.serve(endpoint, name)
+                with open_stream(self.client, endpoint, *args, slot=1) as stream:
+                    self.assertIsNone(stream.completion)
+                    events = run_with_timeout(lambda: list(stream))
+                self.assertEqual("".join(e.text for e in events), text)
+                self.assertTrue(all(type(e) is lc.Content for e in events), events)
+                self.assertEqual(stream.completion.content, text)
+                self.assertIsNotNone(stream.completion.final)
+                self.assertEqual(self.sent(_E_PATHS[endpoint])[-1].json()["id_slot"], 1)
+
+    def test_raw_chunks_come_before_their_events_and_stay_out_of_the_body(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                raw = self.serve(endpoint, name)
+                completion, events = self.call(endpoint, *args, raw_chunks=True)
+                self.assertNotIn("raw_chunks", self.sent(_E_PATHS[endpoint])[-1].json())
+                chunks = [e.data for e in events if type(e) is lc.Chunk]
+                self.assertEqual(chunks, [d for d in _p_data_docs(raw) if d is not None])
+                for i, event in enumerate(events):
+                    if type(event) is lc.Content:
+                        self.assertIs(type(events[i - 1]), lc.Chunk)  # one text delta per payload here
+                self.assertEqual(completion.content, text)
+
+    def test_the_closing_event_ends_the_response_without_the_last_chunk(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                raw = load_transcript(name)
+                self.assertTrue(raw.endswith(b"\r\n0\r\n\r\n"))
+
+                cut = raw[: -len(b"0\r\n\r\n")]
+
+                def handler(req, cut=cut):
+                    req.send(cut)
+                    req.wait_peer_close(3)  # never sends the 0 chunk: the client must not wait for it
+
+                self.server.route("POST", _E_PATHS[endpoint], handler)
+                t = Timer()
+                completion, _ = self.call(endpoint, *args)
+                self.assertLess(t.elapsed, 1.0)
+                self.assertEqual(completion.content, text)
+                self.assertTrue(self.sent(_E_PATHS[endpoint])[-1].closed_by_peer.wait(1))
+
+    def test_a_stream_cut_before_its_closing_event_is_stream_closed(self):
+        for endpoint, (args, name, _) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                cut = first_chunk(load_transcript(name)) + b"0\r\n\r\n"
+                self.server.route("POST", _E_PATHS[endpoint], lambda req, cut=cut: req.send(cut))
+                with self.assertRaises(lc.StreamClosedError):
+                    self.call(endpoint, *args)
+
+    def test_busy_slot_is_waited_out_then_streams(self):
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                raw = load_transcript(name)
+                release = threading.Event()
+                self.server.busy[0] = True
+
+                def handler(req, raw=raw, release=release):
+                    while not release.is_set():  # the slot is busy: no byte until it frees
+                        if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                            return
+                    req.send(raw)
+
+                self.server.route("POST", _E_PATHS[endpoint], handler)
+                events = []
+
+                def on_event(ev, events=events, release=release):
+                    events.append(ev)
+                    if events.count(lc.Waiting(True)) == 2:
+                        self.server.busy[0] = False
+                        release.set()
+
+                completion = run_with_timeout(lambda: getattr(self.client, endpoint)(*args, slot=0, on_event=on_event))
+                self.assertEqual(events[:2], [lc.Waiting(True)] * 2)
+                self.assertEqual("".join(e.text for e in events[2:]), text)
+                self.assertEqual(completion.content, text)
+                self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 1)
+
+    def test_cancel_mid_stream_frees_the_permit(self):
+        for endpoint, (args, name, _) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                cut = first_chunk(load_transcript(name))
+
+                def handler(req, cut=cut):
+                    req.send(cut)
+                    req.wait_peer_close(5)
+
+                self.server.route("POST", _E_PATHS[endpoint], handler)
+                stream = open_stream(self.client, endpoint, *args, slot=0)
+                first = run_with_timeout(lambda: next(stream))
+                self.assertIsInstance(first, lc.Content)
+                self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
+                stream.cancel()  # nobody is iterating: cleanup happens here
+                self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+                self.assertTrue(self.sent(_E_PATHS[endpoint])[-1].closed_by_peer.wait(1))
+                with self.assertRaises(lc.CancelledError):
+                    run_with_timeout(lambda: next(stream))
+
+    def test_cancel_while_sizing_the_pool_never_enters_the_gate(self):
+        self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))  # slot=None asks /props first
+        stream = open_stream(self.client, "complete", "The sky is")
+        outcome, done = [], threading.Event()
+
+        def run():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        wait_for(lambda: any(r.path == "/props" for r in self.server.requests), what="the /props request")
+        t = Timer()
+        stream.cancel()
+        self.assertTrue(done.wait(1.0))
+        self.assertLess(t.elapsed, 0.2)
+        self.assertEqual(len(outcome), 1)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertNotIn((None, None), self.client._board.gate.snapshot())
+        self.assertEqual(self.sent("/completion"), [])
+
+    def test_midstream_errors_are_server_errors_and_not_replayed(self):
+        grammar_error = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        cases = [
+            (
+                "complete",
+                ("x",),
+                "47_completion_midstream_error.raw.txt",
+                [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]],
+                grammar_error,
+            ),
+            (
+                "infill",
+                ("x", "y"),
+                "38_infill_midstream_error.raw.txt",
+                [lc.Content(w) for w in ["<", "think", ">", "def", " add", "b", "to", "a"]],
+                grammar_error,
+            ),
+            (
+                "respond",
+                ("x",),
+                "54_responses_midstream_error.raw.txt",
+                [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]],
+                grammar_error,
+            ),
+            (
+                "message",
+                (_E_SEA,),
+                "67_messages_midstream_error.raw.txt",
+                [lc.ToolCall(0, "4c86UqKUxfxdFUmDpiUFmMy1DLkXLCXN", "get_weather", "")]
+                + [lc.ToolCall(0, None, None, f) for f in ["{", '"', "city", '":', ' "', "Paris", '"}']],
+                "The model produced output that does not match the expected peg-native format",
+            ),
+        ]
+        for endpoint, args, name, expect, message in cases:
+            with self.subTest(endpoint=endpoint):
+                self.serve(endpoint, name)
+                events = []
+                with self.assertRaises(lc.ServerError) as cm:
+                    run_with_timeout(lambda: getattr(self.client, endpoint)(*args, slot=0, on_event=events.append))
+                self.assertEqual(
+                    (cm.exception.code, cm.exception.message, cm.exception.type), (500, message, "server_error")
+                )
+                self.assertEqual(events, expect)
+                self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 1)
+
+    def test_an_error_before_delivery_is_retried(self):
+        overloaded = (
+            b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
+        )
+        unavailable = b'data: {"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}\n\n'
+        for endpoint, (args, name, text) in _E_CASES.items():
+            with self.subTest(endpoint=endpoint):
+                answers = [
+                    STREAM_HEAD + chunked(overloaded if endpoint == "message" else unavailable) + b"0\r\n\r\n",
+                    load_transcript(name),
+                ]
+                self.server.route("POST", _E_PATHS[endpoint], lambda req, answers=answers: req.send(answers.pop(0)))
+                completion, events = self.call(endpoint, *args, slot=0)
+                self.assertIsInstance(events[0], lc.Retrying)
+                self.assertIn("Overloaded" if endpoint == "message" else "Loading model", events[0].reason)
+                self.assertEqual(completion.content, text)
+                self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 2)
+
+    def test_thinking_cap_is_value_error_before_sending_on_respond_and_message(self):
+        client = self.client_with(thinking_cap=3)
+        for endpoint, args in (("respond", ("x",)), ("message", (_E_SEA,))):
+            with self.subTest(endpoint=endpoint):
+                for make in (
+                    lambda: open_stream(client, endpoint, *args),
+                    lambda: run_with_timeout(lambda: getattr(client, endpoint)(*args, slot=0, max_tokens=4)),
+                ):
+                    with self.assertRaises(ValueError) as cm:
+                        make()
+                    self.assertIn(_E_PATHS[endpoint], str(cm.exception))
+                    self.assertIn("thinking_cap", str(cm.exception))
+        self.assertEqual(self.server.requests, [])  # not even /props or /slots
+        # on /completion and /infill the cap has nothing to cap: the request goes as it is
+        for endpoint in ("complete", "infill"):
+            args, name, text = _E_CASES[endpoint]
+            self.serve(endpoint, name)
+            completion, events = self.call(endpoint, *args, client=client)
+            self.assertEqual((completion.content, completion.thinking_capped), (text, False))
+            self.assertNotIn("reasoning_control", self.sent(_E_PATHS[endpoint])[0].json())
+        self.assertEqual(self.sent("/v1/chat/completions/control"), [])
+
+    def test_mistakes_are_raised_before_sending(self):
+        cases = [
+            (TypeError, "complete", (5,), {}),
+            (ValueError, "complete", ([],), {}),
+            (TypeError, "complete", ("x",), {"prompt": "y"}),
+            (TypeError, "infill", (b"x",), {}),
+            (TypeError, "infill", ("x",), {"extra": "util.py"}),
+            (ValueError, "infill", ("x",), {"extra": [("a.py",)]}),
+            (TypeError, "infill", ("x",), {"input_extra": []}),
+            (ValueError, "respond", ([],), {}),
+            (TypeError, "respond", (["x"],), {}),
+            (ValueError, "message", ([],), {}),
+            (TypeError, "message", ("hi",), {}),
+            (ValueError, "message", (_E_SEA,), {"slot": -1}),
+            (TypeError, "complete", ("x",), {"slot": True}),
+        ]
+        for error, endpoint, args, kw in cases:
+            with self.subTest(endpoint=endpoint, args=args, kw=kw), self.assertRaises(error):
+                open_stream(self.client, endpoint, *args, **kw)
+        self.assertEqual(self.server.requests, [])
+
+
+class TestEndpointsAsync(AsyncDriver, TestEndpoints):
+    pass
+
+
+# -----------------------------------------------------------------------------------------------------
 # The rest of the server API, HTTPS and path prefixes: every single-shot call goes through one request
 # path, so each is checked for its exact request, its decoded answer and every error class of that path
 # -----------------------------------------------------------------------------------------------------
@@ -10933,6 +11672,202 @@ class TestCommandLineWithoutSSL(CLICase):
             self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
 
 
+class TestCommandLineEndpoints(CLICase):
+    """``complete`` and ``infill``: /completion and /infill through ``main(argv)``, on captured bytes."""
+
+    def serve(self, path, name):
+        raw = load_transcript(name)
+        self.server.route("POST", path, lambda req: req.send(raw))
+
+    def bodies(self, path):
+        return [r.json() for r in self.server.requests if r.path == path]
+
+    def text_file(self, name, text):
+        path = os.path.join(self.server.tmp, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
+    def test_complete_streams_the_text_to_stdout_and_figures_to_stderr(self):
+        self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
+        out, err = self.main_ok("complete", "The sky is", "--max-tokens", "8", "--temperature", "0", "--slot", "1")
+        self.assertEqual(out, " the limit for the 201\n")
+        self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 20\.2 tokens/s, finish: length\]\n$")
+        self.assertEqual(
+            self.bodies("/completion"),
+            [
+                {
+                    "prompt": "The sky is",
+                    "n_predict": 8,  # --max-tokens, in /completion's own name
+                    "temperature": 0.0,
+                    "return_progress": True,
+                    "stream": True,
+                    "id_slot": 1,
+                }
+            ],
+        )
+
+    def test_complete_reads_a_piped_prompt_and_shows_progress(self):
+        self.serve("/completion", "41_completion_stream_progress.raw.txt")
+        out, err = self.main_ok("complete", stdin="The sky is")
+        self.assertEqual(out, " the limit for the 201\n")
+        lines = err.splitlines()
+        self.assertEqual(lines[:-1], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertRegex(lines[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$")
+        self.assertEqual(
+            self.bodies("/completion"), [{"prompt": "The sky is", "return_progress": True, "stream": True}]
+        )
+
+    def test_complete_json(self):
+        self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
+        out, err = self.main_ok("complete", "The sky is", "--json", "--param", "return_tokens=true")
+        self.assertEqual(err, "")
+        doc = json.loads(out)
+        self.assertEqual((doc["content"], doc["finish_reason"], doc["id"]), (" the limit for the 201", "length", None))
+        self.assertEqual(doc["tokens"], _p_SKY_TOKENS)
+        self.assertEqual(doc["final"]["stop_type"], "limit")
+        self.assertEqual(
+            (doc["usage"]["prompt_tokens"], doc["usage"]["completion_tokens"], doc["usage"]["total_tokens"]), (4, 8, 12)
+        )
+        self.assertEqual(len(doc["choices"][0]["logprobs"]), 8)
+        self.assertIs(self.bodies("/completion")[0]["return_tokens"], True)
+
+    def test_complete_answer_options_shape_the_body(self):
+        self.serve("/completion", "46_completion_stream_stop_word.raw.txt")
+        out, err = self.main_ok(
+            "complete",
+            "The sky is",
+            "--stop",
+            " the",
+            "--ignore-eos",
+            "--max-tokens",
+            "16",
+            "--param",
+            "n_probs=2",
+            "--param",
+            'lora=[{"id": 0, "scale": 1.0}]',
+        )
+        self.assertEqual(out, "\n")  # the stop word held back: no text at all
+        self.assertTrue(err.endswith("finish: stop]\n"), err)
+        self.assertEqual(
+            self.bodies("/completion")[0],
+            {
+                "prompt": "The sky is",
+                "stop": [" the"],
+                "ignore_eos": True,
+                "n_predict": 16,
+                "n_probs": 2,
+                "lora": [{"id": 0, "scale": 1.0}],
+                "return_progress": True,
+                "stream": True,
+            },
+        )
+
+    def test_param_n_predict_wins_over_max_tokens(self):
+        """--param is applied last (its help says so), and n_predict is what --max-tokens becomes."""
+        self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
+        self.main_ok("complete", "x", "--max-tokens", "8", "--param", "n_predict=3")
+        self.main_ok("complete", "x", "--param", "max_tokens=5")
+        self.main_ok("complete", "x", "--max-tokens", "8", "--param", "max_tokens=5")
+        self.assertEqual([b["n_predict"] for b in self.bodies("/completion")], [3, 5, 5])
+        self.assertTrue(all("max_tokens" not in b for b in self.bodies("/completion")))
+
+    def test_infill_reads_prefix_and_suffix_files(self):
+        self.serve("/infill", "48_infill_stream.raw.txt")
+        prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
+        suffix = self.text_file("suffix.py", "\n    return c\n")
+        out, err = self.main_ok("infill", "--prefix", prefix, "--suffix", suffix, "--max-tokens", "8", "--slot", "0")
+        self.assertEqual(out, "\n    " * 4 + "\n")
+        self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 13\.2 tokens/s, finish: length\]\n$")
+        self.assertEqual(
+            self.bodies("/infill"),
+            [
+                {
+                    "input_prefix": "def add(a, b):\n    ",
+                    "input_suffix": "\n    return c\n",
+                    "n_predict": 8,
+                    "return_progress": True,
+                    "stream": True,
+                    "id_slot": 0,
+                }
+            ],
+        )
+
+    def test_infill_reads_stdin_for_dash(self):
+        self.serve("/infill", "48_infill_stream.raw.txt")
+        out, _ = self.main_ok("infill", "--prefix", "-", stdin="def add(a, b):\n    ")
+        self.assertEqual(out, "\n    " * 4 + "\n")
+        suffix_first = self.text_file("prefix.py", "def add(a, b):\n    ")
+        out, _ = self.main_ok("infill", "--prefix", suffix_first, "--suffix", "-", "--json", stdin="\n    return c\n")
+        self.assertEqual(json.loads(out)["tokens"], [107, 140] * 4)
+        self.assertEqual(
+            [(b["input_prefix"], b["input_suffix"]) for b in self.bodies("/infill")],
+            [("def add(a, b):\n    ", ""), ("def add(a, b):\n    ", "\n    return c\n")],
+        )
+
+    def test_infill_extra_files_through_param(self):
+        self.serve("/infill", "48_infill_stream.raw.txt")
+        prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
+        self.main_ok(
+            "infill",
+            "--prefix",
+            prefix,
+            "--param",
+            'input_extra=[{"filename": "util.py", "text": "def sub(): pass\\n"}]',
+        )
+        self.assertEqual(
+            self.bodies("/infill")[0]["input_extra"], [{"filename": "util.py", "text": "def sub(): pass\n"}]
+        )
+
+    def test_infill_on_a_model_without_fim_tokens_is_one_line(self):
+        self.serve("/infill", "49_infill_not_supported.raw.txt")
+        prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
+        line = self.main_fails("infill", "--prefix", prefix)
+        self.assertIn("HTTP 501: Infill is not supported by this model: prefix token is missing.", line)
+        self.assertEqual(len(self.bodies("/infill")), 1)
+
+    def test_usage_errors_exit_2_and_send_nothing(self):
+        prefix = self.text_file("prefix.py", "x")
+        cases = [
+            (["infill"], "loopclient infill: error: the following arguments are required: --prefix"),
+            (
+                ["infill", "--prefix", self.server.tmp + "/missing.py"],
+                "loopclient: error: cannot read %s/missing.py: No such file or directory" % self.server.tmp,
+            ),
+            (
+                ["infill", "--prefix", prefix, "--suffix", self.server.tmp],
+                "loopclient: error: cannot read %s: Is a directory" % self.server.tmp,
+            ),
+            (
+                ["complete", "x", "--param", "prompt=y"],
+                "loopclient: error: --param prompt: loopclient sets prompt itself",
+            ),
+            (
+                ["infill", "--prefix", prefix, "--param", "input_prefix=y"],
+                "loopclient: error: --param input_prefix: loopclient sets input_prefix itself",
+            ),
+            (
+                ["infill", "--prefix", prefix, "--param", "input_suffix=y"],
+                "loopclient: error: --param input_suffix: loopclient sets input_suffix itself",
+            ),
+            (
+                ["complete", "x", "--param", "stream=false"],
+                "loopclient: error: --param stream: loopclient sets stream itself",
+            ),
+            (["complete", "x", "--slot", "-1"], "loopclient: error: slot must not be negative"),
+            (
+                ["infill", "--prefix", prefix, "--param", 'input_extra={"a": 1}'],
+                "loopclient: error: extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
+            ),
+        ]
+        for argv, line in cases:
+            with self.subTest(argv=argv):
+                code, out, err = self.run_main(["--socket", self.server.path] + argv)
+                self.assertEqual((code, out, err.splitlines()[-1]), (2, "", line), err)
+                self.assertNotIn("Traceback", err)
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], [])
+
+
 class RealTierSummary(unittest.TestSuite):
     """This module's tests, as ``load_tests`` hands them to unittest.  When real-server tests (classes named
     ``TestReal*``) were skipped, one line on stderr at exit, after unittest's own summary, says how many and
@@ -11669,3 +12604,289 @@ class TestRealWedge(unittest.TestCase):
         self.assertGreaterEqual(err.seconds, limits.wedge_wait)
         self.assertEqual(events[-1], lc.Waiting(True, wedged=True))
         self.assertIn("task %d" % task, str(err))
+
+
+# -----------------------------------------------------------------------------------------------------
+# The real server's other endpoints: /completion, /infill, /v1/responses, /v1/messages, count_tokens, LoRA
+# -----------------------------------------------------------------------------------------------------
+
+
+#: `dev/llama-server.sh start-fim`'s socket: the fill-in-the-middle model with the test LoRA adapter at 0
+REAL_FIM = os.environ.get("LOOPCLIENT_REAL_FIM")
+
+
+SKIP_FIM = "no fill-in-the-middle server: run dev/llama-server.sh start-fim and set LOOPCLIENT_REAL_FIM (.ci/run does)"
+
+
+#: The captures' infill (48): a function with its body missing, and a file beside it
+FIM_PREFIX, FIM_SUFFIX = "def add(a, b):\n    ", "\n    return c\n"
+
+
+FIM_EXTRA = [("util.py", "def sub(a, b):\n    return a - b\n")]
+
+
+WEATHER_TOOL_RESPONSES = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Get weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealEndpoints(ClientFactory, unittest.TestCase):
+    """complete, infill, respond and message on the real server (and the FIM server for infill and LoRA),
+    at temperature 0 so that answers compare exactly; short answers, generous timeouts."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def fim(self):
+        client = self.new_client(REAL_FIM, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        _idle(client)
+        return client
+
+    def run_call(self, endpoint, *args, client=None, timeout=120, **kw):
+        events = []
+        method = getattr(client or self.client, endpoint)
+        completion = run_with_timeout(lambda: method(*args, on_event=events.append, **kw), timeout)
+        return completion, events
+
+    def text_of(self, events, choice=0):
+        return "".join(e.text for e in events if isinstance(e, lc.Content) and e.choice == choice)
+
+    def test_complete_equals_the_unstreamed_answer(self):
+        body = {"prompt": "The sky is", "n_predict": 8, "temperature": 0}
+        plain = self.client.request("POST", "/completion", body)
+        completion, events = self.run_call("complete", "The sky is", n_predict=8, temperature=0)
+        self.assertEqual(completion.content, plain["content"])
+        self.assertEqual(self.text_of(events), plain["content"])
+        self.assertEqual((completion.finish_reason, completion.final["stop_type"]), ("length", plain["stop_type"]))
+        self.assertEqual(completion.usage["completion_tokens"], plain["tokens_predicted"])
+        self.assertEqual(completion.usage["prompt_tokens"], plain["tokens_evaluated"])
+        self.assertIsNone(completion.id)
+        self.assertTrue(completion.final["stop"])
+        self.assertIsNotNone(completion.timings)
+        # with return_tokens and n_probs, on slot 0: the same ids, and one log-probability entry per token
+        extra = {"return_tokens": True, "n_probs": 2}
+        plain = self.client.request("POST", "/completion", dict(body, id_slot=0, **extra))
+        completion, _ = self.run_call("complete", "The sky is", slot=0, n_predict=8, temperature=0, **extra)
+        self.assertEqual(completion.content, plain["content"])
+        self.assertEqual(completion.tokens, plain["tokens"])
+        self.assertEqual(len(completion.tokens), 8)
+        self.assertEqual(completion.final["id_slot"], 0)
+        entries = completion.logprobs
+        self.assertEqual(len(entries), len(completion.tokens))
+        self.assertEqual([e["id"] for e in entries], completion.tokens)
+        self.assertEqual("".join(e["token"] for e in entries), completion.content)
+        self.assertTrue(all(len(e["top_logprobs"]) == 2 for e in entries))
+
+    def test_a_token_id_prompt(self):
+        ids = self.client.tokenize("The sky is", add_special=True)  # with the BOS the model needs
+        text, _ = self.run_call("complete", "The sky is", n_predict=8, temperature=0)
+        completion, _ = self.run_call("complete", ids, n_predict=8, temperature=0, return_tokens=True)
+        self.assertEqual(completion.content, text.content)
+        self.assertEqual(completion.usage["prompt_tokens"], len(ids))
+
+    def test_two_prompts_give_two_choices(self):
+        prompts = ["The sky is", "The grass is"]
+        singles = [self.run_call("complete", p, n_predict=8, temperature=0)[0].content for p in prompts]
+        completion, events = self.run_call("complete", prompts, n_predict=8, temperature=0)
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        self.assertEqual([c.content for c in completion.choices], singles)
+        self.assertEqual([self.text_of(events, i) for i in (0, 1)], singles)
+        self.assertEqual([c.finish_reason for c in completion.choices], ["length", "length"])
+        self.assertEqual(completion.usage["completion_tokens"], 16)
+
+    def test_busy_slot_is_waited_out(self):
+        other = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(other.close)
+        started, results = threading.Event(), {}
+
+        def first():
+            def on_event(ev):
+                if isinstance(ev, lc.Content):
+                    started.set()
+
+            results["first"] = other.complete(
+                "The sky is", slot=0, on_event=on_event, n_predict=150, ignore_eos=True, temperature=0
+            )
+            results["first_done"] = time.monotonic()
+
+        thread = threading.Thread(target=first, daemon=True)
+        thread.start()
+        self.assertTrue(started.wait(60))
+        completion, events = self.run_call("complete", "The grass is", slot=0, n_predict=8, temperature=0)
+        done = time.monotonic()
+        thread.join(120)
+        self.assertEqual(events[0], lc.Waiting(True))
+        self.assertGreaterEqual(done, results["first_done"])
+        self.assertEqual(results["first"].usage["completion_tokens"], 150)
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+
+    def test_cancel_frees_the_slot_within_a_second(self):
+        stream = open_stream(self.client, "complete", "The sky is", slot=1, n_predict=500, ignore_eos=True)
+        got, outcome = threading.Event(), []
+
+        def run():
+            try:
+                for ev in stream:
+                    if isinstance(ev, lc.Content):
+                        got.set()
+            except lc.CancelledError as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self.assertTrue(got.wait(60))
+        self.assertTrue(self.client.slots()[1].is_processing)
+        t = Timer()
+        stream.cancel()
+        thread.join(1)
+        self.assertIsInstance(outcome[0], lc.CancelledError)
+        self.assertLess(t.elapsed, 0.2)
+        wait_for(lambda: not self.client.slots()[1].is_processing, 1.0 - t.elapsed, "slot 1 to go idle")
+
+    def test_message_and_respond_give_chat_text_and_token_count(self):
+        chat, _ = self.run_call("chat", _E_SEA, slot=0, max_tokens=16, temperature=0)
+        message, events = self.run_call("message", _E_SEA, max_tokens=16, temperature=0)
+        respond, _ = self.run_call("respond", _E_SEA[0]["content"], slot=0, max_output_tokens=16, temperature=0)
+        self.assertEqual(message.content, chat.content)
+        self.assertEqual(respond.content, chat.content)
+        self.assertEqual(self.text_of(events), chat.content)
+        counts = [c.usage["completion_tokens"] for c in (chat, message, respond)]
+        self.assertEqual(counts, [16, 16, 16])
+        self.assertEqual(message.usage["prompt_tokens"], chat.usage["prompt_tokens"])
+        self.assertEqual(respond.usage["prompt_tokens"], chat.usage["prompt_tokens"])
+        self.assertEqual((chat.finish_reason, message.finish_reason), ("length", "length"))
+        # Responses says completed even at max_output_tokens: only the count tells
+        self.assertEqual((respond.finish_reason, respond.final["status"]), ("stop", "completed"))
+        self.assertTrue(respond.id.startswith("resp_"))
+        self.assertTrue(message.id.startswith("chatcmpl-"))
+
+    def test_respond_reasoning_by_grammar(self):
+        completion, events = self.run_call(
+            "respond",
+            QUESTION[0]["content"],
+            slot=0,
+            max_output_tokens=150,
+            temperature=0,
+            grammar=grammar(self.client, "1,300"),
+        )
+        reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
+        self.assertGreater(len(reasoning), 3)
+        self.assertEqual(completion.reasoning, "".join(e.text for e in reasoning))
+        self.assertEqual(completion.reasoning_tokens, len(reasoning))
+        self.assertEqual(completion.content, "the answer is yes")
+        first_content = next(i for i, e in enumerate(events) if isinstance(e, lc.Content))
+        self.assertTrue(all(isinstance(e, lc.Reasoning) for e in events[:first_content]))
+        self.assertEqual([item["type"] for item in completion.final["output"]], ["reasoning", "message"])
+
+    def test_respond_tool_call_with_whole_arguments(self):
+        completion, events = self.run_call(
+            "respond",
+            "What is the weather in Paris?",
+            slot=0,
+            max_output_tokens=60,
+            temperature=0,
+            tools=WEATHER_TOOL_RESPONSES,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            logit_bias=[['{"name": "', 10]],
+        )
+        calls = [e for e in events if isinstance(e, lc.ToolCall)]
+        self.assertEqual((calls[0].index, calls[0].name), (0, "get_weather"))
+        self.assertTrue(calls[0].id.startswith("call_"), calls[0])
+        self.assertEqual(len(completion.tool_calls), 1)
+        call = completion.tool_calls[0]
+        self.assertEqual((call.id, call.name), (calls[0].id, "get_weather"))
+        self.assertEqual(call.arguments, "".join(e.arguments for e in calls))
+        self.assertIsInstance(json.loads(call.arguments)["city"], str)
+        self.assertEqual(completion.finish_reason, "tool_calls")
+
+    def test_count_message_tokens_equals_the_prompt_tokens_of_message(self):
+        msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+        completion, _ = self.run_call("message", msgs, max_tokens=4, temperature=0)
+        self.assertEqual(self.client.count_message_tokens(msgs), completion.usage["prompt_tokens"])
+        system = "You answer in one word."
+        completion, _ = self.run_call("message", msgs, max_tokens=4, temperature=0, system=system)
+        self.assertEqual(self.client.count_message_tokens(msgs, system=system), completion.usage["prompt_tokens"])
+
+    def test_thinking_cap_is_value_error_on_respond_and_message(self):
+        client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS.replace(thinking_cap=3))
+        self.addCleanup(client.close)
+        with self.assertRaises(ValueError):
+            run_with_timeout(lambda: client.respond(QUESTION[0]["content"], slot=0, max_output_tokens=8), 30)
+        with self.assertRaises(ValueError):
+            run_with_timeout(lambda: client.message(QUESTION, max_tokens=8), 30)
+        completion, _ = self.run_call("complete", "The sky is", client=client, slot=0, n_predict=4, temperature=0)
+        self.assertEqual((completion.usage["completion_tokens"], completion.thinking_capped), (4, False))
+
+    def test_infill_without_fim_tokens_is_501(self):
+        with self.assertRaises(lc.HTTPStatusError) as cm:
+            self.run_call("infill", FIM_PREFIX, FIM_SUFFIX, slot=0, n_predict=8)
+        self.assertEqual(cm.exception.status, 501)
+        self.assertTrue(cm.exception.message.startswith("Infill is not supported by this model:"), cm.exception.message)
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_infill_streams_a_middle(self):
+        fim = self.fim()
+        params = {"n_predict": 8, "temperature": 0}
+        completion, events = self.run_call(
+            "infill", FIM_PREFIX, FIM_SUFFIX, client=fim, extra=FIM_EXTRA, slot=0, **params
+        )
+        body = dict(params, input_prefix=FIM_PREFIX, input_suffix=FIM_SUFFIX, id_slot=0)
+        body["input_extra"] = [{"filename": name, "text": text} for name, text in FIM_EXTRA]
+        plain = fim.request("POST", "/infill", body)
+        self.assertEqual(completion.content, plain["content"])
+        self.assertEqual(self.text_of(events), plain["content"])
+        self.assertTrue(completion.content)
+        self.assertEqual((completion.usage["completion_tokens"], completion.finish_reason), (8, "length"))
+        # the FIM tokens (7, 8, 9) around prefix and suffix: the model's own template, not ours
+        self.assertIn("<unused1>" + FIM_PREFIX + "<unused2>" + FIM_SUFFIX + "<unused3>", completion.final["prompt"])
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_lora_adapters_list_the_adapter_at_scale_0(self):
+        adapters = self.fim().lora_adapters()
+        self.assertEqual([(a["id"], a["scale"]) for a in adapters], [(0, 0.0)])
+        self.assertTrue(adapters[0]["path"].endswith("lora-test-r4.gguf"), adapters)
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_a_request_lora_changes_the_text(self):
+        fim = self.fim()
+        params = {"n_predict": 8, "temperature": 0}
+        base, _ = self.run_call("complete", "The sky is", client=fim, **params)
+        scaled, _ = self.run_call("complete", "The sky is", client=fim, lora=[{"id": 0, "scale": 1.0}], **params)
+        zero, _ = self.run_call("complete", "The sky is", client=fim, lora=[{"id": 0, "scale": 0.0}], **params)
+        self.assertNotEqual(scaled.content, base.content)
+        self.assertEqual(zero.content, base.content)
+        self.assertEqual(scaled.usage["completion_tokens"], 8)
+
+    @unittest.skipUnless(REAL_FIM, SKIP_FIM)
+    def test_set_lora_adapters_changes_the_default_and_back(self):
+        fim = self.fim()
+        params = {"n_predict": 8, "temperature": 0}
+        base, _ = self.run_call("complete", "The sky is", client=fim, **params)
+        scaled, _ = self.run_call("complete", "The sky is", client=fim, lora=[{"id": 0, "scale": 1.0}], **params)
+        try:
+            self.assertEqual(fim.set_lora_adapters([{"id": 0, "scale": 1.0}]), {"success": True})
+            self.assertEqual(fim.lora_adapters()[0]["scale"], 1.0)
+            default, _ = self.run_call("complete", "The sky is", client=fim, **params)
+            self.assertEqual(default.content, scaled.content)
+            self.assertEqual(fim.set_lora_adapters([{"id": 0, "scale": 0.0}]), {"success": True})
+            self.assertEqual(fim.lora_adapters()[0]["scale"], 0.0)
+            restored, _ = self.run_call("complete", "The sky is", client=fim, **params)
+            self.assertEqual(restored.content, base.content)
+        finally:  # the server is shared: its default goes back to scale 0 whatever happened
+            with lc.Client(REAL_FIM, limits=REAL_LIMITS) as restore:
+                restore.set_lora_adapters([{"id": 0, "scale": 0.0}])
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealEndpointsAsync(AsyncDriver, TestRealEndpoints):
+    """The same on AsyncClient."""

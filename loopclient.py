@@ -6364,6 +6364,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LoopError as exc:
         sys.stderr.write(_describe(exc) + "\n")
         return 1
+    except (ValueError, TypeError) as exc:  # a call refused what the options made of it (--slot -1, --param)
+        sys.stderr.write("loopclient: error: %s\n" % exc)
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("\nloopclient: interrupted\n")
         return 130

@@ -6383,7 +6383,7 @@ class TestKeepAliveFork(unittest.TestCase):
                 self.fail("the child did not finish")
             self.assertEqual(os.read(read, 10), b"ok")
             os.close(read)
-            self.assertEqual(os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status, 0)
+            self.assertTrue(os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status)
             self.assertEqual(server.connections, 2)  # the child's own
             run_with_timeout(lambda: client.tokenize("x"))
             self.assertEqual(server.connections, 2)  # the parent's kept connection still serves it
@@ -11198,6 +11198,9 @@ class TestCommandLine(CLICase):
             code, out, err = self.run_main(argv)
             self.assertEqual(code, 2, argv)
             self.assertNotIn("Traceback", err)
+        code, out, err = self.run_main(["chat", "hi", "--slot", "-1"])  # refused by the call, not argparse
+        self.assertEqual((code, out, err), (2, "", "loopclient: error: slot must not be negative\n"))
+        self.assertEqual(self.server.chat_requests(), [])
         code, out, _ = self.run_main(["--version"])
         self.assertEqual((code, out), (0, "loopclient %s\n" % lc.__version__))
 

@@ -4265,8 +4265,8 @@ class _Calls:
         except BaseException as exc:
             if req.conversation is not None:
                 yield from self._forget(run, req.conversation)
-            if isinstance(exc, LoopError) and run.cancelled:
-                raise _cancelled() from None
+            if isinstance(exc, LoopError) and run.cancelled and type(exc) is not BusyError:
+                raise _cancelled() from None  # what the cancel caused (a refusal is the gate's own answer)
             raise
         finally:
             run.close_all()

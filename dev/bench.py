@@ -373,9 +373,12 @@ def raw_get(path, target):
 
 def request_bytes(client, slot):
     """The exact bytes loopclient sends for MSGS on ``slot`` (built by loopclient itself)."""
-    stream = client.stream(MSGS, slot=slot)
-    data = getattr(stream, "_request", None)
-    if not isinstance(data, bytes):  # private attribute renamed: build an equivalent request
+    calls = getattr(client, "_calls", None)
+    if hasattr(calls, "chat_request"):  # the request logic apart from the client (plans and drivers)
+        data = calls.chat_request(MSGS, slot, {}).request
+    else:
+        data = getattr(client.stream(MSGS, slot=slot), "_request", None)
+    if not isinstance(data, bytes):  # private names changed: build an equivalent request
         body = json.dumps(
             {"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": slot}
         ).encode()
@@ -1673,16 +1676,22 @@ class _StubPump:
     ready = None
     events = []
 
-    def __init__(self, limits, raw_chunks=False):
+    def __init__(self, limits, raw_chunks=False, dialect=None):
         self.head = None
         self.failed = self.cap_due = self.outcome = None
-        self.progressed = False
+        self.progressed = self.delivered = self.streaming = False
+        self.received = self.boundary = 0
 
     def feed(self, data):
-        self.head = self.ready.head
-        self.outcome = self.ready.outcome
-        self.progressed = True
+        ready = self.ready
+        self.head = ready.head
+        self.outcome = ready.outcome
+        self.received, self.boundary = ready.received, ready.boundary
+        self.progressed = self.delivered = True
         return list(self.events)
+
+    def feed_eof(self):
+        return []
 
 
 class _Stubbed:
@@ -1718,6 +1727,7 @@ def request_cost_items(path):
     response = short_response()
     client = lc.Client(path)
     board = client._board
+    calls = client._calls
     limits = client.limits
     request = request_bytes(client, 0)
     noio = _NoIO(response)
@@ -1735,8 +1745,9 @@ def request_cost_items(path):
     body = {"messages": MSGS, "stream": True, "stream_options": {"include_usage": True}, "id_slot": 0}
     payload = json.dumps(body, allow_nan=False).encode("utf-8")
     headers = [("Accept", "text/event-stream"), ("Content-Type", "application/json"), ("Connection", "close")]
-    headers += client._headers
-    stream = lc.ChatStream(board, request, 0, None, False)
+    headers += calls._headers
+    run = lc._SyncRun(board)
+    stream_req = calls.chat_request(MSGS, 0, {})
     head_block = response[: response.index(b"\r\n\r\n")]
     chunked = response[response.index(b"\r\n\r\n") + 4 :]
     body_bytes = b"".join(lc.ResponseReader().feed(response))
@@ -1744,14 +1755,14 @@ def request_cost_items(path):
     finished = lc.Assembler()
     for p in payloads:
         finished.feed(p)
-    addr = board.addr
+    addr = calls.addr
 
     def gate():
         board.gate.leave(board.gate.enter((None, 0), 1))
 
     def add_discard():
-        board.add(stream)
-        board.discard(stream)
+        board.add(run)
+        board.discard(run)
 
     def assemble():
         asm = lc.Assembler()
@@ -1764,19 +1775,20 @@ def request_cost_items(path):
             json.loads(p)
 
     def conn():
-        lc._Conn(addr, 1.0).close()
+        lc._Conn(addr, 1.0, None, run).close()
 
     def fake_sock():
         _FakeSock().close()
 
-    cs = lc.ChatStream
+    cs = lc.Stream
     return [
         ("TOTAL loopclient: figure 4's request, no I/O", "", lc_request, 1, noio),
         ("TOTAL floor: the same bytes, no I/O", "", floor_request, 1, noio),
         (
-            "the request's life around the parsing: generators, __next__ and its lock, the socket object, "
-            "clocks, cleanup (a stub pump hands over the events)",
-            "ChatStream.__next__ / _run / _attempts / _exchange (l. %d-%d)" % (_line(cs.__next__), _line(cs._exchange)),
+            "the request's life around the parsing: the plan's generators and the driver's step, __next__ and "
+            "its lock, the socket object, clocks, cleanup (a stub pump hands over the events)",
+            "Stream.__next__ (l. %d), _SyncRun.step (l. %d), _Calls.stream / _attempts / _attempt (l. %d-%d)"
+            % (_line(cs.__next__), _line(lc._SyncRun.step), _line(lc._Calls.stream), _line(lc._Calls._attempt)),
             lc_request,
             1,
             _Both(noio, _Stubbed()),
@@ -1790,13 +1802,13 @@ def request_cost_items(path):
         ),
         ("  (the no-I/O socket's own calls, subtracted above)", "", fake_sock, -1, noio),
         (
-            "  of which ChatStream() (threading.Lock, threading.Event, _Owner with its Lock)",
-            "ChatStream.__init__ (l. %d)" % _line(cs.__init__),
-            lambda: lc.ChatStream(board, request, 0, None, False),
+            "  of which Stream() (a _SyncRun: two Locks and a threading.Event; the plan's generator)",
+            "Stream.__init__ (l. %d), _SyncRun.__init__ (l. %d)" % (_line(cs.__init__), _line(lc._SyncRun.__init__)),
+            lambda: lc.Stream(board, stream_req),
             1,
             None,
         ),
-        ("    of which threading.Event() alone", "ChatStream.__init__", threading.Event, 1, None),
+        ("    of which threading.Event() alone", "_SyncRun.__init__", threading.Event, 1, None),
         (
             "  of which gate enter + leave, uncontended",
             "_Gate.enter / leave (l. %d, %d)" % (_line(lc._Gate.enter), _line(lc._Gate.leave)),
@@ -1814,14 +1826,14 @@ def request_cost_items(path):
         ),
         (
             "  of which stream(): body, checks, routing, json.dumps, encode_request",
-            "Client._chat_request (l. %d)" % _line(lc.Client._chat_request),
-            lambda: client._chat_request(MSGS, 0, {}),
+            "_Calls.chat_request (l. %d)" % _line(lc._Calls.chat_request),
+            lambda: calls.chat_request(MSGS, 0, {}),
             1,
             None,
         ),
         (
             "    of which json.dumps(body)",
-            "Client._encode (l. %d)" % _line(lc.Client._encode),
+            "_Calls._encode (l. %d)" % _line(lc._Calls._encode),
             lambda: json.dumps(body, allow_nan=False).encode("utf-8"),
             1,
             None,

@@ -36,6 +36,7 @@ import pathlib
 import pickle
 import pty
 import random
+import re
 import resource
 import select
 import shutil
@@ -10055,6 +10056,94 @@ class TestFaultFuzzRegressions(_f_Case):
 
 class TestFaultFuzzRegressionsAsync(AsyncDriver, TestFaultFuzzRegressions):
     pass
+
+
+# -- the two clients alike: one behaviour, compared outcome for outcome --------------------------------
+#
+# Client and AsyncClient drive one engine, so one call against one scripted server must come out the
+# same in both: the same events, the same Completion (==), the same error class and message.  What may
+# differ is only timing, which differs_between_clients() sets aside: the delay of a Retrying; a number in an
+# error message (seconds waited) within MARGIN; how many times in a row one Waiting is heard (one per
+# poll, so the two counts may differ by MARGIN / poll); and one last Retrying that one client fitted into
+# the end of a budget the other had spent (its delay, what was left, within MARGIN) before the same
+# budget error: asyncio's timers wake up to a millisecond late (epoll counts milliseconds), threads do not.
+# TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
+# client cases through both with the same rules.
+
+_D_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _d_event(event):
+    return event.replace(delay=0.0) if isinstance(event, lc.Retrying) else event
+
+
+def _d_runs(events):
+    """The events with what is timing set aside, as [event, n]: n equal Waiting events in a row, else 1."""
+    runs = []
+    for event in map(_d_event, events):
+        if runs and isinstance(event, lc.Waiting) and runs[-1][0] == event:
+            runs[-1][1] += 1
+        else:
+            runs.append([event, 1])
+    return runs
+
+
+def _d_message(text):
+    """The message with each number replaced by ``#``, and the numbers."""
+    return _D_NUMBER.sub("#", text), [float(n) for n in _D_NUMBER.findall(text)]
+
+
+def _d_text(value):
+    if isinstance(value, BaseException):
+        return "%s(%r)" % (type(value).__name__, str(value))
+    return repr(value)
+
+
+def differs_between_clients(sync, other, poll, margin=MARGIN):
+    """None when ``sync`` and ``other``, each ``(events, Completion or exception)`` of one call (from
+    Client and from AsyncClient), are alike but for timing (see above); else what differs, as
+    ``"<what>: <detail>"``.  ``poll`` is the clients' ``Limits.poll``."""
+    (sync_events, sync_value), (async_events, async_value) = sync, other
+    failed = isinstance(sync_value, BaseException) or isinstance(async_value, BaseException)
+    if failed and type(sync_value) is not type(async_value):
+        return "outcome differs (sync %s / async %s): sync %s, async %s" % (
+            type(sync_value).__name__,
+            type(async_value).__name__,
+            _d_text(sync_value)[:500],
+            _d_text(async_value)[:500],
+        )
+    if failed:
+        (sync_text, sync_numbers), (async_text, async_numbers) = (
+            _d_message(str(sync_value)),
+            _d_message(str(async_value)),
+        )
+        if sync_text != async_text or any(abs(a - b) > margin for a, b in zip(sync_numbers, async_numbers)):
+            return "message differs (%s): sync %r, async %r" % (
+                type(sync_value).__name__,
+                str(sync_value)[:500],
+                str(async_value)[:500],
+            )
+    elif sync_value != async_value:
+        return "completion differs: sync %r, async %r" % (sync_value, async_value)
+    sync_runs, async_runs = _d_runs(sync_events), _d_runs(async_events)
+    if failed and isinstance(sync_value, lc._BudgetError) and abs(len(sync_runs) - len(async_runs)) == 1:
+        longer = sync_runs if len(sync_runs) > len(async_runs) else async_runs
+        last = longer[-1][0]
+        if isinstance(last, lc.Retrying) and last.delay <= margin:  # one more attempt at the budget's end
+            del longer[-1]
+    unlike = [
+        i for i, (a, b) in enumerate(zip(sync_runs, async_runs)) if a[0] != b[0] or abs(a[1] - b[1]) * poll > margin
+    ]
+    if unlike or len(sync_runs) != len(async_runs):
+        at = unlike[0] if unlike else min(len(sync_runs), len(async_runs))
+        return "events differ (%d sync, %d async; runs from %d): sync %r, async %r" % (
+            len(sync_events),
+            len(async_events),
+            at,
+            [tuple(r) for r in sync_runs[at : at + 3]],
+            [tuple(r) for r in async_runs[at : at + 3]],
+        )
+    return None
 
 
 # =====================================================================================================

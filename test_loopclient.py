@@ -13006,6 +13006,194 @@ for _name in list(vars(TestRealServer)):
         setattr(TestRealServerAsync, _name, None)
 
 
+class ConcurrencyProxy:
+    """A proxy in front of a real server, as llama-swap behaves at its per-model concurrency limit: on a
+    Unix socket of its own, it answers ``GET /slots`` with 404 (not served), a request past ``limit`` in
+    flight through it with 429 and ``Retry-After: 1``, and forwards any other request to ``upstream``
+    (asking it to close the connection after its answer), piping the response back byte for byte until
+    the server closes.  Every socket call has a timeout; ``close()`` shuts every socket down (a ``close()``
+    alone does not wake a thread blocked in ``recv()`` on Linux) and joins the threads."""
+
+    def __init__(self, upstream, limit=2):
+        self.upstream = upstream
+        self.limit = limit
+        self.tmp = tempfile.mkdtemp(prefix="lcproxy", dir="/tmp")
+        self.path = os.path.join(self.tmp, "proxy.sock")
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.sockets = set()
+        self.threads = []
+        self.in_flight = self.max_in_flight = 0
+        self.forwarded, self.refused, self.slots_asked = [], 0, 0
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        self.listener.settimeout(0.05)
+        self._start(self._accept)
+
+    def _start(self, target, *args):
+        thread = threading.Thread(target=target, args=args, name="lc-test-proxy", daemon=True)
+        with self.lock:
+            self.threads.append(thread)
+        thread.start()
+
+    def _track(self, sock):
+        with self.lock:
+            if self.stopping.is_set():
+                sock.close()
+                return False
+            self.sockets.add(sock)
+            return True
+
+    def _untrack(self, sock):
+        with self.lock:
+            self.sockets.discard(sock)
+        sock.close()
+
+    def _accept(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if self._track(conn):
+                self._start(self._serve, conn)
+
+    def _serve(self, conn):
+        try:
+            conn.settimeout(5)
+            request = read_request(conn)
+            if request is None:
+                return
+            if request.method == "GET" and request.path.split("?")[0] == "/slots":
+                with self.lock:
+                    self.slots_asked += 1
+                conn.sendall(
+                    b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n"
+                    b"Connection: close\r\n\r\nnot found"
+                )
+                return
+            with self.lock:
+                admitted = self.in_flight < self.limit
+                if admitted:
+                    self.in_flight += 1
+                    self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                    self.forwarded.append(request.path)
+                else:
+                    self.refused += 1
+            if not admitted:
+                conn.sendall(_f_too_many(b"1"))
+                return
+            try:
+                self._forward(conn, request)
+            finally:
+                with self.lock:
+                    self.in_flight -= 1
+        except OSError:
+            pass
+        finally:
+            self._untrack(conn)
+
+    def _forward(self, conn, request):
+        lines = [line for line in request.head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not self._track(upstream):
+            return
+        try:
+            upstream.settimeout(5)
+            upstream.connect(self.upstream)
+            upstream.sendall(b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n" + request.body)
+            upstream.settimeout(0.5)
+            deadline = time.monotonic() + 120
+            while not self.stopping.is_set() and time.monotonic() < deadline:
+                try:
+                    data = upstream.recv(65536)
+                except socket.timeout:
+                    continue
+                if not data:
+                    return  # the server closed: so does the proxy, after the last byte
+                conn.sendall(data)
+        finally:
+            self._untrack(upstream)
+
+    def close(self):
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            sockets = list(self.sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self.lock:
+            threads = list(self.threads)
+        for thread in threads:
+            thread.join(10)
+        alive = [t for t in threads if t.is_alive()]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return alive
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealProxy(ClientFactory, unittest.TestCase):
+    """The real server behind ConcurrencyProxy (llama-swap at its per-model limit of 2 in flight): eight
+    chats with ``slot=None`` at once, from a client whose pool admits all eight (``Limits.pool``; the
+    server's own total_slots would hold them to 2 and the proxy would never refuse), all finish; the ones
+    the proxy refused heard a ``Retrying`` naming the 429 and were sent again after its hint; ``/slots``
+    is not served, so any ``Waiting`` says the slots are unknown."""
+
+    def setUp(self):
+        with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as direct:
+            _idle(direct)
+        self.proxy = ConcurrencyProxy(REAL_SOCKET, limit=2)
+        self.client = self.new_client(self.proxy.path, limits=REAL_LIMITS.replace(pool=8))
+
+    def tearDown(self):
+        self.client.close()
+        alive = self.proxy.close()
+        self.assertEqual(alive, [], "the proxy's threads did not end")
+
+    def test_eight_chats_through_a_proxy_at_its_concurrency_limit(self):
+        events, results = {}, {}
+        t = Timer()
+        markers = ["Name a colour, number %d." % i for i in range(8)]
+        threads = [start_chat(self.client, m, None, events, results, max_tokens=8, temperature=0) for m in markers]
+        for thread in threads:
+            thread.join(120)
+        self.assertFalse(any(thread.is_alive() for thread in threads), "a chat did not end within 120 s")
+        failed = {m: r for m, r in results.items() if not isinstance(r, lc.Completion)}
+        self.assertEqual(failed, {})
+        self.assertEqual(sorted(results), sorted(markers))
+        for marker in markers:
+            self.assertTrue(results[marker].finish_reason, (marker, results[marker]))
+        retries = [e for m in markers for e in events[m] if isinstance(e, lc.Retrying)]
+        self.assertTrue(retries, "no chat heard a Retrying: the proxy refused none (refused %d)" % self.proxy.refused)
+        self.assertEqual({r.reason for r in retries}, {"HTTP 429: too many requests for model m1"})
+        self.assertTrue(all(r.delay >= 1.0 for r in retries), [r.delay for r in retries])  # the hint is a floor
+        waits = {e for m in markers for e in events[m] if isinstance(e, lc.Waiting)}
+        self.assertLessEqual(waits, {lc.Waiting(False, slots_known=False)})
+        self.assertEqual(self.proxy.max_in_flight, 2)
+        self.assertEqual(self.proxy.refused, len(retries))
+        self.assertEqual(self.proxy.forwarded.count("/v1/chat/completions"), 8)
+        print(
+            "\n    %s: 8 chats through the proxy in %.1f s: %d refused with 429 and retried, %d Waiting events"
+            % (
+                self.CLIENT,
+                t.elapsed,
+                len(retries),
+                sum(isinstance(e, lc.Waiting) for m in markers for e in events[m]),
+            ),
+            file=sys.stderr,
+        )
+
+
+class TestRealProxyAsync(AsyncDriver, TestRealProxy):
+    pass
+
+
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealWedge(unittest.TestCase):
     """A server of our own, wedged on purpose by dev/soak.py's recipe (8 threads, short answers, the slot

@@ -10245,7 +10245,7 @@ def _d_json(doc, status=200, reason="OK", extra=b""):
 
 
 def _d_pieces(data, cuts):
-    pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+    pieces = _p_pieces(data, cuts)
 
     def handler(req):
         for piece in pieces:  # one send per piece, as the fuzzer's server did
@@ -10293,14 +10293,17 @@ class TestDifferential(_f_Case):
             server = FakeServer(tcp=tcp)
             routes, busy = dict(server.routes), list(server.busy)
             try:
-                outcomes = {}
+                outcomes, sent = {}, {}
                 for kind in ("sync", "async"):
                     server.routes, server.busy[:] = dict(routes), busy
                     with server.lock:
                         del server.requests[:]
                     outcomes[kind] = scenario(kind, lambda *a, k=kind, **kw: self._d_client(k, *a, **kw), server)
+                    with server.lock:  # the same requests (how many is timing; so is asking /slots)
+                        sent[kind] = {(r.raw_head, r.body) for r in server.requests if r.path.split("?")[0] != "/slots"}
             finally:
                 server.close()
+            self.assertEqual(sent["sync"], sent["async"], "%s: the clients sent different requests" % name)
             self.assertEqual(len(outcomes["sync"]), len(outcomes["async"]))
             for i, (sync, other) in enumerate(zip(outcomes["sync"], outcomes["async"])):
                 differs = differs_between_clients(sync, other, FAST_FAULTS.poll)
@@ -10311,6 +10314,7 @@ class TestDifferential(_f_Case):
         """One part through one client: (events, value); the value is the documented one, in its time."""
         part.arrange(server)
         events = []
+        sent = len(server.requests)
         t = Timer()
         try:
             client = make(
@@ -10318,15 +10322,18 @@ class TestDifferential(_f_Case):
                 limits=FAST_FAULTS.replace(**part.changes),
                 **part.client,
             )
-        except ValueError as exc:  # refused before anything is sent: the same in both
-            return events, exc
-        try:
-            value = run_with_timeout(lambda: part.act(client, events), part.budget + 8.0)
-        except Exception as exc:  # the outcome under test, whatever it is
-            value = exc
-        finally:
-            client.close()
+        except ValueError as exc:  # refused before anything is sent
+            client, value = None, exc
+        if client is not None:
+            try:
+                value = run_with_timeout(lambda: part.act(client, events), part.budget + 8.0)
+            except Exception as exc:  # the outcome under test, whatever it is
+                value = exc
+            finally:
+                client.close()
         elapsed = t.elapsed
+        if isinstance(value, ValueError):
+            self.assertEqual(len(server.requests), sent, "%s: a request was sent before the ValueError" % kind)
         if isinstance(value, BaseException) and _F_KEY in repr(part.client):
             _f_secret_free(self, _F_KEY, value)
         if isinstance(part.expect, type):

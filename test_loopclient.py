@@ -11341,15 +11341,19 @@ class TestDifferential(_f_Case):
 
     def _d_held(self, kind, make, server, limits, slot, steps, **client):
         """Chats held by a Gatekeeper: ``steps`` start them (a marker) and release them (``-marker``), each
-        step waiting for what it did to be seen; a marker in upper case runs in this thread, at once (its
-        outcome an error, e.g. BusyError).  Their (events, value), in the order of their markers."""
+        step waiting for what it did to be seen (a release, for the chat to be in flight and to have heard a
+        Waiting: how many is timing, whether any is not); a marker in upper case runs in this thread, at
+        once (its outcome an error, e.g. BusyError).  Their (events, value), in the order of their markers."""
         client = make(server.address, limits=limits, **client)
         keeper = Gatekeeper(server)
         events, results, threads = {}, {}, []
         try:
             for step in steps:
-                if step.startswith("-"):
-                    keeper.release(step[1:])
+                if step.startswith("-"):  # once it is in flight and has heard a Waiting (then both clients have)
+                    marker = step[1:]
+                    wait_for(lambda: keeper.arrived(marker), what=marker + " in flight")
+                    wait_for(lambda: any(isinstance(e, lc.Waiting) for e in events[marker]), what=marker + " waiting")
+                    keeper.release(marker)
                 elif step.isupper():
                     events[step] = []
                     t = Timer()

@@ -36,6 +36,7 @@ import pathlib
 import pickle
 import pty
 import random
+import re
 import resource
 import select
 import shutil
@@ -10549,97 +10550,154 @@ def _f_saved(target, data, name):
     return hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name
 
 
+#: The cut points the fuzzer's server sent the client-target inputs with (one send per piece).
+_F_CUTS = {
+    "e2748cec9571aae2": [
+        1,
+        2,
+        3,
+        4,
+        6,
+        7,
+        8,
+        11,
+        13,
+        15,
+        16,
+        18,
+        19,
+        20,
+        21,
+        22,
+        24,
+        25,
+        27,
+        28,
+        30,
+        32,
+        33,
+        35,
+        36,
+        38,
+        41,
+        43,
+        45,
+        46,
+        47,
+        51,
+        52,
+        53,
+        54,
+        56,
+        57,
+        58,
+        59,
+        60,
+        61,
+        62,
+        67,
+        68,
+        70,
+        72,
+        74,
+        76,
+        77,
+        78,
+        80,
+        81,
+        82,
+        85,
+        88,
+        89,
+        90,
+        94,
+        95,
+        96,
+        99,
+        101,
+        102,
+        106,
+        107,
+        109,
+        110,
+        111,
+        113,
+        115,
+        116,
+        117,
+        118,
+        119,
+        120,
+        121,
+        123,
+        124,
+        125,
+        127,
+        130,
+        132,
+        135,
+    ],
+    "0f7c31287867b84c": [
+        411,
+        463,
+        492,
+        1598,
+        1797,
+        2479,
+        2817,
+        2946,
+        3152,
+        3167,
+        3544,
+        3872,
+        4090,
+        4656,
+        5164,
+        5199,
+        5414,
+        6247,
+        6599,
+        8290,
+        8665,
+        12333,
+        12504,
+        13053,
+        13071,
+        13306,
+        13756,
+        14157,
+        15025,
+        15040,
+        15846,
+        16375,
+        16971,
+        18159,
+        19879,
+        21782,
+        21900,
+        22167,
+        22337,
+        22414,
+        22612,
+        23561,
+        25262,
+        25424,
+        25712,
+        27230,
+        27912,
+        28431,
+        29891,
+        30502,
+    ],
+}
+
+
 class TestFaultFuzzRegressions(_f_Case):
     def test_fuzz_e2748cec9571aae2_error_body_stalls(self):
         # client target, connection held open: loopclient._Silence (internal) escaped from _read_body.
         data = _f_input("e2748cec9571aae2")
         self.assertTrue(_f_saved("client", data, "e2748cec9571aae2"))
-        cuts = [
-            1,
-            2,
-            3,
-            4,
-            6,
-            7,
-            8,
-            11,
-            13,
-            15,
-            16,
-            18,
-            19,
-            20,
-            21,
-            22,
-            24,
-            25,
-            27,
-            28,
-            30,
-            32,
-            33,
-            35,
-            36,
-            38,
-            41,
-            43,
-            45,
-            46,
-            47,
-            51,
-            52,
-            53,
-            54,
-            56,
-            57,
-            58,
-            59,
-            60,
-            61,
-            62,
-            67,
-            68,
-            70,
-            72,
-            74,
-            76,
-            77,
-            78,
-            80,
-            81,
-            82,
-            85,
-            88,
-            89,
-            90,
-            94,
-            95,
-            96,
-            99,
-            101,
-            102,
-            106,
-            107,
-            109,
-            110,
-            111,
-            113,
-            115,
-            116,
-            117,
-            118,
-            119,
-            120,
-            121,
-            123,
-            124,
-            125,
-            127,
-            130,
-            132,
-            135,
-        ]
-        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+        pieces = _p_pieces(data, _F_CUTS["e2748cec9571aae2"])
 
         def handler(req):
             for piece in pieces:  # one send per piece, as the fuzzer's server did
@@ -10754,59 +10812,7 @@ class TestFaultFuzzRegressions(_f_Case):
         # client target (thinking_cap 2, slot 1, connection held): the same RecursionError, through chat().
         data = _f_input("0f7c31287867b84c")
         self.assertTrue(_f_saved("client", data, "0f7c31287867b84c"))
-        cuts = [
-            411,
-            463,
-            492,
-            1598,
-            1797,
-            2479,
-            2817,
-            2946,
-            3152,
-            3167,
-            3544,
-            3872,
-            4090,
-            4656,
-            5164,
-            5199,
-            5414,
-            6247,
-            6599,
-            8290,
-            8665,
-            12333,
-            12504,
-            13053,
-            13071,
-            13306,
-            13756,
-            14157,
-            15025,
-            15040,
-            15846,
-            16375,
-            16971,
-            18159,
-            19879,
-            21782,
-            21900,
-            22167,
-            22337,
-            22414,
-            22612,
-            23561,
-            25262,
-            25424,
-            25712,
-            27230,
-            27912,
-            28431,
-            29891,
-            30502,
-        ]
-        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+        pieces = _p_pieces(data, _F_CUTS["0f7c31287867b84c"])
 
         def handler(req):
             for piece in pieces:
@@ -10820,6 +10826,1422 @@ class TestFaultFuzzRegressions(_f_Case):
 
 class TestFaultFuzzRegressionsAsync(AsyncDriver, TestFaultFuzzRegressions):
     pass
+
+
+# -- the two clients alike: one behaviour, compared outcome for outcome --------------------------------
+#
+# Client and AsyncClient drive one engine, so one call against one scripted server must come out the
+# same in both: the same events, the same Completion (==), the same error class and message.  What may
+# differ is only timing, which differs_between_clients() sets aside: the delay of a Retrying; a number in an
+# error message (seconds waited) within MARGIN; how many times in a row one Waiting is heard (one per
+# poll, so the two counts may differ by MARGIN / poll; and a first one, before any byte of the answer,
+# may be missing from one client when the other heard it for no longer than that: a head late by a few
+# polls); and one last Retrying that one client fitted into the end of a budget the other had spent (its
+# delay, what was left, within MARGIN) before the same budget error: asyncio's timers wake up to a
+# millisecond late (epoll counts milliseconds), threads do not.
+# TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
+# client cases through both with the same rules.
+
+_D_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _d_event(event):
+    return event.replace(delay=0.0) if isinstance(event, lc.Retrying) else event
+
+
+def _d_runs(events):
+    """The events with what is timing set aside, as [event, n]: n equal Waiting events in a row, else 1."""
+    runs = []
+    for event in map(_d_event, events):
+        if runs and isinstance(event, lc.Waiting) and runs[-1][0] == event:
+            runs[-1][1] += 1
+        else:
+            runs.append([event, 1])
+    return runs
+
+
+def _d_message(text):
+    """The message with each number replaced by ``#``, and the numbers."""
+    return _D_NUMBER.sub("#", text), [float(n) for n in _D_NUMBER.findall(text)]
+
+
+def _d_text(value):
+    if isinstance(value, BaseException):
+        return "%s(%r)" % (type(value).__name__, str(value))
+    return repr(value)
+
+
+def differs_between_clients(sync, other, poll, margin=MARGIN):
+    """None when ``sync`` and ``other``, each ``(events, Completion or exception)`` of one call (from
+    Client and from AsyncClient), are alike but for timing (see above); else what differs, as
+    ``"<what>: <detail>"``.  ``poll`` is the clients' ``Limits.poll``."""
+    (sync_events, sync_value), (async_events, async_value) = sync, other
+    failed = isinstance(sync_value, BaseException) or isinstance(async_value, BaseException)
+    if failed and type(sync_value) is not type(async_value):
+        return "outcome differs (sync %s / async %s): sync %s, async %s" % (
+            type(sync_value).__name__,
+            type(async_value).__name__,
+            _d_text(sync_value)[:500],
+            _d_text(async_value)[:500],
+        )
+    if failed:
+        (sync_text, sync_numbers), (async_text, async_numbers) = (
+            _d_message(str(sync_value)),
+            _d_message(str(async_value)),
+        )
+        if sync_text != async_text or any(abs(a - b) > margin for a, b in zip(sync_numbers, async_numbers)):
+            return "message differs (%s): sync %r, async %r" % (
+                type(sync_value).__name__,
+                str(sync_value)[:500],
+                str(async_value)[:500],
+            )
+    elif sync_value != async_value:
+        return "completion differs: sync %r, async %r" % (sync_value, async_value)
+    sync_runs, async_runs = _d_runs(sync_events), _d_runs(async_events)
+    waited = [bool(runs) and isinstance(runs[0][0], lc.Waiting) for runs in (sync_runs, async_runs)]
+    if waited[0] != waited[1]:  # a head late by a few polls in one client only
+        runs = sync_runs if waited[0] else async_runs
+        if runs[0][1] * poll <= margin:
+            del runs[0]
+    if failed and isinstance(sync_value, lc._BudgetError) and abs(len(sync_runs) - len(async_runs)) == 1:
+        longer = sync_runs if len(sync_runs) > len(async_runs) else async_runs
+        last = longer[-1][0]
+        if isinstance(last, lc.Retrying) and last.delay <= margin:  # one more attempt at the budget's end
+            del longer[-1]
+    unlike = [
+        i for i, (a, b) in enumerate(zip(sync_runs, async_runs)) if a[0] != b[0] or abs(a[1] - b[1]) * poll > margin
+    ]
+    if unlike or len(sync_runs) != len(async_runs):
+        at = unlike[0] if unlike else min(len(sync_runs), len(async_runs))
+        return "events differ (%d sync, %d async; runs from %d): sync %r, async %r" % (
+            len(sync_events),
+            len(async_events),
+            at,
+            [tuple(r) for r in sync_runs[at : at + 3]],
+            [tuple(r) for r in async_runs[at : at + 3]],
+        )
+    return None
+
+
+#: One part of a row of dev/FAULTS.md as TestDifferential runs it: ``arrange(server)`` scripts the fake
+#: server (called again before each client, so that a handler's state starts afresh); ``act(client,
+#: events)`` is the call; ``expect`` the documented outcome (an exception class, ``lc.Completion``, or a
+#: value); ``budget`` its budget (``at_once``: it must not take it); ``address(server)`` where the client
+#: connects; ``changes`` to FAST_FAULTS; ``client`` keywords for the constructor.
+_DPart = collections.namedtuple("_DPart", "arrange act expect budget at_once address changes client tcp")
+
+
+def _d_chat(slot=0, **params):
+    return lambda client, events: client.chat(MSGS, slot=slot, on_event=events.append, **params)
+
+
+def _d_part(
+    arrange=None,
+    act=None,
+    expect=lc.Completion,
+    budget=0.0,
+    at_once=False,
+    address=None,
+    changes=None,
+    client=None,
+    tcp=False,
+):
+    return _DPart(
+        arrange or (lambda s: None),
+        act or _d_chat(),
+        expect,
+        budget,
+        at_once,
+        address,
+        changes or {},
+        client or {},
+        tcp,
+    )
+
+
+def _d_stream(handler):
+    return lambda s: s.stream(handler)
+
+
+def _d_drip(pieces, interval, limit=4.0):
+    """Arrange ``_f_drip`` of a fresh ``pieces()`` (a generator is used up by the first client)."""
+    return lambda s: s.stream(_f_drip(pieces(), interval, limit))
+
+
+def _d_reply(data, hold=False):
+    return _d_stream(reply(data, hold))
+
+
+def _d_slots(handler):
+    return lambda s: s.route("GET", "/slots", handler)
+
+
+def _d_slots_reply(data, hold=False):
+    return _d_slots(reply(data, hold))
+
+
+def _d_missing(s):
+    return os.path.join(s.tmp, "missing.sock")
+
+
+def _d_stale(s):
+    path = os.path.join(s.tmp, "stale.sock")
+    if not os.path.exists(path):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.close()  # the file stays, nobody listens: connect() is refused
+    return path
+
+
+def _d_reset(after=b""):
+    def handler(req):
+        if after:
+            req.send(after)
+            time.sleep(0.05)
+        req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        req.conn.close()  # linger 0: RST instead of FIN
+
+    return _d_stream(handler)
+
+
+def _d_busy(arrange):
+    def both(s):
+        s.busy[0] = True
+        arrange(s)
+
+    return both
+
+
+def _d_json(doc, status=200, reason="OK", extra=b""):
+    return lambda req: respond_json(req, doc, status, reason, extra)
+
+
+def _d_pieces(data, cuts):
+    pieces = _p_pieces(data, cuts)
+
+    def handler(req):
+        for piece in pieces:  # one send per piece, as the fuzzer's server did
+            req.send(piece)
+        req.wait_peer_close(5)
+
+    return _d_stream(handler)
+
+
+_D_LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+_D_NO_SLOTS = {"error": {"code": 501, "message": "This server does not support slots endpoint.", "type": "x"}}
+_D_CL = b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD
+_D_OK = STREAM_HEAD + _F_OK_BODY
+
+
+class TestDifferential(_f_Case):
+    """Client and AsyncClient are one behaviour: every row of dev/FAULTS.md (each scripted server
+    behaviour, built as the fault tier builds it), and the cases that used to tell the clients apart, run
+    through both against the same fake server; the events, the Completion, the error class and message
+    must be alike (differs_between_clients: alike but for timing), and each must be the documented
+    outcome within its budget.  One subTest per row, named by the row."""
+
+    def setUp(self):
+        super().setUp()
+        self._d_loop = LoopThread()
+
+    def tearDown(self):
+        problems = self._d_loop.close()
+        super().tearDown()
+        self.assertEqual(problems, [], "the event loop reported problems")
+
+    # -- running a row through both clients ---------------------------------------------------------
+
+    def _d_client(self, kind, *args, **kw):
+        if kind == "sync":
+            return lc.Client(*args, **kw)
+        facade = SyncFacade(self._d_loop, *args, **kw)
+        self._d_loop.facades.append(facade)
+        return facade
+
+    def _d_both(self, name, scenario, tcp=False):
+        """``scenario(kind, make, server)`` -> a list of (events, value), run for "sync" then "async" on
+        one fake server (its routes and busy flags set back between the two); every pair must be alike."""
+        with self.subTest(name):
+            server = FakeServer(tcp=tcp)
+            routes, busy = dict(server.routes), list(server.busy)
+            try:
+                outcomes, sent = {}, {}
+                for kind in ("sync", "async"):
+                    server.routes, server.busy[:] = dict(routes), busy
+                    with server.lock:
+                        del server.requests[:]
+                    outcomes[kind] = scenario(kind, lambda *a, k=kind, **kw: self._d_client(k, *a, **kw), server)
+                    with server.lock:  # the same requests (how many is timing; so is asking /slots)
+                        sent[kind] = {(r.raw_head, r.body) for r in server.requests if r.path.split("?")[0] != "/slots"}
+            finally:
+                server.close()
+            self.assertEqual(sent["sync"], sent["async"], "%s: the clients sent different requests" % name)
+            self.assertEqual(len(outcomes["sync"]), len(outcomes["async"]))
+            for i, (sync, other) in enumerate(zip(outcomes["sync"], outcomes["async"])):
+                differs = differs_between_clients(sync, other, FAST_FAULTS.poll)
+                self.assertIsNone(differs, "%s (part %d): the clients differ: %s" % (name, i + 1, differs))
+            return outcomes
+
+    def _d_run(self, kind, make, server, part):
+        """One part through one client: (events, value); the value is the documented one, in its time."""
+        part.arrange(server)
+        events = []
+        sent = len(server.requests)
+        t = Timer()
+        try:
+            client = make(
+                part.address(server) if part.address else server.address,
+                limits=FAST_FAULTS.replace(**part.changes),
+                **part.client,
+            )
+        except ValueError as exc:  # refused before anything is sent
+            client, value = None, exc
+        if client is not None:
+            try:
+                value = run_with_timeout(lambda: part.act(client, events), part.budget + 8.0)
+            except Exception as exc:  # the outcome under test, whatever it is
+                value = exc
+            finally:
+                client.close()
+        elapsed = t.elapsed
+        if isinstance(value, ValueError):
+            self.assertEqual(len(server.requests), sent, "%s: a request was sent before the ValueError" % kind)
+        if isinstance(value, BaseException) and _F_KEY in repr(part.client):
+            _f_secret_free(self, _F_KEY, value)
+        if isinstance(part.expect, type):
+            self.assertIs(type(value), part.expect, "%s: expected %s, got %r" % (kind, part.expect.__name__, value))
+        else:
+            self.assertEqual(value, part.expect, kind)
+        self.assertLessEqual(elapsed, part.budget + MARGIN, "%s: %.3f s (budget %.2f s)" % (kind, elapsed, part.budget))
+        if part.budget and not part.at_once:
+            self.assertGreaterEqual(elapsed, part.budget - EARLY, "%s: early, %.3f s" % (kind, elapsed))
+        return events, value
+
+    def _d_row(self, name, *parts):
+        tcp = any(p.tcp for p in parts)
+        return self._d_both(name, lambda kind, make, server: [self._d_run(kind, make, server, p) for p in parts], tcp)
+
+    def _d_table(self, rows):
+        for name, parts in rows:
+            self._d_row(name, *parts)
+
+    # -- the rows of dev/FAULTS.md, table by table ---------------------------------------------------
+
+    def _d_connecting(self):
+        lw = FAST_FAULTS.load_wait
+        return [
+            ("socket file missing", [_d_part(address=_d_missing, expect=lc.LoadTimeoutError, budget=lw)]),
+            (
+                "socket file missing, single-shot call",
+                [_d_part(address=_d_missing, act=lambda c, ev: c.slots(), expect=lc.ConnectError)],
+            ),
+            ("socket file with no listener", [_d_part(address=_d_stale, expect=lc.LoadTimeoutError, budget=lw)]),
+            (
+                "socket file with no listener, single-shot call",
+                [_d_part(address=_d_stale, act=lambda c, ev: c.health(), expect=lc.ConnectError)],
+            ),
+            ("EOF before the head", [_d_part(_d_stream(lambda req: None), expect=lc.StreamClosedError)]),
+            ("connection reset before the head", [_d_part(_d_reset(), expect=lc.StreamClosedError, tcp=True)]),
+            (
+                "connection reset mid-stream",
+                [
+                    _d_part(
+                        _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
+                        expect=lc.StreamClosedError,
+                        budget=0.05,
+                        at_once=True,
+                        tcp=True,
+                    )
+                ],
+            ),
+        ]
+
+    def _d_head(self):
+        lv = FAST_FAULTS.liveness
+        http10 = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
+        return [
+            (
+                "garbage status line",
+                [_d_part(_d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError)],
+            ),
+            (
+                "a service that is not HTTP",
+                [_d_part(_d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True), expect=lc.ProtocolError)],
+            ),
+            ("bad status code", [_d_part(_d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError)]),
+            (
+                "another HTTP version",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            ("HTTP/1.0 reply", [_d_part(_d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10))]),
+            ("interim response", [_d_part(_d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK))]),
+            (
+                "10 MB of headers",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n"),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "1,000 header lines",
+                [
+                    _d_part(
+                        _d_reply(
+                            b"HTTP/1.1 200 OK\r\n"
+                            + b"".join(b"X-H%d: v\r\n" % i for i in range(1000))
+                            + b"\r\n"
+                            + _F_OK_BODY,
+                            True,
+                        ),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "NUL byte in a header",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            # the table says ProtocolError; TestFaultHead.test_folded_header_line (and the client) unfold it
+            (
+                "obsolete line folding",
+                [
+                    _d_part(
+                        _d_reply(
+                            b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
+                        )
+                    )
+                ],
+            ),
+            ("EOF inside the head", [_d_part(_d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"), expect=lc.StreamClosedError)]),
+            (
+                "head trickled forever",
+                [
+                    _d_part(
+                        _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
+                        expect=lc.StalledError,
+                        budget=lv,
+                    )
+                ],
+            ),
+            (
+                "interim responses forever",
+                [
+                    _d_part(
+                        _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
+                        expect=lc.StalledError,
+                        budget=lv,
+                    )
+                ],
+            ),
+            (
+                "stall inside the head",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True), expect=lc.StalledError, budget=lv
+                    )
+                ],
+            ),
+        ]
+
+    def _d_framing(self):
+        hi = sse(chunk_json({"content": "Hi"}))
+        page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
+        slots = lambda c, ev: c.slots()
+        return [
+            (
+                "conflicting Content-Length headers",
+                [
+                    _d_part(
+                        _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "conflicting Content-Length, single-shot call",
+                [
+                    _d_part(
+                        _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
+                        slots,
+                        lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "negative length",
+                [_d_part(_d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError)],
+            ),
+            (
+                "non-numeric length",
+                [_d_part(_d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError)],
+            ),
+            (
+                "unsupported transfer coding",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "chunk size ffffffffffffffff",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + b"ffffffffffffffff\r\n"
+                            + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
+                            + b"data: [DONE]\n\n"
+                        ),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "chunk size line without CRLF",
+                [_d_part(_d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True), expect=lc.ProtocolError)],
+            ),
+            (
+                "chunk size line that never ends",
+                [_d_part(_d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True), expect=lc.ProtocolError)],
+            ),
+            (
+                "chunk data without its CRLF",
+                [
+                    _d_part(
+                        _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "body shorter than its length (stream)",
+                [
+                    _d_part(
+                        _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
+                        expect=lc.StreamClosedError,
+                    )
+                ],
+            ),
+            (
+                "body shorter than its length (single-shot)",
+                [
+                    _d_part(
+                        _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
+                        slots,
+                        lc.StreamClosedError,
+                    )
+                ],
+            ),
+            (
+                "close mid-chunk",
+                [_d_part(_d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi), expect=lc.StreamClosedError)],
+            ),
+            (
+                "close mid-event",
+                [
+                    _d_part(
+                        _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
+                        expect=lc.StreamClosedError,
+                    )
+                ],
+            ),
+            (
+                "close after the finish chunk without `[DONE]`",
+                [_d_part(_d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)))],
+            ),
+            (
+                "`[DONE]`, then the connection stays open",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
+                            True,
+                        )
+                    )
+                ],
+            ),
+            (
+                "`[DONE]` without a `finish_reason`",
+                [_d_part(_d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)), expect=lc.StreamClosedError)],
+            ),
+            ("empty stream", [_d_part(_d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError)]),
+            (
+                "200 with an HTML page",
+                [
+                    _d_part(
+                        _d_reply(
+                            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
+                            % (len(page), page)
+                        ),
+                        expect=lc.StreamClosedError,
+                    )
+                ],
+            ),
+            (
+                "error body over `max_body`",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "single-shot length over `max_body`",
+                [
+                    _d_part(
+                        _d_slots_reply(
+                            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True
+                        ),
+                        slots,
+                        lc.ProtocolError,
+                    )
+                ],
+            ),
+        ]
+
+    def _d_sse(self):
+        def trickle(req):
+            if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
+                return
+            deadline = time.monotonic() + 6
+            while time.monotonic() < deadline and req.send(b"x"):
+                time.sleep(0.001)
+
+        split = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
+        cut = split.index("é".encode()) + 1
+        bang = content_stream(["!"], role=False)
+        return [
+            (
+                "a 2 MiB line sent one byte at a time",
+                [
+                    _d_part(
+                        _d_busy(_d_stream(trickle)),
+                        expect=lc.ProtocolError,
+                        budget=1024 * 0.0011 + 0.5,
+                        at_once=True,
+                        changes=dict(max_line=1024, liveness=5.0, busy_wait=10.0),
+                    )
+                ],
+            ),
+            (
+                "bytes trickle but no event completes",
+                [
+                    _d_part(
+                        _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
+                        expect=lc.StalledError,
+                        budget=FAST_FAULTS.liveness,
+                    )
+                ],
+            ),
+            (
+                "a line of `max_line` exactly",
+                [_d_part(_d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang))],
+            ),
+            (
+                "a line of `max_line` + 1",
+                [
+                    _d_part(
+                        _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+            (
+                "an event over `max_line` in many lines",
+                [_d_part(_d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True), expect=lc.ProtocolError)],
+            ),
+            (
+                "half a million empty `data:` lines",
+                [
+                    _d_part(
+                        _d_reply(_D_CL + b"\r\n" + b"data:\n" * (512 * 1024 + 2) + b"\n"),
+                        expect=lc.ProtocolError,
+                        budget=1.0 * TRACED,
+                        at_once=True,
+                        changes=dict(max_line=512 * 1024, liveness=30.0),
+                    )
+                ],
+            ),
+            (
+                "invalid UTF-8",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB"))
+                            + bang
+                        )
+                    )
+                ],
+            ),
+            (
+                "a UTF-8 character split between reads",
+                [
+                    _d_part(
+                        _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
+                        budget=0.2,
+                        at_once=True,
+                    )
+                ],
+            ),
+            (
+                "a NUL byte",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang
+                        ),
+                        expect=lc.ProtocolError,
+                    )
+                ],
+            ),
+        ]
+
+    def _d_json_rows(self):
+        def payload(text, **changes):
+            return [
+                _d_part(
+                    _d_reply(STREAM_HEAD + chunked(sse(text)) + content_stream(["!"]), True),
+                    expect=lc.ProtocolError,
+                    changes=changes,
+                )
+            ]
+
+        call = chunk_json(
+            {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
+        )
+        return [
+            ("invalid JSON", payload('{"choices":[{"delta":{"content":"Hi"')),
+            ("JSON that is not an object", payload('["choices"]')),
+            ("`choices` not a list", payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')),
+            (
+                "a delta that is a string",
+                payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}'),
+            ),
+            ("a tool-call delta without index", payload(call)),
+            ("deeply nested JSON", payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024)),
+            (
+                "an error code that only looks like a number",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))
+                        ),
+                        expect=lc.ServerError,
+                    )
+                ],
+            ),
+        ]
+
+    def _d_waits(self):
+        pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+        hold = _d_stream(_f_hold)
+        return [
+            ("pings forever, idle slot", [_d_part(pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness)]),
+            (
+                "pings forever, processing slot",
+                [_d_part(_d_busy(pings), expect=lc.StalledError, budget=FAST_FAULTS.busy_wait)],
+            ),
+            (
+                "stall before the head, idle slot",
+                [_d_part(hold, expect=lc.StalledError, budget=FAST_FAULTS.idle_grace)],
+            ),
+            (
+                "stall before the head, busy slot",
+                [_d_part(_d_busy(hold), expect=lc.WaitTimeoutError, budget=FAST_FAULTS.busy_wait)],
+            ),
+            (
+                "stall mid-stream",
+                [
+                    _d_part(
+                        _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
+                        expect=lc.StalledError,
+                        budget=FAST_FAULTS.liveness,
+                    )
+                ],
+            ),
+        ]
+
+    def _d_errors(self):
+        lw = FAST_FAULTS.load_wait
+        event503 = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
+        legacy503 = (
+            STREAM_HEAD
+            + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
+            + b"0\r\n\r\n"
+        )
+        nested = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
+        too_long = {
+            "error": {
+                "code": 400,
+                "message": "the request exceeds the available context size",
+                "type": "exceed_context_size_error",
+            }
+        }
+        return [
+            (
+                "HTTP 503 forever",
+                [
+                    _d_part(
+                        _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
+                        expect=lc.LoadTimeoutError,
+                        budget=lw,
+                    )
+                ],
+            ),
+            ("HTTP 400", [_d_part(_d_stream(_d_json(too_long, 400, "Bad Request")), expect=lc.HTTPStatusError)]),
+            (
+                "HTTP 500 with an HTML body",
+                [
+                    _d_part(
+                        _d_reply(
+                            b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"
+                        ),
+                        expect=lc.HTTPStatusError,
+                    )
+                ],
+            ),
+            (
+                "error body stalls",
+                [
+                    _d_part(
+                        _d_reply(
+                            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
+                            True,
+                        ),
+                        expect=lc.StalledError,
+                        budget=FAST_FAULTS.liveness,
+                    )
+                ],
+            ),
+            (
+                "error body nested 5,000 deep",
+                [
+                    _d_part(
+                        _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
+                        expect=lc.HTTPStatusError,
+                    )
+                ],
+            ),
+            (
+                "error event first, code 503",
+                [_d_part(lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))), budget=0.25, at_once=True)],
+            ),
+            ("error event first, 503 forever", [_d_part(_d_reply(event503), expect=lc.LoadTimeoutError, budget=lw)]),
+            (
+                "error event first, code 400",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
+                            + b"0\r\n\r\n"
+                        ),
+                        expect=lc.ServerError,
+                    )
+                ],
+            ),
+            (
+                "error event after content",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + chunked(
+                                sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error"))
+                            )
+                            + b"0\r\n\r\n"
+                        ),
+                        expect=lc.ServerError,
+                    )
+                ],
+            ),
+            (
+                "legacy `error:` line",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD
+                            + chunked(
+                                sse(chunk_json({"content": "Hi"}))
+                                + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
+                            )
+                            + b"0\r\n\r\n"
+                        ),
+                        expect=lc.ServerError,
+                    )
+                ],
+            ),
+            (
+                "legacy `error:` line nested 100,000 deep",
+                [
+                    _d_part(
+                        _d_reply(
+                            STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"
+                        ),
+                        expect=lc.ServerError,
+                        changes=dict(max_line=1024 * 1024),
+                    )
+                ],
+            ),
+            (
+                "legacy `error:` line first, code 503",
+                [_d_part(lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))), budget=0.25, at_once=True)],
+            ),
+        ]
+
+    def _d_retry_after(self):
+        lw = FAST_FAULTS.load_wait
+
+        def then_ok(value):
+            return lambda s: s.stream(
+                _f_sequence(reply(_f_retry_after(value() if callable(value) else value)), reply(_D_OK))
+            )
+
+        def forever(value, budget_at_once=True):
+            return _d_part(
+                lambda s: s.stream(reply(_f_retry_after(value() if callable(value) else value))),
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                at_once=budget_at_once,
+            )
+
+        ahead = lambda: email.utils.formatdate(time.time() + 5, usegmt=True).encode()
+        past = lambda: email.utils.formatdate(time.time() - 60, usegmt=True).encode()
+        return [
+            ("Retry-After as a date beyond `load_wait`", [forever(ahead)]),
+            ("Retry-After as a date in the past", [_d_part(then_ok(past), budget=0.25, at_once=True)]),
+            ("`Retry-After: 0` forever", [forever(b"0", budget_at_once=False)]),
+            ("Retry-After negative", [_d_part(then_ok(b"-5"), budget=0.25, at_once=True)]),
+            ("Retry-After malformed", [_d_part(then_ok(b"soon"), budget=0.25, at_once=True)]),
+            ("Retry-After huge", [forever(b"99999999999999999999")]),
+            ("Retry-After beyond float range", [forever(b"9" * 400)]),
+            ("Retry-After beyond int() digit limit", [forever(b"9" * 5000)]),
+        ]
+
+    def _d_slots_rows(self):
+        garbage = _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!")
+        hold = _d_stream(_f_hold)
+
+        def both(*arrangements):
+            def arrange(s):
+                for a in arrangements:
+                    a(s)
+
+            return arrange
+
+        slots = lambda c, ev: c.slots()
+        return [
+            (
+                "`/slots` answers garbage while the head is awaited",
+                [_d_part(both(garbage, hold), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait)],
+            ),
+            ("`/slots` answers garbage to `slots()`", [_d_part(garbage, slots, lc.ProtocolError)]),
+            (
+                "`/slots` entries of the wrong shape",
+                [_d_part(_d_slots(_d_json([{"id": "0", "is_processing": "yes"}])), slots, lc.ProtocolError)],
+            ),
+            (
+                "`/slots` hangs while the head is awaited",
+                [_d_part(both(_d_slots(_f_hold), hold), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait)],
+            ),
+            (
+                "`/slots` hangs for `slots()`",
+                [_d_part(_d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness)],
+            ),
+            # the table says LoadTimeoutError after load_wait; TestFaultSlots (and the client): not served,
+            # so the slot cannot be seen, waited out under busy_wait
+            (
+                "`/slots` answers 501 while the head is awaited",
+                [
+                    _d_part(
+                        both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
+                        expect=lc.WaitTimeoutError,
+                        budget=FAST_FAULTS.busy_wait,
+                    )
+                ],
+            ),
+            (
+                "`/slots` answers 501 to `slots()`",
+                [_d_part(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), slots, lc.HTTPStatusError)],
+            ),
+            (
+                "`/props` is not an object",
+                [
+                    _d_part(
+                        lambda s: s.route("GET", "/props", _d_json([1, 2])), lambda c, ev: c.props(), lc.ProtocolError
+                    )
+                ],
+            ),
+        ]
+
+    def _d_control(self):
+        reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
+
+        def with_control(handler):
+            def arrange(s):
+                s.stream(reply(reasoning, hold=True))
+                if handler is not None:
+                    s.route("POST", "/v1/chat/completions/control", handler)
+
+            return arrange
+
+        capped = dict(thinking_cap=2)
+        not_found = _d_json(
+            {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404, "Not Found"
+        )
+        refused = _d_json({"success": False})
+        end = lambda c, ev: c.end_reasoning(CID)
+        return [
+            (
+                "control endpoint answers 404",
+                [_d_part(with_control(not_found), expect=lc.ThinkingOverrunError, changes=capped)],
+            ),
+            (
+                "control endpoint 404 for `end_reasoning()`",
+                [_d_part(with_control(None), end, lc.HTTPStatusError, changes=capped)],
+            ),
+            (
+                "control endpoint answers `success: false`",
+                [_d_part(with_control(refused), expect=lc.ThinkingOverrunError, changes=capped)],
+            ),
+            ("`success: false` for `end_reasoning()`", [_d_part(with_control(refused), end, False, changes=capped)]),
+            (
+                "control endpoint hangs",
+                [
+                    _d_part(
+                        with_control(_f_hold),
+                        expect=lc.ThinkingOverrunError,
+                        budget=FAST_FAULTS.liveness,
+                        changes=capped,
+                    )
+                ],
+            ),
+        ]
+
+    def _d_security(self):
+        key = {"api_key": _F_KEY}
+        unauthorized = _d_json(
+            {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}, 401, "Unauthorized"
+        )
+        steer = (
+            b"Location: http://10.255.255.1:9/\r\nContent-Location: unix:///tmp/evil.sock\r\n"
+            b'Alt-Svc: h2="10.255.255.1:443"\r\nLink: <http://10.255.255.1/>; rel=preconnect\r\n'
+        )
+        unavailable = b"HTTP/1.1 503 Service Unavailable\r\n" + steer + b"Retry-After: 0\r\nContent-Length: 0\r\n\r\n"
+        steered = b"HTTP/1.1 200 OK\r\n" + steer + b"Transfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
+
+        def elsewhere(s):
+            s.stream(_f_sequence(reply(unavailable), reply(steered)))
+            s.route(
+                "GET", "/slots", reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
+            )
+
+        def redirect(status):
+            location = b"http://127.0.0.1:9/v1/chat/completions"  # nothing listens: a followed redirect fails otherwise
+            return _d_part(
+                _d_reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")),
+                expect=lc.HTTPStatusError,
+            )
+
+        slots = lambda c, ev: c.slots()
+        return [
+            (
+                "the API key could leak",
+                [
+                    _d_part(_d_stream(unauthorized), expect=lc.HTTPStatusError, client=key),
+                    _d_part(_d_reply(b"HELLO\r\n\r\n"), expect=lc.ProtocolError, client=key),
+                    _d_part(
+                        _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
+                        expect=lc.StalledError,
+                        budget=FAST_FAULTS.liveness,
+                        client=key,
+                    ),
+                    _d_part(
+                        _d_slots(_d_json({"error": {"code": 401, "message": "Invalid API Key"}}, 401, "Unauthorized")),
+                        slots,
+                        lc.HTTPStatusError,
+                        client=key,
+                    ),
+                    _d_part(address=_d_missing, act=lambda c, ev: c.props(), expect=lc.ConnectError, client=key),
+                    _d_part(address=_d_missing, expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait, client=key),
+                    _d_part(expect=ValueError, client={"api_key": _F_KEY + "\r\n"}),
+                    _d_part(expect=ValueError, client={"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}),
+                ],
+            ),
+            (
+                "header injection",
+                [
+                    _d_part(expect=ValueError, client={"headers": {"X-Trace": "1\r\nX-Injected: yes"}}),
+                    _d_part(expect=ValueError, client={"headers": {"X-Trace\r\nX-Injected": "1"}}),
+                    _d_part(expect=ValueError, client={"headers": {"X-Trace": "1\nX-Injected: yes"}}),
+                    _d_part(expect=ValueError, client={"api_key": "key\nX-Injected: yes"}),
+                    _d_part(expect=ValueError, address=lambda s: "http://127.0.0.1:8080/\r\nX-Injected: yes"),
+                    _d_part(
+                        _d_reply(_D_OK),
+                        act=lambda c, ev: c.request("GET", "/slots\r\nX-Injected: yes"),
+                        expect=ValueError,
+                    ),
+                ],
+            ),
+            (
+                "a model name carrying CR/LF",
+                [_d_part(_d_reply(_D_OK), _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"))],
+            ),
+            (
+                "redirects",
+                [
+                    redirect(status)
+                    for status in (
+                        b"301 Moved Permanently",
+                        b"302 Found",
+                        b"303 See Other",
+                        b"307 Temporary Redirect",
+                        b"308 Permanent Redirect",
+                    )
+                ]
+                + [
+                    _d_part(
+                        _d_slots_reply(
+                            _f_head(b"302 Found", b"Location: http://127.0.0.1:9/slots\r\nContent-Length: 0\r\n")
+                        ),
+                        slots,
+                        lc.HTTPStatusError,
+                    )
+                ],
+            ),
+            ("a response pointing elsewhere", [_d_part(elsewhere), _d_part(elsewhere, slots, lc.HTTPStatusError)]),
+        ]
+
+    def _d_fuzz(self):
+        def served(name, target):
+            data = _f_input(name)
+            self.assertTrue(_f_saved(target, data, name))
+            return data
+
+        assembler = served("080ec222851097f5", "assembler").decode("utf-8", "surrogatepass").split("\n\x1e")
+        return [
+            (
+                "error body stalls on a held connection",
+                [
+                    _d_part(
+                        _d_pieces(
+                            served("e2748cec9571aae2", "client"),
+                            _F_CUTS["e2748cec9571aae2"],
+                        ),
+                        expect=lc.StalledError,
+                        budget=FAST_FAULTS.liveness,
+                    )
+                ],
+            ),
+            (
+                "503 with an error body nested 5,000 deep",
+                [
+                    _d_part(
+                        _d_reply(served("403724efe73ee4d8", "http")),
+                        expect=lc.LoadTimeoutError,
+                        budget=FAST_FAULTS.load_wait,
+                    )
+                ],
+            ),
+            # the assembler's payloads, served as the events of a stream: the first is the error event
+            (
+                'error code `"²"`',
+                [_d_part(_d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"), expect=lc.ServerError)],
+            ),
+            # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
+            # longer than the parsing: CPU-bound, it is timing otherwise)
+            (
+                "605,552 `data:` lines in one event",
+                [
+                    _d_part(
+                        _d_reply(_D_CL + b"\r\n" + served("5dff79bad8bec29d", "sse")),
+                        expect=lc.StreamClosedError,
+                        budget=1.0 * TRACED,
+                        at_once=True,
+                        changes=dict(max_line=1024 * 1024, liveness=30.0),
+                    )
+                ],
+            ),
+            (
+                "`event: error` with data nested 100,000 deep",
+                [
+                    _d_part(
+                        _d_reply(served("e517c807fa701495", "http")),
+                        expect=lc.ServerError,
+                        changes=dict(max_line=1024 * 1024),
+                    )
+                ],
+            ),
+            (
+                "`event: error` nested deep, through `chat()`",
+                [
+                    _d_part(
+                        _d_pieces(
+                            served("0f7c31287867b84c", "client"),
+                            _F_CUTS["0f7c31287867b84c"],
+                        ),
+                        _d_chat(slot=1),
+                        lc.ServerError,
+                        changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
+                    )
+                ],
+            ),
+        ]
+
+    _D_TABLES = (
+        "_d_connecting",
+        "_d_head",
+        "_d_framing",
+        "_d_sse",
+        "_d_json_rows",
+        "_d_waits",
+        "_d_errors",
+        "_d_retry_after",
+        "_d_slots_rows",
+        "_d_control",
+        "_d_proxies",
+        "_d_security",
+        "_d_fuzz",
+    )
+
+    def test_the_comparison_sets_aside_timing_only(self):
+        poll = FAST_FAULTS.poll
+        differ = lambda a, b: differs_between_clients(a, b, poll)
+        done = lc.Completion(CID, MODEL, "Hi", "", [], "stop", None, None)
+        waited = lc.LoadTimeoutError("the server at /s stayed unreachable or loading for 0.6 s (load_wait)")
+        later = lc.LoadTimeoutError("the server at /s stayed unreachable or loading for 0.9 s (load_wait)")
+        late = lc.LoadTimeoutError("the server at /s stayed unreachable or loading for 1.0 s (load_wait)")
+        retry = lc.Retrying(1, 0.2, "HTTP 503: Loading model")
+        wait = lc.Waiting(False)
+        hi = lc.Content("Hi", 0)
+        # alike: Retrying's delay, seconds within MARGIN, a run of one Waiting a few polls longer
+        self.assertIsNone(differ(([retry, hi], done), ([retry.replace(delay=0.24), hi], done)))
+        self.assertIsNone(differ(([retry], waited), ([retry], later if MARGIN >= 0.3 else waited)))
+        self.assertIsNone(differ(([wait] * 8, waited), ([wait] * 6, waited)))
+        self.assertIsNone(differ(([wait, hi], done), ([hi], done)))  # the head came a poll later
+        # one more attempt at the end of the budget, before the same budget error
+        self.assertIsNone(differ(([retry], waited), ([retry, lc.Retrying(2, 0.0001, retry.reason)], waited)))
+        # different: anything else
+        self.assertIn("events differ", differ(([retry, hi], done), ([hi], done)))
+        self.assertIn("events differ", differ(([retry], done), ([lc.Retrying(2, 0.2, retry.reason)], done)))
+        self.assertIn("events differ", differ(([wait], done), ([lc.Waiting(True)], done)))
+        self.assertIn("events differ", differ(([wait] * 20 + [hi], done), ([hi], done)))
+        self.assertIn("events differ", differ(([hi, wait], done), ([hi], done)))
+        self.assertIn("events differ", differ(([wait] * 20, waited), ([wait], waited)))
+        self.assertIn(
+            "events differ", differ(([], lc.ProtocolError("x")), ([lc.Retrying(1, 0.0001, "r")], lc.ProtocolError("x")))
+        )
+        self.assertIn("completion differs", differ(([hi], done), ([hi], done.replace(finish_reason="length"))))
+        self.assertIn("outcome differs", differ(([], waited), ([], lc.StalledError(str(waited)))))
+        self.assertIn("outcome differs", differ(([hi], done), ([hi], lc.StreamClosedError("closed"))))
+        self.assertIn(
+            "message differs", differ(([], waited), ([], late if MARGIN < 0.4 else lc.LoadTimeoutError("other")))
+        )
+        self.assertIn("message differs", differ(([], lc.HTTPStatusError(400, "a")), ([], lc.HTTPStatusError(500, "a"))))
+        self.assertIn("message differs", differ(([], lc.ServerError(1, "m")), ([], lc.ServerError(1, "n"))))
+
+    def test_every_row_of_the_fault_table_is_here(self):
+        with open(os.path.join(HERE, "dev", "FAULTS.md"), encoding="utf-8") as f:
+            rows = [
+                line.split("|")[1].strip() for line in f if line.startswith("| ") and not line.startswith("| fault ")
+            ]
+        rows = [r for r in rows if not set(r) <= set("-")]
+        here = [name for table in self._D_TABLES for name, _ in getattr(self, table)()]
+        self.assertEqual(sorted(here), sorted(rows))
+        self.assertEqual(len(here), len(set(here)))
+
+    def test_connecting(self):
+        self._d_table(self._d_connecting())
+
+    def test_the_response_head(self):
+        self._d_table(self._d_head())
+
+    def test_body_framing(self):
+        self._d_table(self._d_framing())
+
+    def test_sse_lines_and_events(self):
+        self._d_table(self._d_sse())
+
+    def test_json_payloads(self):
+        self._d_table(self._d_json_rows())
+
+    def test_silence_pings_and_the_liveness_rule(self):
+        self._d_table(self._d_waits())
+
+    def test_error_statuses_and_error_events(self):
+        self._d_table(self._d_errors())
+
+    def test_503_with_retry_after(self):
+        self._d_table(self._d_retry_after())
+
+    def test_slots_and_the_other_single_shot_calls(self):
+        self._d_table(self._d_slots_rows())
+
+    def test_the_reasoning_control_endpoint(self):
+        self._d_table(self._d_control())
+
+    def test_security(self):
+        self._d_table(self._d_security())
+
+    def test_inputs_the_fuzzer_found(self):
+        self._d_table(self._d_fuzz())
+
+    # -- the cases that used to tell the clients apart, and the proxies' rows -------------------------
+
+    def _d_held(self, kind, make, server, limits, slot, steps, **client):
+        """Chats held by a Gatekeeper: ``steps`` start them (a marker) and release them (``-marker``), each
+        step waiting for what it did to be seen (a release, for the chat to be in flight and to have heard a
+        Waiting: how many is timing, whether any is not); a marker in upper case runs in this thread, at
+        once (its outcome an error, e.g. BusyError).  Their (events, value), in the order of their markers."""
+        client = make(server.address, limits=limits, **client)
+        keeper = Gatekeeper(server)
+        events, results, threads = {}, {}, []
+        try:
+            for step in steps:
+                if step.startswith("-"):  # once it is in flight and has heard a Waiting (then both clients have)
+                    marker = step[1:]
+                    wait_for(lambda: keeper.arrived(marker), what=marker + " in flight")
+                    wait_for(lambda: any(isinstance(e, lc.Waiting) for e in events[marker]), what=marker + " waiting")
+                    keeper.release(marker)
+                elif step.isupper():
+                    events[step] = []
+                    t = Timer()
+                    try:
+                        results[step] = client.chat(
+                            [{"role": "user", "content": step}], slot=slot, on_event=events[step].append
+                        )
+                    except lc.LoopError as exc:
+                        results[step] = exc
+                    self.assertLessEqual(t.elapsed, MARGIN, "%s: %s took %.3f s" % (kind, step, t.elapsed))
+                else:
+                    threads.append(start_chat(client, step, slot, events, results))
+                    wait_for(
+                        lambda m=step: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in events[m]), what=step
+                    )
+            for thread in threads:
+                thread.join(10)
+        finally:
+            for marker in events:
+                keeper.release(marker)
+            client.close()
+        return [(events[m], results[m]) for m in sorted(events)]
+
+    def test_cases_that_used_to_differ(self):
+        head_only = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
+        self._d_row(
+            "HEAD with a Content-Length and no body",
+            _d_part(
+                lambda s: s.route("HEAD", "/health", reply(head_only, hold=True)),
+                lambda c, ev: c.request("HEAD", "/health"),
+                "",
+            ),
+        )
+        over = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        over += chunked(*[b"[" + b" " * 8190 + b"]"] * 9)  # 72 KiB of chunks, the last chunk never sent
+        self._d_row(
+            "a chunked single-shot answer over max_body",
+            _d_part(_d_slots_reply(over, hold=True), lambda c, ev: c.slots(), lc.ProtocolError),
+        )
+
+        held = FAST_FAULTS.replace(idle_grace=5.0, busy_wait=5.0)
+
+        def busy(kind, make, server):
+            server.route("GET", "/slots?model=m1", server._slots)
+            outcomes = self._d_held(
+                kind, make, server, held.replace(queue_len=1), 0, ["a", "b", "C", "-a", "-b"], model="m1"
+            )
+            self.assertIs(type(outcomes[0][1]), lc.BusyError)
+            self.assertEqual(
+                str(outcomes[0][1]), "1 requests already wait for slot 0 of model m1 (queue_len 1): try later"
+            )
+            self.assertEqual([o[1].content for o in outcomes[1:]], ["a", "b"])
+            return outcomes
+
+        self._d_both("BusyError for slot 0 of model m1", busy)
+
+        def pool(size):
+            def scenario(kind, make, server):
+                limits = held if size is None else held.replace(pool=size)
+                n = size or len(server.busy)  # without Limits.pool: /props's total_slots
+                first = [chr(ord("a") + i) for i in range(n)]
+                last = chr(ord("a") + n)
+                steps = first + [last] + ["-" + m for m in first + [last]]  # the last one waits, Queued(n)
+                outcomes = self._d_held(kind, make, server, limits, None, steps)
+                self.assertEqual([o[1].content for o in outcomes], first + [last])
+                self.assertEqual([e for e in outcomes[-1][0] if isinstance(e, lc.Queued)], [lc.Queued(n)])
+                return outcomes
+
+            return scenario
+
+        self._d_both("a slot=None pool with Limits(pool=3)", pool(3))
+        self._d_both("a slot=None pool without Limits.pool", pool(None))
+
+    def test_behind_proxies(self):
+        self._d_table(self._d_proxies())
+
+    def _d_proxies(self):
+        slots = _d_slots(_d_json({"error": {"code": 404, "message": "no slots here", "type": "x"}}, 404, "Not Found"))
+
+        def then_ok(hint):
+            return lambda s: s.stream(_f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(_D_OK)))
+
+        def both(*arrangements):
+            return lambda s: [a(s) for a in arrangements]
+
+        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+        return [
+            (
+                "429 at a concurrency limit, then served",
+                [
+                    _d_part(then_ok(None), budget=backoff, at_once=True),
+                    _d_part(then_ok(b"0"), budget=backoff, at_once=True),
+                ],
+            ),
+            (
+                "429 for ever",
+                [
+                    _d_part(
+                        _d_reply(_f_too_many(b"0")),
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8,
+                        changes=dict(load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "429 with a hint past `busy_wait`",
+                [_d_part(_d_reply(_f_too_many(b"30")), expect=lc.WaitTimeoutError, budget=0.8, at_once=True)],
+            ),
+            (
+                "`/slots` not served",
+                [
+                    _d_part(
+                        both(slots, _d_stream(_f_hold)),
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8,
+                        changes=dict(load_wait=0.3, idle_grace=0.3),
+                    )
+                ],
+            ),
+        ]
 
 
 # =====================================================================================================
@@ -12556,6 +13978,194 @@ for _name in list(vars(TestRealServer)):
         "test_cancel_frees_the_slot_within_a_second",
     ):
         setattr(TestRealServerAsync, _name, None)
+
+
+class ConcurrencyProxy:
+    """A proxy in front of a real server, as llama-swap behaves at its per-model concurrency limit: on a
+    Unix socket of its own, it answers ``GET /slots`` with 404 (not served), a request past ``limit`` in
+    flight through it with 429 and ``Retry-After: 1``, and forwards any other request to ``upstream``
+    (asking it to close the connection after its answer), piping the response back byte for byte until
+    the server closes.  Every socket call has a timeout; ``close()`` shuts every socket down (a ``close()``
+    alone does not wake a thread blocked in ``recv()`` on Linux) and joins the threads."""
+
+    def __init__(self, upstream, limit=2):
+        self.upstream = upstream
+        self.limit = limit
+        self.tmp = tempfile.mkdtemp(prefix="lcproxy", dir="/tmp")
+        self.path = os.path.join(self.tmp, "proxy.sock")
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.sockets = set()
+        self.threads = []
+        self.in_flight = self.max_in_flight = 0
+        self.forwarded, self.refused, self.slots_asked = [], 0, 0
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        self.listener.settimeout(0.05)
+        self._start(self._accept)
+
+    def _start(self, target, *args):
+        thread = threading.Thread(target=target, args=args, name="lc-test-proxy", daemon=True)
+        with self.lock:
+            self.threads.append(thread)
+        thread.start()
+
+    def _track(self, sock):
+        with self.lock:
+            if self.stopping.is_set():
+                sock.close()
+                return False
+            self.sockets.add(sock)
+            return True
+
+    def _untrack(self, sock):
+        with self.lock:
+            self.sockets.discard(sock)
+        sock.close()
+
+    def _accept(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if self._track(conn):
+                self._start(self._serve, conn)
+
+    def _serve(self, conn):
+        try:
+            conn.settimeout(5)
+            request = read_request(conn)
+            if request is None:
+                return
+            if request.method == "GET" and request.path.split("?")[0] == "/slots":
+                with self.lock:
+                    self.slots_asked += 1
+                conn.sendall(
+                    b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n"
+                    b"Connection: close\r\n\r\nnot found"
+                )
+                return
+            with self.lock:
+                admitted = self.in_flight < self.limit
+                if admitted:
+                    self.in_flight += 1
+                    self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                    self.forwarded.append(request.path)
+                else:
+                    self.refused += 1
+            if not admitted:
+                conn.sendall(_f_too_many(b"1"))
+                return
+            try:
+                self._forward(conn, request)
+            finally:
+                with self.lock:
+                    self.in_flight -= 1
+        except OSError:
+            pass
+        finally:
+            self._untrack(conn)
+
+    def _forward(self, conn, request):
+        lines = [line for line in request.head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not self._track(upstream):
+            return
+        try:
+            upstream.settimeout(5)
+            upstream.connect(self.upstream)
+            upstream.sendall(b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n" + request.body)
+            upstream.settimeout(0.5)
+            deadline = time.monotonic() + 120
+            while not self.stopping.is_set() and time.monotonic() < deadline:
+                try:
+                    data = upstream.recv(65536)
+                except socket.timeout:
+                    continue
+                if not data:
+                    return  # the server closed: so does the proxy, after the last byte
+                conn.sendall(data)
+        finally:
+            self._untrack(upstream)
+
+    def close(self):
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            sockets = list(self.sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self.lock:
+            threads = list(self.threads)
+        for thread in threads:
+            thread.join(10)
+        alive = [t for t in threads if t.is_alive()]
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return alive
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealProxy(ClientFactory, unittest.TestCase):
+    """The real server behind ConcurrencyProxy (llama-swap at its per-model limit of 2 in flight): eight
+    chats with ``slot=None`` at once, from a client whose pool admits all eight (``Limits.pool``; the
+    server's own total_slots would hold them to 2 and the proxy would never refuse), all finish; the ones
+    the proxy refused heard a ``Retrying`` naming the 429 and were sent again after its hint; ``/slots``
+    is not served, so any ``Waiting`` says the slots are unknown."""
+
+    def setUp(self):
+        with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as direct:
+            _idle(direct)
+        self.proxy = ConcurrencyProxy(REAL_SOCKET, limit=2)
+        self.client = self.new_client(self.proxy.path, limits=REAL_LIMITS.replace(pool=8))
+
+    def tearDown(self):
+        self.client.close()
+        alive = self.proxy.close()
+        self.assertEqual(alive, [], "the proxy's threads did not end")
+
+    def test_eight_chats_through_a_proxy_at_its_concurrency_limit(self):
+        events, results = {}, {}
+        t = Timer()
+        markers = ["Name a colour, number %d." % i for i in range(8)]
+        threads = [start_chat(self.client, m, None, events, results, max_tokens=8, temperature=0) for m in markers]
+        for thread in threads:
+            thread.join(120)
+        self.assertFalse(any(thread.is_alive() for thread in threads), "a chat did not end within 120 s")
+        failed = {m: r for m, r in results.items() if not isinstance(r, lc.Completion)}
+        self.assertEqual(failed, {})
+        self.assertEqual(sorted(results), sorted(markers))
+        for marker in markers:
+            self.assertTrue(results[marker].finish_reason, (marker, results[marker]))
+        retries = [e for m in markers for e in events[m] if isinstance(e, lc.Retrying)]
+        self.assertTrue(retries, "no chat heard a Retrying: the proxy refused none (refused %d)" % self.proxy.refused)
+        self.assertEqual({r.reason for r in retries}, {"HTTP 429: too many requests for model m1"})
+        self.assertTrue(all(r.delay >= 1.0 for r in retries), [r.delay for r in retries])  # the hint is a floor
+        waits = {e for m in markers for e in events[m] if isinstance(e, lc.Waiting)}
+        self.assertLessEqual(waits, {lc.Waiting(False, slots_known=False)})
+        self.assertEqual(self.proxy.max_in_flight, 2)
+        self.assertEqual(self.proxy.refused, len(retries))
+        self.assertEqual(self.proxy.forwarded.count("/v1/chat/completions"), 8)
+        print(
+            "\n    %s: 8 chats through the proxy in %.1f s: %d refused with 429 and retried, %d Waiting events"
+            % (
+                self.CLIENT,
+                t.elapsed,
+                len(retries),
+                sum(isinstance(e, lc.Waiting) for m in markers for e in events[m]),
+            ),
+            file=sys.stderr,
+        )
+
+
+class TestRealProxyAsync(AsyncDriver, TestRealProxy):
+    pass
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)

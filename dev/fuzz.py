@@ -5,6 +5,7 @@
     python3 dev/fuzz.py --seconds 600 --seed 7
     python3 dev/fuzz.py --long            # hours (4 h unless --seconds says otherwise)
     python3 dev/fuzz.py --inputs 5000 --seed 7 --target http    # exactly these inputs, one target
+    python3 dev/fuzz.py --differential --inputs 2000 --seed 7   # Client and AsyncClient compared
     python3 dev/fuzz.py --replay dev/fuzz-crashes/<hash>.bin
 
 The seeds' stream pieces and JSON answers and the servers' request reader are test_loopclient's (imported,
@@ -22,6 +23,13 @@ pieces that successive reads return.  Targets:
                the dialect says its stream ended (built-in seeds in the real shapes, and captures 40-66)
     dialect_payloads  one of those dialects fed mutated payloads (structural edits with their own keys)
     client     the whole Client, chat() against a Unix socket server thread serving the mutated bytes
+    differential  the client target's cases (the same inputs for the same seed) through Client and then
+               AsyncClient (asyncio.run), against the same server: the events, the Completion, the error
+               class and message must be alike but for timing (test_loopclient's differs_between_clients:
+               Retrying's delay, seconds in a message within MARGIN, how many polls heard the same
+               Waiting, one attempt more at a budget's end).  A difference runs again (DIFF_RERUNS): one
+               that a rerun does not repeat is printed as TIMING, one that every rerun repeats is a
+               violation.  Only run on its own (--differential), never in the mix
 
 Rules, each breach a violation: only ``LoopError`` subclasses may escape; no input may take more than a
 second (CPU time for the parsers, wall time for the client, whose budgets are a fraction of that); the
@@ -74,6 +82,7 @@ from test_loopclient import (  # noqa: E402
     _p_typed,
     chunk_json,
     chunked,
+    differs_between_clients,
     json_response,
     read_request,
     sse,
@@ -1269,7 +1278,8 @@ def _client_threads():
     return [t for t in threading.enumerate() if t.name.startswith("loopclient")]
 
 
-def run_client(case):
+def _serve_case(case):
+    """The scripted server for a client case: its chat stream, /slots and control answers."""
     srv = server()
     srv.script = {
         "/v1/chat/completions": (case["data"], case["cuts"], case["hold"]),
@@ -1277,8 +1287,29 @@ def run_client(case):
         "/props": (json_response({"total_slots": 2}), [], False),
         "/v1/chat/completions/control": (case["control"], [], False),
     }
+    return srv
+
+
+def _client_limits(case):
+    return CLIENT_LIMITS_CAPPED if case["capped"] else CLIENT_LIMITS
+
+
+def _check_no_leak(srv, fds):
+    """Nothing leaks: the client's threads end and every descriptor closes (the server's with them)."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and (_client_threads() or srv.active or _fds() > fds):
+        time.sleep(0.002)
+    if _client_threads() or _fds() > fds:
+        raise Violation(
+            "leak after the request: threads %s, %d descriptors over %d (server connections open: %d)"
+            % ([t.name for t in _client_threads()], _fds() - fds, fds, srv.active)
+        )
+
+
+def run_client(case):
+    srv = _serve_case(case)
     fds = case.setdefault("_fds", _fds())
-    client = lc.Client(srv.path, limits=CLIENT_LIMITS_CAPPED if case["capped"] else CLIENT_LIMITS)
+    client = lc.Client(srv.path, limits=_client_limits(case))
     events = []
     start = time.monotonic()
     try:
@@ -1287,17 +1318,95 @@ def run_client(case):
         case["_seconds"] = time.monotonic() - start
         client.close()
         check_events(events, CLIENT_EVENT_TYPES)
-        # nothing leaks: the client's threads end and every descriptor closes (the server's with them)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline and (_client_threads() or srv.active or _fds() > fds):
-            time.sleep(0.002)
-        if _client_threads() or _fds() > fds:
-            raise Violation(
-                "leak after the request: threads %s, %d descriptors over %d (server connections open: %d)"
-                % ([t.name for t in _client_threads()], _fds() - fds, fds, srv.active)
-            )
+        _check_no_leak(srv, fds)
     check_completion(done)
     return done
+
+
+# -- the two clients alike: Client and AsyncClient on the same scripted server ------------------------
+
+
+def _sync_outcome(srv, case):
+    """(events, Completion or LoopError, seconds) of ``Client.chat`` on the case."""
+    client = lc.Client(srv.path, limits=_client_limits(case))
+    events = []
+    start = time.monotonic()
+    try:
+        value = client.chat([{"role": "user", "content": "hi"}], slot=case["slot"], on_event=events.append)
+    except lc.LoopError as exc:
+        value = exc
+    finally:
+        seconds = time.monotonic() - start
+        client.close()
+    return events, value, seconds
+
+
+def _async_outcome(srv, case):
+    """The same through ``AsyncClient.chat``, on an event loop of its own (asyncio.run, no executor)."""
+    import asyncio
+
+    async def main():
+        client = lc.AsyncClient(srv.path, limits=_client_limits(case))
+        events = []
+        start = time.monotonic()
+        try:
+            value = await client.chat([{"role": "user", "content": "hi"}], slot=case["slot"], on_event=events.append)
+        except lc.LoopError as exc:
+            value = exc
+        finally:
+            seconds = time.monotonic() - start
+            await client.close()
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if left:
+            raise Violation("the AsyncClient left %d tasks after close(): %r" % (len(left), left[:3]))
+        return events, value, seconds
+
+    return asyncio.run(main())
+
+
+#: A case whose two outcomes differ runs again, this many times, before the difference is a violation:
+#: the client cases trickle bytes and wait out budgets of a tenth of a second, so on a loaded machine one
+#: run's outcome can turn on a few milliseconds.  A difference that a rerun does not repeat is reported
+#: as timing (printed, counted, not a violation); one that every rerun repeats is a violation.
+DIFF_RERUNS = 2
+
+
+def _both_outcomes(srv, case, fds):
+    """(sync (events, value), async (events, value), the longer run's seconds)."""
+    # a retry's delay is jittered with the random module: both clients draw the same jitter
+    random.seed(case_id(case))
+    sync_events, sync_value, sync_seconds = _sync_outcome(srv, case)
+    check_events(sync_events, CLIENT_EVENT_TYPES)
+    _check_no_leak(srv, fds)
+    random.seed(case_id(case))
+    async_events, async_value, async_seconds = _async_outcome(srv, case)
+    check_events(async_events, CLIENT_EVENT_TYPES)
+    _check_no_leak(srv, fds)
+    return (sync_events, sync_value), (async_events, async_value), max(sync_seconds, async_seconds)
+
+
+def run_differential(case):
+    """The case through ``Client`` and then ``AsyncClient``, against the same scripted server: events,
+    Completion, error class and message must be alike but for timing (test_loopclient's
+    differs_between_clients, the rules of TestDifferential)."""
+    srv = _serve_case(case)
+    fds = case.setdefault("_fds", _fds())
+    sync, other, seconds = _both_outcomes(srv, case, fds)
+    case["_seconds"] = seconds
+    differs = differs_between_clients(sync, other, CLIENT_LIMITS.poll)
+    if differs is not None:
+        for _ in range(DIFF_RERUNS):
+            again_sync, again_other, _ = _both_outcomes(srv, case, fds)
+            if differs_between_clients(again_sync, again_other, CLIENT_LIMITS.poll) is None:
+                case["_timing"] = differs
+                break
+        else:
+            raise Violation(differs)
+    value = sync[1]
+    if isinstance(value, BaseException):
+        raise value
+    check_completion(value)
+    return value
 
 
 #: name: (make a case, run it, weight).  A client input costs ~70 parser inputs (sockets, threads, and the
@@ -1310,6 +1419,8 @@ TARGETS = {
     "dialect": (make_dialect, run_dialect, 25),
     "dialect_payloads": (make_dialect_payloads, run_dialect_payloads, 20),
     "client": (make_client, run_client, 1),
+    # the client cases again, through both clients: run on its own (--differential), never in the mix
+    "differential": (make_client, run_differential, 0),
 }
 
 
@@ -1325,7 +1436,7 @@ def _on_alarm(signum, frame):
 def run_case(case, trace):
     """(outcome text, seconds, peak bytes or None); raises Violation for a broken rule."""
     run = TARGETS[case["target"]][1]
-    wall = case["target"] == "client"
+    wall = case["target"] in ("client", "differential")
     clock = time.monotonic if wall else time.thread_time  # the parsers: this thread's CPU time only
     if trace:  # tracemalloc was started just before: its peak counts this input only
         base = tracemalloc.get_traced_memory()[0]
@@ -1367,10 +1478,11 @@ def run_case(case, trace):
 def make_case(seed, index, corpus, only=None):
     rng = random.Random("%d:%d" % (seed, index))
     names = sorted(TARGETS) if only is None else [only]
-    weights = [TARGETS[n][2] for n in names]
+    weights = [TARGETS[n][2] for n in names] if only is None else [1]
     name = rng.choices(names, weights)[0]
     big = name in ("http", "sse", "chunked") and rng.randrange(BIG_EVERY) == 0
     case = TARGETS[name][0](rng, corpus, big)
+    case["target"] = name  # the differential target makes its cases with make_client
     case["seed"], case["index"] = seed, index
     return case
 
@@ -1424,10 +1536,22 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--long", action="store_true", help="run for hours")
     parser.add_argument("--target", choices=sorted(TARGETS), help="fuzz one target only")
+    parser.add_argument(
+        "--differential",
+        action="store_const",
+        const="differential",
+        dest="target",
+        help="the client target's cases through Client and AsyncClient, compared (--target differential)",
+    )
     parser.add_argument("--inputs", type=int, help="stop after this many inputs (a repeatable run)")
     parser.add_argument("--replay", metavar="FILE", nargs="+", help="run saved inputs (dev/fuzz-crashes/*.bin) once")
     args = parser.parse_args(argv)
-    seconds = args.seconds if args.seconds is not None else (4 * 3600.0 if args.long else 60.0)
+    if args.seconds is not None:
+        seconds = args.seconds
+    elif args.inputs is not None:  # exactly that many inputs, however long they take
+        seconds = float("inf")
+    else:
+        seconds = 4 * 3600.0 if args.long else 60.0
     signal.signal(signal.SIGALRM, _on_alarm)
     tracemalloc.start()
     tracemalloc.stop()
@@ -1454,6 +1578,7 @@ def main(argv=None):
     outcomes = {}
     findings = {}
     violations = 0
+    timing = []  # the differential target's differences that a rerun did not repeat
     index = 0
     peak_max = 0
     slowest = (0.0, "")
@@ -1480,6 +1605,10 @@ def main(argv=None):
                     peak_max = max(peak_max, peak)
                 if took > slowest[0]:
                     slowest = (took, case["target"])
+                if case.get("_timing"):
+                    timing.append(index - 1)
+                    print("TIMING (input %d): %s; a rerun agreed" % (index - 1, case["_timing"][:600]))
+                    sys.stdout.flush()
             except Violation as exc:
                 counts[case["target"]] += 1
                 violations += 1
@@ -1526,6 +1655,11 @@ def main(argv=None):
     print("fuzz: slowest input %.3f s (%s), largest traced peak %.1f MiB" % (slowest[0], slowest[1], peak_max / 2**20))
     for sig, (count, path) in sorted(findings.items()):
         print("fuzz: finding %s x%d -> %s" % ("/".join(sig), count, path))
+    if timing:
+        print(
+            "fuzz: %d differences between the clients that a rerun did not repeat (timing): inputs %s"
+            % (len(timing), timing)
+        )
     print("fuzz: %d inputs, %d violations in %.1f s (seed %d)" % (index, violations, elapsed, args.seed))
     return 1 if violations else 0
 

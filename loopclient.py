@@ -4381,7 +4381,7 @@ class _Calls:
                         lost.silent = True
                         raise StreamClosedError(str(stalled)) from None  # tried once as a lost connection
                     heard = time.monotonic()
-                    if not started:
+                    if not started and data:  # an end of file at once is no byte of the head
                         started = progress = heard
                     events = pump.feed(data) if data else pump.feed_eof()
                     if pump.progressed:

@@ -5590,7 +5590,7 @@ class AsyncStream:
         if self._done:
             raise StopAsyncIteration
         run = self._run
-        if run is not None and run.running:
+        if run is not None and run.running and run.unwinding is None:  # (a cancelled one's DELETE: below)
             raise RuntimeError("another task is iterating this stream")
         if self._cancelled:
             self._done = True

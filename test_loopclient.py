@@ -9995,7 +9995,8 @@ class TestFaultResume(_f_Case):
     """Resumable streams: a connection lost after the head is resumed from the server's buffer, never sent
     again; the events (less ``Resumed``) and the ``Completion`` are those of the uncut stream."""
 
-    limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0)
+    #: no wait is under test here but liveness: a slow machine must not turn a late head into an error
+    limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0)
 
     def _r_buffer(self, raw, call="chat", cuts=()):
         return _r_Buffer(self.server, raw, _R_PATHS[call], cuts)

@@ -4412,7 +4412,7 @@ class _Calls:
                         lost.silent = True
                         raise StreamClosedError(str(stalled)) from None  # tried once as a lost connection
                     heard = time.monotonic()
-                    if not started:
+                    if not started and data:  # an end of file at once is no byte of the head
                         started = progress = heard
                     events = pump.feed(data) if data else pump.feed_eof()
                     if pump.progressed:
@@ -5603,7 +5603,7 @@ class AsyncStream:
         if self._done:
             raise StopAsyncIteration
         run = self._run
-        if run is not None and run.running:
+        if run is not None and run.running and run.unwinding is None:  # (a cancelled one's DELETE: below)
             raise RuntimeError("another task is iterating this stream")
         if self._cancelled:
             self._done = True

@@ -53,6 +53,7 @@ import traceback
 import tracemalloc
 import types
 import unittest
+import urllib.parse
 import warnings
 from unittest import mock
 
@@ -637,6 +638,14 @@ class StreamFacade:
     def completion(self):
         return self._stream.completion
 
+    @property
+    def offset(self):
+        return self._stream.offset
+
+    @property
+    def conversation_id(self):
+        return self._stream.conversation_id
+
     def __enter__(self):
         return self
 
@@ -698,6 +707,8 @@ class SyncFacade:
 
     def __getattr__(self, name):  # the single-shot calls: slots(), health(), props(), request(), ...
         method = getattr(self._client, name)
+        if name == "resume" or name.startswith("stream_"):  # plain methods that return an AsyncStream
+            return lambda *args, **kw: StreamFacade(self._runner, method(*args, **kw))
         return lambda *args, **kw: self._runner.run(method(*args, **kw))
 
     def chat(self, messages, slot=None, on_event=None, **params):
@@ -10532,6 +10543,604 @@ class TestFaultControlAsync(AsyncDriver, TestFaultControl):
     pass
 
 
+# -- resumable streams: a lost connection resumed from the server's buffer ----------------------------
+
+
+def _r_dechunk(raw):
+    """A recorded chunked response: its head (with the blank line) and its body, one piece per HTTP chunk."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    pieces = []
+    while True:
+        line, _, rest = rest.partition(b"\r\n")
+        size = int(line, 16)
+        if not size:
+            return head + b"\r\n\r\n", pieces
+        pieces.append(rest[:size])
+        assert rest[size : size + 2] == b"\r\n"
+        rest = rest[size + 2 :]
+
+
+def _r_block_ends(body):
+    """The body offsets where an event block ends (just after its blank line)."""
+    ends, at = [], 0
+    while True:
+        at = body.find(b"\n\n", at)
+        if at < 0:
+            return ends
+        at += 2
+        ends.append(at)
+
+
+class _r_Routes(dict):
+    """FakeServer's routes, looked up without the query string (GET /v1/stream?conv_id=...&from=...)."""
+
+    def get(self, key, default=None):
+        method, path = key
+        return super().get((method, path.partition("?")[0]), default)
+
+
+_R_GONE = json.dumps({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}).encode()
+
+
+class _r_Buffer:
+    """llama-server's resumable streams, on a FakeServer: the streamed POST at ``path`` is answered with a
+    recorded response (its body kept as the stream's buffer, under its X-Conversation-Id); GET /v1/stream
+    replays the de-chunked body from ``from`` (a chunked 200 text/event-stream, the recorded chunks cut at
+    ``from``), POST /v1/streams/lookup and DELETE /v1/stream answer as the server does (76, 77).
+
+    ``cuts``: for the streamed connections in order (the POST, then each GET), what each does: None sends
+    it whole; ``K`` sends its first K raw bytes and closes; ``("hold", K)`` sends K bytes and then says
+    nothing until the client leaves; ``("wait", K, event)`` sends K bytes and the rest once ``event`` is
+    set (or the client leaves).  ``log``: (method, conversation id, from) of every request, in order."""
+
+    def __init__(self, server, raw, path="/v1/chat/completions", cuts=()):
+        self.server = server
+        self.head, self.pieces = _r_dechunk(raw)
+        self.body = b"".join(self.pieces)
+        self.raw = self.head + chunked(*self.pieces) + b"0\r\n\r\n"
+        self.cuts = list(cuts)
+        self.lock = threading.Lock()
+        self.log = []
+        self.ids = set()
+        self.replay_answer = None  # bytes: every GET is answered with them (a 404, a 400)
+        self.register_lost_head = True  # a POST cut before its head still runs (87)
+        self.on_delete = None  # called (in the server's thread) before DELETE is answered
+        self.deleted_while = []  # what on_delete returned, per DELETE
+        server.routes = _r_Routes(server.routes)
+        server.route("POST", path, self.post)
+        server.route("GET", "/v1/stream", self.get)
+        server.route("POST", "/v1/streams/lookup", self.lookup)
+        server.route("DELETE", "/v1/stream", self.delete)
+
+    def reset(self, cuts=()):
+        with self.lock:
+            self.cuts = list(cuts)
+            self.log = []
+            self.ids = set()
+            self.deleted_while = []
+
+    def methods(self):
+        with self.lock:
+            return [entry[0] for entry in self.log]
+
+    def replays(self):
+        with self.lock:
+            return [entry[2] for entry in self.log if entry[0] == "GET"]
+
+    def _query(self, req):
+        query = dict(urllib.parse.parse_qsl(req.path.partition("?")[2]))
+        return query.get("conv_id"), query.get("from")
+
+    def _send(self, req, data):
+        with self.lock:
+            cut = self.cuts.pop(0) if self.cuts else None
+        if cut is None:
+            req.send(data)
+        elif isinstance(cut, int):
+            req.send(data[:cut])
+        elif cut[0] == "hold":
+            req.send(data[: cut[1]])
+            req.wait_peer_close(10)
+        else:
+            req.send(data[: cut[1]])
+            deadline = time.monotonic() + 10
+            while not cut[2].is_set() and time.monotonic() < deadline:
+                if req.wait_peer_close(0.01):
+                    return cut
+            req.send(data[cut[1] :])
+        return cut
+
+    def post(self, req):
+        conv = req.headers.get("x-conversation-id")
+        with self.lock:
+            self.log.append(("POST", conv, None))
+            lost_head = self.cuts and self.cuts[0] == 0
+            if conv is not None and (self.register_lost_head or not lost_head):
+                self.ids.add(conv)
+        self._send(req, self.raw)
+
+    def get(self, req):
+        conv, start = self._query(req)
+        with self.lock:
+            self.log.append(("GET", conv, int(start)))
+            known = conv in self.ids
+            answer = self.replay_answer
+        if answer is not None:
+            req.send(answer)
+        elif not known:
+            req.send(http_response(_R_GONE, status=b"404 Not Found"))
+        else:
+            offset, at, pieces = int(start), 0, []
+            for piece in self.pieces:
+                if at + len(piece) > offset:
+                    pieces.append(piece[max(offset - at, 0) :])
+                at += len(piece)
+            self._send(req, STREAM_HEAD + chunked(*pieces) + b"0\r\n\r\n")
+
+    def lookup(self, req):
+        wanted = req.json()["conversation_ids"]
+        with self.lock:
+            self.log.append(("LOOKUP", tuple(wanted), None))
+            found = [c for c in wanted if c in self.ids]
+        doc = [
+            {"conversation_id": c, "is_done": True, "total_bytes": len(self.body), "started_at": 1, "completed_at": 2}
+            for c in found
+        ]
+        respond_json(req, doc)
+
+    def delete(self, req):
+        conv, _ = self._query(req)
+        seen = self.on_delete() if self.on_delete is not None else None
+        with self.lock:
+            self.log.append(("DELETE", conv, None))
+            self.deleted_while.append(seen)
+            self.ids.discard(conv)
+        req.send(
+            b"HTTP/1.1 204 No Content\r\nServer: llama.cpp\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: 0\r\n\r\n"
+        )
+
+
+#: Recorded streams, per endpoint: (transcript, the client call that makes that request).
+_R_STREAMS = {
+    "chat plain": ("04_chat_stream.raw.txt", "chat"),
+    "chat usage": ("06_chat_stream_include_usage.raw.txt", "chat"),
+    "chat reasoning": ("14_reasoning_grammar.raw.txt", "chat"),
+    "chat tool call": ("18_tools_required_stream.raw.txt", "chat"),
+    "completion": ("40_completion_stream_tokens_probs.raw.txt", "complete"),
+    "responses": ("50_responses_stream.raw.txt", "respond"),
+    "messages": ("60_messages_stream.raw.txt", "message"),
+}
+
+
+_R_PATHS = {
+    "chat": "/v1/chat/completions",
+    "complete": "/completion",
+    "respond": "/v1/responses",
+    "message": "/v1/messages",
+}
+
+
+def _r_utf8_stream():
+    """A short chat stream whose contents hold two-, three- and four-byte UTF-8 characters, unescaped as
+    llama-server writes them."""
+    payloads = [chunk_json({"role": "assistant", "content": None})]
+    payloads += [chunk_json({"content": word}) for word in ("Grüße", " 日本", " 🌊")]
+    payloads.append(chunk_json({}, "stop"))
+    raw = [json.dumps(json.loads(p), ensure_ascii=False, separators=(",", ":")) for p in payloads]
+    return STREAM_HEAD + chunked(*(sse(p) for p in raw), b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+class TestFaultResume(_f_Case):
+    """Resumable streams: a connection lost after the head is resumed from the server's buffer, never sent
+    again; the events (less ``Resumed``) and the ``Completion`` are those of the uncut stream."""
+
+    #: no wait is under test here but liveness: a slow machine must not turn a late head into an error
+    limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0)
+
+    def _r_buffer(self, raw, call="chat", cuts=()):
+        return _r_Buffer(self.server, raw, _R_PATHS[call], cuts)
+
+    def _r_call(self, call="chat", client=None, timeout=10, **params):
+        client = client or self.client
+        first = "hi" if call in ("complete", "respond") else MSGS
+        params.setdefault("resumable", "conv-1")
+        params.setdefault("slot", 0)
+        if call == "message":
+            params.setdefault("max_tokens", 64)
+        events = []
+        completion = run_with_timeout(lambda: getattr(client, call)(first, on_event=events.append, **params), timeout)
+        return completion, events
+
+    def _r_cuts_equal(self, name, offsets=None, sample=None):
+        """For each cut offset (every offset of the response, or ``sample`` of them plus the chunk-size lines
+        and block ends): the events less Resumed and the Completion equal the uncut stream's."""
+        transcript, call = _R_STREAMS[name]
+        buf = self._r_buffer(load_transcript(transcript), call)
+        whole, whole_events = self._r_call(call)
+        self.assertEqual(buf.methods(), ["POST"])
+        self.assertNotIn("Resumed", [type(e).__name__ for e in whole_events])
+        raw = buf.raw
+        if offsets is None:
+            offsets = range(len(raw))
+            if sample is not None:
+                hot = {len(buf.head) - 1, len(buf.head), len(buf.head) + 1}
+                at = len(buf.head)
+                for piece in buf.pieces:
+                    hot.update((at, at + 1, at + 2))  # in the size line
+                    at += len(b"%x\r\n" % len(piece)) + len(piece)
+                    hot.update((at - 1, at, at + 1, at + 2))  # a block end, and the CRLF after it
+                    at += 2
+                rng = random.Random(name)
+                offsets = sorted(hot | set(rng.sample(range(len(raw)), sample)))
+        for cut in offsets:
+            buf.reset([cut])
+            completion, events = self._r_call(call)
+            resumed = [e for e in events if isinstance(e, lc.Resumed)]
+            self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events, "cut at %d" % cut)
+            self.assertEqual(completion, whole, "cut at %d" % cut)
+            self.assertEqual(buf.replays(), [e.offset for e in resumed], "cut at %d" % cut)
+            self.assertEqual(buf.methods().count("POST"), 1, "cut at %d: the request was sent again" % cut)
+            self.assertLessEqual(len(resumed), 1)
+            if cut <= len(raw) - len(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                self.assertEqual(len(resumed), 1, "cut at %d was not resumed" % cut)
+        return buf, whole, whole_events
+
+    # -- every cut offset, every endpoint ---------------------------------------------------------------
+
+    def test_every_cut_of_a_recorded_messages_stream(self):
+        self._r_cuts_equal("messages")
+
+    def test_every_cut_of_a_recorded_tool_call_stream(self):
+        self._r_cuts_equal("chat tool call")
+
+    def test_cuts_of_a_recorded_plain_chat(self):
+        self._r_cuts_equal("chat plain", sample=150)
+
+    def test_cuts_of_a_recorded_chat_with_usage(self):
+        self._r_cuts_equal("chat usage", sample=150)
+
+    def test_cuts_of_a_recorded_chat_with_reasoning(self):
+        _, whole, _ = self._r_cuts_equal("chat reasoning", sample=150)
+        self.assertTrue(whole.reasoning)
+
+    def test_cuts_of_a_recorded_completion_stream(self):
+        self._r_cuts_equal("completion", sample=150)
+
+    def test_cuts_of_a_recorded_responses_stream(self):
+        self._r_cuts_equal("responses", sample=150)
+
+    def test_every_cut_inside_a_multibyte_character(self):
+        raw = _r_utf8_stream()
+        buf = self._r_buffer(raw)
+        whole, whole_events = self._r_call()
+        self.assertEqual(whole.content, "Grüße 日本 🌊")
+        at = buf.raw.index(" 🌊".encode()) + 1
+        for cut in range(buf.raw.index("ü".encode()), at + 5):
+            buf.reset([cut])
+            completion, events = self._r_call()
+            self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events, cut)
+            self.assertEqual(completion, whole)
+            self.assertEqual(len(buf.replays()), 1)
+
+    # -- several cuts -----------------------------------------------------------------------------------
+
+    def test_two_cuts_in_one_stream(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        whole, whole_events = self._r_call()
+        body_at = len(buf.head) + len(b"%x\r\n" % len(buf.pieces[0])) + 200  # in the first chunk's data
+        buf.reset([body_at, len(STREAM_HEAD) + 1000])
+        completion, events = self._r_call()
+        resumed = [e for e in events if isinstance(e, lc.Resumed)]
+        self.assertEqual((completion, [e for e in events if not isinstance(e, lc.Resumed)]), (whole, whole_events))
+        self.assertEqual([r.attempt for r in resumed], [1, 2])
+        self.assertNotIn("Retrying", [type(e).__name__ for e in events])  # data came between: no backoff
+        self.assertEqual(len(buf.replays()), 2)
+        self.assertEqual(buf.replays()[0], 200)
+        self.assertGreater(buf.replays()[1], 200)
+        self.assertEqual(buf.replays(), [r.offset for r in resumed])
+
+    def test_a_cut_in_the_head_of_the_replay_is_retried_from_the_same_offset(self):
+        buf = self._r_buffer(load_transcript("06_chat_stream_include_usage.raw.txt"))
+        whole, whole_events = self._r_call()
+        buf.reset([len(buf.head) + 500, 20])
+        completion, events = self._r_call()
+        kept = [e for e in events if not isinstance(e, (lc.Resumed, lc.Retrying))]
+        self.assertEqual((completion, kept), (whole, whole_events))
+        offset = buf.replays()[0]
+        self.assertEqual(buf.replays(), [offset, offset])
+        told = [e for e in events if isinstance(e, (lc.Resumed, lc.Retrying))]
+        self.assertEqual([type(e).__name__ for e in told], ["Resumed", "Retrying", "Resumed"])
+        self.assertEqual((told[0], told[2]), (lc.Resumed(offset, 1), lc.Resumed(offset, 2)))
+        self.assertEqual(told[1].attempt, 1)
+
+    # -- the replay refused -----------------------------------------------------------------------------
+
+    def _r_refused(self, answer):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf.replay_answer = answer
+        buf.reset([len(buf.head) + 700])
+        err = self._f_fails(lc.StreamClosedError, fn=lambda events: self._r_call_events(events.append))
+        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])
+        return err
+
+    def _r_call_events(self, on_event, **params):
+        return run_with_timeout(lambda: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=on_event), 10)
+
+    def test_replay_answered_404_is_stream_closed_saying_so(self):
+        err = self._r_refused(http_response(_R_GONE, status=b"404 Not Found"))
+        self.assertIn("could not be resumed", str(err))
+        self.assertIn("no longer knows it", str(err))
+        self.assertIn("HTTP 404", str(err))
+
+    def test_replay_answered_400_is_stream_closed_saying_so(self):
+        doc = {"error": {"code": 400, "message": "offset out of range", "type": "invalid_request_error"}}
+        err = self._r_refused(json_response(doc, b"400 Bad Request"))
+        self.assertIn("could not be resumed", str(err))
+        self.assertIn("no longer holds its bytes from offset", str(err))
+        self.assertIn("offset out of range", str(err))
+
+    # -- the server gone for a while ----------------------------------------------------------------------
+
+    def _r_gone_then_back(self, refused):
+        """The first connection is cut and the server's socket goes away (missing, or a file nobody listens
+        on) until the client has said it cannot connect (Retrying); then it listens again and the stream
+        finishes."""
+        self.client_with(load_wait=5.0)
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        whole, whole_events = self._r_call()
+        server = self.server
+        events = []
+
+        def cannot_connect():
+            return any(isinstance(e, lc.Retrying) and "cannot connect" in e.reason for e in events)
+
+        def post_then_gone(req):
+            with buf.lock:
+                buf.ids.add(req.headers["x-conversation-id"])
+            req.send(buf.raw[: len(buf.head) + 900])
+            server.listener.close()
+            server.listener = None
+            os.unlink(server.path)
+            stale = None
+            if refused:
+                stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                stale.bind(server.path)  # the file is there, nobody listens: connect() is refused
+            req.conn.close()
+            try:
+                wait_for(cannot_connect, 5, "the client to fail to connect")
+            finally:
+                if stale is not None:
+                    stale.close()
+                    os.unlink(server.path)
+                server.listen()
+
+        server.route("POST", "/v1/chat/completions", post_then_gone)
+        buf.reset()
+        completion = run_with_timeout(
+            lambda: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append), 10
+        )
+        retrying = [e for e in events if isinstance(e, lc.Retrying)]
+        reason = "Connection refused" if refused else "No such file"
+        self.assertTrue(any(reason in e.reason for e in retrying), retrying)
+        self.assertEqual(completion, whole)
+        self.assertEqual([e for e in events if not isinstance(e, (lc.Resumed, lc.Retrying))], whole_events)
+        resumed = [e for e in events if isinstance(e, lc.Resumed)]
+        self.assertEqual(resumed[-1].attempt, len(retrying) + 1)  # each failed reattach was told, then retried
+        self.assertEqual(buf.replays()[-1], resumed[-1].offset)
+        self.assertEqual(len(server.chat_requests()), 2)  # the uncut run, then this one: not sent again
+
+    def test_server_socket_missing_for_a_while_then_back(self):
+        self._r_gone_then_back(refused=False)
+
+    def test_server_refusing_for_a_while_then_back(self):
+        self._r_gone_then_back(refused=True)
+
+    # -- lost before any byte of the head -------------------------------------------------------------
+
+    def test_lost_before_the_head_and_known_is_resumed_from_zero(self):
+        buf = self._r_buffer(load_transcript("06_chat_stream_include_usage.raw.txt"))
+        whole, whole_events = self._r_call()
+        buf.reset([0])
+        completion, events = self._r_call()
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])
+        self.assertEqual(buf.replays(), [0])
+        self.assertEqual(events, [lc.Resumed(0, 1)] + whole_events)
+        self.assertEqual(completion, whole)
+
+    def test_lost_before_the_head_and_unknown_is_sent_again(self):
+        buf = self._r_buffer(load_transcript("06_chat_stream_include_usage.raw.txt"))
+        whole, whole_events = self._r_call()
+        buf.register_lost_head = False
+        buf.reset([0])
+        completion, events = self._r_call()
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "POST"])
+        with buf.lock:
+            self.assertEqual([e[1] for e in buf.log], ["conv-1", ("conv-1",), "conv-1"])
+        self.assertEqual([type(e).__name__ for e in events[:1]], ["Retrying"])
+        self.assertEqual(events[1:], whole_events)
+        self.assertEqual(completion, whole)
+
+    # -- a silence of liveness ------------------------------------------------------------------------
+
+    def test_a_silence_of_liveness_is_resumed_once(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        whole, whole_events = self._r_call()
+        buf.reset([("hold", len(buf.head) + 1200)])
+        liveness = self.client.limits.liveness
+        t = Timer()
+        completion, events = self._r_call()
+        self.assertGreaterEqual(t.elapsed, liveness - EARLY)
+        self.assertLess(t.elapsed, liveness + MARGIN + 1.0)
+        self.assertEqual((completion, [e for e in events if not isinstance(e, lc.Resumed)]), (whole, whole_events))
+        self.assertEqual(len(buf.replays()), 1)
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+
+    def test_a_second_silence_after_the_resume_is_stalled(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        cut = len(buf.head) + 1200
+        buf.reset([("hold", cut), ("hold", len(STREAM_HEAD) + 10)])
+        liveness = self.client.limits.liveness
+        self._f_fails(lc.StalledError, 2 * liveness, fn=lambda events: self._r_call_events(events.append))
+        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])
+
+    # -- an early end deletes the stream before the permit is released --------------------------------
+
+    def _r_permit_seen_at_delete(self, buf):
+        buf.on_delete = lambda: self.client._board.gate.snapshot().get((None, 0))
+
+    def _r_deleted_then_freed(self, buf):
+        self.assertEqual(buf.methods()[-1], "DELETE")
+        with buf.lock:
+            self.assertEqual(buf.log[-1][1], "conv-1")
+        self.assertEqual(buf.deleted_while, [(1, 0)])  # the permit was still held when the DELETE came
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+
+    def test_cancel_deletes_the_stream_before_the_permit_is_released(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)])
+        self._r_permit_seen_at_delete(buf)
+        stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
+        self.assertIsInstance(run_with_timeout(lambda: next(stream), 5), lc.Content)
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: list(stream), 5)
+        self._r_deleted_then_freed(buf)
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+
+    def test_leaving_with_early_deletes_the_stream(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)])
+        self._r_permit_seen_at_delete(buf)
+
+        def read_one():
+            with self.client.stream(MSGS, slot=0, resumable="conv-1") as stream:
+                return next(stream)
+
+        self.assertIsInstance(run_with_timeout(read_one, 5), lc.Content)
+        self._r_deleted_then_freed(buf)
+
+    def test_an_on_event_exception_deletes_the_stream_before_the_permit_is_released(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)])
+        self._r_permit_seen_at_delete(buf)
+
+        def on_event(event):
+            raise KeyError("from on_event")
+
+        with self.assertRaises(KeyError):
+            self._r_call_events(on_event)
+        self._r_deleted_then_freed(buf)
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+
+    def test_a_server_error_mid_stream_deletes_the_stream_before_the_permit_is_released(self):
+        buf = self._r_buffer(load_transcript("17_midstream_error.raw.txt"))
+        self._r_permit_seen_at_delete(buf)
+        events = []
+        with self.assertRaises(lc.ServerError):
+            self._r_call_events(events.append)
+        self.assertTrue(events)
+        self._r_deleted_then_freed(buf)
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+
+    def test_a_finished_stream_is_not_deleted(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        self._r_call()
+        self.assertEqual(buf.methods(), ["POST"])
+
+    # -- ids, offsets, resume() -------------------------------------------------------------------------
+
+    def test_a_bad_id_is_value_error_and_nothing_is_sent(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        for bad in ("bad id\n", "", "x" * 129, "caf\u00e9"):
+            with self.assertRaises(ValueError):
+                self.client.chat(MSGS, slot=0, resumable=bad)
+        self.assertEqual(buf.methods(), [])
+
+    def test_resumable_true_makes_an_id_and_sends_it(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        stream = self.client.stream(MSGS, slot=0, resumable=True)
+        self.assertRegex(stream.conversation_id, r"^lc-[0-9a-f]{32}$")
+        run_with_timeout(lambda: list(stream), 10)
+        with buf.lock:
+            self.assertEqual(buf.log, [("POST", stream.conversation_id, None)])
+        self.assertIsNone(self.client.stream(MSGS, slot=0).conversation_id)
+
+    def test_offset_is_the_end_of_the_last_yielded_events_block(self):
+        buf = self._r_buffer(load_transcript("14_reasoning_grammar.raw.txt"))
+        ends = set(_r_block_ends(buf.body))
+        stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
+        self.assertEqual(stream.offset, 0)
+        offsets = []
+
+        def read():
+            for _ in stream:
+                offsets.append(stream.offset)
+
+        run_with_timeout(read, 10)
+        self.assertTrue(offsets)
+        self.assertLessEqual(set(offsets) - {0}, ends)
+        self.assertEqual(offsets, sorted(offsets))
+        self.assertIn(stream.offset, ends)
+
+    def test_resume_from_the_offset_of_a_partial_read_yields_exactly_the_rest(self):
+        buf = self._r_buffer(load_transcript("14_reasoning_grammar.raw.txt"))
+        whole, whole_events = self._r_call()
+        release = threading.Event()
+        buf.reset([("wait", len(buf.head) + len(buf.raw) // 2, release)])
+        stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
+        read = []
+
+        def until_an_offset():
+            while stream.offset == 0:
+                read.append(next(stream))
+
+        run_with_timeout(until_an_offset, 10)
+        offset = stream.offset
+        self.assertIn(offset, _r_block_ends(buf.body))
+        other = self.new_client(self.server.address, limits=self.limits)
+        self.addCleanup(other.close)
+        rest = other.resume("conv-1", offset=offset)
+        self.assertEqual(rest.conversation_id, "conv-1")
+        tail = run_with_timeout(lambda: list(rest), 10)
+        self.assertEqual(read + tail, whole_events)
+        self.assertEqual(
+            rest.completion.content, whole.content[len("".join(e.text for e in read if isinstance(e, lc.Content))) :]
+        )
+        self.assertEqual(rest.offset, len(buf.body))
+        self.assertEqual(buf.replays(), [offset])
+        release.set()
+        self.assertEqual(read + run_with_timeout(lambda: list(stream), 10), whole_events)
+        self.assertEqual(stream.completion, whole)
+
+    def test_resume_from_zero_reads_the_whole_stream_without_a_request(self):
+        buf = self._r_buffer(load_transcript("50_responses_stream.raw.txt"), "respond")
+        whole, whole_events = self._r_call("respond")
+        stream = self.client.resume("conv-1", endpoint="respond")
+        self.assertEqual(run_with_timeout(lambda: list(stream), 10), whole_events)
+        self.assertEqual(stream.completion, whole)
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+        self.assertEqual(buf.replays(), [0])
+
+    def test_resume_of_an_unknown_id_is_stream_closed(self):
+        self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        stream = self.client.resume("nobody")
+        with self.assertRaises(lc.StreamClosedError) as caught:
+            run_with_timeout(lambda: list(stream), 10)
+        self.assertIn("no longer knows it", str(caught.exception))
+
+    def test_lookup_and_delete(self):
+        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        self._r_call()
+        found = self.client.lookup_streams(["conv-1", "other"])
+        self.assertEqual([e["conversation_id"] for e in found], ["conv-1"])
+        self.assertIs(self.client.delete_stream("conv-1"), True)
+        self.assertEqual(self.client.lookup_streams(["conv-1"]), [])
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "DELETE", "LOOKUP"])
+
+
+class TestFaultResumeAsync(AsyncDriver, TestFaultResume):
+    def test_every_cut_of_a_recorded_tool_call_stream(self):  # every cut: the messages stream; here a sample
+        self._r_cuts_equal("chat tool call", sample=200)
+
+
 # -- inputs dev/fuzz.py found, fed again from dev/testdata/fuzz/<hash>.bin ---------------------------------
 
 
@@ -14503,3 +15112,287 @@ class TestRealEndpoints(ClientFactory, unittest.TestCase):
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealEndpointsAsync(AsyncDriver, TestRealEndpoints):
     """The same on AsyncClient."""
+
+
+# -----------------------------------------------------------------------------------------------------
+# Resumable streams on the real server: a proxy of our own cuts the connection, a process is killed
+# -----------------------------------------------------------------------------------------------------
+
+
+class CutProxy:
+    """A threaded Unix-socket proxy to ``upstream`` that cuts the first streamed response's connection (a
+    POST that asks for ``text/event-stream``) after ``cut`` raw bytes: both ends are shut down, as a lost
+    connection.  Every other connection is forwarded whole.  ``cuts``: connections cut so far."""
+
+    def __init__(self, upstream, cut):
+        self.upstream = upstream
+        self.cut = cut
+        self.cuts = 0
+        self.tmp = tempfile.mkdtemp(prefix="lcp", dir="/tmp")
+        self.path = os.path.join(self.tmp, "proxy.sock")
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.socks = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(16)
+        self.listener.settimeout(0.05)
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            with self.lock:
+                self.socks.append(conn)
+                self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn):
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with self.lock:
+            self.socks.append(up)
+        try:
+            conn.settimeout(30)
+            up.settimeout(120)
+            up.connect(self.upstream)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                head += more
+            with self.lock:
+                cutting = self.cuts == 0 and head.startswith(b"POST ") and b"text/event-stream" in head
+                if cutting:
+                    self.cuts += 1
+            up.sendall(head)
+            thread = threading.Thread(target=self._pipe, args=(conn, up), daemon=True)
+            thread.start()
+            with self.lock:
+                self.threads.append(thread)
+            sent = 0
+            while True:
+                data = up.recv(65536)
+                if not data:
+                    break
+                if cutting and sent + len(data) >= self.cut:
+                    conn.sendall(data[: self.cut - sent])
+                    break
+                conn.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (conn, up):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self):
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            socks = list(self.socks)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in list(self.threads):
+            thread.join(5)
+        for sock in socks:
+            sock.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+#: The long chat of the resumable tests: 300 tokens at temperature 0, so that an uncut run says the same.
+STORY = [{"role": "user", "content": "Write a long story about the sea."}]
+STORY_PARAMS = {"max_tokens": 300, "temperature": 0, "seed": 1}
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealResume(ClientFactory, unittest.TestCase):
+    """Resumable streams against the real server: cut by a proxy, resumed from its buffer; read by another
+    process after the first was killed; deleted when they end early, so that the slot is free at once."""
+
+    limits = REAL_LIMITS
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=self.limits)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def uncut(self):
+        """The 300-token story from an uncut, non-resumable run."""
+        completion, _ = _real_chat(lc.Client(REAL_SOCKET, limits=REAL_LIMITS), STORY, 120, slot=0, **STORY_PARAMS)
+        return completion
+
+    def slot_idle(self):
+        return not self.client.slots()[0].is_processing
+
+    def test_a_cut_connection_is_resumed_and_nothing_is_lost_or_repeated(self):
+        proxy = CutProxy(REAL_SOCKET, 3000)
+        self.addCleanup(proxy.close)
+        client = self.new_client(proxy.path, limits=self.limits)
+        self.addCleanup(client.close)
+        events = []
+        stream = client.stream(STORY, slot=0, resumable=True, **STORY_PARAMS)
+        run_with_timeout(lambda: events.extend(stream), 120)
+        completion = stream.completion
+        self.assertEqual(proxy.cuts, 1)
+        resumed = [e for e in events if isinstance(e, lc.Resumed)]
+        self.assertEqual(len(resumed), 1, resumed)
+        self.assertGreater(resumed[0].offset, 0)
+        self.assertEqual(completion.usage["completion_tokens"], 300)
+        self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
+        replay = self.client.resume(stream.conversation_id)
+        run_with_timeout(lambda: list(replay), 60)
+        self.assertEqual(replay.completion.content, completion.content)
+        self.assertEqual(replay.completion.usage, completion.usage)
+        found = self.client.lookup_streams([stream.conversation_id])
+        self.assertEqual([(e["is_done"], e["total_bytes"]) for e in found], [(True, replay.offset)])
+        # the end of the last event's block: the finish and usage chunks, which yield none, may come after it
+        self.assertLessEqual(stream.offset, replay.offset)
+        self.assertEqual(self.uncut().content, completion.content)
+        self.assertIs(self.client.delete_stream(stream.conversation_id), True)
+
+    def test_a_killed_process_s_stream_is_read_whole_by_another(self):
+        conversation = "lc-test-killed-%d-%s" % (os.getpid(), self.CLIENT)
+        script = (
+            "import sys; sys.path.insert(0, %r); import loopclient as lc\n"
+            "client = lc.Client(%r)\n"
+            "for event in client.stream(%r, slot=0, resumable=%r, **%r):\n"
+            "    if isinstance(event, lc.Content):\n"
+            "        sys.stdout.write('.\\n'); sys.stdout.flush()\n"
+        ) % (HERE, REAL_SOCKET, STORY, conversation, STORY_PARAMS)
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+        self.addCleanup(proc.wait, 10)
+        self.addCleanup(proc.stdout.close)
+        deadline = time.monotonic() + 60
+        heard = 0
+        while heard < 20:
+            ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))
+            self.assertTrue(ready, "the child streamed nothing within 60 s")
+            line = proc.stdout.readline()
+            self.assertEqual(line, b".\n", "the child ended before it was killed")
+            heard += 1
+        os.kill(proc.pid, signal.SIGKILL)
+        self.assertEqual(proc.wait(10), -signal.SIGKILL)
+        self.assertFalse(self.slot_idle(), "the server stopped generating when the child died")
+        stream = self.client.resume(conversation)
+        events = run_with_timeout(lambda: list(stream), 120)
+        completion = stream.completion
+        self.assertEqual(completion.usage["completion_tokens"], 300)
+        self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
+        self.assertEqual(completion.content, self.uncut().content)
+        self.assertIs(self.client.delete_stream(conversation), True)
+
+    def _freed_within_a_second(self, conversation):
+        t = Timer()
+        wait_for(self.slot_idle, 1.0 + MARGIN, "the slot to be free after the stream ended early")
+        self.assertLess(t.elapsed, 1.0 + MARGIN)
+        self.assertEqual(self.client.lookup_streams([conversation]), [])  # deleted: the server forgot it
+
+    def test_cancel_frees_the_slot_within_a_second(self):
+        stream = self.client.stream(STORY, slot=0, resumable=True, ignore_eos=True, **STORY_PARAMS)
+        contents = []
+
+        def read_some():
+            for event in stream:
+                if isinstance(event, lc.Content):
+                    contents.append(event)
+                    if len(contents) == 5:
+                        return
+
+        run_with_timeout(read_some, 60)
+        self.assertFalse(self.slot_idle())
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: list(stream), 5)
+        self._freed_within_a_second(stream.conversation_id)
+
+    def test_an_on_event_exception_frees_the_slot_within_a_second(self):
+        conversation = "lc-test-on-event-%d-%s" % (os.getpid(), self.CLIENT)
+        contents = []
+
+        def on_event(event):
+            if isinstance(event, lc.Content):
+                contents.append(event)
+                if len(contents) == 5:
+                    raise KeyError("enough")
+
+        with self.assertRaises(KeyError):
+            run_with_timeout(
+                lambda: self.client.chat(
+                    STORY, slot=0, resumable=conversation, ignore_eos=True, on_event=on_event, **STORY_PARAMS
+                ),
+                60,
+            )
+        self._freed_within_a_second(conversation)
+
+    def test_without_the_delete_the_server_keeps_generating(self):
+        """What the DELETE is for: a resumable stream whose connection is lost keeps its slot busy."""
+        conversation = "lc-test-no-delete-%d-%s" % (os.getpid(), self.CLIENT)
+        body = json.dumps(dict(STORY_PARAMS, messages=STORY, stream=True, id_slot=0, ignore_eos=True)).encode()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(30)
+        sock.connect(REAL_SOCKET)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"X-Conversation-Id: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (conversation.encode(), len(body), body)
+        )
+        data = b""
+        while data.count(b"data: ") < 5:
+            more = sock.recv(65536)
+            self.assertTrue(more, data[:300])
+            data += more
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        cut = Timer()
+        still = []
+        while cut.elapsed < 1.0 + MARGIN:  # the time the DELETE frees it in: still processing all along
+            still.append(not self.slot_idle())
+        self.assertTrue(all(still), still)
+        found = self.client.lookup_streams([conversation])
+        self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, False)])
+        self.assertIs(self.client.delete_stream(conversation), True)
+        self._freed_within_a_second(conversation)
+
+    def test_a_finished_stream_is_deleted(self):
+        conversation = "lc-test-finished-%d-%s" % (os.getpid(), self.CLIENT)
+        completion, _ = _real_chat(self.client, SEA, slot=0, resumable=conversation, max_tokens=16, temperature=0)
+        self.assertTrue(completion.content)
+        found = self.client.lookup_streams([conversation])
+        self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
+        self.assertGreater(found[0]["total_bytes"], 0)
+        self.assertIs(self.client.delete_stream(conversation), True)
+        self.assertEqual(self.client.lookup_streams([conversation]), [])
+        with self.assertRaises(lc.StreamClosedError) as caught:
+            run_with_timeout(lambda: list(self.client.resume(conversation)), 30)
+        self.assertIn("no longer knows it", str(caught.exception))
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealResumeAsync(AsyncDriver, TestRealResume):
+    test_without_the_delete_the_server_keeps_generating = None  # no client in it: the threaded run has it

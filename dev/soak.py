@@ -8,6 +8,7 @@ API only: ``Client``, ``stream``, ``ChatStream.cancel``, ``slots``, ``Limits`` a
     python3 dev/soak.py SOCK --recipe fast --stop-on-wedge --probe  # persists? pinned request? other slot?
     python3 dev/soak.py SOCK --restart-at 20 --pidfile P --restart-cmd 'dev/llama-server.sh start SOCK'
     python3 dev/soak.py SOCK --terminate --pidfile P           # at the end: time SIGTERM (SIGKILL after 15 s)
+    python3 dev/soak.py SOCK --resumable-fraction 0.5 --cut-at 1500,4000 --max-tokens 48,120   # cut, resumed
 
 The pattern: ``--threads`` threads on one ``lc.Client`` (``--client-per-thread``: one each), ``--requests``
 requests each (``--loop``: until stopped); request ``i`` of thread ``t`` is pinned to ``--slots[(t + i) % len]``
@@ -16,6 +17,15 @@ requests each (``--loop``: until stopped); request ``i`` of thread ``t`` is pinn
 ``stream.cancel()`` or by leaving the ``with`` block (``--cancel-how``, drawn).  Every request runs under small
 ``lc.Limits`` (``LIMITS``: liveness 10 s, busy_wait 30 s, load_wait 30 s), so the soak always ends; ``--seconds``
 caps the whole run; it stops when /slots has failed for 10 s (the server died).
+
+Resumable streams (``--resumable-fraction``): a drawn share of the streams are sent with an id
+(``resumable=``) through a proxy of the soak's own (``CutProxy``, a Unix socket), which cuts the connection
+of each one's request after a drawn ``--cut-at`` count of raw bytes; the client resumes it from the server's
+buffer.  Each one that ends with a ``Completion`` is checked: its content events joined equal its content,
+and equal the server's replay of it from 0 (``resume()`` on a direct client): nothing lost, nothing
+repeated (else ``BUG:resumable-content-differs``); it is then deleted.  One cancelled or left early must be
+gone from ``/v1/streams/lookup`` (its DELETE was said; else ``BUG:resumable-not-deleted``).  At the end
+every slot must be idle within ``--idle-wait`` seconds (``slots_busy_at_end``).
 
 A monitor thread polls ``/slots`` every ``--poll`` seconds (its own client) and remembers, per slot, when the
 triple (id_task, n_prompt_tokens_processed, next_token[0].n_decoded) last changed while ``is_processing``.  A
@@ -38,6 +48,7 @@ a keeper thread polling /slots so that it stays; ``close()`` it) or None.  ``pro
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -291,6 +302,189 @@ class _Run:
             stream.cancel()
 
 
+# -----------------------------------------------------------------------------------------------------
+# Resumable streams: a proxy that cuts their connections, and the check of what they delivered
+# -----------------------------------------------------------------------------------------------------
+
+
+def _connect(address: str) -> socket.socket:
+    """A connected socket to the server at ``address`` (a socket path, unix:///path or http://host:port)."""
+    if address.startswith("http://"):
+        host, _, port = address[len("http://") :].partition("/")[0].rpartition(":")
+        return socket.create_connection((host.strip("[]"), int(port or 80)), timeout=60)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(60)
+    sock.connect(address[len("unix://") :] if address.startswith("unix://") else address)
+    return sock
+
+
+class CutProxy:
+    """A threaded Unix-socket proxy to ``upstream``: a request carrying an ``X-Conversation-Id`` that was
+    planned (``plan(id, cut)``) has its response's connection cut after ``cut`` raw bytes, once (both ends
+    shut down, as a lost connection); everything else is forwarded whole.  ``cuts``: connections cut."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.path = "/tmp/lc-soak-proxy-%d.sock" % os.getpid()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        self.lock = threading.Lock()
+        self.plans = {}  # type: Dict[bytes, int]
+        self.cuts = 0
+        self.stopping = threading.Event()
+        self.socks = set()  # type: set
+        self.threads = []  # type: List[threading.Thread]
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        self.listener.settimeout(0.1)
+        self._spawn(self._accept)
+
+    def plan(self, conversation: str, cut: int) -> None:
+        with self.lock:
+            self.plans[conversation.encode()] = cut
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name="soak-proxy", daemon=True)
+        with self.lock:
+            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self._spawn(self._serve, conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        up = None
+        with self.lock:
+            self.socks.add(conn)
+        try:
+            conn.settimeout(120)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                head += more
+            cut = None
+            for line in head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"x-conversation-id" and head.startswith(b"POST "):
+                    with self.lock:
+                        cut = self.plans.pop(value.strip(), None)
+            up = _connect(self.upstream)
+            up.settimeout(120)
+            with self.lock:
+                self.socks.add(up)
+            up.sendall(head)
+            self._spawn(self._pipe, conn, up)
+            sent = 0
+            while True:
+                data = up.recv(65536)
+                if not data:
+                    break
+                if cut is not None and sent + len(data) >= cut:
+                    conn.sendall(data[: cut - sent])
+                    with self.lock:
+                        self.cuts += 1
+                    break
+                conn.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (conn, up):
+                if sock is None:
+                    continue
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+                with self.lock:
+                    self.socks.discard(sock)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            socks, threads = list(self.socks), list(self.threads)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in threads:
+            thread.join(5)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+class _Resumable:
+    """What the resumable streams of a soak share: the proxy, a client behind it, a direct client for the
+    checks (the server's replay, lookup, DELETE), the cut points, and the tallies."""
+
+    def __init__(self, address: str, limits: lc.Limits, fraction: float, cut_at: Sequence[int]) -> None:
+        self.proxy = CutProxy(address)
+        self.client = lc.Client(self.proxy.path, limits=limits)
+        self.direct = lc.Client(address, limits=limits)
+        self.fraction = fraction
+        self.cut_at = list(cut_at)
+        self.tally = collections.Counter()  # type: Dict[str, int]
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self.proxy.lock:
+            self.tally[key] += n
+
+    def check_finished(self, run: _Run, conversation: str, texts: List[str], completion: lc.Completion) -> None:
+        """A resumable stream ended with its Completion: its content is that of the server's replay from 0."""
+        replay = self.direct.resume(conversation)
+        try:
+            events = list(replay)
+        except lc.LoopError as exc:
+            run.count("BUG:resumable-replay-" + type(exc).__name__, exc)
+            return
+        replayed = "".join(e.text for e in events if isinstance(e, lc.Content) and e.choice == 0)
+        if "".join(texts) != completion.content or replayed != completion.content:
+            run.count(
+                "BUG:resumable-content-differs",
+                ValueError("%s: streamed %r, replay %r" % (conversation, "".join(texts)[:60], replayed[:60])),
+            )
+        else:
+            self.count("checked-equal")
+        self.direct.delete_stream(conversation)
+
+    def check_forgotten(self, run: _Run, conversation: str) -> None:
+        """A resumable stream ended early: its DELETE was said, so the server no longer knows it."""
+        if self.direct.lookup_streams([conversation]):
+            run.count("BUG:resumable-not-deleted", ValueError(conversation))
+            self.direct.delete_stream(conversation)
+        else:
+            self.count("deleted-after-early-end")
+
+    def close(self) -> None:
+        self.client.close()
+        self.direct.close()
+        self.proxy.close()
+
+
 def _one(
     run: _Run,
     client: lc.Client,
@@ -300,11 +494,19 @@ def _one(
     temperature: float,
     cancel_at: Optional[int],
     how: str,
+    resumable: Optional[_Resumable] = None,
 ) -> None:
     messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    params = {}  # type: Dict[str, Any]
+    if resumable is not None:  # through the proxy, which cuts its connection
+        client = resumable.client
+        params["resumable"] = conversation = "soak-%s" % os.urandom(12).hex()
+        resumable.proxy.plan(conversation, rng.choice(resumable.cut_at))
+        resumable.count("streams")
     stream = client.stream(
-        messages, slot=slot, max_tokens=max_tokens, temperature=temperature, seed=rng.randrange(1 << 30)
+        messages, slot=slot, max_tokens=max_tokens, temperature=temperature, seed=rng.randrange(1 << 30), **params
     )
+    texts = []  # type: List[str]
     with run.lock:
         run.active.add(stream)
         run.started += 1
@@ -314,7 +516,11 @@ def _one(
         with stream:
             n = 0
             for event in stream:
+                if isinstance(event, lc.Resumed) and resumable is not None:
+                    resumable.count("resumed")
                 if isinstance(event, lc.Content):
+                    if event.choice == 0:
+                        texts.append(event.text)
                     n += 1
                     if cancel_at is not None and n >= cancel_at:
                         if how == "exit":
@@ -324,16 +530,24 @@ def _one(
                         stream.cancel()  # the next step raises CancelledError
         if left:
             run.count("left-with-block")
+            if resumable is not None:
+                resumable.check_forgotten(run, conversation)
         elif stream.completion is not None:
             run.count("Completion")
+            if resumable is not None:
+                resumable.check_finished(run, conversation, texts, stream.completion)
         else:
             run.count("ended-without-completion")
     except lc.CancelledError as exc:
         # ours (planned), the soak's stop closing streams in flight, or one nobody asked for (a client bug)
         key = "CancelledError" if cancelled else "CancelledError@stop" if run.stop.is_set() else "BUG:CancelledError"
         run.count(key, exc)
+        if resumable is not None:
+            resumable.check_forgotten(run, conversation)
     except lc.LoopError as exc:
         run.count(type(exc).__name__, exc)
+        if resumable is not None:
+            resumable.check_forgotten(run, conversation)
     except Exception as exc:  # a bug in the client: record it, keep soaking
         run.count("BUG:" + type(exc).__name__, exc)
     finally:
@@ -445,6 +659,9 @@ def soak(
     down_after: float = 10.0,
     log: Optional[Callable[[str], None]] = None,
     keep_monitor: bool = False,
+    resumable_fraction: float = 0.0,
+    cut_at: Sequence[int] = (1500, 4000, 9000),
+    idle_wait: float = 10.0,
 ) -> Dict[str, Any]:
     """Run the pattern once (or repeatedly with ``loop``) within ``seconds``; return the report dict.
 
@@ -480,6 +697,7 @@ def soak(
     lim = lc.Limits(**dict(LIMITS, **(limits or {})))
     shared = lc.Client(address, limits=lim)
     clients = [shared]
+    resumable = _Resumable(address, lim, resumable_fraction, cut_at) if resumable_fraction > 0 else None
 
     def worker(index: int) -> None:
         client = shared
@@ -494,7 +712,8 @@ def soak(
             mt = rng.choice(list(max_tokens))
             point = rng.choice(list(cancel_at)) if cancel_at and rng.random() < cancel_fraction else None
             how = rng.choice(list(cancel_how))
-            _one(run, client, rng, slot, mt, temperature, point, how)
+            cut = resumable if resumable is not None and rng.random() < resumable.fraction else None
+            _one(run, client, rng, slot, mt, temperature, point, how, cut)
             i += 1
 
     workers = [threading.Thread(target=worker, args=(k,), name="soak-%d" % k, daemon=True) for k in range(threads)]
@@ -531,6 +750,13 @@ def soak(
     run.cancel_all()  # a stream started between the first cancel_all and its thread seeing `stop`
     for client in clients:
         client.close()
+    resumed = None  # type: Optional[Dict[str, Any]]
+    if resumable is not None:
+        resumable.close()
+        resumed = dict(sorted(resumable.tally.items()), cuts=resumable.proxy.cuts)
+    busy_at_end = _busy_after(address, idle_wait)
+    if busy_at_end:
+        say("slots still busy %.0f s after the soak: %s" % (idle_wait, busy_at_end))
     elapsed = time.monotonic() - t0
     if not keep_monitor:
         monitor.stop()
@@ -553,6 +779,8 @@ def soak(
             "seed": seed,
             "client_per_thread": client_per_thread,
             "loop": loop,
+            "resumable_fraction": resumable_fraction,
+            "cut_at": list(cut_at),
         },
         "outcomes": dict(sorted(run.outcomes.items())),
         "examples": run.examples,
@@ -573,11 +801,32 @@ def soak(
         "server_down": down,
         "monitor": {"polls": monitor.polls, "errors": monitor.errors},
         "restart": restart,
+        "resumable": resumed,
+        "slots_busy_at_end": busy_at_end,
     }
     monitor.lock.release()
     if keep_monitor:
         report["monitor_thread"] = monitor
     return report
+
+
+def _busy_after(address: str, seconds: float) -> Optional[List[int]]:
+    """The slots still processing once ``seconds`` have passed without every slot idle ([] when they all
+    came idle; None when /slots did not answer)."""
+    client = lc.Client(address, limits=lc.Limits(liveness=5.0))
+    deadline = time.monotonic() + seconds
+    busy = None  # type: Optional[List[int]]
+    try:
+        while True:
+            try:
+                busy = [s.id for s in client.slots() if s.is_processing]
+            except lc.LoopError:
+                busy = None
+            if busy == [] or time.monotonic() >= deadline:
+                return busy
+            time.sleep(0.2)  # the poll interval of this wait
+    finally:
+        client.close()
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -957,6 +1206,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--probe-seconds", type=float, default=10.0)
     p.add_argument("--terminate", action="store_true", help="at the end: SIGTERM the server of --pidfile, time it")
+    p.add_argument(
+        "--resumable-fraction",
+        type=float,
+        default=0.0,
+        help="share of the streams sent resumable through a proxy that cuts their connection (default 0)",
+    )
+    p.add_argument(
+        "--cut-at", type=_ints, default=[1500, 4000, 9000], help="raw bytes before a cut, drawn: 1500,4000,9000"
+    )
+    p.add_argument(
+        "--idle-wait", type=float, default=10.0, help="seconds for every slot to be idle after the soak (default 10)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
@@ -994,6 +1255,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         restart_cmd=a.restart_cmd,
         limits=a.limits,
         log=say,
+        resumable_fraction=a.resumable_fraction,
+        cut_at=a.cut_at,
+        idle_wait=a.idle_wait,
         keep_monitor=a.probe or a.confirm > 0,
         **recipe,
     )
@@ -1079,6 +1343,18 @@ def _print_report(r: Dict[str, Any]) -> None:
         out("no wedge\n")
     if "confirmed" in r:
         out("persisted after the streams closed: %s\n" % json.dumps(r["confirmed"]))
+    if r.get("resumable"):
+        out("resumable streams: %s\n" % json.dumps(r["resumable"]))
+    out(
+        "slots busy at the end: %s\n"
+        % (
+            "none"
+            if r["slots_busy_at_end"] == []
+            else "/slots did not answer"
+            if r["slots_busy_at_end"] is None
+            else r["slots_busy_at_end"]
+        )
+    )
     if r.get("restart"):
         out("restart: %s\n" % json.dumps(r["restart"]))
     if r.get("probe"):

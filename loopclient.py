@@ -3849,7 +3849,9 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
             if ahead < ticket.ahead:
                 ticket.ahead = ahead
                 yield [Queued(ahead)]
-            due = now + poll
+            # counted from now, after the caller took the announcement: from before it, a caller slower than
+            # poll (thousands of threads on two cores) would find its timer run out and spin on Queued
+            due = time.monotonic() + poll
 
 
 #: The streamed endpoints besides chat: name -> (path, dialect, whether the thinking cap can work there).

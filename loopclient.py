@@ -1583,7 +1583,24 @@ def _progress_event(progress: Any, payload: str) -> Optional[Progress]:
     return Progress(processed, total, cache or 0, time_ms or 0.0)
 
 
-class Assembler:
+class _Dialect:
+    """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: the stream's
+    ``id`` and ``model``, ``timings``, the reasoning count and state the thinking cap reads, and whether
+    it also yields ``Chunk`` events."""
+
+    __slots__ = ("id", "model", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks")
+
+    def __init__(self, raw_chunks: bool = False) -> None:
+        self.id = None  # type: Optional[str]
+        self.model = None  # type: Optional[str]
+        self.timings = None  # type: Optional[Dict[str, Any]]
+        self.reasoning_tokens = 0
+        self.in_reasoning = False
+        self.thinking_capped = False
+        self.raw_chunks = raw_chunks
+
+
+class Assembler(_Dialect):
     """Turns chunk payloads into events and, at the end, a ``Completion``.
 
     ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
@@ -1606,30 +1623,11 @@ class Assembler:
     choice: the client refuses a thinking cap with ``n`` > 1.
     """
 
-    __slots__ = (
-        "id",
-        "model",
-        "usage",
-        "timings",
-        "reasoning_tokens",
-        "in_reasoning",
-        "thinking_capped",
-        "raw_chunks",
-        "_choices",
-        "_content0",
-        "_reasoning0",
-        "_fast",
-    )
+    __slots__ = ("usage", "_choices", "_content0", "_reasoning0", "_fast")
 
     def __init__(self, raw_chunks: bool = False) -> None:
-        self.id = None  # type: Optional[str]
-        self.model = None  # type: Optional[str]
+        _Dialect.__init__(self, raw_chunks)
         self.usage = None  # type: Optional[Dict[str, Any]]
-        self.timings = None  # type: Optional[Dict[str, Any]]
-        self.reasoning_tokens = 0
-        self.in_reasoning = False
-        self.thinking_capped = False
-        self.raw_chunks = raw_chunks
         self._choices = {}  # type: Dict[int, _ChoiceState]
         self._content0 = _Text()  # choice 0's texts, reached without a lookup by the fast path
         self._reasoning0 = _Text()
@@ -1971,7 +1969,7 @@ class _NativeState:
 _NATIVE_FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
 
 
-class _NativeAssembler:
+class _NativeAssembler(_Dialect):
     """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last.
 
     A chunk's ``index`` (missing: 0) names its choice (one per prompt): ``content`` is
@@ -1988,26 +1986,10 @@ class _NativeAssembler:
     carries a string ``id``.  No reasoning is streamed apart, so the thinking cap never fires here.
     """
 
-    __slots__ = (
-        "id",
-        "model",
-        "timings",
-        "reasoning_tokens",
-        "in_reasoning",
-        "thinking_capped",
-        "raw_chunks",
-        "_choices",
-        "_open",
-    )
+    __slots__ = ("_choices", "_open")
 
     def __init__(self, raw_chunks: bool = False) -> None:
-        self.id = None  # type: Optional[str]
-        self.model = None  # type: Optional[str]
-        self.timings = None  # type: Optional[Dict[str, Any]]
-        self.reasoning_tokens = 0
-        self.in_reasoning = False
-        self.thinking_capped = False
-        self.raw_chunks = raw_chunks
+        _Dialect.__init__(self, raw_chunks)
         self._choices = {}  # type: Dict[int, _NativeState]
         self._open = 0  # choices that appeared and have not had their stop chunk
 
@@ -2137,36 +2119,15 @@ class _NativeAssembler:
         )
 
 
-class _EventAssembler:
+class _EventAssembler(_Dialect):
     """What the Responses and Messages dialects share: one answer of text, reasoning and tool calls, built
     from typed events (the data's ``type``), ending at the endpoint's closing event."""
 
-    __slots__ = (
-        "id",
-        "model",
-        "usage",
-        "timings",
-        "reasoning_tokens",
-        "in_reasoning",
-        "thinking_capped",
-        "raw_chunks",
-        "final",
-        "finish_reason",
-        "_done",
-        "_content",
-        "_reasoning",
-        "_calls",
-    )
+    __slots__ = ("usage", "final", "finish_reason", "_done", "_content", "_reasoning", "_calls")
 
     def __init__(self, raw_chunks: bool = False) -> None:
-        self.id = None  # type: Optional[str]
-        self.model = None  # type: Optional[str]
+        _Dialect.__init__(self, raw_chunks)
         self.usage = None  # type: Optional[Dict[str, Any]]
-        self.timings = None  # type: Optional[Dict[str, Any]]
-        self.reasoning_tokens = 0
-        self.in_reasoning = False
-        self.thinking_capped = False
-        self.raw_chunks = raw_chunks
         #: the endpoint's closing object (None until the end was reached)
         self.final = None  # type: Optional[Dict[str, Any]]
         self.finish_reason = None  # type: Optional[str]

@@ -15383,7 +15383,15 @@ class TestRealResume(ClientFactory, unittest.TestCase):
         conversation = "lc-test-finished-%d-%s" % (os.getpid(), self.CLIENT)
         completion, _ = _real_chat(self.client, SEA, slot=0, resumable=conversation, max_tokens=16, temperature=0)
         self.assertTrue(completion.content)
-        found = self.client.lookup_streams([conversation])
+        found = []
+
+        def marked_done():
+            found[:] = self.client.lookup_streams([conversation])
+            return [e["is_done"] for e in found] != [False]
+
+        # the server marks a session done when its producer returns, which can be a few ms after the
+        # client has read the last byte: until then lookup says is_done false
+        wait_for(marked_done, 5.0, "the server to mark the finished stream done")
         self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
         self.assertGreater(found[0]["total_bytes"], 0)
         self.assertIs(self.client.delete_stream(conversation), True)

@@ -6103,7 +6103,8 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
     """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot
     is processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds``
     (infinite: until Ctrl-C), the table redrawn in place on a terminal, else a line per slot whose state
-    or task changed (every slot on the first look)."""
+    or task changed (every slot on the first look).  A look that gets no answer after the first (the
+    server restarting, say) is shown as such, and watching goes on; the first look's error ends it."""
     limits = client.limits
     watch = _SlotWatch(limits)
     slots = client.slots()
@@ -6120,6 +6121,7 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
     until = "until Ctrl-C" if seconds == float("inf") else "for %g s" % seconds
     drawn = 0  # lines of the last drawing, to go back over
     seen = {}  # type: Dict[int, Tuple[str, Optional[int]]]
+    problem = None  # type: Optional[str]  # why the last look got no answer
     while True:
         clock = time.strftime("%H:%M:%S")
         if tty:
@@ -6128,10 +6130,14 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
                 limits.poll,
                 until,
                 clock,
-                _slots_table(slots, watch, limits),
+                _slots_table(slots, watch, limits) if problem is None else "no answer: " + problem,
             )
             out.write(("\x1b[%dA\r\x1b[J" % drawn if drawn else "") + text)
             drawn = text.count("\n")
+        elif problem is not None:
+            if seen.get(-1) != (problem, None):
+                seen = {-1: (problem, None)}  # every slot is logged again once an answer comes
+                out.write("%s no answer: %s\n" % (clock, problem))
         else:
             for s in slots:
                 key = (_slot_state(s, watch), s.task if s.is_processing else None)
@@ -6143,8 +6149,13 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
         if left <= 0:
             return
         time.sleep(min(limits.poll, left))
-        slots = client.slots()
-        watch._remember(slots, time.monotonic())
+        try:
+            slots = client.slots()
+        except LoopError as exc:
+            problem = str(exc)
+        else:
+            problem = None
+            watch._remember(slots, time.monotonic())
 
 
 def _models_table(doc: Dict[str, Any]) -> str:

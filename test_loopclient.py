@@ -13351,6 +13351,36 @@ class TestCommandLine(CLICase):
             ["slot 0 idle", "slot 1 busy task 3 decoded 1", "slot 0 busy task 4 decoded 0", "slot 1 idle"],
         )
 
+    SLOTS_REFUSED = {"error": {"code": 501, "message": "slots endpoint is disabled"}}
+
+    def test_slots_watch_shows_a_look_without_answer_and_goes_on(self):
+        self.server.route("GET", "/slots", lambda req: respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented"))
+        with self.assertRaises(lc.LoopError) as caught:
+            lc.Client(self.server.path).slots()
+        refused = "no answer: %s" % caught.exception
+        looks = []
+
+        def slots(req):
+            looks.append(time.monotonic())
+            if len(looks) in (2, 3):  # the server restarting: /slots refused twice, then back
+                respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented")
+            else:
+                respond_json(req, [{"id": 0, "is_processing": False}])
+
+        self.server.route("GET", "/slots", slots)
+        out, _ = self.main_ok("slots", "--watch", "0.3")
+        self.assertGreaterEqual(len(looks), 4)
+        self.assertEqual([line[9:] for line in out.splitlines()], ["slot 0 idle", refused, "slot 0 idle"])
+        looks.clear()
+        out, _ = self.main_ok("slots", "--watch", "0.3", out=TtyText())
+        drawings = re.split("\x1b\\[[0-9]+A\r\x1b\\[J", out)
+        self.assertEqual(len(drawings), len(looks))
+        self.assertGreaterEqual(len(looks), 4)
+        tables = [drawing.splitlines()[1:] for drawing in drawings]
+        idle = ["slot  state  task  decoded  n_ctx  still", tables[0][1]]
+        self.assertRegex(idle[1], r"^0 +idle")
+        self.assertEqual(tables, [idle, [refused], [refused]] + [idle] * (len(looks) - 3))
+
     def test_slots_watch_redraws_the_table_on_a_terminal(self):
         looks = []
 

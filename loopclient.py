@@ -3595,6 +3595,7 @@ class _Board:
         with self.lock:
             if self.closed or len(self.idle) >= self.limits.keep_alive:
                 return False
+            conn.owner = _NOBODY  # not the run that used it: a client dropped unclosed is freed at once
             self.idle.append((conn, time.monotonic() + idle, os.getpid()))
             return True
 
@@ -3608,6 +3609,16 @@ class _Board:
             run.cancel()
         for conn, _, _ in idle:
             conn.close()
+
+
+class _Nobody:
+    """The owner of a kept connection between runs."""
+
+    def forget(self, conn: Any) -> None:
+        pass
+
+
+_NOBODY = _Nobody()
 
 
 def _total_slots(props: Any) -> Optional[int]:

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import copy
 import email.utils
+import functools
 import gc
 import hashlib
 import importlib.util
@@ -55,6 +56,7 @@ import types
 import unittest
 import urllib.parse
 import warnings
+import weakref
 from unittest import mock
 
 import loopclient as lc
@@ -6250,6 +6252,23 @@ def keep_alive_answer(doc, headers=b"Keep-Alive: timeout=5, max=100\r\n", versio
         headers,
         body,
     )
+
+
+class TestDroppedClient(unittest.TestCase):
+    def test_a_client_dropped_unclosed_frees_its_kept_connection_at_once(self):
+        """No reference cycle holds a kept connection: reference counting closes it, the collector need not."""
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.addCleanup(server.close)
+        client = lc.Client(server.address, limits=FAST)
+        self.assertEqual(run_with_timeout(functools.partial(client.tokenize, "x")), [7])
+        ((kept, _, _),) = client._board.idle
+        sock = weakref.ref(kept.sock)
+        gc.disable()
+        self.addCleanup(gc.enable)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # an unclosed socket's, as Python gives for any
+            del client, kept
+        self.assertIsNone(sock())  # freed, so closed
 
 
 class TestKeepAlive(ClientFactory, unittest.TestCase):
@@ -14029,7 +14048,8 @@ class TestRealServerConfigured(unittest.TestCase):
             self.skipTest("the real tier is optional outside CI")
         self.assertTrue(REAL_SOCKET, "LOOPCLIENT_REAL_SOCKET is not set")
         self.assertTrue(REAL_URL, "LOOPCLIENT_REAL_URL is not set")
-        self.assertEqual(lc.Client(REAL_SOCKET).health(), {"status": "ok"})
+        with lc.Client(REAL_SOCKET) as client:
+            self.assertEqual(client.health(), {"status": "ok"})
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
@@ -15274,7 +15294,8 @@ class TestRealResume(ClientFactory, unittest.TestCase):
 
     def uncut(self):
         """The 300-token story from an uncut, non-resumable run."""
-        completion, _ = _real_chat(lc.Client(REAL_SOCKET, limits=REAL_LIMITS), STORY, 120, slot=0, **STORY_PARAMS)
+        with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as client:
+            completion, _ = _real_chat(client, STORY, 120, slot=0, **STORY_PARAMS)
         return completion
 
     def slot_idle(self):

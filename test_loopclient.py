@@ -14841,7 +14841,9 @@ class TestRealWedge(unittest.TestCase):
         self.log = open(os.path.join(self.tmp, "server.log"), "wb")
         self.proc = subprocess.Popen(real_server_command(self.sock), stdout=self.log, stderr=subprocess.STDOUT)
         self.addCleanup(self.stop)
-        wait_for(lambda: _healthy(lc.Client(self.sock)), 60, "our own server to load")
+        probe = lc.Client(self.sock)
+        self.addCleanup(probe.close)
+        wait_for(lambda: _healthy(probe), 60, "our own server to load")
 
     def stop(self):
         self.proc.kill()  # a wedged server ignores SIGTERM while streams are in flight

@@ -3621,6 +3621,91 @@ def _p_native_completion(choices, final, usage=None, timings=_p_NATIVE_TIMINGS):
     )
 
 
+def _p_random_native(rng, words):
+    """A /completion chunk of random shape: mostly a plain token of choice 0, sometimes anything."""
+
+    def pick(*options):
+        return options[rng.randrange(len(options))]
+
+    if rng.random() < 0.02:
+        return pick("null", "[1]", '"x"', "{", "")
+    doc = {}
+    if rng.random() < 0.9:
+        doc["index"] = 0 if rng.random() < 0.8 else pick(1, None, "0", True, 0.0)
+    if rng.random() < 0.95:
+        doc["content"] = rng.choice(words) if rng.random() < 0.9 else pick(None, 5, ["x"])
+    if rng.random() < 0.9:
+        doc["tokens"] = [rng.randrange(1000)] if rng.random() < 0.85 else pick([], [1, 2], ["x"], [True], None, "x")
+    doc["stop"] = False if rng.random() < 0.9 else pick(True, None, "yes", 0)
+    if doc["stop"] is True:
+        doc.update(stop_type=pick("eos", "limit", "word", None), tokens_predicted=3, tokens_evaluated=4, model=MODEL)
+    doc["id_slot"] = 0
+    for key, values in (
+        ("prompt_progress", ({"total": 9, "processed": 1, "cache": 0, "time_ms": 2}, None, {"total": "x"})),
+        ("completion_probabilities", ([{"id": 1, "token": "a", "logprob": -0.5}], None, "x")),
+        ("timings", ({"predicted_n": 1}, None, "x")),
+        ("error", ({"code": 500, "message": "m"}, "plain")),
+        ("future", ({"x": 1}, None)),
+    ):
+        if rng.random() < (0.01 if key == "error" else 0.04):
+            doc[key] = pick(*values)
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=rng.random() < 0.5)
+
+
+class TestNativeAssemblerPaths(unittest.TestCase):
+    """The native dialect's fast path (a plain token of choice 0) gives what its general path gives."""
+
+    def run_both(self, payloads, raw_chunks=False):
+        fast, general = lc._NativeAssembler(raw_chunks), lc._NativeAssembler(raw_chunks)
+        fast_steps = 0
+        for payload in payloads:
+            fast_steps += fast._first is not None
+            results = []
+            for feed in (fast.feed, lambda p: [] if p == "null" else _p_general_feed(general, p)):
+                try:
+                    results.append(("events", feed(payload)))
+                except lc.LoopError as exc:
+                    results.append(("raised", type(exc)))
+            self.assertEqual(results[0], results[1], payload)
+            for name in ("id", "model", "usage", "timings", "done"):
+                self.assertEqual(getattr(fast, name), getattr(general, name), (name, payload))
+            if results[0][0] == "raised":
+                return fast_steps
+        outcomes = []
+        for asm in (fast, general):
+            try:
+                outcomes.append(asm.completion())
+            except lc.LoopError as exc:
+                outcomes.append(type(exc))
+        self.assertEqual(outcomes[0], outcomes[1])
+        return fast_steps
+
+    def test_fast_and_general_paths_agree(self):
+        words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']
+        rng = random.Random(20261201)
+        fast_steps = 0
+        for trial in range(3000):
+            payloads = [_p_random_native(rng, words) for _ in range(rng.randint(1, 16))]
+            with self.subTest(trial=trial):
+                fast_steps += self.run_both(payloads, raw_chunks=rng.random() < 0.1)
+        self.assertGreater(fast_steps, 3000)  # the fast path was on for many of the payloads
+
+    def test_fast_and_general_paths_agree_on_real_streams(self):
+        for name in (
+            "40_completion_stream_tokens_probs.raw.txt",
+            "41_completion_stream_progress.raw.txt",
+            "42_completion_stream_token_ids.raw.txt",
+            "43_completion_stream_two_prompts.raw.txt",
+            "46_completion_stream_stop_word.raw.txt",
+            "48_infill_stream.raw.txt",
+        ):
+            raw = load_transcript(name)
+            payloads = [line[6:].decode() for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            with self.subTest(name=name):
+                self.assertGreater(self.run_both(payloads), 0)  # the fast path was on after the first token
+                self.assertEqual(self.run_both(payloads, raw_chunks=True), 0)  # a Chunk per payload: never fast
+
+
 class TestParserNativeDialect(unittest.TestCase):
     def test_one_prompt(self):
         stop = _p_native_stop()

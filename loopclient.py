@@ -1614,9 +1614,12 @@ class _Dialect:
     ``id`` and ``model``, ``timings``, the reasoning count and state the thinking cap reads, and whether
     it also yields ``Chunk`` events."""
 
-    __slots__ = ("id", "model", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks")
+    __slots__ = ("id", "model", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks", "done")
 
     def __init__(self, raw_chunks: bool = False) -> None:
+        #: the stream reached the endpoint's own end (never on chat, which ends with [DONE]); an attribute,
+        #: since the pump reads it after every payload
+        self.done = False
         self.id = None  # type: Optional[str]
         self.model = None  # type: Optional[str]
         self.timings = None  # type: Optional[Dict[str, Any]]
@@ -1857,9 +1860,6 @@ class Assembler(_Dialect):
     def _lowest(self) -> Optional[_ChoiceState]:
         return self._choices[min(self._choices)] if self._choices else None
 
-    #: Always False: a chat stream ends with ``[DONE]`` or the end of the body, which the pump sees.
-    done = False
-
     @property
     def finish_reason(self) -> Optional[str]:
         """The lowest-index choice's ``finish_reason`` so far (None: none yet)."""
@@ -2012,7 +2012,7 @@ class _NativeAssembler(_Dialect):
     carries a string ``id``.  No reasoning is streamed apart, so the thinking cap never fires here.
     """
 
-    __slots__ = ("_choices", "_open", "_first", "done")
+    __slots__ = ("_choices", "_open", "_first")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
@@ -2020,8 +2020,6 @@ class _NativeAssembler(_Dialect):
         self._open = 0  # choices that appeared and have not had their stop chunk
         #: choice 0's state once it has a token list and no Chunk events are due: the fast path may run
         self._first = None  # type: Optional[_NativeState]
-        #: every choice that appeared has had its ``stop: true`` chunk (an attribute: the pump reads it per token)
-        self.done = False
 
     def feed(self, payload: str) -> List[Event]:
         if payload == "null":  # a stream of several prompts opens with it
@@ -2192,7 +2190,7 @@ class _EventAssembler(_Dialect):
     """What the Responses and Messages dialects share: one answer of text, reasoning and tool calls, built
     from typed events (the data's ``type``), ending at the endpoint's closing event."""
 
-    __slots__ = ("usage", "final", "finish_reason", "_done", "_content", "_reasoning", "_calls")
+    __slots__ = ("usage", "final", "finish_reason", "_content", "_reasoning", "_calls")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
@@ -2200,15 +2198,9 @@ class _EventAssembler(_Dialect):
         #: the endpoint's closing object (None until the end was reached)
         self.final = None  # type: Optional[Dict[str, Any]]
         self.finish_reason = None  # type: Optional[str]
-        self._done = False
         self._content = _Text()
         self._reasoning = _Text()
         self._calls = []  # type: List[List[Any]]  # in order of the calls: [id, name, arguments]
-
-    @property
-    def done(self) -> bool:
-        """The endpoint's closing event has been read."""
-        return self._done
 
     def _begin(self, payload: str) -> Tuple[Dict[str, Any], Optional[str], List[Event]]:
         """(doc, its type, the events list with its Chunk and Progress) for one payload; an error payload
@@ -2262,7 +2254,7 @@ class _EventAssembler(_Dialect):
 
     def completion(self) -> Completion:
         """The assembled ``Completion`` (one choice); ``StreamClosedError`` before the closing event."""
-        if not self._done:
+        if not self.done:
             raise StreamClosedError("the stream ended before %s: the server stopped mid-answer" % self._closing_event)
         calls = _calls_result(self._calls)
         content, reasoning = str(self._content), str(self._reasoning)
@@ -2450,7 +2442,7 @@ class _ResponsesAssembler(_EventAssembler):
             self.usage = _chat_usage(usage, prompt, completion)
         self.timings = _merge_timings(self.timings, response, payload)
         self.final = response
-        self._done = True
+        self.done = True
 
 
 #: Messages ``stop_reason`` in chat's words
@@ -2567,7 +2559,7 @@ class _MessagesAssembler(_EventAssembler):
         if usage is not None:
             final["usage"] = usage
         self.final = final
-        self._done = True
+        self.done = True
 
 
 # -- Request bodies of the other endpoints -----------------------------------------------------------------

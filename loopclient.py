@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import re  # json imports it already: no cost at import
 import socket
 import sys
 import threading
@@ -787,15 +788,21 @@ def encode_request(
     _check_header_text("the Host header", host)
     lines = ["%s %s HTTP/1.1" % (method, path), "Host: " + host]
     for name, value in headers:
-        _check_header_text("a header name", name)
         if not name or ":" in name or " " in name:
+            _check_header_text("a header name", name)
             raise ValueError("invalid header name %r" % name)
-        # The value may hold a secret (Authorization): never echo it in the message.
-        _check_header_text("the value of header %s" % name, value)
-        lines.append("%s: %s" % (name, value))
+        lines.append(name + ": " + value)
     if body is not None:
         lines.append("Content-Length: %d" % len(body))
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    text = "\r\n".join(lines)
+    breaks = len(lines) - 1
+    if text.count("\n") != breaks or text.count("\r") != breaks or "\0" in text:
+        # a CR, LF or NUL in a header (the path and Host are checked above): say which
+        for name, value in headers:
+            _check_header_text("a header name", name)
+            # The value may hold a secret (Authorization): never echo it in the message.
+            _check_header_text("the value of header %s" % name, value)
+    head = (text + "\r\n\r\n").encode("latin-1")
     return head + body if body is not None else head
 
 
@@ -853,6 +860,18 @@ def _has_bad_controls(text: bytes) -> bool:
     return b"\0" in text or b"\r" in text or b"\x0b" in text or b"\x0c" in text
 
 
+#: ``json.dumps(doc, allow_nan=False)`` without building an encoder per call (0.8 us a request)
+_dumps = json.JSONEncoder(allow_nan=False).encode
+
+#: A head block of the usual shape, whole: an HTTP/1.x status line and ``name: value`` lines, every line
+#: ending in CRLF (the last one's LF is not in the block), no fold, no NUL, CR, VT or FF in a line.  What it
+#: matches ``_parse_head`` splits at once; anything else goes through the line-by-line parser.
+_PLAIN_HEAD = re.compile(
+    rb"HTTP/1\.[01] [0-9]{3}(?: [^\x00\n\r\x0b\x0c]*)?\r"
+    rb"(?:\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00\n\r\x0b\x0c]*\r)*\Z"
+)
+
+
 def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
     """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.
 
@@ -860,6 +879,22 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
     space (RFC 9112 section 5.2); a fold right after the status line is ``ProtocolError``.  Folded lines
     count as header lines for ``max_headers``.
     """
+    if _PLAIN_HEAD.match(block) is not None and block.count(b"\n") <= max_headers:
+        # the usual head, checked whole by the pattern: the same values as _parse_lines gives (11.5 us
+        # against 4 us for llama-server's 7 lines; TestParserHeadPaths holds the two to the same answers)
+        lines = block[:-1].split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        headers = []  # type: List[Tuple[str, str]]
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers.append((name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")))
+        reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+        return ResponseHead(parts[0].decode("ascii"), int(parts[1]), reason, headers)
+    return _parse_lines(block, max_headers)
+
+
+def _parse_lines(block: bytes, max_headers: int) -> ResponseHead:
+    """``_parse_head`` line by line: every head, every check, and the errors' words."""
     lines = block.split(b"\n")
     if len(lines) - 1 > max_headers:
         raise ProtocolError("response has more than %d header lines" % max_headers)
@@ -3978,7 +4013,7 @@ class _Calls:
         headers = [("Accept", accept)]
         payload = None
         if body is not None:
-            payload = json.dumps(body, allow_nan=False).encode("utf-8")
+            payload = _dumps(body).encode("utf-8")
             headers.append(("Content-Type", "application/json"))
         if not keep:
             headers.append(("Connection", "close"))

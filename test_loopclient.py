@@ -2425,6 +2425,75 @@ class TestParserRandomSplits(unittest.TestCase):
 # -----------------------------------------------------------------------------------------------------
 
 
+def _p_random_head(rng):
+    """A head block (the last line's LF left out, as ResponseReader hands it over): mostly plain, sometimes
+    with the bytes and shapes the plain pattern must leave to the line-by-line parser."""
+    pick = rng.choice
+    odd = [b"\x00", b"\r", b"\x0b", b"\x0c", b"\t", b" ", b":", b"\x7f", b"\xe9", b"\x01", b"(", b"@"]
+
+    def text(alphabet, n):
+        return b"".join(pick(alphabet) for _ in range(rng.randint(0, n)))
+
+    plain = [bytes([c]) for c in b"abcXYZ019-_.!~"]
+    odds = 0.0 if rng.random() < 0.4 else 0.1  # how often each part is not plain
+    status = pick([b"HTTP/1.1", b"HTTP/1.0"]) if rng.random() >= odds else pick([b"HTTP/2", b"http/1.1", b"HTTP/1.1 "])
+    status += b" " + (pick([b"200", b"503", b"101"]) if rng.random() >= odds else pick([b"20", b"2000", b"2x0"]))
+    status += (
+        pick([b"", b" ", b" OK", b"  OK", b" Not Found "]) if rng.random() >= odds else b" " + text(plain + odd, 6)
+    )
+    lines = [status]
+    for _ in range(rng.randint(0, 6)):
+        name = text(plain, 8) or b"x" if rng.random() >= odds else text(plain + odd, 6)
+        value = text(plain + [b" ", b"\t", b"\xe9"], 12) if rng.random() >= odds else text(plain + odd, 8)
+        lines.append(name + (pick([b":", b": "]) if rng.random() >= odds else pick([b" :", b""])) + value)
+    if rng.random() < odds:
+        lines.insert(rng.randint(1, len(lines)), pick([b" folded", b"\tfolded", b""]))
+    ends = [pick([b"\r\n", b"\n"]) if rng.random() < odds else b"\r\n" for _ in lines]
+    block = b"".join(line + end for line, end in zip(lines, ends))
+    return block[:-1]  # the LF of the last line is not part of the block
+
+
+class TestParserHeadPaths(unittest.TestCase):
+    """``_parse_head`` splits a plain head at once; it must answer what the line-by-line parser answers."""
+
+    @staticmethod
+    def outcome(parse, block, max_headers):
+        try:
+            head = parse(block, max_headers)
+        except lc.ProtocolError as exc:
+            return ("raised", str(exc))
+        return (head.version, head.status, head.reason, head.headers)
+
+    def test_the_plain_path_and_the_line_parser_agree(self):
+        rng = random.Random(20261201)
+        plain = 0
+        for trial in range(20000):
+            block = _p_random_head(rng)
+            max_headers = rng.choice([100, 3])
+            with self.subTest(trial=trial, block=block):
+                got = self.outcome(lc._parse_head, block, max_headers)
+                self.assertEqual(got, self.outcome(lc._parse_lines, block, max_headers))
+                plain += lc._PLAIN_HEAD.match(block) is not None
+        self.assertGreater(plain, 2000)  # the plain path ran often
+        self.assertLess(plain, 18000)  # and the line parser too
+
+    def test_real_heads_take_the_plain_path(self):
+        for name in sorted(os.listdir(TRANSCRIPTS)):
+            with open(os.path.join(TRANSCRIPTS, name), "rb") as f:
+                raw = f.read()
+            if b"<<< RESPONSE" not in raw:
+                continue
+            raw = load_transcript(name)
+            start = raw.find(b"HTTP/1.")
+            end = raw.find(b"\r\n\r\n", start)
+            if start < 0 or end < 0:
+                continue
+            block = raw[start : end + 1]
+            with self.subTest(name=name):
+                self.assertIsNotNone(lc._PLAIN_HEAD.match(block), block[:200])
+                self.assertEqual(self.outcome(lc._parse_head, block, 100), self.outcome(lc._parse_lines, block, 100))
+
+
 class TestParserHeadRules(unittest.TestCase):
     def check(self, data, expect=None, reader=lambda: lc.ResponseReader(), **kw):
         kw.setdefault("end", _p_eof)

@@ -57,6 +57,7 @@ README.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -1919,7 +1920,7 @@ def request_cost_items(path):
     headers += calls._headers
     run = lc._SyncRun(board)
     stream_req = calls.chat_request(MSGS, 0, {})
-    head_block = response[: response.index(b"\r\n\r\n")]
+    head_block = response[: response.index(b"\r\n\r\n") + 1]  # as ResponseReader hands it: the last CR kept
     chunked = response[response.index(b"\r\n\r\n") + 4 :]
     body_bytes = b"".join(lc.ResponseReader().feed(response))
     payloads = [p for _, p in lc.SSEDecoder(limits.max_line).feed(body_bytes) if p != "[DONE]"]
@@ -2005,7 +2006,8 @@ def request_cost_items(path):
         (
             "    of which json.dumps(body)",
             "_Calls._encode (l. %d)" % _line(lc._Calls._encode),
-            lambda: json.dumps(body, allow_nan=False).encode("utf-8"),
+            # what _Calls._encode calls (an older checkout has no _dumps: json.dumps, as it did)
+            lambda: getattr(lc, "_dumps", functools.partial(json.dumps, allow_nan=False))(body).encode("utf-8"),
             1,
             None,
         ),
@@ -2151,6 +2153,7 @@ def _instructions(k):
                 _INSTR_CHILD,
                 "/tmp/lcb-none.sock",
                 str(k),
+                "--root=" + LC_ROOT,  # the checkout measured, as figure 3's child is told
             ],
             check=True,
             capture_output=True,
@@ -2405,7 +2408,7 @@ def main(argv=None):
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == _MEM_CHILD:
         child_mem(sys.argv[2], sys.argv[3])
-    elif len(sys.argv) == 4 and sys.argv[1] == _INSTR_CHILD:
+    elif len(sys.argv) == 5 and sys.argv[1] == _INSTR_CHILD:
         child_instructions(sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit(main())

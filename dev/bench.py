@@ -1974,13 +1974,12 @@ def request_cost_items(path):
         ),
         ("  (the no-I/O socket's own calls, subtracted above)", "", fake_sock, -1, noio),
         (
-            "  of which Stream() (a _SyncRun: two Locks and a threading.Event; the plan's generator)",
+            "  of which Stream() (a _SyncRun: its three locks, one the waker's bell; the plan's generator)",
             "Stream.__init__ (l. %d), _SyncRun.__init__ (l. %d)" % (_line(cs.__init__), _line(lc._SyncRun.__init__)),
             lambda: lc.Stream(board, stream_req),
             1,
             None,
         ),
-        ("    of which threading.Event() alone", "_SyncRun.__init__", threading.Event, 1, None),
         (
             "  of which gate enter + leave, uncontended",
             "_Gate.enter / leave (l. %d, %d)" % (_line(lc._Gate.enter), _line(lc._Gate.leave)),

@@ -3193,6 +3193,8 @@ class TestParserUnknownFields(unittest.TestCase):
 
 def _p_general_feed(asm, payload):
     """Feed ``payload`` to the general path alone (the fast path skipped)."""
+    if payload == "null" and type(asm) is lc._NativeAssembler:  # what opens a stream of several prompts
+        return []
     try:
         doc = json.loads(payload)
     except ValueError:
@@ -3270,14 +3272,25 @@ def _p_random_payload(rng, words):
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=rng.random() < 0.5)
 
 
-class TestAssemblerPaths(unittest.TestCase):
+class _FastPaths:
+    """A dialect's fast path against its general path alone (``_feed`` after a plain parse)."""
+
+    DIALECT = lc.Assembler
+    #: the attributes compared after every payload: what the pump and the thinking cap read
+    STATE = ("id", "model", "usage", "timings", "reasoning_tokens", "in_reasoning", "done")
+
+    @staticmethod
+    def fast_on(asm):
+        return asm._fast
+
     def run_both(self, payloads, raw_chunks=False):
         """The same payloads through feed() (fast path where it applies) and through the general path
-        alone: every step's events or error, the state the thinking cap reads, and the completion."""
-        fast, general = lc.Assembler(raw_chunks), lc.Assembler(raw_chunks)
+        alone: every step's events or error, the state the pump and the thinking cap read, and the
+        completion.  Returns how many payloads met the fast path switched on."""
+        fast, general = self.DIALECT(raw_chunks), self.DIALECT(raw_chunks)
         fast_steps = 0
         for payload in payloads:
-            fast_steps += fast._fast
+            fast_steps += bool(self.fast_on(fast))
             results = []
             for feed in (fast.feed, lambda p: _p_general_feed(general, p)):
                 try:
@@ -3285,9 +3298,8 @@ class TestAssemblerPaths(unittest.TestCase):
                 except lc.LoopError as exc:
                     results.append(("raised", type(exc)))
             self.assertEqual(results[0], results[1], payload)
-            for name in ("id", "model", "usage", "timings", "reasoning_tokens", "in_reasoning", "content", "reasoning"):
+            for name in self.STATE:
                 self.assertEqual(getattr(fast, name), getattr(general, name), (name, payload))
-            self.assertEqual(fast.finish_reason, general.finish_reason)
             if results[0][0] == "raised":
                 return fast_steps
         outcomes = []
@@ -3298,6 +3310,10 @@ class TestAssemblerPaths(unittest.TestCase):
                 outcomes.append(type(exc))
         self.assertEqual(outcomes[0], outcomes[1])
         return fast_steps
+
+
+class TestAssemblerPaths(_FastPaths, unittest.TestCase):
+    STATE = _FastPaths.STATE + ("content", "reasoning", "finish_reason")
 
     def test_fast_and_general_paths_agree(self):
         words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']
@@ -3721,33 +3737,14 @@ def _p_random_native(rng, words):
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=rng.random() < 0.5)
 
 
-class TestNativeAssemblerPaths(unittest.TestCase):
+class TestNativeAssemblerPaths(_FastPaths, unittest.TestCase):
     """The native dialect's fast path (a plain token of choice 0) gives what its general path gives."""
 
-    def run_both(self, payloads, raw_chunks=False):
-        fast, general = lc._NativeAssembler(raw_chunks), lc._NativeAssembler(raw_chunks)
-        fast_steps = 0
-        for payload in payloads:
-            fast_steps += fast._first is not None
-            results = []
-            for feed in (fast.feed, lambda p: [] if p == "null" else _p_general_feed(general, p)):
-                try:
-                    results.append(("events", feed(payload)))
-                except lc.LoopError as exc:
-                    results.append(("raised", type(exc)))
-            self.assertEqual(results[0], results[1], payload)
-            for name in ("id", "model", "usage", "timings", "done"):
-                self.assertEqual(getattr(fast, name), getattr(general, name), (name, payload))
-            if results[0][0] == "raised":
-                return fast_steps
-        outcomes = []
-        for asm in (fast, general):
-            try:
-                outcomes.append(asm.completion())
-            except lc.LoopError as exc:
-                outcomes.append(type(exc))
-        self.assertEqual(outcomes[0], outcomes[1])
-        return fast_steps
+    DIALECT = lc._NativeAssembler
+
+    @staticmethod
+    def fast_on(asm):
+        return asm._first is not None
 
     def test_fast_and_general_paths_agree(self):
         words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']

@@ -6321,27 +6321,44 @@ def _api_route(server, line, handler):
     server.route(method, target, handler)
 
 
-class KeepAliveServer:
-    """A Unix socket server that answers many requests on one connection, as llama-server does for plain
-    answers (``Keep-Alive: timeout=5, max=100``).  ``answer(req)`` gives each answer's bytes;
-    ``close_after`` answers, it closes the connection (None: when the client does)."""
+class _UnixServer:
+    """A Unix-socket server of the tests' own: an accept thread and a thread per connection (``_serve(conn,
+    number)``, numbered from 1 in accept order), every socket tracked so that ``close()`` can shut it down
+    (on Linux a ``close()`` alone does not wake a thread blocked in ``recv()``), join the threads and say
+    which are still alive.  A subclass sets its own attributes before calling ``__init__``."""
 
-    def __init__(self, answer, close_after=None):
-        self.answer = answer
-        self.close_after = close_after
-        self.tmp = tempfile.mkdtemp(prefix="lcka", dir="/tmp")
-        self.address = os.path.join(self.tmp, "s.sock")
+    def __init__(self, prefix, name):
+        self.tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        self.path = os.path.join(self.tmp, name)
         self.lock = threading.Lock()
-        self.connections = 0
-        self.requests = []  # (connection number, request)
         self.stopping = threading.Event()
+        self.sockets = set()
+        self.threads = []
+        self.connections = 0
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.address)
-        self.listener.listen(16)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
         self.listener.settimeout(0.05)
-        self.conns = []
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        self._start(self._accept)
+
+    def _start(self, target, *args):
+        thread = threading.Thread(target=target, args=args, name="lc-test-server", daemon=True)
+        with self.lock:
+            self.threads.append(thread)
+        thread.start()
+
+    def _track(self, sock):
+        with self.lock:
+            if self.stopping.is_set():
+                sock.close()
+                return False
+            self.sockets.add(sock)
+            return True
+
+    def _untrack(self, sock):
+        with self.lock:
+            self.sockets.discard(sock)
+        sock.close()
 
     def _accept(self):
         while not self.stopping.is_set():
@@ -6351,14 +6368,43 @@ class KeepAliveServer:
                 continue
             except OSError:
                 return
-            with self.lock:
-                self.connections += 1
-                number = self.connections
-                self.conns.append(conn)
-            thread = threading.Thread(target=self._serve, args=(conn, number), daemon=True)
-            thread.start()
-            with self.lock:
-                self.threads.append(thread)
+            if self._track(conn):
+                with self.lock:
+                    self.connections += 1
+                    number = self.connections
+                self._start(self._serve, conn, number)
+
+    def close(self):
+        self.stopping.set()
+        self.listener.close()
+        with self.lock:
+            sockets = list(self.sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self.lock:
+            threads = list(self.threads)
+        for thread in threads:
+            thread.join(10)
+        for sock in sockets:
+            sock.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return [t for t in threads if t.is_alive()]
+
+
+class KeepAliveServer(_UnixServer):
+    """A Unix socket server that answers many requests on one connection, as llama-server does for plain
+    answers (``Keep-Alive: timeout=5, max=100``).  ``answer(req)`` gives each answer's bytes;
+    ``close_after`` answers, it closes the connection (None: when the client does)."""
+
+    def __init__(self, answer, close_after=None):
+        self.answer = answer
+        self.close_after = close_after
+        self.requests = []  # (connection number, request)
+        _UnixServer.__init__(self, "lcka", "s.sock")
+        self.address = self.path
 
     def _serve(self, conn, number):
         try:
@@ -6377,21 +6423,7 @@ class KeepAliveServer:
         except OSError:
             pass
         finally:
-            conn.close()
-
-    def close(self):
-        self.stopping.set()
-        self.listener.close()
-        with self.lock:
-            conns = list(self.conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in list(self.threads):
-            thread.join(5)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+            self._untrack(conn)
 
 
 def keep_alive_answer(doc, headers=b"Keep-Alive: timeout=5, max=100\r\n", version=b"HTTP/1.1", body=None):
@@ -14790,7 +14822,7 @@ for _name in list(vars(TestRealServer)):
         setattr(TestRealServerAsync, _name, None)
 
 
-class ConcurrencyProxy:
+class ConcurrencyProxy(_UnixServer):
     """A proxy in front of a real server, as llama-swap behaves at its per-model concurrency limit: on a
     Unix socket of its own, it answers ``GET /slots`` with 404 (not served), a request past ``limit`` in
     flight through it with 429 and ``Retry-After: 1``, and forwards any other request to ``upstream``
@@ -14801,51 +14833,11 @@ class ConcurrencyProxy:
     def __init__(self, upstream, limit=2):
         self.upstream = upstream
         self.limit = limit
-        self.tmp = tempfile.mkdtemp(prefix="lcproxy", dir="/tmp")
-        self.path = os.path.join(self.tmp, "proxy.sock")
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.sockets = set()
-        self.threads = []
         self.in_flight = self.max_in_flight = 0
         self.forwarded, self.refused, self.slots_asked = [], 0, 0
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.path)
-        self.listener.listen(64)
-        self.listener.settimeout(0.05)
-        self._start(self._accept)
+        _UnixServer.__init__(self, "lcproxy", "proxy.sock")
 
-    def _start(self, target, *args):
-        thread = threading.Thread(target=target, args=args, name="lc-test-proxy", daemon=True)
-        with self.lock:
-            self.threads.append(thread)
-        thread.start()
-
-    def _track(self, sock):
-        with self.lock:
-            if self.stopping.is_set():
-                sock.close()
-                return False
-            self.sockets.add(sock)
-            return True
-
-    def _untrack(self, sock):
-        with self.lock:
-            self.sockets.discard(sock)
-        sock.close()
-
-    def _accept(self):
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            if self._track(conn):
-                self._start(self._serve, conn)
-
-    def _serve(self, conn):
+    def _serve(self, conn, number):
         try:
             conn.settimeout(5)
             request = read_request(conn)
@@ -14901,24 +14893,6 @@ class ConcurrencyProxy:
                 conn.sendall(data)
         finally:
             self._untrack(upstream)
-
-    def close(self):
-        self.stopping.set()
-        self.listener.close()
-        with self.lock:
-            sockets = list(self.sockets)
-        for sock in sockets:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        with self.lock:
-            threads = list(self.threads)
-        for thread in threads:
-            thread.join(10)
-        alive = [t for t in threads if t.is_alive()]
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return alive
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
@@ -15322,7 +15296,7 @@ class TestRealEndpointsAsync(AsyncDriver, TestRealEndpoints):
 # -----------------------------------------------------------------------------------------------------
 
 
-class CutProxy:
+class CutProxy(_UnixServer):
     """A threaded Unix-socket proxy to ``upstream`` that cuts the first streamed response's connection (a
     POST that asks for ``text/event-stream``) after ``cut`` raw bytes: both ends are shut down, as a lost
     connection.  Every other connection is forwarded whole.  ``cuts``: connections cut so far."""
@@ -15331,36 +15305,13 @@ class CutProxy:
         self.upstream = upstream
         self.cut = cut
         self.cuts = 0
-        self.tmp = tempfile.mkdtemp(prefix="lcp", dir="/tmp")
-        self.path = os.path.join(self.tmp, "proxy.sock")
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.socks = []
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.path)
-        self.listener.listen(16)
-        self.listener.settimeout(0.05)
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        _UnixServer.__init__(self, "lcp", "proxy.sock")
 
-    def _accept(self):
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            with self.lock:
-                self.socks.append(conn)
-                self.threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn):
+    def _serve(self, conn, number):
         up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with self.lock:
-            self.socks.append(up)
+        if not self._track(up):
+            self._untrack(conn)
+            return
         try:
             conn.settimeout(30)
             up.settimeout(120)
@@ -15376,10 +15327,7 @@ class CutProxy:
                 if cutting:
                     self.cuts += 1
             up.sendall(head)
-            thread = threading.Thread(target=self._pipe, args=(conn, up), daemon=True)
-            thread.start()
-            with self.lock:
-                self.threads.append(thread)
+            self._start(self._pipe, conn, up)
             sent = 0
             while True:
                 data = up.recv(65536)
@@ -15398,7 +15346,7 @@ class CutProxy:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-                sock.close()
+                self._untrack(sock)
 
     @staticmethod
     def _pipe(src, dst):
@@ -15410,22 +15358,6 @@ class CutProxy:
                 dst.sendall(data)
         except OSError:
             pass
-
-    def close(self):
-        self.stopping.set()
-        self.listener.close()
-        with self.lock:
-            socks = list(self.socks)
-        for sock in socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for thread in list(self.threads):
-            thread.join(5)
-        for sock in socks:
-            sock.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 #: The long chat of the resumable tests: 300 tokens at temperature 0, so that an uncut run says the same.

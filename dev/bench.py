@@ -598,16 +598,21 @@ def floor_stream(path, request, native=False):
     return len(parts), "".join(parts)
 
 
-def lc_stream(path):
-    """loopclient's stream, iterated; returns (content events, completion text)."""
+def _read(path, open_stream):
+    """``open_stream(client)`` on a fresh ``Client``, iterated; returns (content events, completion text)."""
     client = lc.Client(path)
     n = 0
-    with client.stream(MSGS, slot=0) as stream:
+    with open_stream(client) as stream:
         for ev in stream:
             if type(ev) is lc.Content:
                 n += 1
     client.close()
     return n, stream.completion.content
+
+
+def lc_stream(path):
+    """loopclient's stream, iterated; returns (content events, completion text)."""
+    return _read(path, lambda client: client.stream(MSGS, slot=0))
 
 
 #: The reader's own CPU seconds in the last ``timed()`` call (the servers are other processes): on a shared
@@ -1015,19 +1020,24 @@ def fig_waiters(cfg):
 # -----------------------------------------------------------------------------------------------------
 
 
-def lc_stream_async(path):
-    """loopclient's AsyncClient stream, iterated on a fresh event loop; returns (content events, text)."""
+def _read_async(path, open_stream):
+    """``open_stream(client)`` on a fresh ``AsyncClient`` and event loop, iterated; (content events, text)."""
     import asyncio
 
     async def main():
         n = 0
-        async with lc.AsyncClient(path) as client, client.stream(MSGS, slot=0) as stream:
+        async with lc.AsyncClient(path) as client, open_stream(client) as stream:
             async for ev in stream:
                 if type(ev) is lc.Content:
                     n += 1
         return n, stream.completion.content
 
     return asyncio.run(main())
+
+
+def lc_stream_async(path):
+    """loopclient's AsyncClient stream, iterated on a fresh event loop; returns (content events, text)."""
+    return _read_async(path, lambda client: client.stream(MSGS, slot=0))
 
 
 def fig_async_stream(cfg):
@@ -1078,29 +1088,12 @@ def native_request(client):
 
 def lc_native(path):
     """``Client.stream_complete()``, iterated; returns (content events, completion text)."""
-    client = lc.Client(path)
-    n = 0
-    with client.stream_complete(PROMPT, slot=0) as stream:
-        for ev in stream:
-            if type(ev) is lc.Content:
-                n += 1
-    client.close()
-    return n, stream.completion.content
+    return _read(path, lambda client: client.stream_complete(PROMPT, slot=0))
 
 
 def lc_native_async(path):
     """``AsyncClient.stream_complete()``, iterated on a fresh event loop; returns (content events, text)."""
-    import asyncio
-
-    async def main():
-        n = 0
-        async with lc.AsyncClient(path) as client, client.stream_complete(PROMPT, slot=0) as stream:
-            async for ev in stream:
-                if type(ev) is lc.Content:
-                    n += 1
-        return n, stream.completion.content
-
-    return asyncio.run(main())
+    return _read_async(path, lambda client: client.stream_complete(PROMPT, slot=0))
 
 
 def fig_native(cfg):

@@ -667,19 +667,21 @@ def fig_stream(cfg, server, request, text):
 
     a(), b()  # warm-up
     results = alternate(a, b, cfg.pairs)
+    return stream_figure(1, "stream throughput (%d events, %.1f MB)" % (n_events, server.info / 1e6), results, cpu)
+
+
+def stream_figure(number, name, results, cpu):
+    """A stream-throughput figure (1, 7, 9) from alternated (loopclient, floor) events/s: target 0.90x."""
     ratios = [x / y for x, y in results]
-    lc_rate = statistics.median(x for x, _ in results)
-    floor_rate = statistics.median(y for _, y in results)
-    med = statistics.median(ratios)
     return Figure(
-        1,
-        "stream throughput (%d events, %.1f MB)" % (n_events, server.info / 1e6),
+        number,
+        name,
         "events/s",
-        fmt_rate(lc_rate, "ev/s"),
-        fmt_rate(floor_rate, "ev/s"),
+        fmt_rate(statistics.median(x for x, _ in results), "ev/s"),
+        fmt_rate(statistics.median(y for _, y in results), "ev/s"),
         ratios,
         ">= 0.90x",
-        med >= 0.90,
+        statistics.median(ratios) >= 0.90,
         cpu_note(cpu),
     )
 
@@ -1062,18 +1064,7 @@ def fig_async_stream(cfg):
         )
     finally:
         server.close()
-    ratios = [x / y for x, y in results]
-    return Figure(
-        7,
-        "async stream throughput (%d events, AsyncClient)" % n_events,
-        "events/s",
-        fmt_rate(statistics.median(x for x, _ in results), "ev/s"),
-        fmt_rate(statistics.median(y for _, y in results), "ev/s"),
-        ratios,
-        ">= 0.90x",
-        statistics.median(ratios) >= 0.90,
-        cpu_note(cpu),
-    )
+    return stream_figure(7, "async stream throughput (%d events, AsyncClient)" % n_events, results, cpu)
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -1122,21 +1113,12 @@ def fig_native(cfg):
             cpu.update({False: [], True: []})
             rate(fn, server.path), floor()  # warm-up
             results = alternate(lambda: rate(fn, server.path), floor, cfg.pairs)
-            ratios = [x / y for x, y in results]
-            figures.append(
-                Figure(
-                    9,
-                    "native /completion stream throughput (%d tokens, %.1f MB, %s.stream_complete)"
-                    % (n_events, server.info / 1e6, label),
-                    "events/s",
-                    fmt_rate(statistics.median(x for x, _ in results), "ev/s"),
-                    fmt_rate(statistics.median(y for _, y in results), "ev/s"),
-                    ratios,
-                    ">= 0.90x",
-                    statistics.median(ratios) >= 0.90,
-                    cpu_note(cpu),
-                )
+            name = "native /completion stream throughput (%d tokens, %.1f MB, %s.stream_complete)" % (
+                n_events,
+                server.info / 1e6,
+                label,
             )
+            figures.append(stream_figure(9, name, results, cpu))
     finally:
         server.close()
     return figures

@@ -133,6 +133,10 @@ FORGET_WAIT = 1.0
 
 _USER_AGENT = "loopclient/" + __version__
 
+#: The clock every rule reads (waits, budgets, gates, polls): the drivers' own timeouts aside, the request
+#: logic asks nothing else for the time, so a test can run it on a clock of its own.
+_clock = time.monotonic
+
 
 # =====================================================================================================
 # 1. Errors and value objects
@@ -3170,13 +3174,13 @@ class _Waits:
         self.slot = "any" if slot is None else str(slot)
         self.address = address
         self.state = None  # type: Optional[str]
-        self.since = time.monotonic()
+        self.since = _clock()
         self.sent_at = self.since
         self.cause = None  # type: Optional[BaseException]
 
     def observe(self, state: str, cause: Optional[BaseException] = None) -> None:
         if state != self.state:
-            self.since = self.sent_at if self.state is None else time.monotonic()
+            self.since = self.sent_at if self.state is None else _clock()
             self.state = state
             self.cause = None
         if cause is not None:  # a poll that sees the same state keeps the last failure as the cause
@@ -3186,7 +3190,7 @@ class _Waits:
         if self.state is None:
             return None
         budget = getattr(self.limits, _BUDGETS[self.state][0])
-        return float(budget - (time.monotonic() - self.since))
+        return float(budget - (_clock() - self.since))
 
     def check(self) -> None:
         """Raise the budget's error when the current state has lasted longer than its budget."""
@@ -3197,7 +3201,7 @@ class _Waits:
     def expired(self) -> LoopError:
         assert self.state is not None
         _, cls, text = _BUDGETS[self.state]
-        waited = time.monotonic() - self.since
+        waited = _clock() - self.since
         err = cls(text.format(slot=self.slot, address=self.address, waited=waited), waited)
         if self.cause is not None:
             err.__cause__ = self.cause
@@ -3249,7 +3253,7 @@ def _read_timeout(
 def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
     """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
     liveness = limits.liveness
-    if time.monotonic() - heard < liveness:
+    if _clock() - heard < liveness:
         return None
     what = "the response head" if head is None else "the error body" if head.status != 200 else ""
     if what:
@@ -3526,7 +3530,7 @@ class _SlotWatch:
     def still(self, slot: Slot) -> float:
         """Seconds the processing ``slot`` has shown no progress (0 when it moves or sends no fields)."""
         entry = self._still.get(slot.id)
-        return time.monotonic() - entry[1] if entry is not None else 0.0
+        return _clock() - entry[1] if entry is not None else 0.0
 
     def wedged(self, slot: Slot) -> bool:
         wait = self._limits.wedge_wait
@@ -3596,7 +3600,7 @@ class _SlotPoller(_SlotWatch):
         return now - self.stamp < (UNSEEN_POLL if self.unseen else self._limits.poll)
 
     def answered(self, slots: Optional[List[Slot]], unseen: bool = False) -> None:
-        now = time.monotonic()
+        now = _clock()
         with self._lock:
             if slots is not None:
                 self._remember(slots, now)
@@ -3673,7 +3677,7 @@ class _Board:
         """A kept connection to reuse (the most recent), or None.  One idle past its time, or one of the
         process this one was forked from, is never reused: it is closed (a forked child's close leaves the
         parent's connection alone)."""
-        now, pid = time.monotonic(), os.getpid()
+        now, pid = _clock(), os.getpid()
         found = None
         stale = []
         with self.lock:
@@ -3693,7 +3697,7 @@ class _Board:
             if self.closed or len(self.idle) >= self.limits.keep_alive:
                 return False
             conn.owner = _NOBODY  # not the run that used it: a client dropped unclosed is freed at once
-            self.idle.append((conn, time.monotonic() + idle, os.getpid()))
+            self.idle.append((conn, _clock() + idle, os.getpid()))
             return True
 
     def close(self) -> None:
@@ -3905,12 +3909,12 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
     seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
     coalesced, never repeated or increased)."""
     yield [Queued(ticket.ahead)]
-    due = time.monotonic() + poll
+    due = _clock() + poll
     while True:
-        yield (_PARK, max(due - time.monotonic(), 0.0))
+        yield (_PARK, max(due - _clock(), 0.0))
         if ticket.granted:  # set once, under the gate's lock, before the waker is signalled
             return
-        now = time.monotonic()
+        now = _clock()
         if now >= due:
             ahead = gate.position(ticket)
             if ahead is None:
@@ -3920,7 +3924,7 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
                 yield [Queued(ahead)]
             # counted from now, after the caller took the announcement: from before it, a caller slower than
             # poll (thousands of threads on two cores) would find its timer run out and spin on Queued
-            due = time.monotonic() + poll
+            due = _clock() + poll
 
 
 #: The streamed endpoints besides chat: name -> (path, dialect, whether the thinking cap can work there).
@@ -4413,7 +4417,7 @@ class _Calls:
                 retry = _cannot_connect(exc)
             else:
                 try:
-                    waits.sent_at = time.monotonic()
+                    waits.sent_at = _clock()
                     outcome = yield from self._attempt(board, run, req, conn, waits)
                 finally:
                     conn.close()
@@ -4442,7 +4446,7 @@ class _Calls:
         lost = None  # type: Optional[_Lost]
         events = []  # type: List[Event]
         started = 0.0  # when the first byte came
-        heard = progress = time.monotonic()  # the last byte; the last data event
+        heard = progress = _clock()  # the last byte; the last data event
         try:
             while True:
                 try:
@@ -4465,7 +4469,7 @@ class _Calls:
                         if lost is None or not isinstance(pump.outcome, _Retry):
                             return pump.outcome
                         raise StreamClosedError(pump.outcome.reason)  # a replay answered 503: reattach again
-                    now = time.monotonic()
+                    now = _clock()
                     if _quiet_due(limits, pump.head, progress, now):
                         yield from self._check_quiet(board, run, req, now - progress, heard > progress)
                     try:
@@ -4482,7 +4486,7 @@ class _Calls:
                         lost = lost or _Lost(limits, req.slot, self.address)
                         lost.silent = True
                         raise StreamClosedError(str(stalled)) from None  # tried once as a lost connection
-                    heard = time.monotonic()
+                    heard = _clock()
                     if not started and data:  # an end of file at once is no byte of the head
                         started = progress = heard
                     events = pump.feed(data) if data else pump.feed_eof()
@@ -4502,7 +4506,7 @@ class _Calls:
                     if leg is not conn:
                         leg.close()
                     leg = yield from self._reattach(req, pump, lost)
-                    heard = progress = started = time.monotonic()
+                    heard = progress = started = _clock()
         finally:
             if leg is not conn:
                 leg.close()
@@ -4583,7 +4587,7 @@ class _Calls:
         younger than ``poll`` is reused; else one request (the first to ask) goes out, and the others wait
         for it, at most ``poll``: no answer by then is an unavailable server."""
         poller = board.poller(model)
-        asked = time.monotonic()
+        asked = _clock()
         if not poller.fresh(asked):
             if poller.start():
                 yield (_SPAWN, self._poll_slots(poller, model))
@@ -4591,7 +4595,7 @@ class _Calls:
             poller.wait(run, True)
             try:
                 while poller.stamp < asked:
-                    left = deadline - time.monotonic()
+                    left = deadline - _clock()
                     if left <= 0:
                         break
                     yield (_PARK, left)

@@ -3392,7 +3392,7 @@ def _quiet_verdict(
 
 
 # =====================================================================================================
-# 7. Slot gates and the /slots watch: plain data, the waking passed in
+# 7. Slot gates, the /slots watch and what a client's requests share: under locks, the waking passed in
 # =====================================================================================================
 
 
@@ -3753,7 +3753,9 @@ class _Run:
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
     ``/slots`` poller and a pool size per model, who is asking ``/props`` for which model, and the runs in
-    flight, which ``close()`` cancels.  Plain data under one lock; no I/O."""
+    flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
+    connections (a stale kept one, every kept one), and ``close()`` cancelling the runs in flight, whose
+    plans then unwind: a resumable stream's sends its DELETE on the way out."""
 
     def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
         self.calls = calls

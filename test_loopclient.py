@@ -10404,7 +10404,8 @@ class TestFaultErrors(_f_Case):
     def test_http_500_html_body(self):
         self.use(reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"))
         err = self._f_fails(lc.HTTPStatusError)
-        self.assertEqual((err.status, err.message), (500, "<h1>oops</h1>"))
+        self.assertEqual((err.status, err.message, err.body), (500, "oops", b"<h1>oops</h1>\r\n\r\n"))
+        self.assertEqual(str(err), "HTTP 500: oops")  # no Server header, and a status llama-server sends
 
     def test_error_event_first_503_is_retried(self):
         event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
@@ -15540,3 +15541,126 @@ class TestRealResume(ClientFactory, unittest.TestCase):
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealResumeAsync(AsyncDriver, TestRealResume):
     test_without_the_delete_the_server_keeps_generating = None  # no client in it: the threaded run has it
+
+
+# =====================================================================================================
+# Behind real fronts: nginx, HAProxy and Caddy, from the configurations in dev/fronts
+# =====================================================================================================
+
+
+FRONTS_DIR = os.path.join(HERE, "dev", "fronts")
+
+
+#: Each front: its template in dev/fronts, how it names a server, and its balancing policies.
+FRONT_KINDS = {
+    "nginx": {
+        "file": "nginx.conf",
+        "server": "server unix:%s;",
+        "join": "\n        ",
+        "balance": {"pin": "hash $http_x_conversation_id consistent;", "least": "least_conn;", "rr": ""},
+    },
+    "haproxy": {
+        "file": "haproxy.cfg",
+        "server": "server s%d unix@%s",
+        "join": "\n    ",
+        "balance": {"pin": "hdr(X-Conversation-Id)", "least": "leastconn", "rr": "roundrobin"},
+    },
+    "caddy": {
+        "file": "Caddyfile",
+        "server": "unix/%s",
+        "join": " ",
+        "balance": {"pin": "header X-Conversation-Id", "least": "least_conn", "rr": "round_robin"},
+    },
+}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0):
+    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts, in front
+    of ``servers`` (Unix socket paths), balancing by ``balance`` ("pin": by X-Conversation-Id, "least",
+    "rr"), with an idle timeout of ``timeout`` seconds toward the servers."""
+    spec = FRONT_KINDS[kind]
+    with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
+        text = f.read()
+    if kind == "haproxy":
+        lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
+    else:
+        lines = [spec["server"] % path for path in servers]
+    fill = {
+        "@DIR@": directory,
+        "@PORT@": str(port),
+        "@TLS_PORT@": str(tls_port),
+        "@CERT@": _API_TLS_CERT,
+        "@KEY@": _API_TLS_KEY,
+        "@TIMEOUT@": str(timeout),
+        "@BALANCE@": spec["balance"][balance],
+        "@SERVERS@": spec["join"].join(lines),
+    }
+    for name, value in fill.items():
+        text = text.replace(name, value)
+    assert not re.search(r"@[A-Z_]+@", text), text
+    return text
+
+
+class Front:
+    """A real front (nginx, HAProxy or Caddy) of the test's own, in the foreground, on free ports, from its
+    dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
+    ``close()`` kills its process group (an nginx master and its worker) and removes its directory."""
+
+    def __init__(self, kind, servers, balance="pin", timeout=2):
+        self.kind = kind
+        self.tmp = tempfile.mkdtemp(prefix="lcfront", dir="/tmp")
+        self.port, self.tls_port = free_port(), free_port()
+        self.config = os.path.join(self.tmp, FRONT_KINDS[kind]["file"])
+        with open(self.config, "w", encoding="utf-8") as f:
+            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port))
+        env = dict(os.environ, HOME=self.tmp, XDG_DATA_HOME=self.tmp, XDG_CONFIG_HOME=self.tmp)
+        command = {
+            "nginx": ["nginx", "-c", self.config, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
+            "haproxy": ["haproxy", "-f", self.config, "-db"],
+            "caddy": ["caddy", "run", "--config", self.config, "--adapter", "caddyfile"],
+        }[kind]
+        self.log = open(os.path.join(self.tmp, "front.log"), "wb")
+        self.proc = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.tls_url = "https://127.0.0.1:%d" % self.tls_port if kind == "nginx" else None
+        try:
+            self._wait_listening(10.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_listening(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError("%s exited (%s): %s" % (self.kind, self.proc.returncode, self.output()))
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError("%s did not listen within %.0f s: %s" % (self.kind, timeout, self.output()))
+                time.sleep(0.02)  # polling for a process we just started; no event to wait on
+
+    def output(self):
+        self.log.flush()
+        with open(os.path.join(self.tmp, "front.log"), "rb") as f:
+            return f.read()[-2000:].decode("utf-8", "replace")
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.wait(10)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)

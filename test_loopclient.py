@@ -12830,6 +12830,7 @@ class TestDifferential(_f_Case):
         "_d_slots_rows",
         "_d_control",
         "_d_proxies",
+        "_d_fronts",
         "_d_security",
         "_d_fuzz",
     )
@@ -13008,6 +13009,111 @@ class TestDifferential(_f_Case):
 
     def test_behind_proxies(self):
         self._d_table(self._d_proxies())
+
+    def test_behind_fronts(self):
+        self._d_table(self._d_fronts())
+
+    def _d_fronts(self):
+        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+        busy = dict(busy_wait=1.0, load_wait=0.1)  # the wrong budget would end a retried 504 early
+        load = dict(load_wait=1.0, busy_wait=0.1)
+
+        def then_ok(name):
+            answer = front_answer(name)
+            return _d_stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+
+        def served(name, changes):
+            return [_d_part(then_ok(name), budget=backoff, at_once=True, changes=changes)]
+
+        def resumable(s):
+            _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
+
+        def two_servers(s):
+            lists = [[{"id": i, "id_task": 3, "is_processing": False} for i in range(n)] for n in (2, 3)]
+            asked = []
+
+            def slots(req):
+                asked.append(1)
+                respond_json(req, lists[(len(asked) - 1) % 2])
+
+            s.route("GET", "/slots", slots)
+            s.stream(_f_hold)
+
+        page = b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n</html>\r\n"
+        forbidden = (
+            b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+        )
+        return [
+            ("504 from nginx, then served", served("nginx 504", busy)),
+            ("504 without a `Server` header, then served", served("haproxy 504", busy)),
+            ("504 with an empty body, then served", served("caddy 504", busy)),
+            ("524, then served", served("cloudflare 524", busy)),
+            (
+                "504 for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("nginx 504")),
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8,
+                        changes=dict(load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "504 to a resumable request the server holds",
+                [_d_part(resumable, act=_d_chat(resumable="conv-1"), changes=dict(busy_wait=1.0))],
+            ),
+            ("502 with an HTML page, then served", served("nginx 502", load)),
+            ("502 with an empty body, then served", served("caddy 502", load)),
+            ("520 to 523, then served", [p for n in (520, 521, 522, 523) for p in served("cloudflare %d" % n, load)]),
+            (
+                "502 for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("nginx 502")),
+                        expect=lc.LoadTimeoutError,
+                        budget=0.6,
+                        changes=dict(busy_wait=0.2),
+                    )
+                ],
+            ),
+            (
+                "503 from HAProxy for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("haproxy 503")),
+                        expect=lc.LoadTimeoutError,
+                        budget=0.6,
+                        changes=dict(busy_wait=0.2),
+                    )
+                ],
+            ),
+            ("an error page from a front", [_d_part(_d_reply(forbidden), expect=lc.HTTPStatusError)]),
+            (
+                "idle `/slots`, several servers",
+                [
+                    _d_part(
+                        _d_stream(_f_hold),
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8,
+                        changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "`/slots` answers from two servers",
+                [
+                    _d_part(
+                        two_servers,
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8 + 2 * FAST_FAULTS.poll,
+                        at_once=True,
+                        changes=dict(idle_grace=0.3, load_wait=0.3),
+                    )
+                ],
+            ),
+        ]
 
     def _d_proxies(self):
         slots = _d_slots(_d_json({"error": {"code": 404, "message": "no slots here", "type": "x"}}, 404, "Not Found"))
@@ -15742,7 +15848,9 @@ class TestParserFrontPages(unittest.TestCase):
             one(b"  upstream connect error\nor disconnect/reset before headers\n"),
             "upstream connect error or disconnect/reset before headers",
         )
-        self.assertEqual(one(b"<p>a &lt; b&nbsp;&amp; c</p>"), "a < b & c")  # entities decoded, the no-break space collapsed too
+        self.assertEqual(
+            one(b"<p>a &lt; b&nbsp;&amp; c</p>"), "a < b & c"
+        )  # entities decoded, the no-break space collapsed too
         self.assertEqual(one(b"<html><title> </title><body>\n<h1> Bad\n gateway </h1><p>more</p>"), "Bad gateway")
         self.assertEqual(
             one(b"<html><head><style>h1 {color: red}</style><script>x()</script></head><h1>Down</h1>"), "Down"

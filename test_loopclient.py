@@ -15707,10 +15707,14 @@ def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port
         "@BALANCE@": spec["balance"][balance],
         "@SERVERS@": spec["join"].join(lines),
     }
-    for name, value in fill.items():
-        text = text.replace(name, value)
-    assert not re.search(r"@[A-Z_]+@", text), text
-    return text
+    lines = text.splitlines(True)
+    for i, line in enumerate(lines):
+        if not line.lstrip().startswith("#"):  # the comments name the placeholders: they stay
+            for name, value in fill.items():
+                line = line.replace(name, value)
+            assert not re.search(r"@[A-Z_]+@", line), line
+            lines[i] = line
+    return "".join(lines)
 
 
 class Front:

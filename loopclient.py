@@ -193,13 +193,32 @@ class ThinkingOverrunError(LoopError):
 
 
 class HTTPStatusError(LoopError):
-    """A non-200 status that is not retried; ``status``, ``message`` (from the envelope), ``body``."""
+    """A non-200 status that is not retried; ``status``, ``message`` (from the envelope, or one line of a
+    page), ``body`` (all of it), ``server`` (the ``Server`` header, None without one).  ``str()`` names the
+    front that answered (``HTTP 504 from nginx/1.22.1: ...``) when the header names something other than
+    llama.cpp, or says ``the front`` for a status llama-server never sends (502, 504, 520-524)."""
 
-    def __init__(self, status: int, message: str, body: bytes = b"") -> None:
-        super().__init__("HTTP %d: %s" % (status, message))
+    def __init__(self, status: int, message: str, body: bytes = b"", server: Optional[str] = None) -> None:
+        front = _front_name(status, server)
+        super().__init__("HTTP %d%s: %s" % (status, " from " + front if front else "", message))
         self.status = status
         self.message = message
         self.body = body
+        self.server = server
+
+
+#: Statuses llama-server never answers: a front (proxy, balancer, CDN) that could not get an answer.
+_FRONT_STATUSES = frozenset((502, 504, 520, 521, 522, 523, 524))
+
+
+def _front_name(status: int, server: Optional[str]) -> Optional[str]:
+    """Who answered ``status``, for a message: the ``Server`` header unless it is llama-server's own,
+    ``the front`` for a front's status without one, else None (llama-server itself)."""
+    if server and not server.lower().startswith("llama.cpp"):
+        return server[:100]
+    if not server and status in _FRONT_STATUSES:
+        return "the front"
+    return None
 
 
 class ServerError(LoopError):
@@ -1350,9 +1369,33 @@ def parse_error_envelope(body: bytes) -> Tuple[str, Any]:
         elif isinstance(doc.get("message"), str):
             message = doc["message"]
     if message is None:
-        text = body[:200].decode("utf-8", "replace").strip()
-        message = text or "(empty body)"
+        message = _one_line(body)
     return message, doc
+
+
+_SCRIPT = re.compile(r"<(script|style)\b.*?</\1\s*>", re.I | re.S)
+_TITLE = re.compile(r"<title\b[^>]*>(.*?)</title", re.I | re.S)
+_TAG = re.compile(r"<[^>]*>?")
+
+
+def _one_line(body: bytes) -> str:
+    """A body that is no error envelope as one line: an HTML page's ``<title>`` (else its first text),
+    entities decoded, whitespace collapsed, at most 200 characters; ``(empty body)`` when nothing is left."""
+    text = body[:65536].decode("utf-8", "replace")
+    if text.lstrip().startswith("<"):  # a page (nginx, HAProxy, a CDN), not text that happens to hold a "<"
+        found = _TITLE.search(text)
+        if found is not None and found.group(1).strip():
+            text = found.group(1)
+        else:
+            text = next((part for part in _TAG.split(_SCRIPT.sub(" ", text)) if part.strip()), "")
+    if "&" in text:
+        import html  # only for a page with entities
+
+        text = html.unescape(text)
+    text = " ".join(text.split())
+    if len(text) > 200:
+        text = text[:197].rstrip() + "..."
+    return text or "(empty body)"
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
@@ -2976,7 +3019,7 @@ class ResponsePump:
             return
         body = b"".join(self._body)
         message, _ = parse_error_envelope(body)
-        error = HTTPStatusError(head.status, message, body)
+        error = HTTPStatusError(head.status, message, body, head.get("server"))
         if self._resuming and head.status in (404, 400):
             self.unknown = head.status == 404  # behind a balancer, another server may have answered
             raise StreamClosedError(
@@ -4210,7 +4253,7 @@ class _Calls:
     ) -> _Plan[Any]:
         head, data = yield from self._send(method, path, body, query, **kw)
         if head.status != 200:
-            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+            raise _status_error(head, data)
         return _decode_json(data, "%s %s" % (method, path))
 
     def _object(
@@ -4235,7 +4278,7 @@ class _Calls:
             raise TypeError("query must be a dict, not %s" % type(query).__name__)
         head, data = yield from self._send(method, path, body, query)
         if not 200 <= head.status < 300:
-            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+            raise _status_error(head, data)
         if method == "HEAD" or head.status == 204:  # no body, whatever Content-Type says
             return ""
         if "json" in (head.get("content-type") or "").lower():
@@ -4246,7 +4289,16 @@ class _Calls:
         return _slots_from((yield from self._json("GET", "/slots", model=self.model if model is None else model)))
 
     def health(self) -> _Plan[Dict[str, Any]]:
-        return (yield from self._object("GET", "/health"))
+        head, data = yield from self._send("GET", "/health")
+        if head.status != 200:
+            raise _status_error(head, data)
+        text = data.decode("utf-8", "replace")
+        if "json" not in (head.get("content-type") or "").lower() and text.lstrip()[:1] not in ("{", "["):
+            return {"status": "ok", "body": text.strip()}  # a front's own check: llama-swap answers "OK"
+        doc = _decode_json(data, "GET /health")
+        if not isinstance(doc, dict):
+            raise ProtocolError("GET /health did not answer a JSON object")
+        return doc
 
     def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
         doc = yield from self._json("GET", "/props", model=self.model if model is None else model)
@@ -4306,7 +4358,7 @@ class _Calls:
     def metrics(self) -> _Plan[str]:
         head, data = yield from self._send("GET", "/metrics")
         if head.status != 200:
-            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+            raise _status_error(head, data)
         return data.decode("utf-8", "replace")
 
     def count_message_tokens(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[int]:
@@ -4334,7 +4386,7 @@ class _Calls:
         if head.status == 404:
             return False
         if not 200 <= head.status < 300:
-            raise HTTPStatusError(head.status, parse_error_envelope(data)[0], data)
+            raise _status_error(head, data)
         return True
 
     def lora_adapters(self) -> _Plan[List[Any]]:
@@ -4851,6 +4903,11 @@ def _slot_id(slot: Any) -> int:
     if slot < 0:
         raise ValueError("slot must not be negative")
     return int(slot)
+
+
+def _status_error(head: ResponseHead, data: bytes) -> HTTPStatusError:
+    """The error for an answer of a status the call does not take, with its body and ``Server`` header."""
+    return HTTPStatusError(head.status, parse_error_envelope(data)[0], data, head.get("server"))
 
 
 def _decode_json(data: bytes, what: str) -> Any:

@@ -10404,7 +10404,8 @@ class TestFaultErrors(_f_Case):
     def test_http_500_html_body(self):
         self.use(reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"))
         err = self._f_fails(lc.HTTPStatusError)
-        self.assertEqual((err.status, err.message), (500, "<h1>oops</h1>"))
+        self.assertEqual((err.status, err.message, err.body), (500, "oops", b"<h1>oops</h1>\r\n\r\n"))
+        self.assertEqual(str(err), "HTTP 500: oops")  # no Server header, and a status llama-server sends
 
     def test_error_event_first_503_is_retried(self):
         event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
@@ -12885,6 +12886,7 @@ class TestDifferential(_f_Case):
         "_d_slots_rows",
         "_d_control",
         "_d_proxies",
+        "_d_fronts",
         "_d_security",
         "_d_fuzz",
     )
@@ -13063,6 +13065,111 @@ class TestDifferential(_f_Case):
 
     def test_behind_proxies(self):
         self._d_table(self._d_proxies())
+
+    def test_behind_fronts(self):
+        self._d_table(self._d_fronts())
+
+    def _d_fronts(self):
+        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+        busy = dict(busy_wait=1.0, load_wait=0.1)  # the wrong budget would end a retried 504 early
+        load = dict(load_wait=1.0, busy_wait=0.1)
+
+        def then_ok(name):
+            answer = front_answer(name)
+            return _d_stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+
+        def served(name, changes):
+            return [_d_part(then_ok(name), budget=backoff, at_once=True, changes=changes)]
+
+        def resumable(s):
+            _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
+
+        def two_servers(s):
+            lists = [[{"id": i, "id_task": 3, "is_processing": False} for i in range(n)] for n in (2, 3)]
+            asked = []
+
+            def slots(req):
+                asked.append(1)
+                respond_json(req, lists[(len(asked) - 1) % 2])
+
+            s.route("GET", "/slots", slots)
+            s.stream(_f_hold)
+
+        page = b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n</html>\r\n"
+        forbidden = (
+            b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+        )
+        return [
+            ("504 from nginx, then served", served("nginx 504", busy)),
+            ("504 without a `Server` header, then served", served("haproxy 504", busy)),
+            ("504 with an empty body, then served", served("caddy 504", busy)),
+            ("524, then served", served("cloudflare 524", busy)),
+            (
+                "504 for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("nginx 504")),
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8,
+                        changes=dict(load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "504 to a resumable request the server holds",
+                [_d_part(resumable, act=_d_chat(resumable="conv-1"), changes=dict(busy_wait=1.0))],
+            ),
+            ("502 with an HTML page, then served", served("nginx 502", load)),
+            ("502 with an empty body, then served", served("caddy 502", load)),
+            ("520 to 523, then served", [p for n in (520, 521, 522, 523) for p in served("cloudflare %d" % n, load)]),
+            (
+                "502 for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("nginx 502")),
+                        expect=lc.LoadTimeoutError,
+                        budget=0.6,
+                        changes=dict(busy_wait=0.2),
+                    )
+                ],
+            ),
+            (
+                "503 from HAProxy for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("haproxy 503")),
+                        expect=lc.LoadTimeoutError,
+                        budget=0.6,
+                        changes=dict(busy_wait=0.2),
+                    )
+                ],
+            ),
+            ("an error page from a front", [_d_part(_d_reply(forbidden), expect=lc.HTTPStatusError)]),
+            (
+                "idle `/slots`, several servers",
+                [
+                    _d_part(
+                        _d_stream(_f_hold),
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8,
+                        changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "`/slots` answers from two servers",
+                [
+                    _d_part(
+                        two_servers,
+                        expect=lc.WaitTimeoutError,
+                        budget=0.8 + 2 * FAST_FAULTS.poll,
+                        at_once=True,
+                        changes=dict(idle_grace=0.3, load_wait=0.3),
+                    )
+                ],
+            ),
+        ]
 
     def _d_proxies(self):
         slots = _d_slots(_d_json({"error": {"code": 404, "message": "no slots here", "type": "x"}}, 404, "Not Found"))
@@ -15596,3 +15703,663 @@ class TestRealResume(ClientFactory, unittest.TestCase):
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealResumeAsync(AsyncDriver, TestRealResume):
     test_without_the_delete_the_server_keeps_generating = None  # no client in it: the threaded run has it
+
+
+# =====================================================================================================
+# Behind real fronts: nginx, HAProxy and Caddy, from the configurations in dev/fronts
+# =====================================================================================================
+
+
+FRONTS_DIR = os.path.join(HERE, "dev", "fronts")
+
+
+#: Each front: its template in dev/fronts, how it names a server, and its balancing policies.
+FRONT_KINDS = {
+    "nginx": {
+        "file": "nginx.conf",
+        "server": "server unix:%s;",
+        "join": "\n        ",
+        "balance": {"pin": "hash $http_x_conversation_id consistent;", "least": "least_conn;", "rr": ""},
+    },
+    "haproxy": {
+        "file": "haproxy.cfg",
+        "server": "server s%d unix@%s",
+        "join": "\n    ",
+        "balance": {"pin": "hdr(X-Conversation-Id)", "least": "leastconn", "rr": "roundrobin"},
+    },
+    "caddy": {
+        "file": "Caddyfile",
+        "server": "unix/%s",
+        "join": " ",
+        "balance": {"pin": "header X-Conversation-Id", "least": "least_conn", "rr": "round_robin"},
+    },
+}
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0):
+    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts, in front
+    of ``servers`` (Unix socket paths), balancing by ``balance`` ("pin": by X-Conversation-Id, "least",
+    "rr"), with an idle timeout of ``timeout`` seconds toward the servers."""
+    spec = FRONT_KINDS[kind]
+    with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
+        text = f.read()
+    if kind == "haproxy":
+        lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
+    else:
+        lines = [spec["server"] % path for path in servers]
+    fill = {
+        "@DIR@": directory,
+        "@PORT@": str(port),
+        "@TLS_PORT@": str(tls_port),
+        "@CERT@": _API_TLS_CERT,
+        "@KEY@": _API_TLS_KEY,
+        "@TIMEOUT@": str(timeout),
+        "@BALANCE@": spec["balance"][balance],
+        "@SERVERS@": spec["join"].join(lines),
+    }
+    lines = text.splitlines(True)
+    for i, line in enumerate(lines):
+        if not line.lstrip().startswith("#"):  # the comments name the placeholders: they stay
+            for name, value in fill.items():
+                line = line.replace(name, value)
+            assert not re.search(r"@[A-Z_]+@", line), line
+            lines[i] = line
+    return "".join(lines)
+
+
+class Front:
+    """A real front (nginx, HAProxy or Caddy) of the test's own, in the foreground, on free ports, from its
+    dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
+    ``close()`` kills its process group (an nginx master and its worker) and removes its directory."""
+
+    def __init__(self, kind, servers, balance="pin", timeout=2):
+        self.kind = kind
+        self.tmp = tempfile.mkdtemp(prefix="lcfront", dir="/tmp")
+        self.port, self.tls_port = free_port(), free_port()
+        self.config = os.path.join(self.tmp, FRONT_KINDS[kind]["file"])
+        with open(self.config, "w", encoding="utf-8") as f:
+            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port))
+        env = dict(os.environ, HOME=self.tmp, XDG_DATA_HOME=self.tmp, XDG_CONFIG_HOME=self.tmp)
+        command = {
+            "nginx": ["nginx", "-c", self.config, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
+            "haproxy": ["haproxy", "-f", self.config, "-db"],
+            "caddy": ["caddy", "run", "--config", self.config, "--adapter", "caddyfile"],
+        }[kind]
+        self.log = open(os.path.join(self.tmp, "front.log"), "wb")
+        self.proc = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.tls_url = "https://127.0.0.1:%d" % self.tls_port if kind == "nginx" else None
+        try:
+            self._wait_listening(10.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_listening(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError("%s exited (%s): %s" % (self.kind, self.proc.returncode, self.output()))
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError("%s did not listen within %.0f s: %s" % (self.kind, timeout, self.output()))
+                time.sleep(0.02)  # polling for a process we just started; no event to wait on
+
+    def output(self):
+        self.log.flush()
+        with open(os.path.join(self.tmp, "front.log"), "rb") as f:
+            return f.read()[-2000:].decode("utf-8", "replace")
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.wait(10)
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# -- what the fronts answer, captured from the real ones (dev/testdata/transcripts 100-105) -------------
+
+
+def front_answer(name):
+    """A front's own answer, byte for byte: "nginx 504", "nginx 502", "haproxy 504", "haproxy 503",
+    "caddy 504", "caddy 502" (captured), or "cloudflare 520" ... "cloudflare 524" (made, as Cloudflare's
+    pages look: a title naming the host and the status, ``Server: cloudflare``)."""
+    files = {
+        "nginx 504": "100_nginx_504_queued.raw.txt",
+        "nginx 502": "101_nginx_502_server_gone.raw.txt",
+        "haproxy 504": "102_haproxy_504_queued.raw.txt",
+        "haproxy 503": "103_haproxy_503_server_gone.raw.txt",
+        "caddy 504": "104_caddy_504_queued.raw.txt",
+        "caddy 502": "105_caddy_502_server_gone.raw.txt",
+    }
+    if name in files:
+        return load_transcript(files[name])
+    status = int(name.split()[1])
+    title = CLOUDFLARE_TITLES[status]
+    page = (
+        b'<!DOCTYPE html>\n<!--[if lt IE 7]> <html class="no-js ie6 oldie" lang="en-US"> <![endif]-->\n'
+        b"<head>\n<title>llm.example.com | %d: %s</title>\n"
+        b'<meta charset="UTF-8" />\n</head>\n<body>\n<div id="cf-wrapper">\n'
+        b"<h1>%s&nbsp;<span>Error code %d</span></h1>\n</div>\n</body>\n</html>\n" % (status, title, title, status)
+    )
+    return (
+        b"HTTP/1.1 %d \r\nDate: Thu, 03 Dec 2026 08:00:00 GMT\r\nContent-Type: text/html; charset=UTF-8\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\nServer: cloudflare\r\nCF-RAY: 8f1c2d3e4f5a6b7c-AMS\r\n\r\n%s"
+        % (status, len(page), page)
+    )
+
+
+CLOUDFLARE_TITLES = {
+    520: b"Web server is returning an unknown error",
+    521: b"Web server is down",
+    522: b"Connection timed out",
+    523: b"Origin is unreachable",
+    524: b"A timeout occurred",
+}
+
+
+def front_page(name):
+    """The body of ``front_answer(name)``."""
+    return front_answer(name).partition(b"\r\n\r\n")[2]
+
+
+#: Who each front says it is, in a message: its Server header, or "the front" (HAProxy sends none).
+FRONT_NAMES = {"nginx": "nginx/1.22.1", "haproxy": "the front", "caddy": "Caddy", "cloudflare": "cloudflare"}
+
+
+class TestParserFrontPages(unittest.TestCase):
+    """Error bodies that are not JSON become one line: a page's title (else its first text), whitespace
+    collapsed, at most 200 characters; the error names the front from its Server header."""
+
+    def test_the_real_fronts_pages(self):
+        for name, message in (
+            ("nginx 504", "504 Gateway Time-out"),
+            ("nginx 502", "502 Bad Gateway"),
+            ("haproxy 504", "504 Gateway Time-out"),  # no <title>: the first text
+            ("haproxy 503", "503 Service Unavailable"),
+            ("caddy 504", "(empty body)"),
+            ("caddy 502", "(empty body)"),
+            ("cloudflare 524", "llm.example.com | 524: A timeout occurred"),
+        ):
+            with self.subTest(name):
+                self.assertEqual(lc.parse_error_envelope(front_page(name)), (message, None))
+
+    def test_one_line_at_most_200_characters(self):
+        one = lambda body: lc.parse_error_envelope(body)[0]
+        self.assertEqual(
+            one(b"<html><head><title>\n  504\t Gateway \r\n Time-out \n</title></head></html>"), "504 Gateway Time-out"
+        )
+        self.assertEqual(
+            one(b"  upstream connect error\nor disconnect/reset before headers\n"),
+            "upstream connect error or disconnect/reset before headers",
+        )
+        self.assertEqual(
+            one(b"<p>a &lt; b&nbsp;&amp; c</p>"), "a < b & c"
+        )  # entities decoded, the no-break space collapsed too
+        self.assertEqual(one(b"<html><title> </title><body>\n<h1> Bad\n gateway </h1><p>more</p>"), "Bad gateway")
+        self.assertEqual(
+            one(b"<html><head><style>h1 {color: red}</style><script>x()</script></head><h1>Down</h1>"), "Down"
+        )
+        self.assertEqual(one(b"error: a < b"), "error: a < b")  # text, not a page: the "<" stays
+        self.assertEqual(one(b"<!DOCTYPE html>\n<!-- a comment -->\n<html></html>\n"), "(empty body)")
+        self.assertEqual(one(b" \r\n\t "), "(empty body)")
+        self.assertEqual(one(b""), "(empty body)")
+        long = one(b"<title>" + b"word " * 100 + b"</title>")
+        self.assertEqual(len(long), 200)
+        self.assertEqual(long, ("word " * 40)[:197].rstrip() + "...")
+        self.assertEqual(len(one(b"x" * 100000)), 200)
+        self.assertEqual(one(b"<title>\xff caf\xc3\xa9</title>"), "\ufffd caf\xe9")
+        for body in (
+            b"<h1>a\nb</h1>",
+            b"a\rb",
+            "a\x85b\u2028c".encode(),
+            b"<title>a\nb</title>",
+        ):
+            self.assertNotIn("\n", one(body))
+            self.assertNotIn("\r", one(body))
+
+    def test_a_json_envelope_is_read_as_before(self):
+        body = b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
+        self.assertEqual(lc.parse_error_envelope(body)[0], "File Not Found")
+
+    def test_the_error_names_the_front(self):
+        page = front_page("nginx 504")
+        err = lc.HTTPStatusError(504, "504 Gateway Time-out", page, "nginx/1.22.1")
+        self.assertEqual(str(err), "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out")
+        self.assertEqual(
+            (err.status, err.message, err.body, err.server), (504, "504 Gateway Time-out", page, "nginx/1.22.1")
+        )
+        for status, server, text in (
+            (504, None, "HTTP 504 from the front: m"),  # a status llama-server never sends
+            (502, None, "HTTP 502 from the front: m"),
+            (520, None, "HTTP 520 from the front: m"),
+            (524, None, "HTTP 524 from the front: m"),
+            (503, None, "HTTP 503: m"),  # llama-server sends 503 itself
+            (404, "llama.cpp", "HTTP 404: m"),
+            (502, "llama.cpp", "HTTP 502: m"),  # llama.cpp says it answered: no front to name
+            (403, "nginx/1.22.1", "HTTP 403 from nginx/1.22.1: m"),
+            (503, "Caddy", "HTTP 503 from Caddy: m"),
+            (400, None, "HTTP 400: m"),
+        ):
+            with self.subTest(status=status, server=server):
+                err = lc.HTTPStatusError(status, "m", b"", server)
+                self.assertEqual((str(err), err.server), (text, server))
+        self.assertEqual(lc.HTTPStatusError(500, "m").server, None)  # the old signature still works
+
+
+class _FrontBuffer(_r_Buffer):
+    """``_r_Buffer`` behind a front: the POST, the GETs and the lookups may first be answered by the front
+    itself (``posts``, ``gets``, ``lookups``: raw answers used in order, then the server answers).  A POST
+    the front answered still reached the server, which keeps it (a queued resumable request: 87) unless
+    ``register_lost_head`` is False."""
+
+    def __init__(self, server, raw, posts=(), gets=(), lookups=(), cuts=()):
+        self.posts, self.gets, self.lookups = list(posts), list(gets), list(lookups)
+        _r_Buffer.__init__(self, server, raw, cuts=cuts)
+
+    def _front(self, answers):
+        with self.lock:
+            return answers.pop(0) if answers else None
+
+    def post(self, req):
+        answer = self._front(self.posts)
+        if answer is None:
+            return _r_Buffer.post(self, req)
+        conv = req.headers.get("x-conversation-id")
+        with self.lock:
+            self.log.append(("POST", conv, None))
+            if conv is not None and self.register_lost_head:
+                self.ids.add(conv)
+        req.send(answer)
+
+    def get(self, req):
+        answer = self._front(self.gets)
+        if answer is None:
+            return _r_Buffer.get(self, req)
+        conv, start = self._query(req)
+        with self.lock:
+            self.log.append(("GET", conv, int(start)))
+        req.send(answer)
+
+    def lookup(self, req):
+        answer = self._front(self.lookups)
+        if answer is None:
+            return _r_Buffer.lookup(self, req)
+        with self.lock:
+            self.log.append(("LOOKUP", tuple(req.json()["conversation_ids"]), None))
+        req.send(answer)
+
+    def carried(self):
+        """(method, path, X-Conversation-Id) of each request the server saw but /slots and /props."""
+        with self.server.lock:
+            requests = list(self.server.requests)
+        return [
+            (r.method, r.path.partition("?")[0], r.headers.get("x-conversation-id"))
+            for r in requests
+            if r.path.partition("?")[0] not in ("/slots", "/props")
+        ]
+
+
+_FR_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
+
+
+class TestFaultFronts(_f_Case):
+    """What nginx, HAProxy, Caddy (and Cloudflare) answer on their own, byte for byte, before anything was
+    delivered: a 504 or 524 (the front stopped waiting: the request was queued for a slot) is waited out
+    under busy_wait, a 502 or 520-523 (the front cannot reach the server) under load_wait; resumable
+    requests are looked up and resumed rather than sent twice; several servers behind one address are no
+    reason to call a slot stalled or wedged."""
+
+    def _fr_retries(self):
+        return [e for e in self._f_events if isinstance(e, lc.Retrying)]
+
+    def _fr_one_line(self, err):
+        self.assertNotIn("\n", str(err))
+        self.assertNotIn("\r", str(err))
+
+    # -- 504 and 524: the front stopped waiting for a slot ---------------------------------------------
+
+    def test_a_504_or_524_is_retried_under_busy_wait_then_served(self):
+        for name in ("nginx 504", "haproxy 504", "caddy 504", "cloudflare 524"):
+            with self.subTest(name):
+                # load_wait shorter than the second backoff: the wrong budget would end it
+                self.client_with(busy_wait=1.0, load_wait=0.1)
+                answer = front_answer(name)
+                self.use(_f_sequence(reply(answer), reply(answer), reply(STREAM_HEAD + _F_OK_BODY)))
+                done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
+                self.assertEqual(done.content, "Hello world")
+                status = name.split()[1]
+                reason = "HTTP %s from %s: the front stopped waiting for a slot" % (
+                    status,
+                    FRONT_NAMES[name.split()[0]],
+                )
+                self.assertEqual([(r.attempt, r.reason) for r in self._fr_retries()], [(1, reason), (2, reason)])
+                self.assertEqual(self._f_kinds(), ["Retrying", "Retrying", "Content", "Content"])
+                self.assertEqual(len(self.server.chat_requests()), 3)
+                self.server.requests.clear()
+
+    def test_a_504_past_busy_wait_is_a_wait_timeout_naming_the_front(self):
+        for name in ("nginx 504", "haproxy 504", "caddy 504", "cloudflare 524"):
+            with self.subTest(name):
+                self.client_with(busy_wait=0.8, load_wait=0.3)
+                self.use(reply(front_answer(name)))
+                err = self._f_fails(lc.WaitTimeoutError, 0.8)
+                self._fr_one_line(err)
+                self.assertIn("HTTP %s" % name.split()[1], str(err))
+                self.assertIn(FRONT_NAMES[name.split()[0]], str(err))
+                self.assertIn("busy_wait", str(err))
+                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
+                self.assertEqual(err.__cause__.body, front_page(name))
+
+    def test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _FrontBuffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1")
+        buf.reset()
+        self.server.requests.clear()
+        buf.posts = [front_answer("nginx 504")]
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])  # not sent again: it keeps its place
+        self.assertEqual(buf.replays(), [0])
+        self.assertEqual(events, [lc.Resumed(0, 1)] + whole_events)
+        self.assertEqual(completion, whole)
+        self.assertEqual(
+            buf.carried(),
+            [
+                ("POST", "/v1/chat/completions", "conv-1"),
+                ("POST", "/v1/streams/lookup", "conv-1"),
+                ("GET", "/v1/stream", "conv-1"),
+            ],
+        )
+
+    def test_a_resumable_request_cut_by_a_504_and_unknown_is_sent_again(self):
+        buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("haproxy 504")])
+        buf.register_lost_head = False
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "POST"])
+        reason = "HTTP 504 from the front: the front stopped waiting for a slot"
+        self.assertEqual([(type(e), e.attempt, e.reason) for e in events[:1]], [(lc.Retrying, 1, reason)])
+        self.assertEqual(completion.content, "".join(e.text for e in events if isinstance(e, lc.Content)))
+        self.assertEqual([c for _, _, c in buf.carried()], ["conv-1"] * 3)
+
+    def test_a_504_answering_a_resume_is_looked_up_and_resumed_again(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _FrontBuffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1")
+        cut = len(buf.head) + 900
+        buf.reset([cut])
+        self.server.requests.clear()
+        buf.gets = [front_answer("nginx 504")]
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "GET", "LOOKUP", "GET"])
+        self.assertEqual(len(set(buf.replays())), 1, buf.replays())  # the same offset asked again
+        self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events)
+        self.assertEqual(completion, whole)
+        self.assertEqual({c for _, _, c in buf.carried()}, {"conv-1"})
+
+    # -- 502 and 520-523: the front cannot reach the server ----------------------------------------------
+
+    def test_a_502_or_520_to_523_is_retried_under_load_wait_then_served(self):
+        pages = {
+            "nginx 502": "502 Bad Gateway",
+            "caddy 502": "(empty body)",
+            "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
+            "cloudflare 521": "llm.example.com | 521: Web server is down",
+            "cloudflare 522": "llm.example.com | 522: Connection timed out",
+            "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
+        }
+        for name, text in pages.items():
+            with self.subTest(name):
+                self.client_with(load_wait=1.0, busy_wait=0.1)  # busy_wait would end it: the wrong budget
+                answer = front_answer(name)
+                self.use(_f_sequence(reply(answer), reply(answer), reply(STREAM_HEAD + _F_OK_BODY)))
+                done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
+                self.assertEqual(done.content, "Hello world")
+                reason = "HTTP %s from %s: %s" % (name.split()[1], FRONT_NAMES[name.split()[0]], text)
+                self.assertEqual([(r.attempt, r.reason) for r in self._fr_retries()], [(1, reason), (2, reason)])
+                self.assertEqual(self._f_kinds(), ["Retrying", "Retrying", "Content", "Content"])
+                self.server.requests.clear()
+
+    def test_a_502_past_load_wait_is_a_load_timeout_naming_the_front(self):
+        for name in ("nginx 502", "caddy 502", "cloudflare 521"):
+            with self.subTest(name):
+                self.client_with(load_wait=0.6, busy_wait=0.2)
+                self.use(reply(front_answer(name)))
+                err = self._f_fails(lc.LoadTimeoutError, 0.6)
+                self._fr_one_line(err)
+                self.assertIn("HTTP %s" % name.split()[1], str(err))
+                self.assertIn(FRONT_NAMES[name.split()[0]], str(err))
+                self.assertIn("load_wait", str(err))
+                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
+                self.assertEqual(err.__cause__.body, front_page(name))
+
+    def test_haproxy_s_503_when_its_server_is_gone_is_waited_out_under_load_wait(self):
+        self.client_with(load_wait=0.6, busy_wait=0.2)
+        self.use(reply(front_answer("haproxy 503")))
+        err = self._f_fails(lc.LoadTimeoutError, 0.6)
+        self._fr_one_line(err)
+        self.assertIn("load_wait", str(err))
+        cause = err.__cause__
+        self.assertIsInstance(cause, lc.HTTPStatusError)
+        self.assertEqual((cause.status, cause.message, cause.server), (503, "503 Service Unavailable", None))
+        self.assertEqual(cause.body, front_page("haproxy 503"))
+        self.assertEqual({r.reason for r in self._fr_retries()}, {"HTTP 503: 503 Service Unavailable"})
+
+    # -- an error page, not retried: one line naming the front, the page kept ----------------------------
+
+    def test_an_error_page_is_one_line_naming_the_front(self):
+        page = b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1></center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
+        forbidden = (
+            b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (len(page), page)
+        )
+        self.use(reply(forbidden))
+        err = self._f_fails(lc.HTTPStatusError)
+        self.assertEqual(str(err), "HTTP 403 from nginx/1.22.1: 403 Forbidden")
+        self.assertEqual((err.status, err.server, err.body), (403, "nginx/1.22.1", page))
+        self.assertEqual(len(self.server.chat_requests()), 1)  # not retried
+        for name, text in (
+            ("nginx 504", "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out"),
+            ("haproxy 504", "HTTP 504 from the front: 504 Gateway Time-out"),
+            ("caddy 502", "HTTP 502 from Caddy: (empty body)"),
+            ("haproxy 503", "HTTP 503: 503 Service Unavailable"),
+        ):
+            with self.subTest(name):
+                self.server.route("GET", "/props", reply(front_answer(name)))
+                with self.assertRaises(lc.HTTPStatusError) as caught:
+                    run_with_timeout(self.client.props, 5)
+                self.assertEqual(str(caught.exception), text)
+                self.assertEqual(caught.exception.body, front_page(name))
+        self.server.route("GET", "/props", reply(json_response(json.loads(_R_GONE), b"404 Not Found")))
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(self.client.props, 5)
+        self.assertEqual((str(caught.exception), caught.exception.server), ("HTTP 404: File Not Found", "llama.cpp"))
+
+    def test_health_of_a_front_that_answers_plain_text(self):
+        ok = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK"
+        self.server.route("GET", "/health", reply(ok))
+        self.assertEqual(run_with_timeout(self.client.health, 5), {"status": "ok", "body": "OK"})
+        self.server.route("GET", "/health", reply(http_response(b"{}", framing="length")))
+        self.assertEqual(run_with_timeout(self.client.health, 5), {})
+        self.server.route("GET", "/health", reply(http_response(b'{"status":', framing="length")))
+        with self.assertRaises(lc.ProtocolError):  # JSON cut short is still malformed JSON
+            run_with_timeout(self.client.health, 5)
+        self.server.route("GET", "/health", reply(front_answer("nginx 502")))
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(self.client.health, 5)
+        self.assertEqual(str(caught.exception), "HTTP 502 from nginx/1.22.1: 502 Bad Gateway")
+
+    # -- several servers behind one address ------------------------------------------------------------
+
+    def test_limits_servers(self):
+        self.assertEqual(lc.Limits().servers, 1)
+        self.assertEqual(lc.Limits(servers=3).servers, 3)
+        for bad in (0, -1):
+            with self.assertRaises(ValueError):
+                lc.Limits(servers=bad)
+
+    def test_with_several_servers_an_idle_slot_is_no_stall(self):
+        self.client_with(servers=2, idle_grace=0.2, busy_wait=0.8, load_wait=0.3)
+        self.use(_f_hold)
+        self._f_fails(lc.WaitTimeoutError, 0.8)
+        waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
+        self.assertTrue(waits)
+        self.assertEqual({(e.slots_known, e.wedged) for e in waits}, {(False, False)})
+
+    def test_with_several_servers_a_still_slot_is_never_wedged(self):
+        still = [
+            {
+                "id": 0,
+                "id_task": 7,
+                "is_processing": True,
+                "n_prompt_tokens": 5,
+                "n_prompt_tokens_processed": 5,
+                "next_token": [{"n_decoded": 0, "n_remain": 60, "has_next_token": True}],
+            },
+            {"id": 1, "id_task": -1, "is_processing": False},
+        ]
+        self.server.route("GET", "/slots", lambda req: respond_json(req, still))
+        self.client_with(servers=2, wedge_wait=0.1, busy_wait=0.6, load_wait=0.3)
+        self.use(_f_hold)
+        self._f_fails(lc.WaitTimeoutError, 0.6)
+        waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
+        self.assertTrue(waits)
+        self.assertEqual({(e.slots_known, e.wedged) for e in waits}, {(False, False)})
+
+    def test_with_several_servers_the_pool_is_servers_times_total_slots(self):
+        client = self.client_with(servers=2)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = [start_chat(client, m, None, events, results) for m in "ABCD"]
+        wait_for(lambda: all(keeper.arrived(m) for m in "ABCD"), what="four in flight at once (2 servers x 2 slots)")
+        fifth = start_chat(client, "E", None, events, results)
+        wait_for(lambda: events["E"], what="E queued")
+        self.assertEqual(events["E"], [lc.Queued(4)])
+        for marker in "ABCDE":
+            keeper.release(marker)
+        for thread in threads + [fifth]:
+            thread.join(5)
+        self.assertEqual(sorted(results[m].content for m in "ABCDE"), list("ABCDE"))
+        # Limits.pool still overrides
+        client = self.client_with(servers=2, pool=1)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        first = start_chat(client, "F", None, events, results)
+        wait_for(lambda: keeper.arrived("F"), what="F in flight")
+        second = start_chat(client, "G", None, events, results)
+        wait_for(lambda: events["G"], what="G queued")
+        self.assertEqual(events["G"], [lc.Queued(1)])
+        keeper.release("F")
+        keeper.release("G")
+        for thread in (first, second):
+            thread.join(5)
+        self.assertEqual([results[m].content for m in "FG"], ["F", "G"])
+
+    def test_slots_answers_that_cannot_come_from_one_server_mean_several(self):
+        idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
+        for name, answers in (
+            ("the slot count changes", [idle(2, 3), idle(3, 3)]),
+            ("a slot's id_task goes back", [idle(2, 9), idle(2, 4)]),
+        ):
+            with self.subTest(name):
+                asked = []
+
+                def slots(req, answers=answers):
+                    asked.append(1)
+                    respond_json(req, answers[(len(asked) - 1) % 2])
+
+                self.server.route("GET", "/slots", slots)
+                self.client_with(idle_grace=0.3, busy_wait=0.8, load_wait=0.3)  # servers not given: learnt
+                self.use(_f_hold)
+                outcome, elapsed = self._f_run(self._f_chat(), 8.0)
+                self.assertIs(type(outcome), lc.WaitTimeoutError, repr(outcome))  # not StalledError at idle_grace
+                self.assertGreaterEqual(elapsed, 0.8 - EARLY)
+                self.assertLessEqual(elapsed, 0.8 + 2 * FAST_FAULTS.poll + MARGIN)
+                waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
+                self.assertEqual(waits[-1].slots_known, False)
+
+    # -- resumable streams over several servers: the id on every request, a 404 asked again ---------------
+
+    def test_a_cancelled_resumable_stream_is_deleted_with_its_conversation_id(self):
+        buf = _FrontBuffer(
+            self.server, load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)]
+        )
+        stream = self.client.stream(MSGS, slot=0, resumable="conv-9")
+        self.assertIsInstance(run_with_timeout(lambda: next(stream), 5), lc.Content)
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: list(stream), 5)
+        wait_for(lambda: "DELETE" in buf.methods(), what="the DELETE")
+        self.assertEqual(
+            buf.carried(), [("POST", "/v1/chat/completions", "conv-9"), ("DELETE", "/v1/stream", "conv-9")]
+        )
+
+    def test_with_several_servers_a_404_on_a_resume_is_asked_again(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _FrontBuffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1")
+        cut = len(buf.head) + 900
+        self.client_with(servers=2)
+        buf.reset([cut])
+        buf.gets = [_FR_GONE_404]  # the first resume reached the other server
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
+        self.assertEqual(len(set(buf.replays())), 1, buf.replays())
+        self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events)
+        self.assertEqual(completion, whole)
+        # two 404s from two servers: the stream is unknown
+        buf.reset([cut])
+        buf.gets = [_FR_GONE_404, _FR_GONE_404]
+        err = self._f_fails(
+            lc.StreamClosedError,
+            fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
+        )
+        self.assertIn("no longer knows it", str(err))
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
+
+    def test_with_one_server_a_404_on_a_resume_is_final(self):
+        buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=[len(STREAM_HEAD) + 900])
+        buf.gets = [_FR_GONE_404]
+        err = self._f_fails(
+            lc.StreamClosedError,
+            fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
+        )
+        self.assertIn("no longer knows it", str(err))
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+
+    def test_with_several_servers_a_404_on_a_lookup_is_asked_again(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _FrontBuffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1")
+        self.client_with(servers=2, busy_wait=1.0)
+        buf.reset()
+        buf.posts, buf.lookups = [front_answer("nginx 504")], [_FR_GONE_404]
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "LOOKUP", "GET"])
+        self.assertEqual(events, [lc.Resumed(0, 1)] + whole_events)
+        self.assertEqual(completion, whole)
+        # a 404 from each server: unknown, so it is sent again
+        buf.reset()
+        buf.posts, buf.lookups = [front_answer("nginx 504")], [_FR_GONE_404, _FR_GONE_404]
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "LOOKUP", "POST"])
+        self.assertEqual(completion, whole)
+
+
+class TestFaultFrontsAsync(AsyncDriver, TestFaultFronts):
+    pass

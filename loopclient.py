@@ -2781,7 +2781,6 @@ _FOR_A_SLOT = frozenset((BUSY, FRONT, SEVERAL))  # one wait for a slot: its busy
 _UNSEEN = frozenset((UNSEEN, SEVERAL))  # what a poll says cannot be the request's own slot
 _FRONT_WAITED = (504, 524)  # a front's own answer (llama-server never sends these): it stopped waiting
 _FRONT_UNREACHED = (502, 520, 521, 522, 523)  # a front's own answer: it could not reach the server
-_FRONT_STATUSES = _FRONT_WAITED + _FRONT_UNREACHED
 
 
 class _Retry:
@@ -2807,14 +2806,6 @@ def _json_or_text(text: str) -> Any:
 _CAP_DUE = object()  # ResponsePump.verdict(): reasoning reached the cap, the rest of the bytes wait
 
 
-def _front_name(head: ResponseHead) -> Optional[str]:
-    """The ``Server`` of a response that is not llama-server's own (a front: nginx, Caddy...), else None."""
-    server = head.get("server")
-    if server and not server.lower().startswith("llama.cpp"):
-        return " ".join(server.split())[:100]
-    return None
-
-
 def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry]:
     """The retry a status before delivery asks for, or None: 503 (loading) and a front that could not reach
     the server (502, 520-523) under ``load_wait``; 429 (at capacity) and a front that stopped waiting for a
@@ -2826,7 +2817,7 @@ def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry
     if status == 429:
         return _Retry("HTTP 429: %s" % error.message, hint, error, CAPACITY)
     if status in _FRONT_WAITED:
-        front = _front_name(head) or "the front"
+        front = _front_name(status, head.get("server")) or "the front"
         return _Retry("HTTP %d from %s: the front stopped waiting for a slot" % (status, front), hint, error, FRONT)
     if status in _FRONT_UNREACHED:
         return _Retry(str(error), hint, error)
@@ -4571,7 +4562,7 @@ class _Calls:
             except CancelledError:
                 raise
             except LoopError:
-                return False
+                continue
             if any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found):
                 return True
         return False
@@ -4786,13 +4777,21 @@ class _StreamLife:
             raise verdict
         self.retry = verdict
         req = self.req
+        if verdict.state == FRONT and req.conversation is not None:
+            # a front gave up on a request queued for a slot (or on its silent replay): the server keeps a
+            # resumable one queued, so it is read from the server's buffer instead of being sent again
+            if (yield from self._known()):
+                if not pump.received:
+                    self.started = 0.0  # the front's answer was no byte of the stream
+                self.moving = True  # the front waited its own timeout: no backoff before asking again
+                return self._reattach
+            if self.reattaches or req.offset is not None:
+                raise StreamClosedError(
+                    "the stream could not be resumed: %s, and the server no longer knows it" % verdict.reason
+                )
+            return self._back_off
         if req.conversation is not None and self.reattaches:
-            self.moving = False  # a replay answered 503, 504...: its buffer is asked again, after a backoff
-            return self._reattach
-        # a front gave up on a request queued for a slot: the server keeps a resumable one queued
-        resumable = req.conversation is not None and req.offset is None
-        if verdict.state == FRONT and resumable and (yield from self._known()):
-            self.started = 0.0  # the front's answer was no byte of the stream: it still waits for a slot
+            self.moving = False  # a replay answered 503, 502...: its buffer is asked again, after a backoff
             return self._reattach
         return self._back_off
 
@@ -4820,9 +4819,9 @@ class _StreamLife:
         if req.conversation is None:
             raise loss
         if pump.unknown and self.misses + 1 < self.limits.servers:
-            self.misses += 1  # another server behind the front may have answered: ask again
+            self.misses += 1  # another server behind the front may have answered: ask again, at once
             self.retry = _Retry(str(loss), None, loss)
-            self.moving = False
+            self.moving = True
             return self._reattach
         if not (pump.streaming or pump.head is None):
             raise loss

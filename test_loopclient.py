@@ -16330,7 +16330,7 @@ class TestFaultFronts(_f_Case):
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
         )
         self.assertIn("no longer knows it", str(err))
-        self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET", "DELETE"])  # every early end deletes the stream
 
     def test_with_one_server_a_404_on_a_resume_is_final(self):
         buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=[len(STREAM_HEAD) + 900])
@@ -16340,7 +16340,7 @@ class TestFaultFronts(_f_Case):
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
         )
         self.assertIn("no longer knows it", str(err))
-        self.assertEqual(buf.methods(), ["POST", "GET"])
+        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])  # every early end deletes the stream
 
     def test_with_several_servers_a_404_on_a_lookup_is_asked_again(self):
         raw = load_transcript("04_chat_stream.raw.txt")

@@ -13075,8 +13075,8 @@ class TestDifferential(_f_Case):
         load = dict(load_wait=1.0, busy_wait=0.1)
 
         def then_ok(name):
-            answer = front_answer(name)
-            return _d_stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+            answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
+            return lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
 
         def served(name, changes):
             return [_d_part(then_ok(name), budget=backoff, at_once=True, changes=changes)]

@@ -14365,6 +14365,16 @@ def grammar(client, reps):
     return 'root ::= %s [a-z ]{%s} %s "the answer is yes"' % (tokens("<think>"), reps, tokens("</think>"))
 
 
+def no_natural_close(client):
+    """A ``logit_bias`` that keeps the model from writing ``</think>`` itself before the grammar's most.
+
+    Unforced, the model thinks "step by step" (3 tokens) and closes; a thinking cap of 3 then races the
+    model's own close, and the server, injecting a second ``</think>``, fails the grammar (HTTP 500
+    "Unexpected empty grammar stack").  With the close's first token biased away, only the cap (or the
+    grammar's upper bound) ends reasoning."""
+    return [[real_token_ids(client, "</think>")[0], -100]]
+
+
 WEATHER_TOOL = [
     {
         "type": "function",
@@ -14512,7 +14522,7 @@ class TestRealServer(ClientFactory, unittest.TestCase):
 
     def test_reasoning_forced_by_grammar(self):
         completion, events = self.chat(
-            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar(self.client, "1,300")
+            messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar(self.client, "24,300")
         )
         reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
         self.assertGreater(len(reasoning), 3)
@@ -14527,7 +14537,13 @@ class TestRealServer(ClientFactory, unittest.TestCase):
         client = self.new_client(REAL_SOCKET, limits=self.limits.replace(thinking_cap=3, thinking_overrun=8))
         self.addCleanup(client.close)
         completion, events = self.chat(
-            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar(self.client, "1,300")
+            client,
+            QUESTION,
+            slot=0,
+            max_tokens=300,
+            temperature=0,
+            grammar=grammar(self.client, "1,300"),
+            logit_bias=no_natural_close(self.client),
         )
         self.assertIn(lc.ThinkingCapped(3), events)
         capped = events.index(lc.ThinkingCapped(3))
@@ -14884,7 +14900,13 @@ class TestRealRouter(unittest.TestCase):
         client = lc.Client(REAL_ROUTER, limits=REAL_LIMITS.replace(thinking_cap=3, thinking_overrun=8), model="alpha")
         self.addCleanup(client.close)
         completion, events = _real_chat(
-            client, QUESTION, slot=0, max_tokens=300, temperature=0, grammar=grammar(client, "1,300")
+            client,
+            QUESTION,
+            slot=0,
+            max_tokens=300,
+            temperature=0,
+            grammar=grammar(client, "1,300"),
+            logit_bias=no_natural_close(client),
         )
         self.assertIn(lc.ThinkingCapped(3), events)
         self.assertTrue(completion.thinking_capped)
@@ -15338,7 +15360,7 @@ class TestRealEndpoints(ClientFactory, unittest.TestCase):
             slot=0,
             max_output_tokens=150,
             temperature=0,
-            grammar=grammar(self.client, "1,300"),
+            grammar=grammar(self.client, "24,300"),
         )
         reasoning = [e for e in events if isinstance(e, lc.Reasoning)]
         self.assertGreater(len(reasoning), 3)

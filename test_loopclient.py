@@ -415,10 +415,17 @@ class FakeServer:
 
 def wait_for(predicate, timeout=5.0, what="condition"):
     """Wait until ``predicate()`` is true; fail the test after ``timeout``."""
+    kernel = VirtualKernel.active
+    if kernel is not None and kernel.current() is None:
+        kernel = None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
+        if kernel is not None:  # the virtual clock: first what can happen without time passing
+            kernel.settle()
+            if predicate():
+                return
         time.sleep(0.005)
     raise AssertionError("timed out after %.1f s waiting for %s" % (timeout, what))
 
@@ -1032,6 +1039,19 @@ class VirtualKernel:
                 nxt.go.release()
         self.local.task = None
 
+    def settle(self):
+        """Let every task that can run now run, the clock standing still: until none is ready."""
+        me = self.current()
+        while True:
+            with self.mutex:
+                if not self.ready:
+                    return
+                self.ready.append(me)
+                nxt = self.ready.popleft()
+                self.running = nxt
+                nxt.go.release()
+            self._turn(me)
+
     def join(self, task, timeout=None):
         """Wait for ``task`` to end, at most ``timeout`` virtual seconds: whether it ended."""
         due = self.deadline(timeout)
@@ -1428,8 +1448,10 @@ class VirtualServer(FakeServer):
         return req
 
     def listen(self):
+        if not self.tcp and not os.path.exists(self.path):
+            open(self.path, "wb").close()  # the socket's file, as a bound socket leaves one (unlink() works)
         self.key, self.address = self.kernel.listen(self, self.tcp)
-        self.listener = self.key
+        self.listener = _VListener(self.kernel, self.key)
 
     def accept(self, conn):
         with self.lock:
@@ -1439,7 +1461,7 @@ class VirtualServer(FakeServer):
     def close(self):
         self.stopping.set()
         if self.listener is not None:
-            self.kernel.servers.pop(self.key, None)
+            self.listener.close()
             self.listener = None
         with self.lock:
             conns = list(self.conns)
@@ -1448,6 +1470,17 @@ class VirtualServer(FakeServer):
         if self.kernel.current() is not None:
             self.kernel.drain()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _VListener:
+    """A VirtualServer's listening socket: close() stops new connections (a Unix socket's file stays,
+    so a connect is then refused)."""
+
+    def __init__(self, kernel, key):
+        self._kernel, self._key = kernel, key
+
+    def close(self):
+        self._kernel.servers.pop(self._key, None)
 
 
 class VirtualThread:
@@ -9167,6 +9200,9 @@ def start_chat(client, marker, slot=0, events=None, results=None, **params):
         except BaseException as exc:  # noqa: B036
             results[marker] = exc
 
+    kernel = VirtualKernel.active
+    if kernel is not None and kernel.current() is not None:
+        return VirtualThread(kernel, run)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -10662,7 +10698,7 @@ def _f_secret_free(test, key, exc):
         exc = exc.__cause__ or exc.__context__
 
 
-class _f_Case(ServerCase):
+class _f_Case(VirtualFactory, ServerCase):
     """ServerCase with small limits and helpers that time an outcome."""
 
     limits = FAST_FAULTS
@@ -10684,12 +10720,13 @@ class _f_Case(ServerCase):
         (a budget error, unless ``at_once``) not before ``budget``.  Returns the error."""
         outcome, elapsed = self._f_run(fn or self._f_chat(**params), budget + 8.0)
         self.assertIs(type(outcome), cls, "expected %s, got %r" % (cls.__name__, outcome))
+        late, early = (1e-6, 1e-6) if self.VIRTUAL else (MARGIN, EARLY)  # exact on the virtual clock
         self.assertLessEqual(
-            elapsed, budget + MARGIN, "%s came after %.3f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
+            elapsed, budget + late, "%s came after %.6f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
         )
         if budget and not at_once:
             self.assertGreaterEqual(
-                elapsed, budget - EARLY, "%s came early: %.3f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
+                elapsed, budget - early, "%s came early: %.6f s (budget %.2f s)" % (cls.__name__, elapsed, budget)
             )
         return outcome
 
@@ -10697,7 +10734,7 @@ class _f_Case(ServerCase):
         outcome, elapsed = self._f_run(fn or self._f_chat(**params), budget + 8.0)
         if isinstance(outcome, BaseException):
             raise outcome
-        self.assertLessEqual(elapsed, budget + MARGIN)
+        self.assertLessEqual(elapsed, budget + (1e-6 if self.VIRTUAL else MARGIN))
         return outcome
 
     def _f_kinds(self):
@@ -10750,11 +10787,12 @@ class TestFaultConnect(_f_Case):
         self.assertEqual(len(self.server.chat_requests()), 1)
 
 
-class TestFaultConnectAsync(AsyncDriver, TestFaultConnect):
-    test_socket_file_missing_stream = None  # = TestRetriesAsync.test_load_wait_spent_is_load_timeout_with_os_cause
-    test_socket_file_without_listener_stream = (
-        None  # = TestRetriesAsync.test_socket_without_listener_is_refused_and_retried
-    )
+TestFaultConnectSockets, TestFaultConnectSocketsAsync = on_sockets(
+    TestFaultConnect,
+    "test_socket_file_missing_stream",
+    "test_socket_file_without_listener_single_shot",
+    "test_eof_before_head_is_not_retried",
+)
 
 
 class TestFaultReset(_f_Case):
@@ -10783,8 +10821,11 @@ class TestFaultReset(_f_Case):
         self.assertEqual(len(self.server.chat_requests()), 1)
 
 
-class TestFaultResetAsync(AsyncDriver, TestFaultReset):
-    pass
+TestFaultResetSockets, TestFaultResetSocketsAsync = on_sockets(
+    TestFaultReset,
+    "test_reset_before_head_is_not_retried",
+    "test_reset_mid_stream_is_not_replayed",
+)
 
 
 # -- the response head --------------------------------------------------------------------------------
@@ -10858,8 +10899,12 @@ class TestFaultHead(_f_Case):
         self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
 
-class TestFaultHeadAsync(AsyncDriver, TestFaultHead):
-    pass
+TestFaultHeadSockets, TestFaultHeadSocketsAsync = on_sockets(
+    TestFaultHead,
+    "test_garbage_banner_then_silence",
+    "test_ten_megabytes_of_headers",
+    "test_head_trickled_forever",
+)
 
 
 # -- body framing -------------------------------------------------------------------------------------
@@ -10973,8 +11018,12 @@ class TestFaultFraming(_f_Case):
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
 
 
-class TestFaultFramingAsync(AsyncDriver, TestFaultFraming):
-    pass
+TestFaultFramingSockets, TestFaultFramingSocketsAsync = on_sockets(
+    TestFaultFraming,
+    "test_close_mid_chunk",
+    "test_done_then_connection_held",
+    "test_single_shot_length_over_max_body",
+)
 
 
 # -- SSE lines and events -----------------------------------------------------------------------------
@@ -11050,8 +11099,11 @@ class TestFaultSSE(_f_Case):
         self._f_fails(lc.ProtocolError)
 
 
-class TestFaultSSEAsync(AsyncDriver, TestFaultSSE):
-    pass
+TestFaultSSESockets, TestFaultSSESocketsAsync = on_sockets(
+    TestFaultSSE,
+    "test_two_mib_line_trickled",
+    "test_utf8_split_between_reads",
+)
 
 
 # -- JSON payloads ------------------------------------------------------------------------------------
@@ -11090,8 +11142,10 @@ class TestFaultJSON(_f_Case):
         self.assertIsNone(err.code)
 
 
-class TestFaultJSONAsync(AsyncDriver, TestFaultJSON):
-    pass
+TestFaultJSONSockets, TestFaultJSONSocketsAsync = on_sockets(
+    TestFaultJSON,
+    "test_invalid_json",
+)
 
 
 # -- silence, pings and the liveness rule -------------------------------------------------------------
@@ -11131,8 +11185,12 @@ class TestFaultWaits(_f_Case):
         self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
 
 
-class TestFaultWaitsAsync(AsyncDriver, TestFaultWaits):
-    test_stall_before_head_busy_slot = None  # = TestWaitForHeadAsync.test_busy_slot_past_busy_wait
+TestFaultWaitsSockets, TestFaultWaitsSocketsAsync = on_sockets(
+    TestFaultWaits,
+    "test_pings_forever_processing_slot",
+    "test_stall_before_head_idle_slot",
+    "test_stall_mid_stream",
+)
 
 
 # -- error statuses and error events ------------------------------------------------------------------
@@ -11251,8 +11309,11 @@ class TestFaultErrors(_f_Case):
         self.assertEqual(len(self.server.chat_requests()), 2)
 
 
-class TestFaultErrorsAsync(AsyncDriver, TestFaultErrors):
-    test_error_event_first_503_forever = None  # retried as test_http_503_forever; first 503 event: ..._is_retried
+TestFaultErrorsSockets, TestFaultErrorsSocketsAsync = on_sockets(
+    TestFaultErrors,
+    "test_http_503_forever",
+    "test_error_status_body_stalls",
+)
 
 
 # -- Retry-After --------------------------------------------------------------------------------------
@@ -11310,8 +11371,10 @@ class TestFaultRetryAfter(_f_Case):
         self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
 
 
-class TestFaultRetryAfterAsync(AsyncDriver, TestFaultRetryAfter):
-    pass
+TestFaultRetryAfterSockets, TestFaultRetryAfterSocketsAsync = on_sockets(
+    TestFaultRetryAfter,
+    "test_zero_forever",
+)
 
 
 # -- /slots -------------------------------------------------------------------------------------------
@@ -11370,8 +11433,11 @@ class TestFaultSlots(_f_Case):
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.props())
 
 
-class TestFaultSlotsAsync(AsyncDriver, TestFaultSlots):
-    test_slots_501_while_waiting = None  # a failing /slots: test_slots_garbage_while_waiting
+TestFaultSlotsSockets, TestFaultSlotsSocketsAsync = on_sockets(
+    TestFaultSlots,
+    "test_slots_hanging_while_waiting",
+    "test_slots_garbage_single_shot",
+)
 
 
 # -- behind proxies and balancers: 429, an unseen /slots, the pool's size -----------------------------
@@ -11479,8 +11545,11 @@ class TestFaultProxies(_f_Case):
         self.assertEqual(sorted(results[m].content for m in "ABCDE"), list("ABCDE"))
 
 
-class TestFaultProxiesAsync(AsyncDriver, TestFaultProxies):
-    pass
+TestFaultProxiesSockets, TestFaultProxiesSocketsAsync = on_sockets(
+    TestFaultProxies,
+    "test_429_with_and_without_retry_after_is_retried_then_served",
+    "test_limits_pool_sizes_the_pool_without_asking_props",
+)
 
 
 # -- the reasoning control endpoint -------------------------------------------------------------------
@@ -11526,8 +11595,10 @@ class TestFaultControl(_f_Case):
         self.assertIsInstance(err.__cause__, lc.StalledError)
 
 
-class TestFaultControlAsync(AsyncDriver, TestFaultControl):
-    pass
+TestFaultControlSockets, TestFaultControlSocketsAsync = on_sockets(
+    TestFaultControl,
+    "test_control_hanging",
+)
 
 
 # -- resumable streams: a lost connection resumed from the server's buffer ----------------------------
@@ -11957,8 +12028,7 @@ class TestFaultResume(_f_Case):
         liveness = self.client.limits.liveness
         t = Timer()
         completion, events = self._r_call()
-        self.assertGreaterEqual(t.elapsed, liveness - EARLY)
-        self.assertLess(t.elapsed, liveness + MARGIN + 1.0)
+        self.assertElapsed(t.elapsed, liveness, late=1.0, early=EARLY)
         self.assertEqual((completion, [e for e in events if not isinstance(e, lc.Resumed)]), (whole, whole_events))
         self.assertEqual(len(buf.replays()), 1)
         self.assertEqual(buf.methods(), ["POST", "GET"])
@@ -12070,7 +12140,7 @@ class TestFaultResume(_f_Case):
     def test_resume_from_the_offset_of_a_partial_read_yields_exactly_the_rest(self):
         buf = self._r_buffer(load_transcript("14_reasoning_grammar.raw.txt"))
         whole, whole_events = self._r_call()
-        release = threading.Event()
+        release = self.event()
         buf.reset([("wait", len(buf.head) + len(buf.raw) // 2, release)])
         stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
         read = []
@@ -12123,9 +12193,13 @@ class TestFaultResume(_f_Case):
         self.assertEqual(buf.methods(), ["POST", "LOOKUP", "DELETE", "LOOKUP"])
 
 
-class TestFaultResumeAsync(AsyncDriver, TestFaultResume):
-    def test_every_cut_of_a_recorded_tool_call_stream(self):  # every cut: the messages stream; here a sample
-        self._r_cuts_equal("chat tool call", sample=200)
+TestFaultResumeSockets, TestFaultResumeSocketsAsync = on_sockets(
+    TestFaultResume,
+    "test_cuts_of_a_recorded_responses_stream",
+    "test_server_refusing_for_a_while_then_back",
+    "test_a_silence_of_liveness_is_resumed_once",
+    "test_cancel_deletes_the_stream_before_the_permit_is_released",
+)
 
 
 # -- inputs dev/fuzz.py found, fed again from dev/testdata/fuzz/<hash>.bin ---------------------------------
@@ -12420,8 +12494,10 @@ class TestFaultFuzzRegressions(_f_Case):
         self._f_fails(lc.ServerError, slot=1)
 
 
-class TestFaultFuzzRegressionsAsync(AsyncDriver, TestFaultFuzzRegressions):
-    pass
+TestFaultFuzzRegressionsSockets, TestFaultFuzzRegressionsSocketsAsync = on_sockets(
+    TestFaultFuzzRegressions,
+    "test_fuzz_e2748cec9571aae2_error_body_stalls",
+)
 
 
 # -- the two clients alike: one behaviour, compared outcome for outcome --------------------------------

@@ -1128,7 +1128,8 @@ class VirtualKernel:
     def listen(self, server, tcp):
         if tcp:
             self.ports += 1
-            key, address = ("127.0.0.1", self.ports), "http://127.0.0.1:%d" % self.ports
+            port = server.port or self.ports
+            key, address = ("127.0.0.1", port), "http://127.0.0.1:%d" % port
         else:
             key = address = server.path
         self.servers[key] = server
@@ -1434,11 +1435,17 @@ class VirtualServer(FakeServer):
     """FakeServer on in-memory connections: the same routes, handlers and records; each connection is
     served by a task of the virtual clock."""
 
-    def __init__(self, kernel, tcp=False, n_slots=2, listen=True):
+    def __init__(self, kernel, tcp=False, n_slots=2, listen=True, like=None):
         self.kernel = kernel
         self.key = None
         FakeServer.__init__(self, tcp=tcp, n_slots=n_slots, listen=False)
         self.stopping = VirtualEvent(kernel)
+        self.port = None
+        self.own_tmp = like is None
+        if like is not None:  # at the address of (real) server ``like``, in its directory: the same names
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp, self.path = like.tmp, like.path
+            self.port = int(like.address.rsplit(":", 1)[1]) if tcp else None
         if listen:
             self.listen()
 
@@ -1469,7 +1476,8 @@ class VirtualServer(FakeServer):
             conn.shutdown(socket.SHUT_RDWR)
         if self.kernel.current() is not None:
             self.kernel.drain()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.own_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class _VListener:
@@ -12706,15 +12714,21 @@ _D_OK = STREAM_HEAD + _F_OK_BODY
 
 
 class TestDifferential(_f_Case):
-    """Client and AsyncClient are one behaviour: every row of dev/FAULTS.md (each scripted server
-    behaviour, built as the fault tier builds it), and the cases that used to tell the clients apart, run
-    through both against the same fake server; the events, the Completion, the error class and message
-    must be alike (differs_between_clients: alike but for timing), and each must be the documented
-    outcome within its budget.  One subTest per row, named by the row."""
+    """The virtual driver and AsyncClient on a real socket are one behaviour: every row of dev/FAULTS.md
+    (each scripted server behaviour, built as the fault tier builds it), and the cases that used to tell
+    the clients apart, run through both against the same scripted server (a VirtualServer, then a
+    FakeServer on the same path or port); the events, the Completion, the error class and message must be
+    alike (differs_between_clients: alike but for timing), and each must be the documented outcome within
+    its budget: exactly on the virtual clock, within MARGIN on the real one.  AsyncClient is the real
+    driver compared, its step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike
+    compares the three operation by operation).  One subTest per row, named by the row."""
+
+    VIRTUAL = False  # the test's own fixture is real; each row makes a virtual clock for its virtual run
 
     def setUp(self):
         super().setUp()
         self._d_loop = LoopThread()
+        self._d_kernel = None
 
     def tearDown(self):
         problems = self._d_loop.close()
@@ -12724,33 +12738,49 @@ class TestDifferential(_f_Case):
     # -- running a row through both clients ---------------------------------------------------------
 
     def _d_client(self, kind, *args, **kw):
-        if kind == "sync":
-            return lc.Client(*args, **kw)
+        if kind == "virtual":
+            client = lc.Client(*args, **kw)
+            client._board.run_class = VirtualRun
+            client._board.kernel = self._d_kernel
+            return client
         facade = SyncFacade(self._d_loop, *args, **kw)
         self._d_loop.facades.append(facade)
         return facade
 
     def _d_both(self, name, scenario, tcp=False):
-        """``scenario(kind, make, server)`` -> a list of (events, value), run for "sync" then "async" on
-        one fake server (its routes and busy flags set back between the two); every pair must be alike."""
+        """``scenario(kind, make, server)`` -> a list of (events, value), run for "async" on a FakeServer,
+        then for "virtual" on a VirtualServer at the same address (and with the same directory); every
+        pair must be alike."""
         with self.subTest(name):
-            server = FakeServer(tcp=tcp)
-            routes, busy = dict(server.routes), list(server.busy)
+            real = FakeServer(tcp=tcp)
+            outcomes, sent = {}, {}
             try:
-                outcomes, sent = {}, {}
-                for kind in ("sync", "async"):
-                    server.routes, server.busy[:] = dict(routes), busy
-                    with server.lock:
-                        del server.requests[:]
-                    outcomes[kind] = scenario(kind, lambda *a, k=kind, **kw: self._d_client(k, *a, **kw), server)
-                    with server.lock:  # the same requests (how many is timing; so is asking /slots)
-                        sent[kind] = {(r.raw_head, r.body) for r in server.requests if r.path.split("?")[0] != "/slots"}
+                for kind in ("async", "virtual"):
+                    if kind == "virtual":
+                        kernel = self._d_kernel = VirtualKernel()
+                        kernel.start()
+                        server = VirtualServer(kernel, tcp=tcp, like=real)
+                    else:
+                        server = real
+                    try:
+                        outcomes[kind] = scenario(kind, lambda *a, k=kind, **kw: self._d_client(k, *a, **kw), server)
+                        with server.lock:  # the same requests (how many is timing; so is asking /slots)
+                            sent[kind] = {
+                                (r.raw_head, r.body) for r in server.requests if r.path.split("?")[0] != "/slots"
+                            }
+                    finally:
+                        if kind == "virtual":
+                            try:
+                                server.close()
+                            finally:
+                                kernel.stop()
+                                self._d_kernel = None
             finally:
-                server.close()
-            self.assertEqual(sent["sync"], sent["async"], "%s: the clients sent different requests" % name)
-            self.assertEqual(len(outcomes["sync"]), len(outcomes["async"]))
-            for i, (sync, other) in enumerate(zip(outcomes["sync"], outcomes["async"])):
-                differs = differs_between_clients(sync, other, FAST_FAULTS.poll)
+                real.close()
+            self.assertEqual(sent["virtual"], sent["async"], "%s: the clients sent different requests" % name)
+            self.assertEqual(len(outcomes["virtual"]), len(outcomes["async"]))
+            for i, (virtual, other) in enumerate(zip(outcomes["virtual"], outcomes["async"])):
+                differs = differs_between_clients(virtual, other, FAST_FAULTS.poll)
                 self.assertIsNone(differs, "%s (part %d): the clients differ: %s" % (name, i + 1, differs))
             return outcomes
 
@@ -12784,9 +12814,17 @@ class TestDifferential(_f_Case):
             self.assertIs(type(value), part.expect, "%s: expected %s, got %r" % (kind, part.expect.__name__, value))
         else:
             self.assertEqual(value, part.expect, kind)
-        self.assertLessEqual(elapsed, part.budget + MARGIN, "%s: %.3f s (budget %.2f s)" % (kind, elapsed, part.budget))
-        if part.budget and not part.at_once:
-            self.assertGreaterEqual(elapsed, part.budget - EARLY, "%s: early, %.3f s" % (kind, elapsed))
+        if kind == "virtual":  # exact: the budget, or (none) the retry delays the client announced
+            took = part.budget or sum(e.delay for e in events if isinstance(e, lc.Retrying))
+            self.assertLessEqual(elapsed, took + 1e-6, "%s: %.6f s (budget %.2f s)" % (kind, elapsed, part.budget))
+            if not part.at_once:
+                self.assertGreaterEqual(elapsed, took - 1e-6, "%s: early, %.6f s" % (kind, elapsed))
+        else:
+            self.assertLessEqual(
+                elapsed, part.budget + MARGIN, "%s: %.3f s (budget %.2f s)" % (kind, elapsed, part.budget)
+            )
+            if part.budget and not part.at_once:
+                self.assertGreaterEqual(elapsed, part.budget - EARLY, "%s: early, %.3f s" % (kind, elapsed))
         return events, value
 
     def _d_row(self, name, *parts):

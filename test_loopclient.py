@@ -8577,6 +8577,214 @@ class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
 # =====================================================================================================
 
 
+# -- the three drivers alike, operation by operation ---------------------------------------------------
+
+
+class TestDriversAlike(unittest.TestCase):
+    """Each operation of the plan protocol performed by _SyncRun and _AsyncRun on a real socket (a
+    FakeServer) and by VirtualRun on the virtual clock (a VirtualServer): the same result or error (class,
+    errno, message), the same requests seen by the server, and the same time taken: exactly on the virtual
+    clock, within MARGIN on the real one.  What lets the tiers that run on the virtual clock stand for the
+    real drivers."""
+
+    KINDS = ("sync", "async", "virtual")
+
+    def setUp(self):
+        self.fds = fd_count()
+        self.threads = threading.active_count()
+
+    def tearDown(self):
+        wait_for(lambda: threading.active_count() <= self.threads, 5, "threads to end")
+        wait_for(lambda: fd_count() <= self.fds, 5, "descriptors to close")
+
+    def _drive(self, kind, plan, arrange=None, tcp=False, address=None):
+        """``plan(run, path)`` (a plan that returns what it found, ``path`` the server's directory) on the
+        driver ``kind``: (its value or error, the seconds it took, the requests the server saw)."""
+        kernel = loop = None
+        if kind == "virtual":
+            kernel = VirtualKernel()
+            kernel.start()
+            server = VirtualServer(kernel, tcp=tcp)
+        else:
+            server = FakeServer(tcp=tcp)
+        try:
+            if arrange is not None:
+                arrange(server)
+            where = address(server) if address else server.address
+            start = lc._clock()
+            if kind == "async":
+                loop = LoopThread()
+                client = lc.AsyncClient(where, limits=FAST_FAULTS)
+
+                async def go():
+                    run = lc._AsyncRun(client._board_here())
+                    run.gen = plan(run, server.tmp)
+                    try:
+                        return await run.finish()
+                    finally:
+                        await client.close()
+
+                call = lambda: loop.run(go(), 10)
+            else:
+                client = lc.Client(where, limits=FAST_FAULTS)
+                if kernel is not None:
+                    client._board.run_class = VirtualRun
+                    client._board.kernel = kernel
+
+                def call():
+                    run = client._board.run_class(client._board)
+                    run.gen = plan(run, server.tmp)
+                    try:
+                        return run.finish()
+                    finally:
+                        client.close()
+
+            try:
+                value = run_with_timeout(call, 10)
+            except Exception as exc:  # the outcome compared
+                value = exc
+            took = lc._clock() - start
+            with server.lock:
+                seen = [(r.method, r.path, r.body) for r in server.requests]
+        finally:
+            server.close()
+            if loop is not None:
+                self.assertEqual(loop.close(), [], "the event loop reported problems")
+            if kernel is not None:
+                kernel.stop()
+        return value, took, seen
+
+    def _alike(self, plan, took, arrange=None, tcp=False, address=None):
+        """Run ``plan`` on the three drivers; assert they agree and that each took ``took`` seconds; the
+        virtual driver's outcome."""
+        found = {kind: self._drive(kind, plan, arrange, tcp, address) for kind in self.KINDS}
+        want = self._seen_as(found["virtual"][0])
+        for kind, (value, elapsed, seen) in found.items():
+            with self.subTest(kind):
+                self.assertEqual(self._seen_as(value), want)
+                self.assertEqual(seen, found["virtual"][2])
+                if kind == "virtual":
+                    self.assertTrue(took - 1e-6 <= elapsed <= took + 1e-6, elapsed)
+                else:
+                    self.assertTrue(took - EARLY <= elapsed < took + MARGIN, elapsed)
+        return found["virtual"][0]
+
+    @staticmethod
+    def _seen_as(value):
+        if isinstance(value, BaseException):
+            return (type(value).__name__, getattr(value, "errno", None), str(value))
+        return value
+
+    # -- the operations ------------------------------------------------------------------------------
+
+    def test_connect_to_a_missing_socket_file_or_a_refusing_one(self):
+        def plan(run, path):
+            yield (lc._CONNECT, 1.0, False)
+
+        err = self._alike(plan, 0.0, address=lambda s: os.path.join(s.tmp, "missing.sock"))
+        self.assertIs(type(err), FileNotFoundError)
+
+        def stale(s):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(os.path.join(s.tmp, "stale.sock"))  # bound, never listening: connect() is refused
+            sock.close()
+            return os.path.join(s.tmp, "stale.sock")
+
+        err = self._alike(plan, 0.0, address=stale)
+        self.assertIs(type(err), ConnectionRefusedError)
+
+    def _exchange(self, then=None):
+        """A plan: connect, send a request, read until the end (or ``then(conn)`` after the first bytes)."""
+        request = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+
+        def plan(run, path):
+            conn = yield (lc._CONNECT, 1.0, False)
+            yield (lc._SEND, conn, request, 1.0)
+            data = b""
+            while True:
+                more = yield (lc._RECV, conn, 1.0)
+                if not more:
+                    return data
+                data += more
+                if then is not None:
+                    return (yield from then(conn, data))
+
+        return plan
+
+    def test_send_then_receive_to_the_end(self):
+        answer = json_response({"echo": "hello"})
+        got = self._alike(self._exchange(), 0.0, lambda s: s.route("POST", "/echo", reply(answer)))
+        self.assertEqual(got, answer)
+
+    def test_a_read_that_hears_nothing_is_silence_after_its_timeout(self):
+        def then(conn, data):
+            start = lc._clock()
+            try:
+                yield (lc._RECV, conn, 0.3)
+            except lc._Silence:
+                return ("silence", data, round(lc._clock() - start, 1))
+            return "no silence"
+
+        head = b"HTTP/1.1 200 OK\r\n"
+        got = self._alike(self._exchange(then), 0.3, lambda s: s.route("POST", "/echo", reply(head, hold=True)))
+        self.assertEqual(got, ("silence", head, 0.3))
+
+    def test_a_reset_is_stream_closed_with_the_os_error(self):
+        def reset(req):
+            req.send(b"HTTP/1.1 200 OK\r\n")
+            req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            req.conn.close()  # linger 0: RST instead of FIN
+
+        def then(conn, data):
+            return (yield (lc._RECV, conn, 1.0))
+
+        err = self._alike(self._exchange(then), 0.0, lambda s: s.route("POST", "/echo", reset), tcp=True)
+        self.assertIs(type(err), lc.StreamClosedError)
+        self.assertIn("reset", str(err))
+
+    def test_park_runs_out_or_is_signalled_and_sleep_sleeps(self):
+        def plan(run, path):
+            start = lc._clock()
+            yield (lc._PARK, 0.2)  # nobody signals: the timer
+            parked = lc._clock() - start
+
+            def wake():
+                yield (lc._SLEEP, 0.1)
+                run.signal()
+
+            yield (lc._SPAWN, wake())
+            yield (lc._PARK, 5.0)  # signalled after 0.1
+            yield (lc._SLEEP, 0.15)
+            return round(parked, 1), round(lc._clock() - start, 2)
+
+        self.assertEqual(self._alike(plan, 0.45), (0.2, 0.45))
+
+    def test_cancel_throws_cancelled_error_into_a_parked_plan(self):
+        def plan(run, path):
+            def cancel():
+                yield (lc._SLEEP, 0.2)
+                run.cancel()
+
+            yield (lc._SPAWN, cancel())
+            try:
+                yield (lc._PARK, None)
+            except lc.CancelledError as exc:
+                return "cancelled: %s" % exc
+            return "not cancelled"
+
+        self.assertEqual(self._alike(plan, 0.2), "cancelled: the request was cancelled")
+
+    def test_a_kept_connection_is_reused(self):
+        def plan(run, path):
+            conn = yield (lc._CONNECT, 1.0, False)
+            yield (lc._KEEP, conn, 5.0)
+            again = yield (lc._CONNECT, 1.0, True)
+            fresh = yield (lc._CONNECT, 1.0, False)
+            return again is conn, again.reused, fresh is conn, fresh.reused
+
+        self.assertEqual(self._alike(plan, 0.0), (True, True, False, False))
+
+
 class TestWaitForHead(VirtualFactory, ServerCase):
     def budget(self, **kw):
         return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=5.0, idle_grace=5.0), **kw))

@@ -12730,6 +12730,770 @@ TestFaultFuzzRegressionsSockets, TestFaultFuzzRegressionsSocketsAsync = on_socke
 # TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
 # client cases through both with the same rules.
 
+# -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
+#
+# Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
+# the TestDifferential row that runs it, exactly as scripted there), what the server does, the outcome,
+# and the tests that pin it.  dev/faults.py writes the tables of dev/FAULTS.md from it;
+# TestDifferential.test_dev_faults_md_is_the_fault_table fails when they drift, or when a row's outcome
+# does not name the error class its TestDifferential row expects, or names a test that does not exist.
+
+FAULT_TABLE = [
+    (
+        "Connecting",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "socket file missing",
+                "nothing at the path",
+                "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
+                "`TestFaultConnect.test_socket_file_missing_stream`",
+            ),
+            (
+                "socket file missing, single-shot call",
+                "nothing at the path",
+                "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`",
+                "`TestFaultConnect.test_socket_file_missing_single_shot`",
+            ),
+            (
+                "socket file with no listener",
+                "a stale socket file; connecting is refused",
+                "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`",
+                "`TestFaultConnect.test_socket_file_without_listener_stream`",
+            ),
+            (
+                "socket file with no listener, single-shot call",
+                "connecting is refused",
+                "`ConnectError` at once",
+                "`TestFaultConnect.test_socket_file_without_listener_single_shot`",
+            ),
+            (
+                "EOF before the head",
+                "reads the request, closes without a byte",
+                "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
+                "`TestFaultConnect.test_eof_before_head_is_not_retried`",
+            ),
+            (
+                "connection reset before the head",
+                "TCP RST (SO_LINGER 0) after reading the request",
+                "`StreamClosedError` at once, not retried",
+                "`TestFaultReset.test_reset_before_head_is_not_retried`",
+            ),
+            (
+                "connection reset mid-stream",
+                "RST after one content event",
+                "`StreamClosedError` at once; the delivered output is never replayed",
+                "`TestFaultReset.test_reset_mid_stream_is_not_replayed`",
+            ),
+        ],
+    ),
+    (
+        "The response head",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "garbage status line",
+                "`HELLO THERE` plus a header block",
+                "`ProtocolError` at once",
+                "`TestFaultHead.test_garbage_status_line`",
+            ),
+            (
+                "a service that is not HTTP",
+                "an SSH banner line, then waits for the client",
+                "`ProtocolError` at once: the first line is enough (*choice*)",
+                "`TestFaultHead.test_garbage_banner_then_silence`",
+            ),
+            (
+                "bad status code",
+                "`HTTP/1.1 2000 OK`",
+                "`ProtocolError` at once",
+                "`TestFaultHead.test_bad_status_code`",
+            ),
+            (
+                "another HTTP version",
+                "`HTTP/2 200`",
+                "`ProtocolError` at once",
+                "`TestFaultHead.test_http2_preface_version`",
+            ),
+            (
+                "HTTP/1.0 reply",
+                "`HTTP/1.0 200` with no length, body until close",
+                "no error: framed normally (read until close), `Completion` returned (*choice*)",
+                "`TestFaultHead.test_http10_reply_is_accepted`",
+            ),
+            (
+                "interim response",
+                "`100 Continue`, then the real response",
+                "no error: the interim head is skipped",
+                "`TestFaultHead.test_interim_response_then_stream`",
+            ),
+            (
+                "10 MB of headers",
+                "one 10 MB header line",
+                "`ProtocolError` once 64 KiB of head has arrived; the client closes before the server has sent it all",
+                "`TestFaultHead.test_ten_megabytes_of_headers`",
+            ),
+            (
+                "1,000 header lines",
+                "1,000 short headers",
+                "`ProtocolError` at once (cap: 100 lines)",
+                "`TestFaultHead.test_thousand_header_lines`",
+            ),
+            ("NUL byte in a header", "`X-A: a\\0b`", "`ProtocolError` at once", "`TestFaultHead.test_nul_in_header`"),
+            (
+                "obsolete line folding",
+                "a header line that starts with spaces",
+                "no error: unfolded into the previous value with one space (RFC 9112 5.2, as a user agent)",
+                "`TestFaultHead.test_folded_header_line`",
+            ),
+            (
+                "EOF inside the head",
+                "half a head, then close",
+                "`StreamClosedError` at once",
+                "`TestFaultHead.test_eof_in_the_middle_of_the_head`",
+            ),
+            (
+                "head trickled forever",
+                "one header byte every 20 ms, never a blank line",
+                "`StalledError` after `liveness` from the first byte of the head (*choice*: a head that has not finished within `liveness` is no progress)",
+                "`TestFaultHead.test_head_trickled_forever`",
+            ),
+            (
+                "interim responses forever",
+                "`100 Continue` every 20 ms",
+                "`StalledError` after `liveness` (as above)",
+                "`TestFaultHead.test_interim_responses_forever`",
+            ),
+            (
+                "stall inside the head",
+                "half a head, then silence",
+                "`StalledError` after `liveness`",
+                "`TestFaultWaits.test_stall_mid_head`",
+            ),
+        ],
+    ),
+    (
+        "Body framing",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "conflicting Content-Length headers",
+                "`Content-Length: 10` and `Content-Length: 20`",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_conflicting_content_length`",
+            ),
+            (
+                "conflicting Content-Length, single-shot call",
+                "the same on `/slots`",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_conflicting_content_length_single_shot`",
+            ),
+            (
+                "negative length",
+                "`Content-Length: -1`",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_negative_content_length`",
+            ),
+            (
+                "non-numeric length",
+                "`Content-Length: 12abc`",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_non_numeric_content_length`",
+            ),
+            (
+                "unsupported transfer coding",
+                "`Transfer-Encoding: gzip, chunked`",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_unsupported_transfer_encoding`",
+            ),
+            (
+                "chunk size ffffffffffffffff",
+                "that size line, then a whole valid stream",
+                "`ProtocolError` at once: a size that does not fit in 63 bits is malformed (*choice*)",
+                "`TestFaultFraming.test_chunk_size_ffffffffffffffff`",
+            ),
+            (
+                "chunk size line without CRLF",
+                "the size runs straight into the data",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_chunk_size_line_without_crlf`",
+            ),
+            (
+                "chunk size line that never ends",
+                "`1` followed by 5,000 zeros and no newline",
+                "`ProtocolError` once 4 KiB of size line has arrived",
+                "`TestFaultFraming.test_chunk_size_line_never_ends`",
+            ),
+            (
+                "chunk data without its CRLF",
+                "`XX` where the CRLF after the data belongs",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_chunk_data_not_followed_by_crlf`",
+            ),
+            (
+                "body shorter than its length (stream)",
+                "`Content-Length` 500 bytes more than is sent, then close",
+                "`StreamClosedError` at once, after the `Content` that did arrive",
+                "`TestFaultFraming.test_body_shorter_than_its_length_stream`",
+            ),
+            (
+                "body shorter than its length (single-shot)",
+                "`/slots` says 100 bytes, sends 8, closes",
+                "`StreamClosedError` at once",
+                "`TestFaultFraming.test_body_shorter_than_its_length_single_shot`",
+            ),
+            (
+                "close mid-chunk",
+                "a chunk 200 bytes short, then close",
+                "`StreamClosedError` at once",
+                "`TestFaultFraming.test_close_mid_chunk`",
+            ),
+            (
+                "close mid-event",
+                "a close-delimited body whose last event has no blank line",
+                "`StreamClosedError` at once: the unfinished event is discarded, so there is no `finish_reason`",
+                "`TestFaultFraming.test_close_mid_event`",
+            ),
+            (
+                "close after the finish chunk without `[DONE]`",
+                "finish chunk, then the final `0` chunk",
+                "no error: a clean end after a `finish_reason` returns the `Completion`",
+                "`TestFaultFraming.test_close_after_finish_without_done_is_clean`",
+            ),
+            (
+                "`[DONE]`, then the connection stays open",
+                "no final `0` chunk, no close",
+                "no error: the `Completion` is returned at `[DONE]`, without waiting",
+                "`TestFaultFraming.test_done_then_connection_held`",
+            ),
+            (
+                "`[DONE]` without a `finish_reason`",
+                "content, then `[DONE]`",
+                "`StreamClosedError` at once",
+                "`TestFaultFraming.test_done_without_finish_reason`",
+            ),
+            (
+                "empty stream",
+                "a 200 head and the final `0` chunk",
+                "`StreamClosedError` at once",
+                "`TestFaultFraming.test_empty_chunked_body`",
+            ),
+            (
+                "200 with an HTML page",
+                "an nginx welcome page",
+                "`StreamClosedError` at once: no event, so no `finish_reason`",
+                "`TestFaultFraming.test_html_page_with_200`",
+            ),
+            (
+                "error body over `max_body`",
+                "a 500 whose body is longer than `max_body` and arrives in the same read as the head",
+                "`ProtocolError` at once",
+                "`TestFaultFraming.test_error_body_over_max_body`",
+            ),
+            (
+                "single-shot length over `max_body`",
+                "`/slots` announces `max_body` + 1 bytes",
+                "`ProtocolError` at once, before reading the body",
+                "`TestFaultFraming.test_single_shot_length_over_max_body`",
+            ),
+        ],
+    ),
+    (
+        "SSE lines and events",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "a 2 MiB line sent one byte at a time",
+                "one byte per millisecond, slot busy, `max_line` 1 KiB",
+                "`ProtocolError` as soon as `max_line` is passed; the server has sent at most `max_line` + 64 bytes of the line by then",
+                "`TestFaultSSE.test_two_mib_line_trickled`",
+            ),
+            (
+                "bytes trickle but no event completes",
+                "one byte every 20 ms, idle slot",
+                "`StalledError` after `liveness`: the liveness rule asks `/slots` and the slot is idle",
+                "`TestFaultSSE.test_slow_line_without_event_hits_liveness`",
+            ),
+            (
+                "a line of `max_line` exactly",
+                "a valid chunk padded to 4,096 bytes",
+                "no error: the line is accepted",
+                "`TestFaultSSE.test_line_of_max_line_exactly`",
+            ),
+            (
+                "a line of `max_line` + 1",
+                "the same, one byte longer",
+                "`ProtocolError` at once",
+                "`TestFaultSSE.test_line_of_max_line_plus_one`",
+            ),
+            (
+                "an event over `max_line` in many lines",
+                "2,000 short `data:` lines in one event",
+                "`ProtocolError` at once",
+                "`TestFaultSSE.test_event_over_max_line_in_many_data_lines`",
+            ),
+            (
+                "half a million empty `data:` lines",
+                "524,290 of them in one event, `max_line` 512 KiB",
+                "`ProtocolError` within 1 s (time linear in the input)",
+                "`TestFaultSSE.test_half_million_empty_data_lines`",
+            ),
+            (
+                "invalid UTF-8",
+                "`\\xff\\xfe` inside a content string",
+                "no error: replaced by U+FFFD",
+                "`TestFaultSSE.test_invalid_utf8_is_replaced`",
+            ),
+            (
+                "a UTF-8 character split between reads",
+                "`é` cut in two, 20 ms apart",
+                "no error: the character arrives whole",
+                "`TestFaultSSE.test_utf8_split_between_reads`",
+            ),
+            (
+                "a NUL byte",
+                "a raw NUL inside a JSON string",
+                "`ProtocolError` at once (raw control characters are invalid JSON)",
+                "`TestFaultSSE.test_nul_byte_in_data`",
+            ),
+        ],
+    ),
+    (
+        "JSON payloads",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            ("invalid JSON", "a chunk cut short", "`ProtocolError` at once", "`TestFaultJSON.test_invalid_json`"),
+            (
+                "JSON that is not an object",
+                '`["choices"]`',
+                "`ProtocolError` at once",
+                "`TestFaultJSON.test_json_not_an_object`",
+            ),
+            (
+                "`choices` not a list",
+                '`{"choices": {"0": ...}}`',
+                "`ProtocolError` at once",
+                "`TestFaultJSON.test_choices_not_a_list`",
+            ),
+            (
+                "a delta that is a string",
+                '`"delta": "Hi"`',
+                "`ProtocolError` at once",
+                "`TestFaultJSON.test_delta_is_a_string`",
+            ),
+            (
+                "a tool-call delta without index",
+                "id, name and arguments, no `index`",
+                "`ProtocolError` at once",
+                "`TestFaultJSON.test_tool_call_delta_without_index`",
+            ),
+            (
+                "deeply nested JSON",
+                "200,000 nested lists",
+                "`ProtocolError` at once",
+                "`TestFaultJSON.test_deeply_nested_json`",
+            ),
+            (
+                "an error code that only looks like a number",
+                '`{"error": {"code": "²"}}`',
+                "`ServerError` at once with `.code` None",
+                "`TestFaultJSON.test_error_code_not_a_decimal`",
+            ),
+        ],
+    ),
+    (
+        "Silence, pings and the liveness rule",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "pings forever, idle slot",
+                "`: ping` every 50 ms, no data; `/slots` says idle",
+                "`StalledError` after `liveness`",
+                "`TestFaultWaits.test_pings_forever_idle_slot`",
+            ),
+            (
+                "pings forever, processing slot",
+                "the same; `/slots` says processing",
+                "`StalledError` after `busy_wait`, counted from the last data event",
+                "`TestFaultWaits.test_pings_forever_processing_slot`",
+            ),
+            (
+                "stall before the head, idle slot",
+                "reads the request, says nothing",
+                "`StalledError` after `idle_grace`, with `Waiting(False)` events",
+                "`TestFaultWaits.test_stall_before_head_idle_slot`",
+            ),
+            (
+                "stall before the head, busy slot",
+                "the same; `/slots` says processing",
+                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events",
+                "`TestFaultWaits.test_stall_before_head_busy_slot`",
+            ),
+            (
+                "stall mid-stream",
+                "one content event, then silence",
+                "`StalledError` after `liveness`",
+                "`TestFaultWaits.test_stall_mid_stream`",
+            ),
+        ],
+    ),
+    (
+        "Error statuses and error events",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "HTTP 503 forever",
+                "`503 Loading model` on every attempt",
+                "`LoadTimeoutError` after `load_wait`, at least 2 attempts",
+                "`TestFaultErrors.test_http_503_forever`",
+            ),
+            (
+                "HTTP 400",
+                'the real "exceeds the available context size" envelope',
+                "`HTTPStatusError` at once, `.status` 400, `.message` from the envelope",
+                "`TestFaultErrors.test_http_400_prompt_too_long`",
+            ),
+            (
+                "HTTP 500 with an HTML body",
+                "`<h1>oops</h1>`",
+                "`HTTPStatusError` at once, `.message` is the body text",
+                "`TestFaultErrors.test_http_500_html_body`",
+            ),
+            (
+                "error body stalls",
+                "a 400 that sends 2 of its 116 bytes, then silence",
+                "`StalledError` after `liveness`",
+                "`TestFaultErrors.test_error_status_body_stalls`",
+            ),
+            (
+                "error body nested 5,000 deep",
+                "a 400 whose envelope cannot be decoded",
+                "`HTTPStatusError` at once; the message falls back to the body text",
+                "`TestFaultErrors.test_error_body_deeply_nested`",
+            ),
+            (
+                "error event first, code 503",
+                '`data: {"error": {"code": 503, ...}}`, then a good stream',
+                "retried like an HTTP 503; `Completion` returned after one `Retrying`",
+                "`TestFaultErrors.test_error_event_first_503_is_retried`",
+            ),
+            (
+                "error event first, 503 forever",
+                "the 503 event on every attempt",
+                "`LoadTimeoutError` after `load_wait`",
+                "`TestFaultErrors.test_error_event_first_503_forever`",
+            ),
+            (
+                "error event first, code 400",
+                '`data: {"error": {"code": 400, ...}}`',
+                "`ServerError` at once, `.code` 400, one attempt",
+                "`TestFaultErrors.test_error_event_first_400`",
+            ),
+            (
+                "error event after content",
+                "content, then a 503 error event",
+                "`ServerError` at once, `.code` 503; never replayed",
+                "`TestFaultErrors.test_error_event_after_content`",
+            ),
+            (
+                "legacy `error:` line",
+                'content, then `error: {"code":500,...}`',
+                "`ServerError` at once, `.code` 500",
+                "`TestFaultErrors.test_legacy_error_line`",
+            ),
+            (
+                "legacy `error:` line nested 100,000 deep",
+                "an `error:` payload that cannot be decoded",
+                "`ServerError` at once, the text as its message",
+                "`TestFaultErrors.test_legacy_error_line_deeply_nested`",
+            ),
+            (
+                "legacy `error:` line first, code 503",
+                "the legacy line, then a good stream",
+                "retried; `Completion` returned, 2 requests",
+                "`TestFaultErrors.test_legacy_error_line_first_503_is_retried`",
+            ),
+        ],
+    ),
+    (
+        "503 with Retry-After",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "Retry-After as a date beyond `load_wait`",
+                "an HTTP date 5 s ahead",
+                "`LoadTimeoutError` at once, no `Retrying`",
+                "`TestFaultRetryAfter.test_date_beyond_load_wait`",
+            ),
+            (
+                "Retry-After as a date in the past",
+                "a date a minute ago, then a good stream",
+                "retried after the ordinary backoff (0.19–0.25 s), not at once (*choice*: a hint is a floor, so 0 cannot become a busy loop)",
+                "`TestFaultRetryAfter.test_date_in_the_past`",
+            ),
+            (
+                "`Retry-After: 0` forever",
+                "the same 503 every time",
+                "`LoadTimeoutError` after `load_wait`, with at most 4 attempts",
+                "`TestFaultRetryAfter.test_zero_forever`",
+            ),
+            (
+                "Retry-After negative",
+                "`-5`, then a good stream",
+                "no hint: retried after the backoff",
+                "`TestFaultRetryAfter.test_negative`",
+            ),
+            (
+                "Retry-After malformed",
+                "`soon`, then a good stream",
+                "no hint: retried after the backoff",
+                "`TestFaultRetryAfter.test_malformed`",
+            ),
+            (
+                "Retry-After huge",
+                "20 digits",
+                "`LoadTimeoutError` at once (longer than what remains of `load_wait`)",
+                "`TestFaultRetryAfter.test_huge`",
+            ),
+            (
+                "Retry-After beyond float range",
+                "400 digits",
+                "`LoadTimeoutError` at once",
+                "`TestFaultRetryAfter.test_huge_past_float_range`",
+            ),
+            (
+                "Retry-After beyond int() digit limit",
+                "5,000 digits",
+                "`LoadTimeoutError` at once",
+                "`TestFaultRetryAfter.test_huge_past_int_digit_limit`",
+            ),
+        ],
+    ),
+    (
+        "/slots and the other single-shot calls",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "`/slots` answers garbage while the head is awaited",
+                "`not json!`",
+                "treated as unavailable: `LoadTimeoutError` after `load_wait`, `Waiting(False)` events",
+                "`TestFaultSlots.test_slots_garbage_while_waiting`",
+            ),
+            (
+                "`/slots` answers garbage to `slots()`",
+                "the same",
+                "`ProtocolError` at once",
+                "`TestFaultSlots.test_slots_garbage_single_shot`",
+            ),
+            (
+                "`/slots` entries of the wrong shape",
+                '`{"id": "0", "is_processing": "yes"}`',
+                "`ProtocolError` at once",
+                "`TestFaultSlots.test_slots_wrong_shape_single_shot`",
+            ),
+            (
+                "`/slots` hangs while the head is awaited",
+                "accepts, never answers",
+                "unavailable: `LoadTimeoutError` after `load_wait`; the poller's connection ends too",
+                "`TestFaultSlots.test_slots_hanging_while_waiting`",
+            ),
+            (
+                "`/slots` hangs for `slots()`",
+                "accepts, never answers",
+                "`StalledError` after `liveness`",
+                "`TestFaultSlots.test_slots_hanging_single_shot`",
+            ),
+            (
+                "`/slots` answers 501 while the head is awaited",
+                "`--no-slots` servers do this",
+                "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
+                "`TestFaultSlots.test_slots_501_while_waiting`",
+            ),
+            (
+                "`/slots` answers 501 to `slots()`",
+                "the same",
+                "`HTTPStatusError` at once, `.status` 501",
+                "`TestFaultSlots.test_slots_501_single_shot`",
+            ),
+            (
+                "`/props` is not an object",
+                "`[1, 2]`",
+                "`ProtocolError` at once",
+                "`TestFaultSlots.test_props_not_an_object`",
+            ),
+        ],
+    ),
+    (
+        "Behind proxies and balancers: 429, a hidden /slots",
+        ("fault", "what the server (or the proxy in front) does", "error (and when)", "test"),
+        [
+            (
+                "429 at a concurrency limit, then served",
+                "429 twice (with and without `Retry-After: 0`), then the stream",
+                "no error: `Retrying` twice, reason `HTTP 429: ...`, then the `Completion`",
+                "`TestFaultProxies.test_429_with_and_without_retry_after_is_retried_then_served`",
+            ),
+            (
+                "429 for ever",
+                "429 with `Retry-After: 0` on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
+                "`WaitTimeoutError` after `busy_wait`, naming the 429; `__cause__` the `HTTPStatusError` 429",
+                "`TestFaultProxies.test_429_past_busy_wait_is_a_wait_timeout_naming_the_429`",
+            ),
+            (
+                "429 with a hint past `busy_wait`",
+                "`Retry-After: 30`",
+                "`WaitTimeoutError` at once, no `Retrying`",
+                "`TestFaultProxies.test_a_429_hint_past_busy_wait_ends_the_wait_at_once`",
+            ),
+            (
+                "`/slots` not served",
+                "`/slots` answers 404, 403, 405 or 501 while the head is held back",
+                "`WaitTimeoutError` after `busy_wait` (not `load_wait`), `Waiting(False, slots_known=False)` at each poll, `/slots` asked once",
+                "`TestFaultProxies.test_slots_not_served_while_waiting_counts_under_busy_wait`, `TestFaultSlots.test_slots_501_while_waiting`",
+            ),
+        ],
+    ),
+    (
+        "The reasoning control endpoint (`thinking_cap` 2)",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "control endpoint answers 404",
+                "an older server",
+                "`ThinkingOverrunError` at once, `.tokens` 2, `__cause__` an `HTTPStatusError`",
+                "`TestFaultControl.test_control_404`",
+            ),
+            (
+                "control endpoint 404 for `end_reasoning()`",
+                "the same",
+                "`HTTPStatusError` at once, `.status` 404",
+                "`TestFaultControl.test_control_404_single_shot`",
+            ),
+            (
+                "control endpoint answers `success: false`",
+                '`{"success": false}`',
+                "`ThinkingOverrunError` at once, after exactly 2 `Reasoning` events",
+                "`TestFaultControl.test_control_success_false`",
+            ),
+            (
+                "`success: false` for `end_reasoning()`",
+                "the same",
+                "no error: `False`",
+                "`TestFaultControl.test_control_success_false_single_shot`",
+            ),
+            (
+                "control endpoint hangs",
+                "accepts, never answers",
+                "`ThinkingOverrunError` after `liveness`, `__cause__` a `StalledError`",
+                "`TestFaultControl.test_control_hanging`",
+            ),
+        ],
+    ),
+    (
+        "Security",
+        ("fault", "what the server or caller does", "outcome", "test"),
+        [
+            (
+                "the API key could leak",
+                "401, garbage, stall, `/slots` 401, missing socket, CR/LF in the key or the Authorization header",
+                "the key is in no error message, repr, args, cause chain, traceback or log record, and in no repr of the client, stream or limits",
+                "`TestSecurity.test_api_key_never_in_errors_reprs_or_logs`",
+            ),
+            (
+                "header injection",
+                "CR or LF in a header value or name, the key, the address, a path",
+                "`ValueError` before anything is sent; the server sees no request",
+                "`TestSecurity.test_crlf_in_header_value_name_key_or_path_refused_before_sending`",
+            ),
+            (
+                "a model name carrying CR/LF",
+                '`model="gemma\\r\\nX-Injected: yes..."`',
+                "sent inside the JSON body, escaped: no raw CR or LF in the body, no injected header, one request",
+                "`TestSecurity.test_model_name_with_crlf_cannot_inject_a_header`",
+            ),
+            (
+                "redirects",
+                "301, 302, 303, 307, 308 to another server; 302 on `/slots`",
+                "`HTTPStatusError` at once; the other server gets no connection",
+                "`TestSecurity.test_redirects_are_never_followed`",
+            ),
+            (
+                "a response pointing elsewhere",
+                "`Location`, `Content-Location`, `Alt-Svc`, `Link` on a 503, a 200 and a `/slots` 307",
+                "every socket the client opens goes to the address it was given",
+                "`TestSecurity.test_a_response_never_makes_the_client_connect_elsewhere`",
+            ),
+        ],
+    ),
+    (
+        "Inputs the fuzzer found (`dev/fuzz.py`), fed again as saved",
+        ("fault", "input", "error (and when)", "test"),
+        [
+            (
+                "error body stalls on a held connection",
+                "`dev/fuzz-crashes/e2748cec9571aae2.bin` (client target)",
+                "`StalledError` after `liveness`",
+                "`TestFaultFuzzRegressions.test_fuzz_e2748cec9571aae2_error_body_stalls`",
+            ),
+            (
+                "503 with an error body nested 5,000 deep",
+                "`403724efe73ee4d8.bin` (http target)",
+                "the envelope falls back to text; through the client, `LoadTimeoutError` after `load_wait`",
+                "`TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body`",
+            ),
+            (
+                'error code `"²"`',
+                "`080ec222851097f5.bin` (assembler target)",
+                "`ServerError`, `.code` None",
+                "`TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two`",
+            ),
+            (
+                "605,552 `data:` lines in one event",
+                "`5dff79bad8bec29d.bin` (sse target, `max_line` 1 MiB)",
+                "within 1 s of CPU time; through the client, `StreamClosedError` (the stream ends without `[DONE]`)",
+                "`TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event`",
+            ),
+            (
+                "`event: error` with data nested 100,000 deep",
+                "`e517c807fa701495.bin` (http target)",
+                "`ServerError` at once",
+                "`TestFaultFuzzRegressions.test_fuzz_e517c807fa701495_deeply_nested_error_event`",
+            ),
+            (
+                "`event: error` nested deep, through `chat()`",
+                "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
+                "`ServerError` at once",
+                "`TestFaultFuzzRegressions.test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client`",
+            ),
+        ],
+    ),
+]
+
+
+def fault_tables_markdown(text):
+    """``text`` (dev/FAULTS.md) with each table under a heading of FAULT_TABLE written from it."""
+    tables = {heading: (columns, rows) for heading, columns, rows in FAULT_TABLE}
+    lines = text.split("\n")
+    out, heading, i = [], None, 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("## "):
+            heading = line[3:]
+        if heading in tables and line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            columns, rows = tables.pop(heading)
+            out.append("| %s |" % " | ".join(columns))
+            out.append("|%s" % ("---|" * len(columns)))
+            out.extend("| %s |" % " | ".join(row) for row in rows)
+            i += 2
+            while i < len(lines) and lines[i].startswith("| "):
+                i += 1
+            continue
+        out.append(line)
+        i += 1
+    assert not tables, "sections of FAULT_TABLE without a table in dev/FAULTS.md: %s" % sorted(tables)
+    return "\n".join(out)
+
+
 _D_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -13976,15 +14740,43 @@ class TestDifferential(_f_Case):
         self.assertIn("message differs", differ(([], lc.HTTPStatusError(400, "a")), ([], lc.HTTPStatusError(500, "a"))))
         self.assertIn("message differs", differ(([], lc.ServerError(1, "m")), ([], lc.ServerError(1, "n"))))
 
+    def _d_rows(self):
+        return {name: parts for table in self._D_TABLES for name, parts in getattr(self, table)()}
+
     def test_every_row_of_the_fault_table_is_here(self):
-        with open(os.path.join(HERE, "dev", "FAULTS.md"), encoding="utf-8") as f:
-            rows = [
-                line.split("|")[1].strip() for line in f if line.startswith("| ") and not line.startswith("| fault ")
-            ]
-        rows = [r for r in rows if not set(r) <= set("-")]
         here = [name for table in self._D_TABLES for name, _ in getattr(self, table)()]
-        self.assertEqual(sorted(here), sorted(rows))
+        stated = [row[0] for _, _, rows in FAULT_TABLE for row in rows]
+        self.assertEqual(sorted(here), sorted(stated))
         self.assertEqual(len(here), len(set(here)))
+        self.assertEqual(len(stated), len(set(stated)))
+
+    def test_dev_faults_md_is_the_fault_table(self):
+        with open(os.path.join(HERE, "dev", "FAULTS.md"), encoding="utf-8") as f:
+            text = f.read()
+        self.assertEqual(text, fault_tables_markdown(text), "dev/FAULTS.md drifted from FAULT_TABLE: run dev/faults.py")
+
+    def test_each_row_states_what_it_runs(self):
+        """A row's outcome names the error its parts expect (or says there is none), and the budget it is
+        waited out for ("after `liveness`"); its tests exist."""
+        budgets = ("liveness", "busy_wait", "load_wait", "idle_grace")
+        rows = self._d_rows()
+        for heading, _, table in FAULT_TABLE:
+            for fault, _, outcome, tests in table:
+                with self.subTest(fault):
+                    for part in rows[fault]:
+                        if heading == "Security":  # its outcomes are properties of every error
+                            break
+                        if isinstance(part.expect, type) and issubclass(part.expect, BaseException):
+                            self.assertIn("`%s`" % part.expect.__name__, outcome)
+                        else:
+                            self.assertTrue("no error" in outcome or "retried" in outcome, outcome)
+                        for name in budgets:
+                            if part.budget and not part.at_once and part.budget == getattr(FAST_FAULTS, name):
+                                self.assertIn("`%s`" % name, outcome)
+                    named = re.findall(r"`(Test\w+)\.(test\w+)`", tests)
+                    self.assertTrue(named, tests)
+                    for cls, method in named:
+                        self.assertTrue(callable(getattr(globals().get(cls), method, None)), "%s.%s" % (cls, method))
 
     def test_connecting(self):
         self._d_table(self._d_connecting())

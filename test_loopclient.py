@@ -15004,6 +15004,8 @@ _F_KEY = "sk-loopclient-SECRET-7f3a9c"
 
 
 class TestSecurity(_f_Case):
+    VIRTUAL = False  # on real sockets: where the client connects (a spy on socket.connect, a decoy server)
+
     def _f_keyed(self, address=None):
         self.client.close()
         self.client = self.new_client(address or self.server.address, limits=FAST_FAULTS, api_key=_F_KEY)

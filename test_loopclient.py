@@ -8,12 +8,18 @@ then the tiers, in this order:
 2. transport and client against an in-process fake server on a real Unix socket (and TCP): streams,
    single-shot calls, the server API, TLS, path prefixes, routing, caller mistakes;
 3. waits and gates: wait for head, liveness, wedged slots, retries, the gate, cancel, thinking cap, stress;
-4. faults: hostile servers, one test per row of the README's fault table, and dev/fuzz.py's regressions;
+4. faults: hostile servers, one test per row of the fault table (FAULT_TABLE, written out as
+   dev/FAULTS.md), and dev/fuzz.py's regressions;
 5. security; 6. the command line through ``main(argv)``;
 7. a real llama-server, run when ``LOOPCLIENT_REAL_SOCKET`` names its socket (``.ci/run`` provisions one).
 
 A client test class ``TestX`` is followed by ``TestXAsync`` (AsyncDriver): the same tests through
-AsyncClient.  Every blocking call has a timeout; on a slow machine set LOOPCLIENT_TIME_MARGIN (see MARGIN).
+AsyncClient.  The tiers that are about time (waits, faults, the API's errors) run on a virtual clock
+instead (VirtualFactory: the plans on a third driver, in-memory connections, time that jumps when every
+task waits, timing asserted exactly), with a few tests of each class again on real sockets through both
+clients (``TestXSockets``, ``TestXSocketsAsync``: on_sockets) and the three drivers compared operation by
+operation (TestDriversAlike).  Every blocking call has a timeout; on a slow machine set
+LOOPCLIENT_TIME_MARGIN (see MARGIN).
 """
 
 from __future__ import annotations

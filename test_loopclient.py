@@ -8621,6 +8621,66 @@ class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
 # =====================================================================================================
 
 
+class TestVirtualClock(unittest.TestCase):
+    """The virtual clock itself: it moves only when every task waits, to the next timer; a wait nothing
+    can end is an error; its worker threads end with it."""
+
+    def setUp(self):
+        self.threads = threading.active_count()
+        self.kernel = VirtualKernel()
+        self.kernel.start()
+
+    def tearDown(self):
+        self.kernel.stop()
+        wait_for(lambda: threading.active_count() <= self.threads, 5, "the workers to end")
+
+    def test_time_jumps_to_the_next_timer_and_tasks_take_turns(self):
+        log = []
+
+        def sleeper(name, seconds):
+            def task():
+                start = time.monotonic()
+                time.sleep(seconds)
+                log.append((name, time.monotonic() - start))
+
+            return task
+
+        real = _REAL_MONOTONIC()
+        tasks = [self.kernel.spawn(sleeper(n, s), n) for n, s in (("b", 2.0), ("a", 1.0), ("c", 0.0))]
+        for task in tasks:
+            self.assertTrue(self.kernel.join(task, 5.0))
+        self.assertEqual([name for name, _ in log], ["c", "a", "b"])
+        for (_, took), want in zip(log, (0.0, 1.0, 2.0)):
+            self.assertAlmostEqual(took, want, delta=1e-6)
+        self.assertAlmostEqual(time.monotonic() - VirtualKernel.ORIGIN, 2.0, delta=1e-6)
+        self.assertLess(_REAL_MONOTONIC() - real, 1.0)  # two virtual seconds in no real time
+        self.assertEqual(lc._clock(), time.monotonic())
+
+    def test_a_wait_that_nothing_can_end_is_a_deadlock(self):
+        never = VirtualEvent(self.kernel)
+        self.kernel.spawn(lambda: never.wait(), "waiter")
+        with self.assertRaises(VirtualDeadlock):
+            never.wait()
+        never.set()  # the waiter ends, so that the clock can stop
+        self.assertEqual(self.kernel.drain(), set())
+
+    def test_a_read_times_out_at_its_timeout_and_data_wakes_it(self):
+        server = VirtualServer(self.kernel)
+        try:
+            server.route("GET", "/late", lambda req: (time.sleep(0.25), req.send(b"late")))
+            conn = self.kernel.connect(lc.parse_address(server.address), lc._NOBODY)
+            start = time.monotonic()
+            with self.assertRaises(lc._Silence):
+                conn.recv(0.1)
+            self.assertAlmostEqual(time.monotonic() - start, 0.1, delta=1e-6)
+            conn.sendall(b"GET /late HTTP/1.1\r\n\r\n", 1.0)
+            self.assertEqual(conn.recv(1.0), b"late")
+            self.assertAlmostEqual(time.monotonic() - start, 0.1 + 0.25, delta=1e-6)  # sent at 0.1, answered 0.25 later
+            conn.close()
+        finally:
+            server.close()
+
+
 # -- the three drivers alike, operation by operation ---------------------------------------------------
 
 

@@ -3802,6 +3802,8 @@ class _Board:
         self.runs: Set[_Run] = set()
         self.idle = []  # type: List[Tuple[Any, float, int]]  # kept connections: (conn, usable until, pid)
         self.closed = False
+        #: what drives this board's plans in the calling thread: ``_SyncRun``, or a test's virtual driver
+        self.run_class = _SyncRun  # type: Any
 
     def poller(self, model: Optional[str]) -> _SlotPoller:
         with self.lock:
@@ -5177,7 +5179,7 @@ class Stream:
     """
 
     def __init__(self, board: _Board, req: _StreamRequest) -> None:
-        run = self._run = _SyncRun(board)
+        run = self._run = board.run_class(board)
         run.gen = board.calls.stream(board, run, req)
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
         self._batch_offset = run.offset = req.offset or 0
@@ -5300,7 +5302,7 @@ class Client:
         self._board.close()
 
     def _run(self, plan: _Plan[_T]) -> _T:
-        run = _SyncRun(self._board)
+        run = self._board.run_class(self._board)
         run.gen = plan
         return run.finish()  # type: ignore[no-any-return]
 

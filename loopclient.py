@@ -2601,7 +2601,18 @@ class _MessagesAssembler(_EventAssembler):
         self.done = True
 
 
-# -- Request bodies of the other endpoints -----------------------------------------------------------------
+# -- Request bodies: one function per endpoint, (its own arguments..., params) -> the JSON body ----------
+
+
+def _chat_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
+    """The body of a streamed ``/v1/chat/completions``: ``messages`` and the keywords, ``stream`` on and
+    ``stream_options.include_usage`` added to what the caller's ``stream_options`` say."""
+    body = {"messages": messages}  # type: Dict[str, Any]
+    body.update(params)
+    body["stream"] = True
+    options = body.get("stream_options")
+    body["stream_options"] = dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
+    return body
 
 
 def _body(fixed: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
@@ -2711,6 +2722,55 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
         if not isinstance(message, dict):
             raise TypeError("messages must be dicts, not %r" % (message,))
     return _body({"messages": messages}, params)
+
+
+# -- The streamed endpoints: one row each ---------------------------------------------------------------
+#
+# A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
+# for all.  A streamed call looks its row up by name: ``_Calls.stream_request`` builds the body with the
+# row's function, applies the row's thinking-cap rule and starts the stream; ``resume(endpoint=...)`` reads
+# a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
+
+_CAP_CONTROL = "control"  # the cap works: the body asks for reasoning_control, the control endpoint ends it
+_CAP_MOOT = "moot"  # the endpoint streams no separate reasoning: a cap has nothing to cap, nothing is sent
+_CAP_NEVER = "never"  # reasoning streams but the server cannot end it on request: a cap is ValueError
+
+
+class _Endpoint:
+    """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
+    (``body(*args, params)``), the ``dialect`` class that reads its payloads, and what the engine may do
+    there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
+    ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``)."""
+
+    __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed")
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        body: Callable[..., Dict[str, Any]],
+        dialect: Any,
+        cap: str,
+        resumable: bool = True,
+        routed: bool = True,
+    ) -> None:
+        self.name, self.path, self.body, self.dialect = name, path, body, dialect
+        self.cap, self.resumable, self.routed = cap, resumable, routed
+
+
+#: Every streamed endpoint, by the name ``resume(endpoint=...)`` takes.  On this llama-server the control
+#: endpoint ends reasoning only for chat: Responses never shows the completion id it needs, and Messages
+#: drops ``reasoning_control``; /completion and /infill stream no separate reasoning at all.
+_ENDPOINTS = {
+    e.name: e
+    for e in (
+        _Endpoint("chat", "/v1/chat/completions", _chat_body, Assembler, _CAP_CONTROL),
+        _Endpoint("complete", "/completion", _native_body, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("infill", "/infill", _infill_body, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("respond", "/v1/responses", _responses_body, _ResponsesAssembler, _CAP_NEVER),
+        _Endpoint("message", "/v1/messages", _messages_body, _MessagesAssembler, _CAP_NEVER),
+    )
+}  # type: Dict[str, _Endpoint]
 
 
 # =====================================================================================================
@@ -3927,18 +3987,6 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
             due = _clock() + poll
 
 
-#: The streamed endpoints besides chat: name -> (path, dialect, whether the thinking cap can work there).
-#: On this llama-server the control endpoint ends reasoning only for chat: Responses never shows the
-#: completion id it needs, and Messages drops ``reasoning_control``; /completion and /infill stream no
-#: separate reasoning at all, so a cap has nothing to cap there.
-_ENDPOINTS = {
-    "complete": ("/completion", _NativeAssembler, True),
-    "infill": ("/infill", _NativeAssembler, True),
-    "respond": ("/v1/responses", _ResponsesAssembler, False),
-    "message": ("/v1/messages", _MessagesAssembler, False),
-}  # type: Dict[str, Tuple[str, Any, bool]]
-
-
 class _Calls:
     """The request logic of one client, shared by ``Client`` and ``AsyncClient``: how every call builds its
     request and reads its answer, and the life of a streamed request (gate, head wait, retries, liveness,
@@ -4254,38 +4302,29 @@ class _Calls:
 
     # -- streamed requests ----------------------------------------------------------------------------
 
-    def chat_request(
-        self, messages: Sequence[Dict[str, Any]], slot: Optional[int], params: Dict[str, Any]
+    def stream_request(
+        self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
     ) -> _StreamRequest:
-        """A streamed chat, built and checked as ``Client.stream()`` documents."""
+        """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public
+        call documents: the row's body function makes the body of ``args`` and the keywords in ``params``
+        (all but ``raw_chunks``), then the row's thinking-cap rule applies."""
+        row = _ENDPOINTS[endpoint]
         raw_chunks = bool(params.pop("raw_chunks", False))
-        body = {"messages": messages}  # type: Dict[str, Any]
-        body.update(params)
-        body["stream"] = True
-        options = body.get("stream_options")
-        body["stream_options"] = (
-            dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
-        )
+        body = row.body(*args, params)
         if slot is not None:
-            body["id_slot"] = slot  # in this order, as before: checked, and set again, by _stream_request
+            body["id_slot"] = slot  # here, before reasoning_control: checked, and set again, by _stream_request
         if self.limits.thinking_cap is not None:
-            n = body.get("n", 1)
-            if isinstance(n, int) and n > 1:
-                raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
-            body["reasoning_control"] = True
-        return self._stream_request("/v1/chat/completions", body, slot, raw_chunks, None)
-
-    def endpoint_request(self, endpoint: str, body: Dict[str, Any], slot: Optional[int]) -> _StreamRequest:
-        """A streamed request of another endpoint (``complete``, ``infill``, ``respond``, ``message``), its
-        ``body`` made by the endpoint's body function."""
-        path, dialect, capped = _ENDPOINTS[endpoint]
-        if self.limits.thinking_cap is not None and not capped:
-            raise ValueError(
-                "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
-                "(use the server's own budget, thinking_budget_tokens)" % path
-            )
-        raw_chunks = bool(body.pop("raw_chunks", False))
-        return self._stream_request(path, body, slot, raw_chunks, dialect)
+            if row.cap == _CAP_NEVER:
+                raise ValueError(
+                    "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
+                    "(use the server's own budget, thinking_budget_tokens)" % row.path
+                )
+            if row.cap == _CAP_CONTROL:
+                n = body.get("n", 1)
+                if isinstance(n, int) and n > 1:
+                    raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
+                body["reasoning_control"] = True
+        return self._stream_request(row.path, body, slot, raw_chunks, row.dialect)
 
     def _stream_request(
         self, path: str, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool, dialect: Any
@@ -4313,13 +4352,13 @@ class _Calls:
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be the id of a resumable stream (a str)")
         conversation = _conversation_id(conversation_id)
-        if endpoint != "chat" and endpoint not in _ENDPOINTS:
-            raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(sorted(_ENDPOINTS)), endpoint))
+        if endpoint not in _ENDPOINTS:
+            others = sorted(n for n in _ENDPOINTS if n != "chat")
+            raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(others), endpoint))
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
-        dialect = None if endpoint == "chat" else _ENDPOINTS[endpoint][1]
         name = self.model if model is None else model
-        return _StreamRequest(b"", None, name, raw_chunks, dialect, conversation, offset)
+        return _StreamRequest(b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset)
 
     def stream(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
         """The life of one streamed request: its place in the gate, then attempts until one is answered;
@@ -5052,7 +5091,7 @@ class Client:
         A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
         ``TypeError``/``ValueError`` here, before any connection.
         """
-        return Stream(self._board, self._calls.chat_request(messages, slot, params))
+        return Stream(self._board, self._calls.stream_request("chat", (messages,), params, slot))
 
     def chat(
         self,
@@ -5077,7 +5116,7 @@ class Client:
         ``content`` is ``Content(text, choice=index)``; ``completion_probabilities`` go to the choice's
         ``logprobs``, ``tokens`` to its ``tokens``; the stream ends when every choice has had its
         ``stop: true`` chunk, which is ``Completion.final``."""
-        return Stream(self._board, self._calls.endpoint_request("complete", _native_body(prompt, params), slot))
+        return Stream(self._board, self._calls.stream_request("complete", (prompt,), params, slot))
 
     def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5092,8 +5131,7 @@ class Client:
         ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or ``{"filename",
         "text"}`` dicts) in ``input_extra``; read as ``stream_complete()``.  A model without
         fill-in-the-middle tokens answers 501: ``HTTPStatusError`` with the server's message."""
-        body = _infill_body(prefix, suffix, extra, params)
-        return Stream(self._board, self._calls.endpoint_request("infill", body, slot))
+        return Stream(self._board, self._calls.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     def infill(
         self,
@@ -5113,8 +5151,7 @@ class Client:
         input items.  Text deltas are ``Content``, reasoning deltas ``Reasoning``, function calls
         ``ToolCall``; ``Completion.final`` is the closing ``response``.  A thinking cap cannot work here:
         ``ValueError``."""
-        body = _responses_body(input, params)
-        return Stream(self._board, self._calls.endpoint_request("respond", body, slot))
+        return Stream(self._board, self._calls.stream_request("respond", (input,), params, slot))
 
     def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5128,8 +5165,7 @@ class Client:
         ``Completion.final`` is the ``message_start`` message with the closing stop reason and usage.
         ``max_tokens`` is the endpoint's own (required by Anthropic's API; the server has a default).  A
         thinking cap cannot work here: ``ValueError``."""
-        body = _messages_body(messages, params)
-        return Stream(self._board, self._calls.endpoint_request("message", body, slot))
+        return Stream(self._board, self._calls.stream_request("message", (messages,), params, slot))
 
     def message(
         self,
@@ -5841,7 +5877,7 @@ class AsyncClient:
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream()`` for asyncio: an ``AsyncStream`` (a plain call; the request starts when
         iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
-        return AsyncStream(self, self._calls.chat_request(messages, slot, params))
+        return AsyncStream(self, self._calls.stream_request("chat", (messages,), params, slot))
 
     async def chat(
         self,
@@ -5859,7 +5895,7 @@ class AsyncClient:
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_complete()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.endpoint_request("complete", _native_body(prompt, params), slot))
+        return AsyncStream(self, self._calls.stream_request("complete", (prompt,), params, slot))
 
     async def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5871,8 +5907,7 @@ class AsyncClient:
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
         """``Client.stream_infill()`` for asyncio (a plain call)."""
-        body = _infill_body(prefix, suffix, extra, params)
-        return AsyncStream(self, self._calls.endpoint_request("infill", body, slot))
+        return AsyncStream(self, self._calls.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     async def infill(
         self,
@@ -5889,7 +5924,7 @@ class AsyncClient:
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_respond()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.endpoint_request("respond", _responses_body(input, params), slot))
+        return AsyncStream(self, self._calls.stream_request("respond", (input,), params, slot))
 
     async def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5901,7 +5936,7 @@ class AsyncClient:
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
         """``Client.stream_message()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.endpoint_request("message", _messages_body(messages, params), slot))
+        return AsyncStream(self, self._calls.stream_request("message", (messages,), params, slot))
 
     async def message(
         self,

@@ -1984,11 +1984,17 @@ class _TextAssembler(Assembler):
     """The dialect of ``/v1/completions`` (OpenAI text completions): chat's chunks, each choice carrying its
     delta as ``text`` (``Content(text, choice=index)``) instead of a ``delta`` object; ``logprobs``
     (``{"content": [...]}``, as this server sends them), ``finish_reason``, ``usage``, ``timings``,
-    ``prompt_progress``, the error object and ``[DONE]`` are read as chat reads them.  No reasoning streams
-    here.  It never takes the fast path (which reads chat deltas)."""
+    ``prompt_progress``, the error object and ``[DONE]`` are read as chat reads them; the ``null`` payload
+    that opens a stream of several prompts gives nothing.  No reasoning streams here.  It never takes the
+    fast path (which reads chat deltas)."""
 
     __slots__ = ()
     _text = True
+
+    def feed(self, payload: str) -> List[Event]:
+        if payload == "null":  # a stream of several prompts opens with it, as /completion's does
+            return []
+        return Assembler.feed(self, payload)
 
 
 # -- The other streamed endpoints: /completion and /infill, Responses, Messages ---------------------------

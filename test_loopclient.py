@@ -5009,6 +5009,223 @@ class TestParserDialectTranscripts(unittest.TestCase):
         self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
 
 
+# -- /v1/completions (OpenAI text completions) and a router's /models/sse ---------------------------------
+
+
+def _t_payloads(raw):
+    """Every data payload of a captured stream: parsed, or the bare string ([DONE])."""
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            text = line[6:].decode()
+            out.append(text if text == "[DONE]" else json.loads(text))
+    return out
+
+
+def _t_pump_outcome(dialect, pieces, raw_chunks=False):
+    """The pump (which reads [DONE]) fed ``pieces``: ("ok", events, completion) or ("raised", events
+    delivered first, error class, message)."""
+    pump = lc.ResponsePump(lc.Limits(), raw_chunks, dialect)
+    events = []
+    try:
+        for piece in pieces + [None]:
+            events += pump.feed(piece) if piece is not None else pump.feed_eof()
+            if pump.failed is not None:
+                raise pump.failed
+            if pump.outcome is not None:
+                return ("ok", events, pump.outcome)
+    except lc.LoopError as exc:
+        return ("raised", events, type(exc), str(exc))
+    return ("no outcome", events)
+
+
+#: What captures 90-92 stream for "The sky is" (max_tokens 8), and 91 for "The grass is"
+_t_GRASS = [" greener", " on", " the", " other", " side", " of", " the", " fence"]
+
+
+class TestParserTextCompletionsDialect(unittest.TestCase):
+    """/v1/completions as the real server streamed it (captures 90-96): fed whole, byte by byte, split at
+    every offset (300 seeded ones for the longer captures) and at random sets of offsets, through the pump."""
+
+    def check(self, raw, expect, raw_chunks=False):
+        for label, pieces in _p_stream_splittings(raw, every=len(raw) <= 6000):
+            got = _t_pump_outcome(lc._TextAssembler, pieces, raw_chunks)
+            if got != expect:
+                self.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 3000), _p_short(expect, 3000)))
+
+    def completion(self, raw, choices, usage_from=-1):
+        """The Completion the capture's own bytes say: chat's fields, the finals' usage (the last one's, as
+        chat merges them) and timings, no final object, no token ids."""
+        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
+        finals = [d for d in docs if d["choices"] and d["choices"][0]["finish_reason"] is not None]
+        first = choices[0]
+        return lc.Completion(
+            id=docs[0]["id"],
+            model=_p_GEMMA,
+            content=first.content,
+            reasoning="",
+            tool_calls=[],
+            finish_reason=first.finish_reason,
+            usage=finals[usage_from]["usage"],
+            timings=finals[-1]["timings"],
+            choices=choices,
+        )
+
+    def logprobs(self, raw, index):
+        return [
+            e
+            for d in _t_payloads(raw)
+            if isinstance(d, dict)
+            for c in d["choices"]
+            if c["index"] == index and c["logprobs"]
+            for e in c["logprobs"]["content"]
+        ]
+
+    def test_90_text_deltas_and_logprobs(self):
+        raw = load_transcript("90_completions_oai_stream_logprobs.raw.txt")
+        payloads = _t_payloads(raw)
+        self.assertEqual(payloads[-1], "[DONE]")
+        self.assertEqual(payloads[-2]["usage"], {**payloads[-2]["usage"], "prompt_tokens": 4, "completion_tokens": 8})
+        probs = self.logprobs(raw, 0)
+        self.assertEqual(len(probs), 8)
+        self.assertEqual(probs[0]["top_logprobs"][1]["token"], " blue")
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", probs, None)
+        expect = self.completion(raw, (choice,))
+        self.assertTrue(expect.id.startswith("chatcmpl-"))
+        self.check(raw, ("ok", [lc.Content(w) for w in _p_SKY], expect))
+
+    def test_90_raw_chunks_come_first(self):
+        raw = load_transcript("90_completions_oai_stream_logprobs.raw.txt")
+        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
+        events = []
+        for doc in docs:
+            events.append(lc.Chunk(doc))
+            text = doc["choices"][0]["text"]
+            if text:
+                events.append(lc.Content(text))
+        outcome = _t_pump_outcome(lc._TextAssembler, [raw], raw_chunks=True)
+        self.assertEqual(outcome[:2], ("ok", events))
+
+    def test_91_two_prompts_are_two_choices_opened_by_null(self):
+        raw = load_transcript("91_completions_oai_stream_two_prompts.raw.txt")
+        self.assertIsNone(_t_payloads(raw)[0])
+        events = []
+        for g, s in zip(_t_GRASS, _p_SKY):  # interleaved, choice 1 first
+            events += [lc.Content(g, 1), lc.Content(s, 0)]
+        choices = (
+            lc.Choice(0, "".join(_p_SKY), "", [], "length", self.logprobs(raw, 0), None),
+            lc.Choice(1, "".join(_t_GRASS), "", [], "length", self.logprobs(raw, 1), None),
+        )
+        expect = self.completion(raw, choices)
+        # each choice's closing chunk has its own usage, of its own prompt: the last one's is kept, as chat does
+        self.assertEqual((expect.usage["prompt_tokens"], expect.usage["completion_tokens"]), (4, 8))
+        self.check(raw, ("ok", events, expect))
+
+    def test_92_progress_before_the_text(self):
+        raw = load_transcript("92_completions_oai_stream_progress.raw.txt")
+        events = [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 16.0)] + [lc.Content(w) for w in _p_SKY]
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None)
+        self.check(raw, ("ok", events, self.completion(raw, (choice,))))
+
+    def test_94_95_echo_and_suffix_are_ignored_by_this_server(self):
+        for name in ("94_completions_oai_echo.raw.txt", "95_completions_oai_suffix.raw.txt"):
+            with self.subTest(name=name):
+                raw = load_transcript(name)
+                outcome = _t_pump_outcome(lc._TextAssembler, [raw])
+                self.assertEqual(outcome[:2], ("ok", [lc.Content(w) for w in _p_SKY]))
+
+    def test_96_an_error_in_mid_stream(self):
+        raw = load_transcript("96_completions_oai_midstream_error.raw.txt")
+        words = ["<", "think", ">", " is", " the", " sky", " blue", " is"]
+        message = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        expect = ("raised", [lc.Content(w) for w in words], lc.ServerError, "server error 500: " + message)
+        self.check(raw, expect)
+
+    def test_the_end_without_done_or_a_finish(self):
+        raw = load_transcript("90_completions_oai_stream_logprobs.raw.txt")
+        done = raw.rindex(b"e\r\ndata: [DONE]")
+        got = _t_pump_outcome(lc._TextAssembler, [raw[:done] + b"0\r\n\r\n"])  # [DONE] left out: finished anyway
+        self.assertEqual((got[0], got[2].finish_reason), ("ok", "length"))
+        last = raw.rindex(b"\r\n278\r\n")  # the closing chunk left out too
+        got = _t_pump_outcome(lc._TextAssembler, [raw[: last + 2] + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"])
+        self.assertEqual((got[0], got[2]), ("raised", lc.StreamClosedError))
+
+    def test_shapes_it_refuses(self):
+        for payload, message in (
+            ('{"choices":[{"index":0,"text":5}]}', "'text' is not a string"),
+            ('{"choices":[{"index":"0","text":"x"}]}', "'index' is not an integer"),
+            ('{"choices":{"index":0}}', "'choices' is not a list"),
+            ("[1]", "not a JSON object"),
+        ):
+            with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError) as caught:
+                lc._TextAssembler().feed(payload)
+            self.assertIn(message, str(caught.exception))
+        self.assertEqual(lc._TextAssembler().feed('{"choices":[{"index":0,"text":"","delta":{"content":"x"}}]}'), [])
+
+
+class TestParserModelEvents(unittest.TestCase):
+    """A router's GET /models/sse as it streamed (captures 98, 99): one ModelEvent per payload, and the
+    connection's end is StreamClosedError (the route has no end of its own)."""
+
+    def expect(self, raw):
+        return [lc.ModelEvent(d["model"], d["event"], d.get("data")) for d in _t_payloads(raw)]
+
+    def test_98_a_model_loads(self):
+        raw = load_transcript("98_router_models_sse.raw.txt")
+        events = self.expect(raw)
+        self.assertEqual(
+            [(e.model, e.event, (e.data or {}).get("status")) for e in events],
+            [("beta", "model_status", "loading")]
+            + [("beta", "status_change", "loading")] * 3
+            + [("beta", "status_change", "loaded")],
+        )
+        self.assertEqual(events[-1].data["info"]["id"], "beta")
+        outcome = _p_dialect_outcome(lc._ModelEvents, [raw])
+        self.assertEqual(outcome[:3], ("raised", events, lc.StreamClosedError))
+        _p_check_dialect(self, lc._ModelEvents, raw, outcome)
+
+    def test_99_a_model_that_cannot_load(self):
+        raw = load_transcript("99_router_load_broken.raw.txt")
+        events = self.expect(raw)
+        self.assertEqual(events[-1], lc.ModelEvent("broken", "status_change", {"status": "unloaded", "exit_code": 1}))
+        outcome = _p_dialect_outcome(lc._ModelEvents, [raw])
+        self.assertEqual(outcome[:3], ("raised", events, lc.StreamClosedError))
+        _p_check_dialect(self, lc._ModelEvents, raw, outcome)
+
+    def test_the_closed_stream_says_so(self):
+        asm = lc._ModelEvents()
+        self.assertEqual(asm.feed('{"model":"*","event":"models_reload"}'), [lc.ModelEvent("*", "models_reload", None)])
+        with self.assertRaises(lc.StreamClosedError) as caught:
+            asm.completion()
+        self.assertIn("/models/sse", str(caught.exception))
+
+    def test_raw_chunks_and_shapes_it_refuses(self):
+        doc = {"model": "a", "event": "download_progress", "data": {"x": 1}}
+        self.assertEqual(
+            lc._ModelEvents(True).feed(json.dumps(doc)),
+            [lc.Chunk(doc), lc.ModelEvent("a", "download_progress", {"x": 1})],
+        )
+        for payload in (
+            '{"event":"x"}',
+            '{"model":"a"}',
+            '{"model":1,"event":"x"}',
+            '{"model":"a","event":"x","data":[]}',
+            "null",
+        ):
+            with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError):
+                lc._ModelEvents().feed(payload)
+
+    def test_model_event_is_a_value_object(self):
+        event = lc.ModelEvent("alpha", "status_change", {"status": "loaded"})
+        self.assertEqual(event, copy.deepcopy(event))
+        self.assertEqual(pickle.loads(pickle.dumps(event)), event)
+        self.assertEqual(repr(event), "ModelEvent(model='alpha', event='status_change', data={'status': 'loaded'})")
+        self.assertEqual(list(inspect.signature(lc.ModelEvent).parameters), ["model", "event", "data"])
+        with self.assertRaises(AttributeError):
+            event.model = "beta"
+        self.assertIn("ModelEvent", lc.__all__)
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================

@@ -4525,7 +4525,7 @@ class _Calls:
             only = req.model
             while True:
                 try:
-                    data = yield (_RECV, conn, max(limits.liveness, 1.0))
+                    data = yield (_RECV, conn, max(limits.liveness, 0.1))
                 except _Silence:
                     continue  # nothing happened: the route's normal state
                 events = pump.feed(data) if data else pump.feed_eof()
@@ -5312,8 +5312,9 @@ class Client:
         ``stream_complete()`` takes it (a list of prompts is one choice each).  Keywords go into the body
         (``max_tokens``, ``temperature``, ``logprobs``, ``stop``, ``n_probs``, ...).  Each choice's ``text``
         is ``Content(text, choice=index)``, its ``logprobs`` entries go to the choice's ``logprobs``;
-        ``finish_reason`` and ``usage`` are chat's, and ``[DONE]`` ends the stream.  This server refuses
-        ``echo`` and ``suffix`` (``HTTPStatusError`` 400; ``stream_infill()`` fills a middle)."""
+        ``finish_reason`` and ``usage`` are chat's (this server's ``usage`` is the last closing choice's,
+        of its prompt alone), and ``[DONE]`` ends the stream.  This server ignores ``echo`` and ``suffix``
+        (``stream_infill()`` fills a middle)."""
         return Stream(self._board, self._calls.stream_request("complete_openai", (prompt,), params, slot))
 
     def complete_openai(

@@ -6302,6 +6302,373 @@ class TestEndpointsAsync(AsyncDriver, TestEndpoints):
     pass
 
 
+# -- the last streamed routes: /v1/completions, /models/sse, load_model(wait=True), /v1/responses/input_tokens
+
+
+_T_CASE = (("The sky is",), "90_completions_oai_stream_logprobs.raw.txt", "".join(_p_SKY))
+
+
+def _t_sse(*docs):
+    """A router's /models/sse events (``data: <json>`` blocks, as it writes them), one HTTP chunk each."""
+    return chunked(*(b"data: %s\n\n" % json.dumps(d, separators=(",", ":")).encode() for d in docs))
+
+
+def _t_models(*statuses):
+    """A router's GET /v1/models answer: (name, status object) per model."""
+    return {"data": [{"id": name, "aliases": [name], "status": status} for name, status in statuses], "object": "list"}
+
+
+class TestLastRoutes(ServerCase):
+    """complete_openai (POST /v1/completions) on the real server's bytes, through the same engine as every
+    streamed endpoint; count_response_tokens; watch_models (GET /models/sse) and load_model(wait=True)."""
+
+    def serve(self, name, path="/v1/completions"):
+        raw = load_transcript(name)
+        self.server.route("POST", path, lambda req: req.send(raw))
+        return raw
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def call(self, *args, client=None, **kw):
+        events = []
+        completion = run_with_timeout(
+            lambda: (client or self.client).complete_openai(*args, on_event=events.append, **kw)
+        )
+        return completion, events
+
+    def test_request_and_transcript_90(self):
+        raw = self.serve("90_completions_oai_stream_logprobs.raw.txt")
+        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
+        self.closers.append(client.close)
+        completion, events = self.call("The sky is", slot=1, client=client, max_tokens=8, temperature=0, logprobs=2)
+        (req,) = self.sent("/v1/completions")
+        head = req.raw_head.decode()
+        self.assertTrue(head.startswith("POST /v1/completions HTTP/1.1\r\n"), head)
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertEqual(
+            req.json(),
+            {
+                "prompt": "The sky is",
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 2,
+                "stream": True,
+                "id_slot": 1,
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
+        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
+        probs = [c["logprobs"]["content"][0] for d in docs[:-1] for c in d["choices"]]
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=docs[0]["id"],
+                model=_p_GEMMA,
+                content=" the limit for the 201",
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=docs[-1]["usage"],
+                timings=docs[-1]["timings"],
+                choices=(lc.Choice(0, " the limit for the 201", "", [], "length", probs, None),),
+            ),
+        )
+        self.assertEqual((completion.usage["prompt_tokens"], completion.usage["completion_tokens"]), (4, 8))
+        self.assertIsNone(completion.final)
+
+    def test_two_prompts_are_two_choices(self):
+        self.serve("91_completions_oai_stream_two_prompts.raw.txt")
+        completion, events = self.call(["The sky is", "The grass is"], max_tokens=8, logprobs=2)
+        self.assertEqual(self.sent("/v1/completions")[0].json()["prompt"], ["The sky is", "The grass is"])
+        self.assertEqual([e.choice for e in events], [1, 0] * 8)
+        self.assertEqual(
+            [(c.index, c.content, c.finish_reason, len(c.logprobs)) for c in completion.choices],
+            [(0, "".join(_p_SKY), "length", 8), (1, "".join(_t_GRASS), "length", 8)],
+        )
+
+    def test_stream_form_raw_chunks_and_no_slot_or_model(self):
+        raw = self.serve("90_completions_oai_stream_logprobs.raw.txt")
+        with open_stream(self.client, "complete_openai", "The sky is", raw_chunks=True) as stream:
+            self.assertIsNone(stream.completion)
+            events = run_with_timeout(lambda: list(stream))
+        body = self.sent("/v1/completions")[0].json()
+        self.assertEqual(body, {"prompt": "The sky is", "stream": True})
+        chunks = [e.data for e in events if type(e) is lc.Chunk]
+        self.assertEqual(chunks, [d for d in _t_payloads(raw) if isinstance(d, dict)])
+        self.assertEqual(stream.completion.content, "".join(_p_SKY))
+
+    def test_busy_slot_is_waited_out_then_streams(self):
+        raw = load_transcript(_T_CASE[1])
+        release = threading.Event()
+        self.server.busy[0] = True
+
+        def handler(req):
+            while not release.is_set():  # the slot is busy: no byte until it frees
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            req.send(raw)
+
+        self.server.route("POST", "/v1/completions", handler)
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            if events.count(lc.Waiting(True)) == 2:
+                self.server.busy[0] = False
+                release.set()
+
+        completion = run_with_timeout(lambda: self.client.complete_openai("The sky is", slot=0, on_event=on_event))
+        self.assertEqual(events[:2], [lc.Waiting(True)] * 2)
+        self.assertEqual(events[2:], [lc.Content(w) for w in _p_SKY])
+        self.assertEqual(completion.content, _T_CASE[2])
+        self.assertEqual(len(self.sent("/v1/completions")), 1)
+
+    def test_cancel_mid_stream_frees_the_permit(self):
+        cut = first_chunk(load_transcript(_T_CASE[1]))
+
+        def handler(req):
+            req.send(cut)
+            req.wait_peer_close(5)
+
+        self.server.route("POST", "/v1/completions", handler)
+        stream = open_stream(self.client, "complete_openai", "The sky is", slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content(" the"))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
+        stream.cancel()
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+        self.assertTrue(self.sent("/v1/completions")[-1].closed_by_peer.wait(1))
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+
+    def test_an_error_before_delivery_is_retried_one_after_is_not(self):
+        unavailable = b'data: {"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}\n\n'
+        answers = [STREAM_HEAD + chunked(unavailable) + b"0\r\n\r\n", load_transcript(_T_CASE[1])]
+        self.server.route("POST", "/v1/completions", lambda req: req.send(answers.pop(0)))
+        completion, events = self.call("The sky is", slot=0)
+        self.assertIsInstance(events[0], lc.Retrying)
+        self.assertIn("Loading model", events[0].reason)
+        self.assertEqual((events[1:], completion.content), ([lc.Content(w) for w in _p_SKY], _T_CASE[2]))
+        self.assertEqual(len(self.sent("/v1/completions")), 2)
+        self.serve("96_completions_oai_midstream_error.raw.txt")
+        events = []
+        with self.assertRaises(lc.ServerError) as caught:
+            run_with_timeout(lambda: self.client.complete_openai("x", slot=0, on_event=events.append))
+        self.assertEqual((caught.exception.code, caught.exception.type), (500, "server_error"))
+        self.assertEqual(events, [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]])
+        self.assertEqual(len(self.sent("/v1/completions")), 3)
+
+    def test_a_stream_cut_before_its_end_is_stream_closed(self):
+        cut = first_chunk(load_transcript(_T_CASE[1])) + b"0\r\n\r\n"
+        self.server.route("POST", "/v1/completions", lambda req: req.send(cut))
+        with self.assertRaises(lc.StreamClosedError):
+            self.call("The sky is")
+
+    def test_a_resumable_one_cut_anywhere_resumes(self):
+        raw = load_transcript(_T_CASE[1])
+        buf = _r_Buffer(self.server, raw, "/v1/completions")
+        whole, whole_events = self.call("The sky is", slot=0, resumable="conv-oai")
+        self.assertEqual(self.sent("/v1/completions")[0].headers["x-conversation-id"], "conv-oai")
+        rng = random.Random(90)
+        end = len(raw) - len(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        for cut in sorted({len(buf.head), len(buf.head) + 3, end - 1} | set(rng.sample(range(len(buf.head), end), 40))):
+            buf.reset([cut])
+            completion, events = self.call("The sky is", slot=0, resumable="conv-oai")
+            resumed = [e for e in events if isinstance(e, lc.Resumed)]
+            self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events, "cut at %d" % cut)
+            self.assertEqual(completion, whole, "cut at %d" % cut)
+            self.assertEqual(len(resumed), 1, "cut at %d" % cut)
+            self.assertEqual(buf.methods().count("POST"), 1, "cut at %d: the request was sent again" % cut)
+        # and resume() reads the buffer with this endpoint's dialect
+        stream = self.client.resume("conv-oai", endpoint="complete_openai")
+        self.assertEqual(run_with_timeout(lambda: list(stream)), whole_events)
+
+    def test_the_thinking_cap_has_nothing_to_cap_here(self):
+        client = self.client_with(thinking_cap=3)
+        self.serve(_T_CASE[1])
+        completion, _ = self.call("The sky is", client=client)
+        self.assertEqual((completion.content, completion.thinking_capped), (_T_CASE[2], False))
+        self.assertNotIn("reasoning_control", self.sent("/v1/completions")[0].json())
+
+    def test_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (5,), {}),
+            (ValueError, ([],), {}),
+            (TypeError, ("x",), {"prompt": "y"}),
+            (ValueError, ("x",), {"slot": -1}),
+            (ValueError, ("x",), {"resumable": ""}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                open_stream(self.client, "complete_openai", *args, **kw)
+        with self.assertRaises(ValueError):
+            self.client.resume("conv-1", endpoint="models")
+        self.assertEqual(self.server.requests, [])
+
+    def test_count_response_tokens_request_and_answer_97(self):
+        raw = load_transcript("97_responses_input_tokens.raw.txt")
+        self.server.route("POST", "/v1/responses/input_tokens", lambda req: req.send(raw))
+        got = run_with_timeout(
+            lambda: self.client.count_response_tokens("Write one sentence about the sea.", instructions="Be brief.")
+        )
+        self.assertEqual(got, 47)
+        (req,) = self.sent("/v1/responses/input_tokens")
+        self.assertEqual(req.json(), {"input": "Write one sentence about the sea.", "instructions": "Be brief."})
+        self.server.route("POST", "/v1/responses/input_tokens", reply(json_response({"input_tokens": "47"})))
+        with self.assertRaises(lc.ProtocolError):
+            run_with_timeout(lambda: self.client.count_response_tokens("x"))
+        with self.assertRaises(TypeError):
+            self.client.count_response_tokens(5)
+
+    # -- GET /models/sse ------------------------------------------------------------------------------
+
+    def sse(self, body, hold=True):
+        self.server.route("GET", "/models/sse", serve_body(body, hold))
+
+    def test_watch_models_yields_model_events_and_waits_out_silence(self):
+        client = self.client_with(liveness=0.2)  # far shorter than the silence below
+        loading = {"model": "beta", "event": "status_change", "data": {"status": "loading"}}
+        other = {"model": "alpha", "event": "status_change", "data": {"status": "loaded"}}
+        release = threading.Event()
+
+        def handler(req):
+            req.send(STREAM_HEAD + _t_sse(loading, other))
+            while not release.is_set():
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            req.send(_t_sse({"model": "*", "event": "models_reload"}))
+            req.wait_peer_close(5)
+
+        self.server.route("GET", "/models/sse", handler)
+        with self.watch(client) as stream:
+            got = [run_with_timeout(lambda: next(stream)) for _ in range(2)]
+            self.assertEqual(
+                got,
+                [
+                    lc.ModelEvent("beta", "status_change", {"status": "loading"}),
+                    lc.ModelEvent("alpha", "status_change", {"status": "loaded"}),
+                ],
+            )
+            threading.Timer(0.8, release.set).start()  # four times liveness of silence
+            self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("*", "models_reload", None))
+        (req,) = self.sent("/models/sse")
+        self.assertTrue(req.raw_head.startswith(b"GET /models/sse HTTP/1.1\r\n"))
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertTrue(req.closed_by_peer.wait(1))  # leaving the with block closed it
+        self.assertEqual(self.client._board.gate.snapshot(), {})
+
+    def watch(self, client=None, model=None):
+        client = client or self.client
+        if isinstance(client, SyncFacade):
+            return StreamFacade(client._runner, client._client.watch_models(model))
+        return client.watch_models(model)
+
+    def test_watch_models_filters_and_never_routes(self):
+        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
+        self.closers.append(client.close)
+        events = [
+            {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
+            {"model": "alpha", "event": "status_change", "data": {"status": "loading"}},
+            {"model": "beta", "event": "status_change", "data": {"status": "loaded"}},
+        ]
+        self.sse(_t_sse(*events) + b"0\r\n\r\n", hold=False)
+        stream = self.watch(client, "beta")
+        got = []
+        with self.assertRaises(lc.StreamClosedError) as caught:
+            for event in run_with_timeout(lambda: stream):
+                got.append(event)
+        self.assertIn("/models/sse", str(caught.exception))
+        self.assertEqual(
+            got,
+            [
+                lc.ModelEvent("beta", "model_status", {"status": "loading"}),
+                lc.ModelEvent("beta", "status_change", {"status": "loaded"}),
+            ],
+        )
+        self.assertEqual([r.path for r in self.server.requests], ["/models/sse"])  # no ?model=, no /slots
+
+    def test_watch_models_cancel_and_errors(self):
+        self.sse(_t_sse({"model": "a", "event": "x"}))
+        stream = self.watch()
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("a", "x", None))
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+        self.assertTrue(self.sent("/models/sse")[-1].closed_by_peer.wait(1))
+        self.server.route(
+            "GET",
+            "/models/sse",
+            reply(json_response({"error": {"code": 503, "message": "Loading"}}, b"503 Unavailable")),
+        )
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(lambda: next(self.watch()))
+        self.assertEqual(caught.exception.status, 503)
+        self.assertEqual(len(self.sent("/models/sse")), 2)  # not sent again
+        with self.assertRaises(TypeError):
+            self.client.watch_models(5)
+
+    def test_watch_models_of_a_server_that_is_not_there(self):
+        self.server.close()
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(lambda: next(self.watch()))
+
+    # -- load_model(wait=True) -------------------------------------------------------------------------
+
+    def router(self, *answers):
+        """POST /models/load answers success; GET /v1/models answers ``answers`` in turn (the last again)."""
+        self.server.route("POST", "/models/load", reply(json_response({"success": True})))
+        left = list(answers)
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, left.pop(0) if len(left) > 1 else left[0]))
+
+    def test_load_model_waits_until_loaded(self):
+        self.router(
+            _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loading"})),
+            _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loading"})),
+            _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loaded"})),
+        )
+        self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta", wait=True)), {"success": True})
+        self.assertEqual(
+            [r.path for r in self.server.requests], ["/models/load", "/v1/models", "/v1/models", "/v1/models"]
+        )
+        self.assertEqual(self.sent("/models/load")[0].json(), {"model": "beta"})
+        self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta")), {"success": True})
+        self.assertEqual(len(self.sent("/v1/models")), 3)  # without wait: the answer alone
+
+    def test_load_model_that_fails_is_server_error_with_the_router_status(self):
+        failed = {"value": "unloaded", "exit_code": 1, "failed": True}
+        self.router(_t_models(("broken", {"value": "loading"})), _t_models(("broken", failed)))
+        with self.assertRaises(lc.ServerError) as caught:
+            run_with_timeout(lambda: self.client.load_model("broken", wait=True))
+        self.assertEqual(
+            (caught.exception.code, caught.exception.type, caught.exception.error), (1, "load_failed", failed)
+        )
+        self.assertIn("could not load model 'broken'", str(caught.exception))
+        self.assertIn("exit code 1", str(caught.exception))
+        self.server.route(
+            "POST",
+            "/models/load",
+            reply(json_response({"error": {"code": 404, "message": "File Not Found"}}, b"404 Not Found")),
+        )
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(lambda: self.client.load_model("nonesuch", wait=True))
+        self.assertEqual((caught.exception.status, caught.exception.message), (404, "File Not Found"))
+
+    def test_load_model_that_stays_loading_is_load_timeout(self):
+        client = self.client_with(load_wait=0.3)
+        self.router(_t_models(("beta", {"value": "loading"})))
+        t = Timer()
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.load_model("beta", wait=True))
+        self.assertGreaterEqual(t.elapsed, 0.3)
+        self.assertLess(t.elapsed, 0.3 + MARGIN)
+        self.assertIn("still loading", str(caught.exception))
+
+
+class TestLastRoutesAsync(AsyncDriver, TestLastRoutes):
+    pass
+
+
 # -----------------------------------------------------------------------------------------------------
 # The rest of the server API, HTTPS and path prefixes: every single-shot call goes through one request
 # path, so each is checked for its exact request, its decoded answer and every error class of that path

@@ -6669,6 +6669,145 @@ class TestLastRoutesAsync(AsyncDriver, TestLastRoutes):
     pass
 
 
+# -- every route of the server: a named call, or a README line saying why not -----------------------------
+
+#: The route list the server registers (a copy of what its tools/server/server.cpp says; see the file)
+_ROUTES_FILE = os.path.join(HERE, "dev", "testdata", "server_routes.txt")
+
+
+#: The route each named call sends (the calls of both clients)
+_NAMED_ROUTES = {
+    "GET /health": "health",
+    "GET /metrics": "metrics",
+    "GET /props": "props",
+    "GET /v1/models": "models",
+    "POST /completion": "complete",
+    "POST /v1/completions": "complete_openai",
+    "POST /v1/chat/completions": "chat",
+    "POST /v1/chat/completions/control": "end_reasoning",
+    "POST /v1/responses": "respond",
+    "POST /v1/messages": "message",
+    "POST /infill": "infill",
+    "POST /v1/embeddings": "embed",
+    "POST /v1/rerank": "rerank",
+    "POST /tokenize": "tokenize",
+    "POST /detokenize": "detokenize",
+    "POST /apply-template": "apply_template",
+    "POST /v1/chat/completions/input_tokens": "count_tokens",
+    "POST /v1/responses/input_tokens": "count_response_tokens",
+    "POST /v1/messages/count_tokens": "count_message_tokens",
+    "GET /lora-adapters": "lora_adapters",
+    "POST /lora-adapters": "set_lora_adapters",
+    "GET /slots": "slots",
+    "POST /slots/:id_slot": "save_slot",  # and restore_slot, erase_slot
+    "GET /v1/stream": "resume",
+    "POST /v1/streams/lookup": "lookup_streams",
+    "DELETE /v1/stream": "delete_stream",
+    "POST /models/load": "load_model",
+    "POST /models/unload": "unload_model",
+    "GET /models/sse": "watch_models",
+}
+
+
+def _routes_of_source(text):
+    """The "METHOD PATH" routes of server.cpp's text: its ctx_http.get/post/del/put("...") lines, in order,
+    each once."""
+    routes = []
+    for method, path in re.findall(r'ctx_http\.(get|post|del|put)\s*\(\s*"([^"]+)"', text):
+        route = "%s %s" % ("DELETE" if method == "del" else method.upper(), path)
+        if route not in routes:
+            routes.append(route)
+    return routes
+
+
+def _routes_of_copy(path=_ROUTES_FILE):
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def _routes_of_readme():
+    """The README's "Routes without a named call" table: {"METHOD PATH": why}."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("### Routes without a named call")
+    section = text[start : text.index("\n### ", start + 1)]
+    listed = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        if len(cells) == 2:
+            for route in re.findall(r"`([A-Z]+ /[^`]*)`", cells[0]):
+                listed[route] = cells[1]
+    return listed
+
+
+def _unexplained_routes(routes):
+    """The routes that are neither a named call of both clients nor in the README's table; and the README's
+    routes the list does not have (stale lines)."""
+    listed = _routes_of_readme()
+    missing = []
+    for route in routes:
+        name = _NAMED_ROUTES.get(route)
+        if name is not None and hasattr(lc.Client, name) and hasattr(lc.AsyncClient, name):
+            continue
+        if listed.get(route):
+            continue
+        missing.append(route)
+    return missing, sorted(set(listed) - set(routes))
+
+
+class TestServerRoutes(unittest.TestCase):
+    """Every route the server registers (the copy in dev/testdata/server_routes.txt) is a named call or a
+    README line with its reason; a fresh clone runs this on the copy, without the source."""
+
+    def test_every_route_is_a_call_or_in_the_readme(self):
+        routes = _routes_of_copy()
+        self.assertGreaterEqual(len(routes), 50)
+        missing, stale = _unexplained_routes(routes)
+        self.assertEqual(missing, [], "routes with neither a call nor a README line (### Routes without a named call)")
+        self.assertEqual(stale, [], "README lines of routes the server does not register")
+        self.assertEqual(sorted(set(_NAMED_ROUTES) - set(routes)), [], "named calls of routes the server lacks")
+
+    def test_a_new_route_fails_it(self):
+        missing, _ = _unexplained_routes(_routes_of_copy() + ["POST /v1/images/generations"])
+        self.assertEqual(missing, ["POST /v1/images/generations"])
+
+    def test_the_reader_of_the_source(self):
+        text = (
+            'ctx_http.get ("/a", h);\n  ctx_http.del ("/b",  x); // c\nctx_http.post("/a", y); ctx_http.get("/a", z);'
+        )
+        self.assertEqual(_routes_of_source(text), ["GET /a", "DELETE /b", "POST /a"])
+
+
+def _llama_source():
+    """tools/server/server.cpp of the source tree dev/llama-server.sh builds from (None when not unpacked)."""
+    try:
+        out = subprocess.run(
+            ["bash", os.path.join(HERE, "dev", "llama-server.sh"), "source"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = os.path.join(out.strip(), "tools", "server", "server.cpp")
+    return path if os.path.isfile(path) else None
+
+
+LLAMA_SERVER_CPP = _llama_source()
+
+
+@unittest.skipUnless(LLAMA_SERVER_CPP, "no llama.cpp source: run dev/llama-server.sh build (.ci/run does)")
+class TestRealServerRoutes(unittest.TestCase):
+    """The copy of the route list is the source's own: a server that gains a route fails TestServerRoutes."""
+
+    def test_the_copy_is_the_source_route_list(self):
+        with open(LLAMA_SERVER_CPP, encoding="utf-8") as f:
+            routes = _routes_of_source(f.read())
+        self.assertEqual(routes, _routes_of_copy(), "dev/testdata/server_routes.txt is not %s" % LLAMA_SERVER_CPP)
+        self.assertEqual(_unexplained_routes(routes), ([], []))
+
+
 # -----------------------------------------------------------------------------------------------------
 # The rest of the server API, HTTPS and path prefixes: every single-shot call goes through one request
 # path, so each is checked for its exact request, its decoded answer and every error class of that path

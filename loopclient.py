@@ -4530,7 +4530,7 @@ class _Calls:
                     continue  # nothing happened: the route's normal state
                 events = pump.feed(data) if data else pump.feed_eof()
                 if only is not None:
-                    events = [e for e in events if type(e) is not ModelEvent or e.model == only]
+                    events = [e for e in events if type(e) is not ModelEvent or e.model in (only, "*")]
                 if events:
                     yield events
                 if pump.failed is not None:
@@ -5440,7 +5440,8 @@ class Client:
 
     def watch_models(self, model: Optional[str] = None) -> Stream:
         """Router mode: a ``Stream`` of the router's model events (``GET /models/sse``), ``ModelEvent``
-        items as the router sends them (only ``model``'s when given), until the caller cancels it or
+        items as the router sends them (only ``model``'s, and the ``"*"`` ones that concern every model
+        such as ``models_reload``, when given), until the caller cancels it or
         leaves the ``with`` block.  The route sends no pings, so silence is its normal state: no liveness
         ends it; the router closing it is ``StreamClosedError``.  It takes no slot permit and is not sent
         again after a failure (``ConnectError``, ``HTTPStatusError``)."""

@@ -6570,6 +6570,7 @@ class TestLastRoutes(ServerCase):
         events = [
             {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
             {"model": "alpha", "event": "status_change", "data": {"status": "loading"}},
+            {"model": "*", "event": "models_reload"},
             {"model": "beta", "event": "status_change", "data": {"status": "loaded"}},
         ]
         self.sse(_t_sse(*events) + b"0\r\n\r\n", hold=False)
@@ -6583,6 +6584,7 @@ class TestLastRoutes(ServerCase):
             got,
             [
                 lc.ModelEvent("beta", "model_status", {"status": "loading"}),
+                lc.ModelEvent("*", "models_reload", None),  # the router's own, about every model
                 lc.ModelEvent("beta", "status_change", {"status": "loaded"}),
             ],
         )
@@ -16011,6 +16013,212 @@ class TestRealEndpoints(ClientFactory, unittest.TestCase):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealEndpointsAsync(AsyncDriver, TestRealEndpoints):
+    """The same on AsyncClient."""
+
+
+def _watch(client, model=None):
+    """``client.watch_models(model)``: for AsyncDriver's facade, its AsyncStream behind blocking iteration."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.watch_models(model))
+    return client.watch_models(model)
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealLastRoutes(ClientFactory, unittest.TestCase):
+    """complete_openai and count_response_tokens on the real server, at temperature 0."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def run_call(self, *args, client=None, timeout=120, **kw):
+        events = []
+        method = (client or self.client).complete_openai
+        completion = run_with_timeout(lambda: method(*args, on_event=events.append, **kw), timeout)
+        return completion, events
+
+    def test_two_prompts_with_logprobs_equal_the_unstreamed_answer(self):
+        prompts = ["The sky is", "The grass is"]
+        body = {"prompt": prompts, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+        plain = self.client.request("POST", "/v1/completions", body)
+        completion, events = self.run_call(prompts, max_tokens=8, temperature=0, logprobs=2)
+        by_index = sorted(plain["choices"], key=lambda c: c["index"])
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        self.assertEqual([c.content for c in completion.choices], [c["text"] for c in by_index])
+        self.assertEqual([c.finish_reason for c in completion.choices], [c["finish_reason"] for c in by_index])
+        for i, (ours, theirs) in enumerate(zip(completion.choices, by_index)):
+            text = "".join(e.text for e in events if isinstance(e, lc.Content) and e.choice == i)
+            self.assertEqual(text, theirs["text"])
+            entries = theirs["logprobs"]["content"]
+            self.assertEqual(len(ours.logprobs), 8)
+            self.assertEqual([e["id"] for e in ours.logprobs], [e["id"] for e in entries])
+            self.assertEqual(
+                [[t["token"] for t in e["top_logprobs"]] for e in ours.logprobs],
+                [[t["token"] for t in e["top_logprobs"]] for e in entries],
+            )
+            self.assertEqual("".join(e["token"] for e in ours.logprobs), ours.content)
+        self.assertEqual(completion.usage["completion_tokens"], plain["usage"]["completion_tokens"])
+        self.assertEqual(completion.usage["prompt_tokens"], plain["usage"]["prompt_tokens"])
+        self.assertTrue(completion.id.startswith("chatcmpl-"))
+        self.assertIsNone(completion.final)
+
+    def test_busy_slot_is_waited_out(self):
+        other = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(other.close)
+        started, results = threading.Event(), {}
+
+        def first():
+            def on_event(ev):
+                if isinstance(ev, lc.Content):
+                    started.set()
+
+            results["first"] = other.complete_openai(
+                "The sky is", slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0
+            )
+            results["first_done"] = time.monotonic()
+
+        thread = threading.Thread(target=first, daemon=True)
+        thread.start()
+        self.assertTrue(started.wait(60))
+        completion, events = self.run_call("The grass is", slot=0, max_tokens=8, temperature=0)
+        done = time.monotonic()
+        thread.join(120)
+        self.assertEqual(events[0], lc.Waiting(True))
+        self.assertGreaterEqual(done, results["first_done"])
+        self.assertEqual(results["first"].usage["completion_tokens"], 150)
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+
+    def test_cancel_frees_the_slot(self):
+        stream = open_stream(self.client, "complete_openai", "The sky is", slot=0, max_tokens=300, ignore_eos=True)
+        first = run_with_timeout(lambda: next(e for e in stream if isinstance(e, lc.Content)), 60)
+        self.assertIsInstance(first, lc.Content)
+        self.assertTrue(self.client.slots()[0].is_processing)
+        t = Timer()
+        stream.cancel()
+        wait_for(lambda: not self.client.slots()[0].is_processing, 2.0, "slot 0 to be free after the cancel")
+        self.assertLess(t.elapsed, 2.0)
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+
+    def test_a_resumable_one_cut_by_a_proxy_resumes(self):
+        params = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        uncut, _ = self.run_call("Once upon a time", slot=0, **params)
+        proxy = CutProxy(REAL_SOCKET, 3000)
+        self.addCleanup(proxy.close)
+        client = self.new_client(proxy.path, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        completion, events = self.run_call("Once upon a time", client=client, slot=0, resumable=True, **params)
+        self.assertEqual(proxy.cuts, 1)
+        resumed = [e for e in events if isinstance(e, lc.Resumed)]
+        self.assertEqual(len(resumed), 1, resumed)
+        self.assertGreater(resumed[0].offset, 0)
+        self.assertEqual(completion.content, uncut.content)
+        self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), uncut.content)
+        self.assertEqual(completion.usage["completion_tokens"], 120)
+
+    def test_count_response_tokens_is_what_respond_counts(self):
+        counted = run_with_timeout(lambda: self.client.count_response_tokens(_E_SEA[0]["content"]), 30)
+        plain = self.client.request("POST", "/v1/responses/input_tokens", {"input": _E_SEA[0]["content"]})
+        self.assertEqual(counted, plain["input_tokens"])
+        completion = run_with_timeout(
+            lambda: self.client.respond(_E_SEA[0]["content"], max_output_tokens=4, temperature=0), 60
+        )
+        self.assertEqual(counted, completion.usage["prompt_tokens"])
+        more = run_with_timeout(
+            lambda: self.client.count_response_tokens(_E_SEA[0]["content"], instructions="Answer in French."), 30
+        )
+        self.assertGreater(more, counted)
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealLastRoutesAsync(AsyncDriver, TestRealLastRoutes):
+    """The same on AsyncClient."""
+
+
+def _reload_router():
+    """The router reads its models directory again (``GET /models?reload=1``)."""
+    with lc.Client(REAL_ROUTER, limits=REAL_LIMITS) as client:
+        client.request("GET", "/models", query={"reload": "1"})
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterModels(ClientFactory, unittest.TestCase):
+    """watch_models and load_model(wait=True) on the real router (dev/llama-server.sh start-router): beta
+    unloaded, then loaded while watched; a model file in the router's models directory that cannot load."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+
+    def unloaded(self, name):
+        if _status(self.client, name) == "loading":
+            wait_for(lambda: _status(self.client, name) == "loaded", 60, "%s to load" % name)
+        if _status(self.client, name) != "unloaded":
+            self.client.unload_model(name)
+            wait_for(lambda: _status(self.client, name) == "unloaded", 30, "%s to unload" % name)
+
+    def test_watch_models_sees_a_model_load(self):
+        self.unloaded("beta")
+        seen = []
+        with _watch(self.client, "beta") as stream:
+            # the router sends nothing until something happens: read in a thread; the router's reload
+            # event ("*") says the watch is open, then beta is loaded
+            def read():
+                for event in stream:
+                    seen.append(event)
+                    if event.event == "status_change" and (event.data or {}).get("status") == "loaded":
+                        return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+
+            def open_():
+                self.client.request("GET", "/models", query={"reload": "1"})
+                return any(e.event == "models_reload" for e in seen)
+
+            wait_for(open_, 10, "the watch to see the router's reload")
+            self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta"), 30), {"success": True})
+            reader.join(90)
+            self.assertFalse(reader.is_alive(), seen)
+        self.assertEqual({e.model for e in seen}, {"beta", "*"})
+        statuses = [(e.event, (e.data or {}).get("status")) for e in seen if e.model == "beta"]
+        self.assertEqual(statuses[0], ("model_status", "loading"))
+        self.assertIn(("status_change", "loading"), statuses)
+        self.assertEqual(statuses[-1], ("status_change", "loaded"))
+        self.assertEqual(seen[-1].data["info"]["id"], "beta")
+        self.assertEqual(_status(self.client, "beta"), "loaded")
+
+    def test_load_model_wait_returns_once_loaded(self):
+        self.unloaded("beta")
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta", wait=True), 90), {"success": True})
+        self.assertEqual(_status(self.client, "beta"), "loaded")
+        self.assertLess(t.elapsed, 60)
+
+    def test_load_model_wait_of_a_file_that_cannot_load_raises_the_router_status(self):
+        models = REAL_ROUTER[: -len(".sock")] + ".models"  # where start-router puts the model symlinks
+        self.assertTrue(os.path.isdir(models), models)
+        name = "broken-%d-%s" % (os.getpid(), self.CLIENT)
+        path = os.path.join(models, name + ".gguf")
+        with open(path, "wb") as f:
+            f.write(b"GGUF" + b"\0" * 60)  # the magic, then nothing a loader can read
+        self.addCleanup(_reload_router)  # a client of its own: the test's (an AsyncDriver's loop) is gone by then
+        self.addCleanup(os.unlink, path)
+        self.client.request("GET", "/models", query={"reload": "1"})  # the router reads its directory again
+        self.assertEqual(_status(self.client, name), "unloaded")
+        with self.assertRaises(lc.ServerError) as caught:
+            run_with_timeout(lambda: self.client.load_model(name, wait=True), 90)
+        self.assertEqual((caught.exception.code, caught.exception.type), (1, "load_failed"))
+        self.assertIs(caught.exception.error["failed"], True)
+        self.assertIn("could not load model %r" % name, str(caught.exception))
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(lambda: self.client.load_model("nonesuch-%d" % os.getpid(), wait=True), 30)
+        self.assertEqual(caught.exception.status, 404)
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterModelsAsync(AsyncDriver, TestRealRouterModels):
     """The same on AsyncClient."""
 
 

@@ -6559,9 +6559,10 @@ def _models_table(doc: Dict[str, Any]) -> str:
     return "\n".join(("%s  %s" % (r[0].ljust(width), r[1])).rstrip() for r in rows)
 
 
-def _watch_models(client: Client, out: Any) -> None:
-    """``models --watch``: one line per event of the router's model stream, as it comes."""
-    with client.watch_models() as stream:
+def _watch_models(client: Client, out: Any, model: Optional[str]) -> None:
+    """``models --watch``: one line per event of the router's model stream (``--model``'s only), as it
+    comes: the model, the event, and its data as JSON."""
+    with client.watch_models(model) as stream:
         for event in stream:
             if isinstance(event, ModelEvent):
                 data = "" if event.data is None else " " + json.dumps(event.data, ensure_ascii=False)
@@ -6756,7 +6757,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             elif args.command == "props":
                 print(json.dumps(client.props(), indent=2, ensure_ascii=False))
             elif args.command == "models" and args.watch:
-                _watch_models(client, sys.stdout)
+                _watch_models(client, sys.stdout, model)
             elif args.command == "models":
                 print(_models_table(client.models()))
             else:

@@ -14663,6 +14663,44 @@ class TestCommandLineWithoutSSL(CLICase):
             self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
 
 
+class TestCommandLineLastRoutes(CLICase):
+    """``complete --openai`` (/v1/completions) and ``models --watch`` (a router's /models/sse)."""
+
+    def test_complete_openai_streams_the_text_and_sends_max_tokens(self):
+        raw = load_transcript("92_completions_oai_stream_progress.raw.txt")
+        self.server.route("POST", "/v1/completions", lambda req: req.send(raw))
+        out, err = self.main_ok("complete", "--openai", "The sky is", "--max-tokens", "8", "--slot", "0")
+        self.assertEqual(out, " the limit for the 201\n")
+        self.assertEqual(err.splitlines()[:2], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertRegex(
+            err.splitlines()[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$"
+        )
+        (req,) = [r for r in self.server.requests if r.path == "/v1/completions"]
+        self.assertEqual(
+            req.json(),
+            {"prompt": "The sky is", "return_progress": True, "max_tokens": 8, "stream": True, "id_slot": 0},
+        )
+        self.assertEqual([r.path for r in self.server.requests if r.path == "/completion"], [])
+
+    def test_models_watch_prints_each_event_until_the_router_closes_it(self):
+        events = [
+            {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
+            {"model": "alpha", "event": "status_change", "data": {"status": "loaded"}},
+            {"model": "*", "event": "models_reload"},
+        ]
+        self.server.route("GET", "/models/sse", serve_body(_t_sse(*events) + b"0\r\n\r\n"))
+        got, out, err = self.run_main(["--socket", self.server.path, "models", "--watch"])
+        self.assertEqual(
+            out,
+            'beta model_status {"status": "loading"}\nalpha status_change {"status": "loaded"}\n* models_reload\n',
+        )
+        self.assertEqual(got, 1)
+        self.assertIn("/models/sse", err)
+        self.assertNotIn("Traceback", err)
+        got, out, _ = self.run_main(["--socket", self.server.path, "--model", "beta", "models", "--watch"])
+        self.assertEqual(out, 'beta model_status {"status": "loading"}\n* models_reload\n')
+
+
 class TestCommandLineEndpoints(CLICase):
     """``complete`` and ``infill``: /completion and /infill through ``main(argv)``, on captured bytes."""
 

@@ -35,7 +35,7 @@ Sections:
     1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
     2. HTTP/1.1 without sockets: request encoding, response head, body framing
     3. Server-Sent Events decoder
-    4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
+    4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
     5. The response pump: one streamed response, bytes in, events and decisions out
     6. Addresses, waits and their budgets, the timing rules
     7. Slot gates and the /slots watch
@@ -1556,7 +1556,7 @@ class SSEDecoder:
 
 
 # =====================================================================================================
-# 4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
+# 4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
 # =====================================================================================================
 
 # the C scanner that json.loads wraps, called without the wrapper calls and regex matches around it

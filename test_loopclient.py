@@ -16227,6 +16227,19 @@ class TestRealRouterModels(ClientFactory, unittest.TestCase):
         self.assertEqual(seen[-1].data["info"]["id"], "beta")
         self.assertEqual(_status(self.client, "beta"), "loaded")
 
+    def test_complete_openai_is_routed_to_the_model(self):
+        wait_for(lambda: _loaded(self.client, "alpha"), 90, "alpha to load")
+        client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS, model="alpha")
+        self.addCleanup(client.close)
+        events = []
+        completion = run_with_timeout(
+            lambda: client.complete_openai("The sky is", slot=0, on_event=events.append, max_tokens=8, temperature=0),
+            90,
+        )
+        self.assertEqual(completion.model, "alpha")
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+        self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
+
     def test_load_model_wait_returns_once_loaded(self):
         self.unloaded("beta")
         t = Timer()

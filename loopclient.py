@@ -2853,7 +2853,9 @@ _ENDPOINTS = {
         _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _TextAssembler, _CAP_MOOT),
         _Endpoint("respond", "/v1/responses", _responses_body, _ResponsesAssembler, _CAP_NEVER),
         _Endpoint("message", "/v1/messages", _messages_body, _MessagesAssembler, _CAP_NEVER),
-        _Endpoint("models", "/models/sse", _no_body, _ModelEvents, _CAP_MOOT, False, False, watch=True),
+        _Endpoint(
+            "models", "/models/sse", _no_body, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
+        ),
     )
 }  # type: Dict[str, _Endpoint]
 

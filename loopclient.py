@@ -35,7 +35,7 @@ Sections:
     1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
     2. HTTP/1.1 without sockets: request encoding, response head, body framing
     3. Server-Sent Events decoder
-    4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
+    4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
     5. The response pump: one streamed response, bytes in, events and decisions out
     6. Addresses, waits and their budgets, the timing rules
     7. Slot gates and the /slots watch
@@ -84,6 +84,7 @@ __all__ = [
     "ThinkingCapped",
     "Progress",
     "Chunk",
+    "ModelEvent",
     "LoopError",
     "BusyError",
     "WaitTimeoutError",
@@ -466,8 +467,26 @@ class Chunk(_Value):
         _set(self, "data", data)
 
 
+class ModelEvent(_Value):
+    """One event of a router's model stream (``watch_models()``, ``GET /models/sse``): ``model`` is the
+    model's name (``"*"`` for all of them), ``event`` what happened (``status_change``, ``model_status``,
+    ``download_progress``, ``download_finished``, ``download_failed``, ``model_remove``, ``models_reload``)
+    and ``data`` the router's details (``{"status": "loaded", ...}``), None when it sent none."""
+
+    __match_args__ = ("model", "event", "data")
+    __slots__ = __match_args__
+    model: str
+    event: str
+    data: Optional[Dict[str, Any]]
+
+    def __init__(self, model: str, event: str, data: Optional[Dict[str, Any]] = None) -> None:
+        _set(self, "model", model)
+        _set(self, "event", event)
+        _set(self, "data", data)
+
+
 if TYPE_CHECKING:  # pragma: no cover
-    Event = Union[Queued, Waiting, Retrying, Reasoning, Content, ToolCall, ThinkingCapped, Progress, Chunk]
+    Event = Union[Queued, Waiting, Retrying, Reasoning, Content, ToolCall, ThinkingCapped, Progress, Chunk, ModelEvent]
 
 
 # The assembler builds the two text events per token: object.__new__ and the slot descriptors directly,
@@ -1587,7 +1606,7 @@ class SSEDecoder:
 
 
 # =====================================================================================================
-# 4. Delta assembler, and the dialects of /completion and /infill, Responses and Messages
+# 4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
 # =====================================================================================================
 
 # the C scanner that json.loads wraps, called without the wrapper calls and regex matches around it
@@ -1742,6 +1761,7 @@ class Assembler(_Dialect):
     """
 
     __slots__ = ("usage", "_choices", "_content0", "_reasoning0", "_fast")
+    _text = False  # the chunks carry chat deltas (True: OpenAI text completions, see _TextAssembler)
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
@@ -1850,13 +1870,16 @@ class Assembler(_Dialect):
                     if index == 0:
                         state.content = self._content0
                         state.reasoning = self._reasoning0
-                delta = choice.get("delta")
-                if delta:
-                    if type(delta) is not dict:
+                if self._text:  # OpenAI text completions: the choice's own "text" is the delta
+                    self._choice_text(choice.get("text"), state, index, events)
+                else:
+                    delta = choice.get("delta")
+                    if delta:
+                        if type(delta) is not dict:
+                            raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                        self._delta(delta, state, index, events)
+                    elif delta is not None and type(delta) is not dict:
                         raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                    self._delta(delta, state, index, events)
-                elif delta is not None and type(delta) is not dict:
-                    raise ProtocolError("a delta is not an object: %r" % payload[:80])
                 logprobs = choice.get("logprobs")
                 if logprobs is not None:
                     if type(logprobs) is not dict:
@@ -1885,8 +1908,18 @@ class Assembler(_Dialect):
                 raise ProtocolError("'timings' is not an object: %r" % payload[:80])
             self.timings = dict(self.timings, **timings) if self.timings else timings
         if not self._fast:
-            self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks
+            self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks and not self._text
         return events
+
+    def _choice_text(self, text: Any, state: _ChoiceState, index: int, events: List[Event]) -> None:
+        if text:
+            if type(text) is not str:
+                raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
+            self.in_reasoning = False
+            state.content.add(text)
+            events.append(Content(text, index))
+        elif text is not None and type(text) is not str:
+            raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
 
     def _delta(self, delta: Dict[str, Any], state: _ChoiceState, index: int, events: List[Event]) -> None:
         text = delta.get("reasoning_content")
@@ -1995,6 +2028,23 @@ class Assembler(_Dialect):
             thinking_capped=self.thinking_capped,
             choices=choices,
         )
+
+
+class _TextAssembler(Assembler):
+    """The dialect of ``/v1/completions`` (OpenAI text completions): chat's chunks, each choice carrying its
+    delta as ``text`` (``Content(text, choice=index)``) instead of a ``delta`` object; ``logprobs``
+    (``{"content": [...]}``, as this server sends them), ``finish_reason``, ``usage``, ``timings``,
+    ``prompt_progress``, the error object and ``[DONE]`` are read as chat reads them; the ``null`` payload
+    that opens a stream of several prompts gives nothing.  No reasoning streams here.  It never takes the
+    fast path (which reads chat deltas)."""
+
+    __slots__ = ()
+    _text = True
+
+    def feed(self, payload: str) -> List[Event]:
+        if payload == "null":  # a stream of several prompts opens with it, as /completion's does
+            return []
+        return Assembler.feed(self, payload)
 
 
 # -- The other streamed endpoints: /completion and /infill, Responses, Messages ---------------------------
@@ -2651,7 +2701,42 @@ class _MessagesAssembler(_EventAssembler):
         self.done = True
 
 
-# -- Request bodies of the other endpoints -----------------------------------------------------------------
+class _ModelEvents(_Dialect):
+    """The dialect of a router's ``GET /models/sse``: each payload ``{"model", "event", "data"}`` is one
+    ``ModelEvent``.  The stream has no end of its own: the connection closing is ``StreamClosedError``."""
+
+    __slots__ = ()
+
+    def feed(self, payload: str) -> List[Event]:
+        doc = _payload_object(payload)
+        model, event = _field(doc, "model", str, payload), _field(doc, "event", str, payload)
+        if model is None or event is None:
+            raise ProtocolError("a model event without 'model' or 'event': %r" % payload[:80])
+        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
+        events.append(ModelEvent(model, event, _field(doc, "data", dict, payload)))
+        return events
+
+    def completion(self) -> Completion:
+        raise StreamClosedError("the router closed its model event stream (GET /models/sse)")
+
+
+def _no_body(params: Dict[str, Any]) -> Dict[str, Any]:
+    """The body of a request that sends none (``GET``)."""
+    return {}
+
+
+# -- Request bodies: one function per endpoint, (its own arguments..., params) -> the JSON body ----------
+
+
+def _chat_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
+    """The body of a streamed ``/v1/chat/completions``: ``messages`` and the keywords, ``stream`` on and
+    ``stream_options.include_usage`` added to what the caller's ``stream_options`` say."""
+    body = {"messages": messages}  # type: Dict[str, Any]
+    body.update(params)
+    body["stream"] = True
+    options = body.get("stream_options")
+    body["stream_options"] = dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
+    return body
 
 
 def _body(fixed: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
@@ -2696,6 +2781,12 @@ def _native_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
             if any(isinstance(p, list) and not p for p in prompt):
                 raise ValueError("a prompt in the list is empty")
     return _body({"prompt": prompt}, params)
+
+
+def _text_completion_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
+    """The body of a streamed ``/v1/completions`` (OpenAI text completions): ``prompt`` as ``/completion``
+    takes it (a list of prompts is one choice each)."""
+    return _native_body(prompt, params)
 
 
 def _extra_file(item: Any) -> Dict[str, str]:
@@ -2761,6 +2852,62 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
         if not isinstance(message, dict):
             raise TypeError("messages must be dicts, not %r" % (message,))
     return _body({"messages": messages}, params)
+
+
+# -- The streamed endpoints: one row each ---------------------------------------------------------------
+#
+# A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
+# for all.  A streamed call looks its row up by name: ``_Calls.stream_request`` builds the body with the
+# row's function, applies the row's thinking-cap rule and starts the stream; ``resume(endpoint=...)`` reads
+# a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
+
+_CAP_CONTROL = "control"  # the cap works: the body asks for reasoning_control, the control endpoint ends it
+_CAP_MOOT = "moot"  # the endpoint streams no separate reasoning: a cap has nothing to cap, nothing is sent
+_CAP_NEVER = "never"  # reasoning streams but the server cannot end it on request: a cap is ValueError
+
+
+class _Endpoint:
+    """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
+    (``body(*args, params)``), the ``dialect`` class that reads its payloads, and what the engine may do
+    there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
+    ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
+    that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read
+    by ``_Calls.watch``)."""
+
+    __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed", "watch")
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        body: Callable[..., Dict[str, Any]],
+        dialect: Any,
+        cap: str,
+        resumable: bool = True,
+        routed: bool = True,
+        watch: bool = False,
+    ) -> None:
+        self.name, self.path, self.body, self.dialect = name, path, body, dialect
+        self.cap, self.resumable, self.routed, self.watch = cap, resumable, routed, watch
+
+
+#: Every streamed endpoint, by the name ``resume(endpoint=...)`` takes.  On this llama-server the control
+#: endpoint ends reasoning only for chat: Responses never shows the completion id it needs, and Messages
+#: drops ``reasoning_control``; /completion, /infill and /v1/completions stream no separate reasoning at all.
+_ENDPOINTS = {
+    e.name: e
+    for e in (
+        _Endpoint("chat", "/v1/chat/completions", _chat_body, Assembler, _CAP_CONTROL),
+        _Endpoint("complete", "/completion", _native_body, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("infill", "/infill", _infill_body, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _TextAssembler, _CAP_MOOT),
+        _Endpoint("respond", "/v1/responses", _responses_body, _ResponsesAssembler, _CAP_NEVER),
+        _Endpoint("message", "/v1/messages", _messages_body, _MessagesAssembler, _CAP_NEVER),
+        _Endpoint(
+            "models", "/models/sse", _no_body, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
+        ),
+    )
+}  # type: Dict[str, _Endpoint]
 
 
 # =====================================================================================================
@@ -4014,7 +4161,7 @@ def _after(run: _Run, exc: Optional[BaseException]) -> Optional[BaseException]:
 class _StreamRequest:
     """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
 
-    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset")
+    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch")
 
     def __init__(
         self,
@@ -4025,7 +4172,9 @@ class _StreamRequest:
         dialect: Any = None,
         conversation: Optional[str] = None,
         offset: Optional[int] = None,
+        watch: bool = False,
     ) -> None:
+        self.watch = watch  # a watch (GET /models/sse): read by _Calls.watch, ``model`` the events' filter
         self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
         self.slot = slot
         self.model = model
@@ -4056,18 +4205,6 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
             # counted from now, after the caller took the announcement: from before it, a caller slower than
             # poll (thousands of threads on two cores) would find its timer run out and spin on Queued
             due = _clock() + poll
-
-
-#: The streamed endpoints besides chat: name -> (path, dialect, whether the thinking cap can work there).
-#: On this llama-server the control endpoint ends reasoning only for chat: Responses never shows the
-#: completion id it needs, and Messages drops ``reasoning_control``; /completion and /infill stream no
-#: separate reasoning at all, so a cap has nothing to cap there.
-_ENDPOINTS = {
-    "complete": ("/completion", _NativeAssembler, True),
-    "infill": ("/infill", _NativeAssembler, True),
-    "respond": ("/v1/responses", _ResponsesAssembler, False),
-    "message": ("/v1/messages", _MessagesAssembler, False),
-}  # type: Dict[str, Tuple[str, Any, bool]]
 
 
 class _Calls:
@@ -4302,8 +4439,51 @@ class _Calls:
     def models(self) -> _Plan[Dict[str, Any]]:
         return (yield from self._object("GET", "/v1/models"))
 
-    def load_model(self, name: str) -> _Plan[Dict[str, Any]]:
-        return (yield from self._object("POST", "/models/load", {"model": name}))
+    def load_model(self, name: str, wait: bool = False) -> _Plan[Dict[str, Any]]:
+        answer = yield from self._object("POST", "/models/load", {"model": name})
+        if not wait:
+            return answer
+        # The router marks the model loading before it answers: from here, GET /models says how it goes.
+        started = _clock()
+        while True:
+            status = yield from self._model_status(name)
+            value = status.get("value")
+            if value in ("loaded", "sleeping"):  # sleeping: loaded, its weights swapped out until a request
+                return answer
+            if value not in ("loading", "downloading", "downloaded"):
+                raise ServerError(
+                    status.get("exit_code"),
+                    "the router could not load model %r: it is %s%s (GET /models: %s)"
+                    % (
+                        name,
+                        value,
+                        ", failed with exit code %s" % status.get("exit_code") if status.get("failed") else "",
+                        _dumps(status)[:300],
+                    ),
+                    "load_failed",
+                    status,
+                )
+            left = self.limits.load_wait - (_clock() - started)
+            if left <= 0:
+                raise LoadTimeoutError(
+                    "model %r was still %s after load_wait (%.1f s)" % (name, value, self.limits.load_wait),
+                    _clock() - started,
+                )
+            yield (_SLEEP, min(self.limits.poll, left))
+
+    def _model_status(self, name: str) -> _Plan[Dict[str, Any]]:
+        """The router's ``status`` object of one model (``GET /models``)."""
+        doc = yield from self._json("GET", "/v1/models", model=None)
+        entries = doc.get("data") if isinstance(doc, dict) else None
+        if not isinstance(entries, list):
+            raise ProtocolError("GET /v1/models did not answer a list of models: is this a router?")
+        for entry in entries:
+            if isinstance(entry, dict) and (entry.get("id") == name or name in (entry.get("aliases") or ())):
+                status = entry.get("status")
+                if not isinstance(status, dict):
+                    raise ProtocolError("GET /v1/models shows model %r without a status: is this a router?" % name)
+                return status
+        raise ServerError(None, "the router no longer lists model %r (GET /v1/models)" % name, "load_failed")
 
     def unload_model(self, name: str) -> _Plan[Dict[str, Any]]:
         return (yield from self._object("POST", "/models/unload", {"model": name}))
@@ -4359,6 +4539,11 @@ class _Calls:
         del body["stream"]
         return (yield from self._field("/v1/messages/count_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
+    def count_response_tokens(self, input: Any, params: Dict[str, Any]) -> _Plan[int]:
+        body = _responses_body(input, params)
+        del body["stream"]
+        return (yield from self._field("/v1/responses/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
+
     def lookup_streams(self, conversation_ids: Sequence[str]) -> _Plan[List[Any]]:
         if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
             raise TypeError("conversation_ids must be a list of str")
@@ -4397,41 +4582,32 @@ class _Calls:
 
     # -- streamed requests ----------------------------------------------------------------------------
 
-    def chat_request(
-        self, messages: Sequence[Dict[str, Any]], slot: Optional[int], params: Dict[str, Any]
+    def stream_request(
+        self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
     ) -> _StreamRequest:
-        """A streamed chat, built and checked as ``Client.stream()`` documents."""
+        """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public
+        call documents: the row's body function makes the body of ``args`` and the keywords in ``params``
+        (all but ``raw_chunks``), then the row's thinking-cap rule applies."""
+        row = _ENDPOINTS[endpoint]
         raw_chunks = bool(params.pop("raw_chunks", False))
-        body = {"messages": messages}  # type: Dict[str, Any]
-        body.update(params)
-        body["stream"] = True
-        options = body.get("stream_options")
-        body["stream_options"] = (
-            dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
-        )
+        body = row.body(*args, params)
         if slot is not None:
-            body["id_slot"] = slot  # in this order, as before: checked, and set again, by _stream_request
+            body["id_slot"] = slot  # here, before reasoning_control: checked, and set again, by _stream_request
         if self.limits.thinking_cap is not None:
-            n = body.get("n", 1)
-            if isinstance(n, int) and n > 1:
-                raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
-            body["reasoning_control"] = True
-        return self._stream_request("/v1/chat/completions", body, slot, raw_chunks, None)
-
-    def endpoint_request(self, endpoint: str, body: Dict[str, Any], slot: Optional[int]) -> _StreamRequest:
-        """A streamed request of another endpoint (``complete``, ``infill``, ``respond``, ``message``), its
-        ``body`` made by the endpoint's body function."""
-        path, dialect, capped = _ENDPOINTS[endpoint]
-        if self.limits.thinking_cap is not None and not capped:
-            raise ValueError(
-                "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
-                "(use the server's own budget, thinking_budget_tokens)" % path
-            )
-        raw_chunks = bool(body.pop("raw_chunks", False))
-        return self._stream_request(path, body, slot, raw_chunks, dialect)
+            if row.cap == _CAP_NEVER:
+                raise ValueError(
+                    "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
+                    "(use the server's own budget, thinking_budget_tokens)" % row.path
+                )
+            if row.cap == _CAP_CONTROL:
+                n = body.get("n", 1)
+                if isinstance(n, int) and n > 1:
+                    raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
+                body["reasoning_control"] = True
+        return self._stream_request(row, body, slot, raw_chunks)
 
     def _stream_request(
-        self, path: str, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool, dialect: Any
+        self, row: _Endpoint, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool
     ) -> _StreamRequest:
         conversation = _conversation_id(body.pop("resumable", None))
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
@@ -4441,13 +4617,22 @@ class _Calls:
         body["stream"] = True
         if slot is not None:
             body["id_slot"] = slot
-        body, _ = self._route("POST", body, None, _NO_MODEL)
+        if row.routed:
+            body, _ = self._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
         extra = [("X-Conversation-Id", conversation)] if conversation is not None else []
-        request = self._encode("POST", path, body, "text/event-stream", extra=extra)
+        request = self._encode("POST", row.path, body, "text/event-stream", extra=extra)
         return _StreamRequest(
-            request, slot, model if isinstance(model, str) else None, raw_chunks, dialect, conversation
+            request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation
         )
+
+    def watch_request(self, model: Optional[str]) -> _StreamRequest:
+        """``Client.watch_models()``: the router's model events, those of ``model`` only when given."""
+        if model is not None and not isinstance(model, str):
+            raise TypeError("model must be a str or None, not %r" % (model,))
+        row = _ENDPOINTS["models"]
+        request = self._encode("GET", row.path, None, "text/event-stream")
+        return _StreamRequest(request, None, model, False, row.dialect, watch=True)
 
     def resume_request(
         self, conversation_id: str, endpoint: str, offset: int, model: Optional[str], raw_chunks: bool
@@ -4456,13 +4641,52 @@ class _Calls:
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be the id of a resumable stream (a str)")
         conversation = _conversation_id(conversation_id)
-        if endpoint != "chat" and endpoint not in _ENDPOINTS:
-            raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(sorted(_ENDPOINTS)), endpoint))
+        if endpoint not in _ENDPOINTS or not _ENDPOINTS[endpoint].resumable:
+            others = sorted(n for n, row in _ENDPOINTS.items() if n != "chat" and row.resumable)
+            raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(others), endpoint))
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
-        dialect = None if endpoint == "chat" else _ENDPOINTS[endpoint][1]
         name = self.model if model is None else model
-        return _StreamRequest(b"", None, name, raw_chunks, dialect, conversation, offset)
+        return _StreamRequest(b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset)
+
+    def start(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Any]:
+        """The plan of a ``Stream``: a watch, or the life of a streamed request."""
+        return self.watch(board, run, req) if req.watch else self.stream(board, run, req)
+
+    def watch(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[None]:
+        """A watch (``GET /models/sse``): one connection, read until the caller cancels it or the server
+        closes it (``StreamClosedError``).  It takes no slot permit and is never sent again; silence is its
+        normal state (the route sends no pings), so no liveness applies.  A server that cannot be reached is
+        ``ConnectError``, a non-200 answer ``HTTPStatusError``."""
+        limits = self.limits
+        board.add(run)
+        try:
+            try:
+                conn = yield (_CONNECT, max(limits.poll, 0.2), False)
+            except OSError as exc:
+                raise _connect_error(self.addr, exc) from exc
+            yield (_SEND, conn, req.request, limits.liveness)
+            pump = ResponsePump(limits, req.raw_chunks, req.dialect)
+            only = req.model
+            while True:
+                try:
+                    data = yield (_RECV, conn, max(limits.liveness, 0.1))
+                except _Silence:
+                    continue  # nothing happened: the route's normal state
+                events = pump.feed(data) if data else pump.feed_eof()
+                if only is not None:
+                    events = [e for e in events if type(e) is not ModelEvent or e.model in (only, "*")]
+                if events:
+                    yield events
+                if pump.failed is not None:
+                    raise pump.failed
+                outcome = pump.outcome
+                if isinstance(outcome, _Retry):  # a 503 or 429: the watch is not sent again
+                    raise outcome.cause
+                assert outcome is None  # the dialect never completes: its end is StreamClosedError
+        finally:
+            run.close_all()
+            board.discard(run)
 
     def stream(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
         """The life of one streamed request: its place in the gate, then attempts until one is answered;
@@ -5180,7 +5404,7 @@ class Stream:
 
     def __init__(self, board: _Board, req: _StreamRequest) -> None:
         run = self._run = board.run_class(board)
-        run.gen = board.calls.stream(board, run, req)
+        run.gen = board.calls.start(board, run, req)
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
         self._batch_offset = run.offset = req.offset or 0
         self._done = False
@@ -5321,7 +5545,7 @@ class Client:
         A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
         ``TypeError``/``ValueError`` here, before any connection.
         """
-        return Stream(self._board, self._calls.chat_request(messages, slot, params))
+        return Stream(self._board, self._calls.stream_request("chat", (messages,), params, slot))
 
     def chat(
         self,
@@ -5346,13 +5570,29 @@ class Client:
         ``content`` is ``Content(text, choice=index)``; ``completion_probabilities`` go to the choice's
         ``logprobs``, ``tokens`` to its ``tokens``; the stream ends when every choice has had its
         ``stop: true`` chunk, which is ``Completion.final``."""
-        return Stream(self._board, self._calls.endpoint_request("complete", _native_body(prompt, params), slot))
+        return Stream(self._board, self._calls.stream_request("complete", (prompt,), params, slot))
 
     def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
         """``stream_complete()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
         return _consume(self.stream_complete(prompt, slot=slot, **params), on_event)
+
+    def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
+        """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as
+        ``stream_complete()`` takes it (a list of prompts is one choice each).  Keywords go into the body
+        (``max_tokens``, ``temperature``, ``logprobs``, ``stop``, ``n_probs``, ...).  Each choice's ``text``
+        is ``Content(text, choice=index)``, its ``logprobs`` entries go to the choice's ``logprobs``;
+        ``finish_reason`` and ``usage`` are chat's (this server's ``usage`` is the last closing choice's,
+        of its prompt alone), and ``[DONE]`` ends the stream.  This server ignores ``echo`` and ``suffix``
+        (``stream_infill()`` fills a middle)."""
+        return Stream(self._board, self._calls.stream_request("complete_openai", (prompt,), params, slot))
+
+    def complete_openai(
+        self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
+    ) -> Completion:
+        """``stream_complete_openai()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
+        return _consume(self.stream_complete_openai(prompt, slot=slot, **params), on_event)
 
     def stream_infill(
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
@@ -5361,8 +5601,7 @@ class Client:
         ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or ``{"filename",
         "text"}`` dicts) in ``input_extra``; read as ``stream_complete()``.  A model without
         fill-in-the-middle tokens answers 501: ``HTTPStatusError`` with the server's message."""
-        body = _infill_body(prefix, suffix, extra, params)
-        return Stream(self._board, self._calls.endpoint_request("infill", body, slot))
+        return Stream(self._board, self._calls.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     def infill(
         self,
@@ -5382,8 +5621,7 @@ class Client:
         input items.  Text deltas are ``Content``, reasoning deltas ``Reasoning``, function calls
         ``ToolCall``; ``Completion.final`` is the closing ``response``.  A thinking cap cannot work here:
         ``ValueError``."""
-        body = _responses_body(input, params)
-        return Stream(self._board, self._calls.endpoint_request("respond", body, slot))
+        return Stream(self._board, self._calls.stream_request("respond", (input,), params, slot))
 
     def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5397,8 +5635,7 @@ class Client:
         ``Completion.final`` is the ``message_start`` message with the closing stop reason and usage.
         ``max_tokens`` is the endpoint's own (required by Anthropic's API; the server has a default).  A
         thinking cap cannot work here: ``ValueError``."""
-        body = _messages_body(messages, params)
-        return Stream(self._board, self._calls.endpoint_request("message", body, slot))
+        return Stream(self._board, self._calls.stream_request("message", (messages,), params, slot))
 
     def message(
         self,
@@ -5424,8 +5661,8 @@ class Client:
         """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
         ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
         ``stream.offset``) and follows it to its end, read as ``endpoint`` (``"chat"``, ``"complete"``,
-        ``"infill"``, ``"respond"``, ``"message"``) reads it, with the same liveness and resume rules.  It
-        takes no slot permit and sends no request body.  The ``Completion`` holds what came after
+        ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``) reads it, with the same liveness
+        and resume rules.  It takes no slot permit and sends no request body.  The ``Completion`` holds what came after
         ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``."""
         req = self._calls.resume_request(conversation_id, endpoint, offset, model, raw_chunks)
         return Stream(self._board, req)
@@ -5465,9 +5702,21 @@ class Client:
         """``GET /v1/models``: the models the server (or router) serves, with their status on a router."""
         return self._run(self._calls.models())
 
-    def load_model(self, name: str) -> Dict[str, Any]:
-        """Router mode: ``POST /models/load`` for ``name``; the server's answer."""
-        return self._run(self._calls.load_model(name))
+    def load_model(self, name: str, *, wait: bool = False) -> Dict[str, Any]:
+        """Router mode: ``POST /models/load`` for ``name``; the server's answer.  ``wait=True`` returns once
+        the router says the model is loaded (``GET /models`` asked every ``poll`` seconds, under
+        ``load_wait``: ``LoadTimeoutError``); a load that fails is ``ServerError`` with the router's status
+        of the model (its exit code), a refused one ``HTTPStatusError`` with the router's message."""
+        return self._run(self._calls.load_model(name, wait))
+
+    def watch_models(self, model: Optional[str] = None) -> Stream:
+        """Router mode: a ``Stream`` of the router's model events (``GET /models/sse``), ``ModelEvent``
+        items as the router sends them (only ``model``'s, and the ``"*"`` ones that concern every model
+        such as ``models_reload``, when given), until the caller cancels it or
+        leaves the ``with`` block.  The route sends no pings, so silence is its normal state: no liveness
+        ends it; the router closing it is ``StreamClosedError``.  It takes no slot permit and is not sent
+        again after a failure (``ConnectError``, ``HTTPStatusError``)."""
+        return Stream(self._board, self._calls.watch_request(model))
 
     def unload_model(self, name: str) -> Dict[str, Any]:
         """Router mode: ``POST /models/unload`` for ``name``; the server's answer."""
@@ -5524,6 +5773,11 @@ class Client:
         """``POST /v1/messages/count_tokens``: the prompt tokens of a Messages request, cached ones included
         (as ``Completion.usage["prompt_tokens"]`` of ``message()``)."""
         return self._run(self._calls.count_message_tokens(messages, params))
+
+    def count_response_tokens(self, input: Any, **params: Any) -> int:
+        """``POST /v1/responses/input_tokens``: how many prompt tokens a Responses request of ``input`` (a
+        string or a list of input items) makes, the keywords (``instructions``, ``tools``, ...) counted too."""
+        return self._run(self._calls.count_response_tokens(input, params))
 
     def lora_adapters(self) -> List[Any]:
         """``GET /lora-adapters``: the server's LoRA adapters (``[]`` without ``--lora``)."""
@@ -5966,7 +6220,7 @@ class AsyncStream:
             board = self._client._board_here()
             run = self._run = _AsyncRun(board, self._req.conversation is not None)
             run.offset = self.offset
-            run.gen = board.calls.stream(board, run, self._req)
+            run.gen = board.calls.start(board, run, self._req)
         run.running = True
         try:
             got = await run.step()
@@ -6110,7 +6364,7 @@ class AsyncClient:
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream()`` for asyncio: an ``AsyncStream`` (a plain call; the request starts when
         iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
-        return AsyncStream(self, self._calls.chat_request(messages, slot, params))
+        return AsyncStream(self, self._calls.stream_request("chat", (messages,), params, slot))
 
     async def chat(
         self,
@@ -6128,7 +6382,7 @@ class AsyncClient:
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_complete()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.endpoint_request("complete", _native_body(prompt, params), slot))
+        return AsyncStream(self, self._calls.stream_request("complete", (prompt,), params, slot))
 
     async def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -6136,12 +6390,21 @@ class AsyncClient:
         """``Client.complete()``, as a coroutine."""
         return await _aconsume(self.stream_complete(prompt, slot=slot, **params), on_event)
 
+    def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
+        """``Client.stream_complete_openai()`` for asyncio (a plain call)."""
+        return AsyncStream(self, self._calls.stream_request("complete_openai", (prompt,), params, slot))
+
+    async def complete_openai(
+        self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
+    ) -> Completion:
+        """``Client.complete_openai()``, as a coroutine."""
+        return await _aconsume(self.stream_complete_openai(prompt, slot=slot, **params), on_event)
+
     def stream_infill(
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
         """``Client.stream_infill()`` for asyncio (a plain call)."""
-        body = _infill_body(prefix, suffix, extra, params)
-        return AsyncStream(self, self._calls.endpoint_request("infill", body, slot))
+        return AsyncStream(self, self._calls.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     async def infill(
         self,
@@ -6158,7 +6421,7 @@ class AsyncClient:
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_respond()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.endpoint_request("respond", _responses_body(input, params), slot))
+        return AsyncStream(self, self._calls.stream_request("respond", (input,), params, slot))
 
     async def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -6170,7 +6433,7 @@ class AsyncClient:
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
         """``Client.stream_message()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.endpoint_request("message", _messages_body(messages, params), slot))
+        return AsyncStream(self, self._calls.stream_request("message", (messages,), params, slot))
 
     async def message(
         self,
@@ -6226,9 +6489,13 @@ class AsyncClient:
         """``Client.models``, as a coroutine."""
         return await self._run(self._calls.models())
 
-    async def load_model(self, name: str) -> Dict[str, Any]:
+    async def load_model(self, name: str, *, wait: bool = False) -> Dict[str, Any]:
         """``Client.load_model``, as a coroutine."""
-        return await self._run(self._calls.load_model(name))
+        return await self._run(self._calls.load_model(name, wait))
+
+    def watch_models(self, model: Optional[str] = None) -> AsyncStream:
+        """``Client.watch_models()`` for asyncio (a plain call): an ``AsyncStream`` of ``ModelEvent``."""
+        return AsyncStream(self, self._calls.watch_request(model))
 
     async def unload_model(self, name: str) -> Dict[str, Any]:
         """``Client.unload_model``, as a coroutine."""
@@ -6283,6 +6550,10 @@ class AsyncClient:
     async def count_message_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
         """``Client.count_message_tokens``, as a coroutine."""
         return await self._run(self._calls.count_message_tokens(messages, params))
+
+    async def count_response_tokens(self, input: Any, **params: Any) -> int:
+        """``Client.count_response_tokens``, as a coroutine."""
+        return await self._run(self._calls.count_response_tokens(input, params))
 
     async def lora_adapters(self) -> List[Any]:
         """``Client.lora_adapters``, as a coroutine."""
@@ -6559,6 +6830,17 @@ def _models_table(doc: Dict[str, Any]) -> str:
     return "\n".join(("%s  %s" % (r[0].ljust(width), r[1])).rstrip() for r in rows)
 
 
+def _watch_models(client: Client, out: Any, model: Optional[str]) -> None:
+    """``models --watch``: one line per event of the router's model stream (``--model``'s only), as it
+    comes: the model, the event, and its data as JSON."""
+    with client.watch_models(model) as stream:
+        for event in stream:
+            if isinstance(event, ModelEvent):
+                data = "" if event.data is None else " " + json.dumps(event.data, ensure_ascii=False)
+                out.write("%s %s%s\n" % (event.model, event.event, data))
+                out.flush()
+
+
 def _unescape(text: str) -> str:
     """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` in a command-line TEXT as the characters they name (as
     llama-server's own flags read them), so that ``--stop '\\n'`` works in any shell."""
@@ -6681,13 +6963,19 @@ def _parser() -> Any:
     )
     commands.add_parser("health", parents=[common], help="print /health as JSON")
     commands.add_parser("props", parents=[common], help="print /props as JSON")
-    commands.add_parser("models", parents=[common], help="show the models (a router's, with their status)")
+    models = commands.add_parser("models", parents=[common], help="show the models (a router's, with their status)")
+    models.add_argument(
+        "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
+    )
     tokens = commands.add_parser("tokens", parents=[common], help="count the tokens of TEXT (or stdin)")
     tokens.add_argument("text", nargs="?", help="the text; without it, read stdin")
     complete = commands.add_parser(
         "complete", parents=[common], help="stream the text that follows PROMPT (/completion)"
     )
     complete.add_argument("prompt", nargs="?", help="the raw prompt; without it, read stdin")
+    complete.add_argument(
+        "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
+    )
     _add_answer_options(complete)
     infill = commands.add_parser("infill", parents=[common], help="stream the middle between --prefix and --suffix")
     infill.add_argument("--prefix", metavar="FILE", required=True, help="the text before the gap (- for stdin)")
@@ -6739,6 +7027,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(json.dumps(client.health()))
             elif args.command == "props":
                 print(json.dumps(client.props(), indent=2, ensure_ascii=False))
+            elif args.command == "models" and args.watch:
+                _watch_models(client, sys.stdout, model)
             elif args.command == "models":
                 print(_models_table(client.models()))
             else:
@@ -6832,7 +7122,8 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
     params = dict({"return_progress": True}, **params)
-    if "max_tokens" in params:  # --param n_predict, applied last, wins over --max-tokens
+    openai = args.command == "complete" and args.openai  # /v1/completions: its token cap is max_tokens
+    if "max_tokens" in params and not openai:  # --param n_predict, applied last, wins over --max-tokens
         params.setdefault("n_predict", params.pop("max_tokens"))
     console = _Console(sys.stdout, sys.stderr)
     show = functools.partial(console.event, show_text=not args.json)
@@ -6846,7 +7137,9 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
     try:  # what the body functions refuse (a bad --slot, --param input_extra) is a usage error
-        if args.command == "complete":
+        if openai:
+            stream = client.stream_complete_openai(text[0], slot=args.slot, **params)
+        elif args.command == "complete":
             stream = client.stream_complete(text[0], slot=args.slot, **params)
         else:
             extra = params.pop("input_extra", None)

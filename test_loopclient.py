@@ -5884,6 +5884,223 @@ class TestParserDialectTranscripts(unittest.TestCase):
         self.check(lc._NativeAssembler, raw, ("ok", [lc.Content(w) for w in words], done))
 
 
+# -- /v1/completions (OpenAI text completions) and a router's /models/sse ---------------------------------
+
+
+def _t_payloads(raw):
+    """Every data payload of a captured stream: parsed, or the bare string ([DONE])."""
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            text = line[6:].decode()
+            out.append(text if text == "[DONE]" else json.loads(text))
+    return out
+
+
+def _t_pump_outcome(dialect, pieces, raw_chunks=False):
+    """The pump (which reads [DONE]) fed ``pieces``: ("ok", events, completion) or ("raised", events
+    delivered first, error class, message)."""
+    pump = lc.ResponsePump(lc.Limits(), raw_chunks, dialect)
+    events = []
+    try:
+        for piece in pieces + [None]:
+            events += pump.feed(piece) if piece is not None else pump.feed_eof()
+            if pump.failed is not None:
+                raise pump.failed
+            if pump.outcome is not None:
+                return ("ok", events, pump.outcome)
+    except lc.LoopError as exc:
+        return ("raised", events, type(exc), str(exc))
+    return ("no outcome", events)
+
+
+#: What captures 90-92 stream for "The sky is" (max_tokens 8), and 91 for "The grass is"
+_t_GRASS = [" greener", " on", " the", " other", " side", " of", " the", " fence"]
+
+
+class TestParserTextCompletionsDialect(unittest.TestCase):
+    """/v1/completions as the real server streamed it (captures 90-96): fed whole, byte by byte, split at
+    every offset (300 seeded ones for the longer captures) and at random sets of offsets, through the pump."""
+
+    def check(self, raw, expect, raw_chunks=False):
+        for label, pieces in _p_stream_splittings(raw, every=len(raw) <= 6000):
+            got = _t_pump_outcome(lc._TextAssembler, pieces, raw_chunks)
+            if got != expect:
+                self.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 3000), _p_short(expect, 3000)))
+
+    def completion(self, raw, choices, usage_from=-1):
+        """The Completion the capture's own bytes say: chat's fields, the finals' usage (the last one's, as
+        chat merges them) and timings, no final object, no token ids."""
+        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
+        finals = [d for d in docs if d["choices"] and d["choices"][0]["finish_reason"] is not None]
+        first = choices[0]
+        return lc.Completion(
+            id=docs[0]["id"],
+            model=_p_GEMMA,
+            content=first.content,
+            reasoning="",
+            tool_calls=[],
+            finish_reason=first.finish_reason,
+            usage=finals[usage_from]["usage"],
+            timings=finals[-1]["timings"],
+            choices=choices,
+        )
+
+    def logprobs(self, raw, index):
+        return [
+            e
+            for d in _t_payloads(raw)
+            if isinstance(d, dict)
+            for c in d["choices"]
+            if c["index"] == index and c["logprobs"]
+            for e in c["logprobs"]["content"]
+        ]
+
+    def test_90_text_deltas_and_logprobs(self):
+        raw = load_transcript("90_completions_oai_stream_logprobs.raw.txt")
+        payloads = _t_payloads(raw)
+        self.assertEqual(payloads[-1], "[DONE]")
+        self.assertEqual(payloads[-2]["usage"], {**payloads[-2]["usage"], "prompt_tokens": 4, "completion_tokens": 8})
+        probs = self.logprobs(raw, 0)
+        self.assertEqual(len(probs), 8)
+        self.assertEqual(probs[0]["top_logprobs"][1]["token"], " blue")
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", probs, None)
+        expect = self.completion(raw, (choice,))
+        self.assertTrue(expect.id.startswith("chatcmpl-"))
+        self.check(raw, ("ok", [lc.Content(w) for w in _p_SKY], expect))
+
+    def test_90_raw_chunks_come_first(self):
+        raw = load_transcript("90_completions_oai_stream_logprobs.raw.txt")
+        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
+        events = []
+        for doc in docs:
+            events.append(lc.Chunk(doc))
+            text = doc["choices"][0]["text"]
+            if text:
+                events.append(lc.Content(text))
+        outcome = _t_pump_outcome(lc._TextAssembler, [raw], raw_chunks=True)
+        self.assertEqual(outcome[:2], ("ok", events))
+
+    def test_91_two_prompts_are_two_choices_opened_by_null(self):
+        raw = load_transcript("91_completions_oai_stream_two_prompts.raw.txt")
+        self.assertIsNone(_t_payloads(raw)[0])
+        events = []
+        for g, s in zip(_t_GRASS, _p_SKY):  # interleaved, choice 1 first
+            events += [lc.Content(g, 1), lc.Content(s, 0)]
+        choices = (
+            lc.Choice(0, "".join(_p_SKY), "", [], "length", self.logprobs(raw, 0), None),
+            lc.Choice(1, "".join(_t_GRASS), "", [], "length", self.logprobs(raw, 1), None),
+        )
+        expect = self.completion(raw, choices)
+        # each choice's closing chunk has its own usage, of its own prompt: the last one's is kept, as chat does
+        self.assertEqual((expect.usage["prompt_tokens"], expect.usage["completion_tokens"]), (4, 8))
+        self.check(raw, ("ok", events, expect))
+
+    def test_92_progress_before_the_text(self):
+        raw = load_transcript("92_completions_oai_stream_progress.raw.txt")
+        events = [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 16.0)] + [lc.Content(w) for w in _p_SKY]
+        choice = lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None)
+        self.check(raw, ("ok", events, self.completion(raw, (choice,))))
+
+    def test_94_95_echo_and_suffix_are_ignored_by_this_server(self):
+        for name in ("94_completions_oai_echo.raw.txt", "95_completions_oai_suffix.raw.txt"):
+            with self.subTest(name=name):
+                raw = load_transcript(name)
+                outcome = _t_pump_outcome(lc._TextAssembler, [raw])
+                self.assertEqual(outcome[:2], ("ok", [lc.Content(w) for w in _p_SKY]))
+
+    def test_96_an_error_in_mid_stream(self):
+        raw = load_transcript("96_completions_oai_midstream_error.raw.txt")
+        words = ["<", "think", ">", " is", " the", " sky", " blue", " is"]
+        message = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        expect = ("raised", [lc.Content(w) for w in words], lc.ServerError, "server error 500: " + message)
+        self.check(raw, expect)
+
+    def test_the_end_without_done_or_a_finish(self):
+        raw = load_transcript("90_completions_oai_stream_logprobs.raw.txt")
+        done = raw.rindex(b"e\r\ndata: [DONE]")
+        got = _t_pump_outcome(lc._TextAssembler, [raw[:done] + b"0\r\n\r\n"])  # [DONE] left out: finished anyway
+        self.assertEqual((got[0], got[2].finish_reason), ("ok", "length"))
+        last = raw.rindex(b"\r\n278\r\n")  # the closing chunk left out too
+        got = _t_pump_outcome(lc._TextAssembler, [raw[: last + 2] + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"])
+        self.assertEqual((got[0], got[2]), ("raised", lc.StreamClosedError))
+
+    def test_shapes_it_refuses(self):
+        for payload, message in (
+            ('{"choices":[{"index":0,"text":5}]}', "'text' is not a string"),
+            ('{"choices":[{"index":"0","text":"x"}]}', "'index' is not an integer"),
+            ('{"choices":{"index":0}}', "'choices' is not a list"),
+            ("[1]", "not a JSON object"),
+        ):
+            with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError) as caught:
+                lc._TextAssembler().feed(payload)
+            self.assertIn(message, str(caught.exception))
+        self.assertEqual(lc._TextAssembler().feed('{"choices":[{"index":0,"text":"","delta":{"content":"x"}}]}'), [])
+
+
+class TestParserModelEvents(unittest.TestCase):
+    """A router's GET /models/sse as it streamed (captures 98, 99): one ModelEvent per payload, and the
+    connection's end is StreamClosedError (the route has no end of its own)."""
+
+    def expect(self, raw):
+        return [lc.ModelEvent(d["model"], d["event"], d.get("data")) for d in _t_payloads(raw)]
+
+    def test_98_a_model_loads(self):
+        raw = load_transcript("98_router_models_sse.raw.txt")
+        events = self.expect(raw)
+        self.assertEqual(
+            [(e.model, e.event, (e.data or {}).get("status")) for e in events],
+            [("beta", "model_status", "loading")]
+            + [("beta", "status_change", "loading")] * 3
+            + [("beta", "status_change", "loaded")],
+        )
+        self.assertEqual(events[-1].data["info"]["id"], "beta")
+        outcome = _p_dialect_outcome(lc._ModelEvents, [raw])
+        self.assertEqual(outcome[:3], ("raised", events, lc.StreamClosedError))
+        _p_check_dialect(self, lc._ModelEvents, raw, outcome)
+
+    def test_99_a_model_that_cannot_load(self):
+        raw = load_transcript("99_router_load_broken.raw.txt")
+        events = self.expect(raw)
+        self.assertEqual(events[-1], lc.ModelEvent("broken", "status_change", {"status": "unloaded", "exit_code": 1}))
+        outcome = _p_dialect_outcome(lc._ModelEvents, [raw])
+        self.assertEqual(outcome[:3], ("raised", events, lc.StreamClosedError))
+        _p_check_dialect(self, lc._ModelEvents, raw, outcome)
+
+    def test_the_closed_stream_says_so(self):
+        asm = lc._ModelEvents()
+        self.assertEqual(asm.feed('{"model":"*","event":"models_reload"}'), [lc.ModelEvent("*", "models_reload", None)])
+        with self.assertRaises(lc.StreamClosedError) as caught:
+            asm.completion()
+        self.assertIn("/models/sse", str(caught.exception))
+
+    def test_raw_chunks_and_shapes_it_refuses(self):
+        doc = {"model": "a", "event": "download_progress", "data": {"x": 1}}
+        self.assertEqual(
+            lc._ModelEvents(True).feed(json.dumps(doc)),
+            [lc.Chunk(doc), lc.ModelEvent("a", "download_progress", {"x": 1})],
+        )
+        for payload in (
+            '{"event":"x"}',
+            '{"model":"a"}',
+            '{"model":1,"event":"x"}',
+            '{"model":"a","event":"x","data":[]}',
+            "null",
+        ):
+            with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError):
+                lc._ModelEvents().feed(payload)
+
+    def test_model_event_is_a_value_object(self):
+        event = lc.ModelEvent("alpha", "status_change", {"status": "loaded"})
+        self.assertEqual(event, copy.deepcopy(event))
+        self.assertEqual(pickle.loads(pickle.dumps(event)), event)
+        self.assertEqual(repr(event), "ModelEvent(model='alpha', event='status_change', data={'status': 'loaded'})")
+        self.assertEqual(list(inspect.signature(lc.ModelEvent).parameters), ["model", "event", "data"])
+        with self.assertRaises(AttributeError):
+            event.model = "beta"
+        self.assertIn("ModelEvent", lc.__all__)
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================
@@ -6958,6 +7175,514 @@ class TestEndpoints(ServerCase):
 
 class TestEndpointsAsync(AsyncDriver, TestEndpoints):
     pass
+
+
+# -- the last streamed routes: /v1/completions, /models/sse, load_model(wait=True), /v1/responses/input_tokens
+
+
+_T_CASE = (("The sky is",), "90_completions_oai_stream_logprobs.raw.txt", "".join(_p_SKY))
+
+
+def _t_sse(*docs):
+    """A router's /models/sse events (``data: <json>`` blocks, as it writes them), one HTTP chunk each."""
+    return chunked(*(b"data: %s\n\n" % json.dumps(d, separators=(",", ":")).encode() for d in docs))
+
+
+def _t_models(*statuses):
+    """A router's GET /v1/models answer: (name, status object) per model."""
+    return {"data": [{"id": name, "aliases": [name], "status": status} for name, status in statuses], "object": "list"}
+
+
+class TestLastRoutes(ServerCase):
+    """complete_openai (POST /v1/completions) on the real server's bytes, through the same engine as every
+    streamed endpoint; count_response_tokens; watch_models (GET /models/sse) and load_model(wait=True)."""
+
+    def serve(self, name, path="/v1/completions"):
+        raw = load_transcript(name)
+        self.server.route("POST", path, lambda req: req.send(raw))
+        return raw
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def call(self, *args, client=None, **kw):
+        events = []
+        completion = run_with_timeout(
+            lambda: (client or self.client).complete_openai(*args, on_event=events.append, **kw)
+        )
+        return completion, events
+
+    def test_request_and_transcript_90(self):
+        raw = self.serve("90_completions_oai_stream_logprobs.raw.txt")
+        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
+        self.closers.append(client.close)
+        completion, events = self.call("The sky is", slot=1, client=client, max_tokens=8, temperature=0, logprobs=2)
+        (req,) = self.sent("/v1/completions")
+        head = req.raw_head.decode()
+        self.assertTrue(head.startswith("POST /v1/completions HTTP/1.1\r\n"), head)
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertEqual(
+            req.json(),
+            {
+                "prompt": "The sky is",
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 2,
+                "stream": True,
+                "id_slot": 1,
+                "model": "alpha",
+            },
+        )
+        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
+        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
+        probs = [c["logprobs"]["content"][0] for d in docs[:-1] for c in d["choices"]]
+        self.assertEqual(
+            completion,
+            lc.Completion(
+                id=docs[0]["id"],
+                model=_p_GEMMA,
+                content=" the limit for the 201",
+                reasoning="",
+                tool_calls=[],
+                finish_reason="length",
+                usage=docs[-1]["usage"],
+                timings=docs[-1]["timings"],
+                choices=(lc.Choice(0, " the limit for the 201", "", [], "length", probs, None),),
+            ),
+        )
+        self.assertEqual((completion.usage["prompt_tokens"], completion.usage["completion_tokens"]), (4, 8))
+        self.assertIsNone(completion.final)
+
+    def test_two_prompts_are_two_choices(self):
+        self.serve("91_completions_oai_stream_two_prompts.raw.txt")
+        completion, events = self.call(["The sky is", "The grass is"], max_tokens=8, logprobs=2)
+        self.assertEqual(self.sent("/v1/completions")[0].json()["prompt"], ["The sky is", "The grass is"])
+        self.assertEqual([e.choice for e in events], [1, 0] * 8)
+        self.assertEqual(
+            [(c.index, c.content, c.finish_reason, len(c.logprobs)) for c in completion.choices],
+            [(0, "".join(_p_SKY), "length", 8), (1, "".join(_t_GRASS), "length", 8)],
+        )
+
+    def test_stream_form_raw_chunks_and_no_slot_or_model(self):
+        raw = self.serve("90_completions_oai_stream_logprobs.raw.txt")
+        with open_stream(self.client, "complete_openai", "The sky is", raw_chunks=True) as stream:
+            self.assertIsNone(stream.completion)
+            events = run_with_timeout(lambda: list(stream))
+        body = self.sent("/v1/completions")[0].json()
+        self.assertEqual(body, {"prompt": "The sky is", "stream": True})
+        chunks = [e.data for e in events if type(e) is lc.Chunk]
+        self.assertEqual(chunks, [d for d in _t_payloads(raw) if isinstance(d, dict)])
+        self.assertEqual(stream.completion.content, "".join(_p_SKY))
+
+    def test_busy_slot_is_waited_out_then_streams(self):
+        raw = load_transcript(_T_CASE[1])
+        release = threading.Event()
+        self.server.busy[0] = True
+
+        def handler(req):
+            while not release.is_set():  # the slot is busy: no byte until it frees
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            req.send(raw)
+
+        self.server.route("POST", "/v1/completions", handler)
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            if events.count(lc.Waiting(True)) == 2:
+                self.server.busy[0] = False
+                release.set()
+
+        completion = run_with_timeout(lambda: self.client.complete_openai("The sky is", slot=0, on_event=on_event))
+        self.assertEqual(events[:2], [lc.Waiting(True)] * 2)
+        self.assertEqual(events[2:], [lc.Content(w) for w in _p_SKY])
+        self.assertEqual(completion.content, _T_CASE[2])
+        self.assertEqual(len(self.sent("/v1/completions")), 1)
+
+    def test_cancel_mid_stream_frees_the_permit(self):
+        cut = first_chunk(load_transcript(_T_CASE[1]))
+
+        def handler(req):
+            req.send(cut)
+            req.wait_peer_close(5)
+
+        self.server.route("POST", "/v1/completions", handler)
+        stream = open_stream(self.client, "complete_openai", "The sky is", slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content(" the"))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
+        stream.cancel()
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+        self.assertTrue(self.sent("/v1/completions")[-1].closed_by_peer.wait(1))
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+
+    def test_an_error_before_delivery_is_retried_one_after_is_not(self):
+        unavailable = b'data: {"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}\n\n'
+        answers = [STREAM_HEAD + chunked(unavailable) + b"0\r\n\r\n", load_transcript(_T_CASE[1])]
+        self.server.route("POST", "/v1/completions", lambda req: req.send(answers.pop(0)))
+        completion, events = self.call("The sky is", slot=0)
+        self.assertIsInstance(events[0], lc.Retrying)
+        self.assertIn("Loading model", events[0].reason)
+        self.assertEqual((events[1:], completion.content), ([lc.Content(w) for w in _p_SKY], _T_CASE[2]))
+        self.assertEqual(len(self.sent("/v1/completions")), 2)
+        self.serve("96_completions_oai_midstream_error.raw.txt")
+        events = []
+        with self.assertRaises(lc.ServerError) as caught:
+            run_with_timeout(lambda: self.client.complete_openai("x", slot=0, on_event=events.append))
+        self.assertEqual((caught.exception.code, caught.exception.type), (500, "server_error"))
+        self.assertEqual(events, [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]])
+        self.assertEqual(len(self.sent("/v1/completions")), 3)
+
+    def test_a_stream_cut_before_its_end_is_stream_closed(self):
+        cut = first_chunk(load_transcript(_T_CASE[1])) + b"0\r\n\r\n"
+        self.server.route("POST", "/v1/completions", lambda req: req.send(cut))
+        with self.assertRaises(lc.StreamClosedError):
+            self.call("The sky is")
+
+    def test_a_resumable_one_cut_anywhere_resumes(self):
+        raw = load_transcript(_T_CASE[1])
+        buf = _r_Buffer(self.server, raw, "/v1/completions")
+        whole, whole_events = self.call("The sky is", slot=0, resumable="conv-oai")
+        self.assertEqual(self.sent("/v1/completions")[0].headers["x-conversation-id"], "conv-oai")
+        rng = random.Random(90)
+        end = len(raw) - len(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        for cut in sorted({len(buf.head), len(buf.head) + 3, end - 1} | set(rng.sample(range(len(buf.head), end), 40))):
+            buf.reset([cut])
+            completion, events = self.call("The sky is", slot=0, resumable="conv-oai")
+            resumed = [e for e in events if isinstance(e, lc.Resumed)]
+            self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events, "cut at %d" % cut)
+            self.assertEqual(completion, whole, "cut at %d" % cut)
+            self.assertEqual(len(resumed), 1, "cut at %d" % cut)
+            self.assertEqual(buf.methods().count("POST"), 1, "cut at %d: the request was sent again" % cut)
+        # and resume() reads the buffer with this endpoint's dialect
+        stream = self.client.resume("conv-oai", endpoint="complete_openai")
+        self.assertEqual(run_with_timeout(lambda: list(stream)), whole_events)
+
+    def test_the_thinking_cap_has_nothing_to_cap_here(self):
+        client = self.client_with(thinking_cap=3)
+        self.serve(_T_CASE[1])
+        completion, _ = self.call("The sky is", client=client)
+        self.assertEqual((completion.content, completion.thinking_capped), (_T_CASE[2], False))
+        self.assertNotIn("reasoning_control", self.sent("/v1/completions")[0].json())
+
+    def test_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (5,), {}),
+            (ValueError, ([],), {}),
+            (TypeError, ("x",), {"prompt": "y"}),
+            (ValueError, ("x",), {"slot": -1}),
+            (ValueError, ("x",), {"resumable": ""}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                open_stream(self.client, "complete_openai", *args, **kw)
+        with self.assertRaises(ValueError):
+            self.client.resume("conv-1", endpoint="models")
+        self.assertEqual(self.server.requests, [])
+
+    def test_count_response_tokens_request_and_answer_97(self):
+        raw = load_transcript("97_responses_input_tokens.raw.txt")
+        self.server.route("POST", "/v1/responses/input_tokens", lambda req: req.send(raw))
+        got = run_with_timeout(
+            lambda: self.client.count_response_tokens("Write one sentence about the sea.", instructions="Be brief.")
+        )
+        self.assertEqual(got, 47)
+        (req,) = self.sent("/v1/responses/input_tokens")
+        self.assertEqual(req.json(), {"input": "Write one sentence about the sea.", "instructions": "Be brief."})
+        self.server.route("POST", "/v1/responses/input_tokens", reply(json_response({"input_tokens": "47"})))
+        with self.assertRaises(lc.ProtocolError):
+            run_with_timeout(lambda: self.client.count_response_tokens("x"))
+        with self.assertRaises(TypeError):
+            self.client.count_response_tokens(5)
+
+    # -- GET /models/sse ------------------------------------------------------------------------------
+
+    def sse(self, body, hold=True):
+        self.server.route("GET", "/models/sse", serve_body(body, hold))
+
+    def test_watch_models_yields_model_events_and_waits_out_silence(self):
+        client = self.client_with(liveness=0.2)  # far shorter than the silence below
+        loading = {"model": "beta", "event": "status_change", "data": {"status": "loading"}}
+        other = {"model": "alpha", "event": "status_change", "data": {"status": "loaded"}}
+        release = threading.Event()
+
+        def handler(req):
+            req.send(STREAM_HEAD + _t_sse(loading, other))
+            while not release.is_set():
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            req.send(_t_sse({"model": "*", "event": "models_reload"}))
+            req.wait_peer_close(5)
+
+        self.server.route("GET", "/models/sse", handler)
+        with self.watch(client) as stream:
+            got = [run_with_timeout(lambda: next(stream)) for _ in range(2)]
+            self.assertEqual(
+                got,
+                [
+                    lc.ModelEvent("beta", "status_change", {"status": "loading"}),
+                    lc.ModelEvent("alpha", "status_change", {"status": "loaded"}),
+                ],
+            )
+            threading.Timer(0.8, release.set).start()  # four times liveness of silence
+            self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("*", "models_reload", None))
+        (req,) = self.sent("/models/sse")
+        self.assertTrue(req.raw_head.startswith(b"GET /models/sse HTTP/1.1\r\n"))
+        self.assertEqual(req.headers["accept"], "text/event-stream")
+        self.assertTrue(req.closed_by_peer.wait(1))  # leaving the with block closed it
+        self.assertEqual(self.client._board.gate.snapshot(), {})
+
+    def watch(self, client=None, model=None):
+        client = client or self.client
+        if isinstance(client, SyncFacade):
+            return StreamFacade(client._runner, client._client.watch_models(model))
+        return client.watch_models(model)
+
+    def test_watch_models_filters_and_never_routes(self):
+        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
+        self.closers.append(client.close)
+        events = [
+            {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
+            {"model": "alpha", "event": "status_change", "data": {"status": "loading"}},
+            {"model": "*", "event": "models_reload"},
+            {"model": "beta", "event": "status_change", "data": {"status": "loaded"}},
+        ]
+        self.sse(_t_sse(*events) + b"0\r\n\r\n", hold=False)
+        stream = self.watch(client, "beta")
+        got = []
+        with self.assertRaises(lc.StreamClosedError) as caught:
+            for event in run_with_timeout(lambda: stream):
+                got.append(event)
+        self.assertIn("/models/sse", str(caught.exception))
+        self.assertEqual(
+            got,
+            [
+                lc.ModelEvent("beta", "model_status", {"status": "loading"}),
+                lc.ModelEvent("*", "models_reload", None),  # the router's own, about every model
+                lc.ModelEvent("beta", "status_change", {"status": "loaded"}),
+            ],
+        )
+        self.assertEqual([r.path for r in self.server.requests], ["/models/sse"])  # no ?model=, no /slots
+
+    def test_watch_models_cancel_and_errors(self):
+        self.sse(_t_sse({"model": "a", "event": "x"}))
+        stream = self.watch()
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("a", "x", None))
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+        self.assertTrue(self.sent("/models/sse")[-1].closed_by_peer.wait(1))
+        self.server.route(
+            "GET",
+            "/models/sse",
+            reply(json_response({"error": {"code": 503, "message": "Loading"}}, b"503 Unavailable")),
+        )
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(lambda: next(self.watch()))
+        self.assertEqual(caught.exception.status, 503)
+        self.assertEqual(len(self.sent("/models/sse")), 2)  # not sent again
+        with self.assertRaises(TypeError):
+            self.client.watch_models(5)
+
+    def test_watch_models_of_a_server_that_is_not_there(self):
+        self.server.close()
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(lambda: next(self.watch()))
+
+    # -- load_model(wait=True) -------------------------------------------------------------------------
+
+    def router(self, *answers):
+        """POST /models/load answers success; GET /v1/models answers ``answers`` in turn (the last again)."""
+        self.server.route("POST", "/models/load", reply(json_response({"success": True})))
+        left = list(answers)
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, left.pop(0) if len(left) > 1 else left[0]))
+
+    def test_load_model_waits_until_loaded(self):
+        self.router(
+            _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loading"})),
+            _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loading"})),
+            _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loaded"})),
+        )
+        self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta", wait=True)), {"success": True})
+        self.assertEqual(
+            [r.path for r in self.server.requests], ["/models/load", "/v1/models", "/v1/models", "/v1/models"]
+        )
+        self.assertEqual(self.sent("/models/load")[0].json(), {"model": "beta"})
+        self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta")), {"success": True})
+        self.assertEqual(len(self.sent("/v1/models")), 3)  # without wait: the answer alone
+
+    def test_load_model_that_fails_is_server_error_with_the_router_status(self):
+        failed = {"value": "unloaded", "exit_code": 1, "failed": True}
+        self.router(_t_models(("broken", {"value": "loading"})), _t_models(("broken", failed)))
+        with self.assertRaises(lc.ServerError) as caught:
+            run_with_timeout(lambda: self.client.load_model("broken", wait=True))
+        self.assertEqual(
+            (caught.exception.code, caught.exception.type, caught.exception.error), (1, "load_failed", failed)
+        )
+        self.assertIn("could not load model 'broken'", str(caught.exception))
+        self.assertIn("exit code 1", str(caught.exception))
+        self.server.route(
+            "POST",
+            "/models/load",
+            reply(json_response({"error": {"code": 404, "message": "File Not Found"}}, b"404 Not Found")),
+        )
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(lambda: self.client.load_model("nonesuch", wait=True))
+        self.assertEqual((caught.exception.status, caught.exception.message), (404, "File Not Found"))
+
+    def test_load_model_that_stays_loading_is_load_timeout(self):
+        client = self.client_with(load_wait=0.3)
+        self.router(_t_models(("beta", {"value": "loading"})))
+        t = Timer()
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.load_model("beta", wait=True))
+        self.assertGreaterEqual(t.elapsed, 0.3)
+        self.assertLess(t.elapsed, 0.3 + MARGIN)
+        self.assertIn("still loading", str(caught.exception))
+
+
+class TestLastRoutesAsync(AsyncDriver, TestLastRoutes):
+    pass
+
+
+# -- every route of the server: a named call, or a README line saying why not -----------------------------
+
+#: The route list the server registers (a copy of what its tools/server/server.cpp says; see the file)
+_ROUTES_FILE = os.path.join(HERE, "dev", "testdata", "server_routes.txt")
+
+
+#: The route each named call sends (the calls of both clients)
+_NAMED_ROUTES = {
+    "GET /health": "health",
+    "GET /metrics": "metrics",
+    "GET /props": "props",
+    "GET /v1/models": "models",
+    "POST /completion": "complete",
+    "POST /v1/completions": "complete_openai",
+    "POST /v1/chat/completions": "chat",
+    "POST /v1/chat/completions/control": "end_reasoning",
+    "POST /v1/responses": "respond",
+    "POST /v1/messages": "message",
+    "POST /infill": "infill",
+    "POST /v1/embeddings": "embed",
+    "POST /v1/rerank": "rerank",
+    "POST /tokenize": "tokenize",
+    "POST /detokenize": "detokenize",
+    "POST /apply-template": "apply_template",
+    "POST /v1/chat/completions/input_tokens": "count_tokens",
+    "POST /v1/responses/input_tokens": "count_response_tokens",
+    "POST /v1/messages/count_tokens": "count_message_tokens",
+    "GET /lora-adapters": "lora_adapters",
+    "POST /lora-adapters": "set_lora_adapters",
+    "GET /slots": "slots",
+    "POST /slots/:id_slot": "save_slot",  # and restore_slot, erase_slot
+    "GET /v1/stream": "resume",
+    "POST /v1/streams/lookup": "lookup_streams",
+    "DELETE /v1/stream": "delete_stream",
+    "POST /models/load": "load_model",
+    "POST /models/unload": "unload_model",
+    "GET /models/sse": "watch_models",
+}
+
+
+def _routes_of_source(text):
+    """The "METHOD PATH" routes of server.cpp's text: its ctx_http.get/post/del/put("...") lines, in order,
+    each once."""
+    routes = []
+    for method, path in re.findall(r'ctx_http\.(get|post|del|put)\s*\(\s*"([^"]+)"', text):
+        route = "%s %s" % ("DELETE" if method == "del" else method.upper(), path)
+        if route not in routes:
+            routes.append(route)
+    return routes
+
+
+def _routes_of_copy(path=_ROUTES_FILE):
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def _routes_of_readme():
+    """The README's "Routes without a named call" table: {"METHOD PATH": why}."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("### Routes without a named call")
+    section = text[start : text.index("\n### ", start + 1)]
+    listed = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        if len(cells) == 2:
+            for route in re.findall(r"`([A-Z]+ /[^`]*)`", cells[0]):
+                listed[route] = cells[1]
+    return listed
+
+
+def _unexplained_routes(routes):
+    """The routes that are neither a named call of both clients nor in the README's table; and the README's
+    routes the list does not have (stale lines)."""
+    listed = _routes_of_readme()
+    missing = []
+    for route in routes:
+        name = _NAMED_ROUTES.get(route)
+        if name is not None and hasattr(lc.Client, name) and hasattr(lc.AsyncClient, name):
+            continue
+        if listed.get(route):
+            continue
+        missing.append(route)
+    return missing, sorted(set(listed) - set(routes))
+
+
+class TestServerRoutes(unittest.TestCase):
+    """Every route the server registers (the copy in dev/testdata/server_routes.txt) is a named call or a
+    README line with its reason; a fresh clone runs this on the copy, without the source."""
+
+    def test_every_route_is_a_call_or_in_the_readme(self):
+        routes = _routes_of_copy()
+        self.assertGreaterEqual(len(routes), 50)
+        missing, stale = _unexplained_routes(routes)
+        self.assertEqual(missing, [], "routes with neither a call nor a README line (### Routes without a named call)")
+        self.assertEqual(stale, [], "README lines of routes the server does not register")
+        self.assertEqual(sorted(set(_NAMED_ROUTES) - set(routes)), [], "named calls of routes the server lacks")
+
+    def test_a_new_route_fails_it(self):
+        missing, _ = _unexplained_routes(_routes_of_copy() + ["POST /v1/images/generations"])
+        self.assertEqual(missing, ["POST /v1/images/generations"])
+
+    def test_the_reader_of_the_source(self):
+        text = (
+            'ctx_http.get ("/a", h);\n  ctx_http.del ("/b",  x); // c\nctx_http.post("/a", y); ctx_http.get("/a", z);'
+        )
+        self.assertEqual(_routes_of_source(text), ["GET /a", "DELETE /b", "POST /a"])
+
+
+def _llama_source():
+    """tools/server/server.cpp of the source tree dev/llama-server.sh builds from (None when not unpacked)."""
+    try:
+        out = subprocess.run(
+            ["bash", os.path.join(HERE, "dev", "llama-server.sh"), "source"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = os.path.join(out.strip(), "tools", "server", "server.cpp")
+    return path if os.path.isfile(path) else None
+
+
+LLAMA_SERVER_CPP = _llama_source()
+
+
+@unittest.skipUnless(LLAMA_SERVER_CPP, "no llama.cpp source: run dev/llama-server.sh build (.ci/run does)")
+class TestRealServerRoutes(unittest.TestCase):
+    """The copy of the route list is the source's own: a server that gains a route fails TestServerRoutes."""
+
+    def test_the_copy_is_the_source_route_list(self):
+        with open(LLAMA_SERVER_CPP, encoding="utf-8") as f:
+            routes = _routes_of_source(f.read())
+        self.assertEqual(routes, _routes_of_copy(), "dev/testdata/server_routes.txt is not %s" % LLAMA_SERVER_CPP)
+        self.assertEqual(_unexplained_routes(routes), ([], []))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -16192,6 +16917,44 @@ class TestCommandLineWithoutSSL(CLICase):
             self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
 
 
+class TestCommandLineLastRoutes(CLICase):
+    """``complete --openai`` (/v1/completions) and ``models --watch`` (a router's /models/sse)."""
+
+    def test_complete_openai_streams_the_text_and_sends_max_tokens(self):
+        raw = load_transcript("92_completions_oai_stream_progress.raw.txt")
+        self.server.route("POST", "/v1/completions", lambda req: req.send(raw))
+        out, err = self.main_ok("complete", "--openai", "The sky is", "--max-tokens", "8", "--slot", "0")
+        self.assertEqual(out, " the limit for the 201\n")
+        self.assertEqual(err.splitlines()[:2], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertRegex(
+            err.splitlines()[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$"
+        )
+        (req,) = [r for r in self.server.requests if r.path == "/v1/completions"]
+        self.assertEqual(
+            req.json(),
+            {"prompt": "The sky is", "return_progress": True, "max_tokens": 8, "stream": True, "id_slot": 0},
+        )
+        self.assertEqual([r.path for r in self.server.requests if r.path == "/completion"], [])
+
+    def test_models_watch_prints_each_event_until_the_router_closes_it(self):
+        events = [
+            {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
+            {"model": "alpha", "event": "status_change", "data": {"status": "loaded"}},
+            {"model": "*", "event": "models_reload"},
+        ]
+        self.server.route("GET", "/models/sse", serve_body(_t_sse(*events) + b"0\r\n\r\n"))
+        got, out, err = self.run_main(["--socket", self.server.path, "models", "--watch"])
+        self.assertEqual(
+            out,
+            'beta model_status {"status": "loading"}\nalpha status_change {"status": "loaded"}\n* models_reload\n',
+        )
+        self.assertEqual(got, 1)
+        self.assertIn("/models/sse", err)
+        self.assertNotIn("Traceback", err)
+        got, out, _ = self.run_main(["--socket", self.server.path, "--model", "beta", "models", "--watch"])
+        self.assertEqual(out, 'beta model_status {"status": "loading"}\n* models_reload\n')
+
+
 class TestCommandLineEndpoints(CLICase):
     """``complete`` and ``infill``: /completion and /infill through ``main(argv)``, on captured bytes."""
 
@@ -17564,6 +18327,225 @@ class TestRealEndpoints(ClientFactory, unittest.TestCase):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealEndpointsAsync(AsyncDriver, TestRealEndpoints):
+    """The same on AsyncClient."""
+
+
+def _watch(client, model=None):
+    """``client.watch_models(model)``: for AsyncDriver's facade, its AsyncStream behind blocking iteration."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.watch_models(model))
+    return client.watch_models(model)
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealLastRoutes(ClientFactory, unittest.TestCase):
+    """complete_openai and count_response_tokens on the real server, at temperature 0."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def run_call(self, *args, client=None, timeout=120, **kw):
+        events = []
+        method = (client or self.client).complete_openai
+        completion = run_with_timeout(lambda: method(*args, on_event=events.append, **kw), timeout)
+        return completion, events
+
+    def test_two_prompts_with_logprobs_equal_the_unstreamed_answer(self):
+        prompts = ["The sky is", "The grass is"]
+        body = {"prompt": prompts, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+        plain = self.client.request("POST", "/v1/completions", body)
+        completion, events = self.run_call(prompts, max_tokens=8, temperature=0, logprobs=2)
+        by_index = sorted(plain["choices"], key=lambda c: c["index"])
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        self.assertEqual([c.content for c in completion.choices], [c["text"] for c in by_index])
+        self.assertEqual([c.finish_reason for c in completion.choices], [c["finish_reason"] for c in by_index])
+        for i, (ours, theirs) in enumerate(zip(completion.choices, by_index)):
+            text = "".join(e.text for e in events if isinstance(e, lc.Content) and e.choice == i)
+            self.assertEqual(text, theirs["text"])
+            entries = theirs["logprobs"]["content"]
+            self.assertEqual(len(ours.logprobs), 8)
+            self.assertEqual([e["id"] for e in ours.logprobs], [e["id"] for e in entries])
+            self.assertEqual(
+                [[t["token"] for t in e["top_logprobs"]] for e in ours.logprobs],
+                [[t["token"] for t in e["top_logprobs"]] for e in entries],
+            )
+            self.assertEqual("".join(e["token"] for e in ours.logprobs), ours.content)
+        self.assertEqual(completion.usage["completion_tokens"], plain["usage"]["completion_tokens"])
+        self.assertEqual(completion.usage["prompt_tokens"], plain["usage"]["prompt_tokens"])
+        self.assertTrue(completion.id.startswith("chatcmpl-"))
+        self.assertIsNone(completion.final)
+
+    def test_busy_slot_is_waited_out(self):
+        other = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(other.close)
+        started, results = threading.Event(), {}
+
+        def first():
+            def on_event(ev):
+                if isinstance(ev, lc.Content):
+                    started.set()
+
+            results["first"] = other.complete_openai(
+                "The sky is", slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0
+            )
+            results["first_done"] = time.monotonic()
+
+        thread = threading.Thread(target=first, daemon=True)
+        thread.start()
+        self.assertTrue(started.wait(60))
+        completion, events = self.run_call("The grass is", slot=0, max_tokens=8, temperature=0)
+        done = time.monotonic()
+        thread.join(120)
+        self.assertEqual(events[0], lc.Waiting(True))
+        self.assertGreaterEqual(done, results["first_done"])
+        self.assertEqual(results["first"].usage["completion_tokens"], 150)
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+
+    def test_cancel_frees_the_slot(self):
+        stream = open_stream(self.client, "complete_openai", "The sky is", slot=0, max_tokens=300, ignore_eos=True)
+        first = run_with_timeout(lambda: next(e for e in stream if isinstance(e, lc.Content)), 60)
+        self.assertIsInstance(first, lc.Content)
+        self.assertTrue(self.client.slots()[0].is_processing)
+        t = Timer()
+        stream.cancel()
+        wait_for(lambda: not self.client.slots()[0].is_processing, 2.0, "slot 0 to be free after the cancel")
+        self.assertLess(t.elapsed, 2.0)
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+
+    def test_a_resumable_one_cut_by_a_proxy_resumes(self):
+        params = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}
+        uncut, _ = self.run_call("Once upon a time", slot=0, **params)
+        proxy = CutProxy(REAL_SOCKET, 3000)
+        self.addCleanup(proxy.close)
+        client = self.new_client(proxy.path, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        completion, events = self.run_call("Once upon a time", client=client, slot=0, resumable=True, **params)
+        self.assertEqual(proxy.cuts, 1)
+        resumed = [e for e in events if isinstance(e, lc.Resumed)]
+        self.assertEqual(len(resumed), 1, resumed)
+        self.assertGreater(resumed[0].offset, 0)
+        self.assertEqual(completion.content, uncut.content)
+        self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), uncut.content)
+        self.assertEqual(completion.usage["completion_tokens"], 120)
+
+    def test_count_response_tokens_is_what_respond_counts(self):
+        counted = run_with_timeout(lambda: self.client.count_response_tokens(_E_SEA[0]["content"]), 30)
+        plain = self.client.request("POST", "/v1/responses/input_tokens", {"input": _E_SEA[0]["content"]})
+        self.assertEqual(counted, plain["input_tokens"])
+        completion = run_with_timeout(
+            lambda: self.client.respond(_E_SEA[0]["content"], max_output_tokens=4, temperature=0), 60
+        )
+        self.assertEqual(counted, completion.usage["prompt_tokens"])
+        more = run_with_timeout(
+            lambda: self.client.count_response_tokens(_E_SEA[0]["content"], instructions="Answer in French."), 30
+        )
+        self.assertGreater(more, counted)
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealLastRoutesAsync(AsyncDriver, TestRealLastRoutes):
+    """The same on AsyncClient."""
+
+
+def _reload_router():
+    """The router reads its models directory again (``GET /models?reload=1``)."""
+    with lc.Client(REAL_ROUTER, limits=REAL_LIMITS) as client:
+        client.request("GET", "/models", query={"reload": "1"})
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterModels(ClientFactory, unittest.TestCase):
+    """watch_models and load_model(wait=True) on the real router (dev/llama-server.sh start-router): beta
+    unloaded, then loaded while watched; a model file in the router's models directory that cannot load."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+
+    def unloaded(self, name):
+        if _status(self.client, name) == "loading":
+            wait_for(lambda: _status(self.client, name) == "loaded", 60, "%s to load" % name)
+        if _status(self.client, name) != "unloaded":
+            self.client.unload_model(name)
+            wait_for(lambda: _status(self.client, name) == "unloaded", 30, "%s to unload" % name)
+
+    def test_watch_models_sees_a_model_load(self):
+        self.unloaded("beta")
+        seen = []
+        with _watch(self.client, "beta") as stream:
+            # the router sends nothing until something happens: read in a thread; the router's reload
+            # event ("*") says the watch is open, then beta is loaded
+            def read():
+                for event in stream:
+                    seen.append(event)
+                    if event.event == "status_change" and (event.data or {}).get("status") == "loaded":
+                        return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+
+            def open_():
+                self.client.request("GET", "/models", query={"reload": "1"})
+                return any(e.event == "models_reload" for e in seen)
+
+            wait_for(open_, 10, "the watch to see the router's reload")
+            self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta"), 30), {"success": True})
+            reader.join(90)
+            self.assertFalse(reader.is_alive(), seen)
+        self.assertEqual({e.model for e in seen}, {"beta", "*"})
+        statuses = [(e.event, (e.data or {}).get("status")) for e in seen if e.model == "beta"]
+        self.assertEqual(statuses[0], ("model_status", "loading"))
+        self.assertIn(("status_change", "loading"), statuses)
+        self.assertEqual(statuses[-1], ("status_change", "loaded"))
+        self.assertEqual(seen[-1].data["info"]["id"], "beta")
+        self.assertEqual(_status(self.client, "beta"), "loaded")
+
+    def test_complete_openai_is_routed_to_the_model(self):
+        wait_for(lambda: _loaded(self.client, "alpha"), 90, "alpha to load")
+        client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS, model="alpha")
+        self.addCleanup(client.close)
+        events = []
+        completion = run_with_timeout(
+            lambda: client.complete_openai("The sky is", slot=0, on_event=events.append, max_tokens=8, temperature=0),
+            90,
+        )
+        self.assertEqual(completion.model, "alpha")
+        self.assertEqual(completion.usage["completion_tokens"], 8)
+        self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
+
+    def test_load_model_wait_returns_once_loaded(self):
+        self.unloaded("beta")
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta", wait=True), 90), {"success": True})
+        self.assertEqual(_status(self.client, "beta"), "loaded")
+        self.assertLess(t.elapsed, 60)
+
+    def test_load_model_wait_of_a_file_that_cannot_load_raises_the_router_status(self):
+        models = REAL_ROUTER[: -len(".sock")] + ".models"  # where start-router puts the model symlinks
+        self.assertTrue(os.path.isdir(models), models)
+        name = "broken-%d-%s" % (os.getpid(), self.CLIENT)
+        path = os.path.join(models, name + ".gguf")
+        with open(path, "wb") as f:
+            f.write(b"GGUF" + b"\0" * 60)  # the magic, then nothing a loader can read
+        self.addCleanup(_reload_router)  # a client of its own: the test's (an AsyncDriver's loop) is gone by then
+        self.addCleanup(os.unlink, path)
+        self.client.request("GET", "/models", query={"reload": "1"})  # the router reads its directory again
+        self.assertEqual(_status(self.client, name), "unloaded")
+        with self.assertRaises(lc.ServerError) as caught:
+            run_with_timeout(lambda: self.client.load_model(name, wait=True), 90)
+        self.assertEqual((caught.exception.code, caught.exception.type), (1, "load_failed"))
+        self.assertIs(caught.exception.error["failed"], True)
+        self.assertIn("could not load model %r" % name, str(caught.exception))
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            run_with_timeout(lambda: self.client.load_model("nonesuch-%d" % os.getpid(), wait=True), 30)
+        self.assertEqual(caught.exception.status, 404)
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterModelsAsync(AsyncDriver, TestRealRouterModels):
     """The same on AsyncClient."""
 
 

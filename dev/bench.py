@@ -422,11 +422,19 @@ def raw_get(path, target):
     return json.loads(data.partition(b"\r\n\r\n")[2])
 
 
+def chat_stream_request(calls, slot):
+    """``_Calls``' streamed chat request of MSGS on ``slot``: a row of the endpoint table (stream_request),
+    or in an older checkout chat_request."""
+    if hasattr(calls, "stream_request"):
+        return calls.stream_request("chat", (MSGS,), {}, slot)
+    return calls.chat_request(MSGS, slot, {})
+
+
 def request_bytes(client, slot):
     """The exact bytes loopclient sends for MSGS on ``slot`` (built by loopclient itself)."""
     calls = getattr(client, "_calls", None)
-    if hasattr(calls, "chat_request"):  # the request logic apart from the client (plans and drivers)
-        data = calls.chat_request(MSGS, slot, {}).request
+    if hasattr(calls, "stream_request") or hasattr(calls, "chat_request"):  # the request logic apart from the client
+        data = chat_stream_request(calls, slot).request
     else:
         data = getattr(client.stream(MSGS, slot=slot), "_request", None)
     if not isinstance(data, bytes):  # private names changed: build an equivalent request
@@ -1074,7 +1082,10 @@ def fig_async_stream(cfg):
 
 def native_request(client):
     """The exact bytes ``stream_complete(PROMPT, slot=0)`` sends (built by loopclient itself)."""
-    return client._calls.endpoint_request("complete", lc._native_body(PROMPT, {}), 0).request
+    calls = client._calls
+    if hasattr(calls, "stream_request"):  # a row of the endpoint table
+        return calls.stream_request("complete", (PROMPT,), {}, 0).request
+    return calls.endpoint_request("complete", lc._native_body(PROMPT, {}), 0).request
 
 
 def lc_native(path):
@@ -1894,7 +1905,7 @@ def request_cost_items(path):
     headers = [("Accept", "text/event-stream"), ("Content-Type", "application/json"), ("Connection", "close")]
     headers += calls._headers
     run = lc._SyncRun(board)
-    stream_req = calls.chat_request(MSGS, 0, {})
+    stream_req = chat_stream_request(calls, 0)
     head_block = response[: response.index(b"\r\n\r\n") + 1]  # as ResponseReader hands it: the last CR kept
     chunked = response[response.index(b"\r\n\r\n") + 4 :]
     body_bytes = b"".join(lc.ResponseReader().feed(response))
@@ -1928,6 +1939,7 @@ def request_cost_items(path):
         _FakeSock().close()
 
     cs = lc.Stream
+    building = getattr(lc._Calls, "stream_request", None) or lc._Calls.chat_request  # an older checkout's name
     return [
         ("TOTAL loopclient: figure 4's request, no I/O", "", lc_request, 1, noio),
         ("TOTAL floor: the same bytes, no I/O", "", floor_request, 1, noio),
@@ -1972,8 +1984,8 @@ def request_cost_items(path):
         ),
         (
             "  of which stream(): body, checks, routing, json.dumps, encode_request",
-            "_Calls.chat_request (l. %d)" % _line(lc._Calls.chat_request),
-            lambda: calls.chat_request(MSGS, 0, {}),
+            "_Calls.%s (l. %d)" % (building.__name__, _line(building)),
+            lambda: chat_stream_request(calls, 0),
             1,
             None,
         ),

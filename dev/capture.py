@@ -965,12 +965,131 @@ def router_resumable(a):
     notes.save()
 
 
+def oai_completion_body(**extra):
+    body = {"prompt": "The sky is", "max_tokens": 8, "temperature": 0, "seed": SEED, "stream": True}
+    body.update(extra)
+    return body
+
+
+@capture
+def openai_completions(a):
+    """/v1/completions (OpenAI text completions) streamed: logprobs 2 (90), two prompts with logprobs (91),
+    return_progress (92), an error in mid-stream (96); unstreamed, two prompts with logprobs (93); echo
+    (94) and suffix (95) refused; /v1/responses/input_tokens (97)."""
+    path = "/v1/completions"
+    Exchange(a.socket, "POST", path, oai_completion_body(logprobs=2)).run().save(
+        "90_completions_oai_stream_logprobs.raw.txt"
+    )
+    body = oai_completion_body(prompt=["The sky is", "The grass is"], logprobs=2)
+    Exchange(a.socket, "POST", path, body).run().save("91_completions_oai_stream_two_prompts.raw.txt")
+    Exchange(a.socket, "POST", path, oai_completion_body(return_progress=True)).run().save(
+        "92_completions_oai_stream_progress.raw.txt"
+    )
+    body = oai_completion_body(prompt=["The sky is", "The grass is"], logprobs=2, stream=False)
+    Exchange(a.socket, "POST", path, body).run().save("93_completions_oai_nonstream_two_prompts.raw.txt")
+    Exchange(a.socket, "POST", path, oai_completion_body(echo=True)).run().save("94_completions_oai_echo.raw.txt")
+    Exchange(a.socket, "POST", path, oai_completion_body(suffix=" and blue.")).run().save(
+        "95_completions_oai_suffix.raw.txt"
+    )
+    body = oai_completion_body(
+        prompt="Think step by step: is the sky blue?",
+        max_tokens=150,
+        grammar=GRAMMAR_ERR,
+        reasoning_budget_tokens=5,
+        reasoning_budget_start_tag="<think>",
+        reasoning_budget_end_tags=["</think>"],
+        reasoning_budget_message="",
+    )
+    Exchange(a.socket, "POST", path, body).run().save("96_completions_oai_midstream_error.raw.txt")
+    body = {"input": "Write one sentence about the sea.", "instructions": "Be brief."}
+    Exchange(a.socket, "POST", "/v1/responses/input_tokens", body).run().save("97_responses_input_tokens.raw.txt")
+
+
+def wait_status(r, name, want, timeout=90.0):
+    """Until GET /models shows ``name`` with status ``want``: its status object."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for m in call(r, "GET", "/models").json()["data"]:
+            if m["id"] == name and m["status"]["value"] == want:
+                return m["status"]
+        time.sleep(0.1)
+    raise RuntimeError("%s never became %s" % (name, want))
+
+
+def watch_until(r, needle, action, timeout=90.0):
+    """GET /models/sse, ``action()`` once it is open, read until ``needle`` is in the bytes: the Exchange."""
+    ex = Exchange(r, "GET", "/models/sse", timeout=timeout)
+    t, box = in_thread(ex.run, lambda raw: needle in raw)
+    time.sleep(0.5)  # the route sends nothing until something happens: give it time to subscribe
+    action()
+    t.join(timeout)
+    if "error" in box:
+        raise box["error"]
+    return ex
+
+
+@capture
+def router_models_sse(a):
+    """Router mode: GET /models/sse while beta is unloaded and loaded again (98); a model file that cannot
+    load (99, and the note 99): its events, /models/load's answer and /models' status of it."""
+    if not a.router_socket:
+        print("  (no --router-socket: skipped)", file=sys.stderr)
+        return
+    r = a.router_socket
+    notes = Notes("99_router_load_broken.txt")
+    status = {m["id"]: m["status"]["value"] for m in call(r, "GET", "/models").json()["data"]}
+    if status.get("beta") == "loading":
+        wait_status(r, "beta", "loaded")
+    if status.get("beta") != "unloaded":
+        call(r, "POST", "/models/unload", {"model": "beta"})
+        wait_status(r, "beta", "unloaded")
+
+    def load_beta():
+        notes("POST /models/load beta: %s", call(r, "POST", "/models/load", {"model": "beta"}).body().decode())
+
+    ex = watch_until(r, b'"model":"beta","event":"status_change","data":{"status":"loaded"', load_beta)
+    notes("GET /models/sse head: %r", ex.head_body()[0].decode())
+    notes("events while beta loaded: %s", [d for _, d in ex.events()])
+    ex.save("98_router_models_sse.raw.txt")
+    models = a.router_models or r[: -len(".sock")] + ".models"
+    broken = os.path.join(models, "broken.gguf")
+    with open(broken, "wb") as f:
+        f.write(b"GGUF" + b"\0" * 60)  # the magic, then nothing a loader can read
+    try:
+        reload = call(r, "GET", "/models?reload=1").json()
+        notes("after GET /models?reload=1: %s", [(m["id"], m["status"]["value"]) for m in reload["data"]])
+
+        def load_broken():
+            x = call(r, "POST", "/models/load", {"model": "broken"})
+            notes("POST /models/load broken: %s %s", x.status, x.body().decode())
+
+        ex = watch_until(r, b'"model":"broken","event":"status_change","data":{"status":"unloaded"', load_broken)
+        notes("events while broken loaded: %s", [d for _, d in ex.events()])
+        ex.save("99_router_load_broken.raw.txt")
+        for m in call(r, "GET", "/models").json()["data"]:
+            if m["id"] == "broken":
+                notes("GET /models shows broken as: %s", json.dumps(m["status"]))
+        x = call(r, "POST", "/v1/chat/completions", dict(CHAT, model="broken", stream=False))
+        notes("a chat request for broken: %s %s", x.status, x.body().decode()[:300])
+        x = call(r, "POST", "/models/load", {"model": "nonesuch"})
+        notes("POST /models/load nonesuch: %s %s", x.status, x.body().decode())
+        x = call(r, "POST", "/models/load", {"model": "beta"})
+        notes("POST /models/load beta (loaded): %s %s", x.status, x.body().decode())
+    finally:
+        os.unlink(broken)
+        call(r, "GET", "/models?reload=1")
+    notes.save()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--socket", help="the test server's Unix socket (dev/llama-server.sh start)")
     ap.add_argument("--fim-socket", help="the fill-in-the-middle server's socket (dev/llama-server.sh start-fim)")
     ap.add_argument(
         "--router-socket", help="a router's socket (dev/llama-server.sh start-router), for router_resumable"
+    )
+    ap.add_argument(
+        "--router-models", help="the router's --models-dir (default: its socket with .sock replaced by .models)"
     )
     ap.add_argument("--list", action="store_true", help="list the captures")
     ap.add_argument("names", nargs="*")

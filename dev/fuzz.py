@@ -19,8 +19,9 @@ pieces that successive reads return.  Targets:
     chunked    ChunkedDecoder alone
     sse        SSEDecoder alone
     assembler  Assembler fed mutated chunk payloads
-    dialect    ResponseReader -> SSEDecoder -> the /completion, Responses or Messages dialect, stopping where
-               the dialect says its stream ended (built-in seeds in the real shapes, and captures 40-66)
+    dialect    ResponseReader -> SSEDecoder -> the /completion, Responses, Messages, /v1/completions or
+               /models/sse dialect, stopping where the dialect says its stream ended (or at [DONE] for
+               /v1/completions; built-in seeds in the real shapes, and captures 40-66, 90-99)
     dialect_payloads  one of those dialects fed mutated payloads (structural edits with their own keys)
     client     the whole Client, chat() against a Unix socket server thread serving the mutated bytes
     differential  the client target's cases (the same inputs for the same seed) through Client and then
@@ -279,8 +280,18 @@ DIALECT_PATHS = {
     b"/infill": "native",
     b"/v1/responses": "responses",
     b"/v1/messages": "messages",
+    b"/v1/completions": "text",
+    b"/models/sse": "models",
 }
-DIALECTS = {"native": lc._NativeAssembler, "responses": lc._ResponsesAssembler, "messages": lc._MessagesAssembler}
+DIALECTS = {
+    "native": lc._NativeAssembler,
+    "responses": lc._ResponsesAssembler,
+    "messages": lc._MessagesAssembler,
+    "text": lc._TextAssembler,
+    "models": lc._ModelEvents,
+}
+#: The dialects whose stream ends at a [DONE] payload (the others end by their own ``done``, or never)
+DONE_ENDS = (lc._TextAssembler,)
 
 
 def dialect_seeds():
@@ -341,7 +352,46 @@ def dialect_seeds():
     ] + _p_msg_end("tool_use")
     overloaded = messages[:7] + [{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}]
     bare = messages[:9] + [{"code": 500, "message": "does not match the expected format", "type": "server_error"}]
+    entry = {"id": 506, "token": " the", "bytes": [32, 116, 104, 101], "logprob": -0.5, "top_logprobs": []}
+
+    def oai_text(index, piece, finish=None, **extra):
+        """A /v1/completions chunk as this server streams it."""
+        choice = {"text": piece, "index": index, "logprobs": extra.pop("logprobs", None), "finish_reason": finish}
+        doc = {"choices": [choice], "created": 1, "model": "m", "object": "text_completion", "id": "chatcmpl-1"}
+        doc.update(extra)
+        return sse(json.dumps(doc, separators=(",", ":")))
+
+    usage = {
+        "completion_tokens": 2,
+        "prompt_tokens": 4,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    text_two = [
+        b"data: null\n\n",
+        oai_text(0, "", prompt_progress=progress),
+        oai_text(1, " one", logprobs={"content": [entry]}),
+        oai_text(0, " the", logprobs={"content": [entry]}),
+        oai_text(1, "", "length", usage=usage, timings={"predicted_n": 2}),
+        oai_text(0, " sea"),
+        oai_text(0, "", "stop", usage=usage),
+        b"data: [DONE]\n\n",
+    ]
+    text_error = [oai_text(0, "a"), sse(json.dumps({"error": {"code": 500, "message": "m", "type": "server_error"}}))]
+    model_events = [
+        sse(json.dumps({"model": "beta", "event": "model_status", "data": {"status": "loading"}})),
+        sse(json.dumps({"model": "beta", "event": "status_change", "data": {"status": "loaded", "info": {}}})),
+        sse(json.dumps({"model": "*", "event": "models_reload"})),
+    ]
     return [
+        (
+            "text-one",
+            "dialect:text",
+            _p_dialect_http([oai_text(0, " the"), oai_text(0, "", "length", usage=usage), b"data: [DONE]\n\n"]),
+        ),
+        ("text-two", "dialect:text", _p_dialect_http(text_two)),
+        ("text-error", "dialect:text", _p_dialect_http(text_error)),
+        ("models", "dialect:models", _p_dialect_http(model_events)),
         ("native-one", "dialect:native", _p_dialect_http(native_one)),
         ("native-two", "dialect:native", _p_dialect_http(native_two)),
         ("native-error", "dialect:native", _p_dialect_http(native_error)),
@@ -780,6 +830,7 @@ EVENT_TYPES = {
     ),
     lc.Progress: (("processed", int), ("total", int), ("cache", int), ("time_ms", float)),
     lc.Chunk: (("data", dict),),
+    lc.ModelEvent: (("model", str), ("event", str), ("data", (dict, type(None)))),
 }
 CLIENT_EVENT_TYPES = dict(EVENT_TYPES)
 CLIENT_EVENT_TYPES.update(
@@ -1007,6 +1058,10 @@ DIALECT_KEYS = KEYS + [
     "input_tokens",
     "output_tokens",
     "cache_read_input_tokens",
+    "logprobs",
+    "model",
+    "event",
+    "data",
 ]
 DIALECT_TYPES = [
     "response.output_text.delta",
@@ -1037,7 +1092,7 @@ def check_dialect(asm, events, done):
     choice, reasoning, each call's id, name and arguments), chat's usage keys are integers, ``final`` is an
     object and the token ids integers."""
     check_completion(done)
-    if not asm.done and not isinstance(asm, lc._NativeAssembler):
+    if not asm.done and not isinstance(asm, (lc._NativeAssembler,) + DONE_ENDS):
         raise Violation("a Completion from %s before its stream's end" % type(asm).__name__)
     texts, reasoning, calls = {}, {}, {}
     for event in events:
@@ -1058,7 +1113,7 @@ def check_dialect(asm, events, done):
     got = [[c.id, c.name, c.arguments] for c in done.tool_calls]
     if got != [calls[i] for i in sorted(calls)]:
         raise Violation("tool calls %r, the events gave %r" % (got, calls))
-    if done.usage is not None:
+    if done.usage is not None and not isinstance(asm, lc.Assembler):  # chat's (and /v1/completions'): as sent
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             if type(done.usage.get(key)) is not int:
                 raise Violation("usage[%r] is %r" % (key, done.usage.get(key)))
@@ -1092,6 +1147,8 @@ def run_dialect(case):
         for kind, payload in items:
             if kind == "error":
                 raise lc._error_from(lc._json_or_text(payload))
+            if payload == "[DONE]" and isinstance(asm, DONE_ENDS):  # the pump's reading of it
+                return True
             events.extend(asm.feed(payload))
             if asm.done:
                 return True
@@ -1147,6 +1204,8 @@ def run_dialect_payloads(case):
     asm = DIALECTS[case["dialect"]](case["raw_chunks"])
     events = []
     for payload in case["data"].decode("utf-8", "surrogatepass").split("\n\x1e"):
+        if payload == "[DONE]" and isinstance(asm, DONE_ENDS):
+            break
         events.extend(asm.feed(payload))
         if asm.done:
             break

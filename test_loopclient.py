@@ -15540,3 +15540,102 @@ class TestRealResume(ClientFactory, unittest.TestCase):
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealResumeAsync(AsyncDriver, TestRealResume):
     test_without_the_delete_the_server_keeps_generating = None  # no client in it: the threaded run has it
+
+
+# -----------------------------------------------------------------------------------------------------
+# Cancelling while the connect is in progress
+# -----------------------------------------------------------------------------------------------------
+
+
+def full_tcp_listener(test):
+    """A TCP listener on 127.0.0.1 whose accept queue is full (nobody accepts): a new connect neither
+    completes nor fails, the SYN goes unanswered.  Its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    test.closers.append(lambda: [s.close() for s in fillers + [listener]])  # before the fd count
+    while len(fillers) < 64:
+        s = socket.socket()
+        s.settimeout(0.3)
+        try:
+            s.connect(listener.getsockname())
+        except socket.timeout:  # the queue is full: this connect hangs, as the client's will
+            s.close()
+            return "http://127.0.0.1:%d" % listener.getsockname()[1]
+        fillers.append(s)
+    test.fail("the accept queue never filled")
+
+
+def full_unix_listener(test):
+    """A Unix listener whose listen queue is full: a connect fails at once with EAGAIN.  Its path."""
+    where = tempfile.mkdtemp(prefix="lc", dir="/tmp")
+    path = os.path.join(where, "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    fillers = []
+
+    def close():
+        for s in fillers + [listener]:
+            s.close()
+        shutil.rmtree(where, True)
+
+    test.closers.append(close)  # before the fd count
+    while len(fillers) < 64:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            return path
+        fillers.append(s)
+    test.fail("the listen queue never filled")
+
+
+class TestCancelDuringConnect(ServerCase):
+    """``cancel()`` 0.1 s into a request whose connect cannot complete ends it within 0.2 s: the socket is
+    registered before it connects, so the cancel shuts it down (a TCP connect then fails at once).  The
+    connect timeout (``poll``) and the ``/props`` one (``liveness``, for ``slot=None``) are far longer."""
+
+    #: a connect waits max(poll, 0.2) s, /props liveness: both far past the 0.2 s a cancel may take
+    slow = FAST.replace(poll=1.5, liveness=6.0, load_wait=10.0)
+
+    def cancel_in_connect(self, address, slot):
+        client = self.new_client(address, limits=self.slow)
+        self.closers.append(client.close)
+        stream = client.stream(MSGS, slot=slot)
+        events = []
+        cancelled = []
+
+        def cancel():
+            cancelled.append(time.monotonic())
+            stream.cancel()
+
+        timer = threading.Timer(0.1, cancel)
+        timer.start()
+        self.addCleanup(timer.cancel)
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: events.extend(stream), 15)
+        took = time.monotonic() - cancelled[0]
+        self.assertLess(took, 0.2 + MARGIN, "cancelled %.2f s after cancel()" % took)
+        return events
+
+    def test_tcp_pinned_slot(self):
+        self.assertEqual(self.cancel_in_connect(full_tcp_listener(self), 0), [])  # no Retrying: still connecting
+
+    def test_tcp_any_slot(self):  # the /props connect first
+        self.assertEqual(self.cancel_in_connect(full_tcp_listener(self), None), [])
+
+    def test_unix_pinned_slot(self):  # EAGAIN at once: cancelled in the retries' backoff
+        events = self.cancel_in_connect(full_unix_listener(self), 0)
+        self.assertTrue(events and all(isinstance(ev, lc.Retrying) for ev in events), events)
+
+    def test_unix_any_slot(self):
+        events = self.cancel_in_connect(full_unix_listener(self), None)
+        self.assertTrue(all(isinstance(ev, lc.Retrying) for ev in events), events)
+
+
+class TestCancelDuringConnectAsync(AsyncDriver, TestCancelDuringConnect):
+    pass

@@ -5635,12 +5635,32 @@ class _AsyncConn:
         """Close now, whatever is buffered: the server sees the client go away; a waiting read wakes."""
         self._eof = True
         if self._transport is not None:
-            self._transport.abort()
+            if self._loop.is_closed():  # a connection kept for a loop that has ended
+                _drop(self._transport)
+            else:
+                self._transport.abort()
         self._wake()
 
     def close(self) -> None:
         self.owner.forget(self)
         self.abort()
+
+
+def _drop(transport: Any) -> None:
+    """Close the socket of a transport whose event loop is closed.  Its ``abort()`` would schedule the
+    closing on that loop, which will never run it: the socket would stay open until the garbage collector
+    found it (``ResourceWarning: unclosed transport``).  So the transport's own last step is taken here,
+    as the loop would have taken it (asyncio's selector transports, under TLS too; another loop's
+    transports are left to it)."""
+    while hasattr(transport, "_ssl_protocol"):  # TLS: the application transport over the socket's own
+        transport._closed = True
+        transport = getattr(transport._ssl_protocol, "_transport", None)
+    lost = getattr(transport, "_call_connection_lost", None)
+    if lost is not None and getattr(transport, "_sock", None) is not None:
+        try:
+            lost(None)  # closes the socket whatever the protocol does
+        except RuntimeError:  # a protocol that schedules on the closed loop (TLS's)
+            pass
 
 
 class _AsyncBoard(_Board):
@@ -5659,6 +5679,13 @@ class _AsyncBoard(_Board):
 
     def busy(self) -> bool:
         return bool(self.runs or self.tasks)
+
+    def drop_idle(self) -> None:
+        """Close the kept connections (of a loop the client no longer uses: they cannot serve another)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for conn, _, _ in idle:
+            conn.close()
 
     async def aclose(self) -> None:
         import asyncio
@@ -5856,7 +5883,10 @@ class AsyncClient:
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )
-                board = self._board = _AsyncBoard(self._calls, loop, board)
+                previous, board = board, _AsyncBoard(self._calls, loop, board)
+                self._board = board
+                if previous is not None:
+                    previous.drop_idle()
         return board
 
     async def _run(self, plan: _Plan[_T]) -> _T:

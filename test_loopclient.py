@@ -15639,3 +15639,52 @@ class TestCancelDuringConnect(ServerCase):
 
 class TestCancelDuringConnectAsync(AsyncDriver, TestCancelDuringConnect):
     pass
+
+
+class TestAsyncClientLoopsInTurn(unittest.TestCase):
+    """An ``AsyncClient`` made outside any loop and used by two event loops in turn (``asyncio.run``
+    twice): ``close()`` on the second closes the connection kept for the first, whose loop has ended."""
+
+    def test_close_closes_the_ended_loops_kept_connection(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.addCleanup(server.close)
+        fds = fd_count()
+        client = lc.AsyncClient(server.address, limits=FAST)
+
+        async def first():
+            return await client.tokenize("x")
+
+        async def second():
+            try:
+                return await client.tokenize("x")
+            finally:
+                await client.close()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            self.assertEqual(asyncio.run(first()), [7])
+            self.assertEqual(fd_count(), fds + 2)  # the connection kept for the first loop, and the server's end
+            self.assertEqual(asyncio.run(second()), [7])
+            # the server's ends close once the client's have (its thread sees the end of the connection)
+            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+        self.assertEqual(server.connections, 2)  # the first loop's connection was not reused by the second
+
+    def test_close_on_another_loop_closes_the_ended_loops_kept_connection(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.addCleanup(server.close)
+        fds = fd_count()
+        client = lc.AsyncClient(server.address, limits=FAST)
+
+        async def first():
+            return await client.tokenize("x")
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            self.assertEqual(asyncio.run(first()), [7])
+            self.assertEqual(fd_count(), fds + 2)
+            asyncio.run(client.close())
+            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])

@@ -6686,9 +6686,9 @@ def _parser() -> Any:
 CHAT_MAX_TOKENS = 2048
 
 
-def _log_to(err: Any, verbose: int) -> None:
+def _log_to(err: Any, verbose: int) -> Callable[[], None]:
     """``-v``: the ``loopclient`` logger's records on ``err`` (INFO; ``-vv`` DEBUG), each on a line of its
-    own (on a terminal, over the status line, which the next status redraws)."""
+    own (on a terminal, over the status line, which the next status redraws).  Returns what undoes it."""
     import logging
 
     class Handler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -6700,9 +6700,17 @@ def _log_to(err: Any, verbose: int) -> None:
     handler = Handler(err)
     handler.setFormatter(logging.Formatter("loopclient: %(levelname)s: %(message)s"))
     log = logging.getLogger("loopclient")
+    level, propagate = log.level, log.propagate
     log.addHandler(handler)
     log.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
     log.propagate = False
+
+    def undo() -> None:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+    return undo
 
 
 def _cli_limits(limits: Limits, option: str, **changes: Any) -> Limits:
@@ -6755,8 +6763,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
-    if getattr(args, "verbose", 0):
-        _log_to(sys.stderr, args.verbose)
+    undo = _log_to(sys.stderr, args.verbose) if getattr(args, "verbose", 0) else None
     try:
         with client:
             if args.command == "chat":
@@ -6788,6 +6795,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\nloopclient: interrupted\n")
         return 130
+    finally:
+        if undo is not None:
+            undo()
 
 
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:

@@ -13751,10 +13751,12 @@ class TestCommandLineTerminal(ServerCase):
     def spawn(self, *argv):
         """``loopclient.py --socket SERVER argv...`` on a new pty: what it writes collects in ``self.seen``."""
         master, slave = pty.openpty()
-        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell.
+        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell, and
+        # restores SIGINT's default first: a non-interactive shell starts a background job (nohup ... &) with
+        # SIGINT ignored, which the child would inherit (Python then installs no KeyboardInterrupt for it).
         launcher = (
-            "import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+            "import fcntl, os, signal, sys, termios; signal.signal(signal.SIGINT, signal.SIG_DFL); os.setsid(); "
+            "fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path]
@@ -16021,3 +16023,31 @@ class TestConsoleWaits(unittest.TestCase):
         self.assertNotIn("\n", text)
         self.assertEqual(text.count("\r\x1b[K"), 60)
         self.assertTrue(text.endswith("\r\x1b[Kretry 60 in 1.5 s: cannot connect: Connection refused"))
+
+
+class TestCommandLineTerminalStdin(TestCommandLineTerminal):
+    """``tokens`` and ``complete`` without TEXT on a terminal say that they read it from there (and how to
+    end it) rather than wait in silence."""
+
+    def test_tokens_says_it_reads_the_terminal(self):
+        self.server.route("POST", "/tokenize", lambda req: respond_json(req, {"tokens": [1, 2, 3]}))
+        self.spawn("tokens")
+        self.read_until(b"loopclient: reading the text from the terminal: end it with Ctrl-D (Ctrl-C to quit)")
+        os.write(self.master, b"one two\n\x04")
+        self.assertEqual(self.read_to_exit(), 0, bytes(self.seen))
+        self.assertIn(b"\r\n3\r\n", bytes(self.seen))
+        tokenized = [r for r in self.server.requests if r.path == "/tokenize"]
+        self.assertEqual(tokenized[0].json()["content"], "one two\n")
+
+    def test_complete_says_it_reads_the_terminal(self):
+        self.server.route("POST", "/completion", serve_body(b""))  # never reached: Ctrl-C first
+        self.spawn("complete")
+        self.read_until(b"loopclient: reading the prompt from the terminal: end it with Ctrl-D (Ctrl-C to quit)")
+        os.write(self.master, b"\x03")
+        self.assertEqual(self.read_to_exit(), 130, bytes(self.seen))
+        self.assertEqual(self.server.requests, [])
+
+
+for _name in dir(TestCommandLineTerminal):  # the base class runs its own tests
+    if _name.startswith("test_"):
+        setattr(TestCommandLineTerminalStdin, _name, None)

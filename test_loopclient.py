@@ -16051,3 +16051,42 @@ class TestCommandLineTerminalStdin(TestCommandLineTerminal):
 for _name in dir(TestCommandLineTerminal):  # the base class runs its own tests
     if _name.startswith("test_"):
         setattr(TestCommandLineTerminalStdin, _name, None)
+
+
+#: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo).
+README_DEMO_SOCKET = "/tmp/loopclient-llama/demo.sock"
+
+
+def readme_python_blocks():
+    """The README's ```python blocks: (line number, code)."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return [
+        (text.count("\n", 0, found.start()) + 2, found.group(1))
+        for found in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)
+    ]
+
+
+@unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
+class TestReadmeExamples(unittest.TestCase):
+    """Every ```python block of the README runs as written against the demo server: the one change is the
+    demo socket's path, the test's own server for the one the README tells the user to start."""
+
+    def test_the_readme_has_examples(self):
+        self.assertGreaterEqual(len(readme_python_blocks()), 5)
+
+    def test_every_python_block_runs(self):
+        for line, code in readme_python_blocks():
+            with self.subTest(line=line):
+                others = set(re.findall(r"[\"'](/[^\"']*\.sock)[\"']", code)) - {README_DEMO_SOCKET}
+                self.assertEqual(others, set(), "an example at line %d uses another socket than the demo's" % line)
+                done = subprocess.run(
+                    [sys.executable, "-c", code.replace(README_DEMO_SOCKET, REAL_DEMO)],
+                    cwd=HERE,
+                    env=dict(os.environ, PYTHONPATH=HERE),
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                self.assertEqual(done.returncode, 0, "README line %d:\n%s%s" % (line, done.stdout, done.stderr))
+                self.assertTrue(done.stdout.strip(), "README line %d printed nothing" % line)

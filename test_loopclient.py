@@ -15630,6 +15630,16 @@ class TestCancelDuringConnect(ServerCase):
     def test_tcp_any_slot(self):  # the /props connect first
         self.assertEqual(self.cancel_in_connect(full_tcp_listener(self), None), [])
 
+    def test_tls_handshake(self):  # a listener that accepts and never answers the ClientHello
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        accepted = []
+        self.closers.append(lambda: [s.close() for s in accepted + [listener]])
+        threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+        self.assertEqual(self.cancel_in_connect("https://127.0.0.1:%d" % listener.getsockname()[1], 0), [])
+        self.assertEqual(len(accepted), 1)  # it was connected, in the handshake
+
     def test_unix_pinned_slot(self):  # EAGAIN at once: cancelled in the retries' backoff
         events = self.cancel_in_connect(full_unix_listener(self), 0)
         self.assertTrue(events and all(isinstance(ev, lc.Retrying) for ev in events), events)

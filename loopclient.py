@@ -3049,9 +3049,16 @@ class _Address:
         return "_Address(%r)" % self.text
 
 
-#: host:port with no scheme ("localhost:8080", "127.0.0.1:8080", "[::1]:8080"), which would otherwise be
-#: read as the name of a socket file in the current directory
-_HOST_PORT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}/?\Z")
+def _host_port(address: str) -> bool:
+    """``address`` is host:port with no scheme ("localhost:8080", "127.0.0.1:8080", "[::1]:8080"), which
+    would otherwise be read as the name of a socket file in the current directory."""
+    host, colon, port = address.rpartition(":")
+    port = port[:-1] if port.endswith("/") else port
+    if not colon or not host or not (port.isdigit() and port.isascii() and len(port) <= 5):
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        return len(host) > 2 and all(c in "0123456789abcdefABCDEF:." for c in host[1:-1])
+    return host.isascii() and host[0].isalnum() and all(c.isalnum() or c in ".-" for c in host)
 
 
 def parse_address(address: Any) -> _Address:
@@ -3098,7 +3105,7 @@ def parse_address(address: Any) -> _Address:
         if port != default:
             host_header += ":%d" % port
         return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
-    if _HOST_PORT.match(address):
+    if _host_port(address):
         raise ValueError(
             "%r is host:port without a scheme: use http://%s (a socket file of that name: ./%s)"
             % (text, address, address)

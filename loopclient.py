@@ -4807,7 +4807,7 @@ class _Conn:
             addr.seen = True
             return
         host, port = addr.target
-        failed = None  # type: Optional[OSError]
+        failed = OSError("getaddrinfo returns an empty list")  # type: Optional[OSError]  # as create_connection
         for family, kind, proto, _, target in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
             try:  # each address in turn, as socket.create_connection tries them
                 self._connect(socket.socket(family, kind, proto), target, timeout)
@@ -6565,11 +6565,11 @@ def _body_param(text: str) -> Tuple[str, Any]:
         return key.strip(), value
 
 
-def _add_answer_options(command: Any) -> None:
+def _add_answer_options(command: Any, max_tokens: str = "cap the answer's tokens") -> None:
     """The options that shape an answer, for every command that streams one (``chat``, ``complete``,
     ``infill``); read them back with ``_answer_params``."""
     command.add_argument("--slot", type=int, metavar="N", help="pin the request to this slot")
-    command.add_argument("--max-tokens", type=int, metavar="N", help="cap the answer's tokens")
+    command.add_argument("--max-tokens", type=int, metavar="N", help=max_tokens)
     command.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
     command.add_argument(
         "--stop",
@@ -6656,10 +6656,9 @@ def _parser() -> Any:
     chat.add_argument(
         "--resumable", action="store_true", help="resume the answer from the server's buffer if the connection drops"
     )
-    _add_answer_options(chat)
-    for action in chat._actions:
-        if action.dest == "max_tokens":
-            action.help = "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
+    _add_answer_options(
+        chat, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
+    )
     slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
     slots.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
     slots.add_argument(

@@ -15684,6 +15684,41 @@ class TestAsyncClientLoopsInTurn(unittest.TestCase):
         self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
         self.assertEqual(server.connections, 2)  # the first loop's connection was not reused by the second
 
+    def test_over_tls_too(self):
+        server = _ApiTLSServer()
+        self.addCleanup(server.close)
+        held = []
+
+        def tokenize(req):  # answer, then hold the connection open as llama-server does until the client goes
+            held.append(req)
+            req.send(keep_alive_answer({"tokens": [7]}))
+            req.wait_peer_close(10)
+
+        server.route("POST", "/tokenize", tokenize)
+        fds = fd_count()
+        trusting = ssl.create_default_context(cafile=_API_TLS_CERT)
+        client = lc.AsyncClient(server.address, limits=FAST, ssl_context=trusting)
+
+        async def first():
+            return await client.tokenize("x")
+
+        async def second():
+            try:
+                return await client.tokenize("x")
+            finally:
+                await client.close()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            self.assertEqual(asyncio.run(first()), [7])
+            self.assertFalse(held[0].closed_by_peer.is_set())  # kept for the first loop
+            self.assertEqual(asyncio.run(second()), [7])
+            wait_for(lambda: all(req.closed_by_peer.is_set() for req in held), 5, "the server to see both closed")
+            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+        self.assertEqual(len(held), 2)
+
     def test_close_on_another_loop_closes_the_ended_loops_kept_connection(self):
         server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
         self.addCleanup(server.close)

@@ -4827,6 +4827,9 @@ class _Conn:
             self._handshake(addr, ssl_context)
 
     def _connect(self, sock: socket.socket, target: Any, timeout: float) -> None:
+        """Connect ``sock``, registered first as this connection's: ``cancel()`` shuts it down, which ends a
+        TCP connect in progress at once; a cancel that came before the connect began is seen within 0.1 s.
+        A Unix connect completes or fails at once (a full listen queue: EAGAIN)."""
         with self._lock:
             old, self.sock = self.sock, sock
         if old is not None:
@@ -4834,7 +4837,27 @@ class _Conn:
         sock.settimeout(timeout)
         if self.owner.cancelled:  # cancel() before the socket was there to shut down
             raise _cancelled()
-        sock.connect(target)
+        if sock.family == socket.AF_UNIX:
+            sock.connect(target)
+            return
+        import errno
+        import select  # both imported by socket already: no cost
+
+        sock.setblocking(False)
+        failed = sock.connect_ex(target)
+        if failed == errno.EINPROGRESS:
+            waiter = select.poll()
+            waiter.register(sock, select.POLLOUT)  # POLLERR and POLLHUP come without asking
+            deadline = time.monotonic() + timeout
+            while not waiter.poll(max(0.0, min(deadline - time.monotonic(), 0.1)) * 1000):
+                if self.owner.cancelled:
+                    raise _cancelled()
+                if time.monotonic() >= deadline:
+                    raise socket.timeout("timed out")
+            failed = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        sock.settimeout(timeout)
+        if failed:
+            raise OSError(failed, os.strerror(failed))
 
     def _handshake(self, addr: _Address, context: Any) -> None:
         ssl = _import_ssl()

@@ -138,6 +138,28 @@ _USER_AGENT = "loopclient/" + __version__
 #: logic asks nothing else for the time, so a test can run it on a clock of its own.
 _clock = time.monotonic
 
+#: The ``loopclient`` logger, once the program has imported ``logging`` (see ``_logger``).
+_LOG = None  # type: Any
+_DEBUG, _INFO, _WARNING = 10, 20, 30  # logging's levels, without importing it
+
+
+def _logger(level: int = _DEBUG) -> Any:
+    """The ``loopclient`` logger when it logs at ``level``, else None.  loopclient never imports
+    ``logging`` (it would cost more than the rest of its imports): while the program has not imported it,
+    nothing is logged and nothing is paid.  The logger has a ``NullHandler``, as a library's should: the
+    program's configuration decides what is shown."""
+    global _LOG
+    log = _LOG
+    if log is None:
+        logging = sys.modules.get("logging")
+        if logging is None:
+            return None
+        log = logging.getLogger("loopclient")
+        if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+            log.addHandler(logging.NullHandler())
+        _LOG = log
+    return log if log.isEnabledFor(level) else None
+
 
 # =====================================================================================================
 # 1. Errors and value objects
@@ -3248,7 +3270,7 @@ _OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered
 
 
 class _Address:
-    __slots__ = ("text", "unix", "target", "host", "tls", "prefix")
+    __slots__ = ("text", "unix", "target", "host", "tls", "prefix", "seen", "warned")
 
     def __init__(self, text: str, unix: bool, target: Any, host: str, tls: bool = False, prefix: str = "") -> None:
         self.text = text  # as the caller gave it, for messages
@@ -3257,9 +3279,23 @@ class _Address:
         self.host = host  # the Host header
         self.tls = tls
         self.prefix = prefix  # put before every request path ("" or "/llama")
+        self.seen = False  # a Unix socket file was there (a connect reached it) since the client was made
+        self.warned = False  # the missing socket file was logged
 
     def __repr__(self) -> str:
         return "_Address(%r)" % self.text
+
+
+def _host_port(address: str) -> bool:
+    """``address`` is host:port with no scheme ("localhost:8080", "127.0.0.1:8080", "[::1]:8080"), which
+    would otherwise be read as the name of a socket file in the current directory."""
+    host, colon, port = address.rpartition(":")
+    port = port[:-1] if port.endswith("/") else port
+    if not colon or not host or not (port.isdigit() and port.isascii() and len(port) <= 5):
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        return len(host) > 2 and all(c in "0123456789abcdefABCDEF:." for c in host[1:-1])
+    return host.isascii() and host[0].isalnum() and all(c.isalnum() or c in ".-" for c in host)
 
 
 def parse_address(address: Any) -> _Address:
@@ -3306,6 +3342,11 @@ def parse_address(address: Any) -> _Address:
         if port != default:
             host_header += ":%d" % port
         return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
+    if _host_port(address):
+        raise ValueError(
+            "%r is host:port without a scheme: use http://%s (a socket file of that name: ./%s)"
+            % (text, address, address)
+        )
     if "\0" in address:
         raise ValueError("a Unix socket path must not contain NUL")
     if not address:
@@ -3316,6 +3357,77 @@ def parse_address(address: Any) -> _Address:
             "the Unix socket path is %d bytes; the OS allows at most %d: use a shorter path" % (size, MAX_UNIX_PATH)
         )
     return _Address(text, True, address, "localhost")
+
+
+def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
+    """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
+    directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
+    never retried.  A socket file that has not existed since the client was made: ``exc`` (retried by a
+    stream), logged as a WARNING at the first failure."""
+    import stat
+
+    path = addr.target
+    try:
+        found = os.stat(path).st_mode
+        mode = found  # type: Optional[int]
+        what = "a directory" if stat.S_ISDIR(found) else "a regular file" if stat.S_ISREG(found) else "not a socket"
+    except NotADirectoryError:
+        mode, what = 0, "below a regular file"
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISSOCK(mode):
+        err = ConnectError("%s is %s, not a socket: no llama-server can listen there" % (addr.text, what), addr.text)
+        err.__cause__ = exc
+        return err
+    if mode is not None:
+        addr.seen = True  # a socket file: the server is there or was
+    elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
+        addr.warned = True
+        log = _logger(_WARNING)
+        if log is not None:
+            log.warning(
+                "%s: no socket file there (none since the client was made): is llama-server started with "
+                "--host %s? waiting for it",
+                addr.text,
+                path,
+            )
+    return exc
+
+
+def _verdict(addr: _Address, exc: BaseException) -> None:
+    """The error that ends a stream, as the stream raises it: logged (INFO; a cancel at DEBUG), and a
+    ``LoadTimeoutError`` on a Unix socket file that never existed says so."""
+    if not isinstance(exc, LoopError):
+        return
+    if (
+        isinstance(exc, LoadTimeoutError)
+        and addr.unix
+        and not addr.seen
+        and isinstance(exc.__cause__, FileNotFoundError)
+    ):
+        exc.message = "%s: the socket file %s never existed since the client was made" % (exc.message, addr.target)
+        exc.args = (exc.message,)
+    log = _logger(_DEBUG if isinstance(exc, CancelledError) else _INFO)
+    if log is not None:
+        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
+
+
+def _tell(log: Any, addr: _Address, events: List[Any]) -> None:
+    """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
+    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged."""
+    for event in events:
+        kind = type(event)
+        if kind is Retrying:
+            log.info("%s: retry %d in %.2f s: %s", addr.text, event.attempt, event.delay, event.reason)
+        elif kind is Waiting:
+            state = "wedged" if event.wedged else "busy" if event.slot_busy else "not busy, no answer yet"
+            if not event.slots_known:
+                state = "unknown (the server does not serve /slots)"
+            log.info("%s: waiting for the response: the slot is %s", addr.text, state)
+        elif kind is Resumed:
+            log.info("%s: connection lost: resumed at byte %d (attempt %d)", addr.text, event.offset, event.attempt)
+        elif kind is Queued:
+            log.debug("%s: queued: %d ahead in this client", addr.text, event.ahead)
 
 
 class _Silence(Exception):
@@ -3985,6 +4097,9 @@ class _Board:
                 stale.append(conn)
         for conn in stale:
             conn.close()
+        log = stale and _logger()
+        if log:
+            log.debug("%s: closed %d kept connection(s) idle past their time", self.calls.address, len(stale))
         return found
 
     def checkin(self, conn: Any, idle: float) -> bool:
@@ -5159,31 +5274,94 @@ class _Conn:
 
     __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
-    def __init__(self, addr: _Address, timeout: float, ssl_context: Any, owner: _SyncRun) -> None:
-        # OSError (missing socket file, refused, unreachable, connect timeout) goes to the plan, which may
-        # retry; a failed TLS handshake or certificate check is ConnectError, which no plan retries.
-        if addr.unix:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(timeout)
-                sock.connect(addr.target)
-            except BaseException:
-                sock.close()
-                raise
-        else:
-            sock = socket.create_connection(addr.target, timeout)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # pragma: no cover - not every TCP stack has it
-                pass
-            if addr.tls:
-                sock = _wrap_tls(sock, addr, ssl_context)
-        self.sock = sock
+    def __init__(self, owner: _SyncRun) -> None:
+        self.sock = None  # type: socket.socket # type: ignore[assignment]  # being connected, then the connection's
         self.owner = owner
         self.reused = False  # handed out again by the board after an answer
-        self._timeout = timeout
+        self._timeout = 0.0
         self._lock = threading.Lock()
         self._closed = False
+
+    def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
+        """Connect, the connection registered with its run first: ``cancel()`` shuts down a socket whose
+        connect is in progress, which wakes it at once (a TCP connect to a listener whose accept queue is
+        full would otherwise block for ``timeout``).  OSError (missing socket file, refused, unreachable,
+        connect timeout) goes to the plan, which may retry; a failed TLS handshake or certificate check is
+        ConnectError, which no plan retries.  The caller closes the connection when this fails."""
+        self._timeout = timeout
+        if addr.unix:
+            try:
+                self._connect(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), addr.target, timeout)
+            except OSError as exc:
+                told = _unix_failed(addr, exc)
+                if told is exc:
+                    raise
+                raise told from exc
+            addr.seen = True
+            return
+        host, port = addr.target
+        failed = OSError("getaddrinfo returns an empty list")  # type: Optional[OSError]  # as create_connection
+        for family, kind, proto, _, target in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+            try:  # each address in turn, as socket.create_connection tries them
+                self._connect(socket.socket(family, kind, proto), target, timeout)
+                failed = None
+                break
+            except OSError as exc:
+                failed = exc
+                if self.owner.cancelled:
+                    break
+        if failed is not None:
+            raise failed
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # pragma: no cover - not every TCP stack has it
+            pass
+        if addr.tls:
+            self._handshake(addr, ssl_context)
+
+    def _connect(self, sock: socket.socket, target: Any, timeout: float) -> None:
+        """Connect ``sock``, registered first as this connection's: ``cancel()`` shuts it down, which ends a
+        TCP connect in progress at once; a cancel that came before the connect began is seen within 0.1 s.
+        A Unix connect completes or fails at once (a full listen queue: EAGAIN)."""
+        with self._lock:
+            old, self.sock = self.sock, sock
+        if old is not None:
+            old.close()
+        sock.settimeout(timeout)
+        if self.owner.cancelled:  # cancel() before the socket was there to shut down
+            raise _cancelled()
+        if sock.family == socket.AF_UNIX:
+            sock.connect(target)
+            return
+        import errno
+        import select  # both imported by socket already: no cost
+
+        sock.setblocking(False)
+        failed = sock.connect_ex(target)
+        if failed == errno.EINPROGRESS:
+            waiter = select.poll()
+            waiter.register(sock, select.POLLOUT)  # POLLERR and POLLHUP come without asking
+            deadline = time.monotonic() + timeout
+            while not waiter.poll(max(0.0, min(deadline - time.monotonic(), 0.1)) * 1000):
+                if self.owner.cancelled:
+                    raise _cancelled()
+                if time.monotonic() >= deadline:
+                    raise socket.timeout("timed out")
+            failed = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        sock.settimeout(timeout)
+        if failed:
+            raise OSError(failed, os.strerror(failed))
+
+    def _handshake(self, addr: _Address, context: Any) -> None:
+        ssl = _import_ssl()
+
+        try:  # the handshake after the wrapped socket is the one cancel() shuts down
+            tls = context.wrap_socket(self.sock, server_hostname=addr.target[0], do_handshake_on_connect=False)
+            with self._lock:
+                self.sock = tls
+            tls.do_handshake()
+        except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
+            raise _tls_failed(addr, exc) from exc
 
     def sendall(self, data: bytes, timeout: float) -> None:
         try:
@@ -5211,7 +5389,7 @@ class _Conn:
         """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd
         (on Linux, closing a socket another thread reads does not wake that thread)."""
         with self._lock:
-            if not self._closed:
+            if not self._closed and self.sock is not None:
                 try:
                     # the plain socket's shutdown: an SSLSocket's own would drop its TLS state under the reader
                     socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
@@ -5224,20 +5402,23 @@ class _Conn:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.sock.close()
+                if self.sock is not None:
+                    self.sock.close()
 
 
-def _wrap_tls(sock: socket.socket, addr: _Address, context: Any) -> socket.socket:
-    ssl = _import_ssl()
+def _reused(board: _Board) -> None:
+    log = _logger()
+    if log:
+        log.debug("%s: reusing a kept connection", board.calls.address)
 
-    try:
-        return context.wrap_socket(sock, server_hostname=addr.target[0])  # type: ignore[no-any-return]
-    except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
-        sock.close()
-        raise _tls_failed(addr, exc) from exc
-    except BaseException:
-        sock.close()
-        raise
+
+def _kept(board: _Board, idle: float, kept: bool) -> None:
+    log = _logger()
+    if log:
+        if kept:
+            log.debug("%s: connection kept for reuse (%.0f s idle at most)", board.calls.address, idle)
+        else:
+            log.debug("%s: connection closed, not kept (keep_alive are kept already)", board.calls.address)
 
 
 class _SyncRun(_Run):
@@ -5336,16 +5517,29 @@ class _SyncRun(_Run):
         if conn is not None:
             conn.owner = self
             conn.reused = True
-        else:
-            conn = _Conn(board.calls.addr, timeout, board.calls.ssl_context, self)
-        with self._conns_lock:
+            with self._conns_lock:
+                self._conns.add(conn)
+            _reused(board)
+            return conn
+        conn = _Conn(self)
+        with self._conns_lock:  # before the connect: cancel() wakes it
             self._conns.add(conn)
+        try:
+            conn.open(board.calls.addr, timeout, board.calls.ssl_context)
+        except BaseException:
+            conn.close()
+            raise
+        log = _logger()
+        if log:
+            log.debug("%s: connected", board.calls.address)
         return conn
 
     def _keep(self, conn: _Conn, idle: float) -> None:
         self.forget(conn)
-        if not self.board.checkin(conn, idle):
+        kept = self.board.checkin(conn, idle)
+        if not kept:
             conn.close()
+        _kept(self.board, idle, kept)
 
     def forget(self, conn: _Conn) -> None:
         with self._conns_lock:
@@ -5408,6 +5602,7 @@ class Stream:
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
         self._batch_offset = run.offset = req.offset or 0
         self._done = False
+        self._log = _logger(_INFO)  # the events that say what the request waits for are logged with it
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
@@ -5437,14 +5632,17 @@ class Stream:
                 raise _cancelled()
             try:
                 got = run.step()
-            except BaseException:
+            except BaseException as exc:
                 self._done = True
+                _verdict(run.board.calls.addr, exc)
                 raise
             if got is None:
                 self._done = True
                 self.completion = run.value
                 self.offset = run.offset
                 raise StopIteration
+            if self._log is not None:
+                _tell(self._log, run.board.calls.addr, got)
             got.reverse()  # a fresh list, never empty: popped from its end
             self._batch = got
             self._batch_offset = run.offset
@@ -5884,8 +6082,10 @@ class _AsyncRun(_Run):
                     value = await self._connect(op[1], op[2])
                 elif code == _KEEP:
                     self.forget(op[1])
-                    if not self.board.checkin(op[1], op[2]):
+                    kept = self.board.checkin(op[1], op[2])
+                    if not kept:
                         op[1].close()
+                    _kept(self.board, op[2], kept)
                 elif code == _SLEEP:
                     deadline = time.monotonic() + op[1]
                     while not self.cancelled and time.monotonic() < deadline:
@@ -5938,6 +6138,7 @@ class _AsyncRun(_Run):
             kept.owner = self
             kept.reused = True
             self._conns.add(kept)
+            _reused(board)
             return kept
         loop = board.loop
         addr = board.calls.addr
@@ -5949,13 +6150,23 @@ class _AsyncRun(_Run):
                 # A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a
                 # connect failure like a refusal (asyncio's own connect would wait on it as "in progress"
                 # and report a connection that is not there).
-                sock.connect(addr.target)
+                try:
+                    sock.connect(addr.target)
+                except OSError as caught:
+                    told = _unix_failed(addr, caught)
+                    if told is caught:
+                        raise
+                    raise told from caught
+                addr.seen = True
                 protocol = conn  # type: Any  # duck-typed: see _AsyncConn
                 await loop.create_unix_connection(lambda: protocol, sock=sock)
             except BaseException:
                 sock.close()
                 raise
             self._conns.add(conn)
+            log = _logger()
+            if log:
+                log.debug("%s: connected", addr.text)
             return conn
         host, port = addr.target
         tls = board.calls.ssl_context if addr.tls else None
@@ -5988,6 +6199,9 @@ class _AsyncRun(_Run):
                     raise _tls_failed(addr, exc) from exc
             raise exc
         self._conns.add(conn)
+        log = _logger()
+        if log:
+            log.debug("%s: connected", addr.text)
         return conn
 
     def forget(self, conn: _AsyncConn) -> None:
@@ -6130,12 +6344,32 @@ class _AsyncConn:
         """Close now, whatever is buffered: the server sees the client go away; a waiting read wakes."""
         self._eof = True
         if self._transport is not None:
-            self._transport.abort()
+            if self._loop.is_closed():  # a connection kept for a loop that has ended
+                _drop(self._transport)
+            else:
+                self._transport.abort()
         self._wake()
 
     def close(self) -> None:
         self.owner.forget(self)
         self.abort()
+
+
+def _drop(transport: Any) -> None:
+    """Close the socket of a transport whose event loop is closed.  Its ``abort()`` would schedule the
+    closing on that loop, which will never run it: the socket would stay open until the garbage collector
+    found it (``ResourceWarning: unclosed transport``).  So the transport's own last step is taken here,
+    as the loop would have taken it (asyncio's selector transports, under TLS too; another loop's
+    transports are left to it)."""
+    while hasattr(transport, "_ssl_protocol"):  # TLS: the application transport over the socket's own
+        transport._closed = True
+        transport = getattr(transport._ssl_protocol, "_transport", None)
+    lost = getattr(transport, "_call_connection_lost", None)
+    if lost is not None and getattr(transport, "_sock", None) is not None:
+        try:
+            lost(None)  # closes the socket whatever the protocol does
+        except RuntimeError:  # a protocol that schedules on the closed loop (TLS's)
+            pass
 
 
 class _AsyncBoard(_Board):
@@ -6154,6 +6388,13 @@ class _AsyncBoard(_Board):
 
     def busy(self) -> bool:
         return bool(self.runs or self.tasks)
+
+    def drop_idle(self) -> None:
+        """Close the kept connections (of a loop the client no longer uses: they cannot serve another)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for conn, _, _ in idle:
+            conn.close()
 
     async def aclose(self) -> None:
         import asyncio
@@ -6184,6 +6425,7 @@ class AsyncStream:
         self._batch_offset = req.offset or 0
         self._cancelled = False
         self._done = False
+        self._log = _logger(_INFO)  # as Stream's
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
@@ -6224,8 +6466,9 @@ class AsyncStream:
         run.running = True
         try:
             got = await run.step()
-        except BaseException:
+        except BaseException as caught:
             self._done = True
+            _verdict(run.board.calls.addr, caught)
             raise
         finally:
             run.running = False
@@ -6234,6 +6477,8 @@ class AsyncStream:
             self.completion = run.value
             self.offset = run.offset
             raise StopAsyncIteration
+        if self._log is not None:
+            _tell(self._log, run.board.calls.addr, got)
         got.reverse()  # a fresh list, never empty: popped from its end
         self._batch = got
         self._batch_offset = run.offset
@@ -6351,7 +6596,10 @@ class AsyncClient:
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )
-                board = self._board = _AsyncBoard(self._calls, loop, board)
+                previous, board = board, _AsyncBoard(self._calls, loop, board)
+                self._board = board
+                if previous is not None:
+                    previous.drop_idle()
         return board
 
     async def _run(self, plan: _Plan[_T]) -> _T:
@@ -6612,12 +6860,15 @@ def _isatty(stream: Any) -> bool:
 
 class _Console:
     """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  Off a terminal
-    the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%)."""
+    the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%), and a
+    wait (a retry, a busy slot) a line when it changes or at most each quarter of its budget."""
 
-    def __init__(self, out: Any, err: Any) -> None:
+    def __init__(self, out: Any, err: Any, client: Optional[Client] = None) -> None:
         self.out = out
         self.err = err
         self.tty = _isatty(err)
+        self.client = client
+        self._wait = None  # type: Optional[Tuple[str, float]]  # off a terminal: the last wait shown, when
         self._status = False
         self._in_reasoning = False
         self.started = time.monotonic()
@@ -6672,9 +6923,18 @@ class _Console:
             state = "the slot is wedged" if event.wedged else "the slot is busy" if event.slot_busy else "no answer yet"
             if not event.slots_known:
                 state = "no answer yet (the server does not show its slots)"
-            self.status("waiting %.0f s: %s" % (waited, state))
+            self._waiting(state, "waiting %.0f s: %s" % (waited, state), "busy_wait")
         elif isinstance(event, Retrying):
-            self.status("retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason))
+            text = "retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason)
+            addr = self.client._calls.addr if self.client is not None else None
+            if addr is not None and addr.warned and not addr.seen:  # no socket file since the start
+                text = "no socket file %s yet: is llama-server started with --host %s? (retry %d, %.0f s)" % (
+                    addr.target,
+                    addr.target,
+                    event.attempt,
+                    time.monotonic() - self.started,
+                )
+            self._waiting(event.reason, text, "load_wait")
         elif isinstance(event, Resumed):
             self.status("connection lost: resumed from byte %d (attempt %d)" % (event.offset, event.attempt))
         elif isinstance(event, Progress):
@@ -6687,6 +6947,18 @@ class _Console:
             if self.tty:
                 self.err.write("\n")
                 self._status = False
+
+    def _waiting(self, kind: str, text: str, budget: str) -> None:
+        """A wait's status line: in place on a terminal; else when ``kind`` changes, or a quarter of the
+        wait's budget after the last line (a few lines over the whole wait, not one per retry)."""
+        if not self.tty:
+            now = time.monotonic()
+            limits = self.client.limits if self.client is not None else Limits()
+            last = self._wait
+            if last is not None and last[0] == kind and now - last[1] < getattr(limits, budget) / 4:
+                return
+            self._wait = (kind, now)
+        self.status(text)
 
     def _progress(self, processed: int, total: int) -> None:
         self._prompt = (processed, total)
@@ -6867,11 +7139,11 @@ def _body_param(text: str) -> Tuple[str, Any]:
         return key.strip(), value
 
 
-def _add_answer_options(command: Any) -> None:
+def _add_answer_options(command: Any, max_tokens: str = "cap the answer's tokens") -> None:
     """The options that shape an answer, for every command that streams one (``chat``, ``complete``,
     ``infill``); read them back with ``_answer_params``."""
     command.add_argument("--slot", type=int, metavar="N", help="pin the request to this slot")
-    command.add_argument("--max-tokens", type=int, metavar="N", help="cap the answer's tokens")
+    command.add_argument("--max-tokens", type=int, metavar="N", help=max_tokens)
     command.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
     command.add_argument(
         "--stop",
@@ -6936,6 +7208,13 @@ def _parser() -> Any:
         default=argparse.SUPPRESS,
         help="how long to wait for an absent, loading or busy server (load_wait and busy_wait)",
     )
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="log what the client does on stderr: -v retries, waits, resumes (INFO); -vv connections too (DEBUG)",
+    )
     parser = argparse.ArgumentParser(
         prog="loopclient",
         parents=[common],
@@ -6951,8 +7230,11 @@ def _parser() -> Any:
     chat.add_argument(
         "--resumable", action="store_true", help="resume the answer from the server's buffer if the connection drops"
     )
-    _add_answer_options(chat)
+    _add_answer_options(
+        chat, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
+    )
     slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
+    slots.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
     slots.add_argument(
         "--watch",
         type=float,
@@ -6968,11 +7250,13 @@ def _parser() -> Any:
         "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
     )
     tokens = commands.add_parser("tokens", parents=[common], help="count the tokens of TEXT (or stdin)")
-    tokens.add_argument("text", nargs="?", help="the text; without it, read stdin")
+    tokens.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
     complete = commands.add_parser(
         "complete", parents=[common], help="stream the text that follows PROMPT (/completion)"
     )
-    complete.add_argument("prompt", nargs="?", help="the raw prompt; without it, read stdin")
+    complete.add_argument(
+        "prompt", nargs="?", help="the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"
+    )
     complete.add_argument(
         "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
     )
@@ -6982,6 +7266,56 @@ def _parser() -> Any:
     infill.add_argument("--suffix", metavar="FILE", default=None, help="the text after the gap (- for stdin)")
     _add_answer_options(infill)
     return parser
+
+
+#: ``loopclient chat``'s ``--max-tokens`` when none is given (nor ``--param max_tokens``).
+CHAT_MAX_TOKENS = 2048
+
+
+def _log_to(err: Any, verbose: int) -> Callable[[], None]:
+    """``-v``: the ``loopclient`` logger's records on ``err`` (INFO; ``-vv`` DEBUG), each on a line of its
+    own (on a terminal, over the status line, which the next status redraws).  Returns what undoes it."""
+    import logging
+
+    class Handler(logging.StreamHandler):  # type: ignore[type-arg]
+        def emit(self, record: Any) -> None:
+            if _isatty(self.stream):
+                self.stream.write("\r\x1b[K")
+            logging.StreamHandler.emit(self, record)
+
+    handler = Handler(err)
+    handler.setFormatter(logging.Formatter("loopclient: %(levelname)s: %(message)s"))
+    log = logging.getLogger("loopclient")
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+    log.propagate = False
+
+    def undo() -> None:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+    return undo
+
+
+def _cli_limits(limits: Limits, option: str, **changes: Any) -> Limits:
+    """``limits`` with ``changes``; what ``Limits`` refuses is a usage error that names the ``option``."""
+    try:
+        return limits.replace(**changes)
+    except (TypeError, ValueError) as exc:
+        text = str(exc)
+        if text.startswith("Limits."):
+            text = text.partition(" ")[2]
+        raise ValueError("%s: %s" % (option, text)) from None
+
+
+def _read_stdin(what: str) -> str:
+    """Standard input, to its end; on a terminal, say so first (on stderr) rather than wait in silence."""
+    if _isatty(sys.stdin):
+        sys.stderr.write("loopclient: reading %s from the terminal: end it with Ctrl-D (Ctrl-C to quit)\n" % what)
+        sys.stderr.flush()
+    return str(sys.stdin.read())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -7003,25 +7337,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         taken = {"chat": ("messages",), "complete": ("prompt",), "infill": ("input_prefix", "input_suffix")}
         params = _answer_params(args, taken[args.command]) if args.command in taken else {}
-        changes = {}  # type: Dict[str, Any]
+        limits = Limits()
         if getattr(args, "thinking_cap", None) is not None:
-            changes["thinking_cap"] = args.thinking_cap
+            limits = _cli_limits(limits, "--thinking-cap", thinking_cap=args.thinking_cap)
         if getattr(args, "wait", None) is not None:
-            changes["load_wait"] = changes["busy_wait"] = args.wait
-        client = Client(address, limits=Limits(**changes), api_key=api_key, model=model)
+            limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
+        client = Client(address, limits=limits, api_key=api_key, model=model)
     except (ValueError, TypeError) as exc:
         if isinstance(exc.__cause__, ImportError):  # no ssl module: this Python, not the usage, is at fault
             sys.stderr.write("loopclient: %s\n" % exc)
             return 1
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
+    undo = _log_to(sys.stderr, args.verbose) if getattr(args, "verbose", 0) else None
     try:
         with client:
             if args.command == "chat":
                 return _chat(client, args, params)
             if args.command in ("complete", "infill"):
                 return _complete(client, args, params)
-            if args.command == "slots":
+            if args.command == "slots" and args.json:
+                if args.watch is not None:
+                    raise ValueError("--json shows the slots once: without --watch")
+                print(json.dumps([s.raw for s in client.slots()], indent=2, ensure_ascii=False))
+            elif args.command == "slots":
                 _slots(client, sys.stdout, args.watch)
             elif args.command == "health":
                 print(json.dumps(client.health()))
@@ -7032,7 +7371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             elif args.command == "models":
                 print(_models_table(client.models()))
             else:
-                text = args.text if args.text is not None else sys.stdin.read()
+                text = args.text if args.text is not None else _read_stdin("the text")
                 print(len(client.tokenize(text)))
             return 0
     except LoopError as exc:
@@ -7044,12 +7383,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\nloopclient: interrupted\n")
         return 130
+    finally:
+        if undo is not None:
+            undo()
 
 
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
     params = dict({"return_progress": True}, **params)
+    if not {"max_tokens", "max_completion_tokens", "n_predict"} & set(params):  # no cap given: the default
+        params["max_tokens"] = CHAT_MAX_TOKENS
     if args.resumable:
         params["resumable"] = True
     history = []  # type: List[Dict[str, Any]]
@@ -7075,7 +7419,7 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
                 continue
         assert prompt is not None
         history.append({"role": "user", "content": prompt})
-        console = _Console(sys.stdout, sys.stderr)
+        console = _Console(sys.stdout, sys.stderr, client)
         show = functools.partial(console.event, show_text=not args.json)
         completion = client.chat(history, slot=args.slot, on_event=show, **params)
         _answered(console, completion, args.json)
@@ -7125,11 +7469,11 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     openai = args.command == "complete" and args.openai  # /v1/completions: its token cap is max_tokens
     if "max_tokens" in params and not openai:  # --param n_predict, applied last, wins over --max-tokens
         params.setdefault("n_predict", params.pop("max_tokens"))
-    console = _Console(sys.stdout, sys.stderr)
+    console = _Console(sys.stdout, sys.stderr, client)
     show = functools.partial(console.event, show_text=not args.json)
     try:
         if args.command == "complete":
-            prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+            prompt = args.prompt if args.prompt is not None else _read_stdin("the prompt")
             text = (prompt,)  # type: Tuple[str, ...]
         else:
             text = (_read_arg(args.prefix), _read_arg(args.suffix))

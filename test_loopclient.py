@@ -16730,10 +16730,12 @@ class TestCommandLineTerminal(ServerCase):
     def spawn(self, *argv):
         """``loopclient.py --socket SERVER argv...`` on a new pty: what it writes collects in ``self.seen``."""
         master, slave = pty.openpty()
-        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell.
+        # The child makes the pty its controlling terminal, so that ^C becomes SIGINT as in a real shell, and
+        # restores SIGINT's default first: a non-interactive shell starts a background job (nohup ... &) with
+        # SIGINT ignored, which the child would inherit (Python then installs no KeyboardInterrupt for it).
         launcher = (
-            "import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-            "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+            "import fcntl, os, signal, sys, termios; signal.signal(signal.SIGINT, signal.SIG_DFL); os.setsid(); "
+            "fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-c", launcher, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path]
@@ -17167,7 +17169,8 @@ class RealTierSummary(unittest.TestSuite):
 
     @staticmethod
     def report(result):
-        skipped = [test for test, _ in result.skipped if type(test).__name__.startswith("TestReal")]
+        real = ("TestReal", "TestReadmeExamples")  # the README's examples run against the real demo server
+        skipped = [test for test, _ in result.skipped if type(test).__name__.startswith(real)]
         if skipped:
             import re
 
@@ -19462,3 +19465,602 @@ TestFaultFrontsSockets, TestFaultFrontsSocketsAsync = on_sockets(
     "test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero",
     "test_health_of_a_front_that_answers_plain_text",
 )
+# -----------------------------------------------------------------------------------------------------
+# Cancelling while the connect is in progress
+# -----------------------------------------------------------------------------------------------------
+
+
+def full_tcp_listener(test):
+    """A TCP listener on 127.0.0.1 whose accept queue is full (nobody accepts): a new connect neither
+    completes nor fails, the SYN goes unanswered.  Its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    fillers = []
+    test.closers.append(lambda: [s.close() for s in fillers + [listener]])  # before the fd count
+    while len(fillers) < 64:
+        s = socket.socket()
+        s.settimeout(0.3)
+        try:
+            s.connect(listener.getsockname())
+        except socket.timeout:  # the queue is full: this connect hangs, as the client's will
+            s.close()
+            return "http://127.0.0.1:%d" % listener.getsockname()[1]
+        fillers.append(s)
+    test.fail("the accept queue never filled")
+
+
+def full_unix_listener(test):
+    """A Unix listener whose listen queue is full: a connect fails at once with EAGAIN.  Its path."""
+    where = tempfile.mkdtemp(prefix="lc", dir="/tmp")
+    path = os.path.join(where, "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    fillers = []
+
+    def close():
+        for s in fillers + [listener]:
+            s.close()
+        shutil.rmtree(where, True)
+
+    test.closers.append(close)  # before the fd count
+    while len(fillers) < 64:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            return path
+        fillers.append(s)
+    test.fail("the listen queue never filled")
+
+
+class TestCancelDuringConnect(ServerCase):
+    """``cancel()`` 0.1 s into a request whose connect cannot complete ends it within 0.2 s: the socket is
+    registered before it connects, so the cancel shuts it down (a TCP connect then fails at once).  The
+    connect timeout (``poll``) and the ``/props`` one (``liveness``, for ``slot=None``) are far longer."""
+
+    #: a connect waits max(poll, 0.2) s, /props liveness: both far past the 0.2 s a cancel may take
+    slow = FAST.replace(poll=1.5, liveness=6.0, load_wait=10.0)
+
+    def cancel_in_connect(self, address, slot):
+        client = self.new_client(address, limits=self.slow)
+        self.closers.append(client.close)
+        stream = client.stream(MSGS, slot=slot)
+        events = []
+        cancelled = []
+
+        def cancel():
+            cancelled.append(time.monotonic())
+            stream.cancel()
+
+        timer = threading.Timer(0.1, cancel)
+        timer.start()
+        self.addCleanup(timer.cancel)
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: events.extend(stream), 15)
+        took = time.monotonic() - cancelled[0]
+        self.assertLess(took, 0.2 + MARGIN, "cancelled %.2f s after cancel()" % took)
+        return events
+
+    def test_tcp_pinned_slot(self):
+        self.assertEqual(self.cancel_in_connect(full_tcp_listener(self), 0), [])  # no Retrying: still connecting
+
+    def test_tcp_any_slot(self):  # the /props connect first
+        self.assertEqual(self.cancel_in_connect(full_tcp_listener(self), None), [])
+
+    def test_tls_handshake(self):  # a listener that accepts and never answers the ClientHello
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        accepted = []
+        self.closers.append(lambda: [s.close() for s in accepted + [listener]])
+        threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+        self.assertEqual(self.cancel_in_connect("https://127.0.0.1:%d" % listener.getsockname()[1], 0), [])
+        self.assertEqual(len(accepted), 1)  # it was connected, in the handshake
+
+    def test_unix_pinned_slot(self):  # EAGAIN at once: cancelled in the retries' backoff
+        events = self.cancel_in_connect(full_unix_listener(self), 0)
+        self.assertTrue(events and all(isinstance(ev, lc.Retrying) for ev in events), events)
+
+    def test_unix_any_slot(self):
+        events = self.cancel_in_connect(full_unix_listener(self), None)
+        self.assertTrue(all(isinstance(ev, lc.Retrying) for ev in events), events)
+
+
+class TestCancelDuringConnectAsync(AsyncDriver, TestCancelDuringConnect):
+    pass
+
+
+class TestAsyncClientLoopsInTurn(unittest.TestCase):
+    """An ``AsyncClient`` made outside any loop and used by two event loops in turn (``asyncio.run``
+    twice): ``close()`` on the second closes the connection kept for the first, whose loop has ended."""
+
+    def test_close_closes_the_ended_loops_kept_connection(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.addCleanup(server.close)
+        fds = fd_count()
+        client = lc.AsyncClient(server.address, limits=FAST)
+
+        async def first():
+            return await client.tokenize("x")
+
+        async def second():
+            try:
+                return await client.tokenize("x")
+            finally:
+                await client.close()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            self.assertEqual(asyncio.run(first()), [7])
+            self.assertEqual(fd_count(), fds + 2)  # the connection kept for the first loop, and the server's end
+            self.assertEqual(asyncio.run(second()), [7])
+            # the server's ends close once the client's have (its thread sees the end of the connection)
+            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+        self.assertEqual(server.connections, 2)  # the first loop's connection was not reused by the second
+
+    def test_over_tls_too(self):
+        server = _ApiTLSServer()
+        self.addCleanup(server.close)
+        held = []
+
+        def tokenize(req):  # answer, then hold the connection open as llama-server does until the client goes
+            held.append(req)
+            req.send(keep_alive_answer({"tokens": [7]}))
+            req.wait_peer_close(10)
+
+        server.route("POST", "/tokenize", tokenize)
+        fds = fd_count()
+        trusting = ssl.create_default_context(cafile=_API_TLS_CERT)
+        client = lc.AsyncClient(server.address, limits=FAST, ssl_context=trusting)
+
+        async def first():
+            return await client.tokenize("x")
+
+        async def second():
+            try:
+                return await client.tokenize("x")
+            finally:
+                await client.close()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            self.assertEqual(asyncio.run(first()), [7])
+            self.assertFalse(held[0].closed_by_peer.is_set())  # kept for the first loop
+            self.assertEqual(asyncio.run(second()), [7])
+            wait_for(lambda: all(req.closed_by_peer.is_set() for req in held), 5, "the server to see both closed")
+            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+        self.assertEqual(len(held), 2)
+
+    def test_close_on_another_loop_closes_the_ended_loops_kept_connection(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.addCleanup(server.close)
+        fds = fd_count()
+        client = lc.AsyncClient(server.address, limits=FAST)
+
+        async def first():
+            return await client.tokenize("x")
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            self.assertEqual(asyncio.run(first()), [7])
+            self.assertEqual(fd_count(), fds + 2)
+            asyncio.run(client.close())
+            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
+            gc.collect()
+        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+
+
+# -----------------------------------------------------------------------------------------------------
+# What the client says: the loopclient logger, and addresses told as early as they can be
+# -----------------------------------------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        logging.Handler.__init__(self, logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+class _Logged:
+    """A test with the ``loopclient`` logger at DEBUG, its records collected: ``self.logged(level)``."""
+
+    def capture_log(self):
+        self.log = _Records()
+        logger = logging.getLogger("loopclient")
+        level = logger.level
+        logger.addHandler(self.log)
+        logger.setLevel(logging.DEBUG)
+
+        def restore():
+            logger.removeHandler(self.log)
+            logger.setLevel(level)
+
+        self.addCleanup(restore)
+
+    def logged(self, level=None, waits=False):
+        """(level name, message) of the records at ``level``; without ``waits``, not the waits for a head (a
+        loaded machine may be slower than ``poll`` to answer, and a request then says it waits)."""
+        return [
+            (r.levelname, r.getMessage())
+            for r in self.log.records
+            if (level is None or r.levelno == level) and (waits or ": waiting for the response:" not in r.getMessage())
+        ]
+
+
+UNAVAILABLE_503 = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 0\r\nContent-Length: 0\r\n\r\n"
+
+
+class TestLogging(_Logged, ServerCase):
+    """The ``loopclient`` logger: retries, waits and the error that ends a stream at INFO (the events say
+    the same to the caller), connects and kept connections at DEBUG."""
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+
+    def test_a_retry_is_logged_at_info_with_its_reason(self):
+        self.use(_f_sequence(reply(UNAVAILABLE_503), serve_body(content_stream(["ok"]))))
+        completion, events = self.collect()
+        self.assertEqual(completion.content, "ok")
+        retry = events[0]
+        self.assertIsInstance(retry, lc.Retrying)
+        self.assertEqual(
+            self.logged(logging.INFO),
+            [("INFO", "%s: retry 1 in %.2f s: %s" % (self.server.address, retry.delay, retry.reason))],
+        )
+
+    def test_a_wait_for_a_busy_slot_is_logged_at_info(self):
+        release = threading.Event()
+        self.server.busy[0] = True
+
+        def free():
+            self.server.busy[0] = False
+            release.set()
+
+        self.use(hold_then(content_stream(["done"]), release))
+        timer = threading.Timer(0.3, free)
+        timer.start()
+        self.addCleanup(timer.cancel)
+        completion, events = self.collect()
+        self.assertEqual(completion.content, "done")
+        self.assertIn(lc.Waiting(True), events)
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: the slot is busy" % self.server.address), self.logged(waits=True)
+        )
+
+    def test_the_error_that_ends_a_stream_is_logged_at_info(self):
+        self.use(reply(http_response(b'{"error":{"code":400,"message":"bad","type":"x"}}', status=b"400 Bad Request")))
+        with self.assertRaises(lc.HTTPStatusError) as caught:
+            self.collect()
+        self.assertEqual(
+            self.logged(logging.INFO), [("INFO", "%s: HTTPStatusError: %s" % (self.server.address, caught.exception))]
+        )
+
+    def test_a_connect_is_logged_at_debug(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.collect()
+        self.assertIn(("DEBUG", "%s: connected" % self.server.address), self.logged(logging.DEBUG))
+
+    def test_kept_connections_are_logged_at_debug(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.closers.append(server.close)
+        client = self.new_client(server.address, limits=FAST)
+        self.closers.insert(0, client.close)
+        for _ in range(2):
+            self.assertEqual(run_with_timeout(lambda: client.tokenize("x")), [7])
+        where = server.address
+        self.assertEqual(
+            self.logged(logging.DEBUG),
+            [
+                ("DEBUG", "%s: connected" % where),
+                ("DEBUG", "%s: connection kept for reuse (4 s idle at most)" % where),
+                ("DEBUG", "%s: reusing a kept connection" % where),
+                ("DEBUG", "%s: connection kept for reuse (4 s idle at most)" % where),
+            ],
+        )
+
+    def test_nothing_is_logged_below_the_loggers_level(self):
+        logging.getLogger("loopclient").setLevel(logging.WARNING)
+        self.use(_f_sequence(reply(UNAVAILABLE_503), serve_body(content_stream(["ok"]))))
+        _, events = self.collect()
+        self.assertIsInstance(events[0], lc.Retrying)
+        self.assertEqual(self.logged(), [])
+
+
+class TestLoggingAsync(AsyncDriver, TestLogging):
+    pass
+
+
+class TestLoggingCostsNothing(unittest.TestCase):
+    """loopclient never imports logging: a program that does not log does not pay for it."""
+
+    def test_no_logging_without_the_program_importing_it(self):
+        code = (
+            "import sys, loopclient as lc\n"
+            "c = lc.Client('/nonexistent/s.sock', limits=lc.Limits(load_wait=0.3))\n"
+            "try:\n    c.chat([{'role': 'user', 'content': 'x'}], slot=0)\n"
+            "except lc.LoadTimeoutError:\n    pass\n"
+            "print('logging' in sys.modules)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        self.assertEqual(out, "False\n")
+
+
+class TestAddressTold(_Logged, ServerCase):
+    """A wrong address is told as early as it honestly can be: a path that is a file or a directory is
+    ConnectError at once (it cannot become a socket while it is there), for a stream as for a single-shot
+    call; a socket file that never existed is waited for, logged once as a WARNING, and the final
+    LoadTimeoutError says so; host:port without a scheme is ValueError at construction."""
+
+    limits = FAST.replace(load_wait=0.4)
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.where = tempfile.mkdtemp(prefix="lc", dir="/tmp")
+        self.closers.append(lambda: shutil.rmtree(self.where, True))
+
+    def not_a_socket(self, path, what):
+        client = self.new_client(path, limits=self.limits)
+        self.closers.insert(0, client.close)
+        events = []
+        elapsed = Timer()
+        with self.assertRaises(lc.ConnectError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertLess(elapsed.elapsed, 0.2 + MARGIN)  # at once: not retried for load_wait
+        self.assertEqual(events, [])
+        self.assertEqual(
+            str(caught.exception), "%s is %s, not a socket: no llama-server can listen there" % (path, what)
+        )
+        with self.assertRaises(lc.ConnectError) as single:
+            run_with_timeout(client.health)
+        self.assertEqual(str(single.exception), str(caught.exception))
+
+    def test_a_regular_file_is_connect_error_at_once(self):
+        path = os.path.join(self.where, "s.sock")
+        open(path, "w").close()
+        self.not_a_socket(path, "a regular file")
+
+    def test_a_directory_is_connect_error_at_once(self):
+        self.not_a_socket(self.where, "a directory")
+
+    def test_a_path_below_a_file_is_connect_error_at_once(self):
+        path = os.path.join(self.where, "file")
+        open(path, "w").close()
+        self.not_a_socket(os.path.join(path, "s.sock"), "below a regular file")
+
+    def test_a_socket_file_never_made_is_a_warning_and_the_error_says_it(self):
+        path = os.path.join(self.where, "s.sock")
+        client = self.new_client(path, limits=self.limits)
+        self.closers.insert(0, client.close)
+        events = []
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
+        self.assertTrue(
+            str(caught.exception).endswith(": the socket file %s never existed since the client was made" % path),
+            caught.exception,
+        )
+        self.assertEqual(
+            self.logged(logging.WARNING),
+            [
+                (
+                    "WARNING",
+                    "%s: no socket file there (none since the client was made): is llama-server started with "
+                    "--host %s? waiting for it" % (path, path),
+                )
+            ],
+        )  # once, at the first failed attempt
+
+    def test_a_socket_file_that_was_there_is_no_warning(self):
+        path = os.path.join(self.where, "s.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.close()  # the file stays: refused, as a server that stopped leaves it
+        client = self.new_client(path, limits=self.limits)
+        self.closers.insert(0, client.close)
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertNotIn("never existed", str(caught.exception))
+        self.assertIsInstance(caught.exception.__cause__, ConnectionRefusedError)
+        self.assertEqual(self.logged(logging.WARNING), [])
+
+    def test_host_port_without_a_scheme_is_value_error(self):
+        for text in ("localhost:8080", "127.0.0.1:8080", "[::1]:8080", "llama.example:80/"):
+            with self.subTest(text), self.assertRaises(ValueError) as caught:
+                self.new_client(text)
+            self.assertIn("use http://%s" % text, str(caught.exception))
+        self.assertEqual(self.new_client("./localhost:8080").address, "./localhost:8080")  # a file of that name
+
+
+class TestAddressToldAsync(AsyncDriver, TestAddressTold):
+    pass
+
+
+class TestCommandLineFirstUse(CLICase):
+    """What a first use of the command line meets: its options named in its errors, slots as JSON, a
+    default cap on chat's answer, -v, and waits told in a few lines."""
+
+    def test_slots_json_is_the_servers_slots(self):
+        out, _ = self.main_ok("slots", "--json")
+        raw = [s.raw for s in run_with_timeout(self.client.slots)]
+        self.assertEqual(json.loads(out), raw)
+        self.assertEqual([s["id"] for s in raw], [0, 1])
+
+    def test_slots_json_with_watch_is_a_usage_error(self):
+        self.assertEqual(
+            self.main_fails("slots", "--json", "--watch", "1", code=2),
+            "loopclient: error: --json shows the slots once: without --watch",
+        )
+
+    def test_usage_errors_name_the_command_lines_options(self):
+        self.assertEqual(
+            self.main_fails("--wait", "-1", "health", code=2),
+            "loopclient: error: --wait: must not be negative, got -1.0",
+        )
+        self.assertEqual(
+            self.main_fails("chat", "x", "--thinking-cap", "-2", code=2),
+            "loopclient: error: --thinking-cap: must not be negative, got -2",
+        )
+        self.assertEqual(self.server.requests, [])
+
+    def test_host_port_without_a_scheme_is_a_usage_error(self):
+        code, out, err = self.run_main(["--url", "localhost:8080", "health"])
+        self.assertEqual((code, out), (2, ""))
+        self.assertEqual(
+            err,
+            "loopclient: error: 'localhost:8080' is host:port without a scheme: use http://localhost:8080 "
+            "(a socket file of that name: ./localhost:8080)\n",
+        )
+
+    def test_chat_caps_the_answer_unless_told(self):
+        self.use(serve_body(content_stream(["ok"])))
+        for argv, cap in (
+            ((), {"max_tokens": lc.CHAT_MAX_TOKENS}),
+            (("--max-tokens", "5"), {"max_tokens": 5}),
+            (("--param", "n_predict=7"), {"n_predict": 7}),
+            (("--param", "max_completion_tokens=9"), {"max_completion_tokens": 9}),
+        ):
+            with self.subTest(argv):
+                self.server.requests.clear()
+                self.main_ok("chat", "x", *argv)
+                body = self.server.chat_requests()[0].json()
+                caps = {k: body[k] for k in ("max_tokens", "n_predict", "max_completion_tokens") if k in body}
+                self.assertEqual(caps, cap)
+        self.assertEqual(lc.CHAT_MAX_TOKENS, 2048)
+        self.assertIn("default 2048", lc._parser()._subparsers._group_actions[0].choices["chat"].format_help())
+
+    def test_verbose_logs_retries_on_stderr(self):
+        self.use(_f_sequence(reply(UNAVAILABLE_503), serve_body(content_stream(["ok"]))))
+        for flag, debug in (("-v", False), ("-vv", True)):
+            with self.subTest(flag):
+                out, err = self.main_ok(flag, "chat", "x", "--slot", "0")
+                self.assertEqual(out, "ok\n")
+                self.assertIn("loopclient: INFO: %s: retry 1 in " % self.server.path, err)
+                self.assertEqual("loopclient: DEBUG: %s: connected" % self.server.path in err, debug)
+                self.use(_f_sequence(reply(UNAVAILABLE_503), serve_body(content_stream(["ok"]))))
+        logger = logging.getLogger("loopclient")  # main() leaves the logger as it found it
+        self.assertEqual((logger.level, logger.propagate), (logging.NOTSET, True))
+        self.assertFalse([h for h in logger.handlers if not isinstance(h, (logging.NullHandler, _Records))])
+
+    def test_a_socket_file_never_made_is_named_in_the_status_line(self):
+        path = os.path.join(self.server.tmp, "never.sock")
+        line = self.main_fails("chat", "x", address=path)
+        code, _, err = self.run_main(["--socket", path, "chat", "x"])
+        self.assertIn("no socket file %s yet: is llama-server started with --host %s? (retry 1, " % (path, path), err)
+        self.assertIn("never existed since the client was made", line)
+
+
+class TestConsoleWaits(unittest.TestCase):
+    """Off a terminal a wait is a line when it changes, else at most one each quarter of its budget (not
+    one per retry); on a terminal it is one line, redrawn in place."""
+
+    def retries(self, err, reasons, every=2.0):
+        client = lc.Client("http://127.0.0.1:9", limits=lc.Limits(load_wait=120.0))
+        self.addCleanup(client.close)
+        now = [1000.0]
+        with mock.patch.object(lc.time, "monotonic", lambda: now[0]):
+            console = lc._Console(io.StringIO(), err, client)
+            for n, reason in enumerate(reasons):
+                console.event(lc.Retrying(n + 1, 1.5, reason))
+                now[0] += every
+        return err.getvalue()
+
+    def test_off_a_terminal_60_retries_over_load_wait_are_four_lines(self):
+        text = self.retries(io.StringIO(), ["cannot connect: Connection refused"] * 60)  # one each 2 s for 120 s
+        self.assertEqual(
+            [line.split(":")[0] for line in text.splitlines()],
+            ["retry 1 in 1.5 s", "retry 16 in 1.5 s", "retry 31 in 1.5 s", "retry 46 in 1.5 s"],
+        )
+
+    def test_off_a_terminal_a_new_reason_is_told_at_once(self):
+        text = self.retries(io.StringIO(), ["cannot connect: Connection refused"] * 3 + ["HTTP 503: Loading model"])
+        self.assertEqual(
+            text, "retry 1 in 1.5 s: cannot connect: Connection refused\nretry 4 in 1.5 s: HTTP 503: Loading model\n"
+        )
+
+    def test_on_a_terminal_one_line_redrawn(self):
+        text = self.retries(TtyText(), ["cannot connect: Connection refused"] * 60)
+        self.assertNotIn("\n", text)
+        self.assertEqual(text.count("\r\x1b[K"), 60)
+        self.assertTrue(text.endswith("\r\x1b[Kretry 60 in 1.5 s: cannot connect: Connection refused"))
+
+
+class TestCommandLineTerminalStdin(TestCommandLineTerminal):
+    """``tokens`` and ``complete`` without TEXT on a terminal say that they read it from there (and how to
+    end it) rather than wait in silence."""
+
+    def test_tokens_says_it_reads_the_terminal(self):
+        self.server.route("POST", "/tokenize", lambda req: respond_json(req, {"tokens": [1, 2, 3]}))
+        self.spawn("tokens")
+        self.read_until(b"loopclient: reading the text from the terminal: end it with Ctrl-D (Ctrl-C to quit)")
+        os.write(self.master, b"one two\n\x04")
+        self.assertEqual(self.read_to_exit(), 0, bytes(self.seen))
+        self.assertIn(b"\r\n3\r\n", bytes(self.seen))
+        tokenized = [r for r in self.server.requests if r.path == "/tokenize"]
+        self.assertEqual(tokenized[0].json()["content"], "one two\n")
+
+    def test_complete_says_it_reads_the_terminal(self):
+        self.server.route("POST", "/completion", serve_body(b""))  # never reached: Ctrl-C first
+        self.spawn("complete")
+        self.read_until(b"loopclient: reading the prompt from the terminal: end it with Ctrl-D (Ctrl-C to quit)")
+        os.write(self.master, b"\x03")
+        self.assertEqual(self.read_to_exit(), 130, bytes(self.seen))
+        self.assertEqual(self.server.requests, [])
+
+
+for _name in dir(TestCommandLineTerminal):  # the base class runs its own tests
+    if _name.startswith("test_"):
+        setattr(TestCommandLineTerminalStdin, _name, None)
+
+
+#: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo).
+README_DEMO_SOCKET = "/tmp/loopclient-llama/demo.sock"
+
+
+def readme_python_blocks():
+    """The README's ```python blocks: (line number, code)."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return [
+        (text.count("\n", 0, found.start()) + 2, found.group(1))
+        for found in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)
+    ]
+
+
+@unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
+class TestReadmeExamples(unittest.TestCase):
+    """Every ```python block of the README runs as written against the demo server: the one change is the
+    demo socket's path, the test's own server for the one the README tells the user to start."""
+
+    def test_the_readme_has_examples(self):
+        self.assertGreaterEqual(len(readme_python_blocks()), 5)
+
+    def test_every_python_block_runs(self):
+        for line, code in readme_python_blocks():
+            with self.subTest(line=line):
+                others = set(re.findall(r"[\"'](/[^\"']*\.sock)[\"']", code)) - {README_DEMO_SOCKET}
+                self.assertEqual(others, set(), "an example at line %d uses another socket than the demo's" % line)
+                done = subprocess.run(
+                    [sys.executable, "-c", code.replace(README_DEMO_SOCKET, REAL_DEMO)],
+                    cwd=HERE,
+                    env=dict(os.environ, PYTHONPATH=HERE),
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                self.assertEqual(done.returncode, 0, "README line %d:\n%s%s" % (line, done.stdout, done.stderr))
+                self.assertTrue(done.stdout.strip(), "README line %d printed nothing" % line)

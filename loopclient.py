@@ -688,7 +688,7 @@ class Slot(_Value):
         _set(self, "prompt_processed", prompt_processed)
 
 
-_INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body", "pool", "keep_alive")
+_INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body", "pool", "keep_alive", "servers")
 _SECONDS_LIMITS = ("poll", "liveness", "busy_wait", "load_wait", "idle_grace", "wedge_wait")
 
 
@@ -715,6 +715,10 @@ class Limits(_Value):
                             ``total_slots`` from ``/props``, 4 when it does not say; set it behind a balancer)
     keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
                             connection per request)
+    servers          1      how many llama-servers stand behind the address (a balancer in front): with
+                            more than one, a ``/slots`` answer may describe another server than the one
+                            holding the request, so no wait is judged idle or wedged from it, and a
+                            ``slot=None`` pool is ``servers`` times ``total_slots``
     """
 
     __match_args__ = (
@@ -731,6 +735,7 @@ class Limits(_Value):
         "wedge_wait",
         "pool",
         "keep_alive",
+        "servers",
     )
     __slots__ = __match_args__
     queue_len: int
@@ -746,6 +751,7 @@ class Limits(_Value):
     wedge_wait: Optional[float]
     pool: Optional[int]
     keep_alive: int
+    servers: int
 
     def __init__(
         self,
@@ -762,6 +768,7 @@ class Limits(_Value):
         wedge_wait: Optional[float] = 120.0,
         pool: Optional[int] = None,
         keep_alive: int = 2,
+        servers: int = 1,
     ) -> None:
         values = locals()
         for name in _INT_LIMITS:
@@ -780,7 +787,7 @@ class Limits(_Value):
                 raise TypeError("Limits.%s must be a number of seconds, not %r" % (name, value))
             if not value >= 0:  # also refuses NaN
                 raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
-        for name in ("poll", "liveness", "max_line", "max_body", "pool"):
+        for name in ("poll", "liveness", "max_line", "max_body", "pool", "servers"):
             if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
         for name in self.__match_args__:
@@ -2768,6 +2775,13 @@ IDLE = "idle"  # the slot is free, yet nothing arrives: idle_grace
 WEDGED = "wedged"  # the slot is processing and nothing in it moves: WedgedSlotError at once
 CAPACITY = "capacity"  # the server (or a proxy in front of it) answered 429: busy_wait
 UNSEEN = "unseen"  # /slots is not served (a proxy, llama-swap, --no-slots): the server is up; busy_wait
+FRONT = "front"  # a front (nginx, HAProxy) answered 504 or 524: it stopped waiting for a slot; busy_wait
+SEVERAL = "several"  # several servers behind the address: /slots may describe another one; busy_wait
+_FOR_A_SLOT = frozenset((BUSY, FRONT, SEVERAL))  # one wait for a slot: its busy_wait goes on across them
+_UNSEEN = frozenset((UNSEEN, SEVERAL))  # what a poll says cannot be the request's own slot
+_FRONT_WAITED = (504, 524)  # a front's own answer (llama-server never sends these): it stopped waiting
+_FRONT_UNREACHED = (502, 520, 521, 522, 523)  # a front's own answer: it could not reach the server
+_FRONT_STATUSES = _FRONT_WAITED + _FRONT_UNREACHED
 
 
 class _Retry:
@@ -2788,6 +2802,35 @@ def _json_or_text(text: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError):
         return text
+
+
+_CAP_DUE = object()  # ResponsePump.verdict(): reasoning reached the cap, the rest of the bytes wait
+
+
+def _front_name(head: ResponseHead) -> Optional[str]:
+    """The ``Server`` of a response that is not llama-server's own (a front: nginx, Caddy...), else None."""
+    server = head.get("server")
+    if server and not server.lower().startswith("llama.cpp"):
+        return " ".join(server.split())[:100]
+    return None
+
+
+def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry]:
+    """The retry a status before delivery asks for, or None: 503 (loading) and a front that could not reach
+    the server (502, 520-523) under ``load_wait``; 429 (at capacity) and a front that stopped waiting for a
+    slot (504, 524) under ``busy_wait``."""
+    status = head.status
+    hint = parse_retry_after(head.get("retry-after"))
+    if status == 503:
+        return _Retry("HTTP 503: %s" % error.message, hint, error)
+    if status == 429:
+        return _Retry("HTTP 429: %s" % error.message, hint, error, CAPACITY)
+    if status in _FRONT_WAITED:
+        front = _front_name(head) or "the front"
+        return _Retry("HTTP %d from %s: the front stopped waiting for a slot" % (status, front), hint, error, FRONT)
+    if status in _FRONT_UNREACHED:
+        return _Retry(str(error), hint, error)
+    return None
 
 
 def _retryable(err: ServerError) -> bool:
@@ -2839,6 +2882,7 @@ class ResponsePump:
         "_capped_at",
         "_resuming",
         "_last",
+        "unknown",
     )
 
     def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
@@ -2861,6 +2905,7 @@ class ResponsePump:
         self._capped_at = -1
         self._resuming = False  # the response is the replay of a resumed stream
         self._last = b""  # the last two body bytes, for a blank line split between reads
+        self.unknown = False  # a resume was answered 404: the server does not know the stream
 
     @property
     def streaming(self) -> bool:
@@ -2876,8 +2921,22 @@ class ResponsePump:
         self.head = None
         self.failed = None
         self._resuming = True
+        self.unknown = False
+        self.outcome = None  # a front's 504 to the request, which a resume from 0 follows
+        self._body, self._size = [], 0
         self.received = self.boundary = offset
         self._last = b""
+
+    def verdict(self) -> Any:
+        """What the caller does next, once it has handed out the events of the last call, as one value: a
+        ``LoopError`` found after those events (raise it), ``_CAP_DUE`` (ask the server to end reasoning,
+        pass the answer to ``capped()``), the ``Completion`` or the ``_Retry`` once decided; None: read on.
+        The order of the attributes below, in one place."""
+        if self.failed is not None:
+            return self.failed
+        if self.cap_due is not None:
+            return _CAP_DUE
+        return self.outcome
 
     def feed(self, data: bytes) -> List[Event]:
         """Bytes received (``b""`` is not end of file: use ``feed_eof()``)."""
@@ -2962,6 +3021,7 @@ class ResponsePump:
         message, _ = parse_error_envelope(body)
         error = HTTPStatusError(head.status, message, body, head.get("server"))
         if self._resuming and head.status in (404, 400):
+            self.unknown = head.status == 404  # behind a balancer, another server may have answered
             raise StreamClosedError(
                 "the stream could not be resumed: the server %s (HTTP %d: %s)"
                 % (
@@ -2972,14 +3032,10 @@ class ResponsePump:
                     message,
                 )
             )
-        if head.status not in (503, 429):
+        retry = _status_retry(head, error)
+        if retry is None:
             raise error
-        self.outcome = _Retry(
-            "HTTP %d: %s" % (head.status, message),
-            parse_retry_after(head.get("retry-after")),
-            error,
-            CAPACITY if head.status == 429 else UNAVAILABLE,
-        )
+        self.outcome = retry
 
     def _capped(self, out: List[Event], ok: bool) -> None:
         assert self.cap_due is not None
@@ -3197,6 +3253,18 @@ _BUDGETS = {
         WaitTimeoutError,
         "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait): try later",
     ),
+    FRONT: (
+        "busy_wait",
+        WaitTimeoutError,
+        "no slot took the request for {waited:.1f} s (busy_wait) behind the front at {address}, which "
+        "stops waiting for one sooner",
+    ),
+    SEVERAL: (
+        "busy_wait",
+        WaitTimeoutError,
+        "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
+        "servers (Limits.servers) /slots may describe another server than the one holding slot {slot}",
+    ),
     UNSEEN: (
         "busy_wait",
         WaitTimeoutError,
@@ -3223,7 +3291,10 @@ class _Waits:
 
     def observe(self, state: str, cause: Optional[BaseException] = None) -> None:
         if state != self.state:
-            self.since = self.sent_at if self.state is None else _clock()
+            if self.state is None:
+                self.since = self.sent_at
+            elif not (state in _FOR_A_SLOT and self.state in _FOR_A_SLOT):  # one wait for a slot goes on
+                self.since = _clock()
             self.state = state
             self.cause = None
         if cause is not None:  # a poll that sees the same state keeps the last failure as the cause
@@ -3245,7 +3316,10 @@ class _Waits:
         assert self.state is not None
         _, cls, text = _BUDGETS[self.state]
         waited = _clock() - self.since
-        err = cls(text.format(slot=self.slot, address=self.address, waited=waited), waited)
+        text = text.format(slot=self.slot, address=self.address, waited=waited)
+        if isinstance(self.cause, HTTPStatusError) and self.cause.status in _FRONT_STATUSES:
+            text += ": the front answered %s" % (self.cause,)
+        err = cls(text, waited)
         if self.cause is not None:
             err.__cause__ = self.cause
         return err
@@ -3255,21 +3329,34 @@ def _cannot_connect(exc: OSError) -> _Retry:
     return _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
 
 
-def _next_retry(waits: _Waits, retry: _Retry, attempt: int, backoff: float) -> Tuple[Retrying, float]:
-    """The ``Retrying`` event for a failed attempt (its delay: ``backoff`` jittered down by up to a quarter,
-    ``Retry-After`` as a floor, never past the budget of the retry's state: ``load_wait``, or ``busy_wait``
-    for a 429) and the next backoff; the budget's error when it is spent or a hint goes past it."""
-    waits.observe(retry.state, retry.cause)
-    left = waits.remaining()
-    assert left is not None
-    if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
-        raise waits.expired()
-    import random  # only when a retry happens
+class _Backoff:
+    """The one retry object of every retry loop (a request's attempts, a stream's reattaches): how many
+    retries it has told and the next delay (``BACKOFF_FIRST`` doubling to ``BACKOFF_MAX``); the budgets are
+    the request's ``_Waits``."""
 
-    delay = backoff * (1.0 - 0.25 * random.random())
-    if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
-        delay = max(delay, retry.hint)
-    return Retrying(attempt + 1, min(delay, left), retry.reason), min(backoff * 2, BACKOFF_MAX)
+    __slots__ = ("attempt", "delay")
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.delay = BACKOFF_FIRST
+
+    def next(self, waits: _Waits, retry: _Retry) -> Retrying:
+        """The ``Retrying`` event for a failed attempt (its delay: the backoff jittered down by up to a
+        quarter, ``Retry-After`` as a floor, never past the budget of the retry's state); the budget's error
+        when it is spent or a hint goes past it."""
+        waits.observe(retry.state, retry.cause)
+        left = waits.remaining()
+        assert left is not None
+        if left <= 0 or (retry.hint is not None and retry.hint > left):  # a hint past the budget: now
+            raise waits.expired()
+        import random  # only when a retry happens
+
+        delay = self.delay * (1.0 - 0.25 * random.random())
+        if retry.hint is not None:  # honoured as a floor: "Retry-After: 0" must not become a busy loop
+            delay = max(delay, retry.hint)
+        self.attempt += 1
+        self.delay = min(self.delay * 2, BACKOFF_MAX)
+        return Retrying(self.attempt, min(delay, left), retry.reason)
 
 
 def _read_timeout(
@@ -3326,7 +3413,7 @@ def _quiet_verdict(
         raise wedged
     if not pings:
         return
-    if state not in (BUSY, UNSEEN):  # a slot that cannot be seen may be processing: waited out as busy
+    if state not in (BUSY, UNSEEN, SEVERAL):  # a slot that cannot be seen may be processing: waited out as busy
         raise StalledError(
             "only pings for %.1f s and the slot is %s: the stream is stuck"
             % (quiet, "idle" if state == IDLE else "unknown"),
@@ -3335,13 +3422,20 @@ def _quiet_verdict(
     if quiet >= limits.busy_wait:
         raise StalledError(
             "only pings for %.1f s (busy_wait) while the slot %s"
-            % (quiet, "stays busy" if state == BUSY else "cannot be seen (/slots is not served)"),
+            % (
+                quiet,
+                "stays busy"
+                if state == BUSY
+                else "cannot be seen (/slots is not served)"
+                if state == UNSEEN
+                else "cannot be told apart from the other servers' (Limits.servers)",
+            ),
             quiet,
         )
 
 
 # =====================================================================================================
-# 7. Slot gates and the /slots watch: plain data, the waking passed in
+# 7. Slot gates, the /slots watch and what a client's requests share: under locks, the waking passed in
 # =====================================================================================================
 
 
@@ -3620,6 +3714,7 @@ class _SlotPoller(_SlotWatch):
         self.stamp = float("-inf")  # when the last answer arrived
         self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
         self.unseen = False  # the last answer said /slots is not served (404, 403, 405, 501)
+        self.several = False  # the answers proved several servers behind the address (see answered())
         self.waiters: Set[_Waker] = set()
         self._asking = False
 
@@ -3646,6 +3741,8 @@ class _SlotPoller(_SlotWatch):
         now = _clock()
         with self._lock:
             if slots is not None:
+                if self.slots is not None and not self.several:
+                    self.several = _other_server(self.slots, slots)
                 self._remember(slots, now)
             self.unseen = unseen
             self.slots = slots
@@ -3654,6 +3751,20 @@ class _SlotPoller(_SlotWatch):
             waiters = list(self.waiters)
         for waker in waiters:
             waker.signal()
+
+
+def _other_server(before: List[Slot], after: List[Slot]) -> bool:
+    """Whether two ``/slots`` answers cannot come from one server: the number of slots changed, or a slot's
+    task id went back (llama-server numbers its tasks upward; a restart also starts again, and is then taken
+    for another server too, which only makes the waits more patient)."""
+    if len(before) != len(after):
+        return True
+    tasks = {s.id: s.task for s in before}
+    for s in after:
+        old = tasks.get(s.id)
+        if old is not None and s.task is not None and old > s.task:
+            return True
+    return False
 
 
 class _Run:
@@ -3685,7 +3796,9 @@ class _Run:
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
     ``/slots`` poller and a pool size per model, who is asking ``/props`` for which model, and the runs in
-    flight, which ``close()`` cancels.  Plain data under one lock; no I/O."""
+    flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
+    connections (a stale kept one, every kept one), and ``close()`` cancelling the runs in flight, whose
+    plans then unwind: a resumable stream's sends its DELETE on the way out."""
 
     def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
         self.calls = calls
@@ -3870,29 +3983,11 @@ def _conversation_id(value: Any) -> Optional[str]:
     return value
 
 
-class _Lost:
-    """How the reattaching of a resumable stream stands: attempts made, and the backoff of the failed ones
-    under their own ``load_wait`` (counted from the first loss)."""
-
-    __slots__ = ("limits", "slot", "address", "waits", "attempts", "retries", "backoff", "retry", "silent", "moving")
-
-    def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
-        self.limits, self.slot, self.address = limits, slot, address
-        self.waits = _Waits(limits, slot, address)
-        self.attempts = 0  # reattaches begun: each is a Resumed(..., attempt)
-        self.retries = 0  # Retrying events told
-        self.backoff = BACKOFF_FIRST
-        self.retry = None  # type: Optional[_Retry]  # why the last reattach failed
-        self.silent = False  # a silence of liveness was already tried as a lost connection
-        self.moving = True  # data came since the last reattach: a new loss starts without backoff
-
-    def moved(self) -> None:
-        """Data came: the next loss is a new one, with a fresh budget."""
-        if not self.moving:
-            self.moving = True
-            self.silent = False
-            self.waits = _Waits(self.limits, self.slot, self.address)
-            self.backoff = BACKOFF_FIRST
+def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
+    """The header of every request made for a resumable stream, so that a front that routes by it (nginx
+    ``hash $http_x_conversation_id``, HAProxy ``balance hdr(X-Conversation-Id)``, Caddy ``lb_policy header``)
+    sends them all to the server that holds the stream."""
+    return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
 def _cancelled() -> CancelledError:
@@ -4145,10 +4240,11 @@ class _Calls:
         *,
         model: Any = _NO_MODEL,
         timeout: Optional[float] = None,
+        extra: Sequence[Tuple[str, str]] = (),
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
         """One request, routed to its model, on a new connection: (head, body).  ``timeout``: ``liveness``."""
         body, query = self._route(method, body, query, model, path)
-        request = self._encode(method, path, body, "application/json", query, self.limits.keep_alive > 0)
+        request = self._encode(method, path, body, "application/json", query, self.limits.keep_alive > 0, extra)
         timeout = self.limits.liveness if timeout is None else timeout
         return (yield from self._exchange(request, timeout, "%s %s" % (method, path), method == "HEAD"))
 
@@ -4274,7 +4370,8 @@ class _Calls:
         if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
             raise TypeError("conversation_ids must be a list of str")
         body = {"conversation_ids": list(conversation_ids)}
-        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None)
+        pin = _pin(body["conversation_ids"][0]) if len(body["conversation_ids"]) == 1 else []
+        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None, extra=pin)
         if not isinstance(doc, list):
             raise ProtocolError("POST /v1/streams/lookup did not answer a JSON list")
         return doc
@@ -4283,8 +4380,9 @@ class _Calls:
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be a str")
         head, data = yield from self._send(
-            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout
-        )
+            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout,
+            extra=_pin(conversation_id),
+        )  # fmt: skip
         if head.status == 404:
             return False
         if not 200 <= head.status < 300:
@@ -4388,7 +4486,7 @@ class _Calls:
                 ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
                 if not ticket.granted:
                     yield from _queued(board.gate, ticket, self.limits.poll)
-            return (yield from self._attempts(board, run, req))
+            return (yield from _StreamLife(self, board, run, req).run_all())
         except GeneratorExit:
             raise
         except BaseException as exc:
@@ -4441,7 +4539,8 @@ class _Calls:
                 continue
             total = None
             try:
-                total = _total_slots((yield from self._json("GET", "/props", model=model))) or POOL_GUESS
+                total = _total_slots((yield from self._json("GET", "/props", model=model)))
+                total = POOL_GUESS if total is None else total * self.limits.servers
             except CancelledError:
                 raise
             except LoopError:
@@ -4455,181 +4554,27 @@ class _Calls:
                     waiter.signal()
             return 1 if total is None else total
 
-    def _attempts(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
-        """Send, and send again after a failure before delivery (backoff, ``Retrying``) until an attempt
-        is answered or a budget is spent."""
-        limits = self.limits
-        waits = _Waits(limits, req.slot, self.address)
-        attempt = 0
-        backoff = BACKOFF_FIRST
-        while True:
-            try:
-                conn = yield (_CONNECT, max(limits.poll, 0.2), False)  # a connection of its own
-            except OSError as exc:
-                retry = _cannot_connect(exc)
-            else:
-                try:
-                    waits.sent_at = _clock()
-                    outcome = yield from self._attempt(board, run, req, conn, waits)
-                finally:
-                    conn.close()
-                if not isinstance(outcome, _Retry):
-                    return outcome
-                retry = outcome
-            event, backoff = _next_retry(waits, retry, attempt, backoff)
-            attempt = event.attempt
-            yield [event]
-            yield (_SLEEP, event.delay)
-
-    def _attempt(
-        self, board: _Board, run: _Run, req: _StreamRequest, conn: Any, waits: _Waits
-    ) -> _Plan[Union[Completion, _Retry]]:
-        """One attempt: send, wait for the head (polling /slots), then pump the response to its end: the
-        ``Completion``, or a ``_Retry``.  A resumable stream whose connection is lost reattaches to the
-        server's buffer and goes on reading (``_reattach``); so does ``resume()``, from the start."""
-        limits = self.limits
-        pump = ResponsePump(limits, req.raw_chunks, req.dialect)
-        if req.offset is None:
-            yield (_SEND, conn, req.request, limits.liveness)
-        else:
-            pump.resume(req.offset)
-            yield (_SEND, conn, self._replay(req, req.offset), limits.liveness)
-        leg = conn  # the connection being read: the first, or a reattached one
-        lost = None  # type: Optional[_Lost]
-        events = []  # type: List[Event]
-        started = 0.0  # when the first byte came
-        heard = progress = _clock()  # the last byte; the last data event
-        try:
-            while True:
-                try:
-                    if events:
-                        run.offset = pump.boundary
-                        yield events
-                        events = []
-                    if pump.failed is not None:
-                        raise pump.failed
-                    while pump.cap_due is not None:
-                        ok = yield from self._end_reasoning(run, req.model, *pump.cap_due)
-                        events = pump.capped(ok)
-                        if events:
-                            run.offset = pump.boundary
-                            yield events
-                            events = []
-                        if pump.failed is not None:
-                            raise pump.failed
-                    if pump.outcome is not None:
-                        if lost is None or not isinstance(pump.outcome, _Retry):
-                            return pump.outcome
-                        raise StreamClosedError(pump.outcome.reason)  # a replay answered 503: reattach again
-                    now = _clock()
-                    if _quiet_due(limits, pump.head, progress, now):
-                        yield from self._check_quiet(board, run, req, now - progress, heard > progress)
-                    try:
-                        data = yield (_RECV, leg, _read_timeout(limits, waits, pump.head, started, heard, now))
-                    except _Silence:
-                        if not started:
-                            yield from self._poll_for_head(board, run, req, waits)
-                            continue
-                        stalled = _silence(limits, pump.head, heard)
-                        if stalled is None:
-                            continue
-                        if req.conversation is None or (lost is not None and lost.silent):
-                            raise stalled from None
-                        lost = lost or _Lost(limits, req.slot, self.address)
-                        lost.silent = True
-                        raise StreamClosedError(str(stalled)) from None  # tried once as a lost connection
-                    heard = _clock()
-                    if not started and data:  # an end of file at once is no byte of the head
-                        started = progress = heard
-                    events = pump.feed(data) if data else pump.feed_eof()
-                    if pump.progressed:
-                        progress = heard
-                        if lost is not None:
-                            lost.moved()
-                except StreamClosedError:
-                    if req.conversation is None or not (pump.streaming or pump.head is None):
-                        raise
-                    if pump.head is None and pump.received == 0 and req.offset is None and not started:
-                        # lost before any byte of the head: does the server know the stream?
-                        known = yield from self._known(req.conversation)
-                        if not known:
-                            return _Retry("the connection closed before the head", None, StreamClosedError("lost"))
-                    lost = lost or _Lost(limits, req.slot, self.address)
-                    if leg is not conn:
-                        leg.close()
-                    leg = yield from self._reattach(req, pump, lost)
-                    heard = progress = started = _clock()
-        finally:
-            if leg is not conn:
-                leg.close()
-
     def _replay(self, req: _StreamRequest, offset: int) -> bytes:
+        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id as a
+        header too, so that a front that routes by it reaches the server holding the stream."""
         assert req.conversation is not None
         query = {"conv_id": req.conversation, "from": offset}
-        return self._encode("GET", "/v1/stream", None, "text/event-stream", query)
+        return self._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
 
-    def _known(self, conversation: str) -> _Plan[bool]:
-        """Whether the server knows a resumable stream (``/v1/streams/lookup``); a failure says no."""
-        try:
-            found = yield from self.lookup_streams([conversation])
-        except CancelledError:
-            raise
-        except LoopError:
-            return False
-        return any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found)
-
-    def _reattach(self, req: _StreamRequest, pump: ResponsePump, lost: _Lost) -> _Plan[Any]:
-        """A resumable stream's connection was lost: ask the server for its buffer from the body bytes
-        received (``GET /v1/stream``), on a new connection, and return it for the same pump to read on.
-        A reconnect that fails is retried with the usual backoff under ``load_wait`` (``Retrying``)."""
-        limits = self.limits
-        while True:
-            if not lost.moving:  # the last reattach failed before any data came: back off first
-                assert lost.retry is not None
-                event, lost.backoff = _next_retry(lost.waits, lost.retry, lost.retries, lost.backoff)
-                lost.retries = event.attempt
-                yield [event]
-                yield (_SLEEP, event.delay)
-            lost.attempts += 1
-            lost.moving = False
-            offset = pump.received
+    def _known(self, conversation: str, servers: int = 1) -> _Plan[bool]:
+        """Whether the server knows a resumable stream (``/v1/streams/lookup``); a failure says no.  With
+        several servers behind the address an unknown answer may come from another one: asked up to
+        ``servers`` times."""
+        for _ in range(servers):
             try:
-                conn = yield (_CONNECT, max(limits.poll, 0.2), False)
-            except OSError as exc:
-                lost.retry = _cannot_connect(exc)
-                continue
-            try:
-                yield (_SEND, conn, self._replay(req, offset), limits.liveness)
-            except StreamClosedError as exc:
-                conn.close()
-                lost.retry = _Retry("the server closed the connection: %s" % exc, None, exc)
-                continue
-            pump.resume(offset)
-            lost.retry = _Retry("the resumed stream was lost again", None, StreamClosedError("lost"))
-            lost.moving = False
-            yield [Resumed(offset, lost.attempts)]
-            return conn
-
-    def _poll_for_head(self, board: _Board, run: _Run, req: _StreamRequest, waits: _Waits) -> _Plan[None]:
-        """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
-        waits.check()
-        state, wedged = yield from self._slot_state(board, run, req.model, req.slot, every=True)
-        if wedged is not None:
-            yield [Waiting(True, wedged=True)]
-            raise wedged
-        waits.observe(state)
-        yield [Waiting(state == BUSY, slots_known=state != UNSEEN)]
-        waits.check()
-
-    def _check_quiet(self, board: _Board, run: _Run, req: _StreamRequest, quiet: float, pinged: bool) -> _Plan[None]:
-        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
-        error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream
-        is unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
-        ``busy_wait`` counted from the last data event."""
-        wedge, pings = _quiet_rule(self.limits, req.slot, quiet, pinged)
-        if wedge or pings:
-            state, wedged = yield from self._slot_state(board, run, req.model, req.slot, every=False)
-            _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
+                found = yield from self.lookup_streams([conversation])
+            except CancelledError:
+                raise
+            except LoopError:
+                return False
+            if any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found):
+                return True
+        return False
 
     def _slot_state(
         self, board: _Board, run: _Run, model: Optional[str], slot: Optional[int], every: bool
@@ -4657,6 +4602,8 @@ class _Calls:
                 return poller.state(None, slot, every, self.address)
         if poller.unseen:
             return UNSEEN, None
+        if poller.slots is not None and (self.limits.servers > 1 or poller.several):
+            return SEVERAL, None  # the answer may be another server's: nothing to judge the slot by
         return poller.state(poller.slots, slot, every, self.address)
 
     def _poll_slots(self, poller: _SlotPoller, model: Optional[str]) -> _Plan[None]:
@@ -4684,6 +4631,270 @@ class _Calls:
             if run.cancelled:
                 raise
             raise _cap_failed(tokens, exc) from exc
+
+
+class _StreamLife:
+    """The life of one streamed request once it holds its permit (``_Calls.stream`` took it), as a few named
+    states; each state is a plan that returns the next one (``None``: the ``Completion`` is in ``result``):
+
+    ``_send``      connect (a connection of its own: closing it is how the request is cancelled) and send
+                   the request (``resume()``: the read of the server's buffer); a connect that fails is a
+                   retry
+    ``_read``      read until the pump decides (``ResponsePump.verdict``): before the head every ``poll`` of
+                   silence asks ``/slots`` and the wait's budgets run (``_poll_for_head``); after it,
+                   ``liveness``, the quiet rule (``_check_quiet``) and the thinking cap
+    ``_back_off``  tell ``Retrying`` and sleep (``sending``, the one backoff of the attempts), then ``_send``
+    ``_on_lost``   a resumable stream's connection lost (or a front that gave up on it while it was queued):
+                   look it up when nothing of it came, else ``_reattach``; any other stream: the error
+    ``_reattach``  ask the server's buffer from the body bytes received, on a new connection, after a backoff
+                   (``reattaching``) when the last reattach brought no data; then ``_read`` with the same pump
+
+    What the states share is here, not in locals: the connection being read, the pump, when the first byte
+    came, the last byte and the last data event, the waits' budgets, and why the last attempt failed."""
+
+    __slots__ = (
+        "calls", "limits", "board", "run", "req", "pump", "conn", "waits", "sending", "reattaching",
+        "retry", "loss", "started", "queued", "heard", "progress", "reattaches", "moving", "silent", "misses",
+        "result",
+    )  # fmt: skip
+
+    def __init__(self, calls: _Calls, board: _Board, run: _Run, req: _StreamRequest) -> None:
+        self.calls, self.limits, self.board, self.run, self.req = calls, calls.limits, board, run, req
+        self.pump = ResponsePump(calls.limits, req.raw_chunks, req.dialect)
+        self.conn = None  # type: Any  # the connection being read: the request's, or a reattached one
+        self.waits = _Waits(calls.limits, req.slot, calls.address)  # the budgets of the wait for data
+        self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
+        self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
+        self.retry = None  # type: Optional[_Retry]  # why the last attempt or reattach failed
+        self.loss = None  # type: Optional[StreamClosedError]  # how the connection was lost
+        self.started = 0.0  # when the first byte came (0: none yet, the head is awaited)
+        self.queued = False  # a reattach of a stream of which nothing came: the first body byte is awaited
+        self.heard = self.progress = 0.0  # the last byte; the last data event
+        self.reattaches = 0  # reattaches begun: each is a Resumed(..., attempt)
+        self.moving = True  # data came since the last reattach: a new loss starts without backoff
+        self.silent = False  # a silence of liveness was already tried as a lost connection
+        self.misses = 0  # servers > 1: resumes answered 404 in a row (another server may have answered)
+        self.result = None  # type: Optional[Completion]
+
+    def run_all(self) -> _Plan[Completion]:
+        step = self._send  # type: Optional[Callable[[], _Plan[Any]]]
+        try:
+            while step is not None:
+                step = yield from step()
+        finally:
+            self._use(None)
+        assert self.result is not None
+        return self.result
+
+    def _use(self, conn: Any) -> None:
+        """Read ``conn`` from now on; the connection read so far is closed."""
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = conn
+
+    # -- the states ----------------------------------------------------------------------------------------
+
+    def _send(self) -> _Plan[Any]:
+        req, limits = self.req, self.limits
+        try:
+            conn = yield (_CONNECT, max(limits.poll, 0.2), False)
+        except OSError as exc:
+            self.retry = _cannot_connect(exc)
+            return self._back_off
+        self._use(conn)
+        self.pump = pump = ResponsePump(limits, req.raw_chunks, req.dialect)
+        self.waits.sent_at = _clock()
+        self.started = 0.0
+        self.queued = False
+        if req.offset is None:
+            yield (_SEND, conn, req.request, limits.liveness)
+        else:
+            pump.resume(req.offset)
+            yield (_SEND, conn, self.calls._replay(req, req.offset), limits.liveness)
+        self.heard = self.progress = _clock()
+        return self._read
+
+    def _back_off(self) -> _Plan[Any]:
+        self._use(None)
+        assert self.retry is not None
+        event = self.sending.next(self.waits, self.retry)
+        yield [event]
+        yield (_SLEEP, event.delay)
+        return self._send
+
+    def _read(self) -> _Plan[Any]:
+        limits, run, pump = self.limits, self.run, self.pump
+        poll = limits.poll
+        while True:
+            now = _clock()
+            head = pump.head
+            if self.started and head is not None and head.status == 200 and now - self.progress >= poll:
+                yield from self._check_quiet(now - self.progress, self.heard > self.progress)
+            try:
+                timeout = _read_timeout(limits, self.waits, head, self.started, self.heard, now)
+                data = yield (_RECV, self.conn, timeout)
+                heard = self.heard = _clock()
+                if not self.started and data and not self.queued:  # an end of file at once is no byte
+                    self.started = self.progress = heard
+                events = pump.feed(data) if data else pump.feed_eof()
+                if self.queued and pump.received:  # the replay's head came at once; now the slot took it
+                    self.queued = False
+                    self.started = self.progress = heard
+            except _Silence:
+                step = yield from self._silent()
+                if step is not None:
+                    return step
+                continue
+            except StreamClosedError as exc:
+                self.loss = exc
+                return self._on_lost
+            if pump.progressed:
+                self.progress = heard
+                if not self.moving:  # data came after a reattach: a later loss is a new one
+                    self.moving, self.silent, self.misses = True, False, 0
+            if events:
+                run.offset = pump.boundary
+                yield events
+            verdict = pump.verdict()
+            if verdict is not None:
+                return (yield from self._decide(verdict))
+
+    def _decide(self, verdict: Any) -> _Plan[Any]:
+        """What the pump decided, after the events before it were handed out."""
+        pump = self.pump
+        while verdict is _CAP_DUE:
+            assert pump.cap_due is not None
+            ok = yield from self.calls._end_reasoning(self.run, self.req.model, *pump.cap_due)
+            try:
+                events = pump.capped(ok)
+            except StreamClosedError as exc:
+                self.loss = exc
+                return self._on_lost
+            if events:
+                self.run.offset = pump.boundary
+                yield events
+            verdict = pump.verdict()
+        if verdict is None:
+            return self._read
+        if isinstance(verdict, Completion):
+            self.result = verdict
+            return None
+        if isinstance(verdict, StreamClosedError):
+            self.loss = verdict
+            return self._on_lost
+        if isinstance(verdict, LoopError):
+            raise verdict
+        self.retry = verdict
+        req = self.req
+        if req.conversation is not None and self.reattaches:
+            self.moving = False  # a replay answered 503, 504...: its buffer is asked again, after a backoff
+            return self._reattach
+        # a front gave up on a request queued for a slot: the server keeps a resumable one queued
+        resumable = req.conversation is not None and req.offset is None
+        if verdict.state == FRONT and resumable and (yield from self._known()):
+            self.started = 0.0  # the front's answer was no byte of the stream: it still waits for a slot
+            return self._reattach
+        return self._back_off
+
+    def _known(self) -> _Plan[bool]:
+        assert self.req.conversation is not None
+        return (yield from self.calls._known(self.req.conversation, self.limits.servers))
+
+    def _silent(self) -> _Plan[Any]:
+        """A read timed out: poll for the head, or judge the silence of a started stream."""
+        if not self.started:
+            yield from self._poll_for_head()
+            return None
+        stalled = _silence(self.limits, self.pump.head, self.heard)
+        if stalled is None:
+            return None
+        if self.req.conversation is None or self.silent:
+            raise stalled from None
+        self.silent = True  # tried once as a lost connection
+        self.loss = StreamClosedError(str(stalled))
+        return self._on_lost
+
+    def _on_lost(self) -> _Plan[Any]:
+        req, pump, loss = self.req, self.pump, self.loss
+        assert loss is not None
+        if req.conversation is None:
+            raise loss
+        if pump.unknown and self.misses + 1 < self.limits.servers:
+            self.misses += 1  # another server behind the front may have answered: ask again
+            self.retry = _Retry(str(loss), None, loss)
+            self.moving = False
+            return self._reattach
+        if not (pump.streaming or pump.head is None):
+            raise loss
+        self._use(None)
+        if self.queued:  # a front that closes a silent stream (the request still waits for a slot)
+            self.retry = _Retry("the front closed the stream while it waited for a slot: %s" % loss, None, loss, FRONT)
+        before_head = pump.head is None and pump.received == 0 and req.offset is None and not self.started
+        # lost before any byte of the head: does the server know the stream?
+        if before_head and not self.reattaches and not (yield from self._known()):
+            self.retry = _Retry("the connection closed before the head", None, StreamClosedError("lost"))
+            return self._back_off
+        if self.moving and (self.started or pump.received):  # a loss after data: budgets afresh
+            self.waits = _Waits(self.limits, req.slot, self.calls.address)
+            self.reattaching.delay = BACKOFF_FIRST
+        return self._reattach
+
+    def _reattach(self) -> _Plan[Any]:
+        limits, pump = self.limits, self.pump
+        self._use(None)
+        if not self.moving:  # the last reattach failed before any data came: back off first
+            assert self.retry is not None
+            event = self.reattaching.next(self.waits, self.retry)
+            yield [event]
+            yield (_SLEEP, event.delay)
+        self.reattaches += 1
+        self.moving = False
+        offset = pump.received
+        try:
+            conn = yield (_CONNECT, max(limits.poll, 0.2), False)
+        except OSError as exc:
+            self.retry = _cannot_connect(exc)
+            return self._reattach
+        self._use(conn)
+        try:
+            yield (_SEND, conn, self.calls._replay(self.req, offset), limits.liveness)
+        except StreamClosedError as exc:
+            self.retry = _Retry("the server closed the connection: %s" % exc, None, exc)
+            return self._reattach
+        pump.resume(offset)
+        self.retry = _Retry("the resumed stream was lost again", None, StreamClosedError("lost"))
+        yield [Resumed(offset, self.reattaches)]
+        now = _clock()
+        self.heard = self.progress = now
+        # a stream of which nothing came yet is still queued for a slot: its silence is a wait for the head
+        self.queued = not offset and not self.started
+        self.started = 0.0 if self.queued else now
+        return self._read
+
+    # -- what the states ask of the slots --------------------------------------------------------------------
+
+    def _poll_for_head(self) -> _Plan[None]:
+        """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
+        waits, req = self.waits, self.req
+        waits.check()
+        state, wedged = yield from self.calls._slot_state(self.board, self.run, req.model, req.slot, every=True)
+        if wedged is not None:
+            yield [Waiting(True, wedged=True)]
+            raise wedged
+        waits.observe(state)
+        yield [Waiting(state == BUSY, slots_known=state not in _UNSEEN)]
+        waits.check()
+
+    def _check_quiet(self, quiet: float, pinged: bool) -> _Plan[None]:
+        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
+        error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream
+        is unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
+        ``busy_wait`` counted from the last data event."""
+        req = self.req
+        wedge, pings = _quiet_rule(self.limits, req.slot, quiet, pinged)
+        if wedge or pings:
+            state, wedged = yield from self.calls._slot_state(self.board, self.run, req.model, req.slot, every=False)
+            _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
 
 
 def _slot_id(slot: Any) -> int:

@@ -10844,6 +10844,16 @@ class _r_Buffer:
         elif cut[0] == "hold":
             req.send(data[: cut[1]])
             req.wait_peer_close(10)
+        elif cut[0] == "answer":  # this connection is answered with other bytes (a 503 while restarting)
+            req.send(cut[1])
+        elif cut[0] == "pause":  # K bytes, then the rest paced over ``seconds``, then cut after ``end`` bytes
+            _, at, seconds, end = cut
+            req.send(data[:at])
+            step = max(1, (end - at) // 20)
+            for i in range(at, end, step):
+                if req.closed_by_peer.wait(seconds / 20):
+                    return cut
+                req.send(data[i : min(i + step, end)])
         else:
             req.send(data[: cut[1]])
             deadline = time.monotonic() + 10
@@ -11337,6 +11347,52 @@ class TestFaultResume(_f_Case):
         self.assertIs(self.client.delete_stream("conv-1"), True)
         self.assertEqual(self.client.lookup_streams(["conv-1"]), [])
         self.assertEqual(buf.methods(), ["POST", "LOOKUP", "DELETE", "LOOKUP"])
+
+
+class TestFaultResumeAgain(_f_Case):
+    """A resumed stream lost again: a replay answered 503 is asked again after a backoff, and the budget of
+    a later loss counts from that loss, not from when data last resumed."""
+
+    limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0, load_wait=0.5)
+
+    def _again(self, cuts):
+        buf = _r_Buffer(self.server, load_transcript("04_chat_stream.raw.txt"))
+        events = []
+        whole = run_with_timeout(lambda: self.client.chat(MSGS, slot=0, resumable="conv-1"), 10)
+        buf.reset(cuts(buf))
+        completion = run_with_timeout(
+            lambda: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append), 10
+        )
+        return buf, whole, completion, events
+
+    def test_a_replay_answered_503_is_asked_again(self):
+        loading = http_response(b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
+                                status=b"503 Service Unavailable")  # fmt: skip
+        buf, whole, completion, events = self._again(lambda buf: [len(buf.head) + 300, ("answer", loading)])
+        self.assertEqual(completion, whole)
+        told = [type(e).__name__ for e in events if isinstance(e, (lc.Resumed, lc.Retrying))]
+        self.assertEqual(told, ["Resumed", "Retrying", "Resumed"])
+        retry = [e for e in events if isinstance(e, lc.Retrying)][0]
+        self.assertEqual(retry.reason, "HTTP 503: Loading model")
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
+        self.assertEqual(len(set(buf.replays())), 1)
+
+    def test_a_second_loss_long_after_a_resume_has_a_fresh_load_wait(self):
+        def cuts(buf):
+            # the first replay streams for 1.0 s, twice load_wait, then is cut; the next answers 503 once
+            first = len(buf.head) + 200
+            replay = len(STREAM_HEAD) + 40
+            return [first, ("pause", replay, 1.0, replay + 600), 0]  # 0: closed before a byte
+
+        buf, whole, completion, events = self._again(cuts)
+        self.assertEqual(completion, whole)
+        told = [type(e).__name__ for e in events if isinstance(e, (lc.Resumed, lc.Retrying))]
+        self.assertEqual(told, ["Resumed", "Resumed", "Retrying", "Resumed"])
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET", "GET"])
+
+
+class TestFaultResumeAgainAsync(AsyncDriver, TestFaultResumeAgain):
+    pass
 
 
 class TestFaultResumeAsync(AsyncDriver, TestFaultResume):

@@ -2781,7 +2781,6 @@ _FOR_A_SLOT = frozenset((BUSY, FRONT, SEVERAL))  # one wait for a slot: its busy
 _UNSEEN = frozenset((UNSEEN, SEVERAL))  # what a poll says cannot be the request's own slot
 _FRONT_WAITED = (504, 524)  # a front's own answer (llama-server never sends these): it stopped waiting
 _FRONT_UNREACHED = (502, 520, 521, 522, 523)  # a front's own answer: it could not reach the server
-_FRONT_STATUSES = _FRONT_WAITED + _FRONT_UNREACHED
 
 
 class _Retry:
@@ -2807,14 +2806,6 @@ def _json_or_text(text: str) -> Any:
 _CAP_DUE = object()  # ResponsePump.verdict(): reasoning reached the cap, the rest of the bytes wait
 
 
-def _front_name(head: ResponseHead) -> Optional[str]:
-    """The ``Server`` of a response that is not llama-server's own (a front: nginx, Caddy...), else None."""
-    server = head.get("server")
-    if server and not server.lower().startswith("llama.cpp"):
-        return " ".join(server.split())[:100]
-    return None
-
-
 def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry]:
     """The retry a status before delivery asks for, or None: 503 (loading) and a front that could not reach
     the server (502, 520-523) under ``load_wait``; 429 (at capacity) and a front that stopped waiting for a
@@ -2826,7 +2817,7 @@ def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry
     if status == 429:
         return _Retry("HTTP 429: %s" % error.message, hint, error, CAPACITY)
     if status in _FRONT_WAITED:
-        front = _front_name(head) or "the front"
+        front = _front_name(status, head.get("server")) or "the front"
         return _Retry("HTTP %d from %s: the front stopped waiting for a slot" % (status, front), hint, error, FRONT)
     if status in _FRONT_UNREACHED:
         return _Retry(str(error), hint, error)

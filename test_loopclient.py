@@ -13075,8 +13075,8 @@ class TestDifferential(_f_Case):
         load = dict(load_wait=1.0, busy_wait=0.1)
 
         def then_ok(name):
-            answer = front_answer(name)
-            return _d_stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+            answer = front_answer(name)  # a fresh sequence for each client
+            return lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
 
         def served(name, changes):
             return [_d_part(then_ok(name), budget=backoff, at_once=True, changes=changes)]
@@ -16320,7 +16320,9 @@ class TestFaultFronts(_f_Case):
         completion, events = self.collect(resumable="conv-1")
         self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
         self.assertEqual(len(set(buf.replays())), 1, buf.replays())
-        self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events)
+        resumed = [e for e in events if isinstance(e, lc.Resumed)]
+        self.assertEqual([e.offset for e in resumed], buf.replays())
+        self.assertEqual([e for e in events if not isinstance(e, (lc.Resumed, lc.Retrying))], whole_events)
         self.assertEqual(completion, whole)
         # two 404s from two servers: the stream is unknown
         buf.reset([cut])
@@ -16330,7 +16332,7 @@ class TestFaultFronts(_f_Case):
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
         )
         self.assertIn("no longer knows it", str(err))
-        self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET", "DELETE"])  # an early end deletes the stream
 
     def test_with_one_server_a_404_on_a_resume_is_final(self):
         buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=[len(STREAM_HEAD) + 900])
@@ -16340,7 +16342,7 @@ class TestFaultFronts(_f_Case):
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
         )
         self.assertIn("no longer knows it", str(err))
-        self.assertEqual(buf.methods(), ["POST", "GET"])
+        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])  # an early end deletes the stream
 
     def test_with_several_servers_a_404_on_a_lookup_is_asked_again(self):
         raw = load_transcript("04_chat_stream.raw.txt")

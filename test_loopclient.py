@@ -13084,6 +13084,11 @@ class TestDifferential(_f_Case):
         def resumable(s):
             _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
 
+        def caddy_cut(s):
+            buf = _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"))
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
+            buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:900]) + b"0\r\n\r\n"]
+
         def two_servers(s):
             lists = [[{"id": i, "id_task": 3, "is_processing": False} for i in range(n)] for n in (2, 3)]
             asked = []
@@ -13119,6 +13124,10 @@ class TestDifferential(_f_Case):
             (
                 "504 to a resumable request the server holds",
                 [_d_part(resumable, act=_d_chat(resumable="conv-1"), changes=dict(busy_wait=1.0))],
+            ),
+            (
+                "a resumable stream the front ends cleanly mid-event",
+                [_d_part(caddy_cut, act=_d_chat(resumable="conv-1"))],
             ),
             ("502 with an HTML page, then served", served("nginx 502", load)),
             ("502 with an empty body, then served", served("caddy 502", load)),
@@ -16334,6 +16343,26 @@ class TestFaultFronts(_f_Case):
         self.assertIn("no longer knows it", str(err))
         self.assertEqual(buf.methods(), ["POST", "GET", "GET", "DELETE"])  # an early end deletes the stream
 
+    def test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed(self):
+        # Caddy, when its server's connection breaks mid-stream, ends its own chunked body cleanly: the last
+        # chunk cut mid-event, then the terminating chunk (transcript 106). The stream has not ended: it is
+        # resumed from the bytes received, as a lost connection is.
+        caddy = load_transcript("106_caddy_upstream_cut_mid_stream.raw.txt")
+        self.assertTrue(caddy.endswith(b"\r\n0\r\n\r\n") and b"[DONE]" not in caddy)
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _FrontBuffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1")
+        buf.reset()
+        cut = 900  # inside an event
+        self.assertNotIn(buf.body[cut - 2 : cut], (b"\n\n",))
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
+        buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:cut]) + b"0\r\n\r\n"]
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+        self.assertEqual(buf.replays(), [cut])
+        self.assertEqual([e for e in events if not isinstance(e, lc.Resumed)], whole_events)
+        self.assertEqual(completion, whole)
+
     def test_with_one_server_a_404_on_a_resume_is_final(self):
         buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=[len(STREAM_HEAD) + 900])
         buf.gets = [_FR_GONE_404]
@@ -16481,6 +16510,9 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
 
     TIMEOUT = 2  # the fronts' idle timeout, in seconds (nginx takes whole seconds)
     HOLD = 3 * TIMEOUT
+    #: the idle timeout where no queue wait is under test: on two busy cores a token can take longer than
+    #: 2 s to come, and then the front cuts the stream itself (a resumable one is resumed, again and again)
+    LONG = 10
     limits = REAL_LIMITS.replace(poll=0.2, busy_wait=30.0, load_wait=10.0)
 
     @classmethod
@@ -16552,7 +16584,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 running = self.release_after([holder], self.HOLD)
                 t = Timer()
                 question = [{"role": "user", "content": "Name a colour (%s, %s)." % (kind, self.CLIENT)}]
-                completion, events = self.chat(client, question, slot=0, max_tokens=8, temperature=0)
+                completion, events = self.chat(client, question, slot=0, max_tokens=4, temperature=0)
                 self.assertGreaterEqual(t.elapsed, self.HOLD - EARLY)
                 self.assertEqual(running, [True], "the holder ended before the hold did")
                 self.assertTrue(completion.content and completion.finish_reason, completion)
@@ -16572,7 +16604,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 running = self.release_after([holder], self.HOLD)
                 nonce = "%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), time.monotonic_ns())
                 question = [{"role": "user", "content": "Note %s: %s. Name a colour." % (nonce, filler)}]
-                completion, events = self.chat(client, question, slot=0, max_tokens=8, temperature=0, resumable=True)
+                completion, events = self.chat(client, question, slot=0, max_tokens=4, temperature=0, resumable=True)
                 self.assertEqual(running, [True], "the holder ended before the hold did")
                 self.assertTrue(completion.content and completion.finish_reason, completion)
                 resumed = [e for e in events if isinstance(e, lc.Resumed)]
@@ -16640,7 +16672,8 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 self.assertFalse(
                     [e for m in markers for e in events[m] if isinstance(e, lc.Waiting) and (e.wedged or e.slots_known)]
                 )
-                self.assertEqual(running, [True], "the holder ended before the hold did")
+                # the holder held its server until the hold ended, or until every chat had finished
+                self.assertTrue(running == [True] or (not running and holders[0].thread.is_alive()), running)
                 _idle(other)
 
     def test_a_resumable_stream_cut_behind_the_front_resumes_pinned_to_its_server(self):
@@ -16651,7 +16684,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 self.addCleanup(proxy.close)
                 servers = [proxy.path, REAL_SOCKET2]
                 conversation = self._pinned_to_the_proxy(kind, servers, proxy)
-                front = self.front(kind, servers)  # afresh: no connection kept from the probes
+                front = self.front(kind, servers, timeout=self.LONG)  # afresh: no connection kept from the probes
                 client = self.client_for(front.url, servers=2)
                 stream = client.stream(STORY, slot=0, resumable=conversation, max_tokens=120, temperature=0, seed=1)
                 events = run_with_timeout(lambda: list(stream), 90)
@@ -16670,7 +16703,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
     def _pinned_to_the_proxy(self, kind, servers, proxy):
         """A conversation id that ``kind``, pinning by X-Conversation-Id over ``servers``, sends through
         ``proxy`` (asked with GET /health on a front of its own, closed again)."""
-        probe = Front(kind, servers, "pin", self.TIMEOUT)
+        probe = Front(kind, servers, "pin", self.LONG)
         try:
             for n in range(40):
                 conversation = "lc-front-%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), n)
@@ -16725,7 +16758,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
     # -- TLS at nginx, kept connections ------------------------------------------------------------------
 
     def test_tls_at_nginx_with_a_private_ca(self):
-        url = self.fronts["nginx"].tls_url
+        url = self.front("nginx", [REAL_SOCKET], timeout=self.LONG).tls_url
         trusted = self.client_for(url, ssl_context=ssl.create_default_context(cafile=_API_TLS_CERT))
         self.assertEqual(run_with_timeout(trusted.health, 10), {"status": "ok"})
         completion, _ = self.chat(trusted, SEA, 60, slot=0, max_tokens=8, temperature=0)

@@ -4562,7 +4562,7 @@ class _Calls:
             except CancelledError:
                 raise
             except LoopError:
-                return False
+                continue
             if any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found):
                 return True
         return False
@@ -4777,13 +4777,21 @@ class _StreamLife:
             raise verdict
         self.retry = verdict
         req = self.req
+        if verdict.state == FRONT and req.conversation is not None:
+            # a front gave up on a request queued for a slot (or on its silent replay): the server keeps a
+            # resumable one queued, so it is read from the server's buffer instead of being sent again
+            if (yield from self._known()):
+                if not pump.received:
+                    self.started = 0.0  # the front's answer was no byte of the stream
+                self.moving = True  # the front waited its own timeout: no backoff before asking again
+                return self._reattach
+            if self.reattaches or req.offset is not None:
+                raise StreamClosedError(
+                    "the stream could not be resumed: %s, and the server no longer knows it" % verdict.reason
+                )
+            return self._back_off
         if req.conversation is not None and self.reattaches:
-            self.moving = False  # a replay answered 503, 504...: its buffer is asked again, after a backoff
-            return self._reattach
-        # a front gave up on a request queued for a slot: the server keeps a resumable one queued
-        resumable = req.conversation is not None and req.offset is None
-        if verdict.state == FRONT and resumable and (yield from self._known()):
-            self.started = 0.0  # the front's answer was no byte of the stream: it still waits for a slot
+            self.moving = False  # a replay answered 503, 502...: its buffer is asked again, after a backoff
             return self._reattach
         return self._back_off
 
@@ -4811,9 +4819,9 @@ class _StreamLife:
         if req.conversation is None:
             raise loss
         if pump.unknown and self.misses + 1 < self.limits.servers:
-            self.misses += 1  # another server behind the front may have answered: ask again
+            self.misses += 1  # another server behind the front may have answered: ask again, at once
             self.retry = _Retry(str(loss), None, loss)
-            self.moving = False
+            self.moving = True
             return self._reattach
         if not (pump.streaming or pump.head is None):
             raise loss

@@ -13075,7 +13075,7 @@ class TestDifferential(_f_Case):
         load = dict(load_wait=1.0, busy_wait=0.1)
 
         def then_ok(name):
-            answer = front_answer(name)  # a fresh sequence for each client
+            answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
             return lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
 
         def served(name, changes):
@@ -16341,7 +16341,7 @@ class TestFaultFronts(_f_Case):
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
         )
         self.assertIn("no longer knows it", str(err))
-        self.assertEqual(buf.methods(), ["POST", "GET", "GET", "DELETE"])  # an early end deletes the stream
+        self.assertEqual(buf.methods(), ["POST", "GET", "GET", "DELETE"])  # every early end deletes the stream
 
     def test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed(self):
         # Caddy, when its server's connection breaks mid-stream, ends its own chunked body cleanly: the last
@@ -16371,7 +16371,7 @@ class TestFaultFronts(_f_Case):
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
         )
         self.assertIn("no longer knows it", str(err))
-        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])  # an early end deletes the stream
+        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])  # every early end deletes the stream
 
     def test_with_several_servers_a_404_on_a_lookup_is_asked_again(self):
         raw = load_transcript("04_chat_stream.raw.txt")

@@ -16058,7 +16058,10 @@ class TestFaultFronts(_f_Case):
                     FRONT_NAMES[name.split()[0]],
                 )
                 self.assertEqual([(r.attempt, r.reason) for r in self._fr_retries()], [(1, reason), (2, reason)])
-                self.assertEqual(self._f_kinds(), ["Retrying", "Retrying", "Content", "Content"])
+                # (a Waiting comes in between when a head is a poll late on a busy machine)
+                self.assertEqual(
+                    [k for k in self._f_kinds() if k != "Waiting"], ["Retrying", "Retrying", "Content", "Content"]
+                )
                 self.assertEqual(len(self.server.chat_requests()), 3)
                 self.server.requests.clear()
 
@@ -16141,7 +16144,10 @@ class TestFaultFronts(_f_Case):
                 self.assertEqual(done.content, "Hello world")
                 reason = "HTTP %s from %s: %s" % (name.split()[1], FRONT_NAMES[name.split()[0]], text)
                 self.assertEqual([(r.attempt, r.reason) for r in self._fr_retries()], [(1, reason), (2, reason)])
-                self.assertEqual(self._f_kinds(), ["Retrying", "Retrying", "Content", "Content"])
+                # (a Waiting comes in between when a head is a poll late on a busy machine)
+                self.assertEqual(
+                    [k for k in self._f_kinds() if k != "Waiting"], ["Retrying", "Retrying", "Content", "Content"]
+                )
                 self.server.requests.clear()
 
     def test_a_502_past_load_wait_is_a_load_timeout_naming_the_front(self):

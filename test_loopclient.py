@@ -16675,9 +16675,9 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 self.assertEqual(failed, {})
                 for marker in markers:
                     self.assertTrue(results[marker].content and results[marker].finish_reason, results[marker])
-                self.assertFalse(
-                    [e for m in markers for e in events[m] if isinstance(e, lc.Waiting) and (e.wedged or e.slots_known)]
-                )
+                # no slot called wedged (a poll that failed, a front's 504 to a /slots the held server was
+                # slow to answer, is a Waiting of an unavailable server, not of a wedged one)
+                self.assertFalse([e for m in markers for e in events[m] if isinstance(e, lc.Waiting) and e.wedged])
                 # the holder held its server until the hold ended, or until every chat had finished
                 self.assertTrue(running == [True] or (not running and holders[0].thread.is_alive()), running)
                 _idle(other)
@@ -16692,14 +16692,14 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 conversation = self._pinned_to_the_proxy(kind, servers, proxy)
                 front = self.front(kind, servers, timeout=self.LONG)  # afresh: no connection kept from the probes
                 client = self.client_for(front.url, servers=2)
-                stream = client.stream(STORY, slot=0, resumable=conversation, max_tokens=120, temperature=0, seed=1)
+                stream = client.stream(STORY, slot=0, resumable=conversation, max_tokens=60, temperature=0, seed=1)
                 events = run_with_timeout(lambda: list(stream), 90)
                 self.assertEqual(proxy.cuts, 1)
                 resumed = [e for e in events if isinstance(e, lc.Resumed)]
                 self.assertEqual(len(resumed), 1, resumed)
                 self.assertGreater(resumed[0].offset, 0)
                 completion = stream.completion
-                self.assertEqual(completion.usage["completion_tokens"], 120)
+                self.assertEqual(completion.usage["completion_tokens"], 60)
                 self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
                 with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as first:  # the server that ran it knows it
                     found = first.lookup_streams([conversation])

@@ -15726,7 +15726,7 @@ FRONTS_DIR = os.path.join(HERE, "dev", "fronts")
 FRONT_KINDS = {
     "nginx": {
         "file": "nginx.conf",
-        "server": "server unix:%s;",
+        "server": "server unix:%s max_fails=0;",
         "join": "\n        ",
         "balance": {"pin": "hash $http_x_conversation_id consistent;", "least": "least_conn;", "rr": ""},
     },
@@ -15785,7 +15785,7 @@ def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port
 class Front:
     """A real front (nginx, HAProxy or Caddy) of the test's own, in the foreground, on free ports, from its
     dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
-    ``close()`` kills its process group (an nginx master and its worker) and removes its directory."""
+    ``close()`` stops it (SIGTERM, then SIGKILL to its process group) and removes its directory."""
 
     def __init__(self, kind, servers, balance="pin", timeout=2):
         self.kind = kind
@@ -15832,10 +15832,15 @@ class Front:
 
     def close(self):
         if self.proc.poll() is None:
+            self.proc.terminate()  # nginx's master stops and reaps its worker: no orphan left behind
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
                 pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group is left
+        except OSError:
+            pass
         self.proc.wait(10)
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)

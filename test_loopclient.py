@@ -14331,7 +14331,7 @@ class RealTierSummary(unittest.TestSuite):
             unset = [name for name in names if not os.environ.get(name)]
             sys.stderr.write(
                 "test_loopclient: %d real-server tests were skipped; to run them set %s "
-                "(dev/llama-server.sh starts the servers, .ci/run does it all; README: Testing)\n"
+                "(dev/llama-server.sh starts the servers, .ci/run does it all; dev/TESTING.md)\n"
                 % (len(skipped), ", ".join(unset) or "the LOOPCLIENT_REAL_* variables")
             )
 

@@ -3039,6 +3039,7 @@ class ResponsePump:
         "_size",
         "_pending",
         "_ending",
+        "cut",
         "_capped_at",
         "_resuming",
         "_last",
@@ -3062,6 +3063,7 @@ class ResponsePump:
         self._size = 0
         self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
         self._ending = False  # the body is complete: the events in hand are the last
+        self.cut = False  # the body ended (cleanly, as a front may end it) before the stream's own end
         self._capped_at = -1
         self._resuming = False  # the response is the replay of a resumed stream
         self._last = b""  # the last two body bytes, for a blank line split between reads
@@ -3071,7 +3073,7 @@ class ResponsePump:
     def streaming(self) -> bool:
         """A 200 head came and its body is not complete: a connection lost now lost part of a stream."""
         head = self.head
-        return head is not None and head.status == 200 and not self._reader.done and self.outcome is None
+        return head is not None and head.status == 200 and (self.cut or not self._reader.done) and self.outcome is None
 
     def resume(self, offset: int) -> None:
         """The next bytes are a new response, the server's replay of this stream from ``offset`` body bytes
@@ -3086,6 +3088,7 @@ class ResponsePump:
         self._body, self._size = [], 0
         self.received = self.boundary = offset
         self._last = b""
+        self._ending = self.cut = False
 
     def verdict(self) -> Any:
         """What the caller does next, once it has handed out the events of the last call, as one value: a
@@ -3258,7 +3261,15 @@ class ResponsePump:
                 self.outcome = asm.completion()
                 return
         if self._ending:
-            self.outcome = asm.completion()
+            try:
+                self.outcome = asm.completion()
+            except StreamClosedError:
+                # The body ended before the stream did: a front ending its own chunked body when its
+                # server's connection broke (Caddy does).  The bytes after the last whole event were
+                # dropped with the decoder's unfinished event: a resume starts at that event.
+                self.cut = True
+                self.received, self._last = self.boundary, b""
+                raise
 
 
 _OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered
@@ -4004,17 +4015,11 @@ class _SlotPoller(_SlotWatch):
 
 
 def _other_server(before: List[Slot], after: List[Slot]) -> bool:
-    """Whether two ``/slots`` answers cannot come from one server: the number of slots changed, or a slot's
-    task id went back (llama-server numbers its tasks upward; a restart also starts again, and is then taken
-    for another server too, which only makes the waits more patient)."""
-    if len(before) != len(after):
-        return True
-    tasks = {s.id: s.task for s in before}
-    for s in after:
-        old = tasks.get(s.id)
-        if old is not None and s.task is not None and old > s.task:
-            return True
-    return False
+    """Whether two ``/slots`` answers cannot come from one server: the number of slots changed (a server
+    restarted with another ``--parallel`` is taken for another server too, which only makes the waits more
+    patient).  A slot's task id going back proves nothing: one server's slot may take a task queued for it
+    after a later one that went to it at once."""
+    return len(before) != len(after)
 
 
 class _Run:
@@ -4917,6 +4922,7 @@ class _Calls:
         for it, at most ``poll``: no answer by then is an unavailable server."""
         poller = board.poller(model)
         asked = _clock()
+        late = False  # no answer came within poll of asking
         if not poller.fresh(asked):
             if poller.start():
                 yield (_SPAWN, self._poll_slots(poller, model))
@@ -4930,13 +4936,14 @@ class _Calls:
                     yield (_PARK, left)
             finally:
                 poller.wait(run, False)
-            if poller.stamp < asked:
-                return poller.state(None, slot, every, self.address)
-        if poller.unseen:
+            late = poller.stamp < asked
+        if poller.unseen and not late:
             return UNSEEN, None
-        if poller.slots is not None and (self.limits.servers > 1 or poller.several):
-            return SEVERAL, None  # the answer may be another server's: nothing to judge the slot by
-        return poller.state(poller.slots, slot, every, self.address)
+        if self.limits.servers > 1 or poller.several:
+            # The answer may be another server's, and a failed (or late) /slots only that the front could not
+            # reach the one it chose, while the request itself is in flight: nothing to judge the slot by.
+            return SEVERAL, None
+        return poller.state(None if late else poller.slots, slot, every, self.address)
 
     def _poll_slots(self, poller: _SlotPoller, model: Optional[str]) -> _Plan[None]:
         """The shared ``/slots`` request, in the background: 404, 403, 405 and 501 say it is not served (a
@@ -5308,7 +5315,7 @@ class _Conn:
                 break
             except OSError as exc:
                 failed = exc
-                if self.owner.cancelled:
+                if self._cancelled():
                     break
         if failed is not None:
             raise failed
@@ -5319,6 +5326,12 @@ class _Conn:
         if addr.tls:
             self._handshake(addr, ssl_context)
 
+    def _cancelled(self) -> bool:
+        """The run was cancelled, and this is not the connection of its shielded last words (the DELETE of
+        a resumable stream that a cancel ended)."""
+        owner = self.owner
+        return bool(owner.cancelled and not owner.shield)
+
     def _connect(self, sock: socket.socket, target: Any, timeout: float) -> None:
         """Connect ``sock``, registered first as this connection's: ``cancel()`` shuts it down, which ends a
         TCP connect in progress at once; a cancel that came before the connect began is seen within 0.1 s.
@@ -5328,7 +5341,7 @@ class _Conn:
         if old is not None:
             old.close()
         sock.settimeout(timeout)
-        if self.owner.cancelled:  # cancel() before the socket was there to shut down
+        if self._cancelled():  # cancel() before the socket was there to shut down
             raise _cancelled()
         if sock.family == socket.AF_UNIX:
             sock.connect(target)
@@ -5343,7 +5356,7 @@ class _Conn:
             waiter.register(sock, select.POLLOUT)  # POLLERR and POLLHUP come without asking
             deadline = time.monotonic() + timeout
             while not waiter.poll(max(0.0, min(deadline - time.monotonic(), 0.1)) * 1000):
-                if self.owner.cancelled:
+                if self._cancelled():
                     raise _cancelled()
                 if time.monotonic() >= deadline:
                     raise socket.timeout("timed out")

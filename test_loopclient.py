@@ -17186,7 +17186,7 @@ class RealTierSummary(unittest.TestSuite):
 
     @staticmethod
     def report(result):
-        real = ("TestReal", "TestReadmeExamples")  # the README's examples run against the real demo server
+        real = "TestReal"  # the README's examples (TestRealReadmeExamples) run against the real demo server too
         skipped = [test for test, _ in result.skipped if type(test).__name__.startswith(real)]
         if skipped:
             import re
@@ -20112,7 +20112,7 @@ def readme_python_blocks():
 
 
 @unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
-class TestReadmeExamples(unittest.TestCase):
+class TestRealReadmeExamples(unittest.TestCase):
     """Every ```python block of the README runs as written against the demo server: the one change is the
     demo socket's path, the test's own server for the one the README tells the user to start."""
 

@@ -2107,7 +2107,7 @@ def _field(doc: Dict[str, Any], name: str, kind: Any, payload: str) -> Any:
 _KIND_NAMES = {str: "a string", dict: "an object", list: "a list"}
 
 
-def _count(usage: Dict[str, Any], name: str, payload: str) -> int:
+def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
     """A token count of a usage object: 0 when absent or null, ``ProtocolError`` when not an integer."""
     value = usage.get(name)
     if value is None:
@@ -2287,7 +2287,7 @@ class _NativeAssembler(_Dialect):
     def _stop(self, doc: Dict[str, Any], state: _NativeState, payload: str) -> None:
         how = _field(doc, "stop_type", str, payload)
         for name in ("tokens_evaluated", "tokens_predicted"):
-            _count(doc, name, payload)
+            _token_count(doc, name, payload)
         model = doc.get("model")
         if type(model) is str:
             self.model = model
@@ -2599,7 +2599,10 @@ class _ResponsesAssembler(_EventAssembler):
             self.finish_reason = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
         usage = _field(response, "usage", dict, payload)
         if usage is not None:
-            prompt, completion = _count(usage, "input_tokens", payload), _count(usage, "output_tokens", payload)
+            prompt, completion = (
+                _token_count(usage, "input_tokens", payload),
+                _token_count(usage, "output_tokens", payload),
+            )
             self.usage = _chat_usage(usage, prompt, completion)
         self.timings = _merge_timings(self.timings, response, payload)
         self.final = response
@@ -2710,10 +2713,10 @@ class _MessagesAssembler(_EventAssembler):
         usage = self._usage
         if usage is not None:
             prompt = sum(
-                _count(usage, name, payload)
+                _token_count(usage, name, payload)
                 for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
             )
-            self.usage = _chat_usage(usage, prompt, _count(usage, "output_tokens", payload))
+            self.usage = _chat_usage(usage, prompt, _token_count(usage, "output_tokens", payload))
         final = dict(self._message) if self._message is not None else {}
         final["stop_reason"] = reason
         final["stop_sequence"] = self._stop.get("stop_sequence")
@@ -3143,7 +3146,7 @@ class ResponsePump:
             return
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if data:
-            self._count(data)
+            self._count_body(data)
         sse = self._sse
         batch = sse.feed(data) if data else []
         if (eof or reader.done) and sse.failed is None:
@@ -3152,7 +3155,7 @@ class ResponsePump:
         self._events(out, batch)
         self._decoders_failed()
 
-    def _count(self, data: bytes) -> None:
+    def _count_body(self, data: bytes) -> None:
         """Count body bytes, and where the last block ended (LF or CRLF lines, as llama-server sends)."""
         start = self.received
         self.received = start + len(data)
@@ -3749,7 +3752,7 @@ class _Lane:
         queue = self.queue
         while queue and self.in_flight < self.capacity:
             ticket = queue.pop(self.head)
-            self._advance()
+            self._next_head()
             self.in_flight += 1
             ticket.granted = True
             ticket.signal()
@@ -3759,7 +3762,7 @@ class _Lane:
         pos = ticket.pos
         del self.queue[pos]
         if pos == self.head:
-            self._advance()
+            self._next_head()
             return
         from bisect import insort
 
@@ -3767,7 +3770,7 @@ class _Lane:
         if len(self.holes) > len(self.queue):
             self._renumber()
 
-    def _advance(self) -> None:
+    def _next_head(self) -> None:
         """The ticket at ``head`` has left the queue: the head moves to the next queued position."""
         holes = self.holes
         pos = self.head + 1
@@ -4151,11 +4154,11 @@ def _slots_from(doc: Any) -> List[Slot]:
     for item in doc:
         if type(item) is not dict or type(item.get("id")) is not int or type(item.get("is_processing")) is not bool:
             raise ProtocolError("/slots answered an entry without an integer id and a boolean is_processing")
-        slots.append(Slot(item["id"], item["is_processing"], item, *_progress(item)))
+        slots.append(Slot(item["id"], item["is_processing"], item, *_slot_progress(item)))
     return slots
 
 
-def _progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+def _slot_progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], Optional[int]]:
     """(task, decoded, prompt_processed) of a ``/slots`` entry; None for what the server does not send."""
     nxt = item.get("next_token")
     if type(nxt) is list and nxt:
@@ -4514,7 +4517,7 @@ class _Calls:
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
         return doc
 
-    def _field(self, path: str, body: Any, name: str, kind: Any) -> _Plan[Any]:
+    def _post_field(self, path: str, body: Any, name: str, kind: Any) -> _Plan[Any]:
         doc = yield from self._object("POST", path, body)
         value = doc.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
@@ -4620,20 +4623,20 @@ class _Calls:
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> _Plan[List[Any]]:
         body = {"content": text, "add_special": add_special, "parse_special": parse_special, "with_pieces": with_pieces}
-        return (yield from self._field("/tokenize", body, "tokens", list))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/tokenize", body, "tokens", list))  # type: ignore[no-any-return]
 
     def detokenize(self, tokens: Sequence[int]) -> _Plan[str]:
-        return (yield from self._field("/detokenize", {"tokens": list(tokens)}, "content", str))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/detokenize", {"tokens": list(tokens)}, "content", str))  # type: ignore[no-any-return]
 
     def apply_template(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[str]:
-        return (yield from self._field("/apply-template", dict(params, messages=messages), "prompt", str))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/apply-template", dict(params, messages=messages), "prompt", str))  # type: ignore[no-any-return]
 
     def count_tokens(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[int]:
         body = dict(params, messages=messages)
-        return (yield from self._field("/v1/chat/completions/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/v1/chat/completions/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
     def embed(self, input: Union[str, Sequence[str]], params: Dict[str, Any]) -> _Plan[List[List[float]]]:
-        data = yield from self._field("/v1/embeddings", dict(params, input=input), "data", list)
+        data = yield from self._post_field("/v1/embeddings", dict(params, input=input), "data", list)
         if not all(
             isinstance(d, dict) and isinstance(d.get("embedding"), list) and type(d.get("index", 0)) is int
             for d in data
@@ -4643,7 +4646,7 @@ class _Calls:
 
     def rerank(self, query: str, documents: Sequence[str], params: Dict[str, Any]) -> _Plan[List[Dict[str, Any]]]:
         body = dict(params, query=query, documents=list(documents))
-        return (yield from self._field("/v1/rerank", body, "results", list))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/v1/rerank", body, "results", list))  # type: ignore[no-any-return]
 
     def slot_action(self, slot: int, action: str, body: Dict[str, Any]) -> _Plan[Dict[str, Any]]:
         return (yield from self._object("POST", "/slots/%d" % _slot_id(slot), body, {"action": action}))
@@ -4657,12 +4660,12 @@ class _Calls:
     def count_message_tokens(self, messages: Sequence[Dict[str, Any]], params: Dict[str, Any]) -> _Plan[int]:
         body = _messages_body(messages, params)
         del body["stream"]
-        return (yield from self._field("/v1/messages/count_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/v1/messages/count_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
     def count_response_tokens(self, input: Any, params: Dict[str, Any]) -> _Plan[int]:
         body = _responses_body(input, params)
         del body["stream"]
-        return (yield from self._field("/v1/responses/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
+        return (yield from self._post_field("/v1/responses/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
     def lookup_streams(self, conversation_ids: Sequence[str]) -> _Plan[List[Any]]:
         if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
@@ -5315,7 +5318,7 @@ class _Conn:
                 break
             except OSError as exc:
                 failed = exc
-                if self._cancelled():
+                if self._stopped():
                     break
         if failed is not None:
             raise failed
@@ -5326,7 +5329,7 @@ class _Conn:
         if addr.tls:
             self._handshake(addr, ssl_context)
 
-    def _cancelled(self) -> bool:
+    def _stopped(self) -> bool:
         """The run was cancelled, and this is not the connection of its shielded last words (the DELETE of
         a resumable stream that a cancel ended)."""
         owner = self.owner
@@ -5341,7 +5344,7 @@ class _Conn:
         if old is not None:
             old.close()
         sock.settimeout(timeout)
-        if self._cancelled():  # cancel() before the socket was there to shut down
+        if self._stopped():  # cancel() before the socket was there to shut down
             raise _cancelled()
         if sock.family == socket.AF_UNIX:
             sock.connect(target)
@@ -5356,7 +5359,7 @@ class _Conn:
             waiter.register(sock, select.POLLOUT)  # POLLERR and POLLHUP come without asking
             deadline = time.monotonic() + timeout
             while not waiter.poll(max(0.0, min(deadline - time.monotonic(), 0.1)) * 1000):
-                if self._cancelled():
+                if self._stopped():
                     raise _cancelled()
                 if time.monotonic() >= deadline:
                     raise socket.timeout("timed out")
@@ -6021,14 +6024,16 @@ if TYPE_CHECKING:
     import asyncio
 
 
-def _ring(alarm: asyncio.Future[None]) -> None:
+def _ring_alarm(alarm: asyncio.Future[None]) -> None:
     if not alarm.done():
         alarm.set_result(None)
 
 
-async def _sleep(loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], timeout: Optional[float]) -> None:
+async def _sleep_on_alarm(
+    loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], timeout: Optional[float]
+) -> None:
     """Until ``alarm`` rings or ``timeout`` passes (None: no timer); a timer handle, no task of its own."""
-    timer = loop.call_later(timeout, _ring, alarm) if timeout is not None else None
+    timer = loop.call_later(timeout, _ring_alarm, alarm) if timeout is not None else None
     try:
         await alarm
     finally:
@@ -6057,7 +6062,7 @@ class _AsyncRun(_Run):
     def signal(self) -> None:
         alarm = self._alarm
         if alarm is not None:
-            _ring(alarm)
+            _ring_alarm(alarm)
         else:
             self._rung = True
 
@@ -6068,7 +6073,7 @@ class _AsyncRun(_Run):
         loop = self.board.loop
         self._alarm = loop.create_future()
         try:
-            await _sleep(loop, self._alarm, timeout)
+            await _sleep_on_alarm(loop, self._alarm, timeout)
         finally:
             self._alarm = None
 
@@ -6306,14 +6311,14 @@ class _AsyncConn:
 
     def _wake(self) -> None:
         if self._waiter is not None:
-            _ring(self._waiter)
+            _ring_alarm(self._waiter)
 
     # -- for the request -----------------------------------------------------------------------------
 
     async def _wait(self, timeout: float) -> None:
         waiter = self._waiter = self._loop.create_future()
         try:
-            await _sleep(self._loop, waiter, timeout)
+            await _sleep_on_alarm(self._loop, waiter, timeout)
         finally:
             self._waiter = None
 
@@ -7009,7 +7014,7 @@ def _completion_json(completion: Completion) -> str:
     return json.dumps(completion.to_dict(), ensure_ascii=False, indent=2)
 
 
-def _slot_state(s: Slot, watch: _SlotWatch) -> str:
+def _slot_label(s: Slot, watch: _SlotWatch) -> str:
     return "wedged" if watch.wedged(s) else "busy" if s.is_processing else "idle"
 
 
@@ -7023,7 +7028,7 @@ def _slots_table(slots: List[Slot], watch: _SlotWatch, limits: Limits) -> str:
         rows.append(
             (
                 str(s.id),
-                _slot_state(s, watch),
+                _slot_label(s, watch),
                 str(s.task) if s.task is not None and s.is_processing else "",
                 str(s.decoded) if s.decoded is not None else "",
                 str(n_ctx) if n_ctx is not None else "",
@@ -7036,7 +7041,7 @@ def _slots_table(slots: List[Slot], watch: _SlotWatch, limits: Limits) -> str:
 
 def _slot_line(s: Slot, watch: _SlotWatch) -> str:
     """One slot as a line of the watch's log, after the time of day."""
-    state = _slot_state(s, watch)
+    state = _slot_label(s, watch)
     line = "slot %d %s" % (s.id, state)
     if s.is_processing:
         line += " task %s decoded %s" % (s.task, s.decoded)
@@ -7086,7 +7091,7 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
                 out.write("%s no answer: %s\n" % (clock, problem))
         else:
             for s in slots:
-                key = (_slot_state(s, watch), s.task if s.is_processing else None)
+                key = (_slot_label(s, watch), s.task if s.is_processing else None)
                 if seen.get(s.id) != key:
                     seen[s.id] = key
                     out.write("%s %s\n" % (clock, _slot_line(s, watch)))

@@ -4985,6 +4985,8 @@ class _StreamLife:
     ``_read``      read until the pump decides (``ResponsePump.verdict``): before the head every ``poll`` of
                    silence asks ``/slots`` and the wait's budgets run (``_poll_for_head``); after it,
                    ``liveness``, the quiet rule (``_check_quiet``) and the thinking cap
+    ``_on_retry``  the answer says "try again": ``_back_off``, or for a resumable stream the server holds
+                   (a front's 504 to it while it was queued, a replay answered 503) ``_reattach``
     ``_back_off``  tell ``Retrying`` and sleep (``sending``, the one backoff of the attempts), then ``_send``
     ``_on_lost``   a resumable stream's connection lost (or a front that gave up on it while it was queued):
                    look it up when nothing of it came, else ``_reattach``; any other stream: the error
@@ -5102,20 +5104,9 @@ class _StreamLife:
                 return (yield from self._decide(verdict))
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
-        """What the pump decided, after the events before it were handed out."""
-        pump = self.pump
-        while verdict is _CAP_DUE:
-            assert pump.cap_due is not None
-            ok = yield from self.calls._end_reasoning(self.run, self.req.model, *pump.cap_due)
-            try:
-                events = pump.capped(ok)
-            except StreamClosedError as exc:
-                self.loss = exc
-                return self._on_lost
-            if events:
-                self.run.offset = pump.boundary
-                yield events
-            verdict = pump.verdict()
+        """What the pump decided, after the events before it were handed out: the next state."""
+        if verdict is _CAP_DUE:
+            verdict = yield from self._at_the_cap()
         if verdict is None:
             return self._read
         if isinstance(verdict, Completion):
@@ -5127,12 +5118,36 @@ class _StreamLife:
         if isinstance(verdict, LoopError):
             raise verdict
         self.retry = verdict
-        req = self.req
+        return self._on_retry
+
+    def _at_the_cap(self) -> _Plan[Any]:
+        """Reasoning reached the thinking cap: ask the server to end it, hand out the events the answer
+        releases; the pump's next verdict (a ``StreamClosedError`` for a connection lost meanwhile)."""
+        pump = self.pump
+        verdict = _CAP_DUE  # type: Any
+        while verdict is _CAP_DUE:
+            assert pump.cap_due is not None
+            ok = yield from self.calls._end_reasoning(self.run, self.req.model, *pump.cap_due)
+            try:
+                events = pump.capped(ok)
+            except StreamClosedError as exc:
+                return exc
+            if events:
+                self.run.offset = pump.boundary
+                yield events
+            verdict = pump.verdict()
+        return verdict
+
+    def _on_retry(self) -> _Plan[Any]:
+        """The answer says "try again" (``retry``: a 503, a 429, a front's 502 or 504...): back off and send
+        again, or, for a resumable stream, read the server's buffer instead where the server holds it."""
+        verdict, req = self.retry, self.req
+        assert verdict is not None
         if verdict.state == FRONT and req.conversation is not None:
             # a front gave up on a request queued for a slot (or on its silent replay): the server keeps a
             # resumable one queued, so it is read from the server's buffer instead of being sent again
             if (yield from self._known()):
-                if not pump.received:
+                if not self.pump.received:
                     self.started = 0.0  # the front's answer was no byte of the stream
                 self.moving = True  # the front waited its own timeout: no backoff before asking again
                 return self._reattach

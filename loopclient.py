@@ -6163,8 +6163,8 @@ class _AsyncRun(_Run):
 
     async def _connect(self, timeout: float, reuse: bool) -> _AsyncConn:
         """A kept connection (``reuse``), else a new one; ``OSError`` when the server cannot be reached,
-        ``ConnectError`` when TLS fails.  No executor: a Unix socket connects at once, a host name goes
-        through the loop's own resolver."""
+        ``ConnectError`` when TLS fails.  A Unix socket connects at once, in the loop; a host name is
+        resolved by the loop's ``getaddrinfo``, which runs in the loop's default executor (a thread)."""
         board = self.board
         kept = board.checkout() if reuse else None  # type: Optional[_AsyncConn]
         if kept is not None:
@@ -6173,38 +6173,48 @@ class _AsyncRun(_Run):
             self._conns.add(kept)
             _reused(board)
             return kept
-        loop = board.loop
-        addr = board.calls.addr
-        conn = _AsyncConn(loop, self)
-        if addr.unix:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = _AsyncConn(board.loop, self)
+        if board.calls.addr.unix:
+            await self._connect_unix(conn)
+        else:
+            await self._connect_tcp(conn, timeout)
+        self._conns.add(conn)
+        log = _logger()
+        if log:
+            log.debug("%s: connected", board.calls.addr.text)
+        return conn
+
+    async def _connect_unix(self, conn: _AsyncConn) -> None:
+        """A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a connect
+        failure like a refusal (asyncio's own connect would wait on it as "in progress" and report a
+        connection that is not there)."""
+        addr = self.board.calls.addr
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
             try:
-                sock.setblocking(False)
-                # A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a
-                # connect failure like a refusal (asyncio's own connect would wait on it as "in progress"
-                # and report a connection that is not there).
-                try:
-                    sock.connect(addr.target)
-                except OSError as caught:
-                    told = _unix_failed(addr, caught)
-                    if told is caught:
-                        raise
-                    raise told from caught
-                addr.seen = True
-                protocol = conn  # type: Any  # duck-typed: see _AsyncConn
-                await loop.create_unix_connection(lambda: protocol, sock=sock)
-            except BaseException:
-                sock.close()
-                raise
-            self._conns.add(conn)
-            log = _logger()
-            if log:
-                log.debug("%s: connected", addr.text)
-            return conn
+                sock.connect(addr.target)
+            except OSError as caught:
+                told = _unix_failed(addr, caught)
+                if told is caught:
+                    raise
+                raise told from caught
+            addr.seen = True
+            protocol = conn  # type: Any  # duck-typed: see _AsyncConn
+            await self.board.loop.create_unix_connection(lambda: protocol, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _connect_tcp(self, conn: _AsyncConn, timeout: float) -> None:
+        """The loop's connect (and TLS handshake) as a task of the board, parked on until it is done, the
+        run is cancelled (its shielded last words aside) or ``timeout`` passes."""
+        board = self.board
+        addr = board.calls.addr
         host, port = addr.target
         tls = board.calls.ssl_context if addr.tls else None
         task = board.spawn(
-            loop.create_connection(
+            board.loop.create_connection(
                 lambda: conn,
                 host,
                 port,
@@ -6231,11 +6241,6 @@ class _AsyncRun(_Run):
                 if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
                     raise _tls_failed(addr, exc) from exc
             raise exc
-        self._conns.add(conn)
-        log = _logger()
-        if log:
-            log.debug("%s: connected", addr.text)
-        return conn
 
     def forget(self, conn: _AsyncConn) -> None:
         self._conns.discard(conn)

@@ -20459,10 +20459,23 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 completion = stream.completion
                 self.assertEqual(completion.usage["completion_tokens"], 60)
                 self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
-                with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as first:  # the server that ran it knows it
-                    found = first.lookup_streams([conversation])
+                # the server that ran it knows it, and marks it done when its producer returns: a few ms after
+                # the last byte reached us through the proxy and the front, so until then is_done is false
+                with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as first:
+                    found = self._marked_done(first, conversation)
                 self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
                 self.direct.delete_stream(conversation)
+
+    @staticmethod
+    def _marked_done(client, conversation):
+        found = []
+
+        def marked_done():
+            found[:] = client.lookup_streams([conversation])
+            return [e["is_done"] for e in found] != [False]
+
+        wait_for(marked_done, 10.0, "the server to mark the finished stream done")
+        return found
 
     def _pinned_to_the_proxy(self, kind, servers, proxy):
         """A conversation id that ``kind``, pinning by X-Conversation-Id over ``servers``, sends through

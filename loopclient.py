@@ -3326,36 +3326,7 @@ def parse_address(address: Any) -> _Address:
     if address.startswith("unix://"):
         address = address[len("unix://") :]
     elif "://" in address:
-        scheme, _, rest = address.partition("://")
-        scheme = scheme.lower()
-        if scheme not in ("http", "https"):
-            raise ValueError(
-                "unsupported address scheme %r: use a socket path, unix:///path or http(s)://host:port" % scheme
-            )
-        rest, slash, prefix = rest.partition("/")
-        prefix = ("/" + prefix.rstrip("/")) if slash and prefix.strip("/") else ""
-        if not rest or any(c in rest + prefix for c in "?#@ \t\r\n\0") or "//" in prefix:
-            raise ValueError("cannot parse %r: expected %s://host:port[/prefix]" % (text, scheme))
-        if rest.startswith("["):
-            host, sep, port_text = rest[1:].partition("]")
-            if not sep or (port_text and not port_text.startswith(":")):
-                raise ValueError("cannot parse %r: expected %s://[v6addr]:port" % (text, scheme))
-            port_text = port_text[1:]
-            host_header = "[%s]" % host
-        else:
-            host, _, port_text = rest.partition(":")
-            host_header = host
-        if not host:
-            raise ValueError("no host in %r" % text)
-        default = 443 if scheme == "https" else 80
-        port = default
-        if port_text or rest.endswith(":"):
-            if not (port_text.isdigit() and port_text.isascii() and 0 < int(port_text) < 65536):
-                raise ValueError("bad port in %r" % text)
-            port = int(port_text)
-        if port != default:
-            host_header += ":%d" % port
-        return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
+        return _parse_url(text)
     if _host_port(address):
         raise ValueError(
             "%r is host:port without a scheme: use http://%s (a socket file of that name: ./%s)"
@@ -3371,6 +3342,40 @@ def parse_address(address: Any) -> _Address:
             "the Unix socket path is %d bytes; the OS allows at most %d: use a shorter path" % (size, MAX_UNIX_PATH)
         )
     return _Address(text, True, address, "localhost")
+
+
+def _parse_url(text: str) -> _Address:
+    """``http[s]://host[:port][/prefix]``: a TCP address (TLS for https), its Host header and path prefix."""
+    scheme, _, rest = text.partition("://")
+    scheme = scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(
+            "unsupported address scheme %r: use a socket path, unix:///path or http(s)://host:port" % scheme
+        )
+    rest, slash, prefix = rest.partition("/")
+    prefix = ("/" + prefix.rstrip("/")) if slash and prefix.strip("/") else ""
+    if not rest or any(c in rest + prefix for c in "?#@ \t\r\n\0") or "//" in prefix:
+        raise ValueError("cannot parse %r: expected %s://host:port[/prefix]" % (text, scheme))
+    if rest.startswith("["):
+        host, sep, port_text = rest[1:].partition("]")
+        if not sep or (port_text and not port_text.startswith(":")):
+            raise ValueError("cannot parse %r: expected %s://[v6addr]:port" % (text, scheme))
+        port_text = port_text[1:]
+        host_header = "[%s]" % host
+    else:
+        host, _, port_text = rest.partition(":")
+        host_header = host
+    if not host:
+        raise ValueError("no host in %r" % text)
+    default = 443 if scheme == "https" else 80
+    port = default
+    if port_text or rest.endswith(":"):
+        if not (port_text.isdigit() and port_text.isascii() and 0 < int(port_text) < 65536):
+            raise ValueError("bad port in %r" % text)
+        port = int(port_text)
+    if port != default:
+        host_header += ":%d" % port
+    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
 
 
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
@@ -6928,32 +6933,16 @@ class _Console:
             self._status = False
 
     def event(self, event: Event, show_text: bool = True) -> None:
+        """Show ``event``: the answer's text on ``out`` (reasoning on ``err``), the rest on the status line."""
         if isinstance(event, (Content, Reasoning, ToolCall)):
-            if self.first_token is None:
-                self.first_token = time.monotonic() - self.started
-                if self._prompt is not None and self._prompt[0] < self._prompt[1]:
-                    # the server's last progress chunk may stop short (47 of 51): a token means all of it
-                    self._progress(self._prompt[1], self._prompt[1])
-            self.clear()
-        if isinstance(event, Content):
+            self._token(event, show_text)
+        elif isinstance(event, ThinkingCapped):
             if self._in_reasoning:
                 self._end_reasoning()
-            if show_text:
-                self.out.write(event.text)
-                self.out.flush()
-        elif isinstance(event, Reasoning):
-            if show_text:
-                self._in_reasoning = True
-                self.err.write("\x1b[2m" + event.text + "\x1b[0m" if self.tty else event.text)
-                self.err.flush()
-        elif isinstance(event, ToolCall):
-            if self._in_reasoning:
-                self._end_reasoning()
-            if show_text:
-                if event.name:
-                    self.out.write("\n[tool call %s] %s " % (event.index, event.name))
-                self.out.write(event.arguments)
-                self.out.flush()
+            self.status("thinking capped at %d tokens" % event.tokens)
+            if self.tty:
+                self.err.write("\n")
+                self._status = False
         elif isinstance(event, Queued):
             self.status("queued: %d ahead of this request" % event.ahead)
         elif isinstance(event, Waiting):
@@ -6963,28 +6952,49 @@ class _Console:
                 state = "no answer yet (the server does not show its slots)"
             self._waiting(state, "waiting %.0f s: %s" % (waited, state), "busy_wait")
         elif isinstance(event, Retrying):
-            text = "retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason)
-            addr = self.client._calls.addr if self.client is not None else None
-            if addr is not None and addr.warned and not addr.seen:  # no socket file since the start
-                text = "no socket file %s yet: is llama-server started with --host %s? (retry %d, %.0f s)" % (
-                    addr.target,
-                    addr.target,
-                    event.attempt,
-                    time.monotonic() - self.started,
-                )
-            self._waiting(event.reason, text, "load_wait")
+            self._waiting(event.reason, self._retry_text(event), "load_wait")
         elif isinstance(event, Resumed):
             self.status("connection lost: resumed from byte %d (attempt %d)" % (event.offset, event.attempt))
-        elif isinstance(event, Progress):
-            if event.total > 0 and self.first_token is None:
-                self._progress(min(event.processed, event.total), event.total)
-        elif isinstance(event, ThinkingCapped):
-            if self._in_reasoning:
-                self._end_reasoning()
-            self.status("thinking capped at %d tokens" % event.tokens)
-            if self.tty:
-                self.err.write("\n")
-                self._status = False
+        elif isinstance(event, Progress) and event.total > 0 and self.first_token is None:
+            self._progress(min(event.processed, event.total), event.total)
+
+    def _token(self, event: Union[Content, Reasoning, ToolCall], show_text: bool) -> None:
+        """A piece of the answer: the first ends the status line (and the prompt's progress, at 100 %)."""
+        if self.first_token is None:
+            self.first_token = time.monotonic() - self.started
+            if self._prompt is not None and self._prompt[0] < self._prompt[1]:
+                # the server's last progress chunk may stop short (47 of 51): a token means all of it
+                self._progress(self._prompt[1], self._prompt[1])
+        self.clear()
+        if isinstance(event, Reasoning):
+            if show_text:
+                self._in_reasoning = True
+                self.err.write("\x1b[2m" + event.text + "\x1b[0m" if self.tty else event.text)
+                self.err.flush()
+            return
+        if self._in_reasoning:
+            self._end_reasoning()
+        if not show_text:
+            return
+        if isinstance(event, Content):
+            self.out.write(event.text)
+        else:
+            if event.name:
+                self.out.write("\n[tool call %s] %s " % (event.index, event.name))
+            self.out.write(event.arguments)
+        self.out.flush()
+
+    def _retry_text(self, event: Retrying) -> str:
+        """A retry's line; while no socket file has been seen since the start, a hint about ``--host``."""
+        addr = self.client._calls.addr if self.client is not None else None
+        if addr is not None and addr.warned and not addr.seen:  # no socket file since the start
+            return "no socket file %s yet: is llama-server started with --host %s? (retry %d, %.0f s)" % (
+                addr.target,
+                addr.target,
+                event.attempt,
+                time.monotonic() - self.started,
+            )
+        return "retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason)
 
     def _waiting(self, kind: str, text: str, budget: str) -> None:
         """A wait's status line: in place on a terminal; else when ``kind`` changes, or a quarter of the
@@ -7070,6 +7080,29 @@ def _slot_line(s: Slot, watch: _SlotWatch) -> str:
     return line
 
 
+def _log_slot_changes(
+    out: Any,
+    clock: str,
+    slots: List[Slot],
+    watch: _SlotWatch,
+    problem: Optional[str],
+    seen: Dict[int, Tuple[str, Optional[int]]],
+) -> Dict[int, Tuple[str, Optional[int]]]:
+    """A look at the slots off a terminal: a line per slot whose state or task changed since ``seen``
+    (what the lines so far showed, returned updated), or one line for a look that got no answer."""
+    if problem is not None:
+        if seen.get(-1) != (problem, None):
+            out.write("%s no answer: %s\n" % (clock, problem))
+        return {-1: (problem, None)}  # every slot is logged again once an answer comes
+    seen.pop(-1, None)  # and a look that gets no answer after it is logged again
+    for s in slots:
+        key = (_slot_label(s, watch), s.task if s.is_processing else None)
+        if seen.get(s.id) != key:
+            seen[s.id] = key
+            out.write("%s %s\n" % (clock, _slot_line(s, watch)))
+    return seen
+
+
 def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
     """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot
     is processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds``
@@ -7105,16 +7138,8 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
             )
             out.write(("\x1b[%dA\r\x1b[J" % drawn if drawn else "") + text)
             drawn = text.count("\n")
-        elif problem is not None:
-            if seen.get(-1) != (problem, None):
-                seen = {-1: (problem, None)}  # every slot is logged again once an answer comes
-                out.write("%s no answer: %s\n" % (clock, problem))
         else:
-            for s in slots:
-                key = (_slot_label(s, watch), s.task if s.is_processing else None)
-                if seen.get(s.id) != key:
-                    seen[s.id] = key
-                    out.write("%s %s\n" % (clock, _slot_line(s, watch)))
+            seen = _log_slot_changes(out, clock, slots, watch, problem, seen)
         out.flush()
         left = end - time.monotonic()
         if left <= 0:
@@ -7369,18 +7394,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "loopclient: error: a COMMAND is required (chat, complete, infill, slots, health, props, models, tokens)\n"
         )
         return 2
-    address = getattr(args, "socket", None) or getattr(args, "url", None)
     model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None
-    api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
     try:
         taken = {"chat": ("messages",), "complete": ("prompt",), "infill": ("input_prefix", "input_suffix")}
         params = _answer_params(args, taken[args.command]) if args.command in taken else {}
-        limits = Limits()
-        if getattr(args, "thinking_cap", None) is not None:
-            limits = _cli_limits(limits, "--thinking-cap", thinking_cap=args.thinking_cap)
-        if getattr(args, "wait", None) is not None:
-            limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
-        client = Client(address, limits=limits, api_key=api_key, model=model)
+        client = _cli_client(args, model)
     except (ValueError, TypeError) as exc:
         if isinstance(exc.__cause__, ImportError):  # no ssl module: this Python, not the usage, is at fault
             sys.stderr.write("loopclient: %s\n" % exc)
@@ -7390,28 +7408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     undo = _log_to(sys.stderr, args.verbose) if getattr(args, "verbose", 0) else None
     try:
         with client:
-            if args.command == "chat":
-                return _chat(client, args, params)
-            if args.command in ("complete", "infill"):
-                return _complete(client, args, params)
-            if args.command == "slots" and args.json:
-                if args.watch is not None:
-                    raise ValueError("--json shows the slots once: without --watch")
-                print(json.dumps([s.raw for s in client.slots()], indent=2, ensure_ascii=False))
-            elif args.command == "slots":
-                _slots(client, sys.stdout, args.watch)
-            elif args.command == "health":
-                print(json.dumps(client.health()))
-            elif args.command == "props":
-                print(json.dumps(client.props(), indent=2, ensure_ascii=False))
-            elif args.command == "models" and args.watch:
-                _watch_models(client, sys.stdout, model)
-            elif args.command == "models":
-                print(_models_table(client.models()))
-            else:
-                text = args.text if args.text is not None else _read_stdin("the text")
-                print(len(client.tokenize(text)))
-            return 0
+            return _command(client, args, params, model)
     except LoopError as exc:
         sys.stderr.write(_describe(exc) + "\n")
         return 1
@@ -7424,6 +7421,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if undo is not None:
             undo()
+
+
+def _cli_client(args: Any, model: Optional[str]) -> Client:
+    """The client the options describe: the address, the key, --thinking-cap and --wait in its limits."""
+    address = getattr(args, "socket", None) or getattr(args, "url", None)
+    api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
+    limits = Limits()
+    if getattr(args, "thinking_cap", None) is not None:
+        limits = _cli_limits(limits, "--thinking-cap", thinking_cap=args.thinking_cap)
+    if getattr(args, "wait", None) is not None:
+        limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
+    return Client(address, limits=limits, api_key=api_key, model=model)
+
+
+def _command(client: Client, args: Any, params: Dict[str, Any], model: Optional[str]) -> int:
+    """Run the command ``args`` names with ``client``; returns the exit status."""
+    if args.command == "chat":
+        return _chat(client, args, params)
+    if args.command in ("complete", "infill"):
+        return _complete(client, args, params)
+    if args.command == "slots" and args.json:
+        if args.watch is not None:
+            raise ValueError("--json shows the slots once: without --watch")
+        print(json.dumps([s.raw for s in client.slots()], indent=2, ensure_ascii=False))
+    elif args.command == "slots":
+        _slots(client, sys.stdout, args.watch)
+    elif args.command == "health":
+        print(json.dumps(client.health()))
+    elif args.command == "props":
+        print(json.dumps(client.props(), indent=2, ensure_ascii=False))
+    elif args.command == "models" and args.watch:
+        _watch_models(client, sys.stdout, model)
+    elif args.command == "models":
+        print(_models_table(client.models()))
+    else:
+        text = args.text if args.text is not None else _read_stdin("the text")
+        print(len(client.tokenize(text)))
+    return 0
 
 
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:

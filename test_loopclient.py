@@ -16579,6 +16579,26 @@ class TestCommandLine(CLICase):
         self.assertRegex(idle[1], r"^0 +idle")
         self.assertEqual(tables, [idle, [refused], [refused]] + [idle] * (len(looks) - 3))
 
+    def test_slots_watch_logs_each_outage_even_when_its_error_is_the_last_ones(self):
+        self.server.route("GET", "/slots", lambda req: respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented"))
+        with self.assertRaises(lc.LoopError) as caught:
+            lc.Client(self.server.path).slots()
+        refused = "no answer: %s" % caught.exception
+        looks = []
+
+        def slots(req):
+            looks.append(time.monotonic())
+            if len(looks) in (2, 4):  # two outages with the same error, an answer between them
+                respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented")
+            else:
+                respond_json(req, [{"id": 0, "is_processing": False}])
+
+        self.server.route("GET", "/slots", slots)
+        out, _ = self.main_ok("slots", "--watch", "0.4")
+        self.assertGreaterEqual(len(looks), 5)
+        lines = ["slot 0 idle", refused, "slot 0 idle", refused, "slot 0 idle"]
+        self.assertEqual([line[9:] for line in out.splitlines()], lines)
+
     def test_slots_watch_redraws_the_table_on_a_terminal(self):
         looks = []
 

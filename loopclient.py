@@ -733,6 +733,20 @@ _INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max
 _SECONDS_LIMITS = ("poll", "liveness", "busy_wait", "load_wait", "idle_grace", "wedge_wait")
 
 
+def _check_limit(name: str, value: Any) -> None:
+    """``TypeError`` or ``ValueError`` unless ``value`` can be ``Limits.<name>``: a count (an int) or a
+    number of seconds, not negative; ``None`` where that limit may be off."""
+    if value is None and name in ("thinking_cap", "pool", "wedge_wait"):
+        return
+    if name in _SECONDS_LIMITS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError("Limits.%s must be a number of seconds, not %r" % (name, value))
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("Limits.%s must be an int, not %r" % (name, value))
+    if not value >= 0:  # also refuses NaN
+        raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
+
+
 class Limits(_Value):
     """How long each wait may last and how much a response may hold.  Immutable; ``replace()`` makes a
     changed copy.  Times are seconds (int or float), sizes bytes, counts plain ints.  A value of the wrong
@@ -812,22 +826,8 @@ class Limits(_Value):
         servers: int = 1,
     ) -> None:
         values = locals()
-        for name in _INT_LIMITS:
-            value = values[name]
-            if value is None and name in ("thinking_cap", "pool"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError("Limits.%s must be an int, not %r" % (name, value))
-            if value < 0:
-                raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
-        for name in _SECONDS_LIMITS:
-            value = values[name]
-            if value is None and name == "wedge_wait":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError("Limits.%s must be a number of seconds, not %r" % (name, value))
-            if not value >= 0:  # also refuses NaN
-                raise ValueError("Limits.%s must not be negative, got %r" % (name, value))
+        for name in _INT_LIMITS + _SECONDS_LIMITS:
+            _check_limit(name, values[name])
         for name in ("poll", "liveness", "max_line", "max_body", "pool", "servers"):
             if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
@@ -3356,6 +3356,13 @@ def _parse_url(text: str) -> _Address:
     prefix = ("/" + prefix.rstrip("/")) if slash and prefix.strip("/") else ""
     if not rest or any(c in rest + prefix for c in "?#@ \t\r\n\0") or "//" in prefix:
         raise ValueError("cannot parse %r: expected %s://host:port[/prefix]" % (text, scheme))
+    host, port, host_header = _authority(text, scheme, rest)
+    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
+
+
+def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
+    """``host[:port]`` or ``[v6addr][:port]`` of the URL ``text``: the host, the port (the scheme's by
+    default) and the Host header, which names the port only when it is not the default."""
     if rest.startswith("["):
         host, sep, port_text = rest[1:].partition("]")
         if not sep or (port_text and not port_text.startswith(":")):
@@ -3375,7 +3382,7 @@ def _parse_url(text: str) -> _Address:
         port = int(port_text)
     if port != default:
         host_header += ":%d" % port
-    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
+    return host, port, host_header
 
 
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
@@ -4335,6 +4342,49 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
             due = _clock() + poll
 
 
+def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
+    """The next bytes of the answer to the single-shot call ``what``; ``StalledError`` after ``timeout``
+    of silence."""
+    try:
+        data = yield (_RECV, conn, timeout)  # type: bytes
+        return data
+    except _Silence:
+        raise _no_answer(what, timeout) from None
+
+
+def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: Optional[str]) -> List[Tuple[str, str]]:
+    """The headers every request carries beside its own: User-Agent (which ``headers`` may replace), the
+    caller's ``headers``, and the ``api_key`` as a bearer token.  ``TypeError`` or ``ValueError`` now for
+    a header loopclient sets itself, a name or value that is not text, or a CR, LF or bad name."""
+    extra = [("User-Agent", _USER_AGENT)]  # type: List[Tuple[str, str]]
+    for name, value in dict(headers or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError("header names and values must be str")
+        if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
+            raise ValueError("header %s is set by loopclient itself" % name)
+        extra = [(k, v) for k, v in extra if k.lower() != name.lower()]
+        extra.append((name, value))
+    if api_key is not None:
+        if not isinstance(api_key, str):
+            raise TypeError("api_key must be a str")
+        extra.append(("Authorization", "Bearer " + api_key))
+    encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
+    return extra
+
+
+def _tls_context(addr: _Address, ssl_context: Any) -> Any:
+    """The ``ssl.SSLContext`` for ``addr``: the caller's, or the default one for an https:// address
+    (``None`` for plain TCP and Unix sockets, where none was given)."""
+    if addr.tls or ssl_context is not None:
+        ssl = _import_ssl()
+
+        if ssl_context is None:
+            return ssl.create_default_context()
+        if not isinstance(ssl_context, ssl.SSLContext):
+            raise TypeError("ssl_context must be an ssl.SSLContext, not %s" % type(ssl_context).__name__)
+    return ssl_context
+
+
 class _Calls:
     """The request logic of one client, shared by ``Client`` and ``AsyncClient``: how every call builds its
     request and reads its answer, and the life of a streamed request (gate, head wait, retries, liveness,
@@ -4362,29 +4412,9 @@ class _Calls:
         if model is not None and not isinstance(model, str):
             raise TypeError("model must be a str or None")
         self.model = model
-        extra = [("User-Agent", _USER_AGENT)]  # type: List[Tuple[str, str]]
-        for name, value in dict(headers or {}).items():
-            if not isinstance(name, str) or not isinstance(value, str):
-                raise TypeError("header names and values must be str")
-            if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
-                raise ValueError("header %s is set by loopclient itself" % name)
-            extra = [(k, v) for k, v in extra if k.lower() != name.lower()]
-            extra.append((name, value))
-        if api_key is not None:
-            if not isinstance(api_key, str):
-                raise TypeError("api_key must be a str")
-            extra.append(("Authorization", "Bearer " + api_key))
-        encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
-        self._headers = extra
-        if addr.tls or ssl_context is not None:
-            ssl = _import_ssl()
-
-            if ssl_context is None:
-                ssl_context = ssl.create_default_context()
-            elif not isinstance(ssl_context, ssl.SSLContext):
-                raise TypeError("ssl_context must be an ssl.SSLContext, not %s" % type(ssl_context).__name__)
+        self._headers = _extra_headers(addr, headers, api_key)
         self.addr = addr
-        self.ssl_context = ssl_context
+        self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -4449,45 +4479,52 @@ class _Calls:
         known length and no ``Connection: close``.  A kept connection that fails before any byte of the
         answer was closed by the server while idle (it never saw the request): the request goes once more,
         on a new connection."""
-        keep = self.limits.keep_alive > 0
-        reuse = keep
+        reuse = self.limits.keep_alive > 0
         while True:
             try:
                 conn = yield (_CONNECT, timeout, reuse)
             except OSError as exc:
                 raise _connect_error(self.addr, exc) from exc
-            kept = heard = False
-            try:
-                yield (_SEND, conn, request, timeout)
-                reader = ResponseReader(max_body=self.limits.max_body)
-                pieces = []  # type: List[bytes]
-                while not reader.done and not (head_only and reader.head is not None):
-                    try:
-                        data = yield (_RECV, conn, timeout)
-                    except _Silence:
-                        raise _no_answer(what, timeout) from None
-                    if not data:
-                        reader.feed_eof()
-                        break
-                    heard = True
-                    pieces.extend(reader.feed(data))
-                    if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
-                        raise reader.failed
-                head = reader.head
-                assert head is not None
-                if keep and (head_only or reader.reusable):
-                    idle = _keep_for(head)
-                    if idle is not None:
-                        kept = True
-                        yield (_KEEP, conn, idle)
-                return head, b"".join(pieces)
-            except StreamClosedError:
-                if not conn.reused or heard:
-                    raise
-                reuse = False
-            finally:
-                if not kept:
-                    conn.close()
+            answer = yield from self._answer(conn, request, timeout, what, head_only)
+            if answer is not None:
+                return answer
+            reuse = False
+
+    def _answer(
+        self, conn: "_Conn", request: bytes, timeout: float, what: str, head_only: bool
+    ) -> _Plan[Optional[Tuple[ResponseHead, bytes]]]:
+        """``_exchange`` on the connection ``conn``, which it keeps or closes; ``None`` when ``conn`` was a
+        kept one that the server had closed while idle (it failed before any byte of the answer)."""
+        keep = self.limits.keep_alive > 0
+        kept = heard = False
+        try:
+            yield (_SEND, conn, request, timeout)
+            reader = ResponseReader(max_body=self.limits.max_body)
+            pieces = []  # type: List[bytes]
+            while not reader.done and not (head_only and reader.head is not None):
+                data = yield from _recv_answer(conn, timeout, what)
+                if not data:
+                    reader.feed_eof()
+                    break
+                heard = True
+                pieces.extend(reader.feed(data))
+                if reader.failed is not None:  # nobody reads a partial single-shot body: fail at once
+                    raise reader.failed
+            head = reader.head
+            assert head is not None
+            if keep and (head_only or reader.reusable):
+                idle = _keep_for(head)
+                if idle is not None:
+                    kept = True
+                    yield (_KEEP, conn, idle)
+            return head, b"".join(pieces)
+        except StreamClosedError:
+            if not conn.reused or heard:
+                raise
+            return None
+        finally:
+            if not kept:
+                conn.close()
 
     def _send(
         self,
@@ -4875,29 +4912,33 @@ class _Calls:
                 waiters = board.props[model]
                 if not asking:
                     waiters.add(run)
-            if not asking:
-                try:
-                    yield (_PARK, None)
-                finally:
-                    with board.lock:
-                        waiters.discard(run)
-                continue
-            total = None
+            if asking:
+                return (yield from self._ask_pool(board, model, waiters))
             try:
-                total = _total_slots((yield from self._json("GET", "/props", model=model)))
-                total = POOL_GUESS if total is None else total * self.limits.servers
-            except CancelledError:
-                raise
-            except LoopError:
-                pass
+                yield (_PARK, None)
             finally:
                 with board.lock:
-                    del board.props[model]
-                    if total is not None:
-                        board.pools[model] = total
-                for waiter in waiters:
-                    waiter.signal()
-            return 1 if total is None else total
+                    waiters.discard(run)
+
+    def _ask_pool(self, board: _Board, model: Optional[str], waiters: Set[_Waker]) -> _Plan[int]:
+        """``_capacity``'s one request to ``/props``: the pool it learns is kept on ``board`` and the
+        ``waiters`` are woken; 1 when it gets no answer (the next request asks again)."""
+        total = None
+        try:
+            total = _total_slots((yield from self._json("GET", "/props", model=model)))
+            total = POOL_GUESS if total is None else total * self.limits.servers
+        except CancelledError:
+            raise
+        except LoopError:
+            pass
+        finally:
+            with board.lock:
+                del board.props[model]
+                if total is not None:
+                    board.pools[model] = total
+            for waiter in waiters:
+                waiter.signal()
+        return 1 if total is None else total
 
     def _replay(self, req: _StreamRequest, offset: int) -> bytes:
         """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id as a
@@ -5082,13 +5123,7 @@ class _StreamLife:
             try:
                 timeout = _read_timeout(limits, self.waits, head, self.started, self.heard, now)
                 data = yield (_RECV, self.conn, timeout)
-                heard = self.heard = _clock()
-                if not self.started and data and not self.queued:  # an end of file at once is no byte
-                    self.started = self.progress = heard
-                events = pump.feed(data) if data else pump.feed_eof()
-                if self.queued and pump.received:  # the replay's head came at once; now the slot took it
-                    self.queued = False
-                    self.started = self.progress = heard
+                events = self._take(data)
             except _Silence:
                 step = yield from self._silent()
                 if step is not None:
@@ -5098,7 +5133,7 @@ class _StreamLife:
                 self.loss = exc
                 return self._on_lost
             if pump.progressed:
-                self.progress = heard
+                self.progress = self.heard
                 if not self.moving:  # data came after a reattach: a later loss is a new one
                     self.moving, self.silent, self.misses = True, False, 0
             if events:
@@ -5107,6 +5142,18 @@ class _StreamLife:
             verdict = pump.verdict()
             if verdict is not None:
                 return (yield from self._decide(verdict))
+
+    def _take(self, data: bytes) -> List[Event]:
+        """Feed ``data`` (``b""``: the end of the file) to the pump: its events.  The first byte starts
+        the stream's clocks; a replay's queue wait ends at the first byte of its body."""
+        heard = self.heard = _clock()
+        if not self.started and data and not self.queued:  # an end of file at once is no byte
+            self.started = self.progress = heard
+        events = self.pump.feed(data) if data else self.pump.feed_eof()
+        if self.queued and self.pump.received:  # the replay's head came at once; now the slot took it
+            self.queued = False
+            self.started = self.progress = heard
+        return events
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
         """What the pump decided, after the events before it were handed out: the next state."""
@@ -7119,7 +7166,13 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
             slots = client.slots()
             watch._remember(slots, time.monotonic())
         out.write(_slots_table(slots, watch, limits) + "\n")
-        return
+    else:
+        _watch_slots(client, out, seconds, watch, slots)
+
+
+def _watch_slots(client: Client, out: Any, seconds: float, watch: _SlotWatch, slots: List[Slot]) -> None:
+    """``loopclient slots --watch SECONDS``, from the first look's ``slots`` on (see ``_slots``)."""
+    limits = client.limits
     tty = _isatty(out)
     end = time.monotonic() + seconds
     until = "until Ctrl-C" if seconds == float("inf") else "for %g s" % seconds
@@ -7400,11 +7453,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         params = _answer_params(args, taken[args.command]) if args.command in taken else {}
         client = _cli_client(args, model)
     except (ValueError, TypeError) as exc:
-        if isinstance(exc.__cause__, ImportError):  # no ssl module: this Python, not the usage, is at fault
-            sys.stderr.write("loopclient: %s\n" % exc)
-            return 1
-        sys.stderr.write("loopclient: error: %s\n" % exc)
-        return 2
+        return _refused(exc)
     undo = _log_to(sys.stderr, args.verbose) if getattr(args, "verbose", 0) else None
     try:
         with client:
@@ -7413,14 +7462,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.write(_describe(exc) + "\n")
         return 1
     except (ValueError, TypeError) as exc:  # a call refused what the options made of it (--slot -1, --param)
-        sys.stderr.write("loopclient: error: %s\n" % exc)
-        return 2
+        return _refused(exc)
     except KeyboardInterrupt:
         sys.stderr.write("\nloopclient: interrupted\n")
         return 130
     finally:
         if undo is not None:
             undo()
+
+
+def _refused(exc: Exception) -> int:
+    """Say why the options were refused; the exit status: 2 (usage), or 1 when this Python is at fault
+    (no ``ssl`` module for an https:// address)."""
+    if isinstance(exc.__cause__, ImportError):
+        sys.stderr.write("loopclient: %s\n" % exc)
+        return 1
+    sys.stderr.write("loopclient: error: %s\n" % exc)
+    return 2
 
 
 def _cli_client(args: Any, model: Optional[str]) -> Client:
@@ -7481,13 +7539,9 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
             prompt = sys.stdin.read()
     while True:
         if interactive:
-            sys.stderr.write("> ")
-            sys.stderr.flush()
-            line = sys.stdin.readline()
-            if not line:
-                sys.stderr.write("\n")
+            prompt = _read_turn()
+            if prompt is None:
                 return 0
-            prompt = line.rstrip("\n")
             if not prompt.strip():
                 continue
         assert prompt is not None
@@ -7498,15 +7552,31 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
         _answered(console, completion, args.json)
         if not interactive:
             return 0
-        turn = {"role": "assistant", "content": completion.content}  # type: Dict[str, Any]
-        if completion.reasoning:
-            turn["reasoning_content"] = completion.reasoning
-        if completion.tool_calls:
-            turn["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in completion.tool_calls
-            ]
-        history.append(turn)
+        history.append(_assistant_turn(completion))
+
+
+def _read_turn() -> Optional[str]:
+    """The user's next line at the ``> `` prompt; ``None`` at the end of input (Ctrl-D)."""
+    sys.stderr.write("> ")
+    sys.stderr.flush()
+    line = sys.stdin.readline()
+    if not line:
+        sys.stderr.write("\n")
+        return None
+    return line.rstrip("\n")
+
+
+def _assistant_turn(completion: Completion) -> Dict[str, Any]:
+    """The answer as the conversation's next message: its text, reasoning and tool calls."""
+    turn = {"role": "assistant", "content": completion.content}  # type: Dict[str, Any]
+    if completion.reasoning:
+        turn["reasoning_content"] = completion.reasoning
+    if completion.tool_calls:
+        turn["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in completion.tool_calls
+        ]
+    return turn
 
 
 def _answered(console: _Console, completion: Completion, as_json: bool) -> None:

@@ -419,6 +419,20 @@ class FakeServer:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _marked_done(client, conversation, timeout=10.0):
+    """``lookup_streams([conversation])`` once the server no longer says is_done false.  A real server marks
+    a resumable stream done when its producer returns, which can be a few ms after the client has read the
+    last byte: until then lookup says is_done false."""
+    found = []
+
+    def marked_done():
+        found[:] = client.lookup_streams([conversation])
+        return [e["is_done"] for e in found] != [False]
+
+    wait_for(marked_done, timeout, "the server to mark the finished stream done")
+    return found
+
+
 def wait_for(predicate, timeout=5.0, what="condition"):
     """Wait until ``predicate()`` is true; fail the test after ``timeout``."""
     kernel = VirtualKernel.active
@@ -11208,8 +11222,8 @@ class TestStress(ServerCase):
             hold_first=True,
         )
         # when the last thread came, each slot held one request in flight and queue_len waiting (this seed
-        # puts more than 501 requests on each slot)
-        # (exact: the sampler's peak, every 50 ms, may come after the first cancels)
+        # puts more than 501 requests on each slot): exact, where the sampler's peak, every 50 ms, may come
+        # after the first cancels
         self.assertEqual(self.at_entry, {(None, 0): (1, 500), (None, 1): (1, 500)})
 
     def stress(
@@ -11332,11 +11346,7 @@ class TestStress(ServerCase):
                     arrived()  # a request cancelled before it reached the gate never entered it
                     if timer is not None:
                         timer.cancel()
-                        with alock:  # a deferred timer not started yet is dropped, not joined
-                            unstarted = timer in deferred and not everyone_in.is_set()
-                            if unstarted:
-                                deferred.remove(timer)
-                        if not unstarted:
+                        if timer.ident is not None:  # a deferred one not started yet ends at once when it is
                             timer.join(2)
 
         sampled = []
@@ -16569,21 +16579,26 @@ class TestCommandLine(CLICase):
 
     SLOTS_REFUSED = {"error": {"code": 501, "message": "slots endpoint is disabled"}}
 
-    def test_slots_watch_shows_a_look_without_answer_and_goes_on(self):
+    def slots_refused_at(self, refused_looks):
+        """/slots answers one idle slot but at the looks numbered in ``refused_looks`` (from 1), which it
+        refuses; returns the line a refused look shows and the list of the looks' times."""
         self.server.route("GET", "/slots", lambda req: respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented"))
         with self.assertRaises(lc.LoopError) as caught:
             lc.Client(self.server.path).slots()
-        refused = "no answer: %s" % caught.exception
         looks = []
 
         def slots(req):
             looks.append(time.monotonic())
-            if len(looks) in (2, 3):  # the server restarting: /slots refused twice, then back
+            if len(looks) in refused_looks:
                 respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented")
             else:
                 respond_json(req, [{"id": 0, "is_processing": False}])
 
         self.server.route("GET", "/slots", slots)
+        return "no answer: %s" % caught.exception, looks
+
+    def test_slots_watch_shows_a_look_without_answer_and_goes_on(self):
+        refused, looks = self.slots_refused_at((2, 3))  # the server restarting: refused twice, then back
         out, _ = self.main_ok("slots", "--watch", "0.3")
         self.assertGreaterEqual(len(looks), 4)
         self.assertEqual([line[9:] for line in out.splitlines()], ["slot 0 idle", refused, "slot 0 idle"])
@@ -16598,20 +16613,7 @@ class TestCommandLine(CLICase):
         self.assertEqual(tables, [idle, [refused], [refused]] + [idle] * (len(looks) - 3))
 
     def test_slots_watch_logs_each_outage_even_when_its_error_is_the_last_ones(self):
-        self.server.route("GET", "/slots", lambda req: respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented"))
-        with self.assertRaises(lc.LoopError) as caught:
-            lc.Client(self.server.path).slots()
-        refused = "no answer: %s" % caught.exception
-        looks = []
-
-        def slots(req):
-            looks.append(time.monotonic())
-            if len(looks) in (2, 4):  # two outages with the same error, an answer between them
-                respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented")
-            else:
-                respond_json(req, [{"id": 0, "is_processing": False}])
-
-        self.server.route("GET", "/slots", slots)
+        refused, looks = self.slots_refused_at((2, 4))  # two outages with the same error, an answer between
         out, _ = self.main_ok("slots", "--watch", "0.4")
         self.assertGreaterEqual(len(looks), 5)
         lines = ["slot 0 idle", refused, "slot 0 idle", refused, "slot 0 idle"]
@@ -18835,15 +18837,7 @@ class TestRealResume(ClientFactory, unittest.TestCase):
         conversation = "lc-test-finished-%d-%s" % (os.getpid(), self.CLIENT)
         completion, _ = _real_chat(self.client, SEA, slot=0, resumable=conversation, max_tokens=16, temperature=0)
         self.assertTrue(completion.content)
-        found = []
-
-        def marked_done():
-            found[:] = self.client.lookup_streams([conversation])
-            return [e["is_done"] for e in found] != [False]
-
-        # the server marks a session done when its producer returns, which can be a few ms after the
-        # client has read the last byte: until then lookup says is_done false
-        wait_for(marked_done, 5.0, "the server to mark the finished stream done")
+        found = _marked_done(self.client, conversation)
         self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
         self.assertGreater(found[0]["total_bytes"], 0)
         self.assertIs(self.client.delete_stream(conversation), True)
@@ -20497,23 +20491,11 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 completion = stream.completion
                 self.assertEqual(completion.usage["completion_tokens"], 60)
                 self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), completion.content)
-                # the server that ran it knows it, and marks it done when its producer returns: a few ms after
-                # the last byte reached us through the proxy and the front, so until then is_done is false
+                # the server that ran it knows it (done a few ms after the last byte reached us)
                 with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as first:
-                    found = self._marked_done(first, conversation)
+                    found = _marked_done(first, conversation)
                 self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
                 self.direct.delete_stream(conversation)
-
-    @staticmethod
-    def _marked_done(client, conversation):
-        found = []
-
-        def marked_done():
-            found[:] = client.lookup_streams([conversation])
-            return [e["is_done"] for e in found] != [False]
-
-        wait_for(marked_done, 10.0, "the server to mark the finished stream done")
-        return found
 
     def _pinned_to_the_proxy(self, kind, servers, proxy):
         """A conversation id that ``kind``, pinning by X-Conversation-Id over ``servers``, sends through

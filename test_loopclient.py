@@ -38,6 +38,7 @@ import heapq
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -3004,15 +3005,28 @@ def _p_stream_outcome(pieces):
         )
 
 
+#: Above this size a stream is not split in two at every offset (n^2 bytes parsed) but cut every
+#: _p_STRIDE bytes, once for each phase: every offset is still a read boundary, with a piece of _p_STRIDE
+#: bytes (several whole events) on either side, for n * _p_STRIDE bytes parsed.
+_p_STRIDE = 1024
+
+
 def _p_stream_splittings(data, every=True, sample=300, seed=7):
+    """Whole, byte by byte, at every offset (``every``: in two pieces, or for a stream over 2 * _p_STRIDE
+    bytes in pieces of _p_STRIDE bytes cut at each phase) and at ``sample`` seeded offsets in two pieces,
+    and at 30 seeded random sets of offsets."""
     yield "whole", [data]
     yield "byte by byte", [data[i : i + 1] for i in range(len(data))]
-    if every:
+    if every and len(data) <= 2 * _p_STRIDE:
         offsets = range(1, len(data))
     else:
-        offsets = sorted(random.Random(seed).sample(range(1, len(data)), sample))
+        offsets = sorted(random.Random(seed).sample(range(1, len(data)), min(sample, len(data) - 1)))
     for i in offsets:
         yield "split at %d" % i, [data[:i], data[i:]]
+    if every and len(data) > 2 * _p_STRIDE:
+        for phase in range(1, _p_STRIDE + 1):
+            cuts = list(range(phase, len(data), _p_STRIDE))
+            yield "cut every %d bytes from %d" % (_p_STRIDE, phase), _p_pieces(data, cuts)
     rng = random.Random(seed + 1)
     for _ in range(30):
         cuts = sorted(rng.sample(range(1, len(data)), rng.randint(2, 40)))
@@ -3572,13 +3586,15 @@ def _p_pipe_outcome(pieces, **kw):
 def _p_check_pipe(test, data, expect, every=True, sample=300, **kw):
     """Every way of splitting ``data`` (whole, byte by byte, at each offset, at random sets of offsets) gives
     ``expect`` exactly."""
-    tried = 0
+    tried, boundaries = 0, set()
     for label, pieces in _p_stream_splittings(data, every, sample):
         got = _p_pipe_outcome(pieces, **kw)
         tried += 1
         if got != expect:
             test.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 2000), _p_short(expect, 2000)))
-    return tried
+        if label != "byte by byte":
+            boundaries.update(itertools.accumulate(len(piece) for piece in pieces[:-1]))
+    return tried, boundaries
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -4249,8 +4265,10 @@ class TestParserChoiceTranscripts(unittest.TestCase):
         return load_transcript(name)  # a missing file fails: the transcripts ship with the code
 
     def check(self, raw, expect, every=True):
-        tried = _p_check_pipe(self, raw, expect, every, sample=1000)
-        self.assertGreater(tried, len(raw) if every else 1000)
+        tried, boundaries = _p_check_pipe(self, raw, expect, every, sample=1000)
+        if every:  # each offset a read boundary between pieces of more than one byte
+            self.assertEqual(boundaries, set(range(1, len(raw))))
+        self.assertGreater(tried, 1000)
         outcome = _p_pipe_outcome([raw], raw_chunks=True)  # the same with a Chunk before each payload's events
         self.assertEqual([e for e in outcome[1] if type(e) is not lc.Chunk], expect[1])
         self.assertEqual(outcome[2], expect[2])
@@ -17211,12 +17229,23 @@ class TestCommandLineEndpoints(CLICase):
 
 
 class RealTierSummary(unittest.TestSuite):
-    """This module's tests, as ``load_tests`` hands them to unittest.  When real-server tests (classes named
-    ``TestReal*``) were skipped, one line on stderr at exit, after unittest's own summary, says how many and
-    which of the variables this file reads (``LOOPCLIENT_REAL_*``) are unset."""
+    """This module's tests, as ``load_tests`` hands them to unittest.  The tests run in worker processes
+    (ParallelRun), then the real tier in this process.  When real-server tests (classes named ``TestReal*``)
+    were skipped, one line on stderr at exit, after unittest's own summary, says how many and which of the
+    variables this file reads (``LOOPCLIENT_REAL_*``) are unset."""
 
     def run(self, result, debug=False):
-        result = super().run(result, debug)
+        if debug:
+            return super().run(result, debug)
+        tests = list(_flat_tests(self))
+        real = [test for test in tests if type(test).__name__.startswith("TestReal")]
+        others = [test for test in tests if not type(test).__name__.startswith("TestReal")]
+        jobs = _test_jobs()
+        if jobs > 1 and len(others) > 1:
+            ParallelRun(others, jobs).run(result)
+            result = unittest.TestSuite(real).run(result)
+        else:
+            result = unittest.TestSuite(tests).run(result)
         if not getattr(self, "_summary", False):
             self._summary = True
             import atexit  # only for this line at the end of a run
@@ -17239,6 +17268,223 @@ class RealTierSummary(unittest.TestSuite):
                 "(dev/llama-server.sh starts the servers, .ci/run does it all; dev/TESTING.md)\n"
                 % (len(skipped), ", ".join(unset) or "the LOOPCLIENT_REAL_* variables")
             )
+
+
+def _flat_tests(suite):
+    """The test cases in ``suite``, in order (suites within suites opened)."""
+    for test in suite:
+        if isinstance(test, unittest.TestSuite):
+            yield from _flat_tests(test)
+        else:
+            yield test
+
+
+def _test_jobs():
+    """How many worker processes run the tests: LOOPCLIENT_TEST_JOBS, or by default twice the CPUs (most of a
+    test's time is spent waiting on sockets and budgets), at most 4; 1 runs them all in this process, in
+    order, as unittest does.  Workers are made by fork, so where there is none, 1."""
+    import multiprocessing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    wanted = os.environ.get("LOOPCLIENT_TEST_JOBS")
+    if wanted:
+        return max(1, int(wanted))
+    return max(1, min(4, 2 * (os.cpu_count() or 1)))
+
+
+class RemoteFailure(AssertionError):
+    """A test's failure in a worker process; its text is the worker's traceback."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+class RemoteError(Exception):
+    """A test's error in a worker process; its text is the worker's traceback."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+class RemoteSubTest:
+    """A failed subtest of a worker's test, as the parent's result prints it."""
+
+    def __init__(self, test, description):
+        self.test, self.description = test, description
+
+    def id(self):
+        return self.test.id()
+
+    def shortDescription(self):
+        return None
+
+    def __str__(self):
+        return self.description
+
+
+class _Recorder(unittest.TestResult):
+    """A worker's result: each call as a record the parent replays into its own result."""
+
+    def __init__(self, index, buffer):
+        super().__init__()
+        self.index, self.buffer, self.records = index, buffer, []
+
+    def _key(self, test):
+        return self.index.get(id(test), str(test))  # a test, or an _ErrorHolder's description
+
+    def startTest(self, test):
+        super().startTest(test)
+        self.records.append(("start", self._key(test), time.monotonic()))
+
+    def stopTest(self, test):
+        super().stopTest(test)
+        self.records.append(("stop", self._key(test), time.monotonic()))
+
+    def addSuccess(self, test):
+        self.records.append(("success", self._key(test)))
+
+    def addFailure(self, test, err):
+        self.records.append(("failure", self._key(test), self._exc_info_to_string(err, test)))
+
+    def addError(self, test, err):
+        self.records.append(("error", self._key(test), self._exc_info_to_string(err, test)))
+
+    def addSkip(self, test, reason):
+        self.records.append(("skip", self._key(test), reason))
+
+    def addExpectedFailure(self, test, err):
+        self.records.append(("expected failure", self._key(test), self._exc_info_to_string(err, test)))
+
+    def addUnexpectedSuccess(self, test):
+        self.records.append(("unexpected success", self._key(test)))
+
+    def addSubTest(self, test, subtest, err):
+        if err is not None:
+            kind = "subfailure" if issubclass(err[0], test.failureException) else "suberror"
+            self.records.append((kind, self._key(test), str(subtest), self._exc_info_to_string(err, test)))
+
+
+class ParallelRun:
+    """Runs ``tests`` in ``jobs`` worker processes made by fork, and replays each test's outcome into the
+    caller's result as the test ends: the same lines, counts and failure texts as a run in one process.
+
+    A task is one test, or a whole class when the class has fixtures of its own (setUpClass), so that they
+    run once.  Workers take the next task from a shared counter, so a long test holds up only its worker.
+    A worker that dies (a crash, os._exit) fails the test it was running, and the tasks it did not take are
+    taken by the others, or run here when none is left."""
+
+    def __init__(self, tests, jobs):
+        self.tests = tests
+        self.index = {id(test): i for i, test in enumerate(tests)}
+        tasks, classes = [], {}
+        for i, test in enumerate(tests):
+            cls = type(test)
+            if cls.setUpClass.__func__ is unittest.TestCase.setUpClass.__func__:
+                tasks.append([i])
+            elif cls in classes:
+                classes[cls].append(i)
+            else:
+                classes[cls] = [i]
+                tasks.append(classes[cls])
+        self.tasks, self.jobs = tasks, min(jobs, len(tasks))
+
+    def run(self, result):
+        import multiprocessing
+        from multiprocessing.connection import wait
+
+        context = multiprocessing.get_context("fork")
+        counter = context.Value("i", 0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        workers = {}
+        for _ in range(self.jobs):
+            ours, theirs = context.Pipe(duplex=False)
+            process = context.Process(target=self._work, args=(counter, theirs, getattr(result, "buffer", False)))
+            process.start()
+            theirs.close()
+            workers[ours] = [process, None]  # the task it is running
+        try:
+            while workers:
+                for conn in wait(list(workers)):
+                    try:
+                        message = conn.recv()
+                    except EOFError:
+                        process, task = workers.pop(conn)
+                        process.join(10)
+                        if task is not None:
+                            self._died(result, task, process.exitcode)
+                        conn.close()
+                        continue
+                    if message[0] == "task":
+                        workers[conn][1] = message[1]
+                    else:
+                        workers[conn][1] = None
+                        self._replay(result, message[1])
+                if result.shouldStop:
+                    break
+        finally:
+            for conn, (process, _) in workers.items():
+                process.terminate()
+                process.join(10)
+                conn.close()
+        with counter.get_lock():
+            left, counter.value = counter.value, len(self.tasks)
+        if not result.shouldStop:
+            unittest.TestSuite([self.tests[i] for task in self.tasks[left:] for i in task]).run(result)
+        return result
+
+    def _work(self, counter, conn, buffer):
+        while True:
+            with counter.get_lock():
+                number = counter.value
+                counter.value += 1
+            if number >= len(self.tasks):
+                break
+            task = self.tasks[number]
+            conn.send(("task", task))
+            recorder = _Recorder(self.index, buffer)
+            unittest.TestSuite([self.tests[i] for i in task]).run(recorder)
+            conn.send(("done", recorder.records))
+        conn.close()
+
+    def _test(self, key):
+        return self.tests[key] if isinstance(key, int) else unittest.suite._ErrorHolder(key)
+
+    def _replay(self, result, records):
+        started = {}
+        for record in records:
+            kind, test = record[0], self._test(record[1])
+            if kind == "start":
+                started[record[1]] = record[2]
+                result.startTest(test)
+            elif kind == "stop":
+                if hasattr(result, "addDuration"):  # 3.12: python -m unittest --durations N
+                    result.addDuration(test, record[2] - started.pop(record[1], record[2]))
+                result.stopTest(test)
+            elif kind == "success":
+                result.addSuccess(test)
+            elif kind == "failure":
+                result.addFailure(test, (RemoteFailure, RemoteFailure(record[2]), None))
+            elif kind == "error":
+                result.addError(test, (RemoteError, RemoteError(record[2]), None))
+            elif kind == "skip":
+                result.addSkip(test, record[2])
+            elif kind == "expected failure":
+                result.addExpectedFailure(test, (RemoteFailure, RemoteFailure(record[2]), None))
+            elif kind == "unexpected success":
+                result.addUnexpectedSuccess(test)
+            else:
+                error = RemoteFailure if kind == "subfailure" else RemoteError
+                result.addSubTest(test, RemoteSubTest(test, record[2]), (error, error(record[3]), None))
+
+    def _died(self, result, task, code):
+        why = "the worker process running this test ended (exit code %s) before the test did" % code
+        for i in task:
+            test = self.tests[i]
+            result.startTest(test)
+            result.addError(test, (RemoteError, RemoteError(why), None))
+            result.stopTest(test)
 
 
 def load_tests(loader, tests, pattern):
@@ -17309,6 +17555,51 @@ def real_server_command(sock_path):
     )[0]
     args = subprocess.run([script, "args"], capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
     return [binary] + args + ["--host", sock_path]
+
+
+class _WorkerOutcomes(unittest.TestCase):
+    """Each outcome a test can have, for TestParallelRun (not collected: no Test prefix)."""
+
+    def test_a_pass(self):
+        pass
+
+    def test_b_fail(self):
+        self.assertEqual(1, 2)
+
+    def test_c_error(self):
+        raise KeyError("k")
+
+    def test_d_skip(self):
+        self.skipTest("why")
+
+    def test_e_subtests(self):
+        for i in range(3):
+            with self.subTest(i=i):
+                self.assertNotEqual(i, 1)
+
+    def test_f_dies(self):
+        os._exit(7)
+
+    def test_g_pass(self):
+        pass
+
+
+class TestParallelRun(unittest.TestCase):
+    def test_worker_outcomes_are_replayed_into_the_callers_result(self):
+        tests = [_WorkerOutcomes(name) for name in unittest.defaultTestLoader.getTestCaseNames(_WorkerOutcomes)]
+        result = unittest.TestResult()
+        ParallelRun(tests, 2).run(result)
+        name = lambda test: test.id().rsplit(".", 1)[-1]
+        self.assertEqual(result.testsRun, 7)
+        self.assertEqual(sorted(name(t) for t, _ in result.failures), ["test_b_fail", "test_e_subtests"])
+        self.assertEqual(sorted(name(t) for t, _ in result.errors), ["test_c_error", "test_f_dies"])
+        self.assertEqual([(name(t), why) for t, why in result.skipped], [("test_d_skip", "why")])
+        texts = {name(t): text for t, text in result.failures + result.errors}
+        self.assertIn("AssertionError: 1 != 2", texts["test_b_fail"])
+        self.assertIn("KeyError: 'k'", texts["test_c_error"])
+        self.assertIn("exit code 7", texts["test_f_dies"])
+        self.assertIn("(i=1)", str([t for t, _ in result.failures if name(t) == "test_e_subtests"][0]))
+        self.assertFalse(result.wasSuccessful())
 
 
 class TestRealServerConfigured(unittest.TestCase):

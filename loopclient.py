@@ -2882,7 +2882,7 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
 # -- The streamed endpoints: one row each ---------------------------------------------------------------
 #
 # A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
-# for all.  A streamed call looks its row up by name: ``_Calls.stream_request`` builds the body with the
+# for all.  A streamed call looks its row up by name: ``_Streams.stream_request`` builds the body with the
 # row's function, applies the row's thinking-cap rule and starts the stream; ``resume(endpoint=...)`` reads
 # a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
 
@@ -2897,7 +2897,7 @@ class _Endpoint:
     there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
     ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
     that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read
-    by ``_Calls.watch``)."""
+    by ``_Streams.watch``)."""
 
     __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed", "watch")
 
@@ -3982,7 +3982,7 @@ class _SlotWatch:
 class _SlotPoller(_SlotWatch):
     """``/slots`` of one model, shared by every request of a board: one request in flight however many wait
     (``start()`` says who sends it), an answer younger than ``poll`` reused, the waiters' wakers signalled
-    when it comes (``answered``).  The asking is a plan (``_Calls._slot_state``)."""
+    when it comes (``answered``).  The asking is a plan (``_Streams._slot_state``)."""
 
     def __init__(self, limits: Limits, lock: threading.Lock) -> None:
         _SlotWatch.__init__(self, limits)
@@ -4070,8 +4070,9 @@ class _Board:
     connections (a stale kept one, every kept one), and ``close()`` cancelling the runs in flight, whose
     plans then unwind: a resumable stream's sends its DELETE on the way out."""
 
-    def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
-        self.calls = calls
+    def __init__(self, streams: _Streams, previous: Optional[_Board] = None) -> None:
+        self.streams = streams
+        self.calls = calls = streams.calls
         self.limits = calls.limits
         self.lock = threading.Lock()
         self.gate = _Gate(self.lock, calls.limits.queue_len)
@@ -4309,7 +4310,7 @@ class _StreamRequest:
         offset: Optional[int] = None,
         watch: bool = False,
     ) -> None:
-        self.watch = watch  # a watch (GET /models/sse): read by _Calls.watch, ``model`` the events' filter
+        self.watch = watch  # a watch (GET /models/sse): read by _Streams.watch, ``model`` the events' filter
         self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
         self.slot = slot
         self.model = model
@@ -4386,10 +4387,11 @@ def _tls_context(addr: _Address, ssl_context: Any) -> Any:
 
 
 class _Calls:
-    """The request logic of one client, shared by ``Client`` and ``AsyncClient``: how every call builds its
-    request and reads its answer, and the life of a streamed request (gate, head wait, retries, liveness,
-    the wedge rule, the thinking cap).  Its methods return plans (see above); it never touches a socket.
-    The constructor checks what ``Client`` documents."""
+    """What every request of one client shares, and its single-shot calls; shared by ``Client`` and
+    ``AsyncClient``.  The client's configuration (address, limits, headers, default model, TLS context,
+    checked as ``Client`` documents), how a request is encoded (``_encode``) and routed to its model
+    (``_route``), and each single-shot call as a plan (see above): one exchange on a connection, kept for
+    reuse or not, never retried.  The streamed requests are ``_Streams``'; it never touches a socket."""
 
     def __init__(
         self,
@@ -4745,7 +4747,19 @@ class _Calls:
             raise TypeError('adapters must be a list of {"id": int, "scale": float} dicts')
         return (yield from self._json("POST", "/lora-adapters", adapters))
 
-    # -- streamed requests ----------------------------------------------------------------------------
+
+class _Streams:
+    """The streamed requests of one client, shared by ``Client`` and ``AsyncClient``: each built and checked
+    when its stream is made (``stream_request``, ``watch_request``, ``resume_request``), and the plan its
+    ``Stream`` runs (``start``): a watch, or a streamed request's place in the gate, then its life
+    (``_StreamLife``), and whatever ends it, its sockets closed and its permit released.  The single-shot
+    calls a stream makes on the way (``/props``, the shared ``/slots`` poll, the control endpoint, the
+    lookup and ``DELETE`` of a resumable stream) are ``calls``'."""
+
+    def __init__(self, calls: _Calls) -> None:
+        self.calls = calls
+        self.limits = calls.limits
+        self.address = calls.address
 
     def stream_request(
         self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
@@ -4783,10 +4797,10 @@ class _Calls:
         if slot is not None:
             body["id_slot"] = slot
         if row.routed:
-            body, _ = self._route("POST", body, None, _NO_MODEL)
+            body, _ = self.calls._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
         extra = [("X-Conversation-Id", conversation)] if conversation is not None else []
-        request = self._encode("POST", row.path, body, "text/event-stream", extra=extra)
+        request = self.calls._encode("POST", row.path, body, "text/event-stream", extra=extra)
         return _StreamRequest(
             request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation
         )
@@ -4796,7 +4810,7 @@ class _Calls:
         if model is not None and not isinstance(model, str):
             raise TypeError("model must be a str or None, not %r" % (model,))
         row = _ENDPOINTS["models"]
-        request = self._encode("GET", row.path, None, "text/event-stream")
+        request = self.calls._encode("GET", row.path, None, "text/event-stream")
         return _StreamRequest(request, None, model, False, row.dialect, watch=True)
 
     def resume_request(
@@ -4811,7 +4825,7 @@ class _Calls:
             raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(others), endpoint))
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
-        name = self.model if model is None else model
+        name = self.calls.model if model is None else model
         return _StreamRequest(b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset)
 
     def start(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Any]:
@@ -4829,7 +4843,7 @@ class _Calls:
             try:
                 conn = yield (_CONNECT, max(limits.poll, 0.2), False)
             except OSError as exc:
-                raise _connect_error(self.addr, exc) from exc
+                raise _connect_error(self.calls.addr, exc) from exc
             yield (_SEND, conn, req.request, limits.liveness)
             pump = ResponsePump(limits, req.raw_chunks, req.dialect)
             only = req.model
@@ -4889,7 +4903,7 @@ class _Calls:
         ignored (the stream ends with its own error)."""
         run.shield = True
         try:
-            yield from self.delete_stream(conversation, FORGET_WAIT)
+            yield from self.calls.delete_stream(conversation, FORGET_WAIT)
         except LoopError:
             pass
         finally:
@@ -4925,7 +4939,7 @@ class _Calls:
         ``waiters`` are woken; 1 when it gets no answer (the next request asks again)."""
         total = None
         try:
-            total = _total_slots((yield from self._json("GET", "/props", model=model)))
+            total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
             total = POOL_GUESS if total is None else total * self.limits.servers
         except CancelledError:
             raise
@@ -4945,7 +4959,7 @@ class _Calls:
         header too, so that a front that routes by it reaches the server holding the stream."""
         assert req.conversation is not None
         query = {"conv_id": req.conversation, "from": offset}
-        return self._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
+        return self.calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
 
     def _known(self, conversation: str, servers: int = 1) -> _Plan[bool]:
         """Whether the server knows a resumable stream (``/v1/streams/lookup``); a failure says no.  With
@@ -4953,7 +4967,7 @@ class _Calls:
         ``servers`` times."""
         for _ in range(servers):
             try:
-                found = yield from self.lookup_streams([conversation])
+                found = yield from self.calls.lookup_streams([conversation])
             except CancelledError:
                 raise
             except LoopError:
@@ -5002,7 +5016,7 @@ class _Calls:
         unseen = False
         try:
             timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
-            slots = _slots_from((yield from self._json("GET", "/slots", model=model, timeout=timeout)))
+            slots = _slots_from((yield from self.calls._json("GET", "/slots", model=model, timeout=timeout)))
         except HTTPStatusError as exc:
             unseen = exc.status in (403, 404, 405, 501)
         except Exception:
@@ -5014,7 +5028,7 @@ class _Calls:
         """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
         assert completion_id is not None
         try:
-            return (yield from self.control(model, completion_id))
+            return (yield from self.calls.control(model, completion_id))
         except LoopError as exc:
             if run.cancelled:
                 raise
@@ -5022,7 +5036,7 @@ class _Calls:
 
 
 class _StreamLife:
-    """The life of one streamed request once it holds its permit (``_Calls.stream`` took it), as a few named
+    """The life of one streamed request once it holds its permit (``_Streams.stream`` took it), as a few named
     states; each state is a plan that returns the next one (``None``: the ``Completion`` is in ``result``):
 
     ``_send``      connect (a connection of its own: closing it is how the request is cancelled) and send
@@ -5043,16 +5057,16 @@ class _StreamLife:
     came, the last byte and the last data event, the waits' budgets, and why the last attempt failed."""
 
     __slots__ = (
-        "calls", "limits", "board", "run", "req", "pump", "conn", "waits", "sending", "reattaching",
+        "streams", "limits", "board", "run", "req", "pump", "conn", "waits", "sending", "reattaching",
         "retry", "loss", "started", "queued", "heard", "progress", "reattaches", "moving", "silent", "misses",
         "result",
     )  # fmt: skip
 
-    def __init__(self, calls: _Calls, board: _Board, run: _Run, req: _StreamRequest) -> None:
-        self.calls, self.limits, self.board, self.run, self.req = calls, calls.limits, board, run, req
-        self.pump = ResponsePump(calls.limits, req.raw_chunks, req.dialect)
+    def __init__(self, streams: _Streams, board: _Board, run: _Run, req: _StreamRequest) -> None:
+        self.streams, self.limits, self.board, self.run, self.req = streams, streams.limits, board, run, req
+        self.pump = ResponsePump(streams.limits, req.raw_chunks, req.dialect)
         self.conn = None  # type: Any  # the connection being read: the request's, or a reattached one
-        self.waits = _Waits(calls.limits, req.slot, calls.address)  # the budgets of the wait for data
+        self.waits = _Waits(streams.limits, req.slot, streams.address)  # the budgets of the wait for data
         self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
         self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
         self.retry = None  # type: Optional[_Retry]  # why the last attempt or reattach failed
@@ -5100,7 +5114,7 @@ class _StreamLife:
             yield (_SEND, conn, req.request, limits.liveness)
         else:
             pump.resume(req.offset)
-            yield (_SEND, conn, self.calls._replay(req, req.offset), limits.liveness)
+            yield (_SEND, conn, self.streams._replay(req, req.offset), limits.liveness)
         self.heard = self.progress = _clock()
         return self._read
 
@@ -5179,7 +5193,7 @@ class _StreamLife:
         verdict = _CAP_DUE  # type: Any
         while verdict is _CAP_DUE:
             assert pump.cap_due is not None
-            ok = yield from self.calls._end_reasoning(self.run, self.req.model, *pump.cap_due)
+            ok = yield from self.streams._end_reasoning(self.run, self.req.model, *pump.cap_due)
             try:
                 events = pump.capped(ok)
             except StreamClosedError as exc:
@@ -5215,7 +5229,7 @@ class _StreamLife:
 
     def _known(self) -> _Plan[bool]:
         assert self.req.conversation is not None
-        return (yield from self.calls._known(self.req.conversation, self.limits.servers))
+        return (yield from self.streams._known(self.req.conversation, self.limits.servers))
 
     def _silent(self) -> _Plan[Any]:
         """A read timed out: poll for the head, or judge the silence of a started stream."""
@@ -5252,7 +5266,7 @@ class _StreamLife:
             self.retry = _Retry("the connection closed before the head", None, StreamClosedError("lost"))
             return self._back_off
         if self.moving and (self.started or pump.received):  # a loss after data: budgets afresh
-            self.waits = _Waits(self.limits, req.slot, self.calls.address)
+            self.waits = _Waits(self.limits, req.slot, self.streams.address)
             self.reattaching.delay = BACKOFF_FIRST
         return self._reattach
 
@@ -5274,7 +5288,7 @@ class _StreamLife:
             return self._reattach
         self._use(conn)
         try:
-            yield (_SEND, conn, self.calls._replay(self.req, offset), limits.liveness)
+            yield (_SEND, conn, self.streams._replay(self.req, offset), limits.liveness)
         except StreamClosedError as exc:
             self.retry = _Retry("the server closed the connection: %s" % exc, None, exc)
             return self._reattach
@@ -5294,7 +5308,7 @@ class _StreamLife:
         """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
         waits, req = self.waits, self.req
         waits.check()
-        state, wedged = yield from self.calls._slot_state(self.board, self.run, req.model, req.slot, every=True)
+        state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, every=True)
         if wedged is not None:
             yield [Waiting(True, wedged=True)]
             raise wedged
@@ -5310,7 +5324,7 @@ class _StreamLife:
         req = self.req
         wedge, pings = _quiet_rule(self.limits, req.slot, quiet, pinged)
         if wedge or pings:
-            state, wedged = yield from self.calls._slot_state(self.board, self.run, req.model, req.slot, every=False)
+            state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, every=False)
             _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
 
 
@@ -5681,7 +5695,7 @@ class Stream:
 
     def __init__(self, board: _Board, req: _StreamRequest) -> None:
         run = self._run = board.run_class(board)
-        run.gen = board.calls.start(board, run, req)
+        run.gen = board.streams.start(board, run, req)
         self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
         self._batch_offset = run.offset = req.offset or 0
         self._done = False
@@ -5790,7 +5804,8 @@ class Client:
         self.address = calls.address  # type: str
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
-        self._board = _Board(calls)
+        self._streams = _Streams(calls)
+        self._board = _Board(self._streams)
 
     def __repr__(self) -> str:
         return "<loopclient.Client %s>" % self.address
@@ -5826,7 +5841,7 @@ class Client:
         A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
         ``TypeError``/``ValueError`` here, before any connection.
         """
-        return Stream(self._board, self._calls.stream_request("chat", (messages,), params, slot))
+        return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
     def chat(
         self,
@@ -5851,7 +5866,7 @@ class Client:
         ``content`` is ``Content(text, choice=index)``; ``completion_probabilities`` go to the choice's
         ``logprobs``, ``tokens`` to its ``tokens``; the stream ends when every choice has had its
         ``stop: true`` chunk, which is ``Completion.final``."""
-        return Stream(self._board, self._calls.stream_request("complete", (prompt,), params, slot))
+        return Stream(self._board, self._streams.stream_request("complete", (prompt,), params, slot))
 
     def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5867,7 +5882,7 @@ class Client:
         ``finish_reason`` and ``usage`` are chat's (this server's ``usage`` is the last closing choice's,
         of its prompt alone), and ``[DONE]`` ends the stream.  This server ignores ``echo`` and ``suffix``
         (``stream_infill()`` fills a middle)."""
-        return Stream(self._board, self._calls.stream_request("complete_openai", (prompt,), params, slot))
+        return Stream(self._board, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     def complete_openai(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5882,7 +5897,7 @@ class Client:
         ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or ``{"filename",
         "text"}`` dicts) in ``input_extra``; read as ``stream_complete()``.  A model without
         fill-in-the-middle tokens answers 501: ``HTTPStatusError`` with the server's message."""
-        return Stream(self._board, self._calls.stream_request("infill", (prefix, suffix, extra), params, slot))
+        return Stream(self._board, self._streams.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     def infill(
         self,
@@ -5902,7 +5917,7 @@ class Client:
         input items.  Text deltas are ``Content``, reasoning deltas ``Reasoning``, function calls
         ``ToolCall``; ``Completion.final`` is the closing ``response``.  A thinking cap cannot work here:
         ``ValueError``."""
-        return Stream(self._board, self._calls.stream_request("respond", (input,), params, slot))
+        return Stream(self._board, self._streams.stream_request("respond", (input,), params, slot))
 
     def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -5916,7 +5931,7 @@ class Client:
         ``Completion.final`` is the ``message_start`` message with the closing stop reason and usage.
         ``max_tokens`` is the endpoint's own (required by Anthropic's API; the server has a default).  A
         thinking cap cannot work here: ``ValueError``."""
-        return Stream(self._board, self._calls.stream_request("message", (messages,), params, slot))
+        return Stream(self._board, self._streams.stream_request("message", (messages,), params, slot))
 
     def message(
         self,
@@ -5945,7 +5960,7 @@ class Client:
         ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``) reads it, with the same liveness
         and resume rules.  It takes no slot permit and sends no request body.  The ``Completion`` holds what came after
         ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``."""
-        req = self._calls.resume_request(conversation_id, endpoint, offset, model, raw_chunks)
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks)
         return Stream(self._board, req)
 
     def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
@@ -5997,7 +6012,7 @@ class Client:
         leaves the ``with`` block.  The route sends no pings, so silence is its normal state: no liveness
         ends it; the router closing it is ``StreamClosedError``.  It takes no slot permit and is not sent
         again after a failure (``ConnectError``, ``HTTPStatusError``)."""
-        return Stream(self._board, self._calls.watch_request(model))
+        return Stream(self._board, self._streams.watch_request(model))
 
     def unload_model(self, name: str) -> Dict[str, Any]:
         """Router mode: ``POST /models/unload`` for ``name``; the server's answer."""
@@ -6465,8 +6480,8 @@ def _drop(transport: Any) -> None:
 class _AsyncBoard(_Board):
     """The board of one event loop, with the tasks it started (background polls, connects)."""
 
-    def __init__(self, calls: _Calls, loop: asyncio.AbstractEventLoop, previous: Optional[_Board]) -> None:
-        _Board.__init__(self, calls, previous)
+    def __init__(self, streams: _Streams, loop: asyncio.AbstractEventLoop, previous: Optional[_Board]) -> None:
+        _Board.__init__(self, streams, previous)
         self.loop = loop
         self.tasks: Set[asyncio.Task[Any]] = set()
 
@@ -6552,7 +6567,7 @@ class AsyncStream:
             board = self._client._board_here()
             run = self._run = _AsyncRun(board, self._req.conversation is not None)
             run.offset = self.offset
-            run.gen = board.calls.start(board, run, self._req)
+            run.gen = board.streams.start(board, run, self._req)
         run.running = True
         try:
             got = await run.step()
@@ -6638,6 +6653,7 @@ class AsyncClient:
         self.address = calls.address  # type: str
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
+        self._streams = _Streams(calls)
         self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client
         self._lock = threading.Lock()  # two threads may race to bind the client to their loops
 
@@ -6677,7 +6693,7 @@ class AsyncClient:
             return board
         with self._lock:
             if self._calls.closed:  # a board that refuses what starts on it, as a closed Client's does
-                board = _AsyncBoard(self._calls, loop, None)
+                board = _AsyncBoard(self._streams, loop, None)
                 board.closed = True
                 return board
             board = self._board
@@ -6686,7 +6702,7 @@ class AsyncClient:
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )
-                previous, board = board, _AsyncBoard(self._calls, loop, board)
+                previous, board = board, _AsyncBoard(self._streams, loop, board)
                 self._board = board
                 if previous is not None:
                     previous.drop_idle()
@@ -6702,7 +6718,7 @@ class AsyncClient:
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream()`` for asyncio: an ``AsyncStream`` (a plain call; the request starts when
         iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
-        return AsyncStream(self, self._calls.stream_request("chat", (messages,), params, slot))
+        return AsyncStream(self, self._streams.stream_request("chat", (messages,), params, slot))
 
     async def chat(
         self,
@@ -6720,7 +6736,7 @@ class AsyncClient:
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_complete()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.stream_request("complete", (prompt,), params, slot))
+        return AsyncStream(self, self._streams.stream_request("complete", (prompt,), params, slot))
 
     async def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -6730,7 +6746,7 @@ class AsyncClient:
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_complete_openai()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.stream_request("complete_openai", (prompt,), params, slot))
+        return AsyncStream(self, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     async def complete_openai(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -6742,7 +6758,7 @@ class AsyncClient:
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
         """``Client.stream_infill()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.stream_request("infill", (prefix, suffix, extra), params, slot))
+        return AsyncStream(self, self._streams.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     async def infill(
         self,
@@ -6759,7 +6775,7 @@ class AsyncClient:
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
         """``Client.stream_respond()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.stream_request("respond", (input,), params, slot))
+        return AsyncStream(self, self._streams.stream_request("respond", (input,), params, slot))
 
     async def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
@@ -6771,7 +6787,7 @@ class AsyncClient:
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
         """``Client.stream_message()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.stream_request("message", (messages,), params, slot))
+        return AsyncStream(self, self._streams.stream_request("message", (messages,), params, slot))
 
     async def message(
         self,
@@ -6795,7 +6811,7 @@ class AsyncClient:
         raw_chunks: bool = False,
     ) -> AsyncStream:
         """``Client.resume()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._calls.resume_request(conversation_id, endpoint, offset, model, raw_chunks))
+        return AsyncStream(self, self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks))
 
     async def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
         """``Client.lookup_streams``, as a coroutine."""
@@ -6833,7 +6849,7 @@ class AsyncClient:
 
     def watch_models(self, model: Optional[str] = None) -> AsyncStream:
         """``Client.watch_models()`` for asyncio (a plain call): an ``AsyncStream`` of ``ModelEvent``."""
-        return AsyncStream(self, self._calls.watch_request(model))
+        return AsyncStream(self, self._streams.watch_request(model))
 
     async def unload_model(self, name: str) -> Dict[str, Any]:
         """``Client.unload_model``, as a coroutine."""

@@ -422,19 +422,26 @@ def raw_get(path, target):
     return json.loads(data.partition(b"\r\n\r\n")[2])
 
 
-def chat_stream_request(calls, slot):
-    """``_Calls``' streamed chat request of MSGS on ``slot``: a row of the endpoint table (stream_request),
-    or in an older checkout chat_request."""
-    if hasattr(calls, "stream_request"):
-        return calls.stream_request("chat", (MSGS,), {}, slot)
-    return calls.chat_request(MSGS, slot, {})
+def streams_of(client):
+    """What builds a client's streamed requests: its ``_Streams``, or in an older checkout its ``_Calls``."""
+    return getattr(client, "_streams", None) or getattr(client, "_calls", None)
+
+
+def chat_stream_request(streams, slot):
+    """The streamed chat request of MSGS on ``slot`` (``streams`` from ``streams_of``): a row of the endpoint
+    table (stream_request), or in an older checkout chat_request."""
+    if hasattr(streams, "stream_request"):
+        return streams.stream_request("chat", (MSGS,), {}, slot)
+    return streams.chat_request(MSGS, slot, {})
 
 
 def request_bytes(client, slot):
     """The exact bytes loopclient sends for MSGS on ``slot`` (built by loopclient itself)."""
-    calls = getattr(client, "_calls", None)
-    if hasattr(calls, "stream_request") or hasattr(calls, "chat_request"):  # the request logic apart from the client
-        data = chat_stream_request(calls, slot).request
+    streams = streams_of(client)
+    if hasattr(streams, "stream_request") or hasattr(
+        streams, "chat_request"
+    ):  # the request logic apart from the client
+        data = chat_stream_request(streams, slot).request
     else:
         data = getattr(client.stream(MSGS, slot=slot), "_request", None)
     if not isinstance(data, bytes):  # private names changed: build an equivalent request
@@ -1082,10 +1089,10 @@ def fig_async_stream(cfg):
 
 def native_request(client):
     """The exact bytes ``stream_complete(PROMPT, slot=0)`` sends (built by loopclient itself)."""
-    calls = client._calls
-    if hasattr(calls, "stream_request"):  # a row of the endpoint table
-        return calls.stream_request("complete", (PROMPT,), {}, 0).request
-    return calls.endpoint_request("complete", lc._native_body(PROMPT, {}), 0).request
+    streams = streams_of(client)
+    if hasattr(streams, "stream_request"):  # a row of the endpoint table
+        return streams.stream_request("complete", (PROMPT,), {}, 0).request
+    return streams.endpoint_request("complete", lc._native_body(PROMPT, {}), 0).request
 
 
 def lc_native(path):
@@ -1852,6 +1859,9 @@ class _StubPump:
     def feed_eof(self):
         return []
 
+    def verdict(self):  # as ResponsePump.verdict: what the plan does next, once the events are handed out
+        return self.failed or self.outcome
+
 
 class _Stubbed:
     def __enter__(self):
@@ -1906,7 +1916,8 @@ def request_cost_items(path):
     headers = [("Accept", "text/event-stream"), ("Content-Type", "application/json"), ("Connection", "close")]
     headers += calls._headers
     run = lc._SyncRun(board)
-    stream_req = chat_stream_request(calls, 0)
+    streams = streams_of(client)
+    stream_req = chat_stream_request(streams, 0)
     head_block = response[: response.index(b"\r\n\r\n") + 1]  # as ResponseReader hands it: the last CR kept
     chunked = response[response.index(b"\r\n\r\n") + 4 :]
     body_bytes = b"".join(lc.ResponseReader().feed(response))
@@ -1942,15 +1953,26 @@ def request_cost_items(path):
         _FakeSock().close()
 
     cs = lc.Stream
-    building = getattr(lc._Calls, "stream_request", None) or lc._Calls.chat_request  # an older checkout's name
+    building = getattr(type(streams), "stream_request", None) or lc._Calls.chat_request  # an older checkout's name
+    # the request's life: _Streams.stream and _StreamLife, or an older checkout's _Calls.stream with _attempt
+    life = [type(streams).stream] + [
+        f
+        for f in (getattr(getattr(lc, "_StreamLife", None), "run_all", None), getattr(lc._Calls, "_attempt", None))
+        if f
+    ]
     return [
         ("TOTAL loopclient: figure 4's request, no I/O", "", lc_request, 1, noio),
         ("TOTAL floor: the same bytes, no I/O", "", floor_request, 1, noio),
         (
             "the request's life around the parsing: the plan's generators and the driver's step, __next__ and "
             "its lock, the socket object, clocks, cleanup (a stub pump hands over the events)",
-            "Stream.__next__ (l. %d), _SyncRun.step (l. %d), _Calls.stream / _attempts / _attempt (l. %d-%d)"
-            % (_line(cs.__next__), _line(lc._SyncRun.step), _line(lc._Calls.stream), _line(lc._Calls._attempt)),
+            "Stream.__next__ (l. %d), _SyncRun.step (l. %d), %s (l. %s)"
+            % (
+                _line(cs.__next__),
+                _line(lc._SyncRun.step),
+                " / ".join(f.__qualname__ for f in life),
+                ", ".join(str(_line(f)) for f in life),
+            ),
             lc_request,
             1,
             _Both(noio, _Stubbed()),
@@ -1987,8 +2009,8 @@ def request_cost_items(path):
         ),
         (
             "  of which stream(): body, checks, routing, json.dumps, encode_request",
-            "_Calls.%s (l. %d)" % (building.__name__, _line(building)),
-            lambda: chat_stream_request(calls, 0),
+            "%s (l. %d)" % (building.__qualname__, _line(building)),
+            lambda: chat_stream_request(streams, 0),
             1,
             None,
         ),

@@ -4245,6 +4245,65 @@ class TestAssemblerPaths(_FastPaths, unittest.TestCase):
         self.assertGreater(self.run_both(payloads), 5)
         self.assertEqual(self.run_both(payloads, raw_chunks=True), 0)  # a Chunk per payload: never the fast path
 
+    def test_token_chunks_read_by_their_learned_tail(self):
+        # A token chunk's JSON after its text is the same all through a stream (created, id, model, ...): once
+        # the fast path parsed one whole, the next are read as head + one string literal + that tail.  Each
+        # stream here holds to the general path, and says whether a tail was learned.
+        head = '{"choices":[{"finish_reason":null,"index":0,"delta":{"content":'
+        rhead = '{"choices":[{"finish_reason":null,"index":0,"delta":{"reasoning_content":'
+        tail = '}}],"created":1796072537,"id":"%s","model":"m","object":"chat.completion.chunk"}' % CID
+        again = '"choices":[{"finish_reason":null,"index":0,"delta":{"content":"w"}}]}'
+        texts = ["a", "", r"\u00e9", r"\ud83c\udf0a", r"\ud800", r"\"}}],\"x\":1", r"\\", r"\/", "\u00e9\U0001f30a"]
+        plain = [_p_role(0)] + [head + '"%s"' % t + tail for t in texts] + [rhead + '"%s"' % t + tail for t in texts]
+        cases = {
+            "plain": (plain, True),
+            "no other keys": ([_p_role(0)] + [head + '"%s"}}]}' % t for t in texts], True),
+            # a later "choices" is the one that counts: its text, not the head's
+            "a tail that names choices again": ([_p_role(0)] + [head + '"%s"}}],' % t + again for t in "xyz"], False),
+            "... escaped": (
+                [_p_role(0)] + [head + '"%s"}}],' % t + again.replace("c", r"\u0063", 1) for t in "xyz"],
+                False,
+            ),
+            "... after another key": ([_p_role(0)] + [head + '"%s"}}],"id":"i",' % t + again for t in "xyz"], False),
+            "a tail that opens something": ([_p_role(0)] + [head + '"x"},"future":{"a":1}}],"id":"i"}'] * 3, False),
+            "the tail changes": (
+                [_p_role(0)] + [head + '"x"' + tail.replace('"m"', '"%s"' % m) for m in "mnmnm"],
+                True,
+            ),
+            "it changes all the time": ([_p_role(0)] + [head + '"x"}}],"n":%d}' % i for i in range(40)], True),
+            "whitespace after it": ([_p_role(0), head + '"x"' + tail, head + '"y"' + tail + " "], True),
+        }
+        bad = [r'"\x"', '"a', r'"\ud80"', '"a\nb"', "5", "null", '"a"+"b"']
+        for i, literal in enumerate(bad):
+            cases["bad literal %d" % i] = ([_p_role(0), head + '"x"' + tail, head + literal + tail], True)
+        for name, (payloads, learned) in cases.items():
+            with self.subTest(name):
+                self.run_both(payloads)
+                asm = lc.Assembler()
+                for payload in payloads:
+                    try:
+                        asm.feed(payload)
+                    except lc.ProtocolError:
+                        break
+                self.assertEqual(asm._tail is not None, learned)
+        # learned once, a stream of 1,000 tokens is parsed whole only for the role and the first token
+        asm, parsed = lc.Assembler(), []
+
+        def scan(text, at):
+            parsed.append(text)
+            return json.JSONDecoder().raw_decode(text, at)
+
+        with mock.patch.object(lc, "_scan_json", scan):
+            events = [e for p in [_p_role(0)] + [head + '"w%d"' % i + tail for i in range(1000)] for e in asm.feed(p)]
+        self.assertEqual(events, [lc.Content("w%d" % i) for i in range(1000)])
+        self.assertEqual(len(parsed), 2)
+        self.assertEqual(asm._tails, 1)
+        asm = lc.Assembler()
+        for payload in cases["it changes all the time"][0]:
+            asm.feed(payload)
+        self.assertEqual(asm._tails, lc._TAILS_LEARNED)  # then no more: each costs a parse of the tail
+        self.assertEqual(lc._TAILS_LEARNED, 16)
+
 
 # -----------------------------------------------------------------------------------------------------
 # Real bytes of n > 1, prompt progress and log probabilities (dev/testdata/transcripts/30-32), captured from

@@ -1955,7 +1955,7 @@ def request_cost_items(path):
     cs = lc.Stream
     building = getattr(type(streams), "stream_request", None) or lc._Calls.chat_request  # an older checkout's name
     # the request's life: _Streams.stream and _StreamLife, or an older checkout's _Calls.stream with _attempt
-    life = [type(streams).stream] + [
+    life = [getattr(type(streams), "stream_plan", None) or type(streams).stream] + [
         f
         for f in (getattr(getattr(lc, "_StreamLife", None), "run_all", None), getattr(lc._Calls, "_attempt", None))
         if f

@@ -1643,13 +1643,15 @@ _scan_json = vars(json.JSONDecoder())["scan_once"]  # type: Callable[[str, int],
 _scan_string = vars(json.decoder)["scanstring"]  # type: Callable[[str, int], Tuple[str, int]]
 
 # How llama-server begins a chat chunk that carries one token of text (of reasoning): all of the JSON up to
-# the text's string literal, whose opening quote ends it.  Its tail after the literal is the same in every
-# token of a stream (created, id, model, ...): see Assembler._learn_tail.
+# the text's string literal, whose opening quote ends it.  Its tail after the literal (created, id, model,
+# ...) is the same in every token of a stream but for ``created``, the second the chunk was made: see
+# Assembler._learn_tail.
 _CONTENT_HEAD = '{"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
 _REASONING_HEAD = '{"choices":[{"finish_reason":null,"index":0,"delta":{"reasoning_content":"'
 _CONTENT_AT, _REASONING_AT = len(_CONTENT_HEAD), len(_REASONING_HEAD)
 _TAIL_KEYS = ("choices", "error", "usage", "timings", "prompt_progress")  # keys the tail must not hold
-_TAILS_LEARNED = 16  # a stream whose tail keeps changing stops being learned from after this many
+# Learning a tail costs a parse of it: past this many tails, only while each has read 4 chunks on average
+_TAILS_LEARNED = 16
 
 
 class _Text:
@@ -1799,7 +1801,7 @@ class Assembler(_Dialect):
     choice: the client refuses a thinking cap with ``n`` > 1.
     """
 
-    __slots__ = ("usage", "_choices", "_content0", "_reasoning0", "_fast", "_tail", "_tails")
+    __slots__ = ("usage", "_choices", "_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
     _text = False  # the chunks carry chat deltas (True: OpenAI text completions, see _TextAssembler)
 
     def __init__(self, raw_chunks: bool = False) -> None:
@@ -1811,6 +1813,7 @@ class Assembler(_Dialect):
         self._fast = False  # the fast path may run: the id is known, choice 0 appeared, no raw chunks
         self._tail = None  # type: Optional[str]  # the token chunks' tail, once learned (_learn_tail)
         self._tails = 0  # the tails learned
+        self._tailed = 0  # the payloads read by a learned tail
 
     def feed(self, payload: str) -> List[Event]:
         tail = self._tail
@@ -1825,6 +1828,7 @@ class Assembler(_Dialect):
                 except ValueError:
                     end = -1  # not a string literal: the parse below says what is wrong
                 if end + len(tail) == len(payload):
+                    self._tailed += 1
                     if not piece:
                         return []
                     if content:
@@ -1903,8 +1907,9 @@ class Assembler(_Dialect):
         ``head``: what follows the text's literal.  A later chunk with that head and that tail holds the same
         JSON but for its text (one string literal in place of another), so its events are known without the
         parse.  The tail must close the delta, the choice and the choices (``}}]``) and hold no ``choices``
-        of its own (a later key would replace the head's), parsed here once per tail."""
-        if not payload.startswith(head) or self._tails >= _TAILS_LEARNED:
+        of its own (a later key would replace the head's), parsed here once per tail.  A stream whose tail
+        changes all the time (more often than every fifth chunk) stops being learned from."""
+        if not payload.startswith(head) or (self._tails >= _TAILS_LEARNED and self._tailed < 4 * self._tails):
             return
         self._tails += 1
         try:

@@ -11328,9 +11328,11 @@ class TestStress(ServerCase):
         def handler(req):
             marker = req.json()["messages"][0]["content"]
             slot = req.json()["id_slot"]
+            with self.server.lock:  # the server accepts in the order the client connected: conns is that order
+                accepted = self.server.conns.index(req.conn)
             with alock:
-                first = hold_first and all(s != slot for s, _ in arrivals)
-                arrivals.append((slot, marker))
+                first = hold_first and all(s != slot for _, s, _ in arrivals)
+                arrivals.append((accepted, slot, marker))
             if first:
                 everyone_in.wait(30)
             fault = plans[marker]["fault"]
@@ -11481,9 +11483,12 @@ class TestStress(ServerCase):
                 self.assertEqual(said[0], ahead, marker)
                 self.assertEqual(said, sorted(set(said), reverse=True), marker)
                 self.assertGreaterEqual(said[-1], 1, marker)
-        # FIFO per slot: the server saw each slot's requests in the order they entered the gate
+        # FIFO per slot: each slot's requests connected in the order they entered the gate (taken in the
+        # order they connected: a handler thread may come to its request later than the next one's, when
+        # the first was cancelled once sent and the next one took its permit)
+        arrivals.sort()
         for slot in range(slots):
-            seen = [tickets[m][1] for s, m in arrivals if s == slot]
+            seen = [tickets[m][1] for _, s, m in arrivals if s == slot]
             self.assertEqual(seen, sorted(seen), "slot %d out of order" % slot)
         self.assertLessEqual(self.server.slots_max_in_flight, 1)
         return peak
@@ -11515,8 +11520,10 @@ class TestAsyncStress(ServerCase):
 
         def handler(req):
             marker = req.json()["messages"][0]["content"]
+            with self.server.lock:  # the server accepts in the order the client connected: conns is that order
+                accepted = self.server.conns.index(req.conn)
             with lock:
-                arrivals.append((req.json()["id_slot"], marker))
+                arrivals.append((accepted, req.json()["id_slot"], marker))
             fault = plans[marker]["fault"]
             if fault == "hold":
                 req.wait_peer_close(5)
@@ -11596,8 +11603,11 @@ class TestAsyncStress(ServerCase):
         self.assertEqual(busy_lanes, {}, "a permit or a place was not released")
         self.assertEqual(sorted(m for m, o in outcomes.items() if o == "BusyError"), sorted(r[0] for r in refusals))
         self.assertTrue(all(full and waiting == qlen == 2 for _, full, waiting, qlen in refusals), refusals)
+        # in the order they connected (a handler thread may come to its request later than the next one's, when
+        # the first was cancelled once sent and the next one took its permit)
+        arrivals.sort()
         for slot in range(4):
-            sent = [m for s, m in arrivals if s == slot]
+            sent = [m for _, s, m in arrivals if s == slot]
             self.assertEqual(sent, [m for s, m in entered if s == slot and m in sent], "slot %d out of order" % slot)
         self.assertLessEqual(self.server.slots_max_in_flight, 1)
 

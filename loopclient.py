@@ -1816,6 +1816,7 @@ class Assembler(_Dialect):
         self._tailed = 0  # the payloads read by a learned tail
 
     def feed(self, payload: str) -> List[Event]:
+        text = None  # type: Optional[str]  # the text of a token of choice 0, once one is found
         tail = self._tail
         if tail is not None and payload.endswith(tail):
             # The hottest path: a token chunk as the last one learned from, but for its text, which is then
@@ -1829,91 +1830,81 @@ class Assembler(_Dialect):
                     end = -1  # not a string literal: the parse below says what is wrong
                 if end + len(tail) == len(payload):
                     self._tailed += 1
-                    if not piece:
-                        return []
-                    if content:
-                        self.in_reasoning = False
-                        parts = self._content0.parts
-                        parts.append(piece)
-                        if len(parts) >= 2048:
-                            self._content0.fold()
-                        event = _new_object(Content)
-                        _set_content_text(event, piece)
-                        _set_content_choice(event, 0)
-                        return [event]
-                    self.reasoning_tokens += 1
-                    self.in_reasoning = True
-                    self._reasoning0.add(piece)
-                    return [_new_reasoning(piece)]
-        try:
-            doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per token
-            if end != len(payload):
-                doc = json.loads(payload)
-        except StopIteration:
-            doc = self._loads_slow(payload)
-        except ValueError as exc:  # JSONDecodeError
-            raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-        except RecursionError:
-            raise ProtocolError("JSON nested too deeply in the stream") from None
-        if type(doc) is not dict:
-            raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
-        # The hot path: choice 0 alone, its delta only text; no finish, log probabilities, usage or progress.
-        # 2.3 us a payload against 4.0 us through json.loads and _feed, measured side by side.  It must give
-        # exactly what _feed gives (TestAssemblerPaths.test_fast_and_general_paths_agree).
-        choices = doc.get("choices")
-        if self._fast and type(choices) is list and len(choices) == 1:
-            choice = choices[0]
-            if (
-                type(choice) is dict
-                and choice.get("finish_reason") is None
-                and choice.get("logprobs") is None
-                and "error" not in doc
-                and "usage" not in doc
-                and "timings" not in doc
-                and "prompt_progress" not in doc
-            ):
-                index = choice.get("index")
-                delta = choice.get("delta")
-                if (index == 0 and type(index) is int or index is None) and type(delta) is dict and len(delta) == 1:
-                    text = delta.get("content")
-                    if type(text) is str:
-                        if self._tail is None or not payload.endswith(self._tail):
-                            self._learn_tail(payload, _CONTENT_AT, _CONTENT_HEAD)
-                        if not text:
-                            return []
-                        self.in_reasoning = False
-                        parts = self._content0.parts
-                        parts.append(text)
-                        if len(parts) >= 2048:
-                            self._content0.fold()
-                        event = _new_object(Content)  # as _new_content(text), inlined: this runs per token
-                        _set_content_text(event, text)
-                        _set_content_choice(event, 0)
-                        return [event]
-                    text = delta.get("reasoning_content")
-                    if type(text) is str:
-                        if self._tail is None or not payload.endswith(self._tail):
-                            self._learn_tail(payload, _REASONING_AT, _REASONING_HEAD)
-                        if not text:
-                            return []
-                        self.reasoning_tokens += 1
-                        self.in_reasoning = True
-                        self._reasoning0.add(text)
-                        return [_new_reasoning(text)]
-        return self._feed(doc, payload)
+                    text = piece
+        if text is None:
+            try:
+                doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per token
+                if end != len(payload):
+                    doc = json.loads(payload)
+            except StopIteration:
+                doc = self._loads_slow(payload)
+            except ValueError as exc:  # JSONDecodeError
+                raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
+            except RecursionError:
+                raise ProtocolError("JSON nested too deeply in the stream") from None
+            if type(doc) is not dict:
+                raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
+            # The hot path once parsed: choice 0 alone, its delta only text; no finish, log probabilities, usage
+            # or progress.  2.3 us a payload against 4.0 us through json.loads and _feed, measured side by
+            # side.  It must give exactly what _feed gives (TestAssemblerPaths.test_fast_and_general_paths_agree).
+            choices = doc.get("choices")
+            if self._fast and type(choices) is list and len(choices) == 1:
+                choice = choices[0]
+                if (
+                    type(choice) is dict
+                    and choice.get("finish_reason") is None
+                    and choice.get("logprobs") is None
+                    and "error" not in doc
+                    and "usage" not in doc
+                    and "timings" not in doc
+                    and "prompt_progress" not in doc
+                ):
+                    index = choice.get("index")
+                    delta = choice.get("delta")
+                    if (index == 0 and type(index) is int or index is None) and type(delta) is dict and len(delta) == 1:
+                        text = delta.get("content")
+                        content = type(text) is str
+                        if not content:
+                            text = delta.get("reasoning_content")
+                            if type(text) is not str:
+                                text = None
+                        if text is not None:
+                            self._learn_tail(payload, content)
+            if text is None:
+                return self._feed(doc, payload)
+        # one token of choice 0: its text, read by the learned tail or from the parse
+        if not text:
+            return []
+        if content:
+            self.in_reasoning = False
+            parts = self._content0.parts
+            parts.append(text)
+            if len(parts) >= 2048:
+                self._content0.fold()
+            event = _new_object(Content)  # as _new_content(text), inlined: this runs per token
+            _set_content_text(event, text)
+            _set_content_choice(event, 0)
+            return [event]
+        self.reasoning_tokens += 1
+        self.in_reasoning = True
+        self._reasoning0.add(text)
+        return [_new_reasoning(text)]
 
-    def _learn_tail(self, payload: str, start: int, head: str) -> None:
-        """Learn the tail of ``payload``, a token chunk the fast path took (parsed whole), when it begins with
-        ``head``: what follows the text's literal.  A later chunk with that head and that tail holds the same
-        JSON but for its text (one string literal in place of another), so its events are known without the
-        parse.  The tail must close the delta, the choice and the choices (``}}]``) and hold no ``choices``
-        of its own (a later key would replace the head's), parsed here once per tail.  A stream whose tail
-        changes all the time (more often than every fifth chunk) stops being learned from."""
-        if not payload.startswith(head) or (self._tails >= _TAILS_LEARNED and self._tailed < 4 * self._tails):
+    def _learn_tail(self, payload: str, content: bool) -> None:
+        """Learn the tail of ``payload``, a token chunk (of text when ``content``, else of reasoning) the fast
+        path took, parsed whole, when it begins with llama-server's head: what follows the text's literal.  A
+        later chunk with that head and that tail holds the same JSON but for its text (one string literal in
+        place of another), so its events are known without the parse.  The tail must close the delta, the
+        choice and the choices (``}}]``) and hold no ``choices`` of its own (a later key would replace the
+        head's), parsed here once per tail.  A stream whose tail changes all the time (more often than every
+        fifth chunk) stops being learned from."""
+        if not payload.startswith(_CONTENT_HEAD if content else _REASONING_HEAD):
+            return
+        if self._tails >= _TAILS_LEARNED and self._tailed < 4 * self._tails:
             return
         self._tails += 1
         try:
-            tail = payload[_scan_string(payload, start)[1] :]
+            tail = payload[_scan_string(payload, _CONTENT_AT if content else _REASONING_AT)[1] :]
             if tail[:4] == "}}],":
                 rest = json.loads("{" + tail[4:])
             elif tail.rstrip() == "}}]}":
@@ -4877,8 +4868,7 @@ class _Streams:
         if row.routed:
             body, _ = self.calls._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
-        extra = [("X-Conversation-Id", conversation)] if conversation is not None else []
-        request = self.calls._encode("POST", row.path, body, "text/event-stream", extra=extra)
+        request = self.calls._encode("POST", row.path, body, "text/event-stream", extra=_pin(conversation))
         return _StreamRequest(
             request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation
         )

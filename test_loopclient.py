@@ -399,6 +399,12 @@ class FakeServer:
     def new_request(self, conn, method, path, headers, body):
         return FakeRequest(self, conn, method, path, headers, body)
 
+    def accepted(self, req):
+        """Where ``req``'s connection came in the order the server accepted them, which is the order the
+        client connected (a handler thread may come to its request after a later connection's)."""
+        with self.lock:
+            return self.conns.index(req.conn)
+
     def chat_requests(self):
         with self.lock:
             return [r for r in self.requests if r.path == "/v1/chat/completions"]
@@ -11328,8 +11334,7 @@ class TestStress(ServerCase):
         def handler(req):
             marker = req.json()["messages"][0]["content"]
             slot = req.json()["id_slot"]
-            with self.server.lock:  # the server accepts in the order the client connected: conns is that order
-                accepted = self.server.conns.index(req.conn)
+            accepted = self.server.accepted(req)
             with alock:
                 first = hold_first and all(s != slot for _, s, _ in arrivals)
                 arrivals.append((accepted, slot, marker))
@@ -11520,8 +11525,7 @@ class TestAsyncStress(ServerCase):
 
         def handler(req):
             marker = req.json()["messages"][0]["content"]
-            with self.server.lock:  # the server accepts in the order the client connected: conns is that order
-                accepted = self.server.conns.index(req.conn)
+            accepted = self.server.accepted(req)
             with lock:
                 arrivals.append((accepted, req.json()["id_slot"], marker))
             fault = plans[marker]["fault"]
@@ -17875,18 +17879,18 @@ class TestRealServer(ClientFactory, unittest.TestCase):
         # later tokens are read by the tail learned from it (reasoning's and content's, which share it).  The
         # same request read with whole parses only gives the same tokens and completion.
         kw = dict(messages=QUESTION, slot=0, max_tokens=150, temperature=0, grammar=grammar(self.client, "24,300"))
-        parsed, scan = [], lc._scan_json
+        parsed, parsed_whole, scan = [], [], lc._scan_json
 
-        def counted(text, at):
-            parsed.append(text)
-            return scan(text, at)
-
-        with mock.patch.object(lc, "_scan_json", counted):
+        with mock.patch.object(lc, "_scan_json", lambda text, at: parsed.append(text) or scan(text, at)):
             completion, events = self.chat(**kw)
-        with mock.patch.object(lc, "_TAILS_LEARNED", 0):
+        learn_none = mock.patch.object(lc.Assembler, "_learn_tail", lambda asm, payload, content: None)
+        with mock.patch.object(
+            lc, "_scan_json", lambda text, at: parsed_whole.append(text) or scan(text, at)
+        ), learn_none:
             whole, whole_events = self.chat(**kw)
         tokens = [e for e in events if type(e) in (lc.Reasoning, lc.Content)]
         self.assertEqual(tokens, [e for e in whole_events if type(e) in (lc.Reasoning, lc.Content)])
+        self.assertEqual(len(parsed_whole), len(tokens) + 3)  # every chunk parsed whole: role, tokens, finish, usage
         self.assertGreater(len([e for e in tokens if type(e) is lc.Reasoning]), 24)
         self.assertEqual(completion.content, "the answer is yes")
         for name in ("content", "reasoning", "finish_reason", "reasoning_tokens"):

@@ -437,10 +437,8 @@ def chat_stream_request(streams, slot):
 
 def request_bytes(client, slot):
     """The exact bytes loopclient sends for MSGS on ``slot`` (built by loopclient itself)."""
-    streams = streams_of(client)
-    if hasattr(streams, "stream_request") or hasattr(
-        streams, "chat_request"
-    ):  # the request logic apart from the client
+    streams = streams_of(client)  # the request logic apart from the client
+    if hasattr(streams, "stream_request") or hasattr(streams, "chat_request"):
         data = chat_stream_request(streams, slot).request
     else:
         data = getattr(client.stream(MSGS, slot=slot), "_request", None)

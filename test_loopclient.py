@@ -13928,6 +13928,11 @@ def _d_part(
     )
 
 
+def _d_fault(name, *args, **kw):
+    """A row of one part: ``(name, [_d_part(*args, **kw)])``."""
+    return name, [_d_part(*args, **kw)]
+
+
 def _d_floor(data):
     """The least a reader does with ``data``: split the lines, keep the data lines' values, join them."""
     return b"\n".join(line[5:] for line in data.split(b"\n") if line.startswith(b"data:"))
@@ -14279,73 +14284,60 @@ class TestDifferential(_f_Case):
 
         once = _d_asked(n=1)
         return [
-            (
+            _d_fault(
                 "socket file missing",
-                [
-                    _d_part(
-                        address=_d_missing,
-                        expect=lc.LoadTimeoutError,
-                        budget=lw,
-                        check=(_d_cause(FileNotFoundError), _d_heard("Retrying")),
-                        sockets=True,
-                    )
-                ],
+                address=_d_missing,
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=(_d_cause(FileNotFoundError), _d_heard("Retrying")),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "socket file missing, single-shot call",
-                [
-                    _d_part(
-                        address=_d_missing,
-                        act=lambda c, ev: c.slots(),
-                        expect=lc.ConnectError,
-                        check=(_d_cause(FileNotFoundError), at_the_address),
-                        sockets=True,
-                    )
-                ],
+                address=_d_missing,
+                act=lambda c, ev: c.slots(),
+                expect=lc.ConnectError,
+                check=(_d_cause(FileNotFoundError), at_the_address),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "socket file with no listener",
-                [
-                    _d_part(
-                        address=_d_stale,
-                        expect=lc.LoadTimeoutError,
-                        budget=lw,
-                        check=_d_cause(ConnectionRefusedError),
-                        sockets=True,
-                    )
-                ],
+                address=_d_stale,
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=_d_cause(ConnectionRefusedError),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "socket file with no listener, single-shot call",
-                [
-                    _d_part(
-                        address=_d_stale,
-                        act=lambda c, ev: c.health(),
-                        expect=lc.ConnectError,
-                        check=_d_cause(ConnectionRefusedError),
-                        sockets=True,
-                    )
-                ],
+                address=_d_stale,
+                act=lambda c, ev: c.health(),
+                expect=lc.ConnectError,
+                check=_d_cause(ConnectionRefusedError),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "EOF before the head",
-                [_d_part(_d_stream(lambda req: None), expect=lc.StreamClosedError, check=once, sockets=True)],
+                _d_stream(lambda req: None),
+                expect=lc.StreamClosedError,
+                check=once,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "connection reset before the head",
-                [_d_part(_d_reset(), expect=lc.StreamClosedError, tcp=True, check=once, sockets=True)],
+                _d_reset(),
+                expect=lc.StreamClosedError,
+                tcp=True,
+                check=once,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "connection reset mid-stream",
-                [
-                    _d_part(
-                        _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
-                        expect=lc.StreamClosedError,
-                        tcp=True,
-                        check=(_d_kinds("Content"), once),
-                        sockets=True,
-                    )
-                ],
+                _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
+                expect=lc.StreamClosedError,
+                tcp=True,
+                check=(_d_kinds("Content"), once),
+                sockets=True,
             ),
         ]
 
@@ -14370,110 +14362,76 @@ class TestDifferential(_f_Case):
             )
 
         return [
-            (
-                "garbage status line",
-                [_d_part(_d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError)],
+            _d_fault(
+                "garbage status line", _d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError
             ),
-            (
+            _d_fault(
                 "a service that is not HTTP",
-                [_d_part(_d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True), expect=lc.ProtocolError, sockets=True)],
+                _d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True),
+                expect=lc.ProtocolError,
+                sockets=True,
             ),
-            ("bad status code", [_d_part(_d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError)]),
-            (
+            _d_fault("bad status code", _d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError),
+            _d_fault(
                 "another HTTP version",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
+                expect=lc.ProtocolError,
             ),
-            (
+            # no length: the body runs until the server closes
+            _d_fault(
                 "HTTP/1.0 reply",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),  # no length: until close
-                        check=_d_attrs(content="Hi", finish_reason="stop"),
-                        sockets=True,
-                    )
-                ],
+                _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),
+                check=_d_attrs(content="Hi", finish_reason="stop"),
+                sockets=True,
             ),
-            ("interim response", [_d_part(_d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK), check=hello)]),
-            (
-                "10 MB of headers",
-                [_d_part(ten_megabytes, expect=lc.ProtocolError, check=stopped_reading, sockets=True)],
-            ),
-            (
+            _d_fault("interim response", _d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK), check=hello),
+            _d_fault("10 MB of headers", ten_megabytes, expect=lc.ProtocolError, check=stopped_reading, sockets=True),
+            _d_fault(
                 "1,000 header lines",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 200 OK\r\n"
-                            + b"".join(b"X-H%d: v\r\n" % i for i in range(1000))
-                            + b"\r\n"
-                            + _F_OK_BODY,
-                            True,
-                        ),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(
+                    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n" + _F_OK_BODY,
+                    True,
+                ),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "NUL byte in a header",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+                expect=lc.ProtocolError,
             ),
             # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
-            (
+            _d_fault(
                 "obsolete line folding",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
-                        ),
-                        check=hello,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+                check=hello,
             ),
-            (
+            _d_fault(
                 "EOF inside the head",
-                [_d_part(_d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"), expect=lc.StreamClosedError, sockets=True)],
+                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"),
+                expect=lc.StreamClosedError,
+                sockets=True,
             ),
-            (
-                "head trickled forever",  # never silent, never a head: no progress for liveness
-                [
-                    _d_part(
-                        _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
-                        expect=lc.StalledError,
-                        budget=lv,
-                        sockets=True,
-                    )
-                ],
+            # never silent, never a head: no progress for liveness
+            _d_fault(
+                "head trickled forever",
+                _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
+                expect=lc.StalledError,
+                budget=lv,
+                sockets=True,
             ),
-            (
-                "interim responses forever",  # each a whole head, none the response
-                [
-                    _d_part(
-                        _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
-                        expect=lc.StalledError,
-                        budget=lv,
-                    )
-                ],
+            # each a whole head, none the response
+            _d_fault(
+                "interim responses forever",
+                _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
+                expect=lc.StalledError,
+                budget=lv,
             ),
-            (
+            _d_fault(
                 "stall inside the head",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
-                        expect=lc.StalledError,
-                        budget=lv,
-                        sockets=True,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
+                expect=lc.StalledError,
+                budget=lv,
+                sockets=True,
             ),
         ]
 
@@ -14483,178 +14441,121 @@ class TestDifferential(_f_Case):
         slots = lambda c, ev: c.slots()
         content = _d_kinds("Content")
         return [
-            (
+            _d_fault(
                 "conflicting Content-Length headers",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "conflicting Content-Length, single-shot call",
-                [
-                    _d_part(
-                        _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
-                        slots,
-                        lc.ProtocolError,
-                    )
-                ],
+                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
+                slots,
+                lc.ProtocolError,
             ),
-            (
-                "negative length",
-                [_d_part(_d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError)],
+            _d_fault("negative length", _d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError),
+            _d_fault(
+                "non-numeric length", _d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError
             ),
-            (
-                "non-numeric length",
-                [_d_part(_d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError)],
-            ),
-            (
+            _d_fault(
                 "unsupported transfer coding",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
+                expect=lc.ProtocolError,
             ),
-            (
-                "chunk size ffffffffffffffff",  # then a whole stream: refused, not read as one chunk
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + b"ffffffffffffffff\r\n"
-                            + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
-                            + b"data: [DONE]\n\n"
-                        ),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+            # a size no signed 64-bit counter holds, then a whole stream: refused, not read as one chunk
+            _d_fault(
+                "chunk size ffffffffffffffff",
+                _d_reply(
+                    STREAM_HEAD
+                    + b"ffffffffffffffff\r\n"
+                    + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
+                    + b"data: [DONE]\n\n"
+                ),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "chunk size line without CRLF",
-                [_d_part(_d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True), expect=lc.ProtocolError)],
+                _d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "chunk size line that never ends",
-                [_d_part(_d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True), expect=lc.ProtocolError)],
+                _d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "chunk data without its CRLF",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "body shorter than its length (stream)",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
-                        expect=lc.StreamClosedError,
-                        check=content,
-                        sockets=True,
-                    )
-                ],
+                _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
+                expect=lc.StreamClosedError,
+                check=content,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "body shorter than its length (single-shot)",
-                [
-                    _d_part(
-                        _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
-                        slots,
-                        lc.StreamClosedError,
-                        sockets=True,
-                    )
-                ],
+                _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
+                slots,
+                lc.StreamClosedError,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "close mid-chunk",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi),
-                        expect=lc.StreamClosedError,
-                        check=content,
-                        sockets=True,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi),
+                expect=lc.StreamClosedError,
+                check=content,
+                sockets=True,
             ),
-            (
-                "close mid-event",  # close-delimited: the last event never gets its blank line
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
-                        expect=lc.StreamClosedError,
-                        check=content,
-                        sockets=True,
-                    )
-                ],
+            # close-delimited: the last event never gets its blank line
+            _d_fault(
+                "close mid-event",
+                _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
+                expect=lc.StreamClosedError,
+                check=content,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "close after the finish chunk without `[DONE]`",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
-                        check=_d_attrs(content="Hi", finish_reason="stop"),
-                    )
-                ],
+                _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
+                check=_d_attrs(content="Hi", finish_reason="stop"),
             ),
-            (
-                "`[DONE]`, then the connection stays open",  # nor the final 0 chunk
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
-                            True,
-                        ),
-                        check=_d_attrs(content="Hi"),
-                        sockets=True,
-                    )
-                ],
+            # [DONE] completes the response though the server keeps the connection (and the final 0 chunk)
+            _d_fault(
+                "`[DONE]`, then the connection stays open",
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
+                    True,
+                ),
+                check=_d_attrs(content="Hi"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "`[DONE]` without a `finish_reason`",
-                [_d_part(_d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)), expect=lc.StreamClosedError)],
+                _d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)),
+                expect=lc.StreamClosedError,
             ),
-            ("empty stream", [_d_part(_d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError)]),
-            (
+            _d_fault("empty stream", _d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError),
+            _d_fault(
                 "200 with an HTML page",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
-                            % (len(page), page)
-                        ),
-                        expect=lc.StreamClosedError,
-                    )
-                ],
+                _d_reply(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)
+                ),
+                expect=lc.StreamClosedError,
             ),
-            (
+            _d_fault(
                 "error body over `max_body`",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "single-shot length over `max_body`",
-                [
-                    _d_part(
-                        _d_slots_reply(
-                            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True
-                        ),
-                        slots,
-                        lc.ProtocolError,
-                        sockets=True,
-                    )
-                ],
+                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True),
+                slots,
+                lc.ProtocolError,
+                sockets=True,
             ),
         ]
 
@@ -14700,100 +14601,65 @@ class TestDifferential(_f_Case):
         cut = split.index("é".encode()) + 1
         bang = content_stream(["!"], role=False)
         return [
-            (
+            _d_fault(
                 "a 2 MiB line sent one byte at a time",
-                [
-                    _d_part(
-                        trickle,
-                        expect=lc.ProtocolError,
-                        budget=10.0,
-                        at_once=True,
-                        changes=dict(max_line=1024, liveness=5.0, busy_wait=10.0),
-                        check=on_the_byte_over,
-                        sockets=True,
-                    )
-                ],
+                trickle,
+                expect=lc.ProtocolError,
+                budget=10.0,
+                at_once=True,
+                changes=dict(max_line=1024, liveness=5.0, busy_wait=10.0),
+                check=on_the_byte_over,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "bytes trickle but no event completes",
-                [
-                    _d_part(
-                        _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                        sockets=True,
-                    )
-                ],
+                _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "a line of `max_line` exactly",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
-                        check=_d_attrs(content="x!"),
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
+                check=_d_attrs(content="x!"),
             ),
-            (
+            _d_fault(
                 "a line of `max_line` + 1",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "an event over `max_line` in many lines",
-                [_d_part(_d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True), expect=lc.ProtocolError)],
+                _d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "half a million empty `data:` lines",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"\r\n" + half),
-                        expect=lc.ProtocolError,
-                        at_once=True,
-                        changes=dict(max_line=512 * 1024, liveness=30.0),
-                        cpu=half,
-                    )
-                ],
+                _d_reply(_D_CL + b"\r\n" + half),
+                expect=lc.ProtocolError,
+                at_once=True,
+                changes=dict(max_line=512 * 1024, liveness=30.0),
+                cpu=half,
             ),
-            (
+            _d_fault(
                 "invalid UTF-8",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB"))
-                            + bang
-                        ),
-                        check=_d_attrs(content="A\ufffd\ufffdB!"),
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")) + bang
+                ),
+                check=_d_attrs(content="A\ufffd\ufffdB!"),
             ),
-            (
+            _d_fault(
                 "a UTF-8 character split between reads",
-                [
-                    _d_part(
-                        _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
-                        budget=0.2,
-                        at_once=True,
-                        check=_d_attrs(content="é€!"),
-                        sockets=True,
-                    )
-                ],
+                _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
+                budget=0.2,
+                at_once=True,
+                check=_d_attrs(content="é€!"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "a NUL byte",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang
-                        ),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang),
+                expect=lc.ProtocolError,
             ),
         ]
 
@@ -14821,18 +14687,12 @@ class TestDifferential(_f_Case):
             ),
             ("a tool-call delta without index", payload(call)),
             ("deeply nested JSON", payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024)),
-            (
-                "an error code that only looks like a number",  # "²" passed str.isdigit() and broke int()
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))
-                        ),
-                        expect=lc.ServerError,
-                        check=_d_attrs(code=None),
-                    )
-                ],
+            # the fuzzer's: {"code": "²"} passed str.isdigit() and broke int(), a bare ValueError
+            _d_fault(
+                "an error code that only looks like a number",
+                _d_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))),
+                expect=lc.ServerError,
+                check=_d_attrs(code=None),
             ),
         ]
 
@@ -14840,49 +14700,39 @@ class TestDifferential(_f_Case):
         pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
         hold = _d_stream(_f_hold)
         return [
-            (
-                "pings forever, idle slot",
-                [_d_part(pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness, sockets=True)],
+            _d_fault(
+                "pings forever, idle slot", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness, sockets=True
             ),
-            (
+            _d_fault(
                 "pings forever, processing slot",
-                [_d_part(_d_busy(pings), expect=lc.StalledError, budget=FAST_FAULTS.busy_wait, sockets=True)],
+                _d_busy(pings),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.busy_wait,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "stall before the head, idle slot",
-                [
-                    _d_part(
-                        hold,
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.idle_grace,
-                        check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
-                        sockets=True,
-                    )
-                ],
+                hold,
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.idle_grace,
+                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "stall before the head, busy slot",
-                [
-                    _d_part(
-                        _d_busy(hold),
-                        expect=lc.WaitTimeoutError,
-                        budget=FAST_FAULTS.busy_wait,
-                        check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
-                        sockets=True,
-                    )
-                ],
+                _d_busy(hold),
+                expect=lc.WaitTimeoutError,
+                budget=FAST_FAULTS.busy_wait,
+                check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "stall mid-stream",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                        check=_d_kinds("Content"),
-                        sockets=True,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                check=_d_kinds("Content"),
+                sockets=True,
             ),
         ]
 
@@ -14904,152 +14754,109 @@ class TestDifferential(_f_Case):
         }
         hello, once = _d_attrs(content="Hello world"), _d_asked(n=1)
         return [
-            (
+            _d_fault(
                 "HTTP 503 forever",
-                [
-                    _d_part(
-                        _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
-                        expect=lc.LoadTimeoutError,
-                        budget=lw,
-                        check=_d_asked(least=2),
-                        sockets=True,
-                    )
-                ],
+                _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=_d_asked(least=2),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "HTTP 400",
-                [
-                    _d_part(
-                        _d_stream(_d_json(too_long, 400, "Bad Request")),
-                        expect=lc.HTTPStatusError,
-                        check=_d_attrs(status=400, message="the request exceeds the available context size"),
-                    )
-                ],
+                _d_stream(_d_json(too_long, 400, "Bad Request")),
+                expect=lc.HTTPStatusError,
+                check=_d_attrs(status=400, message="the request exceeds the available context size"),
             ),
-            (
+            # no Server header, and a status llama-server sends
+            _d_fault(
                 "HTTP 500 with an HTML body",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"
-                        ),
-                        expect=lc.HTTPStatusError,
-                        # no Server header, and a status llama-server sends
-                        check=(
-                            _d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"),
-                            _d_says(exactly="HTTP 500: oops"),
-                        ),
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"),
+                expect=lc.HTTPStatusError,
+                check=(
+                    _d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"),
+                    _d_says(exactly="HTTP 500: oops"),
+                ),
             ),
-            (
-                "error body stalls",  # the fuzzer's client target found it
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
-                            True,
-                        ),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                        sockets=True,
-                    )
-                ],
+            # the fuzzer's (client target): a 400 whose body stops short of its length on a held connection
+            _d_fault(
+                "error body stalls",
+                _d_reply(
+                    b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
+                    True,
+                ),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                sockets=True,
             ),
-            (
-                "error body nested 5,000 deep",  # json.loads of the envelope raised RecursionError
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
-                        expect=lc.HTTPStatusError,
-                        check=_d_attrs(status=400),
-                    )
-                ],
+            # the fuzzer's (http target): json.loads of the error envelope raised RecursionError
+            _d_fault(
+                "error body nested 5,000 deep",
+                _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
+                expect=lc.HTTPStatusError,
+                check=_d_attrs(status=400),
             ),
-            (
+            _d_fault(
                 "error event first, code 503",
-                [
-                    _d_part(
-                        lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))),
-                        budget=0.25,
-                        at_once=True,
-                        check=(hello, _d_kinds("Retrying", start=True)),
-                    )
-                ],
+                lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))),
+                budget=0.25,
+                at_once=True,
+                check=(hello, _d_kinds("Retrying", start=True)),
             ),
-            (
+            _d_fault(
                 "error event first, 503 forever",
-                [_d_part(_d_reply(event503), expect=lc.LoadTimeoutError, budget=lw, check=_d_asked(least=2))],
+                _d_reply(event503),
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=_d_asked(least=2),
             ),
-            (
+            _d_fault(
                 "error event first, code 400",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
-                            + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                        check=(_d_attrs(code=400, message="bad grammar"), once),
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
+                    + b"0\r\n\r\n"
+                ),
+                expect=lc.ServerError,
+                check=(_d_attrs(code=400, message="bad grammar"), once),
             ),
-            (
-                "error event after content",  # delivered output is never replayed
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(
-                                sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error"))
-                            )
-                            + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                        check=(_d_attrs(code=503), once),
-                    )
-                ],
+            # delivered output is never replayed: one request
+            _d_fault(
+                "error event after content",
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
+                    + b"0\r\n\r\n"
+                ),
+                expect=lc.ServerError,
+                check=(_d_attrs(code=503), once),
             ),
-            (
+            _d_fault(
                 "legacy `error:` line",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(
-                                sse(chunk_json({"content": "Hi"}))
-                                + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
-                            )
-                            + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                        check=_d_attrs(code=500, message="boom"),
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(
+                        sse(chunk_json({"content": "Hi"}))
+                        + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
                     )
-                ],
+                    + b"0\r\n\r\n"
+                ),
+                expect=lc.ServerError,
+                check=_d_attrs(code=500, message="boom"),
             ),
-            (
-                "legacy `error:` line nested 100,000 deep",  # its json.loads raised RecursionError
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                        changes=dict(max_line=1024 * 1024),
-                    )
-                ],
+            # the fuzzer's (http target): the legacy payload's json.loads raised RecursionError
+            _d_fault(
+                "legacy `error:` line nested 100,000 deep",
+                _d_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"),
+                expect=lc.ServerError,
+                changes=dict(max_line=1024 * 1024),
             ),
-            (
+            _d_fault(
                 "legacy `error:` line first, code 503",
-                [
-                    _d_part(
-                        lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))),
-                        budget=0.25,
-                        at_once=True,
-                        check=(hello, _d_asked(n=2)),
-                    )
-                ],
+                lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))),
+                budget=0.25,
+                at_once=True,
+                check=(hello, _d_asked(n=2)),
             ),
         ]
 
@@ -15077,11 +14884,11 @@ class TestDifferential(_f_Case):
         return [
             ("Retry-After as a date beyond `load_wait`", [forever(ahead)]),
             # a hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop
-            ("Retry-After as a date in the past", [_d_part(then_ok(past), budget=0.25, at_once=True, check=backoff)]),
+            _d_fault("Retry-After as a date in the past", then_ok(past), budget=0.25, at_once=True, check=backoff),
             # retried at the backoff's pace, not hundreds of times a second
             ("`Retry-After: 0` forever", [forever(b"0", False, _d_asked(most=4), sockets=True)]),
-            ("Retry-After negative", [_d_part(then_ok(b"-5"), budget=0.25, at_once=True, check=backoff)]),
-            ("Retry-After malformed", [_d_part(then_ok(b"soon"), budget=0.25, at_once=True, check=backoff)]),
+            _d_fault("Retry-After negative", then_ok(b"-5"), budget=0.25, at_once=True, check=backoff),
+            _d_fault("Retry-After malformed", then_ok(b"soon"), budget=0.25, at_once=True, check=backoff),
             ("Retry-After huge", [forever(b"99999999999999999999")]),
             ("Retry-After beyond float range", [forever(b"9" * 400)]),  # float(int(...)) raised OverflowError
             ("Retry-After beyond int() digit limit", [forever(b"9" * 5000)]),  # int() raised ValueError
@@ -15100,65 +14907,47 @@ class TestDifferential(_f_Case):
 
         slots = lambda c, ev: c.slots()
         return [
-            (
+            _d_fault(
                 "`/slots` answers garbage while the head is awaited",
-                [
-                    _d_part(
-                        both(garbage, hold),
-                        expect=lc.LoadTimeoutError,
-                        budget=FAST_FAULTS.load_wait,
-                        check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
-                    )
-                ],
+                both(garbage, hold),
+                expect=lc.LoadTimeoutError,
+                budget=FAST_FAULTS.load_wait,
+                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
             ),
-            ("`/slots` answers garbage to `slots()`", [_d_part(garbage, slots, lc.ProtocolError, sockets=True)]),
-            (
+            _d_fault("`/slots` answers garbage to `slots()`", garbage, slots, lc.ProtocolError, sockets=True),
+            _d_fault(
                 "`/slots` entries of the wrong shape",
-                [_d_part(_d_slots(_d_json([{"id": "0", "is_processing": "yes"}])), slots, lc.ProtocolError)],
+                _d_slots(_d_json([{"id": "0", "is_processing": "yes"}])),
+                slots,
+                lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "`/slots` hangs while the head is awaited",
-                [
-                    _d_part(
-                        both(_d_slots(_f_hold), hold),
-                        expect=lc.LoadTimeoutError,
-                        budget=FAST_FAULTS.load_wait,
-                        sockets=True,
-                    )
-                ],
+                both(_d_slots(_f_hold), hold),
+                expect=lc.LoadTimeoutError,
+                budget=FAST_FAULTS.load_wait,
+                sockets=True,
             ),
-            (
-                "`/slots` hangs for `slots()`",
-                [_d_part(_d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness)],
+            _d_fault("`/slots` hangs for `slots()`", _d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness),
+            # not served: the slots cannot be seen
+            _d_fault(
+                "`/slots` answers 501 while the head is awaited",
+                both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
+                expect=lc.WaitTimeoutError,
+                budget=FAST_FAULTS.busy_wait,
             ),
-            (
-                "`/slots` answers 501 while the head is awaited",  # not served: the slots cannot be seen
-                [
-                    _d_part(
-                        both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
-                        expect=lc.WaitTimeoutError,
-                        budget=FAST_FAULTS.busy_wait,
-                    )
-                ],
-            ),
-            (
+            _d_fault(
                 "`/slots` answers 501 to `slots()`",
-                [
-                    _d_part(
-                        _d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")),
-                        slots,
-                        lc.HTTPStatusError,
-                        check=_d_attrs(status=501, message="This server does not support slots endpoint."),
-                    )
-                ],
+                _d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")),
+                slots,
+                lc.HTTPStatusError,
+                check=_d_attrs(status=501, message="This server does not support slots endpoint."),
             ),
-            (
+            _d_fault(
                 "`/props` is not an object",
-                [
-                    _d_part(
-                        lambda s: s.route("GET", "/props", _d_json([1, 2])), lambda c, ev: c.props(), lc.ProtocolError
-                    )
-                ],
+                lambda s: s.route("GET", "/props", _d_json([1, 2])),
+                lambda c, ev: c.props(),
+                lc.ProtocolError,
             ),
         ]
 
@@ -15180,45 +14969,38 @@ class TestDifferential(_f_Case):
         refused = _d_json({"success": False})
         end = lambda c, ev: c.end_reasoning(CID)
         return [
-            (
+            _d_fault(
                 "control endpoint answers 404",
-                [
-                    _d_part(
-                        with_control(not_found),
-                        expect=lc.ThinkingOverrunError,
-                        changes=capped,
-                        check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2)),
-                    )
-                ],
+                with_control(not_found),
+                expect=lc.ThinkingOverrunError,
+                changes=capped,
+                check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2)),
             ),
-            (
-                "control endpoint 404 for `end_reasoning()`",  # no route: 404
-                [_d_part(with_control(None), end, lc.HTTPStatusError, changes=capped, check=_d_attrs(status=404))],
+            # no route for the control endpoint: the server's 404
+            _d_fault(
+                "control endpoint 404 for `end_reasoning()`",
+                with_control(None),
+                end,
+                lc.HTTPStatusError,
+                changes=capped,
+                check=_d_attrs(status=404),
             ),
-            (
+            _d_fault(
                 "control endpoint answers `success: false`",
-                [
-                    _d_part(
-                        with_control(refused),
-                        expect=lc.ThinkingOverrunError,
-                        changes=capped,
-                        check=_d_kinds("Reasoning", "Reasoning"),
-                    )
-                ],
+                with_control(refused),
+                expect=lc.ThinkingOverrunError,
+                changes=capped,
+                check=_d_kinds("Reasoning", "Reasoning"),
             ),
-            ("`success: false` for `end_reasoning()`", [_d_part(with_control(refused), end, False, changes=capped)]),
-            (
+            _d_fault("`success: false` for `end_reasoning()`", with_control(refused), end, False, changes=capped),
+            _d_fault(
                 "control endpoint hangs",
-                [
-                    _d_part(
-                        with_control(_f_hold),
-                        expect=lc.ThinkingOverrunError,
-                        budget=FAST_FAULTS.liveness,
-                        changes=capped,
-                        check=_d_cause(lc.StalledError),
-                        sockets=True,
-                    )
-                ],
+                with_control(_f_hold),
+                expect=lc.ThinkingOverrunError,
+                budget=FAST_FAULTS.liveness,
+                changes=capped,
+                check=_d_cause(lc.StalledError),
+                sockets=True,
             ),
         ]
 
@@ -15287,9 +15069,10 @@ class TestDifferential(_f_Case):
                     ),
                 ],
             ),
-            (
+            _d_fault(
                 "a model name carrying CR/LF",
-                [_d_part(_d_reply(_D_OK), _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"))],
+                _d_reply(_D_OK),
+                _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"),
             ),
             (
                 "redirects",
@@ -15325,72 +15108,53 @@ class TestDifferential(_f_Case):
         assembler = served("080ec222851097f5", "assembler").decode("utf-8", "surrogatepass").split("\n\x1e")
         lines = served("5dff79bad8bec29d", "sse")
         return [
-            (
+            _d_fault(
                 "error body stalls on a held connection",
-                [
-                    _d_part(
-                        _d_pieces(
-                            served("e2748cec9571aae2", "client"),
-                            _F_CUTS["e2748cec9571aae2"],
-                        ),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                        sockets=True,
-                    )
-                ],
+                _d_pieces(
+                    served("e2748cec9571aae2", "client"),
+                    _F_CUTS["e2748cec9571aae2"],
+                ),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "503 with an error body nested 5,000 deep",
-                [
-                    _d_part(
-                        _d_reply(served("403724efe73ee4d8", "http")),
-                        expect=lc.LoadTimeoutError,
-                        budget=FAST_FAULTS.load_wait,
-                    )
-                ],
+                _d_reply(served("403724efe73ee4d8", "http")),
+                expect=lc.LoadTimeoutError,
+                budget=FAST_FAULTS.load_wait,
             ),
             # the assembler's payloads, served as the events of a stream: the first is the error event
-            (
+            _d_fault(
                 'error code `"²"`',
-                [_d_part(_d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"), expect=lc.ServerError)],
+                _d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"),
+                expect=lc.ServerError,
             ),
             # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
             # longer than the parsing: CPU-bound, it is timing otherwise), in CPU time against the floor's
-            (
+            _d_fault(
                 "605,552 `data:` lines in one event",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"\r\n" + lines),
-                        expect=lc.StreamClosedError,
-                        at_once=True,
-                        changes=dict(max_line=1024 * 1024, liveness=30.0),
-                        cpu=lines,
-                    )
-                ],
+                _d_reply(_D_CL + b"\r\n" + lines),
+                expect=lc.StreamClosedError,
+                at_once=True,
+                changes=dict(max_line=1024 * 1024, liveness=30.0),
+                cpu=lines,
             ),
-            (
+            _d_fault(
                 "`event: error` with data nested 100,000 deep",
-                [
-                    _d_part(
-                        _d_reply(served("e517c807fa701495", "http")),
-                        expect=lc.ServerError,
-                        changes=dict(max_line=1024 * 1024),
-                    )
-                ],
+                _d_reply(served("e517c807fa701495", "http")),
+                expect=lc.ServerError,
+                changes=dict(max_line=1024 * 1024),
             ),
-            (
+            _d_fault(
                 "`event: error` nested deep, through `chat()`",
-                [
-                    _d_part(
-                        _d_pieces(
-                            served("0f7c31287867b84c", "client"),
-                            _F_CUTS["0f7c31287867b84c"],
-                        ),
-                        _d_chat(slot=1),
-                        lc.ServerError,
-                        changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
-                    )
-                ],
+                _d_pieces(
+                    served("0f7c31287867b84c", "client"),
+                    _F_CUTS["0f7c31287867b84c"],
+                ),
+                _d_chat(slot=1),
+                lc.ServerError,
+                changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
             ),
         ]
 
@@ -15733,14 +15497,13 @@ class TestDifferential(_f_Case):
                     for n in ("haproxy 504", "caddy 504", "cloudflare 524")
                 ],
             ),
-            (
+            _d_fault(
                 "504 to a resumable request the server holds",
-                [_d_part(resumable, act=_d_chat(resumable="conv-1"), changes=dict(busy_wait=1.0))],
+                resumable,
+                act=_d_chat(resumable="conv-1"),
+                changes=dict(busy_wait=1.0),
             ),
-            (
-                "a resumable stream the front ends cleanly mid-event",
-                [_d_part(caddy_cut, act=_d_chat(resumable="conv-1"))],
-            ),
+            _d_fault("a resumable stream the front ends cleanly mid-event", caddy_cut, act=_d_chat(resumable="conv-1")),
             ("502 with an HTML page, then served", [served("nginx 502", load)]),
             ("502 with an empty body, then served", [served("caddy 502", load)]),
             ("520 to 523, then served", [served("cloudflare %d" % n, load) for n in (520, 521, 522, 523)]),
@@ -15749,27 +15512,23 @@ class TestDifferential(_f_Case):
                 [for_ever("nginx 502", "load_wait", "busy_wait", {})]
                 + [for_ever(n, "load_wait", "busy_wait", dict(load_wait=0.3)) for n in ("caddy 502", "cloudflare 521")],
             ),
-            (
+            _d_fault(
                 "503 from HAProxy for ever",
-                [
-                    _d_part(
-                        _d_reply(front_answer("haproxy 503")),
-                        expect=lc.LoadTimeoutError,
-                        budget=0.6,
-                        changes=dict(busy_wait=0.2),
-                        check=(
-                            _d_says("load_wait"),
-                            _d_cause(
-                                lc.HTTPStatusError,
-                                status=503,
-                                message="503 Service Unavailable",
-                                server=None,
-                                body=front_page("haproxy 503"),
-                            ),
-                            _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}),
-                        ),
-                    )
-                ],
+                _d_reply(front_answer("haproxy 503")),
+                expect=lc.LoadTimeoutError,
+                budget=0.6,
+                changes=dict(busy_wait=0.2),
+                check=(
+                    _d_says("load_wait"),
+                    _d_cause(
+                        lc.HTTPStatusError,
+                        status=503,
+                        message="503 Service Unavailable",
+                        server=None,
+                        body=front_page("haproxy 503"),
+                    ),
+                    _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}),
+                ),
             ),
             (
                 "an error page from a front",
@@ -15806,17 +15565,13 @@ class TestDifferential(_f_Case):
                     ),
                 ],
             ),
-            (
+            _d_fault(
                 "idle `/slots`, several servers",
-                [
-                    _d_part(
-                        _d_stream(_f_hold),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
-                        check=_d_waits(several, "of several servers"),
-                    )
-                ],
+                _d_stream(_f_hold),
+                expect=lc.WaitTimeoutError,
+                budget=0.8,
+                changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
+                check=_d_waits(several, "of several servers"),
             ),
             (
                 "`/slots` answers from two servers",
@@ -15873,32 +15628,25 @@ class TestDifferential(_f_Case):
                     _d_part(then_ok(b"0"), budget=backoff, at_once=True, check=served, sockets=True),
                 ],
             ),
-            (
-                "429 for ever",  # load_wait shorter: the wrong budget would end it far earlier
-                [
-                    _d_part(
-                        _d_reply(_f_too_many(b"0")),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        changes=dict(load_wait=0.3),
-                        check=(
-                            _d_says("answered 429 (at capacity)", "(busy_wait)"),
-                            _d_cause(lc.HTTPStatusError, status=429),
-                        ),
-                    )
-                ],
+            # load_wait shorter: the wrong budget would end it far earlier
+            _d_fault(
+                "429 for ever",
+                _d_reply(_f_too_many(b"0")),
+                expect=lc.WaitTimeoutError,
+                budget=0.8,
+                changes=dict(load_wait=0.3),
+                check=(
+                    _d_says("answered 429 (at capacity)", "(busy_wait)"),
+                    _d_cause(lc.HTTPStatusError, status=429),
+                ),
             ),
-            (
+            _d_fault(
                 "429 with a hint past `busy_wait`",
-                [
-                    _d_part(
-                        _d_reply(_f_too_many(b"30")),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        at_once=True,
-                        check=_d_retries(n=0),
-                    )
-                ],
+                _d_reply(_f_too_many(b"30")),
+                expect=lc.WaitTimeoutError,
+                budget=0.8,
+                at_once=True,
+                check=_d_retries(n=0),
             ),
             (
                 "`/slots` not served",

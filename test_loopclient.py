@@ -14122,13 +14122,15 @@ _D_OK = STREAM_HEAD + _F_OK_BODY
 
 
 class TestDifferential(_f_Case):
-    """The virtual driver and AsyncClient on a real socket are one behaviour: every row of dev/FAULTS.md
-    (each scripted server behaviour, built as the fault tier builds it), and the cases that used to tell
-    the clients apart, run through both against the same scripted server (a VirtualServer, then a
-    FakeServer on the same path or port); the events, the Completion, the error class and message must be
-    alike (differs_between_clients: alike but for timing), and each must be the documented outcome within
-    its budget: exactly on the virtual clock, within MARGIN on the real one.  AsyncClient is the real
-    driver compared, its step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike
+    """Every row of dev/FAULTS.md, stated once: its parts (the scripted server, the call, the documented
+    outcome, its budget, and the checks of what else the row says) run through AsyncClient on a real
+    socket, through Client on a real socket where the transport is part of the fault (``sockets``), and
+    through the virtual driver, against the same scripted server (a FakeServer, then a VirtualServer on the
+    same path or port); the cases that used to tell the clients apart run the same way.  Each client's
+    outcome must be the documented one within its budget (exactly on the virtual clock, within MARGIN on a
+    real one) and pass the part's checks, and the events, the Completion, the error class and message
+    must be alike (differs_between_clients: alike but for timing).  AsyncClient is the real driver always
+    compared, its step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike
     compares the three operation by operation).  One subTest per row, named by the row."""
 
     VIRTUAL = False  # the test's own fixture is real; each row makes a virtual clock for its virtual run

@@ -13876,9 +13876,10 @@ def differs_between_clients(sync, other, poll, margin=MARGIN):
 #: listens on TCP.  ``check``: what else the row states, one check or a tuple of them, each
 #: ``check(test, run)`` with ``run`` a _DRun, called for every client.  ``sockets``: the transport is part
 #: of the fault (a connect, a reset, a held or silent connection, bytes a read at a time, a send the
-#: client must stop), so the row runs through Client on a real socket too.  ``cpu``: the part is CPU-bound
-#: on these bytes: its time is the process's CPU time, at most _D_CPU_RATIO times that of _d_floor(cpu)
-#: measured beside it, not a real-time budget (which a loaded machine cannot keep).
+#: client must stop), so the row runs through Client on a real socket too; of the rows waited out for a
+#: budget, one of each kind of wait (each is one more real-time bound on a loaded machine).  ``cpu``: the
+#: part is CPU-bound on these bytes: its time is the process's CPU time, at most _D_CPU_RATIO times that
+#: of _d_floor(cpu) measured beside it, not a real-time budget (which a loaded machine cannot keep).
 _DPart = collections.namedtuple(
     "_DPart", "arrange act expect budget at_once address changes client tcp check sockets cpu"
 )
@@ -14320,7 +14321,6 @@ class TestDifferential(_f_Case):
                 expect=lc.LoadTimeoutError,
                 budget=lw,
                 check=_d_cause(ConnectionRefusedError),
-                sockets=True,
             ),
             _d_fault(
                 "socket file with no listener, single-shot call",
@@ -14445,7 +14445,6 @@ class TestDifferential(_f_Case):
                 _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
                 expect=lc.StalledError,
                 budget=lv,
-                sockets=True,
             ),
         ]
 
@@ -14631,7 +14630,6 @@ class TestDifferential(_f_Case):
                 _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
                 expect=lc.StalledError,
                 budget=FAST_FAULTS.liveness,
-                sockets=True,
             ),
             _d_fault(
                 "a line of `max_line` exactly",
@@ -14715,9 +14713,7 @@ class TestDifferential(_f_Case):
         pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
         hold = _d_stream(_f_hold)
         return [
-            _d_fault(
-                "pings forever, idle slot", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness, sockets=True
-            ),
+            _d_fault("pings forever, idle slot", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness),
             _d_fault(
                 "pings forever, processing slot",
                 _d_busy(pings),
@@ -14739,7 +14735,6 @@ class TestDifferential(_f_Case):
                 expect=lc.WaitTimeoutError,
                 budget=FAST_FAULTS.busy_wait,
                 check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
-                sockets=True,
             ),
             _d_fault(
                 "stall mid-stream",

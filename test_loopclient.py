@@ -11915,9 +11915,6 @@ class _f_Case(VirtualFactory, ServerCase):
         self.assertLessEqual(elapsed, budget + (1e-6 if self.VIRTUAL else MARGIN))
         return outcome
 
-    def _f_kinds(self):
-        return [type(e).__name__ for e in self._f_events]
-
 
 # -- behind proxies and balancers: an unseen /slots, the pool's size (the 429s are rows of the table) -
 
@@ -19101,20 +19098,13 @@ _FR_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
 
 
 class TestFaultFronts(_f_Case):
-    """What nginx, HAProxy, Caddy (and Cloudflare) answer on their own, byte for byte, before anything was
-    delivered: a 504 or 524 (the front stopped waiting: the request was queued for a slot) is waited out
-    under busy_wait, a 502 or 520-523 (the front cannot reach the server) under load_wait; resumable
-    requests are looked up and resumed rather than sent twice; several servers behind one address are no
-    reason to call a slot stalled or wedged."""
+    """Behind nginx, HAProxy, Caddy (and Cloudflare), what is more than a row of the fault table (whose
+    rows, TestDifferential.test_behind_fronts, wait out a 504 or 524 under busy_wait and a 502 or 520-523
+    under load_wait, and make a front's page one line): resumable requests a front cut are looked up and
+    resumed rather than sent twice; several servers behind one address are no reason to call a slot
+    stalled or wedged; a front's own /health."""
 
-    def _fr_retries(self):
-        return [e for e in self._f_events if isinstance(e, lc.Retrying)]
-
-    def _fr_one_line(self, err):
-        self.assertNotIn("\n", str(err))
-        self.assertNotIn("\r", str(err))
-
-    # -- 504 and 524: the front stopped waiting for a slot ---------------------------------------------
+    # -- a 504 to a resumable request: looked up, resumed -------------------------------------------------
 
     def test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero(self):
         raw = load_transcript("04_chat_stream.raw.txt")
@@ -19162,9 +19152,7 @@ class TestFaultFronts(_f_Case):
         self.assertEqual(completion, whole)
         self.assertEqual({c for _, _, c in buf.carried()}, {"conv-1"})
 
-    # -- 502 and 520-523: the front cannot reach the server ----------------------------------------------
-
-    # -- an error page, not retried: one line naming the front, the page kept ----------------------------
+    # -- a front's own answer to /health -------------------------------------------------------------------
 
     def test_health_of_a_front_that_answers_plain_text(self):
         ok = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK"

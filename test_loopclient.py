@@ -14021,6 +14021,15 @@ def _d_retries(n=None, pairs=None, reasons=None, delays=None):
     return check
 
 
+def _d_not_before(seconds):
+    """The outcome came no sooner than ``seconds`` (a part whose budget is an upper bound only)."""
+
+    def check(test, run):
+        test.assertGreaterEqual(run.elapsed, seconds - (1e-6 if run.kind == "virtual" else EARLY), run.kind)
+
+    return check
+
+
 def _d_heard(*kinds):
     """Among the events there is one of each of ``kinds``."""
 
@@ -15589,7 +15598,7 @@ class TestDifferential(_f_Case):
                         budget=0.8 + 2 * FAST_FAULTS.poll,
                         at_once=True,
                         changes=dict(idle_grace=0.3, load_wait=0.3),
-                        check=last_wait_knows(False),
+                        check=(last_wait_knows(False), _d_not_before(0.8)),  # busy_wait, from the second poll
                     ),
                     _d_part(  # one server's slot may take a task queued for it after a later one: no proof
                         two_servers([idle(2, 9), idle(2, 4)]),

@@ -15246,7 +15246,8 @@ class TestDifferential(_f_Case):
 
     def test_each_row_states_what_it_runs(self):
         """A row's outcome names the error its parts expect (or says there is none), and the budget it is
-        waited out for ("after `liveness`"); its tests exist."""
+        waited out for ("after `liveness`"); its tests exist, and a TestDifferential test it names runs it
+        (a name in the old form, any TestX.test_y, is accepted when it exists)."""
         budgets = ("liveness", "busy_wait", "load_wait", "idle_grace")
         rows = self._d_rows()
         for heading, _, table in FAULT_TABLE:

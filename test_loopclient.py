@@ -821,11 +821,16 @@ class SyncFacade:
         self.close()
 
 
+def on_board(client, fn):
+    """``fn(board)`` on a client's board (a SyncFacade's: its AsyncClient's, in the loop's thread)."""
+    if isinstance(client, SyncFacade):
+        return client._runner.call(lambda: fn(client._client._board))
+    return fn(client._board)
+
+
 def client_pools(client):
     """The ``slot=None`` pool sizes a client (or a SyncFacade's AsyncClient) has learned: {model: size}."""
-    if isinstance(client, SyncFacade):
-        return client._runner.call(lambda: dict(client._client._board.pools))
-    return dict(client._board.pools)
+    return on_board(client, lambda board: dict(board.pools))
 
 
 class AsyncDriver:
@@ -10386,8 +10391,9 @@ class CountingRun(lc._SyncRun):
         super().signal()
 
 
-def gate_problems(gate, queue_len=None):
-    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+def gate_problems(gate, queue_len=None, shrunk=False):
+    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none.
+    ``shrunk``: a pool may have been made smaller than the requests in flight (``_Gate.resize``)."""
     if isinstance(gate, GateView):
         return gate.problems(queue_len)
     problems = []
@@ -10395,9 +10401,9 @@ def gate_problems(gate, queue_len=None):
         for key, lane in gate._lanes.items():
             queue, holes = lane.queue, lane.holes
             where = "%r: " % (key,)
-            if not 0 <= lane.in_flight <= lane.capacity:
+            if lane.in_flight < 0 or (lane.in_flight > lane.capacity and not shrunk):
                 problems.append(where + "%d in flight, capacity %d" % (lane.in_flight, lane.capacity))
-            if queue and lane.in_flight != lane.capacity:
+            if queue and lane.in_flight < lane.capacity:
                 problems.append(where + "%d wait while a permit is free" % len(queue))
             if queue_len is not None and len(queue) > queue_len:
                 problems.append(where + "%d waiting, queue_len %d" % (len(queue), queue_len))
@@ -10910,6 +10916,350 @@ class TestGateHandover(unittest.TestCase):
         self.assertTrue(a.granted and b.granted)  # slot 0 of model a and of model b are different queues
         gate.leave(a)
         gate.leave(b)
+
+
+class TestGateResize(unittest.TestCase):
+    """The gate alone: a ``slot=None`` pool resized when its ``/props`` answer comes, at any moment."""
+
+    def test_a_larger_pool_admits_the_waiters_that_fit_in_order_and_wakes_only_them(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        first = gate.enter(key, 1)  # no answer yet: a pool of one
+        wakers = [CountingRun() for _ in range(4)]
+        waiting = [gate.enter(key, 1, w) for w in wakers]
+        self.assertEqual([t.ahead for t in waiting], [1, 2, 3, 4])
+        gate.resize(key, 3)
+        self.assertEqual([t.granted for t in waiting], [True, True, False, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 0, 0])
+        self.assertEqual(gate.snapshot()[key], (3, 2))
+        self.assertEqual([gate.position(t) for t in waiting[2:]], [3, 4])  # as announced: not increased
+        self.assertEqual(gate_problems(gate), [])
+        gate.leave(first)
+        self.assertEqual([t.granted for t in waiting], [True, True, True, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 1, 0])
+        for ticket in waiting:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_a_smaller_pool_takes_no_permit_back(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        held = [gate.enter(key, 3) for _ in range(3)]
+        waker = CountingRun()
+        late = gate.enter(key, 3, waker)
+        self.assertEqual(late.ahead, 3)
+        gate.resize(key, 1)
+        self.assertTrue(all(t.granted and not t.left for t in held))  # the requests in flight go on
+        self.assertEqual(gate.snapshot()[key], (3, 1))
+        self.assertEqual(gate.position(late), 3)
+        self.assertEqual(gate_problems(gate, shrunk=True), [])
+        newer = gate.enter(key, 1)  # queued behind: nobody is admitted while three are in flight
+        self.assertFalse(newer.granted)
+        self.assertEqual(newer.ahead, 4)
+        gate.leave(held[0])
+        gate.leave(held[1])
+        self.assertEqual((late.granted, waker.signals), (False, 0))  # one in flight, a pool of one
+        self.assertEqual(gate.position(late), 1)
+        gate.leave(held[2])
+        self.assertEqual((late.granted, waker.signals, newer.granted), (True, 1, False))
+        self.assertEqual(gate.snapshot()[key], (1, 1))
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in (late, newer):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_a_resize_before_anyone_entered_sizes_the_pool(self):
+        """The request that asked was cancelled before it entered, or read the size just before the
+        answer: the pool has its size all the same, and a caller's smaller figure does not shrink it."""
+        gate = lc._Gate(threading.Lock(), 8)
+        key = ("alpha", None)
+        gate.resize(key, 2)
+        tickets = [gate.enter(key, 1) for _ in range(3)]
+        self.assertEqual([t.granted for t in tickets], [True, True, False])
+        self.assertEqual(gate._lanes[key].capacity, 2)
+        for ticket in tickets:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot(), {key: (0, 0)})
+
+    def test_resizes_match_a_plain_list(self):
+        """Random enters, cancels, releases, and resizes up and down at any moment, against a list model:
+        grants in order, never more admitted than the pool, none taken back, positions never grow."""
+        rng = random.Random(20260417)
+        gate = lc._Gate(threading.Lock(), 10**6)
+        key = (None, None)
+        queued, held = [], []
+        capacity = 1
+        for step in range(6000):
+            r = rng.random()
+            before = len(held)
+            if r < 0.03:
+                capacity = rng.randint(1, 6)
+                gate.resize(key, capacity)
+            elif r < 0.5 or not (queued or held):
+                queued.append(gate.enter(key, 1))
+            elif r < 0.8 and queued:
+                gate.leave(queued.pop(rng.randrange(len(queued))))
+            elif held:
+                gate.leave(held.pop(rng.randrange(len(held))))
+                before -= 1
+            lane = gate._lanes[key]
+            moved = [t for t in queued if t.granted]
+            self.assertEqual(moved, queued[: len(moved)], "granted out of order at step %d" % step)
+            if moved:  # admitted only into free permits, up to the pool
+                self.assertLessEqual(before + len(moved), capacity, "step %d" % step)
+            held += moved
+            del queued[: len(moved)]
+            self.assertEqual(lane.in_flight, len(held))
+            self.assertTrue(all(t.granted and not t.left for t in held))
+            self.assertTrue(not queued or lane.in_flight >= capacity, "a free permit with waiters, step %d" % step)
+            for rank, ticket in enumerate(queued):
+                self.assertEqual(gate.position(ticket), lane.in_flight + rank)
+                self.assertLessEqual(gate.position(ticket), ticket.ahead)  # never more than was announced
+                ticket.ahead = gate.position(ticket)  # what the waiter would announce at its next poll
+            self.assertEqual(gate_problems(gate, shrunk=True), [], "step %d" % step)
+        for ticket in queued + held:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+
+class TestPoolProbe(VirtualFactory, ServerCase):
+    """``slot=None`` without ``Limits.pool``: the pool's size is asked of ``/props`` in the background.  The
+    request goes to the server as soon as the gate lets it go, sized from what is known (1 until an
+    answer), and the answer resizes the gate when it comes; a failed one leaves 1, and the next request
+    asks again.  At no moment are more requests at the server than the pool."""
+
+    limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0, queue_len=8)
+
+    def props_when(self, release, doc=None, status=200, path="/props"):
+        """``GET path`` answers ``doc`` (else ``{"total_slots": 3}``) with ``status`` once ``release`` is
+        set (until then, silence: a router loading the model); returns the list of when it answered."""
+        answered = []
+
+        def handler(req):
+            while not release.is_set():
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            answered.append(time.monotonic())
+            respond_json(req, {"total_slots": 3} if doc is None else doc, status, "OK" if status == 200 else "Nope")
+
+        self.server.route("GET", path, handler)
+        return answered
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def start(self, keeper, markers, events, results, **params):
+        """Start a slot=None chat per marker, each once it is at the server or queued."""
+        threads = []
+        for marker in markers:
+            threads.append(start_chat(self.client, marker, None, events, results, **params))
+            wait_for(
+                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in events[m]), what=marker
+            )
+        return threads
+
+    def stream_in_thread(self, marker):
+        """A slot=None stream iterated in a thread: (stream, its events then its error, the thread)."""
+        stream = self.client.stream([{"role": "user", "content": marker}], slot=None)
+        outcome = []
+
+        def run():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+
+        return stream, outcome, self.start_thread(run)
+
+    def queued(self, events):
+        return [e.ahead for e in events if isinstance(e, lc.Queued)]
+
+    def test_a_props_that_never_answers_does_not_delay_the_request(self):
+        self.props_when(self.event())  # never answers: the client gives up on it after liveness
+        self.use(serve_body(content_stream(["ok"])))
+        t = Timer()
+        completion, events = self.collect(slot=None)
+        self.assertAtOnce(t.elapsed, MARGIN)
+        self.assertEqual((completion.content, events), ("ok", [lc.Content("ok")]))
+        wait_for(lambda: self.sent("/props"), what="the /props asked in the background")  # and unanswered
+        completion, events = self.collect(slot=None)  # at once too, and /props is not asked twice at a time
+        self.assertEqual((completion.content, events), ("ok", [lc.Content("ok")]))
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(self.client._board.gate._lanes[(None, None)].capacity, 1)
+        wait_for(lambda: not on_board(self.client, lambda b: b.asking), 10, "the client to give up on /props")
+        self.assertEqual(client_pools(self.client), {})  # no answer: still a pool of one
+        self.assertEqual(self.collect(slot=None)[0].content, "ok")
+        self.assertEqual(len(self.sent("/props")), 2)  # the next request asked again
+
+    def test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order(self):
+        release = self.event()
+        self.props_when(release)  # total_slots 3
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "ABCDE", events, results)
+        gate = self.client._board.gate
+        self.assertEqual([m for _, m in keeper.order], ["A"])  # no answer yet: a pool of one
+        self.assertEqual(gate.snapshot()[(None, None)], (1, 4))
+        self.assertEqual([self.queued(events[m]) for m in "BCDE"], [[1], [2], [3], [4]])
+        release.set()
+        wait_for(lambda: keeper.arrived("B") and keeper.arrived("C"), what="B and C, admitted by the answer")
+        order = [m for _, m in keeper.order]  # B and C were let go together: their threads race to the server
+        self.assertEqual((order[0], sorted(order[1:])), ("A", ["B", "C"]))
+        self.assertEqual(gate.snapshot()[(None, None)], (3, 2))
+        self.assertEqual(gate_problems(gate), [])
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("D"), what="D, in A's place")
+        self.assertFalse(keeper.arrived("E"))
+        keeper.release("B")
+        wait_for(lambda: keeper.arrived("E"), what="E, in B's place")
+        for marker in "CDE":
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([m for _, m in keeper.order][3:], ["D", "E"])
+        self.assertEqual([results[m].content for m in "ABCDE"], list("ABCDE"))
+        self.assertEqual(self.queued(events["A"]), [])
+        for marker, first in zip("BCDE", (1, 2, 3, 4)):
+            ahead = self.queued(events[marker])
+            self.assertEqual(ahead[0], first, marker)
+            self.assertEqual(ahead, sorted(set(ahead), reverse=True), marker)  # never repeated or increased
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+    def burst(self, models, pools, markers, hold=0.2, answer_at=0.3):
+        """The ``markers`` as slot=None chats at once, routed in turn to ``models`` (None: the server's own),
+        each model's ``/props`` answering its size in ``pools`` ``answer_at`` seconds in.  Returns, per
+        model, the most requests at the server at one moment before its answer and after it."""
+        release = self.event()
+        self.later(answer_at, release.set)
+        answered = {}
+        for model, size in zip(models, pools):
+            path = "/props" if model is None else "/props?model=" + model
+            answered[model] = self.props_when(release, {"total_slots": size}, path=path)
+            if model is not None:
+                self.server.route("GET", "/slots?model=" + model, self.server._slots)
+        lock = threading.Lock()  # never held across a wait: the virtual clock's tasks take turns
+        now = dict.fromkeys(models, 0)
+        peak = {m: [0, 0] for m in models}  # [before the answer, after it]
+        problems = []
+
+        def handler(req):
+            model = req.json().get("model")
+            with lock:
+                now[model] += 1
+                after = bool(answered[model])
+                peak[model][after] = max(peak[model][after], now[model])
+            problems.extend(gate_problems(self.client._board.gate))
+            time.sleep(hold)
+            with lock:
+                now[model] -= 1  # before the answer: the client's next request cannot come before it
+            req.send(STREAM_HEAD + content_stream([req.json()["messages"][0]["content"]]))
+
+        self.use(handler)
+        events, results, threads = {}, {}, []
+        for i, marker in enumerate(markers):
+            model = models[i % len(models)]
+            params = {} if model is None else {"model": model}
+            threads.append(start_chat(self.client, marker, None, events, results, **params))
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual([getattr(results.get(m), "content", results.get(m)) for m in markers], list(markers))
+        self.assertEqual(problems, [])
+        for model in models:
+            path = "/props" if model is None else "/props?model=" + model
+            self.assertEqual(len(self.sent(path)), 1, path)  # one probe per model, however many came
+        return peak
+
+    def test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool(self):
+        peak = self.burst([None], [2], "ABCDEFGH")
+        self.assertLessEqual(peak[None][0], 1)  # while /props was out: a pool of one
+        self.assertLessEqual(peak[None][1], 2)
+        if self.VIRTUAL:  # once the answer is in, the gate is no tighter than the pool
+            self.assertEqual(peak[None], [1, 2])
+
+    def test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool(self):
+        peak = self.burst(["alpha", "beta"], [2, 3], "ABCDEFGHIJ")
+        for model, size in (("alpha", 2), ("beta", 3)):
+            self.assertLessEqual(peak[model][0], 1, model)
+            self.assertLessEqual(peak[model][1], size, model)
+            if self.VIRTUAL:
+                self.assertEqual(peak[model], [1, size], model)
+
+    def test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again(self):
+        release = self.event()
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        first = self.props_when(release, loading, 503)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "AB", events, results)
+        self.assertEqual(self.queued(events["B"]), [1])
+        release.set()  # the probe fails: nobody waited for it, nothing changes
+        wait_for(lambda: first and not on_board(self.client, lambda b: b.asking), what="the failed probe")
+        self.assertEqual(client_pools(self.client), {})
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (1, 1))
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("B"), what="B, in A's place")
+        self.server.route("GET", "/props", lambda req: respond_json(req, {"total_slots": 2}))
+        threads += self.start(keeper, "C", events, results)  # asks again; the answer admits C beside B
+        wait_for(lambda: keeper.arrived("C"), what="C, beside B once /props answered")
+        self.assertEqual(client_pools(self.client), {None: 2})
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (2, 0))
+        for marker in "BC":
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "ABC"], list("ABC"))
+        self.assertEqual(len(self.sent("/props")), 2)
+
+    def test_cancel_while_the_probe_is_out(self):
+        release = self.event()
+        self.props_when(release)  # total_slots 3
+        keeper = Gatekeeper(self.server)
+        streams = {}
+        for marker in "ABC":  # A starts the probe and is sent; B and C wait for a pool of one
+            streams[marker] = self.stream_in_thread(marker)
+            wait_for(
+                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in streams[m][1]), what=marker
+            )
+        self.assertEqual([self.queued(streams[m][1]) for m in "ABC"], [[], [1], [2]])
+        gate = self.client._board.gate
+        streams["B"][0].cancel()  # a waiter leaves the queue; C moves up
+        streams["B"][2].join(5)
+        self.assertIsInstance(streams["B"][1][-1], lc.CancelledError)
+        self.assertEqual(gate.snapshot()[(None, None)], (1, 1))
+        wait_for(lambda: self.queued(streams["C"][1]) == [2, 1], what="C to hear it moved up")
+        streams["A"][0].cancel()  # the request that started the probe: its permit goes to C
+        streams["A"][2].join(5)
+        self.assertIsInstance(streams["A"][1][-1], lc.CancelledError)
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(5))
+        wait_for(lambda: keeper.arrived("C"), what="C, in A's place")
+        self.assertEqual(len(self.sent("/props")), 1)  # still out: the probe outlives the cancel
+        release.set()
+        wait_for(lambda: client_pools(self.client) == {None: 3}, what="the answer of the probe A started")
+        events, results = {}, {}
+        threads = self.start(keeper, "DE", events, results)  # beside C: a pool of three
+        self.assertEqual([m for _, m in keeper.order], ["A", "C", "D", "E"])
+        self.assertEqual((self.queued(events["D"]), self.queued(events["E"])), ([], []))
+        for marker in "CDE":
+            keeper.release(marker)
+        for thread in threads + [streams["C"][2]]:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "DE"], ["D", "E"])
+        self.assertEqual(streams["C"][1][-1], lc.Content("C"))
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+
+TestPoolProbeSockets, TestPoolProbeSocketsAsync = on_sockets(
+    TestPoolProbe,
+    "test_a_props_that_never_answers_does_not_delay_the_request",
+    "test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order",
+    "test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool",
+    "test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool",
+    "test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again",
+    "test_cancel_while_the_probe_is_out",
+)
 
 
 class TestCancel(ServerCase):

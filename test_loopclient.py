@@ -19439,6 +19439,137 @@ class TestRealRouterModelsAsync(AsyncDriver, TestRealRouterModels):
     """The same on AsyncClient."""
 
 
+def _router_log(offset=0):
+    """The real router's log (next to its socket: ``.sock`` -> ``.log``) from byte ``offset``, as text."""
+    with open(REAL_ROUTER[: -len(".sock")] + ".log", "rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
+
+
+def _router_log_size():
+    return os.path.getsize(REAL_ROUTER[: -len(".sock")] + ".log")
+
+
+#: what the router logs for each request that waits for a model to load (once it has taken the request's
+#: conversation id, for a POST)
+_WAITING_FOR = "waiting until model name=%s is fully loaded"
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterLoad(ClientFactory, unittest.TestCase):
+    """A streamed request is at the router as soon as it is made, while its ``slot=None`` pool's
+    ``/props?model=`` (which the router holds until the model has loaded) is still out: a stop
+    (``DELETE /v1/stream``) sent while the model loads cancels it, as it cancels a plain http.client
+    request, and the router's log shows the request parked in the load when the stop came."""
+
+    MODEL = "alpha"
+    COUNT = [{"role": "user", "content": "Count from 1 to 1000."}]
+
+    def setUp(self):
+        # poll 5 s: no /slots poll before the stop, so that only the probe and the POST wait for the load
+        self.client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS.replace(poll=5.0))
+        self.addCleanup(self.client.close)
+
+    def unloaded(self):
+        """The model unloaded (``POST /models/unload``), whatever an earlier test left."""
+        name = self.MODEL
+        if _status(self.client, name) == "loading":
+            wait_for(lambda: _status(self.client, name) == "loaded", 60, "%s to load" % name)
+        if _status(self.client, name) != "unloaded":
+            self.client.unload_model(name)
+            wait_for(lambda: _status(self.client, name) == "unloaded", 30, "%s to unload" % name)
+
+    def waiting_in_log(self, offset, n):
+        """Until the router has logged ``n`` requests waiting for the model's load since ``offset``."""
+        line = _WAITING_FOR % self.MODEL
+        wait_for(lambda: _router_log(offset).count(line) >= n, 60, "%d request(s) waiting for the load" % n)
+
+    def plain_request_stopped_while_loading(self):
+        """What a plain http.client request sees when a stop comes while its model loads: (status, the
+        error's message)."""
+        import http.client
+
+        class UnixHTTP(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(self.timeout)
+                self.sock.connect(REAL_ROUTER)
+
+        self.unloaded()
+        offset = _router_log_size()
+        conversation = "lc-plain-%d-%s" % (os.getpid(), self.CLIENT)
+        body = json.dumps({"model": self.MODEL, "stream": True, "max_tokens": 64, "messages": self.COUNT})
+        headers = {"Content-Type": "application/json", "X-Conversation-Id": conversation}
+        answer = []
+
+        def post():
+            conn = UnixHTTP("localhost", timeout=90)
+            try:
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                response = conn.getresponse()
+                answer.append((response.status, response.read()))
+            finally:
+                conn.close()
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        self.waiting_in_log(offset, 1)  # its only request: the POST, its conversation id taken
+        conn = UnixHTTP("localhost", timeout=30)
+        conn.request("DELETE", "/v1/stream?conv_id=" + conversation)
+        self.assertEqual(conn.getresponse().status, 204)
+        conn.close()
+        thread.join(90)
+        self.assertEqual(len(answer), 1, "the plain request never ended")
+        status, data = answer[0]
+        return status, json.loads(data)["error"]["message"]
+
+    def test_a_stop_while_the_model_loads_ends_the_stream_with_the_routers_400(self):
+        status, message = self.plain_request_stopped_while_loading()
+        self.assertEqual(status, 400, message)  # the router's answer to a request stopped in the load
+
+        self.unloaded()
+        offset = _router_log_size()
+        stream = self.client.stream(self.COUNT, slot=None, model=self.MODEL, resumable=True, max_tokens=64)
+        conversation = stream.conversation_id
+        outcome = []
+
+        def read():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        # the pool's /props?model= and the POST: both wait for the load, the POST with its id taken
+        self.waiting_in_log(offset, 2)
+        self.assertTrue(self.client.delete_stream(conversation))
+        reader.join(90)
+        self.assertFalse(reader.is_alive(), "the stream never ended")
+        error = outcome[-1]
+        self.assertIsInstance(error, lc.HTTPStatusError, outcome)
+        self.assertEqual((error.status, error.message), (status, message))
+        self.assertFalse([e for e in outcome[:-1] if not isinstance(e, lc.Waiting)], outcome)
+
+        log = _router_log(offset)
+        port = re.search(r"spawning server instance with name=%s on port (\d+)" % self.MODEL, log).group(1)
+        stop = "router stop for conv_id=%s while model name=%s is loading" % (conversation, self.MODEL)
+        loaded = re.search(r"(?m)^\[%s\] .*llama_server: model loaded" % port, log)
+        # the first stop the router heard for it found the POST (the stream's own DELETE on its way out
+        # comes later, for an id the router has forgotten by then)
+        first = re.search(r"router stop for (unknown )?conv_id=%s\b.*" % re.escape(conversation), log)
+        self.assertEqual(first and first.group(0), stop + ", cancelling the pending request")
+        self.assertIsNotNone(loaded, "the model's load never finished")
+        self.assertLess(log.index(stop), loaded.start())  # the POST waited in the load when the stop came
+        cancelled = "request for conv_id=%s cancelled while model name=%s was loading" % (conversation, self.MODEL)
+        wait_for(lambda: cancelled in _router_log(offset), 10, "the router to log the cancelled request")
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterLoadAsync(AsyncDriver, TestRealRouterLoad):
+    """The same on AsyncClient."""
+
+
 # -----------------------------------------------------------------------------------------------------
 # Resumable streams on the real server: a proxy of our own cuts the connection, a process is killed
 # -----------------------------------------------------------------------------------------------------

@@ -12977,6 +12977,22 @@ class TestFaultSlots(_f_Case):
         self.server.route("GET", "/props", lambda req: respond_json(req, [1, 2]))
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.props())
 
+    def test_props_silent_or_slow_does_not_hold_a_request_back(self):
+        """slot=None asks /props for the pool's size in the background: the request is sent and served at
+        once whether /props never answers or answers late; a late answer sizes the pool when it comes."""
+        self.use(serve_body(_F_OK_BODY))
+        slow = lambda req: (time.sleep(0.3), respond_json(req, {"total_slots": 2}))  # within liveness (0.5 s)
+        for name, handler in (("silent", _f_hold), ("slow", slow)):
+            with self.subTest(name):
+                client = self.client_with()  # a pool nobody has asked about yet
+                self.server.route("GET", "/props", handler)
+                completion = self._f_succeeds(fn=lambda ev: client.chat(MSGS, slot=None, on_event=ev.append))
+                self.assertEqual(completion.content, "Hello world")
+                self.assertEqual(self._f_events, [lc.Content("Hello"), lc.Content(" world")])
+                self.assertEqual(client_pools(client), {})  # served before /props answered
+        wait_for(lambda: client_pools(client) == {None: 2}, what="the slow answer")
+        self.assertEqual(client._board.gate._lanes[(None, None)].capacity, 2)
+
 
 TestFaultSlotsSockets, TestFaultSlotsSocketsAsync = on_sockets(
     TestFaultSlots,
@@ -14717,6 +14733,12 @@ FAULT_TABLE = [
                 "`ProtocolError` at once",
                 "`TestFaultSlots.test_props_not_an_object`",
             ),
+            (
+                "`/props` silent or slow for a `slot=None` request",
+                "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
+                "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
+                "`TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
+            ),
         ],
     ),
     (
@@ -15964,7 +15986,31 @@ class TestDifferential(_f_Case):
                     )
                 ],
             ),
+            (
+                "`/props` silent or slow for a `slot=None` request",
+                [
+                    self._d_props_late(_f_hold),
+                    self._d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
+                ],
+            ),
         ]
+
+    def _d_props_late(self, handler):
+        """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
+        back for the pool's size, and ``/props`` was asked (in the background) all the same."""
+        servers = []
+
+        def arrange(s):
+            servers[:] = [s]
+            s.route("GET", "/props", handler)
+            s.stream(reply(_D_OK))
+
+        def act(client, events):
+            completion = client.chat(MSGS, slot=None, on_event=events.append)
+            wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
+            return completion
+
+        return _d_part(arrange, act)
 
     def _d_control(self):
         reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))

@@ -767,7 +767,8 @@ class Limits(_Value):
     wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
                             ``WedgedSlotError`` (None: never)
     pool             None   how many requests of a ``slot=None`` pool may be in flight at once (None:
-                            ``total_slots`` from ``/props``, 4 when it does not say; set it behind a balancer)
+                            ``total_slots`` from ``/props``, asked in the background, 1 until it answers,
+                            4 when it does not say; set it behind a balancer)
     keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
                             connection per request)
     servers          1      how many llama-servers stand behind the address (a balancer in front): with
@@ -4837,8 +4838,9 @@ class _Streams:
     when its stream is made (``stream_request``, ``watch_request``, ``resume_request``), and the plan its
     ``Stream`` runs (``plan``): a watch, or a streamed request's place in the gate, then its life
     (``_StreamLife``), and whatever ends it, its sockets closed and its permit released.  The single-shot
-    calls a stream makes on the way (``/props``, the shared ``/slots`` poll, the control endpoint, the
-    lookup and ``DELETE`` of a resumable stream) are ``calls``'."""
+    calls a stream makes on the way (``/props`` and the shared ``/slots`` poll, in the background; the
+    control endpoint, the lookup and ``DELETE`` of a resumable stream) are ``calls``'; none comes before
+    the request's first send."""
 
     def __init__(self, calls: _Calls) -> None:
         self.calls = calls

@@ -12089,6 +12089,8 @@ class TestAsyncScale(unittest.TestCase):
                 await until(lambda: warm, 10, "the warm-up stream")
                 await client.request("POST", "/release?again")
                 await task
+                if slot is None:  # and the pool's size, asked in the background beside the warm-up
+                    await until(lambda: client._board.pools, 10, "the pool's size")
                 started = [0]
                 queued = {}
 

@@ -5021,7 +5021,7 @@ class _Streams:
         try:
             total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
             total = POOL_GUESS if total is None else total * self.limits.servers
-        except LoopError:
+        except Exception:  # no answer, whatever the failure: nobody waits for it, as for the /slots poll
             pass
         finally:
             with board.lock:

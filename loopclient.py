@@ -767,7 +767,8 @@ class Limits(_Value):
     wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
                             ``WedgedSlotError`` (None: never)
     pool             None   how many requests of a ``slot=None`` pool may be in flight at once (None:
-                            ``total_slots`` from ``/props``, 4 when it does not say; set it behind a balancer)
+                            ``total_slots`` from ``/props``, asked in the background, 1 until it answers,
+                            4 when it does not say; set it behind a balancer)
     keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
                             connection per request)
     servers          1      how many llama-servers stand behind the address (a balancer in front): with
@@ -3794,8 +3795,9 @@ class _Lane:
     waiters, each asking every ``poll``, cost the square of their number.
 
     Invariants, whenever the lock is free:
-      1. ``in_flight <= capacity``, and nobody waits while a permit is free: ``queue`` is empty or
-         ``in_flight == capacity``.
+      1. Nobody waits while a permit is free: ``queue`` is empty or ``in_flight >= capacity``; and
+         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in
+         flight (none is taken back: nobody is admitted until their ends bring ``in_flight`` below it).
       2. The positions of ``queue`` and the ``holes`` together are exactly ``range(head, tail)``, without
          overlap; ``holes`` is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
       3. ``len(holes) <= len(queue)``: whenever a cancel or a grant would break it, the positions are
@@ -3930,9 +3932,9 @@ class _Gate:
 
     def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int, waker: Optional[_Waker] = None) -> _Ticket:
         """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
-        when ``queue_len`` already wait.  A ``capacity`` above the lane's grows it (a pool sized late by
-        ``/props``) and admits the waiters that now fit; a smaller one (a caller that had not heard
-        ``/props`` yet) changes nothing.  ``waker`` is signalled when a queued ticket is granted."""
+        when ``queue_len`` already wait.  ``capacity`` sizes a new lane; one above the lane's grows it and
+        admits the waiters that now fit; a smaller one (a caller that read the pool's size before
+        ``/props`` answered) changes nothing.  ``waker`` is signalled when a queued ticket is granted."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -3952,6 +3954,20 @@ class _Gate:
             ticket.ahead = lane.in_flight + waiting
             lane.push(ticket)
             return ticket
+
+    def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> None:
+        """The size of a pool as ``/props`` said it, whenever its answer comes: a larger one admits the
+        waiters that now fit, first come first, each woken as a release wakes it; a smaller one takes no
+        permit back (the requests in flight go on, and nobody is admitted until their ends bring the
+        number in flight below ``capacity``).  No waiter's ``Queued(ahead)`` grows: the requests ahead
+        of it are still ahead."""
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
+                self._lanes[key] = _Lane(capacity)
+                return
+            lane.capacity = capacity
+            lane.admit()
 
     def _refusal(self, key: Tuple[Optional[str], Optional[int]], waiting: int) -> BusyError:
         model, slot = key
@@ -4134,8 +4150,8 @@ class _Run:
 
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
-    ``/slots`` poller and a pool size per model, who is asking ``/props`` for which model, and the runs in
-    flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
+    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, and the runs
+    in flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
     connections (a stale kept one, every kept one), and ``close()`` cancelling the runs in flight, whose
     plans then unwind: a resumable stream's sends its DELETE on the way out."""
 
@@ -4147,7 +4163,7 @@ class _Board:
         self.gate = _Gate(self.lock, calls.limits.queue_len)
         self.pollers = {}  # type: Dict[Optional[str], _SlotPoller]
         self.pools = dict(previous.pools) if previous is not None else {}  # type: Dict[Optional[str], int]
-        self.props = {}  # type: Dict[Optional[str], Set[_Waker]]  # model: who waits for the /props in flight
+        self.asking = set()  # type: Set[Optional[str]]  # the models whose /props is in flight (in the background)
         self.runs: Set[_Run] = set()
         self.idle = []  # type: List[Tuple[Any, float, int]]  # kept connections: (conn, usable until, pid)
         self.closed = False
@@ -4822,8 +4838,9 @@ class _Streams:
     when its stream is made (``stream_request``, ``watch_request``, ``resume_request``), and the plan its
     ``Stream`` runs (``plan``): a watch, or a streamed request's place in the gate, then its life
     (``_StreamLife``), and whatever ends it, its sockets closed and its permit released.  The single-shot
-    calls a stream makes on the way (``/props``, the shared ``/slots`` poll, the control endpoint, the
-    lookup and ``DELETE`` of a resumable stream) are ``calls``'."""
+    calls a stream makes on the way (``/props`` and the shared ``/slots`` poll, in the background; the
+    control endpoint, the lookup and ``DELETE`` of a resumable stream) are ``calls``'; none comes before
+    the request's first send."""
 
     def __init__(self, calls: _Calls) -> None:
         self.calls = calls
@@ -4944,7 +4961,7 @@ class _Streams:
             board.add(run)
             slot = req.slot
             if req.offset is None:
-                capacity = 1 if slot is not None else (yield from self._capacity(board, run, req.model))
+                capacity = 1 if slot is not None else (yield from self._capacity(board, req.model))
                 if run.cancelled:  # cancelled on its way to the gate: it does not enter it
                     raise _cancelled()
                 ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
@@ -4977,50 +4994,42 @@ class _Streams:
         finally:
             run.shield = False
 
-    def _capacity(self, board: _Board, run: _Run, model: Optional[str]) -> _Plan[int]:
-        """The size of the ``slot=None`` pool: ``Limits.pool``, else ``total_slots`` of the model from
-        ``/props``, read once per board (``POOL_GUESS`` when it answers without it: a balancer in front).
-        Until ``/props`` has answered, 1, and the next request asks again.  One request asks; the others
-        wait for its answer."""
+    def _capacity(self, board: _Board, model: Optional[str]) -> _Plan[int]:
+        """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,
+        else what ``/props`` said for the model (``total_slots``, times ``Limits.servers``; ``POOL_GUESS``
+        when it answers without it: a balancer in front), else 1.  While nothing is known and nobody asks,
+        the request starts the one ``/props`` request in the background (``_ask_pool``) and goes on to the
+        gate: a router does not answer ``/props?model=`` until the model has loaded, and a request held
+        back for it would reach the server only then."""
         if self.limits.pool is not None:
             return self.limits.pool
-        while True:
-            with board.lock:
-                if model in board.pools:
-                    return board.pools[model]
-                asking = model not in board.props
-                if asking:
-                    board.props[model] = set()
-                waiters = board.props[model]
-                if not asking:
-                    waiters.add(run)
-            if asking:
-                return (yield from self._ask_pool(board, model, waiters))
-            try:
-                yield (_PARK, None)
-            finally:
-                with board.lock:
-                    waiters.discard(run)
+        with board.lock:
+            known = board.pools.get(model)
+            if known is not None:
+                return known
+            asking = model not in board.asking
+            board.asking.add(model)
+        if asking:
+            yield (_SPAWN, self._ask_pool(board, model))
+        return 1
 
-    def _ask_pool(self, board: _Board, model: Optional[str], waiters: Set[_Waker]) -> _Plan[int]:
-        """``_capacity``'s one request to ``/props``: the pool it learns is kept on ``board`` and the
-        ``waiters`` are woken; 1 when it gets no answer (the next request asks again)."""
+    def _ask_pool(self, board: _Board, model: Optional[str]) -> _Plan[None]:
+        """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on
+        ``board`` and resizes the gate (``_Gate.resize``), which admits the waiters that now fit.  No answer
+        (a failure, or the client closed first) leaves the pool at 1: the next request asks again."""
         total = None
         try:
             total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
             total = POOL_GUESS if total is None else total * self.limits.servers
-        except CancelledError:
-            raise
-        except LoopError:
+        except Exception:  # no answer, whatever the failure: nobody waits for it, as for the /slots poll
             pass
         finally:
             with board.lock:
-                del board.props[model]
+                board.asking.discard(model)
                 if total is not None:
                     board.pools[model] = total
-            for waiter in waiters:
-                waiter.signal()
-        return 1 if total is None else total
+        if total is not None:
+            board.gate.resize((model, None), total)
 
     def _replay(self, req: _StreamRequest, offset: int) -> bytes:
         """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id as a
@@ -5729,7 +5738,7 @@ class _SyncRun(_Run):
         run = _SyncRun(self.board)
         run.gen = plan
         self.board.add(run)
-        threading.Thread(target=run._background, name="loopclient-slots", daemon=True).start()
+        threading.Thread(target=run._background, name="loopclient-background", daemon=True).start()
 
     def _background(self) -> None:
         try:

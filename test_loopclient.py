@@ -821,6 +821,18 @@ class SyncFacade:
         self.close()
 
 
+def on_board(client, fn):
+    """``fn(board)`` on a client's board (a SyncFacade's: its AsyncClient's, in the loop's thread)."""
+    if isinstance(client, SyncFacade):
+        return client._runner.call(lambda: fn(client._client._board))
+    return fn(client._board)
+
+
+def client_pools(client):
+    """The ``slot=None`` pool sizes a client (or a SyncFacade's AsyncClient) has learned: {model: size}."""
+    return on_board(client, lambda board: dict(board.pools))
+
+
 class AsyncDriver:
     """Mixed in before a test class: its tests drive lc.AsyncClient (through SyncFacade) instead of lc.Client."""
 
@@ -7147,8 +7159,10 @@ class TestEndpoints(ServerCase):
                 with self.assertRaises(lc.CancelledError):
                     run_with_timeout(lambda: next(stream))
 
-    def test_cancel_while_sizing_the_pool_never_enters_the_gate(self):
-        self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))  # slot=None asks /props first
+    def test_cancel_while_the_pool_is_sized_ends_the_request_not_the_probe(self):
+        answer = threading.Event()  # /props answers only when the test says (a router loading the model)
+        self.server.route("GET", "/props", lambda req: (answer.wait(5), respond_json(req, {"total_slots": 3})))
+        self.server.route("POST", "/completion", lambda req: req.wait_peer_close(5))  # sent, never answered
         stream = open_stream(self.client, "complete", "The sky is")
         outcome, done = [], threading.Event()
 
@@ -7160,15 +7174,20 @@ class TestEndpoints(ServerCase):
             done.set()
 
         threading.Thread(target=run, daemon=True).start()
-        wait_for(lambda: any(r.path == "/props" for r in self.server.requests), what="the /props request")
+        # the request is at the server while its pool's /props is still unanswered
+        wait_for(lambda: self.sent("/completion"), what="the request, sent beside /props")
+        self.assertEqual(len(self.sent("/props")), 1)
         t = Timer()
         stream.cancel()
         self.assertTrue(done.wait(1.0))
-        self.assertLess(t.elapsed, 0.2)
-        self.assertEqual(len(outcome), 1)
-        self.assertIsInstance(outcome[0], lc.CancelledError)
-        self.assertNotIn((None, None), self.client._board.gate.snapshot())
-        self.assertEqual(self.sent("/completion"), [])
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertIsInstance(outcome[-1], lc.CancelledError)
+        self.assertTrue(all(isinstance(e, lc.Waiting) for e in outcome[:-1]), outcome)
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (0, 0))
+        self.assertTrue(self.sent("/completion")[-1].closed_by_peer.wait(1))
+        answer.set()  # the probe outlived the request that started it: its answer sizes the pool
+        wait_for(lambda: self.client._board.gate._lanes[(None, None)].capacity == 3, what="the pool of three")
+        self.assertEqual(len(self.sent("/props")), 1)
 
     def test_midstream_errors_are_server_errors_and_not_replayed(self):
         grammar_error = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
@@ -8262,7 +8281,8 @@ class TestKeepAlive(ClientFactory, unittest.TestCase):
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         paths = [(n, r.path) for n, r in server.requests]
-        self.assertEqual([p for _, p in paths], ["/props", "/v1/chat/completions", "/v1/chat/completions"])
+        # /props goes beside the first chat, in the background: in either order
+        self.assertEqual(sorted(p for _, p in paths), ["/props", "/v1/chat/completions", "/v1/chat/completions"])
         self.assertEqual(len({n for n, _ in paths}), 3)  # STREAM_HEAD says close: no stream reuses
 
 
@@ -10371,8 +10391,9 @@ class CountingRun(lc._SyncRun):
         super().signal()
 
 
-def gate_problems(gate, queue_len=None):
-    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+def gate_problems(gate, queue_len=None, shrunk=False):
+    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none.
+    ``shrunk``: a pool may have been made smaller than the requests in flight (``_Gate.resize``)."""
     if isinstance(gate, GateView):
         return gate.problems(queue_len)
     problems = []
@@ -10380,9 +10401,9 @@ def gate_problems(gate, queue_len=None):
         for key, lane in gate._lanes.items():
             queue, holes = lane.queue, lane.holes
             where = "%r: " % (key,)
-            if not 0 <= lane.in_flight <= lane.capacity:
+            if lane.in_flight < 0 or (lane.in_flight > lane.capacity and not shrunk):
                 problems.append(where + "%d in flight, capacity %d" % (lane.in_flight, lane.capacity))
-            if queue and lane.in_flight != lane.capacity:
+            if queue and lane.in_flight < lane.capacity:
                 problems.append(where + "%d wait while a permit is free" % len(queue))
             if queue_len is not None and len(queue) > queue_len:
                 problems.append(where + "%d waiting, queue_len %d" % (len(queue), queue_len))
@@ -10895,6 +10916,350 @@ class TestGateHandover(unittest.TestCase):
         self.assertTrue(a.granted and b.granted)  # slot 0 of model a and of model b are different queues
         gate.leave(a)
         gate.leave(b)
+
+
+class TestGateResize(unittest.TestCase):
+    """The gate alone: a ``slot=None`` pool resized when its ``/props`` answer comes, at any moment."""
+
+    def test_a_larger_pool_admits_the_waiters_that_fit_in_order_and_wakes_only_them(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        first = gate.enter(key, 1)  # no answer yet: a pool of one
+        wakers = [CountingRun() for _ in range(4)]
+        waiting = [gate.enter(key, 1, w) for w in wakers]
+        self.assertEqual([t.ahead for t in waiting], [1, 2, 3, 4])
+        gate.resize(key, 3)
+        self.assertEqual([t.granted for t in waiting], [True, True, False, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 0, 0])
+        self.assertEqual(gate.snapshot()[key], (3, 2))
+        self.assertEqual([gate.position(t) for t in waiting[2:]], [3, 4])  # as announced: not increased
+        self.assertEqual(gate_problems(gate), [])
+        gate.leave(first)
+        self.assertEqual([t.granted for t in waiting], [True, True, True, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 1, 0])
+        for ticket in waiting:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_a_smaller_pool_takes_no_permit_back(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        held = [gate.enter(key, 3) for _ in range(3)]
+        waker = CountingRun()
+        late = gate.enter(key, 3, waker)
+        self.assertEqual(late.ahead, 3)
+        gate.resize(key, 1)
+        self.assertTrue(all(t.granted and not t.left for t in held))  # the requests in flight go on
+        self.assertEqual(gate.snapshot()[key], (3, 1))
+        self.assertEqual(gate.position(late), 3)
+        self.assertEqual(gate_problems(gate, shrunk=True), [])
+        newer = gate.enter(key, 1)  # queued behind: nobody is admitted while three are in flight
+        self.assertFalse(newer.granted)
+        self.assertEqual(newer.ahead, 4)
+        gate.leave(held[0])
+        gate.leave(held[1])
+        self.assertEqual((late.granted, waker.signals), (False, 0))  # one in flight, a pool of one
+        self.assertEqual(gate.position(late), 1)
+        gate.leave(held[2])
+        self.assertEqual((late.granted, waker.signals, newer.granted), (True, 1, False))
+        self.assertEqual(gate.snapshot()[key], (1, 1))
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in (late, newer):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_a_resize_before_anyone_entered_sizes_the_pool(self):
+        """The request that asked was cancelled before it entered, or read the size just before the
+        answer: the pool has its size all the same, and a caller's smaller figure does not shrink it."""
+        gate = lc._Gate(threading.Lock(), 8)
+        key = ("alpha", None)
+        gate.resize(key, 2)
+        tickets = [gate.enter(key, 1) for _ in range(3)]
+        self.assertEqual([t.granted for t in tickets], [True, True, False])
+        self.assertEqual(gate._lanes[key].capacity, 2)
+        for ticket in tickets:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot(), {key: (0, 0)})
+
+    def test_resizes_match_a_plain_list(self):
+        """Random enters, cancels, releases, and resizes up and down at any moment, against a list model:
+        grants in order, never more admitted than the pool, none taken back, positions never grow."""
+        rng = random.Random(20260417)
+        gate = lc._Gate(threading.Lock(), 10**6)
+        key = (None, None)
+        queued, held = [], []
+        capacity = 1
+        for step in range(6000):
+            r = rng.random()
+            before = len(held)
+            if r < 0.03:
+                capacity = rng.randint(1, 6)
+                gate.resize(key, capacity)
+            elif r < 0.5 or not (queued or held):
+                queued.append(gate.enter(key, 1))
+            elif r < 0.8 and queued:
+                gate.leave(queued.pop(rng.randrange(len(queued))))
+            elif held:
+                gate.leave(held.pop(rng.randrange(len(held))))
+                before -= 1
+            lane = gate._lanes[key]
+            moved = [t for t in queued if t.granted]
+            self.assertEqual(moved, queued[: len(moved)], "granted out of order at step %d" % step)
+            if moved:  # admitted only into free permits, up to the pool
+                self.assertLessEqual(before + len(moved), capacity, "step %d" % step)
+            held += moved
+            del queued[: len(moved)]
+            self.assertEqual(lane.in_flight, len(held))
+            self.assertTrue(all(t.granted and not t.left for t in held))
+            self.assertTrue(not queued or lane.in_flight >= capacity, "a free permit with waiters, step %d" % step)
+            for rank, ticket in enumerate(queued):
+                self.assertEqual(gate.position(ticket), lane.in_flight + rank)
+                self.assertLessEqual(gate.position(ticket), ticket.ahead)  # never more than was announced
+                ticket.ahead = gate.position(ticket)  # what the waiter would announce at its next poll
+            self.assertEqual(gate_problems(gate, shrunk=True), [], "step %d" % step)
+        for ticket in queued + held:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+
+class TestPoolProbe(VirtualFactory, ServerCase):
+    """``slot=None`` without ``Limits.pool``: the pool's size is asked of ``/props`` in the background.  The
+    request goes to the server as soon as the gate lets it go, sized from what is known (1 until an
+    answer), and the answer resizes the gate when it comes; a failed one leaves 1, and the next request
+    asks again.  At no moment are more requests at the server than the pool."""
+
+    limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0, queue_len=8)
+
+    def props_when(self, release, doc=None, status=200, path="/props"):
+        """``GET path`` answers ``doc`` (else ``{"total_slots": 3}``) with ``status`` once ``release`` is
+        set (until then, silence: a router loading the model); returns the list of when it answered."""
+        answered = []
+
+        def handler(req):
+            while not release.is_set():
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            answered.append(time.monotonic())
+            respond_json(req, {"total_slots": 3} if doc is None else doc, status, "OK" if status == 200 else "Nope")
+
+        self.server.route("GET", path, handler)
+        return answered
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def start(self, keeper, markers, events, results, **params):
+        """Start a slot=None chat per marker, each once it is at the server or queued."""
+        threads = []
+        for marker in markers:
+            threads.append(start_chat(self.client, marker, None, events, results, **params))
+            wait_for(
+                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in events[m]), what=marker
+            )
+        return threads
+
+    def stream_in_thread(self, marker):
+        """A slot=None stream iterated in a thread: (stream, its events then its error, the thread)."""
+        stream = self.client.stream([{"role": "user", "content": marker}], slot=None)
+        outcome = []
+
+        def run():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+
+        return stream, outcome, self.start_thread(run)
+
+    def queued(self, events):
+        return [e.ahead for e in events if isinstance(e, lc.Queued)]
+
+    def test_a_props_that_never_answers_does_not_delay_the_request(self):
+        self.props_when(self.event())  # never answers: the client gives up on it after liveness
+        self.use(serve_body(content_stream(["ok"])))
+        t = Timer()
+        completion, events = self.collect(slot=None)
+        self.assertAtOnce(t.elapsed, MARGIN)
+        self.assertEqual((completion.content, events), ("ok", [lc.Content("ok")]))
+        wait_for(lambda: self.sent("/props"), what="the /props asked in the background")  # and unanswered
+        completion, events = self.collect(slot=None)  # at once too, and /props is not asked twice at a time
+        self.assertEqual((completion.content, events), ("ok", [lc.Content("ok")]))
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(self.client._board.gate._lanes[(None, None)].capacity, 1)
+        wait_for(lambda: not on_board(self.client, lambda b: b.asking), 10, "the client to give up on /props")
+        self.assertEqual(client_pools(self.client), {})  # no answer: still a pool of one
+        self.assertEqual(self.collect(slot=None)[0].content, "ok")
+        self.assertEqual(len(self.sent("/props")), 2)  # the next request asked again
+
+    def test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order(self):
+        release = self.event()
+        self.props_when(release)  # total_slots 3
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "ABCDE", events, results)
+        gate = self.client._board.gate
+        self.assertEqual([m for _, m in keeper.order], ["A"])  # no answer yet: a pool of one
+        self.assertEqual(gate.snapshot()[(None, None)], (1, 4))
+        self.assertEqual([self.queued(events[m]) for m in "BCDE"], [[1], [2], [3], [4]])
+        release.set()
+        wait_for(lambda: keeper.arrived("B") and keeper.arrived("C"), what="B and C, admitted by the answer")
+        order = [m for _, m in keeper.order]  # B and C were let go together: their threads race to the server
+        self.assertEqual((order[0], sorted(order[1:])), ("A", ["B", "C"]))
+        self.assertEqual(gate.snapshot()[(None, None)], (3, 2))
+        self.assertEqual(gate_problems(gate), [])
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("D"), what="D, in A's place")
+        self.assertFalse(keeper.arrived("E"))
+        keeper.release("B")
+        wait_for(lambda: keeper.arrived("E"), what="E, in B's place")
+        for marker in "CDE":
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([m for _, m in keeper.order][3:], ["D", "E"])
+        self.assertEqual([results[m].content for m in "ABCDE"], list("ABCDE"))
+        self.assertEqual(self.queued(events["A"]), [])
+        for marker, first in zip("BCDE", (1, 2, 3, 4)):
+            ahead = self.queued(events[marker])
+            self.assertEqual(ahead[0], first, marker)
+            self.assertEqual(ahead, sorted(set(ahead), reverse=True), marker)  # never repeated or increased
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+    def burst(self, models, pools, markers, hold=0.2, answer_at=0.3):
+        """The ``markers`` as slot=None chats at once, routed in turn to ``models`` (None: the server's own),
+        each model's ``/props`` answering its size in ``pools`` ``answer_at`` seconds in.  Returns, per
+        model, the most requests at the server at one moment before its answer and after it."""
+        release = self.event()
+        self.later(answer_at, release.set)
+        answered = {}
+        for model, size in zip(models, pools):
+            path = "/props" if model is None else "/props?model=" + model
+            answered[model] = self.props_when(release, {"total_slots": size}, path=path)
+            if model is not None:
+                self.server.route("GET", "/slots?model=" + model, self.server._slots)
+        lock = threading.Lock()  # never held across a wait: the virtual clock's tasks take turns
+        now = dict.fromkeys(models, 0)
+        peak = {m: [0, 0] for m in models}  # [before the answer, after it]
+        problems = []
+
+        def handler(req):
+            model = req.json().get("model")
+            with lock:
+                now[model] += 1
+                after = bool(answered[model])
+                peak[model][after] = max(peak[model][after], now[model])
+            problems.extend(gate_problems(self.client._board.gate))
+            time.sleep(hold)
+            with lock:
+                now[model] -= 1  # before the answer: the client's next request cannot come before it
+            req.send(STREAM_HEAD + content_stream([req.json()["messages"][0]["content"]]))
+
+        self.use(handler)
+        events, results, threads = {}, {}, []
+        for i, marker in enumerate(markers):
+            model = models[i % len(models)]
+            params = {} if model is None else {"model": model}
+            threads.append(start_chat(self.client, marker, None, events, results, **params))
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual([getattr(results.get(m), "content", results.get(m)) for m in markers], list(markers))
+        self.assertEqual(problems, [])
+        for model in models:
+            path = "/props" if model is None else "/props?model=" + model
+            self.assertEqual(len(self.sent(path)), 1, path)  # one probe per model, however many came
+        return peak
+
+    def test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool(self):
+        peak = self.burst([None], [2], "ABCDEFGH")
+        self.assertLessEqual(peak[None][0], 1)  # while /props was out: a pool of one
+        self.assertLessEqual(peak[None][1], 2)
+        if self.VIRTUAL:  # once the answer is in, the gate is no tighter than the pool
+            self.assertEqual(peak[None], [1, 2])
+
+    def test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool(self):
+        peak = self.burst(["alpha", "beta"], [2, 3], "ABCDEFGHIJ")
+        for model, size in (("alpha", 2), ("beta", 3)):
+            self.assertLessEqual(peak[model][0], 1, model)
+            self.assertLessEqual(peak[model][1], size, model)
+            if self.VIRTUAL:
+                self.assertEqual(peak[model], [1, size], model)
+
+    def test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again(self):
+        release = self.event()
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        first = self.props_when(release, loading, 503)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "AB", events, results)
+        self.assertEqual(self.queued(events["B"]), [1])
+        release.set()  # the probe fails: nobody waited for it, nothing changes
+        wait_for(lambda: first and not on_board(self.client, lambda b: b.asking), what="the failed probe")
+        self.assertEqual(client_pools(self.client), {})
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (1, 1))
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("B"), what="B, in A's place")
+        self.server.route("GET", "/props", lambda req: respond_json(req, {"total_slots": 2}))
+        threads += self.start(keeper, "C", events, results)  # asks again; the answer admits C beside B
+        wait_for(lambda: keeper.arrived("C"), what="C, beside B once /props answered")
+        self.assertEqual(client_pools(self.client), {None: 2})
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (2, 0))
+        for marker in "BC":
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "ABC"], list("ABC"))
+        self.assertEqual(len(self.sent("/props")), 2)
+
+    def test_cancel_while_the_probe_is_out(self):
+        release = self.event()
+        self.props_when(release)  # total_slots 3
+        keeper = Gatekeeper(self.server)
+        streams = {}
+        for marker in "ABC":  # A starts the probe and is sent; B and C wait for a pool of one
+            streams[marker] = self.stream_in_thread(marker)
+            wait_for(
+                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in streams[m][1]), what=marker
+            )
+        self.assertEqual([self.queued(streams[m][1]) for m in "ABC"], [[], [1], [2]])
+        gate = self.client._board.gate
+        streams["B"][0].cancel()  # a waiter leaves the queue; C moves up
+        streams["B"][2].join(5)
+        self.assertIsInstance(streams["B"][1][-1], lc.CancelledError)
+        self.assertEqual(gate.snapshot()[(None, None)], (1, 1))
+        wait_for(lambda: self.queued(streams["C"][1]) == [2, 1], what="C to hear it moved up")
+        streams["A"][0].cancel()  # the request that started the probe: its permit goes to C
+        streams["A"][2].join(5)
+        self.assertIsInstance(streams["A"][1][-1], lc.CancelledError)
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(5))
+        wait_for(lambda: keeper.arrived("C"), what="C, in A's place")
+        self.assertEqual(len(self.sent("/props")), 1)  # still out: the probe outlives the cancel
+        release.set()
+        wait_for(lambda: client_pools(self.client) == {None: 3}, what="the answer of the probe A started")
+        events, results = {}, {}
+        threads = self.start(keeper, "DE", events, results)  # beside C: a pool of three
+        self.assertEqual([m for _, m in keeper.order], ["A", "C", "D", "E"])
+        self.assertEqual((self.queued(events["D"]), self.queued(events["E"])), ([], []))
+        for marker in "CDE":
+            keeper.release(marker)
+        for thread in threads + [streams["C"][2]]:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "DE"], ["D", "E"])
+        self.assertEqual(streams["C"][1][-1], lc.Content("C"))
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+
+TestPoolProbeSockets, TestPoolProbeSocketsAsync = on_sockets(
+    TestPoolProbe,
+    "test_a_props_that_never_answers_does_not_delay_the_request",
+    "test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order",
+    "test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool",
+    "test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool",
+    "test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again",
+    "test_cancel_while_the_probe_is_out",
+)
 
 
 class TestCancel(ServerCase):
@@ -11724,6 +12089,8 @@ class TestAsyncScale(unittest.TestCase):
                 await until(lambda: warm, 10, "the warm-up stream")
                 await client.request("POST", "/release?again")
                 await task
+                if slot is None:  # and the pool's size, asked in the background beside the warm-up
+                    await until(lambda: client._board.pools, 10, "the pool's size")
                 started = [0]
                 queued = {}
 
@@ -12611,6 +12978,22 @@ class TestFaultSlots(_f_Case):
     def test_props_not_an_object(self):
         self.server.route("GET", "/props", lambda req: respond_json(req, [1, 2]))
         self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.props())
+
+    def test_props_silent_or_slow_does_not_hold_a_request_back(self):
+        """slot=None asks /props for the pool's size in the background: the request is sent and served at
+        once whether /props never answers or answers late; a late answer sizes the pool when it comes."""
+        self.use(serve_body(_F_OK_BODY))
+        slow = lambda req: (time.sleep(0.3), respond_json(req, {"total_slots": 2}))  # within liveness (0.5 s)
+        for name, handler in (("silent", _f_hold), ("slow", slow)):
+            with self.subTest(name):
+                client = self.client_with()  # a pool nobody has asked about yet
+                self.server.route("GET", "/props", handler)
+                completion = self._f_succeeds(fn=lambda ev: client.chat(MSGS, slot=None, on_event=ev.append))
+                self.assertEqual(completion.content, "Hello world")
+                self.assertEqual(self._f_events, [lc.Content("Hello"), lc.Content(" world")])
+                self.assertEqual(client_pools(client), {})  # served before /props answered
+        wait_for(lambda: client_pools(client) == {None: 2}, what="the slow answer")
+        self.assertEqual(client._board.gate._lanes[(None, None)].capacity, 2)
 
 
 TestFaultSlotsSockets, TestFaultSlotsSocketsAsync = on_sockets(
@@ -14352,6 +14735,12 @@ FAULT_TABLE = [
                 "`ProtocolError` at once",
                 "`TestFaultSlots.test_props_not_an_object`",
             ),
+            (
+                "`/props` silent or slow for a `slot=None` request",
+                "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
+                "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
+                "`TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
+            ),
         ],
     ),
     (
@@ -15599,7 +15988,31 @@ class TestDifferential(_f_Case):
                     )
                 ],
             ),
+            (
+                "`/props` silent or slow for a `slot=None` request",
+                [
+                    self._d_props_late(_f_hold),
+                    self._d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
+                ],
+            ),
         ]
+
+    def _d_props_late(self, handler):
+        """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
+        back for the pool's size, and ``/props`` was asked (in the background) all the same."""
+        servers = []
+
+        def arrange(s):
+            servers[:] = [s]
+            s.route("GET", "/props", handler)
+            s.stream(reply(_D_OK))
+
+        def act(client, events):
+            completion = client.chat(MSGS, slot=None, on_event=events.append)
+            wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
+            return completion
+
+        return _d_part(arrange, act)
 
     def _d_control(self):
         reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
@@ -15948,7 +16361,8 @@ class TestDifferential(_f_Case):
         """Chats held by a Gatekeeper: ``steps`` start them (a marker) and release them (``-marker``), each
         step waiting for what it did to be seen (a release, for the chat to be in flight and to have heard a
         Waiting: how many is timing, whether any is not); a marker in upper case runs in this thread, at
-        once (its outcome an error, e.g. BusyError).  Their (events, value), in the order of their markers."""
+        once (its outcome an error, e.g. BusyError); ``=`` waits until the client knows its pool's size.
+        Their (events, value), in the order of their markers."""
         client = make(server.address, limits=limits, **client)
         keeper = Gatekeeper(server)
         events, results, threads = {}, {}, []
@@ -15959,6 +16373,8 @@ class TestDifferential(_f_Case):
                     wait_for(lambda: keeper.arrived(marker), what=marker + " in flight")
                     wait_for(lambda: any(isinstance(e, lc.Waiting) for e in events[marker]), what=marker + " waiting")
                     keeper.release(marker)
+                elif step == "=":  # the pool's size known: the /props asked in the background has answered
+                    wait_for(lambda: client_pools(client), what="the pool's size")
                 elif step.isupper():
                     events[step] = []
                     t = Timer()
@@ -16022,6 +16438,8 @@ class TestDifferential(_f_Case):
                 first = [chr(ord("a") + i) for i in range(n)]
                 last = chr(ord("a") + n)
                 steps = first + [last] + ["-" + m for m in first + [last]]  # the last one waits, Queued(n)
+                if size is None:  # until /props answers the pool holds one: the second would wait a moment
+                    steps.insert(1, "=")
                 outcomes = self._d_held(kind, make, server, limits, None, steps)
                 self.assertEqual([o[1].content for o in outcomes], first + [last])
                 self.assertEqual([e for e in outcomes[-1][0] if isinstance(e, lc.Queued)], [lc.Queued(n)])
@@ -19066,6 +19484,137 @@ class TestRealRouterModels(ClientFactory, unittest.TestCase):
 
 @unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
 class TestRealRouterModelsAsync(AsyncDriver, TestRealRouterModels):
+    """The same on AsyncClient."""
+
+
+def _router_log(offset=0):
+    """The real router's log (next to its socket: ``.sock`` -> ``.log``) from byte ``offset``, as text."""
+    with open(REAL_ROUTER[: -len(".sock")] + ".log", "rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
+
+
+def _router_log_size():
+    return os.path.getsize(REAL_ROUTER[: -len(".sock")] + ".log")
+
+
+#: what the router logs for each request that waits for a model to load (once it has taken the request's
+#: conversation id, for a POST)
+_WAITING_FOR = "waiting until model name=%s is fully loaded"
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterLoad(ClientFactory, unittest.TestCase):
+    """A streamed request is at the router as soon as it is made, while its ``slot=None`` pool's
+    ``/props?model=`` (which the router holds until the model has loaded) is still out: a stop
+    (``DELETE /v1/stream``) sent while the model loads cancels it, as it cancels a plain http.client
+    request, and the router's log shows the request parked in the load when the stop came."""
+
+    MODEL = "alpha"
+    COUNT = [{"role": "user", "content": "Count from 1 to 1000."}]
+
+    def setUp(self):
+        # poll 5 s: no /slots poll before the stop, so that only the probe and the POST wait for the load
+        self.client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS.replace(poll=5.0))
+        self.addCleanup(self.client.close)
+
+    def unloaded(self):
+        """The model unloaded (``POST /models/unload``), whatever an earlier test left."""
+        name = self.MODEL
+        if _status(self.client, name) == "loading":
+            wait_for(lambda: _status(self.client, name) == "loaded", 60, "%s to load" % name)
+        if _status(self.client, name) != "unloaded":
+            self.client.unload_model(name)
+            wait_for(lambda: _status(self.client, name) == "unloaded", 30, "%s to unload" % name)
+
+    def waiting_in_log(self, offset, n):
+        """Until the router has logged ``n`` requests waiting for the model's load since ``offset``."""
+        line = _WAITING_FOR % self.MODEL
+        wait_for(lambda: _router_log(offset).count(line) >= n, 60, "%d request(s) waiting for the load" % n)
+
+    def plain_request_stopped_while_loading(self):
+        """What a plain http.client request sees when a stop comes while its model loads: (status, the
+        error's message)."""
+        import http.client
+
+        class UnixHTTP(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(self.timeout)
+                self.sock.connect(REAL_ROUTER)
+
+        self.unloaded()
+        offset = _router_log_size()
+        conversation = "lc-plain-%d-%s" % (os.getpid(), self.CLIENT)
+        body = json.dumps({"model": self.MODEL, "stream": True, "max_tokens": 64, "messages": self.COUNT})
+        headers = {"Content-Type": "application/json", "X-Conversation-Id": conversation}
+        answer = []
+
+        def post():
+            conn = UnixHTTP("localhost", timeout=90)
+            try:
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                response = conn.getresponse()
+                answer.append((response.status, response.read()))
+            finally:
+                conn.close()
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        self.waiting_in_log(offset, 1)  # its only request: the POST, its conversation id taken
+        conn = UnixHTTP("localhost", timeout=30)
+        conn.request("DELETE", "/v1/stream?conv_id=" + conversation)
+        self.assertEqual(conn.getresponse().status, 204)
+        conn.close()
+        thread.join(90)
+        self.assertEqual(len(answer), 1, "the plain request never ended")
+        status, data = answer[0]
+        return status, json.loads(data)["error"]["message"]
+
+    def test_a_stop_while_the_model_loads_ends_the_stream_with_the_routers_400(self):
+        status, message = self.plain_request_stopped_while_loading()
+        self.assertEqual(status, 400, message)  # the router's answer to a request stopped in the load
+
+        self.unloaded()
+        offset = _router_log_size()
+        stream = self.client.stream(self.COUNT, slot=None, model=self.MODEL, resumable=True, max_tokens=64)
+        conversation = stream.conversation_id
+        outcome = []
+
+        def read():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        # the pool's /props?model= and the POST: both wait for the load, the POST with its id taken
+        self.waiting_in_log(offset, 2)
+        self.assertTrue(self.client.delete_stream(conversation))
+        reader.join(90)
+        self.assertFalse(reader.is_alive(), "the stream never ended")
+        error = outcome[-1]
+        self.assertIsInstance(error, lc.HTTPStatusError, outcome)
+        self.assertEqual((error.status, error.message), (status, message))
+        self.assertFalse([e for e in outcome[:-1] if not isinstance(e, lc.Waiting)], outcome)
+
+        log = _router_log(offset)
+        port = re.search(r"spawning server instance with name=%s on port (\d+)" % self.MODEL, log).group(1)
+        stop = "router stop for conv_id=%s while model name=%s is loading" % (conversation, self.MODEL)
+        loaded = re.search(r"(?m)^\[%s\] .*llama_server: model loaded" % port, log)
+        # the first stop the router heard for it found the POST (the stream's own DELETE on its way out
+        # comes later, for an id the router has forgotten by then)
+        first = re.search(r"router stop for (unknown )?conv_id=%s\b.*" % re.escape(conversation), log)
+        self.assertEqual(first and first.group(0), stop + ", cancelling the pending request")
+        self.assertIsNotNone(loaded, "the model's load never finished")
+        self.assertLess(log.index(stop), loaded.start())  # the POST waited in the load when the stop came
+        cancelled = "request for conv_id=%s cancelled while model name=%s was loading" % (conversation, self.MODEL)
+        wait_for(lambda: cancelled in _router_log(offset), 10, "the router to log the cancelled request")
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterLoadAsync(AsyncDriver, TestRealRouterLoad):
     """The same on AsyncClient."""
 
 

@@ -6205,6 +6205,235 @@ class TestParserModelEvents(unittest.TestCase):
         self.assertIn("ModelEvent", lc.__all__)
 
 
+def _a_bare(completion):
+    """A named call's Completion as stream_route() reads the same bytes: the finish, usage, id, model,
+    timings and final kept; the text, reasoning, tool calls, log probabilities and token ids left out."""
+    choices = tuple(
+        c.replace(content="", reasoning="", tool_calls=[], logprobs=None, reasoning_logprobs=None, tokens=None)
+        for c in completion.choices
+    )
+    return completion.replace(content="", reasoning="", tool_calls=[], reasoning_tokens=0, choices=choices, tokens=None)
+
+
+def _a_chunks(raw):
+    """The Chunk of every data event of a captured stream up to [DONE]: its JSON (any value)."""
+    chunks = []
+    for payload in _t_payloads(raw):
+        if payload == "[DONE]":
+            break
+        chunks.append(lc.Chunk(payload))
+    return chunks
+
+
+def _a_sse(*payloads, done=False, framing="chunked"):
+    """A streamed answer whose data events are ``payloads`` (str, bytes: a whole event as it is, or JSON for
+    anything else), then [DONE]."""
+    events = [
+        p if isinstance(p, bytes) else b"data: %s\n\n" % (p if isinstance(p, str) else _p_json(p)).encode()
+        for p in payloads
+    ]
+    if done:
+        events.append(b"data: [DONE]\n\n")
+    if framing == "chunked":
+        return STREAM_HEAD + chunked(*events) + b"0\r\n\r\n" if events else STREAM_HEAD + b"0\r\n\r\n"
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + b"".join(events)
+
+
+_A_EMPTY = lc.Completion(None, None, "", "", [], None, None, None)
+
+
+class TestParserRouteChunks(unittest.TestCase):
+    """stream_route()'s dialect through the pump, fed whole, byte by byte and split everywhere: each data
+    event one Chunk (its JSON, or its text), the end at [DONE] or at the end of the body, and the finish and
+    usage of OpenAI's and llama-server's shapes, equal to what the named dialect reads from the same bytes."""
+
+    def check(self, raw, expect):
+        for label, pieces in _p_stream_splittings(raw, every=len(raw) <= 6000):
+            got = _t_pump_outcome(lc._RouteChunks, pieces)
+            if got != expect:
+                self.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 3000), _p_short(expect, 3000)))
+
+    def named(self, dialect, raw):
+        outcome = _t_pump_outcome(dialect, [raw])
+        self.assertEqual(outcome[0], "ok", outcome)
+        return outcome[2]
+
+    def test_a_chat_capture_is_its_chunks_and_chat_finish_and_usage(self):
+        for name in ("06_chat_stream_include_usage.raw.txt", "30_chat_stream_n2_progress_logprobs.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                done = _a_bare(self.named(lc.Assembler, raw))
+                self.assertIsNotNone(done.usage)
+                self.check(raw, ("ok", _a_chunks(raw), done))
+
+    def test_a_text_completions_capture(self):
+        raw = load_transcript("91_completions_oai_stream_two_prompts.raw.txt")
+        done = _a_bare(self.named(lc._TextAssembler, raw))
+        self.assertEqual([c.index for c in done.choices], [0, 1])
+        self.check(raw, ("ok", _a_chunks(raw), done))
+
+    def test_a_native_capture_reads_stop_chunks_per_index(self):
+        for name in ("40_completion_stream_tokens_probs.raw.txt", "43_completion_stream_two_prompts.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                done = _a_bare(self.named(lc._NativeAssembler, raw))
+                self.assertTrue(done.final["stop"])
+                self.check(raw, ("ok", _a_chunks(raw), done))  # 43 opens with data: null: Chunk(None)
+
+    def test_other_shapes_end_with_the_body_in_an_empty_completion(self):
+        for name in ("50_responses_stream.raw.txt", "60_messages_stream.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                self.check(raw, ("ok", _a_chunks(raw), _A_EMPTY))
+
+    def test_text_that_is_not_json_is_the_chunk_as_sent(self):
+        # two data lines join with \n
+        raw = _a_sse("hello there", "42", '"s"', b"data: [1,\ndata:  2]\n\n", "{not json", "null", "caf\u00e9")
+        expect = ["hello there", 42, "s", [1, 2], "{not json", None, "caf\u00e9"]
+        self.check(raw, ("ok", [lc.Chunk(d) for d in expect], _A_EMPTY))
+
+    def test_done_ends_the_stream_and_what_follows_is_not_read(self):
+        raw = _a_sse({"a": 1}, done=True).replace(b"0\r\n\r\n", chunked(b"data: after\n\n") + b"0\r\n\r\n")
+        self.check(raw, ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_the_end_of_the_body_ends_it(self):
+        self.check(_a_sse({"a": 1}, "b"), ("ok", [lc.Chunk({"a": 1}), lc.Chunk("b")], _A_EMPTY))
+        self.check(_a_sse(framing="close"), ("ok", [], _A_EMPTY))
+        # an event not closed by a blank line at the end is discarded (WHATWG), as on every endpoint
+        raw = _a_sse({"a": 1}, framing="close") + b"data: cut"
+        self.check(raw, ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_a_shape_that_has_not_finished_is_a_server_that_stopped(self):
+        opened = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+        other = {"choices": [{"index": 1, "delta": {"content": "Yo"}, "finish_reason": "stop"}]}
+        native = {"index": 0, "content": "Hi", "stop": False}
+        for payloads, done, which in (
+            ([opened], False, "0"),
+            ([opened], True, "0"),  # [DONE] before a finish_reason, as on chat
+            ([opened, other], True, "0"),
+            ([native], False, "0"),
+            ([dict(native, stop=True), dict(native, index=1)], False, "1"),
+        ):
+            with self.subTest(payloads=payloads, done=done):
+                message = "the stream ended before choice %s had finished: the server stopped mid-answer" % which
+                chunks = [lc.Chunk(p) for p in payloads]
+                self.check(_a_sse(*payloads, done=done), ("raised", chunks, lc.StreamClosedError, message))
+
+    def test_an_error_event_is_server_error_and_a_503_before_delivery_is_retried(self):
+        error = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
+        self.check(_a_sse({"a": 1}, error), ("raised", [lc.Chunk({"a": 1})], lc.ServerError, "server error 500: boom"))
+        raw = STREAM_HEAD + chunked(b'event: error\ndata: {"message": "x", "code": 400}\n\n') + b"0\r\n\r\n"
+        self.check(raw, ("raised", [], lc.ServerError, "server error 400: x"))
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        pump = lc.ResponsePump(lc.Limits(), False, lc._RouteChunks)
+        self.assertEqual(pump.feed(_a_sse(loading)), [])
+        self.assertEqual((type(pump.outcome), pump.outcome.reason), (lc._Retry, "server error 503: Loading model"))
+        # after a chunk was delivered, the same error is ServerError: every chunk is output here
+        pump = lc.ResponsePump(lc.Limits(), False, lc._RouteChunks)
+        self.assertEqual(pump.feed(STREAM_HEAD + chunked(b'data: {"progress": 1}\n\n')), [lc.Chunk({"progress": 1})])
+        self.assertTrue(pump.delivered)
+        with self.assertRaises(lc.ServerError):
+            pump.feed(chunked(b"data: " + _p_json(loading).encode() + b"\n\n"))
+        # a key named error that holds no error object is a chunk like any other
+        self.check(
+            _a_sse({"error": None}, {"error": 3}), ("ok", [lc.Chunk({"error": None}), lc.Chunk({"error": 3})], _A_EMPTY)
+        )
+
+    def test_fields_of_a_shape_with_the_wrong_type_are_not_read(self):
+        payloads = [
+            {"choices": "x", "usage": 3},
+            {"choices": [7, {"index": "a", "finish_reason": "stop"}]},
+            {"stop": "yes", "index": 0},
+            {"stop": True, "index": "0"},
+        ]
+        self.check(_a_sse(*payloads), ("ok", [lc.Chunk(p) for p in payloads], _A_EMPTY))
+        odd = {"choices": [{"finish_reason": 5, "index": None}]}
+        done = {"choices": [{"finish_reason": "stop"}], "usage": {"total_tokens": 3}, "id": 9, "model": "m"}
+        want = lc.Completion(None, "m", "", "", [], "stop", {"total_tokens": 3}, None)
+        self.check(_a_sse(odd, done), ("ok", [lc.Chunk(odd), lc.Chunk(done)], want))
+        native = {"stop": True, "stop_type": ["x"], "tokens_predicted": "3"}
+        zeros = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a count that is no int: none
+        want = lc.Completion(None, None, "", "", [], "stop", zeros, None, final=native)
+        self.check(_a_sse(native), ("ok", [lc.Chunk(native)], want))
+
+    def test_json_nested_too_deeply_is_protocol_error(self):
+        raw = _a_sse("[" * 100000 + "]" * 100000)
+        self.assertEqual(
+            _t_pump_outcome(lc._RouteChunks, [raw]),
+            ("raised", [], lc.ProtocolError, "JSON nested too deeply in the stream"),
+        )
+
+    def test_a_200_that_is_not_an_event_stream_is_protocol_error(self):
+        for ctype in (b"Content-Type: application/json\r\n", b""):
+            raw = b"HTTP/1.1 200 OK\r\n" + ctype + b'Content-Length: 8\r\n\r\n{"a": 1}'
+            got = _t_pump_outcome(lc._RouteChunks, [raw])
+            self.assertEqual(got[:3], ("raised", [], lc.ProtocolError), got)
+            self.assertIn("not text/event-stream", got[3])
+        # the named endpoints read what llama-server sends, whatever it is labelled
+        raw = load_transcript("04_chat_stream.raw.txt").replace(b"text/event-stream", b"text/plain", 1)
+        self.assertEqual(_t_pump_outcome(lc.Assembler, [raw])[0], "ok")
+        # a label with parameters or in capitals is an event stream
+        raw = _a_sse({"a": 1}).replace(b"text/event-stream", b"Text/Event-Stream; charset=utf-8", 1)
+        self.assertEqual(_t_pump_outcome(lc._RouteChunks, [raw]), ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_the_route_row_and_the_chunk_type(self):
+        row = lc._ENDPOINTS["route"]
+        self.assertEqual(
+            (row.dialect, row.cap, row.resumable, row.routed, row.watch), (lc._RouteChunks, "moot", True, True, False)
+        )
+        self.assertEqual(row.target("/x", None, "PUT"), ("PUT", "/x"))
+        self.assertEqual(lc._ENDPOINTS["chat"].target(MSGS), ("POST", "/v1/chat/completions"))
+        self.assertEqual(lc.Chunk("text"), lc.Chunk("text"))
+        self.assertEqual(pickle.loads(pickle.dumps(lc.Chunk([1, None]))), lc.Chunk([1, None]))
+
+
+class TestResponseValue(unittest.TestCase):
+    """lc.Response is a value object as the others are, with ResponseHead's header reading."""
+
+    def test_fields_and_reading(self):
+        r = lc.Response(
+            200, "OK", [("Content-Type", "application/json"), ("Set-Cookie", "a"), ("set-cookie", "b")], b'{"a": [1]}'
+        )
+        self.assertEqual(r.headers, (("content-type", "application/json"), ("set-cookie", "a"), ("set-cookie", "b")))
+        self.assertEqual(
+            (r.get("SET-COOKIE"), r.get_all("Set-Cookie"), r.get("x"), r.get_all("x")), ("b", ["a", "b"], None, [])
+        )
+        self.assertEqual((r.text(), r.json()), ('{"a": [1]}', {"a": [1]}))
+        bad = lc.Response(404, "Not Found", (), b"caf\xc3\xa9 \xff")
+        self.assertEqual(bad.text(), "caf\u00e9 \ufffd")
+        with self.assertRaises(lc.ProtocolError) as cm:
+            bad.json()
+        self.assertTrue(str(cm.exception).startswith("the answer (HTTP 404) is not JSON: "), cm.exception)
+        with self.assertRaises(lc.ProtocolError) as cm:
+            lc.Response(200, "OK", (), b"[" * 100000).json()
+        self.assertEqual(str(cm.exception), "the answer (HTTP 200) is JSON nested too deeply")
+
+    def test_a_value_object(self):
+        r = lc.Response(204, "No Content", [("Server", "llama.cpp")], bytearray(b""))
+        self.assertIs(type(r.body), bytes)
+        for copied in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r)), eval(repr(r), vars(lc))):
+            self.assertEqual(copied, r)
+            self.assertEqual(hash(copied), hash(r))
+        self.assertNotEqual(r, r.replace(status=200))
+        self.assertNotEqual(r, lc.Response(204, "No Content", [("Server", "other")], b""))
+        with self.assertRaises(AttributeError):
+            r.status = 200
+        self.assertEqual(list(inspect.signature(lc.Response).parameters), ["status", "reason", "headers", "body"])
+        self.assertIn("Response", lc.__all__)
+        self.assertIn("status", lc.Response.__doc__)
+        self.assertEqual(
+            repr(lc.Response(200, "OK", (), b"x" * 81)),
+            "Response(status=200, reason='OK', headers=(), body=%r... (81 bytes))" % (b"x" * 80),
+        )
+
+    def test_deadline_error_is_a_budget_error(self):
+        err = lc.DeadlineError("m", 2.5, "send")
+        self.assertIsInstance(err, lc.LoopError)
+        self.assertIsInstance(err, TimeoutError)
+        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (2.5, 2.5, "send", "m"))
+        self.assertIn("DeadlineError", lc.__all__)
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================

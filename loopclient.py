@@ -4628,6 +4628,8 @@ def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
             left = deadline - _clock()
             if left <= 0:
                 raise _deadline_error(timeout, code, what, address, heard)
+            if code == _SEND:  # "GET /path?query HTTP/1.1": the method and the target
+                what = op[2].split(b"\r\n", 1)[0].rsplit(b" ", 1)[0].decode("latin-1")
             at = _TIMEOUT_AT[code]
             cut = op[at] is None or left < op[at]  # (a park without a timer is cut too)
             try:
@@ -4639,8 +4641,6 @@ def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
                     exc = caught
                     continue
                 raise _deadline_error(timeout, code, what, address, heard) from None
-            if code == _SEND:  # "GET /path?query HTTP/1.1": the method and the target
-                what = op[2].split(b"\r\n", 1)[0].rsplit(b" ", 1)[0].decode("latin-1")
             heard = heard or bool(code == _RECV and value)
             if cut and code == _SLEEP:
                 raise _deadline_error(timeout, code, what, address, heard)
@@ -4658,7 +4658,7 @@ def _deadline_error(timeout: float, code: int, what: str, address: str, heard: b
         "connect": "connecting to %s",
         "send": "sending %s",
         "answer": ("reading the answer to %s" if heard else "waiting for the answer to %s"),
-        "wait": "waiting between the requests of %s",
+        "wait": "waiting to ask again after %s",
     }[phase] % what
     return DeadlineError(
         "the call's timeout (%g s) ran out while %s: the connection was closed" % (timeout, doing), timeout, phase
@@ -5192,6 +5192,11 @@ class _Streams:
         function makes the body of ``args`` and the other keywords, then the row's thinking-cap rule
         applies."""
         row = _ENDPOINTS[endpoint]
+        if "timeout" in params:
+            raise TypeError(
+                "timeout= is for single-shot calls: a stream has no total deadline, only Limits.liveness "
+                "(a body field named timeout goes in stream_route()'s body)"
+            )
         raw_chunks = bool(params.pop("raw_chunks", False))
         conversation = _conversation_id(params.pop("resumable", None))
         calls = self.calls.at(params.pop("headers", None))

@@ -305,6 +305,7 @@ class FakeServer:
         self.stopping = threading.Event()
         self.listener = None
         self.address = None
+        self.deaf = False  # read no request (see _serve)
         self.route("GET", "/slots", self._slots)
         self.route(
             "GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"})
@@ -369,6 +370,9 @@ class FakeServer:
 
     def _serve(self, conn):
         try:
+            if self.deaf:  # a server that takes connections and reads nothing: a client's send blocks
+                self.stopping.wait(10)
+                return
             conn.settimeout(5)
             request = read_request(conn)
             if request is None:
@@ -1198,8 +1202,10 @@ class VirtualKernel:
         self.servers[key] = server
         return key, address
 
-    def connect(self, addr, owner):
-        """A client end connected to the server at ``addr``; the errors a socket's connect() raises."""
+    def connect(self, addr, owner, timeout=None):
+        """A client end connected to the server at ``addr``; the errors a socket's connect() raises.  A server
+        whose ``unanswered`` is set is a TCP listener whose accept queue is full: the connect neither completes
+        nor fails, and times out after ``timeout``."""
         if addr.tls:
             raise AssertionError("the virtual driver has no TLS")
         target = addr.target if addr.unix else tuple(addr.target)
@@ -1208,6 +1214,9 @@ class VirtualKernel:
             if addr.unix and not os.path.exists(target):
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
             raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
+        if getattr(server, "unanswered", False):
+            self.sleep(timeout)
+            raise socket.timeout("timed out")
         conn = VirtualConn(self, owner)
         theirs = _VEnd(self)
         conn.peer, theirs.peer = theirs, conn
@@ -1421,7 +1430,7 @@ class VirtualRun(lc._Run):
             conn.owner = self
             conn.reused = True
         else:
-            conn = self.kernel.connect(self.board.calls.addr, self)
+            conn = self.kernel.connect(self.board.calls.addr, self, timeout)
         self.conns.add(conn)
         return conn
 
@@ -9675,6 +9684,443 @@ class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
     pass
 
 
+# -- every answer as the server gave it: fetch(), headers and timeout per call, stream_route() ----------
+
+
+class _Per:
+    """A client whose every call passes ``headers=`` and ``timeout=`` (as the caller writes them)."""
+
+    def __init__(self, client, **kw):
+        self._client, self._kw = client, kw
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        return lambda *args, **kw: method(*args, **dict(self._kw, **kw))
+
+
+_A_CALL = {"X-Call": "v", "User-Agent": "mine/2"}  # a header of its own, and one that replaces the client's
+
+
+def _a_route_answer(*payloads, done=True):
+    """A handler that answers a streamed route with ``payloads`` (then [DONE]) and waits for the client."""
+    return reply(_a_sse(*payloads, done=done), hold=True)
+
+
+def _a_stream(client, path, body=None, **kw):
+    """``client.stream_route(path, body, **kw)``: a Stream (a StreamFacade for AsyncDriver's client)."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.stream_route(path, body, **kw))
+    return client.stream_route(path, body, **kw)
+
+
+def _a_watch(client, **kw):
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.watch_models(**kw))
+    return client.watch_models(**kw)
+
+
+class TestAnswers(_ApiCase):
+    """fetch() gives any answer whole; headers= goes with one call (every call, its refusals); a resumable
+    stream's later requests carry the call's headers; stream_route() streams a route the client does not
+    name, with the engine's rules."""
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path.split("?")[0] == path]
+
+    def fetch(self, *args, client=None, **kw):
+        return run_with_timeout(lambda: (client or self.client).fetch(*args, **kw))
+
+    def route(self, path, body=None, client=None, **kw):
+        """(events, completion) of a whole stream_route() call."""
+        stream = _a_stream(client or self.client, path, body, **kw)
+        events = run_with_timeout(lambda: list(stream))
+        return events, stream.completion
+
+    # -- fetch() ----------------------------------------------------------------------------------------
+
+    def test_fetch_gives_every_status_whole_and_sends_once(self):
+        cases = [
+            (b"200 OK", b'{"a":1}', JSON_TYPE),
+            (b"201 Created", b"made", b"text/plain"),
+            (b"301 Moved Permanently", b"<html>moved</html>", b"text/html"),
+            (b"404 Not Found", b'{"error":{"code":404,"message":"File Not Found"}}', JSON_TYPE),
+            (b"500 Internal Server Error", b"oops", b"text/plain"),
+            (b"503 Service Unavailable", b'{"error":{"code":503,"message":"Loading model"}}', JSON_TYPE),
+        ]
+        for status, body, ctype in cases:
+            with self.subTest(status=status):
+                extra = b"Location: http://elsewhere/\r\nRetry-After: 0\r\n"
+                self.server.route("GET", "/any", reply(http_response(body, ctype, "length", status, extra)))
+                since = len(self.server.requests)
+                got = self.fetch("GET", "/any")
+                code, _, reason = status.decode().partition(" ")
+                headers = (
+                    ("server", "llama.cpp"),
+                    ("content-type", ctype.decode()),
+                    ("content-length", str(len(body))),
+                    ("location", "http://elsewhere/"),
+                    ("retry-after", "0"),
+                    ("connection", "close"),
+                )
+                self.assertEqual(got, lc.Response(int(code), reason, headers, body))
+                self.assertEqual(len(self.server.requests), since + 1)  # neither retried nor followed
+
+    def test_fetch_skips_an_interim_answer_and_reads_chunked_and_until_close(self):
+        self.server.route("GET", "/a", reply(b"HTTP/1.1 100 Continue\r\n\r\n" + http_response(b"ok", b"text/plain")))
+        self.assertEqual((self.fetch("GET", "/a").status, self.fetch("GET", "/a").body), (200, b"ok"))
+        self.server.route("GET", "/b", reply(http_response(b"0123456789", b"text/plain", "chunked")))
+        self.assertEqual(self.fetch("GET", "/b").body, b"0123456789")
+        self.server.route("GET", "/c", reply(b"HTTP/1.0 200 OK\r\n\r\nuntil close"))
+        got = self.fetch("GET", "/c")
+        self.assertEqual((got.status, got.headers, got.body), (200, (), b"until close"))
+
+    def test_fetch_of_head_and_204_ends_at_the_head(self):
+        def held(head):
+            def handler(req):
+                req.send(head)
+                req.wait_peer_close(3)
+
+            return handler
+
+        # (Connection: close: the fake server answers one request per connection)
+        length = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
+        no_content = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+        self.server.route("HEAD", "/health", held(length))
+        self.server.route("DELETE", "/v1/stream?conv_id=c-1", held(no_content))
+        start = time.monotonic()
+        got = self.fetch("HEAD", "/health")
+        self.assertEqual((got.status, got.get("content-length"), got.body), (200, "15", b""))
+        got = self.fetch("DELETE", "/v1/stream", query={"conv_id": "c-1"})
+        self.assertEqual((got.status, got.reason, got.body), (204, "No Content", b""))
+        self.assertLess(time.monotonic() - start, 1.0)  # liveness is 2 s: neither waited for a body
+        self.assertEqual(self.sent("/v1/stream")[0].path, "/v1/stream?conv_id=c-1")
+
+    def test_fetch_request_bytes_routing_and_a_text_answer_under_json(self):
+        self.server.route("POST", "/x", reply(http_response(b"ok", JSON_TYPE)))  # /cors-proxy's answer
+        got = self.fetch("POST", "/x", {"q": 1})
+        self.assertEqual((got.text(), got.get("Content-Type")), ("ok", JSON_TYPE.decode()))
+        with self.assertRaises(lc.ProtocolError):
+            got.json()
+        with self.assertRaises(lc.ProtocolError):  # request() promises JSON for a JSON Content-Type
+            run_with_timeout(lambda: self.client.request("POST", "/x", {"q": 1}))
+        self.assertEqual(self.sent("/x")[0].raw_head, _api_head(b"POST /x", b'{"q": 1}', accept=b"*/*"))
+        # routed to the client's default model as request() is: ?model= on a GET, "model" in a body
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        self.server.route("GET", "/y?model=alpha", reply(json_response({})))
+        self.assertEqual(self.fetch("GET", "/y", client=client).status, 200)
+        self.fetch("POST", "/x", {"q": 1}, client=client)
+        self.assertEqual(self.sent("/x")[-1].json(), {"q": 1, "model": "alpha"})
+
+    def test_fetch_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (b"GET", "/x"), {}),
+            (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
+            (ValueError, ("GET", "x"), {}),
+            (ValueError, ("G T", "/x"), {}),
+            (ValueError, ("GET", "/x\r\n"), {}),
+            (ValueError, ("POST", "/x", float("nan")), {}),
+            (TypeError, ("POST", "/x", object()), {}),
+            (ValueError, ("GET", "/x"), {"timeout": 0}),
+            (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
+            (TypeError, ("GET", "/x"), {"timeout": "1"}),
+            (TypeError, ("GET", "/x"), {"timeout": True}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                self.fetch(*args, **kw)
+        self._api_nothing_sent()
+
+    # -- headers= per call ------------------------------------------------------------------------------
+
+    def test_every_single_shot_call_takes_headers_and_timeout_for_itself(self):
+        client = self.new_client(self.server.address, limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
+        self.closers.append(client.close)
+        mine = b"\r\nX-Keep: k\r\nX-Call: v\r\nUser-Agent: mine/2"
+        for name, call, line, body, answer, value, _ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, reply(http_response(*_api_body(answer))))
+                since = len(self.server.requests)
+                got = run_with_timeout(lambda call=call: call(_Per(client, headers=_A_CALL, timeout=5)))
+                self.assertEqual(got, value)
+                req = self._api_one_request(since)
+                ua = b"\r\nUser-Agent: loopclient/" + lc.__version__.encode()
+                self.assertEqual(req.raw_head, _api_head(line, body).replace(ua, mine))
+                # the next call without headers= sends the client's own
+                run_with_timeout(lambda call=call: call(client))
+                self.assertEqual(
+                    self._api_one_request(since + 1).raw_head,
+                    _api_head(line, body).replace(ua, ua + b"\r\nX-Call: client\r\nX-Keep: k"),
+                )
+        since = len(self.server.requests)
+        run_with_timeout(lambda: client.fetch("GET", "/health", headers={"Accept": "text/plain", "x-call": "w"}))
+        self.assertEqual(
+            self._api_one_request(since).raw_head,
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nUser-Agent: loopclient/%s\r\nX-Keep: k\r\n"
+            b"Accept: text/plain\r\nx-call: w" % lc.__version__.encode(),
+        )
+
+    def test_a_call_may_replace_the_api_key(self):
+        client = self.new_client(self.server.address, limits=FAST, api_key="sk-client")
+        self.closers.append(client.close)
+        run_with_timeout(lambda: client.health(headers={"authorization": "Bearer sk-call"}))
+        run_with_timeout(client.health)
+        first, second = self.sent("/health")
+        self.assertEqual(first.headers["authorization"], "Bearer sk-call")
+        self.assertNotIn(b"sk-client", first.raw_head)
+        self.assertEqual(second.headers["authorization"], "Bearer sk-client")
+
+    def test_refused_headers_on_every_kind_of_call_before_sending(self):
+        refused = [
+            (ValueError, {"Host": "x"}),
+            (ValueError, {"content-length": "1"}),
+            (ValueError, {"Transfer-Encoding": "chunked"}),
+            (ValueError, {"CONTENT-TYPE": "text/plain"}),
+            (ValueError, {"Connection": "keep-alive"}),
+            (ValueError, {"X-A": "a\r\nX-B: b"}),
+            (ValueError, {"X-A\n": "a"}),
+            (ValueError, {"X A": "a"}),
+            (TypeError, {"X-A": 1}),
+            (TypeError, {b"X-A": "a"}),
+        ]
+        calls = [
+            lambda c, h: c.fetch("GET", "/x", headers=h),
+            lambda c, h: c.slots(headers=h),
+            lambda c, h: c.embed("a", headers=h),
+            lambda c, h: c.stream(MSGS, headers=h),
+            lambda c, h: c.chat(MSGS, headers=h),
+            lambda c, h: open_stream(c, "complete", "x", headers=h),
+            lambda c, h: _a_stream(c, "/x", headers=h),
+            lambda c, h: c.resume("conv-1", headers=h),
+            lambda c, h: _a_watch(c, headers=h),
+        ]
+        for error, headers in refused:
+            for i, call in enumerate(calls):
+                with self.subTest(headers=headers, call=i), self.assertRaises(error):
+                    call(self.client, headers)
+        self._api_nothing_sent()
+
+    def test_every_streamed_call_takes_headers_for_itself(self):
+        gone = json_response({"error": {"code": 400, "message": "no"}}, b"400 Bad Request")
+        paths = [
+            "/v1/chat/completions",
+            "/completion",
+            "/infill",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/completions",
+            "/r",
+        ]
+        for path in paths:
+            self.server.route("POST", path, reply(gone))
+        self.server.route("GET", "/models/sse", reply(gone))
+        self.server.route("GET", "/v1/stream", reply(gone))
+        c = self.client
+        calls = [
+            ("/v1/chat/completions", lambda h: c.chat(MSGS, headers=h)),
+            ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
+            ("/completion", lambda h: c.complete("x", headers=h)),
+            ("/infill", lambda h: c.infill("x", headers=h)),
+            ("/v1/responses", lambda h: c.respond("x", headers=h)),
+            ("/v1/messages", lambda h: c.message(MSGS, headers=h)),
+            ("/v1/completions", lambda h: c.complete_openai("x", headers=h)),
+            ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
+            ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
+            ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),
+        ]
+        for path, call in calls:
+            with self.subTest(path=path):
+                for headers in (_A_CALL, None):
+                    since = len(self.sent(path))
+                    with self.assertRaises((lc.HTTPStatusError, lc.StreamClosedError)):
+                        run_with_timeout(lambda call=call, headers=headers: call(headers))
+                    req = self.sent(path)[since]
+                    if headers:
+                        self.assertEqual((req.headers["x-call"], req.headers["user-agent"]), ("v", "mine/2"))
+                    else:
+                        self.assertNotIn("x-call", req.headers)
+                        self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
+                    if req.body:
+                        self.assertNotIn("headers", req.json())
+
+    def test_a_resumable_streams_later_requests_carry_the_calls_headers(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _r_Buffer(self.server, raw)
+        first = first_chunk(raw)
+        mine = {"X-Front-Auth": "t-1"}
+        # cut after its first chunk: GET /v1/stream; cut before any byte: the lookup
+        for cuts, methods in (([len(first)], ["POST", "GET"]), ([0], ["POST", "LOOKUP", "GET"])):
+            with self.subTest(cuts=cuts):
+                buf.reset(cuts)
+                since = len(self.server.requests)
+                events = []
+                run_with_timeout(
+                    lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append)
+                )
+                self.assertEqual(buf.methods(), methods)
+                with self.server.lock:
+                    reqs = [r for r in self.server.requests[since:] if not r.path.startswith("/slots")]
+                self.assertEqual([r.headers.get("x-front-auth") for r in reqs], ["t-1"] * len(methods))
+                self.assertEqual({r.headers["x-conversation-id"] for r in reqs}, {"c-h"})
+        # resume() takes them for its own requests
+        since = len(self.server.requests)
+        run_with_timeout(lambda: list(self.client.resume("c-h", headers=mine)))
+        self.assertEqual([r.headers.get("x-front-auth") for r in self.server.requests[since:]], ["t-1"])
+        # cancelled: the DELETE carries them too
+        buf.reset([("hold", len(first))])
+        since = len(self.server.requests)
+        stream = self.client.stream(MSGS, slot=0, resumable="c-h", headers=mine)
+        self.assertIsInstance(run_with_timeout(lambda: next(stream)), lc.Content)
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: list(stream))
+        (delete,) = [r for r in self.server.requests[since:] if r.method == "DELETE"]
+        self.assertEqual((delete.path, delete.headers["x-front-auth"]), ("/v1/stream?conv_id=c-h", "t-1"))
+
+    def test_the_thinking_caps_control_call_carries_the_calls_headers(self):
+        client = self.client_with(thinking_cap=2)
+        self.use(serve_body(reasoning_stream(4), hold=False))
+        self.server.route("POST", "/v1/chat/completions/control", reply(json_response({"success": True})))
+        run_with_timeout(lambda: client.chat(MSGS, slot=0, headers={"X-Call": "cap"}))
+        (control,) = self.sent("/v1/chat/completions/control")
+        self.assertEqual(control.headers["x-call"], "cap")
+        # the shared /slots and /props requests carry the client's headers only
+        self.server.busy[0] = True
+        self.server.route("POST", "/r", hold_then(b"", threading.Event()))
+        stream = _a_stream(client, "/r", slot=0, headers={"X-Call": "mine"})
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Waiting(True))
+        stream.cancel()
+        self.assertTrue(self.sent("/slots"))
+        self.assertFalse([r for r in self.sent("/slots") if "x-call" in r.headers])
+
+    # -- stream_route() ---------------------------------------------------------------------------------
+
+    def test_stream_route_sends_the_body_as_given(self):
+        self.server.route("POST", "/v1/x?y=1", _a_route_answer({"a": 1}))
+        events, done = self.route("/v1/x?y=1", {"prompt": "p", "stream": True}, slot=1, n=2, raw_chunks=True)
+        self.assertEqual((events, done), ([lc.Chunk({"a": 1})], _A_EMPTY))
+        (req,) = self.sent("/v1/x")
+        body = b'{"prompt": "p", "stream": true, "n": 2, "id_slot": 1}'
+        self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream"))
+        self.assertEqual(req.body, body)
+        # no body, another method, a default model routed as request() routes it
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        self.server.route("GET", "/events?model=alpha", _a_route_answer("tick", done=False))
+        self.assertEqual(self.route("/events", method="GET", client=client)[0], [lc.Chunk("tick")])
+        (req,) = self.sent("/events")
+        self.assertEqual(req.raw_head, _api_head(b"GET /events?model=alpha", accept=b"text/event-stream"))
+        self.server.route("PUT", "/p", _a_route_answer([1, 2]))
+        self.assertEqual(self.route("/p", ["list"], method="PUT", client=client)[0], [lc.Chunk([1, 2])])
+        self.assertEqual(self.sent("/p")[0].body, b'["list"]')  # a body that is not an object: as it is
+        self.route("/p", {"k": 1}, method="PUT", client=client, resumable="c-9")
+        self.assertEqual(self.sent("/p")[1].json(), {"k": 1, "model": "alpha"})
+        self.assertEqual(self.sent("/p")[1].headers["x-conversation-id"], "c-9")
+
+    def test_stream_route_reads_chat_as_the_named_call_does(self):
+        raw = load_transcript("06_chat_stream_include_usage.raw.txt")
+        self.server.route("POST", "/chat/completions", reply(raw))
+        self.use(reply(raw))
+        events, done = self.route("/chat/completions", {"messages": MSGS, "stream": True})
+        completion, named = self.collect(raw_chunks=True)
+        self.assertEqual(events, [e for e in named if isinstance(e, lc.Chunk)])
+        self.assertEqual(done, _a_bare(completion))
+
+    def test_stream_route_waits_out_a_busy_slot_and_retries_before_delivery(self):
+        self.server.busy[0] = True
+        release = threading.Event()
+        self.later(0.2, release.set)
+        self.later(0.2, lambda: self.server.busy.__setitem__(0, False))
+        loading = http_response(b'{"error":{"code":503,"message":"Loading model"}}', status=b"503 Service Unavailable")
+        unavailable = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+        def busy_then_loading(req):  # no byte while the slot is busy, then the 503
+            while not release.is_set() and not req.wait_peer_close(0.02):
+                pass
+            req.send(loading)
+
+        answers = [busy_then_loading, reply(_a_sse(unavailable)), reply(_a_sse({"a": 1}))]
+        self.server.route("POST", "/r", lambda req: answers.pop(0)(req))
+        events, done = self.route("/r", {"x": 1}, slot=0)
+        retries = [e for e in events if isinstance(e, lc.Retrying)]
+        self.assertEqual([r.reason for r in retries], ["HTTP 503: Loading model", "server error 503: Loading model"])
+        self.assertIn(lc.Waiting(True), events)
+        self.assertEqual(events[-1], lc.Chunk({"a": 1}))
+        self.assertEqual(len(self.sent("/r")), 3)
+
+    def test_stream_route_does_not_retry_after_a_chunk(self):
+        unavailable = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        self.server.route("POST", "/r", reply(_a_sse({"a": 1}, unavailable)))
+        stream = _a_stream(self.client, "/r", {})
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
+        with self.assertRaises(lc.ServerError):
+            run_with_timeout(lambda: next(stream))
+        self.assertEqual(len(self.sent("/r")), 1)
+
+    def test_stream_route_cancel_closes_the_connection_and_frees_the_slot(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'))
+            req.wait_peer_close(5)
+
+        self.server.route("POST", "/r", handler)
+        stream = _a_stream(self.client, "/r", {}, slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
+        t = Timer()
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertTrue(self.sent("/r")[0].closed_by_peer.wait(1))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+
+    def test_stream_route_resumes_a_cut_stream(self):
+        raw = load_transcript("43_completion_stream_two_prompts.raw.txt")
+        buf = _r_Buffer(self.server, raw, "/completions")
+        body = {"prompt": ["a", "b"], "stream": True}
+        whole, done = self.route("/completions", body, slot=0, resumable="c-r")
+        self.assertEqual(whole, _a_chunks(raw))
+        rng = random.Random(43)
+        for cut in sorted(rng.sample(range(len(buf.head) + 1, len(raw) - 5), 12)):
+            buf.reset([cut])
+            events, again = self.route("/completions", body, slot=0, resumable="c-r")
+            self.assertEqual(
+                [e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut
+            )
+            self.assertEqual(again, done, "cut at %d" % cut)
+            self.assertEqual(buf.methods().count("POST"), 1, "cut at %d" % cut)
+        stream = self.client.resume("c-r", endpoint="route")
+        self.assertEqual(run_with_timeout(lambda: list(stream)), whole)
+
+    def test_stream_route_refuses_an_answer_that_is_not_a_stream(self):
+        self.server.route("POST", "/r", reply(json_response({"a": 1})))
+        with self.assertRaises(lc.ProtocolError) as cm:
+            self.route("/r", {})
+        self.assertIn("not text/event-stream", str(cm.exception))
+        self.assertEqual(len(self.sent("/r")), 1)
+
+    def test_stream_route_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (b"/x",), {}),
+            (TypeError, ("/x",), {"method": None}),
+            (ValueError, ("x",), {}),
+            (ValueError, ("/x",), {"method": "P T"}),
+            (ValueError, ("/x", {"a": float("nan")}), {}),
+            (TypeError, ("/x", "text"), {"slot": 0}),
+            (TypeError, ("/x", [1]), {"n": 2}),
+            (TypeError, ("/x", {"n": 1}), {"n": 2}),
+            (ValueError, ("/x",), {"slot": -1}),
+            (TypeError, ("/x",), {"slot": "0"}),
+            (ValueError, ("/x",), {"resumable": ""}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                _a_stream(self.client, *args, **kw)
+        self._api_nothing_sent()
+
+
+class TestAnswersAsync(AsyncDriver, TestAnswers):
+    pass
+
+
 # =====================================================================================================
 # Tier 3. Waits and gates: wait for head, liveness, wedged slots, retries, gate, cancel, thinking cap,
 # stress
@@ -11997,6 +12443,164 @@ class TestAsyncScale(unittest.TestCase):
         self.assertEqual(queued[0], [])
         self.assertEqual(queued[1:], [[lc.Queued(i)] for i in range(1, 1000)])
         self.assertLess(per_waiter, self.WAITER_BOUND)
+
+
+# -----------------------------------------------------------------------------------------------------
+# A deadline for one single-shot call: timeout=
+# -----------------------------------------------------------------------------------------------------
+
+
+def _a_drip(head, body, every):
+    """A handler that sends ``head``, then ``body`` a byte every ``every`` seconds: never silent for long,
+    never done soon."""
+
+    def handler(req):
+        req.send(head)
+        for i in range(len(body)):
+            if req.closed_by_peer.wait(every) or not req.send(body[i : i + 1]):
+                return
+
+    return handler
+
+
+class TestDeadline(VirtualFactory, _ApiCase):
+    """timeout= bounds a single-shot call's whole exchange, connect included: each operation gets what is
+    left, and the one the deadline cuts short ends the call with DeadlineError at that very moment (exactly,
+    on the virtual clock), its connection closed; liveness still applies when it is shorter."""
+
+    def deadline(self, call, seconds, phase, message):
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            run_with_timeout(call)
+        self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
+        err = cm.exception
+        self.assertEqual((err.timeout, err.phase, str(err)), (seconds, phase, message))
+        self.assertIsInstance(err, TimeoutError)
+        return err
+
+    def test_every_call_waiting_for_its_answer(self):
+        for name, call, line, *_ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, lambda req: req.wait_peer_close(5))
+                since = len(self.server.requests)
+                what = line.decode()
+                self.deadline(
+                    lambda call=call: call(_Per(self.client, timeout=0.5)),
+                    0.5,
+                    "answer",
+                    "the call's timeout (0.5 s) ran out while waiting for the answer to %s: the connection "
+                    "was closed" % what,
+                )
+                (req,) = self.server.requests[since:]
+                self.assertTrue(req.closed_by_peer.wait(1))
+        self.assertEqual(self.client._board.idle, [])  # nothing kept
+
+    def test_an_answer_that_keeps_coming_is_cut_at_the_deadline(self):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
+        self.server.route("GET", "/metrics", _a_drip(head, b"#" * 100, 0.3))  # liveness (2 s) never runs out
+        self.deadline(
+            lambda: self.client.metrics(timeout=1.0),
+            1.0,
+            "answer",
+            "the call's timeout (1 s) ran out while reading the answer to GET /metrics: the connection was closed",
+        )
+        self.assertTrue(self.server.requests[-1].closed_by_peer.wait(1))
+        self.server.route("GET", "/metrics", _a_drip(head.replace(b"100", b"3"), b"#" * 3, 0.3))
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: self.client.metrics(timeout=1.0)), "###")  # in time: its answer
+        self.assertElapsed(t.elapsed, 0.9, early=EARLY)
+
+    def test_a_send_the_server_does_not_take(self):
+        self.server.deaf = True  # the body fills the buffers and waits there
+        body = {"content": "x" * (4 * 1024 * 1024)}
+        self.deadline(
+            lambda: self.client.fetch("POST", "/tokenize", body, timeout=0.6),
+            0.6,
+            "send",
+            "the call's timeout (0.6 s) ran out while sending POST /tokenize: the connection was closed",
+        )
+
+    def test_a_connect_that_does_not_complete(self):
+        self.server.close()
+        server = self.new_server(tcp=True)
+        self.closers.append(server.close)
+        server.unanswered = True  # the accept queue is full
+        client = self.new_client(server.address, limits=FAST)
+        self.closers.append(client.close)
+        self.deadline(
+            lambda: client.health(timeout=0.3),
+            0.3,
+            "connect",
+            "the call's timeout (0.3 s) ran out while connecting to %s: the connection was closed" % server.address,
+        )
+        # without one, the connect's own timeout (liveness) is a ConnectError
+        t = Timer()
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(client.health)
+        self.assertElapsed(t.elapsed, FAST.liveness, early=EARLY)
+
+    def test_liveness_still_applies_when_shorter(self):
+        self.server.route("GET", "/slots", lambda req: req.wait_peer_close(5))
+        t = Timer()
+        with self.assertRaises(lc.StalledError) as cm:
+            run_with_timeout(lambda: self.client.slots(timeout=5.0))
+        self.assertIs(type(cm.exception), lc.StalledError)
+        self.assertElapsed(t.elapsed, FAST.liveness, early=EARLY)
+
+    def test_waiting_for_a_model_to_load(self):
+        self.server.route("POST", "/models/load", reply(json_response({"success": True})))
+        loading = {"data": [{"id": "m", "status": {"value": "loading"}}]}
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, loading))
+        self.deadline(
+            lambda: self.client.load_model("m", wait=True, timeout=0.52),
+            0.52,
+            "wait",
+            "the call's timeout (0.52 s) ran out while waiting to ask again after GET /v1/models: the connection "
+            "was closed",
+        )
+
+    def test_a_kept_connection_the_server_closed_is_sent_again_within_the_deadline(self):
+        self.server.route("GET", "/health", reply(json_response({"status": "ok"}, extra=b"Keep-Alive: timeout=5\r\n")))
+        # FakeServer closes each connection after one answer: the kept one fails before any byte
+        self.assertEqual(run_with_timeout(lambda: self.client.health(timeout=1)), {"status": "ok"})
+        self.assertEqual(run_with_timeout(lambda: self.client.health(timeout=1)), {"status": "ok"})
+        self.assertEqual(len(self.server.requests), 2)
+
+    def test_streams_take_no_timeout(self):
+        for make in (
+            lambda: self.client.stream(MSGS, timeout=1),
+            lambda: self.client.chat(MSGS, timeout=1),
+            lambda: _a_stream(self.client, "/x", timeout=1),
+        ):
+            with self.assertRaises(TypeError) as cm:
+                make()
+            self.assertIn("no total deadline", str(cm.exception))
+        self.assertEqual(self.server.requests, [])
+
+
+TestDeadlineSockets, TestDeadlineSocketsAsync = on_sockets(
+    TestDeadline, "test_an_answer_that_keeps_coming_is_cut_at_the_deadline", "test_a_send_the_server_does_not_take"
+)
+
+
+class TestDeadlineConnect(ServerCase):
+    """A TCP connect that neither completes nor fails, on real sockets: timeout= ends it, through both
+    clients."""
+
+    def test_a_connect_that_does_not_complete(self):
+        address = full_tcp_listener(self)
+        client = self.new_client(address, limits=FAST)
+        self.closers.append(client.close)
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))
+        self.assertElapsed(t.elapsed, 0.4, early=EARLY, what="the DeadlineError")
+        self.assertEqual(cm.exception.phase, "connect")
+        self.assertIn("while connecting to %s" % address, str(cm.exception))
+
+
+class TestDeadlineConnectAsync(AsyncDriver, TestDeadlineConnect):
+    pass
 
 
 # =====================================================================================================

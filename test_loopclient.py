@@ -14594,6 +14594,136 @@ TestFaultFuzzRegressionsSockets, TestFaultFuzzRegressionsSocketsAsync = on_socke
 # TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
 # client cases through both with the same rules.
 
+# -- answers as the server gave them: fetch(), timeout=, stream_route() -------------------------------
+
+_A_PAGE = b"<html><head><title>500 Internal Server Error</title></head><body>oops</body></html>"
+
+
+def _a_headers(ctype, body, *extra):
+    """The (name, value) pairs of an http_response() answer: Server, Content-Type, Content-Length, the
+    ``extra`` pairs, Connection: close."""
+    return (
+        (("server", "llama.cpp"), ("content-type", ctype), ("content-length", str(len(body))))
+        + extra
+        + (("connection", "close"),)
+    )
+
+
+_A_FAULT_ANSWERS = {
+    "page": (
+        http_response(_A_PAGE, b"text/html", "length", b"500 Internal Server Error"),
+        lc.Response(500, "Internal Server Error", _a_headers("text/html", _A_PAGE), _A_PAGE),
+    ),
+    "503": (
+        http_response(
+            b'{"error":{"code":503}}', JSON_TYPE, "length", b"503 Service Unavailable", b"Retry-After: 1\r\n"
+        ),
+        lc.Response(
+            503,
+            "Service Unavailable",
+            _a_headers(JSON_TYPE.decode(), b'{"error":{"code":503}}', ("retry-after", "1")),
+            b'{"error":{"code":503}}',
+        ),
+    ),
+    "302": (
+        http_response(b"", b"text/html", "length", b"302 Found", b"Location: http://127.0.0.1:9/elsewhere\r\n"),
+        lc.Response(302, "Found", _a_headers("text/html", b"", ("location", "http://127.0.0.1:9/elsewhere")), b""),
+    ),
+}
+#: a head announcing 1,000 bytes of body, which then come a byte every 0.1 s: never silent, never done
+_A_TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\n"
+_A_DEADLINE = 0.3  # under every budget of FAST_FAULTS, so that only the call's timeout can end it
+
+
+def _a_fetch(method="GET", path="/any", **kw):
+    return lambda client, events: client.fetch(method, path, **kw)
+
+
+def _a_route(path="/r", body=None, **kw):
+    """The act of a stream_route() call: its events into ``events``, its Completion returned."""
+
+    def act(client, events):
+        stream = client.stream_route(path, body, **kw)
+        for event in stream:
+            events.append(event)
+        return stream.completion
+
+    return act
+
+
+class TestFaultAnswers(_f_Case):
+    """fetch() gives what the server said, whatever it said; timeout= ends a call the server never ends;
+    stream_route() keeps the engine's rules on a route it does not know."""
+
+    def _f_call(self, act):
+        return lambda events: act(self.client, events)
+
+    def test_fetch_of_an_error_page(self):
+        raw, want = _A_FAULT_ANSWERS["page"]
+        self.server.route("GET", "/any", reply(raw, hold=True))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_503_is_not_retried(self):
+        raw, want = _A_FAULT_ANSWERS["503"]
+        self.server.route("GET", "/any", reply(raw))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_redirect_is_not_followed(self):
+        raw, want = _A_FAULT_ANSWERS["302"]
+        self.server.route("GET", "/any", reply(raw))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_body_over_max_body(self):
+        self.server.route("GET", "/any", reply(http_response(b"x" * (64 * 1024 + 1), b"text/plain"), hold=True))
+        err = self._f_fails(lc.ProtocolError, fn=self._f_call(_a_fetch()))
+        self.assertIn("max_body", str(err))
+
+    def test_timeout_on_a_silent_server(self):
+        self.server.route("GET", "/any", _f_hold)
+        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
+        self.assertEqual(err.phase, "answer")
+
+    def test_timeout_on_an_answer_that_trickles(self):
+        self.server.route("GET", "/any", _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1))
+        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
+        self.assertIn("reading the answer to GET /any", str(err))
+
+    def test_stream_route_of_an_answer_that_is_not_a_stream(self):
+        self.server.route("POST", "/r", reply(json_response({"a": 1}), hold=True))
+        self._f_fails(lc.ProtocolError, fn=self._f_call(_a_route()))
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], ["/r"])
+
+    def test_stream_route_of_a_503_then_a_stream(self):
+        self.server.route("POST", "/r", _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True))))
+        done = self._f_succeeds(budget=lc.BACKOFF_FIRST, fn=self._f_call(_a_route()))
+        self.assertEqual(
+            (self._f_kinds(), self._f_events[1], done), (["Retrying", "Chunk"], lc.Chunk({"a": 1}), _A_EMPTY)
+        )
+
+    def test_stream_route_of_text_data(self):
+        self.server.route("POST", "/r", reply(_a_sse("hello", "wor ld", done=True)))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_route())), _A_EMPTY)
+        self.assertEqual(self._f_events, [lc.Chunk("hello"), lc.Chunk("wor ld")])
+
+    def test_stream_route_of_chat_cut_before_its_finish(self):
+        self.server.route("POST", "/r", reply(_a_sse(json.loads(chunk_json({"content": "Hi"})))))
+        self._f_fails(lc.StreamClosedError, fn=self._f_call(_a_route()))
+        self.assertEqual(self._f_kinds(), ["Chunk"])
+
+    def test_stream_route_silent_once_started(self):
+        self.server.route("POST", "/r", reply(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'), hold=True))
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness, fn=self._f_call(_a_route()))
+        self.assertEqual(self._f_events, [lc.Chunk({"a": 1})])
+
+
+TestFaultAnswersSockets, TestFaultAnswersSocketsAsync = on_sockets(
+    TestFaultAnswers, "test_timeout_on_an_answer_that_trickles", "test_stream_route_of_a_503_then_a_stream"
+)
+
+
 # -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
 #
 # Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
@@ -15424,6 +15554,78 @@ FAULT_TABLE = [
                 "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
                 "`ServerError` at once",
                 "`TestFaultFuzzRegressions.test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client`",
+            ),
+        ],
+    ),
+    (
+        "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "fetch() of an error page",
+                "`500` with an HTML page, then holds the connection",
+                "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
+                "`TestFaultAnswers.test_fetch_of_an_error_page`",
+            ),
+            (
+                "fetch() of a 503 with Retry-After",
+                "`503`, `Retry-After: 1`",
+                "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
+                "`TestFaultAnswers.test_fetch_of_a_503_is_not_retried`",
+            ),
+            (
+                "fetch() of a redirect",
+                "`302` with a `Location` elsewhere",
+                "no error: the `Response` at once; the redirect is not followed",
+                "`TestFaultAnswers.test_fetch_of_a_redirect_is_not_followed`",
+            ),
+            (
+                "fetch() of a body over max_body",
+                "a 200 one byte over `max_body`, then holds the connection",
+                "`ProtocolError` at once",
+                "`TestFaultAnswers.test_fetch_of_a_body_over_max_body`",
+            ),
+            (
+                "timeout= on a silent server",
+                "reads the request, sends nothing",
+                "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
+                "`TestFaultAnswers.test_timeout_on_a_silent_server`, `TestDeadline.test_every_call_waiting_for_its_answer`",
+            ),
+            (
+                "timeout= on an answer that trickles",
+                "a head, then a byte of its body every 0.1 s",
+                "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
+                "`TestFaultAnswers.test_timeout_on_an_answer_that_trickles`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
+            ),
+            (
+                "stream_route() of an answer that is not a stream",
+                "`200` with `application/json`, then holds the connection",
+                "`ProtocolError` at once, not sent again",
+                "`TestFaultAnswers.test_stream_route_of_an_answer_that_is_not_a_stream`",
+            ),
+            (
+                "stream_route() of a 503, then a stream",
+                "`503` (`Retry-After: 0`) once, then a stream",
+                "retried (`Retrying`) before delivery, then a `Chunk` per event",
+                "`TestFaultAnswers.test_stream_route_of_a_503_then_a_stream`",
+            ),
+            (
+                "stream_route() of text data",
+                "`data: hello` events that are not JSON, then `[DONE]`",
+                "no error: a `Chunk` of each text, an empty `Completion`",
+                "`TestFaultAnswers.test_stream_route_of_text_data`",
+            ),
+            (
+                "stream_route() of chat cut before its finish",
+                "a chat chunk without `finish_reason`, then the end of the body",
+                "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
+                "`TestFaultAnswers.test_stream_route_of_chat_cut_before_its_finish`",
+            ),
+            (
+                "stream_route() silent once started",
+                "one chunk, then silence",
+                "`StalledError` after `liveness`",
+                "`TestFaultAnswers.test_stream_route_silent_once_started`",
             ),
         ],
     ),
@@ -16663,6 +16865,7 @@ class TestDifferential(_f_Case):
         "_d_fronts",
         "_d_security",
         "_d_fuzz",
+        "_d_answers",
     )
 
     def test_the_comparison_sets_aside_timing_only(self):
@@ -16774,6 +16977,66 @@ class TestDifferential(_f_Case):
 
     def test_inputs_the_fuzzer_found(self):
         self._d_table(self._d_fuzz())
+
+    def test_answers_as_the_server_gave_them(self):
+        self._d_table(self._d_answers())
+
+    def _d_answers(self):
+        """The rows of fetch(), timeout= and stream_route() (TestFaultAnswers' servers)."""
+
+        def on(method, path, handler):  # the handler made afresh for each client
+            return lambda s: s.route(method, path, handler())
+
+        def fetched(name):
+            raw, want = _A_FAULT_ANSWERS[name]
+            return [_d_part(on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want)]
+
+        big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
+        t, lv = _A_DEADLINE, FAST_FAULTS.liveness
+        trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
+        then_ok = lambda: _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True)))
+        opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
+        started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
+        return [
+            ("fetch() of an error page", fetched("page")),
+            ("fetch() of a 503 with Retry-After", fetched("503")),
+            ("fetch() of a redirect", fetched("302")),
+            (
+                "fetch() of a body over max_body",
+                [_d_part(on("GET", "/any", lambda: reply(big, hold=True)), _a_fetch(), lc.ProtocolError)],
+            ),
+            (
+                "timeout= on a silent server",
+                [_d_part(on("GET", "/any", lambda: _f_hold), _a_fetch(timeout=t), lc.DeadlineError, t)],
+            ),
+            (
+                "timeout= on an answer that trickles",
+                [_d_part(on("GET", "/any", trickle), _a_fetch(timeout=t), lc.DeadlineError, t)],
+            ),
+            (
+                "stream_route() of an answer that is not a stream",
+                [
+                    _d_part(
+                        on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
+                        _a_route(),
+                        lc.ProtocolError,
+                    )
+                ],
+            ),
+            ("stream_route() of a 503, then a stream", [_d_part(on("POST", "/r", then_ok), _a_route(), _A_EMPTY)]),
+            (
+                "stream_route() of text data",
+                [_d_part(on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))), _a_route(), _A_EMPTY)],
+            ),
+            (
+                "stream_route() of chat cut before its finish",
+                [_d_part(on("POST", "/r", lambda: reply(opened)), _a_route(), lc.StreamClosedError)],
+            ),
+            (
+                "stream_route() silent once started",
+                [_d_part(on("POST", "/r", lambda: reply(started, hold=True)), _a_route(), lc.StalledError, lv)],
+            ),
+        ]
 
     # -- the cases that used to tell the clients apart, and the proxies' rows -------------------------
 

@@ -20066,6 +20066,165 @@ class TestRealLastRoutesAsync(AsyncDriver, TestRealLastRoutes):
     """The same on AsyncClient."""
 
 
+class _Target:
+    """A tiny HTTP server of the test's own on 127.0.0.1 for /cors-proxy to reach: it answers ``body`` to
+    any GET and keeps the headers of the last one."""
+
+    def __init__(self, body=b"ok"):
+        import http.server
+
+        seen = self.seen = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.clear()
+                seen.update((k.lower(), v) for k, v in self.headers.items())
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d/x" % self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def _a_same(chunk):
+    """A chunk with what differs between two runs of one request left out: its id and time, its timings."""
+    return {k: v for k, v in chunk.items() if k not in ("id", "created", "timings")}
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealAnswers(ClientFactory, unittest.TestCase):
+    """fetch(), headers=, timeout= and stream_route() on the real server (started with --metrics and
+    --ui-mcp-proxy): what llama.cpp's own server tests read and loopclient used to hide."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def fetch(self, *args, **kw):
+        return run_with_timeout(lambda: self.client.fetch(*args, **kw), 60)
+
+    def test_options_with_an_origin_gives_the_cors_headers(self):
+        preflight = {
+            "Origin": "http://web.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization",
+        }
+        got = self.fetch("OPTIONS", "/completions", headers=preflight)
+        self.assertEqual((got.status, got.body), (200, b""))
+        self.assertEqual(
+            [got.get("Access-Control-Allow-" + name) for name in ("Origin", "Credentials", "Methods", "Headers")],
+            ["http://web.example", "true", "GET, POST, DELETE, OPTIONS", "*"],
+        )
+        # the Origin went with that call only: the next answer reflects none
+        self.assertEqual(self.fetch("GET", "/health").get("access-control-allow-origin"), "")
+        self.assertEqual(self.fetch("GET", "/health", headers={"Origin": "x"}).get("access-control-allow-origin"), "x")
+
+    def test_metrics_gives_process_start_time_unix(self):
+        got = self.fetch("GET", "/metrics")
+        self.assertEqual(got.status, 200)
+        self.assertIn("llamacpp:prompt_tokens_total", got.text())
+        value = got.get("Process-Start-Time-Unix")
+        self.assertTrue(value and value.isdigit(), got.headers)
+        # on this build it is no Unix time: ggml_time_us() when the server started, microseconds of the
+        # monotonic clock (time.monotonic()'s), which has not reached now
+        self.assertLess(int(value) / 1e6, time.monotonic())
+        self.assertGreater(abs(int(value) - time.time()), 86400)
+        self.assertGreater(abs(int(value) / 1e6 - time.time()), 86400)
+
+    def test_delete_stream_gives_204(self):
+        got = self.fetch("DELETE", "/v1/stream", query={"conv_id": "lc-test-unknown-%s" % self.CLIENT})
+        self.assertEqual((got.status, got.reason, got.body), (204, "No Content", b""))
+        self.assertIs(run_with_timeout(lambda: self.client.delete_stream("lc-test-unknown"), 60), True)
+
+    def test_cors_proxy_gives_its_text_under_a_json_content_type(self):
+        target = _Target(b"ok")
+        self.addCleanup(target.close)
+        proxy = {"x-llama-server-proxy-header-x-probe": "p-1"}  # forwarded by the proxy, for this call only
+        got = self.fetch("GET", "/cors-proxy", query={"url": target.url}, headers=proxy)
+        self.assertEqual((got.status, got.body, got.text()), (200, b"ok", "ok"))
+        self.assertEqual(got.get("content-type"), "application/json; charset=utf-8")
+        self.assertEqual(target.seen.get("x-probe"), "p-1")
+        with self.assertRaises(lc.ProtocolError):  # request() promises JSON for a JSON Content-Type
+            run_with_timeout(lambda: self.client.request("GET", "/cors-proxy", query={"url": target.url}), 60)
+        self.assertNotIn("x-probe", target.seen)
+
+    def test_a_client_that_stops_waiting(self):
+        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "id_slot": 0}
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            self.fetch("POST", "/completion", body, timeout=0.5)
+        self.assertLess(t.elapsed, 0.5 + MARGIN)
+        self.assertEqual(cm.exception.phase, "answer")
+        # The connection was closed: the server stops generating and frees the slot.  This build looks at the
+        # connection of a non-streamed request only after a second in which no result of any task came (a
+        # /slots answer is one): asked every few milliseconds, /slots would keep the slot busy to its end.
+        deadline = time.monotonic() + 60
+        while self.client.slots()[0].is_processing:
+            self.assertLess(time.monotonic(), deadline, "slot 0 still processing the abandoned request")
+            time.sleep(2.0)  # the pace of the question, longer than the server's one-second look
+        text = self.client.request("POST", "/completion", dict(body, n_predict=1))["content"]
+        self.assertTrue(text)
+
+    def test_a_streamed_route_without_a_named_call_equals_the_named_calls_raw_chunks(self):
+        params = {"max_tokens": 12, "temperature": 0, "seed": 7}
+        run_with_timeout(lambda: self.client.chat(SEA, slot=0, **params), 60)  # both requests then find the cache
+        named = run_with_timeout(lambda: list(self.client.stream(SEA, slot=0, raw_chunks=True, **params)), 60)
+        named = [e.data for e in named if isinstance(e, lc.Chunk)]
+        body = dict(params, messages=SEA, stream=True, stream_options={"include_usage": True})
+        stream = self.client.stream_route("/chat/completions", body, slot=0)
+        events = run_with_timeout(lambda: list(stream), 60)
+        self.assertTrue(all(isinstance(e, lc.Chunk) for e in events), events)
+        self.assertEqual([_a_same(e.data) for e in events], [_a_same(c) for c in named])
+        self.assertEqual(len({e.data["id"] for e in events}), 1)
+        done = stream.completion
+        self.assertEqual(
+            (done.finish_reason, done.usage), (named[-2]["choices"][0]["finish_reason"], named[-1]["usage"])
+        )
+        self.assertEqual(done.usage["completion_tokens"], 12)
+        # llama-server's own /completions: the same
+        native = {"prompt": "The sky is", "n_predict": 8, "temperature": 0}
+        named = run_with_timeout(lambda: list(self.client.stream_complete(slot=0, raw_chunks=True, **native)), 60)
+        named = [e.data for e in named if isinstance(e, lc.Chunk)]
+        stream = self.client.stream_route("/completions", dict(native, stream=True), slot=0)
+        events = run_with_timeout(lambda: list(stream), 60)
+        self.assertEqual([_a_same(e.data) for e in events], [_a_same(c) for c in named])
+        self.assertEqual((stream.completion.finish_reason, stream.completion.final["stop"]), ("length", True))
+
+    def test_a_streamed_route_cut_is_resumed(self):
+        proxy = CutProxy(REAL_SOCKET, 3000)
+        self.addCleanup(proxy.close)
+        client = self.new_client(proxy.path, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        body = {"messages": SEA, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+        stream = client.stream_route("/chat/completions", body, slot=0, resumable=True)
+        events = run_with_timeout(lambda: list(stream), 120)
+        self.assertEqual(proxy.cuts, 1)
+        self.assertEqual(len([e for e in events if isinstance(e, lc.Resumed)]), 1)
+        chunks = [e.data for e in events if isinstance(e, lc.Chunk)]
+        replay = self.client.resume(stream.conversation_id, endpoint="route")
+        self.assertEqual([e.data for e in run_with_timeout(lambda: list(replay), 60)], chunks)  # none lost or repeated
+        texts = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        self.assertEqual(stream.completion.finish_reason, "length")
+        self.assertEqual(len([t for t in texts if t]), 40)
+
+
+class TestRealAnswersAsync(AsyncDriver, TestRealAnswers):
+    """The same on AsyncClient."""
+
+
 def _reload_router():
     """The router reads its models directory again (``GET /models?reload=1``)."""
     with lc.Client(REAL_ROUTER, limits=REAL_LIMITS) as client:

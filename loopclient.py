@@ -6,8 +6,10 @@ a Unix domain socket, TCP or TLS (``https://``), reads every stream llama-server
 Events (chat, native ``/completion`` and ``/infill``, OpenAI Responses, Anthropic Messages), assembles the
 deltas (choices, reasoning, tool calls, log probabilities, prompt progress), waits out busy slots and
 loading servers by polling ``/slots``, tells a wedged slot from a busy one, queues this client's requests
-per slot (and per model, behind a router), and resumes a stream whose connection was lost.  There is no
-total deadline: every wait has its own budget (see ``Limits``).  ``Client`` serves threads,
+per slot (and per model, behind a router), and resumes a stream whose connection was lost.  ``fetch()``
+gives any route's answer whole (``Response``) and ``stream_route()`` streams a route it does not name.
+There is no total deadline: every wait has its own budget (see ``Limits``); a single-shot call may be
+given one (``timeout=``).  ``Client`` serves threads,
 ``AsyncClient`` serves asyncio programs; they are one behaviour.
 
 Example::
@@ -6230,7 +6232,11 @@ class Client:
 
     Single-shot calls (everything but the streams) are never retried: a server that cannot be reached is
     ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
-    ``HTTPStatusError``, a malformed answer or one over ``max_body`` is ``ProtocolError``.
+    ``HTTPStatusError`` (never for ``fetch()``, which returns any answer whole), a malformed answer or one
+    over ``max_body`` is ``ProtocolError``.  Each takes ``headers=`` (a dict for that call alone, beside the
+    client's, its values winning; refused as the constructor refuses them: ``ValueError``/``TypeError``)
+    and ``timeout=`` (seconds for the whole exchange, connect included: ``DeadlineError`` past it).  Every
+    streamed call takes ``headers=`` too (a keyword, not sent in the body).
     """
 
     def __init__(

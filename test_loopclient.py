@@ -10121,6 +10121,31 @@ class TestAnswersAsync(AsyncDriver, TestAnswers):
     pass
 
 
+class TestCallSignatures(unittest.TestCase):
+    """Every public call of both clients takes headers= (a streamed call with other keywords takes it among
+    them), every single-shot call timeout=, and the two clients' calls have the same parameters."""
+
+    def test_every_call_takes_headers_and_single_shot_ones_timeout(self):
+        names = sorted(n for n in vars(lc.Client) if not n.startswith("_") and n != "close")
+        self.assertIn("fetch", names)
+        self.assertIn("stream_route", names)
+        for name in names:
+            with self.subTest(name):
+                sync, other = (
+                    inspect.signature(getattr(lc.Client, name)),
+                    inspect.signature(getattr(lc.AsyncClient, name)),
+                )
+                self.assertEqual(list(sync.parameters), list(other.parameters))
+                params = sync.parameters
+                takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+                self.assertTrue("headers" in params or takes_any, name)
+                if "headers" in params:
+                    self.assertIs(params["headers"].default, None)
+                single_shot = inspect.iscoroutinefunction(getattr(lc.AsyncClient, name))
+                streamed = name in ("chat", "complete", "complete_openai", "infill", "respond", "message")
+                self.assertEqual("timeout" in params, single_shot and not streamed, name)
+
+
 # =====================================================================================================
 # Tier 3. Waits and gates: wait for head, liveness, wedged slots, retries, gate, cancel, thinking cap,
 # stress

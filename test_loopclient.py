@@ -10016,6 +10016,8 @@ class TestAnswers(_ApiCase):
         self.route("/p", {"k": 1}, method="PUT", client=client, resumable="c-9")
         self.assertEqual(self.sent("/p")[1].json(), {"k": 1, "model": "alpha"})
         self.assertEqual(self.sent("/p")[1].headers["x-conversation-id"], "c-9")
+        self.route("/p", method="PUT", n=2)  # keywords without a body make one
+        self.assertEqual(self.sent("/p")[2].body, b'{"n": 2}')
 
     def test_stream_route_reads_chat_as_the_named_call_does(self):
         raw = load_transcript("06_chat_stream_include_usage.raw.txt")
@@ -12535,6 +12537,23 @@ class TestDeadline(VirtualFactory, _ApiCase):
         self.assertEqual(run_with_timeout(lambda: self.client.metrics(timeout=1.0)), "###")  # in time: its answer
         self.assertElapsed(t.elapsed, 0.9, early=EARLY)
 
+    def test_a_byte_at_the_deadline_leaves_no_time_for_the_rest(self):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\n"
+
+        def late(req):  # the head at once, one byte when the deadline runs out, the other never
+            req.send(head)
+            time.sleep(0.5)
+            req.send(b"#")
+            req.wait_peer_close(5)
+
+        self.server.route("GET", "/metrics", late)
+        self.deadline(
+            lambda: self.client.metrics(timeout=0.5),
+            0.5,
+            "answer",
+            "the call's timeout (0.5 s) ran out while reading the answer to GET /metrics: the connection was closed",
+        )
+
     def test_a_send_the_server_does_not_take(self):
         self.server.deaf = True  # the body fills the buffers and waits there
         body = {"content": "x" * (4 * 1024 * 1024)}
@@ -12601,6 +12620,80 @@ class TestDeadline(VirtualFactory, _ApiCase):
                 make()
             self.assertIn("no total deadline", str(cm.exception))
         self.assertEqual(self.server.requests, [])
+
+
+class TestWithin(unittest.TestCase):
+    """_within, the plan around a single-shot plan that keeps its deadline, driven by hand on a clock of the
+    test's own: what it asks of the driver, and what it does with the answers."""
+
+    def setUp(self):
+        self.now = 100.0
+        patcher = mock.patch.object(lc, "_clock", lambda: self.now)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_each_operation_gets_what_is_left_and_the_rest_passes_unchanged(self):
+        closed = []
+
+        def inner():
+            try:
+                conn = yield (lc._CONNECT, 5.0, True)
+                yield (lc._SEND, conn, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 5.0)
+                yield [lc.Content("passed")]
+                data = yield (lc._RECV, conn, 0.25)  # shorter than what is left: its own
+                yield (lc._KEEP, conn, 4.0)
+                return data
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 2.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._CONNECT, 2.0, True))
+        self.now += 0.5
+        self.assertEqual(plan.send("conn"), (lc._SEND, "conn", b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 1.5))
+        self.assertEqual(plan.send(None), [lc.Content("passed")])
+        self.assertEqual(plan.send(None), (lc._RECV, "conn", 0.25))
+        self.assertEqual(plan.send(b"ok"), (lc._KEEP, "conn", 4.0))
+        with self.assertRaises(StopIteration) as cm:
+            plan.send(None)
+        self.assertEqual((cm.exception.value, closed), (b"ok", [True]))
+
+    def test_a_cut_operation_that_runs_out_ends_the_call_and_closes_the_plan(self):
+        closed = []
+
+        def inner():
+            try:
+                yield (lc._RECV, "conn", 5.0)
+            except lc._Silence:
+                closed.append("silence reached the plan")
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 1.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._RECV, "conn", 1.0))
+        self.now += 1.0
+        with self.assertRaises(lc.DeadlineError) as cm:
+            plan.throw(lc._Silence())
+        self.assertEqual((cm.exception.phase, closed), ("answer", [True]))
+        # an error of an operation the deadline did not cut is the plan's own
+        plan = lc._within(inner(), 10.0, "/s.sock")
+        next(plan)
+        with self.assertRaises(StopIteration):
+            plan.throw(lc._Silence())
+        self.assertEqual(closed, [True, "silence reached the plan", True])
+
+    def test_closing_it_closes_the_plan(self):
+        closed = []
+
+        def inner():
+            try:
+                yield (lc._SLEEP, 5.0)
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 1.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._SLEEP, 1.0))
+        plan.close()
+        self.assertEqual(closed, [True])
 
 
 TestDeadlineSockets, TestDeadlineSocketsAsync = on_sockets(

@@ -305,6 +305,7 @@ class FakeServer:
         self.stopping = threading.Event()
         self.listener = None
         self.address = None
+        self.deaf = False  # read no request (see _serve)
         self.route("GET", "/slots", self._slots)
         self.route(
             "GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"})
@@ -369,6 +370,9 @@ class FakeServer:
 
     def _serve(self, conn):
         try:
+            if self.deaf:  # a server that takes connections and reads nothing: a client's send blocks
+                self.stopping.wait(10)
+                return
             conn.settimeout(5)
             request = read_request(conn)
             if request is None:
@@ -1210,8 +1214,10 @@ class VirtualKernel:
         self.servers[key] = server
         return key, address
 
-    def connect(self, addr, owner):
-        """A client end connected to the server at ``addr``; the errors a socket's connect() raises."""
+    def connect(self, addr, owner, timeout=None):
+        """A client end connected to the server at ``addr``; the errors a socket's connect() raises.  A server
+        whose ``unanswered`` is set is a TCP listener whose accept queue is full: the connect neither completes
+        nor fails, and times out after ``timeout``."""
         if addr.tls:
             raise AssertionError("the virtual driver has no TLS")
         target = addr.target if addr.unix else tuple(addr.target)
@@ -1220,6 +1226,9 @@ class VirtualKernel:
             if addr.unix and not os.path.exists(target):
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
             raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
+        if getattr(server, "unanswered", False):
+            self.sleep(timeout)
+            raise socket.timeout("timed out")
         conn = VirtualConn(self, owner)
         theirs = _VEnd(self)
         conn.peer, theirs.peer = theirs, conn
@@ -1433,7 +1442,7 @@ class VirtualRun(lc._Run):
             conn.owner = self
             conn.reused = True
         else:
-            conn = self.kernel.connect(self.board.calls.addr, self)
+            conn = self.kernel.connect(self.board.calls.addr, self, timeout)
         self.conns.add(conn)
         return conn
 
@@ -6217,6 +6226,235 @@ class TestParserModelEvents(unittest.TestCase):
         self.assertIn("ModelEvent", lc.__all__)
 
 
+def _a_bare(completion):
+    """A named call's Completion as stream_route() reads the same bytes: the finish, usage, id, model,
+    timings and final kept; the text, reasoning, tool calls, log probabilities and token ids left out."""
+    choices = tuple(
+        c.replace(content="", reasoning="", tool_calls=[], logprobs=None, reasoning_logprobs=None, tokens=None)
+        for c in completion.choices
+    )
+    return completion.replace(content="", reasoning="", tool_calls=[], reasoning_tokens=0, choices=choices, tokens=None)
+
+
+def _a_chunks(raw):
+    """The Chunk of every data event of a captured stream up to [DONE]: its JSON (any value)."""
+    chunks = []
+    for payload in _t_payloads(raw):
+        if payload == "[DONE]":
+            break
+        chunks.append(lc.Chunk(payload))
+    return chunks
+
+
+def _a_sse(*payloads, done=False, framing="chunked"):
+    """A streamed answer whose data events are ``payloads`` (str, bytes: a whole event as it is, or JSON for
+    anything else), then [DONE]."""
+    events = [
+        p if isinstance(p, bytes) else b"data: %s\n\n" % (p if isinstance(p, str) else _p_json(p)).encode()
+        for p in payloads
+    ]
+    if done:
+        events.append(b"data: [DONE]\n\n")
+    if framing == "chunked":
+        return STREAM_HEAD + chunked(*events) + b"0\r\n\r\n" if events else STREAM_HEAD + b"0\r\n\r\n"
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + b"".join(events)
+
+
+_A_EMPTY = lc.Completion(None, None, "", "", [], None, None, None)
+
+
+class TestParserRouteChunks(unittest.TestCase):
+    """stream_route()'s dialect through the pump, fed whole, byte by byte and split everywhere: each data
+    event one Chunk (its JSON, or its text), the end at [DONE] or at the end of the body, and the finish and
+    usage of OpenAI's and llama-server's shapes, equal to what the named dialect reads from the same bytes."""
+
+    def check(self, raw, expect):
+        for label, pieces in _p_stream_splittings(raw, every=len(raw) <= 6000):
+            got = _t_pump_outcome(lc._RouteChunks, pieces)
+            if got != expect:
+                self.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 3000), _p_short(expect, 3000)))
+
+    def named(self, dialect, raw):
+        outcome = _t_pump_outcome(dialect, [raw])
+        self.assertEqual(outcome[0], "ok", outcome)
+        return outcome[2]
+
+    def test_a_chat_capture_is_its_chunks_and_chat_finish_and_usage(self):
+        for name in ("06_chat_stream_include_usage.raw.txt", "30_chat_stream_n2_progress_logprobs.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                done = _a_bare(self.named(lc.Assembler, raw))
+                self.assertIsNotNone(done.usage)
+                self.check(raw, ("ok", _a_chunks(raw), done))
+
+    def test_a_text_completions_capture(self):
+        raw = load_transcript("91_completions_oai_stream_two_prompts.raw.txt")
+        done = _a_bare(self.named(lc._TextAssembler, raw))
+        self.assertEqual([c.index for c in done.choices], [0, 1])
+        self.check(raw, ("ok", _a_chunks(raw), done))
+
+    def test_a_native_capture_reads_stop_chunks_per_index(self):
+        for name in ("40_completion_stream_tokens_probs.raw.txt", "43_completion_stream_two_prompts.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                done = _a_bare(self.named(lc._NativeAssembler, raw))
+                self.assertTrue(done.final["stop"])
+                self.check(raw, ("ok", _a_chunks(raw), done))  # 43 opens with data: null: Chunk(None)
+
+    def test_other_shapes_end_with_the_body_in_an_empty_completion(self):
+        for name in ("50_responses_stream.raw.txt", "60_messages_stream.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                self.check(raw, ("ok", _a_chunks(raw), _A_EMPTY))
+
+    def test_text_that_is_not_json_is_the_chunk_as_sent(self):
+        # two data lines join with \n
+        raw = _a_sse("hello there", "42", '"s"', b"data: [1,\ndata:  2]\n\n", "{not json", "null", "caf\u00e9")
+        expect = ["hello there", 42, "s", [1, 2], "{not json", None, "caf\u00e9"]
+        self.check(raw, ("ok", [lc.Chunk(d) for d in expect], _A_EMPTY))
+
+    def test_done_ends_the_stream_and_what_follows_is_not_read(self):
+        raw = _a_sse({"a": 1}, done=True).replace(b"0\r\n\r\n", chunked(b"data: after\n\n") + b"0\r\n\r\n")
+        self.check(raw, ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_the_end_of_the_body_ends_it(self):
+        self.check(_a_sse({"a": 1}, "b"), ("ok", [lc.Chunk({"a": 1}), lc.Chunk("b")], _A_EMPTY))
+        self.check(_a_sse(framing="close"), ("ok", [], _A_EMPTY))
+        # an event not closed by a blank line at the end is discarded (WHATWG), as on every endpoint
+        raw = _a_sse({"a": 1}, framing="close") + b"data: cut"
+        self.check(raw, ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_a_shape_that_has_not_finished_is_a_server_that_stopped(self):
+        opened = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+        other = {"choices": [{"index": 1, "delta": {"content": "Yo"}, "finish_reason": "stop"}]}
+        native = {"index": 0, "content": "Hi", "stop": False}
+        for payloads, done, which in (
+            ([opened], False, "0"),
+            ([opened], True, "0"),  # [DONE] before a finish_reason, as on chat
+            ([opened, other], True, "0"),
+            ([native], False, "0"),
+            ([dict(native, stop=True), dict(native, index=1)], False, "1"),
+        ):
+            with self.subTest(payloads=payloads, done=done):
+                message = "the stream ended before choice %s had finished: the server stopped mid-answer" % which
+                chunks = [lc.Chunk(p) for p in payloads]
+                self.check(_a_sse(*payloads, done=done), ("raised", chunks, lc.StreamClosedError, message))
+
+    def test_an_error_event_is_server_error_and_a_503_before_delivery_is_retried(self):
+        error = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
+        self.check(_a_sse({"a": 1}, error), ("raised", [lc.Chunk({"a": 1})], lc.ServerError, "server error 500: boom"))
+        raw = STREAM_HEAD + chunked(b'event: error\ndata: {"message": "x", "code": 400}\n\n') + b"0\r\n\r\n"
+        self.check(raw, ("raised", [], lc.ServerError, "server error 400: x"))
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        pump = lc.ResponsePump(lc.Limits(), False, lc._RouteChunks)
+        self.assertEqual(pump.feed(_a_sse(loading)), [])
+        self.assertEqual((type(pump.outcome), pump.outcome.reason), (lc._Retry, "server error 503: Loading model"))
+        # after a chunk was delivered, the same error is ServerError: every chunk is output here
+        pump = lc.ResponsePump(lc.Limits(), False, lc._RouteChunks)
+        self.assertEqual(pump.feed(STREAM_HEAD + chunked(b'data: {"progress": 1}\n\n')), [lc.Chunk({"progress": 1})])
+        self.assertTrue(pump.delivered)
+        with self.assertRaises(lc.ServerError):
+            pump.feed(chunked(b"data: " + _p_json(loading).encode() + b"\n\n"))
+        # a key named error that holds no error object is a chunk like any other
+        self.check(
+            _a_sse({"error": None}, {"error": 3}), ("ok", [lc.Chunk({"error": None}), lc.Chunk({"error": 3})], _A_EMPTY)
+        )
+
+    def test_fields_of_a_shape_with_the_wrong_type_are_not_read(self):
+        payloads = [
+            {"choices": "x", "usage": 3},
+            {"choices": [7, {"index": "a", "finish_reason": "stop"}]},
+            {"stop": "yes", "index": 0},
+            {"stop": True, "index": "0"},
+        ]
+        self.check(_a_sse(*payloads), ("ok", [lc.Chunk(p) for p in payloads], _A_EMPTY))
+        odd = {"choices": [{"finish_reason": 5, "index": None}]}
+        done = {"choices": [{"finish_reason": "stop"}], "usage": {"total_tokens": 3}, "id": 9, "model": "m"}
+        want = lc.Completion(None, "m", "", "", [], "stop", {"total_tokens": 3}, None)
+        self.check(_a_sse(odd, done), ("ok", [lc.Chunk(odd), lc.Chunk(done)], want))
+        native = {"stop": True, "stop_type": ["x"], "tokens_predicted": "3"}
+        zeros = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a count that is no int: none
+        want = lc.Completion(None, None, "", "", [], "stop", zeros, None, final=native)
+        self.check(_a_sse(native), ("ok", [lc.Chunk(native)], want))
+
+    def test_json_nested_too_deeply_is_protocol_error(self):
+        raw = _a_sse("[" * 100000 + "]" * 100000)
+        self.assertEqual(
+            _t_pump_outcome(lc._RouteChunks, [raw]),
+            ("raised", [], lc.ProtocolError, "JSON nested too deeply in the stream"),
+        )
+
+    def test_a_200_that_is_not_an_event_stream_is_protocol_error(self):
+        for ctype in (b"Content-Type: application/json\r\n", b""):
+            raw = b"HTTP/1.1 200 OK\r\n" + ctype + b'Content-Length: 8\r\n\r\n{"a": 1}'
+            got = _t_pump_outcome(lc._RouteChunks, [raw])
+            self.assertEqual(got[:3], ("raised", [], lc.ProtocolError), got)
+            self.assertIn("not text/event-stream", got[3])
+        # the named endpoints read what llama-server sends, whatever it is labelled
+        raw = load_transcript("04_chat_stream.raw.txt").replace(b"text/event-stream", b"text/plain", 1)
+        self.assertEqual(_t_pump_outcome(lc.Assembler, [raw])[0], "ok")
+        # a label with parameters or in capitals is an event stream
+        raw = _a_sse({"a": 1}).replace(b"text/event-stream", b"Text/Event-Stream; charset=utf-8", 1)
+        self.assertEqual(_t_pump_outcome(lc._RouteChunks, [raw]), ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_the_route_row_and_the_chunk_type(self):
+        row = lc._ENDPOINTS["route"]
+        self.assertEqual(
+            (row.dialect, row.cap, row.resumable, row.routed, row.watch), (lc._RouteChunks, "moot", True, True, False)
+        )
+        self.assertEqual(row.target("/x", None, "PUT"), ("PUT", "/x"))
+        self.assertEqual(lc._ENDPOINTS["chat"].target(MSGS), ("POST", "/v1/chat/completions"))
+        self.assertEqual(lc.Chunk("text"), lc.Chunk("text"))
+        self.assertEqual(pickle.loads(pickle.dumps(lc.Chunk([1, None]))), lc.Chunk([1, None]))
+
+
+class TestResponseValue(unittest.TestCase):
+    """lc.Response is a value object as the others are, with ResponseHead's header reading."""
+
+    def test_fields_and_reading(self):
+        r = lc.Response(
+            200, "OK", [("Content-Type", "application/json"), ("Set-Cookie", "a"), ("set-cookie", "b")], b'{"a": [1]}'
+        )
+        self.assertEqual(r.headers, (("content-type", "application/json"), ("set-cookie", "a"), ("set-cookie", "b")))
+        self.assertEqual(
+            (r.get("SET-COOKIE"), r.get_all("Set-Cookie"), r.get("x"), r.get_all("x")), ("b", ["a", "b"], None, [])
+        )
+        self.assertEqual((r.text(), r.json()), ('{"a": [1]}', {"a": [1]}))
+        bad = lc.Response(404, "Not Found", (), b"caf\xc3\xa9 \xff")
+        self.assertEqual(bad.text(), "caf\u00e9 \ufffd")
+        with self.assertRaises(lc.ProtocolError) as cm:
+            bad.json()
+        self.assertTrue(str(cm.exception).startswith("the answer (HTTP 404) is not JSON: "), cm.exception)
+        with self.assertRaises(lc.ProtocolError) as cm:
+            lc.Response(200, "OK", (), b"[" * 100000).json()
+        self.assertEqual(str(cm.exception), "the answer (HTTP 200) is JSON nested too deeply")
+
+    def test_a_value_object(self):
+        r = lc.Response(204, "No Content", [("Server", "llama.cpp")], bytearray(b""))
+        self.assertIs(type(r.body), bytes)
+        for copied in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r)), eval(repr(r), vars(lc))):
+            self.assertEqual(copied, r)
+            self.assertEqual(hash(copied), hash(r))
+        self.assertNotEqual(r, r.replace(status=200))
+        self.assertNotEqual(r, lc.Response(204, "No Content", [("Server", "other")], b""))
+        with self.assertRaises(AttributeError):
+            r.status = 200
+        self.assertEqual(list(inspect.signature(lc.Response).parameters), ["status", "reason", "headers", "body"])
+        self.assertIn("Response", lc.__all__)
+        self.assertIn("status", lc.Response.__doc__)
+        self.assertEqual(
+            repr(lc.Response(200, "OK", (), b"x" * 81)),
+            "Response(status=200, reason='OK', headers=(), body=%r... (81 bytes))" % (b"x" * 80),
+        )
+
+    def test_deadline_error_is_a_budget_error(self):
+        err = lc.DeadlineError("m", 2.5, "send")
+        self.assertIsInstance(err, lc.LoopError)
+        self.assertIsInstance(err, TimeoutError)
+        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (2.5, 2.5, "send", "m"))
+        self.assertIn("DeadlineError", lc.__all__)
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================
@@ -9466,6 +9704,470 @@ class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
     pass
 
 
+# -- every answer as the server gave it: fetch(), headers and timeout per call, stream_route() ----------
+
+
+class _Per:
+    """A client whose every call passes ``headers=`` and ``timeout=`` (as the caller writes them)."""
+
+    def __init__(self, client, **kw):
+        self._client, self._kw = client, kw
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        return lambda *args, **kw: method(*args, **dict(self._kw, **kw))
+
+
+_A_CALL = {"X-Call": "v", "User-Agent": "mine/2"}  # a header of its own, and one that replaces the client's
+
+
+def _a_route_answer(*payloads, done=True):
+    """A handler that answers a streamed route with ``payloads`` (then [DONE]) and waits for the client."""
+    return reply(_a_sse(*payloads, done=done), hold=True)
+
+
+def _a_stream(client, path, body=None, **kw):
+    """``client.stream_route(path, body, **kw)``: a Stream (a StreamFacade for AsyncDriver's client)."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.stream_route(path, body, **kw))
+    return client.stream_route(path, body, **kw)
+
+
+def _a_watch(client, **kw):
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.watch_models(**kw))
+    return client.watch_models(**kw)
+
+
+class TestAnswers(_ApiCase):
+    """fetch() gives any answer whole; headers= goes with one call (every call, its refusals); a resumable
+    stream's later requests carry the call's headers; stream_route() streams a route the client does not
+    name, with the engine's rules."""
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path.split("?")[0] == path]
+
+    def fetch(self, *args, client=None, **kw):
+        return run_with_timeout(lambda: (client or self.client).fetch(*args, **kw))
+
+    def route(self, path, body=None, client=None, **kw):
+        """(events, completion) of a whole stream_route() call."""
+        stream = _a_stream(client or self.client, path, body, **kw)
+        events = run_with_timeout(lambda: list(stream))
+        return events, stream.completion
+
+    # -- fetch() ----------------------------------------------------------------------------------------
+
+    def test_fetch_gives_every_status_whole_and_sends_once(self):
+        cases = [
+            (b"200 OK", b'{"a":1}', JSON_TYPE),
+            (b"201 Created", b"made", b"text/plain"),
+            (b"301 Moved Permanently", b"<html>moved</html>", b"text/html"),
+            (b"404 Not Found", b'{"error":{"code":404,"message":"File Not Found"}}', JSON_TYPE),
+            (b"500 Internal Server Error", b"oops", b"text/plain"),
+            (b"503 Service Unavailable", b'{"error":{"code":503,"message":"Loading model"}}', JSON_TYPE),
+        ]
+        for status, body, ctype in cases:
+            with self.subTest(status=status):
+                extra = b"Location: http://elsewhere/\r\nRetry-After: 0\r\n"
+                self.server.route("GET", "/any", reply(http_response(body, ctype, "length", status, extra)))
+                since = len(self.server.requests)
+                got = self.fetch("GET", "/any")
+                code, _, reason = status.decode().partition(" ")
+                headers = (
+                    ("server", "llama.cpp"),
+                    ("content-type", ctype.decode()),
+                    ("content-length", str(len(body))),
+                    ("location", "http://elsewhere/"),
+                    ("retry-after", "0"),
+                    ("connection", "close"),
+                )
+                self.assertEqual(got, lc.Response(int(code), reason, headers, body))
+                self.assertEqual(len(self.server.requests), since + 1)  # neither retried nor followed
+
+    def test_fetch_skips_an_interim_answer_and_reads_chunked_and_until_close(self):
+        self.server.route("GET", "/a", reply(b"HTTP/1.1 100 Continue\r\n\r\n" + http_response(b"ok", b"text/plain")))
+        self.assertEqual((self.fetch("GET", "/a").status, self.fetch("GET", "/a").body), (200, b"ok"))
+        self.server.route("GET", "/b", reply(http_response(b"0123456789", b"text/plain", "chunked")))
+        self.assertEqual(self.fetch("GET", "/b").body, b"0123456789")
+        self.server.route("GET", "/c", reply(b"HTTP/1.0 200 OK\r\n\r\nuntil close"))
+        got = self.fetch("GET", "/c")
+        self.assertEqual((got.status, got.headers, got.body), (200, (), b"until close"))
+
+    def test_fetch_of_head_and_204_ends_at_the_head(self):
+        def held(head):
+            def handler(req):
+                req.send(head)
+                req.wait_peer_close(3)
+
+            return handler
+
+        # (Connection: close: the fake server answers one request per connection)
+        length = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
+        no_content = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+        self.server.route("HEAD", "/health", held(length))
+        self.server.route("DELETE", "/v1/stream?conv_id=c-1", held(no_content))
+        start = time.monotonic()
+        got = self.fetch("HEAD", "/health")
+        self.assertEqual((got.status, got.get("content-length"), got.body), (200, "15", b""))
+        got = self.fetch("DELETE", "/v1/stream", query={"conv_id": "c-1"})
+        self.assertEqual((got.status, got.reason, got.body), (204, "No Content", b""))
+        self.assertLess(time.monotonic() - start, 1.0)  # liveness is 2 s: neither waited for a body
+        self.assertEqual(self.sent("/v1/stream")[0].path, "/v1/stream?conv_id=c-1")
+
+    def test_fetch_request_bytes_routing_and_a_text_answer_under_json(self):
+        self.server.route("POST", "/x", reply(http_response(b"ok", JSON_TYPE)))  # /cors-proxy's answer
+        got = self.fetch("POST", "/x", {"q": 1})
+        self.assertEqual((got.text(), got.get("Content-Type")), ("ok", JSON_TYPE.decode()))
+        with self.assertRaises(lc.ProtocolError):
+            got.json()
+        with self.assertRaises(lc.ProtocolError):  # request() promises JSON for a JSON Content-Type
+            run_with_timeout(lambda: self.client.request("POST", "/x", {"q": 1}))
+        self.assertEqual(self.sent("/x")[0].raw_head, _api_head(b"POST /x", b'{"q": 1}', accept=b"*/*"))
+        # routed to the client's default model as request() is: ?model= on a GET, "model" in a body
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        self.server.route("GET", "/y?model=alpha", reply(json_response({})))
+        self.assertEqual(self.fetch("GET", "/y", client=client).status, 200)
+        self.fetch("POST", "/x", {"q": 1}, client=client)
+        self.assertEqual(self.sent("/x")[-1].json(), {"q": 1, "model": "alpha"})
+
+    def test_fetch_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (b"GET", "/x"), {}),
+            (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
+            (ValueError, ("GET", "x"), {}),
+            (ValueError, ("G T", "/x"), {}),
+            (ValueError, ("GET", "/x\r\n"), {}),
+            (ValueError, ("POST", "/x", float("nan")), {}),
+            (TypeError, ("POST", "/x", object()), {}),
+            (ValueError, ("GET", "/x"), {"timeout": 0}),
+            (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
+            (TypeError, ("GET", "/x"), {"timeout": "1"}),
+            (TypeError, ("GET", "/x"), {"timeout": True}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                self.fetch(*args, **kw)
+        self._api_nothing_sent()
+
+    # -- headers= per call ------------------------------------------------------------------------------
+
+    def test_every_single_shot_call_takes_headers_and_timeout_for_itself(self):
+        client = self.new_client(self.server.address, limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
+        self.closers.append(client.close)
+        mine = b"\r\nX-Keep: k\r\nX-Call: v\r\nUser-Agent: mine/2"
+        for name, call, line, body, answer, value, _ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, reply(http_response(*_api_body(answer))))
+                since = len(self.server.requests)
+                got = run_with_timeout(lambda call=call: call(_Per(client, headers=_A_CALL, timeout=5)))
+                self.assertEqual(got, value)
+                req = self._api_one_request(since)
+                ua = b"\r\nUser-Agent: loopclient/" + lc.__version__.encode()
+                self.assertEqual(req.raw_head, _api_head(line, body).replace(ua, mine))
+                # the next call without headers= sends the client's own
+                run_with_timeout(lambda call=call: call(client))
+                self.assertEqual(
+                    self._api_one_request(since + 1).raw_head,
+                    _api_head(line, body).replace(ua, ua + b"\r\nX-Call: client\r\nX-Keep: k"),
+                )
+        since = len(self.server.requests)
+        run_with_timeout(lambda: client.fetch("GET", "/health", headers={"Accept": "text/plain", "x-call": "w"}))
+        self.assertEqual(
+            self._api_one_request(since).raw_head,
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nUser-Agent: loopclient/%s\r\nX-Keep: k\r\n"
+            b"Accept: text/plain\r\nx-call: w" % lc.__version__.encode(),
+        )
+
+    def test_a_call_may_replace_the_api_key(self):
+        client = self.new_client(self.server.address, limits=FAST, api_key="sk-client")
+        self.closers.append(client.close)
+        run_with_timeout(lambda: client.health(headers={"authorization": "Bearer sk-call"}))
+        run_with_timeout(client.health)
+        first, second = self.sent("/health")
+        self.assertEqual(first.headers["authorization"], "Bearer sk-call")
+        self.assertNotIn(b"sk-client", first.raw_head)
+        self.assertEqual(second.headers["authorization"], "Bearer sk-client")
+
+    def test_refused_headers_on_every_kind_of_call_before_sending(self):
+        refused = [
+            (ValueError, {"Host": "x"}),
+            (ValueError, {"content-length": "1"}),
+            (ValueError, {"Transfer-Encoding": "chunked"}),
+            (ValueError, {"CONTENT-TYPE": "text/plain"}),
+            (ValueError, {"Connection": "keep-alive"}),
+            (ValueError, {"X-A": "a\r\nX-B: b"}),
+            (ValueError, {"X-A\n": "a"}),
+            (ValueError, {"X A": "a"}),
+            (TypeError, {"X-A": 1}),
+            (TypeError, {b"X-A": "a"}),
+        ]
+        calls = [
+            lambda c, h: c.fetch("GET", "/x", headers=h),
+            lambda c, h: c.slots(headers=h),
+            lambda c, h: c.embed("a", headers=h),
+            lambda c, h: c.stream(MSGS, headers=h),
+            lambda c, h: c.chat(MSGS, headers=h),
+            lambda c, h: open_stream(c, "complete", "x", headers=h),
+            lambda c, h: _a_stream(c, "/x", headers=h),
+            lambda c, h: c.resume("conv-1", headers=h),
+            lambda c, h: _a_watch(c, headers=h),
+        ]
+        for error, headers in refused:
+            for i, call in enumerate(calls):
+                with self.subTest(headers=headers, call=i), self.assertRaises(error):
+                    call(self.client, headers)
+        self._api_nothing_sent()
+
+    def test_every_streamed_call_takes_headers_for_itself(self):
+        gone = json_response({"error": {"code": 400, "message": "no"}}, b"400 Bad Request")
+        paths = [
+            "/v1/chat/completions",
+            "/completion",
+            "/infill",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/completions",
+            "/r",
+        ]
+        for path in paths:
+            self.server.route("POST", path, reply(gone))
+        self.server.route("GET", "/models/sse", reply(gone))
+        self.server.route("GET", "/v1/stream", reply(gone))
+        c = self.client
+        calls = [
+            ("/v1/chat/completions", lambda h: c.chat(MSGS, headers=h)),
+            ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
+            ("/completion", lambda h: c.complete("x", headers=h)),
+            ("/infill", lambda h: c.infill("x", headers=h)),
+            ("/v1/responses", lambda h: c.respond("x", headers=h)),
+            ("/v1/messages", lambda h: c.message(MSGS, headers=h)),
+            ("/v1/completions", lambda h: c.complete_openai("x", headers=h)),
+            ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
+            ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
+            ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),
+        ]
+        for path, call in calls:
+            with self.subTest(path=path):
+                for headers in (_A_CALL, None):
+                    since = len(self.sent(path))
+                    with self.assertRaises((lc.HTTPStatusError, lc.StreamClosedError)):
+                        run_with_timeout(lambda call=call, headers=headers: call(headers))
+                    req = self.sent(path)[since]
+                    if headers:
+                        self.assertEqual((req.headers["x-call"], req.headers["user-agent"]), ("v", "mine/2"))
+                    else:
+                        self.assertNotIn("x-call", req.headers)
+                        self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
+                    if req.body:
+                        self.assertNotIn("headers", req.json())
+
+    def test_a_resumable_streams_later_requests_carry_the_calls_headers(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _r_Buffer(self.server, raw)
+        first = first_chunk(raw)
+        mine = {"X-Front-Auth": "t-1"}
+        # cut after its first chunk: GET /v1/stream; cut before any byte: the lookup
+        for cuts, methods in (([len(first)], ["POST", "GET"]), ([0], ["POST", "LOOKUP", "GET"])):
+            with self.subTest(cuts=cuts):
+                buf.reset(cuts)
+                since = len(self.server.requests)
+                events = []
+                run_with_timeout(
+                    lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append)
+                )
+                self.assertEqual(buf.methods(), methods)
+                with self.server.lock:
+                    reqs = [r for r in self.server.requests[since:] if not r.path.startswith("/slots")]
+                self.assertEqual([r.headers.get("x-front-auth") for r in reqs], ["t-1"] * len(methods))
+                self.assertEqual({r.headers["x-conversation-id"] for r in reqs}, {"c-h"})
+        # resume() takes them for its own requests
+        since = len(self.server.requests)
+        run_with_timeout(lambda: list(self.client.resume("c-h", headers=mine)))
+        self.assertEqual([r.headers.get("x-front-auth") for r in self.server.requests[since:]], ["t-1"])
+        # cancelled: the DELETE carries them too
+        buf.reset([("hold", len(first))])
+        since = len(self.server.requests)
+        stream = self.client.stream(MSGS, slot=0, resumable="c-h", headers=mine)
+        self.assertIsInstance(run_with_timeout(lambda: next(stream)), lc.Content)
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: list(stream))
+        (delete,) = [r for r in self.server.requests[since:] if r.method == "DELETE"]
+        self.assertEqual((delete.path, delete.headers["x-front-auth"]), ("/v1/stream?conv_id=c-h", "t-1"))
+
+    def test_the_thinking_caps_control_call_carries_the_calls_headers(self):
+        client = self.client_with(thinking_cap=2)
+        self.use(serve_body(reasoning_stream(4), hold=False))
+        self.server.route("POST", "/v1/chat/completions/control", reply(json_response({"success": True})))
+        run_with_timeout(lambda: client.chat(MSGS, slot=0, headers={"X-Call": "cap"}))
+        (control,) = self.sent("/v1/chat/completions/control")
+        self.assertEqual(control.headers["x-call"], "cap")
+        # the shared /slots and /props requests carry the client's headers only
+        self.server.busy[0] = True
+        self.server.route("POST", "/r", hold_then(b"", threading.Event()))
+        stream = _a_stream(client, "/r", slot=0, headers={"X-Call": "mine"})
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Waiting(True))
+        stream.cancel()
+        self.assertTrue(self.sent("/slots"))
+        self.assertFalse([r for r in self.sent("/slots") if "x-call" in r.headers])
+
+    # -- stream_route() ---------------------------------------------------------------------------------
+
+    def test_stream_route_sends_the_body_as_given(self):
+        self.server.route("POST", "/v1/x?y=1", _a_route_answer({"a": 1}))
+        events, done = self.route("/v1/x?y=1", {"prompt": "p", "stream": True}, slot=1, n=2, raw_chunks=True)
+        self.assertEqual((events, done), ([lc.Chunk({"a": 1})], _A_EMPTY))
+        (req,) = self.sent("/v1/x")
+        body = b'{"prompt": "p", "stream": true, "n": 2, "id_slot": 1}'
+        self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream"))
+        self.assertEqual(req.body, body)
+        # no body, another method, a default model routed as request() routes it
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        self.server.route("GET", "/events?model=alpha", _a_route_answer("tick", done=False))
+        self.assertEqual(self.route("/events", method="GET", client=client)[0], [lc.Chunk("tick")])
+        (req,) = self.sent("/events")
+        self.assertEqual(req.raw_head, _api_head(b"GET /events?model=alpha", accept=b"text/event-stream"))
+        self.server.route("PUT", "/p", _a_route_answer([1, 2]))
+        self.assertEqual(self.route("/p", ["list"], method="PUT", client=client)[0], [lc.Chunk([1, 2])])
+        self.assertEqual(self.sent("/p")[0].body, b'["list"]')  # a body that is not an object: as it is
+        self.route("/p", {"k": 1}, method="PUT", client=client, resumable="c-9")
+        self.assertEqual(self.sent("/p")[1].json(), {"k": 1, "model": "alpha"})
+        self.assertEqual(self.sent("/p")[1].headers["x-conversation-id"], "c-9")
+        self.route("/p", method="PUT", n=2)  # keywords without a body make one
+        self.assertEqual(self.sent("/p")[2].body, b'{"n": 2}')
+
+    def test_stream_route_reads_chat_as_the_named_call_does(self):
+        raw = load_transcript("06_chat_stream_include_usage.raw.txt")
+        self.server.route("POST", "/chat/completions", reply(raw))
+        self.use(reply(raw))
+        events, done = self.route("/chat/completions", {"messages": MSGS, "stream": True})
+        completion, named = self.collect(raw_chunks=True)
+        self.assertEqual(events, [e for e in named if isinstance(e, lc.Chunk)])
+        self.assertEqual(done, _a_bare(completion))
+
+    def test_stream_route_waits_out_a_busy_slot_and_retries_before_delivery(self):
+        self.server.busy[0] = True
+        release = threading.Event()
+        self.later(0.2, release.set)
+        self.later(0.2, lambda: self.server.busy.__setitem__(0, False))
+        loading = http_response(b'{"error":{"code":503,"message":"Loading model"}}', status=b"503 Service Unavailable")
+        unavailable = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+        def busy_then_loading(req):  # no byte while the slot is busy, then the 503
+            while not release.is_set() and not req.wait_peer_close(0.02):
+                pass
+            req.send(loading)
+
+        answers = [busy_then_loading, reply(_a_sse(unavailable)), reply(_a_sse({"a": 1}))]
+        self.server.route("POST", "/r", lambda req: answers.pop(0)(req))
+        events, done = self.route("/r", {"x": 1}, slot=0)
+        retries = [e for e in events if isinstance(e, lc.Retrying)]
+        self.assertEqual([r.reason for r in retries], ["HTTP 503: Loading model", "server error 503: Loading model"])
+        self.assertIn(lc.Waiting(True), events)
+        self.assertEqual(events[-1], lc.Chunk({"a": 1}))
+        self.assertEqual(len(self.sent("/r")), 3)
+
+    def test_stream_route_does_not_retry_after_a_chunk(self):
+        unavailable = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        self.server.route("POST", "/r", reply(_a_sse({"a": 1}, unavailable)))
+        stream = _a_stream(self.client, "/r", {})
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
+        with self.assertRaises(lc.ServerError):
+            run_with_timeout(lambda: next(stream))
+        self.assertEqual(len(self.sent("/r")), 1)
+
+    def test_stream_route_cancel_closes_the_connection_and_frees_the_slot(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'))
+            req.wait_peer_close(5)
+
+        self.server.route("POST", "/r", handler)
+        stream = _a_stream(self.client, "/r", {}, slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
+        t = Timer()
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertTrue(self.sent("/r")[0].closed_by_peer.wait(1))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+
+    def test_stream_route_resumes_a_cut_stream(self):
+        raw = load_transcript("43_completion_stream_two_prompts.raw.txt")
+        buf = _r_Buffer(self.server, raw, "/completions")
+        body = {"prompt": ["a", "b"], "stream": True}
+        whole, done = self.route("/completions", body, slot=0, resumable="c-r")
+        self.assertEqual(whole, _a_chunks(raw))
+        rng = random.Random(43)
+        for cut in sorted(rng.sample(range(len(buf.head) + 1, len(raw) - 5), 12)):
+            buf.reset([cut])
+            events, again = self.route("/completions", body, slot=0, resumable="c-r")
+            self.assertEqual(
+                [e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut
+            )
+            self.assertEqual(again, done, "cut at %d" % cut)
+            self.assertEqual(buf.methods().count("POST"), 1, "cut at %d" % cut)
+        stream = self.client.resume("c-r", endpoint="route")
+        self.assertEqual(run_with_timeout(lambda: list(stream)), whole)
+
+    def test_stream_route_refuses_an_answer_that_is_not_a_stream(self):
+        self.server.route("POST", "/r", reply(json_response({"a": 1})))
+        with self.assertRaises(lc.ProtocolError) as cm:
+            self.route("/r", {})
+        self.assertIn("not text/event-stream", str(cm.exception))
+        self.assertEqual(len(self.sent("/r")), 1)
+
+    def test_stream_route_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (b"/x",), {}),
+            (TypeError, ("/x",), {"method": None}),
+            (ValueError, ("x",), {}),
+            (ValueError, ("/x",), {"method": "P T"}),
+            (ValueError, ("/x", {"a": float("nan")}), {}),
+            (TypeError, ("/x", "text"), {"slot": 0}),
+            (TypeError, ("/x", [1]), {"n": 2}),
+            (TypeError, ("/x", {"n": 1}), {"n": 2}),
+            (ValueError, ("/x",), {"slot": -1}),
+            (TypeError, ("/x",), {"slot": "0"}),
+            (ValueError, ("/x",), {"resumable": ""}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                _a_stream(self.client, *args, **kw)
+        self._api_nothing_sent()
+
+
+class TestAnswersAsync(AsyncDriver, TestAnswers):
+    pass
+
+
+class TestCallSignatures(unittest.TestCase):
+    """Every public call of both clients takes headers= (a streamed call with other keywords takes it among
+    them), every single-shot call timeout=, and the two clients' calls have the same parameters."""
+
+    def test_every_call_takes_headers_and_single_shot_ones_timeout(self):
+        names = sorted(n for n in vars(lc.Client) if not n.startswith("_") and n != "close")
+        self.assertIn("fetch", names)
+        self.assertIn("stream_route", names)
+        for name in names:
+            with self.subTest(name):
+                sync, other = (
+                    inspect.signature(getattr(lc.Client, name)),
+                    inspect.signature(getattr(lc.AsyncClient, name)),
+                )
+                self.assertEqual(list(sync.parameters), list(other.parameters))
+                params = sync.parameters
+                takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+                self.assertTrue("headers" in params or takes_any, name)
+                if "headers" in params:
+                    self.assertIs(params["headers"].default, None)
+                single_shot = inspect.iscoroutinefunction(getattr(lc.AsyncClient, name))
+                streamed = name in ("chat", "complete", "complete_openai", "infill", "respond", "message")
+                self.assertEqual("timeout" in params, single_shot and not streamed, name)
+
+
 # =====================================================================================================
 # Tier 3. Waits and gates: wait for head, liveness, wedged slots, retries, gate, cancel, thinking cap,
 # stress
@@ -12137,6 +12839,255 @@ class TestAsyncScale(unittest.TestCase):
         self.assertLess(per_waiter, self.WAITER_BOUND)
 
 
+# -----------------------------------------------------------------------------------------------------
+# A deadline for one single-shot call: timeout=
+# -----------------------------------------------------------------------------------------------------
+
+
+def _a_drip(head, body, every):
+    """A handler that sends ``head``, then ``body`` a byte every ``every`` seconds: never silent for long,
+    never done soon."""
+
+    def handler(req):
+        req.send(head)
+        for i in range(len(body)):
+            if req.closed_by_peer.wait(every) or not req.send(body[i : i + 1]):
+                return
+
+    return handler
+
+
+class TestDeadline(VirtualFactory, _ApiCase):
+    """timeout= bounds a single-shot call's whole exchange, connect included: each operation gets what is
+    left, and the one the deadline cuts short ends the call with DeadlineError at that very moment (exactly,
+    on the virtual clock), its connection closed; liveness still applies when it is shorter."""
+
+    def deadline(self, call, seconds, phase, message):
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            run_with_timeout(call)
+        self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
+        err = cm.exception
+        self.assertEqual((err.timeout, err.phase, str(err)), (seconds, phase, message))
+        self.assertIsInstance(err, TimeoutError)
+        return err
+
+    def test_every_call_waiting_for_its_answer(self):
+        for name, call, line, *_ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, lambda req: req.wait_peer_close(5))
+                since = len(self.server.requests)
+                what = line.decode()
+                self.deadline(
+                    lambda call=call: call(_Per(self.client, timeout=0.5)),
+                    0.5,
+                    "answer",
+                    "the call's timeout (0.5 s) ran out while waiting for the answer to %s: the connection "
+                    "was closed" % what,
+                )
+                (req,) = self.server.requests[since:]
+                self.assertTrue(req.closed_by_peer.wait(1))
+        self.assertEqual(self.client._board.idle, [])  # nothing kept
+
+    def test_an_answer_that_keeps_coming_is_cut_at_the_deadline(self):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
+        self.server.route("GET", "/metrics", _a_drip(head, b"#" * 100, 0.3))  # liveness (2 s) never runs out
+        self.deadline(
+            lambda: self.client.metrics(timeout=1.0),
+            1.0,
+            "answer",
+            "the call's timeout (1 s) ran out while reading the answer to GET /metrics: the connection was closed",
+        )
+        self.assertTrue(self.server.requests[-1].closed_by_peer.wait(1))
+        self.server.route("GET", "/metrics", _a_drip(head.replace(b"100", b"3"), b"#" * 3, 0.3))
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: self.client.metrics(timeout=1.0)), "###")  # in time: its answer
+        self.assertElapsed(t.elapsed, 0.9, early=EARLY)
+
+    def test_a_byte_at_the_deadline_leaves_no_time_for_the_rest(self):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\n"
+
+        def late(req):  # the head at once, one byte when the deadline runs out, the other never
+            req.send(head)
+            time.sleep(0.5)
+            req.send(b"#")
+            req.wait_peer_close(5)
+
+        self.server.route("GET", "/metrics", late)
+        self.deadline(
+            lambda: self.client.metrics(timeout=0.5),
+            0.5,
+            "answer",
+            "the call's timeout (0.5 s) ran out while reading the answer to GET /metrics: the connection was closed",
+        )
+
+    def test_a_send_the_server_does_not_take(self):
+        self.server.deaf = True  # the body fills the buffers and waits there
+        body = {"content": "x" * (4 * 1024 * 1024)}
+        self.deadline(
+            lambda: self.client.fetch("POST", "/tokenize", body, timeout=0.6),
+            0.6,
+            "send",
+            "the call's timeout (0.6 s) ran out while sending POST /tokenize: the connection was closed",
+        )
+
+    def test_a_connect_that_does_not_complete(self):
+        self.server.close()
+        server = self.new_server(tcp=True)
+        self.closers.append(server.close)
+        server.unanswered = True  # the accept queue is full
+        client = self.new_client(server.address, limits=FAST)
+        self.closers.append(client.close)
+        self.deadline(
+            lambda: client.health(timeout=0.3),
+            0.3,
+            "connect",
+            "the call's timeout (0.3 s) ran out while connecting to %s: the connection was closed" % server.address,
+        )
+        # without one, the connect's own timeout (liveness) is a ConnectError
+        t = Timer()
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(client.health)
+        self.assertElapsed(t.elapsed, FAST.liveness, early=EARLY)
+
+    def test_liveness_still_applies_when_shorter(self):
+        self.server.route("GET", "/slots", lambda req: req.wait_peer_close(5))
+        t = Timer()
+        with self.assertRaises(lc.StalledError) as cm:
+            run_with_timeout(lambda: self.client.slots(timeout=5.0))
+        self.assertIs(type(cm.exception), lc.StalledError)
+        self.assertElapsed(t.elapsed, FAST.liveness, early=EARLY)
+
+    def test_waiting_for_a_model_to_load(self):
+        self.server.route("POST", "/models/load", reply(json_response({"success": True})))
+        loading = {"data": [{"id": "m", "status": {"value": "loading"}}]}
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, loading))
+        self.deadline(
+            lambda: self.client.load_model("m", wait=True, timeout=0.52),
+            0.52,
+            "wait",
+            "the call's timeout (0.52 s) ran out while waiting to ask again after GET /v1/models: the connection "
+            "was closed",
+        )
+
+    def test_a_kept_connection_the_server_closed_is_sent_again_within_the_deadline(self):
+        self.server.route("GET", "/health", reply(json_response({"status": "ok"}, extra=b"Keep-Alive: timeout=5\r\n")))
+        # FakeServer closes each connection after one answer: the kept one fails before any byte
+        self.assertEqual(run_with_timeout(lambda: self.client.health(timeout=1)), {"status": "ok"})
+        self.assertEqual(run_with_timeout(lambda: self.client.health(timeout=1)), {"status": "ok"})
+        self.assertEqual(len(self.server.requests), 2)
+
+    def test_streams_take_no_timeout(self):
+        for make in (
+            lambda: self.client.stream(MSGS, timeout=1),
+            lambda: self.client.chat(MSGS, timeout=1),
+            lambda: _a_stream(self.client, "/x", timeout=1),
+        ):
+            with self.assertRaises(TypeError) as cm:
+                make()
+            self.assertIn("no total deadline", str(cm.exception))
+        self.assertEqual(self.server.requests, [])
+
+
+class TestWithin(unittest.TestCase):
+    """_within, the plan around a single-shot plan that keeps its deadline, driven by hand on a clock of the
+    test's own: what it asks of the driver, and what it does with the answers."""
+
+    def setUp(self):
+        self.now = 100.0
+        patcher = mock.patch.object(lc, "_clock", lambda: self.now)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_each_operation_gets_what_is_left_and_the_rest_passes_unchanged(self):
+        closed = []
+
+        def inner():
+            try:
+                conn = yield (lc._CONNECT, 5.0, True)
+                yield (lc._SEND, conn, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 5.0)
+                yield [lc.Content("passed")]
+                data = yield (lc._RECV, conn, 0.25)  # shorter than what is left: its own
+                yield (lc._KEEP, conn, 4.0)
+                return data
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 2.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._CONNECT, 2.0, True))
+        self.now += 0.5
+        self.assertEqual(plan.send("conn"), (lc._SEND, "conn", b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 1.5))
+        self.assertEqual(plan.send(None), [lc.Content("passed")])
+        self.assertEqual(plan.send(None), (lc._RECV, "conn", 0.25))
+        self.assertEqual(plan.send(b"ok"), (lc._KEEP, "conn", 4.0))
+        with self.assertRaises(StopIteration) as cm:
+            plan.send(None)
+        self.assertEqual((cm.exception.value, closed), (b"ok", [True]))
+
+    def test_a_cut_operation_that_runs_out_ends_the_call_and_closes_the_plan(self):
+        closed = []
+
+        def inner():
+            try:
+                yield (lc._RECV, "conn", 5.0)
+            except lc._Silence:
+                closed.append("silence reached the plan")
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 1.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._RECV, "conn", 1.0))
+        self.now += 1.0
+        with self.assertRaises(lc.DeadlineError) as cm:
+            plan.throw(lc._Silence())
+        self.assertEqual((cm.exception.phase, closed), ("answer", [True]))
+        # an error of an operation the deadline did not cut is the plan's own
+        plan = lc._within(inner(), 10.0, "/s.sock")
+        next(plan)
+        with self.assertRaises(StopIteration):
+            plan.throw(lc._Silence())
+        self.assertEqual(closed, [True, "silence reached the plan", True])
+
+    def test_closing_it_closes_the_plan(self):
+        closed = []
+
+        def inner():
+            try:
+                yield (lc._SLEEP, 5.0)
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 1.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._SLEEP, 1.0))
+        plan.close()
+        self.assertEqual(closed, [True])
+
+
+TestDeadlineSockets, TestDeadlineSocketsAsync = on_sockets(
+    TestDeadline, "test_an_answer_that_keeps_coming_is_cut_at_the_deadline", "test_a_send_the_server_does_not_take"
+)
+
+
+class TestDeadlineConnect(ServerCase):
+    """A TCP connect that neither completes nor fails, on real sockets: timeout= ends it, through both
+    clients."""
+
+    def test_a_connect_that_does_not_complete(self):
+        address = full_tcp_listener(self)
+        client = self.new_client(address, limits=FAST)
+        self.closers.append(client.close)
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))
+        self.assertElapsed(t.elapsed, 0.4, early=EARLY, what="the DeadlineError")
+        self.assertEqual(cm.exception.phase, "connect")
+        self.assertIn("while connecting to %s" % address, str(cm.exception))
+
+
+class TestDeadlineConnectAsync(AsyncDriver, TestDeadlineConnect):
+    pass
+
+
 # =====================================================================================================
 # Tier 4. Faults: hostile servers, one test per row of the README's fault table, fuzz regressions
 # =====================================================================================================
@@ -14144,6 +15095,136 @@ TestFaultFuzzRegressionsSockets, TestFaultFuzzRegressionsSocketsAsync = on_socke
 # TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
 # client cases through both with the same rules.
 
+# -- answers as the server gave them: fetch(), timeout=, stream_route() -------------------------------
+
+_A_PAGE = b"<html><head><title>500 Internal Server Error</title></head><body>oops</body></html>"
+
+
+def _a_headers(ctype, body, *extra):
+    """The (name, value) pairs of an http_response() answer: Server, Content-Type, Content-Length, the
+    ``extra`` pairs, Connection: close."""
+    return (
+        (("server", "llama.cpp"), ("content-type", ctype), ("content-length", str(len(body))))
+        + extra
+        + (("connection", "close"),)
+    )
+
+
+_A_FAULT_ANSWERS = {
+    "page": (
+        http_response(_A_PAGE, b"text/html", "length", b"500 Internal Server Error"),
+        lc.Response(500, "Internal Server Error", _a_headers("text/html", _A_PAGE), _A_PAGE),
+    ),
+    "503": (
+        http_response(
+            b'{"error":{"code":503}}', JSON_TYPE, "length", b"503 Service Unavailable", b"Retry-After: 1\r\n"
+        ),
+        lc.Response(
+            503,
+            "Service Unavailable",
+            _a_headers(JSON_TYPE.decode(), b'{"error":{"code":503}}', ("retry-after", "1")),
+            b'{"error":{"code":503}}',
+        ),
+    ),
+    "302": (
+        http_response(b"", b"text/html", "length", b"302 Found", b"Location: http://127.0.0.1:9/elsewhere\r\n"),
+        lc.Response(302, "Found", _a_headers("text/html", b"", ("location", "http://127.0.0.1:9/elsewhere")), b""),
+    ),
+}
+#: a head announcing 1,000 bytes of body, which then come a byte every 0.1 s: never silent, never done
+_A_TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\n"
+_A_DEADLINE = 0.3  # under every budget of FAST_FAULTS, so that only the call's timeout can end it
+
+
+def _a_fetch(method="GET", path="/any", **kw):
+    return lambda client, events: client.fetch(method, path, **kw)
+
+
+def _a_route(path="/r", body=None, **kw):
+    """The act of a stream_route() call: its events into ``events``, its Completion returned."""
+
+    def act(client, events):
+        stream = client.stream_route(path, body, **kw)
+        for event in stream:
+            events.append(event)
+        return stream.completion
+
+    return act
+
+
+class TestFaultAnswers(_f_Case):
+    """fetch() gives what the server said, whatever it said; timeout= ends a call the server never ends;
+    stream_route() keeps the engine's rules on a route it does not know."""
+
+    def _f_call(self, act):
+        return lambda events: act(self.client, events)
+
+    def test_fetch_of_an_error_page(self):
+        raw, want = _A_FAULT_ANSWERS["page"]
+        self.server.route("GET", "/any", reply(raw, hold=True))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_503_is_not_retried(self):
+        raw, want = _A_FAULT_ANSWERS["503"]
+        self.server.route("GET", "/any", reply(raw))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_redirect_is_not_followed(self):
+        raw, want = _A_FAULT_ANSWERS["302"]
+        self.server.route("GET", "/any", reply(raw))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_body_over_max_body(self):
+        self.server.route("GET", "/any", reply(http_response(b"x" * (64 * 1024 + 1), b"text/plain"), hold=True))
+        err = self._f_fails(lc.ProtocolError, fn=self._f_call(_a_fetch()))
+        self.assertIn("max_body", str(err))
+
+    def test_timeout_on_a_silent_server(self):
+        self.server.route("GET", "/any", _f_hold)
+        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
+        self.assertEqual(err.phase, "answer")
+
+    def test_timeout_on_an_answer_that_trickles(self):
+        self.server.route("GET", "/any", _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1))
+        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
+        self.assertIn("reading the answer to GET /any", str(err))
+
+    def test_stream_route_of_an_answer_that_is_not_a_stream(self):
+        self.server.route("POST", "/r", reply(json_response({"a": 1}), hold=True))
+        self._f_fails(lc.ProtocolError, fn=self._f_call(_a_route()))
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], ["/r"])
+
+    def test_stream_route_of_a_503_then_a_stream(self):
+        self.server.route("POST", "/r", _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True))))
+        done = self._f_succeeds(budget=lc.BACKOFF_FIRST, fn=self._f_call(_a_route()))
+        self.assertEqual(
+            (self._f_kinds(), self._f_events[1], done), (["Retrying", "Chunk"], lc.Chunk({"a": 1}), _A_EMPTY)
+        )
+
+    def test_stream_route_of_text_data(self):
+        self.server.route("POST", "/r", reply(_a_sse("hello", "wor ld", done=True)))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_route())), _A_EMPTY)
+        self.assertEqual(self._f_events, [lc.Chunk("hello"), lc.Chunk("wor ld")])
+
+    def test_stream_route_of_chat_cut_before_its_finish(self):
+        self.server.route("POST", "/r", reply(_a_sse(json.loads(chunk_json({"content": "Hi"})))))
+        self._f_fails(lc.StreamClosedError, fn=self._f_call(_a_route()))
+        self.assertEqual(self._f_kinds(), ["Chunk"])
+
+    def test_stream_route_silent_once_started(self):
+        self.server.route("POST", "/r", reply(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'), hold=True))
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness, fn=self._f_call(_a_route()))
+        self.assertEqual(self._f_events, [lc.Chunk({"a": 1})])
+
+
+TestFaultAnswersSockets, TestFaultAnswersSocketsAsync = on_sockets(
+    TestFaultAnswers, "test_timeout_on_an_answer_that_trickles", "test_stream_route_of_a_503_then_a_stream"
+)
+
+
 # -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
 #
 # Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
@@ -14980,6 +16061,78 @@ FAULT_TABLE = [
                 "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
                 "`ServerError` at once",
                 "`TestFaultFuzzRegressions.test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client`",
+            ),
+        ],
+    ),
+    (
+        "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "fetch() of an error page",
+                "`500` with an HTML page, then holds the connection",
+                "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
+                "`TestFaultAnswers.test_fetch_of_an_error_page`",
+            ),
+            (
+                "fetch() of a 503 with Retry-After",
+                "`503`, `Retry-After: 1`",
+                "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
+                "`TestFaultAnswers.test_fetch_of_a_503_is_not_retried`",
+            ),
+            (
+                "fetch() of a redirect",
+                "`302` with a `Location` elsewhere",
+                "no error: the `Response` at once; the redirect is not followed",
+                "`TestFaultAnswers.test_fetch_of_a_redirect_is_not_followed`",
+            ),
+            (
+                "fetch() of a body over max_body",
+                "a 200 one byte over `max_body`, then holds the connection",
+                "`ProtocolError` at once",
+                "`TestFaultAnswers.test_fetch_of_a_body_over_max_body`",
+            ),
+            (
+                "timeout= on a silent server",
+                "reads the request, sends nothing",
+                "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
+                "`TestFaultAnswers.test_timeout_on_a_silent_server`, `TestDeadline.test_every_call_waiting_for_its_answer`",
+            ),
+            (
+                "timeout= on an answer that trickles",
+                "a head, then a byte of its body every 0.1 s",
+                "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
+                "`TestFaultAnswers.test_timeout_on_an_answer_that_trickles`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
+            ),
+            (
+                "stream_route() of an answer that is not a stream",
+                "`200` with `application/json`, then holds the connection",
+                "`ProtocolError` at once, not sent again",
+                "`TestFaultAnswers.test_stream_route_of_an_answer_that_is_not_a_stream`",
+            ),
+            (
+                "stream_route() of a 503, then a stream",
+                "`503` (`Retry-After: 0`) once, then a stream",
+                "retried (`Retrying`) before delivery, then a `Chunk` per event",
+                "`TestFaultAnswers.test_stream_route_of_a_503_then_a_stream`",
+            ),
+            (
+                "stream_route() of text data",
+                "`data: hello` events that are not JSON, then `[DONE]`",
+                "no error: a `Chunk` of each text, an empty `Completion`",
+                "`TestFaultAnswers.test_stream_route_of_text_data`",
+            ),
+            (
+                "stream_route() of chat cut before its finish",
+                "a chat chunk without `finish_reason`, then the end of the body",
+                "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
+                "`TestFaultAnswers.test_stream_route_of_chat_cut_before_its_finish`",
+            ),
+            (
+                "stream_route() silent once started",
+                "one chunk, then silence",
+                "`StalledError` after `liveness`",
+                "`TestFaultAnswers.test_stream_route_silent_once_started`",
             ),
         ],
     ),
@@ -16243,6 +17396,7 @@ class TestDifferential(_f_Case):
         "_d_fronts",
         "_d_security",
         "_d_fuzz",
+        "_d_answers",
     )
 
     def test_the_comparison_sets_aside_timing_only(self):
@@ -16354,6 +17508,66 @@ class TestDifferential(_f_Case):
 
     def test_inputs_the_fuzzer_found(self):
         self._d_table(self._d_fuzz())
+
+    def test_answers_as_the_server_gave_them(self):
+        self._d_table(self._d_answers())
+
+    def _d_answers(self):
+        """The rows of fetch(), timeout= and stream_route() (TestFaultAnswers' servers)."""
+
+        def on(method, path, handler):  # the handler made afresh for each client
+            return lambda s: s.route(method, path, handler())
+
+        def fetched(name):
+            raw, want = _A_FAULT_ANSWERS[name]
+            return [_d_part(on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want)]
+
+        big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
+        t, lv = _A_DEADLINE, FAST_FAULTS.liveness
+        trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
+        then_ok = lambda: _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True)))
+        opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
+        started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
+        return [
+            ("fetch() of an error page", fetched("page")),
+            ("fetch() of a 503 with Retry-After", fetched("503")),
+            ("fetch() of a redirect", fetched("302")),
+            (
+                "fetch() of a body over max_body",
+                [_d_part(on("GET", "/any", lambda: reply(big, hold=True)), _a_fetch(), lc.ProtocolError)],
+            ),
+            (
+                "timeout= on a silent server",
+                [_d_part(on("GET", "/any", lambda: _f_hold), _a_fetch(timeout=t), lc.DeadlineError, t)],
+            ),
+            (
+                "timeout= on an answer that trickles",
+                [_d_part(on("GET", "/any", trickle), _a_fetch(timeout=t), lc.DeadlineError, t)],
+            ),
+            (
+                "stream_route() of an answer that is not a stream",
+                [
+                    _d_part(
+                        on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
+                        _a_route(),
+                        lc.ProtocolError,
+                    )
+                ],
+            ),
+            ("stream_route() of a 503, then a stream", [_d_part(on("POST", "/r", then_ok), _a_route(), _A_EMPTY)]),
+            (
+                "stream_route() of text data",
+                [_d_part(on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))), _a_route(), _A_EMPTY)],
+            ),
+            (
+                "stream_route() of chat cut before its finish",
+                [_d_part(on("POST", "/r", lambda: reply(opened)), _a_route(), lc.StreamClosedError)],
+            ),
+            (
+                "stream_route() silent once started",
+                [_d_part(on("POST", "/r", lambda: reply(started, hold=True)), _a_route(), lc.StalledError, lv)],
+            ),
+        ]
 
     # -- the cases that used to tell the clients apart, and the proxies' rows -------------------------
 
@@ -19385,6 +20599,165 @@ class TestRealLastRoutes(ClientFactory, unittest.TestCase):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealLastRoutesAsync(AsyncDriver, TestRealLastRoutes):
+    """The same on AsyncClient."""
+
+
+class _Target:
+    """A tiny HTTP server of the test's own on 127.0.0.1 for /cors-proxy to reach: it answers ``body`` to
+    any GET and keeps the headers of the last one."""
+
+    def __init__(self, body=b"ok"):
+        import http.server
+
+        seen = self.seen = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.clear()
+                seen.update((k.lower(), v) for k, v in self.headers.items())
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d/x" % self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def _a_same(chunk):
+    """A chunk with what differs between two runs of one request left out: its id and time, its timings."""
+    return {k: v for k, v in chunk.items() if k not in ("id", "created", "timings")}
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealAnswers(ClientFactory, unittest.TestCase):
+    """fetch(), headers=, timeout= and stream_route() on the real server (started with --metrics and
+    --ui-mcp-proxy): what llama.cpp's own server tests read and loopclient used to hide."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def fetch(self, *args, **kw):
+        return run_with_timeout(lambda: self.client.fetch(*args, **kw), 60)
+
+    def test_options_with_an_origin_gives_the_cors_headers(self):
+        preflight = {
+            "Origin": "http://web.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization",
+        }
+        got = self.fetch("OPTIONS", "/completions", headers=preflight)
+        self.assertEqual((got.status, got.body), (200, b""))
+        self.assertEqual(
+            [got.get("Access-Control-Allow-" + name) for name in ("Origin", "Credentials", "Methods", "Headers")],
+            ["http://web.example", "true", "GET, POST, DELETE, OPTIONS", "*"],
+        )
+        # the Origin went with that call only: the next answer reflects none
+        self.assertEqual(self.fetch("GET", "/health").get("access-control-allow-origin"), "")
+        self.assertEqual(self.fetch("GET", "/health", headers={"Origin": "x"}).get("access-control-allow-origin"), "x")
+
+    def test_metrics_gives_process_start_time_unix(self):
+        got = self.fetch("GET", "/metrics")
+        self.assertEqual(got.status, 200)
+        self.assertIn("llamacpp:prompt_tokens_total", got.text())
+        value = got.get("Process-Start-Time-Unix")
+        self.assertTrue(value and value.isdigit(), got.headers)
+        # on this build it is no Unix time: ggml_time_us() when the server started, microseconds of the
+        # monotonic clock (time.monotonic()'s), which has not reached now
+        self.assertLess(int(value) / 1e6, time.monotonic())
+        self.assertGreater(abs(int(value) - time.time()), 86400)
+        self.assertGreater(abs(int(value) / 1e6 - time.time()), 86400)
+
+    def test_delete_stream_gives_204(self):
+        got = self.fetch("DELETE", "/v1/stream", query={"conv_id": "lc-test-unknown-%s" % self.CLIENT})
+        self.assertEqual((got.status, got.reason, got.body), (204, "No Content", b""))
+        self.assertIs(run_with_timeout(lambda: self.client.delete_stream("lc-test-unknown"), 60), True)
+
+    def test_cors_proxy_gives_its_text_under_a_json_content_type(self):
+        target = _Target(b"ok")
+        self.addCleanup(target.close)
+        proxy = {"x-llama-server-proxy-header-x-probe": "p-1"}  # forwarded by the proxy, for this call only
+        got = self.fetch("GET", "/cors-proxy", query={"url": target.url}, headers=proxy)
+        self.assertEqual((got.status, got.body, got.text()), (200, b"ok", "ok"))
+        self.assertEqual(got.get("content-type"), "application/json; charset=utf-8")
+        self.assertEqual(target.seen.get("x-probe"), "p-1")
+        with self.assertRaises(lc.ProtocolError):  # request() promises JSON for a JSON Content-Type
+            run_with_timeout(lambda: self.client.request("GET", "/cors-proxy", query={"url": target.url}), 60)
+        self.assertNotIn("x-probe", target.seen)
+
+    def test_a_client_that_stops_waiting(self):
+        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "id_slot": 0}
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            self.fetch("POST", "/completion", body, timeout=0.5)
+        self.assertLess(t.elapsed, 0.5 + MARGIN)
+        self.assertEqual(cm.exception.phase, "answer")
+        # The connection was closed: the server stops generating and frees the slot.  This build looks at the
+        # connection of a non-streamed request only after a second in which no result of any task came (a
+        # /slots answer is one): asked every few milliseconds, /slots would keep the slot busy to its end.
+        deadline = time.monotonic() + 60
+        while self.client.slots()[0].is_processing:
+            self.assertLess(time.monotonic(), deadline, "slot 0 still processing the abandoned request")
+            time.sleep(2.0)  # the pace of the question, longer than the server's one-second look
+        text = self.client.request("POST", "/completion", dict(body, n_predict=1))["content"]
+        self.assertTrue(text)
+
+    def test_a_streamed_route_without_a_named_call_equals_the_named_calls_raw_chunks(self):
+        params = {"max_tokens": 12, "temperature": 0, "seed": 7}
+        run_with_timeout(lambda: self.client.chat(SEA, slot=0, **params), 60)  # both requests then find the cache
+        named = run_with_timeout(lambda: list(self.client.stream(SEA, slot=0, raw_chunks=True, **params)), 60)
+        named = [e.data for e in named if isinstance(e, lc.Chunk)]
+        body = dict(params, messages=SEA, stream=True, stream_options={"include_usage": True})
+        stream = self.client.stream_route("/chat/completions", body, slot=0)
+        events = run_with_timeout(lambda: list(stream), 60)
+        self.assertTrue(all(isinstance(e, lc.Chunk) for e in events), events)
+        self.assertEqual([_a_same(e.data) for e in events], [_a_same(c) for c in named])
+        self.assertEqual(len({e.data["id"] for e in events}), 1)
+        done = stream.completion
+        self.assertEqual(
+            (done.finish_reason, done.usage), (named[-2]["choices"][0]["finish_reason"], named[-1]["usage"])
+        )
+        self.assertEqual(done.usage["completion_tokens"], 12)
+        # llama-server's own /completions: the same
+        native = {"prompt": "The sky is", "n_predict": 8, "temperature": 0}
+        named = run_with_timeout(lambda: list(self.client.stream_complete(slot=0, raw_chunks=True, **native)), 60)
+        named = [e.data for e in named if isinstance(e, lc.Chunk)]
+        stream = self.client.stream_route("/completions", dict(native, stream=True), slot=0)
+        events = run_with_timeout(lambda: list(stream), 60)
+        self.assertEqual([_a_same(e.data) for e in events], [_a_same(c) for c in named])
+        self.assertEqual((stream.completion.finish_reason, stream.completion.final["stop"]), ("length", True))
+
+    def test_a_streamed_route_cut_is_resumed(self):
+        proxy = CutProxy(REAL_SOCKET, 3000)
+        self.addCleanup(proxy.close)
+        client = self.new_client(proxy.path, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        body = {"messages": SEA, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+        stream = client.stream_route("/chat/completions", body, slot=0, resumable=True)
+        events = run_with_timeout(lambda: list(stream), 120)
+        self.assertEqual(proxy.cuts, 1)
+        self.assertEqual(len([e for e in events if isinstance(e, lc.Resumed)]), 1)
+        chunks = [e.data for e in events if isinstance(e, lc.Chunk)]
+        replay = self.client.resume(stream.conversation_id, endpoint="route")
+        self.assertEqual([e.data for e in run_with_timeout(lambda: list(replay), 60)], chunks)  # none lost or repeated
+        texts = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        self.assertEqual(stream.completion.finish_reason, "length")
+        self.assertEqual(len([t for t in texts if t]), 40)
+
+
+class TestRealAnswersAsync(AsyncDriver, TestRealAnswers):
     """The same on AsyncClient."""
 
 

@@ -6,8 +6,10 @@ a Unix domain socket, TCP or TLS (``https://``), reads every stream llama-server
 Events (chat, native ``/completion`` and ``/infill``, OpenAI Responses, Anthropic Messages), assembles the
 deltas (choices, reasoning, tool calls, log probabilities, prompt progress), waits out busy slots and
 loading servers by polling ``/slots``, tells a wedged slot from a busy one, queues this client's requests
-per slot (and per model, behind a router), and resumes a stream whose connection was lost.  There is no
-total deadline: every wait has its own budget (see ``Limits``).  ``Client`` serves threads,
+per slot (and per model, behind a router), and resumes a stream whose connection was lost.  ``fetch()``
+gives any route's answer whole (``Response``) and ``stream_route()`` streams a route it does not name.
+There is no total deadline: every wait has its own budget (see ``Limits``); a single-shot call may be
+given one (``timeout=``).  ``Client`` serves threads,
 ``AsyncClient`` serves asyncio programs; they are one behaviour.
 
 Example::
@@ -85,12 +87,14 @@ __all__ = [
     "Progress",
     "Chunk",
     "ModelEvent",
+    "Response",
     "LoopError",
     "BusyError",
     "WaitTimeoutError",
     "LoadTimeoutError",
     "StalledError",
     "WedgedSlotError",
+    "DeadlineError",
     "StreamClosedError",
     "ThinkingOverrunError",
     "HTTPStatusError",
@@ -201,6 +205,17 @@ class LoadTimeoutError(_BudgetError):
 
 class StalledError(_BudgetError):
     """Silence: no head within ``idle_grace`` on an idle slot, or no progress within ``liveness``."""
+
+
+class DeadlineError(_BudgetError):
+    """A single-shot call given ``timeout=`` did not end within it: the whole exchange, connect included.
+    The connection was closed.  ``timeout`` is the deadline in seconds, ``phase`` what the call was doing
+    when it ran out (``"connect"``, ``"send"``, ``"answer"`` or ``"wait"``).  A ``TimeoutError`` too."""
+
+    def __init__(self, message: str, timeout: float = 0.0, phase: str = "answer") -> None:
+        super().__init__(message, timeout)
+        self.timeout = timeout
+        self.phase = phase
 
 
 class StreamClosedError(LoopError):
@@ -478,14 +493,15 @@ class Progress(_Value):
 
 
 class Chunk(_Value):
-    """The parsed payload of one data event, as the server sent it (only with ``raw_chunks=True``); it
-    comes before the events derived from it."""
+    """The parsed payload of one data event, as the server sent it: with ``raw_chunks=True`` (a JSON object,
+    before the events derived from it), and every data event of ``stream_route()`` (the parsed JSON, any
+    JSON value, or the event's text when it is not JSON)."""
 
     __match_args__ = ("data",)
     __slots__ = __match_args__
-    data: Dict[str, Any]
+    data: Any
 
-    def __init__(self, data: Dict[str, Any]) -> None:
+    def __init__(self, data: Any) -> None:
         _set(self, "data", data)
 
 
@@ -505,6 +521,58 @@ class ModelEvent(_Value):
         _set(self, "model", model)
         _set(self, "event", event)
         _set(self, "data", data)
+
+
+class Response(_Value):
+    """A whole answer as the server gave it (``fetch()``), whatever its status: ``status`` (int),
+    ``reason`` (the status line's phrase), ``headers`` (``(lower-case name, value)`` pairs in arrival
+    order, as ``ResponseHead.headers``; a tuple), ``body`` (bytes: empty for ``HEAD``, 204 and 304).
+    ``get()`` and ``get_all()`` read a header as ``ResponseHead``'s do; ``text()`` and ``json()`` read
+    the body.  ``repr`` shows at most the first 80 bytes of the body."""
+
+    __match_args__ = ("status", "reason", "headers", "body")
+    __slots__ = __match_args__
+    status: int
+    reason: str
+    headers: Tuple[Tuple[str, str], ...]
+    body: bytes
+
+    def __init__(self, status: int, reason: str, headers: Sequence[Tuple[str, str]], body: bytes) -> None:
+        _set(self, "status", status)
+        _set(self, "reason", reason)
+        _set(self, "headers", tuple((name.lower(), value) for name, value in headers))
+        _set(self, "body", bytes(body))
+
+    def get(self, name: str) -> Optional[str]:
+        """The last value of header ``name`` (case-insensitive), or None."""
+        name = name.lower()
+        found = None
+        for key, value in self.headers:
+            if key == name:
+                found = value
+        return found
+
+    def get_all(self, name: str) -> List[str]:
+        """Every value of header ``name`` (case-insensitive), in arrival order."""
+        name = name.lower()
+        return [value for key, value in self.headers if key == name]
+
+    def text(self) -> str:
+        """The body as UTF-8, what does not decode replaced (U+FFFD)."""
+        return self.body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON; ``ProtocolError`` when it is not JSON."""
+        try:
+            return json.loads(self.text())
+        except ValueError as exc:
+            raise ProtocolError("the answer (HTTP %d) is not JSON: %s" % (self.status, exc)) from None
+        except RecursionError:
+            raise ProtocolError("the answer (HTTP %d) is JSON nested too deeply" % self.status) from None
+
+    def __repr__(self) -> str:
+        body = repr(self.body[:80]) + ("... (%d bytes)" % len(self.body) if len(self.body) > 80 else "")
+        return "Response(status=%r, reason=%r, headers=%r, body=%s)" % (self.status, self.reason, self.headers, body)
 
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -767,7 +835,8 @@ class Limits(_Value):
     wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
                             ``WedgedSlotError`` (None: never)
     pool             None   how many requests of a ``slot=None`` pool may be in flight at once (None:
-                            ``total_slots`` from ``/props``, 4 when it does not say; set it behind a balancer)
+                            ``total_slots`` from ``/props``, asked in the background, 1 until it answers,
+                            4 when it does not say; set it behind a balancer)
     keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
                             connection per request)
     servers          1      how many llama-servers stand behind the address (a balancer in front): with
@@ -1758,10 +1827,19 @@ def _progress_event(progress: Any, payload: str) -> Optional[Progress]:
     return Progress(processed, total, cache or 0, time_ms or 0.0)
 
 
+_OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered on the named endpoints
+
+
 class _Dialect:
     """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: the stream's
     ``id`` and ``model``, ``timings``, the reasoning count and state the thinking cap reads, and whether
-    it also yields ``Chunk`` events."""
+    it also yields ``Chunk`` events.  ``output``: the event classes that count as delivered (after one,
+    nothing is retried)."""
+
+    output = _OUTPUT  # type: Tuple[type, ...]
+    #: a 200 answer that is not ``text/event-stream`` is ``ProtocolError`` (a route the client does not know;
+    #: the named endpoints are read as llama-server frames them)
+    event_stream = False
 
     __slots__ = ("id", "model", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks", "done")
 
@@ -2225,6 +2303,20 @@ class _NativeState:
 _NATIVE_FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
 
 
+def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The token counts of native stop chunks (one per choice that ended), summed, with chat's keys beside
+    them; None when none of them counts tokens."""
+    counted = [f for f in finals if "tokens_evaluated" in f or "tokens_predicted" in f]
+    if not counted:
+        return None
+    own = {}  # type: Dict[str, Any]
+    for name in ("tokens_evaluated", "tokens_predicted", "tokens_cached"):
+        values = [f[name] for f in counted if type(f.get(name)) is int]
+        if values:
+            own[name] = sum(values)
+    return _chat_usage(own, own.get("tokens_evaluated", 0), own.get("tokens_predicted", 0))
+
+
 class _NativeAssembler(_Dialect):
     """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last.
 
@@ -2372,16 +2464,7 @@ class _NativeAssembler(_Dialect):
     @property
     def usage(self) -> Optional[Dict[str, Any]]:
         """The token counts of the choices that ended, summed (None before any stop chunk counted them)."""
-        finals = [s.final for s in self._choices.values() if s.final is not None]
-        counted = [f for f in finals if "tokens_evaluated" in f or "tokens_predicted" in f]
-        if not counted:
-            return None
-        own = {}  # type: Dict[str, Any]
-        for name in ("tokens_evaluated", "tokens_predicted", "tokens_cached"):
-            values = [f[name] for f in counted if type(f.get(name)) is int]
-            if values:
-                own[name] = sum(values)
-        return _chat_usage(own, own.get("tokens_evaluated", 0), own.get("tokens_predicted", 0))
+        return _native_usage([s.final for s in self._choices.values() if s.final is not None])
 
     def completion(self) -> Completion:
         """``choices`` in index order, the lowest index giving ``content``, ``finish_reason``, ``tokens`` and
@@ -2814,6 +2897,107 @@ class _ModelEvents(_Dialect):
         raise StreamClosedError("the router closed its model event stream (GET /models/sse)")
 
 
+class _RouteChunks(_Dialect):
+    """The dialect of ``stream_route()``, for a route loopclient does not know: each data event is one
+    ``Chunk``, its ``data`` the parsed JSON (any JSON value) or the event's text when it is not JSON, and
+    each counts as delivered output.  A JSON object whose ``error`` is an object or a string is an error
+    event (``ServerError``; before delivery, retried when its code is 503 or its type ``unavailable_error``
+    or ``overloaded_error``), as on every endpoint.  The stream ends at ``[DONE]`` or at the end of the
+    body, never at a chunk.
+
+    Two shapes fill the ``Completion`` when the chunks carry them: OpenAI's (``choices`` with their
+    ``index`` and ``finish_reason``, ``usage``; chat and text completions) and llama-server's native one
+    (``stop`` with ``stop_type`` and the token counts, per ``index``: ``/completion``, ``/infill``).  Then
+    ``id``, ``model``, ``finish_reason``, ``usage``, ``timings`` and (native) ``final`` are read as the
+    named calls read them, the text left out (the chunks are the answer), and an end before every choice
+    that appeared has finished is ``StreamClosedError``, as on the named calls.  Chunks of any other
+    shape (or of no shape) end in an empty ``Completion``.  Fields of a shape that hold the wrong type are
+    ignored here: the route is not known to be what it looks like."""
+
+    __slots__ = ("usage", "_finish", "_finals")
+    output = (Chunk,)  # type: Tuple[type, ...]
+    event_stream = True
+
+    def __init__(self, raw_chunks: bool = False) -> None:
+        _Dialect.__init__(self, raw_chunks)
+        self.usage = None  # type: Optional[Dict[str, Any]]
+        self._finish = {}  # type: Dict[int, Optional[str]]  # OpenAI's shape: choice index -> finish_reason
+        self._finals = {}  # type: Dict[int, Optional[Dict[str, Any]]]  # native: index -> its stop chunk
+
+    def feed(self, payload: str) -> List[Event]:
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            return [Chunk(payload)]
+        except RecursionError:
+            raise ProtocolError("JSON nested too deeply in the stream") from None
+        if type(doc) is dict:
+            if isinstance(doc.get("error"), (dict, str)):
+                raise _error_from(doc["error"])
+            self._observe(doc)
+        return [Chunk(doc)]
+
+    def _observe(self, doc: Dict[str, Any]) -> None:
+        """Note what an object chunk says in OpenAI's or llama-server's shape."""
+        choices = doc.get("choices")
+        if type(choices) is list:
+            for choice in choices:
+                index = choice.get("index", 0) if type(choice) is dict else None
+                if index is None and type(choice) is dict:
+                    index = 0  # a null index is 0, as on chat
+                if type(index) is int:
+                    reason = choice.get("finish_reason")
+                    if type(reason) is str:
+                        self._finish[index] = reason
+                    else:
+                        self._finish.setdefault(index, None)
+        stop, index = doc.get("stop"), doc.get("index", 0)
+        if type(stop) is bool and type(index) is int:
+            if stop:
+                self._finals[index] = doc
+            else:
+                self._finals.setdefault(index, None)
+        if self._finish or self._finals:
+            for name in ("id", "model"):
+                if getattr(self, name) is None and type(doc.get(name)) is str:
+                    setattr(self, name, doc[name])
+            for name in ("usage", "timings"):
+                value, kept = doc.get(name), getattr(self, name)
+                if type(value) is dict:
+                    setattr(self, name, dict(kept, **value) if kept else value)
+
+    def completion(self) -> Completion:
+        """The finish and usage of the shape the chunks carried; ``StreamClosedError`` when a choice of it
+        has not finished; an empty ``Completion`` for any other shape."""
+        ends = self._finish or self._finals  # OpenAI's shape first
+        unfinished = sorted(index for index, end in ends.items() if end is None)
+        if unfinished:
+            raise StreamClosedError(
+                "the stream ended before choice %s had finished: the server stopped mid-answer"
+                % ", ".join(str(index) for index in unfinished)
+            )
+        final = None  # type: Optional[Dict[str, Any]]
+        if self._finish:
+            reasons = sorted(self._finish.items())  # type: List[Tuple[int, Any]]
+            usage = self.usage
+        elif self._finals:
+            finals = sorted((i, f) for i, f in self._finals.items() if f is not None)
+            reasons = [(index, _native_finish(chunk)) for index, chunk in finals]
+            usage, final = _native_usage([chunk for _, chunk in finals]), finals[0][1]
+        else:
+            return Completion(None, None, "", "", [], None, None, None)
+        choices = tuple(Choice(index, "", "", [], reason, None) for index, reason in reasons)
+        return Completion(
+            self.id, self.model, "", "", [], reasons[0][1], usage, self.timings, choices=choices, final=final
+        )
+
+
+def _native_finish(chunk: Dict[str, Any]) -> str:
+    """A native stop chunk's ``stop_type`` in chat's words (none, or one that is not a string: "stop")."""
+    how = chunk.get("stop_type")
+    return _NATIVE_FINISH.get(how, how) if type(how) is str else "stop"
+
+
 def _no_body(params: Dict[str, Any]) -> Dict[str, Any]:
     """The body of a request that sends none (``GET``)."""
     return {}
@@ -2833,14 +3017,16 @@ def _chat_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
     return body
 
 
-def _body(fixed: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
-    """``fixed`` (the call's own arguments) with the keywords in ``params`` beside them and ``stream`` on."""
+def _body(fixed: Dict[str, Any], params: Dict[str, Any], stream: bool = True) -> Dict[str, Any]:
+    """``fixed`` (the call's own arguments) with the keywords in ``params`` beside them and ``stream`` on
+    (unless ``stream`` is False)."""
     for name in fixed:
         if name in params:
             raise TypeError("%r is given by the call's own argument: do not pass it as a keyword" % name)
     body = dict(fixed)
     body.update(params)
-    body["stream"] = True
+    if stream:
+        body["stream"] = True
     return body
 
 
@@ -2948,6 +3134,27 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
     return _body({"messages": messages}, params)
 
 
+def _route_target(path: Any, body: Any, method: Any) -> Tuple[str, str]:
+    """The method and path of a ``stream_route()`` request (checked: ``TypeError`` when not strings)."""
+    if not isinstance(path, str) or not isinstance(method, str):
+        raise TypeError("path and method must be str, not %r and %r" % (path, method))
+    return method, path
+
+
+def _route_body(path: str, body: Any, method: str, params: Dict[str, Any]) -> Any:
+    """The body of ``stream_route()``: ``body`` as given (any JSON value; None: no body), sent without
+    ``stream`` added (the route's own rules decide; llama-server's want ``"stream": true``).  The keywords
+    are added to a dict ``body`` (one is made when it is None); beside another value they are
+    ``TypeError``, and so is a keyword the body holds already."""
+    if params:
+        if body is None:
+            body = {}
+        elif not isinstance(body, dict):
+            raise TypeError("keywords go into a JSON object body, not beside %s" % type(body).__name__)
+        return _body(body, params, stream=False)
+    return dict(body) if isinstance(body, dict) else body  # a copy: id_slot and model go in the copy
+
+
 # -- The streamed endpoints: one row each ---------------------------------------------------------------
 #
 # A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
@@ -2966,23 +3173,30 @@ class _Endpoint:
     there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
     ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
     that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read
-    by ``_Streams.watch_plan``)."""
+    by ``_Streams.watch_plan``).  ``target(*args)`` gives the request's method and path: ``POST`` to
+    ``path`` unless the row says otherwise (``stream_route()``'s takes them from the call)."""
 
-    __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed", "watch")
+    __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed", "watch", "_target")
 
     def __init__(
         self,
         name: str,
         path: str,
-        body: Callable[..., Dict[str, Any]],
+        body: Callable[..., Any],
         dialect: Any,
         cap: str,
         resumable: bool = True,
         routed: bool = True,
         watch: bool = False,
+        target: Optional[Callable[..., Tuple[str, str]]] = None,
     ) -> None:
         self.name, self.path, self.body, self.dialect = name, path, body, dialect
         self.cap, self.resumable, self.routed, self.watch = cap, resumable, routed, watch
+        self._target = target
+
+    def target(self, *args: Any) -> Tuple[str, str]:
+        """(method, path) of a request of this row made of the call's ``args``."""
+        return self._target(*args) if self._target is not None else ("POST", self.path)
 
 
 #: Every streamed endpoint, by the name ``resume(endpoint=...)`` takes.  On this llama-server the control
@@ -3000,6 +3214,8 @@ _ENDPOINTS = {
         _Endpoint(
             "models", "/models/sse", _no_body, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
         ),
+        # stream_route(): any route, its method and path the call's; resumable where the server buffers it
+        _Endpoint("route", "", _route_body, _RouteChunks, _CAP_MOOT, target=_route_target),
     )
 }  # type: Dict[str, _Endpoint]
 
@@ -3116,6 +3332,7 @@ class ResponsePump:
         "_resuming",
         "_last",
         "unknown",
+        "_typed",
     )
 
     def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
@@ -3140,6 +3357,7 @@ class ResponsePump:
         self._resuming = False  # the response is the replay of a resumed stream
         self._last = b""  # the last two body bytes, for a blank line split between reads
         self.unknown = False  # a resume was answered 404: the server does not know the stream
+        self._typed = False  # the 200 head's Content-Type was looked at (a dialect that asks for it)
 
     @property
     def streaming(self) -> bool:
@@ -3161,6 +3379,7 @@ class ResponsePump:
         self.received = self.boundary = offset
         self._last = b""
         self._ending = self.cut = False
+        self._typed = False
 
     def verdict(self) -> Any:
         """What the caller does next, once it has handed out the events of the last call, as one value: a
@@ -3213,6 +3432,14 @@ class ResponsePump:
         if head.status != 200:
             self._error_body(head, pieces, eof or reader.done)
             return
+        if not self._typed:
+            self._typed = True
+            kind = head.get("content-type")
+            if self._asm.event_stream and not (kind or "").lower().startswith("text/event-stream"):
+                raise ProtocolError(
+                    "the answer is not a stream (HTTP 200, Content-Type %s, not text/event-stream): fetch() "
+                    'reads it whole, or ask the route to stream ("stream": true)' % (kind or "missing")
+                )
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if data:
             self._count_body(data)
@@ -3309,7 +3536,8 @@ class ResponsePump:
             if events:
                 out += events
                 if not self.delivered:
-                    self.delivered = any(type(e) in _OUTPUT for e in events)
+                    output = asm.output
+                    self.delivered = any(type(e) in output for e in events)
             if cap is not None and asm.in_reasoning:
                 tokens = asm.reasoning_tokens
                 if self._capped_at < 0:
@@ -3342,9 +3570,6 @@ class ResponsePump:
                 self.cut = True
                 self.received, self._last = self.boundary, b""
                 raise
-
-
-_OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered
 
 
 # =====================================================================================================
@@ -3794,8 +4019,9 @@ class _Lane:
     waiters, each asking every ``poll``, cost the square of their number.
 
     Invariants, whenever the lock is free:
-      1. ``in_flight <= capacity``, and nobody waits while a permit is free: ``queue`` is empty or
-         ``in_flight == capacity``.
+      1. Nobody waits while a permit is free: ``queue`` is empty or ``in_flight >= capacity``; and
+         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in
+         flight (none is taken back: nobody is admitted until their ends bring ``in_flight`` below it).
       2. The positions of ``queue`` and the ``holes`` together are exactly ``range(head, tail)``, without
          overlap; ``holes`` is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
       3. ``len(holes) <= len(queue)``: whenever a cancel or a grant would break it, the positions are
@@ -3930,9 +4156,9 @@ class _Gate:
 
     def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int, waker: Optional[_Waker] = None) -> _Ticket:
         """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
-        when ``queue_len`` already wait.  A ``capacity`` above the lane's grows it (a pool sized late by
-        ``/props``) and admits the waiters that now fit; a smaller one (a caller that had not heard
-        ``/props`` yet) changes nothing.  ``waker`` is signalled when a queued ticket is granted."""
+        when ``queue_len`` already wait.  ``capacity`` sizes a new lane; one above the lane's grows it and
+        admits the waiters that now fit; a smaller one (a caller that read the pool's size before
+        ``/props`` answered) changes nothing.  ``waker`` is signalled when a queued ticket is granted."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -3952,6 +4178,20 @@ class _Gate:
             ticket.ahead = lane.in_flight + waiting
             lane.push(ticket)
             return ticket
+
+    def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> None:
+        """The size of a pool as ``/props`` said it, whenever its answer comes: a larger one admits the
+        waiters that now fit, first come first, each woken as a release wakes it; a smaller one takes no
+        permit back (the requests in flight go on, and nobody is admitted until their ends bring the
+        number in flight below ``capacity``).  No waiter's ``Queued(ahead)`` grows: the requests ahead
+        of it are still ahead."""
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
+                self._lanes[key] = _Lane(capacity)
+                return
+            lane.capacity = capacity
+            lane.admit()
 
     def _refusal(self, key: Tuple[Optional[str], Optional[int]], waiting: int) -> BusyError:
         model, slot = key
@@ -4134,8 +4374,8 @@ class _Run:
 
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
-    ``/slots`` poller and a pool size per model, who is asking ``/props`` for which model, and the runs in
-    flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
+    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, and the runs
+    in flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
     connections (a stale kept one, every kept one), and ``close()`` cancelling the runs in flight, whose
     plans then unwind: a resumable stream's sends its DELETE on the way out."""
 
@@ -4147,7 +4387,7 @@ class _Board:
         self.gate = _Gate(self.lock, calls.limits.queue_len)
         self.pollers = {}  # type: Dict[Optional[str], _SlotPoller]
         self.pools = dict(previous.pools) if previous is not None else {}  # type: Dict[Optional[str], int]
-        self.props = {}  # type: Dict[Optional[str], Set[_Waker]]  # model: who waits for the /props in flight
+        self.asking = set()  # type: Set[Optional[str]]  # the models whose /props is in flight (in the background)
         self.runs: Set[_Run] = set()
         self.idle = []  # type: List[Tuple[Any, float, int]]  # kept connections: (conn, usable until, pid)
         self.closed = False
@@ -4363,10 +4603,90 @@ def _after(run: _Run, exc: Optional[BaseException]) -> Optional[BaseException]:
     return exc
 
 
+def _check_timeout(timeout: Any) -> Optional[float]:
+    """A single-shot call's ``timeout=``: None, or seconds greater than zero (``TypeError`` for what is not a
+    number, ``ValueError`` for zero, a negative number or NaN)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError("timeout must be a number of seconds or None, not %r" % (timeout,))
+    if not timeout > 0:
+        raise ValueError("timeout must be greater than zero, not %r" % (timeout,))
+    return float(timeout)
+
+
+#: the operations a deadline cuts short, and the phase each is of a call
+_DEADLINE_PHASES = {_CONNECT: "connect", _SEND: "send", _RECV: "answer", _PARK: "wait", _SLEEP: "wait"}
+#: where each of them holds its timeout
+_TIMEOUT_AT = {_CONNECT: 1, _SEND: 3, _RECV: 2, _PARK: 1, _SLEEP: 1}
+#: what a cut operation raises when its time ran out: a driver's read timeout, a connect's, a send's
+_TIMED_OUT = (_Silence, socket.timeout, TimeoutError)
+
+
+def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
+    """``plan``, a single-shot call, within a deadline of ``timeout`` seconds from its first step, connect
+    included: each operation may take at most what is left (its own timeout, ``liveness``, still applies
+    when shorter).  An operation cut short by the deadline that runs out (a connect, a send, a read, a
+    sleep), or an operation due once it has passed, ends the call with ``DeadlineError``; ``plan`` is
+    closed first, which closes its connection.  Its other outcomes are its own."""
+    deadline = _clock() + timeout
+    value, exc = None, None  # type: Any, Optional[BaseException]
+    what, heard = "", False  # the request line once sent; whether any byte of the answer came
+    try:
+        while True:
+            try:
+                op = plan.send(value) if exc is None else plan.throw(exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            value, exc = None, None
+            code = op[0] if type(op) is tuple else None
+            if code not in _DEADLINE_PHASES:  # events, a connection kept, a background plan: not timed
+                value = yield op
+                continue
+            left = deadline - _clock()
+            if left <= 0:
+                raise _deadline_error(timeout, code, what, address, heard)
+            if code == _SEND:  # "GET /path?query HTTP/1.1": the method and the target
+                what = op[2].split(b"\r\n", 1)[0].rsplit(b" ", 1)[0].decode("latin-1")
+            at = _TIMEOUT_AT[code]
+            cut = op[at] is None or left < op[at]  # (a park without a timer is cut too)
+            try:
+                value = yield op[:at] + (left,) + op[at + 1 :] if cut else op
+            except GeneratorExit:
+                raise
+            except BaseException as caught:  # noqa: B036 - a timeout of a cut operation is the deadline's
+                if not (cut and isinstance(caught, _TIMED_OUT)):
+                    exc = caught
+                    continue
+                raise _deadline_error(timeout, code, what, address, heard) from None
+            heard = heard or bool(code == _RECV and value)
+            if cut and code == _SLEEP:
+                raise _deadline_error(timeout, code, what, address, heard)
+    finally:
+        plan.close()
+
+
+def _deadline_error(timeout: float, code: int, what: str, address: str, heard: bool) -> DeadlineError:
+    """The ``DeadlineError`` of a call whose ``timeout`` ran out in operation ``code``; ``what`` is the
+    request line once sent, ``heard`` whether any byte of the answer came."""
+    phase = _DEADLINE_PHASES[code]
+    if phase == "connect" or not what:
+        what = address
+    doing = {
+        "connect": "connecting to %s",
+        "send": "sending %s",
+        "answer": ("reading the answer to %s" if heard else "waiting for the answer to %s"),
+        "wait": "waiting to ask again after %s",
+    }[phase] % what
+    return DeadlineError(
+        "the call's timeout (%g s) ran out while %s: the connection was closed" % (timeout, doing), timeout, phase
+    )
+
+
 class _StreamRequest:
     """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
 
-    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch")
+    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "calls")
 
     def __init__(
         self,
@@ -4378,7 +4698,11 @@ class _StreamRequest:
         conversation: Optional[str] = None,
         offset: Optional[int] = None,
         watch: bool = False,
+        calls: Optional[_Calls] = None,
     ) -> None:
+        #: the client's calls, with the headers of the call that made the stream (``_Calls.at``): the requests
+        #: made for this stream alone (lookup, replay, DELETE, the control endpoint) carry them too
+        self.calls = calls
         self.watch = watch  # a watch (GET /models/sse): read by _Streams.watch_plan, ``model`` the events' filter
         self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
         self.slot = slot
@@ -4387,6 +4711,20 @@ class _StreamRequest:
         self.dialect = dialect  # the class that reads the endpoint's payloads (None: chat's Assembler)
         self.conversation = conversation  # the X-Conversation-Id of a resumable stream
         self.offset = offset  # resume(): the body offset to read the buffer from
+
+
+def _with_slot(body: Any, slot: Any) -> Dict[str, Any]:
+    """``body`` (a dict, or None for a route's empty one) with ``id_slot``; ``TypeError`` for a slot that is
+    not an int (or is a bool) or a body that is not a JSON object, ``ValueError`` for a negative slot."""
+    if isinstance(slot, bool) or not isinstance(slot, int):
+        raise TypeError("slot must be an int or None, not %r" % (slot,))
+    if slot < 0:
+        raise ValueError("slot must not be negative")
+    if body is not None and not isinstance(body, dict):
+        raise TypeError("a slot goes into a JSON object body (id_slot), not beside %s" % type(body).__name__)
+    doc = {} if body is None else body  # type: Dict[str, Any]
+    doc["id_slot"] = slot
+    return doc
 
 
 def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
@@ -4426,20 +4764,35 @@ def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: O
     """The headers every request carries beside its own: User-Agent (which ``headers`` may replace), the
     caller's ``headers``, and the ``api_key`` as a bearer token.  ``TypeError`` or ``ValueError`` now for
     a header loopclient sets itself, a name or value that is not text, or a CR, LF or bad name."""
-    extra = [("User-Agent", _USER_AGENT)]  # type: List[Tuple[str, str]]
-    for name, value in dict(headers or {}).items():
-        if not isinstance(name, str) or not isinstance(value, str):
-            raise TypeError("header names and values must be str")
-        if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
-            raise ValueError("header %s is set by loopclient itself" % name)
-        extra = [(k, v) for k, v in extra if k.lower() != name.lower()]
-        extra.append((name, value))
+    extra = _merged([("User-Agent", _USER_AGENT)], _own_headers(addr, headers))
     if api_key is not None:
         if not isinstance(api_key, str):
             raise TypeError("api_key must be a str")
         extra.append(("Authorization", "Bearer " + api_key))
     encode_request("GET", "/", addr.host, extra)  # ValueError now for a CR, LF or bad name
     return extra
+
+
+def _own_headers(addr: _Address, headers: Optional[Dict[str, str]]) -> List[Tuple[str, str]]:
+    """A caller's ``headers`` (a client's, or one call's) as pairs, checked: ``TypeError`` for names or
+    values that are not str, ``ValueError`` for a header loopclient sets itself (``Host``, ``Content-Length``,
+    ``Transfer-Encoding``, ``Content-Type``, ``Connection``), a CR, LF or NUL, or a bad name.  Names that
+    differ only in case are one header, the last value winning."""
+    own = []  # type: List[Tuple[str, str]]
+    for name, value in dict(headers or {}).items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError("header names and values must be str")
+        if name.lower() in ("host", "content-length", "transfer-encoding", "content-type", "connection"):
+            raise ValueError("header %s is set by loopclient itself" % name)
+        own = _merged(own, [(name, value)])
+    encode_request("GET", "/", addr.host, own)  # ValueError now for a CR, LF or bad name
+    return own
+
+
+def _merged(headers: List[Tuple[str, str]], over: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
+    """``headers`` without those ``over`` names (in any case), then ``over``: ``over``'s values win."""
+    names = {name.lower() for name, _ in over}
+    return [(k, v) for k, v in headers if k.lower() not in names] + over
 
 
 def _tls_context(addr: _Address, ssl_context: Any) -> Any:
@@ -4484,9 +4837,24 @@ class _Calls:
             raise TypeError("model must be a str or None")
         self.model = model
         self._headers = _extra_headers(addr, headers, api_key)
+        self._accept = not any(name.lower() == "accept" for name, _ in self._headers)  # else the caller's
         self.addr = addr
         self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
+        self.root = self  # the client's own calls: a copy made by at() reads closed there
+
+    def at(self, headers: Optional[Dict[str, str]]) -> _Calls:
+        """These calls for one call that gives ``headers`` of its own: a copy whose requests carry them
+        beside the client's headers (a call's value wins, the ``api_key``'s ``Authorization`` and the
+        ``User-Agent`` included); ``self`` when ``headers`` is None.  ``TypeError``/``ValueError`` now for
+        what ``Client(headers=...)`` refuses."""
+        if headers is None:
+            return self
+        calls = object.__new__(_Calls)
+        calls.__dict__.update(self.__dict__)
+        calls._headers = _merged(self._headers, _own_headers(self.addr, headers))
+        calls._accept = not any(name.lower() == "accept" for name, _ in calls._headers)
+        return calls
 
     # -- requests ----------------------------------------------------------------------------------------
 
@@ -4500,9 +4868,9 @@ class _Calls:
         keep: bool = False,
         extra: Sequence[Tuple[str, str]] = (),
     ) -> bytes:
-        """The request bytes (``Connection: close`` unless ``keep``).  ``ValueError``/``TypeError`` for what
-        cannot be sent, before any connection."""
-        if self.closed:
+        """The request bytes (``Connection: close`` unless ``keep``; ``Accept: accept`` unless the caller's
+        headers say otherwise).  ``ValueError``/``TypeError`` for what cannot be sent, before any connection."""
+        if self.root.closed:
             raise ValueError("this client is closed")
         if not method or not _METHOD_CHARS.issuperset(method):
             raise ValueError("invalid HTTP method %r" % (method,))
@@ -4511,7 +4879,7 @@ class _Calls:
         target = self.addr.prefix + path
         if query:
             target += ("&" if "?" in path else "?") + _query_string(query)
-        headers = [("Accept", accept)]
+        headers = [("Accept", accept)] if self._accept else []
         payload = None
         if body is not None:
             payload = _dumps(body).encode("utf-8")
@@ -4607,10 +4975,11 @@ class _Calls:
         model: Any = _NO_MODEL,
         timeout: Optional[float] = None,
         extra: Sequence[Tuple[str, str]] = (),
+        accept: str = "application/json",
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
         """One request, routed to its model, on a new connection: (head, body).  ``timeout``: ``liveness``."""
         body, query = self._route(method, body, query, model, path)
-        request = self._encode(method, path, body, "application/json", query, self.limits.keep_alive > 0, extra)
+        request = self._encode(method, path, body, accept, query, self.limits.keep_alive > 0, extra)
         timeout = self.limits.liveness if timeout is None else timeout
         return (yield from self._exchange(request, timeout, "%s %s" % (method, path), method == "HEAD"))
 
@@ -4638,10 +5007,7 @@ class _Calls:
         return value
 
     def request(self, method: str, path: str, body: Any, query: Optional[Dict[str, Any]]) -> _Plan[Any]:
-        if not isinstance(method, str) or not isinstance(path, str):
-            raise TypeError("method and path must be str")
-        if query is not None and not isinstance(query, dict):
-            raise TypeError("query must be a dict, not %s" % type(query).__name__)
+        _check_request(method, path, query)
         head, data = yield from self._call(method, path, body, query)
         if not 200 <= head.status < 300:
             raise _status_error(head, data)
@@ -4650,6 +5016,12 @@ class _Calls:
         if "json" in (head.get("content-type") or "").lower():
             return _decode_json(data, "%s %s" % (method, path))
         return data.decode("utf-8", "replace")
+
+    def fetch(self, method: str, path: str, body: Any, query: Optional[Dict[str, Any]]) -> _Plan[Response]:
+        """``request()``'s exchange, whatever the answer's status: the whole of it (``Accept: */*``)."""
+        _check_request(method, path, query)
+        head, data = yield from self._call(method, path, body, query, accept="*/*")
+        return Response(head.status, head.reason, head.headers, data)
 
     def slots(self, model: Optional[str]) -> _Plan[List[Slot]]:
         return _slots_from((yield from self._json("GET", "/slots", model=self.model if model is None else model)))
@@ -4822,8 +5194,9 @@ class _Streams:
     when its stream is made (``stream_request``, ``watch_request``, ``resume_request``), and the plan its
     ``Stream`` runs (``plan``): a watch, or a streamed request's place in the gate, then its life
     (``_StreamLife``), and whatever ends it, its sockets closed and its permit released.  The single-shot
-    calls a stream makes on the way (``/props``, the shared ``/slots`` poll, the control endpoint, the
-    lookup and ``DELETE`` of a resumable stream) are ``calls``'."""
+    calls a stream makes on the way (``/props`` and the shared ``/slots`` poll, in the background; the
+    control endpoint, the lookup and ``DELETE`` of a resumable stream) are ``calls``'; none comes before
+    the request's first send."""
 
     def __init__(self, calls: _Calls) -> None:
         self.calls = calls
@@ -4834,13 +5207,22 @@ class _Streams:
         self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
     ) -> _StreamRequest:
         """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public
-        call documents: the row's body function makes the body of ``args`` and the keywords in ``params``
-        (all but ``raw_chunks``), then the row's thinking-cap rule applies."""
+        call documents: ``raw_chunks``, ``resumable`` and ``headers`` taken out of ``params``, the row's body
+        function makes the body of ``args`` and the other keywords, then the row's thinking-cap rule
+        applies."""
         row = _ENDPOINTS[endpoint]
+        if "timeout" in params:
+            raise TypeError(
+                "timeout= is for single-shot calls: a stream has no total deadline, only Limits.liveness "
+                "(a body field named timeout goes in stream_route()'s body)"
+            )
         raw_chunks = bool(params.pop("raw_chunks", False))
+        conversation = _conversation_id(params.pop("resumable", None))
+        calls = self.calls.at(params.pop("headers", None))
+        method, path = row.target(*args)
         body = row.body(*args, params)
         if slot is not None:
-            body["id_slot"] = slot  # here, before reasoning_control: checked, and set again, by _stream_request
+            body = _with_slot(body, slot)
         if self.limits.thinking_cap is not None:
             if row.cap == _CAP_NEVER:
                 raise ValueError(
@@ -4852,37 +5234,33 @@ class _Streams:
                 if isinstance(n, int) and n > 1:
                     raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
                 body["reasoning_control"] = True
-        return self._stream_request(row, body, slot, raw_chunks)
-
-    def _stream_request(
-        self, row: _Endpoint, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool
-    ) -> _StreamRequest:
-        conversation = _conversation_id(body.pop("resumable", None))
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
-            raise TypeError("slot must be an int or None, not %r" % (slot,))
-        if slot is not None and slot < 0:
-            raise ValueError("slot must not be negative")
-        body["stream"] = True
-        if slot is not None:
-            body["id_slot"] = slot
+        query = None  # type: Optional[Dict[str, Any]]
         if row.routed:
-            body, _ = self.calls._route("POST", body, None, _NO_MODEL)
-        model = body.get("model")
-        request = self.calls._encode("POST", row.path, body, "text/event-stream", extra=_pin(conversation))
+            body, query = calls._route(method, body, None, _NO_MODEL, path)
+        model = body.get("model") if isinstance(body, dict) else (query or {}).get("model")
+        request = calls._encode(method, path, body, "text/event-stream", query, extra=_pin(conversation))
         return _StreamRequest(
-            request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation
-        )
+            request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation,
+            calls=calls,
+        )  # fmt: skip
 
-    def watch_request(self, model: Optional[str]) -> _StreamRequest:
+    def watch_request(self, model: Optional[str], headers: Optional[Dict[str, str]] = None) -> _StreamRequest:
         """``Client.watch_models()``: the router's model events, those of ``model`` only when given."""
         if model is not None and not isinstance(model, str):
             raise TypeError("model must be a str or None, not %r" % (model,))
         row = _ENDPOINTS["models"]
-        request = self.calls._encode("GET", row.path, None, "text/event-stream")
-        return _StreamRequest(request, None, model, False, row.dialect, watch=True)
+        calls = self.calls.at(headers)
+        request = calls._encode("GET", row.path, None, "text/event-stream")
+        return _StreamRequest(request, None, model, False, row.dialect, watch=True, calls=calls)
 
     def resume_request(
-        self, conversation_id: str, endpoint: str, offset: int, model: Optional[str], raw_chunks: bool
+        self,
+        conversation_id: str,
+        endpoint: str,
+        offset: int,
+        model: Optional[str],
+        raw_chunks: bool,
+        headers: Optional[Dict[str, str]] = None,
     ) -> _StreamRequest:
         """``Client.resume()``: read the server's buffer of a resumable stream from ``offset``."""
         if not isinstance(conversation_id, str):
@@ -4894,7 +5272,10 @@ class _Streams:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
         name = self.calls.model if model is None else model
-        return _StreamRequest(b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset)
+        calls = self.calls.at(headers)
+        return _StreamRequest(
+            b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset, calls=calls
+        )
 
     def plan(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Any]:
         """The plan of a ``Stream``: a watch, or the life of a streamed request."""
@@ -4944,7 +5325,7 @@ class _Streams:
             board.add(run)
             slot = req.slot
             if req.offset is None:
-                capacity = 1 if slot is not None else (yield from self._capacity(board, run, req.model))
+                capacity = 1 if slot is not None else (yield from self._capacity(board, req.model))
                 if run.cancelled:  # cancelled on its way to the gate: it does not enter it
                     raise _cancelled()
                 ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
@@ -4955,7 +5336,7 @@ class _Streams:
             raise
         except BaseException as exc:
             if req.conversation is not None:
-                yield from self._forget(run, req.conversation)
+                yield from self._forget(run, req)
             if isinstance(exc, LoopError) and run.cancelled and type(exc) is not BusyError:
                 raise _cancelled() from None  # what the cancel caused (a refusal is the gate's own answer)
             raise
@@ -4965,77 +5346,73 @@ class _Streams:
                 board.gate.leave(run.ticket)
             board.discard(run)
 
-    def _forget(self, run: _Run, conversation: str) -> _Plan[None]:
+    def _forget(self, run: _Run, req: _StreamRequest) -> _Plan[None]:
         """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
         connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not; a failure is
-        ignored (the stream ends with its own error)."""
+        ignored (the stream ends with its own error).  It carries the stream's own headers."""
+        assert req.conversation is not None
         run.shield = True
         try:
-            yield from self.calls.delete_stream(conversation, FORGET_WAIT)
+            yield from (req.calls or self.calls).delete_stream(req.conversation, FORGET_WAIT)
         except LoopError:
             pass
         finally:
             run.shield = False
 
-    def _capacity(self, board: _Board, run: _Run, model: Optional[str]) -> _Plan[int]:
-        """The size of the ``slot=None`` pool: ``Limits.pool``, else ``total_slots`` of the model from
-        ``/props``, read once per board (``POOL_GUESS`` when it answers without it: a balancer in front).
-        Until ``/props`` has answered, 1, and the next request asks again.  One request asks; the others
-        wait for its answer."""
+    def _capacity(self, board: _Board, model: Optional[str]) -> _Plan[int]:
+        """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,
+        else what ``/props`` said for the model (``total_slots``, times ``Limits.servers``; ``POOL_GUESS``
+        when it answers without it: a balancer in front), else 1.  While nothing is known and nobody asks,
+        the request starts the one ``/props`` request in the background (``_ask_pool``) and goes on to the
+        gate: a router does not answer ``/props?model=`` until the model has loaded, and a request held
+        back for it would reach the server only then."""
         if self.limits.pool is not None:
             return self.limits.pool
-        while True:
-            with board.lock:
-                if model in board.pools:
-                    return board.pools[model]
-                asking = model not in board.props
-                if asking:
-                    board.props[model] = set()
-                waiters = board.props[model]
-                if not asking:
-                    waiters.add(run)
-            if asking:
-                return (yield from self._ask_pool(board, model, waiters))
-            try:
-                yield (_PARK, None)
-            finally:
-                with board.lock:
-                    waiters.discard(run)
+        with board.lock:
+            known = board.pools.get(model)
+            if known is not None:
+                return known
+            asking = model not in board.asking
+            board.asking.add(model)
+        if asking:
+            yield (_SPAWN, self._ask_pool(board, model))
+        return 1
 
-    def _ask_pool(self, board: _Board, model: Optional[str], waiters: Set[_Waker]) -> _Plan[int]:
-        """``_capacity``'s one request to ``/props``: the pool it learns is kept on ``board`` and the
-        ``waiters`` are woken; 1 when it gets no answer (the next request asks again)."""
+    def _ask_pool(self, board: _Board, model: Optional[str]) -> _Plan[None]:
+        """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on
+        ``board`` and resizes the gate (``_Gate.resize``), which admits the waiters that now fit.  No answer
+        (a failure, or the client closed first) leaves the pool at 1: the next request asks again."""
         total = None
         try:
             total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
             total = POOL_GUESS if total is None else total * self.limits.servers
-        except CancelledError:
-            raise
-        except LoopError:
+        except Exception:  # no answer, whatever the failure: nobody waits for it, as for the /slots poll
             pass
         finally:
             with board.lock:
-                del board.props[model]
+                board.asking.discard(model)
                 if total is not None:
                     board.pools[model] = total
-            for waiter in waiters:
-                waiter.signal()
-        return 1 if total is None else total
+        if total is not None:
+            board.gate.resize((model, None), total)
 
     def _replay(self, req: _StreamRequest, offset: int) -> bytes:
         """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id as a
         header too, so that a front that routes by it reaches the server holding the stream."""
         assert req.conversation is not None
         query = {"conv_id": req.conversation, "from": offset}
-        return self.calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
+        calls = req.calls or self.calls
+        return calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
 
-    def _known(self, conversation: str, servers: int = 1) -> _Plan[bool]:
-        """Whether the server knows a resumable stream (``/v1/streams/lookup``); a failure says no.  With
-        several servers behind the address an unknown answer may come from another one: asked up to
-        ``servers`` times."""
+    def _known(self, req: _StreamRequest, servers: int = 1) -> _Plan[bool]:
+        """Whether the server knows a resumable stream (``/v1/streams/lookup``, with the stream's own
+        headers); a failure says no.  With several servers behind the address an unknown answer may come
+        from another one: asked up to ``servers`` times."""
+        conversation = req.conversation
+        assert conversation is not None
         for _ in range(servers):
             try:
-                found = yield from self.calls.lookup_streams([conversation])
+                found = yield from (req.calls or self.calls).lookup_streams([conversation])
             except CancelledError:
                 raise
             except LoopError:
@@ -5092,11 +5469,12 @@ class _Streams:
         finally:
             poller.answered(slots, unseen)
 
-    def _end_reasoning(self, run: _Run, model: Optional[str], completion_id: Optional[str], tokens: int) -> _Plan[bool]:
-        """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
+    def _end_reasoning(self, run: _Run, req: _StreamRequest, completion_id: Optional[str], tokens: int) -> _Plan[bool]:
+        """Ask the server to end a stream's reasoning (with the stream's own headers); a failure is
+        ``ThinkingOverrunError`` (unless cancelled)."""
         assert completion_id is not None
         try:
-            return (yield from self.calls.control(model, completion_id))
+            return (yield from (req.calls or self.calls).control(req.model, completion_id))
         except LoopError as exc:
             if run.cancelled:
                 raise
@@ -5261,7 +5639,7 @@ class _StreamLife:
         verdict = _CAP_DUE  # type: Any
         while verdict is _CAP_DUE:
             assert pump.cap_due is not None
-            ok = yield from self.streams._end_reasoning(self.run, self.req.model, *pump.cap_due)
+            ok = yield from self.streams._end_reasoning(self.run, self.req, *pump.cap_due)
             try:
                 events = pump.capped(ok)
             except StreamClosedError as exc:
@@ -5296,8 +5674,7 @@ class _StreamLife:
         return self._back_off
 
     def _known(self) -> _Plan[bool]:
-        assert self.req.conversation is not None
-        return (yield from self.streams._known(self.req.conversation, self.limits.servers))
+        return (yield from self.streams._known(self.req, self.limits.servers))
 
     def _silent(self) -> _Plan[Any]:
         """A read timed out: poll for the head, or judge the silence of a started stream."""
@@ -5394,6 +5771,15 @@ class _StreamLife:
         if wedge or pings:
             state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, every=False)
             _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
+
+
+def _check_request(method: Any, path: Any, query: Any) -> None:
+    """``request()``'s and ``fetch()``'s arguments: ``TypeError`` for a method or path that is not a str, or
+    a query that is not a dict (what they hold is checked as the request is encoded)."""
+    if not isinstance(method, str) or not isinstance(path, str):
+        raise TypeError("method and path must be str")
+    if query is not None and not isinstance(query, dict):
+        raise TypeError("query must be a dict, not %s" % type(query).__name__)
 
 
 def _slot_id(slot: Any) -> int:
@@ -5729,7 +6115,7 @@ class _SyncRun(_Run):
         run = _SyncRun(self.board)
         run.gen = plan
         self.board.add(run)
-        threading.Thread(target=run._background, name="loopclient-slots", daemon=True).start()
+        threading.Thread(target=run._background, name="loopclient-background", daemon=True).start()
 
     def _background(self) -> None:
         try:
@@ -5855,7 +6241,11 @@ class Client:
 
     Single-shot calls (everything but the streams) are never retried: a server that cannot be reached is
     ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
-    ``HTTPStatusError``, a malformed answer or one over ``max_body`` is ``ProtocolError``.
+    ``HTTPStatusError`` (never for ``fetch()``, which returns any answer whole), a malformed answer or one
+    over ``max_body`` is ``ProtocolError``.  Each takes ``headers=`` (a dict for that call alone, beside the
+    client's, its values winning; refused as the constructor refuses them: ``ValueError``/``TypeError``)
+    and ``timeout=`` (seconds for the whole exchange, connect included: ``DeadlineError`` past it).  Every
+    streamed call takes ``headers=`` too (a keyword, not sent in the body).
     """
 
     def __init__(
@@ -5889,7 +6279,11 @@ class Client:
         self._calls.closed = True
         self._board.close()
 
-    def _run(self, plan: _Plan[_T]) -> _T:
+    def _run(self, plan: _Plan[_T], timeout: Optional[float] = None) -> _T:
+        """Drive a single-shot call's plan to its value, within ``timeout`` seconds when given."""
+        seconds = _check_timeout(timeout)
+        if seconds is not None:
+            plan = _within(plan, seconds, self.address)
         run = self._board.run_class(self._board)
         run.gen = plan
         return run.finish()  # type: ignore[no-any-return]
@@ -6011,6 +6405,35 @@ class Client:
         """``stream_message()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
         return _consume(self.stream_message(messages, slot=slot, **params), on_event)
 
+    # -- any route, streamed --------------------------------------------------------------------------------
+
+    def stream_route(
+        self,
+        path: str,
+        body: Any = None,
+        *,
+        method: str = "POST",
+        slot: Optional[int] = None,
+        headers: Optional[Dict[str, str]] = None,
+        **params: Any,
+    ) -> Stream:
+        """A ``Stream`` of any route that answers ``text/event-stream`` (one without a named call, or one a
+        newer server adds): ``method`` to ``path`` with ``body`` (any JSON value, sent as it is: add
+        ``"stream": True`` where the route wants it; None sends none).  Keywords go into a dict body (one
+        is made when it is None); ``slot`` is ``id_slot``, ``resumable`` and ``raw_chunks`` are taken as
+        every streamed call takes them (the chunks come anyway).  Each data event is a ``Chunk``: its
+        ``data`` the parsed JSON, or the text when it is not JSON; each counts as delivered.  The stream
+        ends at ``[DONE]`` or at the end of the body; ``stream.completion`` holds the finish, usage, id and
+        model when the chunks carry OpenAI's shape (``choices``) or llama-server's (``stop``), its text left
+        out (an end before every choice finished is then ``StreamClosedError``), else an empty
+        ``Completion``.  The gate, waits, liveness, retries before delivery, resuming and cancel are every
+        streamed call's; iteration raises the same errors, and ``ProtocolError`` when a 200 answer is not
+        ``text/event-stream``.  ``TypeError``/``ValueError`` here for a path or method that is not a
+        string or not valid, a body that is not JSON-serialisable, keywords or a slot beside a body that is
+        not a dict."""
+        params["headers"] = headers
+        return Stream(self._board, self._streams.stream_request("route", (path, body, method), params, slot))
+
     # -- resumable streams ------------------------------------------------------------------------------
 
     def resume(
@@ -6021,136 +6444,261 @@ class Client:
         offset: int = 0,
         model: Optional[str] = None,
         raw_chunks: bool = False,
+        headers: Optional[Dict[str, str]] = None,
     ) -> Stream:
         """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
         ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
         ``stream.offset``) and follows it to its end, read as ``endpoint`` (``"chat"``, ``"complete"``,
-        ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``) reads it, with the same liveness
-        and resume rules.  It takes no slot permit and sends no request body.  The ``Completion`` holds what came after
+        ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``, ``"route"``: ``stream_route()``'s
+        chunks) reads it, with the same liveness and resume rules.  It takes no slot permit and sends no
+        request body; ``headers`` go with each of its requests.  The ``Completion`` holds what came after
         ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``."""
-        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks)
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers)
         return Stream(self._board, req)
 
-    def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
+    def lookup_streams(
+        self,
+        conversation_ids: Sequence[str],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> List[Any]:
         """``POST /v1/streams/lookup``: what the server knows of these resumable streams (``conversation_id``,
-        ``is_done``, ``total_bytes``, ...), for the ids it knows."""
-        return self._run(self._calls.lookup_streams(conversation_ids))
+        ``is_done``, ``total_bytes``, ...), for the ids it knows.  Raises as every single-shot call does."""
+        return self._run(self._calls.at(headers).lookup_streams(conversation_ids), timeout)
 
-    def delete_stream(self, conversation_id: str) -> bool:
+    def delete_stream(
+        self, conversation_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> bool:
         """``DELETE /v1/stream?conv_id=...``: stop a resumable stream's generation and drop its buffer; False
-        when the server says it is unknown (this build answers 204 for any id, so True then too)."""
-        return self._run(self._calls.delete_stream(conversation_id))
+        when the server says it is unknown (this build answers 204 for any id, so True then too).  Raises
+        as every single-shot call does."""
+        return self._run(self._calls.at(headers).delete_stream(conversation_id), timeout)
 
     # -- single-shot calls --------------------------------------------------------------------------------
+    #
+    # Each takes headers= (a dict added to the client's headers for this call only, its values winning;
+    # what Client(headers=...) refuses is ValueError before sending) and timeout= (seconds for the whole
+    # exchange, connect included: DeadlineError past it; None, the default, keeps the rule of liveness).
 
-    def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
+    def fetch(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Optional[Dict[str, Any]] = None,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Response:
+        """Any route, the answer whole as the server gave it: a ``Response`` (status, reason, headers, body)
+        for any status, 1xx interim answers skipped, 3xx not followed, no ``HTTPStatusError``.  ``body``
+        (when not None) is sent as JSON, ``query`` (a dict) URL-encoded, ``headers`` beside the client's
+        (``{"Origin": ...}``, ``{"Accept": ...}``); routed to the client's default model as ``request()``
+        is.  Sent once (a kept connection the server had closed aside).  ``ConnectError``, ``StalledError``
+        (silence for ``liveness``), ``DeadlineError`` (past ``timeout``), ``ProtocolError`` (malformed, or a
+        body over ``max_body``), ``StreamClosedError`` (cut short); ``TypeError``/``ValueError`` before
+        sending for a bad method, path, query, body, header or timeout."""
+        return self._run(self._calls.at(headers).fetch(method, path, body, query), timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Optional[Dict[str, Any]] = None,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
         """Any endpoint: ``body`` (when not None) is sent as JSON, ``query`` (a dict) URL-encoded.  Returns
         the decoded JSON when the response is JSON, else its text.  A 2xx status is success; any other is
-        ``HTTPStatusError``.  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
+        ``HTTPStatusError``; a JSON answer that does not parse is ``ProtocolError`` (``fetch()`` gives any
+        answer whole).  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
         ``ValueError`` before anything is sent."""
-        return self._run(self._calls.request(method, path, body, query))
+        return self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
-    def slots(self, model: Optional[str] = None) -> List[Slot]:
+    def slots(
+        self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> List[Slot]:
         """``GET /slots`` (``?model=`` with ``model`` or the client's default)."""
-        return self._run(self._calls.slots(model))
+        return self._run(self._calls.at(headers).slots(model), timeout)
 
-    def health(self) -> Dict[str, Any]:
+    def health(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> Dict[str, Any]:
         """``GET /health``: ``{"status": "ok"}``; ``HTTPStatusError`` (503) while the model loads."""
-        return self._run(self._calls.health())
+        return self._run(self._calls.at(headers).health(), timeout)
 
-    def props(self, model: Optional[str] = None) -> Dict[str, Any]:
+    def props(
+        self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``GET /props`` (``?model=`` with ``model`` or the client's default)."""
-        return self._run(self._calls.props(model))
+        return self._run(self._calls.at(headers).props(model), timeout)
 
-    def models(self) -> Dict[str, Any]:
+    def models(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> Dict[str, Any]:
         """``GET /v1/models``: the models the server (or router) serves, with their status on a router."""
-        return self._run(self._calls.models())
+        return self._run(self._calls.at(headers).models(), timeout)
 
-    def load_model(self, name: str, *, wait: bool = False) -> Dict[str, Any]:
+    def load_model(
+        self,
+        name: str,
+        *,
+        wait: bool = False,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Dict[str, Any]:
         """Router mode: ``POST /models/load`` for ``name``; the server's answer.  ``wait=True`` returns once
         the router says the model is loaded (``GET /models`` asked every ``poll`` seconds, under
         ``load_wait``: ``LoadTimeoutError``); a load that fails is ``ServerError`` with the router's status
-        of the model (its exit code), a refused one ``HTTPStatusError`` with the router's message."""
-        return self._run(self._calls.load_model(name, wait))
+        of the model (its exit code), a refused one ``HTTPStatusError`` with the router's message.
+        ``timeout`` bounds the whole call, the wait included."""
+        return self._run(self._calls.at(headers).load_model(name, wait), timeout)
 
-    def watch_models(self, model: Optional[str] = None) -> Stream:
+    def watch_models(self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None) -> Stream:
         """Router mode: a ``Stream`` of the router's model events (``GET /models/sse``), ``ModelEvent``
         items as the router sends them (only ``model``'s, and the ``"*"`` ones that concern every model
         such as ``models_reload``, when given), until the caller cancels it or
         leaves the ``with`` block.  The route sends no pings, so silence is its normal state: no liveness
         ends it; the router closing it is ``StreamClosedError``.  It takes no slot permit and is not sent
         again after a failure (``ConnectError``, ``HTTPStatusError``)."""
-        return Stream(self._board, self._streams.watch_request(model))
+        return Stream(self._board, self._streams.watch_request(model, headers))
 
-    def unload_model(self, name: str) -> Dict[str, Any]:
+    def unload_model(
+        self, name: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """Router mode: ``POST /models/unload`` for ``name``; the server's answer."""
-        return self._run(self._calls.unload_model(name))
+        return self._run(self._calls.at(headers).unload_model(name), timeout)
 
-    def end_reasoning(self, completion_id: str) -> bool:
+    def end_reasoning(
+        self, completion_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> bool:
         """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
-        return self._run(self._calls.control(self.model, completion_id))
+        return self._run(self._calls.at(headers).control(self.model, completion_id), timeout)
 
     def tokenize(
-        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
+        self,
+        text: str,
+        *,
+        add_special: bool = False,
+        parse_special: bool = True,
+        with_pieces: bool = False,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
     ) -> List[Any]:
         """``POST /tokenize``: the token ids (with ``with_pieces``: ``{"id", "piece"}`` dicts)."""
-        return self._run(self._calls.tokenize(text, add_special, parse_special, with_pieces))
+        return self._run(self._calls.at(headers).tokenize(text, add_special, parse_special, with_pieces), timeout)
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
+    def detokenize(
+        self, tokens: Sequence[int], *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> str:
         """``POST /detokenize``: the text of ``tokens``."""
-        return self._run(self._calls.detokenize(tokens))
+        return self._run(self._calls.at(headers).detokenize(tokens), timeout)
 
-    def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
+    def apply_template(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> str:
         """``POST /apply-template``: the prompt the server's chat template makes of ``messages``."""
-        return self._run(self._calls.apply_template(messages, params))
+        return self._run(self._calls.at(headers).apply_template(messages, params), timeout)
 
-    def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+    def count_tokens(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> int:
         """``POST /v1/chat/completions/input_tokens``: how many prompt tokens ``messages`` make."""
-        return self._run(self._calls.count_tokens(messages, params))
+        return self._run(self._calls.at(headers).count_tokens(messages, params), timeout)
 
-    def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
+    def embed(
+        self,
+        input: Union[str, Sequence[str]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> List[List[float]]:
         """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
         order."""
-        return self._run(self._calls.embed(input, params))
+        return self._run(self._calls.at(headers).embed(input, params), timeout)
 
-    def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> List[Dict[str, Any]]:
         """``POST /v1/rerank`` (a reranking model): the results, as the server orders them."""
-        return self._run(self._calls.rerank(query, documents, params))
+        return self._run(self._calls.at(headers).rerank(query, documents, params), timeout)
 
-    def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+    def save_slot(
+        self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``POST /slots/{slot}?action=save`` (a server started with ``--slot-save-path``)."""
-        return self._run(self._calls.slot_action(slot, "save", {"filename": filename}))
+        return self._run(self._calls.at(headers).slot_action(slot, "save", {"filename": filename}), timeout)
 
-    def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+    def restore_slot(
+        self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``POST /slots/{slot}?action=restore``: load a saved prompt cache into the slot."""
-        return self._run(self._calls.slot_action(slot, "restore", {"filename": filename}))
+        return self._run(self._calls.at(headers).slot_action(slot, "restore", {"filename": filename}), timeout)
 
-    def erase_slot(self, slot: int) -> Dict[str, Any]:
+    def erase_slot(
+        self, slot: int, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``POST /slots/{slot}?action=erase``: drop the slot's prompt cache."""
-        return self._run(self._calls.slot_action(slot, "erase", {}))
+        return self._run(self._calls.at(headers).slot_action(slot, "erase", {}), timeout)
 
-    def metrics(self) -> str:
+    def metrics(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> str:
         """``GET /metrics`` (a server started with ``--metrics``): Prometheus text."""
-        return self._run(self._calls.metrics())
+        return self._run(self._calls.at(headers).metrics(), timeout)
 
-    def count_message_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+    def count_message_tokens(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> int:
         """``POST /v1/messages/count_tokens``: the prompt tokens of a Messages request, cached ones included
         (as ``Completion.usage["prompt_tokens"]`` of ``message()``)."""
-        return self._run(self._calls.count_message_tokens(messages, params))
+        return self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
-    def count_response_tokens(self, input: Any, **params: Any) -> int:
+    def count_response_tokens(
+        self,
+        input: Any,
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> int:
         """``POST /v1/responses/input_tokens``: how many prompt tokens a Responses request of ``input`` (a
         string or a list of input items) makes, the keywords (``instructions``, ``tools``, ...) counted too."""
-        return self._run(self._calls.count_response_tokens(input, params))
+        return self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
 
-    def lora_adapters(self) -> List[Any]:
+    def lora_adapters(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> List[Any]:
         """``GET /lora-adapters``: the server's LoRA adapters (``[]`` without ``--lora``)."""
-        return self._run(self._calls.lora_adapters())
+        return self._run(self._calls.at(headers).lora_adapters(), timeout)
 
-    def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> Any:
+    def set_lora_adapters(
+        self,
+        adapters: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
         """``POST /lora-adapters`` with ``[{"id": int, "scale": float}, ...]``: the scales every request
         uses unless it sends its own ``lora``; the server's answer."""
-        return self._run(self._calls.set_lora_adapters(adapters))
+        return self._run(self._calls.at(headers).set_lora_adapters(adapters), timeout)
 
 
 def _consume(stream: Stream, on_event: Optional[Callable[[Event], Any]]) -> Completion:
@@ -6776,7 +7324,11 @@ class AsyncClient:
                     previous.drop_idle()
         return board
 
-    async def _run(self, plan: _Plan[_T]) -> _T:
+    async def _run(self, plan: _Plan[_T], timeout: Optional[float] = None) -> _T:
+        """Drive a single-shot call's plan to its value, within ``timeout`` seconds when given."""
+        seconds = _check_timeout(timeout)
+        if seconds is not None:
+            plan = _within(plan, seconds, self.address)
         run = _AsyncRun(self._board_here())
         run.gen = plan
         return await run.finish()  # type: ignore[no-any-return]
@@ -6867,6 +7419,22 @@ class AsyncClient:
         """``Client.message()``, as a coroutine."""
         return await _aconsume(self.stream_message(messages, slot=slot, **params), on_event)
 
+    # -- any route, streamed --------------------------------------------------------------------------------
+
+    def stream_route(
+        self,
+        path: str,
+        body: Any = None,
+        *,
+        method: str = "POST",
+        slot: Optional[int] = None,
+        headers: Optional[Dict[str, str]] = None,
+        **params: Any,
+    ) -> AsyncStream:
+        """``Client.stream_route()`` for asyncio (a plain call): an ``AsyncStream`` of ``Chunk`` events."""
+        params["headers"] = headers
+        return AsyncStream(self, self._streams.stream_request("route", (path, body, method), params, slot))
+
     # -- resumable streams ------------------------------------------------------------------------------
 
     def resume(
@@ -6877,113 +7445,227 @@ class AsyncClient:
         offset: int = 0,
         model: Optional[str] = None,
         raw_chunks: bool = False,
+        headers: Optional[Dict[str, str]] = None,
     ) -> AsyncStream:
         """``Client.resume()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks))
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers)
+        return AsyncStream(self, req)
 
-    async def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
+    async def lookup_streams(
+        self,
+        conversation_ids: Sequence[str],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> List[Any]:
         """``Client.lookup_streams``, as a coroutine."""
-        return await self._run(self._calls.lookup_streams(conversation_ids))
+        return await self._run(self._calls.at(headers).lookup_streams(conversation_ids), timeout)
 
-    async def delete_stream(self, conversation_id: str) -> bool:
+    async def delete_stream(
+        self, conversation_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> bool:
         """``Client.delete_stream``, as a coroutine."""
-        return await self._run(self._calls.delete_stream(conversation_id))
+        return await self._run(self._calls.at(headers).delete_stream(conversation_id), timeout)
 
-    # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
+    # -- single-shot calls: Client's, as coroutines (each with headers= and timeout=) ---------------------
 
-    async def request(self, method: str, path: str, body: Any = None, *, query: Optional[Dict[str, Any]] = None) -> Any:
+    async def fetch(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Optional[Dict[str, Any]] = None,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Response:
+        """``Client.fetch``, as a coroutine."""
+        return await self._run(self._calls.at(headers).fetch(method, path, body, query), timeout)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Optional[Dict[str, Any]] = None,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
         """``Client.request``, as a coroutine."""
-        return await self._run(self._calls.request(method, path, body, query))
+        return await self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
-    async def slots(self, model: Optional[str] = None) -> List[Slot]:
+    async def slots(
+        self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> List[Slot]:
         """``Client.slots``, as a coroutine."""
-        return await self._run(self._calls.slots(model))
+        return await self._run(self._calls.at(headers).slots(model), timeout)
 
-    async def health(self) -> Dict[str, Any]:
+    async def health(
+        self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.health``, as a coroutine."""
-        return await self._run(self._calls.health())
+        return await self._run(self._calls.at(headers).health(), timeout)
 
-    async def props(self, model: Optional[str] = None) -> Dict[str, Any]:
+    async def props(
+        self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.props``, as a coroutine."""
-        return await self._run(self._calls.props(model))
+        return await self._run(self._calls.at(headers).props(model), timeout)
 
-    async def models(self) -> Dict[str, Any]:
+    async def models(
+        self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.models``, as a coroutine."""
-        return await self._run(self._calls.models())
+        return await self._run(self._calls.at(headers).models(), timeout)
 
-    async def load_model(self, name: str, *, wait: bool = False) -> Dict[str, Any]:
+    async def load_model(
+        self,
+        name: str,
+        *,
+        wait: bool = False,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Dict[str, Any]:
         """``Client.load_model``, as a coroutine."""
-        return await self._run(self._calls.load_model(name, wait))
+        return await self._run(self._calls.at(headers).load_model(name, wait), timeout)
 
-    def watch_models(self, model: Optional[str] = None) -> AsyncStream:
+    def watch_models(self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None) -> AsyncStream:
         """``Client.watch_models()`` for asyncio (a plain call): an ``AsyncStream`` of ``ModelEvent``."""
-        return AsyncStream(self, self._streams.watch_request(model))
+        return AsyncStream(self, self._streams.watch_request(model, headers))
 
-    async def unload_model(self, name: str) -> Dict[str, Any]:
+    async def unload_model(
+        self, name: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.unload_model``, as a coroutine."""
-        return await self._run(self._calls.unload_model(name))
+        return await self._run(self._calls.at(headers).unload_model(name), timeout)
 
-    async def end_reasoning(self, completion_id: str) -> bool:
+    async def end_reasoning(
+        self, completion_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> bool:
         """``Client.end_reasoning``, as a coroutine."""
-        return await self._run(self._calls.control(self.model, completion_id))
+        return await self._run(self._calls.at(headers).control(self.model, completion_id), timeout)
 
     async def tokenize(
-        self, text: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
+        self,
+        text: str,
+        *,
+        add_special: bool = False,
+        parse_special: bool = True,
+        with_pieces: bool = False,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
     ) -> List[Any]:
         """``Client.tokenize``, as a coroutine."""
-        return await self._run(self._calls.tokenize(text, add_special, parse_special, with_pieces))
+        plan = self._calls.at(headers).tokenize(text, add_special, parse_special, with_pieces)
+        return await self._run(plan, timeout)
 
-    async def detokenize(self, tokens: Sequence[int]) -> str:
+    async def detokenize(
+        self, tokens: Sequence[int], *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> str:
         """``Client.detokenize``, as a coroutine."""
-        return await self._run(self._calls.detokenize(tokens))
+        return await self._run(self._calls.at(headers).detokenize(tokens), timeout)
 
-    async def apply_template(self, messages: Sequence[Dict[str, Any]], **params: Any) -> str:
+    async def apply_template(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> str:
         """``Client.apply_template``, as a coroutine."""
-        return await self._run(self._calls.apply_template(messages, params))
+        return await self._run(self._calls.at(headers).apply_template(messages, params), timeout)
 
-    async def count_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+    async def count_tokens(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> int:
         """``Client.count_tokens``, as a coroutine."""
-        return await self._run(self._calls.count_tokens(messages, params))
+        return await self._run(self._calls.at(headers).count_tokens(messages, params), timeout)
 
-    async def embed(self, input: Union[str, Sequence[str]], **params: Any) -> List[List[float]]:
+    async def embed(
+        self,
+        input: Union[str, Sequence[str]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> List[List[float]]:
         """``Client.embed``, as a coroutine."""
-        return await self._run(self._calls.embed(input, params))
+        return await self._run(self._calls.at(headers).embed(input, params), timeout)
 
-    async def rerank(self, query: str, documents: Sequence[str], **params: Any) -> List[Dict[str, Any]]:
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> List[Dict[str, Any]]:
         """``Client.rerank``, as a coroutine."""
-        return await self._run(self._calls.rerank(query, documents, params))
+        return await self._run(self._calls.at(headers).rerank(query, documents, params), timeout)
 
-    async def save_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+    async def save_slot(
+        self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.save_slot``, as a coroutine."""
-        return await self._run(self._calls.slot_action(slot, "save", {"filename": filename}))
+        return await self._run(self._calls.at(headers).slot_action(slot, "save", {"filename": filename}), timeout)
 
-    async def restore_slot(self, slot: int, filename: str) -> Dict[str, Any]:
+    async def restore_slot(
+        self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.restore_slot``, as a coroutine."""
-        return await self._run(self._calls.slot_action(slot, "restore", {"filename": filename}))
+        plan = self._calls.at(headers).slot_action(slot, "restore", {"filename": filename})
+        return await self._run(plan, timeout)
 
-    async def erase_slot(self, slot: int) -> Dict[str, Any]:
+    async def erase_slot(
+        self, slot: int, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> Dict[str, Any]:
         """``Client.erase_slot``, as a coroutine."""
-        return await self._run(self._calls.slot_action(slot, "erase", {}))
+        return await self._run(self._calls.at(headers).slot_action(slot, "erase", {}), timeout)
 
-    async def metrics(self) -> str:
+    async def metrics(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> str:
         """``Client.metrics``, as a coroutine."""
-        return await self._run(self._calls.metrics())
+        return await self._run(self._calls.at(headers).metrics(), timeout)
 
-    async def count_message_tokens(self, messages: Sequence[Dict[str, Any]], **params: Any) -> int:
+    async def count_message_tokens(
+        self,
+        messages: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+        **params: Any,
+    ) -> int:
         """``Client.count_message_tokens``, as a coroutine."""
-        return await self._run(self._calls.count_message_tokens(messages, params))
+        return await self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
-    async def count_response_tokens(self, input: Any, **params: Any) -> int:
+    async def count_response_tokens(
+        self, input: Any, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **params: Any
+    ) -> int:
         """``Client.count_response_tokens``, as a coroutine."""
-        return await self._run(self._calls.count_response_tokens(input, params))
+        return await self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
 
-    async def lora_adapters(self) -> List[Any]:
+    async def lora_adapters(
+        self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+    ) -> List[Any]:
         """``Client.lora_adapters``, as a coroutine."""
-        return await self._run(self._calls.lora_adapters())
+        return await self._run(self._calls.at(headers).lora_adapters(), timeout)
 
-    async def set_lora_adapters(self, adapters: Sequence[Dict[str, Any]]) -> Any:
+    async def set_lora_adapters(
+        self,
+        adapters: Sequence[Dict[str, Any]],
+        *,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
         """``Client.set_lora_adapters``, as a coroutine."""
-        return await self._run(self._calls.set_lora_adapters(adapters))
+        return await self._run(self._calls.at(headers).set_lora_adapters(adapters), timeout)
 
 
 async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], Any]]) -> Completion:

@@ -305,6 +305,7 @@ class FakeServer:
         self.stopping = threading.Event()
         self.listener = None
         self.address = None
+        self.deaf = False  # read no request (see _serve)
         self.route("GET", "/slots", self._slots)
         self.route(
             "GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"})
@@ -369,6 +370,9 @@ class FakeServer:
 
     def _serve(self, conn):
         try:
+            if self.deaf:  # a server that takes connections and reads nothing: a client's send blocks
+                self.stopping.wait(10)
+                return
             conn.settimeout(5)
             request = read_request(conn)
             if request is None:
@@ -821,6 +825,18 @@ class SyncFacade:
         self.close()
 
 
+def on_board(client, fn):
+    """``fn(board)`` on a client's board (a SyncFacade's: its AsyncClient's, in the loop's thread)."""
+    if isinstance(client, SyncFacade):
+        return client._runner.call(lambda: fn(client._client._board))
+    return fn(client._board)
+
+
+def client_pools(client):
+    """The ``slot=None`` pool sizes a client (or a SyncFacade's AsyncClient) has learned: {model: size}."""
+    return on_board(client, lambda board: dict(board.pools))
+
+
 class AsyncDriver:
     """Mixed in before a test class: its tests drive lc.AsyncClient (through SyncFacade) instead of lc.Client."""
 
@@ -1198,8 +1214,10 @@ class VirtualKernel:
         self.servers[key] = server
         return key, address
 
-    def connect(self, addr, owner):
-        """A client end connected to the server at ``addr``; the errors a socket's connect() raises."""
+    def connect(self, addr, owner, timeout=None):
+        """A client end connected to the server at ``addr``; the errors a socket's connect() raises.  A server
+        whose ``unanswered`` is set is a TCP listener whose accept queue is full: the connect neither completes
+        nor fails, and times out after ``timeout``."""
         if addr.tls:
             raise AssertionError("the virtual driver has no TLS")
         target = addr.target if addr.unix else tuple(addr.target)
@@ -1208,6 +1226,9 @@ class VirtualKernel:
             if addr.unix and not os.path.exists(target):
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
             raise ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
+        if getattr(server, "unanswered", False):
+            self.sleep(timeout)
+            raise socket.timeout("timed out")
         conn = VirtualConn(self, owner)
         theirs = _VEnd(self)
         conn.peer, theirs.peer = theirs, conn
@@ -1421,7 +1442,7 @@ class VirtualRun(lc._Run):
             conn.owner = self
             conn.reused = True
         else:
-            conn = self.kernel.connect(self.board.calls.addr, self)
+            conn = self.kernel.connect(self.board.calls.addr, self, timeout)
         self.conns.add(conn)
         return conn
 
@@ -6205,6 +6226,235 @@ class TestParserModelEvents(unittest.TestCase):
         self.assertIn("ModelEvent", lc.__all__)
 
 
+def _a_bare(completion):
+    """A named call's Completion as stream_route() reads the same bytes: the finish, usage, id, model,
+    timings and final kept; the text, reasoning, tool calls, log probabilities and token ids left out."""
+    choices = tuple(
+        c.replace(content="", reasoning="", tool_calls=[], logprobs=None, reasoning_logprobs=None, tokens=None)
+        for c in completion.choices
+    )
+    return completion.replace(content="", reasoning="", tool_calls=[], reasoning_tokens=0, choices=choices, tokens=None)
+
+
+def _a_chunks(raw):
+    """The Chunk of every data event of a captured stream up to [DONE]: its JSON (any value)."""
+    chunks = []
+    for payload in _t_payloads(raw):
+        if payload == "[DONE]":
+            break
+        chunks.append(lc.Chunk(payload))
+    return chunks
+
+
+def _a_sse(*payloads, done=False, framing="chunked"):
+    """A streamed answer whose data events are ``payloads`` (str, bytes: a whole event as it is, or JSON for
+    anything else), then [DONE]."""
+    events = [
+        p if isinstance(p, bytes) else b"data: %s\n\n" % (p if isinstance(p, str) else _p_json(p)).encode()
+        for p in payloads
+    ]
+    if done:
+        events.append(b"data: [DONE]\n\n")
+    if framing == "chunked":
+        return STREAM_HEAD + chunked(*events) + b"0\r\n\r\n" if events else STREAM_HEAD + b"0\r\n\r\n"
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + b"".join(events)
+
+
+_A_EMPTY = lc.Completion(None, None, "", "", [], None, None, None)
+
+
+class TestParserRouteChunks(unittest.TestCase):
+    """stream_route()'s dialect through the pump, fed whole, byte by byte and split everywhere: each data
+    event one Chunk (its JSON, or its text), the end at [DONE] or at the end of the body, and the finish and
+    usage of OpenAI's and llama-server's shapes, equal to what the named dialect reads from the same bytes."""
+
+    def check(self, raw, expect):
+        for label, pieces in _p_stream_splittings(raw, every=len(raw) <= 6000):
+            got = _t_pump_outcome(lc._RouteChunks, pieces)
+            if got != expect:
+                self.fail("%s: got %s\nexpected %s" % (label, _p_short(got, 3000), _p_short(expect, 3000)))
+
+    def named(self, dialect, raw):
+        outcome = _t_pump_outcome(dialect, [raw])
+        self.assertEqual(outcome[0], "ok", outcome)
+        return outcome[2]
+
+    def test_a_chat_capture_is_its_chunks_and_chat_finish_and_usage(self):
+        for name in ("06_chat_stream_include_usage.raw.txt", "30_chat_stream_n2_progress_logprobs.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                done = _a_bare(self.named(lc.Assembler, raw))
+                self.assertIsNotNone(done.usage)
+                self.check(raw, ("ok", _a_chunks(raw), done))
+
+    def test_a_text_completions_capture(self):
+        raw = load_transcript("91_completions_oai_stream_two_prompts.raw.txt")
+        done = _a_bare(self.named(lc._TextAssembler, raw))
+        self.assertEqual([c.index for c in done.choices], [0, 1])
+        self.check(raw, ("ok", _a_chunks(raw), done))
+
+    def test_a_native_capture_reads_stop_chunks_per_index(self):
+        for name in ("40_completion_stream_tokens_probs.raw.txt", "43_completion_stream_two_prompts.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                done = _a_bare(self.named(lc._NativeAssembler, raw))
+                self.assertTrue(done.final["stop"])
+                self.check(raw, ("ok", _a_chunks(raw), done))  # 43 opens with data: null: Chunk(None)
+
+    def test_other_shapes_end_with_the_body_in_an_empty_completion(self):
+        for name in ("50_responses_stream.raw.txt", "60_messages_stream.raw.txt"):
+            with self.subTest(name):
+                raw = load_transcript(name)
+                self.check(raw, ("ok", _a_chunks(raw), _A_EMPTY))
+
+    def test_text_that_is_not_json_is_the_chunk_as_sent(self):
+        # two data lines join with \n
+        raw = _a_sse("hello there", "42", '"s"', b"data: [1,\ndata:  2]\n\n", "{not json", "null", "caf\u00e9")
+        expect = ["hello there", 42, "s", [1, 2], "{not json", None, "caf\u00e9"]
+        self.check(raw, ("ok", [lc.Chunk(d) for d in expect], _A_EMPTY))
+
+    def test_done_ends_the_stream_and_what_follows_is_not_read(self):
+        raw = _a_sse({"a": 1}, done=True).replace(b"0\r\n\r\n", chunked(b"data: after\n\n") + b"0\r\n\r\n")
+        self.check(raw, ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_the_end_of_the_body_ends_it(self):
+        self.check(_a_sse({"a": 1}, "b"), ("ok", [lc.Chunk({"a": 1}), lc.Chunk("b")], _A_EMPTY))
+        self.check(_a_sse(framing="close"), ("ok", [], _A_EMPTY))
+        # an event not closed by a blank line at the end is discarded (WHATWG), as on every endpoint
+        raw = _a_sse({"a": 1}, framing="close") + b"data: cut"
+        self.check(raw, ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_a_shape_that_has_not_finished_is_a_server_that_stopped(self):
+        opened = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+        other = {"choices": [{"index": 1, "delta": {"content": "Yo"}, "finish_reason": "stop"}]}
+        native = {"index": 0, "content": "Hi", "stop": False}
+        for payloads, done, which in (
+            ([opened], False, "0"),
+            ([opened], True, "0"),  # [DONE] before a finish_reason, as on chat
+            ([opened, other], True, "0"),
+            ([native], False, "0"),
+            ([dict(native, stop=True), dict(native, index=1)], False, "1"),
+        ):
+            with self.subTest(payloads=payloads, done=done):
+                message = "the stream ended before choice %s had finished: the server stopped mid-answer" % which
+                chunks = [lc.Chunk(p) for p in payloads]
+                self.check(_a_sse(*payloads, done=done), ("raised", chunks, lc.StreamClosedError, message))
+
+    def test_an_error_event_is_server_error_and_a_503_before_delivery_is_retried(self):
+        error = {"error": {"code": 500, "message": "boom", "type": "server_error"}}
+        self.check(_a_sse({"a": 1}, error), ("raised", [lc.Chunk({"a": 1})], lc.ServerError, "server error 500: boom"))
+        raw = STREAM_HEAD + chunked(b'event: error\ndata: {"message": "x", "code": 400}\n\n') + b"0\r\n\r\n"
+        self.check(raw, ("raised", [], lc.ServerError, "server error 400: x"))
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        pump = lc.ResponsePump(lc.Limits(), False, lc._RouteChunks)
+        self.assertEqual(pump.feed(_a_sse(loading)), [])
+        self.assertEqual((type(pump.outcome), pump.outcome.reason), (lc._Retry, "server error 503: Loading model"))
+        # after a chunk was delivered, the same error is ServerError: every chunk is output here
+        pump = lc.ResponsePump(lc.Limits(), False, lc._RouteChunks)
+        self.assertEqual(pump.feed(STREAM_HEAD + chunked(b'data: {"progress": 1}\n\n')), [lc.Chunk({"progress": 1})])
+        self.assertTrue(pump.delivered)
+        with self.assertRaises(lc.ServerError):
+            pump.feed(chunked(b"data: " + _p_json(loading).encode() + b"\n\n"))
+        # a key named error that holds no error object is a chunk like any other
+        self.check(
+            _a_sse({"error": None}, {"error": 3}), ("ok", [lc.Chunk({"error": None}), lc.Chunk({"error": 3})], _A_EMPTY)
+        )
+
+    def test_fields_of_a_shape_with_the_wrong_type_are_not_read(self):
+        payloads = [
+            {"choices": "x", "usage": 3},
+            {"choices": [7, {"index": "a", "finish_reason": "stop"}]},
+            {"stop": "yes", "index": 0},
+            {"stop": True, "index": "0"},
+        ]
+        self.check(_a_sse(*payloads), ("ok", [lc.Chunk(p) for p in payloads], _A_EMPTY))
+        odd = {"choices": [{"finish_reason": 5, "index": None}]}
+        done = {"choices": [{"finish_reason": "stop"}], "usage": {"total_tokens": 3}, "id": 9, "model": "m"}
+        want = lc.Completion(None, "m", "", "", [], "stop", {"total_tokens": 3}, None)
+        self.check(_a_sse(odd, done), ("ok", [lc.Chunk(odd), lc.Chunk(done)], want))
+        native = {"stop": True, "stop_type": ["x"], "tokens_predicted": "3"}
+        zeros = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}  # a count that is no int: none
+        want = lc.Completion(None, None, "", "", [], "stop", zeros, None, final=native)
+        self.check(_a_sse(native), ("ok", [lc.Chunk(native)], want))
+
+    def test_json_nested_too_deeply_is_protocol_error(self):
+        raw = _a_sse("[" * 100000 + "]" * 100000)
+        self.assertEqual(
+            _t_pump_outcome(lc._RouteChunks, [raw]),
+            ("raised", [], lc.ProtocolError, "JSON nested too deeply in the stream"),
+        )
+
+    def test_a_200_that_is_not_an_event_stream_is_protocol_error(self):
+        for ctype in (b"Content-Type: application/json\r\n", b""):
+            raw = b"HTTP/1.1 200 OK\r\n" + ctype + b'Content-Length: 8\r\n\r\n{"a": 1}'
+            got = _t_pump_outcome(lc._RouteChunks, [raw])
+            self.assertEqual(got[:3], ("raised", [], lc.ProtocolError), got)
+            self.assertIn("not text/event-stream", got[3])
+        # the named endpoints read what llama-server sends, whatever it is labelled
+        raw = load_transcript("04_chat_stream.raw.txt").replace(b"text/event-stream", b"text/plain", 1)
+        self.assertEqual(_t_pump_outcome(lc.Assembler, [raw])[0], "ok")
+        # a label with parameters or in capitals is an event stream
+        raw = _a_sse({"a": 1}).replace(b"text/event-stream", b"Text/Event-Stream; charset=utf-8", 1)
+        self.assertEqual(_t_pump_outcome(lc._RouteChunks, [raw]), ("ok", [lc.Chunk({"a": 1})], _A_EMPTY))
+
+    def test_the_route_row_and_the_chunk_type(self):
+        row = lc._ENDPOINTS["route"]
+        self.assertEqual(
+            (row.dialect, row.cap, row.resumable, row.routed, row.watch), (lc._RouteChunks, "moot", True, True, False)
+        )
+        self.assertEqual(row.target("/x", None, "PUT"), ("PUT", "/x"))
+        self.assertEqual(lc._ENDPOINTS["chat"].target(MSGS), ("POST", "/v1/chat/completions"))
+        self.assertEqual(lc.Chunk("text"), lc.Chunk("text"))
+        self.assertEqual(pickle.loads(pickle.dumps(lc.Chunk([1, None]))), lc.Chunk([1, None]))
+
+
+class TestResponseValue(unittest.TestCase):
+    """lc.Response is a value object as the others are, with ResponseHead's header reading."""
+
+    def test_fields_and_reading(self):
+        r = lc.Response(
+            200, "OK", [("Content-Type", "application/json"), ("Set-Cookie", "a"), ("set-cookie", "b")], b'{"a": [1]}'
+        )
+        self.assertEqual(r.headers, (("content-type", "application/json"), ("set-cookie", "a"), ("set-cookie", "b")))
+        self.assertEqual(
+            (r.get("SET-COOKIE"), r.get_all("Set-Cookie"), r.get("x"), r.get_all("x")), ("b", ["a", "b"], None, [])
+        )
+        self.assertEqual((r.text(), r.json()), ('{"a": [1]}', {"a": [1]}))
+        bad = lc.Response(404, "Not Found", (), b"caf\xc3\xa9 \xff")
+        self.assertEqual(bad.text(), "caf\u00e9 \ufffd")
+        with self.assertRaises(lc.ProtocolError) as cm:
+            bad.json()
+        self.assertTrue(str(cm.exception).startswith("the answer (HTTP 404) is not JSON: "), cm.exception)
+        with self.assertRaises(lc.ProtocolError) as cm:
+            lc.Response(200, "OK", (), b"[" * 100000).json()
+        self.assertEqual(str(cm.exception), "the answer (HTTP 200) is JSON nested too deeply")
+
+    def test_a_value_object(self):
+        r = lc.Response(204, "No Content", [("Server", "llama.cpp")], bytearray(b""))
+        self.assertIs(type(r.body), bytes)
+        for copied in (copy.copy(r), copy.deepcopy(r), pickle.loads(pickle.dumps(r)), eval(repr(r), vars(lc))):
+            self.assertEqual(copied, r)
+            self.assertEqual(hash(copied), hash(r))
+        self.assertNotEqual(r, r.replace(status=200))
+        self.assertNotEqual(r, lc.Response(204, "No Content", [("Server", "other")], b""))
+        with self.assertRaises(AttributeError):
+            r.status = 200
+        self.assertEqual(list(inspect.signature(lc.Response).parameters), ["status", "reason", "headers", "body"])
+        self.assertIn("Response", lc.__all__)
+        self.assertIn("status", lc.Response.__doc__)
+        self.assertEqual(
+            repr(lc.Response(200, "OK", (), b"x" * 81)),
+            "Response(status=200, reason='OK', headers=(), body=%r... (81 bytes))" % (b"x" * 80),
+        )
+
+    def test_deadline_error_is_a_budget_error(self):
+        err = lc.DeadlineError("m", 2.5, "send")
+        self.assertIsInstance(err, lc.LoopError)
+        self.assertIsInstance(err, TimeoutError)
+        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (2.5, 2.5, "send", "m"))
+        self.assertIn("DeadlineError", lc.__all__)
+
+
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
 # =====================================================================================================
@@ -7147,8 +7397,10 @@ class TestEndpoints(ServerCase):
                 with self.assertRaises(lc.CancelledError):
                     run_with_timeout(lambda: next(stream))
 
-    def test_cancel_while_sizing_the_pool_never_enters_the_gate(self):
-        self.server.route("GET", "/props", lambda req: req.wait_peer_close(5))  # slot=None asks /props first
+    def test_cancel_while_the_pool_is_sized_ends_the_request_not_the_probe(self):
+        answer = threading.Event()  # /props answers only when the test says (a router loading the model)
+        self.server.route("GET", "/props", lambda req: (answer.wait(5), respond_json(req, {"total_slots": 3})))
+        self.server.route("POST", "/completion", lambda req: req.wait_peer_close(5))  # sent, never answered
         stream = open_stream(self.client, "complete", "The sky is")
         outcome, done = [], threading.Event()
 
@@ -7160,15 +7412,20 @@ class TestEndpoints(ServerCase):
             done.set()
 
         threading.Thread(target=run, daemon=True).start()
-        wait_for(lambda: any(r.path == "/props" for r in self.server.requests), what="the /props request")
+        # the request is at the server while its pool's /props is still unanswered
+        wait_for(lambda: self.sent("/completion"), what="the request, sent beside /props")
+        self.assertEqual(len(self.sent("/props")), 1)
         t = Timer()
         stream.cancel()
         self.assertTrue(done.wait(1.0))
-        self.assertLess(t.elapsed, 0.2)
-        self.assertEqual(len(outcome), 1)
-        self.assertIsInstance(outcome[0], lc.CancelledError)
-        self.assertNotIn((None, None), self.client._board.gate.snapshot())
-        self.assertEqual(self.sent("/completion"), [])
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertIsInstance(outcome[-1], lc.CancelledError)
+        self.assertTrue(all(isinstance(e, lc.Waiting) for e in outcome[:-1]), outcome)
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (0, 0))
+        self.assertTrue(self.sent("/completion")[-1].closed_by_peer.wait(1))
+        answer.set()  # the probe outlived the request that started it: its answer sizes the pool
+        wait_for(lambda: self.client._board.gate._lanes[(None, None)].capacity == 3, what="the pool of three")
+        self.assertEqual(len(self.sent("/props")), 1)
 
     def test_midstream_errors_are_server_errors_and_not_replayed(self):
         grammar_error = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
@@ -8262,7 +8519,8 @@ class TestKeepAlive(ClientFactory, unittest.TestCase):
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         paths = [(n, r.path) for n, r in server.requests]
-        self.assertEqual([p for _, p in paths], ["/props", "/v1/chat/completions", "/v1/chat/completions"])
+        # /props goes beside the first chat, in the background: in either order
+        self.assertEqual(sorted(p for _, p in paths), ["/props", "/v1/chat/completions", "/v1/chat/completions"])
         self.assertEqual(len({n for n, _ in paths}), 3)  # STREAM_HEAD says close: no stream reuses
 
 
@@ -9446,6 +9704,470 @@ class TestCallerMistakesAsync(AsyncDriver, TestCallerMistakes):
     pass
 
 
+# -- every answer as the server gave it: fetch(), headers and timeout per call, stream_route() ----------
+
+
+class _Per:
+    """A client whose every call passes ``headers=`` and ``timeout=`` (as the caller writes them)."""
+
+    def __init__(self, client, **kw):
+        self._client, self._kw = client, kw
+
+    def __getattr__(self, name):
+        method = getattr(self._client, name)
+        return lambda *args, **kw: method(*args, **dict(self._kw, **kw))
+
+
+_A_CALL = {"X-Call": "v", "User-Agent": "mine/2"}  # a header of its own, and one that replaces the client's
+
+
+def _a_route_answer(*payloads, done=True):
+    """A handler that answers a streamed route with ``payloads`` (then [DONE]) and waits for the client."""
+    return reply(_a_sse(*payloads, done=done), hold=True)
+
+
+def _a_stream(client, path, body=None, **kw):
+    """``client.stream_route(path, body, **kw)``: a Stream (a StreamFacade for AsyncDriver's client)."""
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.stream_route(path, body, **kw))
+    return client.stream_route(path, body, **kw)
+
+
+def _a_watch(client, **kw):
+    if isinstance(client, SyncFacade):
+        return StreamFacade(client._runner, client._client.watch_models(**kw))
+    return client.watch_models(**kw)
+
+
+class TestAnswers(_ApiCase):
+    """fetch() gives any answer whole; headers= goes with one call (every call, its refusals); a resumable
+    stream's later requests carry the call's headers; stream_route() streams a route the client does not
+    name, with the engine's rules."""
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path.split("?")[0] == path]
+
+    def fetch(self, *args, client=None, **kw):
+        return run_with_timeout(lambda: (client or self.client).fetch(*args, **kw))
+
+    def route(self, path, body=None, client=None, **kw):
+        """(events, completion) of a whole stream_route() call."""
+        stream = _a_stream(client or self.client, path, body, **kw)
+        events = run_with_timeout(lambda: list(stream))
+        return events, stream.completion
+
+    # -- fetch() ----------------------------------------------------------------------------------------
+
+    def test_fetch_gives_every_status_whole_and_sends_once(self):
+        cases = [
+            (b"200 OK", b'{"a":1}', JSON_TYPE),
+            (b"201 Created", b"made", b"text/plain"),
+            (b"301 Moved Permanently", b"<html>moved</html>", b"text/html"),
+            (b"404 Not Found", b'{"error":{"code":404,"message":"File Not Found"}}', JSON_TYPE),
+            (b"500 Internal Server Error", b"oops", b"text/plain"),
+            (b"503 Service Unavailable", b'{"error":{"code":503,"message":"Loading model"}}', JSON_TYPE),
+        ]
+        for status, body, ctype in cases:
+            with self.subTest(status=status):
+                extra = b"Location: http://elsewhere/\r\nRetry-After: 0\r\n"
+                self.server.route("GET", "/any", reply(http_response(body, ctype, "length", status, extra)))
+                since = len(self.server.requests)
+                got = self.fetch("GET", "/any")
+                code, _, reason = status.decode().partition(" ")
+                headers = (
+                    ("server", "llama.cpp"),
+                    ("content-type", ctype.decode()),
+                    ("content-length", str(len(body))),
+                    ("location", "http://elsewhere/"),
+                    ("retry-after", "0"),
+                    ("connection", "close"),
+                )
+                self.assertEqual(got, lc.Response(int(code), reason, headers, body))
+                self.assertEqual(len(self.server.requests), since + 1)  # neither retried nor followed
+
+    def test_fetch_skips_an_interim_answer_and_reads_chunked_and_until_close(self):
+        self.server.route("GET", "/a", reply(b"HTTP/1.1 100 Continue\r\n\r\n" + http_response(b"ok", b"text/plain")))
+        self.assertEqual((self.fetch("GET", "/a").status, self.fetch("GET", "/a").body), (200, b"ok"))
+        self.server.route("GET", "/b", reply(http_response(b"0123456789", b"text/plain", "chunked")))
+        self.assertEqual(self.fetch("GET", "/b").body, b"0123456789")
+        self.server.route("GET", "/c", reply(b"HTTP/1.0 200 OK\r\n\r\nuntil close"))
+        got = self.fetch("GET", "/c")
+        self.assertEqual((got.status, got.headers, got.body), (200, (), b"until close"))
+
+    def test_fetch_of_head_and_204_ends_at_the_head(self):
+        def held(head):
+            def handler(req):
+                req.send(head)
+                req.wait_peer_close(3)
+
+            return handler
+
+        # (Connection: close: the fake server answers one request per connection)
+        length = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
+        no_content = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+        self.server.route("HEAD", "/health", held(length))
+        self.server.route("DELETE", "/v1/stream?conv_id=c-1", held(no_content))
+        start = time.monotonic()
+        got = self.fetch("HEAD", "/health")
+        self.assertEqual((got.status, got.get("content-length"), got.body), (200, "15", b""))
+        got = self.fetch("DELETE", "/v1/stream", query={"conv_id": "c-1"})
+        self.assertEqual((got.status, got.reason, got.body), (204, "No Content", b""))
+        self.assertLess(time.monotonic() - start, 1.0)  # liveness is 2 s: neither waited for a body
+        self.assertEqual(self.sent("/v1/stream")[0].path, "/v1/stream?conv_id=c-1")
+
+    def test_fetch_request_bytes_routing_and_a_text_answer_under_json(self):
+        self.server.route("POST", "/x", reply(http_response(b"ok", JSON_TYPE)))  # /cors-proxy's answer
+        got = self.fetch("POST", "/x", {"q": 1})
+        self.assertEqual((got.text(), got.get("Content-Type")), ("ok", JSON_TYPE.decode()))
+        with self.assertRaises(lc.ProtocolError):
+            got.json()
+        with self.assertRaises(lc.ProtocolError):  # request() promises JSON for a JSON Content-Type
+            run_with_timeout(lambda: self.client.request("POST", "/x", {"q": 1}))
+        self.assertEqual(self.sent("/x")[0].raw_head, _api_head(b"POST /x", b'{"q": 1}', accept=b"*/*"))
+        # routed to the client's default model as request() is: ?model= on a GET, "model" in a body
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        self.server.route("GET", "/y?model=alpha", reply(json_response({})))
+        self.assertEqual(self.fetch("GET", "/y", client=client).status, 200)
+        self.fetch("POST", "/x", {"q": 1}, client=client)
+        self.assertEqual(self.sent("/x")[-1].json(), {"q": 1, "model": "alpha"})
+
+    def test_fetch_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (b"GET", "/x"), {}),
+            (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
+            (ValueError, ("GET", "x"), {}),
+            (ValueError, ("G T", "/x"), {}),
+            (ValueError, ("GET", "/x\r\n"), {}),
+            (ValueError, ("POST", "/x", float("nan")), {}),
+            (TypeError, ("POST", "/x", object()), {}),
+            (ValueError, ("GET", "/x"), {"timeout": 0}),
+            (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
+            (TypeError, ("GET", "/x"), {"timeout": "1"}),
+            (TypeError, ("GET", "/x"), {"timeout": True}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                self.fetch(*args, **kw)
+        self._api_nothing_sent()
+
+    # -- headers= per call ------------------------------------------------------------------------------
+
+    def test_every_single_shot_call_takes_headers_and_timeout_for_itself(self):
+        client = self.new_client(self.server.address, limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
+        self.closers.append(client.close)
+        mine = b"\r\nX-Keep: k\r\nX-Call: v\r\nUser-Agent: mine/2"
+        for name, call, line, body, answer, value, _ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, reply(http_response(*_api_body(answer))))
+                since = len(self.server.requests)
+                got = run_with_timeout(lambda call=call: call(_Per(client, headers=_A_CALL, timeout=5)))
+                self.assertEqual(got, value)
+                req = self._api_one_request(since)
+                ua = b"\r\nUser-Agent: loopclient/" + lc.__version__.encode()
+                self.assertEqual(req.raw_head, _api_head(line, body).replace(ua, mine))
+                # the next call without headers= sends the client's own
+                run_with_timeout(lambda call=call: call(client))
+                self.assertEqual(
+                    self._api_one_request(since + 1).raw_head,
+                    _api_head(line, body).replace(ua, ua + b"\r\nX-Call: client\r\nX-Keep: k"),
+                )
+        since = len(self.server.requests)
+        run_with_timeout(lambda: client.fetch("GET", "/health", headers={"Accept": "text/plain", "x-call": "w"}))
+        self.assertEqual(
+            self._api_one_request(since).raw_head,
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nUser-Agent: loopclient/%s\r\nX-Keep: k\r\n"
+            b"Accept: text/plain\r\nx-call: w" % lc.__version__.encode(),
+        )
+
+    def test_a_call_may_replace_the_api_key(self):
+        client = self.new_client(self.server.address, limits=FAST, api_key="sk-client")
+        self.closers.append(client.close)
+        run_with_timeout(lambda: client.health(headers={"authorization": "Bearer sk-call"}))
+        run_with_timeout(client.health)
+        first, second = self.sent("/health")
+        self.assertEqual(first.headers["authorization"], "Bearer sk-call")
+        self.assertNotIn(b"sk-client", first.raw_head)
+        self.assertEqual(second.headers["authorization"], "Bearer sk-client")
+
+    def test_refused_headers_on_every_kind_of_call_before_sending(self):
+        refused = [
+            (ValueError, {"Host": "x"}),
+            (ValueError, {"content-length": "1"}),
+            (ValueError, {"Transfer-Encoding": "chunked"}),
+            (ValueError, {"CONTENT-TYPE": "text/plain"}),
+            (ValueError, {"Connection": "keep-alive"}),
+            (ValueError, {"X-A": "a\r\nX-B: b"}),
+            (ValueError, {"X-A\n": "a"}),
+            (ValueError, {"X A": "a"}),
+            (TypeError, {"X-A": 1}),
+            (TypeError, {b"X-A": "a"}),
+        ]
+        calls = [
+            lambda c, h: c.fetch("GET", "/x", headers=h),
+            lambda c, h: c.slots(headers=h),
+            lambda c, h: c.embed("a", headers=h),
+            lambda c, h: c.stream(MSGS, headers=h),
+            lambda c, h: c.chat(MSGS, headers=h),
+            lambda c, h: open_stream(c, "complete", "x", headers=h),
+            lambda c, h: _a_stream(c, "/x", headers=h),
+            lambda c, h: c.resume("conv-1", headers=h),
+            lambda c, h: _a_watch(c, headers=h),
+        ]
+        for error, headers in refused:
+            for i, call in enumerate(calls):
+                with self.subTest(headers=headers, call=i), self.assertRaises(error):
+                    call(self.client, headers)
+        self._api_nothing_sent()
+
+    def test_every_streamed_call_takes_headers_for_itself(self):
+        gone = json_response({"error": {"code": 400, "message": "no"}}, b"400 Bad Request")
+        paths = [
+            "/v1/chat/completions",
+            "/completion",
+            "/infill",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1/completions",
+            "/r",
+        ]
+        for path in paths:
+            self.server.route("POST", path, reply(gone))
+        self.server.route("GET", "/models/sse", reply(gone))
+        self.server.route("GET", "/v1/stream", reply(gone))
+        c = self.client
+        calls = [
+            ("/v1/chat/completions", lambda h: c.chat(MSGS, headers=h)),
+            ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
+            ("/completion", lambda h: c.complete("x", headers=h)),
+            ("/infill", lambda h: c.infill("x", headers=h)),
+            ("/v1/responses", lambda h: c.respond("x", headers=h)),
+            ("/v1/messages", lambda h: c.message(MSGS, headers=h)),
+            ("/v1/completions", lambda h: c.complete_openai("x", headers=h)),
+            ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
+            ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
+            ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),
+        ]
+        for path, call in calls:
+            with self.subTest(path=path):
+                for headers in (_A_CALL, None):
+                    since = len(self.sent(path))
+                    with self.assertRaises((lc.HTTPStatusError, lc.StreamClosedError)):
+                        run_with_timeout(lambda call=call, headers=headers: call(headers))
+                    req = self.sent(path)[since]
+                    if headers:
+                        self.assertEqual((req.headers["x-call"], req.headers["user-agent"]), ("v", "mine/2"))
+                    else:
+                        self.assertNotIn("x-call", req.headers)
+                        self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
+                    if req.body:
+                        self.assertNotIn("headers", req.json())
+
+    def test_a_resumable_streams_later_requests_carry_the_calls_headers(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _r_Buffer(self.server, raw)
+        first = first_chunk(raw)
+        mine = {"X-Front-Auth": "t-1"}
+        # cut after its first chunk: GET /v1/stream; cut before any byte: the lookup
+        for cuts, methods in (([len(first)], ["POST", "GET"]), ([0], ["POST", "LOOKUP", "GET"])):
+            with self.subTest(cuts=cuts):
+                buf.reset(cuts)
+                since = len(self.server.requests)
+                events = []
+                run_with_timeout(
+                    lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append)
+                )
+                self.assertEqual(buf.methods(), methods)
+                with self.server.lock:
+                    reqs = [r for r in self.server.requests[since:] if not r.path.startswith("/slots")]
+                self.assertEqual([r.headers.get("x-front-auth") for r in reqs], ["t-1"] * len(methods))
+                self.assertEqual({r.headers["x-conversation-id"] for r in reqs}, {"c-h"})
+        # resume() takes them for its own requests
+        since = len(self.server.requests)
+        run_with_timeout(lambda: list(self.client.resume("c-h", headers=mine)))
+        self.assertEqual([r.headers.get("x-front-auth") for r in self.server.requests[since:]], ["t-1"])
+        # cancelled: the DELETE carries them too
+        buf.reset([("hold", len(first))])
+        since = len(self.server.requests)
+        stream = self.client.stream(MSGS, slot=0, resumable="c-h", headers=mine)
+        self.assertIsInstance(run_with_timeout(lambda: next(stream)), lc.Content)
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: list(stream))
+        (delete,) = [r for r in self.server.requests[since:] if r.method == "DELETE"]
+        self.assertEqual((delete.path, delete.headers["x-front-auth"]), ("/v1/stream?conv_id=c-h", "t-1"))
+
+    def test_the_thinking_caps_control_call_carries_the_calls_headers(self):
+        client = self.client_with(thinking_cap=2)
+        self.use(serve_body(reasoning_stream(4), hold=False))
+        self.server.route("POST", "/v1/chat/completions/control", reply(json_response({"success": True})))
+        run_with_timeout(lambda: client.chat(MSGS, slot=0, headers={"X-Call": "cap"}))
+        (control,) = self.sent("/v1/chat/completions/control")
+        self.assertEqual(control.headers["x-call"], "cap")
+        # the shared /slots and /props requests carry the client's headers only
+        self.server.busy[0] = True
+        self.server.route("POST", "/r", hold_then(b"", threading.Event()))
+        stream = _a_stream(client, "/r", slot=0, headers={"X-Call": "mine"})
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Waiting(True))
+        stream.cancel()
+        self.assertTrue(self.sent("/slots"))
+        self.assertFalse([r for r in self.sent("/slots") if "x-call" in r.headers])
+
+    # -- stream_route() ---------------------------------------------------------------------------------
+
+    def test_stream_route_sends_the_body_as_given(self):
+        self.server.route("POST", "/v1/x?y=1", _a_route_answer({"a": 1}))
+        events, done = self.route("/v1/x?y=1", {"prompt": "p", "stream": True}, slot=1, n=2, raw_chunks=True)
+        self.assertEqual((events, done), ([lc.Chunk({"a": 1})], _A_EMPTY))
+        (req,) = self.sent("/v1/x")
+        body = b'{"prompt": "p", "stream": true, "n": 2, "id_slot": 1}'
+        self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream"))
+        self.assertEqual(req.body, body)
+        # no body, another method, a default model routed as request() routes it
+        client = self.new_client(self.server.address, limits=FAST, model="alpha")
+        self.closers.append(client.close)
+        self.server.route("GET", "/events?model=alpha", _a_route_answer("tick", done=False))
+        self.assertEqual(self.route("/events", method="GET", client=client)[0], [lc.Chunk("tick")])
+        (req,) = self.sent("/events")
+        self.assertEqual(req.raw_head, _api_head(b"GET /events?model=alpha", accept=b"text/event-stream"))
+        self.server.route("PUT", "/p", _a_route_answer([1, 2]))
+        self.assertEqual(self.route("/p", ["list"], method="PUT", client=client)[0], [lc.Chunk([1, 2])])
+        self.assertEqual(self.sent("/p")[0].body, b'["list"]')  # a body that is not an object: as it is
+        self.route("/p", {"k": 1}, method="PUT", client=client, resumable="c-9")
+        self.assertEqual(self.sent("/p")[1].json(), {"k": 1, "model": "alpha"})
+        self.assertEqual(self.sent("/p")[1].headers["x-conversation-id"], "c-9")
+        self.route("/p", method="PUT", n=2)  # keywords without a body make one
+        self.assertEqual(self.sent("/p")[2].body, b'{"n": 2}')
+
+    def test_stream_route_reads_chat_as_the_named_call_does(self):
+        raw = load_transcript("06_chat_stream_include_usage.raw.txt")
+        self.server.route("POST", "/chat/completions", reply(raw))
+        self.use(reply(raw))
+        events, done = self.route("/chat/completions", {"messages": MSGS, "stream": True})
+        completion, named = self.collect(raw_chunks=True)
+        self.assertEqual(events, [e for e in named if isinstance(e, lc.Chunk)])
+        self.assertEqual(done, _a_bare(completion))
+
+    def test_stream_route_waits_out_a_busy_slot_and_retries_before_delivery(self):
+        self.server.busy[0] = True
+        release = threading.Event()
+        self.later(0.2, release.set)
+        self.later(0.2, lambda: self.server.busy.__setitem__(0, False))
+        loading = http_response(b'{"error":{"code":503,"message":"Loading model"}}', status=b"503 Service Unavailable")
+        unavailable = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+        def busy_then_loading(req):  # no byte while the slot is busy, then the 503
+            while not release.is_set() and not req.wait_peer_close(0.02):
+                pass
+            req.send(loading)
+
+        answers = [busy_then_loading, reply(_a_sse(unavailable)), reply(_a_sse({"a": 1}))]
+        self.server.route("POST", "/r", lambda req: answers.pop(0)(req))
+        events, done = self.route("/r", {"x": 1}, slot=0)
+        retries = [e for e in events if isinstance(e, lc.Retrying)]
+        self.assertEqual([r.reason for r in retries], ["HTTP 503: Loading model", "server error 503: Loading model"])
+        self.assertIn(lc.Waiting(True), events)
+        self.assertEqual(events[-1], lc.Chunk({"a": 1}))
+        self.assertEqual(len(self.sent("/r")), 3)
+
+    def test_stream_route_does_not_retry_after_a_chunk(self):
+        unavailable = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        self.server.route("POST", "/r", reply(_a_sse({"a": 1}, unavailable)))
+        stream = _a_stream(self.client, "/r", {})
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
+        with self.assertRaises(lc.ServerError):
+            run_with_timeout(lambda: next(stream))
+        self.assertEqual(len(self.sent("/r")), 1)
+
+    def test_stream_route_cancel_closes_the_connection_and_frees_the_slot(self):
+        def handler(req):
+            req.send(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'))
+            req.wait_peer_close(5)
+
+        self.server.route("POST", "/r", handler)
+        stream = _a_stream(self.client, "/r", {}, slot=0)
+        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
+        t = Timer()
+        stream.cancel()
+        with self.assertRaises(lc.CancelledError):
+            run_with_timeout(lambda: next(stream))
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertTrue(self.sent("/r")[0].closed_by_peer.wait(1))
+        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+
+    def test_stream_route_resumes_a_cut_stream(self):
+        raw = load_transcript("43_completion_stream_two_prompts.raw.txt")
+        buf = _r_Buffer(self.server, raw, "/completions")
+        body = {"prompt": ["a", "b"], "stream": True}
+        whole, done = self.route("/completions", body, slot=0, resumable="c-r")
+        self.assertEqual(whole, _a_chunks(raw))
+        rng = random.Random(43)
+        for cut in sorted(rng.sample(range(len(buf.head) + 1, len(raw) - 5), 12)):
+            buf.reset([cut])
+            events, again = self.route("/completions", body, slot=0, resumable="c-r")
+            self.assertEqual(
+                [e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut
+            )
+            self.assertEqual(again, done, "cut at %d" % cut)
+            self.assertEqual(buf.methods().count("POST"), 1, "cut at %d" % cut)
+        stream = self.client.resume("c-r", endpoint="route")
+        self.assertEqual(run_with_timeout(lambda: list(stream)), whole)
+
+    def test_stream_route_refuses_an_answer_that_is_not_a_stream(self):
+        self.server.route("POST", "/r", reply(json_response({"a": 1})))
+        with self.assertRaises(lc.ProtocolError) as cm:
+            self.route("/r", {})
+        self.assertIn("not text/event-stream", str(cm.exception))
+        self.assertEqual(len(self.sent("/r")), 1)
+
+    def test_stream_route_mistakes_are_raised_before_sending(self):
+        for error, args, kw in (
+            (TypeError, (b"/x",), {}),
+            (TypeError, ("/x",), {"method": None}),
+            (ValueError, ("x",), {}),
+            (ValueError, ("/x",), {"method": "P T"}),
+            (ValueError, ("/x", {"a": float("nan")}), {}),
+            (TypeError, ("/x", "text"), {"slot": 0}),
+            (TypeError, ("/x", [1]), {"n": 2}),
+            (TypeError, ("/x", {"n": 1}), {"n": 2}),
+            (ValueError, ("/x",), {"slot": -1}),
+            (TypeError, ("/x",), {"slot": "0"}),
+            (ValueError, ("/x",), {"resumable": ""}),
+        ):
+            with self.subTest(args=args, kw=kw), self.assertRaises(error):
+                _a_stream(self.client, *args, **kw)
+        self._api_nothing_sent()
+
+
+class TestAnswersAsync(AsyncDriver, TestAnswers):
+    pass
+
+
+class TestCallSignatures(unittest.TestCase):
+    """Every public call of both clients takes headers= (a streamed call with other keywords takes it among
+    them), every single-shot call timeout=, and the two clients' calls have the same parameters."""
+
+    def test_every_call_takes_headers_and_single_shot_ones_timeout(self):
+        names = sorted(n for n in vars(lc.Client) if not n.startswith("_") and n != "close")
+        self.assertIn("fetch", names)
+        self.assertIn("stream_route", names)
+        for name in names:
+            with self.subTest(name):
+                sync, other = (
+                    inspect.signature(getattr(lc.Client, name)),
+                    inspect.signature(getattr(lc.AsyncClient, name)),
+                )
+                self.assertEqual(list(sync.parameters), list(other.parameters))
+                params = sync.parameters
+                takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+                self.assertTrue("headers" in params or takes_any, name)
+                if "headers" in params:
+                    self.assertIs(params["headers"].default, None)
+                single_shot = inspect.iscoroutinefunction(getattr(lc.AsyncClient, name))
+                streamed = name in ("chat", "complete", "complete_openai", "infill", "respond", "message")
+                self.assertEqual("timeout" in params, single_shot and not streamed, name)
+
+
 # =====================================================================================================
 # Tier 3. Waits and gates: wait for head, liveness, wedged slots, retries, gate, cancel, thinking cap,
 # stress
@@ -10371,8 +11093,9 @@ class CountingRun(lc._SyncRun):
         super().signal()
 
 
-def gate_problems(gate, queue_len=None):
-    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none."""
+def gate_problems(gate, queue_len=None, shrunk=False):
+    """What breaks the gate's invariants (the ``_Lane`` docstring), read under the gate's lock; [] if none.
+    ``shrunk``: a pool may have been made smaller than the requests in flight (``_Gate.resize``)."""
     if isinstance(gate, GateView):
         return gate.problems(queue_len)
     problems = []
@@ -10380,9 +11103,9 @@ def gate_problems(gate, queue_len=None):
         for key, lane in gate._lanes.items():
             queue, holes = lane.queue, lane.holes
             where = "%r: " % (key,)
-            if not 0 <= lane.in_flight <= lane.capacity:
+            if lane.in_flight < 0 or (lane.in_flight > lane.capacity and not shrunk):
                 problems.append(where + "%d in flight, capacity %d" % (lane.in_flight, lane.capacity))
-            if queue and lane.in_flight != lane.capacity:
+            if queue and lane.in_flight < lane.capacity:
                 problems.append(where + "%d wait while a permit is free" % len(queue))
             if queue_len is not None and len(queue) > queue_len:
                 problems.append(where + "%d waiting, queue_len %d" % (len(queue), queue_len))
@@ -10895,6 +11618,350 @@ class TestGateHandover(unittest.TestCase):
         self.assertTrue(a.granted and b.granted)  # slot 0 of model a and of model b are different queues
         gate.leave(a)
         gate.leave(b)
+
+
+class TestGateResize(unittest.TestCase):
+    """The gate alone: a ``slot=None`` pool resized when its ``/props`` answer comes, at any moment."""
+
+    def test_a_larger_pool_admits_the_waiters_that_fit_in_order_and_wakes_only_them(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        first = gate.enter(key, 1)  # no answer yet: a pool of one
+        wakers = [CountingRun() for _ in range(4)]
+        waiting = [gate.enter(key, 1, w) for w in wakers]
+        self.assertEqual([t.ahead for t in waiting], [1, 2, 3, 4])
+        gate.resize(key, 3)
+        self.assertEqual([t.granted for t in waiting], [True, True, False, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 0, 0])
+        self.assertEqual(gate.snapshot()[key], (3, 2))
+        self.assertEqual([gate.position(t) for t in waiting[2:]], [3, 4])  # as announced: not increased
+        self.assertEqual(gate_problems(gate), [])
+        gate.leave(first)
+        self.assertEqual([t.granted for t in waiting], [True, True, True, False])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 1, 0])
+        for ticket in waiting:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_a_smaller_pool_takes_no_permit_back(self):
+        gate = lc._Gate(threading.Lock(), 8)
+        key = (None, None)
+        held = [gate.enter(key, 3) for _ in range(3)]
+        waker = CountingRun()
+        late = gate.enter(key, 3, waker)
+        self.assertEqual(late.ahead, 3)
+        gate.resize(key, 1)
+        self.assertTrue(all(t.granted and not t.left for t in held))  # the requests in flight go on
+        self.assertEqual(gate.snapshot()[key], (3, 1))
+        self.assertEqual(gate.position(late), 3)
+        self.assertEqual(gate_problems(gate, shrunk=True), [])
+        newer = gate.enter(key, 1)  # queued behind: nobody is admitted while three are in flight
+        self.assertFalse(newer.granted)
+        self.assertEqual(newer.ahead, 4)
+        gate.leave(held[0])
+        gate.leave(held[1])
+        self.assertEqual((late.granted, waker.signals), (False, 0))  # one in flight, a pool of one
+        self.assertEqual(gate.position(late), 1)
+        gate.leave(held[2])
+        self.assertEqual((late.granted, waker.signals, newer.granted), (True, 1, False))
+        self.assertEqual(gate.snapshot()[key], (1, 1))
+        self.assertEqual(gate_problems(gate), [])
+        for ticket in (late, newer):
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_a_resize_before_anyone_entered_sizes_the_pool(self):
+        """The request that asked was cancelled before it entered, or read the size just before the
+        answer: the pool has its size all the same, and a caller's smaller figure does not shrink it."""
+        gate = lc._Gate(threading.Lock(), 8)
+        key = ("alpha", None)
+        gate.resize(key, 2)
+        tickets = [gate.enter(key, 1) for _ in range(3)]
+        self.assertEqual([t.granted for t in tickets], [True, True, False])
+        self.assertEqual(gate._lanes[key].capacity, 2)
+        for ticket in tickets:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot(), {key: (0, 0)})
+
+    def test_resizes_match_a_plain_list(self):
+        """Random enters, cancels, releases, and resizes up and down at any moment, against a list model:
+        grants in order, never more admitted than the pool, none taken back, positions never grow."""
+        rng = random.Random(20260417)
+        gate = lc._Gate(threading.Lock(), 10**6)
+        key = (None, None)
+        queued, held = [], []
+        capacity = 1
+        for step in range(6000):
+            r = rng.random()
+            before = len(held)
+            if r < 0.03:
+                capacity = rng.randint(1, 6)
+                gate.resize(key, capacity)
+            elif r < 0.5 or not (queued or held):
+                queued.append(gate.enter(key, 1))
+            elif r < 0.8 and queued:
+                gate.leave(queued.pop(rng.randrange(len(queued))))
+            elif held:
+                gate.leave(held.pop(rng.randrange(len(held))))
+                before -= 1
+            lane = gate._lanes[key]
+            moved = [t for t in queued if t.granted]
+            self.assertEqual(moved, queued[: len(moved)], "granted out of order at step %d" % step)
+            if moved:  # admitted only into free permits, up to the pool
+                self.assertLessEqual(before + len(moved), capacity, "step %d" % step)
+            held += moved
+            del queued[: len(moved)]
+            self.assertEqual(lane.in_flight, len(held))
+            self.assertTrue(all(t.granted and not t.left for t in held))
+            self.assertTrue(not queued or lane.in_flight >= capacity, "a free permit with waiters, step %d" % step)
+            for rank, ticket in enumerate(queued):
+                self.assertEqual(gate.position(ticket), lane.in_flight + rank)
+                self.assertLessEqual(gate.position(ticket), ticket.ahead)  # never more than was announced
+                ticket.ahead = gate.position(ticket)  # what the waiter would announce at its next poll
+            self.assertEqual(gate_problems(gate, shrunk=True), [], "step %d" % step)
+        for ticket in queued + held:
+            gate.leave(ticket)
+        self.assertEqual(gate.snapshot()[key], (0, 0))
+
+
+class TestPoolProbe(VirtualFactory, ServerCase):
+    """``slot=None`` without ``Limits.pool``: the pool's size is asked of ``/props`` in the background.  The
+    request goes to the server as soon as the gate lets it go, sized from what is known (1 until an
+    answer), and the answer resizes the gate when it comes; a failed one leaves 1, and the next request
+    asks again.  At no moment are more requests at the server than the pool."""
+
+    limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0, queue_len=8)
+
+    def props_when(self, release, doc=None, status=200, path="/props"):
+        """``GET path`` answers ``doc`` (else ``{"total_slots": 3}``) with ``status`` once ``release`` is
+        set (until then, silence: a router loading the model); returns the list of when it answered."""
+        answered = []
+
+        def handler(req):
+            while not release.is_set():
+                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
+                    return
+            answered.append(time.monotonic())
+            respond_json(req, {"total_slots": 3} if doc is None else doc, status, "OK" if status == 200 else "Nope")
+
+        self.server.route("GET", path, handler)
+        return answered
+
+    def sent(self, path):
+        with self.server.lock:
+            return [r for r in self.server.requests if r.path == path]
+
+    def start(self, keeper, markers, events, results, **params):
+        """Start a slot=None chat per marker, each once it is at the server or queued."""
+        threads = []
+        for marker in markers:
+            threads.append(start_chat(self.client, marker, None, events, results, **params))
+            wait_for(
+                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in events[m]), what=marker
+            )
+        return threads
+
+    def stream_in_thread(self, marker):
+        """A slot=None stream iterated in a thread: (stream, its events then its error, the thread)."""
+        stream = self.client.stream([{"role": "user", "content": marker}], slot=None)
+        outcome = []
+
+        def run():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+
+        return stream, outcome, self.start_thread(run)
+
+    def queued(self, events):
+        return [e.ahead for e in events if isinstance(e, lc.Queued)]
+
+    def test_a_props_that_never_answers_does_not_delay_the_request(self):
+        self.props_when(self.event())  # never answers: the client gives up on it after liveness
+        self.use(serve_body(content_stream(["ok"])))
+        t = Timer()
+        completion, events = self.collect(slot=None)
+        self.assertAtOnce(t.elapsed, MARGIN)
+        self.assertEqual((completion.content, events), ("ok", [lc.Content("ok")]))
+        wait_for(lambda: self.sent("/props"), what="the /props asked in the background")  # and unanswered
+        completion, events = self.collect(slot=None)  # at once too, and /props is not asked twice at a time
+        self.assertEqual((completion.content, events), ("ok", [lc.Content("ok")]))
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(self.client._board.gate._lanes[(None, None)].capacity, 1)
+        wait_for(lambda: not on_board(self.client, lambda b: b.asking), 10, "the client to give up on /props")
+        self.assertEqual(client_pools(self.client), {})  # no answer: still a pool of one
+        self.assertEqual(self.collect(slot=None)[0].content, "ok")
+        self.assertEqual(len(self.sent("/props")), 2)  # the next request asked again
+
+    def test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order(self):
+        release = self.event()
+        self.props_when(release)  # total_slots 3
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "ABCDE", events, results)
+        gate = self.client._board.gate
+        self.assertEqual([m for _, m in keeper.order], ["A"])  # no answer yet: a pool of one
+        self.assertEqual(gate.snapshot()[(None, None)], (1, 4))
+        self.assertEqual([self.queued(events[m]) for m in "BCDE"], [[1], [2], [3], [4]])
+        release.set()
+        wait_for(lambda: keeper.arrived("B") and keeper.arrived("C"), what="B and C, admitted by the answer")
+        order = [m for _, m in keeper.order]  # B and C were let go together: their threads race to the server
+        self.assertEqual((order[0], sorted(order[1:])), ("A", ["B", "C"]))
+        self.assertEqual(gate.snapshot()[(None, None)], (3, 2))
+        self.assertEqual(gate_problems(gate), [])
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("D"), what="D, in A's place")
+        self.assertFalse(keeper.arrived("E"))
+        keeper.release("B")
+        wait_for(lambda: keeper.arrived("E"), what="E, in B's place")
+        for marker in "CDE":
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([m for _, m in keeper.order][3:], ["D", "E"])
+        self.assertEqual([results[m].content for m in "ABCDE"], list("ABCDE"))
+        self.assertEqual(self.queued(events["A"]), [])
+        for marker, first in zip("BCDE", (1, 2, 3, 4)):
+            ahead = self.queued(events[marker])
+            self.assertEqual(ahead[0], first, marker)
+            self.assertEqual(ahead, sorted(set(ahead), reverse=True), marker)  # never repeated or increased
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+    def burst(self, models, pools, markers, hold=0.2, answer_at=0.3):
+        """The ``markers`` as slot=None chats at once, routed in turn to ``models`` (None: the server's own),
+        each model's ``/props`` answering its size in ``pools`` ``answer_at`` seconds in.  Returns, per
+        model, the most requests at the server at one moment before its answer and after it."""
+        release = self.event()
+        self.later(answer_at, release.set)
+        answered = {}
+        for model, size in zip(models, pools):
+            path = "/props" if model is None else "/props?model=" + model
+            answered[model] = self.props_when(release, {"total_slots": size}, path=path)
+            if model is not None:
+                self.server.route("GET", "/slots?model=" + model, self.server._slots)
+        lock = threading.Lock()  # never held across a wait: the virtual clock's tasks take turns
+        now = dict.fromkeys(models, 0)
+        peak = {m: [0, 0] for m in models}  # [before the answer, after it]
+        problems = []
+
+        def handler(req):
+            model = req.json().get("model")
+            with lock:
+                now[model] += 1
+                after = bool(answered[model])
+                peak[model][after] = max(peak[model][after], now[model])
+            problems.extend(gate_problems(self.client._board.gate))
+            time.sleep(hold)
+            with lock:
+                now[model] -= 1  # before the answer: the client's next request cannot come before it
+            req.send(STREAM_HEAD + content_stream([req.json()["messages"][0]["content"]]))
+
+        self.use(handler)
+        events, results, threads = {}, {}, []
+        for i, marker in enumerate(markers):
+            model = models[i % len(models)]
+            params = {} if model is None else {"model": model}
+            threads.append(start_chat(self.client, marker, None, events, results, **params))
+        for thread in threads:
+            thread.join(30)
+        self.assertEqual([getattr(results.get(m), "content", results.get(m)) for m in markers], list(markers))
+        self.assertEqual(problems, [])
+        for model in models:
+            path = "/props" if model is None else "/props?model=" + model
+            self.assertEqual(len(self.sent(path)), 1, path)  # one probe per model, however many came
+        return peak
+
+    def test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool(self):
+        peak = self.burst([None], [2], "ABCDEFGH")
+        self.assertLessEqual(peak[None][0], 1)  # while /props was out: a pool of one
+        self.assertLessEqual(peak[None][1], 2)
+        if self.VIRTUAL:  # once the answer is in, the gate is no tighter than the pool
+            self.assertEqual(peak[None], [1, 2])
+
+    def test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool(self):
+        peak = self.burst(["alpha", "beta"], [2, 3], "ABCDEFGHIJ")
+        for model, size in (("alpha", 2), ("beta", 3)):
+            self.assertLessEqual(peak[model][0], 1, model)
+            self.assertLessEqual(peak[model][1], size, model)
+            if self.VIRTUAL:
+                self.assertEqual(peak[model], [1, size], model)
+
+    def test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again(self):
+        release = self.event()
+        loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+        first = self.props_when(release, loading, 503)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "AB", events, results)
+        self.assertEqual(self.queued(events["B"]), [1])
+        release.set()  # the probe fails: nobody waited for it, nothing changes
+        wait_for(lambda: first and not on_board(self.client, lambda b: b.asking), what="the failed probe")
+        self.assertEqual(client_pools(self.client), {})
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (1, 1))
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("B"), what="B, in A's place")
+        self.server.route("GET", "/props", lambda req: respond_json(req, {"total_slots": 2}))
+        threads += self.start(keeper, "C", events, results)  # asks again; the answer admits C beside B
+        wait_for(lambda: keeper.arrived("C"), what="C, beside B once /props answered")
+        self.assertEqual(client_pools(self.client), {None: 2})
+        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (2, 0))
+        for marker in "BC":
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "ABC"], list("ABC"))
+        self.assertEqual(len(self.sent("/props")), 2)
+
+    def test_cancel_while_the_probe_is_out(self):
+        release = self.event()
+        self.props_when(release)  # total_slots 3
+        keeper = Gatekeeper(self.server)
+        streams = {}
+        for marker in "ABC":  # A starts the probe and is sent; B and C wait for a pool of one
+            streams[marker] = self.stream_in_thread(marker)
+            wait_for(
+                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in streams[m][1]), what=marker
+            )
+        self.assertEqual([self.queued(streams[m][1]) for m in "ABC"], [[], [1], [2]])
+        gate = self.client._board.gate
+        streams["B"][0].cancel()  # a waiter leaves the queue; C moves up
+        streams["B"][2].join(5)
+        self.assertIsInstance(streams["B"][1][-1], lc.CancelledError)
+        self.assertEqual(gate.snapshot()[(None, None)], (1, 1))
+        wait_for(lambda: self.queued(streams["C"][1]) == [2, 1], what="C to hear it moved up")
+        streams["A"][0].cancel()  # the request that started the probe: its permit goes to C
+        streams["A"][2].join(5)
+        self.assertIsInstance(streams["A"][1][-1], lc.CancelledError)
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(5))
+        wait_for(lambda: keeper.arrived("C"), what="C, in A's place")
+        self.assertEqual(len(self.sent("/props")), 1)  # still out: the probe outlives the cancel
+        release.set()
+        wait_for(lambda: client_pools(self.client) == {None: 3}, what="the answer of the probe A started")
+        events, results = {}, {}
+        threads = self.start(keeper, "DE", events, results)  # beside C: a pool of three
+        self.assertEqual([m for _, m in keeper.order], ["A", "C", "D", "E"])
+        self.assertEqual((self.queued(events["D"]), self.queued(events["E"])), ([], []))
+        for marker in "CDE":
+            keeper.release(marker)
+        for thread in threads + [streams["C"][2]]:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "DE"], ["D", "E"])
+        self.assertEqual(streams["C"][1][-1], lc.Content("C"))
+        self.assertEqual(len(self.sent("/props")), 1)
+        self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+
+TestPoolProbeSockets, TestPoolProbeSocketsAsync = on_sockets(
+    TestPoolProbe,
+    "test_a_props_that_never_answers_does_not_delay_the_request",
+    "test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order",
+    "test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool",
+    "test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool",
+    "test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again",
+    "test_cancel_while_the_probe_is_out",
+)
 
 
 class TestCancel(ServerCase):
@@ -11724,6 +12791,8 @@ class TestAsyncScale(unittest.TestCase):
                 await until(lambda: warm, 10, "the warm-up stream")
                 await client.request("POST", "/release?again")
                 await task
+                if slot is None:  # and the pool's size, asked in the background beside the warm-up
+                    await until(lambda: client._board.pools, 10, "the pool's size")
                 started = [0]
                 queued = {}
 
@@ -11768,6 +12837,255 @@ class TestAsyncScale(unittest.TestCase):
         self.assertEqual(queued[0], [])
         self.assertEqual(queued[1:], [[lc.Queued(i)] for i in range(1, 1000)])
         self.assertLess(per_waiter, self.WAITER_BOUND)
+
+
+# -----------------------------------------------------------------------------------------------------
+# A deadline for one single-shot call: timeout=
+# -----------------------------------------------------------------------------------------------------
+
+
+def _a_drip(head, body, every):
+    """A handler that sends ``head``, then ``body`` a byte every ``every`` seconds: never silent for long,
+    never done soon."""
+
+    def handler(req):
+        req.send(head)
+        for i in range(len(body)):
+            if req.closed_by_peer.wait(every) or not req.send(body[i : i + 1]):
+                return
+
+    return handler
+
+
+class TestDeadline(VirtualFactory, _ApiCase):
+    """timeout= bounds a single-shot call's whole exchange, connect included: each operation gets what is
+    left, and the one the deadline cuts short ends the call with DeadlineError at that very moment (exactly,
+    on the virtual clock), its connection closed; liveness still applies when it is shorter."""
+
+    def deadline(self, call, seconds, phase, message):
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            run_with_timeout(call)
+        self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
+        err = cm.exception
+        self.assertEqual((err.timeout, err.phase, str(err)), (seconds, phase, message))
+        self.assertIsInstance(err, TimeoutError)
+        return err
+
+    def test_every_call_waiting_for_its_answer(self):
+        for name, call, line, *_ in _api_calls():
+            with self.subTest(call=name):
+                _api_route(self.server, line, lambda req: req.wait_peer_close(5))
+                since = len(self.server.requests)
+                what = line.decode()
+                self.deadline(
+                    lambda call=call: call(_Per(self.client, timeout=0.5)),
+                    0.5,
+                    "answer",
+                    "the call's timeout (0.5 s) ran out while waiting for the answer to %s: the connection "
+                    "was closed" % what,
+                )
+                (req,) = self.server.requests[since:]
+                self.assertTrue(req.closed_by_peer.wait(1))
+        self.assertEqual(self.client._board.idle, [])  # nothing kept
+
+    def test_an_answer_that_keeps_coming_is_cut_at_the_deadline(self):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
+        self.server.route("GET", "/metrics", _a_drip(head, b"#" * 100, 0.3))  # liveness (2 s) never runs out
+        self.deadline(
+            lambda: self.client.metrics(timeout=1.0),
+            1.0,
+            "answer",
+            "the call's timeout (1 s) ran out while reading the answer to GET /metrics: the connection was closed",
+        )
+        self.assertTrue(self.server.requests[-1].closed_by_peer.wait(1))
+        self.server.route("GET", "/metrics", _a_drip(head.replace(b"100", b"3"), b"#" * 3, 0.3))
+        t = Timer()
+        self.assertEqual(run_with_timeout(lambda: self.client.metrics(timeout=1.0)), "###")  # in time: its answer
+        self.assertElapsed(t.elapsed, 0.9, early=EARLY)
+
+    def test_a_byte_at_the_deadline_leaves_no_time_for_the_rest(self):
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\n"
+
+        def late(req):  # the head at once, one byte when the deadline runs out, the other never
+            req.send(head)
+            time.sleep(0.5)
+            req.send(b"#")
+            req.wait_peer_close(5)
+
+        self.server.route("GET", "/metrics", late)
+        self.deadline(
+            lambda: self.client.metrics(timeout=0.5),
+            0.5,
+            "answer",
+            "the call's timeout (0.5 s) ran out while reading the answer to GET /metrics: the connection was closed",
+        )
+
+    def test_a_send_the_server_does_not_take(self):
+        self.server.deaf = True  # the body fills the buffers and waits there
+        body = {"content": "x" * (4 * 1024 * 1024)}
+        self.deadline(
+            lambda: self.client.fetch("POST", "/tokenize", body, timeout=0.6),
+            0.6,
+            "send",
+            "the call's timeout (0.6 s) ran out while sending POST /tokenize: the connection was closed",
+        )
+
+    def test_a_connect_that_does_not_complete(self):
+        self.server.close()
+        server = self.new_server(tcp=True)
+        self.closers.append(server.close)
+        server.unanswered = True  # the accept queue is full
+        client = self.new_client(server.address, limits=FAST)
+        self.closers.append(client.close)
+        self.deadline(
+            lambda: client.health(timeout=0.3),
+            0.3,
+            "connect",
+            "the call's timeout (0.3 s) ran out while connecting to %s: the connection was closed" % server.address,
+        )
+        # without one, the connect's own timeout (liveness) is a ConnectError
+        t = Timer()
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(client.health)
+        self.assertElapsed(t.elapsed, FAST.liveness, early=EARLY)
+
+    def test_liveness_still_applies_when_shorter(self):
+        self.server.route("GET", "/slots", lambda req: req.wait_peer_close(5))
+        t = Timer()
+        with self.assertRaises(lc.StalledError) as cm:
+            run_with_timeout(lambda: self.client.slots(timeout=5.0))
+        self.assertIs(type(cm.exception), lc.StalledError)
+        self.assertElapsed(t.elapsed, FAST.liveness, early=EARLY)
+
+    def test_waiting_for_a_model_to_load(self):
+        self.server.route("POST", "/models/load", reply(json_response({"success": True})))
+        loading = {"data": [{"id": "m", "status": {"value": "loading"}}]}
+        self.server.route("GET", "/v1/models", lambda req: respond_json(req, loading))
+        self.deadline(
+            lambda: self.client.load_model("m", wait=True, timeout=0.52),
+            0.52,
+            "wait",
+            "the call's timeout (0.52 s) ran out while waiting to ask again after GET /v1/models: the connection "
+            "was closed",
+        )
+
+    def test_a_kept_connection_the_server_closed_is_sent_again_within_the_deadline(self):
+        self.server.route("GET", "/health", reply(json_response({"status": "ok"}, extra=b"Keep-Alive: timeout=5\r\n")))
+        # FakeServer closes each connection after one answer: the kept one fails before any byte
+        self.assertEqual(run_with_timeout(lambda: self.client.health(timeout=1)), {"status": "ok"})
+        self.assertEqual(run_with_timeout(lambda: self.client.health(timeout=1)), {"status": "ok"})
+        self.assertEqual(len(self.server.requests), 2)
+
+    def test_streams_take_no_timeout(self):
+        for make in (
+            lambda: self.client.stream(MSGS, timeout=1),
+            lambda: self.client.chat(MSGS, timeout=1),
+            lambda: _a_stream(self.client, "/x", timeout=1),
+        ):
+            with self.assertRaises(TypeError) as cm:
+                make()
+            self.assertIn("no total deadline", str(cm.exception))
+        self.assertEqual(self.server.requests, [])
+
+
+class TestWithin(unittest.TestCase):
+    """_within, the plan around a single-shot plan that keeps its deadline, driven by hand on a clock of the
+    test's own: what it asks of the driver, and what it does with the answers."""
+
+    def setUp(self):
+        self.now = 100.0
+        patcher = mock.patch.object(lc, "_clock", lambda: self.now)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_each_operation_gets_what_is_left_and_the_rest_passes_unchanged(self):
+        closed = []
+
+        def inner():
+            try:
+                conn = yield (lc._CONNECT, 5.0, True)
+                yield (lc._SEND, conn, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 5.0)
+                yield [lc.Content("passed")]
+                data = yield (lc._RECV, conn, 0.25)  # shorter than what is left: its own
+                yield (lc._KEEP, conn, 4.0)
+                return data
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 2.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._CONNECT, 2.0, True))
+        self.now += 0.5
+        self.assertEqual(plan.send("conn"), (lc._SEND, "conn", b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 1.5))
+        self.assertEqual(plan.send(None), [lc.Content("passed")])
+        self.assertEqual(plan.send(None), (lc._RECV, "conn", 0.25))
+        self.assertEqual(plan.send(b"ok"), (lc._KEEP, "conn", 4.0))
+        with self.assertRaises(StopIteration) as cm:
+            plan.send(None)
+        self.assertEqual((cm.exception.value, closed), (b"ok", [True]))
+
+    def test_a_cut_operation_that_runs_out_ends_the_call_and_closes_the_plan(self):
+        closed = []
+
+        def inner():
+            try:
+                yield (lc._RECV, "conn", 5.0)
+            except lc._Silence:
+                closed.append("silence reached the plan")
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 1.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._RECV, "conn", 1.0))
+        self.now += 1.0
+        with self.assertRaises(lc.DeadlineError) as cm:
+            plan.throw(lc._Silence())
+        self.assertEqual((cm.exception.phase, closed), ("answer", [True]))
+        # an error of an operation the deadline did not cut is the plan's own
+        plan = lc._within(inner(), 10.0, "/s.sock")
+        next(plan)
+        with self.assertRaises(StopIteration):
+            plan.throw(lc._Silence())
+        self.assertEqual(closed, [True, "silence reached the plan", True])
+
+    def test_closing_it_closes_the_plan(self):
+        closed = []
+
+        def inner():
+            try:
+                yield (lc._SLEEP, 5.0)
+            finally:
+                closed.append(True)
+
+        plan = lc._within(inner(), 1.0, "/s.sock")
+        self.assertEqual(next(plan), (lc._SLEEP, 1.0))
+        plan.close()
+        self.assertEqual(closed, [True])
+
+
+TestDeadlineSockets, TestDeadlineSocketsAsync = on_sockets(
+    TestDeadline, "test_an_answer_that_keeps_coming_is_cut_at_the_deadline", "test_a_send_the_server_does_not_take"
+)
+
+
+class TestDeadlineConnect(ServerCase):
+    """A TCP connect that neither completes nor fails, on real sockets: timeout= ends it, through both
+    clients."""
+
+    def test_a_connect_that_does_not_complete(self):
+        address = full_tcp_listener(self)
+        client = self.new_client(address, limits=FAST)
+        self.closers.append(client.close)
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))
+        self.assertElapsed(t.elapsed, 0.4, early=EARLY, what="the DeadlineError")
+        self.assertEqual(cm.exception.phase, "connect")
+        self.assertIn("while connecting to %s" % address, str(cm.exception))
+
+
+class TestDeadlineConnectAsync(AsyncDriver, TestDeadlineConnect):
+    pass
 
 
 # =====================================================================================================
@@ -11914,6 +13232,29 @@ class _f_Case(VirtualFactory, ServerCase):
             raise outcome
         self.assertLessEqual(elapsed, budget + (1e-6 if self.VIRTUAL else MARGIN))
         return outcome
+
+    def _f_kinds(self):
+        return [type(e).__name__ for e in self._f_events]
+
+
+class TestFaultSlots(_f_Case):
+    """What is more than a row of the /slots table: a pool's size, asked of /props in the background."""
+
+    def test_props_silent_or_slow_does_not_hold_a_request_back(self):
+        """slot=None asks /props for the pool's size in the background: the request is sent and served at
+        once whether /props never answers or answers late; a late answer sizes the pool when it comes."""
+        self.use(serve_body(_F_OK_BODY))
+        slow = lambda req: (time.sleep(0.3), respond_json(req, {"total_slots": 2}))  # within liveness (0.5 s)
+        for name, handler in (("silent", _f_hold), ("slow", slow)):
+            with self.subTest(name):
+                client = self.client_with()  # a pool nobody has asked about yet
+                self.server.route("GET", "/props", handler)
+                completion = self._f_succeeds(fn=lambda ev: client.chat(MSGS, slot=None, on_event=ev.append))
+                self.assertEqual(completion.content, "Hello world")
+                self.assertEqual(self._f_events, [lc.Content("Hello"), lc.Content(" world")])
+                self.assertEqual(client_pools(client), {})  # served before /props answered
+        wait_for(lambda: client_pools(client) == {None: 2}, what="the slow answer")
+        self.assertEqual(client._board.gate._lanes[(None, None)].capacity, 2)
 
 
 # -- behind proxies and balancers: an unseen /slots, the pool's size (the 429s are rows of the table) -
@@ -12913,6 +14254,136 @@ class TestFaultFuzzRegressions(unittest.TestCase):
 # TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
 # client cases through both with the same rules.
 
+# -- answers as the server gave them: fetch(), timeout=, stream_route() -------------------------------
+
+_A_PAGE = b"<html><head><title>500 Internal Server Error</title></head><body>oops</body></html>"
+
+
+def _a_headers(ctype, body, *extra):
+    """The (name, value) pairs of an http_response() answer: Server, Content-Type, Content-Length, the
+    ``extra`` pairs, Connection: close."""
+    return (
+        (("server", "llama.cpp"), ("content-type", ctype), ("content-length", str(len(body))))
+        + extra
+        + (("connection", "close"),)
+    )
+
+
+_A_FAULT_ANSWERS = {
+    "page": (
+        http_response(_A_PAGE, b"text/html", "length", b"500 Internal Server Error"),
+        lc.Response(500, "Internal Server Error", _a_headers("text/html", _A_PAGE), _A_PAGE),
+    ),
+    "503": (
+        http_response(
+            b'{"error":{"code":503}}', JSON_TYPE, "length", b"503 Service Unavailable", b"Retry-After: 1\r\n"
+        ),
+        lc.Response(
+            503,
+            "Service Unavailable",
+            _a_headers(JSON_TYPE.decode(), b'{"error":{"code":503}}', ("retry-after", "1")),
+            b'{"error":{"code":503}}',
+        ),
+    ),
+    "302": (
+        http_response(b"", b"text/html", "length", b"302 Found", b"Location: http://127.0.0.1:9/elsewhere\r\n"),
+        lc.Response(302, "Found", _a_headers("text/html", b"", ("location", "http://127.0.0.1:9/elsewhere")), b""),
+    ),
+}
+#: a head announcing 1,000 bytes of body, which then come a byte every 0.1 s: never silent, never done
+_A_TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\n"
+_A_DEADLINE = 0.3  # under every budget of FAST_FAULTS, so that only the call's timeout can end it
+
+
+def _a_fetch(method="GET", path="/any", **kw):
+    return lambda client, events: client.fetch(method, path, **kw)
+
+
+def _a_route(path="/r", body=None, **kw):
+    """The act of a stream_route() call: its events into ``events``, its Completion returned."""
+
+    def act(client, events):
+        stream = client.stream_route(path, body, **kw)
+        for event in stream:
+            events.append(event)
+        return stream.completion
+
+    return act
+
+
+class TestFaultAnswers(_f_Case):
+    """fetch() gives what the server said, whatever it said; timeout= ends a call the server never ends;
+    stream_route() keeps the engine's rules on a route it does not know."""
+
+    def _f_call(self, act):
+        return lambda events: act(self.client, events)
+
+    def test_fetch_of_an_error_page(self):
+        raw, want = _A_FAULT_ANSWERS["page"]
+        self.server.route("GET", "/any", reply(raw, hold=True))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_503_is_not_retried(self):
+        raw, want = _A_FAULT_ANSWERS["503"]
+        self.server.route("GET", "/any", reply(raw))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_redirect_is_not_followed(self):
+        raw, want = _A_FAULT_ANSWERS["302"]
+        self.server.route("GET", "/any", reply(raw))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
+        self.assertEqual(len(self.server.requests), 1)
+
+    def test_fetch_of_a_body_over_max_body(self):
+        self.server.route("GET", "/any", reply(http_response(b"x" * (64 * 1024 + 1), b"text/plain"), hold=True))
+        err = self._f_fails(lc.ProtocolError, fn=self._f_call(_a_fetch()))
+        self.assertIn("max_body", str(err))
+
+    def test_timeout_on_a_silent_server(self):
+        self.server.route("GET", "/any", _f_hold)
+        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
+        self.assertEqual(err.phase, "answer")
+
+    def test_timeout_on_an_answer_that_trickles(self):
+        self.server.route("GET", "/any", _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1))
+        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
+        self.assertIn("reading the answer to GET /any", str(err))
+
+    def test_stream_route_of_an_answer_that_is_not_a_stream(self):
+        self.server.route("POST", "/r", reply(json_response({"a": 1}), hold=True))
+        self._f_fails(lc.ProtocolError, fn=self._f_call(_a_route()))
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], ["/r"])
+
+    def test_stream_route_of_a_503_then_a_stream(self):
+        self.server.route("POST", "/r", _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True))))
+        done = self._f_succeeds(budget=lc.BACKOFF_FIRST, fn=self._f_call(_a_route()))
+        self.assertEqual(
+            (self._f_kinds(), self._f_events[1], done), (["Retrying", "Chunk"], lc.Chunk({"a": 1}), _A_EMPTY)
+        )
+
+    def test_stream_route_of_text_data(self):
+        self.server.route("POST", "/r", reply(_a_sse("hello", "wor ld", done=True)))
+        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_route())), _A_EMPTY)
+        self.assertEqual(self._f_events, [lc.Chunk("hello"), lc.Chunk("wor ld")])
+
+    def test_stream_route_of_chat_cut_before_its_finish(self):
+        self.server.route("POST", "/r", reply(_a_sse(json.loads(chunk_json({"content": "Hi"})))))
+        self._f_fails(lc.StreamClosedError, fn=self._f_call(_a_route()))
+        self.assertEqual(self._f_kinds(), ["Chunk"])
+
+    def test_stream_route_silent_once_started(self):
+        self.server.route("POST", "/r", reply(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'), hold=True))
+        self._f_fails(lc.StalledError, FAST_FAULTS.liveness, fn=self._f_call(_a_route()))
+        self.assertEqual(self._f_events, [lc.Chunk({"a": 1})])
+
+
+TestFaultAnswersSockets, TestFaultAnswersSocketsAsync = on_sockets(
+    TestFaultAnswers, "test_timeout_on_an_answer_that_trickles", "test_stream_route_of_a_503_then_a_stream"
+)
+
+
 # -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
 #
 # Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
@@ -13511,6 +14982,12 @@ FAULT_TABLE = [
                 "`ProtocolError` at once",
                 "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
+            (
+                "`/props` silent or slow for a `slot=None` request",
+                "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
+                "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`, `TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
+            ),
         ],
     ),
     (
@@ -13750,6 +15227,78 @@ FAULT_TABLE = [
                 "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
                 "`ServerError` at once",
                 "`TestDifferential.test_inputs_the_fuzzer_found`",
+            ),
+        ],
+    ),
+    (
+        "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "fetch() of an error page",
+                "`500` with an HTML page, then holds the connection",
+                "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
+                "`TestFaultAnswers.test_fetch_of_an_error_page`",
+            ),
+            (
+                "fetch() of a 503 with Retry-After",
+                "`503`, `Retry-After: 1`",
+                "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
+                "`TestFaultAnswers.test_fetch_of_a_503_is_not_retried`",
+            ),
+            (
+                "fetch() of a redirect",
+                "`302` with a `Location` elsewhere",
+                "no error: the `Response` at once; the redirect is not followed",
+                "`TestFaultAnswers.test_fetch_of_a_redirect_is_not_followed`",
+            ),
+            (
+                "fetch() of a body over max_body",
+                "a 200 one byte over `max_body`, then holds the connection",
+                "`ProtocolError` at once",
+                "`TestFaultAnswers.test_fetch_of_a_body_over_max_body`",
+            ),
+            (
+                "timeout= on a silent server",
+                "reads the request, sends nothing",
+                "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
+                "`TestFaultAnswers.test_timeout_on_a_silent_server`, `TestDeadline.test_every_call_waiting_for_its_answer`",
+            ),
+            (
+                "timeout= on an answer that trickles",
+                "a head, then a byte of its body every 0.1 s",
+                "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
+                "`TestFaultAnswers.test_timeout_on_an_answer_that_trickles`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
+            ),
+            (
+                "stream_route() of an answer that is not a stream",
+                "`200` with `application/json`, then holds the connection",
+                "`ProtocolError` at once, not sent again",
+                "`TestFaultAnswers.test_stream_route_of_an_answer_that_is_not_a_stream`",
+            ),
+            (
+                "stream_route() of a 503, then a stream",
+                "`503` (`Retry-After: 0`) once, then a stream",
+                "retried (`Retrying`) before delivery, then a `Chunk` per event",
+                "`TestFaultAnswers.test_stream_route_of_a_503_then_a_stream`",
+            ),
+            (
+                "stream_route() of text data",
+                "`data: hello` events that are not JSON, then `[DONE]`",
+                "no error: a `Chunk` of each text, an empty `Completion`",
+                "`TestFaultAnswers.test_stream_route_of_text_data`",
+            ),
+            (
+                "stream_route() of chat cut before its finish",
+                "a chat chunk without `finish_reason`, then the end of the body",
+                "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
+                "`TestFaultAnswers.test_stream_route_of_chat_cut_before_its_finish`",
+            ),
+            (
+                "stream_route() silent once started",
+                "one chunk, then silence",
+                "`StalledError` after `liveness`",
+                "`TestFaultAnswers.test_stream_route_silent_once_started`",
             ),
         ],
     ),
@@ -14965,7 +16514,31 @@ class TestDifferential(_f_Case):
                 lambda c, ev: c.props(),
                 lc.ProtocolError,
             ),
+            (
+                "`/props` silent or slow for a `slot=None` request",
+                [
+                    self._d_props_late(_f_hold),
+                    self._d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
+                ],
+            ),
         ]
+
+    def _d_props_late(self, handler):
+        """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
+        back for the pool's size, and ``/props`` was asked (in the background) all the same."""
+        servers = []
+
+        def arrange(s):
+            servers[:] = [s]
+            s.route("GET", "/props", handler)
+            s.stream(reply(_D_OK))
+
+        def act(client, events):
+            completion = client.chat(MSGS, slot=None, on_event=events.append)
+            wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
+            return completion
+
+        return _d_part(arrange, act)
 
     def _d_control(self):
         reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
@@ -15189,6 +16762,7 @@ class TestDifferential(_f_Case):
         "_d_fronts",
         "_d_security",
         "_d_fuzz",
+        "_d_answers",
     )
 
     def test_the_comparison_sets_aside_timing_only(self):
@@ -15311,13 +16885,74 @@ class TestDifferential(_f_Case):
     def test_inputs_the_fuzzer_found(self):
         self._d_table(self._d_fuzz())
 
+    def test_answers_as_the_server_gave_them(self):
+        self._d_table(self._d_answers())
+
+    def _d_answers(self):
+        """The rows of fetch(), timeout= and stream_route() (TestFaultAnswers' servers)."""
+
+        def on(method, path, handler):  # the handler made afresh for each client
+            return lambda s: s.route(method, path, handler())
+
+        def fetched(name):
+            raw, want = _A_FAULT_ANSWERS[name]
+            return [_d_part(on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want)]
+
+        big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
+        t, lv = _A_DEADLINE, FAST_FAULTS.liveness
+        trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
+        then_ok = lambda: _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True)))
+        opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
+        started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
+        return [
+            ("fetch() of an error page", fetched("page")),
+            ("fetch() of a 503 with Retry-After", fetched("503")),
+            ("fetch() of a redirect", fetched("302")),
+            (
+                "fetch() of a body over max_body",
+                [_d_part(on("GET", "/any", lambda: reply(big, hold=True)), _a_fetch(), lc.ProtocolError)],
+            ),
+            (
+                "timeout= on a silent server",
+                [_d_part(on("GET", "/any", lambda: _f_hold), _a_fetch(timeout=t), lc.DeadlineError, t)],
+            ),
+            (
+                "timeout= on an answer that trickles",
+                [_d_part(on("GET", "/any", trickle), _a_fetch(timeout=t), lc.DeadlineError, t)],
+            ),
+            (
+                "stream_route() of an answer that is not a stream",
+                [
+                    _d_part(
+                        on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
+                        _a_route(),
+                        lc.ProtocolError,
+                    )
+                ],
+            ),
+            ("stream_route() of a 503, then a stream", [_d_part(on("POST", "/r", then_ok), _a_route(), _A_EMPTY)]),
+            (
+                "stream_route() of text data",
+                [_d_part(on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))), _a_route(), _A_EMPTY)],
+            ),
+            (
+                "stream_route() of chat cut before its finish",
+                [_d_part(on("POST", "/r", lambda: reply(opened)), _a_route(), lc.StreamClosedError)],
+            ),
+            (
+                "stream_route() silent once started",
+                [_d_part(on("POST", "/r", lambda: reply(started, hold=True)), _a_route(), lc.StalledError, lv)],
+            ),
+        ]
+
     # -- the cases that used to tell the clients apart, and the proxies' rows -------------------------
 
     def _d_held(self, kind, make, server, limits, slot, steps, **client):
         """Chats held by a Gatekeeper: ``steps`` start them (a marker) and release them (``-marker``), each
         step waiting for what it did to be seen (a release, for the chat to be in flight and to have heard a
         Waiting: how many is timing, whether any is not); a marker in upper case runs in this thread, at
-        once (its outcome an error, e.g. BusyError).  Their (events, value), in the order of their markers."""
+        once (its outcome an error, e.g. BusyError); ``=`` waits until the client knows its pool's size.
+        Their (events, value), in the order of their markers."""
         client = make(server.address, limits=limits, **client)
         keeper = Gatekeeper(server)
         events, results, threads = {}, {}, []
@@ -15328,6 +16963,8 @@ class TestDifferential(_f_Case):
                     wait_for(lambda: keeper.arrived(marker), what=marker + " in flight")
                     wait_for(lambda: any(isinstance(e, lc.Waiting) for e in events[marker]), what=marker + " waiting")
                     keeper.release(marker)
+                elif step == "=":  # the pool's size known: the /props asked in the background has answered
+                    wait_for(lambda: client_pools(client), what="the pool's size")
                 elif step.isupper():
                     events[step] = []
                     t = Timer()
@@ -15391,6 +17028,8 @@ class TestDifferential(_f_Case):
                 first = [chr(ord("a") + i) for i in range(n)]
                 last = chr(ord("a") + n)
                 steps = first + [last] + ["-" + m for m in first + [last]]  # the last one waits, Queued(n)
+                if size is None:  # until /props answers the pool holds one: the second would wait a moment
+                    steps.insert(1, "=")
                 outcomes = self._d_held(kind, make, server, limits, None, steps)
                 self.assertEqual([o[1].content for o in outcomes], first + [last])
                 self.assertEqual([e for e in outcomes[-1][0] if isinstance(e, lc.Queued)], [lc.Queued(n)])
@@ -18447,6 +20086,165 @@ class TestRealLastRoutesAsync(AsyncDriver, TestRealLastRoutes):
     """The same on AsyncClient."""
 
 
+class _Target:
+    """A tiny HTTP server of the test's own on 127.0.0.1 for /cors-proxy to reach: it answers ``body`` to
+    any GET and keeps the headers of the last one."""
+
+    def __init__(self, body=b"ok"):
+        import http.server
+
+        seen = self.seen = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.clear()
+                seen.update((k.lower(), v) for k, v in self.headers.items())
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = "http://127.0.0.1:%d/x" % self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def _a_same(chunk):
+    """A chunk with what differs between two runs of one request left out: its id and time, its timings."""
+    return {k: v for k, v in chunk.items() if k not in ("id", "created", "timings")}
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealAnswers(ClientFactory, unittest.TestCase):
+    """fetch(), headers=, timeout= and stream_route() on the real server (started with --metrics and
+    --ui-mcp-proxy): what llama.cpp's own server tests read and loopclient used to hide."""
+
+    def setUp(self):
+        self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
+        self.addCleanup(self.client.close)
+        _idle(self.client)
+
+    def fetch(self, *args, **kw):
+        return run_with_timeout(lambda: self.client.fetch(*args, **kw), 60)
+
+    def test_options_with_an_origin_gives_the_cors_headers(self):
+        preflight = {
+            "Origin": "http://web.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization",
+        }
+        got = self.fetch("OPTIONS", "/completions", headers=preflight)
+        self.assertEqual((got.status, got.body), (200, b""))
+        self.assertEqual(
+            [got.get("Access-Control-Allow-" + name) for name in ("Origin", "Credentials", "Methods", "Headers")],
+            ["http://web.example", "true", "GET, POST, DELETE, OPTIONS", "*"],
+        )
+        # the Origin went with that call only: the next answer reflects none
+        self.assertEqual(self.fetch("GET", "/health").get("access-control-allow-origin"), "")
+        self.assertEqual(self.fetch("GET", "/health", headers={"Origin": "x"}).get("access-control-allow-origin"), "x")
+
+    def test_metrics_gives_process_start_time_unix(self):
+        got = self.fetch("GET", "/metrics")
+        self.assertEqual(got.status, 200)
+        self.assertIn("llamacpp:prompt_tokens_total", got.text())
+        value = got.get("Process-Start-Time-Unix")
+        self.assertTrue(value and value.isdigit(), got.headers)
+        # on this build it is no Unix time: ggml_time_us() when the server started, microseconds of the
+        # monotonic clock (time.monotonic()'s), which has not reached now
+        self.assertLess(int(value) / 1e6, time.monotonic())
+        self.assertGreater(abs(int(value) - time.time()), 86400)
+        self.assertGreater(abs(int(value) / 1e6 - time.time()), 86400)
+
+    def test_delete_stream_gives_204(self):
+        got = self.fetch("DELETE", "/v1/stream", query={"conv_id": "lc-test-unknown-%s" % self.CLIENT})
+        self.assertEqual((got.status, got.reason, got.body), (204, "No Content", b""))
+        self.assertIs(run_with_timeout(lambda: self.client.delete_stream("lc-test-unknown"), 60), True)
+
+    def test_cors_proxy_gives_its_text_under_a_json_content_type(self):
+        target = _Target(b"ok")
+        self.addCleanup(target.close)
+        proxy = {"x-llama-server-proxy-header-x-probe": "p-1"}  # forwarded by the proxy, for this call only
+        got = self.fetch("GET", "/cors-proxy", query={"url": target.url}, headers=proxy)
+        self.assertEqual((got.status, got.body, got.text()), (200, b"ok", "ok"))
+        self.assertEqual(got.get("content-type"), "application/json; charset=utf-8")
+        self.assertEqual(target.seen.get("x-probe"), "p-1")
+        with self.assertRaises(lc.ProtocolError):  # request() promises JSON for a JSON Content-Type
+            run_with_timeout(lambda: self.client.request("GET", "/cors-proxy", query={"url": target.url}), 60)
+        self.assertNotIn("x-probe", target.seen)
+
+    def test_a_client_that_stops_waiting(self):
+        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "id_slot": 0}
+        t = Timer()
+        with self.assertRaises(lc.DeadlineError) as cm:
+            self.fetch("POST", "/completion", body, timeout=0.5)
+        self.assertLess(t.elapsed, 0.5 + MARGIN)
+        self.assertEqual(cm.exception.phase, "answer")
+        # The connection was closed: the server stops generating and frees the slot.  This build looks at the
+        # connection of a non-streamed request only after a second in which no result of any task came (a
+        # /slots answer is one): asked every few milliseconds, /slots would keep the slot busy to its end.
+        deadline = time.monotonic() + 60
+        while self.client.slots()[0].is_processing:
+            self.assertLess(time.monotonic(), deadline, "slot 0 still processing the abandoned request")
+            time.sleep(2.0)  # the pace of the question, longer than the server's one-second look
+        text = self.client.request("POST", "/completion", dict(body, n_predict=1))["content"]
+        self.assertTrue(text)
+
+    def test_a_streamed_route_without_a_named_call_equals_the_named_calls_raw_chunks(self):
+        params = {"max_tokens": 12, "temperature": 0, "seed": 7}
+        run_with_timeout(lambda: self.client.chat(SEA, slot=0, **params), 60)  # both requests then find the cache
+        named = run_with_timeout(lambda: list(self.client.stream(SEA, slot=0, raw_chunks=True, **params)), 60)
+        named = [e.data for e in named if isinstance(e, lc.Chunk)]
+        body = dict(params, messages=SEA, stream=True, stream_options={"include_usage": True})
+        stream = self.client.stream_route("/chat/completions", body, slot=0)
+        events = run_with_timeout(lambda: list(stream), 60)
+        self.assertTrue(all(isinstance(e, lc.Chunk) for e in events), events)
+        self.assertEqual([_a_same(e.data) for e in events], [_a_same(c) for c in named])
+        self.assertEqual(len({e.data["id"] for e in events}), 1)
+        done = stream.completion
+        self.assertEqual(
+            (done.finish_reason, done.usage), (named[-2]["choices"][0]["finish_reason"], named[-1]["usage"])
+        )
+        self.assertEqual(done.usage["completion_tokens"], 12)
+        # llama-server's own /completions: the same
+        native = {"prompt": "The sky is", "n_predict": 8, "temperature": 0}
+        named = run_with_timeout(lambda: list(self.client.stream_complete(slot=0, raw_chunks=True, **native)), 60)
+        named = [e.data for e in named if isinstance(e, lc.Chunk)]
+        stream = self.client.stream_route("/completions", dict(native, stream=True), slot=0)
+        events = run_with_timeout(lambda: list(stream), 60)
+        self.assertEqual([_a_same(e.data) for e in events], [_a_same(c) for c in named])
+        self.assertEqual((stream.completion.finish_reason, stream.completion.final["stop"]), ("length", True))
+
+    def test_a_streamed_route_cut_is_resumed(self):
+        proxy = CutProxy(REAL_SOCKET, 3000)
+        self.addCleanup(proxy.close)
+        client = self.new_client(proxy.path, limits=REAL_LIMITS)
+        self.addCleanup(client.close)
+        body = {"messages": SEA, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+        stream = client.stream_route("/chat/completions", body, slot=0, resumable=True)
+        events = run_with_timeout(lambda: list(stream), 120)
+        self.assertEqual(proxy.cuts, 1)
+        self.assertEqual(len([e for e in events if isinstance(e, lc.Resumed)]), 1)
+        chunks = [e.data for e in events if isinstance(e, lc.Chunk)]
+        replay = self.client.resume(stream.conversation_id, endpoint="route")
+        self.assertEqual([e.data for e in run_with_timeout(lambda: list(replay), 60)], chunks)  # none lost or repeated
+        texts = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        self.assertEqual(stream.completion.finish_reason, "length")
+        self.assertEqual(len([t for t in texts if t]), 40)
+
+
+class TestRealAnswersAsync(AsyncDriver, TestRealAnswers):
+    """The same on AsyncClient."""
+
+
 def _reload_router():
     """The router reads its models directory again (``GET /models?reload=1``)."""
     with lc.Client(REAL_ROUTER, limits=REAL_LIMITS) as client:
@@ -18543,6 +20341,137 @@ class TestRealRouterModels(ClientFactory, unittest.TestCase):
 
 @unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
 class TestRealRouterModelsAsync(AsyncDriver, TestRealRouterModels):
+    """The same on AsyncClient."""
+
+
+def _router_log(offset=0):
+    """The real router's log (next to its socket: ``.sock`` -> ``.log``) from byte ``offset``, as text."""
+    with open(REAL_ROUTER[: -len(".sock")] + ".log", "rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
+
+
+def _router_log_size():
+    return os.path.getsize(REAL_ROUTER[: -len(".sock")] + ".log")
+
+
+#: what the router logs for each request that waits for a model to load (once it has taken the request's
+#: conversation id, for a POST)
+_WAITING_FOR = "waiting until model name=%s is fully loaded"
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterLoad(ClientFactory, unittest.TestCase):
+    """A streamed request is at the router as soon as it is made, while its ``slot=None`` pool's
+    ``/props?model=`` (which the router holds until the model has loaded) is still out: a stop
+    (``DELETE /v1/stream``) sent while the model loads cancels it, as it cancels a plain http.client
+    request, and the router's log shows the request parked in the load when the stop came."""
+
+    MODEL = "alpha"
+    COUNT = [{"role": "user", "content": "Count from 1 to 1000."}]
+
+    def setUp(self):
+        # poll 5 s: no /slots poll before the stop, so that only the probe and the POST wait for the load
+        self.client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS.replace(poll=5.0))
+        self.addCleanup(self.client.close)
+
+    def unloaded(self):
+        """The model unloaded (``POST /models/unload``), whatever an earlier test left."""
+        name = self.MODEL
+        if _status(self.client, name) == "loading":
+            wait_for(lambda: _status(self.client, name) == "loaded", 60, "%s to load" % name)
+        if _status(self.client, name) != "unloaded":
+            self.client.unload_model(name)
+            wait_for(lambda: _status(self.client, name) == "unloaded", 30, "%s to unload" % name)
+
+    def waiting_in_log(self, offset, n):
+        """Until the router has logged ``n`` requests waiting for the model's load since ``offset``."""
+        line = _WAITING_FOR % self.MODEL
+        wait_for(lambda: _router_log(offset).count(line) >= n, 60, "%d request(s) waiting for the load" % n)
+
+    def plain_request_stopped_while_loading(self):
+        """What a plain http.client request sees when a stop comes while its model loads: (status, the
+        error's message)."""
+        import http.client
+
+        class UnixHTTP(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(self.timeout)
+                self.sock.connect(REAL_ROUTER)
+
+        self.unloaded()
+        offset = _router_log_size()
+        conversation = "lc-plain-%d-%s" % (os.getpid(), self.CLIENT)
+        body = json.dumps({"model": self.MODEL, "stream": True, "max_tokens": 64, "messages": self.COUNT})
+        headers = {"Content-Type": "application/json", "X-Conversation-Id": conversation}
+        answer = []
+
+        def post():
+            conn = UnixHTTP("localhost", timeout=90)
+            try:
+                conn.request("POST", "/v1/chat/completions", body, headers)
+                response = conn.getresponse()
+                answer.append((response.status, response.read()))
+            finally:
+                conn.close()
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        self.waiting_in_log(offset, 1)  # its only request: the POST, its conversation id taken
+        conn = UnixHTTP("localhost", timeout=30)
+        conn.request("DELETE", "/v1/stream?conv_id=" + conversation)
+        self.assertEqual(conn.getresponse().status, 204)
+        conn.close()
+        thread.join(90)
+        self.assertEqual(len(answer), 1, "the plain request never ended")
+        status, data = answer[0]
+        return status, json.loads(data)["error"]["message"]
+
+    def test_a_stop_while_the_model_loads_ends_the_stream_with_the_routers_400(self):
+        status, message = self.plain_request_stopped_while_loading()
+        self.assertEqual(status, 400, message)  # the router's answer to a request stopped in the load
+
+        self.unloaded()
+        offset = _router_log_size()
+        stream = self.client.stream(self.COUNT, slot=None, model=self.MODEL, resumable=True, max_tokens=64)
+        conversation = stream.conversation_id
+        outcome = []
+
+        def read():
+            try:
+                outcome.extend(stream)
+            except BaseException as exc:  # noqa: B036
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        # the pool's /props?model= and the POST: both wait for the load, the POST with its id taken
+        self.waiting_in_log(offset, 2)
+        self.assertTrue(self.client.delete_stream(conversation))
+        reader.join(90)
+        self.assertFalse(reader.is_alive(), "the stream never ended")
+        error = outcome[-1]
+        self.assertIsInstance(error, lc.HTTPStatusError, outcome)
+        self.assertEqual((error.status, error.message), (status, message))
+        self.assertFalse([e for e in outcome[:-1] if not isinstance(e, lc.Waiting)], outcome)
+
+        log = _router_log(offset)
+        port = re.search(r"spawning server instance with name=%s on port (\d+)" % self.MODEL, log).group(1)
+        stop = "router stop for conv_id=%s while model name=%s is loading" % (conversation, self.MODEL)
+        loaded = re.search(r"(?m)^\[%s\] .*llama_server: model loaded" % port, log)
+        # the first stop the router heard for it found the POST (the stream's own DELETE on its way out
+        # comes later, for an id the router has forgotten by then)
+        first = re.search(r"router stop for (unknown )?conv_id=%s\b.*" % re.escape(conversation), log)
+        self.assertEqual(first and first.group(0), stop + ", cancelling the pending request")
+        self.assertIsNotNone(loaded, "the model's load never finished")
+        self.assertLess(log.index(stop), loaded.start())  # the POST waited in the load when the stop came
+        cancelled = "request for conv_id=%s cancelled while model name=%s was loading" % (conversation, self.MODEL)
+        wait_for(lambda: cancelled in _router_log(offset), 10, "the router to log the cancelled request")
+
+
+@unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
+class TestRealRouterLoadAsync(AsyncDriver, TestRealRouterLoad):
     """The same on AsyncClient."""
 
 

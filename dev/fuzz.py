@@ -291,9 +291,10 @@ DIALECTS = {
     "messages": lc._MessagesAssembler,
     "text": lc._TextAssembler,
     "models": lc._ModelEvents,
+    "route": lc._RouteChunks,  # stream_route(): any route's data events as Chunks
 }
 #: The dialects whose stream ends at a [DONE] payload (the others end by their own ``done``, or never)
-DONE_ENDS = (lc._TextAssembler,)
+DONE_ENDS = (lc._TextAssembler, lc._RouteChunks)
 
 
 def dialect_seeds():
@@ -402,6 +403,24 @@ def dialect_seeds():
         ("responses-incomplete", "dialect:responses", _p_dialect_http([sse(json.dumps(b)) for b in incomplete])),
         ("responses-failed", "dialect:responses", _p_dialect_http([_p_typed(b) for b in failed])),
         ("messages", "dialect:messages", _p_dialect_http([_p_typed(d) for d in messages])),
+        # stream_route(): any route's events, in every shape (chat, native, Responses, text, an error)
+        (
+            "route-chat",
+            "dialect:route",
+            _p_dialect_http([sse(chunk_json({"content": "Hi"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n"]),
+        ),
+        ("route-native", "dialect:route", _p_dialect_http(native_two)),
+        ("route-responses", "dialect:route", _p_dialect_http([_p_typed(b) for b in text])),
+        (
+            "route-text",
+            "dialect:route",
+            _p_dialect_http([b"data: hello\n\n", b"data: 42\n\n", b"data: [1,\ndata: 2]\n\n", b"data: null\n\n"]),
+        ),
+        (
+            "route-error",
+            "dialect:route",
+            _p_dialect_http([sse(json.dumps({"a": 1})), sse(json.dumps({"error": {"code": 503, "message": "x"}}))]),
+        ),
         ("messages-overloaded", "dialect:messages", _p_dialect_http([_p_typed(d) for d in overloaded])),
         (
             "messages-bare-error",
@@ -834,6 +853,9 @@ EVENT_TYPES = {
     lc.Chunk: (("data", dict),),
     lc.ModelEvent: (("model", str), ("event", str), ("data", (dict, type(None)))),
 }
+#: stream_route()'s chunks hold any JSON value, or the event's text
+ROUTE_EVENT_TYPES = dict(EVENT_TYPES)
+ROUTE_EVENT_TYPES[lc.Chunk] = (("data", (dict, list, str, int, float, bool, type(None))),)
 CLIENT_EVENT_TYPES = dict(EVENT_TYPES)
 CLIENT_EVENT_TYPES.update(
     {
@@ -858,10 +880,16 @@ def check_events(events, table=EVENT_TYPES):
             raise Violation("empty %s event" % type(event).__name__)
 
 
-def check_completion(done):
+def check_completion(done, route=False):
+    """The types a Completion documents; ``route``: stream_route()'s, which may be empty (no finish, no usage)
+    but never holds text."""
     if not isinstance(done, lc.Completion):
         raise Violation("not a Completion: %r" % (done,))
+    if route and (done.content or done.reasoning or done.tool_calls or done.reasoning_tokens):
+        raise Violation("stream_route()'s Completion holds text: %r" % (done,))
     for name in ("content", "reasoning", "finish_reason"):
+        if route and name == "finish_reason" and done.finish_reason is None:
+            continue
         if not isinstance(getattr(done, name), str):
             raise Violation("Completion.%s is %r" % (name, getattr(done, name)))
     for name in ("usage", "timings"):
@@ -1093,7 +1121,7 @@ def check_dialect(asm, events, done):
     """The rules every dialect keeps: the Completion holds what the events delivered, in order (text per
     choice, reasoning, each call's id, name and arguments), chat's usage keys are integers, ``final`` is an
     object and the token ids integers."""
-    check_completion(done)
+    check_completion(done, route=isinstance(asm, lc._RouteChunks))
     if not asm.done and not isinstance(asm, (lc._NativeAssembler,) + DONE_ENDS):
         raise Violation("a Completion from %s before its stream's end" % type(asm).__name__)
     texts, reasoning, calls = {}, {}, {}
@@ -1115,7 +1143,7 @@ def check_dialect(asm, events, done):
     got = [[c.id, c.name, c.arguments] for c in done.tool_calls]
     if got != [calls[i] for i in sorted(calls)]:
         raise Violation("tool calls %r, the events gave %r" % (got, calls))
-    if done.usage is not None and not isinstance(asm, lc.Assembler):  # chat's (and /v1/completions'): as sent
+    if done.usage is not None and not isinstance(asm, (lc.Assembler, lc._RouteChunks)):  # as sent there
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             if type(done.usage.get(key)) is not int:
                 raise Violation("usage[%r] is %r" % (key, done.usage.get(key)))
@@ -1123,6 +1151,10 @@ def check_dialect(asm, events, done):
         raise Violation("Completion.final is %r" % (done.final,))
     if asm.reasoning_tokens != sum(1 for e in events if type(e) is lc.Reasoning):
         raise Violation("%d reasoning tokens for %d Reasoning events" % (asm.reasoning_tokens, len(reasoning)))
+
+
+def _event_types(asm):
+    return ROUTE_EVENT_TYPES if isinstance(asm, lc._RouteChunks) else EVENT_TYPES
 
 
 def make_dialect(rng, corpus, big):
@@ -1161,7 +1193,7 @@ def run_dialect(case):
             if reader.head is not None and reader.head.status != 200:
                 continue
             if payloads(sse_decoder.feed(body)):
-                check_events(events)
+                check_events(events, _event_types(asm))
                 done = asm.completion()
                 check_dialect(asm, [e for e in events if type(e) is not lc.Chunk], done)
                 return done
@@ -1172,7 +1204,7 @@ def run_dialect(case):
     if not reader.done:
         reader.feed_eof()
     payloads(sse_decoder.close())
-    check_events(events)
+    check_events(events, _event_types(asm))
     done = asm.completion()
     check_dialect(asm, [e for e in events if type(e) is not lc.Chunk], done)
     return done
@@ -1211,7 +1243,7 @@ def run_dialect_payloads(case):
         events.extend(asm.feed(payload))
         if asm.done:
             break
-    check_events(events)
+    check_events(events, _event_types(asm))
     done = asm.completion()
     check_dialect(asm, [e for e in events if type(e) is not lc.Chunk], done)
     return done

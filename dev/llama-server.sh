@@ -6,7 +6,8 @@
 #   dev/llama-server.sh build              build/fetch everything into the cache (idempotent; prints
 #                                          progress every 15 s while a step runs)
 #   dev/llama-server.sh start [SOCKET]     the test server on a Unix socket (default RUN_DIR/llama.sock),
-#                                          with --metrics and --slot-save-path SOCKET's .slots/ directory
+#                                          with --metrics, --slot-save-path SOCKET's .slots/ directory and
+#                                          --ui-mcp-proxy (GET/POST /cors-proxy?url=... forwards to a URL)
 #   dev/llama-server.sh stop [SOCKET]      stop any Unix-socket instance below: SIGTERM to its process
 #                                          group (SIGKILL after 10 s); removes socket, pidfile, .slots/, .models/
 #   dev/llama-server.sh start-tcp PORT     the test server on 127.0.0.1:PORT (a separate instance;
@@ -56,6 +57,9 @@
 # (measured: cache_n 0 after restore_slot without it, 29 of 30 prompt tokens with it). Only there: with
 # --swa-full this build no longer wedges a slot under the soak recipe (dev/soak.py), which the default does
 # within seconds, and the wedge test starts its own server with the default arguments (args).
+# --ui-mcp-proxy (the web UI's MCP proxy, experimental upstream) serves /cors-proxy, which answers 403
+# without it: the tests reach a URL of their own through it (TestRealAnswers). It listens on a Unix socket
+# only this user can reach; do not give it to a server others can reach (it fetches any URL it is given).
 #
 # Files: pidfile and log sit next to the socket: SOCKET with ".sock" replaced by ".pid" / ".log" (and
 # ".slots/", ".models/" where used); TCP: RUN_DIR/tcp-PORT.{pid,log}, RUN_DIR/prefix-PORT.{pid,log}.
@@ -493,7 +497,7 @@ case $cmd in
         fi
         mapfile -t args < <(test_args)
         launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" "${args[@]}" \
-            --metrics --slot-save-path "$SLOTS" --swa-full --host "$SOCKET"
+            --metrics --slot-save-path "$SLOTS" --swa-full --ui-mcp-proxy --host "$SOCKET"
         ;;
     stop)
         stop_unix "${1:-}" llama.sock

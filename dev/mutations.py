@@ -38,6 +38,12 @@ clients agreed, not the events, causes, messages and requests a row states.
     close-mid-chunk-wrong-class        caught             caught                 caught
     lost-plain-stream-sent-again       caught             caught                 caught
 
+The last two are in the paths of fetch(), timeout= and stream_route(), whose TestFaultAnswers methods went
+later (``--old 0c9fa40``, the commit that brought them):
+
+    deadline-phase-wrong               caught             missed                 caught
+    text-chunk-dropped                 caught             missed                 caught
+
 Exit status 1 when a mutation is missed (or a test fails unmutated).
 """
 
@@ -225,6 +231,25 @@ MUTATIONS = [
             "TestFaultConnect.test_eof_before_head_is_not_retried",
             "TestFaultReset.test_reset_mid_stream_is_not_replayed",
         ],
+    ),
+    Mutation(
+        "deadline-phase-wrong",
+        "a call's timeout= running out while it reads the answer says it ran out while it waited",
+        '_RECV: "answer",',
+        '_RECV: "wait",',
+        ["TestDifferential.test_answers_as_the_server_gave_them"],
+        [
+            "TestFaultAnswers.test_timeout_on_a_silent_server",
+            "TestFaultAnswers.test_timeout_on_an_answer_that_trickles",
+        ],
+    ),
+    Mutation(
+        "text-chunk-dropped",
+        "stream_route() drops a data event that is not JSON instead of giving its text as a Chunk",
+        "        except ValueError:\n            return [Chunk(payload)]\n",
+        "        except ValueError:\n            return []\n",
+        ["TestDifferential.test_answers_as_the_server_gave_them"],
+        ["TestFaultAnswers.test_stream_route_of_text_data"],
     ),
 ]
 

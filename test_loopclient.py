@@ -8,8 +8,8 @@ then the tiers, in this order:
 2. transport and client against an in-process fake server on a real Unix socket (and TCP): streams,
    single-shot calls, the server API, TLS, path prefixes, routing, caller mistakes;
 3. waits and gates: wait for head, liveness, wedged slots, retries, the gate, cancel, thinking cap, stress;
-4. faults: hostile servers, one test per row of the fault table (FAULT_TABLE, written out as
-   dev/FAULTS.md), and dev/fuzz.py's regressions;
+4. faults: hostile servers, each a row of the fault table (FAULT_TABLE, written out as dev/FAULTS.md)
+   that TestDifferential runs through the drivers, and dev/fuzz.py's regressions;
 5. security; 6. the command line through ``main(argv)``;
 7. a real llama-server, run when ``LOOPCLIENT_REAL_SOCKET`` names its socket (``.ci/run`` provisions one).
 
@@ -13089,17 +13089,22 @@ class TestDeadlineConnectAsync(AsyncDriver, TestDeadlineConnect):
 
 
 # =====================================================================================================
-# Tier 4. Faults: hostile servers, one test per row of the README's fault table, fuzz regressions
+# Tier 4. Faults: hostile servers, the fault table run through each driver, fuzz regressions
 # =====================================================================================================
 
 # -----------------------------------------------------------------------------------------------------
-# Hostile servers and faults: one test per row of the README's fault table
+# Hostile servers and faults: the fault table, and what is more than a row of it
 # -----------------------------------------------------------------------------------------------------
 #
-# Every test runs against a FakeServer on a real socket, asserts the exact error class, that it came
-# within its budget plus MARGIN (and, for a budget, not before it), and inherits ServerCase's check
-# that descriptors and threads are back where they started.  Budgets are a fraction of a second so the
-# whole tier stays quick; each slow case waits one short budget, never several.
+# Each fault of dev/FAULTS.md is stated once, as a row of FAULT_TABLE (below) and its part in
+# TestDifferential: the server's bytes, the call, the error class, its budget and what else the row says
+# (the events, the cause, the message, the requests sent), run through the virtual driver and AsyncClient
+# on a real socket, and through Client on a real socket where the transport is part of the fault.  The
+# TestFault* classes hold what a row cannot say: resumable streams cut at every offset, several clients
+# at once, the parsers fed the fuzzer's saved inputs.  Every test asserts the exact error class, that it
+# came within its budget (exactly on the virtual clock; plus MARGIN on a real one) and, for a budget, not
+# before it, and inherits ServerCase's check that descriptors and threads are back where they started.
+# Budgets are a fraction of a second so the whole tier stays quick; each slow case waits one short budget.
 
 
 _F_OK_BODY = content_stream(["Hello", " world"])
@@ -13228,707 +13233,9 @@ class _f_Case(VirtualFactory, ServerCase):
         self.assertLessEqual(elapsed, budget + (1e-6 if self.VIRTUAL else MARGIN))
         return outcome
 
-    def _f_kinds(self):
-        return [type(e).__name__ for e in self._f_events]
-
-
-# -- connecting ---------------------------------------------------------------------------------------
-
-
-class TestFaultConnect(_f_Case):
-    def _f_missing(self):
-        return os.path.join(self.server.tmp, "missing.sock")
-
-    def _f_stale(self):
-        path = os.path.join(self.server.tmp, "stale.sock")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
-        sock.close()  # the file stays, nobody listens: connect() is refused
-        return path
-
-    def _f_at(self, address):
-        self.client.close()
-        self.client = self.new_client(address, limits=FAST_FAULTS)
-
-    def test_socket_file_missing_stream(self):
-        self._f_at(self._f_missing())
-        err = self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-        self.assertIsInstance(err.__cause__, FileNotFoundError)
-        self.assertIn("Retrying", self._f_kinds())
-
-    def test_socket_file_missing_single_shot(self):
-        self._f_at(self._f_missing())
-        err = self._f_fails(lc.ConnectError, fn=lambda ev: self.client.slots())
-        self.assertIsInstance(err.__cause__, FileNotFoundError)
-        self.assertEqual(err.address, self._f_missing())
-
-    def test_socket_file_without_listener_stream(self):
-        self._f_at(self._f_stale())
-        err = self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-        self.assertIsInstance(err.__cause__, ConnectionRefusedError)
-
-    def test_socket_file_without_listener_single_shot(self):
-        self._f_at(self._f_stale())
-        err = self._f_fails(lc.ConnectError, fn=lambda ev: self.client.health())
-        self.assertIsInstance(err.__cause__, ConnectionRefusedError)
-
-    def test_eof_before_head_is_not_retried(self):
-        self.use(lambda req: None)  # read the request, close without a byte
-        self._f_fails(lc.StreamClosedError)
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-
-TestFaultConnectSockets, TestFaultConnectSocketsAsync = on_sockets(
-    TestFaultConnect,
-    "test_socket_file_missing_stream",
-    "test_socket_file_without_listener_single_shot",
-    "test_eof_before_head_is_not_retried",
-)
-
-
-class TestFaultReset(_f_Case):
-    tcp = True
-
-    def test_reset_before_head_is_not_retried(self):
-        def reset(req):
-            req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            req.conn.close()  # linger 0: RST instead of FIN
-
-        self.use(reset)
-        self._f_fails(lc.StreamClosedError)
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-    def test_reset_mid_stream_is_not_replayed(self):
-        def reset(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))))
-            # the RST once the client has delivered the content (an RST may discard bytes still unread)
-            wait_for(lambda: lc.Content("Hi") in self._f_events, 5, "the client to deliver the content")
-            req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            req.conn.close()
-
-        self.use(reset)
-        self._f_fails(lc.StreamClosedError)
-        self.assertEqual(self._f_kinds(), ["Content"])
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-
-TestFaultResetSockets, TestFaultResetSocketsAsync = on_sockets(
-    TestFaultReset,
-    "test_reset_before_head_is_not_retried",
-    "test_reset_mid_stream_is_not_replayed",
-)
-
-
-# -- the response head --------------------------------------------------------------------------------
-
-
-class TestFaultHead(_f_Case):
-    def test_garbage_status_line(self):
-        self.use(reply(b"HELLO THERE\r\nServer: x\r\n\r\n", hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_garbage_banner_then_silence(self):
-        # A non-HTTP service on the socket (an SSH banner) that then waits for us: the first line is enough.
-        self.use(reply(b"SSH-2.0-OpenSSH_9.6\r\n", hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_bad_status_code(self):
-        self.use(reply(b"HTTP/1.1 2000 OK\r\n\r\n", hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_http2_preface_version(self):
-        self.use(reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_http10_reply_is_accepted(self):
-        body = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
-        self.use(reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))  # no length: until close
-        done = self._f_succeeds()
-        self.assertEqual((done.content, done.finish_reason), ("Hi", "stop"))
-
-    def test_interim_response_then_stream(self):
-        self.use(reply(b"HTTP/1.1 100 Continue\r\n\r\n" + STREAM_HEAD + _F_OK_BODY))
-        self.assertEqual(self._f_succeeds().content, "Hello world")
-
-    def test_ten_megabytes_of_headers(self):
-        sent = {}
-
-        def handler(req):
-            sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
-
-        self.use(handler)
-        self._f_fails(lc.ProtocolError)
-        wait_for(lambda: "all" in sent, 5, "the server to stop sending")
-        self.assertFalse(sent["all"], "the client read all 10 MB instead of stopping at the head cap")
-
-    def test_thousand_header_lines(self):
-        head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n"
-        self.use(reply(head + _F_OK_BODY, hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_nul_in_header(self):
-        self.use(reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
-        self._f_fails(lc.ProtocolError)
-
-    def test_folded_header_line(self):
-        # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
-        self.use(reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY))
-        self.assertEqual(self._f_succeeds().content, "Hello world")
-
-    def test_eof_in_the_middle_of_the_head(self):
-        self.use(reply(b"HTTP/1.1 200 OK\r\nContent-Ty"))
-        self._f_fails(lc.StreamClosedError)
-
-    def test_head_trickled_forever(self):
-        # One header byte every 20 ms: never silent, never a head.  No progress for liveness: stalled.
-        self.use(_f_drip(_f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0))
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-
-    def test_interim_responses_forever(self):
-        # "100 Continue" heads forever: each is a whole head but none is the response.
-        self.use(_f_drip(_f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0))
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-
-
-TestFaultHeadSockets, TestFaultHeadSocketsAsync = on_sockets(
-    TestFaultHead,
-    "test_garbage_banner_then_silence",
-    "test_ten_megabytes_of_headers",
-    "test_head_trickled_forever",
-)
-
-
-# -- body framing -------------------------------------------------------------------------------------
-
-
-class TestFaultFraming(_f_Case):
-    def _f_cl(self, *values):
-        return b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"".join(b"Content-Length: %s\r\n" % v for v in values) + b"\r\n"
-
-    def test_conflicting_content_length(self):
-        self.use(reply(self._f_cl(b"10", b"20") + b"x" * 20, hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_conflicting_content_length_single_shot(self):
-        self.server.route(
-            "GET", "/slots", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]")
-        )
-        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
-
-    def test_negative_content_length(self):
-        self.use(reply(self._f_cl(b"-1"), hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_non_numeric_content_length(self):
-        self.use(reply(self._f_cl(b"12abc"), hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_unsupported_transfer_encoding(self):
-        self.use(reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY))
-        self._f_fails(lc.ProtocolError)
-
-    def test_chunk_size_ffffffffffffffff(self):
-        # A size no signed 64-bit counter holds, followed by a whole stream: refused, not read as one chunk.
-        inner = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
-        self.use(serve_body(b"ffffffffffffffff\r\n" + inner))
-        self._f_fails(lc.ProtocolError)
-
-    def test_chunk_size_line_without_crlf(self):
-        payload = sse(chunk_json({"content": "Hi"}))
-        self.use(serve_body(b"%x" % len(payload) + payload, hold=True))  # size runs into the data
-        self._f_fails(lc.ProtocolError)
-
-    def test_chunk_size_line_never_ends(self):
-        self.use(serve_body(b"1" + b"0" * 5000, hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_chunk_data_not_followed_by_crlf(self):
-        payload = sse(chunk_json({"content": "Hi"}))
-        self.use(serve_body(b"%x\r\n" % len(payload) + payload + b"XX" + b"0\r\n\r\n", hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_body_shorter_than_its_length_stream(self):
-        body = sse(chunk_json({"content": "Hi"}))
-        self.use(reply(self._f_cl(b"%d" % (len(body) + 500)) + body))
-        self._f_fails(lc.StreamClosedError)
-        self.assertEqual(self._f_kinds(), ["Content"])
-
-    def test_body_shorter_than_its_length_single_shot(self):
-        self.server.route("GET", "/slots", reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'))
-        self._f_fails(lc.StreamClosedError, fn=lambda ev: self.client.slots())
-
-    def test_close_mid_chunk(self):
-        payload = sse(chunk_json({"content": "Hi"}))
-        self.use(serve_body(b"%x\r\n" % (len(payload) + 200) + payload))
-        self._f_fails(lc.StreamClosedError)
-        self.assertEqual(self._f_kinds(), ["Content"])
-
-    def test_close_mid_event(self):
-        # Close-delimited body: the last event never gets its blank line, so it is discarded.
-        body = sse(chunk_json({"content": "Hi"})) + b"data: " + chunk_json({}, "stop").encode()
-        self.use(reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
-        self._f_fails(lc.StreamClosedError)
-        self.assertEqual(self._f_kinds(), ["Content"])
-
-    def test_close_after_finish_without_done_is_clean(self):
-        self.use(serve_body(content_stream(["Hi"], done=False)))
-        done = self._f_succeeds()
-        self.assertEqual((done.content, done.finish_reason), ("Hi", "stop"))
-
-    def test_done_then_connection_held(self):
-        # [DONE] completes the response even if the server keeps the connection (and the final 0 chunk).
-        body = chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n")
-        self.use(serve_body(body, hold=True))
-        self.assertEqual(self._f_succeeds().content, "Hi")
-
-    def test_html_page_with_200(self):
-        page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
-        self.use(
-            reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
-        )
-        self._f_fails(lc.StreamClosedError)
-
-    def test_done_without_finish_reason(self):
-        self.use(serve_body(content_stream(["Hi"], finish=None)))
-        self._f_fails(lc.StreamClosedError)
-
-    def test_empty_chunked_body(self):
-        self.use(serve_body(b"0\r\n\r\n"))
-        self._f_fails(lc.StreamClosedError)
-
-    def test_error_body_over_max_body(self):
-        self.use(reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)))
-        self._f_fails(lc.ProtocolError)
-
-    def test_single_shot_length_over_max_body(self):
-        self.server.route(
-            "GET",
-            "/slots",
-            reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), hold=True),
-        )
-        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
-
-
-TestFaultFramingSockets, TestFaultFramingSocketsAsync = on_sockets(
-    TestFaultFraming,
-    "test_close_mid_chunk",
-    "test_done_then_connection_held",
-    "test_single_shot_length_over_max_body",
-)
-
-
-# -- SSE lines and events -----------------------------------------------------------------------------
-
-
-class TestFaultSSE(_f_Case):
-    def test_two_mib_line_trickled(self):
-        # A 2 MiB line sent one byte a millisecond, slot busy: ProtocolError as max_line is passed, long
-        # before the line ends, with the client never holding more than max_line of it.  The error is timed
-        # from the byte that took the line past max_line: the server's pace is the machine's (a sleep of a
-        # millisecond takes longer on a busy one), the client's answer to that byte is the rule.
-        self.client_with(max_line=1024, liveness=5.0, busy_wait=10.0)
-        self.server.busy[0] = True
-        sent, over = [0], []
-
-        def handler(req):
-            if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
-                return
-            deadline = time.monotonic() + 6
-            while sent[0] < 2 * 1024 * 1024 and time.monotonic() < deadline:
-                if sent[0] + 1 == 1024 - 6 + 1:  # with "data: ", the line is 1025 bytes: over max_line
-                    over.append(time.monotonic())  # before the send: the client may answer it before it returns
-                if not req.send(b"x"):
-                    return
-                sent[0] += 1
-                time.sleep(0.001)  # the scripted server's pace: a byte at a time
-
-        self.use(handler)
-        self._f_fails(lc.ProtocolError, 4.0, at_once=True)  # long before the line ends (over 30 minutes)
-        after = time.monotonic() - over[0]
-        self.assertLessEqual(after, 1e-6 if self.VIRTUAL else MARGIN, "ProtocolError %.6f s after the cap" % after)
-        self.assertLessEqual(sent[0], 1024 + 64, "the client read %d bytes of a line capped at 1024" % sent[0])
-
-    def test_slow_line_without_event_hits_liveness(self):
-        # Bytes trickle but no event completes for liveness, the slot is idle: a stuck stream.
-        self.use(_f_drip(_f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02))
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-
-    def test_line_of_max_line_exactly(self):
-        line = _f_padded_line(FAST_FAULTS.max_line)
-        self.use(serve_body(chunked(line + b"\n\n") + content_stream(["!"], role=False)))
-        done = self._f_succeeds()
-        self.assertEqual(done.content, "x!")
-
-    def test_line_of_max_line_plus_one(self):
-        line = _f_padded_line(FAST_FAULTS.max_line + 1)
-        self.use(serve_body(chunked(line + b"\n\n") + content_stream(["!"], role=False)))
-        self._f_fails(lc.ProtocolError)
-
-    def test_event_over_max_line_in_many_data_lines(self):
-        self.use(serve_body(chunked(b"data: xx\n" * 2000 + b"\n"), hold=True))
-        self._f_fails(lc.ProtocolError)
-
-    def test_half_million_empty_data_lines(self):
-        # 512 Ki + 2 empty "data:" lines in one event, max_line 512 KiB: ProtocolError, in linear time
-        # (joining the lines one += at a time took seconds; at the default 1 MiB, 15 s).
-        self.client_with(max_line=512 * 1024, liveness=30.0)
-        body = b"data:\n" * (512 * 1024 + 2) + b"\n"
-        self.use(reply(b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + body))
-        self._f_fails(lc.ProtocolError, 1.0 * TRACED, at_once=True)  # CPU-bound: allow for a line tracer
-
-    def test_invalid_utf8_is_replaced(self):
-        raw = sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")
-        self.use(serve_body(chunked(raw) + content_stream(["!"], role=False)))
-        done = self._f_succeeds()
-        self.assertEqual(done.content, "A\ufffd\ufffdB!")
-
-    def test_utf8_split_between_reads(self):
-        raw = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
-        cut = raw.index("é".encode()) + 1
-        pieces = [STREAM_HEAD + chunked(raw[:cut]), chunked(raw[cut:]), content_stream(["!"], role=False)]
-        self.use(_f_drip(pieces, 0.02))
-        done = self._f_succeeds(0.2)
-        self.assertEqual(done.content, "é€!")
-
-    def test_nul_byte_in_data(self):
-        raw = sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")
-        self.use(serve_body(chunked(raw) + content_stream(["!"], role=False)))
-        self._f_fails(lc.ProtocolError)
-
-
-TestFaultSSESockets, TestFaultSSESocketsAsync = on_sockets(
-    TestFaultSSE,
-    "test_two_mib_line_trickled",
-    "test_utf8_split_between_reads",
-)
-
-
-# -- JSON payloads ------------------------------------------------------------------------------------
-
-
-class TestFaultJSON(_f_Case):
-    def _f_payload(self, payload):
-        self.use(serve_body(chunked(sse(payload)) + content_stream(["!"]), hold=True))
-        return self._f_fails(lc.ProtocolError)
-
-    def test_invalid_json(self):
-        self._f_payload('{"choices":[{"delta":{"content":"Hi"')
-
-    def test_json_not_an_object(self):
-        self._f_payload('["choices"]')
-
-    def test_choices_not_a_list(self):
-        self._f_payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')
-
-    def test_delta_is_a_string(self):
-        self._f_payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}')
-
-    def test_tool_call_delta_without_index(self):
-        self._f_payload(
-            chunk_json({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]})
-        )
-
-    def test_deeply_nested_json(self):
-        self.client_with(max_line=1024 * 1024)
-        self._f_payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}")
-
-    def test_error_code_not_a_decimal(self):
-        # fuzz: {"code":"²"} passed str.isdigit() and broke int(): a bare ValueError escaped.
-        self.use(serve_body(chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))))
-        err = self._f_fails(lc.ServerError)
-        self.assertIsNone(err.code)
-
-
-TestFaultJSONSockets, TestFaultJSONSocketsAsync = on_sockets(
-    TestFaultJSON,
-    "test_invalid_json",
-)
-
-
-# -- silence, pings and the liveness rule -------------------------------------------------------------
-
-
-class TestFaultWaits(_f_Case):
-    def _f_pings(self):
-        return _f_drip(_f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
-
-    def test_pings_forever_idle_slot(self):
-        self.use(self._f_pings())
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-
-    def test_pings_forever_processing_slot(self):
-        self.server.busy[0] = True
-        self.use(self._f_pings())
-        self._f_fails(lc.StalledError, FAST_FAULTS.busy_wait)
-
-    def test_stall_before_head_idle_slot(self):
-        self.use(_f_hold)
-        self._f_fails(lc.StalledError, FAST_FAULTS.idle_grace)
-        self.assertIn("Waiting", self._f_kinds())
-
-    def test_stall_before_head_busy_slot(self):
-        self.server.busy[0] = True
-        self.use(_f_hold)
-        self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait)
-        self.assertTrue(all(e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
-
-    def test_stall_mid_stream(self):
-        self.use(serve_body(chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-        self.assertEqual(self._f_kinds(), ["Content"])
-
-    def test_stall_mid_head(self):
-        self.use(reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", hold=True))
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-
-
-TestFaultWaitsSockets, TestFaultWaitsSocketsAsync = on_sockets(
-    TestFaultWaits,
-    "test_pings_forever_processing_slot",
-    "test_stall_before_head_idle_slot",
-    "test_stall_mid_stream",
-)
-
-
-# -- error statuses and error events ------------------------------------------------------------------
-
-
-class TestFaultErrors(_f_Case):
-    def test_http_503_forever(self):
-        self.use(
-            lambda req: respond_json(
-                req,
-                {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
-                503,
-                "Service Unavailable",
-            )
-        )
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-        self.assertGreaterEqual(len(self.server.chat_requests()), 2)
-
-    def test_http_400_prompt_too_long(self):
-        self.use(
-            lambda req: respond_json(
-                req,
-                {
-                    "error": {
-                        "code": 400,
-                        "message": "the request exceeds the available context size",
-                        "type": "exceed_context_size_error",
-                    }
-                },
-                400,
-                "Bad Request",
-            )
-        )
-        err = self._f_fails(lc.HTTPStatusError)
-        self.assertEqual((err.status, err.message), (400, "the request exceeds the available context size"))
-
-    def test_error_status_body_stalls(self):
-        # fuzz (client target): a 400 whose body stops short of its Content-Length on a held connection.
-        self.use(
-            reply(
-                b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
-                hold=True,
-            )
-        )
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
-
-    def test_error_body_deeply_nested(self):
-        # fuzz (http target): json.loads of the error envelope raised RecursionError.
-        body = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
-        self.use(reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)))
-        err = self._f_fails(lc.HTTPStatusError)
-        self.assertEqual(err.status, 400)
-
-    def test_http_500_html_body(self):
-        self.use(reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"))
-        err = self._f_fails(lc.HTTPStatusError)
-        self.assertEqual((err.status, err.message, err.body), (500, "oops", b"<h1>oops</h1>\r\n\r\n"))
-        self.assertEqual(str(err), "HTTP 500: oops")  # no Server header, and a status llama-server sends
-
-    def test_error_event_first_503_is_retried(self):
-        event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
-        self.use(_f_sequence(reply(event), serve_body(_F_OK_BODY)))
-        done = self._f_succeeds(0.25)
-        self.assertEqual(done.content, "Hello world")
-        self.assertEqual(self._f_kinds()[:1], ["Retrying"])
-
-    def test_error_event_first_503_forever(self):
-        event = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
-        self.use(reply(event))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-        self.assertGreaterEqual(len(self.server.chat_requests()), 2)
-
-    def test_error_event_first_400(self):
-        self.use(
-            reply(STREAM_HEAD + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error"))) + b"0\r\n\r\n")
-        )
-        err = self._f_fails(lc.ServerError)
-        self.assertEqual((err.code, err.message), (400, "bad grammar"))
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-    def test_error_event_after_content(self):
-        body = (
-            chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
-            + b"0\r\n\r\n"
-        )
-        self.use(serve_body(body))
-        err = self._f_fails(lc.ServerError)
-        self.assertEqual(err.code, 503)
-        self.assertEqual(len(self.server.chat_requests()), 1, "delivered output must never be replayed")
-
-    def test_legacy_error_line(self):
-        body = (
-            chunked(
-                sse(chunk_json({"content": "Hi"})) + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
-            )
-            + b"0\r\n\r\n"
-        )
-        self.use(serve_body(body))
-        err = self._f_fails(lc.ServerError)
-        self.assertEqual((err.code, err.message), (500, "boom"))
-
-    def test_legacy_error_line_deeply_nested(self):
-        # fuzz (http target): the legacy payload went through json.loads, whose RecursionError escaped.
-        self.client_with(max_line=1024 * 1024)
-        self.use(serve_body(chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"))
-        self._f_fails(lc.ServerError)
-
-    def test_legacy_error_line_first_503_is_retried(self):
-        legacy = (
-            STREAM_HEAD
-            + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
-            + b"0\r\n\r\n"
-        )
-        self.use(_f_sequence(reply(legacy), serve_body(_F_OK_BODY)))
-        done = self._f_succeeds(0.25)
-        self.assertEqual(done.content, "Hello world")
-        self.assertEqual(len(self.server.chat_requests()), 2)
-
-
-TestFaultErrorsSockets, TestFaultErrorsSocketsAsync = on_sockets(
-    TestFaultErrors,
-    "test_http_503_forever",
-    "test_error_status_body_stalls",
-)
-
-
-# -- Retry-After --------------------------------------------------------------------------------------
-
-
-class TestFaultRetryAfter(_f_Case):
-    def _f_then_ok(self, value):
-        self.use(_f_sequence(reply(_f_retry_after(value)), serve_body(_F_OK_BODY)))
-
-    def _f_delays(self):
-        return [e.delay for e in self._f_events if isinstance(e, lc.Retrying)]
-
-    def test_date_beyond_load_wait(self):
-        self.use(reply(_f_retry_after(email.utils.formatdate(time.time() + 5, usegmt=True).encode())))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
-        self.assertEqual(self._f_delays(), [])
-
-    def test_date_in_the_past(self):
-        # A hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop.
-        self._f_then_ok(email.utils.formatdate(time.time() - 60, usegmt=True).encode())
-        self._f_succeeds(0.25)
-        self.assertEqual(len(self._f_delays()), 1)
-        self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())
-
-    def test_zero_forever(self):
-        # "Retry-After: 0" on every answer: retried at the backoff's pace, not hundreds of times a second.
-        self.use(reply(_f_retry_after(b"0")))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-        self.assertLessEqual(len(self.server.chat_requests()), 4)
-
-    def test_negative(self):
-        self._f_then_ok(b"-5")
-        self._f_succeeds(0.25)
-        self.assertEqual(len(self._f_delays()), 1)
-        self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())  # backoff, not the hint
-
-    def test_malformed(self):
-        self._f_then_ok(b"soon")
-        self._f_succeeds(0.25)
-        self.assertTrue(0.18 <= self._f_delays()[0] <= 0.25, self._f_delays())
-
-    def test_huge(self):
-        self.use(reply(_f_retry_after(b"99999999999999999999")))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
-        self.assertEqual(self._f_delays(), [])
-
-    def test_huge_past_float_range(self):
-        # 400 digits: float(int(...)) raised a bare OverflowError.
-        self.use(reply(_f_retry_after(b"9" * 400)))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
-
-    def test_huge_past_int_digit_limit(self):
-        # 5000 digits: int() refuses strings over 4300 digits with a bare ValueError.
-        self.use(reply(_f_retry_after(b"9" * 5000)))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait, at_once=True)
-
-
-TestFaultRetryAfterSockets, TestFaultRetryAfterSocketsAsync = on_sockets(
-    TestFaultRetryAfter,
-    "test_zero_forever",
-)
-
-
-# -- /slots -------------------------------------------------------------------------------------------
-
 
 class TestFaultSlots(_f_Case):
-    def test_slots_garbage_while_waiting(self):
-        self.server.route("GET", "/slots", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
-        self.use(_f_hold)
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-        self.assertTrue(all(not e.slot_busy for e in self._f_events if isinstance(e, lc.Waiting)))
-
-    def test_slots_garbage_single_shot(self):
-        self.server.route("GET", "/slots", reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!"))
-        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
-
-    def test_slots_wrong_shape_single_shot(self):
-        self.server.route("GET", "/slots", lambda req: respond_json(req, [{"id": "0", "is_processing": "yes"}]))
-        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.slots())
-
-    def test_slots_hanging_while_waiting(self):
-        self.server.route("GET", "/slots", _f_hold)
-        self.use(_f_hold)
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
-
-    def test_slots_hanging_single_shot(self):
-        self.server.route("GET", "/slots", _f_hold)
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness, fn=lambda ev: self.client.slots())
-
-    def test_slots_501_while_waiting(self):
-        not_supported = {
-            "error": {
-                "code": 501,
-                "message": "This server does not support slots endpoint.",
-                "type": "not_supported_error",
-            }
-        }
-        self.server.route("GET", "/slots", lambda req: respond_json(req, not_supported, 501, "Not Implemented"))
-        self.use(_f_hold)
-        self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait)  # not served: the slots cannot be seen
-
-    def test_slots_501_single_shot(self):
-        not_supported = {
-            "error": {
-                "code": 501,
-                "message": "This server does not support slots endpoint.",
-                "type": "not_supported_error",
-            }
-        }
-        self.server.route("GET", "/slots", lambda req: respond_json(req, not_supported, 501, "Not Implemented"))
-        err = self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots())
-        self.assertEqual((err.status, err.message), (501, "This server does not support slots endpoint."))
-
-    def test_props_not_an_object(self):
-        self.server.route("GET", "/props", lambda req: respond_json(req, [1, 2]))
-        self._f_fails(lc.ProtocolError, fn=lambda ev: self.client.props())
+    """What is more than a row of the /slots table: a pool's size, asked of /props in the background."""
 
     def test_props_silent_or_slow_does_not_hold_a_request_back(self):
         """slot=None asks /props for the pool's size in the background: the request is sent and served at
@@ -13947,14 +13254,7 @@ class TestFaultSlots(_f_Case):
         self.assertEqual(client._board.gate._lanes[(None, None)].capacity, 2)
 
 
-TestFaultSlotsSockets, TestFaultSlotsSocketsAsync = on_sockets(
-    TestFaultSlots,
-    "test_slots_hanging_while_waiting",
-    "test_slots_garbage_single_shot",
-)
-
-
-# -- behind proxies and balancers: 429, an unseen /slots, the pool's size -----------------------------
+# -- behind proxies and balancers: an unseen /slots, the pool's size (the 429s are rows of the table) -
 
 
 def _f_too_many(retry_after=None):
@@ -13968,58 +13268,6 @@ def _f_too_many(retry_after=None):
 
 
 class TestFaultProxies(_f_Case):
-    def _f_retries(self):
-        return [e for e in self._f_events if isinstance(e, lc.Retrying)]
-
-    def test_429_with_and_without_retry_after_is_retried_then_served(self):
-        for hint in (None, b"0"):
-            with self.subTest(retry_after=hint):
-                self.use(
-                    _f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(STREAM_HEAD + _F_OK_BODY))
-                )
-                done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
-                self.assertEqual(done.content, "Hello world")
-                retries = self._f_retries()
-                self.assertEqual([r.attempt for r in retries], [1, 2])
-                self.assertEqual({r.reason for r in retries}, {"HTTP 429: too many requests for model m1"})
-                self.assertEqual(self._f_kinds()[:2], ["Retrying", "Retrying"])
-                self.server.requests.clear()
-
-    def test_429_past_busy_wait_is_a_wait_timeout_naming_the_429(self):
-        self.client_with(busy_wait=0.8, load_wait=0.3)  # the wrong budget would end it far earlier
-        self.use(reply(_f_too_many(b"0")))
-        exc = self._f_fails(lc.WaitTimeoutError, 0.8)
-        self.assertIn("answered 429 (at capacity)", str(exc))
-        self.assertIn("(busy_wait)", str(exc))
-        self.assertIsInstance(exc.__cause__, lc.HTTPStatusError)
-        self.assertEqual(exc.__cause__.status, 429)
-
-    def test_a_429_hint_past_busy_wait_ends_the_wait_at_once(self):
-        self.use(reply(_f_too_many(b"30")))
-        self._f_fails(lc.WaitTimeoutError, FAST_FAULTS.busy_wait, at_once=True)
-        self.assertEqual(self._f_retries(), [])
-
-    def test_slots_not_served_while_waiting_counts_under_busy_wait(self):
-        for status, reason in ((404, b"Not Found"), (403, b"Forbidden"), (405, b"Method Not Allowed"), (501, b"x")):
-            with self.subTest(status=status):
-                self.server.route(
-                    "GET",
-                    "/slots",
-                    lambda req, s=status, r=reason: respond_json(
-                        req, {"error": {"code": s, "message": "no slots here", "type": "x"}}, s, r.decode()
-                    ),
-                )
-                self.client_with(busy_wait=0.8, load_wait=0.3, idle_grace=0.3)
-                self.use(_f_hold)
-                before = sum(1 for r in self.server.requests if r.path == "/slots")
-                exc = self._f_fails(lc.WaitTimeoutError, 0.8)
-                self.assertIn("does not serve /slots", str(exc))
-                waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
-                self.assertTrue(waits)
-                self.assertEqual(set(waits), {lc.Waiting(False, slots_known=False)})
-                # asked once: a /slots that is not served is asked again at most every 30 s
-                self.assertEqual(sum(1 for r in self.server.requests if r.path == "/slots") - before, 1)
-
     def test_an_unseen_slot_is_never_wedged(self):
         self.server.route("GET", "/slots", lambda req: respond_json(req, {"error": {"code": 404}}, 404, "Not Found"))
         self.client_with(busy_wait=0.6, wedge_wait=0.1)
@@ -14061,57 +13309,7 @@ class TestFaultProxies(_f_Case):
 
 TestFaultProxiesSockets, TestFaultProxiesSocketsAsync = on_sockets(
     TestFaultProxies,
-    "test_429_with_and_without_retry_after_is_retried_then_served",
     "test_limits_pool_sizes_the_pool_without_asking_props",
-)
-
-
-# -- the reasoning control endpoint -------------------------------------------------------------------
-
-
-class TestFaultControl(_f_Case):
-    limits = FAST_FAULTS.replace(thinking_cap=2)
-
-    def setUp(self):
-        super().setUp()
-        reasoning = [chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]
-        self.use(serve_body(chunked(sse(*reasoning)), hold=True))
-
-    def _f_control(self, handler):
-        self.server.route("POST", "/v1/chat/completions/control", handler)
-
-    def test_control_404(self):
-        self._f_control(
-            lambda req: respond_json(
-                req, {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404, "Not Found"
-            )
-        )
-        err = self._f_fails(lc.ThinkingOverrunError)
-        self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
-        self.assertEqual(err.tokens, 2)
-
-    def test_control_404_single_shot(self):
-        err = self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.end_reasoning(CID))  # no route: 404
-        self.assertEqual(err.status, 404)
-
-    def test_control_success_false(self):
-        self._f_control(lambda req: respond_json(req, {"success": False}))
-        self._f_fails(lc.ThinkingOverrunError)
-        self.assertEqual(self._f_kinds(), ["Reasoning", "Reasoning"])
-
-    def test_control_success_false_single_shot(self):
-        self._f_control(lambda req: respond_json(req, {"success": False}))
-        self.assertIs(self._f_succeeds(fn=lambda ev: self.client.end_reasoning(CID)), False)
-
-    def test_control_hanging(self):
-        self._f_control(_f_hold)
-        err = self._f_fails(lc.ThinkingOverrunError, FAST_FAULTS.liveness)
-        self.assertIsInstance(err.__cause__, lc.StalledError)
-
-
-TestFaultControlSockets, TestFaultControlSocketsAsync = on_sockets(
-    TestFaultControl,
-    "test_control_hanging",
 )
 
 
@@ -14928,24 +14126,13 @@ _F_CUTS = {
 }
 
 
-class TestFaultFuzzRegressions(_f_Case):
-    def test_fuzz_e2748cec9571aae2_error_body_stalls(self):
-        # client target, connection held open: loopclient._Silence (internal) escaped from _read_body.
-        data = _f_input("e2748cec9571aae2")
-        self.assertTrue(_f_saved("client", data, "e2748cec9571aae2"))
-        pieces = _p_pieces(data, _F_CUTS["e2748cec9571aae2"])
-
-        def handler(req):
-            for piece in pieces:  # one send per piece, as the fuzzer's server did
-                req.send(piece)
-            req.wait_peer_close(5)
-
-        self.use(handler)
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness)
+class TestFaultFuzzRegressions(unittest.TestCase):
+    """The parsers the fuzzer's targets fed, fed the saved inputs again.  Through a client, every saved input
+    is a row of the fault table (TestDifferential.test_inputs_the_fuzzer_found)."""
 
     def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
         # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
-        # RecursionError out.  Through the client the 503 is retried (its Retry-After is a past date).
+        # RecursionError out.  (Through the client the 503 is retried: its Retry-After is a past date.)
         data = _f_input("403724efe73ee4d8")
         self.assertTrue(_f_saved("http", data, "403724efe73ee4d8"))
         reader = lc.ResponseReader(max_body=65536)
@@ -14954,8 +14141,6 @@ class TestFaultFuzzRegressions(_f_Case):
         self.assertEqual(reader.head.status, 503)
         message, _ = lc.parse_error_envelope(body)
         self.assertTrue(message.startswith('{"error":{"code":503'))
-        self.use(reply(data))
-        self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait)
 
     def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
         # assembler target: {"code": "\u00b2"} passed str.isdigit(), then int() raised a bare ValueError.
@@ -15051,35 +14236,6 @@ class TestFaultFuzzRegressions(_f_Case):
         ratio = min(times["decode"]) / max(min(times["floor"]), 1e-3)
         self.assertLess(ratio, 10.0 * TRACED, times)
 
-    def test_fuzz_e517c807fa701495_deeply_nested_error_event(self):
-        # http target: "event: error" blocks whose data nests 100,000 lists; _json_or_text let RecursionError out.
-        data = _f_input("e517c807fa701495")
-        self.assertTrue(_f_saved("http", data, "e517c807fa701495"))
-        self.client_with(max_line=1024 * 1024)  # as the fuzzer ran it
-        self.use(reply(data))
-        self._f_fails(lc.ServerError)
-
-    def test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client(self):
-        # client target (thinking_cap 2, slot 1, connection held): the same RecursionError, through chat().
-        data = _f_input("0f7c31287867b84c")
-        self.assertTrue(_f_saved("client", data, "0f7c31287867b84c"))
-        pieces = _p_pieces(data, _F_CUTS["0f7c31287867b84c"])
-
-        def handler(req):
-            for piece in pieces:
-                req.send(piece)
-            req.wait_peer_close(5)
-
-        self.client_with(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4)
-        self.use(handler)
-        self._f_fails(lc.ServerError, slot=1)
-
-
-TestFaultFuzzRegressionsSockets, TestFaultFuzzRegressionsSocketsAsync = on_sockets(
-    TestFaultFuzzRegressions,
-    "test_fuzz_e2748cec9571aae2_error_body_stalls",
-)
-
 
 # -- the two clients alike: one behaviour, compared outcome for outcome --------------------------------
 #
@@ -15087,9 +14243,9 @@ TestFaultFuzzRegressionsSockets, TestFaultFuzzRegressionsSocketsAsync = on_socke
 # same in both: the same events, the same Completion (==), the same error class and message.  What may
 # differ is only timing, which differs_between_clients() sets aside: the delay of a Retrying; a number in an
 # error message (seconds waited) within MARGIN; how many times in a row one Waiting is heard (one per
-# poll, so the two counts may differ by MARGIN / poll; and a first one, before any byte of the answer,
-# may be missing from one client when the other heard it for no longer than that: a head late by a few
-# polls); and one last Retrying that one client fitted into the end of a budget the other had spent (its
+# poll, so the two counts may differ by MARGIN / poll; and a first one, before any byte of the answer or
+# of a retried attempt's, may be missing from one client when the other heard it for no longer than that:
+# a head late by a few polls); and one last Retrying that one client fitted into the end of a budget the other had spent (its
 # delay, what was left, within MARGIN) before the same budget error: asyncio's timers wake up to a
 # millisecond late (epoll counts milliseconds), threads do not.
 # TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
@@ -15152,86 +14308,15 @@ def _a_route(path="/r", body=None, **kw):
     return act
 
 
-class TestFaultAnswers(_f_Case):
-    """fetch() gives what the server said, whatever it said; timeout= ends a call the server never ends;
-    stream_route() keeps the engine's rules on a route it does not know."""
-
-    def _f_call(self, act):
-        return lambda events: act(self.client, events)
-
-    def test_fetch_of_an_error_page(self):
-        raw, want = _A_FAULT_ANSWERS["page"]
-        self.server.route("GET", "/any", reply(raw, hold=True))
-        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
-        self.assertEqual(len(self.server.requests), 1)
-
-    def test_fetch_of_a_503_is_not_retried(self):
-        raw, want = _A_FAULT_ANSWERS["503"]
-        self.server.route("GET", "/any", reply(raw))
-        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
-        self.assertEqual(len(self.server.requests), 1)
-
-    def test_fetch_of_a_redirect_is_not_followed(self):
-        raw, want = _A_FAULT_ANSWERS["302"]
-        self.server.route("GET", "/any", reply(raw))
-        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_fetch())), want)
-        self.assertEqual(len(self.server.requests), 1)
-
-    def test_fetch_of_a_body_over_max_body(self):
-        self.server.route("GET", "/any", reply(http_response(b"x" * (64 * 1024 + 1), b"text/plain"), hold=True))
-        err = self._f_fails(lc.ProtocolError, fn=self._f_call(_a_fetch()))
-        self.assertIn("max_body", str(err))
-
-    def test_timeout_on_a_silent_server(self):
-        self.server.route("GET", "/any", _f_hold)
-        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
-        self.assertEqual(err.phase, "answer")
-
-    def test_timeout_on_an_answer_that_trickles(self):
-        self.server.route("GET", "/any", _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1))
-        err = self._f_fails(lc.DeadlineError, _A_DEADLINE, fn=self._f_call(_a_fetch(timeout=_A_DEADLINE)))
-        self.assertIn("reading the answer to GET /any", str(err))
-
-    def test_stream_route_of_an_answer_that_is_not_a_stream(self):
-        self.server.route("POST", "/r", reply(json_response({"a": 1}), hold=True))
-        self._f_fails(lc.ProtocolError, fn=self._f_call(_a_route()))
-        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], ["/r"])
-
-    def test_stream_route_of_a_503_then_a_stream(self):
-        self.server.route("POST", "/r", _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True))))
-        done = self._f_succeeds(budget=lc.BACKOFF_FIRST, fn=self._f_call(_a_route()))
-        self.assertEqual(
-            (self._f_kinds(), self._f_events[1], done), (["Retrying", "Chunk"], lc.Chunk({"a": 1}), _A_EMPTY)
-        )
-
-    def test_stream_route_of_text_data(self):
-        self.server.route("POST", "/r", reply(_a_sse("hello", "wor ld", done=True)))
-        self.assertEqual(self._f_succeeds(fn=self._f_call(_a_route())), _A_EMPTY)
-        self.assertEqual(self._f_events, [lc.Chunk("hello"), lc.Chunk("wor ld")])
-
-    def test_stream_route_of_chat_cut_before_its_finish(self):
-        self.server.route("POST", "/r", reply(_a_sse(json.loads(chunk_json({"content": "Hi"})))))
-        self._f_fails(lc.StreamClosedError, fn=self._f_call(_a_route()))
-        self.assertEqual(self._f_kinds(), ["Chunk"])
-
-    def test_stream_route_silent_once_started(self):
-        self.server.route("POST", "/r", reply(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'), hold=True))
-        self._f_fails(lc.StalledError, FAST_FAULTS.liveness, fn=self._f_call(_a_route()))
-        self.assertEqual(self._f_events, [lc.Chunk({"a": 1})])
-
-
-TestFaultAnswersSockets, TestFaultAnswersSocketsAsync = on_sockets(
-    TestFaultAnswers, "test_timeout_on_an_answer_that_trickles", "test_stream_route_of_a_503_then_a_stream"
-)
-
-
 # -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
 #
 # Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
 # the TestDifferential row that runs it, exactly as scripted there), what the server does, the outcome,
-# and the tests that pin it.  dev/faults.py writes the tables of dev/FAULTS.md from it;
-# TestDifferential.test_dev_faults_md_is_the_fault_table fails when they drift, or when a row's outcome
-# does not name the error class its TestDifferential row expects, or names a test that does not exist.
+# and the tests that pin it: the TestDifferential test that runs the row's parts, and any test that pins
+# more than a row can say (a TestFault* or TestSecurity test).  dev/faults.py writes the tables of
+# dev/FAULTS.md from it; TestDifferential.test_dev_faults_md_is_the_fault_table fails when they drift,
+# and test_each_row_states_what_it_runs when a row's outcome does not name the error class its parts
+# expect, or names a test that does not exist or a TestDifferential test that does not run the row.
 
 FAULT_TABLE = [
     (
@@ -15242,43 +14327,43 @@ FAULT_TABLE = [
                 "socket file missing",
                 "nothing at the path",
                 "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
-                "`TestFaultConnect.test_socket_file_missing_stream`",
+                "`TestDifferential.test_connecting`",
             ),
             (
                 "socket file missing, single-shot call",
                 "nothing at the path",
                 "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`",
-                "`TestFaultConnect.test_socket_file_missing_single_shot`",
+                "`TestDifferential.test_connecting`",
             ),
             (
                 "socket file with no listener",
                 "a stale socket file; connecting is refused",
                 "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`",
-                "`TestFaultConnect.test_socket_file_without_listener_stream`",
+                "`TestDifferential.test_connecting`",
             ),
             (
                 "socket file with no listener, single-shot call",
                 "connecting is refused",
                 "`ConnectError` at once",
-                "`TestFaultConnect.test_socket_file_without_listener_single_shot`",
+                "`TestDifferential.test_connecting`",
             ),
             (
                 "EOF before the head",
                 "reads the request, closes without a byte",
                 "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
-                "`TestFaultConnect.test_eof_before_head_is_not_retried`",
+                "`TestDifferential.test_connecting`",
             ),
             (
                 "connection reset before the head",
                 "TCP RST (SO_LINGER 0) after reading the request",
                 "`StreamClosedError` at once, not retried",
-                "`TestFaultReset.test_reset_before_head_is_not_retried`",
+                "`TestDifferential.test_connecting`",
             ),
             (
                 "connection reset mid-stream",
                 "RST after one content event",
                 "`StreamClosedError` at once; the delivered output is never replayed",
-                "`TestFaultReset.test_reset_mid_stream_is_not_replayed`",
+                "`TestDifferential.test_connecting`",
             ),
         ],
     ),
@@ -15290,80 +14375,85 @@ FAULT_TABLE = [
                 "garbage status line",
                 "`HELLO THERE` plus a header block",
                 "`ProtocolError` at once",
-                "`TestFaultHead.test_garbage_status_line`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "a service that is not HTTP",
                 "an SSH banner line, then waits for the client",
                 "`ProtocolError` at once: the first line is enough (*choice*)",
-                "`TestFaultHead.test_garbage_banner_then_silence`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "bad status code",
                 "`HTTP/1.1 2000 OK`",
                 "`ProtocolError` at once",
-                "`TestFaultHead.test_bad_status_code`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "another HTTP version",
                 "`HTTP/2 200`",
                 "`ProtocolError` at once",
-                "`TestFaultHead.test_http2_preface_version`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "HTTP/1.0 reply",
                 "`HTTP/1.0 200` with no length, body until close",
                 "no error: framed normally (read until close), `Completion` returned (*choice*)",
-                "`TestFaultHead.test_http10_reply_is_accepted`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "interim response",
                 "`100 Continue`, then the real response",
                 "no error: the interim head is skipped",
-                "`TestFaultHead.test_interim_response_then_stream`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "10 MB of headers",
                 "one 10 MB header line",
                 "`ProtocolError` once 64 KiB of head has arrived; the client closes before the server has sent it all",
-                "`TestFaultHead.test_ten_megabytes_of_headers`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "1,000 header lines",
                 "1,000 short headers",
                 "`ProtocolError` at once (cap: 100 lines)",
-                "`TestFaultHead.test_thousand_header_lines`",
+                "`TestDifferential.test_the_response_head`",
             ),
-            ("NUL byte in a header", "`X-A: a\\0b`", "`ProtocolError` at once", "`TestFaultHead.test_nul_in_header`"),
+            (
+                "NUL byte in a header",
+                "`X-A: a\\0b`",
+                "`ProtocolError` at once",
+                "`TestDifferential.test_the_response_head`",
+            ),
             (
                 "obsolete line folding",
                 "a header line that starts with spaces",
                 "no error: unfolded into the previous value with one space (RFC 9112 5.2, as a user agent)",
-                "`TestFaultHead.test_folded_header_line`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "EOF inside the head",
                 "half a head, then close",
                 "`StreamClosedError` at once",
-                "`TestFaultHead.test_eof_in_the_middle_of_the_head`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "head trickled forever",
                 "one header byte every 20 ms, never a blank line",
                 "`StalledError` after `liveness` from the first byte of the head (*choice*: a head that has not finished within `liveness` is no progress)",
-                "`TestFaultHead.test_head_trickled_forever`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "interim responses forever",
                 "`100 Continue` every 20 ms",
                 "`StalledError` after `liveness` (as above)",
-                "`TestFaultHead.test_interim_responses_forever`",
+                "`TestDifferential.test_the_response_head`",
             ),
             (
                 "stall inside the head",
                 "half a head, then silence",
                 "`StalledError` after `liveness`",
-                "`TestFaultWaits.test_stall_mid_head`",
+                "`TestDifferential.test_the_response_head`",
             ),
         ],
     ),
@@ -15375,121 +14465,121 @@ FAULT_TABLE = [
                 "conflicting Content-Length headers",
                 "`Content-Length: 10` and `Content-Length: 20`",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_conflicting_content_length`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "conflicting Content-Length, single-shot call",
                 "the same on `/slots`",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_conflicting_content_length_single_shot`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "negative length",
                 "`Content-Length: -1`",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_negative_content_length`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "non-numeric length",
                 "`Content-Length: 12abc`",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_non_numeric_content_length`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "unsupported transfer coding",
                 "`Transfer-Encoding: gzip, chunked`",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_unsupported_transfer_encoding`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "chunk size ffffffffffffffff",
                 "that size line, then a whole valid stream",
                 "`ProtocolError` at once: a size that does not fit in 63 bits is malformed (*choice*)",
-                "`TestFaultFraming.test_chunk_size_ffffffffffffffff`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "chunk size line without CRLF",
                 "the size runs straight into the data",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_chunk_size_line_without_crlf`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "chunk size line that never ends",
                 "`1` followed by 5,000 zeros and no newline",
                 "`ProtocolError` once 4 KiB of size line has arrived",
-                "`TestFaultFraming.test_chunk_size_line_never_ends`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "chunk data without its CRLF",
                 "`XX` where the CRLF after the data belongs",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_chunk_data_not_followed_by_crlf`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "body shorter than its length (stream)",
                 "`Content-Length` 500 bytes more than is sent, then close",
                 "`StreamClosedError` at once, after the `Content` that did arrive",
-                "`TestFaultFraming.test_body_shorter_than_its_length_stream`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "body shorter than its length (single-shot)",
                 "`/slots` says 100 bytes, sends 8, closes",
                 "`StreamClosedError` at once",
-                "`TestFaultFraming.test_body_shorter_than_its_length_single_shot`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "close mid-chunk",
                 "a chunk 200 bytes short, then close",
                 "`StreamClosedError` at once",
-                "`TestFaultFraming.test_close_mid_chunk`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "close mid-event",
                 "a close-delimited body whose last event has no blank line",
                 "`StreamClosedError` at once: the unfinished event is discarded, so there is no `finish_reason`",
-                "`TestFaultFraming.test_close_mid_event`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "close after the finish chunk without `[DONE]`",
                 "finish chunk, then the final `0` chunk",
                 "no error: a clean end after a `finish_reason` returns the `Completion`",
-                "`TestFaultFraming.test_close_after_finish_without_done_is_clean`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "`[DONE]`, then the connection stays open",
                 "no final `0` chunk, no close",
                 "no error: the `Completion` is returned at `[DONE]`, without waiting",
-                "`TestFaultFraming.test_done_then_connection_held`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "`[DONE]` without a `finish_reason`",
                 "content, then `[DONE]`",
                 "`StreamClosedError` at once",
-                "`TestFaultFraming.test_done_without_finish_reason`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "empty stream",
                 "a 200 head and the final `0` chunk",
                 "`StreamClosedError` at once",
-                "`TestFaultFraming.test_empty_chunked_body`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "200 with an HTML page",
                 "an nginx welcome page",
                 "`StreamClosedError` at once: no event, so no `finish_reason`",
-                "`TestFaultFraming.test_html_page_with_200`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "error body over `max_body`",
                 "a 500 whose body is longer than `max_body` and arrives in the same read as the head",
                 "`ProtocolError` at once",
-                "`TestFaultFraming.test_error_body_over_max_body`",
+                "`TestDifferential.test_body_framing`",
             ),
             (
                 "single-shot length over `max_body`",
                 "`/slots` announces `max_body` + 1 bytes",
                 "`ProtocolError` at once, before reading the body",
-                "`TestFaultFraming.test_single_shot_length_over_max_body`",
+                "`TestDifferential.test_body_framing`",
             ),
         ],
     ),
@@ -15499,57 +14589,57 @@ FAULT_TABLE = [
         [
             (
                 "a 2 MiB line sent one byte at a time",
-                "one byte per millisecond, slot busy, `max_line` 1 KiB",
-                "`ProtocolError` as soon as `max_line` is passed; the server has sent at most `max_line` + 64 bytes of the line by then",
-                "`TestFaultSSE.test_two_mib_line_trickled`",
+                "one byte per millisecond, slot busy, `max_line` 1 KiB; after the byte that passes `max_line`, it waits for the client to leave",
+                "`ProtocolError` on the byte that passes `max_line`: the client leaves without reading another, with no budget near its end (on the virtual clock, at that very instant)",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "bytes trickle but no event completes",
                 "one byte every 20 ms, idle slot",
                 "`StalledError` after `liveness`: the liveness rule asks `/slots` and the slot is idle",
-                "`TestFaultSSE.test_slow_line_without_event_hits_liveness`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "a line of `max_line` exactly",
                 "a valid chunk padded to 4,096 bytes",
                 "no error: the line is accepted",
-                "`TestFaultSSE.test_line_of_max_line_exactly`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "a line of `max_line` + 1",
                 "the same, one byte longer",
                 "`ProtocolError` at once",
-                "`TestFaultSSE.test_line_of_max_line_plus_one`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "an event over `max_line` in many lines",
                 "2,000 short `data:` lines in one event",
                 "`ProtocolError` at once",
-                "`TestFaultSSE.test_event_over_max_line_in_many_data_lines`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "half a million empty `data:` lines",
                 "524,290 of them in one event, `max_line` 512 KiB",
-                "`ProtocolError` within 1 s (time linear in the input)",
-                "`TestFaultSSE.test_half_million_empty_data_lines`",
+                "`ProtocolError`, in CPU time linear in the input: under 10 times that of splitting the same bytes into lines",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "invalid UTF-8",
                 "`\\xff\\xfe` inside a content string",
                 "no error: replaced by U+FFFD",
-                "`TestFaultSSE.test_invalid_utf8_is_replaced`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "a UTF-8 character split between reads",
                 "`é` cut in two, 20 ms apart",
                 "no error: the character arrives whole",
-                "`TestFaultSSE.test_utf8_split_between_reads`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
             (
                 "a NUL byte",
                 "a raw NUL inside a JSON string",
                 "`ProtocolError` at once (raw control characters are invalid JSON)",
-                "`TestFaultSSE.test_nul_byte_in_data`",
+                "`TestDifferential.test_sse_lines_and_events`",
             ),
         ],
     ),
@@ -15557,42 +14647,42 @@ FAULT_TABLE = [
         "JSON payloads",
         ("fault", "what the server does", "error (and when)", "test"),
         [
-            ("invalid JSON", "a chunk cut short", "`ProtocolError` at once", "`TestFaultJSON.test_invalid_json`"),
+            ("invalid JSON", "a chunk cut short", "`ProtocolError` at once", "`TestDifferential.test_json_payloads`"),
             (
                 "JSON that is not an object",
                 '`["choices"]`',
                 "`ProtocolError` at once",
-                "`TestFaultJSON.test_json_not_an_object`",
+                "`TestDifferential.test_json_payloads`",
             ),
             (
                 "`choices` not a list",
                 '`{"choices": {"0": ...}}`',
                 "`ProtocolError` at once",
-                "`TestFaultJSON.test_choices_not_a_list`",
+                "`TestDifferential.test_json_payloads`",
             ),
             (
                 "a delta that is a string",
                 '`"delta": "Hi"`',
                 "`ProtocolError` at once",
-                "`TestFaultJSON.test_delta_is_a_string`",
+                "`TestDifferential.test_json_payloads`",
             ),
             (
                 "a tool-call delta without index",
                 "id, name and arguments, no `index`",
                 "`ProtocolError` at once",
-                "`TestFaultJSON.test_tool_call_delta_without_index`",
+                "`TestDifferential.test_json_payloads`",
             ),
             (
                 "deeply nested JSON",
                 "200,000 nested lists",
                 "`ProtocolError` at once",
-                "`TestFaultJSON.test_deeply_nested_json`",
+                "`TestDifferential.test_json_payloads`",
             ),
             (
                 "an error code that only looks like a number",
                 '`{"error": {"code": "²"}}`',
                 "`ServerError` at once with `.code` None",
-                "`TestFaultJSON.test_error_code_not_a_decimal`",
+                "`TestDifferential.test_json_payloads`",
             ),
         ],
     ),
@@ -15604,31 +14694,31 @@ FAULT_TABLE = [
                 "pings forever, idle slot",
                 "`: ping` every 50 ms, no data; `/slots` says idle",
                 "`StalledError` after `liveness`",
-                "`TestFaultWaits.test_pings_forever_idle_slot`",
+                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
             ),
             (
                 "pings forever, processing slot",
                 "the same; `/slots` says processing",
                 "`StalledError` after `busy_wait`, counted from the last data event",
-                "`TestFaultWaits.test_pings_forever_processing_slot`",
+                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
             ),
             (
                 "stall before the head, idle slot",
                 "reads the request, says nothing",
                 "`StalledError` after `idle_grace`, with `Waiting(False)` events",
-                "`TestFaultWaits.test_stall_before_head_idle_slot`",
+                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
             ),
             (
                 "stall before the head, busy slot",
                 "the same; `/slots` says processing",
                 "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events",
-                "`TestFaultWaits.test_stall_before_head_busy_slot`",
+                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
             ),
             (
                 "stall mid-stream",
                 "one content event, then silence",
                 "`StalledError` after `liveness`",
-                "`TestFaultWaits.test_stall_mid_stream`",
+                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
             ),
         ],
     ),
@@ -15640,73 +14730,73 @@ FAULT_TABLE = [
                 "HTTP 503 forever",
                 "`503 Loading model` on every attempt",
                 "`LoadTimeoutError` after `load_wait`, at least 2 attempts",
-                "`TestFaultErrors.test_http_503_forever`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "HTTP 400",
                 'the real "exceeds the available context size" envelope',
                 "`HTTPStatusError` at once, `.status` 400, `.message` from the envelope",
-                "`TestFaultErrors.test_http_400_prompt_too_long`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "HTTP 500 with an HTML body",
                 "`<h1>oops</h1>`",
                 "`HTTPStatusError` at once, `.message` is the page's first text (`oops`), `.body` the whole page",
-                "`TestFaultErrors.test_http_500_html_body`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "error body stalls",
                 "a 400 that sends 2 of its 116 bytes, then silence",
                 "`StalledError` after `liveness`",
-                "`TestFaultErrors.test_error_status_body_stalls`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "error body nested 5,000 deep",
                 "a 400 whose envelope cannot be decoded",
                 "`HTTPStatusError` at once; the message falls back to the body text",
-                "`TestFaultErrors.test_error_body_deeply_nested`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "error event first, code 503",
                 '`data: {"error": {"code": 503, ...}}`, then a good stream',
                 "retried like an HTTP 503; `Completion` returned after one `Retrying`",
-                "`TestFaultErrors.test_error_event_first_503_is_retried`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "error event first, 503 forever",
                 "the 503 event on every attempt",
                 "`LoadTimeoutError` after `load_wait`",
-                "`TestFaultErrors.test_error_event_first_503_forever`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "error event first, code 400",
                 '`data: {"error": {"code": 400, ...}}`',
                 "`ServerError` at once, `.code` 400, one attempt",
-                "`TestFaultErrors.test_error_event_first_400`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "error event after content",
                 "content, then a 503 error event",
                 "`ServerError` at once, `.code` 503; never replayed",
-                "`TestFaultErrors.test_error_event_after_content`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "legacy `error:` line",
                 'content, then `error: {"code":500,...}`',
                 "`ServerError` at once, `.code` 500",
-                "`TestFaultErrors.test_legacy_error_line`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "legacy `error:` line nested 100,000 deep",
                 "an `error:` payload that cannot be decoded",
                 "`ServerError` at once, the text as its message",
-                "`TestFaultErrors.test_legacy_error_line_deeply_nested`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
             (
                 "legacy `error:` line first, code 503",
                 "the legacy line, then a good stream",
                 "retried; `Completion` returned, 2 requests",
-                "`TestFaultErrors.test_legacy_error_line_first_503_is_retried`",
+                "`TestDifferential.test_error_statuses_and_error_events`",
             ),
         ],
     ),
@@ -15718,49 +14808,49 @@ FAULT_TABLE = [
                 "Retry-After as a date beyond `load_wait`",
                 "an HTTP date 5 s ahead",
                 "`LoadTimeoutError` at once, no `Retrying`",
-                "`TestFaultRetryAfter.test_date_beyond_load_wait`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "Retry-After as a date in the past",
                 "a date a minute ago, then a good stream",
                 "retried after the ordinary backoff (0.19–0.25 s), not at once (*choice*: a hint is a floor, so 0 cannot become a busy loop)",
-                "`TestFaultRetryAfter.test_date_in_the_past`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "`Retry-After: 0` forever",
                 "the same 503 every time",
                 "`LoadTimeoutError` after `load_wait`, with at most 4 attempts",
-                "`TestFaultRetryAfter.test_zero_forever`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "Retry-After negative",
                 "`-5`, then a good stream",
                 "no hint: retried after the backoff",
-                "`TestFaultRetryAfter.test_negative`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "Retry-After malformed",
                 "`soon`, then a good stream",
                 "no hint: retried after the backoff",
-                "`TestFaultRetryAfter.test_malformed`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "Retry-After huge",
                 "20 digits",
                 "`LoadTimeoutError` at once (longer than what remains of `load_wait`)",
-                "`TestFaultRetryAfter.test_huge`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "Retry-After beyond float range",
                 "400 digits",
                 "`LoadTimeoutError` at once",
-                "`TestFaultRetryAfter.test_huge_past_float_range`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
             (
                 "Retry-After beyond int() digit limit",
                 "5,000 digits",
                 "`LoadTimeoutError` at once",
-                "`TestFaultRetryAfter.test_huge_past_int_digit_limit`",
+                "`TestDifferential.test_503_with_retry_after`",
             ),
         ],
     ),
@@ -15772,55 +14862,55 @@ FAULT_TABLE = [
                 "`/slots` answers garbage while the head is awaited",
                 "`not json!`",
                 "treated as unavailable: `LoadTimeoutError` after `load_wait`, `Waiting(False)` events",
-                "`TestFaultSlots.test_slots_garbage_while_waiting`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/slots` answers garbage to `slots()`",
                 "the same",
                 "`ProtocolError` at once",
-                "`TestFaultSlots.test_slots_garbage_single_shot`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/slots` entries of the wrong shape",
                 '`{"id": "0", "is_processing": "yes"}`',
                 "`ProtocolError` at once",
-                "`TestFaultSlots.test_slots_wrong_shape_single_shot`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/slots` hangs while the head is awaited",
                 "accepts, never answers",
                 "unavailable: `LoadTimeoutError` after `load_wait`; the poller's connection ends too",
-                "`TestFaultSlots.test_slots_hanging_while_waiting`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/slots` hangs for `slots()`",
                 "accepts, never answers",
                 "`StalledError` after `liveness`",
-                "`TestFaultSlots.test_slots_hanging_single_shot`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/slots` answers 501 while the head is awaited",
                 "`--no-slots` servers do this",
                 "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
-                "`TestFaultSlots.test_slots_501_while_waiting`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/slots` answers 501 to `slots()`",
                 "the same",
                 "`HTTPStatusError` at once, `.status` 501",
-                "`TestFaultSlots.test_slots_501_single_shot`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/props` is not an object",
                 "`[1, 2]`",
                 "`ProtocolError` at once",
-                "`TestFaultSlots.test_props_not_an_object`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
                 "`/props` silent or slow for a `slot=None` request",
                 "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
                 "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
-                "`TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`, `TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
             ),
         ],
     ),
@@ -15832,25 +14922,25 @@ FAULT_TABLE = [
                 "429 at a concurrency limit, then served",
                 "429 twice (with and without `Retry-After: 0`), then the stream",
                 "no error: `Retrying` twice, reason `HTTP 429: ...`, then the `Completion`",
-                "`TestFaultProxies.test_429_with_and_without_retry_after_is_retried_then_served`",
+                "`TestDifferential.test_behind_proxies`",
             ),
             (
                 "429 for ever",
                 "429 with `Retry-After: 0` on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
                 "`WaitTimeoutError` after `busy_wait`, naming the 429; `__cause__` the `HTTPStatusError` 429",
-                "`TestFaultProxies.test_429_past_busy_wait_is_a_wait_timeout_naming_the_429`",
+                "`TestDifferential.test_behind_proxies`",
             ),
             (
                 "429 with a hint past `busy_wait`",
                 "`Retry-After: 30`",
                 "`WaitTimeoutError` at once, no `Retrying`",
-                "`TestFaultProxies.test_a_429_hint_past_busy_wait_ends_the_wait_at_once`",
+                "`TestDifferential.test_behind_proxies`",
             ),
             (
                 "`/slots` not served",
-                "`/slots` answers 404, 403, 405 or 501 while the head is held back",
+                "`/slots` answers 404, 403, 405 or 501 while the head is held back (`busy_wait` 0.8 s for the 404, 0.45 s for the others)",
                 "`WaitTimeoutError` after `busy_wait` (not `load_wait`), `Waiting(False, slots_known=False)` at each poll, `/slots` asked once",
-                "`TestFaultProxies.test_slots_not_served_while_waiting_counts_under_busy_wait`, `TestFaultSlots.test_slots_501_while_waiting`",
+                "`TestDifferential.test_behind_proxies`",
             ),
         ],
     ),
@@ -15862,91 +14952,91 @@ FAULT_TABLE = [
                 "504 from nginx, then served",
                 "nginx's 504 page (`Server: nginx/1.22.1`) after its idle timeout, twice",
                 "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from nginx/1.22.1: the front stopped waiting for a slot`, then the `Completion`",
-                "`TestFaultFronts.test_a_504_or_524_is_retried_under_busy_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "504 without a `Server` header, then served",
                 "HAProxy's 504 page",
                 "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from the front: ...`",
-                "`TestFaultFronts.test_a_504_or_524_is_retried_under_busy_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "504 with an empty body, then served",
                 "Caddy's 504 (`Server: Caddy`, no body)",
                 "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from Caddy: ...`",
-                "`TestFaultFronts.test_a_504_or_524_is_retried_under_busy_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "524, then served",
                 "Cloudflare's 524 page",
                 "no error: `Retrying` twice under `busy_wait`, reason `HTTP 524 from cloudflare: ...`",
-                "`TestFaultFronts.test_a_504_or_524_is_retried_under_busy_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "504 for ever",
-                "nginx's 504 on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
-                "`WaitTimeoutError` after `busy_wait`, one line naming `HTTP 504`, `nginx/1.22.1` and `busy_wait`; `__cause__` the `HTTPStatusError` with the page in `.body`",
-                "`TestFaultFronts.test_a_504_past_busy_wait_is_a_wait_timeout_naming_the_front`",
+                "nginx's 504 on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s); HAProxy's and Caddy's 504 and Cloudflare's 524 the same (`busy_wait` 0.45 s)",
+                "`WaitTimeoutError` after `busy_wait`, one line naming `HTTP 504` (or 524), the front (`nginx/1.22.1`, `the front`, ...) and `busy_wait`; `__cause__` the `HTTPStatusError` with the page in `.body`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "504 to a resumable request the server holds",
                 "nginx's 504 for the POST; the server kept the queued request (lookup knows it)",
                 "no error: `Resumed(0, 1)`, the stream replayed from 0, the request not sent again; lookup and replay carry `X-Conversation-Id`",
-                "`TestFaultFronts.test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero`",
+                "`TestDifferential.test_behind_fronts`, `TestFaultFronts.test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero`",
             ),
             (
                 "a resumable stream the front ends cleanly mid-event",
                 "Caddy's answer when its server's connection breaks: the chunked body ended by `0` after a chunk cut mid-event (transcript 106)",
                 "no error: resumed from the start of the unfinished event (`GET /v1/stream?from=` the last blank line), the events and `Completion` those of the whole stream",
-                "`TestFaultFronts.test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed`",
+                "`TestDifferential.test_behind_fronts`, `TestFaultFronts.test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed`",
             ),
             (
                 "502 with an HTML page, then served",
                 "nginx's 502 page (the server's socket gone), twice",
                 "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from nginx/1.22.1: 502 Bad Gateway`",
-                "`TestFaultFronts.test_a_502_or_520_to_523_is_retried_under_load_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "502 with an empty body, then served",
                 "Caddy's 502",
                 "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from Caddy: (empty body)`",
-                "`TestFaultFronts.test_a_502_or_520_to_523_is_retried_under_load_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "520 to 523, then served",
                 "Cloudflare's pages",
                 "no error: `Retrying` twice under `load_wait`, the page's title in the reason",
-                "`TestFaultFronts.test_a_502_or_520_to_523_is_retried_under_load_wait_then_served`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "502 for ever",
-                "nginx's 502 on every attempt (`load_wait` 0.6 s, `busy_wait` 0.2 s)",
-                "`LoadTimeoutError` after `load_wait`, one line naming `load_wait`, `HTTP 502` and `nginx/1.22.1`",
-                "`TestFaultFronts.test_a_502_past_load_wait_is_a_load_timeout_naming_the_front`",
+                "nginx's 502 on every attempt (`load_wait` 0.6 s, `busy_wait` 0.2 s); Caddy's 502 and Cloudflare's 521 the same (`load_wait` 0.3 s)",
+                "`LoadTimeoutError` after `load_wait`, one line naming `load_wait`, `HTTP 502` (or 521) and the front; `__cause__` the `HTTPStatusError` with the page in `.body`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "503 from HAProxy for ever",
                 "HAProxy's 503 page (no server to send to)",
                 "`LoadTimeoutError` after `load_wait`; `__cause__` the 503 with `.message` `503 Service Unavailable`",
-                "`TestFaultFronts.test_haproxy_s_503_when_its_server_is_gone_is_waited_out_under_load_wait`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "an error page from a front",
-                "nginx's 403 page",
-                "`HTTPStatusError` at once: `HTTP 403 from nginx/1.22.1: 403 Forbidden`, `.server` the header, `.body` the page",
-                "`TestFaultFronts.test_an_error_page_is_one_line_naming_the_front`",
+                "nginx's 403 page; and a front's pages (or llama-server's 404) answering `props()`",
+                "`HTTPStatusError` at once, not retried: `HTTP 403 from nginx/1.22.1: 403 Forbidden`, `.server` the header, `.body` the page; for `props()` the same one line (`HTTP 504 from the front: 504 Gateway Time-out`, `HTTP 404: File Not Found`)",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "idle `/slots`, several servers",
                 "`Limits(servers=2)`; the head held back, `/slots` idle (it may be another server's)",
                 "`WaitTimeoutError` after `busy_wait`, not `StalledError` after `idle_grace`; `Waiting(slots_known=False)`",
-                "`TestFaultFronts.test_with_several_servers_an_idle_slot_is_no_stall`",
+                "`TestDifferential.test_behind_fronts`",
             ),
             (
                 "`/slots` answers from two servers",
-                "the head held back; `/slots` answers 2 slots, then 3, in turn (`servers` not given)",
-                "`WaitTimeoutError` after `busy_wait` from the second poll, not `StalledError`: the client has learnt there are several servers",
-                "`TestFaultFronts.test_slots_answers_that_cannot_come_from_one_server_mean_several`",
+                "the head held back; `/slots` answers 2 slots, then 3, in turn (`servers` not given); or 2 slots whose `id_task` goes back",
+                "`WaitTimeoutError` after `busy_wait` from the second poll, not `StalledError`: the client has learnt there are several servers; a slot's `id_task` going back is no proof (one server's slot may take a task queued after a later one): `StalledError` after `idle_grace`",
+                "`TestDifferential.test_behind_fronts`",
             ),
         ],
     ),
@@ -15958,31 +15048,31 @@ FAULT_TABLE = [
                 "control endpoint answers 404",
                 "an older server",
                 "`ThinkingOverrunError` at once, `.tokens` 2, `__cause__` an `HTTPStatusError`",
-                "`TestFaultControl.test_control_404`",
+                "`TestDifferential.test_the_reasoning_control_endpoint`",
             ),
             (
                 "control endpoint 404 for `end_reasoning()`",
                 "the same",
                 "`HTTPStatusError` at once, `.status` 404",
-                "`TestFaultControl.test_control_404_single_shot`",
+                "`TestDifferential.test_the_reasoning_control_endpoint`",
             ),
             (
                 "control endpoint answers `success: false`",
                 '`{"success": false}`',
                 "`ThinkingOverrunError` at once, after exactly 2 `Reasoning` events",
-                "`TestFaultControl.test_control_success_false`",
+                "`TestDifferential.test_the_reasoning_control_endpoint`",
             ),
             (
                 "`success: false` for `end_reasoning()`",
                 "the same",
                 "no error: `False`",
-                "`TestFaultControl.test_control_success_false_single_shot`",
+                "`TestDifferential.test_the_reasoning_control_endpoint`",
             ),
             (
                 "control endpoint hangs",
                 "accepts, never answers",
                 "`ThinkingOverrunError` after `liveness`, `__cause__` a `StalledError`",
-                "`TestFaultControl.test_control_hanging`",
+                "`TestDifferential.test_the_reasoning_control_endpoint`",
             ),
         ],
     ),
@@ -16030,37 +15120,37 @@ FAULT_TABLE = [
                 "error body stalls on a held connection",
                 "`dev/fuzz-crashes/e2748cec9571aae2.bin` (client target)",
                 "`StalledError` after `liveness`",
-                "`TestFaultFuzzRegressions.test_fuzz_e2748cec9571aae2_error_body_stalls`",
+                "`TestDifferential.test_inputs_the_fuzzer_found`",
             ),
             (
                 "503 with an error body nested 5,000 deep",
                 "`403724efe73ee4d8.bin` (http target)",
                 "the envelope falls back to text; through the client, `LoadTimeoutError` after `load_wait`",
-                "`TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body`",
+                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body`",
             ),
             (
                 'error code `"²"`',
                 "`080ec222851097f5.bin` (assembler target)",
                 "`ServerError`, `.code` None",
-                "`TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two`",
+                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two`",
             ),
             (
                 "605,552 `data:` lines in one event",
                 "`5dff79bad8bec29d.bin` (sse target, `max_line` 1 MiB)",
-                "within 1 s of CPU time; through the client, `StreamClosedError` (the stream ends without `[DONE]`)",
-                "`TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event`",
+                "linear: under 10 times the CPU time of splitting the bytes into lines; through the client, `StreamClosedError` (the stream ends without `[DONE]`), in the same bound",
+                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event`",
             ),
             (
                 "`event: error` with data nested 100,000 deep",
                 "`e517c807fa701495.bin` (http target)",
                 "`ServerError` at once",
-                "`TestFaultFuzzRegressions.test_fuzz_e517c807fa701495_deeply_nested_error_event`",
+                "`TestDifferential.test_inputs_the_fuzzer_found`",
             ),
             (
                 "`event: error` nested deep, through `chat()`",
                 "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
                 "`ServerError` at once",
-                "`TestFaultFuzzRegressions.test_fuzz_0f7c31287867b84c_deeply_nested_error_event_client`",
+                "`TestDifferential.test_inputs_the_fuzzer_found`",
             ),
         ],
     ),
@@ -16072,67 +15162,67 @@ FAULT_TABLE = [
                 "fetch() of an error page",
                 "`500` with an HTML page, then holds the connection",
                 "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
-                "`TestFaultAnswers.test_fetch_of_an_error_page`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "fetch() of a 503 with Retry-After",
                 "`503`, `Retry-After: 1`",
                 "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
-                "`TestFaultAnswers.test_fetch_of_a_503_is_not_retried`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "fetch() of a redirect",
                 "`302` with a `Location` elsewhere",
                 "no error: the `Response` at once; the redirect is not followed",
-                "`TestFaultAnswers.test_fetch_of_a_redirect_is_not_followed`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "fetch() of a body over max_body",
                 "a 200 one byte over `max_body`, then holds the connection",
                 "`ProtocolError` at once",
-                "`TestFaultAnswers.test_fetch_of_a_body_over_max_body`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "timeout= on a silent server",
                 "reads the request, sends nothing",
                 "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
-                "`TestFaultAnswers.test_timeout_on_a_silent_server`, `TestDeadline.test_every_call_waiting_for_its_answer`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`, `TestDeadline.test_every_call_waiting_for_its_answer`",
             ),
             (
                 "timeout= on an answer that trickles",
                 "a head, then a byte of its body every 0.1 s",
                 "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
-                "`TestFaultAnswers.test_timeout_on_an_answer_that_trickles`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
             ),
             (
                 "stream_route() of an answer that is not a stream",
                 "`200` with `application/json`, then holds the connection",
                 "`ProtocolError` at once, not sent again",
-                "`TestFaultAnswers.test_stream_route_of_an_answer_that_is_not_a_stream`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "stream_route() of a 503, then a stream",
                 "`503` (`Retry-After: 0`) once, then a stream",
                 "retried (`Retrying`) before delivery, then a `Chunk` per event",
-                "`TestFaultAnswers.test_stream_route_of_a_503_then_a_stream`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "stream_route() of text data",
                 "`data: hello` events that are not JSON, then `[DONE]`",
                 "no error: a `Chunk` of each text, an empty `Completion`",
-                "`TestFaultAnswers.test_stream_route_of_text_data`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "stream_route() of chat cut before its finish",
                 "a chat chunk without `finish_reason`, then the end of the body",
                 "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
-                "`TestFaultAnswers.test_stream_route_of_chat_cut_before_its_finish`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
             (
                 "stream_route() silent once started",
                 "one chunk, then silence",
                 "`StalledError` after `liveness`",
-                "`TestFaultAnswers.test_stream_route_silent_once_started`",
+                "`TestDifferential.test_answers_as_the_server_gave_them`",
             ),
         ],
     ),
@@ -16219,11 +15309,15 @@ def differs_between_clients(sync, other, poll, margin=MARGIN):
     elif sync_value != async_value:
         return "completion differs: sync %r, async %r" % (sync_value, async_value)
     sync_runs, async_runs = _d_runs(sync_events), _d_runs(async_events)
-    waited = [bool(runs) and isinstance(runs[0][0], lc.Waiting) for runs in (sync_runs, async_runs)]
-    if waited[0] != waited[1]:  # a head late by a few polls in one client only
+    i = 0
+    while i <= min(len(sync_runs), len(async_runs)):  # a head late by a few polls in one client only
+        waited = [i < len(runs) and isinstance(runs[i][0], lc.Waiting) for runs in (sync_runs, async_runs)]
         runs = sync_runs if waited[0] else async_runs
-        if runs[0][1] * poll <= margin:
-            del runs[0]
+        heads = i == 0 or isinstance(sync_runs[i - 1][0], lc.Retrying)  # the first attempt's, or a retry's
+        if waited[0] != waited[1] and heads and runs[i][1] * poll <= margin:
+            del runs[i]
+        else:
+            i += 1
     if failed and isinstance(sync_value, lc._BudgetError) and abs(len(sync_runs) - len(async_runs)) == 1:
         longer = sync_runs if len(sync_runs) > len(async_runs) else async_runs
         last = longer[-1][0]
@@ -16248,8 +15342,27 @@ def differs_between_clients(sync, other, poll, margin=MARGIN):
 #: server (called again before each client, so that a handler's state starts afresh); ``act(client,
 #: events)`` is the call; ``expect`` the documented outcome (an exception class, ``lc.Completion``, or a
 #: value); ``budget`` its budget (``at_once``: it must not take it); ``address(server)`` where the client
-#: connects; ``changes`` to FAST_FAULTS; ``client`` keywords for the constructor.
-_DPart = collections.namedtuple("_DPart", "arrange act expect budget at_once address changes client tcp")
+#: connects; ``changes`` to FAST_FAULTS; ``client`` keywords for the constructor; ``tcp``: the server
+#: listens on TCP.  ``check``: what else the row states, one check or a tuple of them, each
+#: ``check(test, run)`` with ``run`` a _DRun, called for every client.  ``sockets``: the transport is part
+#: of the fault (a connect, a reset, a held or silent connection, bytes a read at a time, a send the
+#: client must stop), so the row runs through Client on a real socket too; of the rows waited out for a
+#: budget, one of each kind of wait (each is one more real-time bound on a loaded machine).  ``cpu``: the
+#: part is CPU-bound on these bytes: its time is the process's CPU time, at most _D_CPU_RATIO times that
+#: of _d_floor(cpu) measured beside it, not a real-time budget (which a loaded machine cannot keep).
+_DPart = collections.namedtuple(
+    "_DPart", "arrange act expect budget at_once address changes client tcp check sockets cpu"
+)
+
+#: What a check sees of one part through one client: ``kind`` ("virtual", "async" or "sync"), the events
+#: delivered, the Completion, value or exception, the seconds it took, the clock when the call returned,
+#: the server, and the requests the server received during the part.
+_DRun = collections.namedtuple("_DRun", "kind events value elapsed ended server requests")
+
+#: How many times the CPU time of the floor (splitting the bytes into lines: _d_floor) a CPU-bound part
+#: may take: linear parsing through a client is 3-5 times it, the str += per line that was quadratic over
+#: 30 times; a line tracer (coverage) slows the client, not the floor.
+_D_CPU_RATIO = 10.0
 
 
 def _d_chat(slot=0, **params):
@@ -16266,6 +15379,9 @@ def _d_part(
     changes=None,
     client=None,
     tcp=False,
+    check=(),
+    sockets=False,
+    cpu=None,
 ):
     return _DPart(
         arrange or (lambda s: None),
@@ -16277,7 +15393,145 @@ def _d_part(
         changes or {},
         client or {},
         tcp,
+        check if isinstance(check, tuple) else (check,),
+        sockets,
+        cpu,
     )
+
+
+def _d_fault(name, *args, **kw):
+    """A row of one part: ``(name, [_d_part(*args, **kw)])``."""
+    return name, [_d_part(*args, **kw)]
+
+
+def _d_floor(data):
+    """The least a reader does with ``data``: split the lines, keep the data lines' values, join them."""
+    return b"\n".join(line[5:] for line in data.split(b"\n") if line.startswith(b"data:"))
+
+
+# -- what a row states beyond its error class and budget: checks of a _DRun ---------------------------
+
+
+def _d_kinds(*kinds, start=False):
+    """The events' kinds are ``kinds`` (``start``: begin with them); on a real socket a Waiting is set
+    aside (a head a poll late on a busy machine), on the virtual clock it counts."""
+
+    def check(test, run):
+        got = [type(e).__name__ for e in run.events]
+        if run.kind != "virtual":
+            got = [k for k in got if k != "Waiting"]
+        test.assertEqual(got[: len(kinds)] if start else got, list(kinds), run.kind)
+
+    return check
+
+
+def _d_attrs(**attrs):
+    """The outcome's attributes (an error's ``status``, a Completion's ``content``, ...) are these."""
+
+    def check(test, run):
+        test.assertEqual({k: getattr(run.value, k) for k in attrs}, attrs, run.kind)
+
+    return check
+
+
+def _d_cause(cls, **attrs):
+    """The error's ``__cause__`` is a ``cls`` (exactly), with these attributes."""
+
+    def check(test, run):
+        cause = run.value.__cause__
+        test.assertIs(type(cause), cls, "%s: __cause__ %r" % (run.kind, cause))
+        test.assertEqual({k: getattr(cause, k) for k in attrs}, attrs, run.kind)
+
+    return check
+
+
+def _d_says(*texts, exactly=None):
+    """The error's message contains each of ``texts`` (or is ``exactly``), on one line."""
+
+    def check(test, run):
+        message = str(run.value)
+        for text in texts:
+            test.assertIn(text, message, run.kind)
+        if exactly is not None:
+            test.assertEqual(message, exactly, run.kind)
+        test.assertNotIn("\n", message)
+        test.assertNotIn("\r", message)
+
+    return check
+
+
+def _d_asked(path="/v1/chat/completions", n=None, least=None, most=None):
+    """How many requests for ``path`` the server received during the part."""
+
+    def check(test, run):
+        count = sum(1 for r in run.requests if r.path.split("?")[0] == path)
+        what = "%s: %d requests for %s" % (run.kind, count, path)
+        if n is not None:
+            test.assertEqual(count, n, what)
+        if least is not None:
+            test.assertGreaterEqual(count, least, what)
+        if most is not None:
+            test.assertLessEqual(count, most, what)
+
+    return check
+
+
+def _d_retries(n=None, pairs=None, reasons=None, delays=None):
+    """The Retrying events: ``n`` of them, as (attempt, reason) ``pairs``, their set of ``reasons``, each
+    delay within ``delays`` (low, high)."""
+
+    def check(test, run):
+        got = [e for e in run.events if isinstance(e, lc.Retrying)]
+        if n is not None:
+            test.assertEqual(len(got), n, "%s: %r" % (run.kind, got))
+        if pairs is not None:
+            test.assertEqual([(e.attempt, e.reason) for e in got], list(pairs), run.kind)
+        if reasons is not None:
+            test.assertEqual({e.reason for e in got}, set(reasons), run.kind)
+        for e in got if delays is not None else ():
+            test.assertTrue(delays[0] <= e.delay <= delays[1], "%s: delay %r" % (run.kind, e.delay))
+
+    return check
+
+
+def _d_not_before(seconds):
+    """The outcome came no sooner than ``seconds`` (a part whose budget is an upper bound only)."""
+
+    def check(test, run):
+        test.assertGreaterEqual(run.elapsed, seconds - (1e-6 if run.kind == "virtual" else EARLY), run.kind)
+
+    return check
+
+
+def _d_delivered(*events):
+    """The events the answer delivered (all but Retrying, Waiting and Queued) are exactly ``events``."""
+
+    def check(test, run):
+        got = [e for e in run.events if not isinstance(e, (lc.Retrying, lc.Waiting, lc.Queued))]
+        test.assertEqual(got, list(events), run.kind)
+
+    return check
+
+
+def _d_heard(*kinds):
+    """Among the events there is one of each of ``kinds``."""
+
+    def check(test, run):
+        got = {type(e).__name__ for e in run.events}
+        test.assertEqual(set(kinds) - got, set(), run.kind)
+
+    return check
+
+
+def _d_waits(each, what):
+    """There are Waiting events, and ``each(waiting)`` is true of every one (``what``)."""
+
+    def check(test, run):
+        waits = [e for e in run.events if isinstance(e, lc.Waiting)]
+        test.assertTrue(waits, "%s: no Waiting" % run.kind)
+        test.assertEqual([w for w in waits if not each(w)], [], "%s: a Waiting that is not %s" % (run.kind, what))
+
+    return check
 
 
 def _d_stream(handler):
@@ -16315,12 +15569,27 @@ def _d_stale(s):
 
 
 def _d_reset(after=b""):
+    """Send ``after``, and once the client has delivered an event (an RST may discard bytes still unread),
+    reset the connection."""
+
     def handler(req):
         if after:
             req.send(after)
-            time.sleep(0.05)
+            wait_for(lambda: req.server.client_events, 5, "the client to deliver what was sent")
         req.conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         req.conn.close()  # linger 0: RST instead of FIN
+
+    return _d_stream(handler)
+
+
+def _d_patient(data):
+    """Arrange a handler that sends ``data`` (megabytes) to a client that may read it slowly: a CPU-bound
+    parse on a loaded machine takes longer than the fake server's 5 s for a send; the part's own timeout
+    bounds it instead."""
+
+    def handler(req):
+        req.conn.settimeout(60)
+        req.send(data)
 
     return _d_stream(handler)
 
@@ -16355,13 +15624,15 @@ _D_OK = STREAM_HEAD + _F_OK_BODY
 
 
 class TestDifferential(_f_Case):
-    """The virtual driver and AsyncClient on a real socket are one behaviour: every row of dev/FAULTS.md
-    (each scripted server behaviour, built as the fault tier builds it), and the cases that used to tell
-    the clients apart, run through both against the same scripted server (a VirtualServer, then a
-    FakeServer on the same path or port); the events, the Completion, the error class and message must be
-    alike (differs_between_clients: alike but for timing), and each must be the documented outcome within
-    its budget: exactly on the virtual clock, within MARGIN on the real one.  AsyncClient is the real
-    driver compared, its step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike
+    """Every row of dev/FAULTS.md, stated once: its parts (the scripted server, the call, the documented
+    outcome, its budget, and the checks of what else the row says) run through AsyncClient on a real
+    socket, through Client on a real socket where the transport is part of the fault (``sockets``), and
+    through the virtual driver, against the same scripted server (a FakeServer, then a VirtualServer on the
+    same path or port); the cases that used to tell the clients apart run the same way.  Each client's
+    outcome must be the documented one within its budget (exactly on the virtual clock, within MARGIN on a
+    real one) and pass the part's checks, and the events, the Completion, the error class and message
+    must be alike (differs_between_clients: alike but for timing).  AsyncClient is the real driver always
+    compared, its step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike
     compares the three operation by operation).  One subTest per row, named by the row."""
 
     VIRTUAL = False  # the test's own fixture is real; each row makes a virtual clock for its virtual run
@@ -16384,30 +15655,41 @@ class TestDifferential(_f_Case):
             client._board.run_class = VirtualRun
             client._board.kernel = self._d_kernel
             return client
+        if kind == "sync":
+            return lc.Client(*args, **kw)
         facade = SyncFacade(self._d_loop, *args, **kw)
         self._d_loop.facades.append(facade)
         return facade
 
-    def _d_both(self, name, scenario, tcp=False):
+    def _d_both(self, name, scenario, tcp=False, sockets=False):
         """``scenario(kind, make, server)`` -> a list of (events, value), run for "async" on a FakeServer,
-        then for "virtual" on a VirtualServer at the same address (and with the same directory); every
-        pair must be alike."""
+        (``sockets``) for "sync" on the same FakeServer, its routes and slots as they were made, then for
+        "virtual" on a VirtualServer at the same address (and with the same directory); every client's
+        outcomes must be alike the virtual one's."""
         with self.subTest(name):
             real = FakeServer(tcp=tcp)
+            routes, busy = dict(real.routes), list(real.busy)
+            kinds = ("async", "sync", "virtual") if sockets else ("async", "virtual")
             outcomes, sent = {}, {}
             try:
-                for kind in ("async", "virtual"):
+                for kind in kinds:
                     if kind == "virtual":
                         kernel = self._d_kernel = VirtualKernel()
                         kernel.start()
                         server = VirtualServer(kernel, tcp=tcp, like=real)
                     else:
                         server = real
+                        server.routes, server.busy = dict(routes), list(busy)
+                    first = len(server.requests)
                     try:
                         outcomes[kind] = scenario(kind, lambda *a, k=kind, **kw: self._d_client(k, *a, **kw), server)
-                        with server.lock:  # the same requests (how many is timing; so is asking /slots)
+                        # the same requests (how many is timing; so is asking /slots, and /props for a pool's
+                        # size, which a slot=None request asks in the background and may leave before it is sent)
+                        with server.lock:
                             sent[kind] = {
-                                (r.raw_head, r.body) for r in server.requests if r.path.split("?")[0] != "/slots"
+                                (r.raw_head, r.body)
+                                for r in server.requests[first:]
+                                if r.path.split("?")[0] not in ("/slots", "/props")
                             }
                     finally:
                         if kind == "virtual":
@@ -16418,19 +15700,22 @@ class TestDifferential(_f_Case):
                                 self._d_kernel = None
             finally:
                 real.close()
-            self.assertEqual(sent["virtual"], sent["async"], "%s: the clients sent different requests" % name)
-            self.assertEqual(len(outcomes["virtual"]), len(outcomes["async"]))
-            for i, (virtual, other) in enumerate(zip(outcomes["virtual"], outcomes["async"])):
-                differs = differs_between_clients(virtual, other, FAST_FAULTS.poll)
-                self.assertIsNone(differs, "%s (part %d): the clients differ: %s" % (name, i + 1, differs))
+            for kind in kinds[:-1]:
+                self.assertEqual(sent["virtual"], sent[kind], "%s: %s sent other requests" % (name, kind))
+                self.assertEqual(len(outcomes["virtual"]), len(outcomes[kind]))
+                for i, (virtual, other) in enumerate(zip(outcomes["virtual"], outcomes[kind])):
+                    differs = differs_between_clients(virtual, other, FAST_FAULTS.poll)
+                    self.assertIsNone(differs, "%s (part %d): virtual and %s differ: %s" % (name, i + 1, kind, differs))
             return outcomes
 
     def _d_run(self, kind, make, server, part):
-        """One part through one client: (events, value); the value is the documented one, in its time."""
+        """One part through one client: (events, value); the value is the documented one, in its time, and
+        what the part's checks say of it holds."""
         part.arrange(server)
-        events = []
-        sent = len(server.requests)
-        t = Timer()
+        events = server.client_events = []  # a handler may wait for what the client has delivered
+        first = len(server.requests)
+        floor = self._d_cpu_floor(part.cpu) if part.cpu else 0.0
+        t, cpu = Timer(), time.process_time()
         try:
             client = make(
                 part.address(server) if part.address else server.address,
@@ -16439,38 +15724,57 @@ class TestDifferential(_f_Case):
             )
         except ValueError as exc:  # refused before anything is sent
             client, value = None, exc
+        ended = None
         if client is not None:
             try:
-                value = run_with_timeout(lambda: part.act(client, events), part.budget + 8.0)
+                value = run_with_timeout(lambda: part.act(client, events), part.budget + (30.0 if part.cpu else 8.0))
             except Exception as exc:  # the outcome under test, whatever it is
                 value = exc
             finally:
+                ended = time.monotonic()
                 client.close()
-        elapsed = t.elapsed
+        elapsed, cpu = t.elapsed, time.process_time() - cpu
         if isinstance(value, ValueError):
-            self.assertEqual(len(server.requests), sent, "%s: a request was sent before the ValueError" % kind)
+            self.assertEqual(len(server.requests), first, "%s: a request was sent before the ValueError" % kind)
         if isinstance(value, BaseException) and _F_KEY in repr(part.client):
             _f_secret_free(self, _F_KEY, value)
         if isinstance(part.expect, type):
             self.assertIs(type(value), part.expect, "%s: expected %s, got %r" % (kind, part.expect.__name__, value))
         else:
             self.assertEqual(value, part.expect, kind)
+        if part.cpu:  # CPU-bound: its CPU time against the floor's, the better of before and after it
+            floor = min(floor, self._d_cpu_floor(part.cpu))
+            ratio = cpu / max(floor, 1e-3)
+            self.assertLess(ratio, _D_CPU_RATIO * TRACED, "%s: CPU %.3f s, %.1f times the floor" % (kind, cpu, ratio))
         if kind == "virtual":  # exact: the budget, or (none) the retry delays the client announced
             took = part.budget or sum(e.delay for e in events if isinstance(e, lc.Retrying))
             self.assertLessEqual(elapsed, took + 1e-6, "%s: %.6f s (budget %.2f s)" % (kind, elapsed, part.budget))
             if not part.at_once:
                 self.assertGreaterEqual(elapsed, took - 1e-6, "%s: early, %.6f s" % (kind, elapsed))
-        else:
+        elif not part.cpu:
             self.assertLessEqual(
                 elapsed, part.budget + MARGIN, "%s: %.3f s (budget %.2f s)" % (kind, elapsed, part.budget)
             )
             if part.budget and not part.at_once:
                 self.assertGreaterEqual(elapsed, part.budget - EARLY, "%s: early, %.3f s" % (kind, elapsed))
+        with server.lock:
+            run = _DRun(kind, events, value, elapsed, ended, server, server.requests[first:])
+        for check in part.check:
+            check(self, run)
         return events, value
 
+    @staticmethod
+    def _d_cpu_floor(data):
+        """The CPU time of _d_floor(data)."""
+        start = time.process_time()
+        _d_floor(data)
+        return time.process_time() - start
+
     def _d_row(self, name, *parts):
-        tcp = any(p.tcp for p in parts)
-        return self._d_both(name, lambda kind, make, server: [self._d_run(kind, make, server, p) for p in parts], tcp)
+        tcp, sockets = any(p.tcp for p in parts), any(p.sockets for p in parts)
+        return self._d_both(
+            name, lambda kind, make, server: [self._d_run(kind, make, server, p) for p in parts], tcp, sockets
+        )
 
     def _d_table(self, rows):
         for name, parts in rows:
@@ -16480,129 +15784,158 @@ class TestDifferential(_f_Case):
 
     def _d_connecting(self):
         lw = FAST_FAULTS.load_wait
+
+        def at_the_address(test, run):
+            test.assertEqual(run.value.address, _d_missing(run.server), run.kind)
+
+        once = _d_asked(n=1)
         return [
-            ("socket file missing", [_d_part(address=_d_missing, expect=lc.LoadTimeoutError, budget=lw)]),
-            (
+            _d_fault(
+                "socket file missing",
+                address=_d_missing,
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=(_d_cause(FileNotFoundError), _d_heard("Retrying")),
+                sockets=True,
+            ),
+            _d_fault(
                 "socket file missing, single-shot call",
-                [_d_part(address=_d_missing, act=lambda c, ev: c.slots(), expect=lc.ConnectError)],
+                address=_d_missing,
+                act=lambda c, ev: c.slots(),
+                expect=lc.ConnectError,
+                check=(_d_cause(FileNotFoundError), at_the_address),
+                sockets=True,
             ),
-            ("socket file with no listener", [_d_part(address=_d_stale, expect=lc.LoadTimeoutError, budget=lw)]),
-            (
+            _d_fault(
+                "socket file with no listener",
+                address=_d_stale,
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=_d_cause(ConnectionRefusedError),
+            ),
+            _d_fault(
                 "socket file with no listener, single-shot call",
-                [_d_part(address=_d_stale, act=lambda c, ev: c.health(), expect=lc.ConnectError)],
+                address=_d_stale,
+                act=lambda c, ev: c.health(),
+                expect=lc.ConnectError,
+                check=_d_cause(ConnectionRefusedError),
+                sockets=True,
             ),
-            ("EOF before the head", [_d_part(_d_stream(lambda req: None), expect=lc.StreamClosedError)]),
-            ("connection reset before the head", [_d_part(_d_reset(), expect=lc.StreamClosedError, tcp=True)]),
-            (
+            _d_fault(
+                "EOF before the head",
+                _d_stream(lambda req: None),
+                expect=lc.StreamClosedError,
+                check=once,
+                sockets=True,
+            ),
+            _d_fault(
+                "connection reset before the head",
+                _d_reset(),
+                expect=lc.StreamClosedError,
+                tcp=True,
+                check=once,
+                sockets=True,
+            ),
+            _d_fault(
                 "connection reset mid-stream",
-                [
-                    _d_part(
-                        _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
-                        expect=lc.StreamClosedError,
-                        budget=0.05,
-                        at_once=True,
-                        tcp=True,
-                    )
-                ],
+                _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
+                expect=lc.StreamClosedError,
+                tcp=True,
+                check=(_d_kinds("Content"), once),
+                sockets=True,
             ),
         ]
 
     def _d_head(self):
         lv = FAST_FAULTS.liveness
         http10 = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
+        hello = _d_attrs(content="Hello world")
+
+        def ten_megabytes(s):
+            sent = s.ten_megabytes = {}
+
+            def handler(req):
+                sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
+
+            s.stream(handler)
+
+        def stopped_reading(test, run):
+            sent = run.server.ten_megabytes
+            wait_for(lambda: "all" in sent, 5, "the server to stop sending")
+            test.assertFalse(
+                sent["all"], "%s: the client read all 10 MB instead of stopping at the head cap" % run.kind
+            )
+
         return [
-            (
-                "garbage status line",
-                [_d_part(_d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError)],
+            _d_fault(
+                "garbage status line", _d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError
             ),
-            (
+            _d_fault(
                 "a service that is not HTTP",
-                [_d_part(_d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True), expect=lc.ProtocolError)],
+                _d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True),
+                expect=lc.ProtocolError,
+                sockets=True,
             ),
-            ("bad status code", [_d_part(_d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError)]),
-            (
+            _d_fault("bad status code", _d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError),
+            _d_fault(
                 "another HTTP version",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
+                expect=lc.ProtocolError,
             ),
-            ("HTTP/1.0 reply", [_d_part(_d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10))]),
-            ("interim response", [_d_part(_d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK))]),
-            (
-                "10 MB of headers",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n"),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+            # no length: the body runs until the server closes
+            _d_fault(
+                "HTTP/1.0 reply",
+                _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),
+                check=_d_attrs(content="Hi", finish_reason="stop"),
+                sockets=True,
             ),
-            (
+            _d_fault("interim response", _d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK), check=hello),
+            _d_fault("10 MB of headers", ten_megabytes, expect=lc.ProtocolError, check=stopped_reading, sockets=True),
+            _d_fault(
                 "1,000 header lines",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 200 OK\r\n"
-                            + b"".join(b"X-H%d: v\r\n" % i for i in range(1000))
-                            + b"\r\n"
-                            + _F_OK_BODY,
-                            True,
-                        ),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(
+                    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n" + _F_OK_BODY,
+                    True,
+                ),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "NUL byte in a header",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+                expect=lc.ProtocolError,
             ),
-            # the table says ProtocolError; TestFaultHead.test_folded_header_line (and the client) unfold it
-            (
+            # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
+            _d_fault(
                 "obsolete line folding",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
-                        )
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+                check=hello,
             ),
-            ("EOF inside the head", [_d_part(_d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"), expect=lc.StreamClosedError)]),
-            (
+            _d_fault(
+                "EOF inside the head",
+                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"),
+                expect=lc.StreamClosedError,
+                sockets=True,
+            ),
+            # never silent, never a head: no progress for liveness
+            _d_fault(
                 "head trickled forever",
-                [
-                    _d_part(
-                        _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
-                        expect=lc.StalledError,
-                        budget=lv,
-                    )
-                ],
+                _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
+                expect=lc.StalledError,
+                budget=lv,
+                sockets=True,
             ),
-            (
+            # each a whole head, none the response
+            _d_fault(
                 "interim responses forever",
-                [
-                    _d_part(
-                        _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
-                        expect=lc.StalledError,
-                        budget=lv,
-                    )
-                ],
+                _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
+                expect=lc.StalledError,
+                budget=lv,
             ),
-            (
+            _d_fault(
                 "stall inside the head",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True), expect=lc.StalledError, budget=lv
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
+                expect=lc.StalledError,
+                budget=lv,
             ),
         ]
 
@@ -16610,267 +15943,241 @@ class TestDifferential(_f_Case):
         hi = sse(chunk_json({"content": "Hi"}))
         page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
         slots = lambda c, ev: c.slots()
+        content = _d_kinds("Content")
         return [
-            (
+            _d_fault(
                 "conflicting Content-Length headers",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "conflicting Content-Length, single-shot call",
-                [
-                    _d_part(
-                        _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
-                        slots,
-                        lc.ProtocolError,
-                    )
-                ],
+                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
+                slots,
+                lc.ProtocolError,
             ),
-            (
-                "negative length",
-                [_d_part(_d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError)],
+            _d_fault("negative length", _d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError),
+            _d_fault(
+                "non-numeric length", _d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError
             ),
-            (
-                "non-numeric length",
-                [_d_part(_d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError)],
-            ),
-            (
+            _d_fault(
                 "unsupported transfer coding",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
+                expect=lc.ProtocolError,
             ),
-            (
+            # a size no signed 64-bit counter holds, then a whole stream: refused, not read as one chunk
+            _d_fault(
                 "chunk size ffffffffffffffff",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + b"ffffffffffffffff\r\n"
-                            + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
-                            + b"data: [DONE]\n\n"
-                        ),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD
+                    + b"ffffffffffffffff\r\n"
+                    + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
+                    + b"data: [DONE]\n\n"
+                ),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "chunk size line without CRLF",
-                [_d_part(_d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True), expect=lc.ProtocolError)],
+                _d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "chunk size line that never ends",
-                [_d_part(_d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True), expect=lc.ProtocolError)],
+                _d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "chunk data without its CRLF",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "body shorter than its length (stream)",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
-                        expect=lc.StreamClosedError,
-                    )
-                ],
+                _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
+                expect=lc.StreamClosedError,
+                check=content,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "body shorter than its length (single-shot)",
-                [
-                    _d_part(
-                        _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
-                        slots,
-                        lc.StreamClosedError,
-                    )
-                ],
+                _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
+                slots,
+                lc.StreamClosedError,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "close mid-chunk",
-                [_d_part(_d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi), expect=lc.StreamClosedError)],
+                _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi),
+                expect=lc.StreamClosedError,
+                check=content,
+                sockets=True,
             ),
-            (
+            # close-delimited: the last event never gets its blank line
+            _d_fault(
                 "close mid-event",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
-                        expect=lc.StreamClosedError,
-                    )
-                ],
+                _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
+                expect=lc.StreamClosedError,
+                check=content,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "close after the finish chunk without `[DONE]`",
-                [_d_part(_d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)))],
+                _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
+                check=_d_attrs(content="Hi", finish_reason="stop"),
             ),
-            (
+            # [DONE] completes the response though the server keeps the connection (and the final 0 chunk)
+            _d_fault(
                 "`[DONE]`, then the connection stays open",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
-                            True,
-                        )
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
+                    True,
+                ),
+                check=_d_attrs(content="Hi"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "`[DONE]` without a `finish_reason`",
-                [_d_part(_d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)), expect=lc.StreamClosedError)],
+                _d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)),
+                expect=lc.StreamClosedError,
             ),
-            ("empty stream", [_d_part(_d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError)]),
-            (
+            _d_fault("empty stream", _d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError),
+            _d_fault(
                 "200 with an HTML page",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
-                            % (len(page), page)
-                        ),
-                        expect=lc.StreamClosedError,
-                    )
-                ],
+                _d_reply(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)
+                ),
+                expect=lc.StreamClosedError,
             ),
-            (
+            _d_fault(
                 "error body over `max_body`",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "single-shot length over `max_body`",
-                [
-                    _d_part(
-                        _d_slots_reply(
-                            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True
-                        ),
-                        slots,
-                        lc.ProtocolError,
-                    )
-                ],
+                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True),
+                slots,
+                lc.ProtocolError,
+                sockets=True,
             ),
         ]
 
     def _d_sse(self):
-        def trickle(req):
-            if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
-                return
-            deadline = time.monotonic() + 6
-            while time.monotonic() < deadline and req.send(b"x"):
-                time.sleep(0.001)
+        def trickle(s):
+            # One byte a millisecond (the scripted server's pace: on a loaded machine, several); after the
+            # byte that takes the line past max_line (1025 bytes with "data: ") the server waits for the
+            # client to leave: it must, on that byte, without another, and with nothing else to end it (no
+            # budget runs out for 30 s).  Only then (a client that did not) does the line go on, to 2 MiB or
+            # past liveness.  On the virtual clock the client leaves at the very instant of that byte.
+            state = s.trickle = {"sent": 0, "over": None, "left": False, "done": False}
+            s.busy[0] = True
+
+            def handler(req):
+                try:
+                    if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
+                        return
+                    deadline = time.monotonic() + 40
+                    while state["sent"] < 2 * 1024 * 1024 and time.monotonic() < deadline:
+                        over = state["sent"] == 1024 - 6
+                        if over:
+                            state["over"] = time.monotonic()  # before the send: the client may answer it first
+                        if not req.send(b"x"):
+                            return
+                        state["sent"] += 1
+                        if over:
+                            state["left"] = req.wait_peer_close(5)
+                            if state["left"]:
+                                return
+                        time.sleep(0.001)
+                finally:
+                    state["done"] = True
+
+            s.stream(handler)
+
+        def on_the_byte_over(test, run):
+            state = run.server.trickle
+            wait_for(lambda: state["done"], 10, "the server to stop sending")
+            test.assertEqual(state["sent"], 1024 - 6 + 1, "%s: the server sent more of the line" % run.kind)
+            test.assertTrue(state["left"], "%s: the client did not leave on the byte over max_line" % run.kind)
+            if run.kind == "virtual":
+                test.assertLessEqual(run.ended - state["over"], 1e-6, "at once on the virtual clock")
+
+        half = b"data:\n" * (512 * 1024 + 2) + b"\n"
 
         split = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
         cut = split.index("é".encode()) + 1
         bang = content_stream(["!"], role=False)
         return [
-            (
+            _d_fault(
                 "a 2 MiB line sent one byte at a time",
-                [
-                    _d_part(
-                        _d_busy(_d_stream(trickle)),
-                        expect=lc.ProtocolError,
-                        budget=1024 * 0.0011 + 0.5,
-                        at_once=True,
-                        changes=dict(max_line=1024, liveness=5.0, busy_wait=10.0),
-                    )
-                ],
+                trickle,
+                expect=lc.ProtocolError,
+                budget=30.0,
+                at_once=True,
+                changes=dict(max_line=1024, liveness=30.0, busy_wait=30.0),
+                check=on_the_byte_over,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "bytes trickle but no event completes",
-                [
-                    _d_part(
-                        _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                    )
-                ],
+                _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
             ),
-            (
+            _d_fault(
                 "a line of `max_line` exactly",
-                [_d_part(_d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang))],
+                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
+                check=_d_attrs(content="x!"),
             ),
-            (
+            _d_fault(
                 "a line of `max_line` + 1",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "an event over `max_line` in many lines",
-                [_d_part(_d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True), expect=lc.ProtocolError)],
+                _d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True),
+                expect=lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "half a million empty `data:` lines",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"\r\n" + b"data:\n" * (512 * 1024 + 2) + b"\n"),
-                        expect=lc.ProtocolError,
-                        budget=1.0 * TRACED,
-                        at_once=True,
-                        changes=dict(max_line=512 * 1024, liveness=30.0),
-                    )
-                ],
+                _d_patient(_D_CL + b"\r\n" + half),
+                expect=lc.ProtocolError,
+                at_once=True,
+                changes=dict(max_line=512 * 1024, liveness=30.0),
+                cpu=half,
             ),
-            (
+            _d_fault(
                 "invalid UTF-8",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB"))
-                            + bang
-                        )
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")) + bang
+                ),
+                check=_d_attrs(content="A\ufffd\ufffdB!"),
             ),
-            (
+            _d_fault(
                 "a UTF-8 character split between reads",
-                [
-                    _d_part(
-                        _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
-                        budget=0.2,
-                        at_once=True,
-                    )
-                ],
+                _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
+                budget=0.2,
+                at_once=True,
+                check=_d_attrs(content="é€!"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "a NUL byte",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang
-                        ),
-                        expect=lc.ProtocolError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang),
+                expect=lc.ProtocolError,
             ),
         ]
 
     def _d_json_rows(self):
-        def payload(text, **changes):
+        def payload(text, sockets=False, **changes):
             return [
                 _d_part(
                     _d_reply(STREAM_HEAD + chunked(sse(text)) + content_stream(["!"]), True),
                     expect=lc.ProtocolError,
                     changes=changes,
+                    sockets=sockets,
                 )
             ]
 
@@ -16878,7 +16185,7 @@ class TestDifferential(_f_Case):
             {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
         )
         return [
-            ("invalid JSON", payload('{"choices":[{"delta":{"content":"Hi"')),
+            ("invalid JSON", payload('{"choices":[{"delta":{"content":"Hi"', sockets=True)),
             ("JSON that is not an object", payload('["choices"]')),
             ("`choices` not a list", payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')),
             (
@@ -16887,17 +16194,12 @@ class TestDifferential(_f_Case):
             ),
             ("a tool-call delta without index", payload(call)),
             ("deeply nested JSON", payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024)),
-            (
+            # the fuzzer's: {"code": "²"} passed str.isdigit() and broke int(), a bare ValueError
+            _d_fault(
                 "an error code that only looks like a number",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))
-                        ),
-                        expect=lc.ServerError,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))),
+                expect=lc.ServerError,
+                check=_d_attrs(code=None),
             ),
         ]
 
@@ -16905,28 +16207,36 @@ class TestDifferential(_f_Case):
         pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
         hold = _d_stream(_f_hold)
         return [
-            ("pings forever, idle slot", [_d_part(pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness)]),
-            (
+            _d_fault("pings forever, idle slot", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness),
+            _d_fault(
                 "pings forever, processing slot",
-                [_d_part(_d_busy(pings), expect=lc.StalledError, budget=FAST_FAULTS.busy_wait)],
+                _d_busy(pings),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.busy_wait,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "stall before the head, idle slot",
-                [_d_part(hold, expect=lc.StalledError, budget=FAST_FAULTS.idle_grace)],
+                hold,
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.idle_grace,
+                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "stall before the head, busy slot",
-                [_d_part(_d_busy(hold), expect=lc.WaitTimeoutError, budget=FAST_FAULTS.busy_wait)],
+                _d_busy(hold),
+                expect=lc.WaitTimeoutError,
+                budget=FAST_FAULTS.busy_wait,
+                check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
             ),
-            (
+            _d_fault(
                 "stall mid-stream",
-                [
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                check=_d_kinds("Content"),
+                sockets=True,
             ),
         ]
 
@@ -16946,145 +16256,146 @@ class TestDifferential(_f_Case):
                 "type": "exceed_context_size_error",
             }
         }
+        hello, once = _d_attrs(content="Hello world"), _d_asked(n=1)
         return [
-            (
+            _d_fault(
                 "HTTP 503 forever",
-                [
-                    _d_part(
-                        _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
-                        expect=lc.LoadTimeoutError,
-                        budget=lw,
-                    )
-                ],
+                _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=_d_asked(least=2),
+                sockets=True,
             ),
-            ("HTTP 400", [_d_part(_d_stream(_d_json(too_long, 400, "Bad Request")), expect=lc.HTTPStatusError)]),
-            (
+            _d_fault(
+                "HTTP 400",
+                _d_stream(_d_json(too_long, 400, "Bad Request")),
+                expect=lc.HTTPStatusError,
+                check=_d_attrs(status=400, message="the request exceeds the available context size"),
+            ),
+            # no Server header, and a status llama-server sends
+            _d_fault(
                 "HTTP 500 with an HTML body",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"
-                        ),
-                        expect=lc.HTTPStatusError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"),
+                expect=lc.HTTPStatusError,
+                check=(
+                    _d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"),
+                    _d_says(exactly="HTTP 500: oops"),
+                ),
             ),
-            (
+            # the fuzzer's (client target): a 400 whose body stops short of its length on a held connection
+            _d_fault(
                 "error body stalls",
-                [
-                    _d_part(
-                        _d_reply(
-                            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
-                            True,
-                        ),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                    )
-                ],
+                _d_reply(
+                    b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
+                    True,
+                ),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                sockets=True,
             ),
-            (
+            # the fuzzer's (http target): json.loads of the error envelope raised RecursionError
+            _d_fault(
                 "error body nested 5,000 deep",
-                [
-                    _d_part(
-                        _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
-                        expect=lc.HTTPStatusError,
-                    )
-                ],
+                _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
+                expect=lc.HTTPStatusError,
+                check=_d_attrs(status=400),
             ),
-            (
+            _d_fault(
                 "error event first, code 503",
-                [_d_part(lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))), budget=0.25, at_once=True)],
+                lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))),
+                budget=0.25,
+                at_once=True,
+                check=(hello, _d_kinds("Retrying", start=True)),
             ),
-            ("error event first, 503 forever", [_d_part(_d_reply(event503), expect=lc.LoadTimeoutError, budget=lw)]),
-            (
+            _d_fault(
+                "error event first, 503 forever",
+                _d_reply(event503),
+                expect=lc.LoadTimeoutError,
+                budget=lw,
+                check=_d_asked(least=2),
+            ),
+            _d_fault(
                 "error event first, code 400",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
-                            + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
+                    + b"0\r\n\r\n"
+                ),
+                expect=lc.ServerError,
+                check=(_d_attrs(code=400, message="bad grammar"), once),
             ),
-            (
+            # delivered output is never replayed: one request
+            _d_fault(
                 "error event after content",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(
-                                sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error"))
-                            )
-                            + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                    )
-                ],
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
+                    + b"0\r\n\r\n"
+                ),
+                expect=lc.ServerError,
+                check=(_d_attrs(code=503), once),
             ),
-            (
+            _d_fault(
                 "legacy `error:` line",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD
-                            + chunked(
-                                sse(chunk_json({"content": "Hi"}))
-                                + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
-                            )
-                            + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
+                _d_reply(
+                    STREAM_HEAD
+                    + chunked(
+                        sse(chunk_json({"content": "Hi"}))
+                        + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
                     )
-                ],
+                    + b"0\r\n\r\n"
+                ),
+                expect=lc.ServerError,
+                check=_d_attrs(code=500, message="boom"),
             ),
-            (
+            # the fuzzer's (http target): the legacy payload's json.loads raised RecursionError
+            _d_fault(
                 "legacy `error:` line nested 100,000 deep",
-                [
-                    _d_part(
-                        _d_reply(
-                            STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"
-                        ),
-                        expect=lc.ServerError,
-                        changes=dict(max_line=1024 * 1024),
-                    )
-                ],
+                _d_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"),
+                expect=lc.ServerError,
+                changes=dict(max_line=1024 * 1024),
             ),
-            (
+            _d_fault(
                 "legacy `error:` line first, code 503",
-                [_d_part(lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))), budget=0.25, at_once=True)],
+                lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))),
+                budget=0.25,
+                at_once=True,
+                check=(hello, _d_asked(n=2)),
             ),
         ]
 
     def _d_retry_after(self):
         lw = FAST_FAULTS.load_wait
+        backoff = _d_retries(n=1, delays=(0.18, 0.25))  # the backoff's, not the hint's
 
         def then_ok(value):
             return lambda s: s.stream(
                 _f_sequence(reply(_f_retry_after(value() if callable(value) else value)), reply(_D_OK))
             )
 
-        def forever(value, budget_at_once=True):
+        def forever(value, budget_at_once=True, check=None, sockets=False):
             return _d_part(
                 lambda s: s.stream(reply(_f_retry_after(value() if callable(value) else value))),
                 expect=lc.LoadTimeoutError,
                 budget=lw,
                 at_once=budget_at_once,
+                check=check or _d_retries(n=0),  # the hint is past what is left: no retry
+                sockets=sockets,
             )
 
         ahead = lambda: email.utils.formatdate(time.time() + 5, usegmt=True).encode()
         past = lambda: email.utils.formatdate(time.time() - 60, usegmt=True).encode()
         return [
             ("Retry-After as a date beyond `load_wait`", [forever(ahead)]),
-            ("Retry-After as a date in the past", [_d_part(then_ok(past), budget=0.25, at_once=True)]),
-            ("`Retry-After: 0` forever", [forever(b"0", budget_at_once=False)]),
-            ("Retry-After negative", [_d_part(then_ok(b"-5"), budget=0.25, at_once=True)]),
-            ("Retry-After malformed", [_d_part(then_ok(b"soon"), budget=0.25, at_once=True)]),
+            # a hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop
+            _d_fault("Retry-After as a date in the past", then_ok(past), budget=0.25, at_once=True, check=backoff),
+            # retried at the backoff's pace, not hundreds of times a second
+            ("`Retry-After: 0` forever", [forever(b"0", False, _d_asked(most=4), sockets=True)]),
+            _d_fault("Retry-After negative", then_ok(b"-5"), budget=0.25, at_once=True, check=backoff),
+            _d_fault("Retry-After malformed", then_ok(b"soon"), budget=0.25, at_once=True, check=backoff),
             ("Retry-After huge", [forever(b"99999999999999999999")]),
-            ("Retry-After beyond float range", [forever(b"9" * 400)]),
-            ("Retry-After beyond int() digit limit", [forever(b"9" * 5000)]),
+            ("Retry-After beyond float range", [forever(b"9" * 400)]),  # float(int(...)) raised OverflowError
+            ("Retry-After beyond int() digit limit", [forever(b"9" * 5000)]),  # int() raised ValueError
         ]
 
     def _d_slots_rows(self):
@@ -17100,46 +16411,47 @@ class TestDifferential(_f_Case):
 
         slots = lambda c, ev: c.slots()
         return [
-            (
+            _d_fault(
                 "`/slots` answers garbage while the head is awaited",
-                [_d_part(both(garbage, hold), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait)],
+                both(garbage, hold),
+                expect=lc.LoadTimeoutError,
+                budget=FAST_FAULTS.load_wait,
+                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
             ),
-            ("`/slots` answers garbage to `slots()`", [_d_part(garbage, slots, lc.ProtocolError)]),
-            (
+            _d_fault("`/slots` answers garbage to `slots()`", garbage, slots, lc.ProtocolError, sockets=True),
+            _d_fault(
                 "`/slots` entries of the wrong shape",
-                [_d_part(_d_slots(_d_json([{"id": "0", "is_processing": "yes"}])), slots, lc.ProtocolError)],
+                _d_slots(_d_json([{"id": "0", "is_processing": "yes"}])),
+                slots,
+                lc.ProtocolError,
             ),
-            (
+            _d_fault(
                 "`/slots` hangs while the head is awaited",
-                [_d_part(both(_d_slots(_f_hold), hold), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait)],
+                both(_d_slots(_f_hold), hold),
+                expect=lc.LoadTimeoutError,
+                budget=FAST_FAULTS.load_wait,
+                sockets=True,
             ),
-            (
-                "`/slots` hangs for `slots()`",
-                [_d_part(_d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness)],
-            ),
-            # the table says LoadTimeoutError after load_wait; TestFaultSlots (and the client): not served,
-            # so the slot cannot be seen, waited out under busy_wait
-            (
+            _d_fault("`/slots` hangs for `slots()`", _d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness),
+            # not served: the slots cannot be seen
+            _d_fault(
                 "`/slots` answers 501 while the head is awaited",
-                [
-                    _d_part(
-                        both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
-                        expect=lc.WaitTimeoutError,
-                        budget=FAST_FAULTS.busy_wait,
-                    )
-                ],
+                both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
+                expect=lc.WaitTimeoutError,
+                budget=FAST_FAULTS.busy_wait,
             ),
-            (
+            _d_fault(
                 "`/slots` answers 501 to `slots()`",
-                [_d_part(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), slots, lc.HTTPStatusError)],
+                _d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")),
+                slots,
+                lc.HTTPStatusError,
+                check=_d_attrs(status=501, message="This server does not support slots endpoint."),
             ),
-            (
+            _d_fault(
                 "`/props` is not an object",
-                [
-                    _d_part(
-                        lambda s: s.route("GET", "/props", _d_json([1, 2])), lambda c, ev: c.props(), lc.ProtocolError
-                    )
-                ],
+                lambda s: s.route("GET", "/props", _d_json([1, 2])),
+                lambda c, ev: c.props(),
+                lc.ProtocolError,
             ),
             (
                 "`/props` silent or slow for a `slot=None` request",
@@ -17185,29 +16497,38 @@ class TestDifferential(_f_Case):
         refused = _d_json({"success": False})
         end = lambda c, ev: c.end_reasoning(CID)
         return [
-            (
+            _d_fault(
                 "control endpoint answers 404",
-                [_d_part(with_control(not_found), expect=lc.ThinkingOverrunError, changes=capped)],
+                with_control(not_found),
+                expect=lc.ThinkingOverrunError,
+                changes=capped,
+                check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2)),
             ),
-            (
+            # no route for the control endpoint: the server's 404
+            _d_fault(
                 "control endpoint 404 for `end_reasoning()`",
-                [_d_part(with_control(None), end, lc.HTTPStatusError, changes=capped)],
+                with_control(None),
+                end,
+                lc.HTTPStatusError,
+                changes=capped,
+                check=_d_attrs(status=404),
             ),
-            (
+            _d_fault(
                 "control endpoint answers `success: false`",
-                [_d_part(with_control(refused), expect=lc.ThinkingOverrunError, changes=capped)],
+                with_control(refused),
+                expect=lc.ThinkingOverrunError,
+                changes=capped,
+                check=_d_kinds("Reasoning", "Reasoning"),
             ),
-            ("`success: false` for `end_reasoning()`", [_d_part(with_control(refused), end, False, changes=capped)]),
-            (
+            _d_fault("`success: false` for `end_reasoning()`", with_control(refused), end, False, changes=capped),
+            _d_fault(
                 "control endpoint hangs",
-                [
-                    _d_part(
-                        with_control(_f_hold),
-                        expect=lc.ThinkingOverrunError,
-                        budget=FAST_FAULTS.liveness,
-                        changes=capped,
-                    )
-                ],
+                with_control(_f_hold),
+                expect=lc.ThinkingOverrunError,
+                budget=FAST_FAULTS.liveness,
+                changes=capped,
+                check=_d_cause(lc.StalledError),
+                sockets=True,
             ),
         ]
 
@@ -17276,9 +16597,10 @@ class TestDifferential(_f_Case):
                     ),
                 ],
             ),
-            (
+            _d_fault(
                 "a model name carrying CR/LF",
-                [_d_part(_d_reply(_D_OK), _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"))],
+                _d_reply(_D_OK),
+                _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"),
             ),
             (
                 "redirects",
@@ -17312,72 +16634,55 @@ class TestDifferential(_f_Case):
             return data
 
         assembler = served("080ec222851097f5", "assembler").decode("utf-8", "surrogatepass").split("\n\x1e")
+        lines = served("5dff79bad8bec29d", "sse")
         return [
-            (
+            _d_fault(
                 "error body stalls on a held connection",
-                [
-                    _d_part(
-                        _d_pieces(
-                            served("e2748cec9571aae2", "client"),
-                            _F_CUTS["e2748cec9571aae2"],
-                        ),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                    )
-                ],
+                _d_pieces(
+                    served("e2748cec9571aae2", "client"),
+                    _F_CUTS["e2748cec9571aae2"],
+                ),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.liveness,
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "503 with an error body nested 5,000 deep",
-                [
-                    _d_part(
-                        _d_reply(served("403724efe73ee4d8", "http")),
-                        expect=lc.LoadTimeoutError,
-                        budget=FAST_FAULTS.load_wait,
-                    )
-                ],
+                _d_reply(served("403724efe73ee4d8", "http")),
+                expect=lc.LoadTimeoutError,
+                budget=FAST_FAULTS.load_wait,
             ),
             # the assembler's payloads, served as the events of a stream: the first is the error event
-            (
+            _d_fault(
                 'error code `"²"`',
-                [_d_part(_d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"), expect=lc.ServerError)],
+                _d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"),
+                expect=lc.ServerError,
             ),
             # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
-            # longer than the parsing: CPU-bound, it is timing otherwise)
-            (
+            # longer than the parsing: CPU-bound, it is timing otherwise), in CPU time against the floor's
+            _d_fault(
                 "605,552 `data:` lines in one event",
-                [
-                    _d_part(
-                        _d_reply(_D_CL + b"\r\n" + served("5dff79bad8bec29d", "sse")),
-                        expect=lc.StreamClosedError,
-                        budget=1.0 * TRACED,
-                        at_once=True,
-                        changes=dict(max_line=1024 * 1024, liveness=30.0),
-                    )
-                ],
+                _d_patient(_D_CL + b"\r\n" + lines),
+                expect=lc.StreamClosedError,
+                at_once=True,
+                changes=dict(max_line=1024 * 1024, liveness=30.0),
+                cpu=lines,
             ),
-            (
+            _d_fault(
                 "`event: error` with data nested 100,000 deep",
-                [
-                    _d_part(
-                        _d_reply(served("e517c807fa701495", "http")),
-                        expect=lc.ServerError,
-                        changes=dict(max_line=1024 * 1024),
-                    )
-                ],
+                _d_reply(served("e517c807fa701495", "http")),
+                expect=lc.ServerError,
+                changes=dict(max_line=1024 * 1024),
             ),
-            (
+            _d_fault(
                 "`event: error` nested deep, through `chat()`",
-                [
-                    _d_part(
-                        _d_pieces(
-                            served("0f7c31287867b84c", "client"),
-                            _F_CUTS["0f7c31287867b84c"],
-                        ),
-                        _d_chat(slot=1),
-                        lc.ServerError,
-                        changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
-                    )
-                ],
+                _d_pieces(
+                    served("0f7c31287867b84c", "client"),
+                    _F_CUTS["0f7c31287867b84c"],
+                ),
+                _d_chat(slot=1),
+                lc.ServerError,
+                changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
             ),
         ]
 
@@ -17414,6 +16719,7 @@ class TestDifferential(_f_Case):
         self.assertIsNone(differ(([retry], waited), ([retry], later if MARGIN >= 0.3 else waited)))
         self.assertIsNone(differ(([wait] * 8, waited), ([wait] * 6, waited)))
         self.assertIsNone(differ(([wait, hi], done), ([hi], done)))  # the head came a poll later
+        self.assertIsNone(differ(([retry, hi], done), ([retry, wait, hi], done)))  # the retry's head, a poll later
         # one more attempt at the end of the budget, before the same budget error
         self.assertIsNone(differ(([retry], waited), ([retry, lc.Retrying(2, 0.0001, retry.reason)], waited)))
         # different: anything else
@@ -17422,6 +16728,7 @@ class TestDifferential(_f_Case):
         self.assertIn("events differ", differ(([wait], done), ([lc.Waiting(True)], done)))
         self.assertIn("events differ", differ(([wait] * 20 + [hi], done), ([hi], done)))
         self.assertIn("events differ", differ(([hi, wait], done), ([hi], done)))
+        self.assertIn("events differ", differ(([hi, wait, hi], done), ([hi, hi], done)))
         self.assertIn("events differ", differ(([wait] * 20, waited), ([wait], waited)))
         self.assertIn(
             "events differ", differ(([], lc.ProtocolError("x")), ([lc.Retrying(1, 0.0001, "r")], lc.ProtocolError("x")))
@@ -17452,7 +16759,8 @@ class TestDifferential(_f_Case):
 
     def test_each_row_states_what_it_runs(self):
         """A row's outcome names the error its parts expect (or says there is none), and the budget it is
-        waited out for ("after `liveness`"); its tests exist."""
+        waited out for ("after `liveness`"); its tests exist, and a TestDifferential test it names runs it
+        (a name in the old form, any TestX.test_y, is accepted when it exists)."""
         budgets = ("liveness", "busy_wait", "load_wait", "idle_grace")
         rows = self._d_rows()
         for heading, _, table in FAULT_TABLE:
@@ -17472,6 +16780,13 @@ class TestDifferential(_f_Case):
                     self.assertTrue(named, tests)
                     for cls, method in named:
                         self.assertTrue(callable(getattr(globals().get(cls), method, None)), "%s.%s" % (cls, method))
+                        if cls == "TestDifferential":
+                            self.assertIn(fault, self._d_rows_of(method), "%s does not run it" % method)
+
+    def _d_rows_of(self, method):
+        """The rows TestDifferential.<method> runs: those of the tables its source calls."""
+        tables = set(re.findall(r"self\.(_d_\w+)\(\)", inspect.getsource(getattr(type(self), method))))
+        return [name for table in self._D_TABLES if table in tables for name, _ in getattr(self, table)()]
 
     def test_connecting(self):
         self._d_table(self._d_connecting())
@@ -17513,14 +16828,16 @@ class TestDifferential(_f_Case):
         self._d_table(self._d_answers())
 
     def _d_answers(self):
-        """The rows of fetch(), timeout= and stream_route() (TestFaultAnswers' servers)."""
+        """The rows of fetch(), timeout= and stream_route()."""
 
         def on(method, path, handler):  # the handler made afresh for each client
             return lambda s: s.route(method, path, handler())
 
-        def fetched(name):
+        def fetched(row, name):  # what the server said, as it said it, from one request
             raw, want = _A_FAULT_ANSWERS[name]
-            return [_d_part(on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want)]
+            return _d_fault(
+                row, on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want, check=_d_asked("/any", n=1)
+            )
 
         big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
         t, lv = _A_DEADLINE, FAST_FAULTS.liveness
@@ -17529,43 +16846,71 @@ class TestDifferential(_f_Case):
         opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
         started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
         return [
-            ("fetch() of an error page", fetched("page")),
-            ("fetch() of a 503 with Retry-After", fetched("503")),
-            ("fetch() of a redirect", fetched("302")),
-            (
+            fetched("fetch() of an error page", "page"),
+            fetched("fetch() of a 503 with Retry-After", "503"),
+            fetched("fetch() of a redirect", "302"),
+            _d_fault(
                 "fetch() of a body over max_body",
-                [_d_part(on("GET", "/any", lambda: reply(big, hold=True)), _a_fetch(), lc.ProtocolError)],
+                on("GET", "/any", lambda: reply(big, hold=True)),
+                _a_fetch(),
+                lc.ProtocolError,
+                check=_d_says("max_body"),
             ),
-            (
+            _d_fault(
                 "timeout= on a silent server",
-                [_d_part(on("GET", "/any", lambda: _f_hold), _a_fetch(timeout=t), lc.DeadlineError, t)],
+                on("GET", "/any", lambda: _f_hold),
+                _a_fetch(timeout=t),
+                lc.DeadlineError,
+                t,
+                check=_d_attrs(phase="answer"),
             ),
-            (
+            _d_fault(
                 "timeout= on an answer that trickles",
-                [_d_part(on("GET", "/any", trickle), _a_fetch(timeout=t), lc.DeadlineError, t)],
+                on("GET", "/any", trickle),
+                _a_fetch(timeout=t),
+                lc.DeadlineError,
+                t,
+                check=_d_says("reading the answer to GET /any"),
+                sockets=True,
             ),
-            (
+            _d_fault(
                 "stream_route() of an answer that is not a stream",
-                [
-                    _d_part(
-                        on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
-                        _a_route(),
-                        lc.ProtocolError,
-                    )
-                ],
+                on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
+                _a_route(),
+                lc.ProtocolError,
+                check=_d_asked("/r", n=1),  # not sent again
             ),
-            ("stream_route() of a 503, then a stream", [_d_part(on("POST", "/r", then_ok), _a_route(), _A_EMPTY)]),
-            (
+            _d_fault(
+                "stream_route() of a 503, then a stream",
+                on("POST", "/r", then_ok),
+                _a_route(),
+                _A_EMPTY,
+                budget=lc.BACKOFF_FIRST,
+                at_once=True,
+                check=(_d_kinds("Retrying", "Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
+                sockets=True,
+            ),
+            _d_fault(
                 "stream_route() of text data",
-                [_d_part(on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))), _a_route(), _A_EMPTY)],
+                on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))),
+                _a_route(),
+                _A_EMPTY,
+                check=(_d_kinds("Chunk", "Chunk"), _d_delivered(lc.Chunk("hello"), lc.Chunk("wor ld"))),
             ),
-            (
+            _d_fault(
                 "stream_route() of chat cut before its finish",
-                [_d_part(on("POST", "/r", lambda: reply(opened)), _a_route(), lc.StreamClosedError)],
+                on("POST", "/r", lambda: reply(opened)),
+                _a_route(),
+                lc.StreamClosedError,
+                check=_d_kinds("Chunk"),
             ),
-            (
+            _d_fault(
                 "stream_route() silent once started",
-                [_d_part(on("POST", "/r", lambda: reply(started, hold=True)), _a_route(), lc.StalledError, lv)],
+                on("POST", "/r", lambda: reply(started, hold=True)),
+                _a_route(),
+                lc.StalledError,
+                lv,
+                check=(_d_kinds("Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
             ),
         ]
 
@@ -17674,13 +17019,48 @@ class TestDifferential(_f_Case):
         backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
         busy = dict(busy_wait=1.0, load_wait=0.1)  # the wrong budget would end a retried 504 early
         load = dict(load_wait=1.0, busy_wait=0.1)
+        pages = {  # what a retried page says
+            "nginx 504": "the front stopped waiting for a slot",
+            "haproxy 504": "the front stopped waiting for a slot",
+            "caddy 504": "the front stopped waiting for a slot",
+            "cloudflare 524": "the front stopped waiting for a slot",
+            "nginx 502": "502 Bad Gateway",
+            "caddy 502": "(empty body)",
+            "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
+            "cloudflare 521": "llm.example.com | 521: Web server is down",
+            "cloudflare 522": "llm.example.com | 522: Connection timed out",
+            "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
+        }
 
-        def then_ok(name):
+        def says(name):
+            kind, status = name.split()
+            return "HTTP %s from %s" % (status, FRONT_NAMES[kind])
+
+        def served(name, changes, sockets=False):
             answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
-            return lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+            reason = "%s: %s" % (says(name), pages[name])
+            return _d_part(
+                lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK))),
+                budget=backoff,
+                at_once=True,
+                changes=changes,
+                check=(
+                    _d_attrs(content="Hello world"),
+                    _d_retries(pairs=[(1, reason), (2, reason)]),
+                    _d_kinds("Retrying", "Retrying", "Content", "Content"),
+                    _d_asked(n=3),
+                ),
+                sockets=sockets,
+            )
 
-        def served(name, changes):
-            return [_d_part(then_ok(name), budget=backoff, at_once=True, changes=changes)]
+        def for_ever(name, budget, other, changes):  # the row's own budgets; shorter ones for the other fronts
+            return _d_part(
+                _d_reply(front_answer(name)),
+                expect=lc.WaitTimeoutError if budget == "busy_wait" else lc.LoadTimeoutError,
+                budget=changes.get(budget, getattr(FAST_FAULTS, budget)),
+                changes=dict(changes, **{other: 0.3 if budget == "busy_wait" else 0.2}),
+                check=(_d_says(says(name), budget), _d_cause(lc.HTTPStatusError, body=front_page(name))),
+            )
 
         def resumable(s):
             _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
@@ -17690,140 +17070,213 @@ class TestDifferential(_f_Case):
             head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
             buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:900]) + b"0\r\n\r\n"]
 
-        def two_servers(s):
-            lists = [[{"id": i, "id_task": 3, "is_processing": False} for i in range(n)] for n in (2, 3)]
-            asked = []
+        def two_servers(lists):
+            def arrange(s):
+                asked = []
 
-            def slots(req):
-                asked.append(1)
-                respond_json(req, lists[(len(asked) - 1) % 2])
+                def slots(req):
+                    asked.append(1)
+                    respond_json(req, lists[(len(asked) - 1) % 2])
 
-            s.route("GET", "/slots", slots)
-            s.stream(_f_hold)
+                s.route("GET", "/slots", slots)
+                s.stream(_f_hold)
 
-        page = b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n</html>\r\n"
+            return arrange
+
+        def last_wait_knows(known):
+            def check(test, run):
+                waits = [e for e in run.events if isinstance(e, lc.Waiting)]
+                test.assertEqual(waits[-1].slots_known, known, run.kind)
+
+            return check
+
+        idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
+        page = (
+            b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1>"
+            b"</center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
+        )
         forbidden = (
             b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
         )
+
+        def props(answer, text, **attrs):  # the same page answering a single-shot call
+            return _d_part(
+                lambda s: s.route("GET", "/props", reply(answer)),
+                lambda c, ev: c.props(),
+                lc.HTTPStatusError,
+                check=(_d_says(exactly=text), _d_attrs(**attrs)),
+            )
+
+        several = lambda w: not w.slots_known and not w.wedged
         return [
-            ("504 from nginx, then served", served("nginx 504", busy)),
-            ("504 without a `Server` header, then served", served("haproxy 504", busy)),
-            ("504 with an empty body, then served", served("caddy 504", busy)),
-            ("524, then served", served("cloudflare 524", busy)),
+            ("504 from nginx, then served", [served("nginx 504", busy, sockets=True)]),
+            ("504 without a `Server` header, then served", [served("haproxy 504", busy, sockets=True)]),
+            ("504 with an empty body, then served", [served("caddy 504", busy, sockets=True)]),
+            ("524, then served", [served("cloudflare 524", busy, sockets=True)]),
             (
                 "504 for ever",
-                [
-                    _d_part(
-                        _d_reply(front_answer("nginx 504")),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        changes=dict(load_wait=0.3),
-                    )
+                [for_ever("nginx 504", "busy_wait", "load_wait", {})]
+                + [
+                    for_ever(n, "busy_wait", "load_wait", dict(busy_wait=0.45))
+                    for n in ("haproxy 504", "caddy 504", "cloudflare 524")
                 ],
             ),
-            (
+            _d_fault(
                 "504 to a resumable request the server holds",
-                [_d_part(resumable, act=_d_chat(resumable="conv-1"), changes=dict(busy_wait=1.0))],
+                resumable,
+                act=_d_chat(resumable="conv-1"),
+                changes=dict(busy_wait=1.0),
             ),
-            (
-                "a resumable stream the front ends cleanly mid-event",
-                [_d_part(caddy_cut, act=_d_chat(resumable="conv-1"))],
-            ),
-            ("502 with an HTML page, then served", served("nginx 502", load)),
-            ("502 with an empty body, then served", served("caddy 502", load)),
-            ("520 to 523, then served", [p for n in (520, 521, 522, 523) for p in served("cloudflare %d" % n, load)]),
+            _d_fault("a resumable stream the front ends cleanly mid-event", caddy_cut, act=_d_chat(resumable="conv-1")),
+            ("502 with an HTML page, then served", [served("nginx 502", load)]),
+            ("502 with an empty body, then served", [served("caddy 502", load)]),
+            ("520 to 523, then served", [served("cloudflare %d" % n, load) for n in (520, 521, 522, 523)]),
             (
                 "502 for ever",
-                [
-                    _d_part(
-                        _d_reply(front_answer("nginx 502")),
-                        expect=lc.LoadTimeoutError,
-                        budget=0.6,
-                        changes=dict(busy_wait=0.2),
-                    )
-                ],
+                [for_ever("nginx 502", "load_wait", "busy_wait", {})]
+                + [for_ever(n, "load_wait", "busy_wait", dict(load_wait=0.3)) for n in ("caddy 502", "cloudflare 521")],
             ),
-            (
+            _d_fault(
                 "503 from HAProxy for ever",
+                _d_reply(front_answer("haproxy 503")),
+                expect=lc.LoadTimeoutError,
+                budget=0.6,
+                changes=dict(busy_wait=0.2),
+                check=(
+                    _d_says("load_wait"),
+                    _d_cause(
+                        lc.HTTPStatusError,
+                        status=503,
+                        message="503 Service Unavailable",
+                        server=None,
+                        body=front_page("haproxy 503"),
+                    ),
+                    _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}),
+                ),
+            ),
+            (
+                "an error page from a front",
                 [
                     _d_part(
-                        _d_reply(front_answer("haproxy 503")),
-                        expect=lc.LoadTimeoutError,
-                        budget=0.6,
-                        changes=dict(busy_wait=0.2),
-                    )
+                        _d_reply(forbidden),
+                        expect=lc.HTTPStatusError,
+                        check=(
+                            _d_says(exactly="HTTP 403 from nginx/1.22.1: 403 Forbidden"),
+                            _d_attrs(status=403, server="nginx/1.22.1", body=page),
+                            _d_asked(n=1),  # not retried
+                        ),
+                    ),
+                    props(
+                        front_answer("nginx 504"),
+                        "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out",
+                        body=front_page("nginx 504"),
+                    ),
+                    props(
+                        front_answer("haproxy 504"),
+                        "HTTP 504 from the front: 504 Gateway Time-out",
+                        body=front_page("haproxy 504"),
+                    ),
+                    props(front_answer("caddy 502"), "HTTP 502 from Caddy: (empty body)", body=front_page("caddy 502")),
+                    props(
+                        front_answer("haproxy 503"),
+                        "HTTP 503: 503 Service Unavailable",
+                        body=front_page("haproxy 503"),
+                    ),
+                    props(
+                        json_response(json.loads(_R_GONE), b"404 Not Found"),
+                        "HTTP 404: File Not Found",
+                        server="llama.cpp",
+                    ),
                 ],
             ),
-            ("an error page from a front", [_d_part(_d_reply(forbidden), expect=lc.HTTPStatusError)]),
-            (
+            _d_fault(
                 "idle `/slots`, several servers",
-                [
-                    _d_part(
-                        _d_stream(_f_hold),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
-                    )
-                ],
+                _d_stream(_f_hold),
+                expect=lc.WaitTimeoutError,
+                budget=0.8,
+                changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
+                check=_d_waits(several, "of several servers"),
             ),
             (
                 "`/slots` answers from two servers",
                 [
-                    _d_part(
-                        two_servers,
+                    _d_part(  # the slot count changes: several servers
+                        two_servers([idle(2, 3), idle(3, 3)]),
                         expect=lc.WaitTimeoutError,
                         budget=0.8 + 2 * FAST_FAULTS.poll,
                         at_once=True,
                         changes=dict(idle_grace=0.3, load_wait=0.3),
-                    )
+                        check=(last_wait_knows(False), _d_not_before(0.8)),  # busy_wait, from the second poll
+                    ),
+                    _d_part(  # one server's slot may take a task queued for it after a later one: no proof
+                        two_servers([idle(2, 9), idle(2, 4)]),
+                        expect=lc.StalledError,
+                        budget=0.3,
+                        changes=dict(idle_grace=0.3, load_wait=0.3),
+                        check=last_wait_knows(True),
+                    ),
                 ],
             ),
         ]
 
     def _d_proxies(self):
-        slots = _d_slots(_d_json({"error": {"code": 404, "message": "no slots here", "type": "x"}}, 404, "Not Found"))
+        def not_served(status, reason, budget):
+            doc = {"error": {"code": status, "message": "no slots here", "type": "x"}}
+            return _d_part(
+                lambda s: [s.route("GET", "/slots", _d_json(doc, status, reason)), s.stream(_f_hold)],
+                expect=lc.WaitTimeoutError,
+                budget=budget,
+                changes=dict(busy_wait=budget, load_wait=budget * 3 / 8, idle_grace=budget * 3 / 8),
+                check=(
+                    _d_says("does not serve /slots"),
+                    _d_waits(lambda w: w == lc.Waiting(False, slots_known=False), "Waiting(False, slots_known=False)"),
+                    _d_asked("/slots", n=1),  # a /slots that is not served is asked again at most every 30 s
+                ),
+            )
 
         def then_ok(hint):
             return lambda s: s.stream(_f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(_D_OK)))
 
-        def both(*arrangements):
-            return lambda s: [a(s) for a in arrangements]
-
         backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+        reason = "HTTP 429: too many requests for model m1"
+        served = (
+            _d_attrs(content="Hello world"),
+            _d_retries(pairs=[(1, reason), (2, reason)]),
+            _d_kinds("Retrying", "Retrying", start=True),
+        )
         return [
             (
                 "429 at a concurrency limit, then served",
                 [
-                    _d_part(then_ok(None), budget=backoff, at_once=True),
-                    _d_part(then_ok(b"0"), budget=backoff, at_once=True),
+                    _d_part(then_ok(None), budget=backoff, at_once=True, check=served, sockets=True),
+                    _d_part(then_ok(b"0"), budget=backoff, at_once=True, check=served, sockets=True),
                 ],
             ),
-            (
+            # load_wait shorter: the wrong budget would end it far earlier
+            _d_fault(
                 "429 for ever",
-                [
-                    _d_part(
-                        _d_reply(_f_too_many(b"0")),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        changes=dict(load_wait=0.3),
-                    )
-                ],
+                _d_reply(_f_too_many(b"0")),
+                expect=lc.WaitTimeoutError,
+                budget=0.8,
+                changes=dict(load_wait=0.3),
+                check=(
+                    _d_says("answered 429 (at capacity)", "(busy_wait)"),
+                    _d_cause(lc.HTTPStatusError, status=429),
+                ),
             ),
-            (
+            _d_fault(
                 "429 with a hint past `busy_wait`",
-                [_d_part(_d_reply(_f_too_many(b"30")), expect=lc.WaitTimeoutError, budget=0.8, at_once=True)],
+                _d_reply(_f_too_many(b"30")),
+                expect=lc.WaitTimeoutError,
+                budget=0.8,
+                at_once=True,
+                check=_d_retries(n=0),
             ),
             (
                 "`/slots` not served",
-                [
-                    _d_part(
-                        both(slots, _d_stream(_f_hold)),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8,
-                        changes=dict(load_wait=0.3, idle_grace=0.3),
-                    )
-                ],
+                [not_served(404, "Not Found", 0.8)]
+                + [not_served(s, r, 0.45) for s, r in ((403, "Forbidden"), (405, "Method Not Allowed"), (501, "x"))],
             ),
         ]
 
@@ -21553,55 +21006,13 @@ _FR_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
 
 
 class TestFaultFronts(_f_Case):
-    """What nginx, HAProxy, Caddy (and Cloudflare) answer on their own, byte for byte, before anything was
-    delivered: a 504 or 524 (the front stopped waiting: the request was queued for a slot) is waited out
-    under busy_wait, a 502 or 520-523 (the front cannot reach the server) under load_wait; resumable
-    requests are looked up and resumed rather than sent twice; several servers behind one address are no
-    reason to call a slot stalled or wedged."""
+    """Behind nginx, HAProxy, Caddy (and Cloudflare), what is more than a row of the fault table (whose
+    rows, TestDifferential.test_behind_fronts, wait out a 504 or 524 under busy_wait and a 502 or 520-523
+    under load_wait, and make a front's page one line): resumable requests a front cut are looked up and
+    resumed rather than sent twice; several servers behind one address are no reason to call a slot
+    stalled or wedged; a front's own /health."""
 
-    def _fr_retries(self):
-        return [e for e in self._f_events if isinstance(e, lc.Retrying)]
-
-    def _fr_one_line(self, err):
-        self.assertNotIn("\n", str(err))
-        self.assertNotIn("\r", str(err))
-
-    # -- 504 and 524: the front stopped waiting for a slot ---------------------------------------------
-
-    def test_a_504_or_524_is_retried_under_busy_wait_then_served(self):
-        for name in ("nginx 504", "haproxy 504", "caddy 504", "cloudflare 524"):
-            with self.subTest(name):
-                # load_wait shorter than the second backoff: the wrong budget would end it
-                self.client_with(busy_wait=1.0, load_wait=0.1)
-                answer = front_answer(name)
-                self.use(_f_sequence(reply(answer), reply(answer), reply(STREAM_HEAD + _F_OK_BODY)))
-                done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
-                self.assertEqual(done.content, "Hello world")
-                status = name.split()[1]
-                reason = "HTTP %s from %s: the front stopped waiting for a slot" % (
-                    status,
-                    FRONT_NAMES[name.split()[0]],
-                )
-                self.assertEqual([(r.attempt, r.reason) for r in self._fr_retries()], [(1, reason), (2, reason)])
-                # (a Waiting comes in between when a head is a poll late on a busy machine)
-                self.assertEqual(
-                    [k for k in self._f_kinds() if k != "Waiting"], ["Retrying", "Retrying", "Content", "Content"]
-                )
-                self.assertEqual(len(self.server.chat_requests()), 3)
-                self.server.requests.clear()
-
-    def test_a_504_past_busy_wait_is_a_wait_timeout_naming_the_front(self):
-        for name in ("nginx 504", "haproxy 504", "caddy 504", "cloudflare 524"):
-            with self.subTest(name):
-                self.client_with(busy_wait=0.8, load_wait=0.3)
-                self.use(reply(front_answer(name)))
-                err = self._f_fails(lc.WaitTimeoutError, 0.8)
-                self._fr_one_line(err)
-                self.assertIn("HTTP %s" % name.split()[1], str(err))
-                self.assertIn(FRONT_NAMES[name.split()[0]], str(err))
-                self.assertIn("busy_wait", str(err))
-                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
-                self.assertEqual(err.__cause__.body, front_page(name))
+    # -- a 504 to a resumable request: looked up, resumed -------------------------------------------------
 
     def test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero(self):
         raw = load_transcript("04_chat_stream.raw.txt")
@@ -21649,86 +21060,7 @@ class TestFaultFronts(_f_Case):
         self.assertEqual(completion, whole)
         self.assertEqual({c for _, _, c in buf.carried()}, {"conv-1"})
 
-    # -- 502 and 520-523: the front cannot reach the server ----------------------------------------------
-
-    def test_a_502_or_520_to_523_is_retried_under_load_wait_then_served(self):
-        pages = {
-            "nginx 502": "502 Bad Gateway",
-            "caddy 502": "(empty body)",
-            "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
-            "cloudflare 521": "llm.example.com | 521: Web server is down",
-            "cloudflare 522": "llm.example.com | 522: Connection timed out",
-            "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
-        }
-        for name, text in pages.items():
-            with self.subTest(name):
-                self.client_with(load_wait=1.0, busy_wait=0.1)  # busy_wait would end it: the wrong budget
-                answer = front_answer(name)
-                self.use(_f_sequence(reply(answer), reply(answer), reply(STREAM_HEAD + _F_OK_BODY)))
-                done = self._f_succeeds(2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX)
-                self.assertEqual(done.content, "Hello world")
-                reason = "HTTP %s from %s: %s" % (name.split()[1], FRONT_NAMES[name.split()[0]], text)
-                self.assertEqual([(r.attempt, r.reason) for r in self._fr_retries()], [(1, reason), (2, reason)])
-                # (a Waiting comes in between when a head is a poll late on a busy machine)
-                self.assertEqual(
-                    [k for k in self._f_kinds() if k != "Waiting"], ["Retrying", "Retrying", "Content", "Content"]
-                )
-                self.server.requests.clear()
-
-    def test_a_502_past_load_wait_is_a_load_timeout_naming_the_front(self):
-        for name in ("nginx 502", "caddy 502", "cloudflare 521"):
-            with self.subTest(name):
-                self.client_with(load_wait=0.6, busy_wait=0.2)
-                self.use(reply(front_answer(name)))
-                err = self._f_fails(lc.LoadTimeoutError, 0.6)
-                self._fr_one_line(err)
-                self.assertIn("HTTP %s" % name.split()[1], str(err))
-                self.assertIn(FRONT_NAMES[name.split()[0]], str(err))
-                self.assertIn("load_wait", str(err))
-                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
-                self.assertEqual(err.__cause__.body, front_page(name))
-
-    def test_haproxy_s_503_when_its_server_is_gone_is_waited_out_under_load_wait(self):
-        self.client_with(load_wait=0.6, busy_wait=0.2)
-        self.use(reply(front_answer("haproxy 503")))
-        err = self._f_fails(lc.LoadTimeoutError, 0.6)
-        self._fr_one_line(err)
-        self.assertIn("load_wait", str(err))
-        cause = err.__cause__
-        self.assertIsInstance(cause, lc.HTTPStatusError)
-        self.assertEqual((cause.status, cause.message, cause.server), (503, "503 Service Unavailable", None))
-        self.assertEqual(cause.body, front_page("haproxy 503"))
-        self.assertEqual({r.reason for r in self._fr_retries()}, {"HTTP 503: 503 Service Unavailable"})
-
-    # -- an error page, not retried: one line naming the front, the page kept ----------------------------
-
-    def test_an_error_page_is_one_line_naming_the_front(self):
-        page = b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1></center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
-        forbidden = (
-            b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n%s" % (len(page), page)
-        )
-        self.use(reply(forbidden))
-        err = self._f_fails(lc.HTTPStatusError)
-        self.assertEqual(str(err), "HTTP 403 from nginx/1.22.1: 403 Forbidden")
-        self.assertEqual((err.status, err.server, err.body), (403, "nginx/1.22.1", page))
-        self.assertEqual(len(self.server.chat_requests()), 1)  # not retried
-        for name, text in (
-            ("nginx 504", "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out"),
-            ("haproxy 504", "HTTP 504 from the front: 504 Gateway Time-out"),
-            ("caddy 502", "HTTP 502 from Caddy: (empty body)"),
-            ("haproxy 503", "HTTP 503: 503 Service Unavailable"),
-        ):
-            with self.subTest(name):
-                self.server.route("GET", "/props", reply(front_answer(name)))
-                with self.assertRaises(lc.HTTPStatusError) as caught:
-                    run_with_timeout(self.client.props, 5)
-                self.assertEqual(str(caught.exception), text)
-                self.assertEqual(caught.exception.body, front_page(name))
-        self.server.route("GET", "/props", reply(json_response(json.loads(_R_GONE), b"404 Not Found")))
-        with self.assertRaises(lc.HTTPStatusError) as caught:
-            run_with_timeout(self.client.props, 5)
-        self.assertEqual((str(caught.exception), caught.exception.server), ("HTTP 404: File Not Found", "llama.cpp"))
+    # -- a front's own answer to /health -------------------------------------------------------------------
 
     def test_health_of_a_front_that_answers_plain_text(self):
         ok = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK"
@@ -21752,14 +21084,6 @@ class TestFaultFronts(_f_Case):
         for bad in (0, -1):
             with self.assertRaises(ValueError):
                 lc.Limits(servers=bad)
-
-    def test_with_several_servers_an_idle_slot_is_no_stall(self):
-        self.client_with(servers=2, idle_grace=0.2, busy_wait=0.8, load_wait=0.3)
-        self.use(_f_hold)
-        self._f_fails(lc.WaitTimeoutError, 0.8)
-        waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
-        self.assertTrue(waits)
-        self.assertEqual({(e.slots_known, e.wedged) for e in waits}, {(False, False)})
 
     def test_with_several_servers_a_still_slot_is_never_wedged(self):
         still = [
@@ -21809,35 +21133,6 @@ class TestFaultFronts(_f_Case):
         for thread in (first, second):
             thread.join(5)
         self.assertEqual([results[m].content for m in "FG"], ["F", "G"])
-
-    def test_slots_answers_that_cannot_come_from_one_server_mean_several(self):
-        idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
-        for name, answers, several in (
-            ("the slot count changes", [idle(2, 3), idle(3, 3)], True),
-            # one server's slot may take a task queued for it after a later one: no proof of several
-            ("a slot's id_task goes back", [idle(2, 9), idle(2, 4)], False),
-        ):
-            with self.subTest(name):
-                asked = []
-
-                def slots(req, answers=answers):
-                    asked.append(1)
-                    respond_json(req, answers[(len(asked) - 1) % 2])
-
-                self.server.route("GET", "/slots", slots)
-                self.client_with(idle_grace=0.3, busy_wait=0.8, load_wait=0.3)  # servers not given: learnt
-                self.use(_f_hold)
-                outcome, elapsed = self._f_run(self._f_chat(), 8.0)
-                waits = [e for e in self._f_events if isinstance(e, lc.Waiting)]
-                if several:
-                    self.assertIs(type(outcome), lc.WaitTimeoutError, repr(outcome))  # not StalledError at idle_grace
-                    self.assertGreaterEqual(elapsed, 0.8 - EARLY)
-                    self.assertLessEqual(elapsed, 0.8 + 2 * FAST_FAULTS.poll + MARGIN)
-                    self.assertEqual(waits[-1].slots_known, False)
-                else:
-                    self.assertIs(type(outcome), lc.StalledError, repr(outcome))  # one server's idle slot
-                    self.assertLess(elapsed, 0.8 - EARLY)
-                    self.assertEqual(waits[-1].slots_known, True)
 
     def test_with_several_servers_a_failing_slots_is_no_unavailable_server(self):
         # The front answers /slots 502 (it could not reach the server it chose); the request is in flight.
@@ -21945,7 +21240,6 @@ class TestFaultFronts(_f_Case):
 
 TestFaultFrontsSockets, TestFaultFrontsSocketsAsync = on_sockets(
     TestFaultFronts,
-    "test_a_504_or_524_is_retried_under_busy_wait_then_served",
     "test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero",
     "test_health_of_a_front_that_answers_plain_text",
 )

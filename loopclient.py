@@ -774,6 +774,8 @@ class Limits(_Value):
                             more than one, a ``/slots`` answer may describe another server than the one
                             holding the request, so no wait is judged idle or wedged from it, and a
                             ``slot=None`` pool is ``servers`` times ``total_slots``
+    session          True   send a session key (``X-Session-Id``) made from the request's stable head when
+                            the call and the client give none; False: only a key given by ``session=`` goes
     """
 
     __match_args__ = (
@@ -791,6 +793,7 @@ class Limits(_Value):
         "pool",
         "keep_alive",
         "servers",
+        "session",
     )
     __slots__ = __match_args__
     queue_len: int
@@ -807,6 +810,7 @@ class Limits(_Value):
     pool: Optional[int]
     keep_alive: int
     servers: int
+    session: bool
 
     def __init__(
         self,
@@ -824,10 +828,13 @@ class Limits(_Value):
         pool: Optional[int] = None,
         keep_alive: int = 2,
         servers: int = 1,
+        session: bool = True,
     ) -> None:
         values = locals()
         for name in _INT_LIMITS + _SECONDS_LIMITS:
             _check_limit(name, values[name])
+        if not isinstance(session, bool):
+            raise TypeError("Limits.session must be True or False, not %r" % (session,))
         for name in ("poll", "liveness", "max_line", "max_body", "pool", "servers"):
             if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
@@ -2948,6 +2955,77 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
     return _body({"messages": messages}, params)
 
 
+# -- Stable heads: the part of a request that stays the same on every turn of one conversation -----------
+#
+# A request's session key (``X-Session-Id``), when the caller gives none, is a digest of its endpoint's
+# stable head (``_session_digest``, section 8): each function takes the body the row's body function made and
+# returns a JSON value, or None when the endpoint has no conversation to key.
+
+HEAD_CHARS = 1024  # the characters of a prompt's text that key it
+HEAD_TOKENS = 256  # the items of a token-list prompt that key it (about HEAD_CHARS of text)
+
+
+def _chat_head(body: Dict[str, Any]) -> Any:
+    """Chat: the messages up to and including the first user message (all of them when none is a user's)."""
+    messages = body.get("messages")
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return list(messages[: i + 1])
+    return list(messages)
+
+
+def _prompt_head(prompt: Any) -> Any:
+    """A ``/completion`` or ``/v1/completions`` prompt's head: a string's first ``HEAD_CHARS`` characters; a
+    list of token ids (and strings) its first ``HEAD_TOKENS`` items, each string cut the same way; a
+    multimodal prompt object its ``prompt_string``'s; a list of prompts (one choice each) the first's."""
+    if isinstance(prompt, str):
+        return prompt[:HEAD_CHARS]
+    if isinstance(prompt, dict):
+        return _prompt_head(prompt.get("prompt_string"))
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if not _prompt_ok(list(prompt)):
+            return _prompt_head(prompt[0])
+        return [p[:HEAD_CHARS] if isinstance(p, str) else p for p in prompt[:HEAD_TOKENS]]
+    return prompt
+
+
+def _native_head(body: Dict[str, Any]) -> Any:
+    return _prompt_head(body.get("prompt"))
+
+
+def _infill_head(body: Dict[str, Any]) -> Any:
+    """``/infill``: the extra files (each file's name and text) followed by the prefix, the first
+    ``HEAD_CHARS`` characters of them: the order in which the server puts them before the cursor."""
+    extra = body.get("input_extra") or []
+    files = "".join("%s\n%s\n" % (f.get("filename"), f.get("text")) for f in extra if isinstance(f, dict))
+    prefix = body.get("input_prefix")
+    return (files + (prefix if isinstance(prefix, str) else ""))[:HEAD_CHARS]
+
+
+def _responses_head(body: Dict[str, Any]) -> Any:
+    """Responses: the ``instructions`` and the first input item (a string input is one user message)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        first = {"role": "user", "content": items}  # type: Any
+    else:
+        first = items[0] if isinstance(items, (list, tuple)) and items else items
+    return [body.get("instructions"), first]
+
+
+def _messages_head(body: Dict[str, Any]) -> Any:
+    """Messages: the ``system`` prompt and the first user message (the first message when none is a user's)."""
+    messages = body.get("messages") or []
+    first = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), messages[0] if messages else None)
+    return [body.get("system"), first]
+
+
+def _no_head(body: Dict[str, Any]) -> Any:
+    """An endpoint that holds no conversation (``/models/sse``): no key of its own."""
+    return None
+
+
 # -- The streamed endpoints: one row each ---------------------------------------------------------------
 #
 # A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
@@ -2962,26 +3040,28 @@ _CAP_NEVER = "never"  # reasoning streams but the server cannot end it on reques
 
 class _Endpoint:
     """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
-    (``body(*args, params)``), the ``dialect`` class that reads its payloads, and what the engine may do
-    there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
+    (``body(*args, params)``), the function that finds the body's stable head (``head(body)``: what stays
+    the same on every turn of a conversation, digested into its session key when the caller gives none),
+    the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
     ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
     that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read
     by ``_Streams.watch_plan``)."""
 
-    __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed", "watch")
+    __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch")
 
     def __init__(
         self,
         name: str,
         path: str,
         body: Callable[..., Dict[str, Any]],
+        head: Callable[[Dict[str, Any]], Any],
         dialect: Any,
         cap: str,
         resumable: bool = True,
         routed: bool = True,
         watch: bool = False,
     ) -> None:
-        self.name, self.path, self.body, self.dialect = name, path, body, dialect
+        self.name, self.path, self.body, self.head, self.dialect = name, path, body, head, dialect
         self.cap, self.resumable, self.routed, self.watch = cap, resumable, routed, watch
 
 
@@ -2991,14 +3071,14 @@ class _Endpoint:
 _ENDPOINTS = {
     e.name: e
     for e in (
-        _Endpoint("chat", "/v1/chat/completions", _chat_body, Assembler, _CAP_CONTROL),
-        _Endpoint("complete", "/completion", _native_body, _NativeAssembler, _CAP_MOOT),
-        _Endpoint("infill", "/infill", _infill_body, _NativeAssembler, _CAP_MOOT),
-        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _TextAssembler, _CAP_MOOT),
-        _Endpoint("respond", "/v1/responses", _responses_body, _ResponsesAssembler, _CAP_NEVER),
-        _Endpoint("message", "/v1/messages", _messages_body, _MessagesAssembler, _CAP_NEVER),
+        _Endpoint("chat", "/v1/chat/completions", _chat_body, _chat_head, Assembler, _CAP_CONTROL),
+        _Endpoint("complete", "/completion", _native_body, _native_head, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("infill", "/infill", _infill_body, _infill_head, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _native_head, _TextAssembler, _CAP_MOOT),
+        _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
+        _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
         _Endpoint(
-            "models", "/models/sse", _no_body, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
+            "models", "/models/sse", _no_body, _no_head, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
         ),
     )
 }  # type: Dict[str, _Endpoint]
@@ -4335,6 +4415,44 @@ def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
     return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
+SESSION_HEADER = "X-Session-Id"
+
+
+def _session_key(value: Any, what: str = "session") -> Optional[str]:
+    """A session key given by the caller: None, or a str of 1 to 128 visible ASCII characters
+    (``ValueError``; anything else is ``TypeError``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError("%s must be a str (a session key) or None, not %r" % (what, value))
+    if not 1 <= len(value) <= 128 or not all("!" <= c <= "~" for c in value):
+        raise ValueError("a session key is 1 to 128 visible ASCII characters, not %r" % (value[:140],))
+    return value
+
+
+def _session_digest(head: Any) -> Optional[str]:
+    """The session key of a request whose caller gave none: ``s-`` and the first 32 hex digits of the
+    SHA-256 of its stable head written as canonical JSON (sorted keys, no spaces, ASCII only), the same in
+    every process and Python version; never the text.  None for no head (or one JSON cannot write: the
+    body then fails its own encoding)."""
+    if head is None:
+        return None
+    import hashlib  # only when a key is made
+
+    try:
+        text = json.dumps(head, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return "s-" + hashlib.sha256(text.encode("ascii")).hexdigest()[:32]
+
+
+def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
+    """The header that carries a request's session key, so that a front routing by it (nginx ``hash
+    $http_x_session_id consistent``, HAProxy ``stick on req.hdr(X-Session-Id)``, Caddy ``lb_policy header
+    X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
+    return [(SESSION_HEADER, session)] if session is not None else []
+
+
 def _cancelled() -> CancelledError:
     return CancelledError("the request was cancelled")
 
@@ -4366,7 +4484,7 @@ def _after(run: _Run, exc: Optional[BaseException]) -> Optional[BaseException]:
 class _StreamRequest:
     """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
 
-    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch")
+    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "session")
 
     def __init__(
         self,
@@ -4378,7 +4496,9 @@ class _StreamRequest:
         conversation: Optional[str] = None,
         offset: Optional[int] = None,
         watch: bool = False,
+        session: Optional[str] = None,
     ) -> None:
+        self.session = session  # the X-Session-Id of every request made for it (None: none)
         self.watch = watch  # a watch (GET /models/sse): read by _Streams.watch_plan, ``model`` the events' filter
         self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
         self.slot = slot
@@ -4442,6 +4562,18 @@ def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: O
     return extra
 
 
+def _client_session(headers: List[Tuple[str, str]], session: Any) -> Optional[str]:
+    """The client's session key: ``session``, or an ``X-Session-Id`` in the client's ``headers`` (the same
+    thing, set by hand); ``ValueError`` when both give one."""
+    key = _session_key(session)
+    given = [v for k, v in headers if k.lower() == "x-session-id"]
+    if given:
+        if key is not None:
+            raise ValueError("the session key is given twice: by session= and by an X-Session-Id header")
+        key = _session_key(given[-1], "the X-Session-Id header")
+    return key
+
+
 def _tls_context(addr: _Address, ssl_context: Any) -> Any:
     """The ``ssl.SSLContext`` for ``addr``: the caller's, or the default one for an https:// address
     (``None`` for plain TCP and Unix sockets, where none was given)."""
@@ -4470,6 +4602,7 @@ class _Calls:
         headers: Optional[Dict[str, str]],
         model: Optional[str],
         ssl_context: Any,
+        session: Optional[str] = None,
     ) -> None:
         if address is None:
             address = os.environ.get("LLAMA_SERVER") or DEFAULT_ADDRESS
@@ -4484,6 +4617,9 @@ class _Calls:
             raise TypeError("model must be a str or None")
         self.model = model
         self._headers = _extra_headers(addr, headers, api_key)
+        self.session = _client_session(self._headers, session)
+        if self.session is not None:  # the client's key: on every request, unless a call gives its own
+            self._headers = [(k, v) for k, v in self._headers if k.lower() != "x-session-id"]
         self.addr = addr
         self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
@@ -4519,6 +4655,8 @@ class _Calls:
         if not keep:
             headers.append(("Connection", "close"))
         headers.extend(extra)
+        if self.session is not None and not any(name == SESSION_HEADER for name, _ in extra):
+            headers.append((SESSION_HEADER, self.session))
         return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
     def _route(
@@ -4724,12 +4862,13 @@ class _Calls:
     def unload_model(self, name: str) -> _Plan[Dict[str, Any]]:
         return (yield from self._object("POST", "/models/unload", {"model": name}))
 
-    def control(self, model: Optional[str], completion_id: str) -> _Plan[bool]:
+    def control(self, model: Optional[str], completion_id: str, session: Optional[str] = None) -> _Plan[bool]:
         """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
         if not isinstance(completion_id, str):
             raise TypeError("completion_id must be a str")
         body = {"id": completion_id, "action": "reasoning_end"}
-        doc = yield from self._json("POST", "/v1/chat/completions/control", body, model=model)
+        extra = _session_header(session)
+        doc = yield from self._json("POST", "/v1/chat/completions/control", body, model=model, extra=extra)
         if not isinstance(doc, dict):
             raise ProtocolError("the control endpoint did not answer a JSON object")
         return doc.get("success") is True
@@ -4780,23 +4919,26 @@ class _Calls:
         del body["stream"]
         return (yield from self._post_field("/v1/responses/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
-    def lookup_streams(self, conversation_ids: Sequence[str]) -> _Plan[List[Any]]:
+    def lookup_streams(self, conversation_ids: Sequence[str], session: Optional[str] = None) -> _Plan[List[Any]]:
         if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
             raise TypeError("conversation_ids must be a list of str")
         body = {"conversation_ids": list(conversation_ids)}
         pin = _pin(body["conversation_ids"][0]) if len(body["conversation_ids"]) == 1 else []
-        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None, extra=pin)
+        extra = pin + _session_header(_session_key(session))
+        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None, extra=extra)
         if not isinstance(doc, list):
             raise ProtocolError("POST /v1/streams/lookup did not answer a JSON list")
         return doc
 
-    def delete_stream(self, conversation_id: str, timeout: Optional[float] = None) -> _Plan[bool]:
+    def delete_stream(
+        self, conversation_id: str, timeout: Optional[float] = None, session: Optional[str] = None
+    ) -> _Plan[bool]:
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be a str")
+        extra = _pin(conversation_id) + _session_header(_session_key(session))
         head, data = yield from self._call(
-            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout,
-            extra=_pin(conversation_id),
-        )  # fmt: skip
+            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout, extra=extra
+        )
         if head.status == 404:
             return False
         if not 200 <= head.status < 300:
@@ -4838,6 +4980,7 @@ class _Streams:
         (all but ``raw_chunks``), then the row's thinking-cap rule applies."""
         row = _ENDPOINTS[endpoint]
         raw_chunks = bool(params.pop("raw_chunks", False))
+        session = _session_key(params.pop("session", None))
         body = row.body(*args, params)
         if slot is not None:
             body["id_slot"] = slot  # here, before reasoning_control: checked, and set again, by _stream_request
@@ -4852,10 +4995,10 @@ class _Streams:
                 if isinstance(n, int) and n > 1:
                     raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
                 body["reasoning_control"] = True
-        return self._stream_request(row, body, slot, raw_chunks)
+        return self._stream_request(row, body, slot, raw_chunks, session)
 
     def _stream_request(
-        self, row: _Endpoint, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool
+        self, row: _Endpoint, body: Dict[str, Any], slot: Optional[int], raw_chunks: bool, session: Optional[str]
     ) -> _StreamRequest:
         conversation = _conversation_id(body.pop("resumable", None))
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int)):
@@ -4868,10 +5011,22 @@ class _Streams:
         if row.routed:
             body, _ = self.calls._route("POST", body, None, _NO_MODEL)
         model = body.get("model")
-        request = self.calls._encode("POST", row.path, body, "text/event-stream", extra=_pin(conversation))
-        return _StreamRequest(
-            request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation
-        )
+        session = self.session_for(session, row, body)
+        extra = _pin(conversation) + _session_header(session)
+        request = self.calls._encode("POST", row.path, body, "text/event-stream", extra=extra)
+        model = model if isinstance(model, str) else None
+        return _StreamRequest(request, slot, model, raw_chunks, row.dialect, conversation, session=session)
+
+    def session_for(self, given: Optional[str], row: _Endpoint, body: Dict[str, Any]) -> Optional[str]:
+        """The session key a streamed request carries: the call's own, else the client's, else (unless
+        ``Limits.session`` is False) the digest of the row's stable head of ``body``."""
+        if given is not None:
+            return given
+        if self.calls.session is not None:
+            return self.calls.session
+        if not self.limits.session:
+            return None
+        return _session_digest(row.head(body))
 
     def watch_request(self, model: Optional[str]) -> _StreamRequest:
         """``Client.watch_models()``: the router's model events, those of ``model`` only when given."""
@@ -4882,9 +5037,17 @@ class _Streams:
         return _StreamRequest(request, None, model, False, row.dialect, watch=True)
 
     def resume_request(
-        self, conversation_id: str, endpoint: str, offset: int, model: Optional[str], raw_chunks: bool
+        self,
+        conversation_id: str,
+        endpoint: str,
+        offset: int,
+        model: Optional[str],
+        raw_chunks: bool,
+        session: Optional[str] = None,
     ) -> _StreamRequest:
-        """``Client.resume()``: read the server's buffer of a resumable stream from ``offset``."""
+        """``Client.resume()``: read the server's buffer of a resumable stream from ``offset``, with the
+        session key ``session`` (else the client's): the one the stream was started with reaches its server."""
+        session = _session_key(session)
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be the id of a resumable stream (a str)")
         conversation = _conversation_id(conversation_id)
@@ -4894,7 +5057,9 @@ class _Streams:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
         name = self.calls.model if model is None else model
-        return _StreamRequest(b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset)
+        session = self.calls.session if session is None else session
+        row = _ENDPOINTS[endpoint]
+        return _StreamRequest(b"", None, name, raw_chunks, row.dialect, conversation, offset, session=session)
 
     def plan(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Any]:
         """The plan of a ``Stream``: a watch, or the life of a streamed request."""
@@ -4955,7 +5120,7 @@ class _Streams:
             raise
         except BaseException as exc:
             if req.conversation is not None:
-                yield from self._forget(run, req.conversation)
+                yield from self._forget(run, req.conversation, req.session)
             if isinstance(exc, LoopError) and run.cancelled and type(exc) is not BusyError:
                 raise _cancelled() from None  # what the cancel caused (a refusal is the gate's own answer)
             raise
@@ -4965,13 +5130,13 @@ class _Streams:
                 board.gate.leave(run.ticket)
             board.discard(run)
 
-    def _forget(self, run: _Run, conversation: str) -> _Plan[None]:
+    def _forget(self, run: _Run, conversation: str, session: Optional[str]) -> _Plan[None]:
         """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
         connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not; a failure is
         ignored (the stream ends with its own error)."""
         run.shield = True
         try:
-            yield from self.calls.delete_stream(conversation, FORGET_WAIT)
+            yield from self.calls.delete_stream(conversation, FORGET_WAIT, session)
         except LoopError:
             pass
         finally:
@@ -5023,19 +5188,20 @@ class _Streams:
         return 1 if total is None else total
 
     def _replay(self, req: _StreamRequest, offset: int) -> bytes:
-        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id as a
-        header too, so that a front that routes by it reaches the server holding the stream."""
+        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id and its
+        session key as headers too, so that a front that routes by either reaches the server holding it."""
         assert req.conversation is not None
         query = {"conv_id": req.conversation, "from": offset}
-        return self.calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
+        extra = _pin(req.conversation) + _session_header(req.session)
+        return self.calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=extra)
 
-    def _known(self, conversation: str, servers: int = 1) -> _Plan[bool]:
+    def _known(self, conversation: str, servers: int = 1, session: Optional[str] = None) -> _Plan[bool]:
         """Whether the server knows a resumable stream (``/v1/streams/lookup``); a failure says no.  With
         several servers behind the address an unknown answer may come from another one: asked up to
         ``servers`` times."""
         for _ in range(servers):
             try:
-                found = yield from self.calls.lookup_streams([conversation])
+                found = yield from self.calls.lookup_streams([conversation], session)
             except CancelledError:
                 raise
             except LoopError:
@@ -5092,11 +5258,14 @@ class _Streams:
         finally:
             poller.answered(slots, unseen)
 
-    def _end_reasoning(self, run: _Run, model: Optional[str], completion_id: Optional[str], tokens: int) -> _Plan[bool]:
-        """Ask the server to end a stream's reasoning; a failure is ``ThinkingOverrunError`` (unless cancelled)."""
+    def _end_reasoning(
+        self, run: _Run, req: _StreamRequest, completion_id: Optional[str], tokens: int
+    ) -> _Plan[bool]:
+        """Ask the server to end a stream's reasoning (with the stream's session key: a front routing by it
+        reaches the server running the stream); a failure is ``ThinkingOverrunError`` (unless cancelled)."""
         assert completion_id is not None
         try:
-            return (yield from self.calls.control(model, completion_id))
+            return (yield from self.calls.control(req.model, completion_id, req.session))
         except LoopError as exc:
             if run.cancelled:
                 raise
@@ -5261,7 +5430,7 @@ class _StreamLife:
         verdict = _CAP_DUE  # type: Any
         while verdict is _CAP_DUE:
             assert pump.cap_due is not None
-            ok = yield from self.streams._end_reasoning(self.run, self.req.model, *pump.cap_due)
+            ok = yield from self.streams._end_reasoning(self.run, self.req, *pump.cap_due)
             try:
                 events = pump.capped(ok)
             except StreamClosedError as exc:
@@ -5297,7 +5466,7 @@ class _StreamLife:
 
     def _known(self) -> _Plan[bool]:
         assert self.req.conversation is not None
-        return (yield from self.streams._known(self.req.conversation, self.limits.servers))
+        return (yield from self.streams._known(self.req.conversation, self.limits.servers, self.req.session))
 
     def _silent(self) -> _Plan[Any]:
         """A read timed out: poll for the head, or judge the silence of a started stream."""
@@ -5772,6 +5941,8 @@ class Stream:
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
         self.conversation_id = req.conversation
+        #: the session key the request carried (its ``X-Session-Id``), else None
+        self.session = req.session
         #: the stream's body bytes whose events have all been yielded: ``resume(conversation_id, offset=...)``
         #: from here repeats none of them
         self.offset = run.offset
@@ -5850,7 +6021,10 @@ class Client:
     ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
     ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
     and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
-    A malformed address, a CR or LF in ``api_key`` or a header, or limits of the wrong type raise
+    ``session`` is the client's session key (1 to 128 visible ASCII characters), sent as ``X-Session-Id``
+    on every request of this client unless a streamed call gives its own (an ``X-Session-Id`` in
+    ``headers`` is the same thing; giving both is ``ValueError``).  A malformed address, a CR or LF in
+    ``api_key`` or a header, a malformed session key, or limits of the wrong type raise
     ``ValueError``/``TypeError`` here, before any connection.
 
     Single-shot calls (everything but the streams) are never retried: a server that cannot be reached is
@@ -5867,8 +6041,9 @@ class Client:
         headers: Optional[Dict[str, str]] = None,
         model: Optional[str] = None,
         ssl_context: Any = None,
+        session: Optional[str] = None,
     ) -> None:
-        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context)
+        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context, session)
         self.address = calls.address  # type: str
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
@@ -5906,8 +6081,11 @@ class Client:
         ``resumable=True`` (or an id: 1 to 128 visible ASCII characters) sends ``X-Conversation-Id``: a
         connection lost after the head, before or after delivery, is then resumed from the server's buffer
         (``Resumed``), and an early end deletes the stream on the server (every streamed call takes it).
-        A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
-        ``TypeError``/``ValueError`` here, before any connection.
+        ``session`` (every streamed call takes it) is the conversation's key, sent as ``X-Session-Id`` for
+        a front to route by; without it, the client's key, else a digest of the messages up to and
+        including the first user message (``Limits.session=False``: none); ``stream.session`` says which.
+        A body that is not JSON-serialisable, a bad ``slot`` or ``session``, or a thinking cap with ``n`` > 1
+        is ``TypeError``/``ValueError`` here, before any connection.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -6021,25 +6199,29 @@ class Client:
         offset: int = 0,
         model: Optional[str] = None,
         raw_chunks: bool = False,
+        session: Optional[str] = None,
     ) -> Stream:
         """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
         ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
         ``stream.offset``) and follows it to its end, read as ``endpoint`` (``"chat"``, ``"complete"``,
         ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``) reads it, with the same liveness
         and resume rules.  It takes no slot permit and sends no request body.  The ``Completion`` holds what came after
-        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``."""
-        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks)
+        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``.
+        ``session``: the session key the stream was started with (``stream.session``; else the client's), so
+        that a front routing by it reaches the server that holds the stream."""
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, session)
         return Stream(self._board, req)
 
-    def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
+    def lookup_streams(self, conversation_ids: Sequence[str], *, session: Optional[str] = None) -> List[Any]:
         """``POST /v1/streams/lookup``: what the server knows of these resumable streams (``conversation_id``,
-        ``is_done``, ``total_bytes``, ...), for the ids it knows."""
-        return self._run(self._calls.lookup_streams(conversation_ids))
+        ``is_done``, ``total_bytes``, ...), for the ids it knows; ``session`` as ``resume()`` takes it."""
+        return self._run(self._calls.lookup_streams(conversation_ids, session))
 
-    def delete_stream(self, conversation_id: str) -> bool:
+    def delete_stream(self, conversation_id: str, *, session: Optional[str] = None) -> bool:
         """``DELETE /v1/stream?conv_id=...``: stop a resumable stream's generation and drop its buffer; False
-        when the server says it is unknown (this build answers 204 for any id, so True then too)."""
-        return self._run(self._calls.delete_stream(conversation_id))
+        when the server says it is unknown (this build answers 204 for any id, so True then too); ``session``
+        as ``resume()`` takes it."""
+        return self._run(self._calls.delete_stream(conversation_id, session=session))
 
     # -- single-shot calls --------------------------------------------------------------------------------
 
@@ -6603,6 +6785,8 @@ class AsyncStream:
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
         self.conversation_id = req.conversation
+        #: the session key the request carried (its ``X-Session-Id``), else None
+        self.session = req.session
         #: the stream's body bytes whose events have all been yielded (see ``Stream.offset``)
         self.offset = req.offset or 0
 
@@ -6716,8 +6900,9 @@ class AsyncClient:
         headers: Optional[Dict[str, str]] = None,
         model: Optional[str] = None,
         ssl_context: Any = None,
+        session: Optional[str] = None,
     ) -> None:
-        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context)
+        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context, session)
         self.address = calls.address  # type: str
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
@@ -6877,17 +7062,19 @@ class AsyncClient:
         offset: int = 0,
         model: Optional[str] = None,
         raw_chunks: bool = False,
+        session: Optional[str] = None,
     ) -> AsyncStream:
         """``Client.resume()`` for asyncio (a plain call)."""
-        return AsyncStream(self, self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks))
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, session)
+        return AsyncStream(self, req)
 
-    async def lookup_streams(self, conversation_ids: Sequence[str]) -> List[Any]:
+    async def lookup_streams(self, conversation_ids: Sequence[str], *, session: Optional[str] = None) -> List[Any]:
         """``Client.lookup_streams``, as a coroutine."""
-        return await self._run(self._calls.lookup_streams(conversation_ids))
+        return await self._run(self._calls.lookup_streams(conversation_ids, session))
 
-    async def delete_stream(self, conversation_id: str) -> bool:
+    async def delete_stream(self, conversation_id: str, *, session: Optional[str] = None) -> bool:
         """``Client.delete_stream``, as a coroutine."""
-        return await self._run(self._calls.delete_stream(conversation_id))
+        return await self._run(self._calls.delete_stream(conversation_id, session=session))
 
     # -- single-shot calls: Client's, as coroutines -------------------------------------------------------
 

@@ -8001,18 +8001,27 @@ def _api_calls():
     ]
 
 
-def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b""):
+def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b"", session=None):
     """The request head loopclient sends (as FakeRequest.raw_head holds it: without the blank line).  A
-    streamed request closes its connection; a single-shot one (keep_alive by default) does not say."""
+    streamed request closes its connection; a single-shot one (keep_alive by default) does not say.
+    ``session``: the X-Session-Id it carries (a str), after the request's own headers."""
     head = line + b" HTTP/1.1\r\nHost: " + host + b"\r\nAccept: " + accept + b"\r\n"
     if body is not None:
         head += b"Content-Type: application/json\r\n"
     if accept == b"text/event-stream":
         head += b"Connection: close\r\n"
+    if session is not None:
+        head += b"X-Session-Id: " + session.encode() + b"\r\n"
     head += b"User-Agent: loopclient/" + lc.__version__.encode() + extra
     if body is not None:
         head += b"\r\nContent-Length: %d" % len(body)
     return head
+
+
+def session_digest(canonical):
+    """The session key of a request whose stable head, written as canonical JSON, is ``canonical`` (bytes):
+    computed here from its definition, not by loopclient."""
+    return "s-" + hashlib.sha256(canonical).hexdigest()[:32]
 
 
 def _api_body(answer):
@@ -8852,8 +8861,11 @@ class TestApiTLS(_ApiCase):
             + b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
         )
         req = self.server.chat_requests()[0]
+        # the session key: the digest of the messages up to the first user message, as canonical JSON
+        session = session_digest(b'[{"content":"hi","role":"user"}]')
         self.assertEqual(
-            req.raw_head, _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream")
+            req.raw_head,
+            _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream", session=session),
         )
         self.assertEqual(req.body, body)
         self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))

@@ -19332,25 +19332,34 @@ class TestRealResumeAsync(AsyncDriver, TestRealResume):
 FRONTS_DIR = os.path.join(HERE, "dev", "fronts")
 
 
-#: Each front: its template in dev/fronts, how it names a server, and its balancing policies.
+#: Each front: its template in dev/fronts, how it names a server (and one held to its slots), and its
+#: balancing policies: "pin" (the README's: every turn of a conversation to one server, by X-Session-Id),
+#: "least" and "rr".
 FRONT_KINDS = {
     "nginx": {
         "file": "nginx.conf",
         "server": "server unix:%s max_fails=0;",
+        "slot_server": "server unix:%s max_conns=%d max_fails=0;",
         "join": "\n        ",
-        "balance": {"pin": "hash $http_x_conversation_id consistent;", "least": "least_conn;", "rr": ""},
+        "balance": {"pin": "hash $http_x_session_id consistent;", "least": "least_conn;", "rr": ""},
     },
     "haproxy": {
         "file": "haproxy.cfg",
         "server": "server s%d unix@%s",
+        "slot_server": "server s%(i)d unix@%(path)s maxconn %(slots)d\n    use-server s%(i)d if "
+        "{ req.hdr(X-Session-Id),table_server_id(llama_slots) eq %(id)d } { srv_conn_free(s%(i)d) gt 0 }",
         "join": "\n    ",
-        "balance": {"pin": "hdr(X-Conversation-Id)", "least": "leastconn", "rr": "roundrobin"},
+        "balance": {
+            "pin": "balance leastconn\n    stick store-request req.hdr(X-Session-Id)",
+            "least": "balance leastconn",
+            "rr": "balance roundrobin",
+        },
     },
     "caddy": {
         "file": "Caddyfile",
         "server": "unix/%s",
         "join": " ",
-        "balance": {"pin": "header X-Conversation-Id", "least": "least_conn", "rr": "round_robin"},
+        "balance": {"pin": "header X-Session-Id", "least": "least_conn", "rr": "round_robin"},
     },
 }
 
@@ -19361,17 +19370,21 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0):
+def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2):
     """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts, in front
-    of ``servers`` (Unix socket paths), balancing by ``balance`` ("pin": by X-Conversation-Id, "least",
-    "rr"), with an idle timeout of ``timeout`` seconds toward the servers."""
+    of ``servers`` (Unix socket paths) of ``slots`` slots each, balancing by ``balance`` ("pin": by
+    X-Session-Id, "least", "rr"), with an idle timeout of ``timeout`` seconds toward the servers."""
     spec = FRONT_KINDS[kind]
     with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
         text = f.read()
     if kind == "haproxy":
         lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
-    else:
+        held = [spec["slot_server"] % dict(i=i, path=path, slots=slots, id=i + 1) for i, path in enumerate(servers)]
+    elif kind == "nginx":
         lines = [spec["server"] % path for path in servers]
+        held = [spec["slot_server"] % (path, slots) for path in servers]
+    else:
+        lines = held = [spec["server"] % path for path in servers]
     fill = {
         "@DIR@": directory,
         "@PORT@": str(port),
@@ -19380,7 +19393,9 @@ def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port
         "@KEY@": _API_TLS_KEY,
         "@TIMEOUT@": str(timeout),
         "@BALANCE@": spec["balance"][balance],
+        "@SLOT_SERVERS@": spec["join"].join(held),
         "@SERVERS@": spec["join"].join(lines),
+        "@SLOTS@": str(slots),
     }
     lines = text.splitlines(True)
     for i, line in enumerate(lines):
@@ -19397,13 +19412,13 @@ class Front:
     dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
     ``close()`` stops it (SIGTERM, then SIGKILL to its process group) and removes its directory."""
 
-    def __init__(self, kind, servers, balance="pin", timeout=2):
+    def __init__(self, kind, servers, balance="pin", timeout=2, slots=2):
         self.kind = kind
         self.tmp = tempfile.mkdtemp(prefix="lcfront", dir="/tmp")
         self.port, self.tls_port = free_port(), free_port()
         self.config = os.path.join(self.tmp, FRONT_KINDS[kind]["file"])
         with open(self.config, "w", encoding="utf-8") as f:
-            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port))
+            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port, slots))
         env = dict(os.environ, HOME=self.tmp, XDG_DATA_HOME=self.tmp, XDG_CONFIG_HOME=self.tmp)
         command = {
             "nginx": ["nginx", "-c", self.config, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
@@ -20663,8 +20678,9 @@ class TestFrontConfigurations(unittest.TestCase):
                 code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
                 self.assertFalse([line for line in code if re.search(r"@[A-Z_]+@", line)], kind)
                 self.assertTrue(any("1234" in line for line in code), kind)
+                # each server twice: held to its slots for generations, and not for the rest
                 self.assertEqual(
-                    sum("/tmp/a.sock" in line or "/tmp/b.sock" in line for line in code), 1 if kind == "caddy" else 2
+                    sum("/tmp/a.sock" in line or "/tmp/b.sock" in line for line in code), 2 if kind == "caddy" else 4
                 )
                 self.assertTrue(any(re.search(r"\b7s\b", line) for line in code), kind)
 

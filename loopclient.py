@@ -3135,8 +3135,9 @@ def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry
     hint = parse_retry_after(head.get("retry-after"))
     if status == 503:
         return _Retry("HTTP 503: %s" % error.message, hint, error)
-    if status == 429:
-        return _Retry("HTTP 429: %s" % error.message, hint, error, CAPACITY)
+    if status == 429:  # a concurrency limit (llama-swap), or a front whose every server is busy
+        front = _front_name(status, head.get("server"))
+        return _Retry("HTTP 429%s: %s" % (" from " + front if front else "", error.message), hint, error, CAPACITY)
     if status in _FRONT_WAITED:
         front = _front_name(status, head.get("server")) or "the front"
         return _Retry("HTTP %d from %s: the front stopped waiting for a slot" % (status, front), hint, error, FRONT)
@@ -3676,7 +3677,7 @@ _BUDGETS = {
     CAPACITY: (
         "busy_wait",
         WaitTimeoutError,
-        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait): try later",
+        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait)",
     ),
     FRONT: (
         "busy_wait",
@@ -3744,6 +3745,8 @@ class _Waits:
         text = text.format(slot=self.slot, address=self.address, waited=waited)
         if isinstance(self.cause, HTTPStatusError) and self.cause.status in _FRONT_STATUSES:
             text += ": the front answered %s" % (self.cause,)
+        elif isinstance(self.cause, HTTPStatusError) and self.cause.status == 429:
+            text += ": %s" % (self.cause,)  # who said so: a front's every server busy, or a concurrency limit
         err = cls(text, waited)
         if self.cause is not None:
             err.__cause__ = self.cause

@@ -736,6 +736,10 @@ class StreamFacade:
     def conversation_id(self):
         return self._stream.conversation_id
 
+    @property
+    def session(self):
+        return self._stream.session
+
     def __enter__(self):
         return self
 
@@ -21090,3 +21094,284 @@ def _tcp_connections(port):
 
 class TestRealFrontsAsync(AsyncDriver, TestRealFronts):
     pass
+
+
+# =====================================================================================================
+# Session keys: X-Session-Id on every request of a conversation, for the fronts to route by
+# =====================================================================================================
+
+
+def canonical(value):
+    """``value`` written as the session digest's canonical JSON (sorted keys, no spaces, ASCII only)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+#: A conversation of four messages: the key is made from the first two (the system prompt and the first user
+#: message), so that every later turn of it carries the same one.
+_S_TURNS = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "And now?"},
+]
+
+
+def session_headers(server, path=None):
+    """(method, path, the X-Session-Id values) of each request ``server`` saw (but /slots and /props, which
+    a client asks on its own), in order."""
+    with server.lock:
+        requests = list(server.requests)
+    found = []
+    for r in requests:
+        bare = r.path.partition("?")[0]
+        if bare in ("/slots", "/props") or (path is not None and bare != path):
+            continue
+        values = [line.split(b":", 1)[1].strip().decode() for line in r.raw_head.split(b"\r\n")[1:]
+                  if line.lower().startswith(b"x-session-id:")]  # fmt: skip
+        found.append((r.method, bare, values))
+    return found
+
+
+class TestSessionKeys(ServerCase):
+    """X-Session-Id, the key of the conversation a request belongs to: the digest of each endpoint's stable
+    head when the caller gives none (the same for every turn of one conversation, never the text), the
+    call's own or the client's when given, none with Limits(session=False); every request of a resumable
+    stream carries the key that started it; a malformed key is refused before anything is sent."""
+
+    def chat_key(self, messages, **kw):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        stream = self.client.stream(messages, slot=0, **kw)
+        run_with_timeout(lambda: list(stream))
+        return stream.session
+
+    def test_a_chat_carries_the_digest_of_its_messages_up_to_the_first_user_message(self):
+        key = self.chat_key(_S_TURNS[:2])
+        self.assertEqual(key, session_digest(b'[{"content":"You are terse.","role":"system"},{"content":"hi","role":"user"}]'))
+        self.assertEqual(self.chat_key(_S_TURNS), key)  # a later turn: the same key
+        other = self.chat_key([_S_TURNS[0], {"role": "user", "content": "hello"}])
+        self.assertNotEqual(other, key)  # another conversation
+        self.assertEqual(session_headers(self.server), [("POST", "/v1/chat/completions", [k]) for k in (key, key, other)])
+        self.assertTrue(re.fullmatch(r"s-[0-9a-f]{32}", key), key)
+        for method, path, values in session_headers(self.server):
+            self.assertNotIn(b"terse", "".join(values).encode())  # a digest, never the text
+
+    def test_each_endpoint_keys_its_own_stable_head(self):
+        long_a, long_b = "x" * 1024 + "a", "x" * 1024 + "b"
+        extra = [("util.py", "def sub(a, b):\n    return a - b\n")]
+        user = {"role": "user", "content": "Name a colour."}
+        cases = [  # (call, its arguments, the head's canonical JSON)
+            ("stream_complete", ("The sky is",), canonical("The sky is")),
+            ("stream_complete", (long_a,), canonical("x" * 1024)),
+            ("stream_complete", (long_b,), canonical("x" * 1024)),  # the same first 1,024 characters
+            ("stream_complete", ([1, 2, 3] * 100,), canonical(([1, 2, 3] * 100)[:256])),
+            ("stream_complete", ([[5, 6], "two"],), canonical([5, 6])),  # several prompts: the first's head
+            ("stream_complete_openai", ("The sky is",), canonical("The sky is")),
+            ("stream_infill", ("def add(a, b):\n", "\n"), canonical("def add(a, b):\n")),
+            ("stream_infill", ("def f():\n", ""), canonical("util.py\ndef sub(a, b):\n    return a - b\n\ndef f():\n")),
+            ("stream_respond", ("Name a colour.",), canonical([None, user])),  # a string is one user message
+            ("stream_respond", ([user, {"role": "assistant", "content": "Red."}],), canonical([None, user])),
+            ("stream_message", ([user, {"role": "assistant", "content": "Red."}],), canonical([None, user])),
+        ]
+        for call, args, head in cases:
+            with self.subTest(call=call, args=repr(args)[:40]):
+                kw = {"extra": extra} if args == ("def f():\n", "") else {}
+                stream = getattr(self.client, call)(*args, **kw)
+                self.assertEqual(stream.session, session_digest(head))
+        # what the call's own keywords add to the head: Responses' instructions, Messages' system prompt
+        keyed = self.client.stream_respond("Name a colour.", instructions="Be brief.").session
+        self.assertEqual(keyed, session_digest(canonical(["Be brief.", user])))
+        keyed = self.client.stream_message([user], system="Be brief.").session
+        self.assertEqual(keyed, session_digest(canonical(["Be brief.", user])))
+        self.assertEqual(self.server.requests, [])  # made, never iterated: nothing sent
+
+    def test_every_streamed_endpoint_sends_its_key(self):
+        for endpoint, (args, name, _) in _E_CASES.items():
+            self.server.route("POST", _E_PATHS[endpoint], reply(load_transcript(name)))
+        self.server.route("POST", "/v1/completions", reply(load_transcript("90_completions_oai_stream_logprobs.raw.txt")))
+        calls = [(e, args) for e, (args, _, _) in _E_CASES.items()] + [("complete_openai", ("The sky is",))]
+        expected = []
+        for endpoint, args in calls:
+            with self.subTest(endpoint):
+                stream = getattr(self.client, "stream_" + endpoint)(*args)
+                run_with_timeout(lambda s=stream: list(s))
+                self.assertIsNotNone(stream.completion)
+                self.assertTrue(re.fullmatch(r"s-[0-9a-f]{32}", stream.session), stream.session)
+                expected.append(("POST", _E_PATHS.get(endpoint, "/v1/completions"), [stream.session]))
+        self.assertEqual(session_headers(self.server), expected)
+
+    def test_the_call_s_key_and_the_client_s_key(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))
+        self.assertEqual(self.chat_key(MSGS, session="conv-7"), "conv-7")  # the call's own
+        client = self.new_client(self.server.address, limits=self.limits, session="agent-1")
+        self.closers.append(client.close)
+        stream = client.stream(MSGS, slot=0)
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "agent-1")
+        stream = client.stream(MSGS, slot=0, session="conv-8")  # the call's own wins
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "conv-8")
+        self.assertEqual(run_with_timeout(lambda: client.tokenize("x")), [5, 6])  # single-shot calls carry it too
+        self.assertEqual(run_with_timeout(client.health), {"status": "ok"})
+        self.assertEqual(
+            session_headers(self.server),
+            [
+                ("POST", "/v1/chat/completions", ["conv-7"]),
+                ("POST", "/v1/chat/completions", ["agent-1"]),
+                ("POST", "/v1/chat/completions", ["conv-8"]),
+                ("POST", "/tokenize", ["agent-1"]),
+                ("GET", "/health", ["agent-1"]),
+            ],
+        )
+        # a client without a key sends none on its single-shot calls (the digest is a streamed request's)
+        run_with_timeout(self.client.health)
+        self.assertEqual(session_headers(self.server)[-1], ("GET", "/health", []))
+
+    def test_an_x_session_id_header_is_the_client_s_key(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        client = self.new_client(self.server.address, limits=self.limits, headers={"x-session-id": "by-hand"})
+        self.closers.append(client.close)
+        stream = client.stream(MSGS, slot=0)
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "by-hand")
+        stream = client.stream(MSGS, slot=0, session="mine")
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual([v for _, _, v in session_headers(self.server)], [["by-hand"], ["mine"]])  # once each
+        with self.assertRaises(ValueError):
+            self.new_client(self.server.address, headers={"X-Session-Id": "a"}, session="b")
+        with self.assertRaises(ValueError):
+            self.new_client(self.server.address, headers={"X-Session-Id": "two words"})
+
+    def test_limits_session_false_sends_no_digest(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        client = self.client_with(session=False)
+        self.assertIs(client.limits.session, False)
+        self.assertIsNone(self.chat_key(_S_TURNS))
+        self.assertEqual(self.chat_key(_S_TURNS, session="given"), "given")  # a key given by the call still goes
+        keyed = self.new_client(self.server.address, limits=self.limits_(session=False), session="agent-2")
+        self.closers.append(keyed.close)
+        stream = keyed.stream(MSGS, slot=0)
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "agent-2")  # and so does the client's
+        self.assertEqual([v for _, _, v in session_headers(self.server)], [[], ["given"], ["agent-2"]])
+        self.assertIs(lc.Limits().session, True)
+        for bad in (0, 1, None, "yes"):
+            with self.assertRaises(TypeError):
+                lc.Limits(session=bad)
+
+    def test_caller_mistakes_are_refused_before_anything_is_sent(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        bad_values = ["", "x" * 129, "two words", "caf\u00e9", "tab\there", "line\n"]
+        for bad in bad_values:
+            with self.subTest(bad=bad):
+                with self.assertRaises(ValueError):
+                    self.client.stream(MSGS, session=bad)
+                with self.assertRaises(ValueError):
+                    self.client.stream_complete("x", session=bad)
+                with self.assertRaises(ValueError):
+                    self.new_client(self.server.address, session=bad)
+                with self.assertRaises(ValueError):
+                    self.client.resume("lc-1", session=bad)
+                with self.assertRaises(ValueError):
+                    run_with_timeout(lambda b=bad: self.client.lookup_streams(["lc-1"], session=b))
+                with self.assertRaises(ValueError):
+                    run_with_timeout(lambda b=bad: self.client.delete_stream("lc-1", session=b))
+        for bad in (5, b"key", True, ["k"]):
+            with self.subTest(bad=bad):
+                with self.assertRaises(TypeError):
+                    self.client.stream(MSGS, session=bad)
+                with self.assertRaises(TypeError):
+                    self.new_client(self.server.address, session=bad)
+        self.assertEqual(self.chat_key(MSGS, session="x" * 128), "x" * 128)  # the longest key
+        self.assertEqual(len(self.server.requests), 1)  # only that one was sent
+
+    def test_a_resumable_stream_s_requests_carry_its_key(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _r_Buffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1", session="k-1")
+        buf.reset([len(buf.head) + 900])  # the POST cut mid-stream: the replay asked
+        self.server.requests.clear()
+        completion, events = self.collect(resumable="conv-1", session="k-1")
+        self.assertEqual(completion, whole)
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+        buf.reset([0])  # lost before any byte of its head: the lookup, then the replay from 0
+        completion, events = self.collect(resumable="conv-1", session="k-1")
+        self.assertEqual(completion, whole)
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])
+        resumed = self.client.resume("conv-1", session="k-1")  # by id, with the key it was started with
+        run_with_timeout(lambda: list(resumed))
+        self.assertEqual(resumed.session, "k-1")
+        buf.reset([("hold", len(buf.head) + 900)])  # left early: the DELETE
+        with self.client.stream(MSGS, slot=0, resumable="conv-1", session="k-1") as stream:
+            for event in stream:
+                if isinstance(event, lc.Content):
+                    break
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+        self.assertEqual(
+            [(m, p, v) for m, p, v in session_headers(self.server)],
+            [
+                ("POST", "/v1/chat/completions", ["k-1"]),
+                ("GET", "/v1/stream", ["k-1"]),
+                ("POST", "/v1/chat/completions", ["k-1"]),
+                ("POST", "/v1/streams/lookup", ["k-1"]),
+                ("GET", "/v1/stream", ["k-1"]),
+                ("GET", "/v1/stream", ["k-1"]),
+                ("POST", "/v1/chat/completions", ["k-1"]),
+                ("DELETE", "/v1/stream", ["k-1"]),
+            ],
+        )
+        # without a key of its own a resumable stream carries its digest; resume() without one, the client's
+        stream = self.client.stream(MSGS, slot=0, resumable="conv-2")
+        self.assertEqual(stream.session, session_digest(canonical(MSGS)))
+        stream.cancel()
+        self.assertIsNone(self.client.resume("conv-2").session)
+
+    def test_the_thinking_cap_s_control_call_carries_the_stream_s_key(self):
+        controls = []
+
+        def control(req):
+            controls.append(req.headers.get("x-session-id"))
+            respond_json(req, {"success": True})
+
+        def chat(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"reasoning_content": " r"}))))
+            for _ in range(100):
+                if controls:
+                    break
+                req.send(chunked(sse(chunk_json({"reasoning_content": " r"}))))
+                time.sleep(0.01)  # pacing the fake server's tokens, as a real server paces them
+            req.send(chunked(sse(chunk_json({"content": "yes"})), sse(chunk_json({}, "stop"))) + b"0\r\n\r\n")
+
+        self.server.route("POST", "/v1/chat/completions/control", control)
+        self.use(chat)
+        client = self.new_client(self.server.address, limits=self.limits_(thinking_cap=2))
+        self.closers.append(client.close)
+        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, session="k-9"))
+        self.assertTrue(completion.thinking_capped)
+        self.assertEqual(controls, ["k-9"])
+
+    def test_the_digest_is_the_same_in_another_process_and_python(self):
+        code = (
+            "import json, sys, loopclient as lc\n"
+            "c = lc.Client('/nonexistent/x.sock')\n"
+            "print(c.stream(json.loads(sys.argv[1])).session)\n"
+        )
+        messages = [{"role": "system", "content": "\u00e9t\u00e9 \u2603", "n": 1.5}, {"role": "user", "content": "hi"}]
+        here = self.client.stream(messages).session
+        pythons = [sys.executable] + [
+            p for p in (os.path.expanduser("~/.pyenv/versions/3.8.18/bin/python3"),) if os.path.exists(p)
+        ]
+        for python in pythons:
+            with self.subTest(python):
+                done = subprocess.run(
+                    [python, "-S", "-c", code, json.dumps(messages)],
+                    cwd=HERE, env=dict(os.environ, PYTHONPATH=HERE, PYTHONHASHSEED="random"),
+                    capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+                self.assertEqual(done.returncode, 0, done.stderr)
+                self.assertEqual(done.stdout.strip(), here)
+        self.assertEqual(here, session_digest(canonical(messages)))
+
+
+class TestSessionKeysAsync(AsyncDriver, TestSessionKeys):
+    test_the_digest_is_the_same_in_another_process_and_python = None  # the digest is made before any driver

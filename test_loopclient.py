@@ -14497,6 +14497,78 @@ FAULT_TABLE = [
         ],
     ),
     (
+        "A front whose every server is busy: the README's configurations",
+        ("fault", "what the front does", "error (and when)", "test"),
+        [
+            (
+                "429 from nginx: every server busy, then served",
+                "nginx's 429 (`Retry-After: 1`, transcript 107: no server with a free slot), twice",
+                "no error: `Retrying` twice under `busy_wait`, each at least 1 s, reason `HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy`, then the `Completion`",
+                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
+            ),
+            (
+                "429 from HAProxy after its queue timeout, then served",
+                "HAProxy's 429 (transcript 108: the request waited `timeout queue` at the front), twice",
+                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429: every llama-server behind this front is busy`",
+                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
+            ),
+            (
+                "429 from Caddy: every server busy, then served",
+                "Caddy's 429 (transcript 109), twice",
+                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429 from Caddy: every llama-server behind this front is busy`",
+                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
+            ),
+            (
+                "every server busy for ever",
+                "nginx's 429 on every attempt (`busy_wait` 2.5 s, `load_wait` 0.3 s)",
+                "`WaitTimeoutError` within the last second of `busy_wait` (`Retry-After: 1` past what is left ends it), one line ending with the front's 429; `__cause__` the `HTTPStatusError` 429",
+                "`TestFaultFullFronts.test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it`",
+            ),
+            (
+                "every server unreachable behind HAProxy",
+                "HAProxy's 503 (transcript 110: `every llama-server behind this front is unreachable`)",
+                "`LoadTimeoutError` after `load_wait`, not a busy wait; `__cause__` the 503",
+                "`TestFaultFullFronts.test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait`",
+            ),
+        ],
+    ),
+    (
+        "Session keys (`X-Session-Id`)",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "a resumable stream with a session key, cut mid-stream",
+                "the stream's connection closed after 900 bytes of its body",
+                "no error: resumed; the `GET /v1/stream` carries the stream's `X-Session-Id`",
+                "`TestFaultSessions.test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key`, `TestSessionKeys.test_a_resumable_stream_s_requests_carry_its_key`",
+            ),
+            (
+                "a resumable request without a key, lost before its head",
+                "the connection closed before any byte of the head; the server kept the request",
+                "no error: the lookup and the replay carry the request's digest key",
+                "`TestFaultSessions.test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key`",
+            ),
+            (
+                "a resumable stream with a session key, ended by an error event",
+                "`Hi`, then an error event",
+                "`ServerError`; the `DELETE` that stops the generation carries the stream's key",
+                "`TestFaultSessions.test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key`",
+            ),
+            (
+                "a malformed session key",
+                "(nothing: the call is refused)",
+                "`ValueError` before anything is sent",
+                "`TestFaultSessions.test_a_malformed_session_key_is_refused_before_anything_is_sent`, `TestSessionKeys.test_caller_mistakes_are_refused_before_anything_is_sent`",
+            ),
+            (
+                "`Limits(session=False)`, a resumable stream cut mid-stream",
+                "the stream's connection closed after 900 bytes of its body",
+                "no error: resumed; no request carries `X-Session-Id`",
+                "`TestFaultSessions.test_limits_session_false_sends_none_even_on_a_resumed_stream`",
+            ),
+        ],
+    ),
+    (
         "The reasoning control endpoint (`thinking_cap` 2)",
         ("fault", "what the server does", "error (and when)", "test"),
         [
@@ -15844,6 +15916,8 @@ class TestDifferential(_f_Case):
         "_d_control",
         "_d_proxies",
         "_d_fronts",
+        "_d_full_fronts",
+        "_d_sessions",
         "_d_security",
         "_d_fuzz",
     )
@@ -16053,6 +16127,86 @@ class TestDifferential(_f_Case):
 
     def test_behind_fronts(self):
         self._d_table(self._d_fronts())
+
+    def test_a_front_whose_every_server_is_busy(self):
+        self._d_table(self._d_full_fronts())
+
+    def test_session_keys(self):
+        self._d_table(self._d_sessions())
+
+    def _d_full_fronts(self):
+        def served(name):
+            answer = front_answer(name)
+            arrange = lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+            return [_d_part(arrange, budget=3.0, at_once=True, changes=dict(busy_wait=3.0, load_wait=0.1))]
+
+        return [
+            ("429 from nginx: every server busy, then served", served("nginx 429")),
+            ("429 from HAProxy after its queue timeout, then served", served("haproxy 429")),
+            ("429 from Caddy: every server busy, then served", served("caddy 429")),
+            (
+                "every server busy for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("nginx 429")),
+                        expect=lc.WaitTimeoutError,
+                        budget=2.5,
+                        at_once=True,
+                        changes=dict(busy_wait=2.5, load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "every server unreachable behind HAProxy",
+                [
+                    _d_part(
+                        _d_reply(front_answer("haproxy 503 unreachable")),
+                        expect=lc.LoadTimeoutError,
+                        budget=0.6,
+                        changes=dict(busy_wait=0.2),
+                    )
+                ],
+            ),
+        ]
+
+    def _d_sessions(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+
+        def resumable(cuts, body=None):
+            def arrange(s):
+                buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
+                if body is not None:
+                    buf.raw = body
+            return arrange
+
+        error = STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})), b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n"
+        keyed = _d_chat(resumable="conv-1", session="k-1")
+        return [
+            (
+                "a resumable stream with a session key, cut mid-stream",
+                [_d_part(resumable(lambda head: [head + 900]), act=keyed)],
+            ),
+            (
+                "a resumable request without a key, lost before its head",
+                [_d_part(resumable(lambda head: [0]), act=_d_chat(resumable="conv-1"))],
+            ),
+            (
+                "a resumable stream with a session key, ended by an error event",
+                [_d_part(resumable(lambda head: [], error), act=keyed, expect=lc.ServerError)],
+            ),
+            (
+                "a malformed session key",
+                [_d_part(_d_reply(_D_OK), act=_d_chat(session="two words"), expect=ValueError)],
+            ),
+            (
+                "`Limits(session=False)`, a resumable stream cut mid-stream",
+                [
+                    _d_part(
+                        resumable(lambda head: [head + 900]), act=_d_chat(resumable="conv-1"), changes=dict(session=False)
+                    )
+                ],
+            ),
+        ]
 
     def _d_fronts(self):
         backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
@@ -19480,7 +19634,8 @@ class Front:
 
 def front_answer(name):
     """A front's own answer, byte for byte: "nginx 504", "nginx 502", "haproxy 504", "haproxy 503",
-    "caddy 504", "caddy 502" (captured), or "cloudflare 520" ... "cloudflare 524" (made, as Cloudflare's
+    "caddy 504", "caddy 502"; with the README's configurations, "nginx 429", "haproxy 429", "caddy 429"
+    (every server busy) and "haproxy 503 unreachable" (captured), or "cloudflare 520" ... "cloudflare 524" (made, as Cloudflare's
     pages look: a title naming the host and the status, ``Server: cloudflare``)."""
     files = {
         "nginx 504": "100_nginx_504_queued.raw.txt",
@@ -19489,6 +19644,10 @@ def front_answer(name):
         "haproxy 503": "103_haproxy_503_server_gone.raw.txt",
         "caddy 504": "104_caddy_504_queued.raw.txt",
         "caddy 502": "105_caddy_502_server_gone.raw.txt",
+        "nginx 429": "107_nginx_429_every_server_busy.raw.txt",
+        "haproxy 429": "108_haproxy_429_queue_timeout.raw.txt",
+        "caddy 429": "109_caddy_429_every_server_busy.raw.txt",
+        "haproxy 503 unreachable": "110_haproxy_503_every_server_unreachable.raw.txt",
     }
     if name in files:
         return load_transcript(files[name])
@@ -21375,3 +21534,133 @@ class TestSessionKeys(ServerCase):
 
 class TestSessionKeysAsync(AsyncDriver, TestSessionKeys):
     test_the_digest_is_the_same_in_another_process_and_python = None  # the digest is made before any driver
+
+
+# -- faults: a front whose every server is busy, and session keys on the virtual clock -------------------
+
+
+#: Who answers each full front's 429 in a reason: nginx and Caddy name themselves, HAProxy sends no Server.
+_FULL_REASONS = {
+    "nginx 429": "HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy",
+    "haproxy 429": "HTTP 429: every llama-server behind this front is busy",
+    "caddy 429": "HTTP 429 from Caddy: every llama-server behind this front is busy",
+}
+
+
+class TestFaultFullFronts(_f_Case):
+    """What the README's configurations make nginx, HAProxy and Caddy answer when every server's slots are
+    taken, byte for byte (transcripts 107-109): a 429 with Retry-After: 1 (nginx and Caddy at once, HAProxy
+    after its queue timeout), waited out under busy_wait and named in Retrying and WaitTimeoutError; and
+    what HAProxy answers when no server can be reached (110): a 503, waited out under load_wait."""
+
+    def test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served(self):
+        for name, reason in _FULL_REASONS.items():
+            with self.subTest(name):
+                self.client_with(busy_wait=3.0, load_wait=0.1)  # load_wait would end it: the wrong budget
+                answer = front_answer(name)
+                self.assertIn(b"Retry-After: 1\r\n", answer.replace(b"retry-after", b"Retry-After"))
+                self.use(_f_sequence(reply(answer), reply(answer), reply(STREAM_HEAD + _F_OK_BODY)))
+                done = self._f_succeeds(3.0)
+                self.assertEqual(done.content, "Hello world")
+                retries = [e for e in self._f_events if isinstance(e, lc.Retrying)]
+                self.assertEqual([(r.attempt, r.reason) for r in retries], [(1, reason), (2, reason)])
+                self.assertTrue(all(r.delay >= 1.0 for r in retries), retries)  # Retry-After: 1, a floor
+                self.assertEqual(len(self.server.chat_requests()), 3)
+                self.server.requests.clear()
+
+    def test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it(self):
+        for name, reason in _FULL_REASONS.items():
+            with self.subTest(name):
+                self.client_with(busy_wait=2.5, load_wait=0.3)
+                self.use(reply(front_answer(name)))
+                # Retry-After: 1 past what is left of busy_wait ends the wait at once, within its last second
+                err, elapsed = self._f_run(self._f_chat(), 10.0)
+                self.assertIs(type(err), lc.WaitTimeoutError, err)
+                self.assertGreater(elapsed, 1.5 - 1e-6)
+                self.assertLessEqual(elapsed, 2.5 + 1e-6)
+                self.assertNotIn("\n", str(err))
+                self.assertIn("busy_wait", str(err))
+                self.assertTrue(str(err).endswith(": " + reason), str(err))
+                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
+                self.assertEqual((err.__cause__.status, err.__cause__.body), (429, front_page(name)))
+
+    def test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait(self):
+        self.client_with(load_wait=0.6, busy_wait=0.2)
+        self.use(reply(front_answer("haproxy 503 unreachable")))
+        err = self._f_fails(lc.LoadTimeoutError, 0.6)
+        self.assertIn("load_wait", str(err))
+        cause = err.__cause__
+        self.assertEqual(
+            (cause.status, cause.message, cause.server), (503, "every llama-server behind this front is unreachable", None)
+        )
+        reasons = {e.reason for e in self._f_events if isinstance(e, lc.Retrying)}
+        self.assertEqual(reasons, {"HTTP 503: every llama-server behind this front is unreachable"})
+
+    def test_a_full_front_s_answer_to_a_single_shot_call(self):
+        for name, reason in _FULL_REASONS.items():
+            with self.subTest(name):
+                self.server.route("POST", "/tokenize", reply(front_answer(name)))
+                with self.assertRaises(lc.HTTPStatusError) as caught:
+                    run_with_timeout(lambda: self.client.tokenize("x"), 5)  # never retried: one line, the page kept
+                self.assertEqual(str(caught.exception), reason)
+                self.assertEqual(caught.exception.body, front_page(name))
+
+
+class TestFaultSessions(_f_Case):
+    """The session key of a resumable stream on every request made for it when the server misbehaves:
+    the replay after a cut, the lookup after a connection lost before the head, the DELETE when an error
+    ends it early; a malformed key is refused before anything is sent; Limits(session=False) sends none."""
+
+    def _fs_buffer(self, cuts=()):
+        return _r_Buffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=cuts)
+
+    def _fs_keys(self):
+        return [(m, p, v) for m, p, v in session_headers(self.server)]
+
+    def test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key(self):
+        buf = self._fs_buffer()
+        buf.cuts = [len(buf.head) + 900]
+        done = self._f_succeeds(fn=self._f_chat(resumable="conv-1", session="k-1"))
+        self.assertTrue(done.content)
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+        self.assertEqual(
+            self._fs_keys(), [("POST", "/v1/chat/completions", ["k-1"]), ("GET", "/v1/stream", ["k-1"])]
+        )
+
+    def test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key(self):
+        buf = self._fs_buffer(cuts=[0])
+        self._f_succeeds(fn=self._f_chat(resumable="conv-1"))
+        key = session_digest(canonical(MSGS))  # no key given: the digest, on all three
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])
+        self.assertEqual(
+            self._fs_keys(),
+            [
+                ("POST", "/v1/chat/completions", [key]),
+                ("POST", "/v1/streams/lookup", [key]),
+                ("GET", "/v1/stream", [key]),
+            ],
+        )
+
+    def test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key(self):
+        buf = self._fs_buffer()
+        buf.raw = STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})), b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n"
+        self._f_fails(lc.ServerError, fn=self._f_chat(resumable="conv-1", session="k-2"))
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+        self.assertEqual(
+            self._fs_keys(), [("POST", "/v1/chat/completions", ["k-2"]), ("DELETE", "/v1/stream", ["k-2"])]
+        )
+
+    def test_a_malformed_session_key_is_refused_before_anything_is_sent(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        for bad in ("", "x" * 129, "a b"):
+            with self.subTest(bad=bad):
+                with self.assertRaises(ValueError):
+                    self.client.chat(MSGS, session=bad)
+        self.assertEqual(self.server.requests, [])
+
+    def test_limits_session_false_sends_none_even_on_a_resumed_stream(self):
+        self.client_with(session=False)
+        buf = self._fs_buffer()
+        buf.cuts = [len(buf.head) + 900]
+        self._f_succeeds(fn=self._f_chat(resumable="conv-1"))
+        self.assertEqual(self._fs_keys(), [("POST", "/v1/chat/completions", []), ("GET", "/v1/stream", [])])

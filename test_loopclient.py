@@ -19528,13 +19528,15 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2):
-    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts, in front
-    of ``servers`` (Unix socket paths) of ``slots`` slots each, balancing by ``balance`` ("pin": by
-    X-Session-Id, "least", "rr"), with an idle timeout of ``timeout`` seconds toward the servers."""
+def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2, text=None):
+    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts (or
+    ``text``, a template as the README prints it), in front of ``servers`` (Unix socket paths) of ``slots``
+    slots each, balancing by ``balance`` ("pin": by X-Session-Id, "least", "rr"), with an idle timeout of
+    ``timeout`` seconds toward the servers."""
     spec = FRONT_KINDS[kind]
-    with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
-        text = f.read()
+    if text is None:
+        with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
+            text = f.read()
     if kind == "haproxy":
         lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
         held = [spec["slot_server"] % dict(i=i, path=path, slots=slots, id=i + 1) for i, path in enumerate(servers)]
@@ -19570,13 +19572,13 @@ class Front:
     dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
     ``close()`` stops it (SIGTERM, then SIGKILL to its process group) and removes its directory."""
 
-    def __init__(self, kind, servers, balance="pin", timeout=2, slots=2):
+    def __init__(self, kind, servers, balance="pin", timeout=2, slots=2, text=None):
         self.kind = kind
         self.tmp = tempfile.mkdtemp(prefix="lcfront", dir="/tmp")
         self.port, self.tls_port = free_port(), free_port()
         self.config = os.path.join(self.tmp, FRONT_KINDS[kind]["file"])
         with open(self.config, "w", encoding="utf-8") as f:
-            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port, slots))
+            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port, slots, text))
         env = dict(os.environ, HOME=self.tmp, XDG_DATA_HOME=self.tmp, XDG_CONFIG_HOME=self.tmp)
         command = {
             "nginx": ["nginx", "-c", self.config, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
@@ -21664,3 +21666,254 @@ class TestFaultSessions(_f_Case):
         buf.cuts = [len(buf.head) + 900]
         self._f_succeeds(fn=self._f_chat(resumable="conv-1"))
         self.assertEqual(self._fs_keys(), [("POST", "/v1/chat/completions", []), ("GET", "/v1/stream", [])])
+
+
+# -- the real tier: several servers as one, through the README's configurations ---------------------------
+
+
+def readme_front(kind):
+    """The configuration of ``kind`` exactly as the README prints it (its fronts section's block)."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("\n## Behind nginx, HAProxy and Caddy\n") :]
+    section = section[: section.index("\n## ", 1)]
+    lang = {"nginx": "nginx", "haproxy": "haproxy", "caddy": "caddyfile"}[kind]
+    marker = "`dev/fronts/%s`:\n\n```%s\n" % (FRONT_KINDS[kind]["file"], lang)
+    start = section.index(marker) + len(marker)
+    return section[start : section.index("```\n", start)]
+
+
+def _rs_task(client):
+    """The highest task id on the server's slots: it grows when the server takes a request."""
+    return max(s.raw.get("id_task", -1) for s in client.slots())
+
+
+def _rs_processing(clients):
+    return sum(s.is_processing for c in clients for s in c.slots())
+
+
+class FrontHolder(Holder):
+    """A long generation through a front (so that the front counts it against its server's slots), a
+    conversation of its own (``key``) holding one slot until ``release()``."""
+
+    def __init__(self, address, key):
+        self.client = lc.Client(address, limits=REAL_LIMITS.replace(servers=2))
+        self.stream = self.client.stream(
+            [{"role": "user", "content": "Write a very long story about the sea, %s." % key}],
+            max_tokens=900,
+            ignore_eos=True,
+            temperature=0,
+        )
+        self.tokens, self.error, self.finished = 0, None, False
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="lc-test-front-holder", daemon=True)
+        self.thread.start()
+        if not self.started.wait(60):
+            self.release()
+            raise AssertionError("the holder's generation did not start within 60 s")
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealSessions(ClientFactory, unittest.TestCase):
+    """Two real servers (-np 2 each) behind nginx, HAProxy and Caddy run from the configurations as the README
+    prints them, with 60 s idle timeouts, and one client per front sending no header of its own: the turns of
+    each conversation reach the server that holds it (the servers' task ids say where each turn ran, and the
+    prompt tokens they read are those new since the last turn); with three long generations over the four
+    slots, short chats start at once on the free slot; with every slot busy, chats wait (the front's 429
+    under busy_wait, or HAProxy's queue) and finish as slots free; a resumable stream cut between the front and
+    its server resumes through the front on that server, found by its session key."""
+
+    TIMEOUT = 60
+    limits = REAL_LIMITS.replace(poll=0.5, servers=2, busy_wait=90.0, load_wait=20.0)
+
+    @classmethod
+    def setUpClass(cls):
+        missing = _front_binaries()
+        if missing:
+            _require(cls, False, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
+        _require(cls, REAL_SOCKET2, SKIP_SECOND)
+        cls.servers = [REAL_SOCKET, REAL_SOCKET2]
+        cls.fronts = {}
+        try:
+            for kind in FRONT_KINDS:
+                cls.fronts[kind] = Front(kind, cls.servers, "pin", cls.TIMEOUT, text=readme_front(kind))
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for front in getattr(cls, "fronts", {}).values():
+            front.close()
+        cls.fronts = {}
+
+    def setUp(self):
+        self.direct = [lc.Client(s, limits=REAL_LIMITS) for s in self.servers]
+        for client in self.direct:
+            self.addCleanup(client.close)
+            _idle(client)
+
+    def client_for(self, address, **changes):
+        client = self.new_client(address, limits=self.limits.replace(**changes))
+        self.addCleanup(client.close)
+        return client
+
+    def tag(self, kind):
+        return "%s %s %d %d" % (kind, self.CLIENT, os.getpid(), time.monotonic_ns())
+
+    # -- every turn of a conversation to its server ----------------------------------------------------
+
+    def new_tokens(self, before, after):
+        """The prompt tokens of ``after`` that ``before`` did not have, as the server renders them."""
+        count = lambda messages: len(self.direct[0].tokenize(self.direct[0].apply_template(messages)))
+        return count(after) - count(before)
+
+    def test_every_turn_of_a_conversation_reaches_the_server_that_holds_it(self):
+        facts = " ".join("Fact %d: the harbour keeps lantern number %d lit." % (i, i * 7) for i in range(20))
+        for kind, front in self.fronts.items():
+            with self.subTest(kind):
+                client = self.client_for(front.url)  # one client for every conversation, no header set by hand
+                tag = self.tag(kind)
+                convs = [[{"role": "system", "content": "[%s %d] Answer briefly. %s" % (tag, n, facts)}] for n in range(3)]
+                ran, read, new = {n: [] for n in range(3)}, 0, 0
+                for turn in range(3):
+                    for n, messages in enumerate(convs):
+                        before = [_rs_task(c) for c in self.direct]
+                        messages.append({"role": "user", "content": "Name fact %d." % (turn + n)})
+                        completion = run_with_timeout(lambda m=messages: client.chat(m, max_tokens=8, temperature=0), 120)
+                        after = [_rs_task(c) for c in self.direct]
+                        ran[n] += [i for i in (0, 1) if after[i] != before[i]]
+                        if turn:  # a later turn: what it read against what was new since the last one
+                            read += completion.timings["prompt_n"]
+                            new += self.new_tokens(messages[:-2], messages)  # its reply and this user line
+                        messages.append({"role": "assistant", "content": completion.content})
+                for n, where in ran.items():
+                    self.assertEqual(len(where), 3, "conversation %d: one server per turn, by the task ids: %r" % (n, where))
+                    self.assertEqual(len(set(where)), 1, "conversation %d ran on %r" % (n, where))
+                self.assertLessEqual(read, 1.15 * new, "later turns read %d prompt tokens for %d new ones" % (read, new))
+
+    # -- free slots first; every slot busy: a wait, then served ----------------------------------------
+
+    def first_token(self, client, text, **kw):
+        """(seconds to the first token, the events) of a short chat."""
+        events, firsts = [], []
+        t = Timer()
+
+        def seen(event):
+            events.append(event)
+            if isinstance(event, lc.Content) and not firsts:
+                firsts.append(t.elapsed)
+
+        completion = run_with_timeout(
+            lambda: client.chat([{"role": "user", "content": text}], on_event=seen, max_tokens=4, temperature=0, **kw), 120
+        )
+        self.assertTrue(completion.finish_reason, completion)
+        return (firsts or [t.elapsed])[0], events
+
+    def test_short_chats_take_the_free_slot_and_wait_when_every_slot_is_busy(self):
+        for kind, front in self.fronts.items():
+            with self.subTest(kind), contextlib.ExitStack() as holding:
+                tag = self.tag(kind)
+                holders = []
+                for i in range(4):  # the fourth comes once the short chats are done
+                    if i == 3:
+                        self.short_chats_take_the_free_slot(front, tag, holders)
+                    holders.append(FrontHolder(front.url, "%s hold %d" % (tag, i)))
+                    holding.callback(holders[-1].release)
+                wait_for(lambda: _rs_processing(self.direct) == 4, 30, "every slot generating")
+                self.chats_wait_while_every_slot_is_busy(kind, front, tag, holders)
+            wait_for(lambda: _rs_processing(self.direct) == 0, 30, "every slot free again")
+
+    def short_chats_take_the_free_slot(self, front, tag, holders):
+        """Three long generations over the four slots: four new conversations one after another each take the
+        free slot, and finish while the three still generate (nothing that waited for one of them could)."""
+        wait_for(lambda: _rs_processing(self.direct) == 3, 30, "three slots generating")
+        free = [i for i, c in enumerate(self.direct) if not all(s.is_processing for s in c.slots())]
+        self.assertEqual(len(free), 1, "one server with a free slot")
+        floor, _ = self.first_token(self.direct[free[0]], "%s floor: name a colour." % tag)
+        client = self.client_for(front.url)
+        took = []
+        for i in range(4):
+            first, events = self.first_token(client, "%s chat %d: name a colour." % (tag, i))
+            took.append(first)
+            told = [type(e).__name__ for e in events if isinstance(e, (lc.Retrying, lc.Queued))]
+            self.assertEqual(told, [], "chat %d was refused or queued (first token after %.2f s)" % (i, first))
+        running = [h.thread.is_alive() and h.error is None and not h.finished for h in holders]
+        self.assertEqual(running, [True] * 3, "a long generation ended: the chats may have waited for its slot")
+        # first tokens: within 2 s, or a few times a direct chat's on the free slot when the machine is busy
+        self.assertLess(max(took), max(2.0, 5 * floor), "first tokens after %r s (floor %.2f s)" % (took, floor))
+
+    def chats_wait_while_every_slot_is_busy(self, kind, front, tag, holders):
+        """Every slot busy: two chats wait (nginx and Caddy answer 429, waited out under busy_wait; HAProxy
+        holds them in its queue) and finish once two generations are released."""
+        client = self.client_for(front.url)
+        events, results = {}, {}
+        markers = ["%s wait %d: name a colour." % (tag, i) for i in range(2)]
+        threads = [start_chat(client, m, None, events, results, max_tokens=4, temperature=0) for m in markers]
+        if kind == "haproxy":  # held at the front: silence, and polls that cannot see the request's slot
+            seen = lambda m: any(isinstance(e, lc.Waiting) for e in events[m])
+        else:  # answered 429 at once
+            seen = lambda m: any(isinstance(e, lc.Retrying) for e in events[m])
+        wait_for(lambda: all(seen(m) for m in markers), 30, "both chats waiting")
+        self.assertEqual(results, {}, "a chat ended while every slot was busy")
+        for holder in holders[:2]:
+            self.assertTrue(holder.release(), "a long generation ended before it was released")
+        for thread in threads:
+            thread.join(90)
+        for m in markers:
+            self.assertIsInstance(results.get(m), lc.Completion, [e for e in events[m] if not isinstance(e, lc.Waiting)][:6])
+            reasons = {e.reason for e in events[m] if isinstance(e, lc.Retrying)}
+            if kind == "haproxy":
+                self.assertEqual(reasons, set())
+                self.assertEqual({e.slots_known for e in events[m] if isinstance(e, lc.Waiting)}, {False})
+            else:
+                self.assertEqual(reasons, {_FULL_REASONS[kind + " 429"]})
+
+    # -- a resumable stream cut behind the front --------------------------------------------------------
+
+    def placed_on(self, kind, front, proxy, tag):
+        """A session key that ``front`` places on the server behind ``proxy``: nginx and Caddy hash it (asked
+        with GET /health, which they route by the same hash), HAProxy remembers where it placed the key's
+        first generation (a short one, not streamed: the proxy cuts only a stream)."""
+        for n in range(40):
+            key = "%s key %d" % (tag, n)
+            key = key.replace(" ", "-")
+            before = proxy.connections
+            with lc.Client(front.url, session=key, limits=lc.Limits(keep_alive=0)) as probe:
+                if kind == "haproxy":
+                    probe.request("POST", "/completion", {"prompt": "Hi", "n_predict": 1})
+                else:
+                    self.assertEqual(probe.health(), {"status": "ok"})
+            if proxy.connections > before:
+                return key
+        self.fail("%s placed none of 40 keys on the first server" % kind)
+
+    def test_a_resumable_stream_cut_behind_the_front_resumes_on_its_server(self):
+        for kind in FRONT_KINDS:
+            with self.subTest(kind):
+                proxy = CutProxy(REAL_SOCKET, 1500)
+                self.addCleanup(proxy.close)
+                front = Front(kind, [proxy.path, REAL_SOCKET2], "pin", self.TIMEOUT, text=readme_front(kind))
+                self.addCleanup(front.close)
+                tag = self.tag(kind)
+                key = self.placed_on(kind, front, proxy, tag)
+                conversation = "lc-%s" % key
+                client = self.client_for(front.url)
+                stream = client.stream(STORY, resumable=conversation, session=key, max_tokens=60, temperature=0, seed=1)
+                events = run_with_timeout(lambda: list(stream), 90)
+                self.assertEqual((proxy.cuts, stream.session), (1, key))
+                resumed = [e for e in events if isinstance(e, lc.Resumed)]
+                self.assertEqual(len(resumed), 1, resumed)
+                self.assertGreater(resumed[0].offset, 0)
+                # the replay found the stream (another server would have answered 404): whole, and only the
+                # first server knows it
+                self.assertEqual(stream.completion.usage["completion_tokens"], 60)
+                self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), stream.completion.content)
+                found = _marked_done(self.direct[0], conversation)  # the first server ran it, and knows it
+                self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
+                self.assertEqual(self.direct[1].lookup_streams([conversation]), [])
+                self.direct[0].delete_stream(conversation)
+
+
+class TestRealSessionsAsync(AsyncDriver, TestRealSessions):
+    pass

@@ -21830,18 +21830,19 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
         wait_for(lambda: _rs_processing(self.direct) == 3, 30, "three slots generating")
         free = [i for i, c in enumerate(self.direct) if not all(s.is_processing for s in c.slots())]
         self.assertEqual(len(free), 1, "one server with a free slot")
-        floor, _ = self.first_token(self.direct[free[0]], "%s floor: name a colour." % tag)
         client = self.client_for(front.url)
         took = []
         for i in range(4):
+            before = [_rs_task(c) for c in self.direct]
             first, events = self.first_token(client, "%s chat %d: name a colour." % (tag, i))
-            took.append(first)
+            took.append(round(first, 2))
+            ran = [n for n, c in enumerate(self.direct) if _rs_task(c) != before[n]]
             told = [type(e).__name__ for e in events if isinstance(e, (lc.Retrying, lc.Queued))]
-            self.assertEqual(told, [], "chat %d was refused or queued (first token after %.2f s)" % (i, first))
+            self.assertEqual((ran, told), (free, []), "chat %d: ran on %r, first token after %.2f s" % (i, ran, first))
+        # none could have waited for a long generation's slot: all three still generate (the times to the
+        # first token, 0.3-2 s on a quiet machine, are in the message; a shared CPU stretches them)
         running = [h.thread.is_alive() and h.error is None and not h.finished for h in holders]
-        self.assertEqual(running, [True] * 3, "a long generation ended: the chats may have waited for its slot")
-        # first tokens: within 2 s, or a few times a direct chat's on the free slot when the machine is busy
-        self.assertLess(max(took), max(2.0, 5 * floor), "first tokens after %r s (floor %.2f s)" % (took, floor))
+        self.assertEqual(running, [True] * 3, "a long generation ended (first tokens after %r s)" % took)
 
     def chats_wait_while_every_slot_is_busy(self, kind, front, tag, holders):
         """Every slot busy: two chats wait (nginx and Caddy answer 429, waited out under busy_wait; HAProxy

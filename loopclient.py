@@ -3017,8 +3017,8 @@ def _responses_head(body: Dict[str, Any]) -> Any:
 def _messages_head(body: Dict[str, Any]) -> Any:
     """Messages: the ``system`` prompt and the first user message (the first message when none is a user's)."""
     messages = body.get("messages") or []
-    first = next((m for m in messages if isinstance(m, dict) and m.get("role") == "user"), messages[0] if messages else None)
-    return [body.get("system"), first]
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    return [body.get("system"), (users or messages or [None])[0]]
 
 
 def _no_head(body: Dict[str, Any]) -> Any:
@@ -3042,10 +3042,10 @@ class _Endpoint:
     """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
     (``body(*args, params)``), the function that finds the body's stable head (``head(body)``: what stays
     the same on every turn of a conversation, digested into its session key when the caller gives none),
-    the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
-    ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
-    that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read
-    by ``_Streams.watch_plan``)."""
+    the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the
+    ``_CAP_*`` rules above), ``resumable`` (the server buffers it for ``X-Conversation-Id``), ``routed`` (a
+    router routes it by the body's ``model``), ``watch`` (a ``GET`` that never ends by itself and is silent
+    when nothing happens: no gate, no retries, no liveness; read by ``_Streams.watch_plan``)."""
 
     __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch")
 
@@ -3078,7 +3078,15 @@ _ENDPOINTS = {
         _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
         _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
         _Endpoint(
-            "models", "/models/sse", _no_body, _no_head, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
+            "models",
+            "/models/sse",
+            _no_body,
+            _no_head,
+            _ModelEvents,
+            _CAP_MOOT,
+            resumable=False,
+            routed=False,
+            watch=True,
         ),
     )
 }  # type: Dict[str, _Endpoint]
@@ -5261,9 +5269,7 @@ class _Streams:
         finally:
             poller.answered(slots, unseen)
 
-    def _end_reasoning(
-        self, run: _Run, req: _StreamRequest, completion_id: Optional[str], tokens: int
-    ) -> _Plan[bool]:
+    def _end_reasoning(self, run: _Run, req: _StreamRequest, completion_id: Optional[str], tokens: int) -> _Plan[bool]:
         """Ask the server to end a stream's reasoning (with the stream's session key: a front routing by it
         reaches the server running the stream); a failure is ``ThinkingOverrunError`` (unless cancelled)."""
         assert completion_id is not None

@@ -16177,9 +16177,17 @@ class TestDifferential(_f_Case):
                 buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
                 if body is not None:
                     buf.raw = body
+
             return arrange
 
-        error = STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})), b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n"
+        error = (
+            STREAM_HEAD
+            + chunked(
+                sse(chunk_json({"content": "Hi"})),
+                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
+            )
+            + b"0\r\n\r\n"
+        )
         keyed = _d_chat(resumable="conv-1", session="k-1")
         return [
             (
@@ -16202,7 +16210,9 @@ class TestDifferential(_f_Case):
                 "`Limits(session=False)`, a resumable stream cut mid-stream",
                 [
                     _d_part(
-                        resumable(lambda head: [head + 900]), act=_d_chat(resumable="conv-1"), changes=dict(session=False)
+                        resumable(lambda head: [head + 900]),
+                        act=_d_chat(resumable="conv-1"),
+                        changes=dict(session=False),
                     )
                 ],
             ),
@@ -21138,7 +21148,9 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 conversation = self._pinned_to_the_proxy(kind, servers, proxy)
                 front = self.front(kind, servers, timeout=self.LONG)  # afresh: no connection kept from the probes
                 client = self.client_for(front.url, servers=2)
-                stream = client.stream(STORY, slot=0, resumable=conversation, max_tokens=60, temperature=0, seed=1)
+                stream = client.stream(
+                    STORY, slot=0, resumable=conversation, session=conversation, max_tokens=60, temperature=0, seed=1
+                )
                 events = run_with_timeout(lambda: list(stream), 90)
                 self.assertEqual(proxy.cuts, 1)
                 resumed = [e for e in events if isinstance(e, lc.Resumed)]
@@ -21154,16 +21166,15 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 self.direct.delete_stream(conversation)
 
     def _pinned_to_the_proxy(self, kind, servers, proxy):
-        """A conversation id that ``kind``, pinning by X-Conversation-Id over ``servers``, sends through
-        ``proxy`` (asked with GET /health on a front of its own, closed again)."""
+        """A conversation id that ``kind``, pinning by the session key (the id is used as the key too) over
+        ``servers``, sends through ``proxy`` (asked with GET /health on a front of its own, closed again;
+        HAProxy places a new key by least connections, so the first server of a fresh one takes it)."""
         probe = Front(kind, servers, "pin", self.LONG)
         try:
             for n in range(40):
                 conversation = "lc-front-%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), n)
                 before = proxy.connections
-                with lc.Client(
-                    probe.url, headers={"X-Conversation-Id": conversation}, limits=lc.Limits(keep_alive=0)
-                ) as c:
+                with lc.Client(probe.url, session=conversation, limits=lc.Limits(keep_alive=0)) as c:
                     self.assertEqual(c.health(), {"status": "ok"})
                 if proxy.connections > before:
                     return conversation
@@ -21307,13 +21318,17 @@ class TestSessionKeys(ServerCase):
 
     def test_a_chat_carries_the_digest_of_its_messages_up_to_the_first_user_message(self):
         key = self.chat_key(_S_TURNS[:2])
-        self.assertEqual(key, session_digest(b'[{"content":"You are terse.","role":"system"},{"content":"hi","role":"user"}]'))
+        self.assertEqual(
+            key, session_digest(b'[{"content":"You are terse.","role":"system"},{"content":"hi","role":"user"}]')
+        )
         self.assertEqual(self.chat_key(_S_TURNS), key)  # a later turn: the same key
         other = self.chat_key([_S_TURNS[0], {"role": "user", "content": "hello"}])
         self.assertNotEqual(other, key)  # another conversation
-        self.assertEqual(session_headers(self.server), [("POST", "/v1/chat/completions", [k]) for k in (key, key, other)])
+        self.assertEqual(
+            session_headers(self.server), [("POST", "/v1/chat/completions", [k]) for k in (key, key, other)]
+        )
         self.assertTrue(re.fullmatch(r"s-[0-9a-f]{32}", key), key)
-        for method, path, values in session_headers(self.server):
+        for _, _, values in session_headers(self.server):
             self.assertNotIn(b"terse", "".join(values).encode())  # a digest, never the text
 
     def test_each_endpoint_keys_its_own_stable_head(self):
@@ -21346,9 +21361,11 @@ class TestSessionKeys(ServerCase):
         self.assertEqual(self.server.requests, [])  # made, never iterated: nothing sent
 
     def test_every_streamed_endpoint_sends_its_key(self):
-        for endpoint, (args, name, _) in _E_CASES.items():
+        for endpoint, (_, name, _) in _E_CASES.items():
             self.server.route("POST", _E_PATHS[endpoint], reply(load_transcript(name)))
-        self.server.route("POST", "/v1/completions", reply(load_transcript("90_completions_oai_stream_logprobs.raw.txt")))
+        self.server.route(
+            "POST", "/v1/completions", reply(load_transcript("90_completions_oai_stream_logprobs.raw.txt"))
+        )
         calls = [(e, args) for e, (args, _, _) in _E_CASES.items()] + [("complete_openai", ("The sky is",))]
         expected = []
         for endpoint, args in calls:
@@ -21593,7 +21610,8 @@ class TestFaultFullFronts(_f_Case):
         self.assertIn("load_wait", str(err))
         cause = err.__cause__
         self.assertEqual(
-            (cause.status, cause.message, cause.server), (503, "every llama-server behind this front is unreachable", None)
+            (cause.status, cause.message, cause.server),
+            (503, "every llama-server behind this front is unreachable", None),
         )
         reasons = {e.reason for e in self._f_events if isinstance(e, lc.Retrying)}
         self.assertEqual(reasons, {"HTTP 503: every llama-server behind this front is unreachable"})
@@ -21625,9 +21643,7 @@ class TestFaultSessions(_f_Case):
         done = self._f_succeeds(fn=self._f_chat(resumable="conv-1", session="k-1"))
         self.assertTrue(done.content)
         self.assertEqual(buf.methods(), ["POST", "GET"])
-        self.assertEqual(
-            self._fs_keys(), [("POST", "/v1/chat/completions", ["k-1"]), ("GET", "/v1/stream", ["k-1"])]
-        )
+        self.assertEqual(self._fs_keys(), [("POST", "/v1/chat/completions", ["k-1"]), ("GET", "/v1/stream", ["k-1"])])
 
     def test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key(self):
         buf = self._fs_buffer(cuts=[0])
@@ -21645,7 +21661,14 @@ class TestFaultSessions(_f_Case):
 
     def test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key(self):
         buf = self._fs_buffer()
-        buf.raw = STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})), b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n"
+        buf.raw = (
+            STREAM_HEAD
+            + chunked(
+                sse(chunk_json({"content": "Hi"})),
+                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
+            )
+            + b"0\r\n\r\n"
+        )
         self._f_fails(lc.ServerError, fn=self._f_chat(resumable="conv-1", session="k-2"))
         self.assertEqual(buf.methods(), ["POST", "DELETE"])
         self.assertEqual(
@@ -21655,9 +21678,8 @@ class TestFaultSessions(_f_Case):
     def test_a_malformed_session_key_is_refused_before_anything_is_sent(self):
         self.use(reply(STREAM_HEAD + _F_OK_BODY))
         for bad in ("", "x" * 129, "a b"):
-            with self.subTest(bad=bad):
-                with self.assertRaises(ValueError):
-                    self.client.chat(MSGS, session=bad)
+            with self.subTest(bad=bad), self.assertRaises(ValueError):
+                self.client.chat(MSGS, session=bad)
         self.assertEqual(self.server.requests, [])
 
     def test_limits_session_false_sends_none_even_on_a_resumed_stream(self):
@@ -21774,13 +21796,17 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
             with self.subTest(kind):
                 client = self.client_for(front.url)  # one client for every conversation, no header set by hand
                 tag = self.tag(kind)
-                convs = [[{"role": "system", "content": "[%s %d] Answer briefly. %s" % (tag, n, facts)}] for n in range(3)]
+                convs = [
+                    [{"role": "system", "content": "[%s %d] Answer briefly. %s" % (tag, n, facts)}] for n in range(3)
+                ]
                 ran, read, new = {n: [] for n in range(3)}, 0, 0
                 for turn in range(3):
                     for n, messages in enumerate(convs):
                         before = [_rs_task(c) for c in self.direct]
                         messages.append({"role": "user", "content": "Name fact %d." % (turn + n)})
-                        completion = run_with_timeout(lambda m=messages: client.chat(m, max_tokens=8, temperature=0), 120)
+                        completion = run_with_timeout(
+                            lambda m=messages: client.chat(m, max_tokens=8, temperature=0), 120
+                        )
                         after = [_rs_task(c) for c in self.direct]
                         ran[n] += [i for i in (0, 1) if after[i] != before[i]]
                         if turn:  # a later turn: what it read against what was new since the last one
@@ -21788,9 +21814,13 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
                             new += self.new_tokens(messages[:-2], messages)  # its reply and this user line
                         messages.append({"role": "assistant", "content": completion.content})
                 for n, where in ran.items():
-                    self.assertEqual(len(where), 3, "conversation %d: one server per turn, by the task ids: %r" % (n, where))
+                    self.assertEqual(
+                        len(where), 3, "conversation %d: one server per turn, by the task ids: %r" % (n, where)
+                    )
                     self.assertEqual(len(set(where)), 1, "conversation %d ran on %r" % (n, where))
-                self.assertLessEqual(read, 1.15 * new, "later turns read %d prompt tokens for %d new ones" % (read, new))
+                self.assertLessEqual(
+                    read, 1.15 * new, "later turns read %d prompt tokens for %d new ones" % (read, new)
+                )
 
     # -- free slots first; every slot busy: a wait, then served ----------------------------------------
 
@@ -21805,7 +21835,8 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
                 firsts.append(t.elapsed)
 
         completion = run_with_timeout(
-            lambda: client.chat([{"role": "user", "content": text}], on_event=seen, max_tokens=4, temperature=0, **kw), 120
+            lambda: client.chat([{"role": "user", "content": text}], on_event=seen, max_tokens=4, temperature=0, **kw),
+            120,
         )
         self.assertTrue(completion.finish_reason, completion)
         return (firsts or [t.elapsed])[0], events
@@ -21862,7 +21893,9 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
         for thread in threads:
             thread.join(90)
         for m in markers:
-            self.assertIsInstance(results.get(m), lc.Completion, [e for e in events[m] if not isinstance(e, lc.Waiting)][:6])
+            self.assertIsInstance(
+                results.get(m), lc.Completion, [e for e in events[m] if not isinstance(e, lc.Waiting)][:6]
+            )
             reasons = {e.reason for e in events[m] if isinstance(e, lc.Retrying)}
             if kind == "haproxy":
                 self.assertEqual(reasons, set())
@@ -21909,7 +21942,9 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
                 # the replay found the stream (another server would have answered 404): whole, and only the
                 # first server knows it
                 self.assertEqual(stream.completion.usage["completion_tokens"], 60)
-                self.assertEqual("".join(e.text for e in events if isinstance(e, lc.Content)), stream.completion.content)
+                self.assertEqual(
+                    "".join(e.text for e in events if isinstance(e, lc.Content)), stream.completion.content
+                )
                 found = _marked_done(self.direct[0], conversation)  # the first server ran it, and knows it
                 self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
                 self.assertEqual(self.direct[1].lookup_streams([conversation]), [])

@@ -44,10 +44,10 @@ import loopclient as lc  # noqa: E402
 
 TARGET = 1.15
 CONFIGS = ("one server", "round-robin", "nginx", "haproxy", "caddy")
-WORDS = (
-    "harbour lantern orchard granite meadow compass violet ember willow quartz falcon marble canyon "
-    "saffron glacier thistle cobalt juniper beacon tundra"
-).split()
+WORDS = [
+    *("harbour", "lantern", "orchard", "granite", "meadow", "compass", "violet", "ember", "willow", "quartz"),
+    *("falcon", "marble", "canyon", "saffron", "glacier", "thistle", "cobalt", "juniper", "beacon", "tundra"),
+]
 
 
 def system_prompt(tag, n):
@@ -178,7 +178,11 @@ def main(argv=None):
     print("| configuration | read / new | read | new | turns that read their prompt again | wall |")
     print("|---|---|---|---|---|---|")
     for name, ratio, read, new, misplaced, wall in rows:
-        shown = "-" if ratio is None else "%.2f%s" % (ratio, "" if ratio <= TARGET or name == "round-robin" else " (over %.2f)" % TARGET)
+        shown = (
+            "-"
+            if ratio is None
+            else "%.2f%s" % (ratio, "" if ratio <= TARGET or name == "round-robin" else " (over %.2f)" % TARGET)
+        )
         print("| %s | %s | %d | %d | %s | %.1f s |" % (name, shown, read, new, misplaced, wall))
     return 0
 

@@ -2961,8 +2961,8 @@ def _messages_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
 # stable head (``_session_digest``, section 8): each function takes the body the row's body function made and
 # returns a JSON value, or None when the endpoint has no conversation to key.
 
-HEAD_CHARS = 1024  # the characters of a prompt's text that key it
-HEAD_TOKENS = 256  # the items of a token-list prompt that key it (about HEAD_CHARS of text)
+_HEAD_CHARS = 1024  # the characters of a prompt's text that key it
+_HEAD_TOKENS = 256  # the items of a token-list prompt that key it (about _HEAD_CHARS of text)
 
 
 def _chat_head(body: Dict[str, Any]) -> Any:
@@ -2977,17 +2977,17 @@ def _chat_head(body: Dict[str, Any]) -> Any:
 
 
 def _prompt_head(prompt: Any) -> Any:
-    """A ``/completion`` or ``/v1/completions`` prompt's head: a string's first ``HEAD_CHARS`` characters; a
-    list of token ids (and strings) its first ``HEAD_TOKENS`` items, each string cut the same way; a
+    """A ``/completion`` or ``/v1/completions`` prompt's head: a string's first ``_HEAD_CHARS`` characters; a
+    list of token ids (and strings) its first ``_HEAD_TOKENS`` items, each string cut the same way; a
     multimodal prompt object its ``prompt_string``'s; a list of prompts (one choice each) the first's."""
     if isinstance(prompt, str):
-        return prompt[:HEAD_CHARS]
+        return prompt[:_HEAD_CHARS]
     if isinstance(prompt, dict):
         return _prompt_head(prompt.get("prompt_string"))
     if isinstance(prompt, (list, tuple)) and prompt:
         if not _prompt_ok(list(prompt)):
             return _prompt_head(prompt[0])
-        return [p[:HEAD_CHARS] if isinstance(p, str) else p for p in prompt[:HEAD_TOKENS]]
+        return [p[:_HEAD_CHARS] if isinstance(p, str) else p for p in prompt[:_HEAD_TOKENS]]
     return prompt
 
 
@@ -2997,11 +2997,11 @@ def _native_head(body: Dict[str, Any]) -> Any:
 
 def _infill_head(body: Dict[str, Any]) -> Any:
     """``/infill``: the extra files (each file's name and text) followed by the prefix, the first
-    ``HEAD_CHARS`` characters of them: the order in which the server puts them before the cursor."""
+    ``_HEAD_CHARS`` characters of them: the order in which the server puts them before the cursor."""
     extra = body.get("input_extra") or []
     files = "".join("%s\n%s\n" % (f.get("filename"), f.get("text")) for f in extra if isinstance(f, dict))
     prefix = body.get("input_prefix")
-    return (files + (prefix if isinstance(prefix, str) else ""))[:HEAD_CHARS]
+    return (files + (prefix if isinstance(prefix, str) else ""))[:_HEAD_CHARS]
 
 
 def _responses_head(body: Dict[str, Any]) -> Any:
@@ -4426,7 +4426,7 @@ def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
     return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
-SESSION_HEADER = "X-Session-Id"
+_SESSION_HEADER = "X-Session-Id"
 
 
 def _session_key(value: Any, what: str = "session") -> Optional[str]:
@@ -4461,7 +4461,7 @@ def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
     """The header that carries a request's session key, so that a front routing by it (nginx ``hash
     $http_x_session_id consistent``, HAProxy ``stick on req.hdr(X-Session-Id)``, Caddy ``lb_policy header
     X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
-    return [(SESSION_HEADER, session)] if session is not None else []
+    return [(_SESSION_HEADER, session)] if session is not None else []
 
 
 def _cancelled() -> CancelledError:
@@ -4666,8 +4666,8 @@ class _Calls:
         if not keep:
             headers.append(("Connection", "close"))
         headers.extend(extra)
-        if self.session is not None and not any(name == SESSION_HEADER for name, _ in extra):
-            headers.append((SESSION_HEADER, self.session))
+        if self.session is not None and not any(name == _SESSION_HEADER for name, _ in extra):
+            headers.append((_SESSION_HEADER, self.session))
         return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
     def _route(

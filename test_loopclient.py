@@ -21341,6 +21341,7 @@ class TestSessionKeys(ServerCase):
             ("stream_complete", (long_b,), canonical("x" * 1024)),  # the same first 1,024 characters
             ("stream_complete", ([1, 2, 3] * 100,), canonical(([1, 2, 3] * 100)[:256])),
             ("stream_complete", ([[5, 6], "two"],), canonical([5, 6])),  # several prompts: the first's head
+            ("stream_complete", ({"prompt_string": "The sky is", "multimodal_data": []},), canonical("The sky is")),
             ("stream_complete_openai", ("The sky is",), canonical("The sky is")),
             ("stream_infill", ("def add(a, b):\n", "\n"), canonical("def add(a, b):\n")),
             ("stream_infill", ("def f():\n", ""), canonical("util.py\ndef sub(a, b):\n    return a - b\n\ndef f():\n")),

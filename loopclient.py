@@ -4459,8 +4459,8 @@ def _session_digest(head: Any) -> Optional[str]:
 
 def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
     """The header that carries a request's session key, so that a front routing by it (nginx ``hash
-    $http_x_session_id consistent``, HAProxy ``stick on req.hdr(X-Session-Id)``, Caddy ``lb_policy header
-    X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
+    $http_x_session_id consistent``, HAProxy a stick table on ``req.hdr(X-Session-Id)``, Caddy ``lb_policy
+    header X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
     return [(_SESSION_HEADER, session)] if session is not None else []
 
 

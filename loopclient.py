@@ -4427,6 +4427,7 @@ def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
 
 
 _SESSION_HEADER = "X-Session-Id"
+_canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
 
 
 def _session_key(value: Any, what: str = "session") -> Optional[str]:
@@ -4448,13 +4449,13 @@ def _session_digest(head: Any) -> Optional[str]:
     body then fails its own encoding)."""
     if head is None:
         return None
-    import hashlib  # only when a key is made
-
     try:
-        text = json.dumps(head, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        text = _canonical(head)
     except (TypeError, ValueError, RecursionError):
         return None
-    return "s-" + hashlib.sha256(text.encode("ascii")).hexdigest()[:32]
+    from hashlib import sha256  # only when a key is made (it loads OpenSSL: 3 ms)
+
+    return "s-" + sha256(text.encode("ascii")).hexdigest()[:32]
 
 
 def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:

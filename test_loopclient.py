@@ -21361,6 +21361,21 @@ class TestSessionKeys(ServerCase):
         self.assertEqual(keyed, session_digest(canonical(["Be brief.", user])))
         self.assertEqual(self.server.requests, [])  # made, never iterated: nothing sent
 
+    def test_the_stable_heads_of_unusual_bodies(self):
+        head = lambda name, body: lc._ENDPOINTS[name].head(body)
+        system = {"role": "system", "content": "S"}
+        self.assertEqual(head("chat", {"messages": [system]}), [system])  # no user message: all of them
+        self.assertEqual(head("chat", {"messages": "hi"}), "hi")  # not a list: as it is
+        self.assertEqual(head("complete", {"prompt": 7}), 7)
+        self.assertEqual(head("message", {"messages": [system]}), [None, system])  # no user message: the first
+        self.assertEqual(head("respond", {"input": []}), [None, []])
+        self.assertIsNone(head("models", {}))  # the router's events: no conversation, no key of their own
+        self.assertIsNone(lc._session_digest(None))
+        self.assertIsNone(lc._session_digest({"a": {1, 2}}))  # JSON cannot write it (nor the body it came from)
+        with self.assertRaises(TypeError):  # ... and the body says so, before anything is sent
+            self.client.stream([{"role": "user", "content": {1, 2}}])
+        self.assertEqual(self.server.requests, [])
+
     def test_every_streamed_endpoint_sends_its_key(self):
         for endpoint, (_, name, _) in _E_CASES.items():
             self.server.route("POST", _E_PATHS[endpoint], reply(load_transcript(name)))

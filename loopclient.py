@@ -843,6 +843,8 @@ class Limits(_Value):
                             more than one, a ``/slots`` answer may describe another server than the one
                             holding the request, so no wait is judged idle or wedged from it, and a
                             ``slot=None`` pool is ``servers`` times ``total_slots``
+    session          True   send a session key (``X-Session-Id``) made from the request's stable head when
+                            the call and the client give none; False: only a key given by ``session=`` goes
     """
 
     __match_args__ = (
@@ -860,6 +862,7 @@ class Limits(_Value):
         "pool",
         "keep_alive",
         "servers",
+        "session",
     )
     __slots__ = __match_args__
     queue_len: int
@@ -876,6 +879,7 @@ class Limits(_Value):
     pool: Optional[int]
     keep_alive: int
     servers: int
+    session: bool
 
     def __init__(
         self,
@@ -893,10 +897,13 @@ class Limits(_Value):
         pool: Optional[int] = None,
         keep_alive: int = 2,
         servers: int = 1,
+        session: bool = True,
     ) -> None:
         values = locals()
         for name in _INT_LIMITS + _SECONDS_LIMITS:
             _check_limit(name, values[name])
+        if not isinstance(session, bool):
+            raise TypeError("Limits.session must be True or False, not %r" % (session,))
         for name in ("poll", "liveness", "max_line", "max_body", "pool", "servers"):
             if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
@@ -3155,6 +3162,91 @@ def _route_body(path: str, body: Any, method: str, params: Dict[str, Any]) -> An
     return dict(body) if isinstance(body, dict) else body  # a copy: id_slot and model go in the copy
 
 
+# -- Stable heads: the part of a request that stays the same on every turn of one conversation -----------
+#
+# A request's session key (``X-Session-Id``), when the caller gives none, is a digest of its endpoint's
+# stable head (``_session_digest``, section 8): each function takes the body the row's body function made and
+# returns a JSON value, or None when the endpoint has no conversation to key.
+
+_HEAD_CHARS = 1024  # the characters of a prompt's text that key it
+_HEAD_TOKENS = 256  # the items of a token-list prompt that key it (about _HEAD_CHARS of text)
+
+
+def _chat_head(body: Dict[str, Any]) -> Any:
+    """Chat: the messages up to and including the first user message (all of them when none is a user's)."""
+    messages = body.get("messages")
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return list(messages[: i + 1])
+    return list(messages)
+
+
+def _prompt_head(prompt: Any) -> Any:
+    """A ``/completion`` or ``/v1/completions`` prompt's head: a string's first ``_HEAD_CHARS`` characters; a
+    list of token ids (and strings) its first ``_HEAD_TOKENS`` items, each string cut the same way; a
+    multimodal prompt object its ``prompt_string``'s; a list of prompts (one choice each) the first's."""
+    if isinstance(prompt, str):
+        return prompt[:_HEAD_CHARS]
+    if isinstance(prompt, dict):
+        return _prompt_head(prompt.get("prompt_string"))
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if not _prompt_ok(list(prompt)):
+            return _prompt_head(prompt[0])
+        return [p[:_HEAD_CHARS] if isinstance(p, str) else p for p in prompt[:_HEAD_TOKENS]]
+    return prompt
+
+
+def _native_head(body: Dict[str, Any]) -> Any:
+    return _prompt_head(body.get("prompt"))
+
+
+def _infill_head(body: Dict[str, Any]) -> Any:
+    """``/infill``: the extra files (each file's name and text) followed by the prefix, the first
+    ``_HEAD_CHARS`` characters of them: the order in which the server puts them before the cursor."""
+    extra = body.get("input_extra") or []
+    files = "".join("%s\n%s\n" % (f.get("filename"), f.get("text")) for f in extra if isinstance(f, dict))
+    prefix = body.get("input_prefix")
+    return (files + (prefix if isinstance(prefix, str) else ""))[:_HEAD_CHARS]
+
+
+def _responses_head(body: Dict[str, Any]) -> Any:
+    """Responses: the ``instructions`` and the first input item (a string input is one user message)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        first = {"role": "user", "content": items}  # type: Any
+    else:
+        first = items[0] if isinstance(items, (list, tuple)) and items else items
+    return [body.get("instructions"), first]
+
+
+def _messages_head(body: Dict[str, Any]) -> Any:
+    """Messages: the ``system`` prompt and the first user message (the first message when none is a user's)."""
+    messages = body.get("messages") or []
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    return [body.get("system"), (users or messages or [None])[0]]
+
+
+def _no_head(body: Dict[str, Any]) -> Any:
+    """An endpoint that holds no conversation (``/models/sse``): no key of its own."""
+    return None
+
+
+def _route_head(body: Any) -> Any:
+    """``stream_route()``: the stable head of a body shaped as one of the named endpoints' (chat's
+    ``messages``, a ``prompt``, Responses' ``input``); None (no key of its own) for any other."""
+    if not isinstance(body, dict):
+        return None
+    if "messages" in body:
+        return _chat_head(body)
+    if "prompt" in body:
+        return _native_head(body)
+    if "input" in body:
+        return _responses_head(body)
+    return None
+
+
 # -- The streamed endpoints: one row each ---------------------------------------------------------------
 #
 # A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
@@ -3169,20 +3261,23 @@ _CAP_NEVER = "never"  # reasoning streams but the server cannot end it on reques
 
 class _Endpoint:
     """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
-    (``body(*args, params)``), the ``dialect`` class that reads its payloads, and what the engine may do
-    there: ``cap`` (one of the ``_CAP_*`` rules above), ``resumable`` (the server buffers it for
-    ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
-    that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read
-    by ``_Streams.watch_plan``).  ``target(*args)`` gives the request's method and path: ``POST`` to
-    ``path`` unless the row says otherwise (``stream_route()``'s takes them from the call)."""
+    (``body(*args, params)``), the function that finds the body's stable head (``head(body)``: what stays
+    the same on every turn of a conversation, digested into its session key when the caller gives none),
+    the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the
+    ``_CAP_*`` rules above), ``resumable`` (the server buffers it for ``X-Conversation-Id``), ``routed`` (a
+    router routes it by the body's ``model``), ``watch`` (a ``GET`` that never ends by itself and is silent
+    when nothing happens: no gate, no retries, no liveness; read by ``_Streams.watch_plan``).
+    ``target(*args)`` gives the request's method and path: ``POST`` to ``path`` unless the row says
+    otherwise (``stream_route()``'s takes them from the call)."""
 
-    __slots__ = ("name", "path", "body", "dialect", "cap", "resumable", "routed", "watch", "_target")
+    __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch", "_target")
 
     def __init__(
         self,
         name: str,
         path: str,
         body: Callable[..., Any],
+        head: Callable[[Any], Any],
         dialect: Any,
         cap: str,
         resumable: bool = True,
@@ -3190,7 +3285,7 @@ class _Endpoint:
         watch: bool = False,
         target: Optional[Callable[..., Tuple[str, str]]] = None,
     ) -> None:
-        self.name, self.path, self.body, self.dialect = name, path, body, dialect
+        self.name, self.path, self.body, self.head, self.dialect = name, path, body, head, dialect
         self.cap, self.resumable, self.routed, self.watch = cap, resumable, routed, watch
         self._target = target
 
@@ -3205,17 +3300,25 @@ class _Endpoint:
 _ENDPOINTS = {
     e.name: e
     for e in (
-        _Endpoint("chat", "/v1/chat/completions", _chat_body, Assembler, _CAP_CONTROL),
-        _Endpoint("complete", "/completion", _native_body, _NativeAssembler, _CAP_MOOT),
-        _Endpoint("infill", "/infill", _infill_body, _NativeAssembler, _CAP_MOOT),
-        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _TextAssembler, _CAP_MOOT),
-        _Endpoint("respond", "/v1/responses", _responses_body, _ResponsesAssembler, _CAP_NEVER),
-        _Endpoint("message", "/v1/messages", _messages_body, _MessagesAssembler, _CAP_NEVER),
+        _Endpoint("chat", "/v1/chat/completions", _chat_body, _chat_head, Assembler, _CAP_CONTROL),
+        _Endpoint("complete", "/completion", _native_body, _native_head, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("infill", "/infill", _infill_body, _infill_head, _NativeAssembler, _CAP_MOOT),
+        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _native_head, _TextAssembler, _CAP_MOOT),
+        _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
+        _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
         _Endpoint(
-            "models", "/models/sse", _no_body, _ModelEvents, _CAP_MOOT, resumable=False, routed=False, watch=True
+            "models",
+            "/models/sse",
+            _no_body,
+            _no_head,
+            _ModelEvents,
+            _CAP_MOOT,
+            resumable=False,
+            routed=False,
+            watch=True,
         ),
         # stream_route(): any route, its method and path the call's; resumable where the server buffers it
-        _Endpoint("route", "", _route_body, _RouteChunks, _CAP_MOOT, target=_route_target),
+        _Endpoint("route", "", _route_body, _route_head, _RouteChunks, _CAP_MOOT, target=_route_target),
     )
 }  # type: Dict[str, _Endpoint]
 
@@ -3271,8 +3374,9 @@ def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry
     hint = parse_retry_after(head.get("retry-after"))
     if status == 503:
         return _Retry("HTTP 503: %s" % error.message, hint, error)
-    if status == 429:
-        return _Retry("HTTP 429: %s" % error.message, hint, error, CAPACITY)
+    if status == 429:  # a concurrency limit (llama-swap), or a front whose every server is busy
+        front = _front_name(status, head.get("server"))
+        return _Retry("HTTP 429%s: %s" % (" from " + front if front else "", error.message), hint, error, CAPACITY)
     if status in _FRONT_WAITED:
         front = _front_name(status, head.get("server")) or "the front"
         return _Retry("HTTP %d from %s: the front stopped waiting for a slot" % (status, front), hint, error, FRONT)
@@ -3821,7 +3925,7 @@ _BUDGETS = {
     CAPACITY: (
         "busy_wait",
         WaitTimeoutError,
-        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait): try later",
+        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait)",
     ),
     FRONT: (
         "busy_wait",
@@ -3889,6 +3993,8 @@ class _Waits:
         text = text.format(slot=self.slot, address=self.address, waited=waited)
         if isinstance(self.cause, HTTPStatusError) and self.cause.status in _FRONT_STATUSES:
             text += ": the front answered %s" % (self.cause,)
+        elif isinstance(self.cause, HTTPStatusError) and self.cause.status == 429:
+            text += ": %s" % (self.cause,)  # who said so: a front's every server busy, or a concurrency limit
         err = cls(text, waited)
         if self.cause is not None:
             err.__cause__ = self.cause
@@ -4575,6 +4681,45 @@ def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
     return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
+_SESSION_HEADER = "X-Session-Id"
+_canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
+
+
+def _session_key(value: Any, what: str = "session") -> Optional[str]:
+    """A session key given by the caller: None, or a str of 1 to 128 visible ASCII characters
+    (``ValueError``; anything else is ``TypeError``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError("%s must be a str (a session key) or None, not %r" % (what, value))
+    if not 1 <= len(value) <= 128 or not all("!" <= c <= "~" for c in value):
+        raise ValueError("a session key is 1 to 128 visible ASCII characters, not %r" % (value[:140],))
+    return value
+
+
+def _session_digest(head: Any) -> Optional[str]:
+    """The session key of a request whose caller gave none: ``s-`` and the first 32 hex digits of the
+    SHA-256 of its stable head written as canonical JSON (sorted keys, no spaces, ASCII only), the same in
+    every process and Python version; never the text.  None for no head (or one JSON cannot write: the
+    body then fails its own encoding)."""
+    if head is None:
+        return None
+    try:
+        text = _canonical(head)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    from hashlib import sha256  # only when a key is made (it loads OpenSSL: 3 ms)
+
+    return "s-" + sha256(text.encode("ascii")).hexdigest()[:32]
+
+
+def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
+    """The header that carries a request's session key, so that a front routing by it (nginx ``hash
+    $http_x_session_id consistent``, HAProxy a stick table on ``req.hdr(X-Session-Id)``, Caddy ``lb_policy
+    header X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
+    return [(_SESSION_HEADER, session)] if session is not None else []
+
+
 def _cancelled() -> CancelledError:
     return CancelledError("the request was cancelled")
 
@@ -4686,7 +4831,9 @@ def _deadline_error(timeout: float, code: int, what: str, address: str, heard: b
 class _StreamRequest:
     """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
 
-    __slots__ = ("request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "calls")
+    __slots__ = (
+        "request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "calls", "session",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -4700,9 +4847,11 @@ class _StreamRequest:
         watch: bool = False,
         calls: Optional[_Calls] = None,
     ) -> None:
-        #: the client's calls, with the headers of the call that made the stream (``_Calls.at``): the requests
-        #: made for this stream alone (lookup, replay, DELETE, the control endpoint) carry them too
+        #: the client's calls, with the headers and the session key of the call that made the stream
+        #: (``_Calls.at``): the requests made for this stream alone (lookup, replay, DELETE, the control
+        #: endpoint) carry them too
         self.calls = calls
+        self.session = None if calls is None else calls.session  # the X-Session-Id it carries (None: none)
         self.watch = watch  # a watch (GET /models/sse): read by _Streams.watch_plan, ``model`` the events' filter
         self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
         self.slot = slot
@@ -4795,6 +4944,18 @@ def _merged(headers: List[Tuple[str, str]], over: List[Tuple[str, str]]) -> List
     return [(k, v) for k, v in headers if k.lower() not in names] + over
 
 
+def _client_session(headers: List[Tuple[str, str]], session: Any) -> Optional[str]:
+    """The client's session key: ``session``, or an ``X-Session-Id`` in the client's ``headers`` (the same
+    thing, set by hand); ``ValueError`` when both give one."""
+    key = _session_key(session)
+    given = [v for k, v in headers if k.lower() == "x-session-id"]
+    if given:
+        if key is not None:
+            raise ValueError("the session key is given twice: by session= and by an X-Session-Id header")
+        key = _session_key(given[-1], "the X-Session-Id header")
+    return key
+
+
 def _tls_context(addr: _Address, ssl_context: Any) -> Any:
     """The ``ssl.SSLContext`` for ``addr``: the caller's, or the default one for an https:// address
     (``None`` for plain TCP and Unix sockets, where none was given)."""
@@ -4823,6 +4984,7 @@ class _Calls:
         headers: Optional[Dict[str, str]],
         model: Optional[str],
         ssl_context: Any,
+        session: Optional[str] = None,
     ) -> None:
         if address is None:
             address = os.environ.get("LLAMA_SERVER") or DEFAULT_ADDRESS
@@ -4838,22 +5000,36 @@ class _Calls:
         self.model = model
         self._headers = _extra_headers(addr, headers, api_key)
         self._accept = not any(name.lower() == "accept" for name, _ in self._headers)  # else the caller's
+        self.session = _client_session(self._headers, session)
+        if self.session is not None:  # the client's key: on every request, unless a call gives its own
+            self._headers = [(k, v) for k, v in self._headers if k.lower() != "x-session-id"]
         self.addr = addr
         self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
         self.root = self  # the client's own calls: a copy made by at() reads closed there
 
-    def at(self, headers: Optional[Dict[str, str]]) -> _Calls:
-        """These calls for one call that gives ``headers`` of its own: a copy whose requests carry them
-        beside the client's headers (a call's value wins, the ``api_key``'s ``Authorization`` and the
-        ``User-Agent`` included); ``self`` when ``headers`` is None.  ``TypeError``/``ValueError`` now for
-        what ``Client(headers=...)`` refuses."""
-        if headers is None:
+    def at(self, headers: Optional[Dict[str, str]], session: Optional[str] = None) -> _Calls:
+        """These calls for one call that gives ``headers`` or a ``session`` key of its own: a copy whose
+        requests carry them beside the client's headers (a call's value wins, the ``api_key``'s
+        ``Authorization`` and the ``User-Agent`` included; an ``X-Session-Id`` among ``headers`` is the
+        call's session key); ``self`` when both are None.  ``TypeError``/``ValueError`` now for what
+        ``Client(headers=...)`` refuses, and for a session key given twice."""
+        if headers is None and session is None:
             return self
         calls = object.__new__(_Calls)
         calls.__dict__.update(self.__dict__)
-        calls._headers = _merged(self._headers, _own_headers(self.addr, headers))
-        calls._accept = not any(name.lower() == "accept" for name, _ in calls._headers)
+        if headers is not None:
+            own = _own_headers(self.addr, headers)
+            given = _client_session(own, None)
+            if given is not None:
+                if session is not None and session != given:
+                    raise ValueError("the session key is given twice: by session= and by an X-Session-Id header")
+                session = given
+                own = [(k, v) for k, v in own if k.lower() != "x-session-id"]
+            calls._headers = _merged(self._headers, own)
+            calls._accept = not any(name.lower() == "accept" for name, _ in calls._headers)
+        if session is not None:
+            calls.session = session
         return calls
 
     # -- requests ----------------------------------------------------------------------------------------
@@ -4887,6 +5063,8 @@ class _Calls:
         if not keep:
             headers.append(("Connection", "close"))
         headers.extend(extra)
+        if self.session is not None and not any(name == _SESSION_HEADER for name, _ in extra):
+            headers.append((_SESSION_HEADER, self.session))
         return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
     def _route(
@@ -5096,12 +5274,13 @@ class _Calls:
     def unload_model(self, name: str) -> _Plan[Dict[str, Any]]:
         return (yield from self._object("POST", "/models/unload", {"model": name}))
 
-    def control(self, model: Optional[str], completion_id: str) -> _Plan[bool]:
+    def control(self, model: Optional[str], completion_id: str, session: Optional[str] = None) -> _Plan[bool]:
         """Ask the server to end the reasoning of a completion in flight; True when it accepted."""
         if not isinstance(completion_id, str):
             raise TypeError("completion_id must be a str")
         body = {"id": completion_id, "action": "reasoning_end"}
-        doc = yield from self._json("POST", "/v1/chat/completions/control", body, model=model)
+        extra = _session_header(session)
+        doc = yield from self._json("POST", "/v1/chat/completions/control", body, model=model, extra=extra)
         if not isinstance(doc, dict):
             raise ProtocolError("the control endpoint did not answer a JSON object")
         return doc.get("success") is True
@@ -5152,23 +5331,26 @@ class _Calls:
         del body["stream"]
         return (yield from self._post_field("/v1/responses/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
-    def lookup_streams(self, conversation_ids: Sequence[str]) -> _Plan[List[Any]]:
+    def lookup_streams(self, conversation_ids: Sequence[str], session: Optional[str] = None) -> _Plan[List[Any]]:
         if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
             raise TypeError("conversation_ids must be a list of str")
         body = {"conversation_ids": list(conversation_ids)}
         pin = _pin(body["conversation_ids"][0]) if len(body["conversation_ids"]) == 1 else []
-        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None, extra=pin)
+        extra = pin + _session_header(_session_key(session))
+        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None, extra=extra)
         if not isinstance(doc, list):
             raise ProtocolError("POST /v1/streams/lookup did not answer a JSON list")
         return doc
 
-    def delete_stream(self, conversation_id: str, timeout: Optional[float] = None) -> _Plan[bool]:
+    def delete_stream(
+        self, conversation_id: str, timeout: Optional[float] = None, session: Optional[str] = None
+    ) -> _Plan[bool]:
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be a str")
+        extra = _pin(conversation_id) + _session_header(_session_key(session))
         head, data = yield from self._call(
-            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout,
-            extra=_pin(conversation_id),
-        )  # fmt: skip
+            "DELETE", "/v1/stream", None, {"conv_id": conversation_id}, model=None, timeout=timeout, extra=extra
+        )
         if head.status == 404:
             return False
         if not 200 <= head.status < 300:
@@ -5218,7 +5400,8 @@ class _Streams:
             )
         raw_chunks = bool(params.pop("raw_chunks", False))
         conversation = _conversation_id(params.pop("resumable", None))
-        calls = self.calls.at(params.pop("headers", None))
+        headers = params.pop("headers", None)
+        given = _session_key(params.pop("session", None))
         method, path = row.target(*args)
         body = row.body(*args, params)
         if slot is not None:
@@ -5235,6 +5418,9 @@ class _Streams:
                     raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
                 body["reasoning_control"] = True
         query = None  # type: Optional[Dict[str, Any]]
+        calls = self.calls.at(headers, given)  # the call's own key: session=, else an X-Session-Id header
+        if calls.session is None and self.limits.session:  # neither the call nor the client gave one
+            calls = calls.at(None, _session_digest(row.head(body)))
         if row.routed:
             body, query = calls._route(method, body, None, _NO_MODEL, path)
         model = body.get("model") if isinstance(body, dict) else (query or {}).get("model")
@@ -5261,8 +5447,11 @@ class _Streams:
         model: Optional[str],
         raw_chunks: bool,
         headers: Optional[Dict[str, str]] = None,
+        session: Optional[str] = None,
     ) -> _StreamRequest:
-        """``Client.resume()``: read the server's buffer of a resumable stream from ``offset``."""
+        """``Client.resume()``: read the server's buffer of a resumable stream from ``offset``, with the
+        session key ``session`` (else the client's): the one the stream was started with reaches its server."""
+        session = _session_key(session)
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be the id of a resumable stream (a str)")
         conversation = _conversation_id(conversation_id)
@@ -5272,7 +5461,7 @@ class _Streams:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
         name = self.calls.model if model is None else model
-        calls = self.calls.at(headers)
+        calls = self.calls.at(headers, session)
         return _StreamRequest(
             b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset, calls=calls
         )
@@ -5397,8 +5586,8 @@ class _Streams:
             board.gate.resize((model, None), total)
 
     def _replay(self, req: _StreamRequest, offset: int) -> bytes:
-        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id as a
-        header too, so that a front that routes by it reaches the server holding the stream."""
+        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id and its
+        session key as headers too, so that a front that routes by either reaches the server holding it."""
         assert req.conversation is not None
         query = {"conv_id": req.conversation, "from": offset}
         calls = req.calls or self.calls
@@ -5470,8 +5659,9 @@ class _Streams:
             poller.answered(slots, unseen)
 
     def _end_reasoning(self, run: _Run, req: _StreamRequest, completion_id: Optional[str], tokens: int) -> _Plan[bool]:
-        """Ask the server to end a stream's reasoning (with the stream's own headers); a failure is
-        ``ThinkingOverrunError`` (unless cancelled)."""
+        """Ask the server to end a stream's reasoning (with the stream's own headers and session key: a front
+        routing by it reaches the server running the stream); a failure is ``ThinkingOverrunError`` (unless
+        cancelled)."""
         assert completion_id is not None
         try:
             return (yield from (req.calls or self.calls).control(req.model, completion_id))
@@ -6158,6 +6348,8 @@ class Stream:
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
         self.conversation_id = req.conversation
+        #: the session key the request carried (its ``X-Session-Id``), else None
+        self.session = req.session
         #: the stream's body bytes whose events have all been yielded: ``resume(conversation_id, offset=...)``
         #: from here repeats none of them
         self.offset = run.offset
@@ -6236,7 +6428,10 @@ class Client:
     ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
     ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
     and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
-    A malformed address, a CR or LF in ``api_key`` or a header, or limits of the wrong type raise
+    ``session`` is the client's session key (1 to 128 visible ASCII characters), sent as ``X-Session-Id``
+    on every request of this client unless a streamed call gives its own (an ``X-Session-Id`` in
+    ``headers`` is the same thing; giving both is ``ValueError``).  A malformed address, a CR or LF in
+    ``api_key`` or a header, a malformed session key, or limits of the wrong type raise
     ``ValueError``/``TypeError`` here, before any connection.
 
     Single-shot calls (everything but the streams) are never retried: a server that cannot be reached is
@@ -6257,8 +6452,9 @@ class Client:
         headers: Optional[Dict[str, str]] = None,
         model: Optional[str] = None,
         ssl_context: Any = None,
+        session: Optional[str] = None,
     ) -> None:
-        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context)
+        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context, session)
         self.address = calls.address  # type: str
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
@@ -6300,8 +6496,11 @@ class Client:
         ``resumable=True`` (or an id: 1 to 128 visible ASCII characters) sends ``X-Conversation-Id``: a
         connection lost after the head, before or after delivery, is then resumed from the server's buffer
         (``Resumed``), and an early end deletes the stream on the server (every streamed call takes it).
-        A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
-        ``TypeError``/``ValueError`` here, before any connection.
+        ``session`` (every streamed call takes it) is the conversation's key, sent as ``X-Session-Id`` for
+        a front to route by; without it, the client's key, else a digest of the messages up to and
+        including the first user message (``Limits.session=False``: none); ``stream.session`` says which.
+        A body that is not JSON-serialisable, a bad ``slot`` or ``session``, or a thinking cap with ``n`` > 1
+        is ``TypeError``/``ValueError`` here, before any connection.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -6445,6 +6644,7 @@ class Client:
         model: Optional[str] = None,
         raw_chunks: bool = False,
         headers: Optional[Dict[str, str]] = None,
+        session: Optional[str] = None,
     ) -> Stream:
         """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
         ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
@@ -6452,28 +6652,37 @@ class Client:
         ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``, ``"route"``: ``stream_route()``'s
         chunks) reads it, with the same liveness and resume rules.  It takes no slot permit and sends no
         request body; ``headers`` go with each of its requests.  The ``Completion`` holds what came after
-        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``."""
-        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers)
+        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``.
+        ``session``: the session key the stream was started with (``stream.session``; else the client's), so
+        that a front routing by it reaches the server that holds the stream."""
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return Stream(self._board, req)
 
     def lookup_streams(
         self,
         conversation_ids: Sequence[str],
         *,
+        session: Optional[str] = None,
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
         """``POST /v1/streams/lookup``: what the server knows of these resumable streams (``conversation_id``,
-        ``is_done``, ``total_bytes``, ...), for the ids it knows.  Raises as every single-shot call does."""
-        return self._run(self._calls.at(headers).lookup_streams(conversation_ids), timeout)
+        ``is_done``, ``total_bytes``, ...), for the ids it knows; ``session`` as ``resume()`` takes it.
+        Raises as every single-shot call does."""
+        return self._run(self._calls.at(headers).lookup_streams(conversation_ids, session), timeout)
 
     def delete_stream(
-        self, conversation_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+        self,
+        conversation_id: str,
+        *,
+        session: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
     ) -> bool:
         """``DELETE /v1/stream?conv_id=...``: stop a resumable stream's generation and drop its buffer; False
-        when the server says it is unknown (this build answers 204 for any id, so True then too).  Raises
-        as every single-shot call does."""
-        return self._run(self._calls.at(headers).delete_stream(conversation_id), timeout)
+        when the server says it is unknown (this build answers 204 for any id, so True then too); ``session``
+        as ``resume()`` takes it.  Raises as every single-shot call does."""
+        return self._run(self._calls.at(headers).delete_stream(conversation_id, session=session), timeout)
 
     # -- single-shot calls --------------------------------------------------------------------------------
     #
@@ -7151,6 +7360,8 @@ class AsyncStream:
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
         self.conversation_id = req.conversation
+        #: the session key the request carried (its ``X-Session-Id``), else None
+        self.session = req.session
         #: the stream's body bytes whose events have all been yielded (see ``Stream.offset``)
         self.offset = req.offset or 0
 
@@ -7264,8 +7475,9 @@ class AsyncClient:
         headers: Optional[Dict[str, str]] = None,
         model: Optional[str] = None,
         ssl_context: Any = None,
+        session: Optional[str] = None,
     ) -> None:
-        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context)
+        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context, session)
         self.address = calls.address  # type: str
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
@@ -7446,26 +7658,33 @@ class AsyncClient:
         model: Optional[str] = None,
         raw_chunks: bool = False,
         headers: Optional[Dict[str, str]] = None,
+        session: Optional[str] = None,
     ) -> AsyncStream:
         """``Client.resume()`` for asyncio (a plain call)."""
-        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers)
+        req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return AsyncStream(self, req)
 
     async def lookup_streams(
         self,
         conversation_ids: Sequence[str],
         *,
+        session: Optional[str] = None,
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
         """``Client.lookup_streams``, as a coroutine."""
-        return await self._run(self._calls.at(headers).lookup_streams(conversation_ids), timeout)
+        return await self._run(self._calls.at(headers).lookup_streams(conversation_ids, session), timeout)
 
     async def delete_stream(
-        self, conversation_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
+        self,
+        conversation_id: str,
+        *,
+        session: Optional[str] = None,
+        headers: Optional[Dict[str, str]] = None,
+        timeout: Optional[float] = None,
     ) -> bool:
         """``Client.delete_stream``, as a coroutine."""
-        return await self._run(self._calls.at(headers).delete_stream(conversation_id), timeout)
+        return await self._run(self._calls.at(headers).delete_stream(conversation_id, session=session), timeout)
 
     # -- single-shot calls: Client's, as coroutines (each with headers= and timeout=) ---------------------
 

@@ -740,6 +740,10 @@ class StreamFacade:
     def conversation_id(self):
         return self._stream.conversation_id
 
+    @property
+    def session(self):
+        return self._stream.session
+
     def __enter__(self):
         return self
 
@@ -8258,18 +8262,27 @@ def _api_calls():
     ]
 
 
-def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b""):
+def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b"", session=None):
     """The request head loopclient sends (as FakeRequest.raw_head holds it: without the blank line).  A
-    streamed request closes its connection; a single-shot one (keep_alive by default) does not say."""
+    streamed request closes its connection; a single-shot one (keep_alive by default) does not say.
+    ``session``: the X-Session-Id it carries (a str), after the request's own headers."""
     head = line + b" HTTP/1.1\r\nHost: " + host + b"\r\nAccept: " + accept + b"\r\n"
     if body is not None:
         head += b"Content-Type: application/json\r\n"
     if accept == b"text/event-stream":
         head += b"Connection: close\r\n"
+    if session is not None:
+        head += b"X-Session-Id: " + session.encode() + b"\r\n"
     head += b"User-Agent: loopclient/" + lc.__version__.encode() + extra
     if body is not None:
         head += b"\r\nContent-Length: %d" % len(body)
     return head
+
+
+def session_digest(canonical):
+    """The session key of a request whose stable head, written as canonical JSON, is ``canonical`` (bytes):
+    computed here from its definition, not by loopclient."""
+    return "s-" + hashlib.sha256(canonical).hexdigest()[:32]
 
 
 def _api_body(answer):
@@ -9110,8 +9123,11 @@ class TestApiTLS(_ApiCase):
             + b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
         )
         req = self.server.chat_requests()[0]
+        # the session key: the digest of the messages up to the first user message, as canonical JSON
+        session = session_digest(b'[{"content":"hi","role":"user"}]')
         self.assertEqual(
-            req.raw_head, _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream")
+            req.raw_head,
+            _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream", session=session),
         )
         self.assertEqual(req.body, body)
         self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))
@@ -10021,7 +10037,9 @@ class TestAnswers(_ApiCase):
         self.assertEqual((events, done), ([lc.Chunk({"a": 1})], _A_EMPTY))
         (req,) = self.sent("/v1/x")
         body = b'{"prompt": "p", "stream": true, "n": 2, "id_slot": 1}'
-        self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream"))
+        # a body shaped as /completion's is keyed as /completion's: by its prompt's head
+        key = session_digest(b'"p"')
+        self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream", session=key))
         self.assertEqual(req.body, body)
         # no body, another method, a default model routed as request() routes it
         client = self.new_client(self.server.address, limits=FAST, model="alpha")
@@ -15041,6 +15059,78 @@ FAULT_TABLE = [
         ],
     ),
     (
+        "A front whose every server is busy: the README's configurations",
+        ("fault", "what the front does", "error (and when)", "test"),
+        [
+            (
+                "429 from nginx: every server busy, then served",
+                "nginx's 429 (`Retry-After: 1`, transcript 107: no server with a free slot), twice",
+                "no error: `Retrying` twice under `busy_wait`, each at least 1 s, reason `HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy`, then the `Completion`",
+                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
+            ),
+            (
+                "429 from HAProxy after its queue timeout, then served",
+                "HAProxy's 429 (transcript 108: the request waited `timeout queue` at the front), twice",
+                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429: every llama-server behind this front is busy`",
+                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
+            ),
+            (
+                "429 from Caddy: every server busy, then served",
+                "Caddy's 429 (transcript 109), twice",
+                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429 from Caddy: every llama-server behind this front is busy`",
+                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
+            ),
+            (
+                "every server busy for ever",
+                "nginx's 429 on every attempt (`busy_wait` 2.5 s, `load_wait` 0.3 s)",
+                "`WaitTimeoutError` within the last second of `busy_wait` (`Retry-After: 1` past what is left ends it), one line ending with the front's 429; `__cause__` the `HTTPStatusError` 429",
+                "`TestFaultFullFronts.test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it`",
+            ),
+            (
+                "every server unreachable behind HAProxy",
+                "HAProxy's 503 (transcript 110: `every llama-server behind this front is unreachable`)",
+                "`LoadTimeoutError` after `load_wait`, not a busy wait; `__cause__` the 503",
+                "`TestFaultFullFronts.test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait`",
+            ),
+        ],
+    ),
+    (
+        "Session keys (`X-Session-Id`)",
+        ("fault", "what the server does", "error (and when)", "test"),
+        [
+            (
+                "a resumable stream with a session key, cut mid-stream",
+                "the stream's connection closed after 900 bytes of its body",
+                "no error: resumed; the `GET /v1/stream` carries the stream's `X-Session-Id`",
+                "`TestFaultSessions.test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key`, `TestSessionKeys.test_a_resumable_stream_s_requests_carry_its_key`",
+            ),
+            (
+                "a resumable request without a key, lost before its head",
+                "the connection closed before any byte of the head; the server kept the request",
+                "no error: the lookup and the replay carry the request's digest key",
+                "`TestFaultSessions.test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key`",
+            ),
+            (
+                "a resumable stream with a session key, ended by an error event",
+                "`Hi`, then an error event",
+                "`ServerError`; the `DELETE` that stops the generation carries the stream's key",
+                "`TestFaultSessions.test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key`",
+            ),
+            (
+                "a malformed session key",
+                "(nothing: the call is refused)",
+                "`ValueError` before anything is sent",
+                "`TestFaultSessions.test_a_malformed_session_key_is_refused_before_anything_is_sent`, `TestSessionKeys.test_caller_mistakes_are_refused_before_anything_is_sent`",
+            ),
+            (
+                "`Limits(session=False)`, a resumable stream cut mid-stream",
+                "the stream's connection closed after 900 bytes of its body",
+                "no error: resumed; no request carries `X-Session-Id`",
+                "`TestFaultSessions.test_limits_session_false_sends_none_even_on_a_resumed_stream`",
+            ),
+        ],
+    ),
+    (
         "The reasoning control endpoint (`thinking_cap` 2)",
         ("fault", "what the server does", "error (and when)", "test"),
         [
@@ -16699,6 +16789,8 @@ class TestDifferential(_f_Case):
         "_d_control",
         "_d_proxies",
         "_d_fronts",
+        "_d_full_fronts",
+        "_d_sessions",
         "_d_security",
         "_d_fuzz",
         "_d_answers",
@@ -17014,6 +17106,96 @@ class TestDifferential(_f_Case):
 
     def test_behind_fronts(self):
         self._d_table(self._d_fronts())
+
+    def test_a_front_whose_every_server_is_busy(self):
+        self._d_table(self._d_full_fronts())
+
+    def test_session_keys(self):
+        self._d_table(self._d_sessions())
+
+    def _d_full_fronts(self):
+        def served(name):
+            answer = front_answer(name)
+            arrange = lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+            return [_d_part(arrange, budget=3.0, at_once=True, changes=dict(busy_wait=3.0, load_wait=0.1))]
+
+        return [
+            ("429 from nginx: every server busy, then served", served("nginx 429")),
+            ("429 from HAProxy after its queue timeout, then served", served("haproxy 429")),
+            ("429 from Caddy: every server busy, then served", served("caddy 429")),
+            (
+                "every server busy for ever",
+                [
+                    _d_part(
+                        _d_reply(front_answer("nginx 429")),
+                        expect=lc.WaitTimeoutError,
+                        budget=2.5,
+                        at_once=True,
+                        changes=dict(busy_wait=2.5, load_wait=0.3),
+                    )
+                ],
+            ),
+            (
+                "every server unreachable behind HAProxy",
+                [
+                    _d_part(
+                        _d_reply(front_answer("haproxy 503 unreachable")),
+                        expect=lc.LoadTimeoutError,
+                        budget=0.6,
+                        changes=dict(busy_wait=0.2),
+                    )
+                ],
+            ),
+        ]
+
+    def _d_sessions(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+
+        def resumable(cuts, body=None):
+            def arrange(s):
+                buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
+                if body is not None:
+                    buf.raw = body
+
+            return arrange
+
+        error = (
+            STREAM_HEAD
+            + chunked(
+                sse(chunk_json({"content": "Hi"})),
+                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
+            )
+            + b"0\r\n\r\n"
+        )
+        keyed = _d_chat(resumable="conv-1", session="k-1")
+        return [
+            (
+                "a resumable stream with a session key, cut mid-stream",
+                [_d_part(resumable(lambda head: [head + 900]), act=keyed)],
+            ),
+            (
+                "a resumable request without a key, lost before its head",
+                [_d_part(resumable(lambda head: [0]), act=_d_chat(resumable="conv-1"))],
+            ),
+            (
+                "a resumable stream with a session key, ended by an error event",
+                [_d_part(resumable(lambda head: [], error), act=keyed, expect=lc.ServerError)],
+            ),
+            (
+                "a malformed session key",
+                [_d_part(_d_reply(_D_OK), act=_d_chat(session="two words"), expect=ValueError)],
+            ),
+            (
+                "`Limits(session=False)`, a resumable stream cut mid-stream",
+                [
+                    _d_part(
+                        resumable(lambda head: [head + 900]),
+                        act=_d_chat(resumable="conv-1"),
+                        changes=dict(session=False),
+                    )
+                ],
+            ),
+        ]
 
     def _d_fronts(self):
         backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
@@ -20695,25 +20877,34 @@ class TestRealResumeAsync(AsyncDriver, TestRealResume):
 FRONTS_DIR = os.path.join(HERE, "dev", "fronts")
 
 
-#: Each front: its template in dev/fronts, how it names a server, and its balancing policies.
+#: Each front: its template in dev/fronts, how it names a server (and one held to its slots), and its
+#: balancing policies: "pin" (the README's: every turn of a conversation to one server, by X-Session-Id),
+#: "least" and "rr".
 FRONT_KINDS = {
     "nginx": {
         "file": "nginx.conf",
         "server": "server unix:%s max_fails=0;",
+        "slot_server": "server unix:%s max_conns=%d max_fails=0;",
         "join": "\n        ",
-        "balance": {"pin": "hash $http_x_conversation_id consistent;", "least": "least_conn;", "rr": ""},
+        "balance": {"pin": "hash $http_x_session_id consistent;", "least": "least_conn;", "rr": ""},
     },
     "haproxy": {
         "file": "haproxy.cfg",
         "server": "server s%d unix@%s",
+        "slot_server": "server s%(i)d unix@%(path)s maxconn %(slots)d\n    use-server s%(i)d if "
+        "{ req.hdr(X-Session-Id),table_server_id(llama_slots) eq %(id)d } { srv_conn_free(s%(i)d) gt 0 }",
         "join": "\n    ",
-        "balance": {"pin": "hdr(X-Conversation-Id)", "least": "leastconn", "rr": "roundrobin"},
+        "balance": {
+            "pin": "balance leastconn\n    stick store-request req.hdr(X-Session-Id)",
+            "least": "balance leastconn",
+            "rr": "balance roundrobin",
+        },
     },
     "caddy": {
         "file": "Caddyfile",
         "server": "unix/%s",
         "join": " ",
-        "balance": {"pin": "header X-Conversation-Id", "least": "least_conn", "rr": "round_robin"},
+        "balance": {"pin": "header X-Session-Id", "least": "least_conn", "rr": "round_robin"},
     },
 }
 
@@ -20724,17 +20915,23 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0):
-    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts, in front
-    of ``servers`` (Unix socket paths), balancing by ``balance`` ("pin": by X-Conversation-Id, "least",
-    "rr"), with an idle timeout of ``timeout`` seconds toward the servers."""
+def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2, text=None):
+    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts (or
+    ``text``, a template as the README prints it), in front of ``servers`` (Unix socket paths) of ``slots``
+    slots each, balancing by ``balance`` ("pin": by X-Session-Id, "least", "rr"), with an idle timeout of
+    ``timeout`` seconds toward the servers."""
     spec = FRONT_KINDS[kind]
-    with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
-        text = f.read()
+    if text is None:
+        with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
+            text = f.read()
     if kind == "haproxy":
         lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
-    else:
+        held = [spec["slot_server"] % dict(i=i, path=path, slots=slots, id=i + 1) for i, path in enumerate(servers)]
+    elif kind == "nginx":
         lines = [spec["server"] % path for path in servers]
+        held = [spec["slot_server"] % (path, slots) for path in servers]
+    else:
+        lines = held = [spec["server"] % path for path in servers]
     fill = {
         "@DIR@": directory,
         "@PORT@": str(port),
@@ -20743,7 +20940,9 @@ def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port
         "@KEY@": _API_TLS_KEY,
         "@TIMEOUT@": str(timeout),
         "@BALANCE@": spec["balance"][balance],
+        "@SLOT_SERVERS@": spec["join"].join(held),
         "@SERVERS@": spec["join"].join(lines),
+        "@SLOTS@": str(slots),
     }
     lines = text.splitlines(True)
     for i, line in enumerate(lines):
@@ -20760,13 +20959,13 @@ class Front:
     dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
     ``close()`` stops it (SIGTERM, then SIGKILL to its process group) and removes its directory."""
 
-    def __init__(self, kind, servers, balance="pin", timeout=2):
+    def __init__(self, kind, servers, balance="pin", timeout=2, slots=2, text=None):
         self.kind = kind
         self.tmp = tempfile.mkdtemp(prefix="lcfront", dir="/tmp")
         self.port, self.tls_port = free_port(), free_port()
         self.config = os.path.join(self.tmp, FRONT_KINDS[kind]["file"])
         with open(self.config, "w", encoding="utf-8") as f:
-            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port))
+            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port, slots, text))
         env = dict(os.environ, HOME=self.tmp, XDG_DATA_HOME=self.tmp, XDG_CONFIG_HOME=self.tmp)
         command = {
             "nginx": ["nginx", "-c", self.config, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
@@ -20824,7 +21023,8 @@ class Front:
 
 def front_answer(name):
     """A front's own answer, byte for byte: "nginx 504", "nginx 502", "haproxy 504", "haproxy 503",
-    "caddy 504", "caddy 502" (captured), or "cloudflare 520" ... "cloudflare 524" (made, as Cloudflare's
+    "caddy 504", "caddy 502"; with the README's configurations, "nginx 429", "haproxy 429", "caddy 429"
+    (every server busy) and "haproxy 503 unreachable" (captured), or "cloudflare 520" ... "cloudflare 524" (made, as Cloudflare's
     pages look: a title naming the host and the status, ``Server: cloudflare``)."""
     files = {
         "nginx 504": "100_nginx_504_queued.raw.txt",
@@ -20833,6 +21033,10 @@ def front_answer(name):
         "haproxy 503": "103_haproxy_503_server_gone.raw.txt",
         "caddy 504": "104_caddy_504_queued.raw.txt",
         "caddy 502": "105_caddy_502_server_gone.raw.txt",
+        "nginx 429": "107_nginx_429_every_server_busy.raw.txt",
+        "haproxy 429": "108_haproxy_429_queue_timeout.raw.txt",
+        "caddy 429": "109_caddy_429_every_server_busy.raw.txt",
+        "haproxy 503 unreachable": "110_haproxy_503_every_server_unreachable.raw.txt",
     }
     if name in files:
         return load_transcript(files[name])
@@ -21867,8 +22071,9 @@ class TestFrontConfigurations(unittest.TestCase):
                 code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
                 self.assertFalse([line for line in code if re.search(r"@[A-Z_]+@", line)], kind)
                 self.assertTrue(any("1234" in line for line in code), kind)
+                # each server twice: held to its slots for generations, and not for the rest
                 self.assertEqual(
-                    sum("/tmp/a.sock" in line or "/tmp/b.sock" in line for line in code), 1 if kind == "caddy" else 2
+                    sum("/tmp/a.sock" in line or "/tmp/b.sock" in line for line in code), 2 if kind == "caddy" else 4
                 )
                 self.assertTrue(any(re.search(r"\b7s\b", line) for line in code), kind)
 
@@ -22161,7 +22366,9 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 conversation = self._pinned_to_the_proxy(kind, servers, proxy)
                 front = self.front(kind, servers, timeout=self.LONG)  # afresh: no connection kept from the probes
                 client = self.client_for(front.url, servers=2)
-                stream = client.stream(STORY, slot=0, resumable=conversation, max_tokens=60, temperature=0, seed=1)
+                stream = client.stream(
+                    STORY, slot=0, resumable=conversation, session=conversation, max_tokens=60, temperature=0, seed=1
+                )
                 events = run_with_timeout(lambda: list(stream), 90)
                 self.assertEqual(proxy.cuts, 1)
                 resumed = [e for e in events if isinstance(e, lc.Resumed)]
@@ -22177,16 +22384,15 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 self.direct.delete_stream(conversation)
 
     def _pinned_to_the_proxy(self, kind, servers, proxy):
-        """A conversation id that ``kind``, pinning by X-Conversation-Id over ``servers``, sends through
-        ``proxy`` (asked with GET /health on a front of its own, closed again)."""
+        """A conversation id that ``kind``, pinning by the session key (the id is used as the key too) over
+        ``servers``, sends through ``proxy`` (asked with GET /health on a front of its own, closed again;
+        HAProxy places a new key by least connections, so the first server of a fresh one takes it)."""
         probe = Front(kind, servers, "pin", self.LONG)
         try:
             for n in range(40):
                 conversation = "lc-front-%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), n)
                 before = proxy.connections
-                with lc.Client(
-                    probe.url, headers={"X-Conversation-Id": conversation}, limits=lc.Limits(keep_alive=0)
-                ) as c:
+                with lc.Client(probe.url, session=conversation, limits=lc.Limits(keep_alive=0)) as c:
                     self.assertEqual(c.health(), {"status": "ok"})
                 if proxy.connections > before:
                     return conversation
@@ -22277,4 +22483,787 @@ def _tcp_connections(port):
 
 
 class TestRealFrontsAsync(AsyncDriver, TestRealFronts):
+    pass
+
+
+# =====================================================================================================
+# Session keys: X-Session-Id on every request of a conversation, for the fronts to route by
+# =====================================================================================================
+
+
+def canonical(value):
+    """``value`` written as the session digest's canonical JSON (sorted keys, no spaces, ASCII only)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+#: A conversation of four messages: the key is made from the first two (the system prompt and the first user
+#: message), so that every later turn of it carries the same one.
+_S_TURNS = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "And now?"},
+]
+
+
+def session_headers(server, path=None):
+    """(method, path, the X-Session-Id values) of each request ``server`` saw (but /slots and /props, which
+    a client asks on its own), in order."""
+    with server.lock:
+        requests = list(server.requests)
+    found = []
+    for r in requests:
+        bare = r.path.partition("?")[0]
+        if bare in ("/slots", "/props") or (path is not None and bare != path):
+            continue
+        values = [line.split(b":", 1)[1].strip().decode() for line in r.raw_head.split(b"\r\n")[1:]
+                  if line.lower().startswith(b"x-session-id:")]  # fmt: skip
+        found.append((r.method, bare, values))
+    return found
+
+
+class TestSessionKeys(ServerCase):
+    """X-Session-Id, the key of the conversation a request belongs to: the digest of each endpoint's stable
+    head when the caller gives none (the same for every turn of one conversation, never the text), the
+    call's own or the client's when given, none with Limits(session=False); every request of a resumable
+    stream carries the key that started it; a malformed key is refused before anything is sent."""
+
+    def chat_key(self, messages, **kw):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        stream = self.client.stream(messages, slot=0, **kw)
+        run_with_timeout(lambda: list(stream))
+        return stream.session
+
+    def test_a_chat_carries_the_digest_of_its_messages_up_to_the_first_user_message(self):
+        key = self.chat_key(_S_TURNS[:2])
+        self.assertEqual(
+            key, session_digest(b'[{"content":"You are terse.","role":"system"},{"content":"hi","role":"user"}]')
+        )
+        self.assertEqual(self.chat_key(_S_TURNS), key)  # a later turn: the same key
+        other = self.chat_key([_S_TURNS[0], {"role": "user", "content": "hello"}])
+        self.assertNotEqual(other, key)  # another conversation
+        self.assertEqual(
+            session_headers(self.server), [("POST", "/v1/chat/completions", [k]) for k in (key, key, other)]
+        )
+        self.assertTrue(re.fullmatch(r"s-[0-9a-f]{32}", key), key)
+        for _, _, values in session_headers(self.server):
+            self.assertNotIn(b"terse", "".join(values).encode())  # a digest, never the text
+
+    def test_each_endpoint_keys_its_own_stable_head(self):
+        long_a, long_b = "x" * 1024 + "a", "x" * 1024 + "b"
+        extra = [("util.py", "def sub(a, b):\n    return a - b\n")]
+        user = {"role": "user", "content": "Name a colour."}
+        cases = [  # (call, its arguments, the head's canonical JSON)
+            ("stream_complete", ("The sky is",), canonical("The sky is")),
+            ("stream_complete", (long_a,), canonical("x" * 1024)),
+            ("stream_complete", (long_b,), canonical("x" * 1024)),  # the same first 1,024 characters
+            ("stream_complete", ([1, 2, 3] * 100,), canonical(([1, 2, 3] * 100)[:256])),
+            ("stream_complete", ([[5, 6], "two"],), canonical([5, 6])),  # several prompts: the first's head
+            ("stream_complete", ({"prompt_string": "The sky is", "multimodal_data": []},), canonical("The sky is")),
+            ("stream_complete_openai", ("The sky is",), canonical("The sky is")),
+            ("stream_infill", ("def add(a, b):\n", "\n"), canonical("def add(a, b):\n")),
+            ("stream_infill", ("def f():\n", ""), canonical("util.py\ndef sub(a, b):\n    return a - b\n\ndef f():\n")),
+            ("stream_respond", ("Name a colour.",), canonical([None, user])),  # a string is one user message
+            ("stream_respond", ([user, {"role": "assistant", "content": "Red."}],), canonical([None, user])),
+            ("stream_message", ([user, {"role": "assistant", "content": "Red."}],), canonical([None, user])),
+        ]
+        for call, args, head in cases:
+            with self.subTest(call=call, args=repr(args)[:40]):
+                kw = {"extra": extra} if args == ("def f():\n", "") else {}
+                stream = getattr(self.client, call)(*args, **kw)
+                self.assertEqual(stream.session, session_digest(head))
+        # what the call's own keywords add to the head: Responses' instructions, Messages' system prompt
+        keyed = self.client.stream_respond("Name a colour.", instructions="Be brief.").session
+        self.assertEqual(keyed, session_digest(canonical(["Be brief.", user])))
+        keyed = self.client.stream_message([user], system="Be brief.").session
+        self.assertEqual(keyed, session_digest(canonical(["Be brief.", user])))
+        self.assertEqual(self.server.requests, [])  # made, never iterated: nothing sent
+
+    def test_the_stable_heads_of_unusual_bodies(self):
+        head = lambda name, body: lc._ENDPOINTS[name].head(body)
+        system = {"role": "system", "content": "S"}
+        self.assertEqual(head("chat", {"messages": [system]}), [system])  # no user message: all of them
+        self.assertEqual(head("chat", {"messages": "hi"}), "hi")  # not a list: as it is
+        self.assertEqual(head("complete", {"prompt": 7}), 7)
+        self.assertEqual(head("message", {"messages": [system]}), [None, system])  # no user message: the first
+        self.assertEqual(head("respond", {"input": []}), [None, []])
+        self.assertIsNone(head("models", {}))  # the router's events: no conversation, no key of their own
+        self.assertIsNone(lc._session_digest(None))
+        self.assertIsNone(lc._session_digest({"a": {1, 2}}))  # JSON cannot write it (nor the body it came from)
+        with self.assertRaises(TypeError):  # ... and the body says so, before anything is sent
+            self.client.stream([{"role": "user", "content": {1, 2}}])
+        self.assertEqual(self.server.requests, [])
+
+    def test_every_streamed_endpoint_sends_its_key(self):
+        for endpoint, (_, name, _) in _E_CASES.items():
+            self.server.route("POST", _E_PATHS[endpoint], reply(load_transcript(name)))
+        self.server.route(
+            "POST", "/v1/completions", reply(load_transcript("90_completions_oai_stream_logprobs.raw.txt"))
+        )
+        calls = [(e, args) for e, (args, _, _) in _E_CASES.items()] + [("complete_openai", ("The sky is",))]
+        expected = []
+        for endpoint, args in calls:
+            with self.subTest(endpoint):
+                stream = getattr(self.client, "stream_" + endpoint)(*args)
+                run_with_timeout(lambda s=stream: list(s))
+                self.assertIsNotNone(stream.completion)
+                self.assertTrue(re.fullmatch(r"s-[0-9a-f]{32}", stream.session), stream.session)
+                expected.append(("POST", _E_PATHS.get(endpoint, "/v1/completions"), [stream.session]))
+        self.assertEqual(session_headers(self.server), expected)
+
+    def test_the_call_s_key_and_the_client_s_key(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))
+        self.assertEqual(self.chat_key(MSGS, session="conv-7"), "conv-7")  # the call's own
+        client = self.new_client(self.server.address, limits=self.limits, session="agent-1")
+        self.closers.append(client.close)
+        stream = client.stream(MSGS, slot=0)
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "agent-1")
+        stream = client.stream(MSGS, slot=0, session="conv-8")  # the call's own wins
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "conv-8")
+        self.assertEqual(run_with_timeout(lambda: client.tokenize("x")), [5, 6])  # single-shot calls carry it too
+        self.assertEqual(run_with_timeout(client.health), {"status": "ok"})
+        self.assertEqual(
+            session_headers(self.server),
+            [
+                ("POST", "/v1/chat/completions", ["conv-7"]),
+                ("POST", "/v1/chat/completions", ["agent-1"]),
+                ("POST", "/v1/chat/completions", ["conv-8"]),
+                ("POST", "/tokenize", ["agent-1"]),
+                ("GET", "/health", ["agent-1"]),
+            ],
+        )
+        # a client without a key sends none on its single-shot calls (the digest is a streamed request's)
+        run_with_timeout(self.client.health)
+        self.assertEqual(session_headers(self.server)[-1], ("GET", "/health", []))
+
+    def test_an_x_session_id_header_is_the_client_s_key(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        client = self.new_client(self.server.address, limits=self.limits, headers={"x-session-id": "by-hand"})
+        self.closers.append(client.close)
+        stream = client.stream(MSGS, slot=0)
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "by-hand")
+        stream = client.stream(MSGS, slot=0, session="mine")
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual([v for _, _, v in session_headers(self.server)], [["by-hand"], ["mine"]])  # once each
+        with self.assertRaises(ValueError):
+            self.new_client(self.server.address, headers={"X-Session-Id": "a"}, session="b")
+        with self.assertRaises(ValueError):
+            self.new_client(self.server.address, headers={"X-Session-Id": "two words"})
+
+    def test_limits_session_false_sends_no_digest(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        client = self.client_with(session=False)
+        self.assertIs(client.limits.session, False)
+        self.assertIsNone(self.chat_key(_S_TURNS))
+        self.assertEqual(self.chat_key(_S_TURNS, session="given"), "given")  # a key given by the call still goes
+        keyed = self.new_client(self.server.address, limits=self.limits_(session=False), session="agent-2")
+        self.closers.append(keyed.close)
+        stream = keyed.stream(MSGS, slot=0)
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(stream.session, "agent-2")  # and so does the client's
+        self.assertEqual([v for _, _, v in session_headers(self.server)], [[], ["given"], ["agent-2"]])
+        self.assertIs(lc.Limits().session, True)
+        for bad in (0, 1, None, "yes"):
+            with self.assertRaises(TypeError):
+                lc.Limits(session=bad)
+
+    def test_caller_mistakes_are_refused_before_anything_is_sent(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        bad_values = ["", "x" * 129, "two words", "caf\u00e9", "tab\there", "line\n"]
+        for bad in bad_values:
+            with self.subTest(bad=bad):
+                with self.assertRaises(ValueError):
+                    self.client.stream(MSGS, session=bad)
+                with self.assertRaises(ValueError):
+                    self.client.stream_complete("x", session=bad)
+                with self.assertRaises(ValueError):
+                    self.new_client(self.server.address, session=bad)
+                with self.assertRaises(ValueError):
+                    self.client.resume("lc-1", session=bad)
+                with self.assertRaises(ValueError):
+                    run_with_timeout(lambda b=bad: self.client.lookup_streams(["lc-1"], session=b))
+                with self.assertRaises(ValueError):
+                    run_with_timeout(lambda b=bad: self.client.delete_stream("lc-1", session=b))
+        for bad in (5, b"key", True, ["k"]):
+            with self.subTest(bad=bad):
+                with self.assertRaises(TypeError):
+                    self.client.stream(MSGS, session=bad)
+                with self.assertRaises(TypeError):
+                    self.new_client(self.server.address, session=bad)
+        self.assertEqual(self.chat_key(MSGS, session="x" * 128), "x" * 128)  # the longest key
+        self.assertEqual(len(self.server.requests), 1)  # only that one was sent
+
+    def test_a_resumable_stream_s_requests_carry_its_key(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _r_Buffer(self.server, raw)
+        whole, whole_events = self.collect(resumable="conv-1", session="k-1")
+        buf.reset([len(buf.head) + 900])  # the POST cut mid-stream: the replay asked
+        self.server.requests.clear()
+        completion, events = self.collect(resumable="conv-1", session="k-1")
+        self.assertEqual(completion, whole)
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+        buf.reset([0])  # lost before any byte of its head: the lookup, then the replay from 0
+        completion, events = self.collect(resumable="conv-1", session="k-1")
+        self.assertEqual(completion, whole)
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])
+        resumed = self.client.resume("conv-1", session="k-1")  # by id, with the key it was started with
+        run_with_timeout(lambda: list(resumed))
+        self.assertEqual(resumed.session, "k-1")
+        buf.reset([("hold", len(buf.head) + 900)])  # left early: the DELETE
+        with self.client.stream(MSGS, slot=0, resumable="conv-1", session="k-1") as stream:
+            for event in stream:
+                if isinstance(event, lc.Content):
+                    break
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+        self.assertEqual(
+            [(m, p, v) for m, p, v in session_headers(self.server)],
+            [
+                ("POST", "/v1/chat/completions", ["k-1"]),
+                ("GET", "/v1/stream", ["k-1"]),
+                ("POST", "/v1/chat/completions", ["k-1"]),
+                ("POST", "/v1/streams/lookup", ["k-1"]),
+                ("GET", "/v1/stream", ["k-1"]),
+                ("GET", "/v1/stream", ["k-1"]),
+                ("POST", "/v1/chat/completions", ["k-1"]),
+                ("DELETE", "/v1/stream", ["k-1"]),
+            ],
+        )
+        # without a key of its own a resumable stream carries its digest; resume() without one, the client's
+        stream = self.client.stream(MSGS, slot=0, resumable="conv-2")
+        self.assertEqual(stream.session, session_digest(canonical(MSGS)))
+        stream.cancel()
+        self.assertIsNone(self.client.resume("conv-2").session)
+
+    def test_the_thinking_cap_s_control_call_carries_the_stream_s_key(self):
+        controls = []
+
+        def control(req):
+            controls.append(req.headers.get("x-session-id"))
+            respond_json(req, {"success": True})
+
+        def chat(req):
+            req.send(STREAM_HEAD + chunked(sse(chunk_json({"reasoning_content": " r"}))))
+            for _ in range(100):
+                if controls:
+                    break
+                req.send(chunked(sse(chunk_json({"reasoning_content": " r"}))))
+                time.sleep(0.01)  # pacing the fake server's tokens, as a real server paces them
+            req.send(chunked(sse(chunk_json({"content": "yes"})), sse(chunk_json({}, "stop"))) + b"0\r\n\r\n")
+
+        self.server.route("POST", "/v1/chat/completions/control", control)
+        self.use(chat)
+        client = self.new_client(self.server.address, limits=self.limits_(thinking_cap=2))
+        self.closers.append(client.close)
+        completion = run_with_timeout(lambda: client.chat(MSGS, slot=0, session="k-9"))
+        self.assertTrue(completion.thinking_capped)
+        self.assertEqual(controls, ["k-9"])
+
+    def test_the_digest_is_the_same_in_another_process_and_python(self):
+        code = (
+            "import json, sys, loopclient as lc\n"
+            "c = lc.Client('/nonexistent/x.sock')\n"
+            "print(c.stream(json.loads(sys.argv[1])).session)\n"
+        )
+        messages = [{"role": "system", "content": "\u00e9t\u00e9 \u2603", "n": 1.5}, {"role": "user", "content": "hi"}]
+        here = self.client.stream(messages).session
+        pythons = [sys.executable] + [
+            p for p in (os.path.expanduser("~/.pyenv/versions/3.8.18/bin/python3"),) if os.path.exists(p)
+        ]
+        for python in pythons:
+            with self.subTest(python):
+                done = subprocess.run(
+                    [python, "-S", "-c", code, json.dumps(messages)],
+                    cwd=HERE, env=dict(os.environ, PYTHONPATH=HERE, PYTHONHASHSEED="random"),
+                    capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+                self.assertEqual(done.returncode, 0, done.stderr)
+                self.assertEqual(done.stdout.strip(), here)
+        self.assertEqual(here, session_digest(canonical(messages)))
+
+
+class TestSessionKeysAsync(AsyncDriver, TestSessionKeys):
+    test_the_digest_is_the_same_in_another_process_and_python = None  # the digest is made before any driver
+
+
+class TestSessionKeysWithHeaders(ServerCase):
+    """A call's own headers= and its session key together: an X-Session-Id among a call's headers is that
+    call's key (it wins over the client's and the digest, and goes once), the same key by session= and
+    by the header is one key, two different ones are refused before anything is sent; a resumable stream's
+    lookup, replay and DELETE carry both the call's headers and its key; stream_route() keys a body shaped as
+    a named endpoint's as that endpoint does, and no other."""
+
+    def test_an_x_session_id_among_a_call_s_headers_is_its_key(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        client = self.new_client(self.server.address, limits=FAST, session="client-key")
+        self.closers.append(client.close)
+        for kw, key in (
+            ({"headers": {"X-Session-Id": "call-key", "X-Call": "1"}}, "call-key"),
+            ({"headers": {"x-session-id": "same"}, "session": "same"}, "same"),
+            ({"headers": {"X-Call": "1"}}, "client-key"),
+            ({"headers": {"X-Call": "1"}, "session": "mine"}, "mine"),
+        ):
+            with self.subTest(kw=kw):
+                self.server.requests.clear()
+                stream = client.stream(MSGS, slot=0, **kw)
+                run_with_timeout(lambda: list(stream))
+                self.assertEqual(stream.session, key)
+                self.assertEqual(session_headers(self.server), [("POST", "/v1/chat/completions", [key])])
+        with self.assertRaises(ValueError):  # two keys for one call
+            client.stream(MSGS, slot=0, session="a", headers={"X-Session-Id": "b"})
+        with self.assertRaises(ValueError):  # the header's key is checked as session= is
+            client.stream(MSGS, slot=0, headers={"X-Session-Id": "has space"})
+
+    def test_a_resumable_stream_s_requests_carry_the_call_s_headers_and_key(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _r_Buffer(self.server, raw)
+        kw = {"resumable": "conv-h", "headers": {"X-Auth": "t", "X-Session-Id": "k-h"}}
+        whole, _ = self.collect(**kw)
+        buf.reset([0])  # lost before any byte of its head: the lookup, then the replay from 0
+        self.server.requests.clear()
+        completion, _ = self.collect(**kw)
+        self.assertEqual(completion, whole)
+        buf.reset([("hold", len(buf.head) + 900)])  # left early: the DELETE
+        with self.client.stream(MSGS, slot=0, **kw) as stream:
+            for event in stream:
+                if isinstance(event, lc.Content):
+                    break
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+        seen = [(m, p, v) for m, p, v in session_headers(self.server)]
+        self.assertEqual(
+            seen,
+            [
+                ("POST", "/v1/chat/completions", ["k-h"]),
+                ("POST", "/v1/streams/lookup", ["k-h"]),
+                ("GET", "/v1/stream", ["k-h"]),
+                ("POST", "/v1/chat/completions", ["k-h"]),
+                ("DELETE", "/v1/stream", ["k-h"]),
+            ],
+        )
+        with self.server.lock:
+            auths = [r.headers.get("x-auth") for r in self.server.requests if r.path.partition("?")[0] != "/slots"]
+        self.assertEqual(auths, ["t"] * len(seen))
+
+    def test_stream_route_keys_only_what_it_knows_the_shape_of(self):
+        self.server.route("POST", "/v1/x", _a_route_answer({"a": 1}))
+        chat = {"messages": _S_TURNS, "stream": True}
+        cases = [
+            (chat, {}, session_digest(canonical(_S_TURNS[:2]))),  # a chat body: keyed as chat
+            ({"prompt": "The sky is"}, {}, session_digest(canonical("The sky is"))),
+            ({"query": "q", "documents": ["a"]}, {}, None),  # no known shape: no key
+            (chat, {"session": "given"}, "given"),
+        ]
+        for body, kw, key in cases:
+            with self.subTest(body=body, kw=kw):
+                self.server.requests.clear()
+                stream = _a_stream(self.client, "/v1/x", body, **kw)
+                run_with_timeout(lambda: list(stream))
+                self.assertEqual(stream.session, key)
+                self.assertEqual(session_headers(self.server), [("POST", "/v1/x", [key] if key else [])])
+
+
+class TestSessionKeysWithHeadersAsync(AsyncDriver, TestSessionKeysWithHeaders):
+    pass
+
+
+# -- faults: a front whose every server is busy, and session keys on the virtual clock -------------------
+
+
+#: Who answers each full front's 429 in a reason: nginx and Caddy name themselves, HAProxy sends no Server.
+_FULL_REASONS = {
+    "nginx 429": "HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy",
+    "haproxy 429": "HTTP 429: every llama-server behind this front is busy",
+    "caddy 429": "HTTP 429 from Caddy: every llama-server behind this front is busy",
+}
+
+
+class TestFaultFullFronts(_f_Case):
+    """What the README's configurations make nginx, HAProxy and Caddy answer when every server's slots are
+    taken, byte for byte (transcripts 107-109): a 429 with Retry-After: 1 (nginx and Caddy at once, HAProxy
+    after its queue timeout), waited out under busy_wait and named in Retrying and WaitTimeoutError; and
+    what HAProxy answers when no server can be reached (110): a 503, waited out under load_wait."""
+
+    def test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served(self):
+        for name, reason in _FULL_REASONS.items():
+            with self.subTest(name):
+                self.client_with(busy_wait=3.0, load_wait=0.1)  # load_wait would end it: the wrong budget
+                answer = front_answer(name)
+                self.assertIn(b"Retry-After: 1\r\n", answer.replace(b"retry-after", b"Retry-After"))
+                self.use(_f_sequence(reply(answer), reply(answer), reply(STREAM_HEAD + _F_OK_BODY)))
+                done = self._f_succeeds(3.0)
+                self.assertEqual(done.content, "Hello world")
+                retries = [e for e in self._f_events if isinstance(e, lc.Retrying)]
+                self.assertEqual([(r.attempt, r.reason) for r in retries], [(1, reason), (2, reason)])
+                self.assertTrue(all(r.delay >= 1.0 for r in retries), retries)  # Retry-After: 1, a floor
+                self.assertEqual(len(self.server.chat_requests()), 3)
+                self.server.requests.clear()
+
+    def test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it(self):
+        for name, reason in _FULL_REASONS.items():
+            with self.subTest(name):
+                self.client_with(busy_wait=2.5, load_wait=0.3)
+                self.use(reply(front_answer(name)))
+                # Retry-After: 1 past what is left of busy_wait ends the wait at once, within its last second
+                err, elapsed = self._f_run(self._f_chat(), 10.0)
+                self.assertIs(type(err), lc.WaitTimeoutError, err)
+                self.assertGreater(elapsed, 1.5 - 1e-6)
+                self.assertLessEqual(elapsed, 2.5 + 1e-6)
+                self.assertNotIn("\n", str(err))
+                self.assertIn("busy_wait", str(err))
+                self.assertTrue(str(err).endswith(": " + reason), str(err))
+                self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
+                self.assertEqual((err.__cause__.status, err.__cause__.body), (429, front_page(name)))
+
+    def test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait(self):
+        self.client_with(load_wait=0.6, busy_wait=0.2)
+        self.use(reply(front_answer("haproxy 503 unreachable")))
+        err = self._f_fails(lc.LoadTimeoutError, 0.6)
+        self.assertIn("load_wait", str(err))
+        cause = err.__cause__
+        self.assertEqual(
+            (cause.status, cause.message, cause.server),
+            (503, "every llama-server behind this front is unreachable", None),
+        )
+        reasons = {e.reason for e in self._f_events if isinstance(e, lc.Retrying)}
+        self.assertEqual(reasons, {"HTTP 503: every llama-server behind this front is unreachable"})
+
+    def test_a_full_front_s_answer_to_a_single_shot_call(self):
+        for name, reason in _FULL_REASONS.items():
+            with self.subTest(name):
+                self.server.route("POST", "/tokenize", reply(front_answer(name)))
+                with self.assertRaises(lc.HTTPStatusError) as caught:
+                    run_with_timeout(lambda: self.client.tokenize("x"), 5)  # never retried: one line, the page kept
+                self.assertEqual(str(caught.exception), reason)
+                self.assertEqual(caught.exception.body, front_page(name))
+
+
+class TestFaultSessions(_f_Case):
+    """The session key of a resumable stream on every request made for it when the server misbehaves:
+    the replay after a cut, the lookup after a connection lost before the head, the DELETE when an error
+    ends it early; a malformed key is refused before anything is sent; Limits(session=False) sends none."""
+
+    def _fs_buffer(self, cuts=()):
+        return _r_Buffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=cuts)
+
+    def _fs_keys(self):
+        return [(m, p, v) for m, p, v in session_headers(self.server)]
+
+    def test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key(self):
+        buf = self._fs_buffer()
+        buf.cuts = [len(buf.head) + 900]
+        done = self._f_succeeds(fn=self._f_chat(resumable="conv-1", session="k-1"))
+        self.assertTrue(done.content)
+        self.assertEqual(buf.methods(), ["POST", "GET"])
+        self.assertEqual(self._fs_keys(), [("POST", "/v1/chat/completions", ["k-1"]), ("GET", "/v1/stream", ["k-1"])])
+
+    def test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key(self):
+        buf = self._fs_buffer(cuts=[0])
+        self._f_succeeds(fn=self._f_chat(resumable="conv-1"))
+        key = session_digest(canonical(MSGS))  # no key given: the digest, on all three
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])
+        self.assertEqual(
+            self._fs_keys(),
+            [
+                ("POST", "/v1/chat/completions", [key]),
+                ("POST", "/v1/streams/lookup", [key]),
+                ("GET", "/v1/stream", [key]),
+            ],
+        )
+
+    def test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key(self):
+        buf = self._fs_buffer()
+        buf.raw = (
+            STREAM_HEAD
+            + chunked(
+                sse(chunk_json({"content": "Hi"})),
+                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
+            )
+            + b"0\r\n\r\n"
+        )
+        self._f_fails(lc.ServerError, fn=self._f_chat(resumable="conv-1", session="k-2"))
+        self.assertEqual(buf.methods(), ["POST", "DELETE"])
+        self.assertEqual(
+            self._fs_keys(), [("POST", "/v1/chat/completions", ["k-2"]), ("DELETE", "/v1/stream", ["k-2"])]
+        )
+
+    def test_a_malformed_session_key_is_refused_before_anything_is_sent(self):
+        self.use(reply(STREAM_HEAD + _F_OK_BODY))
+        for bad in ("", "x" * 129, "a b"):
+            with self.subTest(bad=bad), self.assertRaises(ValueError):
+                self.client.chat(MSGS, session=bad)
+        self.assertEqual(self.server.requests, [])
+
+    def test_limits_session_false_sends_none_even_on_a_resumed_stream(self):
+        self.client_with(session=False)
+        buf = self._fs_buffer()
+        buf.cuts = [len(buf.head) + 900]
+        self._f_succeeds(fn=self._f_chat(resumable="conv-1"))
+        self.assertEqual(self._fs_keys(), [("POST", "/v1/chat/completions", []), ("GET", "/v1/stream", [])])
+
+
+# -- the real tier: several servers as one, through the README's configurations ---------------------------
+
+
+def readme_front(kind):
+    """The configuration of ``kind`` exactly as the README prints it (its fronts section's block)."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("\n## Behind nginx, HAProxy and Caddy\n") :]
+    section = section[: section.index("\n## ", 1)]
+    lang = {"nginx": "nginx", "haproxy": "haproxy", "caddy": "caddyfile"}[kind]
+    marker = "`dev/fronts/%s`:\n\n```%s\n" % (FRONT_KINDS[kind]["file"], lang)
+    start = section.index(marker) + len(marker)
+    return section[start : section.index("```\n", start)]
+
+
+def _rs_task(client):
+    """The highest task id on the server's slots: it grows when the server takes a request."""
+    return max(s.raw.get("id_task", -1) for s in client.slots())
+
+
+def _rs_processing(clients):
+    return sum(s.is_processing for c in clients for s in c.slots())
+
+
+class FrontHolder(Holder):
+    """A long generation through a front (so that the front counts it against its server's slots), a
+    conversation of its own (``key``) holding one slot until ``release()``."""
+
+    def __init__(self, address, key):
+        self.client = lc.Client(address, limits=REAL_LIMITS.replace(servers=2))
+        self.stream = self.client.stream(
+            [{"role": "user", "content": "Write a very long story about the sea, %s." % key}],
+            max_tokens=900,
+            ignore_eos=True,
+            temperature=0,
+        )
+        self.tokens, self.error, self.finished = 0, None, False
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="lc-test-front-holder", daemon=True)
+        self.thread.start()
+        if not self.started.wait(60):
+            self.release()
+            raise AssertionError("the holder's generation did not start within 60 s")
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealSessions(ClientFactory, unittest.TestCase):
+    """Two real servers (-np 2 each) behind nginx, HAProxy and Caddy run from the configurations as the README
+    prints them, with 60 s idle timeouts, and one client per front sending no header of its own: the turns of
+    each conversation reach the server that holds it (the servers' task ids say where each turn ran, and the
+    prompt tokens they read are those new since the last turn); with three long generations over the four
+    slots, short chats start at once on the free slot; with every slot busy, chats wait (the front's 429
+    under busy_wait, or HAProxy's queue) and finish as slots free; a resumable stream cut between the front and
+    its server resumes through the front on that server, found by its session key."""
+
+    TIMEOUT = 60
+    limits = REAL_LIMITS.replace(poll=0.5, servers=2, busy_wait=90.0, load_wait=20.0)
+
+    @classmethod
+    def setUpClass(cls):
+        missing = _front_binaries()
+        if missing:
+            _require(cls, False, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
+        _require(cls, REAL_SOCKET2, SKIP_SECOND)
+        cls.servers = [REAL_SOCKET, REAL_SOCKET2]
+        cls.fronts = {}
+        try:
+            for kind in FRONT_KINDS:
+                cls.fronts[kind] = Front(kind, cls.servers, "pin", cls.TIMEOUT, text=readme_front(kind))
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for front in getattr(cls, "fronts", {}).values():
+            front.close()
+        cls.fronts = {}
+
+    def setUp(self):
+        self.direct = [lc.Client(s, limits=REAL_LIMITS) for s in self.servers]
+        for client in self.direct:
+            self.addCleanup(client.close)
+            _idle(client)
+
+    def client_for(self, address, **changes):
+        client = self.new_client(address, limits=self.limits.replace(**changes))
+        self.addCleanup(client.close)
+        return client
+
+    def tag(self, kind):
+        return "%s %s %d %d" % (kind, self.CLIENT, os.getpid(), time.monotonic_ns())
+
+    # -- every turn of a conversation to its server ----------------------------------------------------
+
+    def new_tokens(self, before, after):
+        """The prompt tokens of ``after`` that ``before`` did not have, as the server renders them."""
+        count = lambda messages: len(self.direct[0].tokenize(self.direct[0].apply_template(messages)))
+        return count(after) - count(before)
+
+    def test_every_turn_of_a_conversation_reaches_the_server_that_holds_it(self):
+        facts = " ".join("Fact %d: the harbour keeps lantern number %d lit." % (i, i * 7) for i in range(12))
+        for kind, front in self.fronts.items():
+            with self.subTest(kind):
+                client = self.client_for(front.url)  # one client for every conversation, no header set by hand
+                tag = self.tag(kind)
+                convs = [
+                    [{"role": "system", "content": "[%s %d] Answer briefly. %s" % (tag, n, facts)}] for n in range(2)
+                ]
+                ran, read, new = {n: [] for n in range(2)}, 0, 0
+                for turn in range(3):
+                    for n, messages in enumerate(convs):
+                        before = [_rs_task(c) for c in self.direct]
+                        messages.append({"role": "user", "content": "Name fact %d." % (turn + n)})
+                        completion = run_with_timeout(
+                            lambda m=messages: client.chat(m, max_tokens=8, temperature=0), 120
+                        )
+                        after = [_rs_task(c) for c in self.direct]
+                        ran[n] += [i for i in (0, 1) if after[i] != before[i]]
+                        if turn:  # a later turn: what it read against what was new since the last one
+                            read += completion.timings["prompt_n"]
+                            new += self.new_tokens(messages[:-2], messages)  # its reply and this user line
+                        messages.append({"role": "assistant", "content": completion.content})
+                for n, where in ran.items():
+                    self.assertEqual(
+                        len(where), 3, "conversation %d: one server per turn, by the task ids: %r" % (n, where)
+                    )
+                    self.assertEqual(len(set(where)), 1, "conversation %d ran on %r" % (n, where))
+                self.assertLessEqual(
+                    read, 1.15 * new, "later turns read %d prompt tokens for %d new ones" % (read, new)
+                )
+
+    # -- free slots first; every slot busy: a wait, then served ----------------------------------------
+
+    def first_token(self, client, text, **kw):
+        """(seconds to the first token, the events) of a short chat."""
+        events, firsts = [], []
+        t = Timer()
+
+        def seen(event):
+            events.append(event)
+            if isinstance(event, lc.Content) and not firsts:
+                firsts.append(t.elapsed)
+
+        completion = run_with_timeout(
+            lambda: client.chat([{"role": "user", "content": text}], on_event=seen, max_tokens=4, temperature=0, **kw),
+            120,
+        )
+        self.assertTrue(completion.finish_reason, completion)
+        return (firsts or [t.elapsed])[0], events
+
+    def test_short_chats_take_the_free_slot_and_wait_when_every_slot_is_busy(self):
+        for kind, front in self.fronts.items():
+            with self.subTest(kind), contextlib.ExitStack() as holding:
+                tag = self.tag(kind)
+                holders = []
+                for i in range(4):  # the fourth comes once the short chats are done
+                    if i == 3:
+                        self.short_chats_take_the_free_slot(front, tag, holders)
+                    holders.append(FrontHolder(front.url, "%s hold %d" % (tag, i)))
+                    holding.callback(holders[-1].release)
+                wait_for(lambda: _rs_processing(self.direct) == 4, 30, "every slot generating")
+                self.chats_wait_while_every_slot_is_busy(kind, front, tag, holders)
+            wait_for(lambda: _rs_processing(self.direct) == 0, 30, "every slot free again")
+
+    def short_chats_take_the_free_slot(self, front, tag, holders):
+        """Three long generations over the four slots: new conversations one after another each take the free
+        slot, and finish while the three still generate (nothing that waited for one of them could)."""
+        wait_for(lambda: _rs_processing(self.direct) == 3, 30, "three slots generating")
+        free = [i for i, c in enumerate(self.direct) if not all(s.is_processing for s in c.slots())]
+        self.assertEqual(len(free), 1, "one server with a free slot")
+        client = self.client_for(front.url)
+        took = []
+        for i in range(3):
+            before = [_rs_task(c) for c in self.direct]
+            first, events = self.first_token(client, "%s chat %d: name a colour." % (tag, i))
+            took.append(round(first, 2))
+            ran = [n for n, c in enumerate(self.direct) if _rs_task(c) != before[n]]
+            told = [type(e).__name__ for e in events if isinstance(e, (lc.Retrying, lc.Queued))]
+            self.assertEqual((ran, told), (free, []), "chat %d: ran on %r, first token after %.2f s" % (i, ran, first))
+        # none could have waited for a long generation's slot: all three still generate (the times to the
+        # first token, 0.3-2 s on a quiet machine, are in the message; a shared CPU stretches them)
+        running = [h.thread.is_alive() and h.error is None and not h.finished for h in holders]
+        self.assertEqual(running, [True] * 3, "a long generation ended (first tokens after %r s)" % took)
+
+    def chats_wait_while_every_slot_is_busy(self, kind, front, tag, holders):
+        """Every slot busy: two chats wait (nginx and Caddy answer 429, waited out under busy_wait; HAProxy
+        holds them in its queue) and finish once two generations are released."""
+        client = self.client_for(front.url)
+        events, results = {}, {}
+        markers = ["%s wait %d: name a colour." % (tag, i) for i in range(2)]
+        threads = [start_chat(client, m, None, events, results, max_tokens=4, temperature=0) for m in markers]
+        if kind == "haproxy":  # held at the front: silence, and polls that cannot see the request's slot
+            seen = lambda m: any(isinstance(e, lc.Waiting) for e in events[m])
+        else:  # answered 429 at once
+            seen = lambda m: any(isinstance(e, lc.Retrying) for e in events[m])
+        wait_for(lambda: all(seen(m) for m in markers), 30, "both chats waiting")
+        self.assertEqual(results, {}, "a chat ended while every slot was busy")
+        for holder in holders[:2]:
+            self.assertTrue(holder.release(), "a long generation ended before it was released")
+        for thread in threads:
+            thread.join(90)
+        for m in markers:
+            self.assertIsInstance(
+                results.get(m), lc.Completion, [e for e in events[m] if not isinstance(e, lc.Waiting)][:6]
+            )
+            reasons = {e.reason for e in events[m] if isinstance(e, lc.Retrying)}
+            if kind == "haproxy":
+                self.assertEqual(reasons, set())
+                self.assertEqual({e.slots_known for e in events[m] if isinstance(e, lc.Waiting)}, {False})
+            else:
+                self.assertEqual(reasons, {_FULL_REASONS[kind + " 429"]})
+
+    # -- a resumable stream cut behind the front --------------------------------------------------------
+
+    def placed_on(self, kind, front, proxy, tag):
+        """A session key that ``front`` places on the server behind ``proxy``: nginx and Caddy hash it (asked
+        with GET /health, which they route by the same hash), HAProxy remembers where it placed the key's
+        first generation (a short one, not streamed: the proxy cuts only a stream)."""
+        for n in range(40):
+            key = "%s key %d" % (tag, n)
+            key = key.replace(" ", "-")
+            before = proxy.connections
+            with lc.Client(front.url, session=key, limits=lc.Limits(keep_alive=0)) as probe:
+                if kind == "haproxy":
+                    probe.request("POST", "/completion", {"prompt": "Hi", "n_predict": 1})
+                else:
+                    self.assertEqual(probe.health(), {"status": "ok"})
+            if proxy.connections > before:
+                return key
+        self.fail("%s placed none of 40 keys on the first server" % kind)
+
+    def test_a_resumable_stream_cut_behind_the_front_resumes_on_its_server(self):
+        for kind in FRONT_KINDS:
+            with self.subTest(kind):
+                proxy = CutProxy(REAL_SOCKET, 1500)
+                self.addCleanup(proxy.close)
+                front = Front(kind, [proxy.path, REAL_SOCKET2], "pin", self.TIMEOUT, text=readme_front(kind))
+                self.addCleanup(front.close)
+                tag = self.tag(kind)
+                key = self.placed_on(kind, front, proxy, tag)
+                conversation = "lc-%s" % key
+                client = self.client_for(front.url)
+                stream = client.stream(STORY, resumable=conversation, session=key, max_tokens=40, temperature=0, seed=1)
+                events = run_with_timeout(lambda: list(stream), 90)
+                self.assertEqual((proxy.cuts, stream.session), (1, key))
+                resumed = [e for e in events if isinstance(e, lc.Resumed)]
+                self.assertEqual(len(resumed), 1, resumed)
+                self.assertGreater(resumed[0].offset, 0)
+                # the replay found the stream (another server would have answered 404): whole, and only the
+                # first server knows it
+                self.assertEqual(stream.completion.usage["completion_tokens"], 40)
+                self.assertEqual(
+                    "".join(e.text for e in events if isinstance(e, lc.Content)), stream.completion.content
+                )
+                found = _marked_done(self.direct[0], conversation)  # the first server ran it, and knows it
+                self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
+                self.assertEqual(self.direct[1].lookup_streams([conversation]), [])
+                self.direct[0].delete_stream(conversation)
+
+
+class TestRealSessionsAsync(AsyncDriver, TestRealSessions):
     pass

@@ -22984,3 +22984,33 @@ def _tcp_connections(port):
 
 class TestRealFrontsAsync(AsyncDriver, TestRealFronts):
     pass
+
+
+# -----------------------------------------------------------------------------------------------------
+# What a first use meets: vendoring under python3 -I -S, the README's examples under mypy, the socket's
+# directory, the command line's waits, prompts, addresses, slots and help, the cancel in the log.
+# -----------------------------------------------------------------------------------------------------
+
+
+def _readme_checker():
+    """dev/check-readme.py as a module (its functions; its main() is not run)."""
+    import runpy
+
+    return runpy.run_path(os.path.join(HERE, "dev", "check-readme.py"))
+
+
+class TestReadmeExamplesChecked(unittest.TestCase):
+    """dev/check-readme.py, which .ci/run runs under mypy --strict (and mypy 1.14.1 for 3.8), reads the
+    same examples that the real tier runs, and names each at its README line."""
+
+    def test_the_checker_reads_every_python_block(self):
+        checker = _readme_checker()
+        self.assertEqual(checker["readme_blocks"](), readme_python_blocks())
+        text = "x\n```python\nimport a\n```\n\n```\nnot python\n```\n```python\nb = 1\nc = 2\n```\n"
+        self.assertEqual(checker["python_blocks"](text), [(3, "import a\n"), (10, "b = 1\nc = 2\n")])
+
+    def test_ci_runs_it_under_both_mypys(self):
+        with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
+            ci = f.read()
+        self.assertIn('python3 dev/check-readme.py --mypy "$DEV/bin/mypy"\n', ci)
+        self.assertIn('python3 dev/check-readme.py --mypy "$MYPY38/bin/mypy" --python-version 3.8\n', ci)

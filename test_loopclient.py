@@ -22541,8 +22541,13 @@ class TestRealReadmeExamples(unittest.TestCase):
             with self.subTest(line=line):
                 others = set(re.findall(r"[\"'](/[^\"']*\.sock)[\"']", code)) - {README_DEMO_SOCKET}
                 self.assertEqual(others, set(), "an example at line %d uses another socket than the demo's" % line)
+                where = tempfile.mkdtemp(prefix="lc-readme.")
+                self.addCleanup(shutil.rmtree, where, True)
+                script = os.path.join(where, "readme_%d.py" % line)  # a file: an example may use __file__
+                with open(script, "w", encoding="utf-8") as f:
+                    f.write(code.replace(README_DEMO_SOCKET, REAL_DEMO))
                 done = subprocess.run(
-                    [sys.executable, "-c", code.replace(README_DEMO_SOCKET, REAL_DEMO)],
+                    [sys.executable, script],
                     cwd=HERE,
                     env=dict(os.environ, PYTHONPATH=HERE),
                     capture_output=True,
@@ -23014,3 +23019,61 @@ class TestReadmeExamplesChecked(unittest.TestCase):
             ci = f.read()
         self.assertIn('python3 dev/check-readme.py --mypy "$DEV/bin/mypy"\n', ci)
         self.assertIn('python3 dev/check-readme.py --mypy "$MYPY38/bin/mypy" --python-version 3.8\n', ci)
+
+
+def readme_block_with(marker):
+    """The one ```python block of the README that holds ``marker``."""
+    found = [code for _, code in readme_python_blocks() if marker in code]
+    assert len(found) == 1, "%d README blocks hold %r" % (len(found), marker)
+    return found[0]
+
+
+class TestVendoring(unittest.TestCase):
+    """A vendored copy under ``python3 -I -S`` (isolated mode: neither the script's directory nor PYTHONPATH on
+    sys.path, no site-packages), as the README's "Vendor it" shows: the script with the line that puts its
+    own directory first, taken from the README itself, and a program run as a directory."""
+
+    def setUp(self):
+        self.where = tempfile.mkdtemp(prefix="lc-vendor.")
+        self.addCleanup(shutil.rmtree, self.where, True)
+        self.elsewhere = os.path.join(self.where, "elsewhere")  # the working directory: not the script's
+        os.mkdir(self.elsewhere)
+
+    def vendored(self, directory, script_name, script):
+        os.makedirs(directory, exist_ok=True)
+        shutil.copy(os.path.join(HERE, "loopclient.py"), os.path.join(directory, "loopclient.py"))
+        with open(os.path.join(directory, script_name), "w", encoding="utf-8") as f:
+            f.write(script)
+
+    def run_isolated(self, target):
+        return subprocess.run(
+            [sys.executable, "-I", "-S", target],
+            cwd=self.elsewhere,
+            env=dict(os.environ, PYTHONPATH=HERE),  # ignored under -I: the checkout's copy is not found
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def test_the_readme_script_runs_under_isolated_mode(self):
+        script = readme_block_with("python3 -I -S app.py")
+        app = os.path.join(self.where, "app")
+        self.vendored(app, "app.py", script)
+        done = self.run_isolated(os.path.join(app, "app.py"))
+        self.assertEqual((done.returncode, done.stdout, done.stderr), (0, "loopclient %s\n" % lc.__version__, ""))
+        # the README's line is what makes it work: without it, the copy beside the script is not found
+        line = "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))"
+        self.assertIn(line, script)
+        self.vendored(app, "app.py", script.replace(line, "pass"))
+        done = self.run_isolated(os.path.join(app, "app.py"))
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(done.stderr.splitlines()[-1], "ModuleNotFoundError: No module named 'loopclient'")
+
+    def test_a_program_run_as_a_directory_finds_its_copy(self):
+        app = os.path.join(self.where, "myapp")
+        self.vendored(app, "__main__.py", "import loopclient as lc\n\nprint(lc.__file__, lc.__version__)\n")
+        done = self.run_isolated(app)
+        self.assertEqual(
+            (done.returncode, done.stdout, done.stderr),
+            (0, "%s %s\n" % (os.path.join(app, "loopclient.py"), lc.__version__), ""),
+        )

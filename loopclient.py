@@ -3682,8 +3682,11 @@ def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
     """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
     directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
-    never retried.  A socket file that has not existed since the client was made: ``exc`` (retried by a
-    stream), logged as a WARNING at the first failure."""
+    never retried.  Nor can a path whose directory does not exist, until someone makes the directory:
+    ``ConnectError`` at once too, while no socket file has been reached there since the client was made
+    (once one has, a directory gone with its server is a restart, waited for as a missing file is).  A
+    socket file missing from a directory that is there: ``exc`` (retried by a stream), logged as a WARNING
+    at the first failure when none has been there since the client was made."""
     import stat
 
     path = addr.target
@@ -3695,23 +3698,31 @@ def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
         mode, what = 0, "below a regular file"
     except OSError:
         mode = None
+    folder = os.path.dirname(path) or "."
     if mode is not None and not stat.S_ISSOCK(mode):
-        err = ConnectError("%s is %s, not a socket: no llama-server can listen there" % (addr.text, what), addr.text)
-        err.__cause__ = exc
-        return err
-    if mode is not None:
-        addr.seen = True  # a socket file: the server is there or was
-    elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
-        addr.warned = True
-        log = _logger(_WARNING)
-        if log is not None:
-            log.warning(
-                "%s: no socket file there (none since the client was made): is llama-server started with "
-                "--host %s? waiting for it",
-                addr.text,
-                path,
-            )
-    return exc
+        text = "%s is %s, not a socket: no llama-server can listen there" % (addr.text, what)
+    elif mode is None and not addr.seen and isinstance(exc, FileNotFoundError) and not os.path.isdir(folder):
+        text = (
+            "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
+            "someone makes it" % (addr.text, folder)
+        )
+    else:
+        if mode is not None:
+            addr.seen = True  # a socket file: the server is there or was
+        elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
+            addr.warned = True
+            log = _logger(_WARNING)
+            if log is not None:
+                log.warning(
+                    "%s: no socket file there (none since the client was made): is llama-server started with "
+                    "--host %s? waiting for it",
+                    addr.text,
+                    path,
+                )
+        return exc
+    err = ConnectError(text, addr.text)
+    err.__cause__ = exc
+    return err
 
 
 def _verdict(addr: _Address, exc: BaseException) -> None:

@@ -22275,11 +22275,11 @@ class TestLoggingCostsNothing(unittest.TestCase):
     def test_no_logging_without_the_program_importing_it(self):
         code = (
             "import sys, loopclient as lc\n"
-            "c = lc.Client('/nonexistent/s.sock', limits=lc.Limits(load_wait=0.3))\n"
+            "c = lc.Client('/tmp/loopclient-none-%d.sock', limits=lc.Limits(load_wait=0.3))\n"  # retried: logged
             "try:\n    c.chat([{'role': 'user', 'content': 'x'}], slot=0)\n"
             "except lc.LoadTimeoutError:\n    pass\n"
             "print('logging' in sys.modules)\n"
-        )
+        ) % os.getpid()
         out = subprocess.run(
             [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=30, check=True
         ).stdout
@@ -23077,3 +23077,92 @@ class TestVendoring(unittest.TestCase):
             (done.returncode, done.stdout, done.stderr),
             (0, "%s %s\n" % (os.path.join(app, "loopclient.py"), lc.__version__), ""),
         )
+
+
+class TestSocketDirectory(_Logged, ServerCase):
+    """A socket path whose directory does not exist cannot become a server's socket until someone makes the
+    directory: ConnectError at once, for a stream as for a single-shot call, never waited for under
+    load_wait; a missing socket file in a directory that is there is still waited for (a server starting),
+    and so is a directory gone with a server the client has reached (a restart)."""
+
+    limits = FAST.replace(load_wait=0.4)
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.where = tempfile.mkdtemp(prefix="lc", dir="/tmp")
+        self.closers.append(lambda: shutil.rmtree(self.where, True))
+
+    def client_at(self, path):
+        client = self.new_client(path, limits=self.limits)
+        self.closers.insert(0, client.close)
+        return client
+
+    def test_a_missing_directory_is_connect_error_at_once(self):
+        folder = os.path.join(self.where, "none", "deeper")
+        path = os.path.join(folder, "demo.sock")
+        client = self.client_at(path)
+        events = []
+        elapsed = Timer()
+        with self.assertRaises(lc.ConnectError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, on_event=events.append))
+        self.assertLess(elapsed.elapsed, 0.2 + MARGIN)  # at once: not retried for load_wait
+        self.assertEqual(events, [])
+        self.assertEqual(
+            str(caught.exception),
+            "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
+            "someone makes it" % (path, folder),
+        )
+        self.assertIsInstance(caught.exception.__cause__, FileNotFoundError)
+        with self.assertRaises(lc.ConnectError) as single:
+            run_with_timeout(client.health)
+        self.assertEqual(str(single.exception), str(caught.exception))
+        self.assertEqual(self.logged(logging.WARNING), [])  # an error, not a wait to warn about
+
+    def test_a_relative_path_names_its_directory_as_given(self):
+        path = "no-such-directory-%d/s.sock" % os.getpid()
+        client = self.client_at(path)
+        with self.assertRaises(lc.ConnectError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertIn("its directory no-such-directory-%d does not exist" % os.getpid(), str(caught.exception))
+
+    def test_a_missing_file_in_a_directory_that_is_there_is_waited_for(self):
+        client = self.client_at(os.path.join(self.where, "s.sock"))
+        events = []
+        with self.assertRaises(lc.LoadTimeoutError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
+
+    def test_a_directory_gone_after_its_server_was_reached_is_a_restart_waited_for(self):
+        folder = os.path.join(self.where, "run")
+        os.mkdir(folder)
+        path = os.path.join(folder, "s.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.close()  # a socket file nothing listens on: refused, and the client has seen it
+        client = self.client_at(path)
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertIsInstance(caught.exception.__cause__, ConnectionRefusedError)
+        shutil.rmtree(folder)  # the service's directory removed with it, as systemd's RuntimeDirectory is
+        events = []
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertIsInstance(caught.exception.__cause__, FileNotFoundError)
+        self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
+        self.assertNotIn("never existed", str(caught.exception))
+
+    def test_a_directory_made_later_is_reached(self):
+        """The rule is about the moment of the connect: once the directory and the server are there, the same
+        client reaches them."""
+        folder = os.path.join(self.where, "later")
+        client = self.client_at(os.path.join(folder, "s.sock"))
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(client.health)
+        os.mkdir(folder)
+        os.symlink(self.server.path, os.path.join(folder, "s.sock"))
+        self.assertEqual(run_with_timeout(client.health), {"status": "ok"})
+
+
+class TestSocketDirectoryAsync(AsyncDriver, TestSocketDirectory):
+    pass

@@ -3743,22 +3743,31 @@ def _verdict(addr: _Address, exc: BaseException) -> None:
         log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
 
 
-def _tell(log: Any, addr: _Address, events: List[Any]) -> None:
+def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
     """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
-    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged."""
+    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
+    the request is ``slot=None``'s, so a wait is told of the slots, not of one."""
     for event in events:
         kind = type(event)
         if kind is Retrying:
             log.info("%s: retry %d in %.2f s: %s", addr.text, event.attempt, event.delay, event.reason)
         elif kind is Waiting:
-            state = "wedged" if event.wedged else "busy" if event.slot_busy else "not busy, no answer yet"
-            if not event.slots_known:
-                state = "unknown (the server does not serve /slots)"
-            log.info("%s: waiting for the response: the slot is %s", addr.text, state)
+            log.info("%s: waiting for the response: %s", addr.text, _waiting_text(event, pool))
         elif kind is Resumed:
             log.info("%s: connection lost: resumed at byte %d (attempt %d)", addr.text, event.offset, event.attempt)
         elif kind is Queued:
             log.debug("%s: queued: %d ahead in this client", addr.text, event.ahead)
+
+
+def _waiting_text(event: Waiting, pool: bool) -> str:
+    """What a ``Waiting`` says, for a request pinned to a slot or (``pool``) for a ``slot=None`` one."""
+    if not event.slots_known:
+        return "the %s unknown (the server does not serve /slots)" % ("slots are" if pool else "slot is")
+    if event.wedged:
+        return "a slot is wedged" if pool else "the slot is wedged"
+    if event.slot_busy:
+        return "every slot is busy" if pool else "the slot is busy"
+    return "a slot is free, no answer yet" if pool else "the slot is not busy, no answer yet"
 
 
 class _Silence(Exception):
@@ -3855,6 +3864,17 @@ _BUDGETS = {
 }
 
 
+#: What ``_BUDGETS`` says of a ``slot=None`` request, which waits for the pool, not for one slot.
+_POOL_TEXTS = {
+    BUSY: "every slot stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
+    IDLE: "a slot is free, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    SEVERAL: "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
+    "servers (Limits.servers) /slots may describe another server than the one holding the request",
+    UNSEEN: "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
+    "its slots cannot be seen (busy_wait): the request may still be queued upstream",
+}
+
+
 class _Waits:
     """What a request waits on before its response starts, and since when: each state has its budget,
     which restarts when the state changes."""
@@ -3863,7 +3883,7 @@ class _Waits:
 
     def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
         self.limits = limits
-        self.slot = "any" if slot is None else str(slot)
+        self.slot = slot  # None: the pool
         self.address = address
         self.state = None  # type: Optional[str]
         self.since = _clock()
@@ -3896,6 +3916,8 @@ class _Waits:
     def expired(self) -> LoopError:
         assert self.state is not None
         _, cls, text = _BUDGETS[self.state]
+        if self.slot is None:
+            text = _POOL_TEXTS.get(self.state, text)
         waited = _clock() - self.since
         text = text.format(slot=self.slot, address=self.address, waited=waited)
         if isinstance(self.cause, HTTPStatusError) and self.cause.status in _FRONT_STATUSES:
@@ -6165,6 +6187,7 @@ class Stream:
         self._batch_offset = run.offset = req.offset or 0
         self._done = False
         self._log = _logger(_INFO)  # the events that say what the request waits for are logged with it
+        self._pool = req.slot is None  # a slot=None request: its waits are told of the slots
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
@@ -6204,7 +6227,7 @@ class Stream:
                 self.offset = run.offset
                 raise StopIteration
             if self._log is not None:
-                _tell(self._log, run.board.calls.addr, got)
+                _tell(self._log, run.board.calls.addr, got, self._pool)
             got.reverse()  # a fresh list, never empty: popped from its end
             self._batch = got
             self._batch_offset = run.offset
@@ -7210,7 +7233,7 @@ class AsyncStream:
             self.offset = run.offset
             raise StopAsyncIteration
         if self._log is not None:
-            _tell(self._log, run.board.calls.addr, got)
+            _tell(self._log, run.board.calls.addr, got, self._req.slot is None)
         got.reverse()  # a fresh list, never empty: popped from its end
         self._batch = got
         self._batch_offset = run.offset
@@ -7699,7 +7722,7 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
 _HINTS = (
     (BusyError, "the queue for this slot is full: try again later, or another --slot"),
     (WaitTimeoutError, "the slot stayed busy: try another --slot, or later"),
-    (LoadTimeoutError, "start llama-server, or pass --socket PATH / --url URL"),
+    (LoadTimeoutError, "start llama-server, or pass --socket PATH / --url URL (--wait SECONDS waits longer)"),
     (ConnectError, "start llama-server, or pass --socket PATH / --url URL"),
     (WedgedSlotError, "restart llama-server (SIGKILL if SIGTERM does not stop it)"),
     (StalledError, "the server stopped answering: check its log"),
@@ -7712,13 +7735,26 @@ _HINTS = (
 )
 
 
-def _describe(exc: LoopError) -> str:
+def _describe(exc: LoopError, pool: bool = False) -> str:
+    """The one line of an error: its message and what to do (``pool``: the request was ``slot=None``'s, so
+    no slot of its own stayed busy)."""
     hint = next((text for cls, text in _HINTS if isinstance(exc, cls)), "")
+    if isinstance(exc, WaitTimeoutError) and pool:
+        hint = "every slot stayed busy: try later, or wait longer with --wait SECONDS"
+    elif isinstance(exc, LoadTimeoutError) and _loading(exc.__cause__):
+        hint = "the server is still loading: try again, or wait longer with --wait SECONDS"
     if isinstance(exc, LoadTimeoutError) and isinstance(exc.__cause__, OSError):
         exc_text = "%s (last: %s)" % (exc, exc.__cause__.strerror or exc.__cause__)
     else:
         exc_text = str(exc)
     return "loopclient: %s%s" % (exc_text, ": " + hint if hint else "")
+
+
+def _loading(cause: Optional[BaseException]) -> bool:
+    """The last failure of a wait was a server that answered "still loading" (503)."""
+    return (isinstance(cause, HTTPStatusError) and cause.status == 503) or (
+        isinstance(cause, ServerError) and cause.code == 503
+    )
 
 
 def _isatty(stream: Any) -> bool:
@@ -7730,11 +7766,12 @@ class _Console:
     the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%), and a
     wait (a retry, a busy slot) a line when it changes or at most each quarter of its budget."""
 
-    def __init__(self, out: Any, err: Any, client: Optional[Client] = None) -> None:
+    def __init__(self, out: Any, err: Any, client: Optional[Client] = None, pool: bool = False) -> None:
         self.out = out
         self.err = err
         self.tty = _isatty(err)
         self.client = client
+        self.pool = pool  # the request is slot=None's: its waits are told of the slots, not of one
         self._wait = None  # type: Optional[Tuple[str, float]]  # off a terminal: the last wait shown, when
         self._status = False
         self._in_reasoning = False
@@ -7772,6 +7809,8 @@ class _Console:
         elif isinstance(event, Waiting):
             waited = time.monotonic() - self.started
             state = "the slot is wedged" if event.wedged else "the slot is busy" if event.slot_busy else "no answer yet"
+            if self.pool and (event.wedged or event.slot_busy):
+                state = "a slot is wedged" if event.wedged else "every slot is busy"
             if not event.slots_known:
                 state = "no answer yet (the server does not show its slots)"
             self._waiting(state, "waiting %.0f s: %s" % (waited, state), "busy_wait")
@@ -8236,7 +8275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with client:
             return _command(client, args, params, model)
     except LoopError as exc:
-        sys.stderr.write(_describe(exc) + "\n")
+        sys.stderr.write(_describe(exc, getattr(args, "slot", 0) is None) + "\n")
         return 1
     except (ValueError, TypeError) as exc:  # a call refused what the options made of it (--slot -1, --param)
         return _refused(exc)
@@ -8258,16 +8297,36 @@ def _refused(exc: Exception) -> int:
     return 2
 
 
+#: How long the command line waits for an absent or loading server (``load_wait``) unless ``--wait`` says:
+#: a person at a terminal, not a script's two minutes.  A busy slot is waited out for ``busy_wait``.
+CLI_LOAD_WAIT = 15.0
+
+
 def _cli_client(args: Any, model: Optional[str]) -> Client:
-    """The client the options describe: the address, the key, --thinking-cap and --wait in its limits."""
-    address = getattr(args, "socket", None) or getattr(args, "url", None)
+    """The client the options describe: the address, the key, --thinking-cap and --wait in its limits
+    (without --wait, ``load_wait`` is at most ``CLI_LOAD_WAIT``)."""
+    address = _cli_address(getattr(args, "socket", None), getattr(args, "url", None))
     api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
     limits = Limits()
     if getattr(args, "thinking_cap", None) is not None:
         limits = _cli_limits(limits, "--thinking-cap", thinking_cap=args.thinking_cap)
     if getattr(args, "wait", None) is not None:
         limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
+    else:
+        limits = limits.replace(load_wait=min(limits.load_wait, CLI_LOAD_WAIT))
     return Client(address, limits=limits, api_key=api_key, model=model)
+
+
+def _cli_address(path: Optional[str], url: Optional[str]) -> Optional[str]:
+    """``--socket PATH`` or ``--url URL``; a URL given to ``--socket`` or a value without a scheme given to
+    ``--url`` is ``ValueError`` saying what was meant."""
+    if path is not None and "://" in path and not path.startswith("unix://"):
+        raise ValueError("--socket takes a socket path, and %s is a URL: use --url %s" % (path, path))
+    if url and "://" not in url:
+        if url.startswith(("/", ".")) or url.endswith(".sock"):
+            raise ValueError("--url takes http(s)://host:port, and %s is a path: use --socket %s" % (url, url))
+        raise ValueError("--url %s has no scheme: use --url http://%s (a socket path goes to --socket)" % (url, url))
+    return path if path is not None else url
 
 
 def _command(client: Client, args: Any, params: Dict[str, Any], model: Optional[str]) -> int:
@@ -8308,12 +8367,9 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
     if args.system:
         history.append({"role": "system", "content": args.system})
     prompt = args.prompt
-    interactive = False
-    if prompt is None:
-        if sys.stdin.isatty():
-            interactive = True
-        else:
-            prompt = sys.stdin.read()
+    interactive = prompt is None and sys.stdin.isatty()
+    if not interactive:
+        prompt = _prompt(prompt, sys.stdin.read if prompt is None else None)
     while True:
         if interactive:
             prompt = _read_turn()
@@ -8323,13 +8379,25 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
                 continue
         assert prompt is not None
         history.append({"role": "user", "content": prompt})
-        console = _Console(sys.stdout, sys.stderr, client)
+        console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
         show = functools.partial(console.event, show_text=not args.json)
         completion = client.chat(history, slot=args.slot, on_event=show, **params)
         _answered(console, completion, args.json)
         if not interactive:
             return 0
         history.append(_assistant_turn(completion))
+
+
+def _prompt(given: Optional[str], read: Optional[Callable[[], str]]) -> str:
+    """The prompt: ``given``, or what ``read`` returns (stdin); an empty one (or only white space) is a
+    ``ValueError``: the server would generate from nothing, for as long as the cap allows."""
+    prompt = given if read is None else read()
+    assert prompt is not None
+    if not prompt.strip():
+        if read is None:
+            raise ValueError("PROMPT is empty: give some text, or leave it out to read stdin")
+        raise ValueError("the prompt read from stdin is empty: give PROMPT, or pipe some text")
+    return prompt
 
 
 def _read_turn() -> Optional[str]:
@@ -8389,12 +8457,12 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     openai = args.command == "complete" and args.openai  # /v1/completions: its token cap is max_tokens
     if "max_tokens" in params and not openai:  # --param n_predict, applied last, wins over --max-tokens
         params.setdefault("n_predict", params.pop("max_tokens"))
-    console = _Console(sys.stdout, sys.stderr, client)
+    console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
     show = functools.partial(console.event, show_text=not args.json)
     try:
         if args.command == "complete":
-            prompt = args.prompt if args.prompt is not None else _read_stdin("the prompt")
-            text = (prompt,)  # type: Tuple[str, ...]
+            read = (lambda: _read_stdin("the prompt")) if args.prompt is None else None
+            text = (_prompt(args.prompt, read),)  # type: Tuple[str, ...]
         else:
             text = (_read_arg(args.prefix), _read_arg(args.suffix))
     except ValueError as exc:

@@ -22405,12 +22405,22 @@ class TestCommandLineFirstUse(CLICase):
         self.assertEqual(self.server.requests, [])
 
     def test_host_port_without_a_scheme_is_a_usage_error(self):
-        code, out, err = self.run_main(["--url", "localhost:8080", "health"])
+        code, out, err = self.run_main(["--socket", "localhost:8080", "health"])
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(
             err,
             "loopclient: error: 'localhost:8080' is host:port without a scheme: use http://localhost:8080 "
             "(a socket file of that name: ./localhost:8080)\n",
+        )
+        code, out, err = self.run_main(["--url", "localhost:8080", "health"])  # a URL was meant: no socket file
+        self.assertEqual(
+            (code, out, err),
+            (
+                2,
+                "",
+                "loopclient: error: --url localhost:8080 has no scheme: use --url http://localhost:8080 (a socket "
+                "path goes to --socket)\n",
+            ),
         )
 
     def test_chat_caps_the_answer_unless_told(self):
@@ -23166,3 +23176,225 @@ class TestSocketDirectory(_Logged, ServerCase):
 
 class TestSocketDirectoryAsync(AsyncDriver, TestSocketDirectory):
     pass
+
+
+class TestPoolWording(_Logged, ServerCase):
+    """A slot=None request waits for the pool, not for one slot: its errors and its log say "every slot" or
+    "a slot", never "slot any"; a pinned request's still name its slot."""
+
+    limits = FAST.replace(busy_wait=0.4, idle_grace=0.4)
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.client = self.new_client(self.server.address, limits=self.limits)
+        self.closers.insert(0, self.client.close)
+
+    def fails(self, slot):
+        self.use(hold_then(b"", threading.Event()))
+        with self.assertRaises(lc.LoopError) as caught:
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=slot))
+        return caught.exception
+
+    def test_every_slot_busy(self):
+        self.server.busy[:] = [True, True]
+        err = self.fails(None)
+        self.assertIsInstance(err, lc.WaitTimeoutError)
+        self.assertRegex(
+            str(err), r"^every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others$"
+        )
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: every slot is busy" % self.server.address), self.logged(waits=True)
+        )
+        self.assertNotIn("any", str(err))
+
+    def test_a_pinned_slot_busy_names_it(self):
+        self.server.busy[:] = [False, True]
+        err = self.fails(1)
+        self.assertRegex(
+            str(err), r"^slot 1 stayed busy for 0\.\d s \(busy_wait\): the server is still serving others$"
+        )
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: the slot is busy" % self.server.address), self.logged(waits=True)
+        )
+
+    def test_a_free_slot_and_no_answer(self):
+        self.server.busy[:] = [True, False]
+        err = self.fails(None)
+        self.assertIsInstance(err, lc.StalledError)
+        self.assertRegex(
+            str(err), r"^a slot is free, yet no response came for 0\.\d s \(idle_grace\): the server is stuck$"
+        )
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: a slot is free, no answer yet" % self.server.address),
+            self.logged(waits=True),
+        )
+
+
+class TestPoolWordingAsync(AsyncDriver, TestPoolWording):
+    pass
+
+
+class TestCommandLineWaits(CLICase):
+    """The command line's waits are a person's, not a script's: an absent or loading server is waited for
+    CLI_LOAD_WAIT (15 s) unless --wait says, a busy slot busy_wait (600 s); its hints say what the wait was
+    (every slot busy for slot=None; a server still loading)."""
+
+    def cli_limits(self, *argv):
+        args = lc._parser().parse_args(list(argv) + ["chat", "x"])
+        client = lc._cli_client(args, None)  # the real Limits here, not the tests' quick ones
+        self.addCleanup(client.close)
+        return client.limits.load_wait, client.limits.busy_wait
+
+    def test_default_waits(self):
+        self.assertEqual(lc.CLI_LOAD_WAIT, 15.0)
+        self.assertEqual(self.cli_limits(), (15.0, 600.0))
+        self.assertEqual(self.cli_limits("--wait", "3"), (3.0, 3.0))
+        self.assertEqual(self.cli_limits("--wait", "300"), (300.0, 300.0))
+        self.assertEqual(lc.Limits().load_wait, 120.0)  # a script's, unchanged
+
+    def test_every_slot_busy_is_told_as_such(self):
+        self.server.busy[:] = [True, True]
+        self.use(hold_then(b"", threading.Event()))
+        line = self.main_fails("chat", "x")
+        self.assertRegex(
+            line,
+            r"^loopclient: every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others: "
+            r"every slot stayed busy: try later, or wait longer with --wait SECONDS$",
+        )
+        self.assertNotIn("another --slot", line)
+        line = self.main_fails("chat", "x", "--slot", "1")
+        self.assertRegex(
+            line, r"^loopclient: slot 1 stayed busy for .*: the slot stayed busy: try another --slot, or later$"
+        )
+
+    def test_every_slot_busy_on_the_status_line(self):
+        release = threading.Event()
+
+        def slots(req):  # both busy; the answer frees the request, which then streams
+            respond_json(req, [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": True}])
+            release.set()
+
+        self.server.route("GET", "/slots", slots)
+        self.use(hold_then(content_stream(["done"]), release))
+        code, out, err = self.run_main(["--socket", self.server.path, "chat", "x"])
+        self.assertEqual((code, out), (0, "done\n"), err)
+        self.assertRegex(err, r"waiting \d+ s: every slot is busy\n")
+        self.assertNotIn("the slot is busy", err)
+
+    def test_a_server_still_loading_says_so(self):
+        loading = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
+        self.use(lambda req: respond_json(req, loading, 503, "Service Unavailable"))
+        line = self.main_fails("chat", "x")
+        self.assertTrue(
+            line.endswith(": the server is still loading: try again, or wait longer with --wait SECONDS"), line
+        )
+        line = self.main_fails("chat", "x", address=os.path.join(self.server.tmp, "none.sock"))
+        self.assertTrue(
+            line.endswith(": start llama-server, or pass --socket PATH / --url URL (--wait SECONDS waits longer)"), line
+        )
+
+
+class TestCommandLinePrompts(CLICase):
+    """An empty prompt (from stdin, a pipe, /dev/null, or an empty PROMPT) is a usage error: exit 2, and
+    nothing is sent (the server would generate from nothing up to the cap)."""
+
+    def test_an_empty_prompt_is_exit_2(self):
+        for argv, stdin, line in (
+            (["chat"], "", "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text"),
+            (
+                ["chat"],
+                " \n\n",
+                "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text",
+            ),
+            (["chat", ""], "", "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin"),
+            (
+                ["complete"],
+                "",
+                "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text",
+            ),
+            (
+                ["complete", " "],
+                "",
+                "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin",
+            ),
+        ):
+            with self.subTest(argv=argv, stdin=stdin):
+                code, out, err = self.run_main(["--socket", self.server.path] + argv, stdin)
+                self.assertEqual((code, out, err), (2, "", line + "\n"))
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], [])
+
+    def test_dev_null_is_exit_2(self):
+        with open(os.devnull, encoding="utf-8") as empty:
+            done = subprocess.run(
+                [sys.executable, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path, "chat"],
+                stdin=empty,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        self.assertEqual(
+            (done.returncode, done.stdout, done.stderr),
+            (2, "", "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text\n"),
+        )
+        self.assertEqual(self.server.chat_requests(), [])
+
+
+class TestCommandLineAddresses(CLICase):
+    """--url and --socket taking each other's values: exit 2, saying what was meant; nothing is sent."""
+
+    def test_each_option_refuses_the_others_value(self):
+        for argv, line in (
+            (
+                ["--url", "localhost", "health"],
+                "--url localhost has no scheme: use --url http://localhost (a socket path goes to --socket)",
+            ),
+            (
+                ["--url", "127.0.0.1:18555", "health"],
+                "--url 127.0.0.1:18555 has no scheme: use --url http://127.0.0.1:18555 (a socket path goes to "
+                "--socket)",
+            ),
+            (
+                ["--url", "/run/llama.sock", "health"],
+                "--url takes http(s)://host:port, and /run/llama.sock is a path: use --socket /run/llama.sock",
+            ),
+            (
+                ["--url", "llama.sock", "chat", "x"],
+                "--url takes http(s)://host:port, and llama.sock is a path: use --socket llama.sock",
+            ),
+            (
+                ["--socket", "http://127.0.0.1:8080", "health"],
+                "--socket takes a socket path, and http://127.0.0.1:8080 is a URL: use --url http://127.0.0.1:8080",
+            ),
+            (["chat", "x", "--socket", "https://llm.example"], "--socket takes a socket path, and https://llm.example "
+             "is a URL: use --url https://llm.example"),
+            (["--socket", "", "health"], "the address is empty: give a socket path or an http:// URL"),
+            (["--url", "", "health"], "the address is empty: give a socket path or an http:// URL"),
+        ):  # fmt: skip
+            with self.subTest(argv=argv):
+                code, out, err = self.run_main(argv)
+                self.assertEqual((code, out, err), (2, "", "loopclient: error: %s\n" % line))
+
+    def test_the_right_option_works(self):
+        tcp = FakeServer(tcp=True)
+        self.closers.append(tcp.close)
+        self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
+        self.assertEqual(self.run_main(["--socket", self.server.path, "health"])[:2], (0, '{"status": "ok"}\n'))
+        self.assertEqual(
+            self.run_main(["--socket", "unix://" + self.server.path, "health"])[:2], (0, '{"status": "ok"}\n')
+        )
+        self.assertEqual(
+            self.run_main(["--url", "unix://" + self.server.path, "health"])[:2], (0, '{"status": "ok"}\n')
+        )
+
+    def test_a_missing_socket_directory_is_at_once(self):
+        path = os.path.join(self.server.tmp, "none", "demo.sock")
+        t = Timer()
+        line = self.main_fails("chat", "x", address=path)
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertEqual(
+            line,
+            "loopclient: no llama-server at %s: its directory %s does not exist, so no server can listen there "
+            "until someone makes it: start llama-server, or pass --socket PATH / --url URL"
+            % (path, os.path.dirname(path)),
+        )

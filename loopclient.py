@@ -4875,6 +4875,8 @@ class _Calls:
         self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
         self.root = self  # the client's own calls: a copy made by at() reads closed there
+        #: per model, how many slots the server said it has (0: answers that disagreed); see ``learn_slots``
+        self.slot_counts = {}  # type: Dict[Optional[str], int]
 
     def at(self, headers: Optional[Dict[str, str]]) -> _Calls:
         """These calls for one call that gives ``headers`` of its own: a copy whose requests carry them
@@ -4888,6 +4890,29 @@ class _Calls:
         calls._headers = _merged(self._headers, _own_headers(self.addr, headers))
         calls._accept = not any(name.lower() == "accept" for name, _ in calls._headers)
         return calls
+
+    def learn_slots(self, model: Optional[str], count: Optional[int]) -> None:
+        """Remember that the server has ``count`` slots for ``model``, from an answer the client got anyway
+        (``/props``' ``total_slots``, the length of a ``/slots`` answer).  Two answers that disagree (several
+        servers behind the address, or a restart with another ``--parallel``) make it unknown for good, and
+        nothing is learnt with several servers behind the address (``Limits.servers``)."""
+        if count is None or count < 1 or self.limits.servers > 1:
+            return
+        known = self.slot_counts.get(model, count)
+        self.slot_counts[model] = count if known == count else 0
+
+    def check_slot(self, slot: int, model: Optional[str]) -> None:
+        """``ValueError`` for a ``slot`` past the slots the server said it has: llama-server would take it
+        modulo their number, on a slot the caller did not name (and that this client's gate does not count
+        as the same)."""
+        count = self.slot_counts.get(model, 0)
+        if count and slot >= count:
+            which = "slot 0" if count == 1 else "0 to %d" % (count - 1)
+            owner = "it has" if model is None else "model %s has" % model
+            raise ValueError(
+                "slot %d is past the server's slots: %s %d (%s), and llama-server would take slot %d as slot %d "
+                "(modulo %d)" % (slot, owner, count, which, slot, slot % count, count)
+            )
 
     # -- requests ----------------------------------------------------------------------------------------
 
@@ -5057,7 +5082,10 @@ class _Calls:
         return Response(head.status, head.reason, head.headers, data)
 
     def slots(self, model: Optional[str]) -> _Plan[List[Slot]]:
-        return _slots_from((yield from self._json("GET", "/slots", model=self.model if model is None else model)))
+        name = self.model if model is None else model
+        slots = _slots_from((yield from self._json("GET", "/slots", model=name)))
+        self.learn_slots(name, len(slots))
+        return slots
 
     def health(self) -> _Plan[Dict[str, Any]]:
         head, data = yield from self._call("GET", "/health")
@@ -5072,9 +5100,11 @@ class _Calls:
         return doc
 
     def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
-        doc = yield from self._json("GET", "/props", model=self.model if model is None else model)
+        name = self.model if model is None else model
+        doc = yield from self._json("GET", "/props", model=name)
         if not isinstance(doc, dict):
             raise ProtocolError("GET /props did not answer a JSON object")
+        self.learn_slots(name, _total_slots(doc))
         return doc
 
     def models(self) -> _Plan[Dict[str, Any]]:
@@ -5271,6 +5301,8 @@ class _Streams:
         if row.routed:
             body, query = calls._route(method, body, None, _NO_MODEL, path)
         model = body.get("model") if isinstance(body, dict) else (query or {}).get("model")
+        if slot is not None:
+            calls.check_slot(slot, model if isinstance(model, str) else None)
         request = calls._encode(method, path, body, "text/event-stream", query, extra=_pin(conversation))
         return _StreamRequest(
             request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation,
@@ -5418,6 +5450,7 @@ class _Streams:
         total = None
         try:
             total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
+            self.calls.learn_slots(model, total)
             total = POOL_GUESS if total is None else total * self.limits.servers
         except Exception:  # no answer, whatever the failure: nobody waits for it, as for the /slots poll
             pass
@@ -5495,6 +5528,7 @@ class _Streams:
         try:
             timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
             slots = _slots_from((yield from self.calls._json("GET", "/slots", model=model, timeout=timeout)))
+            self.calls.learn_slots(model, len(slots))
         except HTTPStatusError as exc:
             unseen = exc.status in (403, 404, 405, 501)
         except Exception:
@@ -8102,6 +8136,11 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
     """The body fields of ``_add_answer_options``' options in ``args``; ``taken`` are fields the command
     sets itself (``stream`` and ``id_slot`` always), which ``--param`` may not: ``ValueError``."""
     params = {}  # type: Dict[str, Any]
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(
+            "--max-tokens must be at least 1, got %d: llama-server looks at the cap only after a first token, so "
+            "%d would give one (no cap at all: --param max_tokens=-1)" % (args.max_tokens, args.max_tokens)
+        )
     if args.max_tokens is not None:
         params["max_tokens"] = args.max_tokens
     if args.temperature is not None:
@@ -8355,6 +8394,18 @@ def _command(client: Client, args: Any, params: Dict[str, Any], model: Optional[
     return 0
 
 
+def _know_slots(client: Client, slot: Optional[int]) -> None:
+    """``--slot N``: ask ``/props`` first, so that the library refuses a slot past the server's before
+    anything is sent (llama-server would take it modulo its slots).  A ``/props`` that fails or says no
+    ``total_slots`` (a router's own) changes nothing: the request itself then says what is wrong."""
+    if slot is None:
+        return
+    try:
+        client.props(timeout=min(client.limits.liveness, 5.0))
+    except LoopError:
+        pass
+
+
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
@@ -8363,6 +8414,7 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
         params["max_tokens"] = CHAT_MAX_TOKENS
     if args.resumable:
         params["resumable"] = True
+    _know_slots(client, args.slot)
     history = []  # type: List[Dict[str, Any]]
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -8468,6 +8520,7 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     except ValueError as exc:
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
+    _know_slots(client, args.slot)
     try:  # what the body functions refuse (a bad --slot, --param input_extra) is a usage error
         if openai:
             stream = client.stream_complete_openai(text[0], slot=args.slot, **params)

@@ -23398,3 +23398,151 @@ class TestCommandLineAddresses(CLICase):
             "until someone makes it: start llama-server, or pass --socket PATH / --url URL"
             % (path, os.path.dirname(path)),
         )
+
+
+class TestSlotPastTheServers(ServerCase):
+    """A slot past the server's slots is ValueError before anything is sent, once the client knows how many
+    there are from an answer it got anyway: ``props()``, ``slots()``, a slot=None pool's ``/props``, a
+    ``/slots`` poll.  Before any such answer it is sent as given (llama-server takes it modulo its slots);
+    answers that disagree, or several servers behind the address, leave it unknown."""
+
+    PAST = (
+        "slot 2 is past the server's slots: it has 2 (0 to 1), and llama-server would take slot 2 as slot 0 (modulo 2)"
+    )
+
+    def refused(self, client, slot):
+        """Whether ``client`` refuses a chat on ``slot`` (ValueError, with its message), sending nothing."""
+        sent = len(self.server.chat_requests())
+        try:
+            client.stream(MSGS, slot=slot)
+        except ValueError as exc:
+            self.assertEqual(len(self.server.chat_requests()), sent)
+            return str(exc)
+        return None
+
+    def test_known_from_props(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.assertIsNone(self.refused(self.client, 2))  # nothing known yet: sent as given
+        self.assertEqual(run_with_timeout(self.client.props)["total_slots"], 2)
+        self.assertEqual(self.refused(self.client, 2), self.PAST)
+        self.assertEqual(
+            self.refused(self.client, 7),
+            "slot 7 is past the server's slots: it has 2 (0 to 1), and llama-server would take slot 7 as slot 1 "
+            "(modulo 2)",
+        )
+        with self.assertRaises(ValueError):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=2))
+        self.assertEqual(self.server.chat_requests(), [])
+        self.assertEqual(self.collect(slot=1)[0].content, "ok")  # a slot it has goes through
+        with self.assertRaises(ValueError) as caught:
+            self.client.stream_complete("x", slot=3)  # every streamed call alike
+        self.assertIn("slot 3 is past the server's slots", str(caught.exception))
+
+    def test_known_from_slots(self):
+        run_with_timeout(self.client.slots)
+        self.assertEqual(self.refused(self.client, 2), self.PAST)
+
+    def test_known_from_the_pools_props(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.collect(slot=None)  # its pool asks /props in the background
+        wait_for(lambda: self.refused(self.client, 2) == self.PAST, what="the pool's /props")
+
+    def test_known_from_a_slots_poll(self):
+        release = threading.Event()
+        self.server.busy[0] = True
+
+        def slots(req):  # slot 0 busy at the first poll; the answer frees it
+            respond_json(req, [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}])
+            self.server.busy[0] = False
+            release.set()
+
+        self.server.route("GET", "/slots", slots)
+        self.use(hold_then(content_stream(["done"]), release))
+        completion, events = self.collect(slot=0)
+        self.assertIn(lc.Waiting(True), events)
+        self.assertEqual(self.refused(self.client, 2), self.PAST)
+
+    def test_answers_that_disagree_leave_it_unknown(self):
+        run_with_timeout(self.client.props)  # 2
+        self.server.route(
+            "GET", "/slots", lambda req: respond_json(req, [{"id": i, "is_processing": False} for i in range(3)])
+        )
+        run_with_timeout(self.client.slots)  # 3: another server, or a restart
+        self.assertIsNone(self.refused(self.client, 2))
+        self.assertIsNone(self.refused(self.client, 9))
+
+    def test_several_servers_leave_it_unknown(self):
+        client = self.new_client(self.server.address, limits=FAST.replace(servers=2))
+        self.closers.insert(0, client.close)
+        run_with_timeout(client.props)
+        self.assertIsNone(self.refused(client, 3))
+
+    def test_per_model_of_a_router(self):
+        self.server.route("GET", "/props?model=alpha", lambda req: respond_json(req, {"total_slots": 1}))
+        run_with_timeout(lambda: self.client.props(model="alpha"))
+        with self.assertRaises(ValueError) as caught:
+            self.client.stream(MSGS, slot=1, model="alpha")
+        self.assertEqual(
+            str(caught.exception),
+            "slot 1 is past the server's slots: model alpha has 1 (slot 0), and llama-server would take slot 1 as "
+            "slot 0 (modulo 1)",
+        )
+        self.client.stream(MSGS, slot=1, model="beta")  # nothing known of beta
+        self.assertIsNone(self.refused(self.client, 1))  # nor of the server's default model
+
+
+class TestSlotPastTheServersAsync(AsyncDriver, TestSlotPastTheServers):
+    pass
+
+
+class TestCommandLineSlotsAndCaps(CLICase):
+    """``--slot N`` past the server's slots (from ``/props``, asked first) is exit 2 before the request;
+    ``--max-tokens`` below 1 is exit 2 (llama-server would give one token for 0)."""
+
+    def test_a_slot_past_the_servers_is_exit_2(self):
+        self.use(serve_body(content_stream(["ok"])))
+        for argv in (["chat", "x"], ["complete", "x"], ["complete", "--openai", "x"]):
+            with self.subTest(argv=argv):
+                code, out, err = self.run_main(["--socket", self.server.path] + argv + ["--slot", "7"])
+                self.assertEqual(
+                    (code, out, err),
+                    (
+                        2,
+                        "",
+                        "loopclient: error: slot 7 is past the server's slots: it has 2 (0 to 1), and llama-server "
+                        "would take slot 7 as slot 1 (modulo 2)\n",
+                    ),
+                )
+        self.assertEqual([r.method for r in self.server.requests], ["GET"] * 3)
+        self.assertEqual({r.path for r in self.server.requests}, {"/props"})
+        out, _ = self.main_ok("chat", "x", "--slot", "1")
+        self.assertEqual(out, "ok\n")
+        self.assertEqual(self.server.chat_requests()[0].json()["id_slot"], 1)
+
+    def test_without_an_answer_from_props_the_request_goes_as_given(self):
+        self.server.route(
+            "GET", "/props", lambda req: respond_json(req, {"error": {"message": "no"}}, 404, "Not Found")
+        )
+        self.use(serve_body(content_stream(["ok"])))
+        out, _ = self.main_ok("chat", "x", "--slot", "7")
+        self.assertEqual((out, self.server.chat_requests()[0].json()["id_slot"]), ("ok\n", 7))
+
+    def test_max_tokens_below_one_is_exit_2(self):
+        for n in ("0", "-1"):
+            for command in (["chat", "x"], ["complete", "x"]):
+                with self.subTest(n=n, command=command):
+                    code, out, err = self.run_main(["--socket", self.server.path] + command + ["--max-tokens", n])
+                    self.assertEqual(
+                        (code, out, err),
+                        (
+                            2,
+                            "",
+                            "loopclient: error: --max-tokens must be at least 1, got %s: llama-server looks at the cap "
+                            "only after a first token, so %s would give one (no cap at all: --param max_tokens=-1)\n"
+                            % (n, n),
+                        ),
+                    )
+        self.assertEqual(self.server.requests, [])
+        self.use(serve_body(content_stream(["ok"])))
+        self.main_ok("chat", "x", "--param", "max_tokens=-1")
+        self.assertEqual(self.server.chat_requests()[0].json()["max_tokens"], -1)

@@ -3743,6 +3743,15 @@ def _verdict(addr: _Address, exc: BaseException) -> None:
         log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
 
 
+def _cancel_told(addr: _Address, how: str) -> None:
+    """Log (DEBUG) how a stream was cancelled: ``cancel()`` called, or left before its end (a ``with``
+    block left early, an exception from ``on_event``, a cancelled task).  The code that goes on iterating
+    hears ``CancelledError``, which ``_verdict`` logs."""
+    log = _logger(_DEBUG)
+    if log is not None:
+        log.debug("%s: cancelled: %s", addr.text, how)
+
+
 def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
     """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
     resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
@@ -6248,7 +6257,9 @@ class Stream:
             if run.cancelled:
                 self._done = True
                 run.unwind()
-                raise _cancelled()
+                exc = _cancelled()
+                _verdict(run.board.calls.addr, exc)
+                raise exc
             try:
                 got = run.step()
             except BaseException as exc:
@@ -6278,6 +6289,8 @@ class Stream:
         iterating the stream gets ``CancelledError`` within 0.2 s.  A resumable stream is deleted on the
         server first (one attempt of at most a second), so that the server stops generating."""
         if not self._done:
+            if not self._run.cancelled:
+                _cancel_told(self._run.board.calls.addr, "cancel() was called")
             self._run.cancel()
 
     def __enter__(self) -> Stream:
@@ -6286,6 +6299,8 @@ class Stream:
     def __exit__(self, *exc_info: Any) -> None:
         if not self._done:
             run = self._run
+            if not run.cancelled:
+                _cancel_told(run.board.calls.addr, "the stream was left before its end")
             run.cancel()
             with run.lock:
                 self._done = True
@@ -7246,7 +7261,9 @@ class AsyncStream:
         if self._cancelled:
             self._done = True
             await self._end()
-            raise _cancelled()
+            exc = _cancelled()
+            _verdict(self._client._calls.addr, exc)
+            raise exc
         if run is None:
             board = self._client._board_here()
             run = self._run = _AsyncRun(board, self._req.conversation is not None)
@@ -7257,6 +7274,10 @@ class AsyncStream:
             got = await run.step()
         except BaseException as caught:
             self._done = True
+            import asyncio
+
+            if isinstance(caught, asyncio.CancelledError):
+                _cancel_told(run.board.calls.addr, "the task iterating the stream was cancelled")
             _verdict(run.board.calls.addr, caught)
             raise
         finally:
@@ -7277,6 +7298,8 @@ class AsyncStream:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
         its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
         if not self._done:
+            if not self._cancelled:
+                _cancel_told(self._client._calls.addr, "cancel() was called")
             self._cancelled = True
             if self._run is not None:
                 self._run.cancel()
@@ -7296,6 +7319,9 @@ class AsyncStream:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         if not self._done:
+            if not self._cancelled:
+                _cancel_told(self._client._calls.addr, "the stream was left before its end")
+                self._cancelled = True
             self.cancel()
             self._done = True
             await self._end()

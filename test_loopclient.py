@@ -23546,3 +23546,95 @@ class TestCommandLineSlotsAndCaps(CLICase):
         self.use(serve_body(content_stream(["ok"])))
         self.main_ok("chat", "x", "--param", "max_tokens=-1")
         self.assertEqual(self.server.chat_requests()[0].json()["max_tokens"], -1)
+
+
+def _one_token_then_hold(req):
+    """A stream that sends one token and then nothing, until the client closes the connection."""
+    req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+    req.wait_peer_close(10)
+
+
+class TestCancelLogged(_Logged, ServerCase):
+    """The log (DEBUG) shows a cancel, however it came: cancel() called, then the code that goes on iterating
+    hearing CancelledError; or the stream left before its end (a with block, an exception from on_event)."""
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.use(_one_token_then_hold)
+
+    def cancels(self):
+        return [(level, text) for level, text in self.logged() if "cancel" in text.lower()]
+
+    def line(self, text):
+        return ("DEBUG", "%s: %s" % (self.server.address, text))
+
+    def test_cancelled_and_kept_iterating(self):
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                self.assertEqual(next(stream), lc.Content("a"))
+                stream.cancel()
+                with self.assertRaises(lc.CancelledError):
+                    next(stream)
+
+        run_with_timeout(body)
+        self.assertEqual(
+            self.cancels(),
+            [self.line("cancelled: cancel() was called"), self.line("CancelledError: the request was cancelled")],
+        )
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+    def test_cancelled_and_left_the_loop(self):
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                for _event in stream:
+                    stream.cancel()
+                    break
+
+        run_with_timeout(body)
+        self.assertEqual(self.cancels(), [self.line("cancelled: cancel() was called")])
+
+    def test_left_before_the_end(self):
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                for _event in stream:
+                    break
+
+        run_with_timeout(body)
+        self.assertEqual(self.cancels(), [self.line("cancelled: the stream was left before its end")])
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+    def test_an_exception_from_on_event(self):
+        def stop(event):
+            raise KeyError("mine")
+
+        with self.assertRaises(KeyError):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=stop))
+        self.assertEqual(self.cancels(), [self.line("cancelled: the stream was left before its end")])
+
+    def test_nothing_at_info(self):
+        logging.getLogger("loopclient").setLevel(logging.INFO)
+        run_with_timeout(lambda: self.client.stream(MSGS, slot=0).cancel())
+        self.assertEqual(self.cancels(), [])
+
+
+class TestCancelLoggedAsync(AsyncDriver, TestCancelLogged):
+    def test_a_cancelled_task(self):
+        async def body():
+            async with lc.AsyncClient(self.server.address, limits=FAST) as client:
+                stream = client.stream(MSGS, slot=0)
+
+                async def read():
+                    async for _ in stream:
+                        started.set()
+
+                started = asyncio.Event()
+                task = asyncio.ensure_future(read())
+                await asyncio.wait_for(started.wait(), 5)
+                task.cancel()
+                with self.assertRaises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 5)
+
+        asyncio.run(asyncio.wait_for(body(), 10))
+        self.assertEqual(self.cancels(), [self.line("cancelled: the task iterating the stream was cancelled")])
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))

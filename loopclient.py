@@ -7822,9 +7822,10 @@ def _isatty(stream: Any) -> bool:
 
 
 class _Console:
-    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  Off a terminal
-    the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%), and a
-    wait (a retry, a busy slot) a line when it changes or at most each quarter of its budget."""
+    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  The prompt's
+    progress shows on a terminal only (off one, a log or a pipe, it would be lines of noise for each
+    answer); a wait (a retry, a busy slot) off a terminal is a line when it changes or at most each quarter
+    of its budget."""
 
     def __init__(self, out: Any, err: Any, client: Optional[Client] = None, pool: bool = False) -> None:
         self.out = out
@@ -7838,7 +7839,6 @@ class _Console:
         self.started = time.monotonic()
         self.first_token = None  # type: Optional[float]
         self._prompt = None  # type: Optional[Tuple[int, int]]  # (processed, total) last shown
-        self._quarter = -1  # off a terminal: the last quarter of the prompt given a line
 
     def status(self, text: str) -> None:
         if self.tty:
@@ -7933,9 +7933,7 @@ class _Console:
 
     def _progress(self, processed: int, total: int) -> None:
         self._prompt = (processed, total)
-        quarter = 4 * processed // total
-        if self.tty or quarter > self._quarter:
-            self._quarter = quarter
+        if self.tty:
             self.status("prompt {:,}/{:,} tokens, {}%".format(processed, total, 100 * processed // total))
 
     def _leave_reasoning(self) -> None:

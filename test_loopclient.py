@@ -18460,29 +18460,21 @@ class TestConsole(unittest.TestCase):
                 TtyText(),
                 "\r\x1b[Kprompt 0/51 tokens, 0%\r\x1b[Kprompt 47/51 tokens, 92%\r\x1b[Kprompt 51/51 tokens, 100%\r\x1b[K",
             ),
-            (io.StringIO(), "prompt 0/51 tokens, 0%\nprompt 47/51 tokens, 92%\nprompt 51/51 tokens, 100%\n"),
+            (io.StringIO(), ""),  # off a terminal the prompt's progress is not shown
         ]:
             console = lc._Console(io.StringIO(), err)
             for event in (lc.Progress(0, 51, 0, 0.0), lc.Progress(47, 51, 0, 9.0), lc.Content("A"), lc.Content("B")):
                 console.event(event)
             self.assertEqual(err.getvalue(), want)
 
-    def test_off_a_terminal_progress_is_a_line_a_quarter(self):
+    def test_off_a_terminal_progress_is_not_shown(self):
+        """Off a terminal (a log, a pipe) the prompt's progress would be lines of noise for every answer."""
         err = io.StringIO()
         console = lc._Console(io.StringIO(), err)
         for processed in range(0, 8001, 100):
             console.event(lc.Progress(processed, 8000, 0, 0.0))
         console.event(lc.Content("A"))
-        self.assertEqual(
-            err.getvalue(),
-            "prompt 0/8,000 tokens, 0%\nprompt 2,000/8,000 tokens, 25%\nprompt 4,000/8,000 tokens, 50%\n"
-            "prompt 6,000/8,000 tokens, 75%\nprompt 8,000/8,000 tokens, 100%\n",
-        )
-        err = io.StringIO()  # a prompt served from the cache at once: one line, and no second 100%
-        console = lc._Console(io.StringIO(), err)
-        for event in (lc.Progress(51, 51, 51, 0.0), lc.Content("A")):
-            console.event(event)
-        self.assertEqual(err.getvalue(), "prompt 51/51 tokens, 100%\n")
+        self.assertEqual(err.getvalue(), "")
 
     def test_figures(self):
         console = lc._Console(io.StringIO(), io.StringIO())
@@ -18735,7 +18727,7 @@ class TestCommandLineLastRoutes(CLICase):
         self.server.route("POST", "/v1/completions", lambda req: req.send(raw))
         out, err = self.main_ok("complete", "--openai", "The sky is", "--max-tokens", "8", "--slot", "0")
         self.assertEqual(out, " the limit for the 201\n")
-        self.assertEqual(err.splitlines()[:2], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertEqual(len(err.splitlines()), 1, err)  # off a terminal, no prompt progress: the figures
         self.assertRegex(
             err.splitlines()[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$"
         )
@@ -18800,12 +18792,12 @@ class TestCommandLineEndpoints(CLICase):
             ],
         )
 
-    def test_complete_reads_a_piped_prompt_and_shows_progress(self):
+    def test_complete_reads_a_piped_prompt(self):
         self.serve("/completion", "41_completion_stream_progress.raw.txt")
         out, err = self.main_ok("complete", stdin="The sky is")
         self.assertEqual(out, " the limit for the 201\n")
         lines = err.splitlines()
-        self.assertEqual(lines[:-1], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertEqual(lines[:-1], [])  # off a terminal the prompt's progress is not shown
         self.assertRegex(lines[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$")
         self.assertEqual(
             self.bodies("/completion"), [{"prompt": "The sky is", "return_progress": True, "stream": True}]
@@ -19965,7 +19957,7 @@ class TestRealDemo(unittest.TestCase):
             timeout=120,
         )
         self.assertEqual(done.returncode, 0, done.stderr)
-        return done.stdout, done.stderr.splitlines()[-1]
+        return done.stdout, (done.stderr.splitlines() or [""])[-1]  # --json: nothing on stderr
 
     def test_readme_demo_names_colours_and_stops(self):
         """The README's demo command: one line, ended by its --stop '\\n'."""
@@ -23638,3 +23630,142 @@ class TestCancelLoggedAsync(AsyncDriver, TestCancelLogged):
         asyncio.run(asyncio.wait_for(body(), 10))
         self.assertEqual(self.cancels(), [self.line("cancelled: the task iterating the stream was cancelled")])
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+
+REAL_DEMO_URL = os.environ.get("LOOPCLIENT_REAL_DEMO_URL")
+
+SCRIPT = os.path.join(HERE, "dev", "llama-server.sh")
+
+
+def _cli(*argv, timeout=120):
+    return subprocess.run(
+        [sys.executable, os.path.join(HERE, "loopclient.py")] + list(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@unittest.skipUnless(
+    REAL_DEMO_URL,
+    "no demo server on TCP: set LOOPCLIENT_REAL_DEMO_URL to dev/llama-server.sh demo-tcp PORT's address (.ci/run does)",
+)
+class TestRealDemoTcp(unittest.TestCase):
+    """The demo on TCP, as the README says to run it: `dev/llama-server.sh demo-tcp PORT` and --url; and the
+    command it gives for a server started by hand (the demo's binary, model and arguments on a port)."""
+
+    def chats(self, url):
+        done = _cli(
+            "--url", url, "chat", "Name three colours.", "--stop", "\\n", "--max-tokens", "40", "--temperature", "0"
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        words = set(done.stdout.lower().replace(",", " ").replace(".", " ").split())
+        self.assertGreaterEqual(len(words & COLOURS), 3, done.stdout)
+        self.assertEqual(done.stdout.count("\n"), 1, done.stdout)
+        self.assertNotIn("<|im_", done.stdout)  # the demo's own template, not ChatML
+        self.assertRegex(done.stderr.splitlines()[-1], r"^\[\d+ tokens, .*finish: stop\]$")
+        return done.stdout
+
+    def test_the_readme_command_chats_over_tcp(self):
+        self.assertRegex(REAL_DEMO_URL, r"^http://127\.0\.0\.1:\d+$")
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        self.assertIn(
+            "dev/llama-server.sh demo-tcp 8080 && python3 loopclient.py --url http://127.0.0.1:8080 chat "
+            "\"Name three colours.\" --stop '\\n'",
+            readme,
+        )
+        self.chats(REAL_DEMO_URL)
+
+    def test_the_readme_command_for_a_server_started_by_hand(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            (line,) = [text.strip() for text in f if "$(dev/llama-server.sh demo-args)" in text and "--port" in text]
+        self.assertEqual(
+            line,
+            "$(dev/llama-server.sh path | head -n 1) $(dev/llama-server.sh demo-args) --host 127.0.0.1 --port 8080",
+        )
+        port = _free_port()
+        where = tempfile.mkdtemp(prefix="lc-byhand.")
+        self.addCleanup(shutil.rmtree, where, True)
+        with open(os.path.join(where, "server.log"), "wb") as log:
+            server = subprocess.Popen(
+                ["bash", "-c", line.replace("8080", str(port))],
+                cwd=HERE,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+
+        def stop():
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(15)
+
+        self.addCleanup(stop)
+        url = "http://127.0.0.1:%d" % port
+        with lc.Client(url) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                self.assertIsNone(server.poll(), "the server exited: see %s/server.log" % where)
+                try:
+                    if client.health() == {"status": "ok"}:
+                        break
+                except lc.LoopError:
+                    pass
+                self.assertLess(time.monotonic(), deadline, "no healthy server on %s" % url)
+                time.sleep(0.2)
+        self.assertEqual(self.chats(url), self.chats(REAL_DEMO_URL))  # the same server, at temperature 0
+
+
+@unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
+class TestRealDemoScript(unittest.TestCase):
+    """What `dev/llama-server.sh demo` prints (here for a demo already running): on stderr where it is and
+    how to stop it; on stdout its address as the last line only when stdout is not a terminal, so that the
+    README's first command shows no stray line between the build's log and the answer."""
+
+    def told(self, stderr):
+        self.assertRegex(
+            stderr,
+            r"llama-server\.sh: already running at %s \(pid \d+\); %s stop-demo %s stops it\n$"
+            % (re.escape(REAL_DEMO), re.escape(SCRIPT), re.escape(REAL_DEMO)),
+        )
+
+    def test_off_a_terminal_the_address_is_the_last_line(self):
+        done = subprocess.run([SCRIPT, "demo", REAL_DEMO], capture_output=True, text=True, timeout=120)
+        self.assertEqual((done.returncode, done.stdout), (0, REAL_DEMO + "\n"), done.stderr)
+        self.told(done.stderr)
+
+    def test_on_a_terminal_stdout_stays_empty(self):
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen(
+                [SCRIPT, "demo", REAL_DEMO], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE
+            )
+            os.close(slave)
+            slave = None
+            _, err = proc.communicate(timeout=120)
+            seen = b""
+            while select.select([master], [], [], 0.2)[0]:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # the other end closed
+                    break
+                if not data:
+                    break
+                seen += data
+        finally:
+            if slave is not None:
+                os.close(slave)
+            os.close(master)
+        self.assertEqual((proc.returncode, seen), (0, b""))
+        self.told(err.decode())

@@ -6383,8 +6383,10 @@ class Client:
         ``resumable=True`` (or an id: 1 to 128 visible ASCII characters) sends ``X-Conversation-Id``: a
         connection lost after the head, before or after delivery, is then resumed from the server's buffer
         (``Resumed``), and an early end deletes the stream on the server (every streamed call takes it).
-        A body that is not JSON-serialisable, a bad ``slot``, or a thinking cap with ``n`` > 1 is
-        ``TypeError``/``ValueError`` here, before any connection.
+        A body that is not JSON-serialisable, a bad ``slot`` (a slot past the server's slots too, once an
+        answer the client got has told their number: ``props()``, ``slots()``, a pool's ``/props``, a
+        ``/slots`` poll), or a thinking cap with ``n`` > 1 is ``TypeError``/``ValueError`` here, before any
+        connection.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -8181,86 +8183,209 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
     return params
 
 
-def _parser() -> Any:
+def _global_options(parser: Any, shown: bool) -> None:
+    """The options every command takes, before or after its name: with their help on ``loopclient --help``
+    (``shown``), hidden from each command's own help, which names its own options only."""
     import argparse
 
-    common = argparse.ArgumentParser(add_help=False)
-    where = common.add_mutually_exclusive_group()
-    where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help="llama-server's Unix socket")
+    def say(text: str) -> str:
+        return text if shown else argparse.SUPPRESS
+
+    # one or the other (a group of hidden options breaks argparse's usage line: _cli_address checks it there)
+    where = parser.add_mutually_exclusive_group() if shown else parser
+    where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help=say("llama-server's Unix socket"))
     where.add_argument(
-        "--url", metavar="URL", default=argparse.SUPPRESS, help="llama-server's http(s)://host:port[/prefix]"
+        "--url", metavar="URL", default=argparse.SUPPRESS, help=say("llama-server's http(s)://host:port[/prefix]")
     )
-    common.add_argument(
-        "--model", metavar="NAME", default=argparse.SUPPRESS, help="route to this model of a router ($LLAMA_MODEL)"
+    parser.add_argument(
+        "--model", metavar="NAME", default=argparse.SUPPRESS, help=say("route to this model of a router ($LLAMA_MODEL)")
     )
-    common.add_argument(
-        "--api-key", metavar="KEY", default=argparse.SUPPRESS, help="bearer token to send ($LLAMA_API_KEY)"
+    parser.add_argument(
+        "--api-key", metavar="KEY", default=argparse.SUPPRESS, help=say("bearer token to send ($LLAMA_API_KEY)")
     )
-    common.add_argument(
+    parser.add_argument(
         "--wait",
         metavar="SECONDS",
         type=float,
         default=argparse.SUPPRESS,
-        help="how long to wait for an absent, loading or busy server (load_wait and busy_wait)",
+        help=say(
+            "how long to wait for an absent or loading server (load_wait, default %g) and for a busy slot "
+            "(busy_wait, default %g)" % (CLI_LOAD_WAIT, _CLI_BUSY_WAIT)
+        ),
     )
-    common.add_argument(
+    parser.add_argument(
         "-v",
         "--verbose",
         action="count",
         default=argparse.SUPPRESS,
-        help="log what the client does on stderr: -v retries, waits, resumes (INFO); -vv connections too (DEBUG)",
+        help=say("log what the client does on stderr: -v retries, waits, resumes (INFO); -vv connections too (DEBUG)"),
     )
+
+
+_CLI_EPILOG = """\
+Each command has its own options and examples: loopclient COMMAND --help. The options above go before or
+after the command.
+
+address: --socket PATH or --url URL, else $LLAMA_SERVER (a path or a URL), else %s.
+waits: chat, complete and infill wait up to %g s for an absent or loading server, and up to %g s for a busy
+  slot (--wait SECONDS sets both); the other commands ask once.
+exit status: 0 done; 1 an error, one line on stderr saying what happened and what to do; 2 bad usage (an
+  option, address, prompt or limit); 130 interrupted (Ctrl-C, which closes the connection first).
+
+examples:
+  loopclient --socket /tmp/loopclient-llama/demo.sock chat "Name three colours." --stop '\\n'
+  loopclient --url http://127.0.0.1:8080 slots --watch
+  LLAMA_SERVER=/run/llama.sock loopclient health
+"""
+
+#: Each command: its one-line help, its description, and the examples its --help ends with.
+_CLI_COMMANDS = (
+    (
+        "chat",
+        "stream an answer (PROMPT, stdin, or a conversation)",
+        """\
+  loopclient chat "Name three colours." --stop '\\n'
+  git diff | loopclient chat --system "Review this diff." --max-tokens 400
+  loopclient chat --slot 0 --temperature 0          (on a terminal: a conversation, Ctrl-D ends it)""",
+    ),
+    (
+        "complete",
+        "stream the text that follows PROMPT (/completion)",
+        """\
+  loopclient complete "The sky is" --max-tokens 8
+  loopclient complete --openai "Once upon a time" --max-tokens 40 --stop '\\n'
+  loopclient complete --json --param n_probs=3 "The sky is" --max-tokens 4""",
+    ),
+    (
+        "infill",
+        "stream the middle between --prefix and --suffix (/infill)",
+        """\
+  loopclient infill --prefix 'def add(a, b):' --suffix '    return c' --max-tokens 16
+  loopclient infill --prefix @before.py --suffix @after.py
+  head -n 40 app.py | loopclient infill --prefix - --suffix @rest.py""",
+    ),
+    (
+        "slots",
+        "show the server's slots",
+        """\
+  loopclient slots
+  loopclient slots --watch 60 > slots.log
+  loopclient slots --json""",
+    ),
+    (
+        "health",
+        "print /health as JSON",
+        """\
+  loopclient health
+  loopclient --url http://127.0.0.1:8080 health""",
+    ),
+    (
+        "props",
+        "print /props as JSON",
+        """\
+  loopclient props
+  loopclient --model alpha props""",
+    ),
+    (
+        "models",
+        "show the models (a router's, with their status)",
+        """\
+  loopclient models
+  loopclient --model alpha models --watch""",
+    ),
+    (
+        "tokens",
+        "count the tokens of TEXT (or stdin)",
+        """\
+  loopclient tokens "Name three colours."
+  loopclient tokens < prompt.txt""",
+    ),
+)
+
+
+def _parser() -> Any:
+    """The command line's parser: the global options, and each command's own (``_command_options``)."""
+    import argparse
+
+    raw = argparse.RawDescriptionHelpFormatter
+    hidden = argparse.ArgumentParser(add_help=False)
+    _global_options(hidden, False)
     parser = argparse.ArgumentParser(
         prog="loopclient",
-        parents=[common],
         description="Talk to llama.cpp's llama-server over a Unix socket or TCP.",
-        epilog="The address defaults to $LLAMA_SERVER (a path or URL), else %s." % DEFAULT_ADDRESS,
+        epilog=_CLI_EPILOG % (DEFAULT_ADDRESS, CLI_LOAD_WAIT, _CLI_BUSY_WAIT),
+        formatter_class=raw,
     )
+    _global_options(parser, True)
     parser.add_argument("--version", action="version", version="loopclient " + __version__)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chat = commands.add_parser("chat", parents=[common], help="stream an answer (PROMPT, stdin, or a conversation)")
-    chat.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
-    chat.add_argument("--system", help="a system message")
-    chat.add_argument("--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens")
-    chat.add_argument(
-        "--resumable", action="store_true", help="resume the answer from the server's buffer if the connection drops"
-    )
-    _add_answer_options(
-        chat, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
-    )
-    slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
-    slots.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
-    slots.add_argument(
-        "--watch",
-        type=float,
-        nargs="?",
-        const=float("inf"),
-        metavar="SECONDS",
-        help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
-    )
-    commands.add_parser("health", parents=[common], help="print /health as JSON")
-    commands.add_parser("props", parents=[common], help="print /props as JSON")
-    models = commands.add_parser("models", parents=[common], help="show the models (a router's, with their status)")
-    models.add_argument(
-        "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
-    )
-    tokens = commands.add_parser("tokens", parents=[common], help="count the tokens of TEXT (or stdin)")
-    tokens.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
-    complete = commands.add_parser(
-        "complete", parents=[common], help="stream the text that follows PROMPT (/completion)"
-    )
-    complete.add_argument(
-        "prompt", nargs="?", help="the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"
-    )
-    complete.add_argument(
-        "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
-    )
-    _add_answer_options(complete)
-    infill = commands.add_parser("infill", parents=[common], help="stream the middle between --prefix and --suffix")
-    infill.add_argument("--prefix", metavar="FILE", required=True, help="the text before the gap (- for stdin)")
-    infill.add_argument("--suffix", metavar="FILE", default=None, help="the text after the gap (- for stdin)")
-    _add_answer_options(infill)
+    for name, summary, examples in _CLI_COMMANDS:
+        command = commands.add_parser(
+            name,
+            parents=[hidden],
+            help=summary,
+            description=summary[0].upper() + summary[1:] + ".",
+            epilog="examples:\n%s\n\nThe global options (--socket, --url, --model, --api-key, --wait, -v) go\n"
+            "before or after the command: loopclient --help." % examples,
+            formatter_class=raw,
+        )
+        _command_options(name, command)
     return parser
+
+
+def _command_options(name: str, command: Any) -> None:
+    """The options of the command ``name``."""
+    if name == "chat":
+        command.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
+        command.add_argument("--system", metavar="TEXT", help="a system message")
+        command.add_argument(
+            "--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens"
+        )
+        command.add_argument(
+            "--resumable",
+            action="store_true",
+            help="resume the answer from the server's buffer if the connection drops",
+        )
+        _add_answer_options(
+            command, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
+        )
+    elif name == "complete":
+        command.add_argument(
+            "prompt", nargs="?", help="the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"
+        )
+        command.add_argument(
+            "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
+        )
+        _add_answer_options(command, _SERVER_CAP % "n_predict (with --openai: max_tokens)")
+    elif name == "infill":
+        for part, where in (("prefix", "before"), ("suffix", "after")):
+            command.add_argument(
+                "--" + part,
+                metavar="TEXT",
+                required=part == "prefix",
+                help="the text %s the gap; @FILE reads a file, - reads stdin" % where,
+            )
+        _add_answer_options(command, _SERVER_CAP % "n_predict")
+    elif name == "slots":
+        command.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
+        command.add_argument(
+            "--watch",
+            type=float,
+            nargs="?",
+            const=float("inf"),
+            metavar="SECONDS",
+            help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
+        )
+    elif name == "models":
+        command.add_argument(
+            "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
+        )
+    elif name == "tokens":
+        command.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
+
+
+#: The help of ``complete``'s and ``infill``'s ``--max-tokens``, which have no default of their own.
+_SERVER_CAP = "cap the answer's tokens, sent as %s (default: the server's own -n; llama-server's: none)"
 
 
 #: ``loopclient chat``'s ``--max-tokens`` when none is given (nor ``--param max_tokens``).
@@ -8364,6 +8489,9 @@ def _refused(exc: Exception) -> int:
 #: a person at a terminal, not a script's two minutes.  A busy slot is waited out for ``busy_wait``.
 CLI_LOAD_WAIT = 15.0
 
+#: How long the command line waits out a busy slot unless ``--wait`` says: the library's ``busy_wait``.
+_CLI_BUSY_WAIT = Limits().busy_wait
+
 
 def _cli_client(args: Any, model: Optional[str]) -> Client:
     """The client the options describe: the address, the key, --thinking-cap and --wait in its limits
@@ -8383,6 +8511,8 @@ def _cli_client(args: Any, model: Optional[str]) -> Client:
 def _cli_address(path: Optional[str], url: Optional[str]) -> Optional[str]:
     """``--socket PATH`` or ``--url URL``; a URL given to ``--socket`` or a value without a scheme given to
     ``--url`` is ``ValueError`` saying what was meant."""
+    if path is not None and url is not None:
+        raise ValueError("--socket and --url name the server twice: give one of them")
     if path is not None and "://" in path and not path.startswith("unix://"):
         raise ValueError("--socket takes a socket path, and %s is a URL: use --url %s" % (path, path))
     if url and "://" not in url:
@@ -8512,12 +8642,28 @@ def _answered(console: _Console, completion: Completion, as_json: bool) -> None:
     sys.stderr.flush()
 
 
-def _read_arg(name: Optional[str]) -> str:
-    """The text of FILE (``-``: stdin; None: nothing)."""
-    if name is None:
+def _text_arg(value: Optional[str], option: str) -> str:
+    """``infill``'s ``--prefix`` and ``--suffix``: the TEXT as given, ``@FILE`` a file's text, ``-`` stdin's,
+    ``@@...`` the text ``@...``; None: nothing.  A value that names an existing file (what the options took
+    before they took text) is read as that file, with a line on stderr that says to write ``@FILE``."""
+    if value is None:
         return ""
-    if name == "-":
+    if value == "-":
         return sys.stdin.read()
+    if value.startswith("@@"):
+        return value[1:]
+    if value.startswith("@"):
+        return _read_file(value[1:])
+    if os.path.isfile(value):
+        sys.stderr.write(
+            "loopclient: %s %s names a file, read as before: write %s @%s for a file (a TEXT is sent as it is)\n"
+            % (option, value, option, value)
+        )
+        return _read_file(value)
+    return value
+
+
+def _read_file(name: str) -> str:
     try:
         with open(name, encoding="utf-8", errors="replace") as f:
             return f.read()
@@ -8540,7 +8686,7 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
             read = (lambda: _read_stdin("the prompt")) if args.prompt is None else None
             text = (_prompt(args.prompt, read),)  # type: Tuple[str, ...]
         else:
-            text = (_read_arg(args.prefix), _read_arg(args.suffix))
+            text = (_text_arg(args.prefix, "--prefix"), _text_arg(args.suffix, "--suffix"))
     except ValueError as exc:
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2

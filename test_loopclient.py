@@ -18861,7 +18861,9 @@ class TestCommandLineEndpoints(CLICase):
         self.serve("/infill", "48_infill_stream.raw.txt")
         prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
         suffix = self.text_file("suffix.py", "\n    return c\n")
-        out, err = self.main_ok("infill", "--prefix", prefix, "--suffix", suffix, "--max-tokens", "8", "--slot", "0")
+        out, err = self.main_ok(
+            "infill", "--prefix", "@" + prefix, "--suffix", "@" + suffix, "--max-tokens", "8", "--slot", "0"
+        )
         self.assertEqual(out, "\n    " * 4 + "\n")
         self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 13\.2 tokens/s, finish: length\]\n$")
         self.assertEqual(
@@ -18883,7 +18885,9 @@ class TestCommandLineEndpoints(CLICase):
         out, _ = self.main_ok("infill", "--prefix", "-", stdin="def add(a, b):\n    ")
         self.assertEqual(out, "\n    " * 4 + "\n")
         suffix_first = self.text_file("prefix.py", "def add(a, b):\n    ")
-        out, _ = self.main_ok("infill", "--prefix", suffix_first, "--suffix", "-", "--json", stdin="\n    return c\n")
+        out, _ = self.main_ok(
+            "infill", "--prefix", "@" + suffix_first, "--suffix", "-", "--json", stdin="\n    return c\n"
+        )
         self.assertEqual(json.loads(out)["tokens"], [107, 140] * 4)
         self.assertEqual(
             [(b["input_prefix"], b["input_suffix"]) for b in self.bodies("/infill")],
@@ -18896,7 +18900,7 @@ class TestCommandLineEndpoints(CLICase):
         self.main_ok(
             "infill",
             "--prefix",
-            prefix,
+            "@" + prefix,
             "--param",
             'input_extra=[{"filename": "util.py", "text": "def sub(): pass\\n"}]',
         )
@@ -18907,7 +18911,7 @@ class TestCommandLineEndpoints(CLICase):
     def test_infill_on_a_model_without_fim_tokens_is_one_line(self):
         self.serve("/infill", "49_infill_not_supported.raw.txt")
         prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
-        line = self.main_fails("infill", "--prefix", prefix)
+        line = self.main_fails("infill", "--prefix", "@" + prefix)
         self.assertIn("HTTP 501: Infill is not supported by this model: prefix token is missing.", line)
         self.assertEqual(len(self.bodies("/infill")), 1)
 
@@ -18916,11 +18920,11 @@ class TestCommandLineEndpoints(CLICase):
         cases = [
             (["infill"], "loopclient infill: error: the following arguments are required: --prefix"),
             (
-                ["infill", "--prefix", self.server.tmp + "/missing.py"],
+                ["infill", "--prefix", "@" + self.server.tmp + "/missing.py"],
                 "loopclient: error: cannot read %s/missing.py: No such file or directory" % self.server.tmp,
             ),
             (
-                ["infill", "--prefix", prefix, "--suffix", self.server.tmp],
+                ["infill", "--prefix", "@" + prefix, "--suffix", "@" + self.server.tmp],
                 "loopclient: error: cannot read %s: Is a directory" % self.server.tmp,
             ),
             (
@@ -18928,11 +18932,11 @@ class TestCommandLineEndpoints(CLICase):
                 "loopclient: error: --param prompt: loopclient sets prompt itself",
             ),
             (
-                ["infill", "--prefix", prefix, "--param", "input_prefix=y"],
+                ["infill", "--prefix", "@" + prefix, "--param", "input_prefix=y"],
                 "loopclient: error: --param input_prefix: loopclient sets input_prefix itself",
             ),
             (
-                ["infill", "--prefix", prefix, "--param", "input_suffix=y"],
+                ["infill", "--prefix", "@" + prefix, "--param", "input_suffix=y"],
                 "loopclient: error: --param input_suffix: loopclient sets input_suffix itself",
             ),
             (
@@ -18941,7 +18945,7 @@ class TestCommandLineEndpoints(CLICase):
             ),
             (["complete", "x", "--slot", "-1"], "loopclient: error: slot must not be negative"),
             (
-                ["infill", "--prefix", prefix, "--param", 'input_extra={"a": 1}'],
+                ["infill", "--prefix", "@" + prefix, "--param", 'input_extra={"a": 1}'],
                 "loopclient: error: extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
             ),
         ]
@@ -23769,3 +23773,128 @@ class TestRealDemoScript(unittest.TestCase):
             os.close(master)
         self.assertEqual((proc.returncode, seen), (0, b""))
         self.told(err.decode())
+
+
+class TestCommandLineHelp(CLICase):
+    """``--help``: each command shows its own options (the global ones only on ``loopclient --help``) and
+    ends with examples; ``loopclient --help`` names the waits and the exit codes; ``complete`` and
+    ``infill`` say their ``--max-tokens`` default as ``chat`` does."""
+
+    GLOBAL = ("--socket", "--url", "--model", "--api-key", "--wait", "--verbose")
+
+    def help_of(self, *argv):
+        code, out, err = self.run_main(list(argv) + ["--help"])
+        self.assertEqual((code, err), (0, ""))
+        return out
+
+    def options_of(self, text):
+        """The options a help lists in its options section (the usage line aside)."""
+        body = text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+        return re.findall(r"^  (-[-\w]+(?:, --[-\w]+)?)", body, re.M)
+
+    def test_each_command_shows_its_own_options_and_examples(self):
+        own = {
+            "chat": ["-h, --help", "--system", "--thinking-cap", "--resumable"] + list(ANSWER_OPTIONS),
+            "complete": ["-h, --help", "--openai"] + list(ANSWER_OPTIONS),
+            "infill": ["-h, --help", "--prefix", "--suffix"] + list(ANSWER_OPTIONS),
+            "slots": ["-h, --help", "--json", "--watch"],
+            "health": ["-h, --help"],
+            "props": ["-h, --help"],
+            "models": ["-h, --help", "--watch"],
+            "tokens": ["-h, --help"],
+        }
+        for command, options in own.items():
+            with self.subTest(command):
+                text = self.help_of(command)
+                self.assertEqual(self.options_of(text), options)
+                for name in self.GLOBAL:
+                    self.assertNotIn("[%s" % name, text.split("\n\n", 1)[0])  # nor in its usage line
+                examples = text.split("\nexamples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+                self.assertTrue(2 <= len(examples) <= 3, examples)
+                self.assertTrue(all(line.lstrip().split()[0] in ("loopclient", "git", "head") for line in examples))
+                self.assertTrue(all(" %s" % command in line for line in examples), examples)
+                self.assertIn("loopclient --help", text.split("\nexamples:\n", 1)[1])
+
+    def test_the_global_help_names_waits_exit_codes_and_examples(self):
+        text = self.help_of()
+        self.assertEqual(
+            self.options_of(text),
+            ["-h, --help", "--socket", "--url", "--model", "--api-key", "--wait", "-v, --verbose", "--version"],
+        )
+        flat = " ".join(text.split())
+        self.assertIn(
+            "exit status: 0 done; 1 an error, one line on stderr saying what happened and what to do; 2 bad usage "
+            "(an option, address, prompt or limit); 130 interrupted (Ctrl-C, which closes the connection first).",
+            flat,
+        )
+        self.assertIn(
+            "waits: chat, complete and infill wait up to 15 s for an absent or loading server, and up to 600 s", flat
+        )
+        self.assertIn("load_wait, default 15) and for a busy slot (busy_wait, default 600)", flat)
+        self.assertIn("loopclient COMMAND --help", flat)
+        self.assertIn("\nexamples:\n", text)
+
+    def test_the_max_tokens_defaults_are_said(self):
+        for command, default in (
+            ("chat", "(default 2048: a model that repeats itself ends)"),
+            (
+                "complete",
+                "sent as n_predict (with --openai: max_tokens) (default: the server's own -n; llama-server's: none)",
+            ),
+            ("infill", "sent as n_predict (default: the server's own -n; llama-server's: none)"),
+        ):
+            with self.subTest(command):
+                self.assertIn(default, " ".join(self.help_of(command).split()))
+
+    def test_global_options_still_go_after_the_command(self):
+        self.use(serve_body(content_stream(["ok"])))
+        code, out, err = self.run_main(["chat", "x", "--socket", self.server.path, "--wait", "1", "-v"])
+        self.assertEqual((code, out), (0, "ok\n"), err)
+        code, out, err = self.run_main(["--socket", self.server.path, "chat", "x", "--url", "http://127.0.0.1:9"])
+        self.assertEqual(
+            (code, out, err), (2, "", "loopclient: error: --socket and --url name the server twice: give one of them\n")
+        )
+
+
+ANSWER_OPTIONS = ("--slot", "--max-tokens", "--temperature", "--stop", "--ignore-eos", "--param", "--json")
+
+
+class TestCommandLineInfillText(CLICase):
+    """``infill --prefix TEXT`` takes text, as every other command does; ``@FILE`` reads a file, ``-`` stdin,
+    ``@@`` starts a text with @; a value naming an existing file is still read as one (as the option did
+    before it took text), with a line on stderr saying to write ``@FILE``."""
+
+    def setUp(self):
+        super().setUp()
+        raw = load_transcript("48_infill_stream.raw.txt")
+        self.server.route("POST", "/infill", lambda req: req.send(raw))
+
+    def sent(self):
+        return [
+            (r.json()["input_prefix"], r.json()["input_suffix"]) for r in self.server.requests if r.path == "/infill"
+        ]
+
+    def test_text_file_stdin_and_at_at(self):
+        path = os.path.join(self.server.tmp, "after.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("    return c\n")
+        _, err = self.main_ok("infill", "--prefix", "def add(a, b):\n", "--suffix", "@" + path)
+        self.assertNotIn("loopclient:", err)
+        self.main_ok("infill", "--prefix", "-", "--suffix", "@@decorated", stdin="from stdin")
+        self.main_ok("infill", "--prefix", "@@")
+        self.assertEqual(
+            self.sent(),
+            [("def add(a, b):\n", "    return c\n"), ("from stdin", "@decorated"), ("@", "")],
+        )
+
+    def test_a_file_name_is_still_read_as_a_file(self):
+        path = os.path.join(self.server.tmp, "before.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("def add(a, b):\n")
+        _, err = self.main_ok("infill", "--prefix", path)
+        self.assertEqual(
+            err.splitlines()[0],
+            "loopclient: --prefix %s names a file, read as before: write --prefix @%s for a file (a TEXT is sent as "
+            "it is)" % (path, path),
+        )
+        self.assertEqual(self.sent(), [("def add(a, b):\n", "")])

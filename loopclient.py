@@ -7803,6 +7803,8 @@ def _describe(exc: LoopError, pool: bool = False) -> str:
     hint = next((text for cls, text in _HINTS if isinstance(exc, cls)), "")
     if isinstance(exc, WaitTimeoutError) and pool:
         hint = "every slot stayed busy: try later, or wait longer with --wait SECONDS"
+    elif isinstance(exc, BusyError) and pool:
+        hint = "the queue for the slots is full: try again later"
     elif isinstance(exc, LoadTimeoutError) and _loading(exc.__cause__):
         hint = "the server is still loading: try again, or wait longer with --wait SECONDS"
     if isinstance(exc, LoadTimeoutError) and isinstance(exc.__cause__, OSError):

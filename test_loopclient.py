@@ -23291,6 +23291,30 @@ class TestCommandLineWaits(CLICase):
         )
 
 
+class TestCommandLineHints(unittest.TestCase):
+    """The hint after an error's message, for a request pinned to a slot and for a slot=None one."""
+
+    def test_busy_and_full_queue_hints(self):
+        full = lc.BusyError("8 requests already wait for any slot (queue_len 8): try later", None, 8, 8)
+        self.assertEqual(
+            lc._describe(full, pool=True),
+            "loopclient: 8 requests already wait for any slot (queue_len 8): try later: the queue for the slots is "
+            "full: try again later",
+        )
+        full = lc.BusyError("8 requests already wait for slot 1 (queue_len 8): try later", 1, 8, 8)
+        self.assertTrue(
+            lc._describe(full).endswith(": the queue for this slot is full: try again later, or another --slot")
+        )
+        busy = lc.WaitTimeoutError(
+            "every slot stayed busy for 600.0 s (busy_wait): the server is still serving others", 600.0
+        )
+        self.assertTrue(
+            lc._describe(busy, pool=True).endswith(
+                ": every slot stayed busy: try later, or wait longer with --wait SECONDS"
+            )
+        )
+
+
 class TestCommandLinePrompts(CLICase):
     """An empty prompt (from stdin, a pipe, /dev/null, or an empty PROMPT) is a usage error: exit 2, and
     nothing is sent (the server would generate from nothing up to the cap)."""

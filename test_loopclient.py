@@ -23812,8 +23812,9 @@ class TestCommandLineHelp(CLICase):
         return out
 
     def options_of(self, text):
-        """The options a help lists in its options section (the usage line aside)."""
-        body = text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+        """The options a help lists in its options section (the usage line aside; before Python 3.10 the
+        section is called "optional arguments")."""
+        body = re.split(r"\n(?:options|optional arguments):\n", text, maxsplit=1)[1].split("\n\n", 1)[0]
         return re.findall(r"^  (-[-\w]+(?:, --[-\w]+)?)", body, re.M)
 
     def test_each_command_shows_its_own_options_and_examples(self):

@@ -3786,8 +3786,11 @@ def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
     """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
     directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
-    never retried.  A socket file that has not existed since the client was made: ``exc`` (retried by a
-    stream), logged as a WARNING at the first failure."""
+    never retried.  Nor can a path whose directory does not exist, until someone makes the directory:
+    ``ConnectError`` at once too, while no socket file has been reached there since the client was made
+    (once one has, a directory gone with its server is a restart, waited for as a missing file is).  A
+    socket file missing from a directory that is there: ``exc`` (retried by a stream), logged as a WARNING
+    at the first failure when none has been there since the client was made."""
     import stat
 
     path = addr.target
@@ -3799,23 +3802,31 @@ def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
         mode, what = 0, "below a regular file"
     except OSError:
         mode = None
+    folder = os.path.dirname(path) or "."
     if mode is not None and not stat.S_ISSOCK(mode):
-        err = ConnectError("%s is %s, not a socket: no llama-server can listen there" % (addr.text, what), addr.text)
-        err.__cause__ = exc
-        return err
-    if mode is not None:
-        addr.seen = True  # a socket file: the server is there or was
-    elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
-        addr.warned = True
-        log = _logger(_WARNING)
-        if log is not None:
-            log.warning(
-                "%s: no socket file there (none since the client was made): is llama-server started with "
-                "--host %s? waiting for it",
-                addr.text,
-                path,
-            )
-    return exc
+        text = "%s is %s, not a socket: no llama-server can listen there" % (addr.text, what)
+    elif mode is None and not addr.seen and isinstance(exc, FileNotFoundError) and not os.path.isdir(folder):
+        text = (
+            "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
+            "someone makes it" % (addr.text, folder)
+        )
+    else:
+        if mode is not None:
+            addr.seen = True  # a socket file: the server is there or was
+        elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
+            addr.warned = True
+            log = _logger(_WARNING)
+            if log is not None:
+                log.warning(
+                    "%s: no socket file there (none since the client was made): is llama-server started with "
+                    "--host %s? waiting for it",
+                    addr.text,
+                    path,
+                )
+        return exc
+    err = ConnectError(text, addr.text)
+    err.__cause__ = exc
+    return err
 
 
 def _verdict(addr: _Address, exc: BaseException) -> None:
@@ -3836,22 +3847,40 @@ def _verdict(addr: _Address, exc: BaseException) -> None:
         log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
 
 
-def _tell(log: Any, addr: _Address, events: List[Any]) -> None:
+def _cancel_told(addr: _Address, how: str) -> None:
+    """Log (DEBUG) how a stream was cancelled: ``cancel()`` called, or left before its end (a ``with``
+    block left early, an exception from ``on_event``, a cancelled task).  The code that goes on iterating
+    hears ``CancelledError``, which ``_verdict`` logs."""
+    log = _logger(_DEBUG)
+    if log is not None:
+        log.debug("%s: cancelled: %s", addr.text, how)
+
+
+def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
     """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
-    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged."""
+    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
+    the request is ``slot=None``'s, so a wait is told of the slots, not of one."""
     for event in events:
         kind = type(event)
         if kind is Retrying:
             log.info("%s: retry %d in %.2f s: %s", addr.text, event.attempt, event.delay, event.reason)
         elif kind is Waiting:
-            state = "wedged" if event.wedged else "busy" if event.slot_busy else "not busy, no answer yet"
-            if not event.slots_known:
-                state = "unknown (the server does not serve /slots)"
-            log.info("%s: waiting for the response: the slot is %s", addr.text, state)
+            log.info("%s: waiting for the response: %s", addr.text, _waiting_text(event, pool))
         elif kind is Resumed:
             log.info("%s: connection lost: resumed at byte %d (attempt %d)", addr.text, event.offset, event.attempt)
         elif kind is Queued:
             log.debug("%s: queued: %d ahead in this client", addr.text, event.ahead)
+
+
+def _waiting_text(event: Waiting, pool: bool) -> str:
+    """What a ``Waiting`` says, for a request pinned to a slot or (``pool``) for a ``slot=None`` one."""
+    if not event.slots_known:
+        return "the %s unknown (the server does not serve /slots)" % ("slots are" if pool else "slot is")
+    if event.wedged:
+        return "a slot is wedged" if pool else "the slot is wedged"
+    if event.slot_busy:
+        return "every slot is busy" if pool else "the slot is busy"
+    return "a slot is free, no answer yet" if pool else "the slot is not busy, no answer yet"
 
 
 class _Silence(Exception):
@@ -3948,6 +3977,17 @@ _BUDGETS = {
 }
 
 
+#: What ``_BUDGETS`` says of a ``slot=None`` request, which waits for the pool, not for one slot.
+_POOL_TEXTS = {
+    BUSY: "every slot stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
+    IDLE: "a slot is free, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    SEVERAL: "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
+    "servers (Limits.servers) /slots may describe another server than the one holding the request",
+    UNSEEN: "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
+    "its slots cannot be seen (busy_wait): the request may still be queued upstream",
+}
+
+
 class _Waits:
     """What a request waits on before its response starts, and since when: each state has its budget,
     which restarts when the state changes."""
@@ -3956,7 +3996,7 @@ class _Waits:
 
     def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
         self.limits = limits
-        self.slot = "any" if slot is None else str(slot)
+        self.slot = slot  # None: the pool
         self.address = address
         self.state = None  # type: Optional[str]
         self.since = _clock()
@@ -3989,6 +4029,8 @@ class _Waits:
     def expired(self) -> LoopError:
         assert self.state is not None
         _, cls, text = _BUDGETS[self.state]
+        if self.slot is None:
+            text = _POOL_TEXTS.get(self.state, text)
         waited = _clock() - self.since
         text = text.format(slot=self.slot, address=self.address, waited=waited)
         if isinstance(self.cause, HTTPStatusError) and self.cause.status in _FRONT_STATUSES:
@@ -5007,6 +5049,8 @@ class _Calls:
         self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
         self.root = self  # the client's own calls: a copy made by at() reads closed there
+        #: per model, how many slots the server said it has (0: answers that disagreed); see ``learn_slots``
+        self.slot_counts = {}  # type: Dict[Optional[str], int]
 
     def at(self, headers: Optional[Dict[str, str]], session: Optional[str] = None) -> _Calls:
         """These calls for one call that gives ``headers`` or a ``session`` key of its own: a copy whose
@@ -5031,6 +5075,29 @@ class _Calls:
         if session is not None:
             calls.session = session
         return calls
+
+    def learn_slots(self, model: Optional[str], count: Optional[int]) -> None:
+        """Remember that the server has ``count`` slots for ``model``, from an answer the client got anyway
+        (``/props``' ``total_slots``, the length of a ``/slots`` answer).  Two answers that disagree (several
+        servers behind the address, or a restart with another ``--parallel``) make it unknown for good, and
+        nothing is learnt with several servers behind the address (``Limits.servers``)."""
+        if count is None or count < 1 or self.limits.servers > 1:
+            return
+        known = self.slot_counts.get(model, count)
+        self.slot_counts[model] = count if known == count else 0
+
+    def check_slot(self, slot: int, model: Optional[str]) -> None:
+        """``ValueError`` for a ``slot`` past the slots the server said it has: llama-server would take it
+        modulo their number, on a slot the caller did not name (and that this client's gate does not count
+        as the same)."""
+        count = self.slot_counts.get(model, 0)
+        if count and slot >= count:
+            which = "slot 0" if count == 1 else "0 to %d" % (count - 1)
+            owner = "it has" if model is None else "model %s has" % model
+            raise ValueError(
+                "slot %d is past the server's slots: %s %d (%s), and llama-server would take slot %d as slot %d "
+                "(modulo %d)" % (slot, owner, count, which, slot, slot % count, count)
+            )
 
     # -- requests ----------------------------------------------------------------------------------------
 
@@ -5202,7 +5269,10 @@ class _Calls:
         return Response(head.status, head.reason, head.headers, data)
 
     def slots(self, model: Optional[str]) -> _Plan[List[Slot]]:
-        return _slots_from((yield from self._json("GET", "/slots", model=self.model if model is None else model)))
+        name = self.model if model is None else model
+        slots = _slots_from((yield from self._json("GET", "/slots", model=name)))
+        self.learn_slots(name, len(slots))
+        return slots
 
     def health(self) -> _Plan[Dict[str, Any]]:
         head, data = yield from self._call("GET", "/health")
@@ -5217,9 +5287,11 @@ class _Calls:
         return doc
 
     def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
-        doc = yield from self._json("GET", "/props", model=self.model if model is None else model)
+        name = self.model if model is None else model
+        doc = yield from self._json("GET", "/props", model=name)
         if not isinstance(doc, dict):
             raise ProtocolError("GET /props did not answer a JSON object")
+        self.learn_slots(name, _total_slots(doc))
         return doc
 
     def models(self) -> _Plan[Dict[str, Any]]:
@@ -5424,6 +5496,8 @@ class _Streams:
         if row.routed:
             body, query = calls._route(method, body, None, _NO_MODEL, path)
         model = body.get("model") if isinstance(body, dict) else (query or {}).get("model")
+        if slot is not None:
+            calls.check_slot(slot, model if isinstance(model, str) else None)
         request = calls._encode(method, path, body, "text/event-stream", query, extra=_pin(conversation))
         return _StreamRequest(
             request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation,
@@ -5574,6 +5648,7 @@ class _Streams:
         total = None
         try:
             total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
+            self.calls.learn_slots(model, total)
             total = POOL_GUESS if total is None else total * self.limits.servers
         except Exception:  # no answer, whatever the failure: nobody waits for it, as for the /slots poll
             pass
@@ -5651,6 +5726,7 @@ class _Streams:
         try:
             timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
             slots = _slots_from((yield from self.calls._json("GET", "/slots", model=model, timeout=timeout)))
+            self.calls.learn_slots(model, len(slots))
         except HTTPStatusError as exc:
             unseen = exc.status in (403, 404, 405, 501)
         except Exception:
@@ -6344,6 +6420,7 @@ class Stream:
         self._batch_offset = run.offset = req.offset or 0
         self._done = False
         self._log = _logger(_INFO)  # the events that say what the request waits for are logged with it
+        self._pool = req.slot is None  # a slot=None request: its waits are told of the slots
         #: the assembled answer, once iteration ended without an error
         self.completion = None  # type: Optional[Completion]
         #: a resumable stream's id (its ``X-Conversation-Id``), else None
@@ -6372,7 +6449,9 @@ class Stream:
             if run.cancelled:
                 self._done = True
                 run.unwind()
-                raise _cancelled()
+                exc = _cancelled()
+                _verdict(run.board.calls.addr, exc)
+                raise exc
             try:
                 got = run.step()
             except BaseException as exc:
@@ -6385,7 +6464,7 @@ class Stream:
                 self.offset = run.offset
                 raise StopIteration
             if self._log is not None:
-                _tell(self._log, run.board.calls.addr, got)
+                _tell(self._log, run.board.calls.addr, got, self._pool)
             got.reverse()  # a fresh list, never empty: popped from its end
             self._batch = got
             self._batch_offset = run.offset
@@ -6402,6 +6481,8 @@ class Stream:
         iterating the stream gets ``CancelledError`` within 0.2 s.  A resumable stream is deleted on the
         server first (one attempt of at most a second), so that the server stops generating."""
         if not self._done:
+            if not self._run.cancelled:
+                _cancel_told(self._run.board.calls.addr, "cancel() was called")
             self._run.cancel()
 
     def __enter__(self) -> Stream:
@@ -6410,6 +6491,8 @@ class Stream:
     def __exit__(self, *exc_info: Any) -> None:
         if not self._done:
             run = self._run
+            if not run.cancelled:
+                _cancel_told(run.board.calls.addr, "the stream was left before its end")
             run.cancel()
             with run.lock:
                 self._done = True
@@ -6499,8 +6582,10 @@ class Client:
         ``session`` (every streamed call takes it) is the conversation's key, sent as ``X-Session-Id`` for
         a front to route by; without it, the client's key, else a digest of the messages up to and
         including the first user message (``Limits.session=False``: none); ``stream.session`` says which.
-        A body that is not JSON-serialisable, a bad ``slot`` or ``session``, or a thinking cap with ``n`` > 1
-        is ``TypeError``/``ValueError`` here, before any connection.
+        A body that is not JSON-serialisable, a bad ``slot`` (a slot past the server's slots too, once an
+        answer the client got has told their number: ``props()``, ``slots()``, a pool's ``/props``, a
+        ``/slots`` poll) or ``session``, or a thinking cap with ``n`` > 1 is ``TypeError``/``ValueError``
+        here, before any connection.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -7389,7 +7474,9 @@ class AsyncStream:
         if self._cancelled:
             self._done = True
             await self._end()
-            raise _cancelled()
+            exc = _cancelled()
+            _verdict(self._client._calls.addr, exc)
+            raise exc
         if run is None:
             board = self._client._board_here()
             run = self._run = _AsyncRun(board, self._req.conversation is not None)
@@ -7400,6 +7487,10 @@ class AsyncStream:
             got = await run.step()
         except BaseException as caught:
             self._done = True
+            import asyncio
+
+            if isinstance(caught, asyncio.CancelledError):
+                _cancel_told(run.board.calls.addr, "the task iterating the stream was cancelled")
             _verdict(run.board.calls.addr, caught)
             raise
         finally:
@@ -7410,7 +7501,7 @@ class AsyncStream:
             self.offset = run.offset
             raise StopAsyncIteration
         if self._log is not None:
-            _tell(self._log, run.board.calls.addr, got)
+            _tell(self._log, run.board.calls.addr, got, self._req.slot is None)
         got.reverse()  # a fresh list, never empty: popped from its end
         self._batch = got
         self._batch_offset = run.offset
@@ -7420,6 +7511,8 @@ class AsyncStream:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
         its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
         if not self._done:
+            if not self._cancelled:
+                _cancel_told(self._client._calls.addr, "cancel() was called")
             self._cancelled = True
             if self._run is not None:
                 self._run.cancel()
@@ -7439,6 +7532,9 @@ class AsyncStream:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         if not self._done:
+            if not self._cancelled:
+                _cancel_told(self._client._calls.addr, "the stream was left before its end")
+                self._cancelled = True
             self.cancel()
             self._done = True
             await self._end()
@@ -7907,7 +8003,7 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
 _HINTS = (
     (BusyError, "the queue for this slot is full: try again later, or another --slot"),
     (WaitTimeoutError, "the slot stayed busy: try another --slot, or later"),
-    (LoadTimeoutError, "start llama-server, or pass --socket PATH / --url URL"),
+    (LoadTimeoutError, "start llama-server, or pass --socket PATH / --url URL (--wait SECONDS waits longer)"),
     (ConnectError, "start llama-server, or pass --socket PATH / --url URL"),
     (WedgedSlotError, "restart llama-server (SIGKILL if SIGTERM does not stop it)"),
     (StalledError, "the server stopped answering: check its log"),
@@ -7920,8 +8016,16 @@ _HINTS = (
 )
 
 
-def _describe(exc: LoopError) -> str:
+def _describe(exc: LoopError, pool: bool = False) -> str:
+    """The one line of an error: its message and what to do (``pool``: the request was ``slot=None``'s, so
+    no slot of its own stayed busy)."""
     hint = next((text for cls, text in _HINTS if isinstance(exc, cls)), "")
+    if isinstance(exc, WaitTimeoutError) and pool:
+        hint = "every slot stayed busy: try later, or wait longer with --wait SECONDS"
+    elif isinstance(exc, BusyError) and pool:
+        hint = "the queue for the slots is full: try again later"
+    elif isinstance(exc, LoadTimeoutError) and _loading(exc.__cause__):
+        hint = "the server is still loading: try again, or wait longer with --wait SECONDS"
     if isinstance(exc, LoadTimeoutError) and isinstance(exc.__cause__, OSError):
         exc_text = "%s (last: %s)" % (exc, exc.__cause__.strerror or exc.__cause__)
     else:
@@ -7929,27 +8033,35 @@ def _describe(exc: LoopError) -> str:
     return "loopclient: %s%s" % (exc_text, ": " + hint if hint else "")
 
 
+def _loading(cause: Optional[BaseException]) -> bool:
+    """The last failure of a wait was a server that answered "still loading" (503)."""
+    return (isinstance(cause, HTTPStatusError) and cause.status == 503) or (
+        isinstance(cause, ServerError) and cause.code == 503
+    )
+
+
 def _isatty(stream: Any) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
 
 class _Console:
-    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  Off a terminal
-    the prompt's progress is a line at most each quarter of the prompt (0%, 25%, 50%, 75%, 100%), and a
-    wait (a retry, a busy slot) a line when it changes or at most each quarter of its budget."""
+    """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  The prompt's
+    progress shows on a terminal only (off one, a log or a pipe, it would be lines of noise for each
+    answer); a wait (a retry, a busy slot) off a terminal is a line when it changes or at most each quarter
+    of its budget."""
 
-    def __init__(self, out: Any, err: Any, client: Optional[Client] = None) -> None:
+    def __init__(self, out: Any, err: Any, client: Optional[Client] = None, pool: bool = False) -> None:
         self.out = out
         self.err = err
         self.tty = _isatty(err)
         self.client = client
+        self.pool = pool  # the request is slot=None's: its waits are told of the slots, not of one
         self._wait = None  # type: Optional[Tuple[str, float]]  # off a terminal: the last wait shown, when
         self._status = False
         self._in_reasoning = False
         self.started = time.monotonic()
         self.first_token = None  # type: Optional[float]
         self._prompt = None  # type: Optional[Tuple[int, int]]  # (processed, total) last shown
-        self._quarter = -1  # off a terminal: the last quarter of the prompt given a line
 
     def status(self, text: str) -> None:
         if self.tty:
@@ -7980,6 +8092,8 @@ class _Console:
         elif isinstance(event, Waiting):
             waited = time.monotonic() - self.started
             state = "the slot is wedged" if event.wedged else "the slot is busy" if event.slot_busy else "no answer yet"
+            if self.pool and (event.wedged or event.slot_busy):
+                state = "a slot is wedged" if event.wedged else "every slot is busy"
             if not event.slots_known:
                 state = "no answer yet (the server does not show its slots)"
             self._waiting(state, "waiting %.0f s: %s" % (waited, state), "busy_wait")
@@ -8042,9 +8156,7 @@ class _Console:
 
     def _progress(self, processed: int, total: int) -> None:
         self._prompt = (processed, total)
-        quarter = 4 * processed // total
-        if self.tty or quarter > self._quarter:
-            self._quarter = quarter
+        if self.tty:
             self.status("prompt {:,}/{:,} tokens, {}%".format(processed, total, 100 * processed // total))
 
     def _leave_reasoning(self) -> None:
@@ -8271,6 +8383,11 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
     """The body fields of ``_add_answer_options``' options in ``args``; ``taken`` are fields the command
     sets itself (``stream`` and ``id_slot`` always), which ``--param`` may not: ``ValueError``."""
     params = {}  # type: Dict[str, Any]
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(
+            "--max-tokens must be at least 1, got %d: llama-server looks at the cap only after a first token, so "
+            "%d would give one (no cap at all: --param max_tokens=-1)" % (args.max_tokens, args.max_tokens)
+        )
     if args.max_tokens is not None:
         params["max_tokens"] = args.max_tokens
     if args.temperature is not None:
@@ -8287,86 +8404,209 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
     return params
 
 
-def _parser() -> Any:
+def _global_options(parser: Any, shown: bool) -> None:
+    """The options every command takes, before or after its name: with their help on ``loopclient --help``
+    (``shown``), hidden from each command's own help, which names its own options only."""
     import argparse
 
-    common = argparse.ArgumentParser(add_help=False)
-    where = common.add_mutually_exclusive_group()
-    where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help="llama-server's Unix socket")
+    def say(text: str) -> str:
+        return text if shown else argparse.SUPPRESS
+
+    # one or the other (a group of hidden options breaks argparse's usage line: _cli_address checks it there)
+    where = parser.add_mutually_exclusive_group() if shown else parser
+    where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help=say("llama-server's Unix socket"))
     where.add_argument(
-        "--url", metavar="URL", default=argparse.SUPPRESS, help="llama-server's http(s)://host:port[/prefix]"
+        "--url", metavar="URL", default=argparse.SUPPRESS, help=say("llama-server's http(s)://host:port[/prefix]")
     )
-    common.add_argument(
-        "--model", metavar="NAME", default=argparse.SUPPRESS, help="route to this model of a router ($LLAMA_MODEL)"
+    parser.add_argument(
+        "--model", metavar="NAME", default=argparse.SUPPRESS, help=say("route to this model of a router ($LLAMA_MODEL)")
     )
-    common.add_argument(
-        "--api-key", metavar="KEY", default=argparse.SUPPRESS, help="bearer token to send ($LLAMA_API_KEY)"
+    parser.add_argument(
+        "--api-key", metavar="KEY", default=argparse.SUPPRESS, help=say("bearer token to send ($LLAMA_API_KEY)")
     )
-    common.add_argument(
+    parser.add_argument(
         "--wait",
         metavar="SECONDS",
         type=float,
         default=argparse.SUPPRESS,
-        help="how long to wait for an absent, loading or busy server (load_wait and busy_wait)",
+        help=say(
+            "how long to wait for an absent or loading server (load_wait, default %g) and for a busy slot "
+            "(busy_wait, default %g)" % (CLI_LOAD_WAIT, _CLI_BUSY_WAIT)
+        ),
     )
-    common.add_argument(
+    parser.add_argument(
         "-v",
         "--verbose",
         action="count",
         default=argparse.SUPPRESS,
-        help="log what the client does on stderr: -v retries, waits, resumes (INFO); -vv connections too (DEBUG)",
+        help=say("log what the client does on stderr: -v retries, waits, resumes (INFO); -vv connections too (DEBUG)"),
     )
+
+
+_CLI_EPILOG = """\
+Each command has its own options and examples: loopclient COMMAND --help. The options above go before or
+after the command.
+
+address: --socket PATH or --url URL, else $LLAMA_SERVER (a path or a URL), else %s.
+waits: chat, complete and infill wait up to %g s for an absent or loading server, and up to %g s for a busy
+  slot (--wait SECONDS sets both); the other commands ask once.
+exit status: 0 done; 1 an error, one line on stderr saying what happened and what to do; 2 bad usage (an
+  option, address, prompt or limit); 130 interrupted (Ctrl-C, which closes the connection first).
+
+examples:
+  loopclient --socket /tmp/loopclient-llama/demo.sock chat "Name three colours." --stop '\\n'
+  loopclient --url http://127.0.0.1:8080 slots --watch
+  LLAMA_SERVER=/run/llama.sock loopclient health
+"""
+
+#: Each command: its one-line help, its description, and the examples its --help ends with.
+_CLI_COMMANDS = (
+    (
+        "chat",
+        "stream an answer (PROMPT, stdin, or a conversation)",
+        """\
+  loopclient chat "Name three colours." --stop '\\n'
+  git diff | loopclient chat --system "Review this diff." --max-tokens 400
+  loopclient chat --slot 0 --temperature 0          (on a terminal: a conversation, Ctrl-D ends it)""",
+    ),
+    (
+        "complete",
+        "stream the text that follows PROMPT (/completion)",
+        """\
+  loopclient complete "The sky is" --max-tokens 8
+  loopclient complete --openai "Once upon a time" --max-tokens 40 --stop '\\n'
+  loopclient complete --json --param n_probs=3 "The sky is" --max-tokens 4""",
+    ),
+    (
+        "infill",
+        "stream the middle between --prefix and --suffix (/infill)",
+        """\
+  loopclient infill --prefix 'def add(a, b):' --suffix '    return c' --max-tokens 16
+  loopclient infill --prefix @before.py --suffix @after.py
+  head -n 40 app.py | loopclient infill --prefix - --suffix @rest.py""",
+    ),
+    (
+        "slots",
+        "show the server's slots",
+        """\
+  loopclient slots
+  loopclient slots --watch 60 > slots.log
+  loopclient slots --json""",
+    ),
+    (
+        "health",
+        "print /health as JSON",
+        """\
+  loopclient health
+  loopclient --url http://127.0.0.1:8080 health""",
+    ),
+    (
+        "props",
+        "print /props as JSON",
+        """\
+  loopclient props
+  loopclient --model alpha props""",
+    ),
+    (
+        "models",
+        "show the models (a router's, with their status)",
+        """\
+  loopclient models
+  loopclient --model alpha models --watch""",
+    ),
+    (
+        "tokens",
+        "count the tokens of TEXT (or stdin)",
+        """\
+  loopclient tokens "Name three colours."
+  loopclient tokens < prompt.txt""",
+    ),
+)
+
+
+def _parser() -> Any:
+    """The command line's parser: the global options, and each command's own (``_command_options``)."""
+    import argparse
+
+    raw = argparse.RawDescriptionHelpFormatter
+    hidden = argparse.ArgumentParser(add_help=False)
+    _global_options(hidden, False)
     parser = argparse.ArgumentParser(
         prog="loopclient",
-        parents=[common],
         description="Talk to llama.cpp's llama-server over a Unix socket or TCP.",
-        epilog="The address defaults to $LLAMA_SERVER (a path or URL), else %s." % DEFAULT_ADDRESS,
+        epilog=_CLI_EPILOG % (DEFAULT_ADDRESS, CLI_LOAD_WAIT, _CLI_BUSY_WAIT),
+        formatter_class=raw,
     )
+    _global_options(parser, True)
     parser.add_argument("--version", action="version", version="loopclient " + __version__)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chat = commands.add_parser("chat", parents=[common], help="stream an answer (PROMPT, stdin, or a conversation)")
-    chat.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
-    chat.add_argument("--system", help="a system message")
-    chat.add_argument("--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens")
-    chat.add_argument(
-        "--resumable", action="store_true", help="resume the answer from the server's buffer if the connection drops"
-    )
-    _add_answer_options(
-        chat, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
-    )
-    slots = commands.add_parser("slots", parents=[common], help="show the server's slots")
-    slots.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
-    slots.add_argument(
-        "--watch",
-        type=float,
-        nargs="?",
-        const=float("inf"),
-        metavar="SECONDS",
-        help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
-    )
-    commands.add_parser("health", parents=[common], help="print /health as JSON")
-    commands.add_parser("props", parents=[common], help="print /props as JSON")
-    models = commands.add_parser("models", parents=[common], help="show the models (a router's, with their status)")
-    models.add_argument(
-        "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
-    )
-    tokens = commands.add_parser("tokens", parents=[common], help="count the tokens of TEXT (or stdin)")
-    tokens.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
-    complete = commands.add_parser(
-        "complete", parents=[common], help="stream the text that follows PROMPT (/completion)"
-    )
-    complete.add_argument(
-        "prompt", nargs="?", help="the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"
-    )
-    complete.add_argument(
-        "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
-    )
-    _add_answer_options(complete)
-    infill = commands.add_parser("infill", parents=[common], help="stream the middle between --prefix and --suffix")
-    infill.add_argument("--prefix", metavar="FILE", required=True, help="the text before the gap (- for stdin)")
-    infill.add_argument("--suffix", metavar="FILE", default=None, help="the text after the gap (- for stdin)")
-    _add_answer_options(infill)
+    for name, summary, examples in _CLI_COMMANDS:
+        command = commands.add_parser(
+            name,
+            parents=[hidden],
+            help=summary,
+            description=summary[0].upper() + summary[1:] + ".",
+            epilog="examples:\n%s\n\nThe global options (--socket, --url, --model, --api-key, --wait, -v) go\n"
+            "before or after the command: loopclient --help." % examples,
+            formatter_class=raw,
+        )
+        _command_options(name, command)
     return parser
+
+
+def _command_options(name: str, command: Any) -> None:
+    """The options of the command ``name``."""
+    if name == "chat":
+        command.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
+        command.add_argument("--system", metavar="TEXT", help="a system message")
+        command.add_argument(
+            "--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens"
+        )
+        command.add_argument(
+            "--resumable",
+            action="store_true",
+            help="resume the answer from the server's buffer if the connection drops",
+        )
+        _add_answer_options(
+            command, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
+        )
+    elif name == "complete":
+        command.add_argument(
+            "prompt", nargs="?", help="the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"
+        )
+        command.add_argument(
+            "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
+        )
+        _add_answer_options(command, _SERVER_CAP % "n_predict (with --openai: max_tokens)")
+    elif name == "infill":
+        for part, where in (("prefix", "before"), ("suffix", "after")):
+            command.add_argument(
+                "--" + part,
+                metavar="TEXT",
+                required=part == "prefix",
+                help="the text %s the gap; @FILE reads a file, - reads stdin" % where,
+            )
+        _add_answer_options(command, _SERVER_CAP % "n_predict")
+    elif name == "slots":
+        command.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
+        command.add_argument(
+            "--watch",
+            type=float,
+            nargs="?",
+            const=float("inf"),
+            metavar="SECONDS",
+            help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
+        )
+    elif name == "models":
+        command.add_argument(
+            "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
+        )
+    elif name == "tokens":
+        command.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
+
+
+#: The help of ``complete``'s and ``infill``'s ``--max-tokens``, which have no default of their own.
+_SERVER_CAP = "cap the answer's tokens, sent as %s (default: the server's own -n; llama-server's: none)"
 
 
 #: ``loopclient chat``'s ``--max-tokens`` when none is given (nor ``--param max_tokens``).
@@ -8444,7 +8684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with client:
             return _command(client, args, params, model)
     except LoopError as exc:
-        sys.stderr.write(_describe(exc) + "\n")
+        sys.stderr.write(_describe(exc, getattr(args, "slot", 0) is None) + "\n")
         return 1
     except (ValueError, TypeError) as exc:  # a call refused what the options made of it (--slot -1, --param)
         return _refused(exc)
@@ -8466,16 +8706,41 @@ def _refused(exc: Exception) -> int:
     return 2
 
 
+#: How long the command line waits for an absent or loading server (``load_wait``) unless ``--wait`` says:
+#: a person at a terminal, not a script's two minutes.  A busy slot is waited out for ``busy_wait``.
+CLI_LOAD_WAIT = 15.0
+
+#: How long the command line waits out a busy slot unless ``--wait`` says: the library's ``busy_wait``.
+_CLI_BUSY_WAIT = Limits().busy_wait
+
+
 def _cli_client(args: Any, model: Optional[str]) -> Client:
-    """The client the options describe: the address, the key, --thinking-cap and --wait in its limits."""
-    address = getattr(args, "socket", None) or getattr(args, "url", None)
+    """The client the options describe: the address, the key, --thinking-cap and --wait in its limits
+    (without --wait, ``load_wait`` is at most ``CLI_LOAD_WAIT``)."""
+    address = _cli_address(getattr(args, "socket", None), getattr(args, "url", None))
     api_key = getattr(args, "api_key", None) or os.environ.get("LLAMA_API_KEY") or None
     limits = Limits()
     if getattr(args, "thinking_cap", None) is not None:
         limits = _cli_limits(limits, "--thinking-cap", thinking_cap=args.thinking_cap)
     if getattr(args, "wait", None) is not None:
         limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
+    else:
+        limits = limits.replace(load_wait=min(limits.load_wait, CLI_LOAD_WAIT))
     return Client(address, limits=limits, api_key=api_key, model=model)
+
+
+def _cli_address(path: Optional[str], url: Optional[str]) -> Optional[str]:
+    """``--socket PATH`` or ``--url URL``; a URL given to ``--socket`` or a value without a scheme given to
+    ``--url`` is ``ValueError`` saying what was meant."""
+    if path is not None and url is not None:
+        raise ValueError("--socket and --url name the server twice: give one of them")
+    if path is not None and "://" in path and not path.startswith("unix://"):
+        raise ValueError("--socket takes a socket path, and %s is a URL: use --url %s" % (path, path))
+    if url and "://" not in url:
+        if url.startswith(("/", ".")) or url.endswith(".sock"):
+            raise ValueError("--url takes http(s)://host:port, and %s is a path: use --socket %s" % (url, url))
+        raise ValueError("--url %s has no scheme: use --url http://%s (a socket path goes to --socket)" % (url, url))
+    return path if path is not None else url
 
 
 def _command(client: Client, args: Any, params: Dict[str, Any], model: Optional[str]) -> int:
@@ -8504,6 +8769,18 @@ def _command(client: Client, args: Any, params: Dict[str, Any], model: Optional[
     return 0
 
 
+def _know_slots(client: Client, slot: Optional[int]) -> None:
+    """``--slot N``: ask ``/props`` first, so that the library refuses a slot past the server's before
+    anything is sent (llama-server would take it modulo its slots).  A ``/props`` that fails or says no
+    ``total_slots`` (a router's own) changes nothing: the request itself then says what is wrong."""
+    if slot is None:
+        return
+    try:
+        client.props(timeout=min(client.limits.liveness, 5.0))
+    except LoopError:
+        pass
+
+
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
     import functools
 
@@ -8512,16 +8789,14 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
         params["max_tokens"] = CHAT_MAX_TOKENS
     if args.resumable:
         params["resumable"] = True
+    _know_slots(client, args.slot)
     history = []  # type: List[Dict[str, Any]]
     if args.system:
         history.append({"role": "system", "content": args.system})
     prompt = args.prompt
-    interactive = False
-    if prompt is None:
-        if sys.stdin.isatty():
-            interactive = True
-        else:
-            prompt = sys.stdin.read()
+    interactive = prompt is None and sys.stdin.isatty()
+    if not interactive:
+        prompt = _prompt(prompt, sys.stdin.read if prompt is None else None)
     while True:
         if interactive:
             prompt = _read_turn()
@@ -8531,13 +8806,25 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
                 continue
         assert prompt is not None
         history.append({"role": "user", "content": prompt})
-        console = _Console(sys.stdout, sys.stderr, client)
+        console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
         show = functools.partial(console.event, show_text=not args.json)
         completion = client.chat(history, slot=args.slot, on_event=show, **params)
         _answered(console, completion, args.json)
         if not interactive:
             return 0
         history.append(_assistant_turn(completion))
+
+
+def _prompt(given: Optional[str], read: Optional[Callable[[], str]]) -> str:
+    """The prompt: ``given``, or what ``read`` returns (stdin); an empty one (or only white space) is a
+    ``ValueError``: the server would generate from nothing, for as long as the cap allows."""
+    prompt = given if read is None else read()
+    assert prompt is not None
+    if not prompt.strip():
+        if read is None:
+            raise ValueError("PROMPT is empty: give some text, or leave it out to read stdin")
+        raise ValueError("the prompt read from stdin is empty: give PROMPT, or pipe some text")
+    return prompt
 
 
 def _read_turn() -> Optional[str]:
@@ -8576,12 +8863,28 @@ def _answered(console: _Console, completion: Completion, as_json: bool) -> None:
     sys.stderr.flush()
 
 
-def _read_arg(name: Optional[str]) -> str:
-    """The text of FILE (``-``: stdin; None: nothing)."""
-    if name is None:
+def _text_arg(value: Optional[str], option: str) -> str:
+    """``infill``'s ``--prefix`` and ``--suffix``: the TEXT as given, ``@FILE`` a file's text, ``-`` stdin's,
+    ``@@...`` the text ``@...``; None: nothing.  A value that names an existing file (what the options took
+    before they took text) is read as that file, with a line on stderr that says to write ``@FILE``."""
+    if value is None:
         return ""
-    if name == "-":
+    if value == "-":
         return sys.stdin.read()
+    if value.startswith("@@"):
+        return value[1:]
+    if value.startswith("@"):
+        return _read_file(value[1:])
+    if os.path.isfile(value):
+        sys.stderr.write(
+            "loopclient: %s %s names a file, read as before: write %s @%s for a file (a TEXT is sent as it is)\n"
+            % (option, value, option, value)
+        )
+        return _read_file(value)
+    return value
+
+
+def _read_file(name: str) -> str:
     try:
         with open(name, encoding="utf-8", errors="replace") as f:
             return f.read()
@@ -8597,17 +8900,18 @@ def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     openai = args.command == "complete" and args.openai  # /v1/completions: its token cap is max_tokens
     if "max_tokens" in params and not openai:  # --param n_predict, applied last, wins over --max-tokens
         params.setdefault("n_predict", params.pop("max_tokens"))
-    console = _Console(sys.stdout, sys.stderr, client)
+    console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
     show = functools.partial(console.event, show_text=not args.json)
     try:
         if args.command == "complete":
-            prompt = args.prompt if args.prompt is not None else _read_stdin("the prompt")
-            text = (prompt,)  # type: Tuple[str, ...]
+            read = (lambda: _read_stdin("the prompt")) if args.prompt is None else None
+            text = (_prompt(args.prompt, read),)  # type: Tuple[str, ...]
         else:
-            text = (_read_arg(args.prefix), _read_arg(args.suffix))
+            text = (_text_arg(args.prefix, "--prefix"), _text_arg(args.suffix, "--suffix"))
     except ValueError as exc:
         sys.stderr.write("loopclient: error: %s\n" % exc)
         return 2
+    _know_slots(client, args.slot)
     try:  # what the body functions refuse (a bad --slot, --param input_extra) is a usage error
         if openai:
             stream = client.stream_complete_openai(text[0], slot=args.slot, **params)

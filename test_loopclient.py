@@ -18096,29 +18096,21 @@ class TestConsole(unittest.TestCase):
                 TtyText(),
                 "\r\x1b[Kprompt 0/51 tokens, 0%\r\x1b[Kprompt 47/51 tokens, 92%\r\x1b[Kprompt 51/51 tokens, 100%\r\x1b[K",
             ),
-            (io.StringIO(), "prompt 0/51 tokens, 0%\nprompt 47/51 tokens, 92%\nprompt 51/51 tokens, 100%\n"),
+            (io.StringIO(), ""),  # off a terminal the prompt's progress is not shown
         ]:
             console = lc._Console(io.StringIO(), err)
             for event in (lc.Progress(0, 51, 0, 0.0), lc.Progress(47, 51, 0, 9.0), lc.Content("A"), lc.Content("B")):
                 console.event(event)
             self.assertEqual(err.getvalue(), want)
 
-    def test_off_a_terminal_progress_is_a_line_a_quarter(self):
+    def test_off_a_terminal_progress_is_not_shown(self):
+        """Off a terminal (a log, a pipe) the prompt's progress would be lines of noise for every answer."""
         err = io.StringIO()
         console = lc._Console(io.StringIO(), err)
         for processed in range(0, 8001, 100):
             console.event(lc.Progress(processed, 8000, 0, 0.0))
         console.event(lc.Content("A"))
-        self.assertEqual(
-            err.getvalue(),
-            "prompt 0/8,000 tokens, 0%\nprompt 2,000/8,000 tokens, 25%\nprompt 4,000/8,000 tokens, 50%\n"
-            "prompt 6,000/8,000 tokens, 75%\nprompt 8,000/8,000 tokens, 100%\n",
-        )
-        err = io.StringIO()  # a prompt served from the cache at once: one line, and no second 100%
-        console = lc._Console(io.StringIO(), err)
-        for event in (lc.Progress(51, 51, 51, 0.0), lc.Content("A")):
-            console.event(event)
-        self.assertEqual(err.getvalue(), "prompt 51/51 tokens, 100%\n")
+        self.assertEqual(err.getvalue(), "")
 
     def test_figures(self):
         console = lc._Console(io.StringIO(), io.StringIO())
@@ -18371,7 +18363,7 @@ class TestCommandLineLastRoutes(CLICase):
         self.server.route("POST", "/v1/completions", lambda req: req.send(raw))
         out, err = self.main_ok("complete", "--openai", "The sky is", "--max-tokens", "8", "--slot", "0")
         self.assertEqual(out, " the limit for the 201\n")
-        self.assertEqual(err.splitlines()[:2], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertEqual(len(err.splitlines()), 1, err)  # off a terminal, no prompt progress: the figures
         self.assertRegex(
             err.splitlines()[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$"
         )
@@ -18436,12 +18428,12 @@ class TestCommandLineEndpoints(CLICase):
             ],
         )
 
-    def test_complete_reads_a_piped_prompt_and_shows_progress(self):
+    def test_complete_reads_a_piped_prompt(self):
         self.serve("/completion", "41_completion_stream_progress.raw.txt")
         out, err = self.main_ok("complete", stdin="The sky is")
         self.assertEqual(out, " the limit for the 201\n")
         lines = err.splitlines()
-        self.assertEqual(lines[:-1], ["prompt 3/4 tokens, 75%", "prompt 4/4 tokens, 100%"])
+        self.assertEqual(lines[:-1], [])  # off a terminal the prompt's progress is not shown
         self.assertRegex(lines[-1], r"^\[8 tokens, first token \d+\.\d\d s, \d+\.\d tokens/s, finish: length\]$")
         self.assertEqual(
             self.bodies("/completion"), [{"prompt": "The sky is", "return_progress": True, "stream": True}]
@@ -18505,7 +18497,9 @@ class TestCommandLineEndpoints(CLICase):
         self.serve("/infill", "48_infill_stream.raw.txt")
         prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
         suffix = self.text_file("suffix.py", "\n    return c\n")
-        out, err = self.main_ok("infill", "--prefix", prefix, "--suffix", suffix, "--max-tokens", "8", "--slot", "0")
+        out, err = self.main_ok(
+            "infill", "--prefix", "@" + prefix, "--suffix", "@" + suffix, "--max-tokens", "8", "--slot", "0"
+        )
         self.assertEqual(out, "\n    " * 4 + "\n")
         self.assertRegex(err, r"^\[8 tokens, first token \d+\.\d\d s, 13\.2 tokens/s, finish: length\]\n$")
         self.assertEqual(
@@ -18527,7 +18521,9 @@ class TestCommandLineEndpoints(CLICase):
         out, _ = self.main_ok("infill", "--prefix", "-", stdin="def add(a, b):\n    ")
         self.assertEqual(out, "\n    " * 4 + "\n")
         suffix_first = self.text_file("prefix.py", "def add(a, b):\n    ")
-        out, _ = self.main_ok("infill", "--prefix", suffix_first, "--suffix", "-", "--json", stdin="\n    return c\n")
+        out, _ = self.main_ok(
+            "infill", "--prefix", "@" + suffix_first, "--suffix", "-", "--json", stdin="\n    return c\n"
+        )
         self.assertEqual(json.loads(out)["tokens"], [107, 140] * 4)
         self.assertEqual(
             [(b["input_prefix"], b["input_suffix"]) for b in self.bodies("/infill")],
@@ -18540,7 +18536,7 @@ class TestCommandLineEndpoints(CLICase):
         self.main_ok(
             "infill",
             "--prefix",
-            prefix,
+            "@" + prefix,
             "--param",
             'input_extra=[{"filename": "util.py", "text": "def sub(): pass\\n"}]',
         )
@@ -18551,7 +18547,7 @@ class TestCommandLineEndpoints(CLICase):
     def test_infill_on_a_model_without_fim_tokens_is_one_line(self):
         self.serve("/infill", "49_infill_not_supported.raw.txt")
         prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
-        line = self.main_fails("infill", "--prefix", prefix)
+        line = self.main_fails("infill", "--prefix", "@" + prefix)
         self.assertIn("HTTP 501: Infill is not supported by this model: prefix token is missing.", line)
         self.assertEqual(len(self.bodies("/infill")), 1)
 
@@ -18560,11 +18556,11 @@ class TestCommandLineEndpoints(CLICase):
         cases = [
             (["infill"], "loopclient infill: error: the following arguments are required: --prefix"),
             (
-                ["infill", "--prefix", self.server.tmp + "/missing.py"],
+                ["infill", "--prefix", "@" + self.server.tmp + "/missing.py"],
                 "loopclient: error: cannot read %s/missing.py: No such file or directory" % self.server.tmp,
             ),
             (
-                ["infill", "--prefix", prefix, "--suffix", self.server.tmp],
+                ["infill", "--prefix", "@" + prefix, "--suffix", "@" + self.server.tmp],
                 "loopclient: error: cannot read %s: Is a directory" % self.server.tmp,
             ),
             (
@@ -18572,11 +18568,11 @@ class TestCommandLineEndpoints(CLICase):
                 "loopclient: error: --param prompt: loopclient sets prompt itself",
             ),
             (
-                ["infill", "--prefix", prefix, "--param", "input_prefix=y"],
+                ["infill", "--prefix", "@" + prefix, "--param", "input_prefix=y"],
                 "loopclient: error: --param input_prefix: loopclient sets input_prefix itself",
             ),
             (
-                ["infill", "--prefix", prefix, "--param", "input_suffix=y"],
+                ["infill", "--prefix", "@" + prefix, "--param", "input_suffix=y"],
                 "loopclient: error: --param input_suffix: loopclient sets input_suffix itself",
             ),
             (
@@ -18585,7 +18581,7 @@ class TestCommandLineEndpoints(CLICase):
             ),
             (["complete", "x", "--slot", "-1"], "loopclient: error: slot must not be negative"),
             (
-                ["infill", "--prefix", prefix, "--param", 'input_extra={"a": 1}'],
+                ["infill", "--prefix", "@" + prefix, "--param", 'input_extra={"a": 1}'],
                 "loopclient: error: extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
             ),
         ]
@@ -19601,7 +19597,7 @@ class TestRealDemo(unittest.TestCase):
             timeout=120,
         )
         self.assertEqual(done.returncode, 0, done.stderr)
-        return done.stdout, done.stderr.splitlines()[-1]
+        return done.stdout, (done.stderr.splitlines() or [""])[-1]  # --json: nothing on stderr
 
     def test_readme_demo_names_colours_and_stops(self):
         """The README's demo command: one line, ended by its --stop '\\n'."""
@@ -21774,11 +21770,11 @@ class TestLoggingCostsNothing(unittest.TestCase):
     def test_no_logging_without_the_program_importing_it(self):
         code = (
             "import sys, loopclient as lc\n"
-            "c = lc.Client('/nonexistent/s.sock', limits=lc.Limits(load_wait=0.3))\n"
+            "c = lc.Client('/tmp/loopclient-none-%d.sock', limits=lc.Limits(load_wait=0.3))\n"  # retried: logged
             "try:\n    c.chat([{'role': 'user', 'content': 'x'}], slot=0)\n"
             "except lc.LoadTimeoutError:\n    pass\n"
             "print('logging' in sys.modules)\n"
-        )
+        ) % os.getpid()
         out = subprocess.run(
             [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=30, check=True
         ).stdout
@@ -21904,12 +21900,22 @@ class TestCommandLineFirstUse(CLICase):
         self.assertEqual(self.server.requests, [])
 
     def test_host_port_without_a_scheme_is_a_usage_error(self):
-        code, out, err = self.run_main(["--url", "localhost:8080", "health"])
+        code, out, err = self.run_main(["--socket", "localhost:8080", "health"])
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(
             err,
             "loopclient: error: 'localhost:8080' is host:port without a scheme: use http://localhost:8080 "
             "(a socket file of that name: ./localhost:8080)\n",
+        )
+        code, out, err = self.run_main(["--url", "localhost:8080", "health"])  # a URL was meant: no socket file
+        self.assertEqual(
+            (code, out, err),
+            (
+                2,
+                "",
+                "loopclient: error: --url localhost:8080 has no scheme: use --url http://localhost:8080 (a socket "
+                "path goes to --socket)\n",
+            ),
         )
 
     def test_chat_caps_the_answer_unless_told(self):
@@ -22040,8 +22046,13 @@ class TestRealReadmeExamples(unittest.TestCase):
             with self.subTest(line=line):
                 others = set(re.findall(r"[\"'](/[^\"']*\.sock)[\"']", code)) - {README_DEMO_SOCKET}
                 self.assertEqual(others, set(), "an example at line %d uses another socket than the demo's" % line)
+                where = tempfile.mkdtemp(prefix="lc-readme.")
+                self.addCleanup(shutil.rmtree, where, True)
+                script = os.path.join(where, "readme_%d.py" % line)  # a file: an example may use __file__
+                with open(script, "w", encoding="utf-8") as f:
+                    f.write(code.replace(README_DEMO_SOCKET, REAL_DEMO))
                 done = subprocess.run(
-                    [sys.executable, "-c", code.replace(README_DEMO_SOCKET, REAL_DEMO)],
+                    [sys.executable, script],
                     cwd=HERE,
                     env=dict(os.environ, PYTHONPATH=HERE),
                     capture_output=True,
@@ -23268,3 +23279,931 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
 
 class TestRealSessionsAsync(AsyncDriver, TestRealSessions):
     pass
+
+
+# -----------------------------------------------------------------------------------------------------
+# What a first use meets: vendoring under python3 -I -S, the README's examples under mypy, the socket's
+# directory, the command line's waits, prompts, addresses, slots and help, the cancel in the log.
+# -----------------------------------------------------------------------------------------------------
+
+
+def _readme_checker():
+    """dev/check-readme.py as a module (its functions; its main() is not run)."""
+    import runpy
+
+    return runpy.run_path(os.path.join(HERE, "dev", "check-readme.py"))
+
+
+class TestReadmeExamplesChecked(unittest.TestCase):
+    """dev/check-readme.py, which .ci/run runs under mypy --strict (and mypy 1.14.1 for 3.8), reads the
+    same examples that the real tier runs, and names each at its README line."""
+
+    def test_the_checker_reads_every_python_block(self):
+        checker = _readme_checker()
+        self.assertEqual(checker["readme_blocks"](), readme_python_blocks())
+        text = "x\n```python\nimport a\n```\n\n```\nnot python\n```\n```python\nb = 1\nc = 2\n```\n"
+        self.assertEqual(checker["python_blocks"](text), [(3, "import a\n"), (10, "b = 1\nc = 2\n")])
+
+    def test_ci_runs_it_under_both_mypys(self):
+        with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
+            ci = f.read()
+        self.assertIn('python3 dev/check-readme.py --mypy "$DEV/bin/mypy"\n', ci)
+        self.assertIn('python3 dev/check-readme.py --mypy "$MYPY38/bin/mypy" --python-version 3.8\n', ci)
+
+
+def readme_block_with(marker):
+    """The one ```python block of the README that holds ``marker``."""
+    found = [code for _, code in readme_python_blocks() if marker in code]
+    assert len(found) == 1, "%d README blocks hold %r" % (len(found), marker)
+    return found[0]
+
+
+class TestVendoring(unittest.TestCase):
+    """A vendored copy under ``python3 -I -S`` (isolated mode: neither the script's directory nor PYTHONPATH on
+    sys.path, no site-packages), as the README's "Vendor it" shows: the script with the line that puts its
+    own directory first, taken from the README itself, and a program run as a directory."""
+
+    def setUp(self):
+        self.where = tempfile.mkdtemp(prefix="lc-vendor.")
+        self.addCleanup(shutil.rmtree, self.where, True)
+        self.elsewhere = os.path.join(self.where, "elsewhere")  # the working directory: not the script's
+        os.mkdir(self.elsewhere)
+
+    def vendored(self, directory, script_name, script):
+        os.makedirs(directory, exist_ok=True)
+        shutil.copy(os.path.join(HERE, "loopclient.py"), os.path.join(directory, "loopclient.py"))
+        with open(os.path.join(directory, script_name), "w", encoding="utf-8") as f:
+            f.write(script)
+
+    def run_isolated(self, target):
+        return subprocess.run(
+            [sys.executable, "-I", "-S", target],
+            cwd=self.elsewhere,
+            env=dict(os.environ, PYTHONPATH=HERE),  # ignored under -I: the checkout's copy is not found
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def test_the_readme_script_runs_under_isolated_mode(self):
+        script = readme_block_with("python3 -I -S app.py")
+        app = os.path.join(self.where, "app")
+        self.vendored(app, "app.py", script)
+        done = self.run_isolated(os.path.join(app, "app.py"))
+        self.assertEqual((done.returncode, done.stdout, done.stderr), (0, "loopclient %s\n" % lc.__version__, ""))
+        # the README's line is what makes it work: without it, the copy beside the script is not found
+        line = "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))"
+        self.assertIn(line, script)
+        self.vendored(app, "app.py", script.replace(line, "pass"))
+        done = self.run_isolated(os.path.join(app, "app.py"))
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(done.stderr.splitlines()[-1], "ModuleNotFoundError: No module named 'loopclient'")
+
+    def test_a_program_run_as_a_directory_finds_its_copy(self):
+        app = os.path.join(self.where, "myapp")
+        self.vendored(app, "__main__.py", "import loopclient as lc\n\nprint(lc.__file__, lc.__version__)\n")
+        done = self.run_isolated(app)
+        self.assertEqual(
+            (done.returncode, done.stdout, done.stderr),
+            (0, "%s %s\n" % (os.path.join(app, "loopclient.py"), lc.__version__), ""),
+        )
+
+
+class TestSocketDirectory(_Logged, ServerCase):
+    """A socket path whose directory does not exist cannot become a server's socket until someone makes the
+    directory: ConnectError at once, for a stream as for a single-shot call, never waited for under
+    load_wait; a missing socket file in a directory that is there is still waited for (a server starting),
+    and so is a directory gone with a server the client has reached (a restart)."""
+
+    limits = FAST.replace(load_wait=0.4)
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.where = tempfile.mkdtemp(prefix="lc", dir="/tmp")
+        self.closers.append(lambda: shutil.rmtree(self.where, True))
+
+    def client_at(self, path):
+        client = self.new_client(path, limits=self.limits)
+        self.closers.insert(0, client.close)
+        return client
+
+    def test_a_missing_directory_is_connect_error_at_once(self):
+        folder = os.path.join(self.where, "none", "deeper")
+        path = os.path.join(folder, "demo.sock")
+        client = self.client_at(path)
+        events = []
+        elapsed = Timer()
+        with self.assertRaises(lc.ConnectError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, on_event=events.append))
+        self.assertLess(elapsed.elapsed, 0.2 + MARGIN)  # at once: not retried for load_wait
+        self.assertEqual(events, [])
+        self.assertEqual(
+            str(caught.exception),
+            "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
+            "someone makes it" % (path, folder),
+        )
+        self.assertIsInstance(caught.exception.__cause__, FileNotFoundError)
+        with self.assertRaises(lc.ConnectError) as single:
+            run_with_timeout(client.health)
+        self.assertEqual(str(single.exception), str(caught.exception))
+        self.assertEqual(self.logged(logging.WARNING), [])  # an error, not a wait to warn about
+
+    def test_a_relative_path_names_its_directory_as_given(self):
+        path = "no-such-directory-%d/s.sock" % os.getpid()
+        client = self.client_at(path)
+        with self.assertRaises(lc.ConnectError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertIn("its directory no-such-directory-%d does not exist" % os.getpid(), str(caught.exception))
+
+    def test_a_missing_file_in_a_directory_that_is_there_is_waited_for(self):
+        client = self.client_at(os.path.join(self.where, "s.sock"))
+        events = []
+        with self.assertRaises(lc.LoadTimeoutError):
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
+
+    def test_a_directory_gone_after_its_server_was_reached_is_a_restart_waited_for(self):
+        folder = os.path.join(self.where, "run")
+        os.mkdir(folder)
+        path = os.path.join(folder, "s.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.close()  # a socket file nothing listens on: refused, and the client has seen it
+        client = self.client_at(path)
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0))
+        self.assertIsInstance(caught.exception.__cause__, ConnectionRefusedError)
+        shutil.rmtree(folder)  # the service's directory removed with it, as systemd's RuntimeDirectory is
+        events = []
+        with self.assertRaises(lc.LoadTimeoutError) as caught:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        self.assertIsInstance(caught.exception.__cause__, FileNotFoundError)
+        self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
+        self.assertNotIn("never existed", str(caught.exception))
+
+    def test_a_directory_made_later_is_reached(self):
+        """The rule is about the moment of the connect: once the directory and the server are there, the same
+        client reaches them."""
+        folder = os.path.join(self.where, "later")
+        client = self.client_at(os.path.join(folder, "s.sock"))
+        with self.assertRaises(lc.ConnectError):
+            run_with_timeout(client.health)
+        os.mkdir(folder)
+        os.symlink(self.server.path, os.path.join(folder, "s.sock"))
+        self.assertEqual(run_with_timeout(client.health), {"status": "ok"})
+
+
+class TestSocketDirectoryAsync(AsyncDriver, TestSocketDirectory):
+    pass
+
+
+class TestPoolWording(_Logged, ServerCase):
+    """A slot=None request waits for the pool, not for one slot: its errors and its log say "every slot" or
+    "a slot", never "slot any"; a pinned request's still name its slot."""
+
+    limits = FAST.replace(busy_wait=0.4, idle_grace=0.4)
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.client = self.new_client(self.server.address, limits=self.limits)
+        self.closers.insert(0, self.client.close)
+
+    def fails(self, slot):
+        self.use(hold_then(b"", threading.Event()))
+        with self.assertRaises(lc.LoopError) as caught:
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=slot))
+        return caught.exception
+
+    def test_every_slot_busy(self):
+        self.server.busy[:] = [True, True]
+        err = self.fails(None)
+        self.assertIsInstance(err, lc.WaitTimeoutError)
+        self.assertRegex(
+            str(err), r"^every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others$"
+        )
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: every slot is busy" % self.server.address), self.logged(waits=True)
+        )
+        self.assertNotIn("any", str(err))
+
+    def test_a_pinned_slot_busy_names_it(self):
+        self.server.busy[:] = [False, True]
+        err = self.fails(1)
+        self.assertRegex(
+            str(err), r"^slot 1 stayed busy for 0\.\d s \(busy_wait\): the server is still serving others$"
+        )
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: the slot is busy" % self.server.address), self.logged(waits=True)
+        )
+
+    def test_a_free_slot_and_no_answer(self):
+        self.server.busy[:] = [True, False]
+        err = self.fails(None)
+        self.assertIsInstance(err, lc.StalledError)
+        self.assertRegex(
+            str(err), r"^a slot is free, yet no response came for 0\.\d s \(idle_grace\): the server is stuck$"
+        )
+        self.assertIn(
+            ("INFO", "%s: waiting for the response: a slot is free, no answer yet" % self.server.address),
+            self.logged(waits=True),
+        )
+
+
+class TestPoolWordingAsync(AsyncDriver, TestPoolWording):
+    pass
+
+
+class TestCommandLineWaits(CLICase):
+    """The command line's waits are a person's, not a script's: an absent or loading server is waited for
+    CLI_LOAD_WAIT (15 s) unless --wait says, a busy slot busy_wait (600 s); its hints say what the wait was
+    (every slot busy for slot=None; a server still loading)."""
+
+    def cli_limits(self, *argv):
+        args = lc._parser().parse_args(list(argv) + ["chat", "x"])
+        client = lc._cli_client(args, None)  # the real Limits here, not the tests' quick ones
+        self.addCleanup(client.close)
+        return client.limits.load_wait, client.limits.busy_wait
+
+    def test_default_waits(self):
+        self.assertEqual(lc.CLI_LOAD_WAIT, 15.0)
+        self.assertEqual(self.cli_limits(), (15.0, 600.0))
+        self.assertEqual(self.cli_limits("--wait", "3"), (3.0, 3.0))
+        self.assertEqual(self.cli_limits("--wait", "300"), (300.0, 300.0))
+        self.assertEqual(lc.Limits().load_wait, 120.0)  # a script's, unchanged
+
+    def test_every_slot_busy_is_told_as_such(self):
+        self.server.busy[:] = [True, True]
+        self.use(hold_then(b"", threading.Event()))
+        line = self.main_fails("chat", "x")
+        self.assertRegex(
+            line,
+            r"^loopclient: every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others: "
+            r"every slot stayed busy: try later, or wait longer with --wait SECONDS$",
+        )
+        self.assertNotIn("another --slot", line)
+        line = self.main_fails("chat", "x", "--slot", "1")
+        self.assertRegex(
+            line, r"^loopclient: slot 1 stayed busy for .*: the slot stayed busy: try another --slot, or later$"
+        )
+
+    def test_every_slot_busy_on_the_status_line(self):
+        release = threading.Event()
+
+        def slots(req):  # both busy; the answer frees the request, which then streams
+            respond_json(req, [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": True}])
+            release.set()
+
+        self.server.route("GET", "/slots", slots)
+        self.use(hold_then(content_stream(["done"]), release))
+        code, out, err = self.run_main(["--socket", self.server.path, "chat", "x"])
+        self.assertEqual((code, out), (0, "done\n"), err)
+        self.assertRegex(err, r"waiting \d+ s: every slot is busy\n")
+        self.assertNotIn("the slot is busy", err)
+
+    def test_a_server_still_loading_says_so(self):
+        loading = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
+        self.use(lambda req: respond_json(req, loading, 503, "Service Unavailable"))
+        line = self.main_fails("chat", "x")
+        self.assertTrue(
+            line.endswith(": the server is still loading: try again, or wait longer with --wait SECONDS"), line
+        )
+        line = self.main_fails("chat", "x", address=os.path.join(self.server.tmp, "none.sock"))
+        self.assertTrue(
+            line.endswith(": start llama-server, or pass --socket PATH / --url URL (--wait SECONDS waits longer)"), line
+        )
+
+
+class TestCommandLineHints(unittest.TestCase):
+    """The hint after an error's message, for a request pinned to a slot and for a slot=None one."""
+
+    def test_busy_and_full_queue_hints(self):
+        full = lc.BusyError("8 requests already wait for any slot (queue_len 8): try later", None, 8, 8)
+        self.assertEqual(
+            lc._describe(full, pool=True),
+            "loopclient: 8 requests already wait for any slot (queue_len 8): try later: the queue for the slots is "
+            "full: try again later",
+        )
+        full = lc.BusyError("8 requests already wait for slot 1 (queue_len 8): try later", 1, 8, 8)
+        self.assertTrue(
+            lc._describe(full).endswith(": the queue for this slot is full: try again later, or another --slot")
+        )
+        busy = lc.WaitTimeoutError(
+            "every slot stayed busy for 600.0 s (busy_wait): the server is still serving others", 600.0
+        )
+        self.assertTrue(
+            lc._describe(busy, pool=True).endswith(
+                ": every slot stayed busy: try later, or wait longer with --wait SECONDS"
+            )
+        )
+
+
+class TestCommandLinePrompts(CLICase):
+    """An empty prompt (from stdin, a pipe, /dev/null, or an empty PROMPT) is a usage error: exit 2, and
+    nothing is sent (the server would generate from nothing up to the cap)."""
+
+    def test_an_empty_prompt_is_exit_2(self):
+        for argv, stdin, line in (
+            (["chat"], "", "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text"),
+            (
+                ["chat"],
+                " \n\n",
+                "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text",
+            ),
+            (["chat", ""], "", "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin"),
+            (
+                ["complete"],
+                "",
+                "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text",
+            ),
+            (
+                ["complete", " "],
+                "",
+                "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin",
+            ),
+        ):
+            with self.subTest(argv=argv, stdin=stdin):
+                code, out, err = self.run_main(["--socket", self.server.path] + argv, stdin)
+                self.assertEqual((code, out, err), (2, "", line + "\n"))
+        self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], [])
+
+    def test_dev_null_is_exit_2(self):
+        with open(os.devnull, encoding="utf-8") as empty:
+            done = subprocess.run(
+                [sys.executable, os.path.join(HERE, "loopclient.py"), "--socket", self.server.path, "chat"],
+                stdin=empty,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        self.assertEqual(
+            (done.returncode, done.stdout, done.stderr),
+            (2, "", "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text\n"),
+        )
+        self.assertEqual(self.server.chat_requests(), [])
+
+
+class TestCommandLineAddresses(CLICase):
+    """--url and --socket taking each other's values: exit 2, saying what was meant; nothing is sent."""
+
+    def test_each_option_refuses_the_others_value(self):
+        for argv, line in (
+            (
+                ["--url", "localhost", "health"],
+                "--url localhost has no scheme: use --url http://localhost (a socket path goes to --socket)",
+            ),
+            (
+                ["--url", "127.0.0.1:18555", "health"],
+                "--url 127.0.0.1:18555 has no scheme: use --url http://127.0.0.1:18555 (a socket path goes to "
+                "--socket)",
+            ),
+            (
+                ["--url", "/run/llama.sock", "health"],
+                "--url takes http(s)://host:port, and /run/llama.sock is a path: use --socket /run/llama.sock",
+            ),
+            (
+                ["--url", "llama.sock", "chat", "x"],
+                "--url takes http(s)://host:port, and llama.sock is a path: use --socket llama.sock",
+            ),
+            (
+                ["--socket", "http://127.0.0.1:8080", "health"],
+                "--socket takes a socket path, and http://127.0.0.1:8080 is a URL: use --url http://127.0.0.1:8080",
+            ),
+            (["chat", "x", "--socket", "https://llm.example"], "--socket takes a socket path, and https://llm.example "
+             "is a URL: use --url https://llm.example"),
+            (["--socket", "", "health"], "the address is empty: give a socket path or an http:// URL"),
+            (["--url", "", "health"], "the address is empty: give a socket path or an http:// URL"),
+        ):  # fmt: skip
+            with self.subTest(argv=argv):
+                code, out, err = self.run_main(argv)
+                self.assertEqual((code, out, err), (2, "", "loopclient: error: %s\n" % line))
+
+    def test_the_right_option_works(self):
+        tcp = FakeServer(tcp=True)
+        self.closers.append(tcp.close)
+        self.assertEqual(self.run_main(["--url", tcp.address, "health"])[:2], (0, '{"status": "ok"}\n'))
+        self.assertEqual(self.run_main(["--socket", self.server.path, "health"])[:2], (0, '{"status": "ok"}\n'))
+        self.assertEqual(
+            self.run_main(["--socket", "unix://" + self.server.path, "health"])[:2], (0, '{"status": "ok"}\n')
+        )
+        self.assertEqual(
+            self.run_main(["--url", "unix://" + self.server.path, "health"])[:2], (0, '{"status": "ok"}\n')
+        )
+
+    def test_a_missing_socket_directory_is_at_once(self):
+        path = os.path.join(self.server.tmp, "none", "demo.sock")
+        t = Timer()
+        line = self.main_fails("chat", "x", address=path)
+        self.assertLess(t.elapsed, 0.2 + MARGIN)
+        self.assertEqual(
+            line,
+            "loopclient: no llama-server at %s: its directory %s does not exist, so no server can listen there "
+            "until someone makes it: start llama-server, or pass --socket PATH / --url URL"
+            % (path, os.path.dirname(path)),
+        )
+
+
+class TestSlotPastTheServers(ServerCase):
+    """A slot past the server's slots is ValueError before anything is sent, once the client knows how many
+    there are from an answer it got anyway: ``props()``, ``slots()``, a slot=None pool's ``/props``, a
+    ``/slots`` poll.  Before any such answer it is sent as given (llama-server takes it modulo its slots);
+    answers that disagree, or several servers behind the address, leave it unknown."""
+
+    PAST = (
+        "slot 2 is past the server's slots: it has 2 (0 to 1), and llama-server would take slot 2 as slot 0 (modulo 2)"
+    )
+
+    def refused(self, client, slot):
+        """Whether ``client`` refuses a chat on ``slot`` (ValueError, with its message), sending nothing."""
+        sent = len(self.server.chat_requests())
+        try:
+            client.stream(MSGS, slot=slot)
+        except ValueError as exc:
+            self.assertEqual(len(self.server.chat_requests()), sent)
+            return str(exc)
+        return None
+
+    def test_known_from_props(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.assertIsNone(self.refused(self.client, 2))  # nothing known yet: sent as given
+        self.assertEqual(run_with_timeout(self.client.props)["total_slots"], 2)
+        self.assertEqual(self.refused(self.client, 2), self.PAST)
+        self.assertEqual(
+            self.refused(self.client, 7),
+            "slot 7 is past the server's slots: it has 2 (0 to 1), and llama-server would take slot 7 as slot 1 "
+            "(modulo 2)",
+        )
+        with self.assertRaises(ValueError):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=2))
+        self.assertEqual(self.server.chat_requests(), [])
+        self.assertEqual(self.collect(slot=1)[0].content, "ok")  # a slot it has goes through
+        with self.assertRaises(ValueError) as caught:
+            self.client.stream_complete("x", slot=3)  # every streamed call alike
+        self.assertIn("slot 3 is past the server's slots", str(caught.exception))
+
+    def test_known_from_slots(self):
+        run_with_timeout(self.client.slots)
+        self.assertEqual(self.refused(self.client, 2), self.PAST)
+
+    def test_known_from_the_pools_props(self):
+        self.use(serve_body(content_stream(["ok"])))
+        self.collect(slot=None)  # its pool asks /props in the background
+        wait_for(lambda: self.refused(self.client, 2) == self.PAST, what="the pool's /props")
+
+    def test_known_from_a_slots_poll(self):
+        release = threading.Event()
+        self.server.busy[0] = True
+
+        def slots(req):  # slot 0 busy at the first poll; the answer frees it
+            respond_json(req, [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}])
+            self.server.busy[0] = False
+            release.set()
+
+        self.server.route("GET", "/slots", slots)
+        self.use(hold_then(content_stream(["done"]), release))
+        completion, events = self.collect(slot=0)
+        self.assertIn(lc.Waiting(True), events)
+        self.assertEqual(self.refused(self.client, 2), self.PAST)
+
+    def test_answers_that_disagree_leave_it_unknown(self):
+        run_with_timeout(self.client.props)  # 2
+        self.server.route(
+            "GET", "/slots", lambda req: respond_json(req, [{"id": i, "is_processing": False} for i in range(3)])
+        )
+        run_with_timeout(self.client.slots)  # 3: another server, or a restart
+        self.assertIsNone(self.refused(self.client, 2))
+        self.assertIsNone(self.refused(self.client, 9))
+
+    def test_several_servers_leave_it_unknown(self):
+        client = self.new_client(self.server.address, limits=FAST.replace(servers=2))
+        self.closers.insert(0, client.close)
+        run_with_timeout(client.props)
+        self.assertIsNone(self.refused(client, 3))
+
+    def test_per_model_of_a_router(self):
+        self.server.route("GET", "/props?model=alpha", lambda req: respond_json(req, {"total_slots": 1}))
+        run_with_timeout(lambda: self.client.props(model="alpha"))
+        with self.assertRaises(ValueError) as caught:
+            self.client.stream(MSGS, slot=1, model="alpha")
+        self.assertEqual(
+            str(caught.exception),
+            "slot 1 is past the server's slots: model alpha has 1 (slot 0), and llama-server would take slot 1 as "
+            "slot 0 (modulo 1)",
+        )
+        self.client.stream(MSGS, slot=1, model="beta")  # nothing known of beta
+        self.assertIsNone(self.refused(self.client, 1))  # nor of the server's default model
+
+
+class TestSlotPastTheServersAsync(AsyncDriver, TestSlotPastTheServers):
+    pass
+
+
+class TestCommandLineSlotsAndCaps(CLICase):
+    """``--slot N`` past the server's slots (from ``/props``, asked first) is exit 2 before the request;
+    ``--max-tokens`` below 1 is exit 2 (llama-server would give one token for 0)."""
+
+    def test_a_slot_past_the_servers_is_exit_2(self):
+        self.use(serve_body(content_stream(["ok"])))
+        for argv in (["chat", "x"], ["complete", "x"], ["complete", "--openai", "x"]):
+            with self.subTest(argv=argv):
+                code, out, err = self.run_main(["--socket", self.server.path] + argv + ["--slot", "7"])
+                self.assertEqual(
+                    (code, out, err),
+                    (
+                        2,
+                        "",
+                        "loopclient: error: slot 7 is past the server's slots: it has 2 (0 to 1), and llama-server "
+                        "would take slot 7 as slot 1 (modulo 2)\n",
+                    ),
+                )
+        self.assertEqual([r.method for r in self.server.requests], ["GET"] * 3)
+        self.assertEqual({r.path for r in self.server.requests}, {"/props"})
+        out, _ = self.main_ok("chat", "x", "--slot", "1")
+        self.assertEqual(out, "ok\n")
+        self.assertEqual(self.server.chat_requests()[0].json()["id_slot"], 1)
+
+    def test_without_an_answer_from_props_the_request_goes_as_given(self):
+        self.server.route(
+            "GET", "/props", lambda req: respond_json(req, {"error": {"message": "no"}}, 404, "Not Found")
+        )
+        self.use(serve_body(content_stream(["ok"])))
+        out, _ = self.main_ok("chat", "x", "--slot", "7")
+        self.assertEqual((out, self.server.chat_requests()[0].json()["id_slot"]), ("ok\n", 7))
+
+    def test_max_tokens_below_one_is_exit_2(self):
+        for n in ("0", "-1"):
+            for command in (["chat", "x"], ["complete", "x"]):
+                with self.subTest(n=n, command=command):
+                    code, out, err = self.run_main(["--socket", self.server.path] + command + ["--max-tokens", n])
+                    self.assertEqual(
+                        (code, out, err),
+                        (
+                            2,
+                            "",
+                            "loopclient: error: --max-tokens must be at least 1, got %s: llama-server looks at the cap "
+                            "only after a first token, so %s would give one (no cap at all: --param max_tokens=-1)\n"
+                            % (n, n),
+                        ),
+                    )
+        self.assertEqual(self.server.requests, [])
+        self.use(serve_body(content_stream(["ok"])))
+        self.main_ok("chat", "x", "--param", "max_tokens=-1")
+        self.assertEqual(self.server.chat_requests()[0].json()["max_tokens"], -1)
+
+
+def _one_token_then_hold(req):
+    """A stream that sends one token and then nothing, until the client closes the connection."""
+    req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
+    req.wait_peer_close(10)
+
+
+class TestCancelLogged(_Logged, ServerCase):
+    """The log (DEBUG) shows a cancel, however it came: cancel() called, then the code that goes on iterating
+    hearing CancelledError; or the stream left before its end (a with block, an exception from on_event)."""
+
+    def setUp(self):
+        super().setUp()
+        self.capture_log()
+        self.use(_one_token_then_hold)
+
+    def cancels(self):
+        return [(level, text) for level, text in self.logged() if "cancel" in text.lower()]
+
+    def line(self, text):
+        return ("DEBUG", "%s: %s" % (self.server.address, text))
+
+    def test_cancelled_and_kept_iterating(self):
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                self.assertEqual(next(stream), lc.Content("a"))
+                stream.cancel()
+                with self.assertRaises(lc.CancelledError):
+                    next(stream)
+
+        run_with_timeout(body)
+        self.assertEqual(
+            self.cancels(),
+            [self.line("cancelled: cancel() was called"), self.line("CancelledError: the request was cancelled")],
+        )
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+    def test_cancelled_and_left_the_loop(self):
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                for _event in stream:
+                    stream.cancel()
+                    break
+
+        run_with_timeout(body)
+        self.assertEqual(self.cancels(), [self.line("cancelled: cancel() was called")])
+
+    def test_left_before_the_end(self):
+        def body():
+            with self.client.stream(MSGS, slot=0) as stream:
+                for _event in stream:
+                    break
+
+        run_with_timeout(body)
+        self.assertEqual(self.cancels(), [self.line("cancelled: the stream was left before its end")])
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+    def test_an_exception_from_on_event(self):
+        def stop(event):
+            raise KeyError("mine")
+
+        with self.assertRaises(KeyError):
+            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=stop))
+        self.assertEqual(self.cancels(), [self.line("cancelled: the stream was left before its end")])
+
+    def test_nothing_at_info(self):
+        logging.getLogger("loopclient").setLevel(logging.INFO)
+        run_with_timeout(lambda: self.client.stream(MSGS, slot=0).cancel())
+        self.assertEqual(self.cancels(), [])
+
+
+class TestCancelLoggedAsync(AsyncDriver, TestCancelLogged):
+    def test_a_cancelled_task(self):
+        async def body():
+            async with lc.AsyncClient(self.server.address, limits=FAST) as client:
+                stream = client.stream(MSGS, slot=0)
+
+                async def read():
+                    async for _ in stream:
+                        started.set()
+
+                started = asyncio.Event()
+                task = asyncio.ensure_future(read())
+                await asyncio.wait_for(started.wait(), 5)
+                task.cancel()
+                with self.assertRaises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 5)
+
+        asyncio.run(asyncio.wait_for(body(), 10))
+        self.assertEqual(self.cancels(), [self.line("cancelled: the task iterating the stream was cancelled")])
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(2))
+
+
+REAL_DEMO_URL = os.environ.get("LOOPCLIENT_REAL_DEMO_URL")
+
+SCRIPT = os.path.join(HERE, "dev", "llama-server.sh")
+
+
+def _cli(*argv, timeout=120):
+    return subprocess.run(
+        [sys.executable, os.path.join(HERE, "loopclient.py")] + list(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@unittest.skipUnless(
+    REAL_DEMO_URL,
+    "no demo server on TCP: set LOOPCLIENT_REAL_DEMO_URL to dev/llama-server.sh demo-tcp PORT's address (.ci/run does)",
+)
+class TestRealDemoTcp(unittest.TestCase):
+    """The demo on TCP, as the README says to run it: `dev/llama-server.sh demo-tcp PORT` and --url; and the
+    command it gives for a server started by hand (the demo's binary, model and arguments on a port)."""
+
+    def chats(self, url):
+        done = _cli(
+            "--url", url, "chat", "Name three colours.", "--stop", "\\n", "--max-tokens", "40", "--temperature", "0"
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        words = set(done.stdout.lower().replace(",", " ").replace(".", " ").split())
+        self.assertGreaterEqual(len(words & COLOURS), 3, done.stdout)
+        self.assertEqual(done.stdout.count("\n"), 1, done.stdout)
+        self.assertNotIn("<|im_", done.stdout)  # the demo's own template, not ChatML
+        self.assertRegex(done.stderr.splitlines()[-1], r"^\[\d+ tokens, .*finish: stop\]$")
+        return done.stdout
+
+    def test_the_readme_command_chats_over_tcp(self):
+        self.assertRegex(REAL_DEMO_URL, r"^http://127\.0\.0\.1:\d+$")
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        self.assertIn(
+            "dev/llama-server.sh demo-tcp 8080 && python3 loopclient.py --url http://127.0.0.1:8080 chat "
+            "\"Name three colours.\" --stop '\\n'",
+            readme,
+        )
+        self.chats(REAL_DEMO_URL)
+
+    def test_the_readme_command_for_a_server_started_by_hand(self):
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            (line,) = [text.strip() for text in f if "$(dev/llama-server.sh demo-args)" in text and "--port" in text]
+        self.assertEqual(
+            line,
+            "$(dev/llama-server.sh path | head -n 1) $(dev/llama-server.sh demo-args) --host 127.0.0.1 --port 8080",
+        )
+        port = _free_port()
+        where = tempfile.mkdtemp(prefix="lc-byhand.")
+        self.addCleanup(shutil.rmtree, where, True)
+        with open(os.path.join(where, "server.log"), "wb") as log:
+            server = subprocess.Popen(
+                ["bash", "-c", line.replace("8080", str(port))],
+                cwd=HERE,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+
+        def stop():
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(15)
+
+        self.addCleanup(stop)
+        url = "http://127.0.0.1:%d" % port
+        with lc.Client(url) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                self.assertIsNone(server.poll(), "the server exited: see %s/server.log" % where)
+                try:
+                    if client.health() == {"status": "ok"}:
+                        break
+                except lc.LoopError:
+                    pass
+                self.assertLess(time.monotonic(), deadline, "no healthy server on %s" % url)
+                time.sleep(0.2)
+        self.assertEqual(self.chats(url), self.chats(REAL_DEMO_URL))  # the same server, at temperature 0
+
+
+@unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
+class TestRealDemoScript(unittest.TestCase):
+    """What `dev/llama-server.sh demo` prints (here for a demo already running): on stderr where it is and
+    how to stop it; on stdout its address as the last line only when stdout is not a terminal, so that the
+    README's first command shows no stray line between the build's log and the answer."""
+
+    def told(self, stderr):
+        self.assertRegex(
+            stderr,
+            r"llama-server\.sh: already running at %s \(pid \d+\); %s stop-demo %s stops it\n$"
+            % (re.escape(REAL_DEMO), re.escape(SCRIPT), re.escape(REAL_DEMO)),
+        )
+
+    def test_off_a_terminal_the_address_is_the_last_line(self):
+        done = subprocess.run([SCRIPT, "demo", REAL_DEMO], capture_output=True, text=True, timeout=120)
+        self.assertEqual((done.returncode, done.stdout), (0, REAL_DEMO + "\n"), done.stderr)
+        self.told(done.stderr)
+
+    def test_on_a_terminal_stdout_stays_empty(self):
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen(
+                [SCRIPT, "demo", REAL_DEMO], stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE
+            )
+            os.close(slave)
+            slave = None
+            _, err = proc.communicate(timeout=120)
+            seen = b""
+            while select.select([master], [], [], 0.2)[0]:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # the other end closed
+                    break
+                if not data:
+                    break
+                seen += data
+        finally:
+            if slave is not None:
+                os.close(slave)
+            os.close(master)
+        self.assertEqual((proc.returncode, seen), (0, b""))
+        self.told(err.decode())
+
+
+class TestCommandLineHelp(CLICase):
+    """``--help``: each command shows its own options (the global ones only on ``loopclient --help``) and
+    ends with examples; ``loopclient --help`` names the waits and the exit codes; ``complete`` and
+    ``infill`` say their ``--max-tokens`` default as ``chat`` does."""
+
+    GLOBAL = ("--socket", "--url", "--model", "--api-key", "--wait", "--verbose")
+
+    def help_of(self, *argv):
+        code, out, err = self.run_main(list(argv) + ["--help"])
+        self.assertEqual((code, err), (0, ""))
+        return out
+
+    def options_of(self, text):
+        """The options a help lists in its options section (the usage line aside; before Python 3.10 the
+        section is called "optional arguments")."""
+        body = re.split(r"\n(?:options|optional arguments):\n", text, maxsplit=1)[1].split("\n\n", 1)[0]
+        return re.findall(r"^  (-[-\w]+(?:, --[-\w]+)?)", body, re.M)
+
+    def test_each_command_shows_its_own_options_and_examples(self):
+        own = {
+            "chat": ["-h, --help", "--system", "--thinking-cap", "--resumable"] + list(ANSWER_OPTIONS),
+            "complete": ["-h, --help", "--openai"] + list(ANSWER_OPTIONS),
+            "infill": ["-h, --help", "--prefix", "--suffix"] + list(ANSWER_OPTIONS),
+            "slots": ["-h, --help", "--json", "--watch"],
+            "health": ["-h, --help"],
+            "props": ["-h, --help"],
+            "models": ["-h, --help", "--watch"],
+            "tokens": ["-h, --help"],
+        }
+        for command, options in own.items():
+            with self.subTest(command):
+                text = self.help_of(command)
+                self.assertEqual(self.options_of(text), options)
+                for name in self.GLOBAL:
+                    self.assertNotIn("[%s" % name, text.split("\n\n", 1)[0])  # nor in its usage line
+                examples = text.split("\nexamples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+                self.assertTrue(2 <= len(examples) <= 3, examples)
+                self.assertTrue(all(line.lstrip().split()[0] in ("loopclient", "git", "head") for line in examples))
+                self.assertTrue(all(" %s" % command in line for line in examples), examples)
+                self.assertIn("loopclient --help", text.split("\nexamples:\n", 1)[1])
+
+    def test_the_global_help_names_waits_exit_codes_and_examples(self):
+        text = self.help_of()
+        self.assertEqual(
+            self.options_of(text),
+            ["-h, --help", "--socket", "--url", "--model", "--api-key", "--wait", "-v, --verbose", "--version"],
+        )
+        flat = " ".join(text.split())
+        self.assertIn(
+            "exit status: 0 done; 1 an error, one line on stderr saying what happened and what to do; 2 bad usage "
+            "(an option, address, prompt or limit); 130 interrupted (Ctrl-C, which closes the connection first).",
+            flat,
+        )
+        self.assertIn(
+            "waits: chat, complete and infill wait up to 15 s for an absent or loading server, and up to 600 s", flat
+        )
+        self.assertIn("load_wait, default 15) and for a busy slot (busy_wait, default 600)", flat)
+        self.assertIn("loopclient COMMAND --help", flat)
+        self.assertIn("\nexamples:\n", text)
+
+    def test_the_max_tokens_defaults_are_said(self):
+        for command, default in (
+            ("chat", "(default 2048: a model that repeats itself ends)"),
+            (
+                "complete",
+                "sent as n_predict (with --openai: max_tokens) (default: the server's own -n; llama-server's: none)",
+            ),
+            ("infill", "sent as n_predict (default: the server's own -n; llama-server's: none)"),
+        ):
+            with self.subTest(command):
+                self.assertIn(default, " ".join(self.help_of(command).split()))
+
+    def test_global_options_still_go_after_the_command(self):
+        self.use(serve_body(content_stream(["ok"])))
+        code, out, err = self.run_main(["chat", "x", "--socket", self.server.path, "--wait", "1", "-v"])
+        self.assertEqual((code, out), (0, "ok\n"), err)
+        code, out, err = self.run_main(["--socket", self.server.path, "chat", "x", "--url", "http://127.0.0.1:9"])
+        self.assertEqual(
+            (code, out, err), (2, "", "loopclient: error: --socket and --url name the server twice: give one of them\n")
+        )
+
+
+ANSWER_OPTIONS = ("--slot", "--max-tokens", "--temperature", "--stop", "--ignore-eos", "--param", "--json")
+
+
+class TestCommandLineInfillText(CLICase):
+    """``infill --prefix TEXT`` takes text, as every other command does; ``@FILE`` reads a file, ``-`` stdin,
+    ``@@`` starts a text with @; a value naming an existing file is still read as one (as the option did
+    before it took text), with a line on stderr saying to write ``@FILE``."""
+
+    def setUp(self):
+        super().setUp()
+        raw = load_transcript("48_infill_stream.raw.txt")
+        self.server.route("POST", "/infill", lambda req: req.send(raw))
+
+    def sent(self):
+        return [
+            (r.json()["input_prefix"], r.json()["input_suffix"]) for r in self.server.requests if r.path == "/infill"
+        ]
+
+    def test_text_file_stdin_and_at_at(self):
+        path = os.path.join(self.server.tmp, "after.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("    return c\n")
+        _, err = self.main_ok("infill", "--prefix", "def add(a, b):\n", "--suffix", "@" + path)
+        self.assertNotIn("loopclient:", err)
+        self.main_ok("infill", "--prefix", "-", "--suffix", "@@decorated", stdin="from stdin")
+        self.main_ok("infill", "--prefix", "@@")
+        self.assertEqual(
+            self.sent(),
+            [("def add(a, b):\n", "    return c\n"), ("from stdin", "@decorated"), ("@", "")],
+        )
+
+    def test_a_file_name_is_still_read_as_a_file(self):
+        path = os.path.join(self.server.tmp, "before.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("def add(a, b):\n")
+        _, err = self.main_ok("infill", "--prefix", path)
+        self.assertEqual(
+            err.splitlines()[0],
+            "loopclient: --prefix %s names a file, read as before: write --prefix @%s for a file (a TEXT is sent as "
+            "it is)" % (path, path),
+        )
+        self.assertEqual(self.sent(), [("def add(a, b):\n", "")])

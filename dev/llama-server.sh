@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Provision and run a real llama.cpp llama-server for loopclient's tests and demo.
 #
-# Usage (each start command builds first if needed, waits until /health is 200 {"status":"ok"}, and
-# prints the instance's address as its LAST stdout line; progress and errors go to stderr):
+# Usage (each start command builds first if needed, waits until /health is 200 {"status":"ok"}, says on
+# stderr where the server is ready and how to stop it (it keeps running after the command), and prints
+# the instance's address as its LAST stdout line when stdout is not a terminal: a script's $(...) or a
+# pipe; on a terminal the stderr line says it. Progress and errors go to stderr):
 #   dev/llama-server.sh build              build/fetch everything into the cache (idempotent; prints
 #                                          progress every 15 s while a step runs)
 #   dev/llama-server.sh start [SOCKET]     the test server on a Unix socket (default RUN_DIR/llama.sock),
@@ -38,6 +40,12 @@
 #                                          answer is the request's own stop:
 #                                          python3 loopclient.py --socket SOCKET chat "Name three colours." --stop '\n'
 #   dev/llama-server.sh stop-demo [SOCKET] stop it
+#   dev/llama-server.sh demo-tcp PORT      the demo on 127.0.0.1:PORT (its own instance); last line =
+#                                          http://127.0.0.1:PORT, for loopclient's --url:
+#                                          python3 loopclient.py --url http://127.0.0.1:PORT chat "Name three colours." --stop '\n'
+#   dev/llama-server.sh stop-demo-tcp PORT stop that instance
+#   dev/llama-server.sh demo-args          the demo's arguments, ONE PER LINE (no --host/--port), for a server
+#                                          started by hand: BINARY <args...> --host 127.0.0.1 --port 8080
 #   dev/llama-server.sh status [SOCKET]    exit 0 if the Unix-socket server answers /health ok
 #   dev/llama-server.sh path               two lines: the llama-server binary, the GGUF model
 #                                          (printed even if not built yet; run `build` first)
@@ -62,7 +70,8 @@
 # only this user can reach; do not give it to a server others can reach (it fetches any URL it is given).
 #
 # Files: pidfile and log sit next to the socket: SOCKET with ".sock" replaced by ".pid" / ".log" (and
-# ".slots/", ".models/" where used); TCP: RUN_DIR/tcp-PORT.{pid,log}, RUN_DIR/prefix-PORT.{pid,log}.
+# ".slots/", ".models/" where used); TCP: RUN_DIR/tcp-PORT.{pid,log}, RUN_DIR/prefix-PORT.{pid,log},
+# RUN_DIR/demo-tcp-PORT.{pid,log}.
 # RUN_DIR is $LOOPCLIENT_LLAMA_RUN_DIR, default /tmp/loopclient-llama (.ci/run uses a fresh one per run,
 # so it never reuses or stops another run's servers). A server started in the background may stay a
 # zombie after it exits (nothing reaps it here), so "running" means alive and not in state Z.
@@ -105,6 +114,7 @@ GGUF_PY="$SRC_DIR/llama.cpp/gguf-py"
 GGUF_PKGS=(numpy==2.4.6 pyyaml==6.0.3 tqdm==4.70.1)
 LOG="$CACHE/build.log"
 RUN_DIR="${LOOPCLIENT_LLAMA_RUN_DIR:-/tmp/loopclient-llama}"
+STOP_ARG="" # what the stop command of this run's instance takes (its socket or port), for the ready line
 API_PREFIX=/llama
 START_TIMEOUT="${LOOPCLIENT_LLAMA_START_TIMEOUT:-60}"
 BUILD_TIMEOUT="${LOOPCLIENT_LLAMA_BUILD_TIMEOUT:-3600}"
@@ -310,6 +320,14 @@ test_args() {
     printf '%s\n' --jinja --chat-template-file "$TEMPLATE"
 }
 
+# The demo's arguments (`demo-args`): the model, the common arguments, the question-and-answer template
+# (dev/qa.jinja) that this base model answers; no --reverse-prompt (a stop no request can lift).
+demo_args() {
+    printf '%s\n' -m "$MODEL"
+    common_args
+    printf '%s\n' --jinja --chat-template-file "$DEMO_TEMPLATE"
+}
+
 # http_health unix SOCKET | http_health tcp PORT [PREFIX] : exit 0 iff GET PREFIX/health is 200 {"status":"ok"}
 http_health() {
     local kind=$1 where=$2 prefix=${3:-} out
@@ -386,8 +404,8 @@ launch() {
     oldpid=$(cat "$pidfile" 2>/dev/null || true)
     if pid_is_ours "$oldpid"; then
         if http_health "$kind" "$where" "$prefix"; then
-            say "already running (pid $oldpid)"
-            echo "$address"
+            say "already running at $address (pid $oldpid); $(stop_command) stops it"
+            [[ -t 1 ]] || echo "$address"
             return 0
         fi
         say "ERROR: a server (pid $oldpid, pidfile $pidfile) is running but not healthy; run stop first"
@@ -417,8 +435,21 @@ launch() {
         fi
         sleep 0.1
     done
-    say "healthy after $(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 2))" "$t0" "$(date +%s.%N)" 2>/dev/null || echo "$((SECONDS - start))")s, pid $pid, log $logfile"
-    echo "$address"
+    local took
+    took=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 2))" "$t0" "$(date +%s.%N)" 2>/dev/null || echo "$((SECONDS - start))")
+    say "ready at $address after ${took}s (pid $pid, log $logfile); it keeps running: $(stop_command) stops it"
+    # the address as the last line on stdout, for scripts ($(...), a pipe); on a terminal the line above says it
+    [[ -t 1 ]] || echo "$address"
+}
+
+# stop_command: the command that stops the instance this run started (for the ready line)
+stop_command() {
+    local stop
+    case $cmd in
+        start*) stop=stop${cmd#start} ;;
+        *) stop=stop-$cmd ;;
+    esac
+    printf '%s %s%s' "$0" "$stop" "$STOP_ARG"
 }
 
 terminate() { # terminate PIDFILE
@@ -451,8 +482,9 @@ terminate() { # terminate PIDFILE
     rm -f "$pidfile"
 }
 
-unix_paths() { # unix_paths SOCKET DEFAULT_NAME: sets SOCKET PIDFILE LOGFILE SLOTS MODELS
+unix_paths() { # unix_paths SOCKET DEFAULT_NAME: sets SOCKET PIDFILE LOGFILE SLOTS MODELS STOP_ARG
     SOCKET=${1:-$RUN_DIR/$2}
+    STOP_ARG=${1:+ $1}
     [[ $SOCKET == *.sock ]] || { say "ERROR: socket path must end in .sock (llama-server's rule): $SOCKET"; exit 2; }
     [[ $SOCKET == /* ]] || SOCKET="$PWD/$SOCKET"
     if ((${#SOCKET} > 107)); then
@@ -473,8 +505,9 @@ stop_unix() { # stop_unix SOCKET DEFAULT_NAME
     rm -rf "$SLOTS" "$MODELS"
 }
 
-tcp_port() {
+tcp_port() { # tcp_port PORT: checks it; sets STOP_ARG
     [[ ${1:-} =~ ^[0-9]+$ ]] || { say "ERROR: expected a TCP port, got '${1:-}'"; exit 2; }
+    STOP_ARG=" $1"
     mkdir -p "$RUN_DIR"
 }
 
@@ -567,14 +600,27 @@ case $cmd in
     demo)
         unix_paths "${1:-}" demo.sock
         need_file "$DEMO_TEMPLATE"
-        mapfile -t args < <(common_args)
+        mapfile -t args < <(demo_args)
         # No --reverse-prompt: it would end every answer at its first newline whatever the request asks
         # ("stop": [] and "ignore_eos" do not lift it); the one-line answer is the request's "stop": ["\n"].
-        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" -m "$MODEL" "${args[@]}" \
-            --jinja --chat-template-file "$DEMO_TEMPLATE" --host "$SOCKET"
+        launch unix "$SOCKET" "" "$SOCKET" "$PIDFILE" "$LOGFILE" "${args[@]}" --host "$SOCKET"
         ;;
     stop-demo)
         stop_unix "${1:-}" demo.sock
+        ;;
+    demo-tcp)
+        tcp_port "${1:-}"
+        need_file "$DEMO_TEMPLATE"
+        mapfile -t args < <(demo_args)
+        launch tcp "$1" "" "http://127.0.0.1:$1" "$RUN_DIR/demo-tcp-$1.pid" "$RUN_DIR/demo-tcp-$1.log" \
+            "${args[@]}" --host 127.0.0.1 --port "$1"
+        ;;
+    stop-demo-tcp)
+        tcp_port "${1:-}"
+        terminate "$RUN_DIR/demo-tcp-$1.pid"
+        ;;
+    demo-args)
+        demo_args
         ;;
     path)
         printf '%s\n%s\n' "$BIN" "$MODEL"

@@ -9500,7 +9500,11 @@ class TestAsyncClient(ServerCase):
         client = lc.AsyncClient(self.server.address, limits=FAST)
 
         async def main():
-            return (await client.chat(MSGS, slot=None)).content, (await client.props())["total_slots"]
+            content = (await client.chat(MSGS, slot=None)).content
+            # the pool's size is asked in the background: its answer is in before the loop ends, so that no
+            # task of the client is pending then (the first loop asks, the others know it)
+            await until(lambda: client._board.pools, 10, "the pool's size")
+            return content, (await client.props())["total_slots"]
 
         for _ in range(3):
             self.assertEqual(run_on_new_loop(self, main), ("ok", 2))

@@ -17395,17 +17395,54 @@ def _test_jobs():
 
 
 class RemoteFailure(AssertionError):
-    """A test's failure in a worker process; its text is the worker's traceback."""
+    """A test's failure in a worker process: ``test_id`` the test's id, ``text`` the worker's traceback of
+    it, which the parent's result prints as it is (``_verbatim``)."""
+
+    def __init__(self, test_id, text):
+        super().__init__(test_id, text)
+        self.test_id, self.text = test_id, text
 
     def __str__(self):
-        return self.args[0]
+        return self.text
 
 
 class RemoteError(Exception):
-    """A test's error in a worker process; its text is the worker's traceback."""
+    """A test's error in a worker process (or the worker's death): ``test_id`` and ``text`` as for
+    RemoteFailure."""
+
+    def __init__(self, test_id, text):
+        super().__init__(test_id, text)
+        self.test_id, self.text = test_id, text
 
     def __str__(self):
-        return self.args[0]
+        return self.text
+
+
+@contextlib.contextmanager
+def _verbatim(result):
+    """While ``result`` takes a worker's outcomes: a failure replayed from a worker is formatted as the
+    worker's own traceback text, as a run in one process prints it (titled by the test's exception, not by
+    RemoteFailure, which has no traceback in this process).  unittest's results format every error through
+    their ``_exc_info_to_string``; any other exception goes through theirs."""
+    own = getattr(result, "_exc_info_to_string", None)
+    if own is None:  # not a unittest.TestResult: str(exception) is the traceback text all the same
+        yield
+        return
+    kept = vars(result).get("_exc_info_to_string")
+
+    def text(err, test):
+        if isinstance(err[1], (RemoteFailure, RemoteError)):
+            return err[1].text
+        return own(err, test)
+
+    result._exc_info_to_string = text
+    try:
+        yield
+    finally:
+        if kept is None:
+            del result._exc_info_to_string
+        else:
+            result._exc_info_to_string = kept
 
 
 class RemoteSubTest:
@@ -17413,11 +17450,11 @@ class RemoteSubTest:
 
     failureException = AssertionError  # read by TextTestResult.addSubTest (3.11+) to print FAIL or ERROR
 
-    def __init__(self, test, description):
-        self.test, self.description = test, description
+    def __init__(self, test, description, subtest_id):
+        self.test, self.description, self.subtest_id = test, description, subtest_id
 
     def id(self):
-        return self.test.id()
+        return self.subtest_id
 
     def shortDescription(self):
         return None
@@ -17465,7 +17502,8 @@ class _Recorder(unittest.TestResult):
     def addSubTest(self, test, subtest, err):
         if err is not None:
             kind = "subfailure" if issubclass(err[0], test.failureException) else "suberror"
-            self.records.append((kind, self._key(test), str(subtest), self._exc_info_to_string(err, test)))
+            text = self._exc_info_to_string(err, test)
+            self.records.append((kind, self._key(test), str(subtest), text, subtest.id()))
 
 
 class ParallelRun:
@@ -17555,6 +17593,10 @@ class ParallelRun:
         return self.tests[key] if isinstance(key, int) else unittest.suite._ErrorHolder(key)
 
     def _replay(self, result, records):
+        with _verbatim(result):
+            self._replay_records(result, records)
+
+    def _replay_records(self, result, records):
         started = {}
         for record in records:
             kind, test = record[0], self._test(record[1])
@@ -17568,26 +17610,28 @@ class ParallelRun:
             elif kind == "success":
                 result.addSuccess(test)
             elif kind == "failure":
-                result.addFailure(test, (RemoteFailure, RemoteFailure(record[2]), None))
+                result.addFailure(test, (RemoteFailure, RemoteFailure(test.id(), record[2]), None))
             elif kind == "error":
-                result.addError(test, (RemoteError, RemoteError(record[2]), None))
+                result.addError(test, (RemoteError, RemoteError(test.id(), record[2]), None))
             elif kind == "skip":
                 result.addSkip(test, record[2])
             elif kind == "expected failure":
-                result.addExpectedFailure(test, (RemoteFailure, RemoteFailure(record[2]), None))
+                result.addExpectedFailure(test, (RemoteFailure, RemoteFailure(test.id(), record[2]), None))
             elif kind == "unexpected success":
                 result.addUnexpectedSuccess(test)
             else:
                 error = RemoteFailure if kind == "subfailure" else RemoteError
-                result.addSubTest(test, RemoteSubTest(test, record[2]), (error, error(record[3]), None))
+                sub = RemoteSubTest(test, record[2], record[4])
+                result.addSubTest(test, sub, (error, error(sub.id(), record[3]), None))
 
     def _died(self, result, task, code):
-        why = "the worker process running this test ended (exit code %s) before the test did" % code
-        for i in task:
-            test = self.tests[i]
-            result.startTest(test)
-            result.addError(test, (RemoteError, RemoteError(why), None))
-            result.stopTest(test)
+        why = "the worker process running this test ended (exit code %s) before the test did\n" % code
+        with _verbatim(result):
+            for i in task:
+                test = self.tests[i]
+                result.startTest(test)
+                result.addError(test, (RemoteError, RemoteError(test.id(), why), None))
+                result.stopTest(test)
 
 
 def _worker_outcomes():
@@ -17630,10 +17674,14 @@ tests = [cls(name) for name in unittest.defaultTestLoader.getTestCaseNames(cls)]
 stream = io.StringIO()
 result = t.ParallelRun(tests, 2).run(unittest.TextTestResult(unittest.runner._WritelnDecorator(stream), True, 2))
 result.printErrors()
+alone = unittest.TextTestResult(unittest.runner._WritelnDecorator(io.StringIO()), True, 2)
+unittest.TestSuite([cls(name) for name in unittest.defaultTestLoader.getTestCaseNames(cls) if name != "test_f_dies"]).run(alone)
 name = lambda test: str(test).split(" ", 1)[0]
+texts = lambda pairs: [[str(t), text, t.id()] for t, text in pairs]
 print(json.dumps({
     "run": result.testsRun, "printed": stream.getvalue(), "skipped": [[name(t), why] for t, why in result.skipped],
-    "failures": [[str(t), text] for t, text in result.failures], "errors": [[str(t), text] for t, text in result.errors],
+    "failures": texts(result.failures), "errors": texts(result.errors),
+    "alone": texts(alone.failures) + texts(alone.errors),
 }))
 """
 
@@ -17651,7 +17699,8 @@ class TestParallelRun(unittest.TestCase):
         got = json.loads(done.stdout.splitlines()[-1])
         self.assertEqual(got["run"], 7)
         self.assertEqual(got["skipped"], [["test_d_skip", "why"]])
-        failures, errors = dict(got["failures"]), dict(got["errors"])
+        failures = {t: text for t, text, _ in got["failures"]}
+        errors = {t: text for t, text, _ in got["errors"]}
         self.assertEqual(sorted(t.split(" ")[0] for t in failures), ["test_b_fail", "test_e_subtests"])
         self.assertEqual(sorted(t.split(" ")[0] for t in errors), ["test_c_error", "test_f_dies"])
         subtest = [t for t in failures if t.startswith("test_e_subtests")]
@@ -17666,6 +17715,14 @@ class TestParallelRun(unittest.TestCase):
             self.assertRegex(out, r"test_%s \(.*\) \.\.\. %s\n" % (test, re.escape(status)))
         self.assertRegex(out, r"FAIL: test_e_subtests \(.*\) \(i=1\)\n")
         self.assertRegex(out, r"ERROR: test_f_dies \(.*\)\n")
+        # each failure as a run in one process gives it: the test's own id and its own traceback, titled by
+        # the test's exception, not by the class that carried it from the worker
+        replayed = {t: (text, i) for t, text, i in got["failures"] + got["errors"] if not t.startswith("test_f_dies")}
+        self.assertEqual(replayed, {t: (text, i) for t, text, i in got["alone"]})
+        self.assertNotIn("Remote", out)
+        for t in replayed:
+            self.assertTrue(replayed[t][0].startswith("Traceback (most recent call last):\n"), replayed[t][0])
+        self.assertRegex(out, r"ERROR: test_f_dies \(.*\)\n-{70}\nthe worker process running this test ended")
 
 
 def load_tests(loader, tests, pattern):

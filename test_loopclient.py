@@ -17342,11 +17342,15 @@ class RealTierSummary(unittest.TestSuite):
         real = [test for test in tests if type(test).__name__.startswith("TestReal")]
         others = [test for test in tests if not type(test).__name__.startswith("TestReal")]
         jobs = _test_jobs()
-        if jobs > 1 and len(others) > 1:
-            ParallelRun(others, jobs).run(result)
-            result = unittest.TestSuite(real).run(result)
-        else:
-            result = unittest.TestSuite(tests).run(result)
+        load = BusyLoad.for_run()
+        try:
+            if jobs > 1 and len(others) > 1:
+                ParallelRun(others, jobs).run(result)
+                result = unittest.TestSuite(real).run(result)
+            else:
+                result = unittest.TestSuite(tests).run(result)
+        finally:
+            load.stop()
         if not getattr(self, "_summary", False):
             self._summary = True
             import atexit  # only for this line at the end of a run
@@ -17378,6 +17382,72 @@ def _flat_tests(suite):
             yield from _flat_tests(test)
         else:
             yield test
+
+
+class BusyLoad:
+    """``LOOPCLIENT_TEST_LOAD=N``: N processes beside the run, each keeping a CPU busy (a Python loop), so
+    that a test that holds only on an idle machine fails in CI rather than on a user's loaded one.  The
+    run starts them once (``RealTierSummary.run``, or ``setUpModule`` when tests are named on the command
+    line) and stops them when it ends, whatever ends it (``stop()`` in a ``finally``, and at exit); each
+    also ends by itself as soon as the process that started it is gone (a run killed by a signal), and
+    after ``LIFETIME`` seconds at most."""
+
+    LIFETIME = 2 * 3600
+    SPIN = (
+        "import os, sys, time\n"
+        "parent, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])\n"
+        "while os.getppid() == parent and time.monotonic() < end:\n"
+        "    for _ in range(100000):\n"
+        "        pass\n"
+    )
+    #: the run's load: started by the first ``for_run()`` of a run (a worker process made by fork sees it
+    #: started, and leaves it to the process that started it)
+    current = None
+
+    def __init__(self, count, lifetime=LIFETIME):
+        self.count, self.lifetime, self.owner, self.procs = count, lifetime, os.getpid(), []
+
+    @classmethod
+    def for_run(cls):
+        """The run's load, started on the first call (none when LOOPCLIENT_TEST_LOAD is unset or 0)."""
+        if cls.current is None:
+            count = int(os.environ.get("LOOPCLIENT_TEST_LOAD") or 0)
+            cls.current = cls(count)
+            if count > 0:
+                cls.current.start()
+                sys.stderr.write(
+                    "test_loopclient: LOOPCLIENT_TEST_LOAD=%d: %d busy processes beside the run\n" % (count, count)
+                )
+        return cls.current
+
+    def start(self):
+        import atexit  # only when a load runs
+
+        argv = [sys.executable, "-S", "-c", self.SPIN, str(os.getpid()), str(self.lifetime)]
+        atexit.register(self.stop)
+        for _ in range(self.count):
+            self.procs.append(
+                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+        return self
+
+    def stop(self):
+        """End the busy processes and reap them; only in the process that started them; idempotent."""
+        if os.getpid() != self.owner:
+            return
+        procs, self.procs = self.procs, []
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(10)
+
+
+def setUpModule():
+    BusyLoad.for_run()  # tests named on the command line: no load_tests hook, the load starts here
+
+
+def tearDownModule():
+    BusyLoad.for_run().stop()
 
 
 def _test_jobs():
@@ -17723,6 +17793,118 @@ class TestParallelRun(unittest.TestCase):
         for t in replayed:
             self.assertTrue(replayed[t][0].startswith("Traceback (most recent call last):\n"), replayed[t][0])
         self.assertRegex(out, r"ERROR: test_f_dies \(.*\)\n-{70}\nthe worker process running this test ended")
+
+
+def _busy_children(pid):
+    """The pids of the running busy processes (BusyLoad) whose parent is ``pid``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            with open("/proc/%s/cmdline" % name, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == pid and fields[0] != b"Z" and BusyLoad.SPIN.encode() in argv:
+            found.append(int(name))
+    return sorted(found)
+
+
+def _ended(pid):
+    """The process ``pid`` is gone, or a zombie (its parent gone, nobody reaped it yet)."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+def _cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid, "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_LOAD_RUN = """
+import os, sys, unittest
+sys.path.insert(0, sys.argv[1])
+import test_loopclient as t
+main = os.getpid()
+
+class Seen(unittest.TestCase):
+    def test_a(self):
+        with open(sys.argv[2], "a") as f:
+            f.write("%d %s\\n" % (os.getpid(), t._busy_children(main)))
+
+    test_b = test_a
+
+tests = [Seen("test_a"), Seen("test_b")]
+result = t.RealTierSummary(tests).run(unittest.TestResult())
+print(main, result.testsRun, len(result.failures + result.errors), t._busy_children(main))
+"""
+
+
+class TestBusyLoad(unittest.TestCase):
+    """LOOPCLIENT_TEST_LOAD=N runs N busy processes beside the tests, for as long as the run, never longer."""
+
+    def test_the_run_starts_them_and_stops_them(self):
+        seen = os.path.join(tempfile.mkdtemp(prefix="lcload"), "seen")
+        self.addCleanup(shutil.rmtree, os.path.dirname(seen))
+        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", _LOAD_RUN, HERE, seen]
+        env = dict(os.environ, LOOPCLIENT_TEST_LOAD="3", LOOPCLIENT_TEST_JOBS="2")
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        main, outcome = done.stdout.strip().split(" ", 1)
+        self.assertEqual(outcome, "2 0 []")  # two tests passed; no busy process left once it ran
+        self.assertIn("LOOPCLIENT_TEST_LOAD=3: 3 busy processes beside the run", done.stderr)
+        with open(seen, encoding="ascii") as f:
+            lines = [line.split(" ", 1) for line in f.read().splitlines()]
+        self.assertEqual(len(lines), 2)
+        self.assertNotIn(main, [line[0] for line in lines])  # in worker processes
+        busy = [json.loads(line[1]) for line in lines]
+        self.assertEqual(busy[0], busy[1])  # the same three all through the run
+        self.assertEqual(len(busy[0]), 3)
+        self.assertTrue(all(_ended(pid) for pid in busy[0]))
+
+    def test_without_the_variable_there_is_none(self):
+        env = {k: v for k, v in os.environ.items() if k != "LOOPCLIENT_TEST_LOAD"}
+        seen = os.path.join(tempfile.mkdtemp(prefix="lcload"), "seen")
+        self.addCleanup(shutil.rmtree, os.path.dirname(seen))
+        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", _LOAD_RUN, HERE, seen]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        with open(seen, encoding="ascii") as f:
+            self.assertEqual([line.split(" ", 1)[1] for line in f.read().splitlines()], ["[]", "[]"])
+        self.assertNotIn("busy processes", done.stderr)
+
+    def test_each_keeps_a_cpu_busy_until_stopped(self):
+        load = BusyLoad(2, lifetime=60).start()
+        self.addCleanup(load.stop)
+        pids = [proc.pid for proc in load.procs]
+        self.assertEqual(_busy_children(os.getpid()), sorted(pids))
+        wait_for(lambda: all(_cpu_seconds(pid) >= 0.2 for pid in pids), 30, "both to use CPU")
+        load.stop()
+        self.assertTrue(all(_ended(pid) for pid in pids))
+        self.assertEqual(load.procs, [])
+        load.stop()  # again: nothing to do
+
+    def test_one_ends_with_the_process_that_started_it(self):
+        # a run killed by a signal stops nothing: its busy processes see their parent gone and end
+        script = "import os, sys; sys.path.insert(0, sys.argv[1]); import test_loopclient as t\n"
+        script += "load = t.BusyLoad(1).start(); print(load.procs[0].pid, flush=True); os._exit(0)\n"
+        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", script, HERE]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=HERE)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        pid = int(done.stdout)
+        wait_for(lambda: _ended(pid), 30, "the orphaned busy process to end")
+
+    def test_one_ends_after_its_lifetime(self):
+        load = BusyLoad(1, lifetime=0.2).start()
+        self.addCleanup(load.stop)
+        self.assertEqual(load.procs[0].wait(30), 0)
 
 
 def load_tests(loader, tests, pattern):

@@ -21301,3 +21301,121 @@ def _tcp_connections(port):
 
 class TestRealFrontsAsync(AsyncDriver, TestRealFronts):
     pass
+
+
+# -----------------------------------------------------------------------------------------------------
+# A resumable request on a slow server behind a front
+# -----------------------------------------------------------------------------------------------------
+
+#: What llama-server's GET /v1/stream sends when the stream it replays is dropped before any byte of it:
+#: the head, then the end of an empty body (the session was finalized as it was evicted).
+_SLOW_EMPTY_REPLAY = (
+    b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Connection: close\r\n\r\n0\r\n\r\n"
+)
+
+
+class _DroppingBuffer(_FrontBuffer):
+    """``_FrontBuffer`` on a loaded server: the request queued behind a busy slot, whose connection the front
+    closed (its 504), is dropped by the server before it starts (this build cancels it once a second passes
+    without a token from any slot): the first ``drops`` GETs find the session going (the head, then an empty
+    body) and forget it; the next POST is kept and served."""
+
+    def __init__(self, server, raw, drops=1, **kw):
+        self.drops = drops
+        _FrontBuffer.__init__(self, server, raw, **kw)
+
+    def get(self, req):
+        conv, start = self._query(req)
+        with self.lock:
+            dropping = self.drops > 0 and conv in self.ids
+            if dropping:
+                self.drops -= 1
+                self.ids.discard(conv)
+                self.log.append(("GET", conv, int(start)))
+        if not dropping:
+            return _FrontBuffer.get(self, req)
+        req.send(_SLOW_EMPTY_REPLAY)
+
+
+class TestSlowServerBehindAFront(_f_Case):
+    """A resumable request queued behind a busy slot past a front's idle timeout, on a server too slow to
+    keep it: a server that dropped it before it started (nothing of it came) gets it again; a lookup the front
+    answered itself (504: the server was slow to answer it) is no "unknown", so the request is not sent twice;
+    a stream of which bytes came is never sent again."""
+
+    #: no wait is under test but busy_wait: a late head on a loaded machine must not become an error
+    limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=20.0)
+
+    def _whole(self, buf):
+        whole, whole_events = self.collect(resumable="conv-1")
+        buf.reset()
+        self.server.requests.clear()
+        return whole, whole_events
+
+    def test_a_queued_request_the_server_dropped_is_sent_again(self):
+        buf = _DroppingBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), drops=0)
+        whole, whole_events = self._whole(buf)
+        buf.posts, buf.drops = [front_answer("nginx 504")], 1
+        completion, events = self.collect(resumable="conv-1")
+        # the 504: looked up, known, its buffer read from 0; the server dropped it meanwhile (an empty replay),
+        # the buffer asked again (404): nothing of it came, so it is sent again, and served
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET", "GET", "POST"])
+        self.assertEqual(buf.replays(), [0, 0])
+        told = [e for e in events if isinstance(e, (lc.Resumed, lc.Retrying))]
+        self.assertEqual([type(e).__name__ for e in told], ["Resumed", "Retrying", "Resumed", "Retrying"])
+        self.assertEqual((told[0], told[2]), (lc.Resumed(0, 1), lc.Resumed(0, 2)))
+        self.assertEqual((told[1].attempt, told[3].attempt), (1, 1))  # a reattach's backoff, then the attempts'
+        self.assertIn("while it waited for a slot", told[1].reason)
+        self.assertEqual(told[3].reason, lc._DROPPED)
+        self.assertEqual([e for e in events if not isinstance(e, (lc.Resumed, lc.Retrying))], whole_events)
+        self.assertEqual(completion, whole)
+        self.assertEqual({c for _, _, c in buf.carried()}, {"conv-1"})
+
+    def test_one_dropped_again_and_again_waits_under_busy_wait(self):
+        buf = _DroppingBuffer(self.server, load_transcript("04_chat_stream.raw.txt"), drops=100)
+        self.client_with(busy_wait=6.0)
+        buf.posts = [front_answer("haproxy 504")] * 100
+        err = self._f_fails(lc.WaitTimeoutError, 6.0, resumable="conv-1")
+        self.assertIn("busy_wait", str(err))
+        posts = buf.methods().count("POST")
+        self.assertGreater(posts, 2)  # sent again each time it was dropped, never given up as unknown
+        self.assertEqual(buf.methods()[-1], "DELETE")  # the early end deletes it, as every early end does
+
+    def test_a_lookup_the_front_answers_itself_is_no_unknown(self):
+        buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"))
+        whole, whole_events = self._whole(buf)
+        buf.posts, buf.lookups = [front_answer("nginx 504")], [front_answer("nginx 504")]
+        completion, events = self.collect(resumable="conv-1")
+        # the lookup got no answer from the server: its buffer is asked (after a backoff), and it is there
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])  # not sent twice: it kept its place
+        self.assertEqual(buf.replays(), [0])
+        reason = "HTTP 504 from nginx/1.22.1: the front stopped waiting for a slot"
+        self.assertEqual([(type(e), e.attempt, e.reason) for e in events[:1]], [(lc.Retrying, 1, reason)])
+        self.assertEqual(events[1:], [lc.Resumed(0, 1)] + whole_events)
+        self.assertEqual(completion, whole)
+
+    def test_a_connection_lost_before_the_head_and_a_failed_lookup_is_no_unknown(self):
+        buf = _FrontBuffer(self.server, load_transcript("04_chat_stream.raw.txt"))
+        whole, whole_events = self._whole(buf)
+        buf.reset([0])  # the POST's connection closed before any byte; the server keeps it (87)
+        buf.lookups = [front_answer("nginx 502")]
+        completion, events = self.collect(resumable="conv-1")
+        self.assertEqual(buf.methods(), ["POST", "LOOKUP", "GET"])
+        self.assertEqual(events, [lc.Resumed(0, 1)] + whole_events)
+        self.assertEqual(completion, whole)
+
+    def test_a_stream_of_which_bytes_came_is_never_sent_again(self):
+        raw = load_transcript("04_chat_stream.raw.txt")
+        buf = _DroppingBuffer(self.server, raw, drops=0, cuts=[len(STREAM_HEAD) + 900])
+        buf.gets = [_FR_GONE_404]
+        err = self._f_fails(lc.StreamClosedError, resumable="conv-1")
+        self.assertIn("no longer knows it", str(err))
+        self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])
+
+
+TestSlowServerBehindAFrontSockets, TestSlowServerBehindAFrontSocketsAsync = on_sockets(
+    TestSlowServerBehindAFront,
+    "test_a_queued_request_the_server_dropped_is_sent_again",
+    "test_a_lookup_the_front_answers_itself_is_no_unknown",
+)

@@ -9832,6 +9832,8 @@ class TestDriversAlike(unittest.TestCase):
         self.assertIn("reset", str(err))
 
     def test_park_runs_out_or_is_signalled_and_sleep_sleeps(self):
+        slack = lateness(self)  # how late a timer may run out on this machine now (the virtual one: never)
+
         def plan(run, path):
             start = lc._clock()
             yield (lc._PARK, 0.2)  # nobody signals: the timer
@@ -9844,9 +9846,9 @@ class TestDriversAlike(unittest.TestCase):
             yield (lc._SPAWN, wake())
             yield (lc._PARK, 5.0)  # signalled after 0.1
             yield (lc._SLEEP, 0.15)
-            return round(parked, 1)  # the whole 0.45 s: _alike's timing
+            return 0.2 - EARLY <= parked < 0.2 + slack  # the whole 0.45 s: _alike's timing
 
-        self.assertEqual(self._alike(plan, 0.45), 0.2)
+        self.assertEqual(self._alike(plan, 0.45), True)
 
     def test_cancel_throws_cancelled_error_into_a_parked_plan(self):
         def plan(run, path):

@@ -8969,18 +8969,26 @@ class TestApiTLS(_ApiCase):
 
     def test_stream_and_calls_over_https_with_a_context_that_trusts_the_certificate(self):
         self.server.busy[0] = True
+        answers = SlotAnswers(self)
+        told_busy = threading.Event()
 
-        def after_a_busy_poll(req):
-            wait_for(lambda: self.server.slots_requests > 0, 5, "a /slots poll")
-            with self.server.lock:  # after the poll has read the flags
+        def after_a_busy_poll(req):  # the head once the client has read a busy /slots (over TLS too)
+            wait_for(told_busy.is_set, 10, "the client to read a /slots answer")
+            with self.server.lock:
                 self.server.busy[0] = False
             req.send(STREAM_HEAD + content_stream(["Hello", " world"]))
 
+        def on_event(ev):
+            events.append(ev)
+            if lc.Waiting(True) in answers.sort(events)[0]:
+                told_busy.set()
+
         self.use(after_a_busy_poll)
-        completion, events = self.collect(slot=0, max_tokens=4)
+        events = []
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=0, max_tokens=4, on_event=on_event))
         self.assertEqual(completion.content, "Hello world")
-        self.assertEqual(events[0], lc.Waiting(True))  # the /slots poll went over TLS too
-        self.assertEqual(events[-2:], [lc.Content("Hello"), lc.Content(" world")])
+        self.assertEqual(answers.sort(events)[0][0], lc.Waiting(True))  # the /slots poll went over TLS too
+        self.assertEqual(waits_first(self, events), [lc.Content("Hello"), lc.Content(" world")])
         host = self.server.address[len("https://") :].encode()
         body = (
             b'{"messages": '
@@ -11110,8 +11118,10 @@ class TestCancel(ServerCase):
 
     def test_cancel_while_waiting_for_the_head(self):
         self.server.busy[0] = True
-        events, _ = self.cancel_during(hold_then(b"", threading.Event()), lambda evs: evs)
-        self.assertEqual(events[0], lc.Waiting(True))
+        answers = SlotAnswers(self)
+        told = lambda evs: answers.sort([e for e in evs if isinstance(e, lc.Waiting)])[0]
+        events, _ = self.cancel_during(hold_then(b"", threading.Event()), told)
+        self.assertEqual(told(events)[0], lc.Waiting(True))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
 
     def test_cancel_while_backing_off(self):
@@ -11261,10 +11271,11 @@ class TestAsyncCancel(ServerCase):
             self.use(
                 lambda req: (req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"})))), req.wait_peer_close(5))
             )
+        answers = SlotAnswers(self)
         ready = {
             "queued": lambda evs: evs == [lc.Queued(1)],
             "backing off": lambda evs: any(isinstance(e, lc.Retrying) for e in evs),
-            "head": lambda evs: lc.Waiting(True) in evs,
+            "head": lambda evs: lc.Waiting(True) in answers.sort(list(evs))[0],  # told busy, on an answer
             "streaming": lambda evs: lc.Content("a") in evs,
         }[state]
 
@@ -11321,10 +11332,10 @@ class TestAsyncCancel(ServerCase):
         self.assertIsInstance(self.cancel_in("backing off", "task.cancel()")[0], lc.Retrying)
 
     def test_cancel_while_waiting_for_the_head(self):
-        self.assertEqual(self.cancel_in("head", "cancel()")[0], lc.Waiting(True))
+        self.assertIn(lc.Waiting(True), self.cancel_in("head", "cancel()"))
 
     def test_task_cancel_while_waiting_for_the_head(self):
-        self.assertEqual(self.cancel_in("head", "task.cancel()")[0], lc.Waiting(True))
+        self.assertIn(lc.Waiting(True), self.cancel_in("head", "task.cancel()"))
 
     def test_cancel_while_streaming(self):
         self.assertEqual(self.cancel_in("streaming", "cancel()"), [lc.Content("a")])
@@ -20731,12 +20742,17 @@ class TestLogging(_Logged, ServerCase):
             release.set()
 
         self.use(hold_then(content_stream(["done"]), release))
-        timer = threading.Timer(0.3, free)
-        timer.start()
-        self.addCleanup(timer.cancel)
-        completion, events = self.collect()
+        answers = SlotAnswers(self)
+        events = []
+
+        def on_event(ev):  # told busy (on an answer): the slot frees
+            events.append(ev)
+            if lc.Waiting(True) in answers.sort(events)[0]:
+                free()
+
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
         self.assertEqual(completion.content, "done")
-        self.assertIn(lc.Waiting(True), events)
+        self.assertIn(lc.Waiting(True), answers.sort(events)[0])
         self.assertIn(
             ("INFO", "%s: waiting for the response: the slot is busy" % self.server.address), self.logged(waits=True)
         )
@@ -21620,3 +21636,241 @@ TestSlowServerBehindAFrontSockets, TestSlowServerBehindAFrontSocketsAsync = on_s
     "test_a_queued_request_the_server_dropped_is_sent_again",
     "test_a_lookup_the_front_answers_itself_is_no_unknown",
 )
+
+
+# -----------------------------------------------------------------------------------------------------
+# Fronts on a loaded machine: resumable chats queued past the idle timeout, then cut mid-answer
+# -----------------------------------------------------------------------------------------------------
+
+
+class MidAnswerCut(_UnixServer):
+    """A threaded Unix-socket proxy to a llama-server, between a front and it: the first streamed answer
+    (``text/event-stream``: a POST's, or a ``GET /v1/stream`` replay's) of each conversation (its
+    ``X-Conversation-Id``) is cut once ``cut`` bytes of it have passed its head: both ends are shut down
+    mid-answer, as a front's idle timeout does to a server slower than it between two tokens.  Each
+    connection carries one request (the proxy asks the server to close after it: ``Connection: close``);
+    a request's end of file is passed on, so the server sees its client go.  ``cut_conversations``: the ids
+    whose answer was cut, in order."""
+
+    def __init__(self, upstream, cut):
+        self.upstream, self.cut = upstream, cut
+        self.cut_conversations = []
+        _UnixServer.__init__(self, "lcm", "proxy.sock")
+
+    def _serve(self, conn, number):
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if not self._track(up):
+            self._untrack(conn)
+            return
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                head += more
+            head, _, rest = head.partition(b"\r\n\r\n")
+            found = re.search(rb"(?im)^x-conversation-id:[ \t]*(\S+)", head)
+            conversation = found.group(1).decode() if found else None
+            lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+            up.connect(self.upstream)
+            up.sendall(b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n" + rest)
+            self._start(self._request_rest, conn, up)
+            self._answer(conn, up, conversation)
+        except OSError:
+            pass
+        finally:
+            for sock in (conn, up):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._untrack(sock)
+
+    @staticmethod
+    def _request_rest(conn, up):
+        """The rest of the request, then its end of file."""
+        try:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    up.shutdown(socket.SHUT_WR)
+                    return
+                up.sendall(data)
+        except OSError:
+            pass
+
+    def _answer(self, conn, up, conversation):
+        head = b""
+        while b"\r\n\r\n" not in head:
+            more = up.recv(65536)
+            if not more:
+                conn.sendall(head)
+                return
+            head += more
+        head, _, body = head.partition(b"\r\n\r\n")
+        with self.lock:
+            cutting = (
+                conversation is not None
+                and conversation not in self.cut_conversations
+                and head.startswith(b"HTTP/1.1 200")
+                and b"text/event-stream" in head
+            )
+        conn.sendall(head + b"\r\n\r\n")
+        passed = 0
+        while True:
+            if cutting and passed + len(body) >= self.cut:
+                conn.sendall(body[: self.cut - passed])
+                with self.lock:
+                    self.cut_conversations.append(conversation)
+                return
+            conn.sendall(body)
+            passed += len(body)
+            body = up.recv(65536)
+            if not body:
+                return
+
+
+def start_own_server(slots, log_dir=None):
+    """A llama-server of the caller's own (the provisioned binary and model, ``dev/llama-server.sh args``)
+    with ``slots`` slots on a Unix socket in a directory of its own, once it answers /health: (socket,
+    stop), ``stop()`` killing it and removing the directory."""
+    tmp = tempfile.mkdtemp(prefix="lcown", dir="/tmp")
+    sock = os.path.join(tmp, "own.sock")
+    command = real_server_command(sock)
+    command[command.index("-np") + 1] = str(slots)
+    log = open(os.path.join(log_dir or tmp, "server.log"), "ab")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop():
+        proc.kill()
+        proc.wait(10)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        with lc.Client(sock) as probe:
+            wait_for(lambda: proc.poll() is None and _healthy(probe), 60, "our own server to load")
+    except BaseException:
+        stop()
+        raise
+    return sock, stop
+
+
+#: The chats of the loaded fronts' tests: one per front, each its own prompt (so that the quiet run and
+#: the loaded one read the same prompt), at temperature 0 with a seed, the prompt processed afresh each time
+#: (``cache_prompt`` off: a cached prefix is computed in other batches, which may change a close choice).
+LOADED_PROMPTS = {
+    "nginx": "Write a short story about a lighthouse keeper and the sea.",
+    "haproxy": "Write a short story about a fisherman and a storm.",
+}
+LOADED_PARAMS = {"max_tokens": 32, "temperature": 0, "seed": 1, "cache_prompt": False}
+
+
+def loaded_chat(client, kind, events, **params):
+    """One loaded fronts' chat: its Completion, or the error it ended in; its events go to ``events``."""
+    try:
+        return client.chat(
+            [{"role": "user", "content": LOADED_PROMPTS[kind]}], on_event=events.append, **dict(LOADED_PARAMS, **params)
+        )
+    except lc.LoopError as exc:
+        return exc
+
+
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealFrontsLoaded(ClientFactory, unittest.TestCase):
+    """nginx and HAProxy with a 4 s idle timeout in front of a llama-server of the test's own with one slot,
+    on a loaded machine (``LOADED`` busy processes beside it, as ``LOOPCLIENT_TEST_LOAD`` runs them): a
+    resumable chat through each, queued behind another client's generation for three times the timeout
+    (each front gives up on it, 504, and the client reads it from the server's buffer instead of sending it
+    again), then cut mid-answer (a proxy between the front and the server), finishes with the text a quiet
+    run of the same chat gives (temperature 0, a seed), through both clients; no StreamClosedError while
+    the server lives.  ``dev/loaded-fronts.py`` runs the same case again and again."""
+
+    TIMEOUT = 4
+    HOLD = 3 * TIMEOUT
+    LOADED = 4
+    CUT = 1500  # body bytes of the answer before the cut: a few tokens (about 280 bytes each)
+    KINDS = ("nginx", "haproxy")
+    limits = REAL_LIMITS.replace(poll=0.5, busy_wait=180.0, load_wait=30.0)
+
+    @classmethod
+    def setUpClass(cls):
+        missing = [kind for kind in _front_binaries() if kind in cls.KINDS]
+        if missing:
+            _require(cls, False, "not installed: %s (apt-get install -y nginx haproxy)" % ", ".join(missing))
+        cls.sock, cls.stop_server = start_own_server(1)
+        cls.load = None
+        try:
+            with lc.Client(cls.sock, limits=REAL_LIMITS) as quiet:  # the reference, before any load
+                cls.quiet = {kind: _real_quiet(quiet, kind) for kind in cls.KINDS}
+            cls.load = BusyLoad(cls.LOADED).start()
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.load is not None:
+            cls.load.stop()
+        cls.stop_server()
+
+    def test_resumable_chats_queued_past_the_timeout_and_cut_mid_answer_finish_exact(self):
+        proxies, clients = {}, {}
+        for kind in self.KINDS:
+            proxies[kind] = MidAnswerCut(self.sock, self.CUT)
+            self.addCleanup(proxies[kind].close)
+            front = Front(kind, [proxies[kind].path], "pin", self.TIMEOUT)
+            self.addCleanup(front.close)
+            clients[kind] = self.new_client(front.url, limits=self.limits)
+            self.addCleanup(clients[kind].close)
+        holder = Holder(self.sock, 0)
+        self.addCleanup(holder.release)
+        running = []
+        timer = threading.Timer(self.HOLD, lambda: running.append(holder.release()))
+        timer.start()
+        self.addCleanup(timer.join, 30)
+        events = {kind: [] for kind in self.KINDS}
+        outcomes = {}
+        threads = [
+            threading.Thread(
+                target=lambda k=kind: outcomes.__setitem__(k, loaded_chat(clients[k], k, events[k], resumable=True)),
+                daemon=True,
+            )
+            for kind in self.KINDS
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        self.assertFalse([t for t in threads if t.is_alive()], "a chat did not end within 600 s")
+        timer.join(30)
+        self.assertEqual(running, [True], "the holder ended before the hold did")
+        for kind in self.KINDS:
+            with self.subTest(kind):
+                told = [e for e in events[kind] if isinstance(e, (lc.Resumed, lc.Retrying))]
+                completion = outcomes[kind]
+                self.assertIsInstance(completion, lc.Completion, "told: %r" % told)
+                self.assertEqual(completion.content, self.quiet[kind])
+                self.assertEqual(completion.usage["completion_tokens"], LOADED_PARAMS["max_tokens"])
+                self.assertEqual("".join(e.text for e in events[kind] if isinstance(e, lc.Content)), completion.content)
+                resumed = [e for e in told if isinstance(e, lc.Resumed)]
+                # queued past the timeout: read from the server's buffer from 0 (never its prompt twice);
+                # cut mid-answer: resumed from the bytes received
+                self.assertEqual(resumed[0].offset, 0, told)
+                self.assertTrue([e for e in resumed if e.offset > 0], told)
+                self.assertEqual(len(proxies[kind].cut_conversations), 1)
+
+
+class TestRealFrontsLoadedAsync(AsyncDriver, TestRealFrontsLoaded):
+    pass
+
+
+def _real_quiet(client, kind):
+    """The reference answer of ``kind``'s loaded chat: the same chat, straight to the server, nothing else
+    running."""
+    events = []
+    completion = run_with_timeout(lambda: loaded_chat(client, kind, events), 120)
+    if not isinstance(completion, lc.Completion):
+        raise completion
+    return completion.content

@@ -16640,12 +16640,14 @@ class TestCommandLine(CLICase):
     def test_waits_and_retries_are_announced(self):
         release = threading.Event()
         self.server.busy[0] = True
+        answers = SlotAnswers(self)
 
-        def free():
+        def free():  # once a /slots reading was made on an answer (a busy one): the line is due
+            wait_for(lambda: True in answers.answered, 10, "a /slots reading on an answer")
             self.server.busy[0] = False
             release.set()
 
-        threading.Timer(0.2, free).start()
+        threading.Thread(target=free, daemon=True).start()
         self.use(hold_then(content_stream(["done"]), release))
         out, err = self.main_ok("chat", "x", "--slot", "0")
         self.assertEqual(out, "done\n")
@@ -20966,7 +20968,9 @@ class TestCommandLineFirstUse(CLICase):
         self.use(_f_sequence(reply(UNAVAILABLE_503), serve_body(content_stream(["ok"]))))
         for flag, debug in (("-v", False), ("-vv", True)):
             with self.subTest(flag):
-                out, err = self.main_ok(flag, "chat", "x", "--slot", "0")
+                # (load_wait 5 s, not the tests' 0.3 s: the retry's connect and answer take longer than the
+                # 0.3 s left after its backoff on a loaded machine)
+                out, err = self.main_ok(flag, "--wait", "5", "chat", "x", "--slot", "0")
                 self.assertEqual(out, "ok\n")
                 self.assertIn("loopclient: INFO: %s: retry 1 in " % self.server.path, err)
                 self.assertEqual("loopclient: DEBUG: %s: connected" % self.server.path in err, debug)

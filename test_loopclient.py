@@ -21768,7 +21768,7 @@ LOADED_PROMPTS = {
     "nginx": "Write a short story about a lighthouse keeper and the sea.",
     "haproxy": "Write a short story about a fisherman and a storm.",
 }
-LOADED_PARAMS = {"max_tokens": 32, "temperature": 0, "seed": 1, "cache_prompt": False}
+LOADED_PARAMS = {"max_tokens": 16, "temperature": 0, "seed": 1, "cache_prompt": False}
 
 
 def loaded_chat(client, kind, events, **params):
@@ -21794,7 +21794,7 @@ class TestRealFrontsLoaded(ClientFactory, unittest.TestCase):
     TIMEOUT = 4
     HOLD = 3 * TIMEOUT
     LOADED = 4
-    CUT = 1500  # body bytes of the answer before the cut: a few tokens (about 280 bytes each)
+    CUT = 1200  # body bytes of the answer before the cut: four tokens (about 280 bytes each) of sixteen
     KINDS = ("nginx", "haproxy")
     limits = REAL_LIMITS.replace(poll=0.5, busy_wait=180.0, load_wait=30.0)
 
@@ -21859,11 +21859,12 @@ class TestRealFrontsLoaded(ClientFactory, unittest.TestCase):
                 self.assertEqual(completion.usage["completion_tokens"], LOADED_PARAMS["max_tokens"])
                 self.assertEqual("".join(e.text for e in events[kind] if isinstance(e, lc.Content)), completion.content)
                 resumed = [e for e in told if isinstance(e, lc.Resumed)]
-                # queued past the timeout: read from the server's buffer from 0 (never its prompt twice);
-                # cut mid-answer: resumed from the bytes received
+                # queued past the timeout: read from the server's buffer from 0; cut mid-answer (by the
+                # proxy, or before it by the front itself, when a token took longer than its timeout):
+                # resumed from the bytes received
                 self.assertEqual(resumed[0].offset, 0, told)
                 self.assertTrue([e for e in resumed if e.offset > 0], told)
-                self.assertEqual(len(proxies[kind].cut_conversations), 1)
+                self.assertLessEqual(len(proxies[kind].cut_conversations), 1)
 
 
 class TestRealFrontsLoadedAsync(AsyncDriver, TestRealFrontsLoaded):

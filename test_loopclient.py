@@ -18,8 +18,10 @@ AsyncClient.  The tiers that are about time (waits, faults, the API's errors) ru
 instead (VirtualFactory: the plans on a third driver, in-memory connections, time that jumps when every
 task waits, timing asserted exactly), with a few tests of each class again on real sockets through both
 clients (``TestXSockets``, ``TestXSocketsAsync``: on_sockets) and the three drivers compared operation by
-operation (TestDriversAlike).  Every blocking call has a timeout; on a slow machine set
-LOOPCLIENT_TIME_MARGIN (see MARGIN).
+operation (TestDriversAlike).  Every blocking call has a timeout.  A test that times an outcome in real
+time is marked ``@real_time`` and states its bound against the machine's pace (``lateness``), so the suite
+holds on a busy machine; ``LOOPCLIENT_TEST_LOAD=N`` runs N busy processes beside it to prove so (BusyLoad),
+and LOOPCLIENT_TIME_MARGIN adds to every margin (see MARGIN).
 """
 
 from __future__ import annotations

@@ -21774,11 +21774,13 @@ LOADED_PARAMS = {"max_tokens": 16, "temperature": 0, "seed": 1, "cache_prompt": 
 
 
 def loaded_chat(client, kind, events, **params):
-    """One loaded fronts' chat: its Completion, or the error it ended in; its events go to ``events``."""
+    """One loaded fronts' chat (for AsyncDriver's facade, waited for up to 600 s, not its 60): its
+    Completion, or the error it ended in; its events go to ``events``."""
+    messages, params = [{"role": "user", "content": LOADED_PROMPTS[kind]}], dict(LOADED_PARAMS, **params)
     try:
-        return client.chat(
-            [{"role": "user", "content": LOADED_PROMPTS[kind]}], on_event=events.append, **dict(LOADED_PARAMS, **params)
-        )
+        if isinstance(client, SyncFacade):
+            return client._runner.run(client._client.chat(messages, on_event=events.append, **params), 600)
+        return client.chat(messages, on_event=events.append, **params)
     except lc.LoopError as exc:
         return exc
 

@@ -9290,7 +9290,10 @@ class TestServerApi(ServerCase):
         events, results = {}, {}
         threads = [start_chat(self.client, m, 0, events, results, model="model-" + m) for m in "AB"]
         wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="slot 0 of two models at once")
-        self.assertEqual(events, {"A": [], "B": []})
+        # neither was queued by the gate (a head later than the poll is a Waiting, a wait for the server)
+        self.assertEqual(
+            {m: [e for e in evs if not isinstance(e, lc.Waiting)] for m, evs in events.items()}, {"A": [], "B": []}
+        )
         self.assertEqual(self.client._board.gate.snapshot()[("model-A", 0)], (1, 0))
         for m in "AB":
             keeper.release(m)
@@ -9816,17 +9819,19 @@ class TestDriversAlike(unittest.TestCase):
         self.assertEqual(got, answer)
 
     def test_a_read_that_hears_nothing_is_silence_after_its_timeout(self):
+        slack = lateness(self)  # how late a timeout may run out on this machine now (the virtual one: never)
+
         def then(conn, data):
             start = lc._clock()
             try:
                 yield (lc._RECV, conn, 0.3)
             except lc._Silence:
-                return ("silence", data, round(lc._clock() - start, 1))
+                return ("silence", data, 0.3 - EARLY <= lc._clock() - start < 0.3 + slack)
             return "no silence"
 
         head = b"HTTP/1.1 200 OK\r\n"
         got = self._alike(self._exchange(then), 0.3, lambda s: s.route("POST", "/echo", reply(head, hold=True)))
-        self.assertEqual(got, ("silence", head, 0.3))
+        self.assertEqual(got, ("silence", head, True))
 
     def test_a_reset_is_stream_closed_with_the_os_error(self):
         def reset(req):

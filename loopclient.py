@@ -3365,6 +3365,11 @@ def _json_or_text(text: str) -> Any:
 
 _CAP_DUE = object()  # ResponsePump.verdict(): reasoning reached the cap, the rest of the bytes wait
 
+#: Why a resumable request is sent again when its server no longer knows it and nothing of it came: this
+#: llama-server cancels a queued request whose connection closed (a front's idle timeout) as soon as a
+#: second passes without a token from any slot, which a loaded server lets pass.
+_DROPPED = "the server dropped the request before it started (its connection had closed while it was queued)"
+
 
 def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry]:
     """The retry a status before delivery asks for, or None: 503 (loading) and a front that could not reach
@@ -5668,22 +5673,29 @@ class _Streams:
         calls = req.calls or self.calls
         return calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
 
-    def _known(self, req: _StreamRequest, servers: int = 1) -> _Plan[bool]:
+    def _known(self, req: _StreamRequest, servers: int = 1) -> _Plan[Optional[bool]]:
         """Whether the server knows a resumable stream (``/v1/streams/lookup``, with the stream's own
-        headers); a failure says no.  With several servers behind the address an unknown answer may come
-        from another one: asked up to ``servers`` times."""
+        headers): True, False (it answered without it, or 404), or None when no lookup got the server's
+        answer (a front's 504 or 502 to it, a timeout, a lost connection: a slow server is not one that
+        forgot the stream).  With several servers behind the address an unknown answer may come from another
+        one: asked up to ``servers`` times."""
         conversation = req.conversation
         assert conversation is not None
+        answered = False
         for _ in range(servers):
             try:
                 found = yield from (req.calls or self.calls).lookup_streams([conversation])
             except CancelledError:
                 raise
+            except HTTPStatusError as exc:
+                answered = answered or exc.status == 404
+                continue
             except LoopError:
                 continue
+            answered = True
             if any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found):
                 return True
-        return False
+        return False if answered else None
 
     def _slot_state(
         self, board: _Board, run: _Run, model: Optional[str], slot: Optional[int], every: bool
@@ -5923,23 +5935,26 @@ class _StreamLife:
         assert verdict is not None
         if verdict.state == FRONT and req.conversation is not None:
             # a front gave up on a request queued for a slot (or on its silent replay): the server keeps a
-            # resumable one queued, so it is read from the server's buffer instead of being sent again
-            if (yield from self._known()):
+            # resumable one queued, so it is read from the server's buffer instead of being sent again; a
+            # lookup that got no answer (a front's 504 to it, on a slow server) is no "unknown": the buffer
+            # is asked, after a backoff
+            known = yield from self._known()
+            if known is not False:
                 if not self.pump.received:
                     self.started = 0.0  # the front's answer was no byte of the stream
-                self.moving = True  # the front waited its own timeout: no backoff before asking again
+                self.moving = bool(known)  # the front waited its own timeout: no backoff before asking again
                 return self._reattach
-            if self.reattaches or req.offset is not None:
+            if self.pump.received or req.offset is not None:
                 raise StreamClosedError(
                     "the stream could not be resumed: %s, and the server no longer knows it" % verdict.reason
                 )
-            return self._back_off
+            return self._back_off  # nothing of it came: the server dropped it unstarted, it is sent again
         if req.conversation is not None and self.reattaches:
             self.moving = False  # a replay answered 503, 502...: its buffer is asked again, after a backoff
             return self._reattach
         return self._back_off
 
-    def _known(self) -> _Plan[bool]:
+    def _known(self) -> _Plan[Optional[bool]]:
         return (yield from self.streams._known(self.req, self.limits.servers))
 
     def _silent(self) -> _Plan[Any]:
@@ -5966,14 +5981,19 @@ class _StreamLife:
             self.retry = _Retry(str(loss), None, loss)
             self.moving = True
             return self._reattach
+        if pump.unknown and not pump.received and req.offset is None:
+            # nothing of it ever came, and its server no longer knows it: it dropped the request before it
+            # started (a queued request whose connection had closed), so it is sent again
+            self.retry = _Retry(_DROPPED, None, loss, FRONT)
+            return self._back_off
         if not (pump.streaming or pump.head is None):
             raise loss
         self._use(None)
         if self.queued:  # a front that closes a silent stream (the request still waits for a slot)
             self.retry = _Retry("the front closed the stream while it waited for a slot: %s" % loss, None, loss, FRONT)
         before_head = pump.head is None and pump.received == 0 and req.offset is None and not self.started
-        # lost before any byte of the head: does the server know the stream?
-        if before_head and not self.reattaches and not (yield from self._known()):
+        # lost before any byte of the head: does the server know the stream? (no answer: its buffer is asked)
+        if before_head and not self.reattaches and (yield from self._known()) is False:
             self.retry = _Retry("the connection closed before the head", None, StreamClosedError("lost"))
             return self._back_off
         if self.moving and (self.started or pump.received):  # a loss after data: budgets afresh

@@ -19380,7 +19380,8 @@ class TestBusyLoad(unittest.TestCase):
         load = BusyLoad(2, lifetime=60).start()
         self.addCleanup(load.stop)
         pids = [proc.pid for proc in load.procs]
-        self.assertEqual(_busy_children(os.getpid()), sorted(pids))
+        # (Popen returns once the child's exec began: its command line is readable a moment later)
+        wait_for(lambda: _busy_children(os.getpid()) == sorted(pids), 10, "both running the busy loop")
         wait_for(lambda: all(_cpu_seconds(pid) >= 0.2 for pid in pids), 30, "both to use CPU")
         load.stop()
         self.assertTrue(all(_ended(pid) for pid in pids))

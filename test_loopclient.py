@@ -1782,10 +1782,10 @@ async def consume(stream, events):
 
 class SlotAnswers:
     """The head wait's readings of ``/slots`` in one test, in order: for each ``Waiting`` a request emits,
-    whether an answer was in hand when the wait judged the slot.  A request waits at most ``poll`` for the
-    shared poll's answer, and no answer by then counts as an unavailable server (``Waiting(False)``) whatever
-    the slot does: on real sockets a loaded machine delays a fake server's answer past a 50 ms poll now and
-    then.  ``sort(events)`` parts the Waiting events into those judged on an answer (what the test asserts,
+    whether an answer was in hand when the wait judged the slot.  A request waits for the shared poll's
+    answer up to the ``/slots`` request's timeout (0.5 s with a 50 ms poll), and no answer by then counts as
+    an unavailable server (``Waiting(False)``) whatever the slot does: on real sockets a loaded machine may
+    delay a fake server's answer that long.  ``sort(events)`` parts the Waiting events into those judged on an answer (what the test asserts,
     as the server set the slots) and those judged without one (each must be ``Waiting(False)``).  On the
     virtual clock every answer is in time."""
 
@@ -15133,6 +15133,30 @@ FAULT_TABLE = [
                 "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
             ),
             (
+                "`/slots` answers later than `poll`, busy slot",
+                "each answer twice `poll` after it is asked (llama-server answers `/slots` between two batches "
+                "of its work); the slot processing, the head held back",
+                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events only: each poll waits for "
+                "the answer it asked, up to the `/slots` request's own timeout (a late answer is a server at "
+                "work, not an unavailable one: never `LoadTimeoutError` after `load_wait`)",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
+            ),
+            (
+                "`/slots` answers later than `poll`, idle slot",
+                "the same; the slot idle",
+                "`StalledError` after `idle_grace`, with `Waiting(False)` events; a budget that runs out while "
+                "an answer is awaited ends the wait at once",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
+            ),
+            (
+                "`/slots` answers later than `poll`, pings from a processing slot",
+                "the head, then `: ping` every 50 ms, no data; each `/slots` answer twice `poll` late, the "
+                "slot processing",
+                "`StalledError` after `busy_wait` counted from the last data event (the slot stays busy), "
+                "on the answer asked then (as late as it comes), not after `liveness` as a stuck stream",
+                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
+            ),
+            (
                 "`/slots` answers 501 while the head is awaited",
                 "`--no-slots` servers do this",
                 "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
@@ -16726,6 +16750,16 @@ class TestDifferential(_f_Case):
             return arrange
 
         slots = lambda c, ev: c.slots()
+        pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+
+        def late(busy, arrange):  # each /slots answer twice poll after it is asked
+            def both_(s):
+                s.slots_delay = 2 * FAST_FAULTS.poll
+                s.busy[0] = busy
+                arrange(s)
+
+            return both_
+
         return [
             _d_fault(
                 "`/slots` answers garbage while the head is awaited",
@@ -16749,6 +16783,32 @@ class TestDifferential(_f_Case):
                 sockets=True,
             ),
             _d_fault("`/slots` hangs for `slots()`", _d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness),
+            # late, not unavailable: a poll waits for the answer it asked
+            _d_fault(
+                "`/slots` answers later than `poll`, busy slot",
+                late(True, hold),
+                expect=lc.WaitTimeoutError,
+                budget=FAST_FAULTS.busy_wait,
+                check=(_d_waits(lambda w: w == lc.Waiting(True), "of a busy slot"), _d_says("stayed busy")),
+                sockets=True,
+            ),
+            _d_fault(
+                "`/slots` answers later than `poll`, idle slot",
+                late(False, hold),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.idle_grace,
+                check=(_d_waits(lambda w: w == lc.Waiting(False), "of an idle slot"), _d_says("is idle")),
+                sockets=True,
+            ),
+            _d_fault(
+                "`/slots` answers later than `poll`, pings from a processing slot",
+                late(True, pings),
+                expect=lc.StalledError,
+                budget=FAST_FAULTS.busy_wait + 2 * FAST_FAULTS.poll,  # the verdict waits for its answer
+                at_once=True,
+                check=(_d_not_before(FAST_FAULTS.busy_wait), _d_says("while the slot stays busy"), _d_kinds()),
+                sockets=True,
+            ),
             # not served: the slots cannot be seen
             _d_fault(
                 "`/slots` answers 501 while the head is awaited",

@@ -17485,8 +17485,10 @@ class TestDifferential(_f_Case):
 
     def _d_fronts(self):
         backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
-        busy = dict(busy_wait=1.0, load_wait=0.1)  # the wrong budget would end a retried 504 early
-        load = dict(load_wait=1.0, busy_wait=0.1)
+        # the wrong budget would end a retried 504 (502) early; the right one leaves a loaded machine more than
+        # a second beyond the backoff's 0.75 s (its sleeps wake late, and an attempt's round trip is slow)
+        busy = dict(busy_wait=2.0, load_wait=0.1)
+        load = dict(load_wait=2.0, busy_wait=0.1)
         pages = {  # what a retried page says
             "nginx 504": "the front stopped waiting for a slot",
             "haproxy 504": "the front stopped waiting for a slot",

@@ -21389,7 +21389,7 @@ def free_port():
 
 def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2, text=None):
     """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts (or
-    ``text``, a template as the README prints it), in front of ``servers`` (Unix socket paths) of ``slots``
+    ``text``, a template as the reference prints it), in front of ``servers`` (Unix socket paths) of ``slots``
     slots each, balancing by ``balance`` ("pin": by X-Session-Id, "least", "rr"), with an idle timeout of
     ``timeout`` seconds toward the servers."""
     spec = FRONT_KINDS[kind]
@@ -24555,6 +24555,19 @@ class TestReference(unittest.TestCase):
         codes = re.search(r"^exit status: (.*?)\n\S", top, re.M | re.S).group(1)
         said = re.search(r"Exit status: (.*?)\n\n", section, re.S).group(1)
         self.assertEqual(re.findall(r"(?:^|; )(\d+) ", said), re.findall(r"(?:^|; )(\d+) ", codes))
+
+    def test_the_guide_names_what_is_there(self):
+        """The README names classes with their fields (``Content(text, choice)``): each as the code has them;
+        and every ``lc.NAME`` it writes exists."""
+        guide = _read(os.path.join(HERE, "README.md"))
+        shown = re.findall(r"`([A-Z]\w+)\(((?:\w+, )*\w+)\)`", guide)
+        self.assertGreaterEqual(len(shown), 8)
+        for name, fields in shown:
+            if name in lc.__all__:
+                with self.subTest(name):
+                    self.assertEqual(fields.split(", "), [p[0] for p in _parameters(getattr(lc, name))])
+        named = set(re.findall(r"\blc\.([A-Za-z_]\w*)", guide))
+        self.assertEqual(sorted(n for n in named if not hasattr(lc, n)), [])
 
     def test_a_drifted_signature_fails(self):
         """The check is no formality: a parameter, a default or a kind changed in the text is found."""

@@ -4103,6 +4103,12 @@ def _read_timeout(
     return max(timeout, 0.001)
 
 
+def _slots_timeout(limits: Limits) -> float:
+    """How long the shared ``/slots`` request may take, and a poll waits for its answer: twice ``poll``, at
+    least 0.5 s, at most ``liveness``."""
+    return min(limits.liveness, max(2 * limits.poll, 0.5))
+
+
 def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
     """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
     liveness = limits.liveness
@@ -5698,19 +5704,30 @@ class _Streams:
         return False if answered else None
 
     def _slot_state(
-        self, board: _Board, run: _Run, model: Optional[str], slot: Optional[int], every: bool
-    ) -> _Plan[Tuple[str, Optional[WedgedSlotError]]]:
+        self,
+        board: _Board,
+        run: _Run,
+        model: Optional[str],
+        slot: Optional[int],
+        every: bool,
+        until: Optional[float] = None,
+    ) -> _Plan[Tuple[Optional[str], Optional[WedgedSlotError]]]:
         """The state of ``slot`` (``None``: the pool) from the shared poller, and the error that says so when
         it is wedged.  ``every``: the pool is busy only when every slot is (else: when any is).  An answer
-        younger than ``poll`` is reused; else one request (the first to ask) goes out, and the others wait
-        for it, at most ``poll``: no answer by then is an unavailable server."""
+        younger than ``poll`` is reused; else one request (the first to ask) goes out, and every asker waits
+        for its answer, up to that request's own timeout (``_slots_timeout``): llama-server answers
+        ``/slots`` between two batches of its work, seconds apart on a slow machine, so an answer later
+        than ``poll`` is a server at work, not an unavailable one.  No answer by then is unavailable.
+        ``until``: when the caller's budget runs out; no answer by then is ``(None, None)``."""
         poller = board.poller(model)
         asked = _clock()
-        late = False  # no answer came within poll of asking
+        late = False  # no answer came within the /slots request's timeout of asking
         if not poller.fresh(asked):
             if poller.start():
                 yield (_SPAWN, self._poll_slots(poller, model))
-            deadline = asked + self.limits.poll
+            deadline = asked + _slots_timeout(self.limits)
+            if until is not None:
+                deadline = min(deadline, until)
             poller.wait(run, True)
             try:
                 while poller.stamp < asked:
@@ -5721,6 +5738,8 @@ class _Streams:
             finally:
                 poller.wait(run, False)
             late = poller.stamp < asked
+            if late and until is not None and _clock() >= until:
+                return None, None
         if poller.unseen and not late:
             return UNSEEN, None
         if self.limits.servers > 1 or poller.several:
@@ -5736,7 +5755,7 @@ class _Streams:
         slots = None  # type: Optional[List[Slot]]
         unseen = False
         try:
-            timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
+            timeout = _slots_timeout(limits)
             slots = _slots_from((yield from self.calls._json("GET", "/slots", model=model, timeout=timeout)))
             self.calls.learn_slots(model, len(slots))
         except HTTPStatusError as exc:
@@ -6039,7 +6058,11 @@ class _StreamLife:
         """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
         waits, req = self.waits, self.req
         waits.check()
-        state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, every=True)
+        left = waits.remaining()
+        until = None if left is None else _clock() + left
+        state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, True, until)
+        if state is None:  # its budget ran out while the answer was awaited: the state it had lasted it
+            raise waits.expired()
         if wedged is not None:
             yield [Waiting(True, wedged=True)]
             raise wedged
@@ -6056,6 +6079,7 @@ class _StreamLife:
         wedge, pings = _quiet_rule(self.limits, req.slot, quiet, pinged)
         if wedge or pings:
             state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, every=False)
+            assert state is not None  # (no until: never cut short)
             _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
 
 

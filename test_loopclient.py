@@ -21458,15 +21458,39 @@ def free_port():
         return sock.getsockname()[1]
 
 
+#: TLS at nginx, the reference's variant (its "TLS at the front" prints these lines, checked by
+#: TestFrontConfigurations): added after the plain file's listen line when a front listens on TLS too.
+NGINX_TLS = """        listen 127.0.0.1:@TLS_PORT@ ssl;
+        ssl_certificate @CERT@;
+        ssl_certificate_key @KEY@;
+"""
+
+#: The tests' own line in nginx's file (not the users'): workers that reach sockets in a private directory.
+NGINX_TEST_USER = "user root;\n"
+
+
+def _nginx_for_tests(text, tls_port):
+    """The nginx file as the tests run it: the users' file, with the tests' ``user`` line and, with
+    ``tls_port``, the TLS variant's lines."""
+    listen = "        listen 127.0.0.1:@PORT@;\n"
+    assert text.count(listen) == 1 and text.count("daemon off;\n") == 1, "dev/fronts/nginx.conf changed its shape"
+    if tls_port:
+        text = text.replace(listen, listen + NGINX_TLS)
+    return text.replace("daemon off;\n", NGINX_TEST_USER + "daemon off;\n")
+
+
 def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2, text=None):
     """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts (or
     ``text``, a template as the reference prints it), in front of ``servers`` (Unix socket paths) of ``slots``
     slots each, balancing by ``balance`` ("pin": by X-Session-Id, "least", "rr"), with an idle timeout of
-    ``timeout`` seconds toward the servers."""
+    ``timeout`` seconds toward the servers; nginx listens on ``tls_port`` too when it is given (the reference's
+    TLS variant)."""
     spec = FRONT_KINDS[kind]
     if text is None:
         with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
             text = f.read()
+    if kind == "nginx":
+        text = _nginx_for_tests(text, tls_port)
     if kind == "haproxy":
         lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
         held = [spec["slot_server"] % dict(i=i, path=path, slots=slots, id=i + 1) for i, path in enumerate(servers)]
@@ -22635,6 +22659,19 @@ class TestFrontConfigurations(unittest.TestCase):
             with open(os.path.join(FRONTS_DIR, FRONT_KINDS[kind]["file"]), encoding="utf-8") as f:
                 text = f.read()
             self.assertEqual(reference_front(kind), text, "the reference's %s differs from dev/fronts" % kind)
+
+    def test_the_users_files_are_plain_and_the_tls_variant_is_printed_apart(self):
+        """A file users copy starts once its placeholders are filled: no TLS placeholder in the plain
+        configuration, no line that is the tests' own; the TLS lines the tests add are the reference's."""
+        for kind in FRONT_KINDS:
+            text = reference_front(kind)
+            self.assertNotRegex(text, r"@(TLS_PORT|CERT|KEY)@", kind)
+            self.assertNotRegex(text, r"(?m)^user ", kind)
+        tls = _section(_read(REFERENCE), "TLS at the front")
+        self.assertIn("```nginx\n" + NGINX_TLS + "```\n", tls)
+        rendered = render_front("nginx", ["/tmp/a.sock"], "pin", 7, "/tmp/x", 1234, 1235)
+        self.assertIn("listen 127.0.0.1:1234;\n        listen 127.0.0.1:1235 ssl;\n", rendered)
+        self.assertNotIn("1235", render_front("nginx", ["/tmp/a.sock"], "pin", 7, "/tmp/x", 1234, 0))
 
     def test_every_placeholder_is_filled(self):
         for kind in FRONT_KINDS:

@@ -26,6 +26,7 @@ and LOOPCLIENT_TIME_MARGIN adds to every margin (see MARGIN).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import calendar
 import collections
@@ -7554,6 +7555,7 @@ class TestEndpoints(ServerCase):
         threading.Thread(target=run, daemon=True).start()
         # the request is at the server while its pool's /props is still unanswered
         wait_for(lambda: self.sent("/completion"), what="the request, sent beside /props")
+        wait_for(lambda: self.sent("/props"), what="/props, asked in the background")  # either may come first
         self.assertEqual(len(self.sent("/props")), 1)
         t = Timer()
         stream.cancel()
@@ -8056,7 +8058,7 @@ class TestLastRoutesAsync(AsyncDriver, TestLastRoutes):
     pass
 
 
-# -- every route of the server: a named call, or a README line saying why not -----------------------------
+# -- every route of the server: a named call, or a reference line saying why not --------------------------
 
 #: The route list the server registers (a copy of what its tools/server/server.cpp says; see the file)
 _ROUTES_FILE = os.path.join(HERE, "dev", "testdata", "server_routes.txt")
@@ -8112,12 +8114,9 @@ def _routes_of_copy(path=_ROUTES_FILE):
         return [line.strip() for line in f if line.strip() and not line.startswith("#")]
 
 
-def _routes_of_readme():
-    """The README's "Routes without a named call" table: {"METHOD PATH": why}."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    start = text.index("### Routes without a named call")
-    section = text[start : text.index("\n### ", start + 1)]
+def _routes_of_reference():
+    """The reference's "Routes without a named call" table (dev/REFERENCE.md): {"METHOD PATH": why}."""
+    section = _section(_read(REFERENCE), "Routes without a named call")
     listed = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
@@ -8128,9 +8127,9 @@ def _routes_of_readme():
 
 
 def _unexplained_routes(routes):
-    """The routes that are neither a named call of both clients nor in the README's table; and the README's
-    routes the list does not have (stale lines)."""
-    listed = _routes_of_readme()
+    """The routes that are neither a named call of both clients nor in the reference's table; and the
+    reference's routes the list does not have (stale lines)."""
+    listed = _routes_of_reference()
     missing = []
     for route in routes:
         name = _NAMED_ROUTES.get(route)
@@ -8144,14 +8143,17 @@ def _unexplained_routes(routes):
 
 class TestServerRoutes(unittest.TestCase):
     """Every route the server registers (the copy in dev/testdata/server_routes.txt) is a named call or a
-    README line with its reason; a fresh clone runs this on the copy, without the source."""
+    line of the reference (dev/REFERENCE.md) with its reason; a fresh clone runs this on the copy, without
+    the source."""
 
-    def test_every_route_is_a_call_or_in_the_readme(self):
+    def test_every_route_is_a_call_or_in_the_reference(self):
         routes = _routes_of_copy()
         self.assertGreaterEqual(len(routes), 50)
         missing, stale = _unexplained_routes(routes)
-        self.assertEqual(missing, [], "routes with neither a call nor a README line (### Routes without a named call)")
-        self.assertEqual(stale, [], "README lines of routes the server does not register")
+        self.assertEqual(
+            missing, [], "routes with neither a call nor a line in dev/REFERENCE.md (Routes without a named call)"
+        )
+        self.assertEqual(stale, [], "dev/REFERENCE.md lines of routes the server does not register")
         self.assertEqual(sorted(set(_NAMED_ROUTES) - set(routes)), [], "named calls of routes the server lacks")
 
     def test_a_new_route_fails_it(self):
@@ -21457,15 +21459,39 @@ def free_port():
         return sock.getsockname()[1]
 
 
+#: TLS at nginx, the reference's variant (its "TLS at the front" prints these lines, checked by
+#: TestFrontConfigurations): added after the plain file's listen line when a front listens on TLS too.
+NGINX_TLS = """        listen 127.0.0.1:@TLS_PORT@ ssl;
+        ssl_certificate @CERT@;
+        ssl_certificate_key @KEY@;
+"""
+
+#: The tests' own line in nginx's file (not the users'): workers that reach sockets in a private directory.
+NGINX_TEST_USER = "user root;\n"
+
+
+def _nginx_for_tests(text, tls_port):
+    """The nginx file as the tests run it: the users' file, with the tests' ``user`` line and, with
+    ``tls_port``, the TLS variant's lines."""
+    listen = "        listen 127.0.0.1:@PORT@;\n"
+    assert text.count(listen) == 1 and text.count("daemon off;\n") == 1, "dev/fronts/nginx.conf changed its shape"
+    if tls_port:
+        text = text.replace(listen, listen + NGINX_TLS)
+    return text.replace("daemon off;\n", NGINX_TEST_USER + "daemon off;\n")
+
+
 def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2, text=None):
     """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts (or
-    ``text``, a template as the README prints it), in front of ``servers`` (Unix socket paths) of ``slots``
+    ``text``, a template as the reference prints it), in front of ``servers`` (Unix socket paths) of ``slots``
     slots each, balancing by ``balance`` ("pin": by X-Session-Id, "least", "rr"), with an idle timeout of
-    ``timeout`` seconds toward the servers."""
+    ``timeout`` seconds toward the servers; nginx listens on ``tls_port`` too when it is given (the reference's
+    TLS variant)."""
     spec = FRONT_KINDS[kind]
     if text is None:
         with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
             text = f.read()
+    if kind == "nginx":
+        text = _nginx_for_tests(text, tls_port)
     if kind == "haproxy":
         lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
         held = [spec["slot_server"] % dict(i=i, path=path, slots=slots, id=i + 1) for i, path in enumerate(servers)]
@@ -22576,33 +22602,41 @@ for _name in dir(TestCommandLineTerminal):  # the base class runs its own tests
 #: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo).
 README_DEMO_SOCKET = "/tmp/loopclient-llama/demo.sock"
 
+#: The documents whose ```python blocks are examples: the README (the guide) and the reference.
+EXAMPLE_DOCUMENTS = ("README.md", "dev/REFERENCE.md")
+
 
 def readme_python_blocks():
-    """The README's ```python blocks: (line number, code)."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    return [
-        (text.count("\n", 0, found.start()) + 2, found.group(1))
-        for found in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)
-    ]
+    """The ```python blocks of the README and of the reference: (document, line number, code)."""
+    blocks = []
+    for name in EXAMPLE_DOCUMENTS:
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            text = f.read()
+        blocks += [
+            (name, text.count("\n", 0, found.start()) + 2, found.group(1))
+            for found in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)
+        ]
+    return blocks
 
 
 @unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
 class TestRealReadmeExamples(unittest.TestCase):
-    """Every ```python block of the README runs as written against the demo server: the one change is the
-    demo socket's path, the test's own server for the one the README tells the user to start."""
+    """Every ```python block of the README and of the reference (dev/REFERENCE.md) runs as written against
+    the demo server: the one change is the demo socket's path, the test's own server for the one the README
+    tells the user to start."""
 
     def test_the_readme_has_examples(self):
-        self.assertGreaterEqual(len(readme_python_blocks()), 5)
+        self.assertGreaterEqual(len([b for b in readme_python_blocks() if b[0] == "README.md"]), 5)
 
     def test_every_python_block_runs(self):
-        for line, code in readme_python_blocks():
+        for name, line, code in readme_python_blocks():
+            line = "%s:%d" % (name, line)
             with self.subTest(line=line):
                 others = set(re.findall(r"[\"'](/[^\"']*\.sock)[\"']", code)) - {README_DEMO_SOCKET}
-                self.assertEqual(others, set(), "an example at line %d uses another socket than the demo's" % line)
+                self.assertEqual(others, set(), "the example at %s uses another socket than the demo's" % line)
                 where = tempfile.mkdtemp(prefix="lc-readme.")
                 self.addCleanup(shutil.rmtree, where, True)
-                script = os.path.join(where, "readme_%d.py" % line)  # a file: an example may use __file__
+                script = os.path.join(where, "example.py")  # a file: an example may use __file__
                 with open(script, "w", encoding="utf-8") as f:
                     f.write(code.replace(README_DEMO_SOCKET, REAL_DEMO))
                 done = subprocess.run(
@@ -22613,22 +22647,32 @@ class TestRealReadmeExamples(unittest.TestCase):
                     text=True,
                     timeout=120,
                 )
-                self.assertEqual(done.returncode, 0, "README line %d:\n%s%s" % (line, done.stdout, done.stderr))
-                self.assertTrue(done.stdout.strip(), "README line %d printed nothing" % line)
+                self.assertEqual(done.returncode, 0, "%s:\n%s%s" % (line, done.stdout, done.stderr))
+                self.assertTrue(done.stdout.strip(), "%s printed nothing" % line)
 
 
 class TestFrontConfigurations(unittest.TestCase):
-    """The configurations in dev/fronts are the README's, and fill in to a working file."""
+    """The configurations in dev/fronts are those the reference prints (dev/REFERENCE.md, which the README
+    sends users to), and fill in to a working file."""
 
-    def test_the_readme_shows_each_configuration_as_it_is(self):
-        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-            readme = f.read()
-        section = readme[readme.index("\n## Behind nginx, HAProxy and Caddy\n") :]
-        section = section[: section.index("\n## ", 1)]
-        for kind, lang in (("nginx", "nginx"), ("haproxy", "haproxy"), ("caddy", "caddyfile")):
+    def test_the_reference_shows_each_configuration_as_it_is(self):
+        for kind in FRONT_KINDS:
             with open(os.path.join(FRONTS_DIR, FRONT_KINDS[kind]["file"]), encoding="utf-8") as f:
                 text = f.read()
-            self.assertIn("```%s\n%s```\n" % (lang, text), section, "the README's %s differs from dev/fronts" % kind)
+            self.assertEqual(reference_front(kind), text, "the reference's %s differs from dev/fronts" % kind)
+
+    def test_the_users_files_are_plain_and_the_tls_variant_is_printed_apart(self):
+        """A file users copy starts once its placeholders are filled: no TLS placeholder in the plain
+        configuration, no line that is the tests' own; the TLS lines the tests add are the reference's."""
+        for kind in FRONT_KINDS:
+            text = reference_front(kind)
+            self.assertNotRegex(text, r"@(TLS_PORT|CERT|KEY)@", kind)
+            self.assertNotRegex(text, r"(?m)^user ", kind)
+        tls = _section(_read(REFERENCE), "TLS at the front")
+        self.assertIn("```nginx\n" + NGINX_TLS + "```\n", tls)
+        rendered = render_front("nginx", ["/tmp/a.sock"], "pin", 7, "/tmp/x", 1234, 1235)
+        self.assertIn("listen 127.0.0.1:1234;\n        listen 127.0.0.1:1235 ssl;\n", rendered)
+        self.assertNotIn("1235", render_front("nginx", ["/tmp/a.sock"], "pin", 7, "/tmp/x", 1234, 0))
 
     def test_every_placeholder_is_filled(self):
         for kind in FRONT_KINDS:
@@ -23931,15 +23975,13 @@ class TestFaultSessions(_f_Case):
         self.assertEqual(self._fs_keys(), [("POST", "/v1/chat/completions", []), ("GET", "/v1/stream", [])])
 
 
-# -- the real tier: several servers as one, through the README's configurations ---------------------------
+# -- the real tier: several servers as one, through the fronts' configurations as printed -----------------
 
 
-def readme_front(kind):
-    """The configuration of ``kind`` exactly as the README prints it (its fronts section's block)."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    section = readme[readme.index("\n## Behind nginx, HAProxy and Caddy\n") :]
-    section = section[: section.index("\n## ", 1)]
+def reference_front(kind):
+    """The configuration of ``kind`` exactly as users copy it: the block the reference (dev/REFERENCE.md,
+    where the README sends them) prints under ``dev/fronts/FILE``, in its section "The configurations"."""
+    section = _section(_read(REFERENCE), "The configurations")
     lang = {"nginx": "nginx", "haproxy": "haproxy", "caddy": "caddyfile"}[kind]
     marker = "`dev/fronts/%s`:\n\n```%s\n" % (FRONT_KINDS[kind]["file"], lang)
     start = section.index(marker) + len(marker)
@@ -23978,8 +24020,8 @@ class FrontHolder(Holder):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealSessions(ClientFactory, unittest.TestCase):
-    """Two real servers (-np 2 each) behind nginx, HAProxy and Caddy run from the configurations as the README
-    prints them, with 60 s idle timeouts, and one client per front sending no header of its own: the turns of
+    """Two real servers (-np 2 each) behind nginx, HAProxy and Caddy run from the configurations as the
+    reference prints them, with 60 s idle timeouts, and one client per front sending no header of its own: the turns of
     each conversation reach the server that holds it (the servers' task ids say where each turn ran, and the
     prompt tokens they read are those new since the last turn); with three long generations over the four
     slots, short chats start at once on the free slot; with every slot busy, chats wait (the front's 429
@@ -23999,7 +24041,7 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
         cls.fronts = {}
         try:
             for kind in FRONT_KINDS:
-                cls.fronts[kind] = Front(kind, cls.servers, "pin", cls.TIMEOUT, text=readme_front(kind))
+                cls.fronts[kind] = Front(kind, cls.servers, "pin", cls.TIMEOUT, text=reference_front(kind))
         except BaseException:
             cls.tearDownClass()
             raise
@@ -24168,7 +24210,7 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
             with self.subTest(kind):
                 proxy = CutProxy(REAL_SOCKET, 1500)
                 self.addCleanup(proxy.close)
-                front = Front(kind, [proxy.path, REAL_SOCKET2], "pin", self.TIMEOUT, text=readme_front(kind))
+                front = Front(kind, [proxy.path, REAL_SOCKET2], "pin", self.TIMEOUT, text=reference_front(kind))
                 self.addCleanup(front.close)
                 tag = self.tag(kind)
                 key = self.placed_on(kind, front, proxy, tag)
@@ -24211,13 +24253,30 @@ def _readme_checker():
 
 class TestReadmeExamplesChecked(unittest.TestCase):
     """dev/check-readme.py, which .ci/run runs under mypy --strict (and mypy 1.14.1 for 3.8), reads the
-    same examples that the real tier runs, and names each at its README line."""
+    same examples that the real tier runs (the README's and the reference's), and names each error at its
+    document's line."""
 
     def test_the_checker_reads_every_python_block(self):
         checker = _readme_checker()
-        self.assertEqual(checker["readme_blocks"](), readme_python_blocks())
+        self.assertEqual(checker["document_blocks"](), readme_python_blocks())
         text = "x\n```python\nimport a\n```\n\n```\nnot python\n```\n```python\nb = 1\nc = 2\n```\n"
         self.assertEqual(checker["python_blocks"](text), [(3, "import a\n"), (10, "b = 1\nc = 2\n")])
+
+    def test_an_error_is_named_at_its_document_line(self):
+        """mypy's lines about a module made of a block become the document's lines (a stand-in mypy prints
+        what mypy prints for the second line of the second block)."""
+        checker = _readme_checker()
+        where = tempfile.mkdtemp(prefix="lc-checker.")
+        self.addCleanup(shutil.rmtree, where, True)
+        mypy = os.path.join(where, "mypy")
+        with open(mypy, "w", encoding="utf-8") as f:
+            f.write("#!/bin/sh\necho 'example_1.py:2: error: Name \"x\" is not defined  [name-defined]'\nexit 1\n")
+        os.chmod(mypy, 0o755)
+        blocks = [("README.md", 10, "a = 1\n"), ("dev/REFERENCE.md", 40, "b = 2\nx\n")]
+        self.assertEqual(
+            checker["check"](blocks, mypy),
+            (1, ['dev/REFERENCE.md:41: error: Name "x" is not defined  [name-defined]']),
+        )
 
     def test_ci_runs_it_under_both_mypys(self):
         with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
@@ -24226,9 +24285,445 @@ class TestReadmeExamplesChecked(unittest.TestCase):
         self.assertIn('python3 dev/check-readme.py --mypy "$MYPY38/bin/mypy" --python-version 3.8\n', ci)
 
 
+# -- the reference (dev/REFERENCE.md) checked against the code, and the documents' links -----------------
+
+REFERENCE = os.path.join(HERE, "dev", "REFERENCE.md")
+_NO_DEFAULT = "(no default)"
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _lines(text):
+    """(line number, line, in a fenced block) for each line of a Markdown text; a fence line is in its block."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        fence = line.lstrip().startswith("```")
+        yield number, line, fenced or fence
+        fenced = fenced != fence
+
+
+def _headings(text):
+    """The headings of a Markdown text, outside its fenced blocks: (level, title, line number)."""
+    found = []
+    for number, line, fenced in _lines(text):
+        heading = None if fenced else re.match(r"(#{1,6}) (.+)$", line)
+        if heading:
+            found.append((len(heading.group(1)), heading.group(2).strip(), number))
+    return found
+
+
+def _section(text, title):
+    """The text under the one heading ``title`` (any level), up to the next heading of its level or above."""
+    heads = _headings(text)
+    found = [(level, number) for level, name, number in heads if name == title]
+    assert len(found) == 1, "%d headings %r" % (len(found), title)
+    level, start = found[0]
+    lines = text.splitlines(keepends=True)
+    end = next((number for lv, _, number in heads if number > start and lv <= level), len(lines) + 1)
+    return "".join(lines[start - 1 : end - 1])
+
+
+def _anchors(text):
+    """The anchors GitHub makes of a Markdown text's headings: lower case, punctuation dropped (letters,
+    digits, "_", "-" and spaces kept), spaces made "-", a repeated one numbered -1, -2, ..."""
+    seen, anchors = collections.Counter(), set()
+    for _, title, _ in _headings(text):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        anchors.add(slug if not seen[slug] else "%s-%d" % (slug, seen[slug]))
+        seen[slug] += 1
+    return anchors
+
+
+def _links(text):
+    """The relative links of a Markdown text, outside code: (line number, target)."""
+    found = []
+    for number, line, fenced in _lines(text):
+        if not fenced:
+            prose = re.sub(r"`[^`]*`", "", line)
+            found += [(number, target) for target in re.findall(r"\]\(([^)\s]+)\)", prose)]
+    return [(n, t) for n, t in found if not re.match(r"[a-z][a-z+.-]*:", t)]
+
+
+def _rows(section, header):
+    """The rows of the tables of ``section`` whose header row starts with ``header``: lists of cells."""
+    rows, inside = [], False
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            inside = False
+        elif line.startswith(header):
+            inside = True
+        elif inside and not re.match(r"\|\s*-", line):
+            rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows
+
+
+def _parameters(func):
+    """[(name, kind, repr(default))] of the code's signature, ``self`` left out."""
+    return [
+        (p.name, p.kind, _NO_DEFAULT if p.default is p.empty else repr(p.default))
+        for p in inspect.signature(func).parameters.values()
+        if p.name != "self"
+    ]
+
+
+def _documented_parameters(text):
+    """[(name, kind, repr(default))] of a documented parameter list, "a, b=1, *, c=None, **params"."""
+    args = ast.parse("def f(%s): pass" % text).body[0].args
+    kind = inspect.Parameter
+    positional = [(a, kind.POSITIONAL_ONLY) for a in args.posonlyargs] + [
+        (a, kind.POSITIONAL_OR_KEYWORD) for a in args.args
+    ]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    found = [(a.arg, k, d) for (a, k), d in zip(positional, defaults)]
+    if args.vararg:
+        found.append((args.vararg.arg, kind.VAR_POSITIONAL, None))
+    found += [(a.arg, kind.KEYWORD_ONLY, d) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    if args.kwarg:
+        found.append((args.kwarg.arg, kind.VAR_KEYWORD, None))
+    return [(name, k, _NO_DEFAULT if d is None else repr(_literal(d))) for name, k, d in found]
+
+
+def _literal(node):
+    """A documented default: a Python literal, or the name of one of the module's constants (MAX_HEAD)."""
+    if isinstance(node, ast.Name):
+        return getattr(lc, node.id)
+    return ast.literal_eval(node)
+
+
+def _annotation(func):
+    """The code's return annotation as the reference writes it (list[...] for List[...], ...)."""
+    text = inspect.signature(func).return_annotation
+    for old, new in (("List[", "list["), ("Dict[", "dict["), ("Tuple[", "tuple[")):  # Optional[...] as it is
+        text = text.replace(old, new)
+    return text
+
+
+#: A signature as the reference prints it: "client.chat(messages, slot=None) -> Completion  # a comment"
+_SIGNATURE = re.compile(r"(lc|client|stream)\.(\w+)\((.*)\)(?:\s*->\s*(.+?))?$")
+
+
+def _signatures(text):
+    """The signatures the reference prints, each a line of a plain fenced block (not a Python example) or a
+    table row's first cell: {(owner, name): [(params text, returns or None, line number)]}; and the
+    ``client.NAME`` and ``stream.NAME`` attribute lines: {(owner, name)}."""
+    calls, attributes, block = collections.defaultdict(list), set(), None
+    for number, line, fenced in _lines(text):
+        if line.lstrip().startswith("```"):
+            block = None if block is not None else line.strip("` ")
+            continue
+        if fenced and block != "python":
+            line = re.sub(r"\s+#\s.*$", "", line.strip())
+        elif line.startswith("| `"):
+            line = re.sub(r"^`([A-Za-z]\w*\(.*\)(?: -> [^`]+)?)`$", r"lc.\1", line.split("|")[1].strip())
+        else:
+            continue
+        call = _SIGNATURE.match(line)
+        if call and (call.group(1) != "lc" or callable(getattr(lc, call.group(2), None))):
+            calls[call.group(1), call.group(2)].append((call.group(3), call.group(4), number))
+        attribute = re.match(r"(client|stream)\.(\w+)$", line)
+        if attribute:
+            attributes.add(attribute.groups())
+    return calls, attributes
+
+
+def _public_attributes(obj):
+    return {name for name in dir(obj) if not name.startswith("_")}
+
+
+def _methods(cls):
+    return sorted(name for name in _public_attributes(cls) if callable(getattr(cls, name)))
+
+
+def _classes(test):
+    """The names in ``lc.__all__`` of the classes ``test`` accepts."""
+    return {name for name in lc.__all__ if inspect.isclass(getattr(lc, name)) and test(getattr(lc, name))}
+
+
+#: The value objects that are not events (each has its own place in the reference)
+_NOT_EVENTS = {"Limits", "Completion", "Choice", "ToolCallResult", "Slot", "Response"}
+
+
+def _stream_attributes():
+    """The public names of a Stream and of an AsyncStream (made, never started)."""
+    messages = [{"role": "user", "content": "x"}]
+    with lc.Client("/tmp/lc-reference-none.sock") as client:
+        stream = client.stream(messages)
+        names = _public_attributes(stream)
+        stream.cancel()
+
+    async def made():
+        client = lc.AsyncClient("/tmp/lc-reference-none.sock")
+        stream = client.stream(messages)
+        try:
+            return _public_attributes(stream)
+        finally:
+            stream.cancel()
+            await client.close()
+
+    return names, asyncio.run(made())
+
+
+def _help_options(text):
+    """The options a ``--help`` lists in its options section: {long name (or short, without one)}."""
+    body = re.split(r"\n(?:options|optional arguments):\n", text, maxsplit=1)[1].split("\n\n", 1)[0]
+    found = re.findall(r"^  (-\w|--[\w-]+)(?:, (--[\w-]+))?", body, re.M)
+    return {long or short for short, long in found} - {"--help"}
+
+
+def _help(*argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = lc.main(list(argv) + ["--help"])
+    assert code == 0, (argv, code)
+    return out.getvalue()
+
+
+class TestReference(unittest.TestCase):
+    """dev/REFERENCE.md, the user's reference, says what the code is: every public name documented; every
+    call's parameters and defaults, as printed, those of ``inspect.signature`` for Client and AsyncClient
+    alike (AsyncClient's calls coroutines but for the streams); every Limits field and default, every event's
+    fields, every error's parent and attributes, every module constant's value, every command line option of
+    every command. A change to the code that the reference does not follow fails here."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.text = _read(REFERENCE)
+        cls.calls, cls.attributes = _signatures(cls.text)
+
+    def printed(self, owner, name):
+        """Every signature the reference prints for ``owner.name`` (one at least): each must be the code's."""
+        found = self.calls.get((owner, name), [])
+        self.assertTrue(found, "%s.%s: no signature in the reference" % (owner, name))
+        return found
+
+    def test_every_client_call_is_printed_with_its_signature(self):
+        names = _methods(lc.Client)
+        self.assertEqual(names, _methods(lc.AsyncClient))
+        self.assertEqual(sorted(name for owner, name in self.calls if owner == "client"), names)
+        for name in names:
+            for params, returns, line in self.printed("client", name):
+                for cls in (lc.Client, lc.AsyncClient):
+                    method = getattr(cls, name)
+                    self.assertEqual(_documented_parameters(params), _parameters(method), "REFERENCE.md:%d" % line)
+                    streamed = returns == "Stream"
+                    self.assertEqual(inspect.iscoroutinefunction(method), cls is lc.AsyncClient and not streamed)
+                    expected = "Async" + returns if streamed and cls is lc.AsyncClient else returns
+                    self.assertEqual(_annotation(method), expected, "REFERENCE.md:%d" % line)
+
+    def test_the_single_shot_table(self):
+        """The single-shot calls' table: each of them, with its own parameters (headers= and timeout= aside)."""
+        rows = _rows(_section(self.text, "Single-shot calls"), "| call | request |")
+        documented = {}
+        for row in rows:
+            call = re.match(r"`(\w+)\((.*)\)`$", row[0])
+            documented[call.group(1)] = _documented_parameters(call.group(2))
+        for name, params in documented.items():
+            with self.subTest(name):
+                code = [p for p in _parameters(getattr(lc.Client, name)) if p[0] not in ("headers", "timeout")]
+                self.assertEqual(params, code)
+                shared = [p[0] for p in _parameters(getattr(lc.Client, name)) if p[0] in ("headers", "timeout")]
+                self.assertEqual(shared, ["headers", "timeout"])
+        single = {n for n in _methods(lc.Client) if "timeout" in inspect.signature(getattr(lc.Client, n)).parameters}
+        self.assertEqual(sorted(documented), sorted(single))
+
+    def test_the_constructors_and_functions_as_printed(self):
+        printed = {name for owner, name in self.calls if owner == "lc"}
+        functions = {n for n in dir(lc) if not n.startswith("_") and inspect.isfunction(getattr(lc, n))}
+        functions = {n for n in functions if getattr(lc, n).__module__ == lc.__name__}
+        values = _classes(lambda cls: hasattr(cls, "replace"))
+        tabled = set(self.events()) | {"Limits", "Completion"}
+        self.assertEqual(sorted(functions - printed), [], "functions without a signature in the reference")
+        self.assertEqual(sorted(values - tabled - printed), [], "value objects without their fields")
+        self.assertLessEqual({"Client", "AsyncClient"}, printed)
+        for name in sorted(printed):
+            for params, returns, line in self.printed("lc", name):
+                self.assertEqual(
+                    _documented_parameters(params), _parameters(getattr(lc, name)), "REFERENCE.md:%d" % line
+                )
+                if returns is not None:
+                    self.assertEqual(returns, _annotation(getattr(lc, name)), "REFERENCE.md:%d" % line)
+
+    def test_the_attributes_of_clients_and_streams(self):
+        documented = {name for owner, name in self.attributes if owner == "client"}
+        for client in (lc.Client("/tmp/lc-reference-none.sock"), lc.AsyncClient("/tmp/lc-reference-none.sock")):
+            self.assertEqual({n for n in vars(client) if not n.startswith("_")}, documented)
+        documented = {name for owner, name in self.attributes if owner == "stream"}
+        documented |= {name for owner, name in self.calls if owner == "stream"}
+        for names in _stream_attributes():
+            self.assertEqual(names, documented)
+        for params, _, line in self.printed("stream", "cancel"):
+            for cls in (lc.Stream, lc.AsyncStream):
+                self.assertEqual(_documented_parameters(params), _parameters(cls.cancel), "REFERENCE.md:%d" % line)
+
+    def test_every_public_name_is_documented(self):
+        defined = set()
+        for _, title, _ in _headings(self.text):
+            defined |= set(re.findall(r"\w+", title))
+        for _, line, fenced in _lines(self.text):
+            if line.startswith("| "):
+                defined |= set(re.findall(r"^\|\s*\**`(\w+)", line))
+            defined |= set(re.findall(r"\*\*`(\w+)`\*\*", line))
+            if fenced:
+                defined |= set(re.findall(r"^[│├└─ ]*(\w+Error)\b", line))
+        defined |= {name for owner, name in self.calls if owner == "lc"}
+        public = set(lc.__all__) | {n for n in dir(lc) if n.isupper() and n[0] != "_" and n != "TYPE_CHECKING"}
+        public |= {
+            n for n in dir(lc) if not n.startswith("_") and getattr(getattr(lc, n), "__module__", "") == lc.__name__
+        }
+        self.maxDiff = None
+        self.assertEqual(sorted(public - defined), [], "public names the reference does not document")
+        named = set(re.findall(r"\blc\.([A-Za-z_]\w*)", self.text))
+        self.assertEqual(sorted(n for n in named if not hasattr(lc, n)), [], "lc.NAME in the reference that lc lacks")
+
+    def test_every_limit_and_its_default(self):
+        rows = _rows(_section(self.text, "Limits"), "| field |")
+        documented = [(re.match(r"`(\w+)`", row[0]).group(1), row[2]) for row in rows]
+        fields = inspect.signature(lc.Limits).parameters
+        self.assertEqual([name for name, _ in documented], list(fields))
+        for name, default in documented:
+            literal = re.match(r"`([^`]+)`", default).group(1)
+            self.assertEqual(repr(ast.literal_eval(literal)), repr(fields[name].default), name)
+
+    def events(self):
+        """{event name: its fields cell} of the reference's events table."""
+        rows = _rows(_section(self.text, "Events"), "| event |")
+        return {re.match(r"`(\w+)`", row[0]).group(1): row[1] for row in rows}
+
+    def test_every_event_and_its_fields(self):
+        events = self.events()
+        values = _classes(lambda cls: hasattr(cls, "replace"))
+        self.assertEqual(sorted(events), sorted(values - _NOT_EVENTS))
+        for name, cell in events.items():
+            with self.subTest(name):
+                fields = []
+                for field in re.findall(r"`([^`]+)`", cell):
+                    found = re.match(r"(\w+)(?::[^=]*)?(?:= (.+))?$", field)
+                    default = _NO_DEFAULT if found.group(2) is None else repr(ast.literal_eval(found.group(2)))
+                    fields.append((found.group(1), inspect.Parameter.POSITIONAL_OR_KEYWORD, default))
+                self.assertEqual(fields, _parameters(getattr(lc, name)))
+
+    def test_the_completion_fields(self):
+        rows = _rows(_section(self.text, "Completion, Choice, ToolCallResult, Slot, Response"), "| field |")
+        documented = sorted(re.match(r"`(\w+)`", row[0]).group(1) for row in rows)
+        properties = [n for n in dir(lc.Completion) if isinstance(getattr(lc.Completion, n), property)]
+        self.assertEqual(documented, sorted(list(inspect.signature(lc.Completion).parameters) + properties))
+
+    def test_every_error_its_parent_and_its_attributes(self):
+        section = _section(self.text, "Errors")
+        tree = [line for _, line, fenced in _lines(section) if fenced and re.search(r"^[│├└─ ]*\w+Error", line)]
+        errors = {name: getattr(lc, name) for name in _classes(lambda cls: issubclass(cls, lc.LoopError))}
+        parents, depth = {}, {}
+        for line in tree:
+            name = re.search(r"(\w+Error)", line).group(1)
+            depth[name] = line.index(name) // 4
+            parents[name] = next((n for n in reversed(list(depth)) if depth[n] == depth[name] - 1 and n != name), None)
+            with self.subTest(name):
+                cls = errors[name]
+                public = [c.__name__ for c in cls.__mro__[1:] if c.__name__ in errors]
+                self.assertEqual(parents[name], public[0] if public else None)
+                inherited = parents[name] is not None and issubclass(errors[parents[name]], TimeoutError)
+                self.assertEqual("(also TimeoutError)" in line, issubclass(cls, TimeoutError) and not inherited)
+        self.assertEqual(sorted(parents), sorted(errors))
+        rows = {re.match(r"`(\w+)`", row[0]).group(1): row[1] for row in _rows(section, "| error |")}
+        self.assertEqual(sorted(rows), sorted(set(errors) - {"LoopError"}))
+        for name, cell in rows.items():
+            with self.subTest(name):
+                params = inspect.signature(errors[name]).parameters.values()
+                made = errors[name](
+                    *[1 if p.name in ("status", "code") else "x" for p in params if p.default is p.empty]
+                )
+                attributes = {n for n in vars(made) if not n.startswith("_")}
+                self.assertEqual(set(re.findall(r"`\.(\w+)`", cell)) | {"message"}, attributes | {"message"})
+
+    def test_every_module_constant_and_its_value(self):
+        rows = _rows(_section(self.text, "Module constants"), "| constant |")
+        documented = {re.match(r"`(\w+)`", row[0]).group(1): re.match(r"`([^`]+)`", row[1]).group(1) for row in rows}
+        constants = {n for n in dir(lc) if n.isupper() and n[0] != "_" and n != "TYPE_CHECKING"}
+        self.assertEqual(sorted(documented), sorted(constants))
+        for name, literal in documented.items():
+            self.assertEqual(repr(ast.literal_eval(literal)), repr(getattr(lc, name)), name)
+
+    def test_every_command_and_option_of_the_command_line(self):
+        section = _section(self.text, "Command line")
+        top = _help()
+        commands = re.findall(r"^    (\w+)  ", top, re.M)
+        rows = _rows(section, "| command |")
+        self.assertEqual([row[0].strip("`").split()[0] for row in rows], commands)
+        documented = {
+            opt for row in _rows(section, "| option | meaning |") for opt in re.findall(r"`(--[\w-]+)", row[0])
+        }
+        self.assertEqual(documented - {"--help"}, _help_options(top))
+        options = _rows(section, "| option | commands |")
+        for command in commands:
+            with self.subTest(command):
+                own = {re.match(r"`(--[\w-]+)", row[0]).group(1) for row in options if "`%s`" % command in row[1]}
+                self.assertEqual(own, _help_options(_help(command)))
+        codes = re.search(r"^exit status: (.*?)\n\S", top, re.M | re.S).group(1)
+        said = re.search(r"Exit status: (.*?)\n\n", section, re.S).group(1)
+        self.assertEqual(re.findall(r"(?:^|; )(\d+) ", said), re.findall(r"(?:^|; )(\d+) ", codes))
+
+    def test_the_guide_names_what_is_there(self):
+        """The README names classes with their fields (``Content(text, choice)``): each as the code has them;
+        and every ``lc.NAME`` it writes exists."""
+        guide = _read(os.path.join(HERE, "README.md"))
+        shown = re.findall(r"`([A-Z]\w+)\(((?:\w+, )*\w+)\)`", guide)
+        self.assertGreaterEqual(len(shown), 8)
+        for name, fields in shown:
+            if name in lc.__all__:
+                with self.subTest(name):
+                    self.assertEqual(fields.split(", "), [p[0] for p in _parameters(getattr(lc, name))])
+        named = set(re.findall(r"\blc\.([A-Za-z_]\w*)", guide))
+        self.assertEqual(sorted(n for n in named if not hasattr(lc, n)), [])
+
+    def test_a_drifted_signature_fails(self):
+        """The check is no formality: a parameter, a default or a kind changed in the text is found."""
+        params, _, _ = self.printed("client", "tokenize")[0]
+        code = _parameters(lc.Client.tokenize)
+        self.assertEqual(_documented_parameters(params), code)
+        for drifted in (
+            params.replace("add_special=False", "add_special=True"),
+            params.replace("*, ", ""),
+            params.replace(", with_pieces=False", ""),
+        ):
+            self.assertNotEqual(_documented_parameters(drifted), code, drifted)
+
+
+class TestDocumentLinks(unittest.TestCase):
+    """Every relative link of README.md and the dev/*.md documents reaches a file that is there, and its
+    #anchor a heading of that document (GitHub's anchors)."""
+
+    def documents(self):
+        names = ["README.md"] + sorted(
+            os.path.join("dev", n) for n in os.listdir(os.path.join(HERE, "dev")) if n.endswith(".md")
+        )
+        return [(name, _read(os.path.join(HERE, name))) for name in names]
+
+    def test_every_link_resolves(self):
+        for name, text in self.documents():
+            for line, target in _links(text):
+                with self.subTest(where="%s:%d" % (name, line), target=target):
+                    path, _, anchor = target.partition("#")
+                    full = (
+                        os.path.normpath(os.path.join(HERE, os.path.dirname(name), path))
+                        if path
+                        else os.path.join(HERE, name)
+                    )
+                    self.assertTrue(os.path.exists(full), "no such file")
+                    if anchor and full.endswith(".md"):
+                        self.assertIn(anchor, _anchors(_read(full)))
+
+    def test_the_anchors_are_github_s(self):
+        text = "# A\n## Several servers: session keys, `Limits(servers=N)`\n```\n# not a heading\n```\n## A\n"
+        self.assertEqual(_anchors(text), {"a", "several-servers-session-keys-limitsserversn", "a-1"})
+        self.assertEqual(_links("[x](dev/A.md#b) `[y](z.md)` [w](https://e.org)\n"), [(1, "dev/A.md#b")])
+
+
 def readme_block_with(marker):
     """The one ```python block of the README that holds ``marker``."""
-    found = [code for _, code in readme_python_blocks() if marker in code]
+    found = [code for name, _, code in readme_python_blocks() if name == "README.md" and marker in code]
     assert len(found) == 1, "%d README blocks hold %r" % (len(found), marker)
     return found[0]
 

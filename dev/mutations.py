@@ -194,8 +194,8 @@ MUTATIONS = [
     Mutation(
         "connect-error-address",
         "a ConnectError's address is not the one the client was given",
-        "    err = ConnectError(text, addr.text)\n",
-        "    err = ConnectError(text, None)\n",
+        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = ConnectError(text, addr.text)\n',
+        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = ConnectError(text, None)\n',
         ["TestDifferential.test_connecting"],
         ["TestFaultConnect.test_socket_file_missing_single_shot"],
     ),

@@ -4007,6 +4007,12 @@ def _read_timeout(
     return max(timeout, 0.001)
 
 
+def _slots_timeout(limits: Limits) -> float:
+    """How long the shared ``/slots`` request may take, and a poll waits for its answer: twice ``poll``, at
+    least 0.5 s, at most ``liveness``."""
+    return min(limits.liveness, max(2 * limits.poll, 0.5))
+
+
 def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
     """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
     liveness = limits.liveness
@@ -5927,7 +5933,10 @@ class _StreamLife:
         """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
         waits = self.waits
         waits.check()
-        state, wedged = yield from self._slot_state(every=True)
+        left = waits.remaining()
+        state, wedged = yield from self._slot_state(True, None if left is None else _clock() + left)
+        if state is None:  # its budget ran out while the answer was awaited: the state it had lasted it
+            raise waits.expired()
         if wedged is not None:
             yield [Waiting(True, wedged=True)]
             raise wedged
@@ -5942,23 +5951,31 @@ class _StreamLife:
         ``busy_wait`` counted from the last data event."""
         wedge, pings = _quiet_rule(self.limits, self.req.slot, quiet, pinged)
         if wedge or pings:
-            state, wedged = yield from self._slot_state(every=False)
+            state, wedged = yield from self._slot_state(False)
+            assert state is not None  # (no until: never cut short)
             _judge_quiet(self.limits, state, wedged, wedge, pings, quiet)
 
-    def _slot_state(self, every: bool) -> _Plan[Tuple[str, Optional[WedgedSlotError]]]:
+    def _slot_state(
+        self, every: bool, until: Optional[float] = None
+    ) -> _Plan[Tuple[Optional[str], Optional[WedgedSlotError]]]:
         """The state of the request's slot (``None``: the pool) from the board's shared poller, and the error
         that says so when it is wedged.  ``every``: the pool is busy only when every slot is (else: when any
         is).  An answer younger than ``poll`` is reused; else one request (the first to ask) goes out
-        (``_poll_slots``), and the others wait for it, at most ``poll``: no answer by then is an unavailable
-        server."""
+        (``_poll_slots``), and every asker waits for its answer, up to that request's own timeout
+        (``_slots_timeout``): llama-server answers ``/slots`` between two batches of its work, seconds apart
+        on a slow machine, so an answer later than ``poll`` is a server at work, not an unavailable one.  No
+        answer by then is unavailable.  ``until``: when the caller's budget runs out; no answer by then is
+        ``(None, None)``."""
         run, req, limits = self.run, self.req, self.limits
         poller = self.board.poller(req.model)
         asked = _clock()
-        late = False  # no answer came within poll of asking
+        late = False  # no answer came within the /slots request's timeout of asking
         if not poller.fresh(asked):
             if poller.start():
                 yield (_SPAWN, self._poll_slots(poller))
-            deadline = asked + limits.poll
+            deadline = asked + _slots_timeout(limits)
+            if until is not None:
+                deadline = min(deadline, until)
             poller.wait(run, True)
             try:
                 while poller.stamp < asked:
@@ -5969,6 +5986,8 @@ class _StreamLife:
             finally:
                 poller.wait(run, False)
             late = poller.stamp < asked
+            if late and until is not None and _clock() >= until:
+                return None, None
         if poller.unseen and not late:
             return UNSEEN, None
         if limits.servers > 1 or poller.several:
@@ -5984,7 +6003,7 @@ class _StreamLife:
         slots = None  # type: Optional[List[Slot]]
         unseen = False
         try:
-            timeout = min(limits.liveness, max(2 * limits.poll, 0.5))
+            timeout = _slots_timeout(limits)
             slots = _slots_from((yield from calls.call_json("GET", "/slots", model=model, timeout=timeout)))
             calls.learn_slots(model, len(slots))
         except HTTPStatusError as exc:

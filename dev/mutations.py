@@ -44,6 +44,9 @@ later (``--old 0c9fa40``, the commit that brought them):
     deadline-phase-wrong               caught             missed                 caught
     text-chunk-dropped                 caught             missed                 caught
 
+The last two came with the rows of a ``/slots`` answer later than ``poll``, which the test as it was
+before them did not have (its ``old`` is that test: ``--old`` of the commit before them shows it missed).
+
 Exit status 1 when a mutation is missed (or a test fails unmutated).
 """
 
@@ -250,6 +253,22 @@ MUTATIONS = [
         "        except ValueError:\n            return []\n",
         ["TestDifferential.test_answers_as_the_server_gave_them"],
         ["TestFaultAnswers.test_stream_route_of_text_data"],
+    ),
+    Mutation(
+        "late-slots-unavailable",
+        "a /slots answer later than poll is taken for an unavailable server (the poll waits poll, not for it)",
+        "            deadline = asked + _slots_timeout(limits)\n",
+        "            deadline = asked + limits.poll\n",
+        ["TestDifferential.test_slots_and_the_other_single_shot_calls"],
+        ["TestDifferential.test_slots_and_the_other_single_shot_calls"],
+    ),
+    Mutation(
+        "late-slots-outlast-the-budget",
+        "a budget that runs out while a late /slots answer is awaited ends the wait only when it comes",
+        "            if until is not None:\n                deadline = min(deadline, until)\n",
+        "",
+        ["TestDifferential.test_slots_and_the_other_single_shot_calls"],
+        ["TestDifferential.test_slots_and_the_other_single_shot_calls"],
     ),
 ]
 

@@ -6500,16 +6500,16 @@ class _Events:
         life = self._life = _StreamLife(run.board, run, self._req)
         run.gen = life.watch() if self._req.watch else life.plan()
 
-    def _hand_out(self, got: Optional[List[Event]]) -> Any:
+    def _hand_out(self, got: Optional[List[Event]]) -> Optional[Event]:
         """The first event of ``got``, the batch the run's step returned (the rest handed out next), or
-        ``_DONE`` when it returned None: the plan ended, its ``Completion`` is kept."""
+        None when it returned None: the plan ended, its ``Completion`` is kept."""
         life = self._life
         assert life is not None
         if got is None:
             self._done = True
             self.completion = self._run.value
             self.offset = life.offset
-            return _DONE
+            return None
         if self._log is not None:
             _tell(self._log, self._req.calls.addr, got, self._req.slot is None)
         got.reverse()  # a fresh list, never empty: popped from its end
@@ -6561,10 +6561,10 @@ class Stream(_Events):
             except BaseException as exc:
                 self._ended(exc)
                 raise
-            event = self._hand_out(got)
-        if event is _DONE:
+            handed = self._hand_out(got)
+        if handed is None:
             raise StopIteration
-        return event  # type: ignore[no-any-return]
+        return handed
 
     def cancel(self) -> None:
         """Cancel the request from any thread: its sockets close, its permit is released, and the thread
@@ -7559,10 +7559,10 @@ class AsyncStream(_Events):
             raise
         finally:
             run.running = False
-        event = self._hand_out(got)
-        if event is _DONE:
+        handed = self._hand_out(got)
+        if handed is None:
             raise StopAsyncIteration
-        return event  # type: ignore[no-any-return]
+        return handed
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):

@@ -5484,7 +5484,7 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
 
 class _StreamLife:
     """The life of one streamed request, all of it, on the ``_Run`` that drives its ``Stream``: ``plan()``
-    takes its place in the gate (``_enter``: the pool's size, the queue), then runs a few named states, each
+    takes its place in the gate (``_capacity``, ``_enter``, ``_queued``), then runs a few named states, each
     a plan that returns the next one (``None``: the ``Completion`` is in ``result``); whatever ends it, a
     resumable stream that ends early is deleted on the server (``_forget``), its connections are closed and
     its permit released before the result or the error leaves the plan.  ``watch()`` is a watch's plan.
@@ -5519,11 +5519,7 @@ class _StreamLife:
 
     def __init__(self, board: _Board, run: _Run, req: _StreamRequest) -> None:
         self.board, self.limits, self.run, self.req = board, board.limits, run, req
-        self.pump = self._new_pump()
         self.conn = None  # type: Any  # the connection being read: the request's, or a reattached one
-        self.waits = _Waits(board.limits, req.slot, board.calls.address)  # the budgets of the wait for data
-        self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
-        self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
         self.retry = None  # type: Optional[_Retry]  # why the last attempt or reattach failed
         self.loss = None  # type: Optional[StreamClosedError]  # how the connection was lost
         self.started = 0.0  # when the first byte came (0: none yet, the head is awaited)
@@ -5535,11 +5531,21 @@ class _StreamLife:
         self.misses = 0  # servers > 1: resumes answered 404 in a row (another server may have answered)
         self.result = None  # type: Optional[Completion]
 
+    def _ready(self) -> None:
+        """What the request's attempts need, made once it may send (past the gate): a request waiting in a
+        queue keeps only its place (thousands may wait), not a pump, budgets and backoffs it cannot use yet."""
+        req = self.req
+        self.pump = self._new_pump()
+        self.waits = _Waits(self.limits, req.slot, self.board.calls.address)  # the budgets of the wait for data
+        self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
+        self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
+
     @property
     def offset(self) -> int:
         """The stream's body bytes whose events the plan has yielded, all of them (``Stream.offset``): where
-        the last event block the pump read ended."""
-        return self.pump.boundary
+        the last event block the pump read ended (before the gate let it send: where it starts)."""
+        pump = getattr(self, "pump", None)  # (a slot that is not set yet)
+        return (self.req.offset or 0) if pump is None else pump.boundary
 
     def _new_pump(self) -> ResponsePump:
         """The pump of an attempt; ``resume()``'s reads the body on from its offset."""
@@ -5557,8 +5563,12 @@ class _StreamLife:
         board, run, req = self.board, self.run, self.req
         try:
             board.add(run)
-            if req.offset is None:
-                yield from self._enter()
+            if req.offset is None:  # the gate (a plain call, not a plan: a waiter keeps one frame less)
+                capacity = 1 if req.slot is not None else (yield from self._capacity())
+                ticket = self._enter(capacity)
+                if not ticket.granted:
+                    yield from _queued(board.gate, ticket, self.limits.poll)
+            self._ready()
             step = self._send  # type: Optional[Callable[[], _Plan[Any]]]
             while step is not None:
                 step = yield from step()
@@ -5584,6 +5594,7 @@ class _StreamLife:
         closes it (``StreamClosedError``).  It takes no slot permit and is never sent again; silence is its
         normal state (the route sends no pings), so no liveness applies.  A server that cannot be reached is
         ``ConnectError``, a non-200 answer ``HTTPStatusError``."""
+        self._ready()
         board, run, req, pump, only = self.board, self.run, self.req, self.pump, self.req.only
         board.add(run)
         try:
@@ -5633,16 +5644,14 @@ class _StreamLife:
 
     # -- its place in the gate ---------------------------------------------------------------------------
 
-    def _enter(self) -> _Plan[None]:
-        """Take the request's permit: at once, or once the queue hands it over (``_queued``).  A pinned slot
-        holds one request; a ``slot=None`` pool as many as ``_capacity`` says."""
-        run, req, gate = self.run, self.req, self.board.gate
-        capacity = 1 if req.slot is not None else (yield from self._capacity())
+    def _enter(self, capacity: int) -> _Ticket:
+        """The request's place in the gate: a permit at once, or a place in the queue (which ``_queued``
+        waits out).  A pinned slot holds one request; a ``slot=None`` pool ``capacity`` (``_capacity``)."""
+        run, req = self.run, self.req
         if run.cancelled:  # cancelled on its way to the gate: it does not enter it
             raise _cancelled()
-        ticket = run.ticket = gate.enter((req.model, req.slot), capacity, run)
-        if not ticket.granted:
-            yield from _queued(gate, ticket, self.limits.poll)
+        ticket = run.ticket = self.board.gate.enter((req.model, req.slot), capacity, run)
+        return ticket
 
     def _capacity(self) -> _Plan[int]:
         """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,

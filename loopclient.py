@@ -23,7 +23,8 @@ Example::
 Threading model: a ``Client`` is shared by any number of threads.  Each streamed request runs in the
 thread that iterates its ``Stream`` (``chat()`` iterates for you).  ``Stream.cancel()`` may be called from
 any thread; it shuts the request's sockets down, which wakes the iterating thread at once.  The only
-threads the library starts are short-lived ``/slots`` pollers, at most one per client and model at a time.
+threads the library starts are short-lived ones for the requests a stream makes in the background: the
+``/slots`` poll (at most one per client and model at a time) and a ``slot=None`` pool's ``/props``.
 An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
 
 How it is built: the parsers take bytes and return values (sections 2 to 5); every call is a plan, a
@@ -40,7 +41,7 @@ Sections:
     4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
     5. The response pump: one streamed response, bytes in, events and decisions out
     6. Addresses, waits and their budgets, the timing rules
-    7. Slot gates and the /slots watch
+    7. Slot gates, the /slots poller and what a client's requests share
     8. The request logic: plans that ask for I/O and never do it
     9. The drivers: blocking sockets and threads, then asyncio
     10. Command line
@@ -56,7 +57,8 @@ import sys
 import threading
 import time
 
-# typing is only read by type checkers: importing it would cost more than socket, json and threading.
+# typing is only read by type checkers: imported after socket, json and threading, it would add about a fifth
+# to a fresh interpreter's start with them (figure 2 of dev/bench.py allows loopclient 15% over them).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
@@ -818,8 +820,8 @@ def _check_limit(name: str, value: Any) -> None:
 class Limits(_Value):
     """How long each wait may last and how much a response may hold.  Immutable; ``replace()`` makes a
     changed copy.  Times are seconds (int or float), sizes bytes, counts plain ints.  A value of the wrong
-    type is ``TypeError``, a negative one ``ValueError``; ``poll``, ``liveness``, ``max_line`` and
-    ``max_body`` must be greater than zero.
+    type is ``TypeError``, a negative one ``ValueError``; ``poll``, ``liveness``, ``max_line``,
+    ``max_body``, ``pool`` and ``servers`` must be greater than zero.
 
     queue_len        8      requests of this client that may wait behind the one in flight on a slot;
                             the next is refused with ``BusyError``
@@ -3016,9 +3018,7 @@ def _no_body(params: Dict[str, Any]) -> Dict[str, Any]:
 def _chat_body(messages: Any, params: Dict[str, Any]) -> Dict[str, Any]:
     """The body of a streamed ``/v1/chat/completions``: ``messages`` and the keywords, ``stream`` on and
     ``stream_options.include_usage`` added to what the caller's ``stream_options`` say."""
-    body = {"messages": messages}  # type: Dict[str, Any]
-    body.update(params)
-    body["stream"] = True
+    body = _body({"messages": messages}, params)
     options = body.get("stream_options")
     body["stream_options"] = dict(options, include_usage=True) if isinstance(options, dict) else {"include_usage": True}
     return body
@@ -3251,8 +3251,8 @@ def _route_head(body: Any) -> Any:
 #
 # A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
 # for all.  A streamed call looks its row up by name: ``_Streams.stream_request`` builds the body with the
-# row's function, applies the row's thinking-cap rule and starts the stream; ``resume(endpoint=...)`` reads
-# a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
+# row's function and applies the row's thinking-cap rule, and its stream's ``_StreamLife`` sends it;
+# ``resume(endpoint=...)`` reads a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
 
 _CAP_CONTROL = "control"  # the cap works: the body asks for reasoning_control, the control endpoint ends it
 _CAP_MOOT = "moot"  # the endpoint streams no separate reasoning: a cap has nothing to cap, nothing is sent
@@ -3266,7 +3266,7 @@ class _Endpoint:
     the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the
     ``_CAP_*`` rules above), ``resumable`` (the server buffers it for ``X-Conversation-Id``), ``routed`` (a
     router routes it by the body's ``model``), ``watch`` (a ``GET`` that never ends by itself and is silent
-    when nothing happens: no gate, no retries, no liveness; read by ``_Streams.watch_plan``).
+    when nothing happens: no gate, no retries, no liveness; read by ``_StreamLife.watch``).
     ``target(*args)`` gives the request's method and path: ``POST`` to ``path`` unless the row says
     otherwise (``stream_route()``'s takes them from the call)."""
 
@@ -3410,9 +3410,11 @@ class ResponsePump:
         ``(completion id, tokens)``: reasoning reached ``thinking_cap`` and the rest of the bytes wait;
         the caller asks the server to end reasoning and passes the answer to ``capped(ok)``.
     ``outcome``
-        once decided: the ``Completion``, or a retry (a 503 or 429 status, or a 503, ``unavailable_error``
-        or ``overloaded_error`` error event before anything was delivered).  Any other non-200 status raises
-        ``HTTPStatusError`` once its body is in.
+        once decided: the ``Completion``, or a retry (a ``_Retry``: a 503 or 429 status, a front's 502,
+        504 or 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
+        anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its body is in;
+        after ``resume()``, a 404 or 400 (the server no longer knows the stream, or no longer holds its
+        bytes from the offset) raises ``StreamClosedError``.
 
     ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
     event (pings do not count: they prove the connection, not progress); ``delivered`` whether a
@@ -3477,7 +3479,9 @@ class ResponsePump:
     def resume(self, offset: int) -> None:
         """The next bytes are a new response, the server's replay of this stream from ``offset`` body bytes
         (what ``received`` counted): its head is read afresh, its body goes on where the last one stopped.
-        A 404 or 400 answer is ``StreamClosedError``."""
+        A 404 or 400 answer is ``StreamClosedError``.  ``boundary`` stays the end of the last event block
+        read (the replay goes on from the bytes received, inside a block perhaps), unless ``offset`` is
+        not what was received: a stream read from another's offset, which ends a block."""
         self._reader = ResponseReader()
         self.head = None
         self.failed = None
@@ -3485,8 +3489,9 @@ class ResponsePump:
         self.unknown = False
         self.outcome = None  # a front's 504 to the request, which a resume from 0 follows
         self._body, self._size = [], 0
-        self.received = self.boundary = offset
-        self._last = b""
+        if offset != self.received:
+            self.boundary, self._last = offset, b""
+        self.received = offset
         self._ending = self.cut = False
         self._typed = False
 
@@ -3788,106 +3793,6 @@ def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
     return host, port, host_header
 
 
-def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
-    """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
-    directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
-    never retried.  Nor can a path whose directory does not exist, until someone makes the directory:
-    ``ConnectError`` at once too, while no socket file has been reached there since the client was made
-    (once one has, a directory gone with its server is a restart, waited for as a missing file is).  A
-    socket file missing from a directory that is there: ``exc`` (retried by a stream), logged as a WARNING
-    at the first failure when none has been there since the client was made."""
-    import stat
-
-    path = addr.target
-    try:
-        found = os.stat(path).st_mode
-        mode = found  # type: Optional[int]
-        what = "a directory" if stat.S_ISDIR(found) else "a regular file" if stat.S_ISREG(found) else "not a socket"
-    except NotADirectoryError:
-        mode, what = 0, "below a regular file"
-    except OSError:
-        mode = None
-    folder = os.path.dirname(path) or "."
-    if mode is not None and not stat.S_ISSOCK(mode):
-        text = "%s is %s, not a socket: no llama-server can listen there" % (addr.text, what)
-    elif mode is None and not addr.seen and isinstance(exc, FileNotFoundError) and not os.path.isdir(folder):
-        text = (
-            "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
-            "someone makes it" % (addr.text, folder)
-        )
-    else:
-        if mode is not None:
-            addr.seen = True  # a socket file: the server is there or was
-        elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
-            addr.warned = True
-            log = _logger(_WARNING)
-            if log is not None:
-                log.warning(
-                    "%s: no socket file there (none since the client was made): is llama-server started with "
-                    "--host %s? waiting for it",
-                    addr.text,
-                    path,
-                )
-        return exc
-    err = ConnectError(text, addr.text)
-    err.__cause__ = exc
-    return err
-
-
-def _verdict(addr: _Address, exc: BaseException) -> None:
-    """The error that ends a stream, as the stream raises it: logged (INFO; a cancel at DEBUG), and a
-    ``LoadTimeoutError`` on a Unix socket file that never existed says so."""
-    if not isinstance(exc, LoopError):
-        return
-    if (
-        isinstance(exc, LoadTimeoutError)
-        and addr.unix
-        and not addr.seen
-        and isinstance(exc.__cause__, FileNotFoundError)
-    ):
-        exc.message = "%s: the socket file %s never existed since the client was made" % (exc.message, addr.target)
-        exc.args = (exc.message,)
-    log = _logger(_DEBUG if isinstance(exc, CancelledError) else _INFO)
-    if log is not None:
-        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
-
-
-def _cancel_told(addr: _Address, how: str) -> None:
-    """Log (DEBUG) how a stream was cancelled: ``cancel()`` called, or left before its end (a ``with``
-    block left early, an exception from ``on_event``, a cancelled task).  The code that goes on iterating
-    hears ``CancelledError``, which ``_verdict`` logs."""
-    log = _logger(_DEBUG)
-    if log is not None:
-        log.debug("%s: cancelled: %s", addr.text, how)
-
-
-def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
-    """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
-    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
-    the request is ``slot=None``'s, so a wait is told of the slots, not of one."""
-    for event in events:
-        kind = type(event)
-        if kind is Retrying:
-            log.info("%s: retry %d in %.2f s: %s", addr.text, event.attempt, event.delay, event.reason)
-        elif kind is Waiting:
-            log.info("%s: waiting for the response: %s", addr.text, _waiting_text(event, pool))
-        elif kind is Resumed:
-            log.info("%s: connection lost: resumed at byte %d (attempt %d)", addr.text, event.offset, event.attempt)
-        elif kind is Queued:
-            log.debug("%s: queued: %d ahead in this client", addr.text, event.ahead)
-
-
-def _waiting_text(event: Waiting, pool: bool) -> str:
-    """What a ``Waiting`` says, for a request pinned to a slot or (``pool``) for a ``slot=None`` one."""
-    if not event.slots_known:
-        return "the %s unknown (the server does not serve /slots)" % ("slots are" if pool else "slot is")
-    if event.wedged:
-        return "a slot is wedged" if pool else "the slot is wedged"
-    if event.slot_busy:
-        return "every slot is busy" if pool else "the slot is busy"
-    return "a slot is free, no answer yet" if pool else "the slot is not busy, no answer yet"
-
-
 class _Silence(Exception):
     """A read timed out (internal: each caller turns it into the budget error that applies)."""
 
@@ -4109,7 +4014,7 @@ def _slots_timeout(limits: Limits) -> float:
     return min(limits.liveness, max(2 * limits.poll, 0.5))
 
 
-def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
+def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Optional[StalledError]:
     """A read after the first byte timed out: the error once nothing was heard for ``liveness``, else None."""
     liveness = limits.liveness
     if _clock() - heard < liveness:
@@ -4120,11 +4025,6 @@ def _silence(limits: Limits, head: Optional[ResponseHead], heard: float) -> Opti
     return StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness)
 
 
-def _quiet_due(limits: Limits, head: Optional[ResponseHead], progress: float, now: float) -> bool:
-    """A started stream has had no data event for ``poll``: time to apply the quiet rule."""
-    return head is not None and head.status == 200 and now - progress >= limits.poll
-
-
 def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
     """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
     being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
@@ -4133,7 +4033,7 @@ def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool)
     return wedge, pinged and quiet >= limits.liveness
 
 
-def _quiet_verdict(
+def _judge_quiet(
     limits: Limits, state: str, wedged: Optional[WedgedSlotError], wedge: bool, pings: bool, quiet: float
 ) -> None:
     """Raise what the slot's state makes of a quiet stream: a wedged slot, or pings from a slot that no
@@ -4164,7 +4064,7 @@ def _quiet_verdict(
 
 
 # =====================================================================================================
-# 7. Slot gates, the /slots watch and what a client's requests share: under locks, the waking passed in
+# 7. Slot gates, the /slots poller and what a client's requests share: under locks, the waking passed in
 # =====================================================================================================
 
 
@@ -4390,16 +4290,16 @@ class _Gate:
             return {k: (lane.in_flight, len(lane.queue)) for k, lane in self._lanes.items()}
 
 
-class _SlotWatch:
-    """What a ``/slots`` poller (threads or asyncio) makes of the answers: per slot, since when the progress
-    triple (task, decoded, prompt processed) of a processing slot has not changed, and from one answer,
-    what a request's slot is doing."""
+class _SlotReader:
+    """What is read from ``/slots`` answers (the shared poller's, and the command line's): per slot, since
+    when the progress triple (task, decoded, prompt processed) of a processing slot has not changed
+    (``remember`` each answer), and from one answer, what a request's slot is doing."""
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
         self._still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
 
-    def _remember(self, slots: List[Slot], now: float) -> None:
+    def remember(self, slots: List[Slot], now: float) -> None:
         still = {}  # type: Dict[int, Tuple[Tuple[Optional[int], Optional[int], Optional[int]], float]]
         for s in slots:
             triple = (s.task, s.decoded, s.prompt_processed)
@@ -4447,13 +4347,13 @@ class _SlotWatch:
         return (BUSY if busy and flags else IDLE), None
 
 
-class _SlotPoller(_SlotWatch):
+class _SlotPoller(_SlotReader):
     """``/slots`` of one model, shared by every request of a board: one request in flight however many wait
     (``start()`` says who sends it), an answer younger than ``poll`` reused, the waiters' wakers signalled
-    when it comes (``answered``).  The asking is a plan (``_Streams._slot_state``)."""
+    when it comes (``answered``).  The asking is a plan (``_StreamLife._slot_state``)."""
 
     def __init__(self, limits: Limits, lock: threading.Lock) -> None:
-        _SlotWatch.__init__(self, limits)
+        _SlotReader.__init__(self, limits)
         self._lock = lock
         self.stamp = float("-inf")  # when the last answer arrived
         self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
@@ -4487,7 +4387,7 @@ class _SlotPoller(_SlotWatch):
             if slots is not None:
                 if self.slots is not None and not self.several:
                     self.several = _other_server(self.slots, slots)
-                self._remember(slots, now)
+                self.remember(slots, now)
             self.unseen = unseen
             self.slots = slots
             self.stamp = now
@@ -4507,11 +4407,11 @@ def _other_server(before: List[Slot], after: List[Slot]) -> bool:
 
 class _Run:
     """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): whether it was cancelled
-    and whether its last words are shielded from that, its ticket (so that a cancel can release it), the
-    stream offset its last events reach, what it returned; and, from the driver, how to wake it
-    (``signal``), close its connections and cancel it."""
+    and whether its last words are shielded from that, its ticket (so that a cancel can release it), what
+    it returned; and, from the driver, how to wake it (``signal``), close its connections and cancel it,
+    and the operations of section 8, each a method of its name."""
 
-    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket", "offset")
+    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket")
 
     def __init__(self, board: Any) -> None:
         self.board = board
@@ -4520,7 +4420,14 @@ class _Run:
         self.cancelled = False
         self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
         self.ticket = None  # type: Optional[_Ticket]
-        self.offset = 0  # a stream's body bytes whose events the plan has yielded
+
+    def child(self, plan: _Plan[Any]) -> Any:
+        """A run of this driver for ``plan``, which this one starts in the background (``_SPAWN``),
+        counted among the board's runs (``close()`` cancels it)."""
+        run = type(self)(self.board)
+        run.gen = plan
+        self.board.add(run)
+        return run
 
     if TYPE_CHECKING:
 
@@ -4534,13 +4441,13 @@ class _Run:
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
     ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, and the runs
-    in flight, and the kept connections.  Under one lock; its only I/O is ``checkout()`` and ``close()`` closing
-    connections (a stale kept one, every kept one), and ``close()`` cancelling the runs in flight, whose
-    plans then unwind: a resumable stream's sends its DELETE on the way out."""
+    in flight, and the kept connections.  Under one lock; its only I/O is closing connections (a stale
+    kept one in ``checkout()``, one not kept in ``keep()``, every kept one in ``close()``) and logging it,
+    and ``close()`` cancelling the runs in flight, whose plans then unwind: a resumable stream's sends its
+    DELETE on the way out."""
 
-    def __init__(self, streams: _Streams, previous: Optional[_Board] = None) -> None:
-        self.streams = streams
-        self.calls = calls = streams.calls
+    def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
+        self.calls = calls
         self.limits = calls.limits
         self.lock = threading.Lock()
         self.gate = _Gate(self.lock, calls.limits.queue_len)
@@ -4570,10 +4477,10 @@ class _Board:
         with self.lock:
             self.runs.discard(run)
 
-    def checkout(self) -> Any:
-        """A kept connection to reuse (the most recent), or None.  One idle past its time, or one of the
-        process this one was forked from, is never reused: it is closed (a forked child's close leaves the
-        parent's connection alone)."""
+    def checkout(self, run: _Run) -> Any:
+        """A kept connection to reuse (the most recent), now ``run``'s, or None.  One idle past its time, or
+        one of the process this one was forked from, is never reused: it is closed (a forked child's close
+        leaves the parent's connection alone)."""
         now, pid = _clock(), os.getpid()
         found = None
         stale = []
@@ -4586,19 +4493,31 @@ class _Board:
                 stale.append(conn)
         for conn in stale:
             conn.close()
-        log = stale and _logger()
-        if log:
+        log = _logger()
+        if log and stale:
             log.debug("%s: closed %d kept connection(s) idle past their time", self.calls.address, len(stale))
+        if found is not None:
+            found.owner = run
+            found.reused = True
+            if log:
+                log.debug("%s: reusing a kept connection", self.calls.address)
         return found
 
-    def checkin(self, conn: Any, idle: float) -> bool:
-        """Keep ``conn`` for ``idle`` seconds; False (the caller closes it) when ``keep_alive`` are kept."""
+    def keep(self, conn: Any, idle: float) -> None:
+        """Keep ``conn`` for ``idle`` seconds, or close it when ``keep_alive`` are kept already."""
         with self.lock:
-            if self.closed or len(self.idle) >= self.limits.keep_alive:
-                return False
-            conn.owner = _NOBODY  # not the run that used it: a client dropped unclosed is freed at once
-            self.idle.append((conn, _clock() + idle, os.getpid()))
-            return True
+            kept = not self.closed and len(self.idle) < self.limits.keep_alive
+            if kept:
+                conn.owner = _NOBODY  # not the run that used it: a client dropped unclosed is freed at once
+                self.idle.append((conn, _clock() + idle, os.getpid()))
+        if not kept:
+            conn.close()
+        log = _logger()
+        if log:
+            if kept:
+                log.debug("%s: connection kept for reuse (%.0f s idle at most)", self.calls.address, idle)
+            else:
+                log.debug("%s: connection closed, not kept (keep_alive are kept already)", self.calls.address)
 
     def close(self) -> None:
         """Cancel every run in flight, streams and polls, and close the kept connections."""
@@ -4668,10 +4587,12 @@ def _slot_progress(item: Dict[str, Any]) -> Tuple[Optional[int], Optional[int], 
 #     (_SLEEP, seconds)             -> None
 #     (_SPAWN, plan)                -> None; ``plan`` runs in the background, on a run of its own
 #
-# A driver performs them (section 9: one with blocking sockets, one with asyncio) and, after every
-# operation, throws CancelledError into the plan once the run was cancelled.  So each rule exists once.
+# A driver performs them (section 9: one with blocking sockets, one with asyncio), each by its method of the
+# operation's name, and, after every operation, throws CancelledError into the plan once the run was
+# cancelled.  So each rule exists once.
 
-_CONNECT, _SEND, _RECV, _PARK, _SLEEP, _SPAWN, _KEEP = range(7)
+#: Each operation is named by the method that performs it on every driver (``_SyncRun.recv``, ...).
+_CONNECT, _SEND, _RECV, _PARK, _SLEEP, _SPAWN, _KEEP = "connect", "send", "recv", "park", "sleep", "spawn", "keep"
 
 if TYPE_CHECKING:
     _T = TypeVar("_T")
@@ -4846,10 +4767,10 @@ def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
                 raise _deadline_error(timeout, code, what, address, heard)
             if code == _SEND:  # "GET /path?query HTTP/1.1": the method and the target
                 what = op[2].split(b"\r\n", 1)[0].rsplit(b" ", 1)[0].decode("latin-1")
-            at = _TIMEOUT_AT[code]
-            cut = op[at] is None or left < op[at]  # (a park without a timer is cut too)
+            where = _TIMEOUT_AT[code]
+            cut = op[where] is None or left < op[where]  # (a park without a timer is cut too)
             try:
-                value = yield op[:at] + (left,) + op[at + 1 :] if cut else op
+                value = yield op[:where] + (left,) + op[where + 1 :] if cut else op
             except GeneratorExit:
                 raise
             except BaseException as caught:  # noqa: B036 - a timeout of a cut operation is the deadline's
@@ -4864,7 +4785,7 @@ def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
         plan.close()
 
 
-def _deadline_error(timeout: float, code: int, what: str, address: str, heard: bool) -> DeadlineError:
+def _deadline_error(timeout: float, code: str, what: str, address: str, heard: bool) -> DeadlineError:
     """The ``DeadlineError`` of a call whose ``timeout`` ran out in operation ``code``; ``what`` is the
     request line once sent, ``heard`` whether any byte of the answer came."""
     phase = _DEADLINE_PHASES[code]
@@ -4882,74 +4803,48 @@ def _deadline_error(timeout: float, code: int, what: str, address: str, heard: b
 
 
 class _StreamRequest:
-    """What a streamed request sends and how it is read: built (and checked) when the stream is made."""
+    """What a streamed request sends and how it is read: built and checked by ``_Streams`` when its stream is
+    made, then sent and read by its ``_StreamLife``."""
 
     __slots__ = (
-        "request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "calls", "session",
+        "calls", "request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "only",
     )  # fmt: skip
 
     def __init__(
         self,
+        calls: _Calls,
         request: bytes,
         slot: Optional[int],
         model: Optional[str],
         raw_chunks: bool,
-        dialect: Any = None,
+        dialect: Any,
         conversation: Optional[str] = None,
         offset: Optional[int] = None,
-        watch: bool = False,
-        calls: Optional[_Calls] = None,
     ) -> None:
         #: the client's calls, with the headers and the session key of the call that made the stream
         #: (``_Calls.at``): the requests made for this stream alone (lookup, replay, DELETE, the control
         #: endpoint) carry them too
         self.calls = calls
-        self.session = None if calls is None else calls.session  # the X-Session-Id it carries (None: none)
-        self.watch = watch  # a watch (GET /models/sse): read by _Streams.watch_plan, ``model`` the events' filter
-        self.request = request  # b"" for resume(): there is nothing to send, only a buffer to read
+        self.request = request  # the bytes of the first send: the request, or resume()'s read of the buffer
         self.slot = slot
-        self.model = model
+        self.model = model  # the model it is routed to (its gate and /slots); None: the server's default
         self.raw_chunks = raw_chunks
-        self.dialect = dialect  # the class that reads the endpoint's payloads (None: chat's Assembler)
+        self.dialect = dialect  # the class that reads the endpoint's payloads
         self.conversation = conversation  # the X-Conversation-Id of a resumable stream
-        self.offset = offset  # resume(): the body offset to read the buffer from
+        self.offset = offset  # resume(): the body offset its first send reads the buffer from; None: a request
+        self.watch = False  # a watch (GET /models/sse): its life's watch() reads it
+        self.only = None  # type: Optional[str]  # a watch: the model whose events it yields (None: every one's)
 
 
 def _with_slot(body: Any, slot: Any) -> Dict[str, Any]:
-    """``body`` (a dict, or None for a route's empty one) with ``id_slot``; ``TypeError`` for a slot that is
-    not an int (or is a bool) or a body that is not a JSON object, ``ValueError`` for a negative slot."""
-    if isinstance(slot, bool) or not isinstance(slot, int):
-        raise TypeError("slot must be an int or None, not %r" % (slot,))
-    if slot < 0:
-        raise ValueError("slot must not be negative")
+    """``body`` (a dict, or None for a route's empty one) with ``id_slot``, the slot checked (``_slot_id``);
+    ``TypeError`` for a body that is not a JSON object."""
+    slot = _slot_id(slot, "an int or None")
     if body is not None and not isinstance(body, dict):
         raise TypeError("a slot goes into a JSON object body (id_slot), not beside %s" % type(body).__name__)
     doc = {} if body is None else body  # type: Dict[str, Any]
     doc["id_slot"] = slot
     return doc
-
-
-def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
-    """Wait in the queue until ``ticket`` is granted: a hand-over signals the run's waker; every ``poll``
-    seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
-    coalesced, never repeated or increased)."""
-    yield [Queued(ticket.ahead)]
-    due = _clock() + poll
-    while True:
-        yield (_PARK, max(due - _clock(), 0.0))
-        if ticket.granted:  # set once, under the gate's lock, before the waker is signalled
-            return
-        now = _clock()
-        if now >= due:
-            ahead = gate.position(ticket)
-            if ahead is None:
-                return
-            if ahead < ticket.ahead:
-                ticket.ahead = ahead
-                yield [Queued(ahead)]
-            # counted from now, after the caller took the announcement: from before it, a caller slower than
-            # poll (thousands of threads on two cores) would find its timer run out and spin on Queued
-            due = _clock() + poll
 
 
 def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
@@ -5025,9 +4920,11 @@ def _tls_context(addr: _Address, ssl_context: Any) -> Any:
 class _Calls:
     """What every request of one client shares, and its single-shot calls; shared by ``Client`` and
     ``AsyncClient``.  The client's configuration (address, limits, headers, default model, TLS context,
-    checked as ``Client`` documents), how a request is encoded (``_encode``) and routed to its model
-    (``_route``), and each single-shot call as a plan (see above): one exchange on a connection, kept for
-    reuse or not, never retried.  The streamed requests are ``_Streams``'; it never touches a socket."""
+    checked as ``Client`` documents), how a request is encoded (``encode``) and routed to its model
+    (``route``), and each single-shot call as a plan (see above): one exchange on a connection, kept for
+    reuse or not, sent again only when a kept connection fails before any byte of the answer (the server
+    had closed it while idle, and never read the request: ``_exchange``).  The streamed requests are built
+    by ``_Streams`` and lived by ``_StreamLife``; it never touches a socket."""
 
     def __init__(
         self,
@@ -5112,7 +5009,7 @@ class _Calls:
 
     # -- requests ----------------------------------------------------------------------------------------
 
-    def _encode(
+    def encode(
         self,
         method: str,
         path: str,
@@ -5145,7 +5042,7 @@ class _Calls:
             headers.append((_SESSION_HEADER, self.session))
         return encode_request(method, target, self.addr.host, headers + self._headers, payload)
 
-    def _route(
+    def route(
         self, method: str, body: Any, query: Optional[Dict[str, Any]], model: Any, path: str = ""
     ) -> Tuple[Any, Optional[Dict[str, Any]]]:
         """Name the model as a router needs it: ``?model=`` on a GET, ``"model"`` in a JSON object body;
@@ -5160,7 +5057,7 @@ class _Calls:
             body = dict(body, model=name)
         return body, query
 
-    # -- single-shot calls: one exchange, never retried -----------------------------------------------------
+    # -- single-shot calls: one exchange, sent again only when a kept connection had been closed ------------
 
     def _exchange(
         self, request: bytes, timeout: float, what: str, head_only: bool = False
@@ -5233,15 +5130,18 @@ class _Calls:
         extra: Sequence[Tuple[str, str]] = (),
         accept: str = "application/json",
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
-        """One request, routed to its model, on a new connection: (head, body).  ``timeout``: ``liveness``."""
-        body, query = self._route(method, body, query, model, path)
-        request = self._encode(method, path, body, accept, query, self.limits.keep_alive > 0, extra)
+        """One request, routed to its model, as ``_exchange`` sends it (a kept connection when one is free):
+        (head, body).  ``timeout``: ``liveness``."""
+        body, query = self.route(method, body, query, model, path)
+        request = self.encode(method, path, body, accept, query, self.limits.keep_alive > 0, extra)
         timeout = self.limits.liveness if timeout is None else timeout
         return (yield from self._exchange(request, timeout, "%s %s" % (method, path), method == "HEAD"))
 
-    def _json(
+    def call_json(
         self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any
     ) -> _Plan[Any]:
+        """``_call``'s answer, a 200 whose body is JSON: the value; ``HTTPStatusError`` for another status,
+        ``ProtocolError`` for a body that is not JSON."""
         head, data = yield from self._call(method, path, body, query, **kw)
         if head.status != 200:
             raise _status_error(head, data)
@@ -5250,7 +5150,7 @@ class _Calls:
     def _object(
         self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None
     ) -> _Plan[Dict[str, Any]]:
-        doc = yield from self._json(method, path, body, query)
+        doc = yield from self.call_json(method, path, body, query)
         if not isinstance(doc, dict):
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
         return doc
@@ -5281,7 +5181,7 @@ class _Calls:
 
     def slots(self, model: Optional[str]) -> _Plan[List[Slot]]:
         name = self.model if model is None else model
-        slots = _slots_from((yield from self._json("GET", "/slots", model=name)))
+        slots = _slots_from((yield from self.call_json("GET", "/slots", model=name)))
         self.learn_slots(name, len(slots))
         return slots
 
@@ -5299,7 +5199,7 @@ class _Calls:
 
     def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
         name = self.model if model is None else model
-        doc = yield from self._json("GET", "/props", model=name)
+        doc = yield from self.call_json("GET", "/props", model=name)
         if not isinstance(doc, dict):
             raise ProtocolError("GET /props did not answer a JSON object")
         self.learn_slots(name, _total_slots(doc))
@@ -5342,7 +5242,7 @@ class _Calls:
 
     def _model_status(self, name: str) -> _Plan[Dict[str, Any]]:
         """The router's ``status`` object of one model (``GET /models``)."""
-        doc = yield from self._json("GET", "/v1/models", model=None)
+        doc = yield from self.call_json("GET", "/v1/models", model=None)
         entries = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(entries, list):
             raise ProtocolError("GET /v1/models did not answer a list of models: is this a router?")
@@ -5363,7 +5263,7 @@ class _Calls:
             raise TypeError("completion_id must be a str")
         body = {"id": completion_id, "action": "reasoning_end"}
         extra = _session_header(session)
-        doc = yield from self._json("POST", "/v1/chat/completions/control", body, model=model, extra=extra)
+        doc = yield from self.call_json("POST", "/v1/chat/completions/control", body, model=model, extra=extra)
         if not isinstance(doc, dict):
             raise ProtocolError("the control endpoint did not answer a JSON object")
         return doc.get("success") is True
@@ -5414,13 +5314,19 @@ class _Calls:
         del body["stream"]
         return (yield from self._post_field("/v1/responses/input_tokens", body, "input_tokens", int))  # type: ignore[no-any-return]
 
+    def replay_request(self, conversation: str, offset: int) -> bytes:
+        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id and the
+        session key as headers too, so that a front that routes by either reaches the server holding it."""
+        query = {"conv_id": conversation, "from": offset}
+        return self.encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(conversation))
+
     def lookup_streams(self, conversation_ids: Sequence[str], session: Optional[str] = None) -> _Plan[List[Any]]:
         if isinstance(conversation_ids, str) or not all(isinstance(c, str) for c in conversation_ids):
             raise TypeError("conversation_ids must be a list of str")
         body = {"conversation_ids": list(conversation_ids)}
         pin = _pin(body["conversation_ids"][0]) if len(body["conversation_ids"]) == 1 else []
         extra = pin + _session_header(_session_key(session))
-        doc = yield from self._json("POST", "/v1/streams/lookup", body, model=None, extra=extra)
+        doc = yield from self.call_json("POST", "/v1/streams/lookup", body, model=None, extra=extra)
         if not isinstance(doc, list):
             raise ProtocolError("POST /v1/streams/lookup did not answer a JSON list")
         return doc
@@ -5441,7 +5347,7 @@ class _Calls:
         return True
 
     def lora_adapters(self) -> _Plan[List[Any]]:
-        doc = yield from self._json("GET", "/lora-adapters")
+        doc = yield from self.call_json("GET", "/lora-adapters")
         if not isinstance(doc, list):
             raise ProtocolError("GET /lora-adapters did not answer a JSON list")
         return doc
@@ -5451,30 +5357,25 @@ class _Calls:
             adapters = list(adapters)  # once: an iterator checked first would then send []
         if not isinstance(adapters, list) or not all(isinstance(a, dict) for a in adapters):
             raise TypeError('adapters must be a list of {"id": int, "scale": float} dicts')
-        return (yield from self._json("POST", "/lora-adapters", adapters))
+        return (yield from self.call_json("POST", "/lora-adapters", adapters))
 
 
 class _Streams:
-    """The streamed requests of one client, shared by ``Client`` and ``AsyncClient``: each built and checked
-    when its stream is made (``stream_request``, ``watch_request``, ``resume_request``), and the plan its
-    ``Stream`` runs (``plan``): a watch, or a streamed request's place in the gate, then its life
-    (``_StreamLife``), and whatever ends it, its sockets closed and its permit released.  The single-shot
-    calls a stream makes on the way (``/props`` and the shared ``/slots`` poll, in the background; the
-    control endpoint, the lookup and ``DELETE`` of a resumable stream) are ``calls``'; none comes before
-    the request's first send."""
+    """How a client's streamed requests are built and checked, when their streams are made (the ``stream*``
+    calls, ``resume()``, ``watch_models()``): each a ``_StreamRequest``, the bytes of its first send and how
+    it is read, which its ``_StreamLife`` sends and reads.  Shared by ``Client`` and ``AsyncClient``; it
+    never touches a socket."""
 
     def __init__(self, calls: _Calls) -> None:
         self.calls = calls
-        self.limits = calls.limits
-        self.address = calls.address
 
     def stream_request(
         self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
     ) -> _StreamRequest:
         """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public
-        call documents: ``raw_chunks``, ``resumable`` and ``headers`` taken out of ``params``, the row's body
-        function makes the body of ``args`` and the other keywords, then the row's thinking-cap rule
-        applies."""
+        call documents: ``raw_chunks``, ``resumable``, ``headers`` and ``session`` taken out of ``params``,
+        the row's body function makes the body of ``args`` and the other keywords, then ``id_slot``, the
+        row's thinking-cap rule, the session key, the model and the slot check apply."""
         row = _ENDPOINTS[endpoint]
         if "timeout" in params:
             raise TypeError(
@@ -5489,31 +5390,20 @@ class _Streams:
         body = row.body(*args, params)
         if slot is not None:
             body = _with_slot(body, slot)
-        if self.limits.thinking_cap is not None:
-            if row.cap == _CAP_NEVER:
-                raise ValueError(
-                    "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
-                    "(use the server's own budget, thinking_budget_tokens)" % row.path
-                )
-            if row.cap == _CAP_CONTROL:
-                n = body.get("n", 1)
-                if isinstance(n, int) and n > 1:
-                    raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
-                body["reasoning_control"] = True
+        if self.calls.limits.thinking_cap is not None:
+            _cap_rule(row, body)
         query = None  # type: Optional[Dict[str, Any]]
         calls = self.calls.at(headers, given)  # the call's own key: session=, else an X-Session-Id header
-        if calls.session is None and self.limits.session:  # neither the call nor the client gave one
+        if calls.session is None and calls.limits.session:  # neither the call nor the client gave one
             calls = calls.at(None, _session_digest(row.head(body)))
         if row.routed:
-            body, query = calls._route(method, body, None, _NO_MODEL, path)
+            body, query = calls.route(method, body, None, _NO_MODEL, path)
         model = body.get("model") if isinstance(body, dict) else (query or {}).get("model")
+        model = model if isinstance(model, str) else None
         if slot is not None:
-            calls.check_slot(slot, model if isinstance(model, str) else None)
-        request = calls._encode(method, path, body, "text/event-stream", query, extra=_pin(conversation))
-        return _StreamRequest(
-            request, slot, model if isinstance(model, str) else None, raw_chunks, row.dialect, conversation,
-            calls=calls,
-        )  # fmt: skip
+            calls.check_slot(slot, model)
+        request = calls.encode(method, path, body, "text/event-stream", query, extra=_pin(conversation))
+        return _StreamRequest(calls, request, slot, model, raw_chunks, row.dialect, conversation)
 
     def watch_request(self, model: Optional[str], headers: Optional[Dict[str, str]] = None) -> _StreamRequest:
         """``Client.watch_models()``: the router's model events, those of ``model`` only when given."""
@@ -5521,8 +5411,10 @@ class _Streams:
             raise TypeError("model must be a str or None, not %r" % (model,))
         row = _ENDPOINTS["models"]
         calls = self.calls.at(headers)
-        request = calls._encode("GET", row.path, None, "text/event-stream")
-        return _StreamRequest(request, None, model, False, row.dialect, watch=True, calls=calls)
+        request = calls.encode("GET", row.path, None, "text/event-stream")
+        req = _StreamRequest(calls, request, None, None, False, row.dialect)
+        req.watch, req.only = True, model
+        return req
 
     def resume_request(
         self,
@@ -5540,6 +5432,7 @@ class _Streams:
         if not isinstance(conversation_id, str):
             raise TypeError("conversation_id must be the id of a resumable stream (a str)")
         conversation = _conversation_id(conversation_id)
+        assert conversation is not None
         if endpoint not in _ENDPOINTS or not _ENDPOINTS[endpoint].resumable:
             others = sorted(n for n, row in _ENDPOINTS.items() if n != "chat" and row.resumable)
             raise ValueError("endpoint must be 'chat' or one of %s, not %r" % (", ".join(others), endpoint))
@@ -5547,32 +5440,172 @@ class _Streams:
             raise ValueError("offset must be an int >= 0 (0, or a value of stream.offset), not %r" % (offset,))
         name = self.calls.model if model is None else model
         calls = self.calls.at(headers, session)
-        return _StreamRequest(
-            b"", None, name, raw_chunks, _ENDPOINTS[endpoint].dialect, conversation, offset, calls=calls
+        request = calls.replay_request(conversation, offset)
+        dialect = _ENDPOINTS[endpoint].dialect
+        return _StreamRequest(calls, request, None, name, raw_chunks, dialect, conversation, offset)
+
+
+def _cap_rule(row: _Endpoint, body: Any) -> None:
+    """Apply ``Limits.thinking_cap`` to a request of ``row``: ``reasoning_control`` in the body where the
+    server ends reasoning on request; ``ValueError`` where it cannot, or with ``n`` > 1."""
+    if row.cap == _CAP_NEVER:
+        raise ValueError(
+            "Limits.thinking_cap cannot work on %s: the server does not end reasoning there on request "
+            "(use the server's own budget, thinking_budget_tokens)" % row.path
         )
+    if row.cap == _CAP_CONTROL:
+        n = body.get("n", 1)
+        if isinstance(n, int) and n > 1:
+            raise ValueError("a thinking cap ends reasoning per completion: it cannot be used with n > 1")
+        body["reasoning_control"] = True
 
-    def plan(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Any]:
-        """The plan of a ``Stream``: a watch, or the life of a streamed request."""
-        return self.watch_plan(board, run, req) if req.watch else self.stream_plan(board, run, req)
 
-    def watch_plan(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[None]:
+def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
+    """Wait in the queue until ``ticket`` is granted: a hand-over signals the run's waker; every ``poll``
+    seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
+    coalesced, never repeated or increased)."""
+    yield [Queued(ticket.ahead)]
+    due = _clock() + poll
+    while True:
+        yield (_PARK, max(due - _clock(), 0.0))
+        if ticket.granted:  # set once, under the gate's lock, before the waker is signalled
+            return
+        now = _clock()
+        if now >= due:
+            ahead = gate.position(ticket)
+            if ahead is None:
+                return
+            if ahead < ticket.ahead:
+                ticket.ahead = ahead
+                yield [Queued(ahead)]
+            # counted from now, after the caller took the announcement: from before it, a caller slower than
+            # poll (thousands of threads on two cores) would find its timer run out and spin on Queued
+            due = _clock() + poll
+
+
+class _StreamLife:
+    """The life of one streamed request, all of it, on the ``_Run`` that drives its ``Stream``: ``plan()``
+    takes its place in the gate (``_capacity``, ``_enter``, ``_queued``), then runs a few named states, each
+    a plan that returns the next one (``None``: the ``Completion`` is in ``result``); whatever ends it, a
+    resumable stream that ends early is deleted on the server (``_forget``), its connections are closed and
+    its permit released before the result or the error leaves the plan.  ``watch()`` is a watch's plan.
+
+    ``_send``      connect (a connection of its own: closing it is how the request is cancelled) and send
+                   the request (``resume()``: the read of the server's buffer); a connect that fails is a
+                   retry
+    ``_read``      read until the pump decides (``ResponsePump.verdict``): before the head every ``poll`` of
+                   silence asks ``/slots`` and the wait's budgets run (``_poll_for_head``); after it,
+                   ``liveness``, the quiet rule (``_check_quiet``) and the thinking cap (``_at_the_cap``)
+    ``_on_retry``  the answer says "try again": ``_back_off``, or for a resumable stream the server holds
+                   (a front's 504 to it while it was queued, a replay answered 503) ``_reattach``
+    ``_back_off``  tell ``Retrying`` and sleep (``sending``, the one backoff of the attempts), then ``_send``
+                   with a new pump
+    ``_on_silence`` a read timed out: before the head, ``_poll_for_head``; after it, liveness
+    ``_on_lost``   a resumable stream's connection lost (or a front that gave up on it while it was queued):
+                   look it up when nothing of it came, else ``_reattach``; any other stream: the error
+    ``_reattach``  ask the server's buffer from the body bytes received, on a new connection, after a backoff
+                   (``reattaching``) when the last reattach brought no data; then ``_read`` with the same pump
+
+    What the states share is here, not in locals: the connection being read, the pump, when the first byte
+    came, the last byte and the last data event, the waits' budgets, and why the last attempt failed.  The
+    requests it makes for itself alone (the lookup, the replay, the ``DELETE``, the control endpoint) carry
+    the call's headers and session key (``req.calls``); those its client's requests share (``/props`` and
+    the ``/slots`` poll, in the background) the client's (``board.calls``).  None comes before its first
+    send."""
+
+    __slots__ = (
+        "board", "limits", "run", "req", "pump", "conn", "waits", "sending", "reattaching", "retry", "loss",
+        "started", "queued", "heard", "progress", "reattaches", "moving", "silence_tried", "misses", "result",
+    )  # fmt: skip
+
+    def __init__(self, board: _Board, run: _Run, req: _StreamRequest) -> None:
+        self.board, self.limits, self.run, self.req = board, board.limits, run, req
+        self.conn = None  # type: Any  # the connection being read: the request's, or a reattached one
+        self.retry = None  # type: Optional[_Retry]  # why the last attempt or reattach failed
+        self.loss = None  # type: Optional[StreamClosedError]  # how the connection was lost
+        self.started = 0.0  # when the first byte came (0: none yet, the head is awaited)
+        self.queued = False  # a reattach of a stream of which nothing came: the first body byte is awaited
+        self.heard = self.progress = 0.0  # the last byte; the last data event
+        self.reattaches = 0  # reattaches begun: each is a Resumed(..., attempt)
+        self.moving = True  # data came since the last reattach: a new loss starts without backoff
+        self.silence_tried = False  # a silence of liveness was already tried as a lost connection
+        self.misses = 0  # servers > 1: resumes answered 404 in a row (another server may have answered)
+        self.result = None  # type: Optional[Completion]
+
+    def _ready(self) -> None:
+        """What the request's attempts need, made once it may send (past the gate): a request waiting in a
+        queue keeps only its place (thousands may wait), not a pump, budgets and backoffs it cannot use yet."""
+        req = self.req
+        self.pump = self._new_pump()
+        self.waits = _Waits(self.limits, req.slot, self.board.calls.address)  # the budgets of the wait for data
+        self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
+        self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
+
+    @property
+    def offset(self) -> int:
+        """The stream's body bytes whose events the plan has yielded, all of them (``Stream.offset``): where
+        the last event block the pump read ended (before the gate let it send: where it starts)."""
+        pump = getattr(self, "pump", None)  # (a slot that is not set yet)
+        return (self.req.offset or 0) if pump is None else pump.boundary
+
+    def _new_pump(self) -> ResponsePump:
+        """The pump of an attempt; ``resume()``'s reads the body on from its offset."""
+        req = self.req
+        pump = ResponsePump(self.limits, req.raw_chunks, req.dialect)
+        if req.offset is not None:
+            pump.resume(req.offset)
+        return pump
+
+    def plan(self) -> _Plan[Completion]:
+        """The request's place in the gate (none for ``resume()``, which takes no permit), then its states
+        until one ends it: the ``Completion``.  Whatever ends it, its connection is closed first, a
+        resumable stream that ends early is deleted on the server (which then stops generating), and its
+        permit is released before the result or the error leaves the plan."""
+        board, run, req = self.board, self.run, self.req
+        try:
+            board.add(run)
+            if req.offset is None:  # the gate (a plain call, not a plan: a waiter keeps one frame less)
+                capacity = 1 if req.slot is not None else (yield from self._capacity())
+                ticket = self._enter(capacity)
+                if not ticket.granted:
+                    yield from _queued(board.gate, ticket, self.limits.poll)
+            self._ready()
+            step = self._send  # type: Optional[Callable[[], _Plan[Any]]]
+            while step is not None:
+                step = yield from step()
+            assert self.result is not None
+            return self.result
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            self._use(None)
+            if req.conversation is not None:
+                yield from self._forget()
+            if isinstance(exc, LoopError) and run.cancelled and type(exc) is not BusyError:
+                raise _cancelled() from None  # what the cancel caused (a refusal is the gate's own answer)
+            raise
+        finally:
+            run.close_all()
+            if run.ticket is not None:
+                board.gate.leave(run.ticket)
+            board.discard(run)
+
+    def watch(self) -> _Plan[None]:
         """A watch (``GET /models/sse``): one connection, read until the caller cancels it or the server
         closes it (``StreamClosedError``).  It takes no slot permit and is never sent again; silence is its
         normal state (the route sends no pings), so no liveness applies.  A server that cannot be reached is
         ``ConnectError``, a non-200 answer ``HTTPStatusError``."""
-        limits = self.limits
+        self._ready()
+        board, run, req, pump, only = self.board, self.run, self.req, self.pump, self.req.only
         board.add(run)
         try:
-            try:
-                conn = yield (_CONNECT, max(limits.poll, 0.2), False)
-            except OSError as exc:
-                raise _connect_error(self.calls.addr, exc) from exc
-            yield (_SEND, conn, req.request, limits.liveness)
-            pump = ResponsePump(limits, req.raw_chunks, req.dialect)
-            only = req.model
+            if (yield from self._open(req.request)) is None:
+                assert self.retry is not None
+                cause = self.retry.cause
+                raise _connect_error(req.calls.addr, cause) from cause  # type: ignore[arg-type]
             while True:
                 try:
-                    data = yield (_RECV, conn, max(limits.liveness, 0.1))
+                    data = yield (_RECV, self.conn, max(self.limits.liveness, 0.1))
                 except _Silence:
                     continue  # nothing happened: the route's normal state
                 events = pump.feed(data) if data else pump.feed_eof()
@@ -5590,56 +5623,45 @@ class _Streams:
             run.close_all()
             board.discard(run)
 
-    def stream_plan(self, board: _Board, run: _Run, req: _StreamRequest) -> _Plan[Completion]:
-        """The life of one streamed request: its place in the gate, then attempts until one is answered;
-        returns the ``Completion``.  Whatever ends it, its sockets are closed and its permit released
-        before the result or the error leaves the plan; a resumable stream that ends early is deleted on
-        the server first (which then stops generating).  ``resume()`` takes no permit and sends nothing."""
-        try:
-            board.add(run)
-            slot = req.slot
-            if req.offset is None:
-                capacity = 1 if slot is not None else (yield from self._capacity(board, req.model))
-                if run.cancelled:  # cancelled on its way to the gate: it does not enter it
-                    raise _cancelled()
-                ticket = run.ticket = board.gate.enter((req.model, slot), capacity, run)
-                if not ticket.granted:
-                    yield from _queued(board.gate, ticket, self.limits.poll)
-            return (yield from _StreamLife(self, board, run, req).run_all())
-        except GeneratorExit:
-            raise
-        except BaseException as exc:
-            if req.conversation is not None:
-                yield from self._forget(run, req)
-            if isinstance(exc, LoopError) and run.cancelled and type(exc) is not BusyError:
-                raise _cancelled() from None  # what the cancel caused (a refusal is the gate's own answer)
-            raise
-        finally:
-            run.close_all()
-            if run.ticket is not None:
-                board.gate.leave(run.ticket)
-            board.discard(run)
+    def _use(self, conn: Any) -> None:
+        """Read ``conn`` from now on; the connection read so far is closed."""
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = conn
 
-    def _forget(self, run: _Run, req: _StreamRequest) -> _Plan[None]:
-        """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
-        connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not; a failure is
-        ignored (the stream ends with its own error).  It carries the stream's own headers."""
-        assert req.conversation is not None
-        run.shield = True
+    def _open(self, request: bytes) -> _Plan[Optional[float]]:
+        """Connect (a connection of the request's own: closing it is how the request is cancelled) and send
+        ``request`` on it: when it was sent, or None when the server could not be reached (``retry`` says
+        why).  A send that fails raises."""
         try:
-            yield from (req.calls or self.calls).delete_stream(req.conversation, FORGET_WAIT)
-        except LoopError:
-            pass
-        finally:
-            run.shield = False
+            conn = yield (_CONNECT, max(self.limits.poll, 0.2), False)
+        except OSError as exc:
+            self.retry = _cannot_connect(exc)
+            return None
+        self._use(conn)
+        sent = _clock()
+        yield (_SEND, conn, request, self.limits.liveness)
+        return sent
 
-    def _capacity(self, board: _Board, model: Optional[str]) -> _Plan[int]:
+    # -- its place in the gate ---------------------------------------------------------------------------
+
+    def _enter(self, capacity: int) -> _Ticket:
+        """The request's place in the gate: a permit at once, or a place in the queue (which ``_queued``
+        waits out).  A pinned slot holds one request; a ``slot=None`` pool ``capacity`` (``_capacity``)."""
+        run, req = self.run, self.req
+        if run.cancelled:  # cancelled on its way to the gate: it does not enter it
+            raise _cancelled()
+        ticket = run.ticket = self.board.gate.enter((req.model, req.slot), capacity, run)
+        return ticket
+
+    def _capacity(self) -> _Plan[int]:
         """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,
         else what ``/props`` said for the model (``total_slots``, times ``Limits.servers``; ``POOL_GUESS``
         when it answers without it: a balancer in front), else 1.  While nothing is known and nobody asks,
         the request starts the one ``/props`` request in the background (``_ask_pool``) and goes on to the
         gate: a router does not answer ``/props?model=`` until the model has loaded, and a request held
         back for it would reach the server only then."""
+        board, model = self.board, self.req.model
         if self.limits.pool is not None:
             return self.limits.pool
         with board.lock:
@@ -5649,17 +5671,18 @@ class _Streams:
             asking = model not in board.asking
             board.asking.add(model)
         if asking:
-            yield (_SPAWN, self._ask_pool(board, model))
+            yield (_SPAWN, self._ask_pool())
         return 1
 
-    def _ask_pool(self, board: _Board, model: Optional[str]) -> _Plan[None]:
-        """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on
-        ``board`` and resizes the gate (``_Gate.resize``), which admits the waiters that now fit.  No answer
-        (a failure, or the client closed first) leaves the pool at 1: the next request asks again."""
+    def _ask_pool(self) -> _Plan[None]:
+        """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on the
+        board and resizes the gate (``_Gate.resize``), which admits the waiters that now fit.  No answer (a
+        failure, or the client closed first) leaves the pool at 1: the next request asks again."""
+        board, model = self.board, self.req.model
         total = None
         try:
-            total = _total_slots((yield from self.calls._json("GET", "/props", model=model)))
-            self.calls.learn_slots(model, total)
+            total = _total_slots((yield from board.calls.call_json("GET", "/props", model=model)))
+            board.calls.learn_slots(model, total)
             total = POOL_GUESS if total is None else total * self.limits.servers
         except Exception:  # no answer, whatever the failure: nobody waits for it, as for the /slots poll
             pass
@@ -5671,193 +5694,15 @@ class _Streams:
         if total is not None:
             board.gate.resize((model, None), total)
 
-    def _replay(self, req: _StreamRequest, offset: int) -> bytes:
-        """The read of a resumable stream's buffer from ``offset`` (``GET /v1/stream``), with its id and its
-        session key as headers too, so that a front that routes by either reaches the server holding it."""
-        assert req.conversation is not None
-        query = {"conv_id": req.conversation, "from": offset}
-        calls = req.calls or self.calls
-        return calls._encode("GET", "/v1/stream", None, "text/event-stream", query, extra=_pin(req.conversation))
-
-    def _known(self, req: _StreamRequest, servers: int = 1) -> _Plan[Optional[bool]]:
-        """Whether the server knows a resumable stream (``/v1/streams/lookup``, with the stream's own
-        headers): True, False (it answered without it, or 404), or None when no lookup got the server's
-        answer (a front's 504 or 502 to it, a timeout, a lost connection: a slow server is not one that
-        forgot the stream).  With several servers behind the address an unknown answer may come from another
-        one: asked up to ``servers`` times."""
-        conversation = req.conversation
-        assert conversation is not None
-        answered = False
-        for _ in range(servers):
-            try:
-                found = yield from (req.calls or self.calls).lookup_streams([conversation])
-            except CancelledError:
-                raise
-            except HTTPStatusError as exc:
-                answered = answered or exc.status == 404
-                continue
-            except LoopError:
-                continue
-            answered = True
-            if any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found):
-                return True
-        return False if answered else None
-
-    def _slot_state(
-        self,
-        board: _Board,
-        run: _Run,
-        model: Optional[str],
-        slot: Optional[int],
-        every: bool,
-        until: Optional[float] = None,
-    ) -> _Plan[Tuple[Optional[str], Optional[WedgedSlotError]]]:
-        """The state of ``slot`` (``None``: the pool) from the shared poller, and the error that says so when
-        it is wedged.  ``every``: the pool is busy only when every slot is (else: when any is).  An answer
-        younger than ``poll`` is reused; else one request (the first to ask) goes out, and every asker waits
-        for its answer, up to that request's own timeout (``_slots_timeout``): llama-server answers
-        ``/slots`` between two batches of its work, seconds apart on a slow machine, so an answer later
-        than ``poll`` is a server at work, not an unavailable one.  No answer by then is unavailable.
-        ``until``: when the caller's budget runs out; no answer by then is ``(None, None)``."""
-        poller = board.poller(model)
-        asked = _clock()
-        late = False  # no answer came within the /slots request's timeout of asking
-        if not poller.fresh(asked):
-            if poller.start():
-                yield (_SPAWN, self._poll_slots(poller, model))
-            deadline = asked + _slots_timeout(self.limits)
-            if until is not None:
-                deadline = min(deadline, until)
-            poller.wait(run, True)
-            try:
-                while poller.stamp < asked:
-                    left = deadline - _clock()
-                    if left <= 0:
-                        break
-                    yield (_PARK, left)
-            finally:
-                poller.wait(run, False)
-            late = poller.stamp < asked
-            if late and until is not None and _clock() >= until:
-                return None, None
-        if poller.unseen and not late:
-            return UNSEEN, None
-        if self.limits.servers > 1 or poller.several:
-            # The answer may be another server's, and a failed (or late) /slots only that the front could not
-            # reach the one it chose, while the request itself is in flight: nothing to judge the slot by.
-            return SEVERAL, None
-        return poller.state(None if late else poller.slots, slot, every, self.address)
-
-    def _poll_slots(self, poller: _SlotPoller, model: Optional[str]) -> _Plan[None]:
-        """The shared ``/slots`` request, in the background: 404, 403, 405 and 501 say it is not served (a
-        proxy in front, llama-swap, ``--no-slots``); any other failure means "unavailable"."""
-        limits = self.limits
-        slots = None  # type: Optional[List[Slot]]
-        unseen = False
-        try:
-            timeout = _slots_timeout(limits)
-            slots = _slots_from((yield from self.calls._json("GET", "/slots", model=model, timeout=timeout)))
-            self.calls.learn_slots(model, len(slots))
-        except HTTPStatusError as exc:
-            unseen = exc.status in (403, 404, 405, 501)
-        except Exception:
-            pass
-        finally:
-            poller.answered(slots, unseen)
-
-    def _end_reasoning(self, run: _Run, req: _StreamRequest, completion_id: Optional[str], tokens: int) -> _Plan[bool]:
-        """Ask the server to end a stream's reasoning (with the stream's own headers and session key: a front
-        routing by it reaches the server running the stream); a failure is ``ThinkingOverrunError`` (unless
-        cancelled)."""
-        assert completion_id is not None
-        try:
-            return (yield from (req.calls or self.calls).control(req.model, completion_id))
-        except LoopError as exc:
-            if run.cancelled:
-                raise
-            raise _cap_failed(tokens, exc) from exc
-
-
-class _StreamLife:
-    """The life of one streamed request once it holds its permit (``_Streams.stream_plan`` took it), as a few named
-    states; each state is a plan that returns the next one (``None``: the ``Completion`` is in ``result``):
-
-    ``_send``      connect (a connection of its own: closing it is how the request is cancelled) and send
-                   the request (``resume()``: the read of the server's buffer); a connect that fails is a
-                   retry
-    ``_read``      read until the pump decides (``ResponsePump.verdict``): before the head every ``poll`` of
-                   silence asks ``/slots`` and the wait's budgets run (``_poll_for_head``); after it,
-                   ``liveness``, the quiet rule (``_check_quiet``) and the thinking cap
-    ``_on_retry``  the answer says "try again": ``_back_off``, or for a resumable stream the server holds
-                   (a front's 504 to it while it was queued, a replay answered 503) ``_reattach``
-    ``_back_off``  tell ``Retrying`` and sleep (``sending``, the one backoff of the attempts), then ``_send``
-    ``_on_lost``   a resumable stream's connection lost (or a front that gave up on it while it was queued):
-                   look it up when nothing of it came, else ``_reattach``; any other stream: the error
-    ``_reattach``  ask the server's buffer from the body bytes received, on a new connection, after a backoff
-                   (``reattaching``) when the last reattach brought no data; then ``_read`` with the same pump
-
-    What the states share is here, not in locals: the connection being read, the pump, when the first byte
-    came, the last byte and the last data event, the waits' budgets, and why the last attempt failed."""
-
-    __slots__ = (
-        "streams", "limits", "board", "run", "req", "pump", "conn", "waits", "sending", "reattaching",
-        "retry", "loss", "started", "queued", "heard", "progress", "reattaches", "moving", "silent", "misses",
-        "result",
-    )  # fmt: skip
-
-    def __init__(self, streams: _Streams, board: _Board, run: _Run, req: _StreamRequest) -> None:
-        self.streams, self.limits, self.board, self.run, self.req = streams, streams.limits, board, run, req
-        self.pump = ResponsePump(streams.limits, req.raw_chunks, req.dialect)
-        self.conn = None  # type: Any  # the connection being read: the request's, or a reattached one
-        self.waits = _Waits(streams.limits, req.slot, streams.address)  # the budgets of the wait for data
-        self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
-        self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
-        self.retry = None  # type: Optional[_Retry]  # why the last attempt or reattach failed
-        self.loss = None  # type: Optional[StreamClosedError]  # how the connection was lost
-        self.started = 0.0  # when the first byte came (0: none yet, the head is awaited)
-        self.queued = False  # a reattach of a stream of which nothing came: the first body byte is awaited
-        self.heard = self.progress = 0.0  # the last byte; the last data event
-        self.reattaches = 0  # reattaches begun: each is a Resumed(..., attempt)
-        self.moving = True  # data came since the last reattach: a new loss starts without backoff
-        self.silent = False  # a silence of liveness was already tried as a lost connection
-        self.misses = 0  # servers > 1: resumes answered 404 in a row (another server may have answered)
-        self.result = None  # type: Optional[Completion]
-
-    def run_all(self) -> _Plan[Completion]:
-        step = self._send  # type: Optional[Callable[[], _Plan[Any]]]
-        try:
-            while step is not None:
-                step = yield from step()
-        finally:
-            self._use(None)
-        assert self.result is not None
-        return self.result
-
-    def _use(self, conn: Any) -> None:
-        """Read ``conn`` from now on; the connection read so far is closed."""
-        if self.conn is not None:
-            self.conn.close()
-        self.conn = conn
-
     # -- the states ----------------------------------------------------------------------------------------
 
     def _send(self) -> _Plan[Any]:
-        req, limits = self.req, self.limits
-        try:
-            conn = yield (_CONNECT, max(limits.poll, 0.2), False)
-        except OSError as exc:
-            self.retry = _cannot_connect(exc)
+        sent = yield from self._open(self.req.request)
+        if sent is None:
             return self._back_off
-        self._use(conn)
-        self.pump = pump = ResponsePump(limits, req.raw_chunks, req.dialect)
-        self.waits.sent_at = _clock()
+        self.waits.sent_at = sent
         self.started = 0.0
         self.queued = False
-        if req.offset is None:
-            yield (_SEND, conn, req.request, limits.liveness)
-        else:
-            pump.resume(req.offset)
-            yield (_SEND, conn, self.streams._replay(req, req.offset), limits.liveness)
         self.heard = self.progress = _clock()
         return self._read
 
@@ -5867,50 +5712,47 @@ class _StreamLife:
         event = self.sending.next(self.waits, self.retry)
         yield [event]
         yield (_SLEEP, event.delay)
+        self.pump = self._new_pump()
         return self._send
 
     def _read(self) -> _Plan[Any]:
-        limits, run, pump = self.limits, self.run, self.pump
-        poll = limits.poll
+        """Read until the pump decides (``_decide``), handing out the events of each read.  Each byte is
+        heard (``heard``); the first starts the stream's clocks (``started``; a replay's queue wait ends at
+        the first byte of its body instead); a data event is progress (``progress``).  Once the head is a
+        200, no data event for ``poll`` is the quiet rule's to judge (``_check_quiet``)."""
+        limits, pump = self.limits, self.pump
         while True:
             now = _clock()
             head = pump.head
-            if self.started and head is not None and head.status == 200 and now - self.progress >= poll:
+            if self.started and head is not None and head.status == 200 and now - self.progress >= limits.poll:
                 yield from self._check_quiet(now - self.progress, self.heard > self.progress)
             try:
                 timeout = _read_timeout(limits, self.waits, head, self.started, self.heard, now)
                 data = yield (_RECV, self.conn, timeout)
-                events = self._take(data)
+                heard = self.heard = _clock()
+                if not self.started and data and not self.queued:  # an end of file at once is no byte
+                    self.started = self.progress = heard
+                events = pump.feed(data) if data else pump.feed_eof()
             except _Silence:
-                step = yield from self._silent()
-                if step is not None:
-                    return step
-                continue
+                step = yield from self._on_silence()
+                if step is None:
+                    continue
+                return step
             except StreamClosedError as exc:
                 self.loss = exc
                 return self._on_lost
+            if self.queued and pump.received:  # the replay's head came at once; now the slot took it
+                self.queued = False
+                self.started = self.progress = heard
             if pump.progressed:
-                self.progress = self.heard
+                self.progress = heard
                 if not self.moving:  # data came after a reattach: a later loss is a new one
-                    self.moving, self.silent, self.misses = True, False, 0
+                    self.moving, self.silence_tried, self.misses = True, False, 0
             if events:
-                run.offset = pump.boundary
                 yield events
             verdict = pump.verdict()
             if verdict is not None:
                 return (yield from self._decide(verdict))
-
-    def _take(self, data: bytes) -> List[Event]:
-        """Feed ``data`` (``b""``: the end of the file) to the pump: its events.  The first byte starts
-        the stream's clocks; a replay's queue wait ends at the first byte of its body."""
-        heard = self.heard = _clock()
-        if not self.started and data and not self.queued:  # an end of file at once is no byte
-            self.started = self.progress = heard
-        events = self.pump.feed(data) if data else self.pump.feed_eof()
-        if self.queued and self.pump.received:  # the replay's head came at once; now the slot took it
-            self.queued = False
-            self.started = self.progress = heard
-        return events
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
         """What the pump decided, after the events before it were handed out: the next state."""
@@ -5936,13 +5778,12 @@ class _StreamLife:
         verdict = _CAP_DUE  # type: Any
         while verdict is _CAP_DUE:
             assert pump.cap_due is not None
-            ok = yield from self.streams._end_reasoning(self.run, self.req, *pump.cap_due)
+            ok = yield from self._end_reasoning(*pump.cap_due)
             try:
                 events = pump.capped(ok)
             except StreamClosedError as exc:
                 return exc
             if events:
-                self.run.offset = pump.boundary
                 yield events
             verdict = pump.verdict()
         return verdict
@@ -5973,20 +5814,18 @@ class _StreamLife:
             return self._reattach
         return self._back_off
 
-    def _known(self) -> _Plan[Optional[bool]]:
-        return (yield from self.streams._known(self.req, self.limits.servers))
-
-    def _silent(self) -> _Plan[Any]:
-        """A read timed out: poll for the head, or judge the silence of a started stream."""
+    def _on_silence(self) -> _Plan[Any]:
+        """A read timed out: poll for the head (None: read on), or judge the silence of a started stream
+        (liveness: ``StalledError``, or for a resumable stream, once, a lost connection)."""
         if not self.started:
             yield from self._poll_for_head()
             return None
-        stalled = _silence(self.limits, self.pump.head, self.heard)
+        stalled = _stalled(self.limits, self.pump.head, self.heard)
         if stalled is None:
             return None
-        if self.req.conversation is None or self.silent:
+        if self.req.conversation is None or self.silence_tried:
             raise stalled from None
-        self.silent = True  # tried once as a lost connection
+        self.silence_tried = True  # tried once as a lost connection
         self.loss = StreamClosedError(str(stalled))
         return self._on_lost
 
@@ -6016,12 +5855,12 @@ class _StreamLife:
             self.retry = _Retry("the connection closed before the head", None, StreamClosedError("lost"))
             return self._back_off
         if self.moving and (self.started or pump.received):  # a loss after data: budgets afresh
-            self.waits = _Waits(self.limits, req.slot, self.streams.address)
+            self.waits = _Waits(self.limits, req.slot, self.board.calls.address)
             self.reattaching.delay = BACKOFF_FIRST
         return self._reattach
 
     def _reattach(self) -> _Plan[Any]:
-        limits, pump = self.limits, self.pump
+        pump, req = self.pump, self.req
         self._use(None)
         if not self.moving:  # the last reattach failed before any data came: back off first
             assert self.retry is not None
@@ -6031,16 +5870,13 @@ class _StreamLife:
         self.reattaches += 1
         self.moving = False
         offset = pump.received
+        assert req.conversation is not None
         try:
-            conn = yield (_CONNECT, max(limits.poll, 0.2), False)
-        except OSError as exc:
-            self.retry = _cannot_connect(exc)
-            return self._reattach
-        self._use(conn)
-        try:
-            yield (_SEND, conn, self.streams._replay(self.req, offset), limits.liveness)
+            sent = yield from self._open(req.calls.replay_request(req.conversation, offset))
         except StreamClosedError as exc:
             self.retry = _Retry("the server closed the connection: %s" % exc, None, exc)
+            return self._reattach
+        if sent is None:
             return self._reattach
         pump.resume(offset)
         self.retry = _Retry("the resumed stream was lost again", None, StreamClosedError("lost"))
@@ -6052,15 +5888,63 @@ class _StreamLife:
         self.started = 0.0 if self.queued else now
         return self._read
 
-    # -- what the states ask of the slots --------------------------------------------------------------------
+    # -- what the states ask of the server -----------------------------------------------------------------
+
+    def _known(self) -> _Plan[Optional[bool]]:
+        """Whether the server knows this resumable stream (``/v1/streams/lookup``): True, False (it answered
+        without it, or 404), or None when no lookup got the server's answer (a front's 504 or 502 to it, a
+        timeout, a lost connection: a slow server is not one that forgot the stream).  With several servers
+        behind the address an unknown answer may come from another one: asked up to ``Limits.servers``
+        times."""
+        conversation = self.req.conversation
+        assert conversation is not None
+        answered = False
+        for _ in range(self.limits.servers):
+            try:
+                found = yield from self.req.calls.lookup_streams([conversation])
+            except CancelledError:
+                raise
+            except HTTPStatusError as exc:
+                answered = answered or exc.status == 404
+                continue
+            except LoopError:
+                continue
+            answered = True
+            if any(isinstance(e, dict) and e.get("conversation_id") == conversation for e in found):
+                return True
+        return False if answered else None
+
+    def _forget(self) -> _Plan[None]:
+        """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
+        connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not (the run's
+        last words, ``shield``); a failure is ignored (the stream ends with its own error)."""
+        run, req = self.run, self.req
+        assert req.conversation is not None
+        run.shield = True
+        try:
+            yield from req.calls.delete_stream(req.conversation, FORGET_WAIT)
+        except LoopError:
+            pass
+        finally:
+            run.shield = False
+
+    def _end_reasoning(self, completion_id: Optional[str], tokens: int) -> _Plan[bool]:
+        """Ask the server to end the stream's reasoning (a front routing by its headers or session key
+        reaches the server running it); a failure is ``ThinkingOverrunError`` (unless cancelled)."""
+        assert completion_id is not None
+        try:
+            return (yield from self.req.calls.control(self.req.model, completion_id))
+        except LoopError as exc:
+            if self.run.cancelled:
+                raise
+            raise _cap_failed(tokens, exc) from exc
 
     def _poll_for_head(self) -> _Plan[None]:
         """Nothing has arrived for ``poll``: ask ``/slots`` what the slot is doing, and tell the caller."""
-        waits, req = self.waits, self.req
+        waits = self.waits
         waits.check()
         left = waits.remaining()
-        until = None if left is None else _clock() + left
-        state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, True, until)
+        state, wedged = yield from self._slot_state(True, None if left is None else _clock() + left)
         if state is None:  # its budget ran out while the answer was awaited: the state it had lasted it
             raise waits.expired()
         if wedged is not None:
@@ -6075,12 +5959,69 @@ class _StreamLife:
         error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream
         is unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
         ``busy_wait`` counted from the last data event."""
-        req = self.req
-        wedge, pings = _quiet_rule(self.limits, req.slot, quiet, pinged)
+        wedge, pings = _quiet_rule(self.limits, self.req.slot, quiet, pinged)
         if wedge or pings:
-            state, wedged = yield from self.streams._slot_state(self.board, self.run, req.model, req.slot, every=False)
+            state, wedged = yield from self._slot_state(False)
             assert state is not None  # (no until: never cut short)
-            _quiet_verdict(self.limits, state, wedged, wedge, pings, quiet)
+            _judge_quiet(self.limits, state, wedged, wedge, pings, quiet)
+
+    def _slot_state(
+        self, every: bool, until: Optional[float] = None
+    ) -> _Plan[Tuple[Optional[str], Optional[WedgedSlotError]]]:
+        """The state of the request's slot (``None``: the pool) from the board's shared poller, and the error
+        that says so when it is wedged.  ``every``: the pool is busy only when every slot is (else: when any
+        is).  An answer younger than ``poll`` is reused; else one request (the first to ask) goes out
+        (``_poll_slots``), and every asker waits for its answer, up to that request's own timeout
+        (``_slots_timeout``): llama-server answers ``/slots`` between two batches of its work, seconds apart
+        on a slow machine, so an answer later than ``poll`` is a server at work, not an unavailable one.  No
+        answer by then is unavailable.  ``until``: when the caller's budget runs out; no answer by then is
+        ``(None, None)``."""
+        run, req, limits = self.run, self.req, self.limits
+        poller = self.board.poller(req.model)
+        asked = _clock()
+        late = False  # no answer came within the /slots request's timeout of asking
+        if not poller.fresh(asked):
+            if poller.start():
+                yield (_SPAWN, self._poll_slots(poller))
+            deadline = asked + _slots_timeout(limits)
+            if until is not None:
+                deadline = min(deadline, until)
+            poller.wait(run, True)
+            try:
+                while poller.stamp < asked:
+                    left = deadline - _clock()
+                    if left <= 0:
+                        break
+                    yield (_PARK, left)
+            finally:
+                poller.wait(run, False)
+            late = poller.stamp < asked
+            if late and until is not None and _clock() >= until:
+                return None, None
+        if poller.unseen and not late:
+            return UNSEEN, None
+        if limits.servers > 1 or poller.several:
+            # The answer may be another server's, and a failed (or late) /slots only that the front could not
+            # reach the one it chose, while the request itself is in flight: nothing to judge the slot by.
+            return SEVERAL, None
+        return poller.state(None if late else poller.slots, req.slot, every, self.board.calls.address)
+
+    def _poll_slots(self, poller: _SlotPoller) -> _Plan[None]:
+        """The shared ``/slots`` request, in the background: 404, 403, 405 and 501 say it is not served (a
+        proxy in front, llama-swap, ``--no-slots``); any other failure means "unavailable"."""
+        calls, model, limits = self.board.calls, self.req.model, self.limits
+        slots = None  # type: Optional[List[Slot]]
+        unseen = False
+        try:
+            timeout = _slots_timeout(limits)
+            slots = _slots_from((yield from calls.call_json("GET", "/slots", model=model, timeout=timeout)))
+            calls.learn_slots(model, len(slots))
+        except HTTPStatusError as exc:
+            unseen = exc.status in (403, 404, 405, 501)
+        except Exception:
+            pass
+        finally:
+            poller.answered(slots, unseen)
 
 
 def _check_request(method: Any, path: Any, query: Any) -> None:
@@ -6092,9 +6033,10 @@ def _check_request(method: Any, path: Any, query: Any) -> None:
         raise TypeError("query must be a dict, not %s" % type(query).__name__)
 
 
-def _slot_id(slot: Any) -> int:
+def _slot_id(slot: Any, what: str = "an int") -> int:
+    """``slot``, checked: ``TypeError`` for what is not an int (or is a bool), ``ValueError`` when negative."""
     if isinstance(slot, bool) or not isinstance(slot, int):
-        raise TypeError("slot must be an int, not %r" % (slot,))
+        raise TypeError("slot must be %s, not %r" % (what, slot))
     if slot < 0:
         raise ValueError("slot must not be negative")
     return int(slot)
@@ -6123,6 +6065,120 @@ def _decode_json(data: bytes, what: str) -> Any:
 # Socket errors become the library's errors in each driver's connection class, narrowest first.
 
 
+def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
+    """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
+    directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
+    never retried.  Nor can a path whose directory does not exist, until someone makes the directory:
+    ``ConnectError`` at once too, while no socket file has been reached there since the client was made
+    (once one has, a directory gone with its server is a restart, waited for as a missing file is).  A
+    socket file missing from a directory that is there: ``exc`` (retried by a stream), logged as a WARNING
+    at the first failure when none has been there since the client was made."""
+    import stat
+
+    path = addr.target
+    try:
+        found = os.stat(path).st_mode
+        mode = found  # type: Optional[int]
+        what = "a directory" if stat.S_ISDIR(found) else "a regular file" if stat.S_ISREG(found) else "not a socket"
+    except NotADirectoryError:
+        mode, what = 0, "below a regular file"
+    except OSError:
+        mode = None
+    folder = os.path.dirname(path) or "."
+    if mode is not None and not stat.S_ISSOCK(mode):
+        text = "%s is %s, not a socket: no llama-server can listen there" % (addr.text, what)
+    elif mode is None and not addr.seen and isinstance(exc, FileNotFoundError) and not os.path.isdir(folder):
+        text = (
+            "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
+            "someone makes it" % (addr.text, folder)
+        )
+    else:
+        if mode is not None:
+            addr.seen = True  # a socket file: the server is there or was
+        elif isinstance(exc, FileNotFoundError) and not addr.seen and not addr.warned:
+            addr.warned = True
+            log = _logger(_WARNING)
+            if log is not None:
+                log.warning(
+                    "%s: no socket file there (none since the client was made): is llama-server started with "
+                    "--host %s? waiting for it",
+                    addr.text,
+                    path,
+                )
+        return exc
+    err = ConnectError(text, addr.text)
+    err.__cause__ = exc
+    return err
+
+
+def _final_error(addr: _Address, exc: BaseException) -> None:
+    """The error that ends a stream, as the stream raises it: logged (INFO; a cancel at DEBUG), and a
+    ``LoadTimeoutError`` on a Unix socket file that never existed says so."""
+    if not isinstance(exc, LoopError):
+        return
+    if (
+        isinstance(exc, LoadTimeoutError)
+        and addr.unix
+        and not addr.seen
+        and isinstance(exc.__cause__, FileNotFoundError)
+    ):
+        exc.message = "%s: the socket file %s never existed since the client was made" % (exc.message, addr.target)
+        exc.args = (exc.message,)
+    log = _logger(_DEBUG if isinstance(exc, CancelledError) else _INFO)
+    if log is not None:
+        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
+
+
+def _cancel_told(addr: _Address, how: str) -> None:
+    """Log (DEBUG) how a stream was cancelled: ``cancel()`` called, or left before its end (a ``with``
+    block left early, an exception from ``on_event``, a cancelled task).  The code that goes on iterating
+    hears ``CancelledError``, which ``_final_error`` logs."""
+    log = _logger(_DEBUG)
+    if log is not None:
+        log.debug("%s: cancelled: %s", addr.text, how)
+
+
+def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
+    """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
+    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
+    the request is ``slot=None``'s, so a wait is told of the slots, not of one."""
+    for event in events:
+        kind = type(event)
+        if kind is Retrying:
+            log.info("%s: retry %d in %.2f s: %s", addr.text, event.attempt, event.delay, event.reason)
+        elif kind is Waiting:
+            log.info("%s: waiting for the response: %s", addr.text, _waiting_text(event, pool))
+        elif kind is Resumed:
+            log.info("%s: connection lost: resumed at byte %d (attempt %d)", addr.text, event.offset, event.attempt)
+        elif kind is Queued:
+            log.debug("%s: queued: %d ahead in this client", addr.text, event.ahead)
+
+
+def _waiting_text(event: Waiting, pool: bool) -> str:
+    """What a ``Waiting`` says, for a request pinned to a slot or (``pool``) for a ``slot=None`` one."""
+    if not event.slots_known:
+        return "the %s unknown (the server does not serve /slots)" % ("slots are" if pool else "slot is")
+    if event.wedged:
+        return "a slot is wedged" if pool else "the slot is wedged"
+    if event.slot_busy:
+        return "every slot is busy" if pool else "the slot is busy"
+    return "a slot is free, no answer yet" if pool else "the slot is not busy, no answer yet"
+
+
+def _unix_connect(sock: socket.socket, addr: _Address) -> None:
+    """Connect ``sock`` to the Unix socket of ``addr`` (both drivers: it completes or fails at once, a full
+    listen queue with EAGAIN).  A path that no server can listen at is ``ConnectError`` (``_unix_failed``);
+    any other failure is the ``OSError``, which a stream retries."""
+    try:
+        sock.connect(addr.target)
+    except OSError as exc:
+        told = _unix_failed(addr, exc)
+        if told is exc:
+            raise
+        raise told from exc
+    addr.seen = True
+
+
 class _Conn:
     """One connection with a blocking socket.  Socket errors are translated here, narrowest first:
     ``socket.timeout`` (on 3.8 not a ``TimeoutError``) before ``OSError``."""
@@ -6145,20 +6201,15 @@ class _Conn:
         ConnectError, which no plan retries.  The caller closes the connection when this fails."""
         self._timeout = timeout
         if addr.unix:
-            try:
-                self._connect(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), addr.target, timeout)
-            except OSError as exc:
-                told = _unix_failed(addr, exc)
-                if told is exc:
-                    raise
-                raise told from exc
-            addr.seen = True
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._adopt(sock, timeout)
+            _unix_connect(sock, addr)
             return
         host, port = addr.target
         failed = OSError("getaddrinfo returns an empty list")  # type: Optional[OSError]  # as create_connection
         for family, kind, proto, _, target in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
             try:  # each address in turn, as socket.create_connection tries them
-                self._connect(socket.socket(family, kind, proto), target, timeout)
+                self._dial(socket.socket(family, kind, proto), target, timeout)
                 failed = None
                 break
             except OSError as exc:
@@ -6180,10 +6231,9 @@ class _Conn:
         owner = self.owner
         return bool(owner.cancelled and not owner.shield)
 
-    def _connect(self, sock: socket.socket, target: Any, timeout: float) -> None:
-        """Connect ``sock``, registered first as this connection's: ``cancel()`` shuts it down, which ends a
-        TCP connect in progress at once; a cancel that came before the connect began is seen within 0.1 s.
-        A Unix connect completes or fails at once (a full listen queue: EAGAIN)."""
+    def _adopt(self, sock: socket.socket, timeout: float) -> None:
+        """Make ``sock`` this connection's before it connects: ``cancel()`` shuts it down, which ends a TCP
+        connect in progress at once; a cancel that came before is ``CancelledError`` now."""
         with self._lock:
             old, self.sock = self.sock, sock
         if old is not None:
@@ -6191,12 +6241,13 @@ class _Conn:
         sock.settimeout(timeout)
         if self._stopped():  # cancel() before the socket was there to shut down
             raise _cancelled()
-        if sock.family == socket.AF_UNIX:
-            sock.connect(target)
-            return
+
+    def _dial(self, sock: socket.socket, target: Any, timeout: float) -> None:
+        """Connect ``sock`` over TCP (``_adopt``ed first), a cancel seen within 0.1 s."""
         import errno
         import select  # both imported by socket already: no cost
 
+        self._adopt(sock, timeout)
         sock.setblocking(False)
         failed = sock.connect_ex(target)
         if failed == errno.EINPROGRESS:
@@ -6224,7 +6275,8 @@ class _Conn:
         except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
             raise _tls_failed(addr, exc) from exc
 
-    def sendall(self, data: bytes, timeout: float) -> None:
+    def send(self, data: bytes, timeout: float) -> None:
+        """Write the request; ``StalledError`` when the server takes none of it for ``timeout``."""
         try:
             if timeout != self._timeout:
                 self.sock.settimeout(timeout)
@@ -6236,6 +6288,8 @@ class _Conn:
             raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
 
     def recv(self, timeout: float) -> bytes:
+        """The next bytes, ``b""`` at the end; ``_Silence`` when nothing came for ``timeout``,
+        ``StreamClosedError`` when the connection failed."""
         try:
             if timeout != self._timeout:
                 self.sock.settimeout(timeout)
@@ -6267,19 +6321,10 @@ class _Conn:
                     self.sock.close()
 
 
-def _reused(board: _Board) -> None:
+def _connected(board: _Board) -> None:
     log = _logger()
     if log:
-        log.debug("%s: reusing a kept connection", board.calls.address)
-
-
-def _kept(board: _Board, idle: float, kept: bool) -> None:
-    log = _logger()
-    if log:
-        if kept:
-            log.debug("%s: connection kept for reuse (%.0f s idle at most)", board.calls.address, idle)
-        else:
-            log.debug("%s: connection closed, not kept (keep_alive are kept already)", board.calls.address)
+        log.debug("%s: connected", board.calls.address)
 
 
 class _SyncRun(_Run):
@@ -6307,22 +6352,16 @@ class _SyncRun(_Run):
         self._ring()
 
     def _ring(self) -> None:
+        """Wake the park in progress, or the next one: the bell, released once (``cancel()`` rings it too)."""
         with self._conns_lock:
             if not self._rung:
                 self._rung = True
                 self._bell.release()
 
-    def _park(self, timeout: Optional[float]) -> None:
-        """Until signal() (or an earlier one not yet taken), or ``timeout`` (None: no timer)."""
-        got = self._bell.acquire(True, -1 if timeout is None else min(timeout, threading.TIMEOUT_MAX))
-        with self._conns_lock:
-            if self._rung:  # (only signal() releases the bell, and it sets _rung first)
-                if not got:  # released just after the timer ran out: take it back now
-                    self._bell.acquire(False)
-                self._rung = False
-
     def step(self) -> Optional[List[Event]]:
-        """Drive the plan to the next events it yields (None: it returned, its value in ``value``)."""
+        """Drive the plan to the next events it yields (None: it returned, its value in ``value``).  Each
+        operation it yields is performed by this run's method of the operation's name (``recv``,
+        ``connect``, ...), and its result, or its error, goes back into the plan."""
         value = None  # type: Any
         exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
         while True:
@@ -6333,24 +6372,61 @@ class _SyncRun(_Run):
                 return op
             value = exc = None
             try:
-                code = op[0]
-                if code == _RECV:
-                    value = op[1].recv(op[2])
-                elif code == _SEND:
-                    op[1].sendall(op[2], op[3])
-                elif code == _PARK:
-                    self._park(op[1])
-                elif code == _CONNECT:
-                    value = self._connect(op[1], op[2])
-                elif code == _KEEP:
-                    self._keep(op[1], op[2])
-                elif code == _SLEEP:
-                    self._sleep(op[1])
-                else:
-                    self._spawn(op[1])
+                value = getattr(self, op[0])(*op[1:])
             except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
                 exc = caught
             exc = _after(self, exc)
+
+    # -- the operations ------------------------------------------------------------------------------------
+
+    def connect(self, timeout: float, reuse: bool) -> _Conn:
+        """A kept connection (``reuse``), else a new one, registered with the run before it connects."""
+        board = self.board
+        kept = board.checkout(self) if reuse else None  # type: Optional[_Conn]
+        conn = kept or _Conn(self)
+        with self._conns_lock:  # before the connect: cancel() wakes it
+            self._conns.add(conn)
+        if kept is None:
+            try:
+                conn.open(board.calls.addr, timeout, board.calls.ssl_context)
+            except BaseException:
+                conn.close()
+                raise
+            _connected(board)
+        return conn
+
+    def send(self, conn: _Conn, data: bytes, timeout: float) -> None:
+        conn.send(data, timeout)
+
+    def recv(self, conn: _Conn, timeout: float) -> bytes:
+        return conn.recv(timeout)
+
+    def park(self, timeout: Optional[float]) -> None:
+        """Until signal() (or an earlier one not yet taken), or ``timeout`` (None: no timer)."""
+        got = self._bell.acquire(True, -1 if timeout is None else min(timeout, threading.TIMEOUT_MAX))
+        with self._conns_lock:
+            if self._rung:  # (only signal() releases the bell, and it sets _rung first)
+                if not got:  # released just after the timer ran out: take it back now
+                    self._bell.acquire(False)
+                self._rung = False
+
+    def sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.cancelled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.park(left)
+
+    def spawn(self, plan: _Plan[Any]) -> None:
+        run = self.child(plan)
+        threading.Thread(target=run.background, name="loopclient-background", daemon=True).start()
+
+    def keep(self, conn: _Conn, idle: float) -> None:
+        self.forget(conn)
+        self.board.keep(conn, idle)
+
+    # -- the run's life ------------------------------------------------------------------------------------
 
     def unwind(self) -> None:
         """End a cancelled plan in this thread: ``CancelledError`` thrown into it, so that its last words
@@ -6372,35 +6448,14 @@ class _SyncRun(_Run):
                 self.close_all()
         return self.value
 
-    def _connect(self, timeout: float, reuse: bool) -> _Conn:
-        board = self.board
-        conn = board.checkout() if reuse else None  # type: Optional[_Conn]
-        if conn is not None:
-            conn.owner = self
-            conn.reused = True
-            with self._conns_lock:
-                self._conns.add(conn)
-            _reused(board)
-            return conn
-        conn = _Conn(self)
-        with self._conns_lock:  # before the connect: cancel() wakes it
-            self._conns.add(conn)
+    def background(self) -> None:
+        """Drive a background plan (``spawn``) to its end, whatever it raises (nobody hears it)."""
         try:
-            conn.open(board.calls.addr, timeout, board.calls.ssl_context)
-        except BaseException:
-            conn.close()
-            raise
-        log = _logger()
-        if log:
-            log.debug("%s: connected", board.calls.address)
-        return conn
-
-    def _keep(self, conn: _Conn, idle: float) -> None:
-        self.forget(conn)
-        kept = self.board.checkin(conn, idle)
-        if not kept:
-            conn.close()
-        _kept(self.board, idle, kept)
+            self.finish()
+        except BaseException:  # noqa: B036 - a background plan has no caller to tell
+            pass
+        finally:
+            self.board.discard(self)
 
     def forget(self, conn: _Conn) -> None:
         with self._conns_lock:
@@ -6412,28 +6467,6 @@ class _SyncRun(_Run):
             conns = list(self._conns)
         for conn in conns:
             conn.close()
-
-    def _sleep(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.cancelled:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._park(left)
-
-    def _spawn(self, plan: _Plan[Any]) -> None:
-        run = _SyncRun(self.board)
-        run.gen = plan
-        self.board.add(run)
-        threading.Thread(target=run._background, name="loopclient-background", daemon=True).start()
-
-    def _background(self) -> None:
-        try:
-            self.finish()
-        except BaseException:  # noqa: B036 - a background plan has no caller to tell
-            pass
-        finally:
-            self.board.discard(self)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -6449,7 +6482,60 @@ class _SyncRun(_Run):
                 self.lock.release()
 
 
-class Stream:
+class _Events:
+    """What ``Stream`` and ``AsyncStream`` share: the request, its life (``_StreamLife``, made with the run
+    that drives it), the events of the last batch the plan yielded, handed out one by one (kept last
+    first), the offset they reach once all are out, and at the end the completion."""
+
+    _run: Any
+
+    def _setup(self, req: _StreamRequest) -> None:
+        self._req = req
+        self._life = None  # type: Optional[_StreamLife]  # made with the run, when the plan is
+        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
+        self._done = False
+        self._log = _logger(_INFO)  # the events that say what the request waits for are logged with it
+        #: the assembled answer, once iteration ended without an error
+        self.completion = None  # type: Optional[Completion]
+        #: a resumable stream's id (its ``X-Conversation-Id``), else None
+        self.conversation_id = req.conversation
+        #: the session key the request carried (its ``X-Session-Id``), else None
+        self.session = req.calls.session
+        #: the stream's body bytes whose events have all been yielded: ``resume(conversation_id, offset=...)``
+        #: from here repeats none of them
+        self.offset = req.offset or 0
+
+    def _plan(self, run: _Run) -> None:
+        """Give ``run`` the plan of this stream: its request's life (a watch's, for ``watch_models()``)."""
+        life = self._life = _StreamLife(run.board, run, self._req)
+        run.gen = life.watch() if self._req.watch else life.plan()
+
+    def _hand_out(self, got: Optional[List[Event]]) -> Optional[Event]:
+        """The first event of ``got``, the batch the run's step returned (the rest handed out next), or
+        None when it returned None: the plan ended, its ``Completion`` is kept."""
+        life = self._life
+        assert life is not None
+        if got is None:
+            self._done = True
+            self.completion = self._run.value
+            self.offset = life.offset
+            return None
+        if self._log is not None:
+            _tell(self._log, self._req.calls.addr, got, self._req.slot is None)
+        got.reverse()  # a fresh list, never empty: popped from its end
+        self._batch = got
+        event = got.pop()
+        if not got:
+            self.offset = life.offset
+        return event
+
+    def _ended(self, exc: BaseException) -> None:
+        """The stream ends with ``exc``, as it raises it (``_final_error``)."""
+        self._done = True
+        _final_error(self._req.calls.addr, exc)
+
+
+class Stream(_Events):
     """One streamed request (``Client.stream()`` and the other ``stream_*`` calls): iterate it for events;
     ``completion`` is there once iteration has ended without an error.  The request starts when iteration
     starts.  ``cancel()`` works from any thread; leaving the ``with`` block early cancels quietly.
@@ -6458,22 +6544,9 @@ class Stream:
     """
 
     def __init__(self, board: _Board, req: _StreamRequest) -> None:
-        run = self._run = board.run_class(board)
-        run.gen = board.streams.plan(board, run, req)
-        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
-        self._batch_offset = run.offset = req.offset or 0
-        self._done = False
-        self._log = _logger(_INFO)  # the events that say what the request waits for are logged with it
-        self._pool = req.slot is None  # a slot=None request: its waits are told of the slots
-        #: the assembled answer, once iteration ended without an error
-        self.completion = None  # type: Optional[Completion]
-        #: a resumable stream's id (its ``X-Conversation-Id``), else None
-        self.conversation_id = req.conversation
-        #: the session key the request carried (its ``X-Session-Id``), else None
-        self.session = req.session
-        #: the stream's body bytes whose events have all been yielded: ``resume(conversation_id, offset=...)``
-        #: from here repeats none of them
-        self.offset = run.offset
+        self._setup(req)
+        self._run = board.run_class(board)
+        self._plan(self._run)
 
     def __iter__(self) -> Stream:
         return self
@@ -6485,40 +6558,23 @@ class Stream:
             # without the lock: only the iterating thread touches the batch, and popping drives nothing
             event = batch.pop()
             if not batch:
-                self.offset = self._batch_offset
+                self.offset = self._life.offset  # type: ignore[union-attr]
             return event
         with run.lock:
             if self._done:
                 raise StopIteration
-            if run.cancelled:
-                self._done = True
-                run.unwind()
-                exc = _cancelled()
-                _verdict(run.board.calls.addr, exc)
-                raise exc
             try:
+                if run.cancelled:
+                    run.unwind()
+                    raise _cancelled()
                 got = run.step()
             except BaseException as exc:
-                self._done = True
-                _verdict(run.board.calls.addr, exc)
+                self._ended(exc)
                 raise
-            if got is None:
-                self._done = True
-                self.completion = run.value
-                self.offset = run.offset
-                raise StopIteration
-            if self._log is not None:
-                _tell(self._log, run.board.calls.addr, got, self._pool)
-            got.reverse()  # a fresh list, never empty: popped from its end
-            self._batch = got
-            self._batch_offset = run.offset
-            return self._pop()
-
-    def _pop(self) -> Event:
-        event = self._batch.pop()
-        if not self._batch:
-            self.offset = self._batch_offset
-        return event
+            handed = self._hand_out(got)
+        if handed is None:
+            raise StopIteration
+        return handed
 
     def cancel(self) -> None:
         """Cancel the request from any thread: its sockets close, its permit is released, and the thread
@@ -6526,7 +6582,7 @@ class Stream:
         server first (one attempt of at most a second), so that the server stops generating."""
         if not self._done:
             if not self._run.cancelled:
-                _cancel_told(self._run.board.calls.addr, "cancel() was called")
+                _cancel_told(self._req.calls.addr, "cancel() was called")
             self._run.cancel()
 
     def __enter__(self) -> Stream:
@@ -6536,7 +6592,7 @@ class Stream:
         if not self._done:
             run = self._run
             if not run.cancelled:
-                _cancel_told(run.board.calls.addr, "the stream was left before its end")
+                _cancel_told(self._req.calls.addr, "the stream was left before its end")
             run.cancel()
             with run.lock:
                 self._done = True
@@ -6547,28 +6603,11 @@ class Stream:
 ChatStream = Stream
 
 
-class Client:
-    """A client of one llama-server, shared by any number of threads.
-
-    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
-    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
-    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
-    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
-    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
-    ``session`` is the client's session key (1 to 128 visible ASCII characters), sent as ``X-Session-Id``
-    on every request of this client unless a streamed call gives its own (an ``X-Session-Id`` in
-    ``headers`` is the same thing; giving both is ``ValueError``).  A malformed address, a CR or LF in
-    ``api_key`` or a header, a malformed session key, or limits of the wrong type raise
-    ``ValueError``/``TypeError`` here, before any connection.
-
-    Single-shot calls (everything but the streams) are never retried: a server that cannot be reached is
-    ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
-    ``HTTPStatusError`` (never for ``fetch()``, which returns any answer whole), a malformed answer or one
-    over ``max_body`` is ``ProtocolError``.  Each takes ``headers=`` (a dict for that call alone, beside the
-    client's, its values winning; refused as the constructor refuses them: ``ValueError``/``TypeError``)
-    and ``timeout=`` (seconds for the whole exchange, connect included: ``DeadlineError`` past it).  Every
-    streamed call takes ``headers=`` too (a keyword, not sent in the body).
-    """
+class _Configured:
+    """What ``Client`` and ``AsyncClient`` are made of: the configuration (``Client`` documents it), checked
+    once by ``_Calls``, which keeps it and makes the single-shot calls; the address, limits and default model
+    read back; the builders of the streamed requests (``_Streams``).  Each client then makes, in ``_start``,
+    where its requests meet: one ``_Board`` for ``Client``, one per event loop for ``AsyncClient``."""
 
     def __init__(
         self,
@@ -6586,7 +6625,40 @@ class Client:
         self.limits = calls.limits  # type: Limits
         self.model = calls.model  # type: Optional[str]
         self._streams = _Streams(calls)
-        self._board = _Board(self._streams)
+        self._start()
+
+    if TYPE_CHECKING:
+
+        def _start(self) -> None: ...
+
+
+class Client(_Configured):
+    """A client of one llama-server, shared by any number of threads.
+
+    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
+    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
+    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
+    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
+    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
+    ``session`` is the client's session key (1 to 128 visible ASCII characters), sent as ``X-Session-Id``
+    on every request of this client unless a streamed call gives its own (an ``X-Session-Id`` in
+    ``headers`` is the same thing; giving both is ``ValueError``).  A malformed address, a CR or LF in
+    ``api_key`` or a header, a malformed session key, or limits of the wrong type raise
+    ``ValueError``/``TypeError`` here, before any connection.
+
+    Single-shot calls (everything but the streams) are sent once, and again only when a kept connection
+    fails before any byte of the answer (the server had closed it while idle, and never read the request:
+    the request goes once more, on a new connection): a server that cannot be reached is
+    ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
+    ``HTTPStatusError`` (never for ``fetch()``, which returns any answer whole), a malformed answer or one
+    over ``max_body`` is ``ProtocolError``.  Each takes ``headers=`` (a dict for that call alone, beside the
+    client's, its values winning; refused as the constructor refuses them: ``ValueError``/``TypeError``)
+    and ``timeout=`` (seconds for the whole exchange, connect included: ``DeadlineError`` past it).  Every
+    streamed call takes ``headers=`` too (a keyword, not sent in the body).
+    """
+
+    def _start(self) -> None:
+        self._board = _Board(self._calls)
 
     def __repr__(self) -> str:
         return "<loopclient.Client %s>" % self.address
@@ -7102,19 +7174,8 @@ class _AsyncRun(_Run):
         else:
             self._rung = True
 
-    async def _park(self, timeout: Optional[float]) -> None:
-        if self._rung or (self.cancelled and not self.shield):
-            self._rung = False
-            return
-        loop = self.board.loop
-        self._alarm = loop.create_future()
-        try:
-            await _sleep_on_alarm(loop, self._alarm, timeout)
-        finally:
-            self._alarm = None
-
     async def step(self) -> Optional[List[Event]]:
-        """``_SyncRun.step`` on an event loop."""
+        """``_SyncRun.step`` on an event loop: each operation is this run's coroutine of its name."""
         value = None  # type: Any
         exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
         while True:
@@ -7125,33 +7186,54 @@ class _AsyncRun(_Run):
                 return op
             value = exc = None
             try:
-                code = op[0]
-                if code == _RECV:
-                    value = await op[1].recv(op[2])
-                elif code == _SEND:
-                    await op[1].send(op[2], op[3])
-                elif code == _PARK:
-                    await self._park(op[1])
-                elif code == _CONNECT:
-                    value = await self._connect(op[1], op[2])
-                elif code == _KEEP:
-                    self.forget(op[1])
-                    kept = self.board.checkin(op[1], op[2])
-                    if not kept:
-                        op[1].close()
-                    _kept(self.board, op[2], kept)
-                elif code == _SLEEP:
-                    deadline = time.monotonic() + op[1]
-                    while not self.cancelled and time.monotonic() < deadline:
-                        await self._park(deadline - time.monotonic())
-                else:
-                    run = _AsyncRun(self.board)
-                    run.gen = op[1]
-                    self.board.add(run)
-                    self.board.spawn(run._background())
+                value = await getattr(self, op[0])(*op[1:])
             except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
                 exc = caught
             exc = _after(self, exc)
+
+    # -- the operations ------------------------------------------------------------------------------------
+
+    async def connect(self, timeout: float, reuse: bool) -> _AsyncConn:
+        """A kept connection (``reuse``), else a new one (``_AsyncConn.open``)."""
+        board = self.board
+        conn = board.checkout(self) if reuse else None  # type: Optional[_AsyncConn]
+        if conn is None:
+            conn = _AsyncConn(board.loop, self)
+            await conn.open(board.calls.addr, timeout, board.calls.ssl_context)
+            _connected(board)
+        self._conns.add(conn)
+        return conn
+
+    async def send(self, conn: _AsyncConn, data: bytes, timeout: float) -> None:
+        await conn.send(data, timeout)
+
+    async def recv(self, conn: _AsyncConn, timeout: float) -> bytes:
+        return await conn.recv(timeout)
+
+    async def park(self, timeout: Optional[float]) -> None:
+        if self._rung or (self.cancelled and not self.shield):
+            self._rung = False
+            return
+        loop = self.board.loop
+        self._alarm = loop.create_future()
+        try:
+            await _sleep_on_alarm(loop, self._alarm, timeout)
+        finally:
+            self._alarm = None
+
+    async def sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.cancelled and time.monotonic() < deadline:
+            await self.park(deadline - time.monotonic())
+
+    async def spawn(self, plan: _Plan[Any]) -> None:
+        self.board.spawn(self.child(plan).background())
+
+    async def keep(self, conn: _AsyncConn, idle: float) -> None:
+        self.forget(conn)
+        self.board.keep(conn, idle)
+
+    # -- the run's life ------------------------------------------------------------------------------------
 
     async def unwind(self) -> None:
         """``_SyncRun.unwind`` on an event loop."""
@@ -7176,92 +7258,11 @@ class _AsyncRun(_Run):
             self.close_all()
         return self.value
 
-    async def _background(self) -> None:
+    async def background(self) -> None:
         try:
             await self.finish()
         finally:
             self.board.discard(self)
-
-    async def _connect(self, timeout: float, reuse: bool) -> _AsyncConn:
-        """A kept connection (``reuse``), else a new one; ``OSError`` when the server cannot be reached,
-        ``ConnectError`` when TLS fails.  A Unix socket connects at once, in the loop; a host name is
-        resolved by the loop's ``getaddrinfo``, which runs in the loop's default executor (a thread)."""
-        board = self.board
-        kept = board.checkout() if reuse else None  # type: Optional[_AsyncConn]
-        if kept is not None:
-            kept.owner = self
-            kept.reused = True
-            self._conns.add(kept)
-            _reused(board)
-            return kept
-        conn = _AsyncConn(board.loop, self)
-        if board.calls.addr.unix:
-            await self._connect_unix(conn)
-        else:
-            await self._connect_tcp(conn, timeout)
-        self._conns.add(conn)
-        log = _logger()
-        if log:
-            log.debug("%s: connected", board.calls.addr.text)
-        return conn
-
-    async def _connect_unix(self, conn: _AsyncConn) -> None:
-        """A Unix connect completes or fails at once.  A full listen queue fails it with EAGAIN, a connect
-        failure like a refusal (asyncio's own connect would wait on it as "in progress" and report a
-        connection that is not there)."""
-        addr = self.board.calls.addr
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            try:
-                sock.connect(addr.target)
-            except OSError as caught:
-                told = _unix_failed(addr, caught)
-                if told is caught:
-                    raise
-                raise told from caught
-            addr.seen = True
-            protocol = conn  # type: Any  # duck-typed: see _AsyncConn
-            await self.board.loop.create_unix_connection(lambda: protocol, sock=sock)
-        except BaseException:
-            sock.close()
-            raise
-
-    async def _connect_tcp(self, conn: _AsyncConn, timeout: float) -> None:
-        """The loop's connect (and TLS handshake) as a task of the board, parked on until it is done, the
-        run is cancelled (its shielded last words aside) or ``timeout`` passes."""
-        board = self.board
-        addr = board.calls.addr
-        host, port = addr.target
-        tls = board.calls.ssl_context if addr.tls else None
-        task = board.spawn(
-            board.loop.create_connection(
-                lambda: conn,
-                host,
-                port,
-                ssl=tls,
-                server_hostname=host if tls is not None else None,
-                ssl_handshake_timeout=timeout if tls is not None else None,
-            )
-        )
-        task.add_done_callback(lambda _: self.signal())
-        try:
-            deadline = time.monotonic() + timeout
-            while not task.done() and not (self.cancelled and not self.shield) and time.monotonic() < deadline:
-                await self._park(deadline - time.monotonic())
-        finally:
-            if not task.done():
-                task.cancel()
-        if not task.done() or task.cancelled():
-            raise socket.timeout("timed out")
-        exc = task.exception()
-        if exc is not None:
-            if addr.tls:
-                ssl = _import_ssl()
-
-                if isinstance(exc, ssl.SSLError):  # before OSError: a certificate or handshake failure
-                    raise _tls_failed(addr, exc) from exc
-            raise exc
 
     def forget(self, conn: _AsyncConn) -> None:
         self._conns.discard(conn)
@@ -7288,8 +7289,9 @@ class _AsyncRun(_Run):
 class _AsyncConn:
     """One connection on an event loop: asyncio's transport below, ``recv(timeout)`` and ``send()`` above,
     as ``_Conn`` has them.  It is the transport's protocol (duck-typed: subclassing ``asyncio.Protocol``
-    would import asyncio with loopclient).  At most ``RECV_SIZE`` bytes wait unread: beyond that the
-    transport stops reading, so a fast server cannot fill memory ahead of a slow caller."""
+    would import asyncio with loopclient).  Once ``RECV_SIZE`` bytes wait unread the transport stops
+    reading, so a fast server cannot fill memory ahead of a slow caller: at most ``RECV_SIZE`` less a byte
+    plus one read of the transport's (asyncio reads up to 256 KiB at a time) wait, about twice ``RECV_SIZE``."""
 
     __slots__ = (
         "owner",
@@ -7315,7 +7317,7 @@ class _AsyncConn:
         self._eof = False
         self._error = None  # type: Optional[BaseException]
         self._waiter = None  # type: Optional[asyncio.Future[None]]
-        self._paused = False  # reading paused: RECV_SIZE bytes wait
+        self._paused = False  # reading paused: RECV_SIZE bytes or more wait
         self._blocked = False  # writing paused: the server does not take the request
 
     # -- the protocol, called by the transport -------------------------------------------------------
@@ -7362,6 +7364,55 @@ class _AsyncConn:
             await _sleep_on_alarm(self._loop, waiter, timeout)
         finally:
             self._waiter = None
+
+    async def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
+        """Connect, as ``_Conn.open`` does, on the loop; ``OSError`` when the server cannot be reached,
+        ``ConnectError`` when TLS fails.  A Unix socket connects at once, in the loop (``_unix_connect``: a
+        full listen queue fails it with EAGAIN, where asyncio's own connect would wait on it as "in progress"
+        and report a connection that is not there).  TCP is the loop's connect (and TLS handshake) as a task
+        of the board, which the run parks on until it is done, the run is cancelled (its shielded last
+        words aside) or ``timeout`` passes; a host name is resolved by the loop's ``getaddrinfo``, in the
+        loop's default executor (a thread)."""
+        run = self.owner
+        board = run.board
+        protocol = self  # type: Any  # duck-typed: see the class
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                _unix_connect(sock, addr)
+                await board.loop.create_unix_connection(lambda: protocol, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+            return
+        host, port = addr.target
+        tls = ssl_context if addr.tls else None
+        task = board.spawn(
+            board.loop.create_connection(
+                lambda: protocol,
+                host,
+                port,
+                ssl=tls,
+                server_hostname=host if tls is not None else None,
+                ssl_handshake_timeout=timeout if tls is not None else None,
+            )
+        )
+        task.add_done_callback(lambda _: run.signal())
+        try:
+            deadline = time.monotonic() + timeout
+            while not task.done() and not (run.cancelled and not run.shield) and time.monotonic() < deadline:
+                await run.park(deadline - time.monotonic())
+        finally:
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            raise socket.timeout("timed out")
+        exc = task.exception()
+        if exc is not None:
+            if addr.tls and isinstance(exc, _import_ssl().SSLError):  # before OSError: not a server down
+                raise _tls_failed(addr, exc) from exc
+            raise exc
 
     async def send(self, data: bytes, timeout: float) -> None:
         """Write the request; ``StalledError`` when the server takes none of it for ``timeout``."""
@@ -7434,8 +7485,8 @@ def _drop(transport: Any) -> None:
 class _AsyncBoard(_Board):
     """The board of one event loop, with the tasks it started (background polls, connects)."""
 
-    def __init__(self, streams: _Streams, loop: asyncio.AbstractEventLoop, previous: Optional[_Board]) -> None:
-        _Board.__init__(self, streams, previous)
+    def __init__(self, calls: _Calls, loop: asyncio.AbstractEventLoop, previous: Optional[_Board]) -> None:
+        _Board.__init__(self, calls, previous)
         self.loop = loop
         self.tasks: Set[asyncio.Task[Any]] = set()
 
@@ -7466,7 +7517,7 @@ class _AsyncBoard(_Board):
             await asyncio.wait(tasks)
 
 
-class AsyncStream:
+class AsyncStream(_Events):
     """One streamed request on an event loop (``AsyncClient.stream()`` and the other ``stream_*`` calls):
     iterate it with ``async for`` for events; ``completion`` is there once iteration has ended without an
     error.  The request starts when iteration starts.  ``cancel()`` (a plain method, called in the loop's
@@ -7477,28 +7528,10 @@ class AsyncStream:
     """
 
     def __init__(self, client: AsyncClient, req: _StreamRequest) -> None:
+        self._setup(req)
         self._client = client
-        self._req = req
         self._run = None  # type: Optional[_AsyncRun]  # made when iteration starts, on the loop that iterates
-        self._batch = []  # type: List[Event]  # events produced and not yet handed out, last first
-        self._batch_offset = req.offset or 0
         self._cancelled = False
-        self._done = False
-        self._log = _logger(_INFO)  # as Stream's
-        #: the assembled answer, once iteration ended without an error
-        self.completion = None  # type: Optional[Completion]
-        #: a resumable stream's id (its ``X-Conversation-Id``), else None
-        self.conversation_id = req.conversation
-        #: the session key the request carried (its ``X-Session-Id``), else None
-        self.session = req.session
-        #: the stream's body bytes whose events have all been yielded (see ``Stream.offset``)
-        self.offset = req.offset or 0
-
-    def _pop(self) -> Event:
-        event = self._batch.pop()
-        if not self._batch:
-            self.offset = self._batch_offset
-        return event
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -7508,7 +7541,7 @@ class AsyncStream:
         if batch and not self._cancelled:  # a read yields all the events it completed
             event = batch.pop()
             if not batch:
-                self.offset = self._batch_offset
+                self.offset = self._life.offset  # type: ignore[union-attr]
             return event
         if self._done:
             raise StopAsyncIteration
@@ -7519,44 +7552,34 @@ class AsyncStream:
             self._done = True
             await self._end()
             exc = _cancelled()
-            _verdict(self._client._calls.addr, exc)
+            self._ended(exc)
             raise exc
         if run is None:
-            board = self._client._board_here()
-            run = self._run = _AsyncRun(board, self._req.conversation is not None)
-            run.offset = self.offset
-            run.gen = board.streams.plan(board, run, self._req)
+            run = self._run = _AsyncRun(self._client._board_here(), self._req.conversation is not None)
+            self._plan(run)
         run.running = True
         try:
             got = await run.step()
         except BaseException as caught:
-            self._done = True
             import asyncio
 
             if isinstance(caught, asyncio.CancelledError):
-                _cancel_told(run.board.calls.addr, "the task iterating the stream was cancelled")
-            _verdict(run.board.calls.addr, caught)
+                _cancel_told(self._req.calls.addr, "the task iterating the stream was cancelled")
+            self._ended(caught)
             raise
         finally:
             run.running = False
-        if got is None:
-            self._done = True
-            self.completion = run.value
-            self.offset = run.offset
+        handed = self._hand_out(got)
+        if handed is None:
             raise StopAsyncIteration
-        if self._log is not None:
-            _tell(self._log, run.board.calls.addr, got, self._req.slot is None)
-        got.reverse()  # a fresh list, never empty: popped from its end
-        self._batch = got
-        self._batch_offset = run.offset
-        return self._pop()
+        return handed
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
         its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
         if not self._done:
             if not self._cancelled:
-                _cancel_told(self._client._calls.addr, "cancel() was called")
+                _cancel_told(self._req.calls.addr, "cancel() was called")
             self._cancelled = True
             if self._run is not None:
                 self._run.cancel()
@@ -7577,7 +7600,7 @@ class AsyncStream:
     async def __aexit__(self, *exc_info: Any) -> None:
         if not self._done:
             if not self._cancelled:
-                _cancel_told(self._client._calls.addr, "the stream was left before its end")
+                _cancel_told(self._req.calls.addr, "the stream was left before its end")
                 self._cancelled = True
             self.cancel()
             self._done = True
@@ -7588,7 +7611,7 @@ class AsyncStream:
 AsyncChatStream = AsyncStream
 
 
-class AsyncClient:
+class AsyncClient(_Configured):
     """A client of one llama-server for asyncio programs: ``Client``'s constructor and calls, as
     coroutines (``stream()`` is a plain method returning an ``AsyncStream``).  The same limits, events,
     ``Completion``, errors, budgets, gates, retries and wire rules: the same request logic, driven on an
@@ -7606,22 +7629,7 @@ class AsyncClient:
     (or leaving ``async with``) cancels its streams and ends its tasks.
     """
 
-    def __init__(
-        self,
-        address: Any = None,
-        *,
-        limits: Optional[Limits] = None,
-        api_key: Optional[str] = None,
-        headers: Optional[Dict[str, str]] = None,
-        model: Optional[str] = None,
-        ssl_context: Any = None,
-        session: Optional[str] = None,
-    ) -> None:
-        calls = self._calls = _Calls(address, limits, api_key, headers, model, ssl_context, session)
-        self.address = calls.address  # type: str
-        self.limits = calls.limits  # type: Limits
-        self.model = calls.model  # type: Optional[str]
-        self._streams = _Streams(calls)
+    def _start(self) -> None:
         self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client
         self._lock = threading.Lock()  # two threads may race to bind the client to their loops
 
@@ -7661,7 +7669,7 @@ class AsyncClient:
             return board
         with self._lock:
             if self._calls.closed:  # a board that refuses what starts on it, as a closed Client's does
-                board = _AsyncBoard(self._streams, loop, None)
+                board = _AsyncBoard(self._calls, loop, None)
                 board.closed = True
                 return board
             board = self._board
@@ -7670,7 +7678,7 @@ class AsyncClient:
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )
-                previous, board = board, _AsyncBoard(self._streams, loop, board)
+                previous, board = board, _AsyncBoard(self._calls, loop, board)
                 self._board = board
                 if previous is not None:
                     previous.drop_idle()
@@ -8232,21 +8240,21 @@ def _completion_json(completion: Completion) -> str:
     return json.dumps(completion.to_dict(), ensure_ascii=False, indent=2)
 
 
-def _slot_label(s: Slot, watch: _SlotWatch) -> str:
-    return "wedged" if watch.wedged(s) else "busy" if s.is_processing else "idle"
+def _slot_label(s: Slot, reader: _SlotReader) -> str:
+    return "wedged" if reader.wedged(s) else "busy" if s.is_processing else "idle"
 
 
-def _slots_table(slots: List[Slot], watch: _SlotWatch, limits: Limits) -> str:
-    """The table of ``loopclient slots``: a processing slot whose progress ``watch`` has seen not move for
+def _slots_table(slots: List[Slot], reader: _SlotReader, limits: Limits) -> str:
+    """The table of ``loopclient slots``: a processing slot whose progress ``reader`` has seen not move for
     longer than ``poll`` shows for how long, and ``wedged`` past ``wedge_wait``."""
     rows = [("slot", "state", "task", "decoded", "n_ctx", "still")]
     for s in slots:
-        quiet = watch.still(s)
+        quiet = reader.still(s)
         n_ctx = s.raw.get("n_ctx")
         rows.append(
             (
                 str(s.id),
-                _slot_label(s, watch),
+                _slot_label(s, reader),
                 str(s.task) if s.task is not None and s.is_processing else "",
                 str(s.decoded) if s.decoded is not None else "",
                 str(n_ctx) if n_ctx is not None else "",
@@ -8257,14 +8265,14 @@ def _slots_table(slots: List[Slot], watch: _SlotWatch, limits: Limits) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _slot_line(s: Slot, watch: _SlotWatch) -> str:
+def _slot_line(s: Slot, reader: _SlotReader) -> str:
     """One slot as a line of the watch's log, after the time of day."""
-    state = _slot_label(s, watch)
+    state = _slot_label(s, reader)
     line = "slot %d %s" % (s.id, state)
     if s.is_processing:
         line += " task %s decoded %s" % (s.task, s.decoded)
         if state == "wedged":
-            line += " still %.1f s" % watch.still(s)
+            line += " still %.1f s" % reader.still(s)
     return line
 
 
@@ -8272,7 +8280,7 @@ def _log_slot_changes(
     out: Any,
     clock: str,
     slots: List[Slot],
-    watch: _SlotWatch,
+    reader: _SlotReader,
     problem: Optional[str],
     seen: Dict[int, Tuple[str, Optional[int]]],
 ) -> Dict[int, Tuple[str, Optional[int]]]:
@@ -8284,10 +8292,10 @@ def _log_slot_changes(
         return {-1: (problem, None)}  # every slot is logged again once an answer comes
     seen.pop(-1, None)  # and a look that gets no answer after it is logged again
     for s in slots:
-        key = (_slot_label(s, watch), s.task if s.is_processing else None)
+        key = (_slot_label(s, reader), s.task if s.is_processing else None)
         if seen.get(s.id) != key:
             seen[s.id] = key
-            out.write("%s %s\n" % (clock, _slot_line(s, watch)))
+            out.write("%s %s\n" % (clock, _slot_line(s, reader)))
     return seen
 
 
@@ -8298,20 +8306,20 @@ def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
     or task changed (every slot on the first look).  A look that gets no answer after the first (the
     server restarting, say) is shown as such, and watching goes on; the first look's error ends it."""
     limits = client.limits
-    watch = _SlotWatch(limits)
+    reader = _SlotReader(limits)
     slots = client.slots()
-    watch._remember(slots, time.monotonic())
+    reader.remember(slots, time.monotonic())
     if seconds is None:
         if any(s.is_processing for s in slots):
             time.sleep(limits.poll)
             slots = client.slots()
-            watch._remember(slots, time.monotonic())
-        out.write(_slots_table(slots, watch, limits) + "\n")
+            reader.remember(slots, time.monotonic())
+        out.write(_slots_table(slots, reader, limits) + "\n")
     else:
-        _watch_slots(client, out, seconds, watch, slots)
+        _watch_slots(client, out, seconds, reader, slots)
 
 
-def _watch_slots(client: Client, out: Any, seconds: float, watch: _SlotWatch, slots: List[Slot]) -> None:
+def _watch_slots(client: Client, out: Any, seconds: float, reader: _SlotReader, slots: List[Slot]) -> None:
     """``loopclient slots --watch SECONDS``, from the first look's ``slots`` on (see ``_slots``)."""
     limits = client.limits
     tty = _isatty(out)
@@ -8328,12 +8336,12 @@ def _watch_slots(client: Client, out: Any, seconds: float, watch: _SlotWatch, sl
                 limits.poll,
                 until,
                 clock,
-                _slots_table(slots, watch, limits) if problem is None else "no answer: " + problem,
+                _slots_table(slots, reader, limits) if problem is None else "no answer: " + problem,
             )
             out.write(("\x1b[%dA\r\x1b[J" % drawn if drawn else "") + text)
             drawn = text.count("\n")
         else:
-            seen = _log_slot_changes(out, clock, slots, watch, problem, seen)
+            seen = _log_slot_changes(out, clock, slots, reader, problem, seen)
         out.flush()
         left = end - time.monotonic()
         if left <= 0:
@@ -8345,7 +8353,7 @@ def _watch_slots(client: Client, out: Any, seconds: float, watch: _SlotWatch, sl
             problem = str(exc)
         else:
             problem = None
-            watch._remember(slots, time.monotonic())
+            reader.remember(slots, time.monotonic())
 
 
 def _models_table(doc: Dict[str, Any]) -> str:
@@ -8600,6 +8608,28 @@ def _parser() -> Any:
 
 def _command_options(name: str, command: Any) -> None:
     """The options of the command ``name``."""
+    if name in ("chat", "complete", "infill"):
+        _prompt_options(name, command)
+    elif name == "slots":
+        command.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
+        command.add_argument(
+            "--watch",
+            type=float,
+            nargs="?",
+            const=float("inf"),
+            metavar="SECONDS",
+            help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
+        )
+    elif name == "models":
+        command.add_argument(
+            "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
+        )
+    elif name == "tokens":
+        command.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
+
+
+def _prompt_options(name: str, command: Any) -> None:
+    """The options of the commands that send a prompt: ``chat``, ``complete``, ``infill``."""
     if name == "chat":
         command.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
         command.add_argument("--system", metavar="TEXT", help="a system message")
@@ -8622,7 +8652,7 @@ def _command_options(name: str, command: Any) -> None:
             "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
         )
         _add_answer_options(command, _SERVER_CAP % "n_predict (with --openai: max_tokens)")
-    elif name == "infill":
+    else:  # infill
         for part, where in (("prefix", "before"), ("suffix", "after")):
             command.add_argument(
                 "--" + part,
@@ -8631,22 +8661,6 @@ def _command_options(name: str, command: Any) -> None:
                 help="the text %s the gap; @FILE reads a file, - reads stdin" % where,
             )
         _add_answer_options(command, _SERVER_CAP % "n_predict")
-    elif name == "slots":
-        command.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
-        command.add_argument(
-            "--watch",
-            type=float,
-            nargs="?",
-            const=float("inf"),
-            metavar="SECONDS",
-            help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
-        )
-    elif name == "models":
-        command.add_argument(
-            "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
-        )
-    elif name == "tokens":
-        command.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
 
 
 #: The help of ``complete``'s and ``infill``'s ``--max-tokens``, which have no default of their own.

@@ -1419,7 +1419,7 @@ class VirtualConn(_VEnd):
         except OSError as exc:
             raise lc._connection_failed(exc) from exc
 
-    def sendall(self, data, timeout):
+    def send(self, data, timeout):
         try:
             self.write(data, timeout)
         except socket.timeout:
@@ -1436,121 +1436,40 @@ class VirtualConn(_VEnd):
         _VEnd.close(self)
 
 
-class VirtualRun(lc._Run):
-    """The third driver: a plan's operations performed on the virtual clock, in the calling task.  Its
-    ``cancel()`` is ``_SyncRun``'s: shut the run's connections, ring its waker, and end the plan itself
-    when no task drives it."""
-
-    __slots__ = ("kernel", "lock", "conns", "rung", "sleeper")
+class VirtualRun(lc._SyncRun):
+    """The third driver: ``_SyncRun`` with the operations that wait or connect performed on the virtual
+    clock, in the calling task; its step, keep, cancel, unwind and finish are _SyncRun's own."""
 
     def __init__(self, board):
-        lc._Run.__init__(self, board)
+        lc._SyncRun.__init__(self, board)
         self.kernel = board.kernel
-        self.lock = threading.Lock()  # held while a task drives the plan
-        self.conns = set()
         self.rung = False
         self.sleeper = _VWaiters(self.kernel)
 
-    def signal(self):
+    def _ring(self):
         self.rung = True
         self.sleeper.notify()
 
-    def _park(self, timeout):
+    def connect(self, timeout, reuse):
+        conn = self.board.checkout(self) if reuse else None
+        if conn is None:
+            conn = self.kernel.connect(self.board.calls.addr, self, timeout)
+        with self._conns_lock:
+            self._conns.add(conn)
+        return conn
+
+    def park(self, timeout):
         if not self.rung:
             self.sleeper.wait(self.kernel.deadline(timeout))
         self.rung = False
 
-    def step(self):
-        value = None
-        exc = lc._cancelled() if self.cancelled else None
-        while True:
-            op = lc._advance(self, value, exc)
-            if op is lc._DONE:
-                return None
-            if type(op) is list:
-                return op
-            value = exc = None
-            try:
-                code = op[0]
-                if code == lc._RECV:
-                    value = op[1].recv(op[2])
-                elif code == lc._SEND:
-                    op[1].sendall(op[2], op[3])
-                elif code == lc._PARK:
-                    self._park(op[1])
-                elif code == lc._CONNECT:
-                    value = self._connect(op[1], op[2])
-                elif code == lc._KEEP:
-                    self.forget(op[1])
-                    if not self.board.checkin(op[1], op[2]):
-                        op[1].close()
-                elif code == lc._SLEEP:
-                    due = self.kernel.deadline(op[1])
-                    while not self.cancelled and self.kernel.now < due:
-                        self._park(due - self.kernel.now)
-                elif code == lc._SPAWN:
-                    run = VirtualRun(self.board)
-                    run.gen = op[1]
-                    self.board.add(run)
-                    self.kernel.spawn(run._background, "background")
-                else:
-                    raise AssertionError("unknown operation %r" % (op,))
-            except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
-                exc = caught
-            exc = lc._after(self, exc)
+    def sleep(self, seconds):
+        due = self.kernel.deadline(seconds)
+        while not self.cancelled and self.kernel.now < due:
+            self.park(due - self.kernel.now)
 
-    def _connect(self, timeout, reuse):
-        conn = self.board.checkout() if reuse else None
-        if conn is not None:
-            conn.owner = self
-            conn.reused = True
-        else:
-            conn = self.kernel.connect(self.board.calls.addr, self, timeout)
-        self.conns.add(conn)
-        return conn
-
-    def forget(self, conn):
-        self.conns.discard(conn)
-
-    def close_all(self):
-        for conn in list(self.conns):
-            conn.close()
-
-    def unwind(self):
-        self.cancelled = True
-        try:
-            while self.step() is not None:
-                pass
-        except lc.CancelledError:
-            pass
-
-    def finish(self):
-        with self.lock:
-            try:
-                while self.step() is not None:
-                    pass
-            finally:
-                self.close_all()
-        return self.value
-
-    def _background(self):
-        try:
-            self.finish()
-        except BaseException:  # noqa: B036 - a background plan has no caller to tell
-            pass
-        finally:
-            self.board.discard(self)
-
-    def cancel(self):
-        self.cancelled = True
-        for conn in list(self.conns):
-            conn.abort()
-        self.signal()
-        if self.gen is not None and self.lock.acquire(False):
-            try:
-                self.unwind()
-            finally:
-                self.lock.release()
+    def spawn(self, plan):
+        self.kernel.spawn(self.child(plan).background, "background")
 
 
 class VirtualEvent:
@@ -1792,7 +1711,7 @@ class SlotAnswers:
 
     def __init__(self, test):
         self.test, self.answered, self.times, self.lock = test, [], [], threading.Lock()
-        original = lc._SlotWatch.state
+        original = lc._SlotReader.state
 
         def state(watch, slots, slot, every, address):
             if every:  # the head wait's reading (the quiet rule's, after the head, passes every=False)
@@ -1801,7 +1720,7 @@ class SlotAnswers:
                     self.times.append(lc._clock())
             return original(watch, slots, slot, every, address)
 
-        patcher = mock.patch.object(lc._SlotWatch, "state", state)
+        patcher = mock.patch.object(lc._SlotReader, "state", state)
         patcher.start()
         test.addCleanup(patcher.stop)
 
@@ -9829,7 +9748,7 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         self.assertEqual(lc.parse_address("http://example:80").host, "example")
         # the threaded client's internals: the request bytes its call plan encodes (both clients share _Calls)
         client = lc.Client("/tmp/x.sock", headers={"user-agent": "mine/1"})
-        request = client._calls._encode("GET", "/health", None, "application/json")
+        request = client._calls.encode("GET", "/health", None, "application/json")
         self.assertIn(b"\r\nuser-agent: mine/1\r\n", request)
         self.assertNotIn(b"loopclient/", request)
         self.assertTrue(request.endswith(b"\r\n\r\n"))
@@ -10423,7 +10342,7 @@ class TestVirtualClock(unittest.TestCase):
             with self.assertRaises(lc._Silence):
                 conn.recv(0.1)
             self.assertAlmostEqual(time.monotonic() - start, 0.1, delta=1e-6)
-            conn.sendall(b"GET /late HTTP/1.1\r\n\r\n", 1.0)
+            conn.send(b"GET /late HTTP/1.1\r\n\r\n", 1.0)
             self.assertEqual(conn.recv(1.0), b"late")
             self.assertAlmostEqual(time.monotonic() - start, 0.1 + 0.25, delta=1e-6)  # sent at 0.1, answered 0.25 later
             conn.close()

@@ -197,8 +197,8 @@ MUTATIONS = [
     Mutation(
         "connect-error-address",
         "a ConnectError's address is not the one the client was given",
-        "    err = ConnectError(text, addr.text)\n",
-        "    err = ConnectError(text, None)\n",
+        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = ConnectError(text, addr.text)\n',
+        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = ConnectError(text, None)\n',
         ["TestDifferential.test_connecting"],
         ["TestFaultConnect.test_socket_file_missing_single_shot"],
     ),
@@ -257,8 +257,8 @@ MUTATIONS = [
     Mutation(
         "late-slots-unavailable",
         "a /slots answer later than poll is taken for an unavailable server (the poll waits poll, not for it)",
-        "            deadline = asked + _slots_timeout(self.limits)\n",
-        "            deadline = asked + self.limits.poll\n",
+        "            deadline = asked + _slots_timeout(limits)\n",
+        "            deadline = asked + limits.poll\n",
         ["TestDifferential.test_slots_and_the_other_single_shot_calls"],
         ["TestDifferential.test_slots_and_the_other_single_shot_calls"],
     ),

@@ -19609,9 +19609,10 @@ class TestRealServer(ClientFactory, unittest.TestCase):
         parsed, parsed_whole, scan = [], [], lc._scan_json
         fed, feed = [], lc.Assembler.feed
 
-        with mock.patch.object(lc, "_scan_json", lambda text, at: parsed.append(text) or scan(text, at)):
-            with mock.patch.object(lc.Assembler, "feed", lambda asm, payload: fed.append(payload) or feed(asm, payload)):
-                completion, events = self.chat(**kw)
+        scanned = mock.patch.object(lc, "_scan_json", lambda text, at: parsed.append(text) or scan(text, at))
+        seen = mock.patch.object(lc.Assembler, "feed", lambda asm, payload: fed.append(payload) or feed(asm, payload))
+        with scanned, seen:
+            completion, events = self.chat(**kw)
         learn_none = mock.patch.object(lc.Assembler, "_learn_tail", lambda asm, payload, content: None)
         with mock.patch.object(
             lc, "_scan_json", lambda text, at: parsed_whole.append(text) or scan(text, at)

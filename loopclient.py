@@ -4892,16 +4892,17 @@ def _merged(headers: List[Tuple[str, str]], over: List[Tuple[str, str]]) -> List
     return [(k, v) for k, v in headers if k.lower() not in names] + over
 
 
-def _client_session(headers: List[Tuple[str, str]], session: Any) -> Optional[str]:
-    """The client's session key: ``session``, or an ``X-Session-Id`` in the client's ``headers`` (the same
-    thing, set by hand); ``ValueError`` when both give one."""
+def _session_from(headers: List[Tuple[str, str]], session: Any) -> Tuple[List[Tuple[str, str]], Optional[str]]:
+    """``headers`` (a client's, or one call's) without an ``X-Session-Id``, and the session key: ``session``,
+    or that header's (the same thing, set by hand); ``ValueError`` when the two give different keys."""
     key = _session_key(session)
-    given = [v for k, v in headers if k.lower() == "x-session-id"]
-    if given:
-        if key is not None:
-            raise ValueError("the session key is given twice: by session= and by an X-Session-Id header")
-        key = _session_key(given[-1], "the X-Session-Id header")
-    return key
+    given = [v for k, v in headers if k.lower() == _SESSION_HEADER.lower()]
+    if not given:
+        return headers, key
+    header = _session_key(given[-1], "the X-Session-Id header")
+    if key is not None and key != header:
+        raise ValueError("two session keys: %r by session= and %r by an X-Session-Id header" % (key, header))
+    return [(k, v) for k, v in headers if k.lower() != _SESSION_HEADER.lower()], header
 
 
 def _tls_context(addr: _Address, ssl_context: Any) -> Any:
@@ -4948,11 +4949,9 @@ class _Calls:
         if model is not None and not isinstance(model, str):
             raise TypeError("model must be a str or None")
         self.model = model
-        self._headers = _extra_headers(addr, headers, api_key)
+        # the client's key goes on every request (unless a call gives its own) as the request's, not a header
+        self._headers, self.session = _session_from(_extra_headers(addr, headers, api_key), session)
         self._accept = not any(name.lower() == "accept" for name, _ in self._headers)  # else the caller's
-        self.session = _client_session(self._headers, session)
-        if self.session is not None:  # the client's key: on every request, unless a call gives its own
-            self._headers = [(k, v) for k, v in self._headers if k.lower() != "x-session-id"]
         self.addr = addr
         self.ssl_context = _tls_context(addr, ssl_context)
         self.closed = False
@@ -4965,19 +4964,13 @@ class _Calls:
         requests carry them beside the client's headers (a call's value wins, the ``api_key``'s
         ``Authorization`` and the ``User-Agent`` included; an ``X-Session-Id`` among ``headers`` is the
         call's session key); ``self`` when both are None.  ``TypeError``/``ValueError`` now for what
-        ``Client(headers=...)`` refuses, and for a session key given twice."""
+        ``Client(headers=...)`` refuses, and for two different session keys."""
         if headers is None and session is None:
             return self
         calls = object.__new__(_Calls)
         calls.__dict__.update(self.__dict__)
         if headers is not None:
-            own = _own_headers(self.addr, headers)
-            given = _client_session(own, None)
-            if given is not None:
-                if session is not None and session != given:
-                    raise ValueError("the session key is given twice: by session= and by an X-Session-Id header")
-                session = given
-                own = [(k, v) for k, v in own if k.lower() != "x-session-id"]
+            own, session = _session_from(_own_headers(self.addr, headers), session)
             calls._headers = _merged(self._headers, own)
             calls._accept = not any(name.lower() == "accept" for name, _ in calls._headers)
         if session is not None:

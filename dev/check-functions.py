@@ -13,8 +13,8 @@ How it counts, on the source as written (``ast``):
   takes) do not.  A function nested in another counts in its parent too (it is part of it).
 - **branches**: each ``if`` and ``elif``, each ``for`` and ``while`` (one more for its ``else``), each
   ``except`` clause (one more for a ``try``'s ``else``), each ``case`` of a ``match``; the branches of a
-  nested function or class are its own, not its parent's.  Conditional expressions, comprehensions and
-  ``and``/``or`` are not branches.
+  nested function or class are its own, not its parent's.  each ``and``/``or`` (``a and b or c`` is two); conditional expressions and comprehensions are
+  not branches.
 - **the parsers** are sections 2 to 5 of the file (its numbered banners: the HTTP response, the SSE decoder,
   the assembler and the dialects, the response pump), which take bytes and return values: a state machine
   over bytes is clearer as one loop than split, and their speed is the stream's.  Every other section
@@ -65,6 +65,8 @@ def branches(fn: ast.AST) -> int:
             count += len(node.handlers) + bool(node.orelse)
         elif type(node).__name__ == "match_case":
             count += 1
+        elif isinstance(node, ast.BoolOp):
+            count += len(node.values) - 1
         todo.extend(ast.iter_child_nodes(node))
     return count
 

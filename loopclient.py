@@ -5734,18 +5734,23 @@ class _StreamLife:
             except StreamClosedError as exc:
                 self.loss = exc
                 return self._on_lost
-            if self.queued and pump.received:  # the replay's head came at once; now the slot took it
-                self.queued = False
-                self.started = self.progress = heard
-            if pump.progressed:
-                self.progress = heard
-                if not self.moving:  # data came after a reattach: a later loss is a new one
-                    self.moving, self.silence_tried, self.misses = True, False, 0
+            self._took(heard)
             if events:
                 yield events
             verdict = pump.verdict()
             if verdict is not None:
                 return (yield from self._decide(verdict))
+
+    def _took(self, heard: float) -> None:
+        """The clocks after a read that brought bytes at ``heard``."""
+        pump = self.pump
+        if self.queued and pump.received:  # the replay's head came at once; now the slot took it
+            self.queued = False
+            self.started = self.progress = heard
+        if pump.progressed:
+            self.progress = heard
+            if not self.moving:  # data came after a reattach: a later loss is a new one
+                self.moving, self.silence_tried, self.misses = True, False, 0
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
         """What the pump decided, after the events before it were handed out: the next state."""
@@ -5822,21 +5827,28 @@ class _StreamLife:
         self.loss = StreamClosedError(str(stalled))
         return self._on_lost
 
+    def _on_unknown(self, loss: StreamClosedError) -> Optional[Callable[[], _Plan[Any]]]:
+        """A replay the server answered "not known": ask another server behind the front, at once (up to
+        ``Limits.servers``), or send again a stream of which nothing ever came (the server dropped it
+        before it started: a queued request whose connection had closed); None: neither."""
+        if self.misses + 1 < self.limits.servers:
+            self.misses += 1
+            self.retry = _Retry(str(loss), None, loss)
+            self.moving = True
+            return self._reattach
+        if not self.pump.received and self.req.offset is None:
+            self.retry = _Retry(_DROPPED, None, loss, FRONT)
+            return self._back_off
+        return None
+
     def _on_lost(self) -> _Plan[Any]:
         req, pump, loss = self.req, self.pump, self.loss
         assert loss is not None
         if req.conversation is None:
             raise loss
-        if pump.unknown and self.misses + 1 < self.limits.servers:
-            self.misses += 1  # another server behind the front may have answered: ask again, at once
-            self.retry = _Retry(str(loss), None, loss)
-            self.moving = True
-            return self._reattach
-        if pump.unknown and not pump.received and req.offset is None:
-            # nothing of it ever came, and its server no longer knows it: it dropped the request before it
-            # started (a queued request whose connection had closed), so it is sent again
-            self.retry = _Retry(_DROPPED, None, loss, FRONT)
-            return self._back_off
+        step = self._on_unknown(loss) if pump.unknown else None
+        if step is not None:
+            return step
         if not (pump.streaming or pump.head is None):
             raise loss
         self._use(None)

@@ -13,7 +13,7 @@ How it counts, on the source as written (``ast``):
   takes) do not.  A function nested in another counts in its parent too (it is part of it).
 - **branches**: each ``if`` and ``elif``, each ``for`` and ``while`` (one more for its ``else``), each
   ``except`` clause (one more for a ``try``'s ``else``), each ``case`` of a ``match``; the branches of a
-  nested function or class are its own, not its parent's.  each ``and``/``or`` (``a and b or c`` is two); conditional expressions and comprehensions are
+  nested function or class are its own, not its parent's.  Each ``and``/``or`` (``a and b or c`` is two); conditional expressions and comprehensions are
   not branches.
 - **the parsers** are sections 2 to 5 of the file (its numbered banners: the HTTP response, the SSE decoder,
   the assembler and the dialects, the response pump), which take bytes and return values: a state machine

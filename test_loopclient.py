@@ -327,7 +327,7 @@ class FakeServer:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(self.path)
             self.address = self.path
-        sock.listen(64)
+        sock.listen(1024)  # a crowd of connections at once (hundreds of streams) waits in it
         sock.settimeout(0.05)
         self.listener = sock
         thread = threading.Thread(target=self._accept, args=(sock,), daemon=True)
@@ -11258,7 +11258,9 @@ def gate_problems(gate, queue_len=None, shrunk=False):
                     problems.append(
                         where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank)
                     )
-                if ticket.ahead < lane.in_flight + rank:
+                if not ticket.ahead and lane.known:
+                    problems.append(where + "ticket at %d not judged in a pool of known size" % pos)
+                if ticket.ahead and not shrunk and ticket.ahead < lane.ahead(ticket):
                     problems.append(where + "ticket at %d announced %d, fewer than now" % (pos, ticket.ahead))
     return problems
 
@@ -11353,7 +11355,7 @@ class TestGate(ServerCase):
         wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="two at once over two slots")
         c = start_chat(self.client, "C", None, events, results)
         wait_for(lambda: events["C"])
-        self.assertEqual(events["C"], [lc.Queued(2)])
+        self.assertEqual(events["C"], [lc.Queued(1)])  # the first waiter of a full pool of two: one to end
         self.assertFalse(keeper.arrived("C"))
         for marker in "ABC":
             keeper.release(marker)
@@ -11716,7 +11718,7 @@ class TestGateHandover(unittest.TestCase):
         self.assertEqual([t.granted for t in waiting], [True, True, False])
         self.assertEqual([w.signals for w in wakers], [1, 1, 0])
         self.assertFalse(late.granted)
-        self.assertEqual(late.ahead, 4)  # three in flight, one queued before it
+        self.assertEqual(late.ahead, 2)  # a full pool, one queued before it
         self.assertEqual(gate.snapshot()[key], (3, 2))
         stale = gate.enter(key, 1)  # a caller that had not heard /props yet does not shrink the pool
         self.assertEqual(gate._lanes[key].capacity, 3)
@@ -11763,19 +11765,22 @@ class TestGateResize(unittest.TestCase):
     def test_a_larger_pool_admits_the_waiters_that_fit_in_order_and_wakes_only_them(self):
         gate = lc._Gate(threading.Lock(), 8)
         key = (None, None)
-        first = gate.enter(key, 1)  # no answer yet: a pool of one
+        first = gate.enter(key, None)  # no answer yet: one goes, every server has a slot
+        self.assertTrue(first.granted)
         wakers = [CountingRun() for _ in range(4)]
-        waiting = [gate.enter(key, 1, w) for w in wakers]
-        self.assertEqual([t.ahead for t in waiting], [1, 2, 3, 4])
-        gate.resize(key, 3)
+        waiting = [gate.enter(key, None, w) for w in wakers]
+        self.assertEqual([t.ahead for t in waiting], [0, 0, 0, 0])  # not judged: nothing to announce
+        self.assertEqual(gate_problems(gate), [])
+        gate.resize(key, 3)  # two admitted, the other two judged against a pool of three: each woken once
         self.assertEqual([t.granted for t in waiting], [True, True, False, False])
-        self.assertEqual([w.signals for w in wakers], [1, 1, 0, 0])
+        self.assertEqual([t.ahead for t in waiting[2:]], [1, 2])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 1, 1])
         self.assertEqual(gate.snapshot()[key], (3, 2))
-        self.assertEqual([gate.position(t) for t in waiting[2:]], [3, 4])  # as announced: not increased
+        self.assertEqual([gate.position(t) for t in waiting[2:]], [1, 2])
         self.assertEqual(gate_problems(gate), [])
         gate.leave(first)
         self.assertEqual([t.granted for t in waiting], [True, True, True, False])
-        self.assertEqual([w.signals for w in wakers], [1, 1, 1, 0])
+        self.assertEqual([w.signals for w in wakers], [1, 1, 2, 1])
         for ticket in waiting:
             gate.leave(ticket)
         self.assertEqual(gate.snapshot()[key], (0, 0))
@@ -11786,11 +11791,11 @@ class TestGateResize(unittest.TestCase):
         held = [gate.enter(key, 3) for _ in range(3)]
         waker = CountingRun()
         late = gate.enter(key, 3, waker)
-        self.assertEqual(late.ahead, 3)
+        self.assertEqual(late.ahead, 1)  # the first waiter of a full pool
         gate.resize(key, 1)
         self.assertTrue(all(t.granted and not t.left for t in held))  # the requests in flight go on
         self.assertEqual(gate.snapshot()[key], (3, 1))
-        self.assertEqual(gate.position(late), 3)
+        self.assertEqual(gate.position(late), 3)  # three to end now (its announcement does not grow)
         self.assertEqual(gate_problems(gate, shrunk=True), [])
         newer = gate.enter(key, 1)  # queued behind: nobody is admitted while three are in flight
         self.assertFalse(newer.granted)
@@ -11806,6 +11811,48 @@ class TestGateResize(unittest.TestCase):
         for ticket in (late, newer):
             gate.leave(ticket)
         self.assertEqual(gate.snapshot()[key], (0, 0))
+
+    def test_waiters_before_the_size_are_judged_against_it(self):
+        """Nobody is refused, nor told a place, against a size nobody measured: the waiters that came
+        before the answer are judged by it, in order; with ``queue_len`` 0, exactly those past the pool are
+        refused, each woken once; a probe that failed judges them against a pool of one."""
+        for queue_len, answer, granted, told, refused in (
+            (0, 500, 6, [], 0),
+            (0, 2, 2, [], 4),
+            (1, 2, 2, [1], 3),
+            (2, None, 1, [1, 2], 3),
+        ):
+            with self.subTest(queue_len=queue_len, answer=answer):
+                gate = lc._Gate(threading.Lock(), queue_len)
+                key = (None, None)
+                wakers = [CountingRun() for _ in range(6)]
+                tickets = [gate.enter(key, None, w) for w in wakers]  # no BusyError while the size is unknown
+                self.assertEqual([t.granted for t in tickets], [True] + [False] * 5)
+                self.assertEqual([t.ahead for t in tickets], [0] * 6)
+                gate.resize(key, answer)
+                self.assertEqual(sum(t.granted for t in tickets), granted)
+                waiting = [t for t in tickets if not t.granted and t.refused is None]
+                self.assertEqual([t.ahead for t in waiting], told)
+                out = [t for t in tickets if t.refused is not None]
+                self.assertEqual(len(out), refused)
+                self.assertEqual(tickets[len(tickets) - refused :], out)  # the last ones: first come first
+                for ticket in out:
+                    exc = ticket.refused
+                    self.assertEqual((exc.slot, exc.queue_len, exc.waiting), (None, queue_len, queue_len))
+                    self.assertIn("already wait for any slot (queue_len %d)" % queue_len, str(exc))
+                self.assertEqual([w.signals for w in wakers[1:]], [1] * 5)
+                self.assertEqual(gate.snapshot()[key], (granted, len(told)))
+                self.assertEqual(gate_problems(gate), [])
+                late = None
+                if answer == 500:
+                    late = gate.enter(key, None)
+                    self.assertTrue(late.granted)
+                else:  # known now: the next is judged at once, and the queue is full
+                    with self.assertRaises(lc.BusyError):
+                        gate.enter(key, None)
+                for ticket in tickets + ([late] if late else []):
+                    gate.leave(ticket)  # a refused ticket has left already: nothing changes
+                self.assertEqual(gate.snapshot()[key], (0, 0))
 
     def test_a_resize_before_anyone_entered_sizes_the_pool(self):
         """The request that asked was cancelled before it entered, or read the size just before the
@@ -11852,9 +11899,8 @@ class TestGateResize(unittest.TestCase):
             self.assertTrue(all(t.granted and not t.left for t in held))
             self.assertTrue(not queued or lane.in_flight >= capacity, "a free permit with waiters, step %d" % step)
             for rank, ticket in enumerate(queued):
-                self.assertEqual(gate.position(ticket), lane.in_flight + rank)
-                self.assertLessEqual(gate.position(ticket), ticket.ahead)  # never more than was announced
-                ticket.ahead = gate.position(ticket)  # what the waiter would announce at its next poll
+                self.assertEqual(gate.position(ticket), rank + 1 + max(len(held) - capacity, 0))
+                ticket.ahead = min(ticket.ahead, gate.position(ticket))  # what the waiter would announce next
             self.assertEqual(gate_problems(gate, shrunk=True), [], "step %d" % step)
         for ticket in queued + held:
             gate.leave(ticket)
@@ -11863,9 +11909,9 @@ class TestGateResize(unittest.TestCase):
 
 class TestPoolProbe(VirtualFactory, ServerCase):
     """``slot=None`` without ``Limits.pool``: the pool's size is asked of ``/props`` in the background.  The
-    request goes to the server as soon as the gate lets it go, sized from what is known (1 until an
-    answer), and the answer resizes the gate when it comes; a failed one leaves 1, and the next request
-    asks again.  At no moment are more requests at the server than the pool."""
+    first request goes to the server at once; the others wait, unjudged (no ``Queued``, no refusal), until
+    the answer sizes the pool and judges them; a failed one leaves a pool of one, and the next request asks
+    again.  At no moment are more requests at the server than the pool."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0, queue_len=8)
 
@@ -11888,14 +11934,19 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         with self.server.lock:
             return [r for r in self.server.requests if r.path == path]
 
+    def in_gate(self, client=None):
+        """The slot=None requests in the gate: in flight and waiting (none before an AsyncClient's first run)."""
+        return on_board(
+            client or self.client, lambda b: 0 if b is None else sum(b.gate.snapshot().get((None, None), (0, 0)))
+        )
+
     def start(self, keeper, markers, events, results, **params):
-        """Start a slot=None chat per marker, each once it is at the server or queued."""
+        """Start a slot=None chat per marker, each once it is in the gate (at the server, or waiting)."""
         threads = []
         for marker in markers:
+            before = self.in_gate()
             threads.append(start_chat(self.client, marker, None, events, results, **params))
-            wait_for(
-                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in events[m]), what=marker
-            )
+            wait_for(lambda m=marker: keeper.arrived(m) or self.in_gate() > before, what=marker)
         return threads
 
     def stream_in_thread(self, marker):
@@ -11939,9 +11990,9 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         events, results = {}, {}
         threads = self.start(keeper, "ABCDE", events, results)
         gate = self.client._board.gate
-        self.assertEqual([m for _, m in keeper.order], ["A"])  # no answer yet: a pool of one
+        self.assertEqual([m for _, m in keeper.order], ["A"])  # no answer yet: one goes
         self.assertEqual(gate.snapshot()[(None, None)], (1, 4))
-        self.assertEqual([self.queued(events[m]) for m in "BCDE"], [[1], [2], [3], [4]])
+        self.assertEqual([self.queued(events[m]) for m in "BCDE"], [[]] * 4)  # nothing measured: no place told
         release.set()
         wait_for(lambda: keeper.arrived("B") and keeper.arrived("C"), what="B and C, admitted by the answer")
         order = [m for _, m in keeper.order]  # B and C were let go together: their threads race to the server
@@ -11959,13 +12010,84 @@ class TestPoolProbe(VirtualFactory, ServerCase):
             thread.join(10)
         self.assertEqual([m for _, m in keeper.order][3:], ["D", "E"])
         self.assertEqual([results[m].content for m in "ABCDE"], list("ABCDE"))
-        self.assertEqual(self.queued(events["A"]), [])
-        for marker, first in zip("BCDE", (1, 2, 3, 4)):
+        self.assertEqual([self.queued(events[m]) for m in "ABC"], [[], [], []])  # sent once the answer came
+        for marker, first in zip("DE", (1, 2)):  # judged by the answer: the first waiters of a full pool
             ahead = self.queued(events[marker])
             self.assertEqual(ahead[0], first, marker)
             self.assertEqual(ahead, sorted(set(ahead), reverse=True), marker)  # never repeated or increased
         self.assertEqual(len(self.sent("/props")), 1)
         self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
+
+    def crowd(self, total, n=500):
+        """``n`` slot=None chats started together with ``queue_len=0`` ("fail fast instead of queueing"),
+        ``/props`` answering ``total_slots: total`` once all are in the gate, each chat held at the server
+        until released: nobody was refused, nor told a place, before the answer (the probe's own timeout,
+        ``liveness``, is long here: a probe that fails judges them against a pool of one).  Returns (keeper,
+        markers, events, results, threads)."""
+        release = self.event()
+        self.props_when(release, {"total_slots": total})
+        client = self.new_client(
+            self.server.address, limits=self.limits.replace(queue_len=0, load_wait=60.0, liveness=60.0)
+        )
+        self.closers.append(client.close)
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        markers = ["m%03d" % i for i in range(n)]
+        threads = [start_chat(client, m, None, events, results) for m in markers]
+        wait_for(lambda: results or (self.in_gate(client) == n and keeper.order), 60, "all %d in the gate" % n)
+        self.assertEqual(results, {})  # none refused against a size nobody measured
+        self.assertEqual(len(keeper.order), 1)  # one went at once; the others wait for the size
+        self.assertEqual([e for m in markers for e in events[m] if isinstance(e, lc.Queued)], [])
+        release.set()
+        return keeper, markers, events, results, threads
+
+    def finish(self, keeper, markers, threads):
+        for marker in markers:
+            keeper.release(marker)
+        for thread in threads:
+            thread.join(30)
+
+    def test_queue_len_0_on_a_free_server_refuses_nobody_while_the_size_is_unknown(self):
+        keeper, markers, events, results, threads = self.crowd(500)
+        wait_for(lambda: len(keeper.order) == 500, 60, "all 500 at the server once /props said 500")
+        self.finish(keeper, markers, threads)
+        self.assertEqual([getattr(results[m], "content", results[m]) for m in markers], markers)
+        self.assertEqual([e for m in markers for e in events[m] if isinstance(e, lc.Queued)], [])
+
+    def test_queue_len_0_on_two_slots_refuses_the_rest_once_the_size_is_known(self):
+        keeper, markers, events, results, threads = self.crowd(2)
+        # the refused hear it as the answer comes; the one admitted beside the first is on its way
+        wait_for(
+            lambda: len(results) == 498 and len(keeper.order) == 2, 60, "498 refused and 2 sent once /props said 2"
+        )
+        refused = [m for m in markers if isinstance(results.get(m), lc.BusyError)]
+        self.assertEqual(len(refused), 498)
+        self.assertEqual({(results[m].queue_len, results[m].waiting) for m in refused}, {(0, 0)})
+        self.finish(keeper, markers, threads)
+        served = [m for m in markers if m not in refused]
+        self.assertEqual(sorted(m for _, m in keeper.order), served)
+        self.assertEqual([results[m].content for m in served], served)
+        self.assertEqual([e for m in markers for e in events[m] if isinstance(e, lc.Queued)], [])
+
+    def test_two_on_two_slots_hear_no_queued_and_a_third_hears_one_ahead(self):
+        release = self.event()
+        self.props_when(release, {"total_slots": 2})
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        threads = self.start(keeper, "A", events, results)
+        wait_for(lambda: keeper.arrived("A"), what="A, sent at once")
+        threads += self.start(keeper, "B", events, results)
+        self.assertEqual([m for _, m in keeper.order], ["A"])  # B waits for the size, unjudged
+        release.set()
+        wait_for(lambda: keeper.arrived("B"), what="B, once the pool is known to hold two")
+        threads += self.start(keeper, "C", events, results)
+        wait_for(lambda: events["C"], what="C queued")
+        self.assertEqual(events["C"], [lc.Queued(1)])  # the first waiter of a full pool: one to end
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("C"), what="C, in A's place")
+        self.finish(keeper, "BC", threads)
+        self.assertEqual([results[m].content for m in "ABC"], list("ABC"))
+        self.assertEqual([self.queued(events[m]) for m in "ABC"], [[], [], [1]])
 
     def burst(self, models, pools, markers, hold=0.2, answer_at=0.3):
         """The ``markers`` as slot=None chats at once, routed in turn to ``models`` (None: the server's own),
@@ -12033,9 +12155,11 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         keeper = Gatekeeper(self.server)
         events, results = {}, {}
         threads = self.start(keeper, "AB", events, results)
-        self.assertEqual(self.queued(events["B"]), [1])
-        release.set()  # the probe fails: nobody waited for it, nothing changes
-        wait_for(lambda: first and not on_board(self.client, lambda b: b.asking), what="the failed probe")
+        self.assertEqual(self.queued(events["B"]), [])  # waits for the answer, unjudged
+        release.set()  # the probe fails: B is judged against a pool of one
+        wait_for(lambda: self.queued(events["B"]) == [1], what="B judged after the failed probe")
+        self.assertTrue(first)
+        wait_for(lambda: not on_board(self.client, lambda b: b.asking), what="the failed probe")
         self.assertEqual(client_pools(self.client), {})
         self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (1, 1))
         keeper.release("A")
@@ -12057,18 +12181,16 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         self.props_when(release)  # total_slots 3
         keeper = Gatekeeper(self.server)
         streams = {}
-        for marker in "ABC":  # A starts the probe and is sent; B and C wait for a pool of one
+        for marker in "ABC":  # A starts the probe and is sent; B and C wait for its answer
+            before = self.in_gate()
             streams[marker] = self.stream_in_thread(marker)
-            wait_for(
-                lambda m=marker: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in streams[m][1]), what=marker
-            )
-        self.assertEqual([self.queued(streams[m][1]) for m in "ABC"], [[], [1], [2]])
+            wait_for(lambda m=marker: keeper.arrived(m) or self.in_gate() > before, what=marker)
         gate = self.client._board.gate
         streams["B"][0].cancel()  # a waiter leaves the queue; C moves up
         streams["B"][2].join(5)
         self.assertIsInstance(streams["B"][1][-1], lc.CancelledError)
         self.assertEqual(gate.snapshot()[(None, None)], (1, 1))
-        wait_for(lambda: self.queued(streams["C"][1]) == [2, 1], what="C to hear it moved up")
+        self.assertEqual([self.queued(streams[m][1]) for m in "ABC"], [[], [], []])  # nothing was measured
         streams["A"][0].cancel()  # the request that started the probe: its permit goes to C
         streams["A"][2].join(5)
         self.assertIsInstance(streams["A"][1][-1], lc.CancelledError)
@@ -12078,7 +12200,10 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         release.set()
         wait_for(lambda: client_pools(self.client) == {None: 3}, what="the answer of the probe A started")
         events, results = {}, {}
-        threads = self.start(keeper, "DE", events, results)  # beside C: a pool of three
+        threads = []
+        for marker in "DE":  # beside C: a pool of three, each sent at once
+            threads += self.start(keeper, marker, events, results)
+            wait_for(lambda m=marker: keeper.arrived(m), what=marker + " beside C")
         self.assertEqual([m for _, m in keeper.order], ["A", "C", "D", "E"])
         self.assertEqual((self.queued(events["D"]), self.queued(events["E"])), ([], []))
         for marker in "CDE":
@@ -12093,6 +12218,9 @@ class TestPoolProbe(VirtualFactory, ServerCase):
 
 TestPoolProbeSockets, TestPoolProbeSocketsAsync = on_sockets(
     TestPoolProbe,
+    "test_queue_len_0_on_a_free_server_refuses_nobody_while_the_size_is_unknown",
+    "test_queue_len_0_on_two_slots_refuses_the_rest_once_the_size_is_known",
+    "test_two_on_two_slots_hear_no_queued_and_a_third_hears_one_ahead",
     "test_a_props_that_never_answers_does_not_delay_the_request",
     "test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order",
     "test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool",
@@ -13448,7 +13576,7 @@ class TestFaultProxies(_f_Case):
         wait_for(lambda: all(keeper.arrived(m) for m in "ABC"), what="three in flight at once")
         fourth = start_chat(client, "D", None, events, results)
         wait_for(lambda: events["D"], what="D queued")
-        self.assertEqual(events["D"], [lc.Queued(3)])
+        self.assertEqual(events["D"], [lc.Queued(1)])
         for marker in "ABCD":
             keeper.release(marker)
         for thread in threads + [fourth]:
@@ -13464,7 +13592,7 @@ class TestFaultProxies(_f_Case):
         wait_for(lambda: all(keeper.arrived(m) for m in "ABCD"), what="four in flight at once")
         fifth = start_chat(self.client, "E", None, events, results)
         wait_for(lambda: events["E"], what="E queued")
-        self.assertEqual(events["E"], [lc.Queued(4)])
+        self.assertEqual(events["E"], [lc.Queued(1)])
         for marker in "ABCDE":
             keeper.release(marker)
         for thread in threads + [fifth]:
@@ -17305,12 +17433,12 @@ class TestDifferential(_f_Case):
                 n = size or len(server.busy)  # without Limits.pool: /props's total_slots
                 first = [chr(ord("a") + i) for i in range(n)]
                 last = chr(ord("a") + n)
-                steps = first + [last] + ["-" + m for m in first + [last]]  # the last one waits, Queued(n)
-                if size is None:  # until /props answers the pool holds one: the second would wait a moment
+                steps = first + [last] + ["-" + m for m in first + [last]]  # the last one waits, Queued(1)
+                if size is None:  # until /props answers only the first goes: the second would wait a moment
                     steps.insert(1, "=")
                 outcomes = self._d_held(kind, make, server, limits, None, steps)
                 self.assertEqual([o[1].content for o in outcomes], first + [last])
-                self.assertEqual([e for e in outcomes[-1][0] if isinstance(e, lc.Queued)], [lc.Queued(n)])
+                self.assertEqual([e for e in outcomes[-1][0] if isinstance(e, lc.Queued)], [lc.Queued(1)])
                 return outcomes
 
             return scenario
@@ -21834,7 +21962,7 @@ class TestFaultFronts(_f_Case):
         wait_for(lambda: all(keeper.arrived(m) for m in "ABCD"), what="four in flight at once (2 servers x 2 slots)")
         fifth = start_chat(client, "E", None, events, results)
         wait_for(lambda: events["E"], what="E queued")
-        self.assertEqual(events["E"], [lc.Queued(4)])
+        self.assertEqual(events["E"], [lc.Queued(1)])
         for marker in "ABCDE":
             keeper.release(marker)
         for thread in threads + [fifth]:
@@ -21957,6 +22085,35 @@ class TestFaultFronts(_f_Case):
         completion, events = self.collect(resumable="conv-1")
         self.assertEqual(buf.methods(), ["POST", "LOOKUP", "LOOKUP", "POST"])
         self.assertEqual(completion, whole)
+
+    def test_a_stream_its_server_forgot_ends_in_one_error_whichever_answer_said_so(self):
+        """Data came, the connection was lost, and the server no longer knows the stream: told by the
+        replay's 404, or by a lookup (after the front's 504 to the replay) without it.  One rule: the same
+        StreamClosedError, worded the same but for the answer that said so, and the stream deleted."""
+        raw = load_transcript("04_chat_stream.raw.txt")
+        cut = len(STREAM_HEAD) + 900
+        errors = []
+        for gets, lookups, why in (
+            ([_FR_GONE_404], [], "(it restarted, or the stream expired; HTTP 404: File Not Found)"),
+            ([front_answer("nginx 504")], [http_response(b"[]")], "; the lookup after: HTTP 504 from nginx"),
+        ):
+            buf = _FrontBuffer(self.server, raw, gets=gets, lookups=lookups, cuts=[cut])
+            err = self._f_fails(
+                lc.StreamClosedError,
+                fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
+            )
+            text = str(err)
+            self.assertTrue(
+                text.startswith(
+                    "the stream could not be resumed: the server no longer knows it (it restarted, or the stream "
+                    "expired; "
+                ),
+                text,
+            )
+            self.assertIn(why, text)
+            self.assertEqual(buf.methods(), ["POST", "GET"] + ["LOOKUP"] * bool(lookups) + ["DELETE"])
+            errors.append(type(err))
+        self.assertEqual(errors, [lc.StreamClosedError, lc.StreamClosedError])
 
 
 TestFaultFrontsSockets, TestFaultFrontsSocketsAsync = on_sockets(

@@ -4369,12 +4369,11 @@ class _SlotReader:
     def state(
         self, slots: Optional[List[Slot]], slot: Optional[int], every: bool, address: str
     ) -> Tuple[str, Optional[WedgedSlotError]]:
-        """The state of ``slot`` (``None``: the pool) in an answer (``None``: no answer) and, when it is
-        wedged, the error that says so.  ``every``: the pool is busy only when every slot is (else: any)."""
-        if slots is None:
+        """The state of ``slot`` (``None``: the pool) in an answer (``None``: no answer; an answer without a
+        slot is a server not ready, as a router's model that loads) and, when it is wedged, the error that
+        says so.  ``every``: the pool is busy only when every slot is (else: any)."""
+        if not slots:  # no answer; or no slot at all: a router's model that is still loading
             return UNAVAILABLE, None
-        if not slots:
-            return IDLE, None
         if slot is not None:
             target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
             mine = [s for s in slots if s.id == target]
@@ -6269,7 +6268,7 @@ class _Conn:
             return
         host, port = addr.target
         failed = OSError("getaddrinfo returns an empty list")  # type: Optional[OSError]  # as create_connection
-        for family, kind, proto, _, target in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        for family, kind, proto, _, target in self._resolve(host, port, timeout):
             try:  # each address in turn, as socket.create_connection tries them
                 self._dial(socket.socket(family, kind, proto), target, timeout)
                 failed = None
@@ -6286,6 +6285,37 @@ class _Conn:
             pass
         if addr.tls:
             self._handshake(addr, ssl_context)
+
+    def _resolve(self, host: str, port: int, timeout: float) -> List[Any]:
+        """``getaddrinfo`` within the connect's ``timeout`` (``socket.timeout`` past it), a cancel seen within
+        0.1 s: a numeric address at once; a host name in a thread of its own, since the system's resolver
+        cannot be interrupted.  A thread that outlives the wait ends when the resolver answers (its own
+        timeout, a few seconds in resolv.conf) and keeps nothing."""
+        try:
+            return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+        except socket.gaierror:
+            pass  # a name: look it up
+        answer = []  # type: List[Any]
+        done = threading.Event()
+
+        def look_up() -> None:
+            try:
+                answer.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+            except OSError as exc:
+                answer.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=look_up, name="loopclient-resolver", daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not done.wait(max(0.0, min(deadline - time.monotonic(), 0.1))):
+            if self._stopped():
+                raise _cancelled()
+            if time.monotonic() >= deadline:
+                raise socket.timeout("timed out looking up %s" % host)
+        if isinstance(answer[0], OSError):
+            raise answer[0]
+        return answer[0]  # type: ignore[no-any-return]
 
     def _stopped(self) -> bool:
         """The run was cancelled, and this is not the connection of its shielded last words (the DELETE of
@@ -7434,7 +7464,8 @@ class _AsyncConn:
         and report a connection that is not there).  TCP is the loop's connect (and TLS handshake) as a task
         of the board, which the run parks on until it is done, the run is cancelled (its shielded last
         words aside) or ``timeout`` passes; a host name is resolved by the loop's ``getaddrinfo``, in the
-        loop's default executor (a thread)."""
+        loop's default executor (a thread).  That wait times the TLS handshake too: asyncio's own
+        ``ssl_handshake_timeout``, at the same moment, could end it first as an ``OSError``."""
         run = self.owner
         board = run.board
         protocol = self  # type: Any  # duck-typed: see the class
@@ -7457,7 +7488,6 @@ class _AsyncConn:
                 port,
                 ssl=tls,
                 server_hostname=host if tls is not None else None,
-                ssl_handshake_timeout=timeout if tls is not None else None,
             )
         )
         task.add_done_callback(lambda _: run.signal())

@@ -11976,6 +11976,24 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         # the next request asked again (in the background: its /props may reach the server after its answer)
         wait_for(lambda: len(self.sent("/props")) == 2, 10, "the second /props")
 
+    def test_a_props_that_never_answers_judges_the_waiters_after_liveness(self):
+        """The probe's own timeout (``liveness``) ends the wait for a size: the waiters are judged against a
+        pool of one (B hears ``Queued(1)`` then, not before), and go in turn."""
+        self.props_when(self.event())
+        keeper = Gatekeeper(self.server)
+        events, results = {}, {}
+        t = Timer()
+        threads = self.start(keeper, "AB", events, results)
+        wait_for(lambda: self.queued(events["B"]), 10, "B judged")
+        self.assertElapsed(t.elapsed, self.limits.liveness)
+        self.assertEqual((self.queued(events["B"]), [m for _, m in keeper.order]), ([1], ["A"]))
+        keeper.release("A")
+        wait_for(lambda: keeper.arrived("B"), what="B, in A's place")
+        keeper.release("B")
+        for thread in threads:
+            thread.join(10)
+        self.assertEqual([results[m].content for m in "AB"], ["A", "B"])
+
     def test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order(self):
         release = self.event()
         self.props_when(release)  # total_slots 3

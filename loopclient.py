@@ -311,6 +311,14 @@ class WedgedSlotError(StalledError):
 # than ``socket``, ``json`` and ``threading`` together.
 
 _set = object.__setattr__
+
+
+def _fill(obj: _Value, values: Dict[str, Any]) -> None:
+    """Set each field of ``obj`` from ``values`` (an ``__init__``'s ``locals()``)."""
+    for name in obj.__match_args__:
+        _set(obj, name, values[name])
+
+
 if TYPE_CHECKING:
     _V = TypeVar("_V", bound="_Value")
 
@@ -385,9 +393,7 @@ class Waiting(_Value):
     slots_known: bool
 
     def __init__(self, slot_busy: bool, wedged: bool = False, slots_known: bool = True) -> None:
-        _set(self, "slot_busy", slot_busy)
-        _set(self, "wedged", wedged)
-        _set(self, "slots_known", slots_known)
+        _fill(self, locals())
 
 
 class Retrying(_Value):
@@ -401,9 +407,7 @@ class Retrying(_Value):
     reason: str
 
     def __init__(self, attempt: int, delay: float, reason: str) -> None:
-        _set(self, "attempt", attempt)
-        _set(self, "delay", delay)
-        _set(self, "reason", reason)
+        _fill(self, locals())
 
 
 class Resumed(_Value):
@@ -416,8 +420,7 @@ class Resumed(_Value):
     attempt: int
 
     def __init__(self, offset: int, attempt: int) -> None:
-        _set(self, "offset", offset)
-        _set(self, "attempt", attempt)
+        _fill(self, locals())
 
 
 class Reasoning(_Value):
@@ -429,8 +432,7 @@ class Reasoning(_Value):
     choice: int
 
     def __init__(self, text: str, choice: int = 0) -> None:
-        _set(self, "text", text)
-        _set(self, "choice", choice)
+        _fill(self, locals())
 
 
 class Content(_Value):
@@ -442,8 +444,7 @@ class Content(_Value):
     choice: int
 
     def __init__(self, text: str, choice: int = 0) -> None:
-        _set(self, "text", text)
-        _set(self, "choice", choice)
+        _fill(self, locals())
 
 
 class ToolCall(_Value):
@@ -459,11 +460,7 @@ class ToolCall(_Value):
     choice: int
 
     def __init__(self, index: int, id: Optional[str], name: Optional[str], arguments: str, choice: int = 0) -> None:
-        _set(self, "index", index)
-        _set(self, "id", id)
-        _set(self, "name", name)
-        _set(self, "arguments", arguments)
-        _set(self, "choice", choice)
+        _fill(self, locals())
 
 
 class ThinkingCapped(_Value):
@@ -490,10 +487,7 @@ class Progress(_Value):
     time_ms: float
 
     def __init__(self, processed: int, total: int, cache: int, time_ms: float) -> None:
-        _set(self, "processed", processed)
-        _set(self, "total", total)
-        _set(self, "cache", cache)
-        _set(self, "time_ms", time_ms)
+        _fill(self, locals())
 
 
 class Chunk(_Value):
@@ -522,30 +516,15 @@ class ModelEvent(_Value):
     data: Optional[Dict[str, Any]]
 
     def __init__(self, model: str, event: str, data: Optional[Dict[str, Any]] = None) -> None:
-        _set(self, "model", model)
-        _set(self, "event", event)
-        _set(self, "data", data)
+        _fill(self, locals())
 
 
-class Response(_Value):
-    """A whole answer as the server gave it (``fetch()``), whatever its status: ``status`` (int),
-    ``reason`` (the status line's phrase), ``headers`` (``(lower-case name, value)`` pairs in arrival
-    order, as ``ResponseHead.headers``; a tuple), ``body`` (bytes: empty for ``HEAD``, 204 and 304).
-    ``get()`` and ``get_all()`` read a header as ``ResponseHead``'s do; ``text()`` and ``json()`` read
-    the body.  ``repr`` shows at most the first 80 bytes of the body."""
+class _Headers:
+    """``get()`` and ``get_all()`` of ``Response`` and ``ResponseHead``: ``headers`` holds ``(lower-case name,
+    value)`` pairs in arrival order."""
 
-    __match_args__ = ("status", "reason", "headers", "body")
-    __slots__ = __match_args__
-    status: int
-    reason: str
-    headers: Tuple[Tuple[str, str], ...]
-    body: bytes
-
-    def __init__(self, status: int, reason: str, headers: Sequence[Tuple[str, str]], body: bytes) -> None:
-        _set(self, "status", status)
-        _set(self, "reason", reason)
-        _set(self, "headers", tuple((name.lower(), value) for name, value in headers))
-        _set(self, "body", bytes(body))
+    __slots__ = ()
+    headers: Sequence[Tuple[str, str]]
 
     def get(self, name: str) -> Optional[str]:
         """The last value of header ``name`` (case-insensitive), or None."""
@@ -560,6 +539,26 @@ class Response(_Value):
         """Every value of header ``name`` (case-insensitive), in arrival order."""
         name = name.lower()
         return [value for key, value in self.headers if key == name]
+
+
+class Response(_Value, _Headers):
+    """A whole answer as the server gave it (``fetch()``), whatever its status: ``status`` (int),
+    ``reason`` (the status line's phrase), ``headers`` (``(lower-case name, value)`` pairs in arrival
+    order, as ``ResponseHead.headers``; a tuple), ``body`` (bytes: empty for ``HEAD``, 204 and 304).
+    ``get()`` and ``get_all()`` read a header as ``ResponseHead``'s do; ``text()`` and ``json()`` read
+    the body.  ``repr`` shows at most the first 80 bytes of the body."""
+
+    __match_args__ = ("status", "reason", "headers", "body")
+    __slots__ = __match_args__
+    status: int
+    reason: str
+    headers: Tuple[Tuple[str, str], ...]
+    body: bytes
+
+    def __init__(self, status: int, reason: str, headers: Sequence[Tuple[str, str]], body: bytes) -> None:
+        headers = tuple((name.lower(), value) for name, value in headers)
+        body = bytes(body)
+        _fill(self, locals())
 
     def text(self) -> str:
         """The body as UTF-8, what does not decode replaced (U+FFFD)."""
@@ -617,9 +616,7 @@ class ToolCallResult(_Value):
     arguments: str
 
     def __init__(self, id: Optional[str], name: Optional[str], arguments: str) -> None:
-        _set(self, "id", id)
-        _set(self, "name", name)
-        _set(self, "arguments", arguments)
+        _fill(self, locals())
 
     def to_dict(self) -> Dict[str, Any]:
         """``{"id", "name", "arguments"}``."""
@@ -663,14 +660,7 @@ class Choice(_Value):
         reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
         tokens: Optional[List[int]] = None,
     ) -> None:
-        _set(self, "index", index)
-        _set(self, "content", content)
-        _set(self, "reasoning", reasoning)
-        _set(self, "tool_calls", tool_calls)
-        _set(self, "finish_reason", finish_reason)
-        _set(self, "logprobs", logprobs)
-        _set(self, "reasoning_logprobs", reasoning_logprobs)
-        _set(self, "tokens", tokens)
+        _fill(self, locals())
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict of the fields."""
@@ -739,21 +729,10 @@ class Completion(_Value):
         tokens: Optional[List[int]] = None,
     ) -> None:
         """``choices`` defaults to the one choice that the other fields describe."""
-        _set(self, "id", id)
-        _set(self, "model", model)
-        _set(self, "content", content)
-        _set(self, "reasoning", reasoning)
-        _set(self, "tool_calls", tool_calls)
-        _set(self, "finish_reason", finish_reason)
-        _set(self, "usage", usage)
-        _set(self, "timings", timings)
-        _set(self, "reasoning_tokens", reasoning_tokens)
-        _set(self, "thinking_capped", thinking_capped)
         if choices is None:
             choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None, None, tokens),)
-        _set(self, "choices", tuple(choices))
-        _set(self, "final", final)
-        _set(self, "tokens", tokens)
+        choices = tuple(choices)
+        _fill(self, locals())
 
     @property
     def logprobs(self) -> Optional[List[Dict[str, Any]]]:
@@ -793,12 +772,7 @@ class Slot(_Value):
         decoded: Optional[int] = None,
         prompt_processed: Optional[int] = None,
     ) -> None:
-        _set(self, "id", id)
-        _set(self, "is_processing", is_processing)
-        _set(self, "raw", raw)
-        _set(self, "task", task)
-        _set(self, "decoded", decoded)
-        _set(self, "prompt_processed", prompt_processed)
+        _fill(self, locals())
 
 
 _INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body", "pool", "keep_alive", "servers")
@@ -912,8 +886,7 @@ class Limits(_Value):
         for name in ("poll", "liveness", "max_line", "max_body", "pool", "servers"):
             if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
-        for name in self.__match_args__:
-            _set(self, name, values[name])
+        _fill(self, values)
 
 
 # =====================================================================================================
@@ -958,7 +931,7 @@ def encode_request(
     return head + body if body is not None else head
 
 
-class ResponseHead:
+class ResponseHead(_Headers):
     """A parsed status line and header block."""
 
     __slots__ = ("version", "status", "reason", "headers")
@@ -969,19 +942,6 @@ class ResponseHead:
         self.reason = reason
         #: (lower-case name, value) pairs in arrival order
         self.headers = headers
-
-    def get(self, name: str) -> Optional[str]:
-        """The last value of header ``name`` (case-insensitive), or None."""
-        name = name.lower()
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
-
-    def get_all(self, name: str) -> List[str]:
-        name = name.lower()
-        return [value for key, value in self.headers if key == name]
 
     def __repr__(self) -> str:
         return "ResponseHead(%s %d %s)" % (self.version, self.status, self.reason)

@@ -592,17 +592,17 @@ _set_reasoning_text = Reasoning.__dict__["text"].__set__
 _set_reasoning_choice = Reasoning.__dict__["choice"].__set__
 
 
-def _new_content(text: str) -> Content:
+def _new_content(text: str, choice: int = 0) -> Content:
     event = _new_object(Content)
     _set_content_text(event, text)
-    _set_content_choice(event, 0)
+    _set_content_choice(event, choice)
     return event
 
 
-def _new_reasoning(text: str) -> Reasoning:
+def _new_reasoning(text: str, choice: int = 0) -> Reasoning:
     event = _new_object(Reasoning)
     _set_reasoning_text(event, text)
-    _set_reasoning_choice(event, 0)
+    _set_reasoning_choice(event, choice)
     return event
 
 
@@ -1741,28 +1741,25 @@ def _error_from(err: Any) -> ServerError:
 
 
 class _ChoiceState:
-    """What one choice (one ``index``) has assembled so far."""
+    """What one choice (one ``index``) has assembled so far; ``final`` is its closing object, if any."""
 
-    __slots__ = ("content", "reasoning", "tools", "finish_reason", "logprobs", "reasoning_logprobs")
+    __slots__ = ("content", "reasoning", "tools", "finish_reason", "logprobs", "reasoning_logprobs", "tokens", "final")
 
     def __init__(self) -> None:
         self.content = _Text()
         self.reasoning = _Text()
-        self.tools = {}  # type: Dict[int, List[Any]]  # tool index -> [id, name, arguments]
+        self.tools = {}  # type: Dict[int, List[Any]]  # tool index -> [id, name, arguments, ...]
         self.finish_reason = None  # type: Optional[str]
         self.logprobs = None  # type: Optional[List[Dict[str, Any]]]
         self.reasoning_logprobs = None  # type: Optional[List[Dict[str, Any]]]
+        self.tokens = None  # type: Optional[List[int]]
+        self.final = None  # type: Optional[Dict[str, Any]]
 
     def result(self, index: int) -> Choice:
         calls = [ToolCallResult(e[0], e[1], str(e[2])) for _, e in sorted(self.tools.items())]
+        content, reasoning = str(self.content), str(self.reasoning)
         return Choice(
-            index,
-            str(self.content),
-            str(self.reasoning),
-            calls,
-            self.finish_reason,
-            self.logprobs,
-            self.reasoning_logprobs,
+            index, content, reasoning, calls, self.finish_reason, self.logprobs, self.reasoning_logprobs, self.tokens
         )
 
 
@@ -1779,24 +1776,44 @@ def _entries(kept: Optional[List[Dict[str, Any]]], entries: Any, payload: str) -
     return kept
 
 
-def _progress_event(progress: Any, payload: str) -> Optional[Progress]:
-    """The ``Progress`` of a ``prompt_progress`` object: None when it lacks ``processed`` or ``total``."""
-    if type(progress) is not dict:
-        raise ProtocolError("'prompt_progress' is not an object: %r" % payload[:80])
-    processed, total, cache, time_ms = (progress.get(k) for k in ("processed", "total", "cache", "time_ms"))
-    for value in (processed, total, cache):
-        if value is not None and type(value) is not int:
-            raise ProtocolError("a 'prompt_progress' count is not an integer: %r" % payload[:80])
-    if time_ms is not None:
-        if type(time_ms) is not float and type(time_ms) is not int:
-            raise ProtocolError("'prompt_progress.time_ms' is not a number: %r" % payload[:80])
+def _payload_object(payload: str) -> Dict[str, Any]:
+    """One data payload parsed; ``ProtocolError`` when it is not JSON or not an object."""
+    try:
         try:
-            time_ms = float(time_ms)
-        except OverflowError:
-            raise ProtocolError("'prompt_progress.time_ms' is out of range: %r" % payload[:80]) from None
-    if processed is None or total is None:
-        return None
-    return Progress(processed, total, cache or 0, time_ms or 0.0)
+            doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per event
+        except StopIteration:  # leading whitespace, or no value: json.loads words the error
+            end = -1
+        if end != len(payload):
+            doc = json.loads(payload)
+    except ValueError as exc:  # JSONDecodeError
+        raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply in the stream") from None
+    if type(doc) is not dict:
+        raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
+    return doc
+
+
+def _field(doc: Dict[str, Any], name: str, kind: Any, payload: str) -> Any:
+    """``doc[name]`` when it is a ``kind`` (str, dict or list), None when absent or null, else ``ProtocolError``."""
+    value = doc.get(name)
+    if value is None or type(value) is kind:
+        return value
+    raise ProtocolError("%r is not %s: %r" % (name, _KIND_NAMES[kind], payload[:80]))
+
+
+_KIND_NAMES = {str: "a string", dict: "an object", list: "a list"}
+
+
+def _merge_object(
+    kept: Optional[Dict[str, Any]], doc: Dict[str, Any], name: str, payload: str
+) -> Optional[Dict[str, Any]]:
+    """``kept`` with the object ``doc[name]`` (``usage``, ``timings``) merged over it, the last value of a key
+    winning; ``ProtocolError`` when it is not an object."""
+    value = _field(doc, name, dict, payload)
+    if value is None:
+        return kept
+    return dict(kept, **value) if kept else value
 
 
 _OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered on the named endpoints
@@ -1804,16 +1821,30 @@ _OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered on the name
 
 class _Dialect:
     """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: the stream's
-    ``id`` and ``model``, ``timings``, the reasoning count and state the thinking cap reads, and whether
-    it also yields ``Chunk`` events.  ``output``: the event classes that count as delivered (after one,
-    nothing is retried)."""
+    ``id``, ``model``, ``usage`` and ``timings``, the reasoning count and state the thinking cap reads,
+    whether it also yields ``Chunk`` events, and its choices (``_ChoiceState`` by index), of which
+    ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as delivered
+    (after one, nothing is retried)."""
 
     output = _OUTPUT  # type: Tuple[type, ...]
     #: a 200 answer that is not ``text/event-stream`` is ``ProtocolError`` (a route the client does not know;
     #: the named endpoints are read as llama-server frames them)
     event_stream = False
+    #: how ``completion()`` says where a stream ended too soon: before any choice ended, before some did
+    _cut = ("without a finish_reason", "before choice %s had a finish_reason")
 
-    __slots__ = ("id", "model", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks", "done")
+    __slots__ = (
+        "id",
+        "model",
+        "usage",
+        "timings",
+        "reasoning_tokens",
+        "in_reasoning",
+        "thinking_capped",
+        "raw_chunks",
+        "done",
+        "_choices",
+    )
 
     def __init__(self, raw_chunks: bool = False) -> None:
         #: the stream reached the endpoint's own end (never on chat, which ends with [DONE]); an attribute,
@@ -1821,11 +1852,81 @@ class _Dialect:
         self.done = False
         self.id = None  # type: Optional[str]
         self.model = None  # type: Optional[str]
+        self.usage = None  # type: Optional[Dict[str, Any]]
         self.timings = None  # type: Optional[Dict[str, Any]]
         self.reasoning_tokens = 0
         self.in_reasoning = False
         self.thinking_capped = False
         self.raw_chunks = raw_chunks
+        self._choices = {}  # type: Dict[int, _ChoiceState]
+
+    def _start(self, doc: Dict[str, Any], payload: str) -> List[Event]:
+        """The events that come before a payload's own: its ``Chunk`` (with ``raw_chunks``), then the
+        ``Progress`` of its ``prompt_progress`` (none when that lacks ``processed`` or ``total``)."""
+        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
+        progress = doc.get("prompt_progress")
+        if progress is None:
+            return events
+        if type(progress) is not dict:
+            raise ProtocolError("'prompt_progress' is not an object: %r" % payload[:80])
+        processed, total, cache, time_ms = (progress.get(k) for k in ("processed", "total", "cache", "time_ms"))
+        for value in (processed, total, cache):
+            if value is not None and type(value) is not int:
+                raise ProtocolError("a 'prompt_progress' count is not an integer: %r" % payload[:80])
+        if time_ms is not None:
+            if type(time_ms) is not float and type(time_ms) is not int:
+                raise ProtocolError("'prompt_progress.time_ms' is not a number: %r" % payload[:80])
+            try:
+                time_ms = float(time_ms)
+            except OverflowError:
+                raise ProtocolError("'prompt_progress.time_ms' is out of range: %r" % payload[:80]) from None
+        if processed is not None and total is not None:
+            events.append(Progress(processed, total, cache or 0, time_ms or 0.0))
+        return events
+
+    def _out(self, events: List[Event], text: Any, state: _ChoiceState, choice: int, reasoning: bool = False) -> None:
+        """A delta of ``text`` (None or empty: none) of ``choice``, of its reasoning when ``reasoning``
+        (one reasoning token), else of its content: kept in ``state``, its event added to ``events``."""
+        if not text:
+            return
+        if reasoning:
+            self.reasoning_tokens += 1
+            self.in_reasoning = True
+            state.reasoning.add(text)
+            events.append(_new_reasoning(text, choice))
+        else:
+            self.in_reasoning = False
+            state.content.add(text)
+            events.append(_new_content(text, choice))
+
+    def completion(self) -> Completion:
+        """The ``Completion``: ``choices`` in index order, the lowest index giving ``content``, ``reasoning``,
+        ``tool_calls``, ``finish_reason``, ``tokens`` and ``final``.  ``StreamClosedError`` unless every
+        choice that appeared has a ``finish_reason`` (and one appeared)."""
+        states = sorted(self._choices.items())
+        unfinished = [str(index) for index, state in states if state.finish_reason is None]
+        if len(unfinished) == len(states):
+            raise StreamClosedError("the stream ended %s: the server stopped mid-answer" % self._cut[0])
+        if unfinished:
+            cut = self._cut[1] % ", ".join(unfinished)
+            raise StreamClosedError("the stream ended %s: the server stopped mid-answer" % cut)
+        choices = tuple(state.result(index) for index, state in states)
+        first = choices[0]
+        return Completion(
+            self.id,
+            self.model,
+            first.content,
+            first.reasoning,
+            first.tool_calls,
+            first.finish_reason,
+            self.usage,
+            self.timings,
+            self.reasoning_tokens,
+            self.thinking_capped,
+            choices,
+            states[0][1].final,
+            first.tokens,
+        )
 
 
 class Assembler(_Dialect):
@@ -1851,13 +1952,11 @@ class Assembler(_Dialect):
     choice: the client refuses a thinking cap with ``n`` > 1.
     """
 
-    __slots__ = ("usage", "_choices", "_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
+    __slots__ = ("_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
     _text = False  # the chunks carry chat deltas (True: OpenAI text completions, see _TextAssembler)
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self.usage = None  # type: Optional[Dict[str, Any]]
-        self._choices = {}  # type: Dict[int, _ChoiceState]
         self._content0 = _Text()  # choice 0's texts, reached without a lookup by the fast path
         self._reasoning0 = _Text()
         self._fast = False  # the fast path may run: the id is known, choice 0 appeared, no raw chunks
@@ -1883,17 +1982,11 @@ class Assembler(_Dialect):
                     text = piece
         if text is None:
             try:
-                doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per token
-                if end != len(payload):
-                    doc = json.loads(payload)
-            except StopIteration:
-                doc = self._loads_slow(payload)
-            except ValueError as exc:  # JSONDecodeError
-                raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-            except RecursionError:
-                raise ProtocolError("JSON nested too deeply in the stream") from None
-            if type(doc) is not dict:
-                raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
+                doc, end = _scan_json(payload, 0)  # _payload_object(payload), inlined: this runs per token
+                if end != len(payload) or type(doc) is not dict:
+                    doc = _payload_object(payload)
+            except (StopIteration, ValueError, RecursionError):
+                doc = _payload_object(payload)  # which raises, or parses what the scanner alone refuses
             # The hot path once parsed: choice 0 alone, its delta only text; no finish, log probabilities, usage
             # or progress.  2.3 us a payload against 4.0 us through json.loads and _feed, measured side by
             # side.  It must give exactly what _feed gives (TestAssemblerPaths.test_fast_and_general_paths_agree).
@@ -1966,16 +2059,6 @@ class Assembler(_Dialect):
         if type(rest) is dict and rest.keys().isdisjoint(_TAIL_KEYS):
             self._tail = tail
 
-    @staticmethod
-    def _loads_slow(payload: str) -> Any:
-        """json.loads, for what the scanner alone refuses: leading whitespace, or an error worded by json."""
-        try:
-            return json.loads(payload)
-        except ValueError as exc:
-            raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-        except RecursionError:
-            raise ProtocolError("JSON nested too deeply in the stream") from None
-
     def _feed(self, doc: Dict[str, Any], payload: str) -> List[Event]:
         """The general path: any parsed payload."""
         if "error" in doc:
@@ -1987,110 +2070,64 @@ class Assembler(_Dialect):
             model = doc.get("model")
             if isinstance(model, str):
                 self.model = model
-        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
-        progress = doc.get("prompt_progress")
-        if progress is not None:
-            event = _progress_event(progress, payload)
-            if event is not None:
-                events.append(event)
-        choices = doc.get("choices")
-        if choices:
-            if type(choices) is not list:
-                raise ProtocolError("'choices' is not a list: %r" % payload[:80])
-            for choice in choices:
-                if type(choice) is not dict:
-                    raise ProtocolError("a choice is not an object: %r" % payload[:80])
-                index = choice.get("index")
-                if index is None:
-                    index = 0
-                elif type(index) is not int:
-                    raise ProtocolError("a choice's 'index' is not an integer: %r" % payload[:80])
-                state = self._choices.get(index)
-                if state is None:
-                    state = self._choices[index] = _ChoiceState()
-                    if index == 0:
-                        state.content = self._content0
-                        state.reasoning = self._reasoning0
-                if self._text:  # OpenAI text completions: the choice's own "text" is the delta
-                    self._choice_text(choice.get("text"), state, index, events)
-                else:
-                    delta = choice.get("delta")
-                    if delta:
-                        if type(delta) is not dict:
-                            raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                        self._delta(delta, state, index, events)
-                    elif delta is not None and type(delta) is not dict:
-                        raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                logprobs = choice.get("logprobs")
-                if logprobs is not None:
-                    if type(logprobs) is not dict:
-                        raise ProtocolError("a choice's 'logprobs' is not an object: %r" % payload[:80])
-                    entries = logprobs.get("content")
-                    if entries is not None:
-                        state.logprobs = _entries(state.logprobs, entries, payload)
-                    entries = logprobs.get("reasoning_content")
-                    if entries is not None:
-                        state.reasoning_logprobs = _entries(state.reasoning_logprobs, entries, payload)
-                reason = choice.get("finish_reason")
-                if reason is not None:
-                    if type(reason) is not str:
-                        raise ProtocolError("'finish_reason' is not a string: %r" % payload[:80])
-                    state.finish_reason = reason
-        elif choices is not None and type(choices) is not list:
-            raise ProtocolError("'choices' is not a list: %r" % payload[:80])
-        usage = doc.get("usage")
-        if usage is not None:
-            if type(usage) is not dict:
-                raise ProtocolError("'usage' is not an object: %r" % payload[:80])
-            self.usage = dict(self.usage, **usage) if self.usage else usage
-        timings = doc.get("timings")
-        if timings is not None:
-            if type(timings) is not dict:
-                raise ProtocolError("'timings' is not an object: %r" % payload[:80])
-            self.timings = dict(self.timings, **timings) if self.timings else timings
+        events = self._start(doc, payload)
+        for choice in _field(doc, "choices", list, payload) or ():
+            if type(choice) is not dict:
+                raise ProtocolError("a choice is not an object: %r" % payload[:80])
+            index = choice.get("index")
+            if index is None:
+                index = 0
+            elif type(index) is not int:
+                raise ProtocolError("a choice's 'index' is not an integer: %r" % payload[:80])
+            state = self._choices.get(index)
+            if state is None:
+                state = self._choices[index] = _ChoiceState()
+                if index == 0:
+                    state.content = self._content0
+                    state.reasoning = self._reasoning0
+            if self._text:  # OpenAI text completions: the choice's own "text" is the delta
+                text = choice.get("text")
+                if text is not None and type(text) is not str:
+                    raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
+                self._out(events, text, state, index)
+            else:
+                delta = choice.get("delta")
+                if delta is not None and type(delta) is not dict:
+                    raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                if delta:
+                    self._delta(delta, state, index, events)
+            logprobs = choice.get("logprobs")
+            if logprobs is not None:
+                if type(logprobs) is not dict:
+                    raise ProtocolError("a choice's 'logprobs' is not an object: %r" % payload[:80])
+                entries = logprobs.get("content")
+                if entries is not None:
+                    state.logprobs = _entries(state.logprobs, entries, payload)
+                entries = logprobs.get("reasoning_content")
+                if entries is not None:
+                    state.reasoning_logprobs = _entries(state.reasoning_logprobs, entries, payload)
+            reason = _field(choice, "finish_reason", str, payload)
+            if reason is not None:
+                state.finish_reason = reason
+        self.usage = _merge_object(self.usage, doc, "usage", payload)
+        self.timings = _merge_object(self.timings, doc, "timings", payload)
         if not self._fast:
             self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks and not self._text
         return events
 
-    def _choice_text(self, text: Any, state: _ChoiceState, index: int, events: List[Event]) -> None:
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
-            self.in_reasoning = False
-            state.content.add(text)
-            events.append(Content(text, index))
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
-
     def _delta(self, delta: Dict[str, Any], state: _ChoiceState, index: int, events: List[Event]) -> None:
-        text = delta.get("reasoning_content")
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
-            self.reasoning_tokens += 1
-            self.in_reasoning = True
-            state.reasoning.add(text)
-            events.append(Reasoning(text, index))
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
-        text = delta.get("content")
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("'content' is not a string: %r" % (text,))
-            self.in_reasoning = False
-            state.content.add(text)
-            events.append(Content(text, index))
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("'content' is not a string: %r" % (text,))
+        for name in ("reasoning_content", "content"):
+            text = delta.get(name)
+            if text is not None and type(text) is not str:
+                raise ProtocolError("%r is not a string: %r" % (name, text))
+            self._out(events, text, state, index, name == "reasoning_content")
         calls = delta.get("tool_calls")
+        if calls is not None and type(calls) is not list:
+            raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
         if calls:
-            if type(calls) is not list:
-                raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
             self.in_reasoning = False
             for call in calls:
                 self._tool_call(call, state, index, events)
-        elif calls is not None and type(calls) is not list:
-            raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
 
     @staticmethod
     def _tool_call(call: Any, state: _ChoiceState, choice: int, events: List[Event]) -> None:
@@ -2120,64 +2157,29 @@ class Assembler(_Dialect):
         if cid or name or args:
             events.append(ToolCall(index, cid or None, name or None, args or "", choice))
 
-    def _lowest(self) -> Optional[_ChoiceState]:
-        return self._choices[min(self._choices)] if self._choices else None
+    def _lowest(self) -> _ChoiceState:
+        return self._choices[min(self._choices)] if self._choices else _ChoiceState()
 
     @property
     def finish_reason(self) -> Optional[str]:
         """The lowest-index choice's ``finish_reason`` so far (None: none yet)."""
-        state = self._lowest()
-        return state.finish_reason if state is not None else None
+        return self._lowest().finish_reason
 
     @property
     def content(self) -> str:
         """The lowest-index choice's content so far."""
-        state = self._lowest()
-        return str(state.content) if state is not None else ""
+        return str(self._lowest().content)
 
     @property
     def reasoning(self) -> str:
         """The lowest-index choice's reasoning so far."""
-        state = self._lowest()
-        return str(state.reasoning) if state is not None else ""
-
-    def completion(self) -> Completion:
-        """The assembled ``Completion``: ``choices`` in index order, the lowest index giving ``content``,
-        ``reasoning``, ``tool_calls`` and ``finish_reason``.  ``StreamClosedError`` when a choice that
-        appeared has no ``finish_reason`` (or no choice has one)."""
-        states = sorted(self._choices.items())
-        unfinished = [index for index, state in states if state.finish_reason is None]
-        if len(unfinished) == len(states):
-            raise StreamClosedError("the stream ended without a finish_reason: the server stopped mid-answer")
-        if unfinished:
-            raise StreamClosedError(
-                "the stream ended before choice %s had a finish_reason: the server stopped mid-answer"
-                % ", ".join(str(index) for index in unfinished)
-            )
-        choices = tuple(state.result(index) for index, state in states)
-        first = choices[0]
-        return Completion(
-            id=self.id,
-            model=self.model,
-            content=first.content,
-            reasoning=first.reasoning,
-            tool_calls=first.tool_calls,
-            finish_reason=first.finish_reason,
-            usage=self.usage,
-            timings=self.timings,
-            reasoning_tokens=self.reasoning_tokens,
-            thinking_capped=self.thinking_capped,
-            choices=choices,
-        )
+        return str(self._lowest().reasoning)
 
 
 class _TextAssembler(Assembler):
     """The dialect of ``/v1/completions`` (OpenAI text completions): chat's chunks, each choice carrying its
-    delta as ``text`` (``Content(text, choice=index)``) instead of a ``delta`` object; ``logprobs``
-    (``{"content": [...]}``, as this server sends them), ``finish_reason``, ``usage``, ``timings``,
-    ``prompt_progress``, the error object and ``[DONE]`` are read as chat reads them; the ``null`` payload
-    that opens a stream of several prompts gives nothing.  No reasoning streams here.  It never takes the
-    fast path (which reads chat deltas)."""
+    delta as ``text`` instead of a ``delta`` object, read as chat's otherwise; the ``null`` payload that
+    opens a stream of several prompts gives nothing.  It never takes the fast path (which reads deltas)."""
 
     __slots__ = ()
     _text = True
@@ -2190,40 +2192,11 @@ class _TextAssembler(Assembler):
 
 # -- The other streamed endpoints: /completion and /infill, Responses, Messages ---------------------------
 #
-# Each is a dialect with the Assembler's interface, so the pump drives any of them alike: ``feed(payload)``
-# per data event, ``id``, ``model``, ``reasoning_tokens``, ``in_reasoning`` and ``thinking_capped`` for the
-# thinking cap, ``done`` once the stream has reached its own end (these endpoints send no ``[DONE]``), and
-# ``completion()`` in chat's words.  The event type need not come from the SSE ``event:`` field: Responses
-# and Messages repeat it in the data's ``type``, and an ``event: error`` block dispatches as type "error",
-# which the pump raises before any dialect sees it.
-
-
-def _payload_object(payload: str) -> Dict[str, Any]:
-    """One data payload parsed; ``ProtocolError`` when it is not JSON or not an object."""
-    try:
-        doc, end = _scan_json(payload, 0)
-        if end != len(payload):
-            doc = json.loads(payload)
-    except StopIteration:
-        doc = Assembler._loads_slow(payload)
-    except ValueError as exc:  # JSONDecodeError
-        raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-    except RecursionError:
-        raise ProtocolError("JSON nested too deeply in the stream") from None
-    if type(doc) is not dict:
-        raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
-    return doc
-
-
-def _field(doc: Dict[str, Any], name: str, kind: Any, payload: str) -> Any:
-    """``doc[name]`` when it is a ``kind`` (str, dict or list), None when absent or null, else ``ProtocolError``."""
-    value = doc.get(name)
-    if value is None or type(value) is kind:
-        return value
-    raise ProtocolError("%r is not %s: %r" % (name, _KIND_NAMES[kind], payload[:80]))
-
-
-_KIND_NAMES = {str: "a string", dict: "an object", list: "a list"}
+# Each is a dialect as the Assembler is, so the pump drives any of them alike; ``done`` says the stream has
+# reached its own end (these endpoints send no ``[DONE]``), and ``completion()`` speaks chat's words.  The
+# event type need not come from the SSE ``event:`` field: Responses and Messages repeat it in the data's
+# ``type``, and an ``event: error`` block dispatches as type "error", which the pump raises before any
+# dialect sees it.
 
 
 def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
@@ -2245,34 +2218,14 @@ def _chat_usage(usage: Dict[str, Any], prompt: int, completion: int) -> Dict[str
     return usage
 
 
-def _merge_timings(kept: Optional[Dict[str, Any]], doc: Dict[str, Any], payload: str) -> Optional[Dict[str, Any]]:
-    timings = doc.get("timings")
-    if timings is None:
-        return kept
-    if type(timings) is not dict:
-        raise ProtocolError("'timings' is not an object: %r" % payload[:80])
-    return dict(kept, **timings) if kept else timings
-
-
-def _calls_result(calls: List[List[Any]]) -> List[ToolCallResult]:
-    return [ToolCallResult(e[0], e[1], str(e[2])) for e in calls]
-
-
-class _NativeState:
-    """What one choice (one prompt's ``index``) of ``/completion`` or ``/infill`` has assembled so far."""
-
-    __slots__ = ("content", "logprobs", "tokens", "finish_reason", "final")
-
-    def __init__(self) -> None:
-        self.content = _Text()
-        self.logprobs = None  # type: Optional[List[Dict[str, Any]]]
-        self.tokens = None  # type: Optional[List[int]]
-        self.finish_reason = None  # type: Optional[str]
-        self.final = None  # type: Optional[Dict[str, Any]]
-
-
 #: llama-server's ``stop_type`` in chat's words
 _NATIVE_FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+def _native_finish(chunk: Dict[str, Any]) -> str:
+    """A native stop chunk's ``stop_type`` in chat's words (none, or one that is not a string: "stop")."""
+    how = chunk.get("stop_type")
+    return _NATIVE_FINISH.get(how, how) if type(how) is str else "stop"
 
 
 def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -2290,30 +2243,21 @@ def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 
 class _NativeAssembler(_Dialect):
-    """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last.
+    """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last, a choice
+    per prompt (the chunk's ``index``).  The ``stop: true`` chunk ends its choice and is its ``final``;
+    ``done`` once every choice that appeared has ended.  ``tokens`` from a chunk with ``prompt_progress``
+    are left out (this build sends a placeholder ``[0]`` there); a ``null`` payload (a stream of several
+    prompts opens with one) gives nothing.  ``id`` stays None unless a chunk carries a string ``id``
+    (``id_slot`` and ``index`` are not ids)."""
 
-    A chunk's ``index`` (missing: 0) names its choice (one per prompt): ``content`` is
-    ``Content(text, choice=index)``, ``prompt_progress`` is ``Progress``, ``completion_probabilities`` entries
-    are appended to the choice's ``logprobs`` and ``tokens`` to its ``tokens`` (None while no non-empty list
-    came; this build sends each token's id even without ``return_tokens``, and a placeholder ``[0]`` with
-    each ``prompt_progress``, which is left out).  A ``null`` payload (a stream of
-    several prompts opens with one) gives nothing.  The ``stop: true`` chunk ends its
-    choice: ``stop_type`` eos and word are "stop", limit is "length" (another word is kept as sent, none is
-    "stop"), and the chunk is that choice's ``final``.  ``done`` once every choice that appeared has ended.
-    ``usage`` sums ``tokens_evaluated`` and ``tokens_predicted`` over the choices, as ``prompt_tokens`` and
-    ``completion_tokens`` beside those keys; ``timings`` objects are merged, the last value of a key winning.
-    There is no completion id (``id_slot`` and ``index`` are not ids): ``id`` stays None unless a chunk
-    carries a string ``id``.  No reasoning is streamed apart, so the thinking cap never fires here.
-    """
-
-    __slots__ = ("_choices", "_open", "_first")
+    __slots__ = ("_open", "_first")
+    _cut = ("before its stop chunk", "before choice %s had its stop chunk")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self._choices = {}  # type: Dict[int, _NativeState]
         self._open = 0  # choices that appeared and have not had their stop chunk
         #: choice 0's state once it has a token list and no Chunk events are due: the fast path may run
-        self._first = None  # type: Optional[_NativeState]
+        self._first = None  # type: Optional[_ChoiceState]
 
     def feed(self, payload: str) -> List[Event]:
         if payload == "null":  # a stream of several prompts opens with it
@@ -2363,7 +2307,6 @@ class _NativeAssembler(_Dialect):
         """The general path: any chunk, every field checked."""
         if "error" in doc:
             raise _error_from(doc["error"])
-        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
         index = doc.get("index", 0)
         if type(index) is not int:
             if index is not None:
@@ -2371,54 +2314,35 @@ class _NativeAssembler(_Dialect):
             index = 0
         state = self._choices.get(index)
         if state is None:
-            state = self._choices[index] = _NativeState()
+            state = self._choices[index] = _ChoiceState()
             self._open += 1
             self.done = False
-        progress = doc.get("prompt_progress")
-        if progress is not None:
-            step = _progress_event(progress, payload)
-            if step is not None:
-                events.append(step)
-        text = doc.get("content")
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("'content' is not a string: %r" % payload[:80])
-            state.content.add(text)
-            event = _new_object(Content)  # as Content(text, index), without the call into __init__
-            _set_content_text(event, text)
-            _set_content_choice(event, index)
-            events.append(event)
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("'content' is not a string: %r" % payload[:80])
+        events = self._start(doc, payload)
+        self._out(events, _field(doc, "content", str, payload), state, index)
         # a progress chunk's tokens are a placeholder ([0] on this build), not generated tokens
-        tokens = doc.get("tokens") if progress is None else None
+        tokens = doc.get("tokens") if doc.get("prompt_progress") is None else None
+        if tokens is not None and (type(tokens) is not list or any(type(t) is not int for t in tokens)):
+            raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])
         if tokens:
-            if type(tokens) is not list or any(type(t) is not int for t in tokens):
-                raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])
             if state.tokens is None:
                 state.tokens = list(tokens)
                 if index == 0 and not self.raw_chunks:
                     self._first = state
             else:
                 state.tokens += tokens
-        elif tokens is not None and type(tokens) is not list:
-            raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])
         probs = doc.get("completion_probabilities")
         if probs is not None:
             state.logprobs = _entries(state.logprobs, probs, payload)
-        if "timings" in doc:
-            self.timings = _merge_timings(self.timings, doc, payload)
+        self.timings = _merge_object(self.timings, doc, "timings", payload)
         stop = doc.get("stop")
-        if stop:
-            if stop is not True:
-                raise ProtocolError("'stop' is not a boolean: %r" % payload[:80])
-            self._stop(doc, state, payload)
-        elif stop is not None and type(stop) is not bool:
+        if stop is not None and type(stop) is not bool:
             raise ProtocolError("'stop' is not a boolean: %r" % payload[:80])
+        if stop:
+            self._stop(doc, state, payload)
         return events
 
-    def _stop(self, doc: Dict[str, Any], state: _NativeState, payload: str) -> None:
-        how = _field(doc, "stop_type", str, payload)
+    def _stop(self, doc: Dict[str, Any], state: _ChoiceState, payload: str) -> None:
+        _field(doc, "stop_type", str, payload)
         for name in ("tokens_evaluated", "tokens_predicted"):
             _token_count(doc, name, payload)
         model = doc.get("model")
@@ -2430,62 +2354,20 @@ class _NativeAssembler(_Dialect):
         if state.finish_reason is None:
             self._open -= 1
             self.done = self._open == 0
-        state.finish_reason = "stop" if how is None else _NATIVE_FINISH.get(how, how)
+        state.finish_reason = _native_finish(doc)
         state.final = doc
-
-    @property
-    def usage(self) -> Optional[Dict[str, Any]]:
-        """The token counts of the choices that ended, summed (None before any stop chunk counted them)."""
-        return _native_usage([s.final for s in self._choices.values() if s.final is not None])
-
-    def completion(self) -> Completion:
-        """``choices`` in index order, the lowest index giving ``content``, ``finish_reason``, ``tokens`` and
-        ``final``.  ``StreamClosedError`` when a choice that appeared had no ``stop: true`` chunk."""
-        states = sorted(self._choices.items())
-        unfinished = [index for index, state in states if state.finish_reason is None]
-        if len(unfinished) == len(states):
-            raise StreamClosedError("the stream ended before its stop chunk: the server stopped mid-answer")
-        if unfinished:
-            raise StreamClosedError(
-                "the stream ended before choice %s had its stop chunk: the server stopped mid-answer"
-                % ", ".join(str(index) for index in unfinished)
-            )
-        choices = tuple(
-            Choice(index, str(s.content), "", [], s.finish_reason, s.logprobs, None, s.tokens) for index, s in states
-        )
-        first = choices[0]
-        return Completion(
-            id=self.id,
-            model=self.model,
-            content=first.content,
-            reasoning="",
-            tool_calls=[],
-            finish_reason=first.finish_reason,
-            usage=self.usage,
-            timings=self.timings,
-            reasoning_tokens=0,
-            thinking_capped=self.thinking_capped,
-            choices=choices,
-            final=states[0][1].final,
-            tokens=first.tokens,
-        )
+        self.usage = _native_usage([s.final for s in self._choices.values() if s.final is not None])
 
 
 class _EventAssembler(_Dialect):
-    """What the Responses and Messages dialects share: one answer of text, reasoning and tool calls, built
-    from typed events (the data's ``type``), ending at the endpoint's closing event."""
+    """What the Responses and Messages dialects share: one answer (choice 0) of text, reasoning and tool
+    calls, built from typed events (the data's ``type``), ending at the endpoint's closing event."""
 
-    __slots__ = ("usage", "final", "finish_reason", "_content", "_reasoning", "_calls")
+    __slots__ = ("_state",)
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self.usage = None  # type: Optional[Dict[str, Any]]
-        #: the endpoint's closing object (None until the end was reached)
-        self.final = None  # type: Optional[Dict[str, Any]]
-        self.finish_reason = None  # type: Optional[str]
-        self._content = _Text()
-        self._reasoning = _Text()
-        self._calls = []  # type: List[List[Any]]  # in order of the calls: [id, name, arguments]
+        self._state = self._choices[0] = _ChoiceState()
 
     def _begin(self, payload: str) -> Tuple[Dict[str, Any], Optional[str], List[Event]]:
         """(doc, its type, the events list with its Chunk and Progress) for one payload; an error payload
@@ -2500,35 +2382,17 @@ class _EventAssembler(_Dialect):
                 raise ProtocolError("an event's 'type' is not a string: %r" % payload[:80])
         elif kind.endswith("_error"):
             raise _error_from(doc)
-        if "timings" in doc:
-            self.timings = _merge_timings(self.timings, doc, payload)
-        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
-        progress = doc.get("prompt_progress")
-        if progress is not None:
-            step = _progress_event(progress, payload)
-            if step is not None:
-                events.append(step)
-        return doc, kind, events
-
-    def _text(self, text: Optional[str], events: List[Event], reasoning: bool) -> None:
-        if not text:
-            return
-        if reasoning:
-            self.reasoning_tokens += 1
-            self.in_reasoning = True
-            self._reasoning.add(text)
-            events.append(_new_reasoning(text))
-        else:
-            self.in_reasoning = False
-            self._content.add(text)
-            events.append(_new_content(text))
+        self.timings = _merge_object(self.timings, doc, "timings", payload)
+        return doc, kind, self._start(doc, payload)
 
     def _new_call(self, cid: Optional[str], name: Optional[str], events: List[Event]) -> List[Any]:
-        entry = [cid or None, name or None, _Text(), len(self._calls)]  # type: List[Any]
-        self._calls.append(entry)
+        """A tool call begins: its entry (``[id, name, arguments, index]``), its index the calls before it."""
+        tools = self._state.tools
+        index = len(tools)
+        entry = tools[index] = [cid or None, name or None, _Text(), index]
         self.in_reasoning = False
         if cid or name:
-            events.append(ToolCall(entry[3], cid or None, name or None, ""))
+            events.append(ToolCall(index, cid or None, name or None, ""))
         return entry
 
     def _arguments(self, entry: List[Any], text: str, events: List[Event]) -> None:
@@ -2537,28 +2401,10 @@ class _EventAssembler(_Dialect):
             entry[2].add(text)
             events.append(ToolCall(entry[3], None, None, text))
 
-    def completion(self) -> Completion:
-        """The assembled ``Completion`` (one choice); ``StreamClosedError`` before the closing event."""
-        if not self.done:
-            raise StreamClosedError("the stream ended before %s: the server stopped mid-answer" % self._closing_event)
-        calls = _calls_result(self._calls)
-        content, reasoning = str(self._content), str(self._reasoning)
-        return Completion(
-            id=self.id,
-            model=self.model,
-            content=content,
-            reasoning=reasoning,
-            tool_calls=calls,
-            finish_reason=self.finish_reason,
-            usage=self.usage,
-            timings=self.timings,
-            reasoning_tokens=self.reasoning_tokens,
-            thinking_capped=self.thinking_capped,
-            choices=(Choice(0, content, reasoning, calls, self.finish_reason, None),),
-            final=self.final,
-        )
-
-    _closing_event = "its closing event"
+    def _end(self, finish: str, final: Dict[str, Any]) -> None:
+        """The closing event: the answer's ``finish_reason`` and ``final``."""
+        self._state.finish_reason, self._state.final = finish, final
+        self.done = True
 
 
 #: Responses ``incomplete_details.reason`` in chat's words
@@ -2568,26 +2414,16 @@ _RESPONSES_REASONING_DONE = ("response.reasoning_text.done", "response.reasoning
 
 
 class _ResponsesAssembler(_EventAssembler):
-    """The stream of OpenAI Responses (``POST /v1/responses``): typed events, ``response.completed`` last.
-
-    ``response.output_text.delta`` is ``Content``; ``response.reasoning_text.delta`` (and
-    ``response.reasoning_summary_text.delta``) is ``Reasoning``, one reasoning token each; a ``function_call``
-    output item starts a tool call (index in order of the calls, ``id`` its ``call_id``, else its ``id``;
-    ``name`` once) and ``response.function_call_arguments.delta`` adds to the call its ``item_id`` (or
-    ``output_index``) names, else to the latest call.  The ``.done`` events hold whole texts and whole
-    arguments: what they hold past the deltas is delivered as a last delta (a call first seen in
-    ``response.output_item.done`` gets all its arguments so; an id or name first seen late is a ToolCall of
-    its own).  ``id`` and ``model`` are the response's.  The stream ends at
-    ``response.completed`` (finish "stop", or "tool_calls" when the output holds function calls) or
-    ``response.incomplete`` (``max_output_tokens``: "length"); its ``response`` is ``final``, its ``usage``
-    gains ``prompt_tokens`` and ``completion_tokens`` (from ``input_tokens`` and ``output_tokens``).
-    ``response.failed`` and ``error`` events are ``ServerError``.  A ``prompt_progress`` object (this build
-    sends it beside the ``response`` of ``response.in_progress``) is ``Progress``.  Unknown event types are
-    ignored.
-    """
+    """The stream of OpenAI Responses (``POST /v1/responses``): typed events, ``response.completed`` (or
+    ``response.incomplete``) last, whose ``response`` is ``final``.  A ``function_call`` output item starts
+    a tool call (``id`` its ``call_id``, else its ``id``); ``response.function_call_arguments.delta`` adds to
+    the call its ``item_id`` (or ``output_index``) names, else to the latest call.  The ``.done`` events
+    hold whole texts and whole arguments: what they hold past the deltas is delivered as a last delta (a
+    call first seen in ``response.output_item.done`` gets all its arguments so; an id or name first seen
+    late is a ToolCall of its own).  Unknown event types are ignored."""
 
     __slots__ = ("_keys", "_items")
-    _closing_event = "response.completed"
+    _cut = ("before response.completed", "")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         super().__init__(raw_chunks)
@@ -2611,7 +2447,7 @@ class _ResponsesAssembler(_EventAssembler):
             if item is not None and item.get("type") == "function_call":
                 self._call_item(item, doc, payload, events, kind == "response.output_item.done")
         elif kind == "response.completed" or kind == "response.incomplete":
-            self._end(doc, kind, payload)
+            self._closing(doc, kind, payload)
         elif kind == "response.failed":
             response = _field(doc, "response", dict, payload) or {}
             error = response.get("error")
@@ -2634,7 +2470,7 @@ class _ResponsesAssembler(_EventAssembler):
         key = (item if type(item) is str else None, reasoning)
         kept = self._items.get(key)
         if whole:
-            seen = self._reasoning if reasoning else self._content
+            seen = self._state.reasoning if reasoning else self._state.content
             if kept is None and (seen.parts or seen.blocks):
                 return
             have = str(kept) if kept is not None else ""
@@ -2644,7 +2480,7 @@ class _ResponsesAssembler(_EventAssembler):
         if kept is None:
             kept = self._items[key] = _Text()
         kept.add(text)
-        self._text(text, events, reasoning)
+        self._out(events, text, self._state, 0, reasoning)
 
     def _response(self, response: Optional[Dict[str, Any]]) -> None:
         if response is None:
@@ -2699,13 +2535,14 @@ class _ResponsesAssembler(_EventAssembler):
         _field(doc, "item_id", str, payload)
         entry = self._lookup(doc, ("item_id",))
         if entry is None:
-            if not self._calls:
+            tools = self._state.tools
+            if not tools:
                 raise ProtocolError("function-call arguments before any function call: %r" % payload[:80])
-            entry = self._calls[-1]
+            entry = tools[len(tools) - 1]
         if text:
             self._arguments(entry, text, events)
 
-    def _end(self, doc: Dict[str, Any], kind: str, payload: str) -> None:
+    def _closing(self, doc: Dict[str, Any], kind: str, payload: str) -> None:
         response = _field(doc, "response", dict, payload)
         if response is None:
             raise ProtocolError("%s without a 'response' object: %r" % (kind, payload[:80]))
@@ -2713,14 +2550,14 @@ class _ResponsesAssembler(_EventAssembler):
         output = _field(response, "output", list, payload)
         if kind == "response.completed":
             if output is None:
-                calls = bool(self._calls)
+                calls = bool(self._state.tools)
             else:
                 calls = any(type(item) is dict and item.get("type") == "function_call" for item in output)
-            self.finish_reason = "tool_calls" if calls else "stop"
+            finish = "tool_calls" if calls else "stop"
         else:
             details = _field(response, "incomplete_details", dict, payload) or {}
             reason = _field(details, "reason", str, payload)
-            self.finish_reason = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
+            finish = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
         usage = _field(response, "usage", dict, payload)
         if usage is not None:
             prompt, completion = (
@@ -2728,9 +2565,8 @@ class _ResponsesAssembler(_EventAssembler):
                 _token_count(usage, "output_tokens", payload),
             )
             self.usage = _chat_usage(usage, prompt, completion)
-        self.timings = _merge_timings(self.timings, response, payload)
-        self.final = response
-        self.done = True
+        self.timings = _merge_object(self.timings, response, "timings", payload)
+        self._end(finish, response)
 
 
 #: Messages ``stop_reason`` in chat's words
@@ -2744,24 +2580,15 @@ _MESSAGES_FINISH = {
 
 
 class _MessagesAssembler(_EventAssembler):
-    """The stream of Anthropic Messages (``POST /v1/messages``): typed events, ``message_stop`` last.
-
-    ``text_delta`` is ``Content``, ``thinking_delta`` is ``Reasoning`` (one reasoning token each), a
-    ``tool_use`` block starts a tool call (index in order of the tool-use blocks, ``id`` and ``name`` from
-    ``content_block_start``) and its ``input_json_delta`` fragments are the arguments; ``signature_delta``,
-    ``ping`` and unknown block and event types are ignored.  ``id`` and ``model`` are the ``message_start``
-    message's.  ``message_delta`` gives the ``stop_reason`` (end_turn and stop_sequence: "stop", max_tokens:
-    "length", tool_use: "tool_calls", refusal: "content_filter", another kept as sent) and the usage, merged
-    over the message's; ``prompt_tokens`` counts ``input_tokens`` with ``cache_read_input_tokens`` and
-    ``cache_creation_input_tokens`` (Anthropic's ``input_tokens`` leaves out what came from the cache).  The
-    stream ends at ``message_stop``; ``final`` is the message with the stop reason, stop sequence and usage
-    merged.  ``error`` events, and the bare ``{"code", "message", "type": "..._error"}`` object this build
-    sends mid-stream, are ``ServerError``; a ``message_stop`` without a stop reason, or a JSON delta
-    for a block that is not a tool-use block, is ``ProtocolError``.
-    """
+    """The stream of Anthropic Messages (``POST /v1/messages``): typed events, ``message_stop`` last.  A
+    ``tool_use`` block starts a tool call and its ``input_json_delta`` fragments are the arguments;
+    ``signature_delta``, ``ping`` and unknown block and event types are ignored.  ``message_delta`` gives
+    the stop reason and the usage, merged over ``message_start``'s; ``final`` is that message with the stop
+    reason, stop sequence and usage merged.  A ``message_stop`` without a stop reason, or a JSON delta for a
+    block that is not a tool-use block, is ``ProtocolError``."""
 
     __slots__ = ("_message", "_usage", "_stop", "_blocks")
-    _closing_event = "message_stop"
+    _cut = ("before message_stop", "")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         super().__init__(raw_chunks)
@@ -2779,9 +2606,9 @@ class _MessagesAssembler(_EventAssembler):
                 raise ProtocolError("content_block_delta without a 'delta' object: %r" % payload[:80])
             dtype = delta.get("type")
             if dtype == "text_delta":
-                self._text(_field(delta, "text", str, payload), events, False)
+                self._out(events, _field(delta, "text", str, payload), self._state, 0)
             elif dtype == "thinking_delta":
-                self._text(_field(delta, "thinking", str, payload), events, True)
+                self._out(events, _field(delta, "thinking", str, payload), self._state, 0, True)
             elif dtype == "input_json_delta":
                 text = _field(delta, "partial_json", str, payload)
                 entry = self._blocks.get(index)
@@ -2806,15 +2633,15 @@ class _MessagesAssembler(_EventAssembler):
                 self.id = mid
             if type(model) is str:
                 self.model = model
-            self._merge_usage(message, payload)
+            self._usage = _merge_object(self._usage, message, "usage", payload)
         elif kind == "message_delta":
             delta = _field(doc, "delta", dict, payload) or {}
             for name in ("stop_reason", "stop_sequence"):
                 if name in delta:
                     self._stop[name] = _field(delta, name, str, payload)
-            self._merge_usage(doc, payload)
+            self._usage = _merge_object(self._usage, doc, "usage", payload)
         elif kind == "message_stop":
-            self._end(payload)
+            self._closing(payload)
         return events
 
     @staticmethod
@@ -2824,16 +2651,10 @@ class _MessagesAssembler(_EventAssembler):
             raise ProtocolError("a content block event without an integer 'index': %r" % payload[:80])
         return index
 
-    def _merge_usage(self, doc: Dict[str, Any], payload: str) -> None:
-        usage = _field(doc, "usage", dict, payload)
-        if usage is not None:
-            self._usage = dict(self._usage, **usage) if self._usage else dict(usage)
-
-    def _end(self, payload: str) -> None:
+    def _closing(self, payload: str) -> None:
         reason = self._stop.get("stop_reason")
         if reason is None:
             raise ProtocolError("message_stop without a stop_reason: %r" % payload[:80])
-        self.finish_reason = _MESSAGES_FINISH.get(reason, reason)
         usage = self._usage
         if usage is not None:
             prompt = sum(
@@ -2846,8 +2667,7 @@ class _MessagesAssembler(_EventAssembler):
         final["stop_sequence"] = self._stop.get("stop_sequence")
         if usage is not None:
             final["usage"] = usage
-        self.final = final
-        self.done = True
+        self._end(_MESSAGES_FINISH.get(reason, reason), final)
 
 
 class _ModelEvents(_Dialect):
@@ -2871,28 +2691,20 @@ class _ModelEvents(_Dialect):
 
 class _RouteChunks(_Dialect):
     """The dialect of ``stream_route()``, for a route loopclient does not know: each data event is one
-    ``Chunk``, its ``data`` the parsed JSON (any JSON value) or the event's text when it is not JSON, and
-    each counts as delivered output.  A JSON object whose ``error`` is an object or a string is an error
-    event (``ServerError``; before delivery, retried when its code is 503 or its type ``unavailable_error``
-    or ``overloaded_error``), as on every endpoint.  The stream ends at ``[DONE]`` or at the end of the
-    body, never at a chunk.
+    ``Chunk`` (of the parsed JSON, any value, or of the event's text when it is not JSON), which counts as
+    delivered output; a JSON object whose ``error`` is an object or a string is an error event.  The stream
+    ends at ``[DONE]`` or at the end of the body, never at a chunk.  Chunks in OpenAI's shape (``choices``
+    with their ``finish_reason``, ``usage``) or llama-server's native one (``stop``, ``stop_type`` and the
+    token counts, per ``index``) fill the ``Completion`` as the named calls do, without the text (the chunks
+    are the answer); fields of such a shape that hold the wrong type are ignored (the route is not known to
+    be what it looks like)."""
 
-    Two shapes fill the ``Completion`` when the chunks carry them: OpenAI's (``choices`` with their
-    ``index`` and ``finish_reason``, ``usage``; chat and text completions) and llama-server's native one
-    (``stop`` with ``stop_type`` and the token counts, per ``index``: ``/completion``, ``/infill``).  Then
-    ``id``, ``model``, ``finish_reason``, ``usage``, ``timings`` and (native) ``final`` are read as the
-    named calls read them, the text left out (the chunks are the answer), and an end before every choice
-    that appeared has finished is ``StreamClosedError``, as on the named calls.  Chunks of any other
-    shape (or of no shape) end in an empty ``Completion``.  Fields of a shape that hold the wrong type are
-    ignored here: the route is not known to be what it looks like."""
-
-    __slots__ = ("usage", "_finish", "_finals")
+    __slots__ = ("_finish", "_finals")
     output = (Chunk,)  # type: Tuple[type, ...]
     event_stream = True
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self.usage = None  # type: Optional[Dict[str, Any]]
         self._finish = {}  # type: Dict[int, Optional[str]]  # OpenAI's shape: choice index -> finish_reason
         self._finals = {}  # type: Dict[int, Optional[Dict[str, Any]]]  # native: index -> its stop chunk
 
@@ -2912,23 +2724,16 @@ class _RouteChunks(_Dialect):
     def _observe(self, doc: Dict[str, Any]) -> None:
         """Note what an object chunk says in OpenAI's or llama-server's shape."""
         choices = doc.get("choices")
-        if type(choices) is list:
-            for choice in choices:
-                index = choice.get("index", 0) if type(choice) is dict else None
-                if index is None and type(choice) is dict:
-                    index = 0  # a null index is 0, as on chat
+        for choice in choices if type(choices) is list else ():
+            if type(choice) is dict:
+                index = choice.get("index")
+                index = 0 if index is None else index  # a missing or null index is 0, as on chat
+                reason = choice.get("finish_reason")
                 if type(index) is int:
-                    reason = choice.get("finish_reason")
-                    if type(reason) is str:
-                        self._finish[index] = reason
-                    else:
-                        self._finish.setdefault(index, None)
+                    self._finish[index] = reason if type(reason) is str else self._finish.get(index)
         stop, index = doc.get("stop"), doc.get("index", 0)
         if type(stop) is bool and type(index) is int:
-            if stop:
-                self._finals[index] = doc
-            else:
-                self._finals.setdefault(index, None)
+            self._finals[index] = doc if stop else self._finals.get(index)
         if self._finish or self._finals:
             for name in ("id", "model"):
                 if getattr(self, name) is None and type(doc.get(name)) is str:
@@ -2962,12 +2767,6 @@ class _RouteChunks(_Dialect):
         return Completion(
             self.id, self.model, "", "", [], reasons[0][1], usage, self.timings, choices=choices, final=final
         )
-
-
-def _native_finish(chunk: Dict[str, Any]) -> str:
-    """A native stop chunk's ``stop_type`` in chat's words (none, or one that is not a string: "stop")."""
-    how = chunk.get("stop_type")
-    return _NATIVE_FINISH.get(how, how) if type(how) is str else "stop"
 
 
 def _no_body(params: Dict[str, Any]) -> Dict[str, Any]:

@@ -9,8 +9,8 @@ loading servers by polling ``/slots``, tells a wedged slot from a busy one, queu
 per slot (and per model, behind a router), and resumes a stream whose connection was lost.  ``fetch()``
 gives any route's answer whole (``Response``) and ``stream_route()`` streams a route it does not name.
 There is no total deadline: every wait has its own budget (see ``Limits``); a single-shot call may be
-given one (``timeout=``).  ``Client`` serves threads,
-``AsyncClient`` serves asyncio programs; they are one behaviour.
+given one (``timeout=``).  ``Client`` serves threads, ``AsyncClient`` serves asyncio programs; they are
+one behaviour.
 
 Example::
 
@@ -27,24 +27,15 @@ threads the library starts are short-lived ones for the requests a stream makes 
 ``/slots`` poll (at most one per client and model at a time) and a ``slot=None`` pool's ``/props``.
 An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
 
-How it is built: the parsers take bytes and return values (sections 2 to 5); every call is a plan, a
-generator that yields the I/O it needs (connect, send, receive, park, sleep) and receives the results
-(section 8), with the waits, budgets and rules of sections 6 and 7; a driver performs the I/O, with
-blocking sockets or with asyncio (section 9).  The flow of a streamed response: bytes from the socket ->
-``ResponsePump`` (``ResponseReader`` for the HTTP framing, ``SSEDecoder`` for the events, the endpoint's
-dialect (``Assembler`` for chat) for the deltas) -> events -> ``Completion``.
-
-Sections:
-    1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
-    2. HTTP/1.1 without sockets: request encoding, response head, body framing
-    3. Server-Sent Events decoder
-    4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
-    5. The response pump: one streamed response, bytes in, events and decisions out
-    6. Addresses, waits and their budgets, the timing rules
-    7. Slot gates, the /slots poller and what a client's requests share
-    8. The request logic: plans that ask for I/O and never do it
-    9. The drivers: blocking sockets and threads, then asyncio
-    10. Command line
+How it is built, in the order of its numbered sections: 1. errors and value objects; the parsers, which
+take bytes and return values: 2. HTTP/1.1, 3. Server-Sent Events, 4. the dialects that turn each
+endpoint's payloads into events (``Assembler`` for chat), the request bodies and the table of streamed
+endpoints, 5. the response pump, which runs them on one response (bytes -> ``ResponseReader`` ->
+``SSEDecoder`` -> the dialect -> events -> ``Completion``); what a request decides without I/O: 6. its
+waits, their budgets and the timing rules, 7. the slot gates, the ``/slots`` poller and what a client's
+requests share; 8. the request logic: every call is a plan, a generator that yields the I/O it needs
+(connect, send, receive, park, sleep) and receives the results; 9. the drivers that perform it, with
+blocking sockets and threads or with asyncio; 10. the command line.
 """
 
 from __future__ import annotations
@@ -3205,7 +3196,6 @@ class ResponsePump:
         "_sse",
         "_asm",
         "_body",
-        "_size",
         "_pending",
         "_ending",
         "cut",
@@ -3213,7 +3203,6 @@ class ResponsePump:
         "_resuming",
         "_last",
         "unknown",
-        "_typed",
     )
 
     def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
@@ -3229,8 +3218,7 @@ class ResponsePump:
         self._reader = ResponseReader()
         self._sse = SSEDecoder(limits.max_line)
         self._asm = (dialect or Assembler)(raw_chunks)  # type: Any
-        self._body = []  # type: List[bytes]  # an error response's body
-        self._size = 0
+        self._body = bytearray()  # an error response's body
         self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
         self._ending = False  # the body is complete: the events in hand are the last
         self.cut = False  # the body ended (cleanly, as a front may end it) before the stream's own end
@@ -3238,7 +3226,6 @@ class ResponsePump:
         self._resuming = False  # the response is the replay of a resumed stream
         self._last = b""  # the last two body bytes, for a blank line split between reads
         self.unknown = False  # a resume was answered 404: the server does not know the stream
-        self._typed = False  # the 200 head's Content-Type was looked at (a dialect that asks for it)
 
     @property
     def streaming(self) -> bool:
@@ -3258,18 +3245,15 @@ class ResponsePump:
         self._resuming = True
         self.unknown = False
         self.outcome = None  # a front's 504 to the request, which a resume from 0 follows
-        self._body, self._size = [], 0
+        self._body = bytearray()
         if offset != self.received:
             self.boundary, self._last = offset, b""
         self.received = offset
         self._ending = self.cut = False
-        self._typed = False
 
     def verdict(self) -> Any:
-        """What the caller does next, once it has handed out the events of the last call, as one value: a
-        ``LoopError`` found after those events (raise it), ``_CAP_DUE`` (ask the server to end reasoning,
-        pass the answer to ``capped()``), the ``Completion`` or the ``_Retry`` once decided; None: read on.
-        The order of the attributes below, in one place."""
+        """What the caller does next, once it has handed out the events of the last call, as one value:
+        ``failed``, ``_CAP_DUE`` for ``cap_due``, else ``outcome`` (None: read on), in that order."""
         if self.failed is not None:
             return self.failed
         if self.cap_due is not None:
@@ -3310,20 +3294,20 @@ class ResponsePump:
             pieces = []  # type: List[bytes]
         else:
             pieces = reader.feed(data)
-        head = self.head = reader.head
+        head = reader.head
         if head is None:
             return
+        if self.head is None:  # the head came with these bytes
+            self.head = head
+            kind = head.get("content-type") or "missing"
+            if head.status == 200 and self._asm.event_stream and not kind.lower().startswith("text/event-stream"):
+                raise ProtocolError(
+                    "the answer is not a stream (HTTP 200, Content-Type %s, not text/event-stream): fetch() "
+                    'reads it whole, or ask the route to stream ("stream": true)' % kind
+                )
         if head.status != 200:
             self._error_body(head, pieces, eof or reader.done)
             return
-        if not self._typed:
-            self._typed = True
-            kind = head.get("content-type")
-            if self._asm.event_stream and not (kind or "").lower().startswith("text/event-stream"):
-                raise ProtocolError(
-                    "the answer is not a stream (HTTP 200, Content-Type %s, not text/event-stream): fetch() "
-                    'reads it whole, or ask the route to stream ("stream": true)' % (kind or "missing")
-                )
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if data:
             self._count_body(data)
@@ -3355,15 +3339,14 @@ class ResponsePump:
 
     def _error_body(self, head: ResponseHead, pieces: List[bytes], complete: bool) -> None:
         for piece in pieces:
-            self._size += len(piece)
-            self._body.append(piece)
-        if self._size > self._limits.max_body:
+            self._body += piece
+        if len(self._body) > self._limits.max_body:
             raise ProtocolError("error body longer than max_body (%d bytes)" % self._limits.max_body)
         if self._reader.failed is not None:
             raise self._reader.failed
         if not complete:
             return
-        body = b"".join(self._body)
+        body = bytes(self._body)
         message, _ = parse_error_envelope(body)
         error = HTTPStatusError(head.status, message, body, head.get("server"))
         if self._resuming and head.status == 404:

@@ -58,53 +58,16 @@ __version__ = "0.1.0"
 __license__ = "MIT"
 
 __all__ = [
-    "Client",
-    "Stream",
-    "ChatStream",
-    "AsyncClient",
-    "AsyncStream",
-    "AsyncChatStream",
-    "Limits",
-    "Completion",
-    "ToolCallResult",
-    "Choice",
-    "Slot",
-    "Queued",
-    "Waiting",
-    "Retrying",
-    "Resumed",
-    "Reasoning",
-    "Content",
-    "ToolCall",
-    "ThinkingCapped",
-    "Progress",
-    "Chunk",
-    "ModelEvent",
-    "Response",
-    "LoopError",
-    "BusyError",
-    "WaitTimeoutError",
-    "LoadTimeoutError",
-    "StalledError",
-    "WedgedSlotError",
-    "DeadlineError",
-    "StreamClosedError",
-    "ThinkingOverrunError",
-    "HTTPStatusError",
-    "ServerError",
-    "ConnectError",
-    "ProtocolError",
-    "CancelledError",
-    "ResponseReader",
-    "ResponseHead",
-    "ChunkedDecoder",
-    "SSEDecoder",
-    "Assembler",
-    "ResponsePump",
-    "encode_request",
-    "parse_address",
-    "main",
-]
+    "Client", "Stream", "ChatStream", "AsyncClient", "AsyncStream", "AsyncChatStream",
+    "Limits", "Completion", "ToolCallResult", "Choice", "Slot",
+    "Queued", "Waiting", "Retrying", "Resumed", "Reasoning", "Content", "ToolCall", "ThinkingCapped", "Progress",
+    "Chunk", "ModelEvent", "Response",
+    "LoopError", "BusyError", "WaitTimeoutError", "LoadTimeoutError", "StalledError", "WedgedSlotError",
+    "DeadlineError", "StreamClosedError", "ThinkingOverrunError", "HTTPStatusError", "ServerError", "ConnectError",
+    "ProtocolError", "CancelledError",
+    "ResponseReader", "ResponseHead", "ChunkedDecoder", "SSEDecoder", "Assembler", "ResponsePump",
+    "encode_request", "parse_address", "main",
+]  # fmt: skip
 
 #: Longest response head (status line and headers), in bytes.
 MAX_HEAD = 64 * 1024
@@ -621,15 +584,8 @@ class Choice(_Value):
     and ``/infill`` with ``return_tokens``), or None when it sent none."""
 
     __match_args__ = (
-        "index",
-        "content",
-        "reasoning",
-        "tool_calls",
-        "finish_reason",
-        "logprobs",
-        "reasoning_logprobs",
-        "tokens",
-    )
+        "index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "reasoning_logprobs", "tokens",
+    )  # fmt: skip
     __slots__ = __match_args__
     index: int
     content: str
@@ -674,20 +630,9 @@ class Completion(_Value):
     """
 
     __match_args__ = (
-        "id",
-        "model",
-        "content",
-        "reasoning",
-        "tool_calls",
-        "finish_reason",
-        "usage",
-        "timings",
-        "reasoning_tokens",
-        "thinking_capped",
-        "choices",
-        "final",
-        "tokens",
-    )
+        "id", "model", "content", "reasoning", "tool_calls", "finish_reason", "usage", "timings", "reasoning_tokens",
+        "thinking_capped", "choices", "final", "tokens",
+    )  # fmt: skip
     __slots__ = __match_args__
     id: Optional[str]
     model: Optional[str]
@@ -818,22 +763,9 @@ class Limits(_Value):
     """
 
     __match_args__ = (
-        "queue_len",
-        "poll",
-        "liveness",
-        "busy_wait",
-        "load_wait",
-        "idle_grace",
-        "thinking_cap",
-        "thinking_overrun",
-        "max_line",
-        "max_body",
-        "wedge_wait",
-        "pool",
-        "keep_alive",
-        "servers",
-        "session",
-    )
+        "queue_len", "poll", "liveness", "busy_wait", "load_wait", "idle_grace", "thinking_cap", "thinking_overrun",
+        "max_line", "max_body", "wedge_wait", "pool", "keep_alive", "servers", "session",
+    )  # fmt: skip
     __slots__ = __match_args__
     queue_len: int
     poll: float
@@ -1127,51 +1059,29 @@ class ChunkedDecoder:
                 else:
                     raise ProtocolError("chunk data is not followed by CRLF")
                 state = _CHUNK_SIZE
-            elif state == _CHUNK_SIZE:
+            else:  # a chunk-size line; after the last chunk, trailer lines (ignored) up to a blank one
+                what = "chunk-size" if state == _CHUNK_SIZE else "trailer"
                 nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
                     if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
-                        raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
-                    self._pending = data[pos:]
-                    pos = end
-                    break
-                if nl - pos > MAX_CHUNK_LINE and nl - pos - (data[nl - 1] == 13) > MAX_CHUNK_LINE:
-                    raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
-                if 1 < nl - pos <= 16 and data[nl - 1] == 13 and _HEX_DIGITS.issuperset(data[pos : nl - 1]):
-                    size = int(data[pos : nl - 1], 16)  # the usual "1a2\r\n"
-                else:
-                    size = _parse_chunk_size(data[pos:nl])
-                pos = nl + 1
-                if size:
-                    stop = pos + size
-                    if stop + 2 <= end and data[stop] == 13 and data[stop + 1] == 10:
-                        # the whole chunk and its CRLF are here (the usual case): no pass through the data
-                        # state; TestParserChunked and TestParserRandomSplits cut chunks everywhere
-                        out.append(data[pos:stop])
-                        pos = stop + 2
-                        continue
-                    self._left = size
-                    state = _CHUNK_DATA
-                else:
-                    state = _CHUNK_TRAILER
-            else:  # _CHUNK_TRAILER: ignored lines up to a blank one
-                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
-                if nl < 0:
-                    if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
-                        raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
+                        raise ProtocolError("%s line longer than %d bytes" % (what, MAX_CHUNK_LINE))
                     self._pending = data[pos:]
                     break
                 line = data[pos:nl]
-                if len(line) > MAX_CHUNK_LINE and line[-1] != 13 or len(line) > MAX_CHUNK_LINE + 1:
-                    raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
+                if len(line) - line.endswith(b"\r") > MAX_CHUNK_LINE:
+                    raise ProtocolError("%s line longer than %d bytes" % (what, MAX_CHUNK_LINE))
                 pos = nl + 1
-                if line in (b"", b"\r"):
+                if state == _CHUNK_SIZE:
+                    self._left = _parse_chunk_size(line)
+                    state = _CHUNK_DATA if self._left else _CHUNK_TRAILER
+                elif line in (b"", b"\r"):
                     self.done = True
                     self.surplus = pos < end
                     break
-                self._trailers += 1
-                if self._trailers > MAX_HEADERS:
-                    raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
+                else:
+                    self._trailers += 1
+                    if self._trailers > MAX_HEADERS:
+                        raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
         self._state = state
 
     def feed_eof(self) -> None:
@@ -1198,43 +1108,34 @@ def _parse_chunk_size(line: bytes) -> int:
 
 
 class _LengthDecoder:
+    """A body framed by its ``Content-Length``, or (``length`` None) by the connection's close."""
+
     __slots__ = ("done", "surplus", "_left")
     failed = None  # type: Optional[LoopError]  # as ChunkedDecoder's; framing by length cannot fail
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: Optional[int]) -> None:
         self._left = length
         self.done = length == 0
-        self.surplus = False  # bytes came after the body
+        self.surplus = length is None  # bytes came after the body (or will not, the connection ending it)
 
     def feed(self, data: bytes) -> List[bytes]:
+        left = self._left
         if self.done:
             self.surplus = self.surplus or bool(data)
             return []
-        if len(data) >= self._left:
-            self.surplus = len(data) > self._left
-            data = data[: self._left]
+        if left is not None:
+            if len(data) >= left:
+                self.surplus = len(data) > left
+                data = data[:left]
+                self.done = True
+            self._left = left - len(data)
+        return [data]
+
+    def feed_eof(self) -> None:
+        if self._left is None:
             self.done = True
-        self._left -= len(data)
-        return [data]
-
-    def feed_eof(self) -> None:
-        if not self.done:
+        elif not self.done:
             raise StreamClosedError("the connection closed %d bytes before the end of the body" % self._left)
-
-
-class _CloseDecoder:
-    __slots__ = ("done",)
-    failed = None  # type: Optional[LoopError]
-    surplus = False
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def feed(self, data: bytes) -> List[bytes]:
-        return [data]
-
-    def feed_eof(self) -> None:
-        self.done = True
 
 
 class ResponseReader:
@@ -1254,17 +1155,8 @@ class ResponseReader:
     """
 
     __slots__ = (
-        "head",
-        "failed",
-        "_buf",
-        "_scan",
-        "_lines",
-        "_body",
-        "_max_head",
-        "_max_headers",
-        "_max_body",
-        "_received",
-    )
+        "head", "failed", "_buf", "_scan", "_lines", "_body", "_max_head", "_max_headers", "_max_body", "_received",
+    )  # fmt: skip
 
     def __init__(self, max_head: int = MAX_HEAD, max_headers: int = MAX_HEADERS, max_body: Optional[int] = None):
         self.head = None  # type: Optional[ResponseHead]
@@ -1273,7 +1165,7 @@ class ResponseReader:
         self._buf = bytearray()
         self._scan = 0
         self._lines = 0
-        self._body = None  # type: Optional[Union[ChunkedDecoder, _LengthDecoder, _CloseDecoder]]
+        self._body = None  # type: Optional[Union[ChunkedDecoder, _LengthDecoder]]
         self._max_head = max_head
         self._max_headers = max_headers
         self._max_body = max_body
@@ -1288,7 +1180,7 @@ class ResponseReader:
         """The body is whole, framed by its length or by chunks, with nothing after it: the connection
         may carry another request."""
         body = self._body
-        return body is not None and body.done and not isinstance(body, _CloseDecoder) and not body.surplus
+        return body is not None and body.done and not body.surplus
 
     def feed(self, data: bytes) -> List[bytes]:
         if self.failed is not None:
@@ -1366,7 +1258,7 @@ class ResponseReader:
             self._body = self._framing(head)
             return rest
 
-    def _framing(self, head: ResponseHead) -> Union[ChunkedDecoder, _LengthDecoder, _CloseDecoder]:
+    def _framing(self, head: ResponseHead) -> Union[ChunkedDecoder, _LengthDecoder]:
         if head.status in (204, 304):
             return _LengthDecoder(0)
         codings = head.get_all("transfer-encoding")
@@ -1381,7 +1273,7 @@ class ResponseReader:
             if self._max_body is not None and length > self._max_body:
                 raise ProtocolError("response body of %d bytes is longer than max_body (%d)" % (length, self._max_body))
             return _LengthDecoder(length)
-        return _CloseDecoder()
+        return _LengthDecoder(None)
 
     def feed_eof(self) -> None:
         """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete; ``failed``
@@ -1825,17 +1717,9 @@ class _Dialect:
     _cut = ("without a finish_reason", "before choice %s had a finish_reason")
 
     __slots__ = (
-        "id",
-        "model",
-        "usage",
-        "timings",
-        "reasoning_tokens",
-        "in_reasoning",
-        "thinking_capped",
-        "raw_chunks",
-        "done",
-        "_choices",
-    )
+        "id", "model", "usage", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks",
+        "done", "_choices",
+    )  # fmt: skip
 
     def __init__(self, raw_chunks: bool = False) -> None:
         #: the stream reached the endpoint's own end (never on chat, which ends with [DONE]); an attribute,
@@ -3059,17 +2943,8 @@ _ENDPOINTS = {
         _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _native_head, _TextAssembler, _CAP_MOOT),
         _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
         _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
-        _Endpoint(
-            "models",
-            "/models/sse",
-            _no_body,
-            _no_head,
-            _ModelEvents,
-            _CAP_MOOT,
-            resumable=False,
-            routed=False,
-            watch=True,
-        ),
+        # a router's model events: not resumable, not routed (the router's own), a watch
+        _Endpoint("models", "/models/sse", _no_body, _no_head, _ModelEvents, _CAP_MOOT, False, False, True),
         # stream_route(): any route, its method and path the call's; resumable where the server buffers it
         _Endpoint("route", "", _route_body, _route_head, _RouteChunks, _CAP_MOOT, target=_route_target),
     )
@@ -3183,27 +3058,10 @@ class ResponsePump:
     """
 
     __slots__ = (
-        "head",
-        "failed",
-        "cap_due",
-        "outcome",
-        "progressed",
-        "delivered",
-        "received",
-        "boundary",
-        "_limits",
-        "_reader",
-        "_sse",
-        "_asm",
-        "_body",
-        "_pending",
-        "_ending",
-        "cut",
-        "_capped_at",
-        "_resuming",
-        "_last",
+        "head", "failed", "cap_due", "outcome", "progressed", "delivered", "received", "boundary", "_limits",
+        "_reader", "_sse", "_asm", "_body", "_pending", "_ending", "cut", "_capped_at", "_resuming", "_last",
         "unknown",
-    )
+    )  # fmt: skip
 
     def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
         self.head = None  # type: Optional[ResponseHead]

@@ -1612,14 +1612,9 @@ def _error_from(err: Any) -> ServerError:
             code = int(code)
         if not isinstance(code, int) or isinstance(code, bool):
             code = None
-        message = err.get("message")
-        etype = err.get("type")
-        return ServerError(
-            code,
-            message if isinstance(message, str) else repr(err)[:200],
-            etype if isinstance(etype, str) else None,
-            err,
-        )
+        message, etype = err.get("message"), err.get("type")
+        message = message if isinstance(message, str) else repr(err)[:200]
+        return ServerError(code, message, etype if isinstance(etype, str) else None, err)
     return ServerError(None, str(err)[:200], None, err)
 
 
@@ -1788,43 +1783,29 @@ class _Dialect:
         choices = tuple(state.result(index) for index, state in states)
         first = choices[0]
         return Completion(
-            self.id,
-            self.model,
-            first.content,
-            first.reasoning,
-            first.tool_calls,
-            first.finish_reason,
-            self.usage,
-            self.timings,
-            self.reasoning_tokens,
-            self.thinking_capped,
-            choices,
-            states[0][1].final,
-            first.tokens,
-        )
+            self.id, self.model, first.content, first.reasoning, first.tool_calls, first.finish_reason, self.usage,
+            self.timings, self.reasoning_tokens, self.thinking_capped, choices, states[0][1].final, first.tokens,
+        )  # fmt: skip
 
 
 class Assembler(_Dialect):
     """Turns chunk payloads into events and, at the end, a ``Completion``.
 
     ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
-    ``index`` (a missing or null index is 0): each has its own content, reasoning, tool calls (keyed by the
-    tool's ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
-    ``logprobs.reasoning_content``, appended as sent; None while none came), and the events carry
-    ``choice=index``.  A ``prompt_progress`` object gives ``Progress(processed, total, cache, time_ms)``;
-    one without ``processed`` or ``total`` gives no event, a missing ``cache`` reads 0 and a missing
-    ``time_ms`` 0.0.  ``usage`` and ``timings`` objects are merged, the last value of a key winning (with
-    ``n`` > 1 llama-server sends them per choice, without saying which).  With ``raw_chunks=True`` every
-    payload also gives ``Chunk(data)``, first.
+    ``index`` (missing or null: 0), each with its own content, reasoning, tool calls (keyed by the tool's
+    ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
+    ``logprobs.reasoning_content``, appended as sent; None while none came); the events carry
+    ``choice=index``.  A ``prompt_progress`` object gives ``Progress`` (none without ``processed`` or
+    ``total``; a missing ``cache`` reads 0, a missing ``time_ms`` 0.0).  ``usage`` and ``timings`` are
+    merged, the last value of a key winning (with ``n`` > 1 llama-server sends them per choice, without
+    saying which).  With ``raw_chunks=True`` every payload also gives ``Chunk(data)``, first.
 
-    A JSON error, a payload that is not an object, ``choices`` that is not a list, a choice or delta that is
-    not an object, an index that is not an integer, or a field of the wrong type is ``ProtocolError``;
-    unknown fields are ignored.  An error object is raised as ``ServerError``.  Each call either returns all
-    the events of its payload or raises, so the caller delivers the earlier payloads' events first.
-
-    ``completion()`` raises ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.
-    ``reasoning_tokens`` and ``in_reasoning`` (what the thinking cap reads) count the reasoning of every
-    choice: the client refuses a thinking cap with ``n`` > 1.
+    A payload that is not a JSON object, or a known field of the wrong type, is ``ProtocolError``; unknown
+    fields are ignored; an error object is ``ServerError``.  Each call returns all the events of its
+    payload or raises, so the caller delivers the earlier payloads' events first.  ``completion()`` raises
+    ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.  ``reasoning_tokens``
+    and ``in_reasoning`` (what the thinking cap reads) count every choice's reasoning: the client refuses a
+    thinking cap with ``n`` > 1.
     """
 
     __slots__ = ("_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
@@ -2012,10 +1993,9 @@ class Assembler(_Dialect):
         if type(index) is not int:
             raise ProtocolError("a tool-call delta has no integer 'index': %r" % (call,))
         func = call.get("function")
-        if func is None:
-            func = {}
-        elif type(func) is not dict:
+        if func is not None and type(func) is not dict:
             raise ProtocolError("a tool call's 'function' is not an object: %r" % (call,))
+        func = func or {}
         cid, name, args = call.get("id"), func.get("name"), func.get("arguments")
         for what, value in (("id", cid), ("name", name), ("arguments", args)):
             if value is not None and type(value) is not str:
@@ -3032,13 +3012,9 @@ def _retryable(err: ServerError) -> bool:
 
 class ResponsePump:
     """The bytes of one streamed response in, events and decisions out; no socket, and the clock only to
-    read a ``Retry-After`` date.
-
-    It owns the ``ResponseReader``, the ``SSEDecoder`` and the endpoint's dialect: ``dialect(raw_chunks)``
-    reads its payloads (``Assembler``, chat's, by default; the native, Responses and Messages dialects end
-    the stream themselves, by their ``done``).  ``feed(data)`` (and
-    ``feed_eof()`` when the connection closed) returns the events those bytes completed.  After each call
-    the caller looks at, in this order:
+    read a ``Retry-After`` date.  ``dialect(raw_chunks)`` reads the payloads (``Assembler``, chat's, by
+    default).  ``feed(data)``, and ``feed_eof()`` when the connection closed, return the events those bytes
+    completed; then the caller looks at, in this order (``verdict()`` gives them as one value):
 
     ``failed``
         an error found after the returned events (deliver them, then raise it); a later call raises it too.
@@ -3049,12 +3025,11 @@ class ResponsePump:
         once decided: the ``Completion``, or a retry (a ``_Retry``: a 503 or 429 status, a front's 502,
         504 or 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
         anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its body is in;
-        after ``resume()``, a 404 or 400 (the server no longer knows the stream, or no longer holds its
-        bytes from the offset) raises ``StreamClosedError``.
+        after ``resume()``, a 404 or 400 raises ``StreamClosedError``.
 
     ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
-    event (pings do not count: they prove the connection, not progress); ``delivered`` whether a
-    ``Reasoning``, ``Content`` or ``ToolCall`` event has been produced.
+    event (pings prove the connection, not progress); ``delivered`` whether an output event (``Reasoning``,
+    ``Content`` or ``ToolCall``; a route's ``Chunk``) has been produced.
     """
 
     __slots__ = (

@@ -482,12 +482,8 @@ class _Headers:
 
     def get(self, name: str) -> Optional[str]:
         """The last value of header ``name`` (case-insensitive), or None."""
-        name = name.lower()
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
+        values = self.get_all(name)
+        return values[-1] if values else None
 
     def get_all(self, name: str) -> List[str]:
         """Every value of header ``name`` (case-insensitive), in arrival order."""
@@ -855,16 +851,13 @@ def encode_request(
 
 
 class ResponseHead(_Headers):
-    """A parsed status line and header block."""
+    """A parsed status line and header block: ``headers`` holds (lower-case name, value) pairs in arrival
+    order."""
 
     __slots__ = ("version", "status", "reason", "headers")
 
     def __init__(self, version: str, status: int, reason: str, headers: List[Tuple[str, str]]) -> None:
-        self.version = version
-        self.status = status
-        self.reason = reason
-        #: (lower-case name, value) pairs in arrival order
-        self.headers = headers
+        self.version, self.status, self.reason, self.headers = version, status, reason, headers
 
     def __repr__(self) -> str:
         return "ResponseHead(%s %d %s)" % (self.version, self.status, self.reason)
@@ -919,10 +912,8 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
         # against 4 us for llama-server's 7 lines; TestParserHeadPaths holds the two to the same answers)
         lines = block[:-1].split(b"\r\n")
         parts = lines[0].split(b" ", 2)
-        headers = []  # type: List[Tuple[str, str]]
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers.append((name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")))
+        pairs = (line.partition(b":") for line in lines[1:])
+        headers = [(name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")) for name, _, value in pairs]
         reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
         return ResponseHead(parts[0].decode("ascii"), int(parts[1]), reason, headers)
     return _parse_lines(block, max_headers)
@@ -1139,19 +1130,17 @@ class _LengthDecoder:
 
 
 class ResponseReader:
-    """An HTTP/1.1 response parser fed bytes: ``feed(data) -> list[bytes]`` of body payload.
+    """An HTTP/1.1 response parser fed bytes: ``feed(data) -> list[bytes]`` of body payload; ``head`` once the
+    status line and headers are in, ``done`` once the body is complete, framed by ``Transfer-Encoding:
+    chunked``, ``Content-Length`` or the close.  ``feed_eof()``: the connection closed; a head or body cut
+    short is ``StreamClosedError``.  Malformed input, a head over ``max_head`` bytes or ``max_headers``
+    lines, or a body over ``max_body`` when given (its first ``max_body`` bytes are delivered) is
+    ``ProtocolError``.  The head is read as RFC 9112 asks of a user agent: lines end in CRLF or a bare LF,
+    an obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
 
-    ``head`` is set once the status line and headers are in; ``done`` once the body is complete.  Framing
-    is ``Transfer-Encoding: chunked``, ``Content-Length`` or read-until-close, picked from the head.
-    ``feed_eof()`` tells the reader the connection closed: a head or body cut short is
-    ``StreamClosedError``.  Malformed input, or a head over ``max_head`` bytes or ``max_headers`` lines,
-    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given (the first ``max_body`` bytes
-    are delivered).  The head follows RFC 9112 as a user agent reads it: lines end in CRLF or a bare LF, an
-    obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
-
-    Payload before malformed bytes is delivered first: when a read produced payload and then met an error,
-    ``feed`` returns the payload and keeps the error in ``failed``; the next ``feed`` or ``feed_eof`` raises
-    it (a caller may raise it at once after using the payload).  A read that produced nothing raises at once.
+    Payload before malformed bytes is delivered first: ``feed`` returns it and keeps the error in
+    ``failed``, which the next ``feed`` or ``feed_eof`` raises (a caller may raise it at once); a read that
+    produced nothing raises at once.
     """
 
     __slots__ = (
@@ -1163,13 +1152,9 @@ class ResponseReader:
         #: the error met after the payload the last ``feed`` returned (None: none)
         self.failed = None  # type: Optional[LoopError]
         self._buf = bytearray()
-        self._scan = 0
-        self._lines = 0
+        self._scan = self._lines = self._received = 0
         self._body = None  # type: Optional[Union[ChunkedDecoder, _LengthDecoder]]
-        self._max_head = max_head
-        self._max_headers = max_headers
-        self._max_body = max_body
-        self._received = 0
+        self._max_head, self._max_headers, self._max_body = max_head, max_headers, max_body
 
     @property
     def done(self) -> bool:
@@ -1380,15 +1365,9 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
         return None
     import email.utils  # only when a server sends a date
 
-    try:
-        stamp = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if stamp is None:
-        return None
-    try:
-        when = stamp.timestamp()
-    except (OverflowError, ValueError, OSError):
+    try:  # a date that does not parse (None on older Pythons), or that the platform's time cannot hold
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError, OSError, AttributeError):
         return None
     return max(0.0, when - (time.time() if now is None else now))
 
@@ -2654,16 +2633,12 @@ def _body(fixed: Dict[str, Any], params: Dict[str, Any], stream: bool = True) ->
     return body
 
 
-def _is_token(value: Any) -> bool:
-    return type(value) is int
-
-
 def _prompt_ok(prompt: Any) -> bool:
     """A string, a multimodal prompt object (with ``prompt_string``), or a list of token ids and strings
     (llama-server's mixed prompt)."""
     if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_string" in prompt):
         return True
-    return isinstance(prompt, list) and all(isinstance(p, str) or _is_token(p) for p in prompt)
+    return isinstance(prompt, list) and all(isinstance(p, str) or type(p) is int for p in prompt)
 
 
 def _native_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -2713,10 +2688,9 @@ def _infill_body(prefix: str, suffix: str, extra: Any, params: Dict[str, Any]) -
     """The body of a streamed ``/infill``: ``prefix`` and ``suffix`` (strings) are ``input_prefix`` and
     ``input_suffix``; ``extra`` (None, or an iterable of ``(filename, text)`` pairs or ``{"filename",
     "text"}`` dicts) is ``input_extra``.  ``TypeError``/``ValueError`` for anything else."""
-    if not isinstance(prefix, str):
-        raise TypeError("prefix must be a string, not %r" % (prefix,))
-    if not isinstance(suffix, str):
-        raise TypeError("suffix must be a string, not %r" % (suffix,))
+    for name, value in (("prefix", prefix), ("suffix", suffix)):
+        if not isinstance(value, str):
+            raise TypeError("%s must be a string, not %r" % (name, value))
     fixed = {"input_prefix": prefix, "input_suffix": suffix}  # type: Dict[str, Any]
     if extra is not None:
         if isinstance(extra, (str, bytes, dict)) or not hasattr(extra, "__iter__"):
@@ -2877,15 +2851,12 @@ _CAP_NEVER = "never"  # reasoning streams but the server cannot end it on reques
 
 
 class _Endpoint:
-    """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
-    (``body(*args, params)``), the function that finds the body's stable head (``head(body)``: what stays
-    the same on every turn of a conversation, digested into its session key when the caller gives none),
-    the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the
-    ``_CAP_*`` rules above), ``resumable`` (the server buffers it for ``X-Conversation-Id``), ``routed`` (a
-    router routes it by the body's ``model``), ``watch`` (a ``GET`` that never ends by itself and is silent
-    when nothing happens: no gate, no retries, no liveness; read by ``_StreamLife.watch``).
-    ``target(*args)`` gives the request's method and path: ``POST`` to ``path`` unless the row says
-    otherwise (``stream_route()``'s takes them from the call)."""
+    """One streamed endpoint: its ``path``; ``body(*args, params)``, its body made of the call's arguments;
+    ``head(body)``, the body's stable head (above); the ``dialect`` class that reads its payloads; and what
+    the engine may do there: ``cap`` (a ``_CAP_*`` rule), ``resumable`` (the server buffers it for
+    ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
+    that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read by
+    ``_StreamLife.watch``).  ``target(*args)``: its method and path, ``POST`` to ``path`` by default."""
 
     __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch", "_target")
 
@@ -2952,16 +2923,14 @@ _FRONT_UNREACHED = (502, 520, 521, 522, 523)  # a front's own answer: it could n
 
 
 class _Retry:
-    """An attempt that failed before anything was delivered and may be sent again; ``state`` says whose
-    budget the wait counts under (``UNAVAILABLE``: load_wait; ``CAPACITY``, a 429: busy_wait)."""
+    """An attempt that failed before anything was delivered and may be sent again: why (``reason``, the
+    error ``cause``), the ``Retry-After`` ``hint`` in seconds, and whose budget the wait counts under
+    (``state``: ``UNAVAILABLE``, load_wait; ``CAPACITY``, a 429, busy_wait)."""
 
     __slots__ = ("reason", "hint", "cause", "state")
 
     def __init__(self, reason: str, hint: Optional[float], cause: BaseException, state: str = UNAVAILABLE) -> None:
-        self.reason = reason
-        self.hint = hint  # Retry-After, in seconds
-        self.cause = cause
-        self.state = state
+        self.reason, self.hint, self.cause, self.state = reason, hint, cause, state
 
 
 def _json_or_text(text: str) -> Any:

@@ -1662,18 +1662,22 @@ def _field(doc: Dict[str, Any], name: str, kind: Any, payload: str) -> Any:
 _KIND_NAMES = {str: "a string", dict: "an object", list: "a list"}
 
 
-def _merge_object(
-    kept: Optional[Dict[str, Any]], doc: Dict[str, Any], name: str, payload: str
-) -> Optional[Dict[str, Any]]:
+def _carried(doc: Dict[str, Any], name: str, kind: str, payload: str) -> Dict[str, Any]:
+    """``doc[name]``, the object an event of type ``kind`` carries: ``ProtocolError`` when it is absent or
+    not an object."""
+    value = _field(doc, name, dict, payload)  # type: Optional[Dict[str, Any]]
+    if value is None:
+        raise ProtocolError("%s without a %r object: %r" % (kind, name, payload[:80]))
+    return value
+
+
+def _merge_in(kept: Optional[Dict[str, Any]], doc: Dict[str, Any], name: str, payload: str) -> Optional[Dict[str, Any]]:
     """``kept`` with the object ``doc[name]`` (``usage``, ``timings``) merged over it, the last value of a key
     winning; ``ProtocolError`` when it is not an object."""
     value = _field(doc, name, dict, payload)
     if value is None:
         return kept
     return dict(kept, **value) if kept else value
-
-
-_OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered on the named endpoints
 
 
 class _Dialect:
@@ -1683,7 +1687,7 @@ class _Dialect:
     ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as delivered
     (after one, nothing is retried)."""
 
-    output = _OUTPUT  # type: Tuple[type, ...]
+    output = (Reasoning, Content, ToolCall)  # type: Tuple[type, ...]
     #: a 200 answer that is not ``text/event-stream`` is ``ProtocolError`` (a route the client does not know;
     #: the named endpoints are read as llama-server frames them)
     event_stream = False
@@ -1944,8 +1948,8 @@ class Assembler(_Dialect):
             reason = _field(choice, "finish_reason", str, payload)
             if reason is not None:
                 state.finish_reason = reason
-        self.usage = _merge_object(self.usage, doc, "usage", payload)
-        self.timings = _merge_object(self.timings, doc, "timings", payload)
+        self.usage = _merge_in(self.usage, doc, "usage", payload)
+        self.timings = _merge_in(self.timings, doc, "timings", payload)
         if not self._fast:
             self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks and not self._text
         return events
@@ -2167,7 +2171,7 @@ class _NativeAssembler(_Dialect):
         probs = doc.get("completion_probabilities")
         if probs is not None:
             state.logprobs = _entries(state.logprobs, probs, payload)
-        self.timings = _merge_object(self.timings, doc, "timings", payload)
+        self.timings = _merge_in(self.timings, doc, "timings", payload)
         stop = doc.get("stop")
         if stop is not None and type(stop) is not bool:
             raise ProtocolError("'stop' is not a boolean: %r" % payload[:80])
@@ -2216,7 +2220,7 @@ class _EventAssembler(_Dialect):
                 raise ProtocolError("an event's 'type' is not a string: %r" % payload[:80])
         elif kind.endswith("_error"):
             raise _error_from(doc)
-        self.timings = _merge_object(self.timings, doc, "timings", payload)
+        self.timings = _merge_in(self.timings, doc, "timings", payload)
         return doc, kind, self._start(doc, payload)
 
     def _new_call(self, cid: Optional[str], name: Optional[str], events: List[Event]) -> List[Any]:
@@ -2377,9 +2381,7 @@ class _ResponsesAssembler(_EventAssembler):
             self._arguments(entry, text, events)
 
     def _closing(self, doc: Dict[str, Any], kind: str, payload: str) -> None:
-        response = _field(doc, "response", dict, payload)
-        if response is None:
-            raise ProtocolError("%s without a 'response' object: %r" % (kind, payload[:80]))
+        response = _carried(doc, "response", kind, payload)
         self._response(response)
         output = _field(response, "output", list, payload)
         if kind == "response.completed":
@@ -2399,7 +2401,7 @@ class _ResponsesAssembler(_EventAssembler):
                 _token_count(usage, "output_tokens", payload),
             )
             self.usage = _chat_usage(usage, prompt, completion)
-        self.timings = _merge_object(self.timings, response, "timings", payload)
+        self.timings = _merge_in(self.timings, response, "timings", payload)
         self._end(finish, response)
 
 
@@ -2435,9 +2437,7 @@ class _MessagesAssembler(_EventAssembler):
         doc, kind, events = self._begin(payload)
         if kind == "content_block_delta":
             index = self._index(doc, payload)
-            delta = _field(doc, "delta", dict, payload)
-            if delta is None:
-                raise ProtocolError("content_block_delta without a 'delta' object: %r" % payload[:80])
+            delta = _carried(doc, "delta", kind, payload)
             dtype = delta.get("type")
             if dtype == "text_delta":
                 self._out(events, _field(delta, "text", str, payload), self._state, 0)
@@ -2451,29 +2451,25 @@ class _MessagesAssembler(_EventAssembler):
                 self._arguments(entry, text or "", events)
         elif kind == "content_block_start":
             index = self._index(doc, payload)
-            block = _field(doc, "content_block", dict, payload)
-            if block is None:
-                raise ProtocolError("content_block_start without a 'content_block' object: %r" % payload[:80])
+            block = _carried(doc, "content_block", kind, payload)
             if block.get("type") == "tool_use":
                 cid, name = _field(block, "id", str, payload), _field(block, "name", str, payload)
                 self._blocks[index] = self._new_call(cid, name, events)
         elif kind == "message_start":
-            message = _field(doc, "message", dict, payload)
-            if message is None:
-                raise ProtocolError("message_start without a 'message' object: %r" % payload[:80])
+            message = _carried(doc, "message", kind, payload)
             self._message = message
             mid, model = message.get("id"), message.get("model")
             if type(mid) is str:
                 self.id = mid
             if type(model) is str:
                 self.model = model
-            self._usage = _merge_object(self._usage, message, "usage", payload)
+            self._usage = _merge_in(self._usage, message, "usage", payload)
         elif kind == "message_delta":
             delta = _field(doc, "delta", dict, payload) or {}
             for name in ("stop_reason", "stop_sequence"):
                 if name in delta:
                     self._stop[name] = _field(delta, name, str, payload)
-            self._usage = _merge_object(self._usage, doc, "usage", payload)
+            self._usage = _merge_in(self._usage, doc, "usage", payload)
         elif kind == "message_stop":
             self._closing(payload)
         return events

@@ -1500,18 +1500,14 @@ class SSEDecoder:
                 continue
             if len(line) > max_line:
                 raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
-            if line.startswith(b"data:"):
-                value = line[6:] if line.startswith(b" ", 5) else line[5:]
-                name = b"data"
-            elif line[0] == 58:  # ":" a comment, llama-server's ping
+            if line[0] == 58:  # ":" a comment, llama-server's ping
                 continue
+            colon = line.find(b":")
+            if colon < 0:
+                name, value = line, b""
             else:
-                colon = line.find(b":")
-                if colon < 0:
-                    name, value = line, b""
-                else:
-                    name = line[:colon]
-                    value = line[colon + 2 :] if line.startswith(b" ", colon + 1) else line[colon + 1 :]
+                name = line[:colon]
+                value = line[colon + 2 :] if line.startswith(b" ", colon + 1) else line[colon + 1 :]
             if name == b"data" or name == b"error":
                 self._size += len(value) + 1
                 if self._size > max_line + 1:

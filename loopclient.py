@@ -1440,14 +1440,7 @@ class SSEDecoder:
         ``failed``."""
         if self.failed is not None:
             raise self.failed
-        out = []  # type: List[Tuple[str, str]]
-        if self._cr:
-            self._cr = False
-            try:
-                self._lines(b"\n", out)  # ends one line: it dispatches an event or fails, never both
-            except ProtocolError as exc:
-                self._fail(exc)
-                raise
+        out = self.feed(b"\n") if self._cr else []  # ends one line: it dispatches an event or fails, never both
         self._buf.clear()
         self._data = None
         self._type = "message"
@@ -3132,8 +3125,7 @@ class ResponsePump:
                 raise failed
 
     def _error_body(self, head: ResponseHead, pieces: List[bytes], complete: bool) -> None:
-        for piece in pieces:
-            self._body += piece
+        self._body += b"".join(pieces)
         if len(self._body) > self._limits.max_body:
             raise ProtocolError("error body longer than max_body (%d bytes)" % self._limits.max_body)
         if self._reader.failed is not None:

@@ -9,8 +9,8 @@ loading servers by polling ``/slots``, tells a wedged slot from a busy one, queu
 per slot (and per model, behind a router), and resumes a stream whose connection was lost.  ``fetch()``
 gives any route's answer whole (``Response``) and ``stream_route()`` streams a route it does not name.
 There is no total deadline: every wait has its own budget (see ``Limits``); a single-shot call may be
-given one (``timeout=``).  ``Client`` serves threads,
-``AsyncClient`` serves asyncio programs; they are one behaviour.
+given one (``timeout=``).  ``Client`` serves threads, ``AsyncClient`` serves asyncio programs; they are
+one behaviour.
 
 Example::
 
@@ -27,24 +27,15 @@ threads the library starts are short-lived ones for the requests a stream makes 
 ``/slots`` poll (at most one per client and model at a time) and a ``slot=None`` pool's ``/props``.
 An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
 
-How it is built: the parsers take bytes and return values (sections 2 to 5); every call is a plan, a
-generator that yields the I/O it needs (connect, send, receive, park, sleep) and receives the results
-(section 8), with the waits, budgets and rules of sections 6 and 7; a driver performs the I/O, with
-blocking sockets or with asyncio (section 9).  The flow of a streamed response: bytes from the socket ->
-``ResponsePump`` (``ResponseReader`` for the HTTP framing, ``SSEDecoder`` for the events, the endpoint's
-dialect (``Assembler`` for chat) for the deltas) -> events -> ``Completion``.
-
-Sections:
-    1. Errors and value objects (events, ``Completion``, ``Slot``, ``Limits``)
-    2. HTTP/1.1 without sockets: request encoding, response head, body framing
-    3. Server-Sent Events decoder
-    4. Delta assembler, the other endpoints' dialects, the request bodies, the table of streamed endpoints
-    5. The response pump: one streamed response, bytes in, events and decisions out
-    6. Addresses, waits and their budgets, the timing rules
-    7. Slot gates, the /slots poller and what a client's requests share
-    8. The request logic: plans that ask for I/O and never do it
-    9. The drivers: blocking sockets and threads, then asyncio
-    10. Command line
+How it is built, in the order of its numbered sections: 1. errors and value objects; the parsers, which
+take bytes and return values: 2. HTTP/1.1, 3. Server-Sent Events, 4. the dialects that turn each
+endpoint's payloads into events (``Assembler`` for chat), the request bodies and the table of streamed
+endpoints, 5. the response pump, which runs them on one response (bytes -> ``ResponseReader`` ->
+``SSEDecoder`` -> the dialect -> events -> ``Completion``); what a request decides without I/O: 6. its
+waits, their budgets and the timing rules, 7. the slot gates, the ``/slots`` poller and what a client's
+requests share; 8. the request logic: every call is a plan, a generator that yields the I/O it needs
+(connect, send, receive, park, sleep) and receives the results; 9. the drivers that perform it, with
+blocking sockets and threads or with asyncio; 10. the command line.
 """
 
 from __future__ import annotations
@@ -67,53 +58,16 @@ __version__ = "0.1.0"
 __license__ = "MIT"
 
 __all__ = [
-    "Client",
-    "Stream",
-    "ChatStream",
-    "AsyncClient",
-    "AsyncStream",
-    "AsyncChatStream",
-    "Limits",
-    "Completion",
-    "ToolCallResult",
-    "Choice",
-    "Slot",
-    "Queued",
-    "Waiting",
-    "Retrying",
-    "Resumed",
-    "Reasoning",
-    "Content",
-    "ToolCall",
-    "ThinkingCapped",
-    "Progress",
-    "Chunk",
-    "ModelEvent",
-    "Response",
-    "LoopError",
-    "BusyError",
-    "WaitTimeoutError",
-    "LoadTimeoutError",
-    "StalledError",
-    "WedgedSlotError",
-    "DeadlineError",
-    "StreamClosedError",
-    "ThinkingOverrunError",
-    "HTTPStatusError",
-    "ServerError",
-    "ConnectError",
-    "ProtocolError",
-    "CancelledError",
-    "ResponseReader",
-    "ResponseHead",
-    "ChunkedDecoder",
-    "SSEDecoder",
-    "Assembler",
-    "ResponsePump",
-    "encode_request",
-    "parse_address",
-    "main",
-]
+    "Client", "Stream", "ChatStream", "AsyncClient", "AsyncStream", "AsyncChatStream",
+    "Limits", "Completion", "ToolCallResult", "Choice", "Slot",
+    "Queued", "Waiting", "Retrying", "Resumed", "Reasoning", "Content", "ToolCall", "ThinkingCapped", "Progress",
+    "Chunk", "ModelEvent", "Response",
+    "LoopError", "BusyError", "WaitTimeoutError", "LoadTimeoutError", "StalledError", "WedgedSlotError",
+    "DeadlineError", "StreamClosedError", "ThinkingOverrunError", "HTTPStatusError", "ServerError", "ConnectError",
+    "ProtocolError", "CancelledError",
+    "ResponseReader", "ResponseHead", "ChunkedDecoder", "SSEDecoder", "Assembler", "ResponsePump",
+    "encode_request", "parse_address", "main",
+]  # fmt: skip
 
 #: Longest response head (status line and headers), in bytes.
 MAX_HEAD = 64 * 1024
@@ -311,6 +265,14 @@ class WedgedSlotError(StalledError):
 # than ``socket``, ``json`` and ``threading`` together.
 
 _set = object.__setattr__
+
+
+def _fill(obj: _Value, values: Dict[str, Any]) -> None:
+    """Set each field of ``obj`` from ``values`` (an ``__init__``'s ``locals()``)."""
+    for name in obj.__match_args__:
+        _set(obj, name, values[name])
+
+
 if TYPE_CHECKING:
     _V = TypeVar("_V", bound="_Value")
 
@@ -385,9 +347,7 @@ class Waiting(_Value):
     slots_known: bool
 
     def __init__(self, slot_busy: bool, wedged: bool = False, slots_known: bool = True) -> None:
-        _set(self, "slot_busy", slot_busy)
-        _set(self, "wedged", wedged)
-        _set(self, "slots_known", slots_known)
+        _fill(self, locals())
 
 
 class Retrying(_Value):
@@ -401,9 +361,7 @@ class Retrying(_Value):
     reason: str
 
     def __init__(self, attempt: int, delay: float, reason: str) -> None:
-        _set(self, "attempt", attempt)
-        _set(self, "delay", delay)
-        _set(self, "reason", reason)
+        _fill(self, locals())
 
 
 class Resumed(_Value):
@@ -416,8 +374,7 @@ class Resumed(_Value):
     attempt: int
 
     def __init__(self, offset: int, attempt: int) -> None:
-        _set(self, "offset", offset)
-        _set(self, "attempt", attempt)
+        _fill(self, locals())
 
 
 class Reasoning(_Value):
@@ -429,8 +386,7 @@ class Reasoning(_Value):
     choice: int
 
     def __init__(self, text: str, choice: int = 0) -> None:
-        _set(self, "text", text)
-        _set(self, "choice", choice)
+        _fill(self, locals())
 
 
 class Content(_Value):
@@ -442,8 +398,7 @@ class Content(_Value):
     choice: int
 
     def __init__(self, text: str, choice: int = 0) -> None:
-        _set(self, "text", text)
-        _set(self, "choice", choice)
+        _fill(self, locals())
 
 
 class ToolCall(_Value):
@@ -459,11 +414,7 @@ class ToolCall(_Value):
     choice: int
 
     def __init__(self, index: int, id: Optional[str], name: Optional[str], arguments: str, choice: int = 0) -> None:
-        _set(self, "index", index)
-        _set(self, "id", id)
-        _set(self, "name", name)
-        _set(self, "arguments", arguments)
-        _set(self, "choice", choice)
+        _fill(self, locals())
 
 
 class ThinkingCapped(_Value):
@@ -490,10 +441,7 @@ class Progress(_Value):
     time_ms: float
 
     def __init__(self, processed: int, total: int, cache: int, time_ms: float) -> None:
-        _set(self, "processed", processed)
-        _set(self, "total", total)
-        _set(self, "cache", cache)
-        _set(self, "time_ms", time_ms)
+        _fill(self, locals())
 
 
 class Chunk(_Value):
@@ -522,12 +470,28 @@ class ModelEvent(_Value):
     data: Optional[Dict[str, Any]]
 
     def __init__(self, model: str, event: str, data: Optional[Dict[str, Any]] = None) -> None:
-        _set(self, "model", model)
-        _set(self, "event", event)
-        _set(self, "data", data)
+        _fill(self, locals())
 
 
-class Response(_Value):
+class _Headers:
+    """``get()`` and ``get_all()`` of ``Response`` and ``ResponseHead``: ``headers`` holds ``(lower-case name,
+    value)`` pairs in arrival order."""
+
+    __slots__ = ()
+    headers: Sequence[Tuple[str, str]]
+
+    def get(self, name: str) -> Optional[str]:
+        """The last value of header ``name`` (case-insensitive), or None."""
+        values = self.get_all(name)
+        return values[-1] if values else None
+
+    def get_all(self, name: str) -> List[str]:
+        """Every value of header ``name`` (case-insensitive), in arrival order."""
+        name = name.lower()
+        return [value for key, value in self.headers if key == name]
+
+
+class Response(_Value, _Headers):
     """A whole answer as the server gave it (``fetch()``), whatever its status: ``status`` (int),
     ``reason`` (the status line's phrase), ``headers`` (``(lower-case name, value)`` pairs in arrival
     order, as ``ResponseHead.headers``; a tuple), ``body`` (bytes: empty for ``HEAD``, 204 and 304).
@@ -542,24 +506,9 @@ class Response(_Value):
     body: bytes
 
     def __init__(self, status: int, reason: str, headers: Sequence[Tuple[str, str]], body: bytes) -> None:
-        _set(self, "status", status)
-        _set(self, "reason", reason)
-        _set(self, "headers", tuple((name.lower(), value) for name, value in headers))
-        _set(self, "body", bytes(body))
-
-    def get(self, name: str) -> Optional[str]:
-        """The last value of header ``name`` (case-insensitive), or None."""
-        name = name.lower()
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
-
-    def get_all(self, name: str) -> List[str]:
-        """Every value of header ``name`` (case-insensitive), in arrival order."""
-        name = name.lower()
-        return [value for key, value in self.headers if key == name]
+        headers = tuple((name.lower(), value) for name, value in headers)
+        body = bytes(body)
+        _fill(self, locals())
 
     def text(self) -> str:
         """The body as UTF-8, what does not decode replaced (U+FFFD)."""
@@ -593,17 +542,17 @@ _set_reasoning_text = Reasoning.__dict__["text"].__set__
 _set_reasoning_choice = Reasoning.__dict__["choice"].__set__
 
 
-def _new_content(text: str) -> Content:
+def _new_content(text: str, choice: int = 0) -> Content:
     event = _new_object(Content)
     _set_content_text(event, text)
-    _set_content_choice(event, 0)
+    _set_content_choice(event, choice)
     return event
 
 
-def _new_reasoning(text: str) -> Reasoning:
+def _new_reasoning(text: str, choice: int = 0) -> Reasoning:
     event = _new_object(Reasoning)
     _set_reasoning_text(event, text)
-    _set_reasoning_choice(event, 0)
+    _set_reasoning_choice(event, choice)
     return event
 
 
@@ -617,9 +566,7 @@ class ToolCallResult(_Value):
     arguments: str
 
     def __init__(self, id: Optional[str], name: Optional[str], arguments: str) -> None:
-        _set(self, "id", id)
-        _set(self, "name", name)
-        _set(self, "arguments", arguments)
+        _fill(self, locals())
 
     def to_dict(self) -> Dict[str, Any]:
         """``{"id", "name", "arguments"}``."""
@@ -633,15 +580,8 @@ class Choice(_Value):
     and ``/infill`` with ``return_tokens``), or None when it sent none."""
 
     __match_args__ = (
-        "index",
-        "content",
-        "reasoning",
-        "tool_calls",
-        "finish_reason",
-        "logprobs",
-        "reasoning_logprobs",
-        "tokens",
-    )
+        "index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "reasoning_logprobs", "tokens",
+    )  # fmt: skip
     __slots__ = __match_args__
     index: int
     content: str
@@ -663,14 +603,7 @@ class Choice(_Value):
         reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
         tokens: Optional[List[int]] = None,
     ) -> None:
-        _set(self, "index", index)
-        _set(self, "content", content)
-        _set(self, "reasoning", reasoning)
-        _set(self, "tool_calls", tool_calls)
-        _set(self, "finish_reason", finish_reason)
-        _set(self, "logprobs", logprobs)
-        _set(self, "reasoning_logprobs", reasoning_logprobs)
-        _set(self, "tokens", tokens)
+        _fill(self, locals())
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict of the fields."""
@@ -693,20 +626,9 @@ class Completion(_Value):
     """
 
     __match_args__ = (
-        "id",
-        "model",
-        "content",
-        "reasoning",
-        "tool_calls",
-        "finish_reason",
-        "usage",
-        "timings",
-        "reasoning_tokens",
-        "thinking_capped",
-        "choices",
-        "final",
-        "tokens",
-    )
+        "id", "model", "content", "reasoning", "tool_calls", "finish_reason", "usage", "timings", "reasoning_tokens",
+        "thinking_capped", "choices", "final", "tokens",
+    )  # fmt: skip
     __slots__ = __match_args__
     id: Optional[str]
     model: Optional[str]
@@ -739,21 +661,10 @@ class Completion(_Value):
         tokens: Optional[List[int]] = None,
     ) -> None:
         """``choices`` defaults to the one choice that the other fields describe."""
-        _set(self, "id", id)
-        _set(self, "model", model)
-        _set(self, "content", content)
-        _set(self, "reasoning", reasoning)
-        _set(self, "tool_calls", tool_calls)
-        _set(self, "finish_reason", finish_reason)
-        _set(self, "usage", usage)
-        _set(self, "timings", timings)
-        _set(self, "reasoning_tokens", reasoning_tokens)
-        _set(self, "thinking_capped", thinking_capped)
         if choices is None:
             choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None, None, tokens),)
-        _set(self, "choices", tuple(choices))
-        _set(self, "final", final)
-        _set(self, "tokens", tokens)
+        choices = tuple(choices)
+        _fill(self, locals())
 
     @property
     def logprobs(self) -> Optional[List[Dict[str, Any]]]:
@@ -793,12 +704,7 @@ class Slot(_Value):
         decoded: Optional[int] = None,
         prompt_processed: Optional[int] = None,
     ) -> None:
-        _set(self, "id", id)
-        _set(self, "is_processing", is_processing)
-        _set(self, "raw", raw)
-        _set(self, "task", task)
-        _set(self, "decoded", decoded)
-        _set(self, "prompt_processed", prompt_processed)
+        _fill(self, locals())
 
 
 _INT_LIMITS = ("queue_len", "thinking_cap", "thinking_overrun", "max_line", "max_body", "pool", "keep_alive", "servers")
@@ -853,22 +759,9 @@ class Limits(_Value):
     """
 
     __match_args__ = (
-        "queue_len",
-        "poll",
-        "liveness",
-        "busy_wait",
-        "load_wait",
-        "idle_grace",
-        "thinking_cap",
-        "thinking_overrun",
-        "max_line",
-        "max_body",
-        "wedge_wait",
-        "pool",
-        "keep_alive",
-        "servers",
-        "session",
-    )
+        "queue_len", "poll", "liveness", "busy_wait", "load_wait", "idle_grace", "thinking_cap", "thinking_overrun",
+        "max_line", "max_body", "wedge_wait", "pool", "keep_alive", "servers", "session",
+    )  # fmt: skip
     __slots__ = __match_args__
     queue_len: int
     poll: float
@@ -912,8 +805,7 @@ class Limits(_Value):
         for name in ("poll", "liveness", "max_line", "max_body", "pool", "servers"):
             if values[name] is not None and not values[name] > 0:
                 raise ValueError("Limits.%s must be greater than zero" % name)
-        for name in self.__match_args__:
-            _set(self, name, values[name])
+        _fill(self, values)
 
 
 # =====================================================================================================
@@ -958,30 +850,14 @@ def encode_request(
     return head + body if body is not None else head
 
 
-class ResponseHead:
-    """A parsed status line and header block."""
+class ResponseHead(_Headers):
+    """A parsed status line and header block: ``headers`` holds (lower-case name, value) pairs in arrival
+    order."""
 
     __slots__ = ("version", "status", "reason", "headers")
 
     def __init__(self, version: str, status: int, reason: str, headers: List[Tuple[str, str]]) -> None:
-        self.version = version
-        self.status = status
-        self.reason = reason
-        #: (lower-case name, value) pairs in arrival order
-        self.headers = headers
-
-    def get(self, name: str) -> Optional[str]:
-        """The last value of header ``name`` (case-insensitive), or None."""
-        name = name.lower()
-        found = None
-        for key, value in self.headers:
-            if key == name:
-                found = value
-        return found
-
-    def get_all(self, name: str) -> List[str]:
-        name = name.lower()
-        return [value for key, value in self.headers if key == name]
+        self.version, self.status, self.reason, self.headers = version, status, reason, headers
 
     def __repr__(self) -> str:
         return "ResponseHead(%s %d %s)" % (self.version, self.status, self.reason)
@@ -1036,10 +912,8 @@ def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
         # against 4 us for llama-server's 7 lines; TestParserHeadPaths holds the two to the same answers)
         lines = block[:-1].split(b"\r\n")
         parts = lines[0].split(b" ", 2)
-        headers = []  # type: List[Tuple[str, str]]
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers.append((name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")))
+        pairs = (line.partition(b":") for line in lines[1:])
+        headers = [(name.decode("ascii").lower(), value.strip(b" \t").decode("latin-1")) for name, _, value in pairs]
         reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
         return ResponseHead(parts[0].decode("ascii"), int(parts[1]), reason, headers)
     return _parse_lines(block, max_headers)
@@ -1176,51 +1050,29 @@ class ChunkedDecoder:
                 else:
                     raise ProtocolError("chunk data is not followed by CRLF")
                 state = _CHUNK_SIZE
-            elif state == _CHUNK_SIZE:
+            else:  # a chunk-size line; after the last chunk, trailer lines (ignored) up to a blank one
+                what = "chunk-size" if state == _CHUNK_SIZE else "trailer"
                 nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
                 if nl < 0:
                     if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
-                        raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
-                    self._pending = data[pos:]
-                    pos = end
-                    break
-                if nl - pos > MAX_CHUNK_LINE and nl - pos - (data[nl - 1] == 13) > MAX_CHUNK_LINE:
-                    raise ProtocolError("chunk-size line longer than %d bytes" % MAX_CHUNK_LINE)
-                if 1 < nl - pos <= 16 and data[nl - 1] == 13 and _HEX_DIGITS.issuperset(data[pos : nl - 1]):
-                    size = int(data[pos : nl - 1], 16)  # the usual "1a2\r\n"
-                else:
-                    size = _parse_chunk_size(data[pos:nl])
-                pos = nl + 1
-                if size:
-                    stop = pos + size
-                    if stop + 2 <= end and data[stop] == 13 and data[stop + 1] == 10:
-                        # the whole chunk and its CRLF are here (the usual case): no pass through the data
-                        # state; TestParserChunked and TestParserRandomSplits cut chunks everywhere
-                        out.append(data[pos:stop])
-                        pos = stop + 2
-                        continue
-                    self._left = size
-                    state = _CHUNK_DATA
-                else:
-                    state = _CHUNK_TRAILER
-            else:  # _CHUNK_TRAILER: ignored lines up to a blank one
-                nl = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 2)
-                if nl < 0:
-                    if end - pos > MAX_CHUNK_LINE + (data[end - 1] == 13):
-                        raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
+                        raise ProtocolError("%s line longer than %d bytes" % (what, MAX_CHUNK_LINE))
                     self._pending = data[pos:]
                     break
                 line = data[pos:nl]
-                if len(line) > MAX_CHUNK_LINE and line[-1] != 13 or len(line) > MAX_CHUNK_LINE + 1:
-                    raise ProtocolError("trailer line longer than %d bytes" % MAX_CHUNK_LINE)
+                if len(line) - line.endswith(b"\r") > MAX_CHUNK_LINE:
+                    raise ProtocolError("%s line longer than %d bytes" % (what, MAX_CHUNK_LINE))
                 pos = nl + 1
-                if line in (b"", b"\r"):
+                if state == _CHUNK_SIZE:
+                    self._left = _parse_chunk_size(line)
+                    state = _CHUNK_DATA if self._left else _CHUNK_TRAILER
+                elif line in (b"", b"\r"):
                     self.done = True
                     self.surplus = pos < end
                     break
-                self._trailers += 1
-                if self._trailers > MAX_HEADERS:
-                    raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
+                else:
+                    self._trailers += 1
+                    if self._trailers > MAX_HEADERS:
+                        raise ProtocolError("more than %d trailer lines" % MAX_HEADERS)
         self._state = state
 
     def feed_eof(self) -> None:
@@ -1247,86 +1099,62 @@ def _parse_chunk_size(line: bytes) -> int:
 
 
 class _LengthDecoder:
+    """A body framed by its ``Content-Length``, or (``length`` None) by the connection's close."""
+
     __slots__ = ("done", "surplus", "_left")
     failed = None  # type: Optional[LoopError]  # as ChunkedDecoder's; framing by length cannot fail
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: Optional[int]) -> None:
         self._left = length
         self.done = length == 0
-        self.surplus = False  # bytes came after the body
+        self.surplus = length is None  # bytes came after the body (or will not, the connection ending it)
 
     def feed(self, data: bytes) -> List[bytes]:
+        left = self._left
         if self.done:
             self.surplus = self.surplus or bool(data)
             return []
-        if len(data) >= self._left:
-            self.surplus = len(data) > self._left
-            data = data[: self._left]
-            self.done = True
-        self._left -= len(data)
+        if left is not None:
+            if len(data) >= left:
+                self.surplus = len(data) > left
+                data = data[:left]
+                self.done = True
+            self._left = left - len(data)
         return [data]
 
     def feed_eof(self) -> None:
-        if not self.done:
+        if self._left is None:
+            self.done = True
+        elif not self.done:
             raise StreamClosedError("the connection closed %d bytes before the end of the body" % self._left)
 
 
-class _CloseDecoder:
-    __slots__ = ("done",)
-    failed = None  # type: Optional[LoopError]
-    surplus = False
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def feed(self, data: bytes) -> List[bytes]:
-        return [data]
-
-    def feed_eof(self) -> None:
-        self.done = True
-
-
 class ResponseReader:
-    """An HTTP/1.1 response parser fed bytes: ``feed(data) -> list[bytes]`` of body payload.
+    """An HTTP/1.1 response parser fed bytes: ``feed(data) -> list[bytes]`` of body payload; ``head`` once the
+    status line and headers are in, ``done`` once the body is complete, framed by ``Transfer-Encoding:
+    chunked``, ``Content-Length`` or the close.  ``feed_eof()``: the connection closed; a head or body cut
+    short is ``StreamClosedError``.  Malformed input, a head over ``max_head`` bytes or ``max_headers``
+    lines, or a body over ``max_body`` when given (its first ``max_body`` bytes are delivered) is
+    ``ProtocolError``.  The head is read as RFC 9112 asks of a user agent: lines end in CRLF or a bare LF,
+    an obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
 
-    ``head`` is set once the status line and headers are in; ``done`` once the body is complete.  Framing
-    is ``Transfer-Encoding: chunked``, ``Content-Length`` or read-until-close, picked from the head.
-    ``feed_eof()`` tells the reader the connection closed: a head or body cut short is
-    ``StreamClosedError``.  Malformed input, or a head over ``max_head`` bytes or ``max_headers`` lines,
-    is ``ProtocolError``; so is a body over ``max_body`` when a cap is given (the first ``max_body`` bytes
-    are delivered).  The head follows RFC 9112 as a user agent reads it: lines end in CRLF or a bare LF, an
-    obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
-
-    Payload before malformed bytes is delivered first: when a read produced payload and then met an error,
-    ``feed`` returns the payload and keeps the error in ``failed``; the next ``feed`` or ``feed_eof`` raises
-    it (a caller may raise it at once after using the payload).  A read that produced nothing raises at once.
+    Payload before malformed bytes is delivered first: ``feed`` returns it and keeps the error in
+    ``failed``, which the next ``feed`` or ``feed_eof`` raises (a caller may raise it at once); a read that
+    produced nothing raises at once.
     """
 
     __slots__ = (
-        "head",
-        "failed",
-        "_buf",
-        "_scan",
-        "_lines",
-        "_body",
-        "_max_head",
-        "_max_headers",
-        "_max_body",
-        "_received",
-    )
+        "head", "failed", "_buf", "_scan", "_lines", "_body", "_max_head", "_max_headers", "_max_body", "_received",
+    )  # fmt: skip
 
     def __init__(self, max_head: int = MAX_HEAD, max_headers: int = MAX_HEADERS, max_body: Optional[int] = None):
         self.head = None  # type: Optional[ResponseHead]
         #: the error met after the payload the last ``feed`` returned (None: none)
         self.failed = None  # type: Optional[LoopError]
         self._buf = bytearray()
-        self._scan = 0
-        self._lines = 0
-        self._body = None  # type: Optional[Union[ChunkedDecoder, _LengthDecoder, _CloseDecoder]]
-        self._max_head = max_head
-        self._max_headers = max_headers
-        self._max_body = max_body
-        self._received = 0
+        self._scan = self._lines = self._received = 0
+        self._body = None  # type: Optional[Union[ChunkedDecoder, _LengthDecoder]]
+        self._max_head, self._max_headers, self._max_body = max_head, max_headers, max_body
 
     @property
     def done(self) -> bool:
@@ -1337,7 +1165,7 @@ class ResponseReader:
         """The body is whole, framed by its length or by chunks, with nothing after it: the connection
         may carry another request."""
         body = self._body
-        return body is not None and body.done and not isinstance(body, _CloseDecoder) and not body.surplus
+        return body is not None and body.done and not body.surplus
 
     def feed(self, data: bytes) -> List[bytes]:
         if self.failed is not None:
@@ -1415,7 +1243,7 @@ class ResponseReader:
             self._body = self._framing(head)
             return rest
 
-    def _framing(self, head: ResponseHead) -> Union[ChunkedDecoder, _LengthDecoder, _CloseDecoder]:
+    def _framing(self, head: ResponseHead) -> Union[ChunkedDecoder, _LengthDecoder]:
         if head.status in (204, 304):
             return _LengthDecoder(0)
         codings = head.get_all("transfer-encoding")
@@ -1430,7 +1258,7 @@ class ResponseReader:
             if self._max_body is not None and length > self._max_body:
                 raise ProtocolError("response body of %d bytes is longer than max_body (%d)" % (length, self._max_body))
             return _LengthDecoder(length)
-        return _CloseDecoder()
+        return _LengthDecoder(None)
 
     def feed_eof(self) -> None:
         """The connection closed.  ``StreamClosedError`` if the head or the body is incomplete; ``failed``
@@ -1537,15 +1365,9 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
         return None
     import email.utils  # only when a server sends a date
 
-    try:
-        stamp = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if stamp is None:
-        return None
-    try:
-        when = stamp.timestamp()
-    except (OverflowError, ValueError, OSError):
+    try:  # a date that does not parse (None on older Pythons), or that the platform's time cannot hold
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError, OSError, AttributeError):
         return None
     return max(0.0, when - (time.time() if now is None else now))
 
@@ -1618,14 +1440,7 @@ class SSEDecoder:
         ``failed``."""
         if self.failed is not None:
             raise self.failed
-        out = []  # type: List[Tuple[str, str]]
-        if self._cr:
-            self._cr = False
-            try:
-                self._lines(b"\n", out)  # ends one line: it dispatches an event or fails, never both
-            except ProtocolError as exc:
-                self._fail(exc)
-                raise
+        out = self.feed(b"\n") if self._cr else []  # ends one line: it dispatches an event or fails, never both
         self._buf.clear()
         self._data = None
         self._type = "message"
@@ -1678,18 +1493,14 @@ class SSEDecoder:
                 continue
             if len(line) > max_line:
                 raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
-            if line.startswith(b"data:"):
-                value = line[6:] if line.startswith(b" ", 5) else line[5:]
-                name = b"data"
-            elif line[0] == 58:  # ":" a comment, llama-server's ping
+            if line[0] == 58:  # ":" a comment, llama-server's ping
                 continue
+            colon = line.find(b":")
+            if colon < 0:
+                name, value = line, b""
             else:
-                colon = line.find(b":")
-                if colon < 0:
-                    name, value = line, b""
-                else:
-                    name = line[:colon]
-                    value = line[colon + 2 :] if line.startswith(b" ", colon + 1) else line[colon + 1 :]
+                name = line[:colon]
+                value = line[colon + 2 :] if line.startswith(b" ", colon + 1) else line[colon + 1 :]
             if name == b"data" or name == b"error":
                 self._size += len(value) + 1
                 if self._size > max_line + 1:
@@ -1769,40 +1580,32 @@ def _error_from(err: Any) -> ServerError:
             code = int(code)
         if not isinstance(code, int) or isinstance(code, bool):
             code = None
-        message = err.get("message")
-        etype = err.get("type")
-        return ServerError(
-            code,
-            message if isinstance(message, str) else repr(err)[:200],
-            etype if isinstance(etype, str) else None,
-            err,
-        )
+        message, etype = err.get("message"), err.get("type")
+        message = message if isinstance(message, str) else repr(err)[:200]
+        return ServerError(code, message, etype if isinstance(etype, str) else None, err)
     return ServerError(None, str(err)[:200], None, err)
 
 
 class _ChoiceState:
-    """What one choice (one ``index``) has assembled so far."""
+    """What one choice (one ``index``) has assembled so far; ``final`` is its closing object, if any."""
 
-    __slots__ = ("content", "reasoning", "tools", "finish_reason", "logprobs", "reasoning_logprobs")
+    __slots__ = ("content", "reasoning", "tools", "finish_reason", "logprobs", "reasoning_logprobs", "tokens", "final")
 
     def __init__(self) -> None:
         self.content = _Text()
         self.reasoning = _Text()
-        self.tools = {}  # type: Dict[int, List[Any]]  # tool index -> [id, name, arguments]
+        self.tools = {}  # type: Dict[int, List[Any]]  # tool index -> [id, name, arguments, ...]
         self.finish_reason = None  # type: Optional[str]
         self.logprobs = None  # type: Optional[List[Dict[str, Any]]]
         self.reasoning_logprobs = None  # type: Optional[List[Dict[str, Any]]]
+        self.tokens = None  # type: Optional[List[int]]
+        self.final = None  # type: Optional[Dict[str, Any]]
 
     def result(self, index: int) -> Choice:
         calls = [ToolCallResult(e[0], e[1], str(e[2])) for _, e in sorted(self.tools.items())]
+        content, reasoning = str(self.content), str(self.reasoning)
         return Choice(
-            index,
-            str(self.content),
-            str(self.reasoning),
-            calls,
-            self.finish_reason,
-            self.logprobs,
-            self.reasoning_logprobs,
+            index, content, reasoning, calls, self.finish_reason, self.logprobs, self.reasoning_logprobs, self.tokens
         )
 
 
@@ -1819,41 +1622,71 @@ def _entries(kept: Optional[List[Dict[str, Any]]], entries: Any, payload: str) -
     return kept
 
 
-def _progress_event(progress: Any, payload: str) -> Optional[Progress]:
-    """The ``Progress`` of a ``prompt_progress`` object: None when it lacks ``processed`` or ``total``."""
-    if type(progress) is not dict:
-        raise ProtocolError("'prompt_progress' is not an object: %r" % payload[:80])
-    processed, total, cache, time_ms = (progress.get(k) for k in ("processed", "total", "cache", "time_ms"))
-    for value in (processed, total, cache):
-        if value is not None and type(value) is not int:
-            raise ProtocolError("a 'prompt_progress' count is not an integer: %r" % payload[:80])
-    if time_ms is not None:
-        if type(time_ms) is not float and type(time_ms) is not int:
-            raise ProtocolError("'prompt_progress.time_ms' is not a number: %r" % payload[:80])
+def _payload_object(payload: str) -> Dict[str, Any]:
+    """One data payload parsed; ``ProtocolError`` when it is not JSON or not an object."""
+    try:
         try:
-            time_ms = float(time_ms)
-        except OverflowError:
-            raise ProtocolError("'prompt_progress.time_ms' is out of range: %r" % payload[:80]) from None
-    if processed is None or total is None:
-        return None
-    return Progress(processed, total, cache or 0, time_ms or 0.0)
+            doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per event
+        except StopIteration:  # leading whitespace, or no value: json.loads words the error
+            end = -1
+        if end != len(payload):
+            doc = json.loads(payload)
+    except ValueError as exc:  # JSONDecodeError
+        raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply in the stream") from None
+    if type(doc) is not dict:
+        raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
+    return doc
 
 
-_OUTPUT = (Reasoning, Content, ToolCall)  # what counts as delivered on the named endpoints
+def _field(doc: Dict[str, Any], name: str, kind: Any, payload: str) -> Any:
+    """``doc[name]`` when it is a ``kind`` (str, dict or list), None when absent or null, else ``ProtocolError``."""
+    value = doc.get(name)
+    if value is None or type(value) is kind:
+        return value
+    raise ProtocolError("%r is not %s: %r" % (name, _KIND_NAMES[kind], payload[:80]))
+
+
+_KIND_NAMES = {str: "a string", dict: "an object", list: "a list"}
+
+
+def _carried(doc: Dict[str, Any], name: str, kind: str, payload: str) -> Dict[str, Any]:
+    """``doc[name]``, the object an event of type ``kind`` carries: ``ProtocolError`` when it is absent or
+    not an object."""
+    value = _field(doc, name, dict, payload)  # type: Optional[Dict[str, Any]]
+    if value is None:
+        raise ProtocolError("%s without a %r object: %r" % (kind, name, payload[:80]))
+    return value
+
+
+def _merge_in(kept: Optional[Dict[str, Any]], doc: Dict[str, Any], name: str, payload: str) -> Optional[Dict[str, Any]]:
+    """``kept`` with the object ``doc[name]`` (``usage``, ``timings``) merged over it, the last value of a key
+    winning; ``ProtocolError`` when it is not an object."""
+    value = _field(doc, name, dict, payload)
+    if value is None:
+        return kept
+    return dict(kept, **value) if kept else value
 
 
 class _Dialect:
     """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: the stream's
-    ``id`` and ``model``, ``timings``, the reasoning count and state the thinking cap reads, and whether
-    it also yields ``Chunk`` events.  ``output``: the event classes that count as delivered (after one,
-    nothing is retried)."""
+    ``id``, ``model``, ``usage`` and ``timings``, the reasoning count and state the thinking cap reads,
+    whether it also yields ``Chunk`` events, and its choices (``_ChoiceState`` by index), of which
+    ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as delivered
+    (after one, nothing is retried)."""
 
-    output = _OUTPUT  # type: Tuple[type, ...]
+    output = (Reasoning, Content, ToolCall)  # type: Tuple[type, ...]
     #: a 200 answer that is not ``text/event-stream`` is ``ProtocolError`` (a route the client does not know;
     #: the named endpoints are read as llama-server frames them)
     event_stream = False
+    #: how ``completion()`` says where a stream ended too soon: before any choice ended, before some did
+    _cut = ("without a finish_reason", "before choice %s had a finish_reason")
 
-    __slots__ = ("id", "model", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks", "done")
+    __slots__ = (
+        "id", "model", "usage", "timings", "reasoning_tokens", "in_reasoning", "thinking_capped", "raw_chunks",
+        "done", "_choices",
+    )  # fmt: skip
 
     def __init__(self, raw_chunks: bool = False) -> None:
         #: the stream reached the endpoint's own end (never on chat, which ends with [DONE]); an attribute,
@@ -1861,43 +1694,97 @@ class _Dialect:
         self.done = False
         self.id = None  # type: Optional[str]
         self.model = None  # type: Optional[str]
+        self.usage = None  # type: Optional[Dict[str, Any]]
         self.timings = None  # type: Optional[Dict[str, Any]]
         self.reasoning_tokens = 0
         self.in_reasoning = False
         self.thinking_capped = False
         self.raw_chunks = raw_chunks
+        self._choices = {}  # type: Dict[int, _ChoiceState]
+
+    def _start(self, doc: Dict[str, Any], payload: str) -> List[Event]:
+        """The events that come before a payload's own: its ``Chunk`` (with ``raw_chunks``), then the
+        ``Progress`` of its ``prompt_progress`` (none when that lacks ``processed`` or ``total``)."""
+        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
+        progress = doc.get("prompt_progress")
+        if progress is None:
+            return events
+        if type(progress) is not dict:
+            raise ProtocolError("'prompt_progress' is not an object: %r" % payload[:80])
+        processed, total, cache, time_ms = (progress.get(k) for k in ("processed", "total", "cache", "time_ms"))
+        for value in (processed, total, cache):
+            if value is not None and type(value) is not int:
+                raise ProtocolError("a 'prompt_progress' count is not an integer: %r" % payload[:80])
+        if time_ms is not None:
+            if type(time_ms) is not float and type(time_ms) is not int:
+                raise ProtocolError("'prompt_progress.time_ms' is not a number: %r" % payload[:80])
+            try:
+                time_ms = float(time_ms)
+            except OverflowError:
+                raise ProtocolError("'prompt_progress.time_ms' is out of range: %r" % payload[:80]) from None
+        if processed is not None and total is not None:
+            events.append(Progress(processed, total, cache or 0, time_ms or 0.0))
+        return events
+
+    def _out(self, events: List[Event], text: Any, state: _ChoiceState, choice: int, reasoning: bool = False) -> None:
+        """A delta of ``text`` (None or empty: none) of ``choice``, of its reasoning when ``reasoning``
+        (one reasoning token), else of its content: kept in ``state``, its event added to ``events``."""
+        if not text:
+            return
+        if reasoning:
+            self.reasoning_tokens += 1
+            self.in_reasoning = True
+            state.reasoning.add(text)
+            events.append(_new_reasoning(text, choice))
+        else:
+            self.in_reasoning = False
+            state.content.add(text)
+            events.append(_new_content(text, choice))
+
+    def completion(self) -> Completion:
+        """The ``Completion``: ``choices`` in index order, the lowest index giving ``content``, ``reasoning``,
+        ``tool_calls``, ``finish_reason``, ``tokens`` and ``final``.  ``StreamClosedError`` unless every
+        choice that appeared has a ``finish_reason`` (and one appeared)."""
+        states = sorted(self._choices.items())
+        unfinished = [str(index) for index, state in states if state.finish_reason is None]
+        if len(unfinished) == len(states):
+            raise StreamClosedError("the stream ended %s: the server stopped mid-answer" % self._cut[0])
+        if unfinished:
+            cut = self._cut[1] % ", ".join(unfinished)
+            raise StreamClosedError("the stream ended %s: the server stopped mid-answer" % cut)
+        choices = tuple(state.result(index) for index, state in states)
+        first = choices[0]
+        return Completion(
+            self.id, self.model, first.content, first.reasoning, first.tool_calls, first.finish_reason, self.usage,
+            self.timings, self.reasoning_tokens, self.thinking_capped, choices, states[0][1].final, first.tokens,
+        )  # fmt: skip
 
 
 class Assembler(_Dialect):
     """Turns chunk payloads into events and, at the end, a ``Completion``.
 
     ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
-    ``index`` (a missing or null index is 0): each has its own content, reasoning, tool calls (keyed by the
-    tool's ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
-    ``logprobs.reasoning_content``, appended as sent; None while none came), and the events carry
-    ``choice=index``.  A ``prompt_progress`` object gives ``Progress(processed, total, cache, time_ms)``;
-    one without ``processed`` or ``total`` gives no event, a missing ``cache`` reads 0 and a missing
-    ``time_ms`` 0.0.  ``usage`` and ``timings`` objects are merged, the last value of a key winning (with
-    ``n`` > 1 llama-server sends them per choice, without saying which).  With ``raw_chunks=True`` every
-    payload also gives ``Chunk(data)``, first.
+    ``index`` (missing or null: 0), each with its own content, reasoning, tool calls (keyed by the tool's
+    ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
+    ``logprobs.reasoning_content``, appended as sent; None while none came); the events carry
+    ``choice=index``.  A ``prompt_progress`` object gives ``Progress`` (none without ``processed`` or
+    ``total``; a missing ``cache`` reads 0, a missing ``time_ms`` 0.0).  ``usage`` and ``timings`` are
+    merged, the last value of a key winning (with ``n`` > 1 llama-server sends them per choice, without
+    saying which).  With ``raw_chunks=True`` every payload also gives ``Chunk(data)``, first.
 
-    A JSON error, a payload that is not an object, ``choices`` that is not a list, a choice or delta that is
-    not an object, an index that is not an integer, or a field of the wrong type is ``ProtocolError``;
-    unknown fields are ignored.  An error object is raised as ``ServerError``.  Each call either returns all
-    the events of its payload or raises, so the caller delivers the earlier payloads' events first.
-
-    ``completion()`` raises ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.
-    ``reasoning_tokens`` and ``in_reasoning`` (what the thinking cap reads) count the reasoning of every
-    choice: the client refuses a thinking cap with ``n`` > 1.
+    A payload that is not a JSON object, or a known field of the wrong type, is ``ProtocolError``; unknown
+    fields are ignored; an error object is ``ServerError``.  Each call returns all the events of its
+    payload or raises, so the caller delivers the earlier payloads' events first.  ``completion()`` raises
+    ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.  ``reasoning_tokens``
+    and ``in_reasoning`` (what the thinking cap reads) count every choice's reasoning: the client refuses a
+    thinking cap with ``n`` > 1.
     """
 
-    __slots__ = ("usage", "_choices", "_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
+    __slots__ = ("_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
     _text = False  # the chunks carry chat deltas (True: OpenAI text completions, see _TextAssembler)
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self.usage = None  # type: Optional[Dict[str, Any]]
-        self._choices = {}  # type: Dict[int, _ChoiceState]
         self._content0 = _Text()  # choice 0's texts, reached without a lookup by the fast path
         self._reasoning0 = _Text()
         self._fast = False  # the fast path may run: the id is known, choice 0 appeared, no raw chunks
@@ -1923,17 +1810,11 @@ class Assembler(_Dialect):
                     text = piece
         if text is None:
             try:
-                doc, end = _scan_json(payload, 0)  # json.loads(payload) without its wrappers: this runs per token
-                if end != len(payload):
-                    doc = json.loads(payload)
-            except StopIteration:
-                doc = self._loads_slow(payload)
-            except ValueError as exc:  # JSONDecodeError
-                raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-            except RecursionError:
-                raise ProtocolError("JSON nested too deeply in the stream") from None
-            if type(doc) is not dict:
-                raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
+                doc, end = _scan_json(payload, 0)  # _payload_object(payload), inlined: this runs per token
+                if end != len(payload) or type(doc) is not dict:
+                    doc = _payload_object(payload)
+            except (StopIteration, ValueError, RecursionError):
+                doc = _payload_object(payload)  # which raises, or parses what the scanner alone refuses
             # The hot path once parsed: choice 0 alone, its delta only text; no finish, log probabilities, usage
             # or progress.  2.3 us a payload against 4.0 us through json.loads and _feed, measured side by
             # side.  It must give exactly what _feed gives (TestAssemblerPaths.test_fast_and_general_paths_agree).
@@ -2006,16 +1887,6 @@ class Assembler(_Dialect):
         if type(rest) is dict and rest.keys().isdisjoint(_TAIL_KEYS):
             self._tail = tail
 
-    @staticmethod
-    def _loads_slow(payload: str) -> Any:
-        """json.loads, for what the scanner alone refuses: leading whitespace, or an error worded by json."""
-        try:
-            return json.loads(payload)
-        except ValueError as exc:
-            raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-        except RecursionError:
-            raise ProtocolError("JSON nested too deeply in the stream") from None
-
     def _feed(self, doc: Dict[str, Any], payload: str) -> List[Event]:
         """The general path: any parsed payload."""
         if "error" in doc:
@@ -2027,110 +1898,64 @@ class Assembler(_Dialect):
             model = doc.get("model")
             if isinstance(model, str):
                 self.model = model
-        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
-        progress = doc.get("prompt_progress")
-        if progress is not None:
-            event = _progress_event(progress, payload)
-            if event is not None:
-                events.append(event)
-        choices = doc.get("choices")
-        if choices:
-            if type(choices) is not list:
-                raise ProtocolError("'choices' is not a list: %r" % payload[:80])
-            for choice in choices:
-                if type(choice) is not dict:
-                    raise ProtocolError("a choice is not an object: %r" % payload[:80])
-                index = choice.get("index")
-                if index is None:
-                    index = 0
-                elif type(index) is not int:
-                    raise ProtocolError("a choice's 'index' is not an integer: %r" % payload[:80])
-                state = self._choices.get(index)
-                if state is None:
-                    state = self._choices[index] = _ChoiceState()
-                    if index == 0:
-                        state.content = self._content0
-                        state.reasoning = self._reasoning0
-                if self._text:  # OpenAI text completions: the choice's own "text" is the delta
-                    self._choice_text(choice.get("text"), state, index, events)
-                else:
-                    delta = choice.get("delta")
-                    if delta:
-                        if type(delta) is not dict:
-                            raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                        self._delta(delta, state, index, events)
-                    elif delta is not None and type(delta) is not dict:
-                        raise ProtocolError("a delta is not an object: %r" % payload[:80])
-                logprobs = choice.get("logprobs")
-                if logprobs is not None:
-                    if type(logprobs) is not dict:
-                        raise ProtocolError("a choice's 'logprobs' is not an object: %r" % payload[:80])
-                    entries = logprobs.get("content")
-                    if entries is not None:
-                        state.logprobs = _entries(state.logprobs, entries, payload)
-                    entries = logprobs.get("reasoning_content")
-                    if entries is not None:
-                        state.reasoning_logprobs = _entries(state.reasoning_logprobs, entries, payload)
-                reason = choice.get("finish_reason")
-                if reason is not None:
-                    if type(reason) is not str:
-                        raise ProtocolError("'finish_reason' is not a string: %r" % payload[:80])
-                    state.finish_reason = reason
-        elif choices is not None and type(choices) is not list:
-            raise ProtocolError("'choices' is not a list: %r" % payload[:80])
-        usage = doc.get("usage")
-        if usage is not None:
-            if type(usage) is not dict:
-                raise ProtocolError("'usage' is not an object: %r" % payload[:80])
-            self.usage = dict(self.usage, **usage) if self.usage else usage
-        timings = doc.get("timings")
-        if timings is not None:
-            if type(timings) is not dict:
-                raise ProtocolError("'timings' is not an object: %r" % payload[:80])
-            self.timings = dict(self.timings, **timings) if self.timings else timings
+        events = self._start(doc, payload)
+        for choice in _field(doc, "choices", list, payload) or ():
+            if type(choice) is not dict:
+                raise ProtocolError("a choice is not an object: %r" % payload[:80])
+            index = choice.get("index")
+            if index is None:
+                index = 0
+            elif type(index) is not int:
+                raise ProtocolError("a choice's 'index' is not an integer: %r" % payload[:80])
+            state = self._choices.get(index)
+            if state is None:
+                state = self._choices[index] = _ChoiceState()
+                if index == 0:
+                    state.content = self._content0
+                    state.reasoning = self._reasoning0
+            if self._text:  # OpenAI text completions: the choice's own "text" is the delta
+                text = choice.get("text")
+                if text is not None and type(text) is not str:
+                    raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
+                self._out(events, text, state, index)
+            else:
+                delta = choice.get("delta")
+                if delta is not None and type(delta) is not dict:
+                    raise ProtocolError("a delta is not an object: %r" % payload[:80])
+                if delta:
+                    self._delta(delta, state, index, events)
+            logprobs = choice.get("logprobs")
+            if logprobs is not None:
+                if type(logprobs) is not dict:
+                    raise ProtocolError("a choice's 'logprobs' is not an object: %r" % payload[:80])
+                entries = logprobs.get("content")
+                if entries is not None:
+                    state.logprobs = _entries(state.logprobs, entries, payload)
+                entries = logprobs.get("reasoning_content")
+                if entries is not None:
+                    state.reasoning_logprobs = _entries(state.reasoning_logprobs, entries, payload)
+            reason = _field(choice, "finish_reason", str, payload)
+            if reason is not None:
+                state.finish_reason = reason
+        self.usage = _merge_in(self.usage, doc, "usage", payload)
+        self.timings = _merge_in(self.timings, doc, "timings", payload)
         if not self._fast:
             self._fast = self.id is not None and 0 in self._choices and not self.raw_chunks and not self._text
         return events
 
-    def _choice_text(self, text: Any, state: _ChoiceState, index: int, events: List[Event]) -> None:
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
-            self.in_reasoning = False
-            state.content.add(text)
-            events.append(Content(text, index))
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("a choice's 'text' is not a string: %r" % (text,))
-
     def _delta(self, delta: Dict[str, Any], state: _ChoiceState, index: int, events: List[Event]) -> None:
-        text = delta.get("reasoning_content")
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
-            self.reasoning_tokens += 1
-            self.in_reasoning = True
-            state.reasoning.add(text)
-            events.append(Reasoning(text, index))
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("'reasoning_content' is not a string: %r" % (text,))
-        text = delta.get("content")
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("'content' is not a string: %r" % (text,))
-            self.in_reasoning = False
-            state.content.add(text)
-            events.append(Content(text, index))
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("'content' is not a string: %r" % (text,))
+        for name in ("reasoning_content", "content"):
+            text = delta.get(name)
+            if text is not None and type(text) is not str:
+                raise ProtocolError("%r is not a string: %r" % (name, text))
+            self._out(events, text, state, index, name == "reasoning_content")
         calls = delta.get("tool_calls")
+        if calls is not None and type(calls) is not list:
+            raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
         if calls:
-            if type(calls) is not list:
-                raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
             self.in_reasoning = False
             for call in calls:
                 self._tool_call(call, state, index, events)
-        elif calls is not None and type(calls) is not list:
-            raise ProtocolError("'tool_calls' is not a list: %r" % (calls,))
 
     @staticmethod
     def _tool_call(call: Any, state: _ChoiceState, choice: int, events: List[Event]) -> None:
@@ -2140,10 +1965,9 @@ class Assembler(_Dialect):
         if type(index) is not int:
             raise ProtocolError("a tool-call delta has no integer 'index': %r" % (call,))
         func = call.get("function")
-        if func is None:
-            func = {}
-        elif type(func) is not dict:
+        if func is not None and type(func) is not dict:
             raise ProtocolError("a tool call's 'function' is not an object: %r" % (call,))
+        func = func or {}
         cid, name, args = call.get("id"), func.get("name"), func.get("arguments")
         for what, value in (("id", cid), ("name", name), ("arguments", args)):
             if value is not None and type(value) is not str:
@@ -2160,64 +1984,29 @@ class Assembler(_Dialect):
         if cid or name or args:
             events.append(ToolCall(index, cid or None, name or None, args or "", choice))
 
-    def _lowest(self) -> Optional[_ChoiceState]:
-        return self._choices[min(self._choices)] if self._choices else None
+    def _lowest(self) -> _ChoiceState:
+        return self._choices[min(self._choices)] if self._choices else _ChoiceState()
 
     @property
     def finish_reason(self) -> Optional[str]:
         """The lowest-index choice's ``finish_reason`` so far (None: none yet)."""
-        state = self._lowest()
-        return state.finish_reason if state is not None else None
+        return self._lowest().finish_reason
 
     @property
     def content(self) -> str:
         """The lowest-index choice's content so far."""
-        state = self._lowest()
-        return str(state.content) if state is not None else ""
+        return str(self._lowest().content)
 
     @property
     def reasoning(self) -> str:
         """The lowest-index choice's reasoning so far."""
-        state = self._lowest()
-        return str(state.reasoning) if state is not None else ""
-
-    def completion(self) -> Completion:
-        """The assembled ``Completion``: ``choices`` in index order, the lowest index giving ``content``,
-        ``reasoning``, ``tool_calls`` and ``finish_reason``.  ``StreamClosedError`` when a choice that
-        appeared has no ``finish_reason`` (or no choice has one)."""
-        states = sorted(self._choices.items())
-        unfinished = [index for index, state in states if state.finish_reason is None]
-        if len(unfinished) == len(states):
-            raise StreamClosedError("the stream ended without a finish_reason: the server stopped mid-answer")
-        if unfinished:
-            raise StreamClosedError(
-                "the stream ended before choice %s had a finish_reason: the server stopped mid-answer"
-                % ", ".join(str(index) for index in unfinished)
-            )
-        choices = tuple(state.result(index) for index, state in states)
-        first = choices[0]
-        return Completion(
-            id=self.id,
-            model=self.model,
-            content=first.content,
-            reasoning=first.reasoning,
-            tool_calls=first.tool_calls,
-            finish_reason=first.finish_reason,
-            usage=self.usage,
-            timings=self.timings,
-            reasoning_tokens=self.reasoning_tokens,
-            thinking_capped=self.thinking_capped,
-            choices=choices,
-        )
+        return str(self._lowest().reasoning)
 
 
 class _TextAssembler(Assembler):
     """The dialect of ``/v1/completions`` (OpenAI text completions): chat's chunks, each choice carrying its
-    delta as ``text`` (``Content(text, choice=index)``) instead of a ``delta`` object; ``logprobs``
-    (``{"content": [...]}``, as this server sends them), ``finish_reason``, ``usage``, ``timings``,
-    ``prompt_progress``, the error object and ``[DONE]`` are read as chat reads them; the ``null`` payload
-    that opens a stream of several prompts gives nothing.  No reasoning streams here.  It never takes the
-    fast path (which reads chat deltas)."""
+    delta as ``text`` instead of a ``delta`` object, read as chat's otherwise; the ``null`` payload that
+    opens a stream of several prompts gives nothing.  It never takes the fast path (which reads deltas)."""
 
     __slots__ = ()
     _text = True
@@ -2230,40 +2019,11 @@ class _TextAssembler(Assembler):
 
 # -- The other streamed endpoints: /completion and /infill, Responses, Messages ---------------------------
 #
-# Each is a dialect with the Assembler's interface, so the pump drives any of them alike: ``feed(payload)``
-# per data event, ``id``, ``model``, ``reasoning_tokens``, ``in_reasoning`` and ``thinking_capped`` for the
-# thinking cap, ``done`` once the stream has reached its own end (these endpoints send no ``[DONE]``), and
-# ``completion()`` in chat's words.  The event type need not come from the SSE ``event:`` field: Responses
-# and Messages repeat it in the data's ``type``, and an ``event: error`` block dispatches as type "error",
-# which the pump raises before any dialect sees it.
-
-
-def _payload_object(payload: str) -> Dict[str, Any]:
-    """One data payload parsed; ``ProtocolError`` when it is not JSON or not an object."""
-    try:
-        doc, end = _scan_json(payload, 0)
-        if end != len(payload):
-            doc = json.loads(payload)
-    except StopIteration:
-        doc = Assembler._loads_slow(payload)
-    except ValueError as exc:  # JSONDecodeError
-        raise ProtocolError("invalid JSON in the stream: %s (%r)" % (exc, payload[:80])) from None
-    except RecursionError:
-        raise ProtocolError("JSON nested too deeply in the stream") from None
-    if type(doc) is not dict:
-        raise ProtocolError("stream data is not a JSON object: %r" % payload[:80])
-    return doc
-
-
-def _field(doc: Dict[str, Any], name: str, kind: Any, payload: str) -> Any:
-    """``doc[name]`` when it is a ``kind`` (str, dict or list), None when absent or null, else ``ProtocolError``."""
-    value = doc.get(name)
-    if value is None or type(value) is kind:
-        return value
-    raise ProtocolError("%r is not %s: %r" % (name, _KIND_NAMES[kind], payload[:80]))
-
-
-_KIND_NAMES = {str: "a string", dict: "an object", list: "a list"}
+# Each is a dialect as the Assembler is, so the pump drives any of them alike; ``done`` says the stream has
+# reached its own end (these endpoints send no ``[DONE]``), and ``completion()`` speaks chat's words.  The
+# event type need not come from the SSE ``event:`` field: Responses and Messages repeat it in the data's
+# ``type``, and an ``event: error`` block dispatches as type "error", which the pump raises before any
+# dialect sees it.
 
 
 def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
@@ -2285,34 +2045,14 @@ def _chat_usage(usage: Dict[str, Any], prompt: int, completion: int) -> Dict[str
     return usage
 
 
-def _merge_timings(kept: Optional[Dict[str, Any]], doc: Dict[str, Any], payload: str) -> Optional[Dict[str, Any]]:
-    timings = doc.get("timings")
-    if timings is None:
-        return kept
-    if type(timings) is not dict:
-        raise ProtocolError("'timings' is not an object: %r" % payload[:80])
-    return dict(kept, **timings) if kept else timings
-
-
-def _calls_result(calls: List[List[Any]]) -> List[ToolCallResult]:
-    return [ToolCallResult(e[0], e[1], str(e[2])) for e in calls]
-
-
-class _NativeState:
-    """What one choice (one prompt's ``index``) of ``/completion`` or ``/infill`` has assembled so far."""
-
-    __slots__ = ("content", "logprobs", "tokens", "finish_reason", "final")
-
-    def __init__(self) -> None:
-        self.content = _Text()
-        self.logprobs = None  # type: Optional[List[Dict[str, Any]]]
-        self.tokens = None  # type: Optional[List[int]]
-        self.finish_reason = None  # type: Optional[str]
-        self.final = None  # type: Optional[Dict[str, Any]]
-
-
 #: llama-server's ``stop_type`` in chat's words
 _NATIVE_FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+def _native_finish(chunk: Dict[str, Any]) -> str:
+    """A native stop chunk's ``stop_type`` in chat's words (none, or one that is not a string: "stop")."""
+    how = chunk.get("stop_type")
+    return _NATIVE_FINISH.get(how, how) if type(how) is str else "stop"
 
 
 def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -2330,30 +2070,21 @@ def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 
 class _NativeAssembler(_Dialect):
-    """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last.
+    """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last, a choice
+    per prompt (the chunk's ``index``).  The ``stop: true`` chunk ends its choice and is its ``final``;
+    ``done`` once every choice that appeared has ended.  ``tokens`` from a chunk with ``prompt_progress``
+    are left out (this build sends a placeholder ``[0]`` there); a ``null`` payload (a stream of several
+    prompts opens with one) gives nothing.  ``id`` stays None unless a chunk carries a string ``id``
+    (``id_slot`` and ``index`` are not ids)."""
 
-    A chunk's ``index`` (missing: 0) names its choice (one per prompt): ``content`` is
-    ``Content(text, choice=index)``, ``prompt_progress`` is ``Progress``, ``completion_probabilities`` entries
-    are appended to the choice's ``logprobs`` and ``tokens`` to its ``tokens`` (None while no non-empty list
-    came; this build sends each token's id even without ``return_tokens``, and a placeholder ``[0]`` with
-    each ``prompt_progress``, which is left out).  A ``null`` payload (a stream of
-    several prompts opens with one) gives nothing.  The ``stop: true`` chunk ends its
-    choice: ``stop_type`` eos and word are "stop", limit is "length" (another word is kept as sent, none is
-    "stop"), and the chunk is that choice's ``final``.  ``done`` once every choice that appeared has ended.
-    ``usage`` sums ``tokens_evaluated`` and ``tokens_predicted`` over the choices, as ``prompt_tokens`` and
-    ``completion_tokens`` beside those keys; ``timings`` objects are merged, the last value of a key winning.
-    There is no completion id (``id_slot`` and ``index`` are not ids): ``id`` stays None unless a chunk
-    carries a string ``id``.  No reasoning is streamed apart, so the thinking cap never fires here.
-    """
-
-    __slots__ = ("_choices", "_open", "_first")
+    __slots__ = ("_open", "_first")
+    _cut = ("before its stop chunk", "before choice %s had its stop chunk")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self._choices = {}  # type: Dict[int, _NativeState]
         self._open = 0  # choices that appeared and have not had their stop chunk
         #: choice 0's state once it has a token list and no Chunk events are due: the fast path may run
-        self._first = None  # type: Optional[_NativeState]
+        self._first = None  # type: Optional[_ChoiceState]
 
     def feed(self, payload: str) -> List[Event]:
         if payload == "null":  # a stream of several prompts opens with it
@@ -2403,7 +2134,6 @@ class _NativeAssembler(_Dialect):
         """The general path: any chunk, every field checked."""
         if "error" in doc:
             raise _error_from(doc["error"])
-        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
         index = doc.get("index", 0)
         if type(index) is not int:
             if index is not None:
@@ -2411,54 +2141,35 @@ class _NativeAssembler(_Dialect):
             index = 0
         state = self._choices.get(index)
         if state is None:
-            state = self._choices[index] = _NativeState()
+            state = self._choices[index] = _ChoiceState()
             self._open += 1
             self.done = False
-        progress = doc.get("prompt_progress")
-        if progress is not None:
-            step = _progress_event(progress, payload)
-            if step is not None:
-                events.append(step)
-        text = doc.get("content")
-        if text:
-            if type(text) is not str:
-                raise ProtocolError("'content' is not a string: %r" % payload[:80])
-            state.content.add(text)
-            event = _new_object(Content)  # as Content(text, index), without the call into __init__
-            _set_content_text(event, text)
-            _set_content_choice(event, index)
-            events.append(event)
-        elif text is not None and type(text) is not str:
-            raise ProtocolError("'content' is not a string: %r" % payload[:80])
+        events = self._start(doc, payload)
+        self._out(events, _field(doc, "content", str, payload), state, index)
         # a progress chunk's tokens are a placeholder ([0] on this build), not generated tokens
-        tokens = doc.get("tokens") if progress is None else None
+        tokens = doc.get("tokens") if doc.get("prompt_progress") is None else None
+        if tokens is not None and (type(tokens) is not list or any(type(t) is not int for t in tokens)):
+            raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])
         if tokens:
-            if type(tokens) is not list or any(type(t) is not int for t in tokens):
-                raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])
             if state.tokens is None:
                 state.tokens = list(tokens)
                 if index == 0 and not self.raw_chunks:
                     self._first = state
             else:
                 state.tokens += tokens
-        elif tokens is not None and type(tokens) is not list:
-            raise ProtocolError("'tokens' is not a list of integers: %r" % payload[:80])
         probs = doc.get("completion_probabilities")
         if probs is not None:
             state.logprobs = _entries(state.logprobs, probs, payload)
-        if "timings" in doc:
-            self.timings = _merge_timings(self.timings, doc, payload)
+        self.timings = _merge_in(self.timings, doc, "timings", payload)
         stop = doc.get("stop")
-        if stop:
-            if stop is not True:
-                raise ProtocolError("'stop' is not a boolean: %r" % payload[:80])
-            self._stop(doc, state, payload)
-        elif stop is not None and type(stop) is not bool:
+        if stop is not None and type(stop) is not bool:
             raise ProtocolError("'stop' is not a boolean: %r" % payload[:80])
+        if stop:
+            self._stop(doc, state, payload)
         return events
 
-    def _stop(self, doc: Dict[str, Any], state: _NativeState, payload: str) -> None:
-        how = _field(doc, "stop_type", str, payload)
+    def _stop(self, doc: Dict[str, Any], state: _ChoiceState, payload: str) -> None:
+        _field(doc, "stop_type", str, payload)
         for name in ("tokens_evaluated", "tokens_predicted"):
             _token_count(doc, name, payload)
         model = doc.get("model")
@@ -2470,62 +2181,20 @@ class _NativeAssembler(_Dialect):
         if state.finish_reason is None:
             self._open -= 1
             self.done = self._open == 0
-        state.finish_reason = "stop" if how is None else _NATIVE_FINISH.get(how, how)
+        state.finish_reason = _native_finish(doc)
         state.final = doc
-
-    @property
-    def usage(self) -> Optional[Dict[str, Any]]:
-        """The token counts of the choices that ended, summed (None before any stop chunk counted them)."""
-        return _native_usage([s.final for s in self._choices.values() if s.final is not None])
-
-    def completion(self) -> Completion:
-        """``choices`` in index order, the lowest index giving ``content``, ``finish_reason``, ``tokens`` and
-        ``final``.  ``StreamClosedError`` when a choice that appeared had no ``stop: true`` chunk."""
-        states = sorted(self._choices.items())
-        unfinished = [index for index, state in states if state.finish_reason is None]
-        if len(unfinished) == len(states):
-            raise StreamClosedError("the stream ended before its stop chunk: the server stopped mid-answer")
-        if unfinished:
-            raise StreamClosedError(
-                "the stream ended before choice %s had its stop chunk: the server stopped mid-answer"
-                % ", ".join(str(index) for index in unfinished)
-            )
-        choices = tuple(
-            Choice(index, str(s.content), "", [], s.finish_reason, s.logprobs, None, s.tokens) for index, s in states
-        )
-        first = choices[0]
-        return Completion(
-            id=self.id,
-            model=self.model,
-            content=first.content,
-            reasoning="",
-            tool_calls=[],
-            finish_reason=first.finish_reason,
-            usage=self.usage,
-            timings=self.timings,
-            reasoning_tokens=0,
-            thinking_capped=self.thinking_capped,
-            choices=choices,
-            final=states[0][1].final,
-            tokens=first.tokens,
-        )
+        self.usage = _native_usage([s.final for s in self._choices.values() if s.final is not None])
 
 
 class _EventAssembler(_Dialect):
-    """What the Responses and Messages dialects share: one answer of text, reasoning and tool calls, built
-    from typed events (the data's ``type``), ending at the endpoint's closing event."""
+    """What the Responses and Messages dialects share: one answer (choice 0) of text, reasoning and tool
+    calls, built from typed events (the data's ``type``), ending at the endpoint's closing event."""
 
-    __slots__ = ("usage", "final", "finish_reason", "_content", "_reasoning", "_calls")
+    __slots__ = ("_state",)
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self.usage = None  # type: Optional[Dict[str, Any]]
-        #: the endpoint's closing object (None until the end was reached)
-        self.final = None  # type: Optional[Dict[str, Any]]
-        self.finish_reason = None  # type: Optional[str]
-        self._content = _Text()
-        self._reasoning = _Text()
-        self._calls = []  # type: List[List[Any]]  # in order of the calls: [id, name, arguments]
+        self._state = self._choices[0] = _ChoiceState()
 
     def _begin(self, payload: str) -> Tuple[Dict[str, Any], Optional[str], List[Event]]:
         """(doc, its type, the events list with its Chunk and Progress) for one payload; an error payload
@@ -2540,35 +2209,17 @@ class _EventAssembler(_Dialect):
                 raise ProtocolError("an event's 'type' is not a string: %r" % payload[:80])
         elif kind.endswith("_error"):
             raise _error_from(doc)
-        if "timings" in doc:
-            self.timings = _merge_timings(self.timings, doc, payload)
-        events = [Chunk(doc)] if self.raw_chunks else []  # type: List[Event]
-        progress = doc.get("prompt_progress")
-        if progress is not None:
-            step = _progress_event(progress, payload)
-            if step is not None:
-                events.append(step)
-        return doc, kind, events
-
-    def _text(self, text: Optional[str], events: List[Event], reasoning: bool) -> None:
-        if not text:
-            return
-        if reasoning:
-            self.reasoning_tokens += 1
-            self.in_reasoning = True
-            self._reasoning.add(text)
-            events.append(_new_reasoning(text))
-        else:
-            self.in_reasoning = False
-            self._content.add(text)
-            events.append(_new_content(text))
+        self.timings = _merge_in(self.timings, doc, "timings", payload)
+        return doc, kind, self._start(doc, payload)
 
     def _new_call(self, cid: Optional[str], name: Optional[str], events: List[Event]) -> List[Any]:
-        entry = [cid or None, name or None, _Text(), len(self._calls)]  # type: List[Any]
-        self._calls.append(entry)
+        """A tool call begins: its entry (``[id, name, arguments, index]``), its index the calls before it."""
+        tools = self._state.tools
+        index = len(tools)
+        entry = tools[index] = [cid or None, name or None, _Text(), index]
         self.in_reasoning = False
         if cid or name:
-            events.append(ToolCall(entry[3], cid or None, name or None, ""))
+            events.append(ToolCall(index, cid or None, name or None, ""))
         return entry
 
     def _arguments(self, entry: List[Any], text: str, events: List[Event]) -> None:
@@ -2577,28 +2228,10 @@ class _EventAssembler(_Dialect):
             entry[2].add(text)
             events.append(ToolCall(entry[3], None, None, text))
 
-    def completion(self) -> Completion:
-        """The assembled ``Completion`` (one choice); ``StreamClosedError`` before the closing event."""
-        if not self.done:
-            raise StreamClosedError("the stream ended before %s: the server stopped mid-answer" % self._closing_event)
-        calls = _calls_result(self._calls)
-        content, reasoning = str(self._content), str(self._reasoning)
-        return Completion(
-            id=self.id,
-            model=self.model,
-            content=content,
-            reasoning=reasoning,
-            tool_calls=calls,
-            finish_reason=self.finish_reason,
-            usage=self.usage,
-            timings=self.timings,
-            reasoning_tokens=self.reasoning_tokens,
-            thinking_capped=self.thinking_capped,
-            choices=(Choice(0, content, reasoning, calls, self.finish_reason, None),),
-            final=self.final,
-        )
-
-    _closing_event = "its closing event"
+    def _end(self, finish: str, final: Dict[str, Any]) -> None:
+        """The closing event: the answer's ``finish_reason`` and ``final``."""
+        self._state.finish_reason, self._state.final = finish, final
+        self.done = True
 
 
 #: Responses ``incomplete_details.reason`` in chat's words
@@ -2608,26 +2241,16 @@ _RESPONSES_REASONING_DONE = ("response.reasoning_text.done", "response.reasoning
 
 
 class _ResponsesAssembler(_EventAssembler):
-    """The stream of OpenAI Responses (``POST /v1/responses``): typed events, ``response.completed`` last.
-
-    ``response.output_text.delta`` is ``Content``; ``response.reasoning_text.delta`` (and
-    ``response.reasoning_summary_text.delta``) is ``Reasoning``, one reasoning token each; a ``function_call``
-    output item starts a tool call (index in order of the calls, ``id`` its ``call_id``, else its ``id``;
-    ``name`` once) and ``response.function_call_arguments.delta`` adds to the call its ``item_id`` (or
-    ``output_index``) names, else to the latest call.  The ``.done`` events hold whole texts and whole
-    arguments: what they hold past the deltas is delivered as a last delta (a call first seen in
-    ``response.output_item.done`` gets all its arguments so; an id or name first seen late is a ToolCall of
-    its own).  ``id`` and ``model`` are the response's.  The stream ends at
-    ``response.completed`` (finish "stop", or "tool_calls" when the output holds function calls) or
-    ``response.incomplete`` (``max_output_tokens``: "length"); its ``response`` is ``final``, its ``usage``
-    gains ``prompt_tokens`` and ``completion_tokens`` (from ``input_tokens`` and ``output_tokens``).
-    ``response.failed`` and ``error`` events are ``ServerError``.  A ``prompt_progress`` object (this build
-    sends it beside the ``response`` of ``response.in_progress``) is ``Progress``.  Unknown event types are
-    ignored.
-    """
+    """The stream of OpenAI Responses (``POST /v1/responses``): typed events, ``response.completed`` (or
+    ``response.incomplete``) last, whose ``response`` is ``final``.  A ``function_call`` output item starts
+    a tool call (``id`` its ``call_id``, else its ``id``); ``response.function_call_arguments.delta`` adds to
+    the call its ``item_id`` (or ``output_index``) names, else to the latest call.  The ``.done`` events
+    hold whole texts and whole arguments: what they hold past the deltas is delivered as a last delta (a
+    call first seen in ``response.output_item.done`` gets all its arguments so; an id or name first seen
+    late is a ToolCall of its own).  Unknown event types are ignored."""
 
     __slots__ = ("_keys", "_items")
-    _closing_event = "response.completed"
+    _cut = ("before response.completed", "")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         super().__init__(raw_chunks)
@@ -2651,7 +2274,7 @@ class _ResponsesAssembler(_EventAssembler):
             if item is not None and item.get("type") == "function_call":
                 self._call_item(item, doc, payload, events, kind == "response.output_item.done")
         elif kind == "response.completed" or kind == "response.incomplete":
-            self._end(doc, kind, payload)
+            self._closing(doc, kind, payload)
         elif kind == "response.failed":
             response = _field(doc, "response", dict, payload) or {}
             error = response.get("error")
@@ -2674,7 +2297,7 @@ class _ResponsesAssembler(_EventAssembler):
         key = (item if type(item) is str else None, reasoning)
         kept = self._items.get(key)
         if whole:
-            seen = self._reasoning if reasoning else self._content
+            seen = self._state.reasoning if reasoning else self._state.content
             if kept is None and (seen.parts or seen.blocks):
                 return
             have = str(kept) if kept is not None else ""
@@ -2684,7 +2307,7 @@ class _ResponsesAssembler(_EventAssembler):
         if kept is None:
             kept = self._items[key] = _Text()
         kept.add(text)
-        self._text(text, events, reasoning)
+        self._out(events, text, self._state, 0, reasoning)
 
     def _response(self, response: Optional[Dict[str, Any]]) -> None:
         if response is None:
@@ -2739,28 +2362,27 @@ class _ResponsesAssembler(_EventAssembler):
         _field(doc, "item_id", str, payload)
         entry = self._lookup(doc, ("item_id",))
         if entry is None:
-            if not self._calls:
+            tools = self._state.tools
+            if not tools:
                 raise ProtocolError("function-call arguments before any function call: %r" % payload[:80])
-            entry = self._calls[-1]
+            entry = tools[len(tools) - 1]
         if text:
             self._arguments(entry, text, events)
 
-    def _end(self, doc: Dict[str, Any], kind: str, payload: str) -> None:
-        response = _field(doc, "response", dict, payload)
-        if response is None:
-            raise ProtocolError("%s without a 'response' object: %r" % (kind, payload[:80]))
+    def _closing(self, doc: Dict[str, Any], kind: str, payload: str) -> None:
+        response = _carried(doc, "response", kind, payload)
         self._response(response)
         output = _field(response, "output", list, payload)
         if kind == "response.completed":
             if output is None:
-                calls = bool(self._calls)
+                calls = bool(self._state.tools)
             else:
                 calls = any(type(item) is dict and item.get("type") == "function_call" for item in output)
-            self.finish_reason = "tool_calls" if calls else "stop"
+            finish = "tool_calls" if calls else "stop"
         else:
             details = _field(response, "incomplete_details", dict, payload) or {}
             reason = _field(details, "reason", str, payload)
-            self.finish_reason = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
+            finish = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
         usage = _field(response, "usage", dict, payload)
         if usage is not None:
             prompt, completion = (
@@ -2768,9 +2390,8 @@ class _ResponsesAssembler(_EventAssembler):
                 _token_count(usage, "output_tokens", payload),
             )
             self.usage = _chat_usage(usage, prompt, completion)
-        self.timings = _merge_timings(self.timings, response, payload)
-        self.final = response
-        self.done = True
+        self.timings = _merge_in(self.timings, response, "timings", payload)
+        self._end(finish, response)
 
 
 #: Messages ``stop_reason`` in chat's words
@@ -2784,24 +2405,15 @@ _MESSAGES_FINISH = {
 
 
 class _MessagesAssembler(_EventAssembler):
-    """The stream of Anthropic Messages (``POST /v1/messages``): typed events, ``message_stop`` last.
-
-    ``text_delta`` is ``Content``, ``thinking_delta`` is ``Reasoning`` (one reasoning token each), a
-    ``tool_use`` block starts a tool call (index in order of the tool-use blocks, ``id`` and ``name`` from
-    ``content_block_start``) and its ``input_json_delta`` fragments are the arguments; ``signature_delta``,
-    ``ping`` and unknown block and event types are ignored.  ``id`` and ``model`` are the ``message_start``
-    message's.  ``message_delta`` gives the ``stop_reason`` (end_turn and stop_sequence: "stop", max_tokens:
-    "length", tool_use: "tool_calls", refusal: "content_filter", another kept as sent) and the usage, merged
-    over the message's; ``prompt_tokens`` counts ``input_tokens`` with ``cache_read_input_tokens`` and
-    ``cache_creation_input_tokens`` (Anthropic's ``input_tokens`` leaves out what came from the cache).  The
-    stream ends at ``message_stop``; ``final`` is the message with the stop reason, stop sequence and usage
-    merged.  ``error`` events, and the bare ``{"code", "message", "type": "..._error"}`` object this build
-    sends mid-stream, are ``ServerError``; a ``message_stop`` without a stop reason, or a JSON delta
-    for a block that is not a tool-use block, is ``ProtocolError``.
-    """
+    """The stream of Anthropic Messages (``POST /v1/messages``): typed events, ``message_stop`` last.  A
+    ``tool_use`` block starts a tool call and its ``input_json_delta`` fragments are the arguments;
+    ``signature_delta``, ``ping`` and unknown block and event types are ignored.  ``message_delta`` gives
+    the stop reason and the usage, merged over ``message_start``'s; ``final`` is that message with the stop
+    reason, stop sequence and usage merged.  A ``message_stop`` without a stop reason, or a JSON delta for a
+    block that is not a tool-use block, is ``ProtocolError``."""
 
     __slots__ = ("_message", "_usage", "_stop", "_blocks")
-    _closing_event = "message_stop"
+    _cut = ("before message_stop", "")
 
     def __init__(self, raw_chunks: bool = False) -> None:
         super().__init__(raw_chunks)
@@ -2814,14 +2426,12 @@ class _MessagesAssembler(_EventAssembler):
         doc, kind, events = self._begin(payload)
         if kind == "content_block_delta":
             index = self._index(doc, payload)
-            delta = _field(doc, "delta", dict, payload)
-            if delta is None:
-                raise ProtocolError("content_block_delta without a 'delta' object: %r" % payload[:80])
+            delta = _carried(doc, "delta", kind, payload)
             dtype = delta.get("type")
             if dtype == "text_delta":
-                self._text(_field(delta, "text", str, payload), events, False)
+                self._out(events, _field(delta, "text", str, payload), self._state, 0)
             elif dtype == "thinking_delta":
-                self._text(_field(delta, "thinking", str, payload), events, True)
+                self._out(events, _field(delta, "thinking", str, payload), self._state, 0, True)
             elif dtype == "input_json_delta":
                 text = _field(delta, "partial_json", str, payload)
                 entry = self._blocks.get(index)
@@ -2830,31 +2440,27 @@ class _MessagesAssembler(_EventAssembler):
                 self._arguments(entry, text or "", events)
         elif kind == "content_block_start":
             index = self._index(doc, payload)
-            block = _field(doc, "content_block", dict, payload)
-            if block is None:
-                raise ProtocolError("content_block_start without a 'content_block' object: %r" % payload[:80])
+            block = _carried(doc, "content_block", kind, payload)
             if block.get("type") == "tool_use":
                 cid, name = _field(block, "id", str, payload), _field(block, "name", str, payload)
                 self._blocks[index] = self._new_call(cid, name, events)
         elif kind == "message_start":
-            message = _field(doc, "message", dict, payload)
-            if message is None:
-                raise ProtocolError("message_start without a 'message' object: %r" % payload[:80])
+            message = _carried(doc, "message", kind, payload)
             self._message = message
             mid, model = message.get("id"), message.get("model")
             if type(mid) is str:
                 self.id = mid
             if type(model) is str:
                 self.model = model
-            self._merge_usage(message, payload)
+            self._usage = _merge_in(self._usage, message, "usage", payload)
         elif kind == "message_delta":
             delta = _field(doc, "delta", dict, payload) or {}
             for name in ("stop_reason", "stop_sequence"):
                 if name in delta:
                     self._stop[name] = _field(delta, name, str, payload)
-            self._merge_usage(doc, payload)
+            self._usage = _merge_in(self._usage, doc, "usage", payload)
         elif kind == "message_stop":
-            self._end(payload)
+            self._closing(payload)
         return events
 
     @staticmethod
@@ -2864,16 +2470,10 @@ class _MessagesAssembler(_EventAssembler):
             raise ProtocolError("a content block event without an integer 'index': %r" % payload[:80])
         return index
 
-    def _merge_usage(self, doc: Dict[str, Any], payload: str) -> None:
-        usage = _field(doc, "usage", dict, payload)
-        if usage is not None:
-            self._usage = dict(self._usage, **usage) if self._usage else dict(usage)
-
-    def _end(self, payload: str) -> None:
+    def _closing(self, payload: str) -> None:
         reason = self._stop.get("stop_reason")
         if reason is None:
             raise ProtocolError("message_stop without a stop_reason: %r" % payload[:80])
-        self.finish_reason = _MESSAGES_FINISH.get(reason, reason)
         usage = self._usage
         if usage is not None:
             prompt = sum(
@@ -2886,8 +2486,7 @@ class _MessagesAssembler(_EventAssembler):
         final["stop_sequence"] = self._stop.get("stop_sequence")
         if usage is not None:
             final["usage"] = usage
-        self.final = final
-        self.done = True
+        self._end(_MESSAGES_FINISH.get(reason, reason), final)
 
 
 class _ModelEvents(_Dialect):
@@ -2911,28 +2510,20 @@ class _ModelEvents(_Dialect):
 
 class _RouteChunks(_Dialect):
     """The dialect of ``stream_route()``, for a route loopclient does not know: each data event is one
-    ``Chunk``, its ``data`` the parsed JSON (any JSON value) or the event's text when it is not JSON, and
-    each counts as delivered output.  A JSON object whose ``error`` is an object or a string is an error
-    event (``ServerError``; before delivery, retried when its code is 503 or its type ``unavailable_error``
-    or ``overloaded_error``), as on every endpoint.  The stream ends at ``[DONE]`` or at the end of the
-    body, never at a chunk.
+    ``Chunk`` (of the parsed JSON, any value, or of the event's text when it is not JSON), which counts as
+    delivered output; a JSON object whose ``error`` is an object or a string is an error event.  The stream
+    ends at ``[DONE]`` or at the end of the body, never at a chunk.  Chunks in OpenAI's shape (``choices``
+    with their ``finish_reason``, ``usage``) or llama-server's native one (``stop``, ``stop_type`` and the
+    token counts, per ``index``) fill the ``Completion`` as the named calls do, without the text (the chunks
+    are the answer); fields of such a shape that hold the wrong type are ignored (the route is not known to
+    be what it looks like)."""
 
-    Two shapes fill the ``Completion`` when the chunks carry them: OpenAI's (``choices`` with their
-    ``index`` and ``finish_reason``, ``usage``; chat and text completions) and llama-server's native one
-    (``stop`` with ``stop_type`` and the token counts, per ``index``: ``/completion``, ``/infill``).  Then
-    ``id``, ``model``, ``finish_reason``, ``usage``, ``timings`` and (native) ``final`` are read as the
-    named calls read them, the text left out (the chunks are the answer), and an end before every choice
-    that appeared has finished is ``StreamClosedError``, as on the named calls.  Chunks of any other
-    shape (or of no shape) end in an empty ``Completion``.  Fields of a shape that hold the wrong type are
-    ignored here: the route is not known to be what it looks like."""
-
-    __slots__ = ("usage", "_finish", "_finals")
+    __slots__ = ("_finish", "_finals")
     output = (Chunk,)  # type: Tuple[type, ...]
     event_stream = True
 
     def __init__(self, raw_chunks: bool = False) -> None:
         _Dialect.__init__(self, raw_chunks)
-        self.usage = None  # type: Optional[Dict[str, Any]]
         self._finish = {}  # type: Dict[int, Optional[str]]  # OpenAI's shape: choice index -> finish_reason
         self._finals = {}  # type: Dict[int, Optional[Dict[str, Any]]]  # native: index -> its stop chunk
 
@@ -2952,23 +2543,16 @@ class _RouteChunks(_Dialect):
     def _observe(self, doc: Dict[str, Any]) -> None:
         """Note what an object chunk says in OpenAI's or llama-server's shape."""
         choices = doc.get("choices")
-        if type(choices) is list:
-            for choice in choices:
-                index = choice.get("index", 0) if type(choice) is dict else None
-                if index is None and type(choice) is dict:
-                    index = 0  # a null index is 0, as on chat
+        for choice in choices if type(choices) is list else ():
+            if type(choice) is dict:
+                index = choice.get("index")
+                index = 0 if index is None else index  # a missing or null index is 0, as on chat
+                reason = choice.get("finish_reason")
                 if type(index) is int:
-                    reason = choice.get("finish_reason")
-                    if type(reason) is str:
-                        self._finish[index] = reason
-                    else:
-                        self._finish.setdefault(index, None)
+                    self._finish[index] = reason if type(reason) is str else self._finish.get(index)
         stop, index = doc.get("stop"), doc.get("index", 0)
         if type(stop) is bool and type(index) is int:
-            if stop:
-                self._finals[index] = doc
-            else:
-                self._finals.setdefault(index, None)
+            self._finals[index] = doc if stop else self._finals.get(index)
         if self._finish or self._finals:
             for name in ("id", "model"):
                 if getattr(self, name) is None and type(doc.get(name)) is str:
@@ -3004,12 +2588,6 @@ class _RouteChunks(_Dialect):
         )
 
 
-def _native_finish(chunk: Dict[str, Any]) -> str:
-    """A native stop chunk's ``stop_type`` in chat's words (none, or one that is not a string: "stop")."""
-    how = chunk.get("stop_type")
-    return _NATIVE_FINISH.get(how, how) if type(how) is str else "stop"
-
-
 def _no_body(params: Dict[str, Any]) -> Dict[str, Any]:
     """The body of a request that sends none (``GET``)."""
     return {}
@@ -3040,16 +2618,12 @@ def _body(fixed: Dict[str, Any], params: Dict[str, Any], stream: bool = True) ->
     return body
 
 
-def _is_token(value: Any) -> bool:
-    return type(value) is int
-
-
 def _prompt_ok(prompt: Any) -> bool:
     """A string, a multimodal prompt object (with ``prompt_string``), or a list of token ids and strings
     (llama-server's mixed prompt)."""
     if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_string" in prompt):
         return True
-    return isinstance(prompt, list) and all(isinstance(p, str) or _is_token(p) for p in prompt)
+    return isinstance(prompt, list) and all(isinstance(p, str) or type(p) is int for p in prompt)
 
 
 def _native_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
@@ -3099,10 +2673,9 @@ def _infill_body(prefix: str, suffix: str, extra: Any, params: Dict[str, Any]) -
     """The body of a streamed ``/infill``: ``prefix`` and ``suffix`` (strings) are ``input_prefix`` and
     ``input_suffix``; ``extra`` (None, or an iterable of ``(filename, text)`` pairs or ``{"filename",
     "text"}`` dicts) is ``input_extra``.  ``TypeError``/``ValueError`` for anything else."""
-    if not isinstance(prefix, str):
-        raise TypeError("prefix must be a string, not %r" % (prefix,))
-    if not isinstance(suffix, str):
-        raise TypeError("suffix must be a string, not %r" % (suffix,))
+    for name, value in (("prefix", prefix), ("suffix", suffix)):
+        if not isinstance(value, str):
+            raise TypeError("%s must be a string, not %r" % (name, value))
     fixed = {"input_prefix": prefix, "input_suffix": suffix}  # type: Dict[str, Any]
     if extra is not None:
         if isinstance(extra, (str, bytes, dict)) or not hasattr(extra, "__iter__"):
@@ -3263,15 +2836,12 @@ _CAP_NEVER = "never"  # reasoning streams but the server cannot end it on reques
 
 
 class _Endpoint:
-    """One streamed endpoint: its ``path``, the function that builds its body from the call's arguments
-    (``body(*args, params)``), the function that finds the body's stable head (``head(body)``: what stays
-    the same on every turn of a conversation, digested into its session key when the caller gives none),
-    the ``dialect`` class that reads its payloads, and what the engine may do there: ``cap`` (one of the
-    ``_CAP_*`` rules above), ``resumable`` (the server buffers it for ``X-Conversation-Id``), ``routed`` (a
-    router routes it by the body's ``model``), ``watch`` (a ``GET`` that never ends by itself and is silent
-    when nothing happens: no gate, no retries, no liveness; read by ``_StreamLife.watch``).
-    ``target(*args)`` gives the request's method and path: ``POST`` to ``path`` unless the row says
-    otherwise (``stream_route()``'s takes them from the call)."""
+    """One streamed endpoint: its ``path``; ``body(*args, params)``, its body made of the call's arguments;
+    ``head(body)``, the body's stable head (above); the ``dialect`` class that reads its payloads; and what
+    the engine may do there: ``cap`` (a ``_CAP_*`` rule), ``resumable`` (the server buffers it for
+    ``X-Conversation-Id``), ``routed`` (a router routes it by the body's ``model``), ``watch`` (a ``GET``
+    that never ends by itself and is silent when nothing happens: no gate, no retries, no liveness; read by
+    ``_StreamLife.watch``).  ``target(*args)``: its method and path, ``POST`` to ``path`` by default."""
 
     __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch", "_target")
 
@@ -3309,17 +2879,8 @@ _ENDPOINTS = {
         _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _native_head, _TextAssembler, _CAP_MOOT),
         _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
         _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
-        _Endpoint(
-            "models",
-            "/models/sse",
-            _no_body,
-            _no_head,
-            _ModelEvents,
-            _CAP_MOOT,
-            resumable=False,
-            routed=False,
-            watch=True,
-        ),
+        # a router's model events: not resumable, not routed (the router's own), a watch
+        _Endpoint("models", "/models/sse", _no_body, _no_head, _ModelEvents, _CAP_MOOT, False, False, True),
         # stream_route(): any route, its method and path the call's; resumable where the server buffers it
         _Endpoint("route", "", _route_body, _route_head, _RouteChunks, _CAP_MOOT, target=_route_target),
     )
@@ -3347,16 +2908,14 @@ _FRONT_UNREACHED = (502, 520, 521, 522, 523)  # a front's own answer: it could n
 
 
 class _Retry:
-    """An attempt that failed before anything was delivered and may be sent again; ``state`` says whose
-    budget the wait counts under (``UNAVAILABLE``: load_wait; ``CAPACITY``, a 429: busy_wait)."""
+    """An attempt that failed before anything was delivered and may be sent again: why (``reason``, the
+    error ``cause``), the ``Retry-After`` ``hint`` in seconds, and whose budget the wait counts under
+    (``state``: ``UNAVAILABLE``, load_wait; ``CAPACITY``, a 429, busy_wait)."""
 
     __slots__ = ("reason", "hint", "cause", "state")
 
     def __init__(self, reason: str, hint: Optional[float], cause: BaseException, state: str = UNAVAILABLE) -> None:
-        self.reason = reason
-        self.hint = hint  # Retry-After, in seconds
-        self.cause = cause
-        self.state = state
+        self.reason, self.hint, self.cause, self.state = reason, hint, cause, state
 
 
 def _json_or_text(text: str) -> Any:
@@ -3407,13 +2966,9 @@ def _retryable(err: ServerError) -> bool:
 
 class ResponsePump:
     """The bytes of one streamed response in, events and decisions out; no socket, and the clock only to
-    read a ``Retry-After`` date.
-
-    It owns the ``ResponseReader``, the ``SSEDecoder`` and the endpoint's dialect: ``dialect(raw_chunks)``
-    reads its payloads (``Assembler``, chat's, by default; the native, Responses and Messages dialects end
-    the stream themselves, by their ``done``).  ``feed(data)`` (and
-    ``feed_eof()`` when the connection closed) returns the events those bytes completed.  After each call
-    the caller looks at, in this order:
+    read a ``Retry-After`` date.  ``dialect(raw_chunks)`` reads the payloads (``Assembler``, chat's, by
+    default).  ``feed(data)``, and ``feed_eof()`` when the connection closed, return the events those bytes
+    completed; then the caller looks at, in this order (``verdict()`` gives them as one value):
 
     ``failed``
         an error found after the returned events (deliver them, then raise it); a later call raises it too.
@@ -3424,38 +2979,18 @@ class ResponsePump:
         once decided: the ``Completion``, or a retry (a ``_Retry``: a 503 or 429 status, a front's 502,
         504 or 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
         anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its body is in;
-        after ``resume()``, a 404 or 400 (the server no longer knows the stream, or no longer holds its
-        bytes from the offset) raises ``StreamClosedError``.
+        after ``resume()``, a 404 or 400 raises ``StreamClosedError``.
 
     ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
-    event (pings do not count: they prove the connection, not progress); ``delivered`` whether a
-    ``Reasoning``, ``Content`` or ``ToolCall`` event has been produced.
+    event (pings prove the connection, not progress); ``delivered`` whether an output event (``Reasoning``,
+    ``Content`` or ``ToolCall``; a route's ``Chunk``) has been produced.
     """
 
     __slots__ = (
-        "head",
-        "failed",
-        "cap_due",
-        "outcome",
-        "progressed",
-        "delivered",
-        "received",
-        "boundary",
-        "_limits",
-        "_reader",
-        "_sse",
-        "_asm",
-        "_body",
-        "_size",
-        "_pending",
-        "_ending",
-        "cut",
-        "_capped_at",
-        "_resuming",
-        "_last",
+        "head", "failed", "cap_due", "outcome", "progressed", "delivered", "received", "boundary", "_limits",
+        "_reader", "_sse", "_asm", "_body", "_pending", "_ending", "cut", "_capped_at", "_resuming", "_last",
         "unknown",
-        "_typed",
-    )
+    )  # fmt: skip
 
     def __init__(self, limits: Limits, raw_chunks: bool = False, dialect: Any = None) -> None:
         self.head = None  # type: Optional[ResponseHead]
@@ -3470,8 +3005,7 @@ class ResponsePump:
         self._reader = ResponseReader()
         self._sse = SSEDecoder(limits.max_line)
         self._asm = (dialect or Assembler)(raw_chunks)  # type: Any
-        self._body = []  # type: List[bytes]  # an error response's body
-        self._size = 0
+        self._body = bytearray()  # an error response's body
         self._pending = []  # type: List[Tuple[str, str]]  # SSE events waiting behind the thinking cap
         self._ending = False  # the body is complete: the events in hand are the last
         self.cut = False  # the body ended (cleanly, as a front may end it) before the stream's own end
@@ -3479,7 +3013,6 @@ class ResponsePump:
         self._resuming = False  # the response is the replay of a resumed stream
         self._last = b""  # the last two body bytes, for a blank line split between reads
         self.unknown = False  # a resume was answered 404: the server does not know the stream
-        self._typed = False  # the 200 head's Content-Type was looked at (a dialect that asks for it)
 
     @property
     def streaming(self) -> bool:
@@ -3499,18 +3032,15 @@ class ResponsePump:
         self._resuming = True
         self.unknown = False
         self.outcome = None  # a front's 504 to the request, which a resume from 0 follows
-        self._body, self._size = [], 0
+        self._body = bytearray()
         if offset != self.received:
             self.boundary, self._last = offset, b""
         self.received = offset
         self._ending = self.cut = False
-        self._typed = False
 
     def verdict(self) -> Any:
-        """What the caller does next, once it has handed out the events of the last call, as one value: a
-        ``LoopError`` found after those events (raise it), ``_CAP_DUE`` (ask the server to end reasoning,
-        pass the answer to ``capped()``), the ``Completion`` or the ``_Retry`` once decided; None: read on.
-        The order of the attributes below, in one place."""
+        """What the caller does next, once it has handed out the events of the last call, as one value:
+        ``failed``, ``_CAP_DUE`` for ``cap_due``, else ``outcome`` (None: read on), in that order."""
         if self.failed is not None:
             return self.failed
         if self.cap_due is not None:
@@ -3551,20 +3081,20 @@ class ResponsePump:
             pieces = []  # type: List[bytes]
         else:
             pieces = reader.feed(data)
-        head = self.head = reader.head
+        head = reader.head
         if head is None:
             return
+        if self.head is None:  # the head came with these bytes
+            self.head = head
+            kind = head.get("content-type") or "missing"
+            if head.status == 200 and self._asm.event_stream and not kind.lower().startswith("text/event-stream"):
+                raise ProtocolError(
+                    "the answer is not a stream (HTTP 200, Content-Type %s, not text/event-stream): fetch() "
+                    'reads it whole, or ask the route to stream ("stream": true)' % kind
+                )
         if head.status != 200:
             self._error_body(head, pieces, eof or reader.done)
             return
-        if not self._typed:
-            self._typed = True
-            kind = head.get("content-type")
-            if self._asm.event_stream and not (kind or "").lower().startswith("text/event-stream"):
-                raise ProtocolError(
-                    "the answer is not a stream (HTTP 200, Content-Type %s, not text/event-stream): fetch() "
-                    'reads it whole, or ask the route to stream ("stream": true)' % (kind or "missing")
-                )
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if data:
             self._count_body(data)
@@ -3595,16 +3125,14 @@ class ResponsePump:
                 raise failed
 
     def _error_body(self, head: ResponseHead, pieces: List[bytes], complete: bool) -> None:
-        for piece in pieces:
-            self._size += len(piece)
-            self._body.append(piece)
-        if self._size > self._limits.max_body:
+        self._body += b"".join(pieces)
+        if len(self._body) > self._limits.max_body:
             raise ProtocolError("error body longer than max_body (%d bytes)" % self._limits.max_body)
         if self._reader.failed is not None:
             raise self._reader.failed
         if not complete:
             return
-        body = b"".join(self._body)
+        body = bytes(self._body)
         message, _ = parse_error_envelope(body)
         error = HTTPStatusError(head.status, message, body, head.get("server"))
         if self._resuming and head.status == 404:

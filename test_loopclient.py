@@ -13389,9 +13389,9 @@ class TestDeadlineConnectAsync(AsyncDriver, TestDeadlineConnect):
 # Hostile servers and faults: the fault table, and what is more than a row of it
 # -----------------------------------------------------------------------------------------------------
 #
-# Each fault of dev/FAULTS.md is stated once, as a row of FAULT_TABLE (below) and its part in
-# TestDifferential: the server's bytes, the call, the error class, its budget and what else the row says
-# (the events, the cause, the message, the requests sent), run through the virtual driver and AsyncClient
+# Each fault of dev/FAULTS.md is stated once, as a row of FAULT_TABLE (below) that carries its parts: the
+# server's bytes, the call, the error class, its budget and what else the row says (the events, the cause,
+# the message, the requests sent), which TestDifferential runs through the virtual driver and AsyncClient
 # on a real socket, and through Client on a real socket where the transport is part of the fault.  The
 # TestFault* classes hold what a row cannot say: resumable streams cut at every offset, several clients
 # at once, the parsers fed the fuzzer's saved inputs.  Every test asserts the exact error class, that it
@@ -14266,15 +14266,13 @@ TestFaultResumeSockets, TestFaultResumeSocketsAsync = on_sockets(
 FUZZ_INPUTS = os.path.join(HERE, "dev", "testdata", "fuzz")
 
 
-def _f_input(name):
-    """The saved fuzz input ``dev/testdata/fuzz/<name>.bin``."""
+def _f_input(name, target):
+    """The saved fuzz input ``dev/testdata/fuzz/<name>.bin`` of ``target``, proven the saved one: the fuzzer
+    names a crash by sha1(target NUL input)."""
     with open(os.path.join(FUZZ_INPUTS, name + ".bin"), "rb") as f:
-        return f.read()
-
-
-def _f_saved(target, data, name):
-    """Prove ``data`` is the saved input: the fuzzer names a crash by sha1(target NUL input)."""
-    return hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name
+        data = f.read()
+    assert hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name, (target, name)
+    return data
 
 
 #: The cut points the fuzzer's server sent the client-target inputs with (one send per piece).
@@ -14426,8 +14424,7 @@ class TestFaultFuzzRegressions(unittest.TestCase):
     def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
         # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
         # RecursionError out.  (Through the client the 503 is retried: its Retry-After is a past date.)
-        data = _f_input("403724efe73ee4d8")
-        self.assertTrue(_f_saved("http", data, "403724efe73ee4d8"))
+        data = _f_input("403724efe73ee4d8", "http")
         reader = lc.ResponseReader(max_body=65536)
         body = b"".join(reader.feed(data))
         reader.feed_eof()
@@ -14437,8 +14434,7 @@ class TestFaultFuzzRegressions(unittest.TestCase):
 
     def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
         # assembler target: {"code": "\u00b2"} passed str.isdigit(), then int() raised a bare ValueError.
-        data = _f_input("080ec222851097f5")
-        self.assertTrue(_f_saved("assembler", data, "080ec222851097f5"))
+        data = _f_input("080ec222851097f5", "assembler")
         asm = lc.Assembler()
         with self.assertRaises(lc.LoopError) as caught:
             for payload in data.decode("utf-8", "surrogatepass").split("\n\x1e"):
@@ -14449,8 +14445,7 @@ class TestFaultFuzzRegressions(unittest.TestCase):
 
     def test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event(self):
         # sse target, max_line 1 MiB: 605,552 "data:" lines in one event took 5 s (a str += per line).
-        data = _f_input("5dff79bad8bec29d")
-        self.assertTrue(_f_saved("sse", data, "5dff79bad8bec29d"))
+        data = _f_input("5dff79bad8bec29d", "sse")
         cuts = [
             114632,
             149591,
@@ -14603,1026 +14598,52 @@ def _a_route(path="/r", body=None, **kw):
     return act
 
 
-# -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
+# -- the fault table: each fault stated once, as a row and its parts --------------------------------
 #
-# Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
-# the TestDifferential row that runs it, exactly as scripted there), what the server does, the outcome,
-# and the tests that pin it: the TestDifferential test that runs the row's parts, and any test that pins
-# more than a row can say (a TestFault* or TestSecurity test).  dev/faults.py writes the tables of
-# dev/FAULTS.md from it; TestDifferential.test_dev_faults_md_is_the_fault_table fails when they drift,
-# and test_each_row_states_what_it_runs when a row's outcome does not name the error class its parts
-# expect, or names a test that does not exist or a TestDifferential test that does not run the row.
+# FAULT_TABLE holds dev/FAULTS.md's sections, in its order: each its heading, its columns, the
+# TestDifferential test that runs it, and the function that makes its rows (marked ``@_d_section``, below,
+# before TestDifferential).  A row (_d_row) is the fault, what the server does and the outcome (the table's
+# words), the tests that pin more than a row can say (``also``), and its parts (_d_part): the scripted
+# server, the call, the documented outcome, its budget and checks, which TestDifferential runs through the
+# drivers.  dev/faults.py writes dev/FAULTS.md's tables from it (test_dev_faults_md_is_the_fault_table fails
+# when they drift); test_each_row_states_what_it_runs fails when a row's outcome does not name the error its
+# parts expect, or names a test that does not exist.
 
-FAULT_TABLE = [
-    (
-        "Connecting",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "socket file missing",
-                "nothing at the path",
-                "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "socket file missing, single-shot call",
-                "nothing at the path",
-                "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "socket file with no listener",
-                "a stale socket file; connecting is refused",
-                "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "socket file with no listener, single-shot call",
-                "connecting is refused",
-                "`ConnectError` at once",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "EOF before the head",
-                "reads the request, closes without a byte",
-                "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "connection reset before the head",
-                "TCP RST (SO_LINGER 0) after reading the request",
-                "`StreamClosedError` at once, not retried",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "connection reset mid-stream",
-                "RST after one content event",
-                "`StreamClosedError` at once; the delivered output is never replayed",
-                "`TestDifferential.test_connecting`",
-            ),
-        ],
-    ),
-    (
-        "The response head",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "garbage status line",
-                "`HELLO THERE` plus a header block",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "a service that is not HTTP",
-                "an SSH banner line, then waits for the client",
-                "`ProtocolError` at once: the first line is enough (*choice*)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "bad status code",
-                "`HTTP/1.1 2000 OK`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "another HTTP version",
-                "`HTTP/2 200`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "HTTP/1.0 reply",
-                "`HTTP/1.0 200` with no length, body until close",
-                "no error: framed normally (read until close), `Completion` returned (*choice*)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "interim response",
-                "`100 Continue`, then the real response",
-                "no error: the interim head is skipped",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "10 MB of headers",
-                "one 10 MB header line",
-                "`ProtocolError` once 64 KiB of head has arrived; the client closes before the server has sent it all",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "1,000 header lines",
-                "1,000 short headers",
-                "`ProtocolError` at once (cap: 100 lines)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "NUL byte in a header",
-                "`X-A: a\\0b`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "obsolete line folding",
-                "a header line that starts with spaces",
-                "no error: unfolded into the previous value with one space (RFC 9112 5.2, as a user agent)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "EOF inside the head",
-                "half a head, then close",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "head trickled forever",
-                "one header byte every 20 ms, never a blank line",
-                "`StalledError` after `liveness` from the first byte of the head (*choice*: a head that has not finished within `liveness` is no progress)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "interim responses forever",
-                "`100 Continue` every 20 ms",
-                "`StalledError` after `liveness` (as above)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "stall inside the head",
-                "half a head, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_the_response_head`",
-            ),
-        ],
-    ),
-    (
-        "Body framing",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "conflicting Content-Length headers",
-                "`Content-Length: 10` and `Content-Length: 20`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "conflicting Content-Length, single-shot call",
-                "the same on `/slots`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "negative length",
-                "`Content-Length: -1`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "non-numeric length",
-                "`Content-Length: 12abc`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "unsupported transfer coding",
-                "`Transfer-Encoding: gzip, chunked`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk size ffffffffffffffff",
-                "that size line, then a whole valid stream",
-                "`ProtocolError` at once: a size that does not fit in 63 bits is malformed (*choice*)",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk size line without CRLF",
-                "the size runs straight into the data",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk size line that never ends",
-                "`1` followed by 5,000 zeros and no newline",
-                "`ProtocolError` once 4 KiB of size line has arrived",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk data without its CRLF",
-                "`XX` where the CRLF after the data belongs",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "body shorter than its length (stream)",
-                "`Content-Length` 500 bytes more than is sent, then close",
-                "`StreamClosedError` at once, after the `Content` that did arrive",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "body shorter than its length (single-shot)",
-                "`/slots` says 100 bytes, sends 8, closes",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "close mid-chunk",
-                "a chunk 200 bytes short, then close",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "close mid-event",
-                "a close-delimited body whose last event has no blank line",
-                "`StreamClosedError` at once: the unfinished event is discarded, so there is no `finish_reason`",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "close after the finish chunk without `[DONE]`",
-                "finish chunk, then the final `0` chunk",
-                "no error: a clean end after a `finish_reason` returns the `Completion`",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "`[DONE]`, then the connection stays open",
-                "no final `0` chunk, no close",
-                "no error: the `Completion` is returned at `[DONE]`, without waiting",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "`[DONE]` without a `finish_reason`",
-                "content, then `[DONE]`",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "empty stream",
-                "a 200 head and the final `0` chunk",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "200 with an HTML page",
-                "an nginx welcome page",
-                "`StreamClosedError` at once: no event, so no `finish_reason`",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "error body over `max_body`",
-                "a 500 whose body is longer than `max_body` and arrives in the same read as the head",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "single-shot length over `max_body`",
-                "`/slots` announces `max_body` + 1 bytes",
-                "`ProtocolError` at once, before reading the body",
-                "`TestDifferential.test_body_framing`",
-            ),
-        ],
-    ),
-    (
-        "SSE lines and events",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "a 2 MiB line sent one byte at a time",
-                "one byte per millisecond, slot busy, `max_line` 1 KiB; after the byte that passes `max_line`, it waits for the client to leave",
-                "`ProtocolError` on the byte that passes `max_line`: the client leaves without reading another, with no budget near its end (on the virtual clock, at that very instant)",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "bytes trickle but no event completes",
-                "one byte every 20 ms, idle slot",
-                "`StalledError` after `liveness`: the liveness rule asks `/slots` and the slot is idle",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a line of `max_line` exactly",
-                "a valid chunk padded to 4,096 bytes",
-                "no error: the line is accepted",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a line of `max_line` + 1",
-                "the same, one byte longer",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "an event over `max_line` in many lines",
-                "2,000 short `data:` lines in one event",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "half a million empty `data:` lines",
-                "524,290 of them in one event, `max_line` 512 KiB",
-                "`ProtocolError`, in CPU time linear in the input: under 10 times that of splitting the same bytes into lines",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "invalid UTF-8",
-                "`\\xff\\xfe` inside a content string",
-                "no error: replaced by U+FFFD",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a UTF-8 character split between reads",
-                "`é` cut in two, 20 ms apart",
-                "no error: the character arrives whole",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a NUL byte",
-                "a raw NUL inside a JSON string",
-                "`ProtocolError` at once (raw control characters are invalid JSON)",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-        ],
-    ),
-    (
-        "JSON payloads",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            ("invalid JSON", "a chunk cut short", "`ProtocolError` at once", "`TestDifferential.test_json_payloads`"),
-            (
-                "JSON that is not an object",
-                '`["choices"]`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "`choices` not a list",
-                '`{"choices": {"0": ...}}`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "a delta that is a string",
-                '`"delta": "Hi"`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "a tool-call delta without index",
-                "id, name and arguments, no `index`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "deeply nested JSON",
-                "200,000 nested lists",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "an error code that only looks like a number",
-                '`{"error": {"code": "²"}}`',
-                "`ServerError` at once with `.code` None",
-                "`TestDifferential.test_json_payloads`",
-            ),
-        ],
-    ),
-    (
-        "Silence, pings and the liveness rule",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "pings forever, idle slot",
-                "`: ping` every 50 ms, no data; `/slots` says idle",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "pings forever, processing slot",
-                "the same; `/slots` says processing",
-                "`StalledError` after `busy_wait`, counted from the last data event",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "stall before the head, idle slot",
-                "reads the request, says nothing",
-                "`StalledError` after `idle_grace`, with `Waiting(False)` events",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "stall before the head, busy slot",
-                "the same; `/slots` says processing",
-                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "stall mid-stream",
-                "one content event, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-        ],
-    ),
-    (
-        "Error statuses and error events",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "HTTP 503 forever",
-                "`503 Loading model` on every attempt",
-                "`LoadTimeoutError` after `load_wait`, at least 2 attempts",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "HTTP 400",
-                'the real "exceeds the available context size" envelope',
-                "`HTTPStatusError` at once, `.status` 400, `.message` from the envelope",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "HTTP 500 with an HTML body",
-                "`<h1>oops</h1>`",
-                "`HTTPStatusError` at once, `.message` is the page's first text (`oops`), `.body` the whole page",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error body stalls",
-                "a 400 that sends 2 of its 116 bytes, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error body nested 5,000 deep",
-                "a 400 whose envelope cannot be decoded",
-                "`HTTPStatusError` at once; the message falls back to the body text",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event first, code 503",
-                '`data: {"error": {"code": 503, ...}}`, then a good stream',
-                "retried like an HTTP 503; `Completion` returned after one `Retrying`",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event first, 503 forever",
-                "the 503 event on every attempt",
-                "`LoadTimeoutError` after `load_wait`",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event first, code 400",
-                '`data: {"error": {"code": 400, ...}}`',
-                "`ServerError` at once, `.code` 400, one attempt",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event after content",
-                "content, then a 503 error event",
-                "`ServerError` at once, `.code` 503; never replayed",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "legacy `error:` line",
-                'content, then `error: {"code":500,...}`',
-                "`ServerError` at once, `.code` 500",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "legacy `error:` line nested 100,000 deep",
-                "an `error:` payload that cannot be decoded",
-                "`ServerError` at once, the text as its message",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "legacy `error:` line first, code 503",
-                "the legacy line, then a good stream",
-                "retried; `Completion` returned, 2 requests",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-        ],
-    ),
-    (
-        "503 with Retry-After",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "Retry-After as a date beyond `load_wait`",
-                "an HTTP date 5 s ahead",
-                "`LoadTimeoutError` at once, no `Retrying`",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After as a date in the past",
-                "a date a minute ago, then a good stream",
-                "retried after the ordinary backoff (0.19–0.25 s), not at once (*choice*: a hint is a floor, so 0 cannot become a busy loop)",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "`Retry-After: 0` forever",
-                "the same 503 every time",
-                "`LoadTimeoutError` after `load_wait`, with at most 4 attempts",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After negative",
-                "`-5`, then a good stream",
-                "no hint: retried after the backoff",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After malformed",
-                "`soon`, then a good stream",
-                "no hint: retried after the backoff",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After huge",
-                "20 digits",
-                "`LoadTimeoutError` at once (longer than what remains of `load_wait`)",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After beyond float range",
-                "400 digits",
-                "`LoadTimeoutError` at once",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After beyond int() digit limit",
-                "5,000 digits",
-                "`LoadTimeoutError` at once",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-        ],
-    ),
-    (
-        "/slots and the other single-shot calls",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "`/slots` answers garbage while the head is awaited",
-                "`not json!`",
-                "treated as unavailable: `LoadTimeoutError` after `load_wait`, `Waiting(False)` events",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers garbage to `slots()`",
-                "the same",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` entries of the wrong shape",
-                '`{"id": "0", "is_processing": "yes"}`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` hangs while the head is awaited",
-                "accepts, never answers",
-                "unavailable: `LoadTimeoutError` after `load_wait`; the poller's connection ends too",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` hangs for `slots()`",
-                "accepts, never answers",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers later than `poll`, busy slot",
-                "each answer twice `poll` after it is asked (llama-server answers `/slots` between two batches "
-                "of its work); the slot processing, the head held back",
-                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events only: each poll waits for "
-                "the answer it asked, up to the `/slots` request's own timeout (a late answer is a server at "
-                "work, not an unavailable one: never `LoadTimeoutError` after `load_wait`)",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers later than `poll`, idle slot",
-                "the same; the slot idle",
-                "`StalledError` after `idle_grace`, with `Waiting(False)` events; a budget that runs out while "
-                "an answer is awaited ends the wait at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers later than `poll`, pings from a processing slot",
-                "the head, then `: ping` every 50 ms, no data; each `/slots` answer twice `poll` late, the "
-                "slot processing",
-                "`StalledError` after `busy_wait` counted from the last data event (the slot stays busy), "
-                "on the answer asked then (as late as it comes), not after `liveness` as a stuck stream",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers 501 while the head is awaited",
-                "`--no-slots` servers do this",
-                "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers 501 to `slots()`",
-                "the same",
-                "`HTTPStatusError` at once, `.status` 501",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/props` is not an object",
-                "`[1, 2]`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/props` silent or slow for a `slot=None` request",
-                "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
-                "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`, `TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
-            ),
-        ],
-    ),
-    (
-        "Behind proxies and balancers: 429, a hidden /slots",
-        ("fault", "what the server (or the proxy in front) does", "error (and when)", "test"),
-        [
-            (
-                "429 at a concurrency limit, then served",
-                "429 twice (with and without `Retry-After: 0`), then the stream",
-                "no error: `Retrying` twice, reason `HTTP 429: ...`, then the `Completion`",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-            (
-                "429 for ever",
-                "429 with `Retry-After: 0` on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
-                "`WaitTimeoutError` after `busy_wait`, naming the 429; `__cause__` the `HTTPStatusError` 429",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-            (
-                "429 with a hint past `busy_wait`",
-                "`Retry-After: 30`",
-                "`WaitTimeoutError` at once, no `Retrying`",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-            (
-                "`/slots` not served",
-                "`/slots` answers 404, 403, 405 or 501 while the head is held back (`busy_wait` 0.8 s for the 404, 0.45 s for the others)",
-                "`WaitTimeoutError` after `busy_wait` (not `load_wait`), `Waiting(False, slots_known=False)` at each poll, `/slots` asked once",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-        ],
-    ),
-    (
-        "Behind nginx, HAProxy and Caddy: the fronts' own answers",
-        ("fault", "what the front does", "error (and when)", "test"),
-        [
-            (
-                "504 from nginx, then served",
-                "nginx's 504 page (`Server: nginx/1.22.1`) after its idle timeout, twice",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from nginx/1.22.1: the front stopped waiting for a slot`, then the `Completion`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 without a `Server` header, then served",
-                "HAProxy's 504 page",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from the front: ...`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 with an empty body, then served",
-                "Caddy's 504 (`Server: Caddy`, no body)",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from Caddy: ...`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "524, then served",
-                "Cloudflare's 524 page",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 524 from cloudflare: ...`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 for ever",
-                "nginx's 504 on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s); HAProxy's and Caddy's 504 and Cloudflare's 524 the same (`busy_wait` 0.45 s)",
-                "`WaitTimeoutError` after `busy_wait`, one line naming `HTTP 504` (or 524), the front (`nginx/1.22.1`, `the front`, ...) and `busy_wait`; `__cause__` the `HTTPStatusError` with the page in `.body`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 to a resumable request the server holds",
-                "nginx's 504 for the POST; the server kept the queued request (lookup knows it)",
-                "no error: `Resumed(0, 1)`, the stream replayed from 0, the request not sent again; lookup and replay carry `X-Conversation-Id`",
-                "`TestDifferential.test_behind_fronts`, `TestFaultFronts.test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero`",
-            ),
-            (
-                "a resumable stream the front ends cleanly mid-event",
-                "Caddy's answer when its server's connection breaks: the chunked body ended by `0` after a chunk cut mid-event (transcript 106)",
-                "no error: resumed from the start of the unfinished event (`GET /v1/stream?from=` the last blank line), the events and `Completion` those of the whole stream",
-                "`TestDifferential.test_behind_fronts`, `TestFaultFronts.test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed`",
-            ),
-            (
-                "502 with an HTML page, then served",
-                "nginx's 502 page (the server's socket gone), twice",
-                "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from nginx/1.22.1: 502 Bad Gateway`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "502 with an empty body, then served",
-                "Caddy's 502",
-                "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from Caddy: (empty body)`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "520 to 523, then served",
-                "Cloudflare's pages",
-                "no error: `Retrying` twice under `load_wait`, the page's title in the reason",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "502 for ever",
-                "nginx's 502 on every attempt (`load_wait` 0.6 s, `busy_wait` 0.2 s); Caddy's 502 and Cloudflare's 521 the same (`load_wait` 0.3 s)",
-                "`LoadTimeoutError` after `load_wait`, one line naming `load_wait`, `HTTP 502` (or 521) and the front; `__cause__` the `HTTPStatusError` with the page in `.body`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "503 from HAProxy for ever",
-                "HAProxy's 503 page (no server to send to)",
-                "`LoadTimeoutError` after `load_wait`; `__cause__` the 503 with `.message` `503 Service Unavailable`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "an error page from a front",
-                "nginx's 403 page; and a front's pages (or llama-server's 404) answering `props()`",
-                "`HTTPStatusError` at once, not retried: `HTTP 403 from nginx/1.22.1: 403 Forbidden`, `.server` the header, `.body` the page; for `props()` the same one line (`HTTP 504 from the front: 504 Gateway Time-out`, `HTTP 404: File Not Found`)",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "idle `/slots`, several servers",
-                "`Limits(servers=2)`; the head held back, `/slots` idle (it may be another server's)",
-                "`WaitTimeoutError` after `busy_wait`, not `StalledError` after `idle_grace`; `Waiting(slots_known=False)`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "`/slots` answers from two servers",
-                "the head held back; `/slots` answers 2 slots, then 3, in turn (`servers` not given); or 2 slots whose `id_task` goes back",
-                "`WaitTimeoutError` after `busy_wait` from the second poll, not `StalledError`: the client has learnt there are several servers; a slot's `id_task` going back is no proof (one server's slot may take a task queued after a later one): `StalledError` after `idle_grace`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-        ],
-    ),
-    (
-        "A front whose every server is busy: the README's configurations",
-        ("fault", "what the front does", "error (and when)", "test"),
-        [
-            (
-                "429 from nginx: every server busy, then served",
-                "nginx's 429 (`Retry-After: 1`, transcript 107: no server with a free slot), twice",
-                "no error: `Retrying` twice under `busy_wait`, each at least 1 s, reason `HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy`, then the `Completion`",
-                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
-            ),
-            (
-                "429 from HAProxy after its queue timeout, then served",
-                "HAProxy's 429 (transcript 108: the request waited `timeout queue` at the front), twice",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429: every llama-server behind this front is busy`",
-                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
-            ),
-            (
-                "429 from Caddy: every server busy, then served",
-                "Caddy's 429 (transcript 109), twice",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429 from Caddy: every llama-server behind this front is busy`",
-                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
-            ),
-            (
-                "every server busy for ever",
-                "nginx's 429 on every attempt (`busy_wait` 2.5 s, `load_wait` 0.3 s)",
-                "`WaitTimeoutError` within the last second of `busy_wait` (`Retry-After: 1` past what is left ends it), one line ending with the front's 429; `__cause__` the `HTTPStatusError` 429",
-                "`TestFaultFullFronts.test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it`",
-            ),
-            (
-                "every server unreachable behind HAProxy",
-                "HAProxy's 503 (transcript 110: `every llama-server behind this front is unreachable`)",
-                "`LoadTimeoutError` after `load_wait`, not a busy wait; `__cause__` the 503",
-                "`TestFaultFullFronts.test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait`",
-            ),
-        ],
-    ),
-    (
-        "Session keys (`X-Session-Id`)",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "a resumable stream with a session key, cut mid-stream",
-                "the stream's connection closed after 900 bytes of its body",
-                "no error: resumed; the `GET /v1/stream` carries the stream's `X-Session-Id`",
-                "`TestFaultSessions.test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key`, `TestSessionKeys.test_a_resumable_stream_s_requests_carry_its_key`",
-            ),
-            (
-                "a resumable request without a key, lost before its head",
-                "the connection closed before any byte of the head; the server kept the request",
-                "no error: the lookup and the replay carry the request's digest key",
-                "`TestFaultSessions.test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key`",
-            ),
-            (
-                "a resumable stream with a session key, ended by an error event",
-                "`Hi`, then an error event",
-                "`ServerError`; the `DELETE` that stops the generation carries the stream's key",
-                "`TestFaultSessions.test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key`",
-            ),
-            (
-                "a malformed session key",
-                "(nothing: the call is refused)",
-                "`ValueError` before anything is sent",
-                "`TestFaultSessions.test_a_malformed_session_key_is_refused_before_anything_is_sent`, `TestSessionKeys.test_caller_mistakes_are_refused_before_anything_is_sent`",
-            ),
-            (
-                "`Limits(session=False)`, a resumable stream cut mid-stream",
-                "the stream's connection closed after 900 bytes of its body",
-                "no error: resumed; no request carries `X-Session-Id`",
-                "`TestFaultSessions.test_limits_session_false_sends_none_even_on_a_resumed_stream`",
-            ),
-        ],
-    ),
-    (
-        "The reasoning control endpoint (`thinking_cap` 2)",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "control endpoint answers 404",
-                "an older server",
-                "`ThinkingOverrunError` at once, `.tokens` 2, `__cause__` an `HTTPStatusError`",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "control endpoint 404 for `end_reasoning()`",
-                "the same",
-                "`HTTPStatusError` at once, `.status` 404",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "control endpoint answers `success: false`",
-                '`{"success": false}`',
-                "`ThinkingOverrunError` at once, after exactly 2 `Reasoning` events",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "`success: false` for `end_reasoning()`",
-                "the same",
-                "no error: `False`",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "control endpoint hangs",
-                "accepts, never answers",
-                "`ThinkingOverrunError` after `liveness`, `__cause__` a `StalledError`",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-        ],
-    ),
-    (
-        "Security",
-        ("fault", "what the server or caller does", "outcome", "test"),
-        [
-            (
-                "the API key could leak",
-                "401, garbage, stall, `/slots` 401, missing socket, CR/LF in the key or the Authorization header",
-                "the key is in no error message, repr, args, cause chain, traceback or log record, and in no repr of the client, stream or limits",
-                "`TestSecurity.test_api_key_never_in_errors_reprs_or_logs`",
-            ),
-            (
-                "header injection",
-                "CR or LF in a header value or name, the key, the address, a path",
-                "`ValueError` before anything is sent; the server sees no request",
-                "`TestSecurity.test_crlf_in_header_value_name_key_or_path_refused_before_sending`",
-            ),
-            (
-                "a model name carrying CR/LF",
-                '`model="gemma\\r\\nX-Injected: yes..."`',
-                "sent inside the JSON body, escaped: no raw CR or LF in the body, no injected header, one request",
-                "`TestSecurity.test_model_name_with_crlf_cannot_inject_a_header`",
-            ),
-            (
-                "redirects",
-                "301, 302, 303, 307, 308 to another server; 302 on `/slots`",
-                "`HTTPStatusError` at once; the other server gets no connection",
-                "`TestSecurity.test_redirects_are_never_followed`",
-            ),
-            (
-                "a response pointing elsewhere",
-                "`Location`, `Content-Location`, `Alt-Svc`, `Link` on a 503, a 200 and a `/slots` 307",
-                "every socket the client opens goes to the address it was given",
-                "`TestSecurity.test_a_response_never_makes_the_client_connect_elsewhere`",
-            ),
-        ],
-    ),
-    (
-        "Inputs the fuzzer found (`dev/fuzz.py`), fed again as saved",
-        ("fault", "input", "error (and when)", "test"),
-        [
-            (
-                "error body stalls on a held connection",
-                "`dev/fuzz-crashes/e2748cec9571aae2.bin` (client target)",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_inputs_the_fuzzer_found`",
-            ),
-            (
-                "503 with an error body nested 5,000 deep",
-                "`403724efe73ee4d8.bin` (http target)",
-                "the envelope falls back to text; through the client, `LoadTimeoutError` after `load_wait`",
-                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body`",
-            ),
-            (
-                'error code `"²"`',
-                "`080ec222851097f5.bin` (assembler target)",
-                "`ServerError`, `.code` None",
-                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two`",
-            ),
-            (
-                "605,552 `data:` lines in one event",
-                "`5dff79bad8bec29d.bin` (sse target, `max_line` 1 MiB)",
-                "linear: under 10 times the CPU time of splitting the bytes into lines; through the client, `StreamClosedError` (the stream ends without `[DONE]`), in the same bound",
-                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event`",
-            ),
-            (
-                "`event: error` with data nested 100,000 deep",
-                "`e517c807fa701495.bin` (http target)",
-                "`ServerError` at once",
-                "`TestDifferential.test_inputs_the_fuzzer_found`",
-            ),
-            (
-                "`event: error` nested deep, through `chat()`",
-                "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
-                "`ServerError` at once",
-                "`TestDifferential.test_inputs_the_fuzzer_found`",
-            ),
-        ],
-    ),
-    (
-        "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "fetch() of an error page",
-                "`500` with an HTML page, then holds the connection",
-                "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "fetch() of a 503 with Retry-After",
-                "`503`, `Retry-After: 1`",
-                "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "fetch() of a redirect",
-                "`302` with a `Location` elsewhere",
-                "no error: the `Response` at once; the redirect is not followed",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "fetch() of a body over max_body",
-                "a 200 one byte over `max_body`, then holds the connection",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "timeout= on a silent server",
-                "reads the request, sends nothing",
-                "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
-                "`TestDifferential.test_answers_as_the_server_gave_them`, `TestDeadline.test_every_call_waiting_for_its_answer`",
-            ),
-            (
-                "timeout= on an answer that trickles",
-                "a head, then a byte of its body every 0.1 s",
-                "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
-                "`TestDifferential.test_answers_as_the_server_gave_them`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
-            ),
-            (
-                "stream_route() of an answer that is not a stream",
-                "`200` with `application/json`, then holds the connection",
-                "`ProtocolError` at once, not sent again",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() of a 503, then a stream",
-                "`503` (`Retry-After: 0`) once, then a stream",
-                "retried (`Retrying`) before delivery, then a `Chunk` per event",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() of text data",
-                "`data: hello` events that are not JSON, then `[DONE]`",
-                "no error: a `Chunk` of each text, an empty `Completion`",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() of chat cut before its finish",
-                "a chat chunk without `finish_reason`, then the end of the body",
-                "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() silent once started",
-                "one chunk, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-        ],
-    ),
-]
+#: A section of dev/FAULTS.md: ``test`` the TestDifferential test that runs its rows (None: each row's
+#: ``also`` tests state it, and it has no parts); ``named``: its *test* column names that test first.
+_DSection = collections.namedtuple("_DSection", "heading columns test named rows")
+
+#: A row: the table's words, its parts (run one after another against one server), the other tests it names.
+_DRow = collections.namedtuple("_DRow", "fault what outcome parts also")
+
+FAULT_TABLE = []
+
+
+def _d_section(heading, test, what="what the server does", named=True):
+    """Make the function below (which returns the rows) the section ``heading`` of FAULT_TABLE, run by
+    TestDifferential.<test>; ``what``: the second column's name (or all four columns)."""
+    columns = what if isinstance(what, tuple) else ("fault", what, "error (and when)", "test")
+
+    def add(rows):
+        FAULT_TABLE.append(_DSection(heading, columns, test, named, rows))
+        return rows
+
+    return add
+
+
+def _d_row(fault, what, outcome, *args, parts=None, also=(), **kw):
+    """A row whose one part is ``_d_part(*args, **kw)``, or whose parts are ``parts``."""
+    return _DRow(fault, what, outcome, [_d_part(*args, **kw)] if parts is None else parts, also)
+
+
+def _d_tests(section, row):
+    """The tests a row names: its section's TestDifferential test (when ``named``), then its own."""
+    return (["TestDifferential." + section.test] if section.named else []) + list(row.also)
 
 
 def fault_tables_markdown(text):
     """``text`` (dev/FAULTS.md) with each table under a heading of FAULT_TABLE written from it."""
-    tables = {heading: (columns, rows) for heading, columns, rows in FAULT_TABLE}
+    tables = {section.heading: section for section in FAULT_TABLE}
     lines = text.split("\n")
     out, heading, i = [], None, 0
     while i < len(lines):
@@ -15630,10 +14651,12 @@ def fault_tables_markdown(text):
         if line.startswith("## "):
             heading = line[3:]
         if heading in tables and line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
-            columns, rows = tables.pop(heading)
-            out.append("| %s |" % " | ".join(columns))
-            out.append("|%s" % ("---|" * len(columns)))
-            out.extend("| %s |" % " | ".join(row) for row in rows)
+            section = tables.pop(heading)
+            out.append("| %s |" % " | ".join(section.columns))
+            out.append("|%s" % ("---|" * len(section.columns)))
+            for row in section.rows():
+                tests = ", ".join("`%s`" % name for name in _d_tests(section, row))
+                out.append("| %s |" % " | ".join((row.fault, row.what, row.outcome, tests)))
             i += 2
             while i < len(lines) and lines[i].startswith("| "):
                 i += 1
@@ -15786,11 +14809,6 @@ def _d_part(
         sockets,
         cpu,
     )
-
-
-def _d_fault(name, *args, **kw):
-    """A row of one part: ``(name, [_d_part(*args, **kw)])``."""
-    return name, [_d_part(*args, **kw)]
 
 
 def _d_floor(data):
@@ -16012,6 +15030,1810 @@ _D_CL = b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD
 _D_OK = STREAM_HEAD + _F_OK_BODY
 
 
+@_d_section("Connecting", "test_connecting")
+def _d_connecting():
+    lw = FAST_FAULTS.load_wait
+
+    def at_the_address(test, run):
+        test.assertEqual(run.value.address, _d_missing(run.server), run.kind)
+
+    once = _d_asked(n=1)
+    return [
+        _d_row(
+            "socket file missing",
+            "nothing at the path",
+            "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
+            address=_d_missing,
+            expect=lc.LoadTimeoutError,
+            budget=lw,
+            check=(_d_cause(FileNotFoundError), _d_heard("Retrying")),
+            sockets=True,
+        ),
+        _d_row(
+            "socket file missing, single-shot call",
+            "nothing at the path",
+            "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`",
+            address=_d_missing,
+            act=lambda c, ev: c.slots(),
+            expect=lc.ConnectError,
+            check=(_d_cause(FileNotFoundError), at_the_address),
+            sockets=True,
+        ),
+        _d_row(
+            "socket file with no listener",
+            "a stale socket file; connecting is refused",
+            "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`",
+            address=_d_stale,
+            expect=lc.LoadTimeoutError,
+            budget=lw,
+            check=_d_cause(ConnectionRefusedError),
+        ),
+        _d_row(
+            "socket file with no listener, single-shot call",
+            "connecting is refused",
+            "`ConnectError` at once",
+            address=_d_stale,
+            act=lambda c, ev: c.health(),
+            expect=lc.ConnectError,
+            check=_d_cause(ConnectionRefusedError),
+            sockets=True,
+        ),
+        _d_row(
+            "EOF before the head",
+            "reads the request, closes without a byte",
+            "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
+            _d_stream(lambda req: None),
+            expect=lc.StreamClosedError,
+            check=once,
+            sockets=True,
+        ),
+        _d_row(
+            "connection reset before the head",
+            "TCP RST (SO_LINGER 0) after reading the request",
+            "`StreamClosedError` at once, not retried",
+            _d_reset(),
+            expect=lc.StreamClosedError,
+            tcp=True,
+            check=once,
+            sockets=True,
+        ),
+        _d_row(
+            "connection reset mid-stream",
+            "RST after one content event",
+            "`StreamClosedError` at once; the delivered output is never replayed",
+            _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
+            expect=lc.StreamClosedError,
+            tcp=True,
+            check=(_d_kinds("Content"), once),
+            sockets=True,
+        ),
+    ]
+
+
+@_d_section("The response head", "test_the_response_head")
+def _d_head():
+    lv = FAST_FAULTS.liveness
+    http10 = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
+    hello = _d_attrs(content="Hello world")
+
+    def ten_megabytes(s):
+        sent = s.ten_megabytes = {}
+
+        def handler(req):
+            sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
+
+        s.stream(handler)
+
+    def stopped_reading(test, run):
+        sent = run.server.ten_megabytes
+        wait_for(lambda: "all" in sent, 5, "the server to stop sending")
+        test.assertFalse(sent["all"], "%s: the client read all 10 MB instead of stopping at the head cap" % run.kind)
+
+    return [
+        _d_row(
+            "garbage status line",
+            "`HELLO THERE` plus a header block",
+            "`ProtocolError` at once",
+            _d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "a service that is not HTTP",
+            "an SSH banner line, then waits for the client",
+            "`ProtocolError` at once: the first line is enough (*choice*)",
+            _d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True),
+            expect=lc.ProtocolError,
+            sockets=True,
+        ),
+        _d_row(
+            "bad status code",
+            "`HTTP/1.1 2000 OK`",
+            "`ProtocolError` at once",
+            _d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "another HTTP version",
+            "`HTTP/2 200`",
+            "`ProtocolError` at once",
+            _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
+            expect=lc.ProtocolError,
+        ),
+        # no length: the body runs until the server closes
+        _d_row(
+            "HTTP/1.0 reply",
+            "`HTTP/1.0 200` with no length, body until close",
+            "no error: framed normally (read until close), `Completion` returned (*choice*)",
+            _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),
+            check=_d_attrs(content="Hi", finish_reason="stop"),
+            sockets=True,
+        ),
+        _d_row(
+            "interim response",
+            "`100 Continue`, then the real response",
+            "no error: the interim head is skipped",
+            _d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK),
+            check=hello,
+        ),
+        _d_row(
+            "10 MB of headers",
+            "one 10 MB header line",
+            "`ProtocolError` once 64 KiB of head has arrived; the client closes before the server has sent it all",
+            ten_megabytes,
+            expect=lc.ProtocolError,
+            check=stopped_reading,
+            sockets=True,
+        ),
+        _d_row(
+            "1,000 header lines",
+            "1,000 short headers",
+            "`ProtocolError` at once (cap: 100 lines)",
+            _d_reply(
+                b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n" + _F_OK_BODY,
+                True,
+            ),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "NUL byte in a header",
+            "`X-A: a\\0b`",
+            "`ProtocolError` at once",
+            _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+            expect=lc.ProtocolError,
+        ),
+        # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
+        _d_row(
+            "obsolete line folding",
+            "a header line that starts with spaces",
+            "no error: unfolded into the previous value with one space (RFC 9112 5.2, as a user agent)",
+            _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+            check=hello,
+        ),
+        _d_row(
+            "EOF inside the head",
+            "half a head, then close",
+            "`StreamClosedError` at once",
+            _d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"),
+            expect=lc.StreamClosedError,
+            sockets=True,
+        ),
+        # never silent, never a head: no progress for liveness
+        _d_row(
+            "head trickled forever",
+            "one header byte every 20 ms, never a blank line",
+            "`StalledError` after `liveness` from the first byte of the head (*choice*: a head that has not finished within `liveness` is no progress)",
+            _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
+            expect=lc.StalledError,
+            budget=lv,
+            sockets=True,
+        ),
+        # each a whole head, none the response
+        _d_row(
+            "interim responses forever",
+            "`100 Continue` every 20 ms",
+            "`StalledError` after `liveness` (as above)",
+            _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
+            expect=lc.StalledError,
+            budget=lv,
+        ),
+        _d_row(
+            "stall inside the head",
+            "half a head, then silence",
+            "`StalledError` after `liveness`",
+            _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
+            expect=lc.StalledError,
+            budget=lv,
+        ),
+    ]
+
+
+@_d_section("Body framing", "test_body_framing")
+def _d_framing():
+    hi = sse(chunk_json({"content": "Hi"}))
+    page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
+    slots = lambda c, ev: c.slots()
+    content = _d_kinds("Content")
+    return [
+        _d_row(
+            "conflicting Content-Length headers",
+            "`Content-Length: 10` and `Content-Length: 20`",
+            "`ProtocolError` at once",
+            _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "conflicting Content-Length, single-shot call",
+            "the same on `/slots`",
+            "`ProtocolError` at once",
+            _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
+            slots,
+            lc.ProtocolError,
+        ),
+        _d_row(
+            "negative length",
+            "`Content-Length: -1`",
+            "`ProtocolError` at once",
+            _d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "non-numeric length",
+            "`Content-Length: 12abc`",
+            "`ProtocolError` at once",
+            _d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "unsupported transfer coding",
+            "`Transfer-Encoding: gzip, chunked`",
+            "`ProtocolError` at once",
+            _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
+            expect=lc.ProtocolError,
+        ),
+        # a size no signed 64-bit counter holds, then a whole stream: refused, not read as one chunk
+        _d_row(
+            "chunk size ffffffffffffffff",
+            "that size line, then a whole valid stream",
+            "`ProtocolError` at once: a size that does not fit in 63 bits is malformed (*choice*)",
+            _d_reply(
+                STREAM_HEAD
+                + b"ffffffffffffffff\r\n"
+                + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
+                + b"data: [DONE]\n\n"
+            ),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "chunk size line without CRLF",
+            "the size runs straight into the data",
+            "`ProtocolError` at once",
+            _d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "chunk size line that never ends",
+            "`1` followed by 5,000 zeros and no newline",
+            "`ProtocolError` once 4 KiB of size line has arrived",
+            _d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "chunk data without its CRLF",
+            "`XX` where the CRLF after the data belongs",
+            "`ProtocolError` at once",
+            _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "body shorter than its length (stream)",
+            "`Content-Length` 500 bytes more than is sent, then close",
+            "`StreamClosedError` at once, after the `Content` that did arrive",
+            _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
+            expect=lc.StreamClosedError,
+            check=content,
+            sockets=True,
+        ),
+        _d_row(
+            "body shorter than its length (single-shot)",
+            "`/slots` says 100 bytes, sends 8, closes",
+            "`StreamClosedError` at once",
+            _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
+            slots,
+            lc.StreamClosedError,
+            sockets=True,
+        ),
+        _d_row(
+            "close mid-chunk",
+            "a chunk 200 bytes short, then close",
+            "`StreamClosedError` at once",
+            _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi),
+            expect=lc.StreamClosedError,
+            check=content,
+            sockets=True,
+        ),
+        # close-delimited: the last event never gets its blank line
+        _d_row(
+            "close mid-event",
+            "a close-delimited body whose last event has no blank line",
+            "`StreamClosedError` at once: the unfinished event is discarded, so there is no `finish_reason`",
+            _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
+            expect=lc.StreamClosedError,
+            check=content,
+            sockets=True,
+        ),
+        _d_row(
+            "close after the finish chunk without `[DONE]`",
+            "finish chunk, then the final `0` chunk",
+            "no error: a clean end after a `finish_reason` returns the `Completion`",
+            _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
+            check=_d_attrs(content="Hi", finish_reason="stop"),
+        ),
+        # [DONE] completes the response though the server keeps the connection (and the final 0 chunk)
+        _d_row(
+            "`[DONE]`, then the connection stays open",
+            "no final `0` chunk, no close",
+            "no error: the `Completion` is returned at `[DONE]`, without waiting",
+            _d_reply(
+                STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
+                True,
+            ),
+            check=_d_attrs(content="Hi"),
+            sockets=True,
+        ),
+        _d_row(
+            "`[DONE]` without a `finish_reason`",
+            "content, then `[DONE]`",
+            "`StreamClosedError` at once",
+            _d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)),
+            expect=lc.StreamClosedError,
+        ),
+        _d_row(
+            "empty stream",
+            "a 200 head and the final `0` chunk",
+            "`StreamClosedError` at once",
+            _d_reply(STREAM_HEAD + b"0\r\n\r\n"),
+            expect=lc.StreamClosedError,
+        ),
+        _d_row(
+            "200 with an HTML page",
+            "an nginx welcome page",
+            "`StreamClosedError` at once: no event, so no `finish_reason`",
+            _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)),
+            expect=lc.StreamClosedError,
+        ),
+        _d_row(
+            "error body over `max_body`",
+            "a 500 whose body is longer than `max_body` and arrives in the same read as the head",
+            "`ProtocolError` at once",
+            _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "single-shot length over `max_body`",
+            "`/slots` announces `max_body` + 1 bytes",
+            "`ProtocolError` at once, before reading the body",
+            _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True),
+            slots,
+            lc.ProtocolError,
+            sockets=True,
+        ),
+    ]
+
+
+@_d_section("SSE lines and events", "test_sse_lines_and_events")
+def _d_sse():
+    def trickle(s):
+        # One byte a millisecond (the scripted server's pace: on a loaded machine, several); after the
+        # byte that takes the line past max_line (1025 bytes with "data: ") the server waits for the
+        # client to leave: it must, on that byte, without another, and with nothing else to end it (no
+        # budget runs out for 30 s).  Only then (a client that did not) does the line go on, to 2 MiB or
+        # past liveness.  On the virtual clock the client leaves at the very instant of that byte.
+        state = s.trickle = {"sent": 0, "over": None, "left": False, "done": False}
+        s.busy[0] = True
+
+        def handler(req):
+            try:
+                if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
+                    return
+                deadline = time.monotonic() + 40
+                while state["sent"] < 2 * 1024 * 1024 and time.monotonic() < deadline:
+                    over = state["sent"] == 1024 - 6
+                    if over:
+                        state["over"] = time.monotonic()  # before the send: the client may answer it first
+                    if not req.send(b"x"):
+                        return
+                    state["sent"] += 1
+                    if over:
+                        state["left"] = req.wait_peer_close(5)
+                        if state["left"]:
+                            return
+                    time.sleep(0.001)
+            finally:
+                state["done"] = True
+
+        s.stream(handler)
+
+    def on_the_byte_over(test, run):
+        state = run.server.trickle
+        wait_for(lambda: state["done"], 10, "the server to stop sending")
+        test.assertEqual(state["sent"], 1024 - 6 + 1, "%s: the server sent more of the line" % run.kind)
+        test.assertTrue(state["left"], "%s: the client did not leave on the byte over max_line" % run.kind)
+        if run.kind == "virtual":
+            test.assertLessEqual(run.ended - state["over"], 1e-6, "at once on the virtual clock")
+
+    half = b"data:\n" * (512 * 1024 + 2) + b"\n"
+
+    split = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
+    cut = split.index("é".encode()) + 1
+    bang = content_stream(["!"], role=False)
+    return [
+        _d_row(
+            "a 2 MiB line sent one byte at a time",
+            "one byte per millisecond, slot busy, `max_line` 1 KiB; after the byte that passes `max_line`, it waits for the client to leave",
+            "`ProtocolError` on the byte that passes `max_line`: the client leaves without reading another, with no budget near its end (on the virtual clock, at that very instant)",
+            trickle,
+            expect=lc.ProtocolError,
+            budget=30.0,
+            at_once=True,
+            changes=dict(max_line=1024, liveness=30.0, busy_wait=30.0),
+            check=on_the_byte_over,
+            sockets=True,
+        ),
+        _d_row(
+            "bytes trickle but no event completes",
+            "one byte every 20 ms, idle slot",
+            "`StalledError` after `liveness`: the liveness rule asks `/slots` and the slot is idle",
+            _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.liveness,
+        ),
+        _d_row(
+            "a line of `max_line` exactly",
+            "a valid chunk padded to 4,096 bytes",
+            "no error: the line is accepted",
+            _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
+            check=_d_attrs(content="x!"),
+        ),
+        _d_row(
+            "a line of `max_line` + 1",
+            "the same, one byte longer",
+            "`ProtocolError` at once",
+            _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "an event over `max_line` in many lines",
+            "2,000 short `data:` lines in one event",
+            "`ProtocolError` at once",
+            _d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True),
+            expect=lc.ProtocolError,
+        ),
+        _d_row(
+            "half a million empty `data:` lines",
+            "524,290 of them in one event, `max_line` 512 KiB",
+            "`ProtocolError`, in CPU time linear in the input: under 10 times that of splitting the same bytes into lines",
+            _d_patient(_D_CL + b"\r\n" + half),
+            expect=lc.ProtocolError,
+            at_once=True,
+            changes=dict(max_line=512 * 1024, liveness=30.0),
+            cpu=half,
+        ),
+        _d_row(
+            "invalid UTF-8",
+            "`\\xff\\xfe` inside a content string",
+            "no error: replaced by U+FFFD",
+            _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")) + bang),
+            check=_d_attrs(content="A\ufffd\ufffdB!"),
+        ),
+        _d_row(
+            "a UTF-8 character split between reads",
+            "`é` cut in two, 20 ms apart",
+            "no error: the character arrives whole",
+            _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
+            budget=0.2,
+            at_once=True,
+            check=_d_attrs(content="é€!"),
+            sockets=True,
+        ),
+        _d_row(
+            "a NUL byte",
+            "a raw NUL inside a JSON string",
+            "`ProtocolError` at once (raw control characters are invalid JSON)",
+            _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang),
+            expect=lc.ProtocolError,
+        ),
+    ]
+
+
+@_d_section("JSON payloads", "test_json_payloads")
+def _d_json_rows():
+    def payload(text, sockets=False, **changes):
+        return [
+            _d_part(
+                _d_reply(STREAM_HEAD + chunked(sse(text)) + content_stream(["!"]), True),
+                expect=lc.ProtocolError,
+                changes=changes,
+                sockets=sockets,
+            )
+        ]
+
+    call = chunk_json({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]})
+    return [
+        _d_row(
+            "invalid JSON",
+            "a chunk cut short",
+            "`ProtocolError` at once",
+            parts=payload('{"choices":[{"delta":{"content":"Hi"', sockets=True),
+        ),
+        _d_row("JSON that is not an object", '`["choices"]`', "`ProtocolError` at once", parts=payload('["choices"]')),
+        _d_row(
+            "`choices` not a list",
+            '`{"choices": {"0": ...}}`',
+            "`ProtocolError` at once",
+            parts=payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}'),
+        ),
+        _d_row(
+            "a delta that is a string",
+            '`"delta": "Hi"`',
+            "`ProtocolError` at once",
+            parts=payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}'),
+        ),
+        _d_row(
+            "a tool-call delta without index",
+            "id, name and arguments, no `index`",
+            "`ProtocolError` at once",
+            parts=payload(call),
+        ),
+        _d_row(
+            "deeply nested JSON",
+            "200,000 nested lists",
+            "`ProtocolError` at once",
+            parts=payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024),
+        ),
+        # the fuzzer's: {"code": "²"} passed str.isdigit() and broke int(), a bare ValueError
+        _d_row(
+            "an error code that only looks like a number",
+            '`{"error": {"code": "²"}}`',
+            "`ServerError` at once with `.code` None",
+            _d_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))),
+            expect=lc.ServerError,
+            check=_d_attrs(code=None),
+        ),
+    ]
+
+
+@_d_section("Silence, pings and the liveness rule", "test_silence_pings_and_the_liveness_rule")
+def _d_silence():
+    pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+    hold = _d_stream(_f_hold)
+    return [
+        _d_row(
+            "pings forever, idle slot",
+            "`: ping` every 50 ms, no data; `/slots` says idle",
+            "`StalledError` after `liveness`",
+            pings,
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.liveness,
+        ),
+        _d_row(
+            "pings forever, processing slot",
+            "the same; `/slots` says processing",
+            "`StalledError` after `busy_wait`, counted from the last data event",
+            _d_busy(pings),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.busy_wait,
+            sockets=True,
+        ),
+        _d_row(
+            "stall before the head, idle slot",
+            "reads the request, says nothing",
+            "`StalledError` after `idle_grace`, with `Waiting(False)` events",
+            hold,
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.idle_grace,
+            check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
+            sockets=True,
+        ),
+        _d_row(
+            "stall before the head, busy slot",
+            "the same; `/slots` says processing",
+            "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events",
+            _d_busy(hold),
+            expect=lc.WaitTimeoutError,
+            budget=FAST_FAULTS.busy_wait,
+            check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
+        ),
+        _d_row(
+            "stall mid-stream",
+            "one content event, then silence",
+            "`StalledError` after `liveness`",
+            _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.liveness,
+            check=_d_kinds("Content"),
+            sockets=True,
+        ),
+    ]
+
+
+@_d_section("Error statuses and error events", "test_error_statuses_and_error_events")
+def _d_errors():
+    lw = FAST_FAULTS.load_wait
+    event503 = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
+    legacy503 = (
+        STREAM_HEAD
+        + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
+        + b"0\r\n\r\n"
+    )
+    nested = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
+    too_long = {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size",
+            "type": "exceed_context_size_error",
+        }
+    }
+    hello, once = _d_attrs(content="Hello world"), _d_asked(n=1)
+    return [
+        _d_row(
+            "HTTP 503 forever",
+            "`503 Loading model` on every attempt",
+            "`LoadTimeoutError` after `load_wait`, at least 2 attempts",
+            _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
+            expect=lc.LoadTimeoutError,
+            budget=lw,
+            check=_d_asked(least=2),
+            sockets=True,
+        ),
+        _d_row(
+            "HTTP 400",
+            'the real "exceeds the available context size" envelope',
+            "`HTTPStatusError` at once, `.status` 400, `.message` from the envelope",
+            _d_stream(_d_json(too_long, 400, "Bad Request")),
+            expect=lc.HTTPStatusError,
+            check=_d_attrs(status=400, message="the request exceeds the available context size"),
+        ),
+        # no Server header, and a status llama-server sends
+        _d_row(
+            "HTTP 500 with an HTML body",
+            "`<h1>oops</h1>`",
+            "`HTTPStatusError` at once, `.message` is the page's first text (`oops`), `.body` the whole page",
+            _d_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"),
+            expect=lc.HTTPStatusError,
+            check=(
+                _d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"),
+                _d_says(exactly="HTTP 500: oops"),
+            ),
+        ),
+        # the fuzzer's (client target): a 400 whose body stops short of its length on a held connection
+        _d_row(
+            "error body stalls",
+            "a 400 that sends 2 of its 116 bytes, then silence",
+            "`StalledError` after `liveness`",
+            _d_reply(
+                b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
+                True,
+            ),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.liveness,
+            sockets=True,
+        ),
+        # the fuzzer's (http target): json.loads of the error envelope raised RecursionError
+        _d_row(
+            "error body nested 5,000 deep",
+            "a 400 whose envelope cannot be decoded",
+            "`HTTPStatusError` at once; the message falls back to the body text",
+            _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
+            expect=lc.HTTPStatusError,
+            check=_d_attrs(status=400),
+        ),
+        _d_row(
+            "error event first, code 503",
+            '`data: {"error": {"code": 503, ...}}`, then a good stream',
+            "retried like an HTTP 503; `Completion` returned after one `Retrying`",
+            lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))),
+            budget=0.25,
+            at_once=True,
+            check=(hello, _d_kinds("Retrying", start=True)),
+        ),
+        _d_row(
+            "error event first, 503 forever",
+            "the 503 event on every attempt",
+            "`LoadTimeoutError` after `load_wait`",
+            _d_reply(event503),
+            expect=lc.LoadTimeoutError,
+            budget=lw,
+            check=_d_asked(least=2),
+        ),
+        _d_row(
+            "error event first, code 400",
+            '`data: {"error": {"code": 400, ...}}`',
+            "`ServerError` at once, `.code` 400, one attempt",
+            _d_reply(
+                STREAM_HEAD + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error"))) + b"0\r\n\r\n"
+            ),
+            expect=lc.ServerError,
+            check=(_d_attrs(code=400, message="bad grammar"), once),
+        ),
+        # delivered output is never replayed: one request
+        _d_row(
+            "error event after content",
+            "content, then a 503 error event",
+            "`ServerError` at once, `.code` 503; never replayed",
+            _d_reply(
+                STREAM_HEAD
+                + chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
+                + b"0\r\n\r\n"
+            ),
+            expect=lc.ServerError,
+            check=(_d_attrs(code=503), once),
+        ),
+        _d_row(
+            "legacy `error:` line",
+            'content, then `error: {"code":500,...}`',
+            "`ServerError` at once, `.code` 500",
+            _d_reply(
+                STREAM_HEAD
+                + chunked(
+                    sse(chunk_json({"content": "Hi"}))
+                    + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
+                )
+                + b"0\r\n\r\n"
+            ),
+            expect=lc.ServerError,
+            check=_d_attrs(code=500, message="boom"),
+        ),
+        # the fuzzer's (http target): the legacy payload's json.loads raised RecursionError
+        _d_row(
+            "legacy `error:` line nested 100,000 deep",
+            "an `error:` payload that cannot be decoded",
+            "`ServerError` at once, the text as its message",
+            _d_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"),
+            expect=lc.ServerError,
+            changes=dict(max_line=1024 * 1024),
+        ),
+        _d_row(
+            "legacy `error:` line first, code 503",
+            "the legacy line, then a good stream",
+            "retried; `Completion` returned, 2 requests",
+            lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))),
+            budget=0.25,
+            at_once=True,
+            check=(hello, _d_asked(n=2)),
+        ),
+    ]
+
+
+@_d_section("503 with Retry-After", "test_503_with_retry_after")
+def _d_retry_after():
+    lw = FAST_FAULTS.load_wait
+    backoff = _d_retries(n=1, delays=(0.18, 0.25))  # the backoff's, not the hint's
+
+    def then_ok(value):
+        return lambda s: s.stream(
+            _f_sequence(reply(_f_retry_after(value() if callable(value) else value)), reply(_D_OK))
+        )
+
+    def forever(value, budget_at_once=True, check=None, sockets=False):
+        return _d_part(
+            lambda s: s.stream(reply(_f_retry_after(value() if callable(value) else value))),
+            expect=lc.LoadTimeoutError,
+            budget=lw,
+            at_once=budget_at_once,
+            check=check or _d_retries(n=0),  # the hint is past what is left: no retry
+            sockets=sockets,
+        )
+
+    ahead = lambda: email.utils.formatdate(time.time() + 5, usegmt=True).encode()
+    past = lambda: email.utils.formatdate(time.time() - 60, usegmt=True).encode()
+    return [
+        _d_row(
+            "Retry-After as a date beyond `load_wait`",
+            "an HTTP date 5 s ahead",
+            "`LoadTimeoutError` at once, no `Retrying`",
+            parts=[forever(ahead)],
+        ),
+        # a hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop
+        _d_row(
+            "Retry-After as a date in the past",
+            "a date a minute ago, then a good stream",
+            "retried after the ordinary backoff (0.19–0.25 s), not at once (*choice*: a hint is a floor, so 0 cannot become a busy loop)",
+            then_ok(past),
+            budget=0.25,
+            at_once=True,
+            check=backoff,
+        ),
+        # retried at the backoff's pace, not hundreds of times a second
+        _d_row(
+            "`Retry-After: 0` forever",
+            "the same 503 every time",
+            "`LoadTimeoutError` after `load_wait`, with at most 4 attempts",
+            parts=[forever(b"0", False, _d_asked(most=4), sockets=True)],
+        ),
+        _d_row(
+            "Retry-After negative",
+            "`-5`, then a good stream",
+            "no hint: retried after the backoff",
+            then_ok(b"-5"),
+            budget=0.25,
+            at_once=True,
+            check=backoff,
+        ),
+        _d_row(
+            "Retry-After malformed",
+            "`soon`, then a good stream",
+            "no hint: retried after the backoff",
+            then_ok(b"soon"),
+            budget=0.25,
+            at_once=True,
+            check=backoff,
+        ),
+        _d_row(
+            "Retry-After huge",
+            "20 digits",
+            "`LoadTimeoutError` at once (longer than what remains of `load_wait`)",
+            parts=[forever(b"99999999999999999999")],
+        ),
+        _d_row(
+            "Retry-After beyond float range", "400 digits", "`LoadTimeoutError` at once", parts=[forever(b"9" * 400)]
+        ),  # float(int(...)) raised OverflowError
+        _d_row(
+            "Retry-After beyond int() digit limit",
+            "5,000 digits",
+            "`LoadTimeoutError` at once",
+            parts=[forever(b"9" * 5000)],
+        ),  # int() raised ValueError
+    ]
+
+
+@_d_section("/slots and the other single-shot calls", "test_slots_and_the_other_single_shot_calls")
+def _d_slots_rows():
+    garbage = _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!")
+    hold = _d_stream(_f_hold)
+
+    def both(*arrangements):
+        def arrange(s):
+            for a in arrangements:
+                a(s)
+
+        return arrange
+
+    slots = lambda c, ev: c.slots()
+    pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+
+    def late(busy, arrange):  # each /slots answer twice poll after it is asked
+        def both_(s):
+            s.slots_delay = 2 * FAST_FAULTS.poll
+            s.busy[0] = busy
+            arrange(s)
+
+        return both_
+
+    return [
+        _d_row(
+            "`/slots` answers garbage while the head is awaited",
+            "`not json!`",
+            "treated as unavailable: `LoadTimeoutError` after `load_wait`, `Waiting(False)` events",
+            both(garbage, hold),
+            expect=lc.LoadTimeoutError,
+            budget=FAST_FAULTS.load_wait,
+            check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
+        ),
+        _d_row(
+            "`/slots` answers garbage to `slots()`",
+            "the same",
+            "`ProtocolError` at once",
+            garbage,
+            slots,
+            lc.ProtocolError,
+            sockets=True,
+        ),
+        _d_row(
+            "`/slots` entries of the wrong shape",
+            '`{"id": "0", "is_processing": "yes"}`',
+            "`ProtocolError` at once",
+            _d_slots(_d_json([{"id": "0", "is_processing": "yes"}])),
+            slots,
+            lc.ProtocolError,
+        ),
+        _d_row(
+            "`/slots` hangs while the head is awaited",
+            "accepts, never answers",
+            "unavailable: `LoadTimeoutError` after `load_wait`; the poller's connection ends too",
+            both(_d_slots(_f_hold), hold),
+            expect=lc.LoadTimeoutError,
+            budget=FAST_FAULTS.load_wait,
+            sockets=True,
+        ),
+        _d_row(
+            "`/slots` hangs for `slots()`",
+            "accepts, never answers",
+            "`StalledError` after `liveness`",
+            _d_slots(_f_hold),
+            slots,
+            lc.StalledError,
+            FAST_FAULTS.liveness,
+        ),
+        # late, not unavailable: a poll waits for the answer it asked
+        _d_row(
+            "`/slots` answers later than `poll`, busy slot",
+            "each answer twice `poll` after it is asked (llama-server answers `/slots` between two batches of its work); the slot processing, the head held back",
+            "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events only: each poll waits for the answer it asked, up to the `/slots` request's own timeout (a late answer is a server at work, not an unavailable one: never `LoadTimeoutError` after `load_wait`)",
+            late(True, hold),
+            expect=lc.WaitTimeoutError,
+            budget=FAST_FAULTS.busy_wait,
+            check=(_d_waits(lambda w: w == lc.Waiting(True), "of a busy slot"), _d_says("stayed busy")),
+            sockets=True,
+        ),
+        _d_row(
+            "`/slots` answers later than `poll`, idle slot",
+            "the same; the slot idle",
+            "`StalledError` after `idle_grace`, with `Waiting(False)` events; a budget that runs out while an answer is awaited ends the wait at once",
+            late(False, hold),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.idle_grace,
+            check=(_d_waits(lambda w: w == lc.Waiting(False), "of an idle slot"), _d_says("is idle")),
+            sockets=True,
+        ),
+        _d_row(
+            "`/slots` answers later than `poll`, pings from a processing slot",
+            "the head, then `: ping` every 50 ms, no data; each `/slots` answer twice `poll` late, the slot processing",
+            "`StalledError` after `busy_wait` counted from the last data event (the slot stays busy), on the answer asked then (as late as it comes), not after `liveness` as a stuck stream",
+            late(True, pings),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.busy_wait + 2 * FAST_FAULTS.poll,  # the verdict waits for its answer
+            at_once=True,
+            check=(_d_not_before(FAST_FAULTS.busy_wait), _d_says("while the slot stays busy"), _d_kinds()),
+            sockets=True,
+        ),
+        # not served: the slots cannot be seen
+        _d_row(
+            "`/slots` answers 501 while the head is awaited",
+            "`--no-slots` servers do this",
+            "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
+            both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
+            expect=lc.WaitTimeoutError,
+            budget=FAST_FAULTS.busy_wait,
+        ),
+        _d_row(
+            "`/slots` answers 501 to `slots()`",
+            "the same",
+            "`HTTPStatusError` at once, `.status` 501",
+            _d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")),
+            slots,
+            lc.HTTPStatusError,
+            check=_d_attrs(status=501, message="This server does not support slots endpoint."),
+        ),
+        _d_row(
+            "`/props` is not an object",
+            "`[1, 2]`",
+            "`ProtocolError` at once",
+            lambda s: s.route("GET", "/props", _d_json([1, 2])),
+            lambda c, ev: c.props(),
+            lc.ProtocolError,
+        ),
+        _d_row(
+            "`/props` silent or slow for a `slot=None` request",
+            "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
+            "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
+            parts=[
+                _d_props_late(_f_hold),
+                _d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
+            ],
+            also=(
+                "TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back",
+                "TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request",
+            ),
+        ),
+    ]
+
+
+def _d_props_late(handler):
+    """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
+    back for the pool's size, and ``/props`` was asked (in the background) all the same.  Its head may
+    come late on a loaded machine, which is no stall here: ``idle_grace`` is long (the row is about
+    ``/props``, and a request held back for it would still be late by ``lateness``)."""
+    servers = []
+
+    def arrange(s):
+        servers[:] = [s]
+        s.route("GET", "/props", handler)
+        s.stream(reply(_D_OK))
+
+    def act(client, events):
+        completion = client.chat(MSGS, slot=None, on_event=events.append)
+        wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
+        return completion
+
+    return _d_part(arrange, act, changes=dict(idle_grace=5.0))
+
+
+@_d_section(
+    "Behind proxies and balancers: 429, a hidden /slots",
+    "test_behind_proxies",
+    "what the server (or the proxy in front) does",
+)
+def _d_proxies():
+    def not_served(status, reason, budget):
+        doc = {"error": {"code": status, "message": "no slots here", "type": "x"}}
+        return _d_part(
+            lambda s: [s.route("GET", "/slots", _d_json(doc, status, reason)), s.stream(_f_hold)],
+            expect=lc.WaitTimeoutError,
+            budget=budget,
+            changes=dict(busy_wait=budget, load_wait=budget * 3 / 8, idle_grace=budget * 3 / 8),
+            check=(
+                _d_says("does not serve /slots"),
+                _d_waits(lambda w: w == lc.Waiting(False, slots_known=False), "Waiting(False, slots_known=False)"),
+                _d_asked("/slots", n=1),  # a /slots that is not served is asked again at most every 30 s
+            ),
+        )
+
+    def then_ok(hint):
+        return lambda s: s.stream(_f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(_D_OK)))
+
+    backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+    reason = "HTTP 429: too many requests for model m1"
+    served = (
+        _d_attrs(content="Hello world"),
+        _d_retries(pairs=[(1, reason), (2, reason)]),
+        _d_kinds("Retrying", "Retrying", start=True),
+    )
+    return [
+        _d_row(
+            "429 at a concurrency limit, then served",
+            "429 twice (with and without `Retry-After: 0`), then the stream",
+            "no error: `Retrying` twice, reason `HTTP 429: ...`, then the `Completion`",
+            parts=[
+                _d_part(then_ok(None), budget=backoff, at_once=True, check=served, sockets=True),
+                _d_part(then_ok(b"0"), budget=backoff, at_once=True, check=served, sockets=True),
+            ],
+        ),
+        # load_wait shorter: the wrong budget would end it far earlier
+        _d_row(
+            "429 for ever",
+            "429 with `Retry-After: 0` on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
+            "`WaitTimeoutError` after `busy_wait`, naming the 429; `__cause__` the `HTTPStatusError` 429",
+            _d_reply(_f_too_many(b"0")),
+            expect=lc.WaitTimeoutError,
+            budget=0.8,
+            changes=dict(load_wait=0.3),
+            check=(
+                _d_says("answered 429 (at capacity)", "(busy_wait)"),
+                _d_cause(lc.HTTPStatusError, status=429),
+            ),
+        ),
+        _d_row(
+            "429 with a hint past `busy_wait`",
+            "`Retry-After: 30`",
+            "`WaitTimeoutError` at once, no `Retrying`",
+            _d_reply(_f_too_many(b"30")),
+            expect=lc.WaitTimeoutError,
+            budget=0.8,
+            at_once=True,
+            check=_d_retries(n=0),
+        ),
+        _d_row(
+            "`/slots` not served",
+            "`/slots` answers 404, 403, 405 or 501 while the head is held back (`busy_wait` 0.8 s for the 404, 0.45 s for the others)",
+            "`WaitTimeoutError` after `busy_wait` (not `load_wait`), `Waiting(False, slots_known=False)` at each poll, `/slots` asked once",
+            parts=[not_served(404, "Not Found", 0.8)]
+            + [not_served(s, r, 0.45) for s, r in ((403, "Forbidden"), (405, "Method Not Allowed"), (501, "x"))],
+        ),
+    ]
+
+
+@_d_section("Behind nginx, HAProxy and Caddy: the fronts' own answers", "test_behind_fronts", "what the front does")
+def _d_fronts():
+    backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+    # the wrong budget would end a retried 504 (502) early; the right one leaves a loaded machine more than
+    # a second beyond the backoff's 0.75 s (its sleeps wake late, and an attempt's round trip is slow)
+    busy = dict(busy_wait=2.0, load_wait=0.1)
+    load = dict(load_wait=2.0, busy_wait=0.1)
+    pages = {  # what a retried page says
+        "nginx 504": "the front stopped waiting for a slot",
+        "haproxy 504": "the front stopped waiting for a slot",
+        "caddy 504": "the front stopped waiting for a slot",
+        "cloudflare 524": "the front stopped waiting for a slot",
+        "nginx 502": "502 Bad Gateway",
+        "caddy 502": "(empty body)",
+        "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
+        "cloudflare 521": "llm.example.com | 521: Web server is down",
+        "cloudflare 522": "llm.example.com | 522: Connection timed out",
+        "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
+    }
+
+    def says(name):
+        kind, status = name.split()
+        return "HTTP %s from %s" % (status, FRONT_NAMES[kind])
+
+    def served(name, changes, sockets=False):
+        answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
+        reason = "%s: %s" % (says(name), pages[name])
+        return _d_part(
+            lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK))),
+            budget=backoff,
+            at_once=True,
+            changes=changes,
+            check=(
+                _d_attrs(content="Hello world"),
+                _d_retries(pairs=[(1, reason), (2, reason)]),
+                _d_kinds("Retrying", "Retrying", "Content", "Content"),
+                _d_asked(n=3),
+            ),
+            sockets=sockets,
+        )
+
+    def for_ever(name, budget, other, changes):  # the row's own budgets; shorter ones for the other fronts
+        return _d_part(
+            _d_reply(front_answer(name)),
+            expect=lc.WaitTimeoutError if budget == "busy_wait" else lc.LoadTimeoutError,
+            budget=changes.get(budget, getattr(FAST_FAULTS, budget)),
+            changes=dict(changes, **{other: 0.3 if budget == "busy_wait" else 0.2}),
+            check=(_d_says(says(name), budget), _d_cause(lc.HTTPStatusError, body=front_page(name))),
+        )
+
+    def resumable(s):
+        _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
+
+    def caddy_cut(s):
+        buf = _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"))
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
+        buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:900]) + b"0\r\n\r\n"]
+
+    def two_servers(lists):
+        def arrange(s):
+            asked = []
+
+            def slots(req):
+                asked.append(1)
+                respond_json(req, lists[(len(asked) - 1) % 2])
+
+            s.route("GET", "/slots", slots)
+            s.stream(_f_hold)
+
+        return arrange
+
+    def last_wait_knows(known):
+        def check(test, run):
+            waits = [e for e in run.events if isinstance(e, lc.Waiting)]
+            test.assertEqual(waits[-1].slots_known, known, run.kind)
+
+        return check
+
+    idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
+    page = (
+        b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1>"
+        b"</center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
+    )
+    forbidden = (
+        b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+    )
+
+    def props(answer, text, **attrs):  # the same page answering a single-shot call
+        return _d_part(
+            lambda s: s.route("GET", "/props", reply(answer)),
+            lambda c, ev: c.props(),
+            lc.HTTPStatusError,
+            check=(_d_says(exactly=text), _d_attrs(**attrs)),
+        )
+
+    several = lambda w: not w.slots_known and not w.wedged
+    return [
+        _d_row(
+            "504 from nginx, then served",
+            "nginx's 504 page (`Server: nginx/1.22.1`) after its idle timeout, twice",
+            "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from nginx/1.22.1: the front stopped waiting for a slot`, then the `Completion`",
+            parts=[served("nginx 504", busy, sockets=True)],
+        ),
+        _d_row(
+            "504 without a `Server` header, then served",
+            "HAProxy's 504 page",
+            "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from the front: ...`",
+            parts=[served("haproxy 504", busy, sockets=True)],
+        ),
+        _d_row(
+            "504 with an empty body, then served",
+            "Caddy's 504 (`Server: Caddy`, no body)",
+            "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from Caddy: ...`",
+            parts=[served("caddy 504", busy, sockets=True)],
+        ),
+        _d_row(
+            "524, then served",
+            "Cloudflare's 524 page",
+            "no error: `Retrying` twice under `busy_wait`, reason `HTTP 524 from cloudflare: ...`",
+            parts=[served("cloudflare 524", busy, sockets=True)],
+        ),
+        _d_row(
+            "504 for ever",
+            "nginx's 504 on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s); HAProxy's and Caddy's 504 and Cloudflare's 524 the same (`busy_wait` 0.45 s)",
+            "`WaitTimeoutError` after `busy_wait`, one line naming `HTTP 504` (or 524), the front (`nginx/1.22.1`, `the front`, ...) and `busy_wait`; `__cause__` the `HTTPStatusError` with the page in `.body`",
+            parts=[for_ever("nginx 504", "busy_wait", "load_wait", {})]
+            + [
+                for_ever(n, "busy_wait", "load_wait", dict(busy_wait=0.45))
+                for n in ("haproxy 504", "caddy 504", "cloudflare 524")
+            ],
+        ),
+        _d_row(
+            "504 to a resumable request the server holds",
+            "nginx's 504 for the POST; the server kept the queued request (lookup knows it)",
+            "no error: `Resumed(0, 1)`, the stream replayed from 0, the request not sent again; lookup and replay carry `X-Conversation-Id`",
+            resumable,
+            act=_d_chat(resumable="conv-1"),
+            changes=dict(busy_wait=1.0),
+            also=("TestFaultFronts.test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero",),
+        ),
+        _d_row(
+            "a resumable stream the front ends cleanly mid-event",
+            "Caddy's answer when its server's connection breaks: the chunked body ended by `0` after a chunk cut mid-event (transcript 106)",
+            "no error: resumed from the start of the unfinished event (`GET /v1/stream?from=` the last blank line), the events and `Completion` those of the whole stream",
+            caddy_cut,
+            act=_d_chat(resumable="conv-1"),
+            also=("TestFaultFronts.test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed",),
+        ),
+        _d_row(
+            "502 with an HTML page, then served",
+            "nginx's 502 page (the server's socket gone), twice",
+            "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from nginx/1.22.1: 502 Bad Gateway`",
+            parts=[served("nginx 502", load)],
+        ),
+        _d_row(
+            "502 with an empty body, then served",
+            "Caddy's 502",
+            "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from Caddy: (empty body)`",
+            parts=[served("caddy 502", load)],
+        ),
+        _d_row(
+            "520 to 523, then served",
+            "Cloudflare's pages",
+            "no error: `Retrying` twice under `load_wait`, the page's title in the reason",
+            parts=[served("cloudflare %d" % n, load) for n in (520, 521, 522, 523)],
+        ),
+        _d_row(
+            "502 for ever",
+            "nginx's 502 on every attempt (`load_wait` 0.6 s, `busy_wait` 0.2 s); Caddy's 502 and Cloudflare's 521 the same (`load_wait` 0.3 s)",
+            "`LoadTimeoutError` after `load_wait`, one line naming `load_wait`, `HTTP 502` (or 521) and the front; `__cause__` the `HTTPStatusError` with the page in `.body`",
+            parts=[for_ever("nginx 502", "load_wait", "busy_wait", {})]
+            + [for_ever(n, "load_wait", "busy_wait", dict(load_wait=0.3)) for n in ("caddy 502", "cloudflare 521")],
+        ),
+        _d_row(
+            "503 from HAProxy for ever",
+            "HAProxy's 503 page (no server to send to)",
+            "`LoadTimeoutError` after `load_wait`; `__cause__` the 503 with `.message` `503 Service Unavailable`",
+            _d_reply(front_answer("haproxy 503")),
+            expect=lc.LoadTimeoutError,
+            budget=0.6,
+            changes=dict(busy_wait=0.2),
+            check=(
+                _d_says("load_wait"),
+                _d_cause(
+                    lc.HTTPStatusError,
+                    status=503,
+                    message="503 Service Unavailable",
+                    server=None,
+                    body=front_page("haproxy 503"),
+                ),
+                _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}),
+            ),
+        ),
+        _d_row(
+            "an error page from a front",
+            "nginx's 403 page; and a front's pages (or llama-server's 404) answering `props()`",
+            "`HTTPStatusError` at once, not retried: `HTTP 403 from nginx/1.22.1: 403 Forbidden`, `.server` the header, `.body` the page; for `props()` the same one line (`HTTP 504 from the front: 504 Gateway Time-out`, `HTTP 404: File Not Found`)",
+            parts=[
+                _d_part(
+                    _d_reply(forbidden),
+                    expect=lc.HTTPStatusError,
+                    check=(
+                        _d_says(exactly="HTTP 403 from nginx/1.22.1: 403 Forbidden"),
+                        _d_attrs(status=403, server="nginx/1.22.1", body=page),
+                        _d_asked(n=1),  # not retried
+                    ),
+                ),
+                props(
+                    front_answer("nginx 504"),
+                    "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out",
+                    body=front_page("nginx 504"),
+                ),
+                props(
+                    front_answer("haproxy 504"),
+                    "HTTP 504 from the front: 504 Gateway Time-out",
+                    body=front_page("haproxy 504"),
+                ),
+                props(front_answer("caddy 502"), "HTTP 502 from Caddy: (empty body)", body=front_page("caddy 502")),
+                props(
+                    front_answer("haproxy 503"),
+                    "HTTP 503: 503 Service Unavailable",
+                    body=front_page("haproxy 503"),
+                ),
+                props(
+                    json_response(json.loads(_R_GONE), b"404 Not Found"),
+                    "HTTP 404: File Not Found",
+                    server="llama.cpp",
+                ),
+            ],
+        ),
+        _d_row(
+            "idle `/slots`, several servers",
+            "`Limits(servers=2)`; the head held back, `/slots` idle (it may be another server's)",
+            "`WaitTimeoutError` after `busy_wait`, not `StalledError` after `idle_grace`; `Waiting(slots_known=False)`",
+            _d_stream(_f_hold),
+            expect=lc.WaitTimeoutError,
+            budget=0.8,
+            changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
+            check=_d_waits(several, "of several servers"),
+        ),
+        _d_row(
+            "`/slots` answers from two servers",
+            "the head held back; `/slots` answers 2 slots, then 3, in turn (`servers` not given); or 2 slots whose `id_task` goes back",
+            "`WaitTimeoutError` after `busy_wait` from the second poll, not `StalledError`: the client has learnt there are several servers; a slot's `id_task` going back is no proof (one server's slot may take a task queued after a later one): `StalledError` after `idle_grace`",
+            parts=[
+                _d_part(  # the slot count changes: several servers
+                    two_servers([idle(2, 3), idle(3, 3)]),
+                    expect=lc.WaitTimeoutError,
+                    budget=0.8 + 2 * FAST_FAULTS.poll,
+                    at_once=True,
+                    changes=dict(idle_grace=0.3, load_wait=0.3),
+                    check=(last_wait_knows(False), _d_not_before(0.8)),  # busy_wait, from the second poll
+                ),
+                _d_part(  # one server's slot may take a task queued for it after a later one: no proof
+                    two_servers([idle(2, 9), idle(2, 4)]),
+                    expect=lc.StalledError,
+                    budget=0.3,
+                    changes=dict(idle_grace=0.3, load_wait=0.3),
+                    check=last_wait_knows(True),
+                ),
+            ],
+        ),
+    ]
+
+
+@_d_section(
+    "A front whose every server is busy: the README's configurations",
+    "test_a_front_whose_every_server_is_busy",
+    "what the front does",
+    named=False,
+)
+def _d_full_fronts():
+    def served(name):
+        answer = front_answer(name)
+        arrange = lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+        return [_d_part(arrange, budget=3.0, at_once=True, changes=dict(busy_wait=3.0, load_wait=0.1))]
+
+    return [
+        _d_row(
+            "429 from nginx: every server busy, then served",
+            "nginx's 429 (`Retry-After: 1`, transcript 107: no server with a free slot), twice",
+            "no error: `Retrying` twice under `busy_wait`, each at least 1 s, reason `HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy`, then the `Completion`",
+            parts=served("nginx 429"),
+            also=("TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served",),
+        ),
+        _d_row(
+            "429 from HAProxy after its queue timeout, then served",
+            "HAProxy's 429 (transcript 108: the request waited `timeout queue` at the front), twice",
+            "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429: every llama-server behind this front is busy`",
+            parts=served("haproxy 429"),
+            also=("TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served",),
+        ),
+        _d_row(
+            "429 from Caddy: every server busy, then served",
+            "Caddy's 429 (transcript 109), twice",
+            "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429 from Caddy: every llama-server behind this front is busy`",
+            parts=served("caddy 429"),
+            also=("TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served",),
+        ),
+        _d_row(
+            "every server busy for ever",
+            "nginx's 429 on every attempt (`busy_wait` 2.5 s, `load_wait` 0.3 s)",
+            "`WaitTimeoutError` within the last second of `busy_wait` (`Retry-After: 1` past what is left ends it), one line ending with the front's 429; `__cause__` the `HTTPStatusError` 429",
+            parts=[
+                _d_part(
+                    _d_reply(front_answer("nginx 429")),
+                    expect=lc.WaitTimeoutError,
+                    budget=2.5,
+                    at_once=True,
+                    changes=dict(busy_wait=2.5, load_wait=0.3),
+                )
+            ],
+            also=("TestFaultFullFronts.test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it",),
+        ),
+        _d_row(
+            "every server unreachable behind HAProxy",
+            "HAProxy's 503 (transcript 110: `every llama-server behind this front is unreachable`)",
+            "`LoadTimeoutError` after `load_wait`, not a busy wait; `__cause__` the 503",
+            parts=[
+                _d_part(
+                    _d_reply(front_answer("haproxy 503 unreachable")),
+                    expect=lc.LoadTimeoutError,
+                    budget=0.6,
+                    changes=dict(busy_wait=0.2),
+                )
+            ],
+            also=(
+                "TestFaultFullFronts.test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait",
+            ),
+        ),
+    ]
+
+
+@_d_section("Session keys (`X-Session-Id`)", "test_session_keys", named=False)
+def _d_sessions():
+    raw = load_transcript("04_chat_stream.raw.txt")
+
+    def resumable(cuts, body=None):
+        def arrange(s):
+            buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
+            if body is not None:
+                buf.raw = body
+
+        return arrange
+
+    error = (
+        STREAM_HEAD
+        + chunked(
+            sse(chunk_json({"content": "Hi"})),
+            b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
+        )
+        + b"0\r\n\r\n"
+    )
+    keyed = _d_chat(resumable="conv-1", session="k-1")
+    return [
+        _d_row(
+            "a resumable stream with a session key, cut mid-stream",
+            "the stream's connection closed after 900 bytes of its body",
+            "no error: resumed; the `GET /v1/stream` carries the stream's `X-Session-Id`",
+            parts=[_d_part(resumable(lambda head: [head + 900]), act=keyed)],
+            also=(
+                "TestFaultSessions.test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key",
+                "TestSessionKeys.test_a_resumable_stream_s_requests_carry_its_key",
+            ),
+        ),
+        _d_row(
+            "a resumable request without a key, lost before its head",
+            "the connection closed before any byte of the head; the server kept the request",
+            "no error: the lookup and the replay carry the request's digest key",
+            parts=[_d_part(resumable(lambda head: [0]), act=_d_chat(resumable="conv-1"))],
+            also=("TestFaultSessions.test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key",),
+        ),
+        _d_row(
+            "a resumable stream with a session key, ended by an error event",
+            "`Hi`, then an error event",
+            "`ServerError`; the `DELETE` that stops the generation carries the stream's key",
+            parts=[_d_part(resumable(lambda head: [], error), act=keyed, expect=lc.ServerError)],
+            also=("TestFaultSessions.test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key",),
+        ),
+        _d_row(
+            "a malformed session key",
+            "(nothing: the call is refused)",
+            "`ValueError` before anything is sent",
+            parts=[_d_part(_d_reply(_D_OK), act=_d_chat(session="two words"), expect=ValueError)],
+            also=(
+                "TestFaultSessions.test_a_malformed_session_key_is_refused_before_anything_is_sent",
+                "TestSessionKeys.test_caller_mistakes_are_refused_before_anything_is_sent",
+            ),
+        ),
+        _d_row(
+            "`Limits(session=False)`, a resumable stream cut mid-stream",
+            "the stream's connection closed after 900 bytes of its body",
+            "no error: resumed; no request carries `X-Session-Id`",
+            parts=[
+                _d_part(
+                    resumable(lambda head: [head + 900]),
+                    act=_d_chat(resumable="conv-1"),
+                    changes=dict(session=False),
+                )
+            ],
+            also=("TestFaultSessions.test_limits_session_false_sends_none_even_on_a_resumed_stream",),
+        ),
+    ]
+
+
+@_d_section("The reasoning control endpoint (`thinking_cap` 2)", "test_the_reasoning_control_endpoint")
+def _d_control():
+    reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
+
+    def with_control(handler):
+        def arrange(s):
+            s.stream(reply(reasoning, hold=True))
+            if handler is not None:
+                s.route("POST", "/v1/chat/completions/control", handler)
+
+        return arrange
+
+    capped = dict(thinking_cap=2)
+    not_found = _d_json(
+        {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404, "Not Found"
+    )
+    refused = _d_json({"success": False})
+    end = lambda c, ev: c.end_reasoning(CID)
+    return [
+        _d_row(
+            "control endpoint answers 404",
+            "an older server",
+            "`ThinkingOverrunError` at once, `.tokens` 2, `__cause__` an `HTTPStatusError`",
+            with_control(not_found),
+            expect=lc.ThinkingOverrunError,
+            changes=capped,
+            check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2)),
+        ),
+        # no route for the control endpoint: the server's 404
+        _d_row(
+            "control endpoint 404 for `end_reasoning()`",
+            "the same",
+            "`HTTPStatusError` at once, `.status` 404",
+            with_control(None),
+            end,
+            lc.HTTPStatusError,
+            changes=capped,
+            check=_d_attrs(status=404),
+        ),
+        _d_row(
+            "control endpoint answers `success: false`",
+            '`{"success": false}`',
+            "`ThinkingOverrunError` at once, after exactly 2 `Reasoning` events",
+            with_control(refused),
+            expect=lc.ThinkingOverrunError,
+            changes=capped,
+            check=_d_kinds("Reasoning", "Reasoning"),
+        ),
+        _d_row(
+            "`success: false` for `end_reasoning()`",
+            "the same",
+            "no error: `False`",
+            with_control(refused),
+            end,
+            False,
+            changes=capped,
+        ),
+        _d_row(
+            "control endpoint hangs",
+            "accepts, never answers",
+            "`ThinkingOverrunError` after `liveness`, `__cause__` a `StalledError`",
+            with_control(_f_hold),
+            expect=lc.ThinkingOverrunError,
+            budget=FAST_FAULTS.liveness,
+            changes=capped,
+            check=_d_cause(lc.StalledError),
+            sockets=True,
+        ),
+    ]
+
+
+@_d_section("Security", None, ("fault", "what the server or caller does", "outcome", "test"), named=False)
+def _d_security():
+    """Its rows are TestSecurity's tests (through both clients, on real sockets: where the client connects)."""
+    return [
+        _d_row(
+            "the API key could leak",
+            "401, garbage, stall, `/slots` 401, missing socket, CR/LF in the key or the Authorization header",
+            "the key is in no error message, repr, args, cause chain, traceback or log record, and in no repr of the client, stream or limits",
+            parts=[],
+            also=("TestSecurity.test_api_key_never_in_errors_reprs_or_logs",),
+        ),
+        _d_row(
+            "header injection",
+            "CR or LF in a header value or name, the key, the address, a path",
+            "`ValueError` before anything is sent; the server sees no request",
+            parts=[],
+            also=("TestSecurity.test_crlf_in_header_value_name_key_or_path_refused_before_sending",),
+        ),
+        _d_row(
+            "a model name carrying CR/LF",
+            '`model="gemma\\r\\nX-Injected: yes..."`',
+            "sent inside the JSON body, escaped: no raw CR or LF in the body, no injected header, one request",
+            parts=[],
+            also=("TestSecurity.test_model_name_with_crlf_cannot_inject_a_header",),
+        ),
+        _d_row(
+            "redirects",
+            "301, 302, 303, 307, 308 to another server; 302 on `/slots`",
+            "`HTTPStatusError` at once; the other server gets no connection",
+            parts=[],
+            also=("TestSecurity.test_redirects_are_never_followed",),
+        ),
+        _d_row(
+            "a response pointing elsewhere",
+            "`Location`, `Content-Location`, `Alt-Svc`, `Link` on a 503, a 200 and a `/slots` 307",
+            "every socket the client opens goes to the address it was given",
+            parts=[],
+            also=("TestSecurity.test_a_response_never_makes_the_client_connect_elsewhere",),
+        ),
+    ]
+
+
+@_d_section("Inputs the fuzzer found (`dev/fuzz.py`), fed again as saved", "test_inputs_the_fuzzer_found", "input")
+def _d_fuzz():
+    assembler = _f_input("080ec222851097f5", "assembler").decode("utf-8", "surrogatepass").split("\n\x1e")
+    lines = _f_input("5dff79bad8bec29d", "sse")
+    return [
+        _d_row(
+            "error body stalls on a held connection",
+            "`dev/fuzz-crashes/e2748cec9571aae2.bin` (client target)",
+            "`StalledError` after `liveness`",
+            _d_pieces(
+                _f_input("e2748cec9571aae2", "client"),
+                _F_CUTS["e2748cec9571aae2"],
+            ),
+            expect=lc.StalledError,
+            budget=FAST_FAULTS.liveness,
+            sockets=True,
+        ),
+        _d_row(
+            "503 with an error body nested 5,000 deep",
+            "`403724efe73ee4d8.bin` (http target)",
+            "the envelope falls back to text; through the client, `LoadTimeoutError` after `load_wait`",
+            _d_reply(_f_input("403724efe73ee4d8", "http")),
+            expect=lc.LoadTimeoutError,
+            budget=FAST_FAULTS.load_wait,
+            also=("TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body",),
+        ),
+        # the assembler's payloads, served as the events of a stream: the first is the error event
+        _d_row(
+            'error code `"²"`',
+            "`080ec222851097f5.bin` (assembler target)",
+            "`ServerError`, `.code` None",
+            _d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"),
+            expect=lc.ServerError,
+            also=("TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two",),
+        ),
+        # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
+        # longer than the parsing: CPU-bound, it is timing otherwise), in CPU time against the floor's
+        _d_row(
+            "605,552 `data:` lines in one event",
+            "`5dff79bad8bec29d.bin` (sse target, `max_line` 1 MiB)",
+            "linear: under 10 times the CPU time of splitting the bytes into lines; through the client, `StreamClosedError` (the stream ends without `[DONE]`), in the same bound",
+            _d_patient(_D_CL + b"\r\n" + lines),
+            expect=lc.StreamClosedError,
+            at_once=True,
+            changes=dict(max_line=1024 * 1024, liveness=30.0),
+            cpu=lines,
+            also=("TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event",),
+        ),
+        _d_row(
+            "`event: error` with data nested 100,000 deep",
+            "`e517c807fa701495.bin` (http target)",
+            "`ServerError` at once",
+            _d_reply(_f_input("e517c807fa701495", "http")),
+            expect=lc.ServerError,
+            changes=dict(max_line=1024 * 1024),
+        ),
+        _d_row(
+            "`event: error` nested deep, through `chat()`",
+            "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
+            "`ServerError` at once",
+            _d_pieces(
+                _f_input("0f7c31287867b84c", "client"),
+                _F_CUTS["0f7c31287867b84c"],
+            ),
+            _d_chat(slot=1),
+            lc.ServerError,
+            changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
+        ),
+    ]
+
+
+@_d_section(
+    "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`", "test_answers_as_the_server_gave_them"
+)
+def _d_answers():
+    """The rows of fetch(), timeout= and stream_route()."""
+
+    def on(method, path, handler):  # the handler made afresh for each client
+        return lambda s: s.route(method, path, handler())
+
+    def fetched(name):  # what the server said, as it said it, from one request
+        raw, want = _A_FAULT_ANSWERS[name]
+        return _d_part(on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want, check=_d_asked("/any", n=1))
+
+    big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
+    t, lv = _A_DEADLINE, FAST_FAULTS.liveness
+    trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
+    then_ok = lambda: _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True)))
+    opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
+    started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
+    return [
+        _d_row(
+            "fetch() of an error page",
+            "`500` with an HTML page, then holds the connection",
+            "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
+            parts=[fetched("page")],
+        ),
+        _d_row(
+            "fetch() of a 503 with Retry-After",
+            "`503`, `Retry-After: 1`",
+            "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
+            parts=[fetched("503")],
+        ),
+        _d_row(
+            "fetch() of a redirect",
+            "`302` with a `Location` elsewhere",
+            "no error: the `Response` at once; the redirect is not followed",
+            parts=[fetched("302")],
+        ),
+        _d_row(
+            "fetch() of a body over max_body",
+            "a 200 one byte over `max_body`, then holds the connection",
+            "`ProtocolError` at once",
+            on("GET", "/any", lambda: reply(big, hold=True)),
+            _a_fetch(),
+            lc.ProtocolError,
+            check=_d_says("max_body"),
+        ),
+        _d_row(
+            "timeout= on a silent server",
+            "reads the request, sends nothing",
+            "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
+            on("GET", "/any", lambda: _f_hold),
+            _a_fetch(timeout=t),
+            lc.DeadlineError,
+            t,
+            check=_d_attrs(phase="answer"),
+            also=("TestDeadline.test_every_call_waiting_for_its_answer",),
+        ),
+        _d_row(
+            "timeout= on an answer that trickles",
+            "a head, then a byte of its body every 0.1 s",
+            "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
+            on("GET", "/any", trickle),
+            _a_fetch(timeout=t),
+            lc.DeadlineError,
+            t,
+            check=_d_says("reading the answer to GET /any"),
+            sockets=True,
+            also=("TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline",),
+        ),
+        _d_row(
+            "stream_route() of an answer that is not a stream",
+            "`200` with `application/json`, then holds the connection",
+            "`ProtocolError` at once, not sent again",
+            on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
+            _a_route(),
+            lc.ProtocolError,
+            check=_d_asked("/r", n=1),  # not sent again
+        ),
+        _d_row(
+            "stream_route() of a 503, then a stream",
+            "`503` (`Retry-After: 0`) once, then a stream",
+            "retried (`Retrying`) before delivery, then a `Chunk` per event",
+            on("POST", "/r", then_ok),
+            _a_route(),
+            _A_EMPTY,
+            budget=lc.BACKOFF_FIRST,
+            at_once=True,
+            check=(_d_kinds("Retrying", "Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
+            sockets=True,
+        ),
+        _d_row(
+            "stream_route() of text data",
+            "`data: hello` events that are not JSON, then `[DONE]`",
+            "no error: a `Chunk` of each text, an empty `Completion`",
+            on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))),
+            _a_route(),
+            _A_EMPTY,
+            check=(_d_kinds("Chunk", "Chunk"), _d_delivered(lc.Chunk("hello"), lc.Chunk("wor ld"))),
+        ),
+        _d_row(
+            "stream_route() of chat cut before its finish",
+            "a chat chunk without `finish_reason`, then the end of the body",
+            "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
+            on("POST", "/r", lambda: reply(opened)),
+            _a_route(),
+            lc.StreamClosedError,
+            check=_d_kinds("Chunk"),
+        ),
+        _d_row(
+            "stream_route() silent once started",
+            "one chunk, then silence",
+            "`StalledError` after `liveness`",
+            on("POST", "/r", lambda: reply(started, hold=True)),
+            _a_route(),
+            lc.StalledError,
+            lv,
+            check=(_d_kinds("Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
+        ),
+    ]
+
+
 @real_time  # its real sockets' outcomes are timed: within lateness() of their budgets
 class TestDifferential(_f_Case):
     """Every row of dev/FAULTS.md, stated once: its parts (the scripted server, the call, the documented
@@ -16163,979 +16985,13 @@ class TestDifferential(_f_Case):
         _d_floor(data)
         return time.process_time() - start
 
-    def _d_row(self, name, *parts):
+    def _d_parts(self, name, *parts):
         tcp, sockets = any(p.tcp for p in parts), any(p.sockets for p in parts)
         return self._d_both(
             name, lambda kind, make, server: [self._d_run(kind, make, server, p) for p in parts], tcp, sockets
         )
 
-    def _d_table(self, rows):
-        for name, parts in rows:
-            self._d_row(name, *parts)
-
     # -- the rows of dev/FAULTS.md, table by table ---------------------------------------------------
-
-    def _d_connecting(self):
-        lw = FAST_FAULTS.load_wait
-
-        def at_the_address(test, run):
-            test.assertEqual(run.value.address, _d_missing(run.server), run.kind)
-
-        once = _d_asked(n=1)
-        return [
-            _d_fault(
-                "socket file missing",
-                address=_d_missing,
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=(_d_cause(FileNotFoundError), _d_heard("Retrying")),
-                sockets=True,
-            ),
-            _d_fault(
-                "socket file missing, single-shot call",
-                address=_d_missing,
-                act=lambda c, ev: c.slots(),
-                expect=lc.ConnectError,
-                check=(_d_cause(FileNotFoundError), at_the_address),
-                sockets=True,
-            ),
-            _d_fault(
-                "socket file with no listener",
-                address=_d_stale,
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=_d_cause(ConnectionRefusedError),
-            ),
-            _d_fault(
-                "socket file with no listener, single-shot call",
-                address=_d_stale,
-                act=lambda c, ev: c.health(),
-                expect=lc.ConnectError,
-                check=_d_cause(ConnectionRefusedError),
-                sockets=True,
-            ),
-            _d_fault(
-                "EOF before the head",
-                _d_stream(lambda req: None),
-                expect=lc.StreamClosedError,
-                check=once,
-                sockets=True,
-            ),
-            _d_fault(
-                "connection reset before the head",
-                _d_reset(),
-                expect=lc.StreamClosedError,
-                tcp=True,
-                check=once,
-                sockets=True,
-            ),
-            _d_fault(
-                "connection reset mid-stream",
-                _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
-                expect=lc.StreamClosedError,
-                tcp=True,
-                check=(_d_kinds("Content"), once),
-                sockets=True,
-            ),
-        ]
-
-    def _d_head(self):
-        lv = FAST_FAULTS.liveness
-        http10 = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
-        hello = _d_attrs(content="Hello world")
-
-        def ten_megabytes(s):
-            sent = s.ten_megabytes = {}
-
-            def handler(req):
-                sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
-
-            s.stream(handler)
-
-        def stopped_reading(test, run):
-            sent = run.server.ten_megabytes
-            wait_for(lambda: "all" in sent, 5, "the server to stop sending")
-            test.assertFalse(
-                sent["all"], "%s: the client read all 10 MB instead of stopping at the head cap" % run.kind
-            )
-
-        return [
-            _d_fault(
-                "garbage status line", _d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError
-            ),
-            _d_fault(
-                "a service that is not HTTP",
-                _d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True),
-                expect=lc.ProtocolError,
-                sockets=True,
-            ),
-            _d_fault("bad status code", _d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError),
-            _d_fault(
-                "another HTTP version",
-                _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
-                expect=lc.ProtocolError,
-            ),
-            # no length: the body runs until the server closes
-            _d_fault(
-                "HTTP/1.0 reply",
-                _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),
-                check=_d_attrs(content="Hi", finish_reason="stop"),
-                sockets=True,
-            ),
-            _d_fault("interim response", _d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK), check=hello),
-            _d_fault("10 MB of headers", ten_megabytes, expect=lc.ProtocolError, check=stopped_reading, sockets=True),
-            _d_fault(
-                "1,000 header lines",
-                _d_reply(
-                    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n" + _F_OK_BODY,
-                    True,
-                ),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "NUL byte in a header",
-                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
-                expect=lc.ProtocolError,
-            ),
-            # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
-            _d_fault(
-                "obsolete line folding",
-                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
-                check=hello,
-            ),
-            _d_fault(
-                "EOF inside the head",
-                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"),
-                expect=lc.StreamClosedError,
-                sockets=True,
-            ),
-            # never silent, never a head: no progress for liveness
-            _d_fault(
-                "head trickled forever",
-                _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
-                expect=lc.StalledError,
-                budget=lv,
-                sockets=True,
-            ),
-            # each a whole head, none the response
-            _d_fault(
-                "interim responses forever",
-                _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
-                expect=lc.StalledError,
-                budget=lv,
-            ),
-            _d_fault(
-                "stall inside the head",
-                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
-                expect=lc.StalledError,
-                budget=lv,
-            ),
-        ]
-
-    def _d_framing(self):
-        hi = sse(chunk_json({"content": "Hi"}))
-        page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
-        slots = lambda c, ev: c.slots()
-        content = _d_kinds("Content")
-        return [
-            _d_fault(
-                "conflicting Content-Length headers",
-                _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "conflicting Content-Length, single-shot call",
-                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
-                slots,
-                lc.ProtocolError,
-            ),
-            _d_fault("negative length", _d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError),
-            _d_fault(
-                "non-numeric length", _d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError
-            ),
-            _d_fault(
-                "unsupported transfer coding",
-                _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
-                expect=lc.ProtocolError,
-            ),
-            # a size no signed 64-bit counter holds, then a whole stream: refused, not read as one chunk
-            _d_fault(
-                "chunk size ffffffffffffffff",
-                _d_reply(
-                    STREAM_HEAD
-                    + b"ffffffffffffffff\r\n"
-                    + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
-                    + b"data: [DONE]\n\n"
-                ),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "chunk size line without CRLF",
-                _d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "chunk size line that never ends",
-                _d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "chunk data without its CRLF",
-                _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "body shorter than its length (stream)",
-                _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
-                expect=lc.StreamClosedError,
-                check=content,
-                sockets=True,
-            ),
-            _d_fault(
-                "body shorter than its length (single-shot)",
-                _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
-                slots,
-                lc.StreamClosedError,
-                sockets=True,
-            ),
-            _d_fault(
-                "close mid-chunk",
-                _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi),
-                expect=lc.StreamClosedError,
-                check=content,
-                sockets=True,
-            ),
-            # close-delimited: the last event never gets its blank line
-            _d_fault(
-                "close mid-event",
-                _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
-                expect=lc.StreamClosedError,
-                check=content,
-                sockets=True,
-            ),
-            _d_fault(
-                "close after the finish chunk without `[DONE]`",
-                _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
-                check=_d_attrs(content="Hi", finish_reason="stop"),
-            ),
-            # [DONE] completes the response though the server keeps the connection (and the final 0 chunk)
-            _d_fault(
-                "`[DONE]`, then the connection stays open",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
-                    True,
-                ),
-                check=_d_attrs(content="Hi"),
-                sockets=True,
-            ),
-            _d_fault(
-                "`[DONE]` without a `finish_reason`",
-                _d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)),
-                expect=lc.StreamClosedError,
-            ),
-            _d_fault("empty stream", _d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError),
-            _d_fault(
-                "200 with an HTML page",
-                _d_reply(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)
-                ),
-                expect=lc.StreamClosedError,
-            ),
-            _d_fault(
-                "error body over `max_body`",
-                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "single-shot length over `max_body`",
-                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True),
-                slots,
-                lc.ProtocolError,
-                sockets=True,
-            ),
-        ]
-
-    def _d_sse(self):
-        def trickle(s):
-            # One byte a millisecond (the scripted server's pace: on a loaded machine, several); after the
-            # byte that takes the line past max_line (1025 bytes with "data: ") the server waits for the
-            # client to leave: it must, on that byte, without another, and with nothing else to end it (no
-            # budget runs out for 30 s).  Only then (a client that did not) does the line go on, to 2 MiB or
-            # past liveness.  On the virtual clock the client leaves at the very instant of that byte.
-            state = s.trickle = {"sent": 0, "over": None, "left": False, "done": False}
-            s.busy[0] = True
-
-            def handler(req):
-                try:
-                    if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
-                        return
-                    deadline = time.monotonic() + 40
-                    while state["sent"] < 2 * 1024 * 1024 and time.monotonic() < deadline:
-                        over = state["sent"] == 1024 - 6
-                        if over:
-                            state["over"] = time.monotonic()  # before the send: the client may answer it first
-                        if not req.send(b"x"):
-                            return
-                        state["sent"] += 1
-                        if over:
-                            state["left"] = req.wait_peer_close(5)
-                            if state["left"]:
-                                return
-                        time.sleep(0.001)
-                finally:
-                    state["done"] = True
-
-            s.stream(handler)
-
-        def on_the_byte_over(test, run):
-            state = run.server.trickle
-            wait_for(lambda: state["done"], 10, "the server to stop sending")
-            test.assertEqual(state["sent"], 1024 - 6 + 1, "%s: the server sent more of the line" % run.kind)
-            test.assertTrue(state["left"], "%s: the client did not leave on the byte over max_line" % run.kind)
-            if run.kind == "virtual":
-                test.assertLessEqual(run.ended - state["over"], 1e-6, "at once on the virtual clock")
-
-        half = b"data:\n" * (512 * 1024 + 2) + b"\n"
-
-        split = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
-        cut = split.index("é".encode()) + 1
-        bang = content_stream(["!"], role=False)
-        return [
-            _d_fault(
-                "a 2 MiB line sent one byte at a time",
-                trickle,
-                expect=lc.ProtocolError,
-                budget=30.0,
-                at_once=True,
-                changes=dict(max_line=1024, liveness=30.0, busy_wait=30.0),
-                check=on_the_byte_over,
-                sockets=True,
-            ),
-            _d_fault(
-                "bytes trickle but no event completes",
-                _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-            ),
-            _d_fault(
-                "a line of `max_line` exactly",
-                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
-                check=_d_attrs(content="x!"),
-            ),
-            _d_fault(
-                "a line of `max_line` + 1",
-                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "an event over `max_line` in many lines",
-                _d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "half a million empty `data:` lines",
-                _d_patient(_D_CL + b"\r\n" + half),
-                expect=lc.ProtocolError,
-                at_once=True,
-                changes=dict(max_line=512 * 1024, liveness=30.0),
-                cpu=half,
-            ),
-            _d_fault(
-                "invalid UTF-8",
-                _d_reply(
-                    STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")) + bang
-                ),
-                check=_d_attrs(content="A\ufffd\ufffdB!"),
-            ),
-            _d_fault(
-                "a UTF-8 character split between reads",
-                _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
-                budget=0.2,
-                at_once=True,
-                check=_d_attrs(content="é€!"),
-                sockets=True,
-            ),
-            _d_fault(
-                "a NUL byte",
-                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang),
-                expect=lc.ProtocolError,
-            ),
-        ]
-
-    def _d_json_rows(self):
-        def payload(text, sockets=False, **changes):
-            return [
-                _d_part(
-                    _d_reply(STREAM_HEAD + chunked(sse(text)) + content_stream(["!"]), True),
-                    expect=lc.ProtocolError,
-                    changes=changes,
-                    sockets=sockets,
-                )
-            ]
-
-        call = chunk_json(
-            {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
-        )
-        return [
-            ("invalid JSON", payload('{"choices":[{"delta":{"content":"Hi"', sockets=True)),
-            ("JSON that is not an object", payload('["choices"]')),
-            ("`choices` not a list", payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')),
-            (
-                "a delta that is a string",
-                payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}'),
-            ),
-            ("a tool-call delta without index", payload(call)),
-            ("deeply nested JSON", payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024)),
-            # the fuzzer's: {"code": "²"} passed str.isdigit() and broke int(), a bare ValueError
-            _d_fault(
-                "an error code that only looks like a number",
-                _d_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))),
-                expect=lc.ServerError,
-                check=_d_attrs(code=None),
-            ),
-        ]
-
-    def _d_waits(self):
-        pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
-        hold = _d_stream(_f_hold)
-        return [
-            _d_fault("pings forever, idle slot", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness),
-            _d_fault(
-                "pings forever, processing slot",
-                _d_busy(pings),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.busy_wait,
-                sockets=True,
-            ),
-            _d_fault(
-                "stall before the head, idle slot",
-                hold,
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.idle_grace,
-                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
-                sockets=True,
-            ),
-            _d_fault(
-                "stall before the head, busy slot",
-                _d_busy(hold),
-                expect=lc.WaitTimeoutError,
-                budget=FAST_FAULTS.busy_wait,
-                check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
-            ),
-            _d_fault(
-                "stall mid-stream",
-                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-                check=_d_kinds("Content"),
-                sockets=True,
-            ),
-        ]
-
-    def _d_errors(self):
-        lw = FAST_FAULTS.load_wait
-        event503 = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
-        legacy503 = (
-            STREAM_HEAD
-            + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
-            + b"0\r\n\r\n"
-        )
-        nested = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
-        too_long = {
-            "error": {
-                "code": 400,
-                "message": "the request exceeds the available context size",
-                "type": "exceed_context_size_error",
-            }
-        }
-        hello, once = _d_attrs(content="Hello world"), _d_asked(n=1)
-        return [
-            _d_fault(
-                "HTTP 503 forever",
-                _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=_d_asked(least=2),
-                sockets=True,
-            ),
-            _d_fault(
-                "HTTP 400",
-                _d_stream(_d_json(too_long, 400, "Bad Request")),
-                expect=lc.HTTPStatusError,
-                check=_d_attrs(status=400, message="the request exceeds the available context size"),
-            ),
-            # no Server header, and a status llama-server sends
-            _d_fault(
-                "HTTP 500 with an HTML body",
-                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"),
-                expect=lc.HTTPStatusError,
-                check=(
-                    _d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"),
-                    _d_says(exactly="HTTP 500: oops"),
-                ),
-            ),
-            # the fuzzer's (client target): a 400 whose body stops short of its length on a held connection
-            _d_fault(
-                "error body stalls",
-                _d_reply(
-                    b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
-                    True,
-                ),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-                sockets=True,
-            ),
-            # the fuzzer's (http target): json.loads of the error envelope raised RecursionError
-            _d_fault(
-                "error body nested 5,000 deep",
-                _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
-                expect=lc.HTTPStatusError,
-                check=_d_attrs(status=400),
-            ),
-            _d_fault(
-                "error event first, code 503",
-                lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))),
-                budget=0.25,
-                at_once=True,
-                check=(hello, _d_kinds("Retrying", start=True)),
-            ),
-            _d_fault(
-                "error event first, 503 forever",
-                _d_reply(event503),
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=_d_asked(least=2),
-            ),
-            _d_fault(
-                "error event first, code 400",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
-                    + b"0\r\n\r\n"
-                ),
-                expect=lc.ServerError,
-                check=(_d_attrs(code=400, message="bad grammar"), once),
-            ),
-            # delivered output is never replayed: one request
-            _d_fault(
-                "error event after content",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
-                    + b"0\r\n\r\n"
-                ),
-                expect=lc.ServerError,
-                check=(_d_attrs(code=503), once),
-            ),
-            _d_fault(
-                "legacy `error:` line",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(
-                        sse(chunk_json({"content": "Hi"}))
-                        + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
-                    )
-                    + b"0\r\n\r\n"
-                ),
-                expect=lc.ServerError,
-                check=_d_attrs(code=500, message="boom"),
-            ),
-            # the fuzzer's (http target): the legacy payload's json.loads raised RecursionError
-            _d_fault(
-                "legacy `error:` line nested 100,000 deep",
-                _d_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"),
-                expect=lc.ServerError,
-                changes=dict(max_line=1024 * 1024),
-            ),
-            _d_fault(
-                "legacy `error:` line first, code 503",
-                lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))),
-                budget=0.25,
-                at_once=True,
-                check=(hello, _d_asked(n=2)),
-            ),
-        ]
-
-    def _d_retry_after(self):
-        lw = FAST_FAULTS.load_wait
-        backoff = _d_retries(n=1, delays=(0.18, 0.25))  # the backoff's, not the hint's
-
-        def then_ok(value):
-            return lambda s: s.stream(
-                _f_sequence(reply(_f_retry_after(value() if callable(value) else value)), reply(_D_OK))
-            )
-
-        def forever(value, budget_at_once=True, check=None, sockets=False):
-            return _d_part(
-                lambda s: s.stream(reply(_f_retry_after(value() if callable(value) else value))),
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                at_once=budget_at_once,
-                check=check or _d_retries(n=0),  # the hint is past what is left: no retry
-                sockets=sockets,
-            )
-
-        ahead = lambda: email.utils.formatdate(time.time() + 5, usegmt=True).encode()
-        past = lambda: email.utils.formatdate(time.time() - 60, usegmt=True).encode()
-        return [
-            ("Retry-After as a date beyond `load_wait`", [forever(ahead)]),
-            # a hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop
-            _d_fault("Retry-After as a date in the past", then_ok(past), budget=0.25, at_once=True, check=backoff),
-            # retried at the backoff's pace, not hundreds of times a second
-            ("`Retry-After: 0` forever", [forever(b"0", False, _d_asked(most=4), sockets=True)]),
-            _d_fault("Retry-After negative", then_ok(b"-5"), budget=0.25, at_once=True, check=backoff),
-            _d_fault("Retry-After malformed", then_ok(b"soon"), budget=0.25, at_once=True, check=backoff),
-            ("Retry-After huge", [forever(b"99999999999999999999")]),
-            ("Retry-After beyond float range", [forever(b"9" * 400)]),  # float(int(...)) raised OverflowError
-            ("Retry-After beyond int() digit limit", [forever(b"9" * 5000)]),  # int() raised ValueError
-        ]
-
-    def _d_slots_rows(self):
-        garbage = _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!")
-        hold = _d_stream(_f_hold)
-
-        def both(*arrangements):
-            def arrange(s):
-                for a in arrangements:
-                    a(s)
-
-            return arrange
-
-        slots = lambda c, ev: c.slots()
-        pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
-
-        def late(busy, arrange):  # each /slots answer twice poll after it is asked
-            def both_(s):
-                s.slots_delay = 2 * FAST_FAULTS.poll
-                s.busy[0] = busy
-                arrange(s)
-
-            return both_
-
-        return [
-            _d_fault(
-                "`/slots` answers garbage while the head is awaited",
-                both(garbage, hold),
-                expect=lc.LoadTimeoutError,
-                budget=FAST_FAULTS.load_wait,
-                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
-            ),
-            _d_fault("`/slots` answers garbage to `slots()`", garbage, slots, lc.ProtocolError, sockets=True),
-            _d_fault(
-                "`/slots` entries of the wrong shape",
-                _d_slots(_d_json([{"id": "0", "is_processing": "yes"}])),
-                slots,
-                lc.ProtocolError,
-            ),
-            _d_fault(
-                "`/slots` hangs while the head is awaited",
-                both(_d_slots(_f_hold), hold),
-                expect=lc.LoadTimeoutError,
-                budget=FAST_FAULTS.load_wait,
-                sockets=True,
-            ),
-            _d_fault("`/slots` hangs for `slots()`", _d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness),
-            # late, not unavailable: a poll waits for the answer it asked
-            _d_fault(
-                "`/slots` answers later than `poll`, busy slot",
-                late(True, hold),
-                expect=lc.WaitTimeoutError,
-                budget=FAST_FAULTS.busy_wait,
-                check=(_d_waits(lambda w: w == lc.Waiting(True), "of a busy slot"), _d_says("stayed busy")),
-                sockets=True,
-            ),
-            _d_fault(
-                "`/slots` answers later than `poll`, idle slot",
-                late(False, hold),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.idle_grace,
-                check=(_d_waits(lambda w: w == lc.Waiting(False), "of an idle slot"), _d_says("is idle")),
-                sockets=True,
-            ),
-            _d_fault(
-                "`/slots` answers later than `poll`, pings from a processing slot",
-                late(True, pings),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.busy_wait + 2 * FAST_FAULTS.poll,  # the verdict waits for its answer
-                at_once=True,
-                check=(_d_not_before(FAST_FAULTS.busy_wait), _d_says("while the slot stays busy"), _d_kinds()),
-                sockets=True,
-            ),
-            # not served: the slots cannot be seen
-            _d_fault(
-                "`/slots` answers 501 while the head is awaited",
-                both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
-                expect=lc.WaitTimeoutError,
-                budget=FAST_FAULTS.busy_wait,
-            ),
-            _d_fault(
-                "`/slots` answers 501 to `slots()`",
-                _d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")),
-                slots,
-                lc.HTTPStatusError,
-                check=_d_attrs(status=501, message="This server does not support slots endpoint."),
-            ),
-            _d_fault(
-                "`/props` is not an object",
-                lambda s: s.route("GET", "/props", _d_json([1, 2])),
-                lambda c, ev: c.props(),
-                lc.ProtocolError,
-            ),
-            (
-                "`/props` silent or slow for a `slot=None` request",
-                [
-                    self._d_props_late(_f_hold),
-                    self._d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
-                ],
-            ),
-        ]
-
-    def _d_props_late(self, handler):
-        """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
-        back for the pool's size, and ``/props`` was asked (in the background) all the same.  Its head may
-        come late on a loaded machine, which is no stall here: ``idle_grace`` is long (the row is about
-        ``/props``, and a request held back for it would still be late by ``lateness``)."""
-        servers = []
-
-        def arrange(s):
-            servers[:] = [s]
-            s.route("GET", "/props", handler)
-            s.stream(reply(_D_OK))
-
-        def act(client, events):
-            completion = client.chat(MSGS, slot=None, on_event=events.append)
-            wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
-            return completion
-
-        return _d_part(arrange, act, changes=dict(idle_grace=5.0))
-
-    def _d_control(self):
-        reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
-
-        def with_control(handler):
-            def arrange(s):
-                s.stream(reply(reasoning, hold=True))
-                if handler is not None:
-                    s.route("POST", "/v1/chat/completions/control", handler)
-
-            return arrange
-
-        capped = dict(thinking_cap=2)
-        not_found = _d_json(
-            {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404, "Not Found"
-        )
-        refused = _d_json({"success": False})
-        end = lambda c, ev: c.end_reasoning(CID)
-        return [
-            _d_fault(
-                "control endpoint answers 404",
-                with_control(not_found),
-                expect=lc.ThinkingOverrunError,
-                changes=capped,
-                check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2)),
-            ),
-            # no route for the control endpoint: the server's 404
-            _d_fault(
-                "control endpoint 404 for `end_reasoning()`",
-                with_control(None),
-                end,
-                lc.HTTPStatusError,
-                changes=capped,
-                check=_d_attrs(status=404),
-            ),
-            _d_fault(
-                "control endpoint answers `success: false`",
-                with_control(refused),
-                expect=lc.ThinkingOverrunError,
-                changes=capped,
-                check=_d_kinds("Reasoning", "Reasoning"),
-            ),
-            _d_fault("`success: false` for `end_reasoning()`", with_control(refused), end, False, changes=capped),
-            _d_fault(
-                "control endpoint hangs",
-                with_control(_f_hold),
-                expect=lc.ThinkingOverrunError,
-                budget=FAST_FAULTS.liveness,
-                changes=capped,
-                check=_d_cause(lc.StalledError),
-                sockets=True,
-            ),
-        ]
-
-    def _d_security(self):
-        key = {"api_key": _F_KEY}
-        unauthorized = _d_json(
-            {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}, 401, "Unauthorized"
-        )
-        steer = (
-            b"Location: http://10.255.255.1:9/\r\nContent-Location: unix:///tmp/evil.sock\r\n"
-            b'Alt-Svc: h2="10.255.255.1:443"\r\nLink: <http://10.255.255.1/>; rel=preconnect\r\n'
-        )
-        unavailable = b"HTTP/1.1 503 Service Unavailable\r\n" + steer + b"Retry-After: 0\r\nContent-Length: 0\r\n\r\n"
-        steered = b"HTTP/1.1 200 OK\r\n" + steer + b"Transfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
-
-        def elsewhere(s):
-            s.stream(_f_sequence(reply(unavailable), reply(steered)))
-            s.route(
-                "GET", "/slots", reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
-            )
-
-        def redirect(status):
-            location = b"http://127.0.0.1:9/v1/chat/completions"  # nothing listens: a followed redirect fails otherwise
-            return _d_part(
-                _d_reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")),
-                expect=lc.HTTPStatusError,
-            )
-
-        slots = lambda c, ev: c.slots()
-        return [
-            (
-                "the API key could leak",
-                [
-                    _d_part(_d_stream(unauthorized), expect=lc.HTTPStatusError, client=key),
-                    _d_part(_d_reply(b"HELLO\r\n\r\n"), expect=lc.ProtocolError, client=key),
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                        client=key,
-                    ),
-                    _d_part(
-                        _d_slots(_d_json({"error": {"code": 401, "message": "Invalid API Key"}}, 401, "Unauthorized")),
-                        slots,
-                        lc.HTTPStatusError,
-                        client=key,
-                    ),
-                    _d_part(address=_d_missing, act=lambda c, ev: c.props(), expect=lc.ConnectError, client=key),
-                    _d_part(address=_d_missing, expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait, client=key),
-                    _d_part(expect=ValueError, client={"api_key": _F_KEY + "\r\n"}),
-                    _d_part(expect=ValueError, client={"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}),
-                ],
-            ),
-            (
-                "header injection",
-                [
-                    _d_part(expect=ValueError, client={"headers": {"X-Trace": "1\r\nX-Injected: yes"}}),
-                    _d_part(expect=ValueError, client={"headers": {"X-Trace\r\nX-Injected": "1"}}),
-                    _d_part(expect=ValueError, client={"headers": {"X-Trace": "1\nX-Injected: yes"}}),
-                    _d_part(expect=ValueError, client={"api_key": "key\nX-Injected: yes"}),
-                    _d_part(expect=ValueError, address=lambda s: "http://127.0.0.1:8080/\r\nX-Injected: yes"),
-                    _d_part(
-                        _d_reply(_D_OK),
-                        act=lambda c, ev: c.request("GET", "/slots\r\nX-Injected: yes"),
-                        expect=ValueError,
-                    ),
-                ],
-            ),
-            _d_fault(
-                "a model name carrying CR/LF",
-                _d_reply(_D_OK),
-                _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"),
-            ),
-            (
-                "redirects",
-                [
-                    redirect(status)
-                    for status in (
-                        b"301 Moved Permanently",
-                        b"302 Found",
-                        b"303 See Other",
-                        b"307 Temporary Redirect",
-                        b"308 Permanent Redirect",
-                    )
-                ]
-                + [
-                    _d_part(
-                        _d_slots_reply(
-                            _f_head(b"302 Found", b"Location: http://127.0.0.1:9/slots\r\nContent-Length: 0\r\n")
-                        ),
-                        slots,
-                        lc.HTTPStatusError,
-                    )
-                ],
-            ),
-            ("a response pointing elsewhere", [_d_part(elsewhere), _d_part(elsewhere, slots, lc.HTTPStatusError)]),
-        ]
-
-    def _d_fuzz(self):
-        def served(name, target):
-            data = _f_input(name)
-            self.assertTrue(_f_saved(target, data, name))
-            return data
-
-        assembler = served("080ec222851097f5", "assembler").decode("utf-8", "surrogatepass").split("\n\x1e")
-        lines = served("5dff79bad8bec29d", "sse")
-        return [
-            _d_fault(
-                "error body stalls on a held connection",
-                _d_pieces(
-                    served("e2748cec9571aae2", "client"),
-                    _F_CUTS["e2748cec9571aae2"],
-                ),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-                sockets=True,
-            ),
-            _d_fault(
-                "503 with an error body nested 5,000 deep",
-                _d_reply(served("403724efe73ee4d8", "http")),
-                expect=lc.LoadTimeoutError,
-                budget=FAST_FAULTS.load_wait,
-            ),
-            # the assembler's payloads, served as the events of a stream: the first is the error event
-            _d_fault(
-                'error code `"²"`',
-                _d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"),
-                expect=lc.ServerError,
-            ),
-            # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
-            # longer than the parsing: CPU-bound, it is timing otherwise), in CPU time against the floor's
-            _d_fault(
-                "605,552 `data:` lines in one event",
-                _d_patient(_D_CL + b"\r\n" + lines),
-                expect=lc.StreamClosedError,
-                at_once=True,
-                changes=dict(max_line=1024 * 1024, liveness=30.0),
-                cpu=lines,
-            ),
-            _d_fault(
-                "`event: error` with data nested 100,000 deep",
-                _d_reply(served("e517c807fa701495", "http")),
-                expect=lc.ServerError,
-                changes=dict(max_line=1024 * 1024),
-            ),
-            _d_fault(
-                "`event: error` nested deep, through `chat()`",
-                _d_pieces(
-                    served("0f7c31287867b84c", "client"),
-                    _F_CUTS["0f7c31287867b84c"],
-                ),
-                _d_chat(slot=1),
-                lc.ServerError,
-                changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
-            ),
-        ]
-
-    _D_TABLES = (
-        "_d_connecting",
-        "_d_head",
-        "_d_framing",
-        "_d_sse",
-        "_d_json_rows",
-        "_d_waits",
-        "_d_errors",
-        "_d_retry_after",
-        "_d_slots_rows",
-        "_d_control",
-        "_d_proxies",
-        "_d_fronts",
-        "_d_full_fronts",
-        "_d_sessions",
-        "_d_security",
-        "_d_fuzz",
-        "_d_answers",
-    )
 
     def test_the_comparison_sets_aside_timing_only(self):
         poll = FAST_FAULTS.poll
@@ -17179,177 +17035,10 @@ class TestDifferential(_f_Case):
         self.assertIn("message differs", differ(([], lc.HTTPStatusError(400, "a")), ([], lc.HTTPStatusError(500, "a"))))
         self.assertIn("message differs", differ(([], lc.ServerError(1, "m")), ([], lc.ServerError(1, "n"))))
 
-    def _d_rows(self):
-        return {name: parts for table in self._D_TABLES for name, parts in getattr(self, table)()}
-
-    def test_every_row_of_the_fault_table_is_here(self):
-        here = [name for table in self._D_TABLES for name, _ in getattr(self, table)()]
-        stated = [row[0] for _, _, rows in FAULT_TABLE for row in rows]
-        self.assertEqual(sorted(here), sorted(stated))
-        self.assertEqual(len(here), len(set(here)))
-        self.assertEqual(len(stated), len(set(stated)))
-
     def test_dev_faults_md_is_the_fault_table(self):
         with open(os.path.join(HERE, "dev", "FAULTS.md"), encoding="utf-8") as f:
             text = f.read()
         self.assertEqual(text, fault_tables_markdown(text), "dev/FAULTS.md drifted from FAULT_TABLE: run dev/faults.py")
-
-    def test_each_row_states_what_it_runs(self):
-        """A row's outcome names the error its parts expect (or says there is none), and the budget it is
-        waited out for ("after `liveness`"); its tests exist, and a TestDifferential test it names runs it
-        (a name in the old form, any TestX.test_y, is accepted when it exists)."""
-        budgets = ("liveness", "busy_wait", "load_wait", "idle_grace")
-        rows = self._d_rows()
-        for heading, _, table in FAULT_TABLE:
-            for fault, _, outcome, tests in table:
-                with self.subTest(fault):
-                    for part in rows[fault]:
-                        if heading == "Security":  # its outcomes are properties of every error
-                            break
-                        if isinstance(part.expect, type) and issubclass(part.expect, BaseException):
-                            self.assertIn("`%s`" % part.expect.__name__, outcome)
-                        else:
-                            self.assertTrue("no error" in outcome or "retried" in outcome, outcome)
-                        for name in budgets:
-                            if part.budget and not part.at_once and part.budget == getattr(FAST_FAULTS, name):
-                                self.assertIn("`%s`" % name, outcome)
-                    named = re.findall(r"`(Test\w+)\.(test\w+)`", tests)
-                    self.assertTrue(named, tests)
-                    for cls, method in named:
-                        self.assertTrue(callable(getattr(globals().get(cls), method, None)), "%s.%s" % (cls, method))
-                        if cls == "TestDifferential":
-                            self.assertIn(fault, self._d_rows_of(method), "%s does not run it" % method)
-
-    def _d_rows_of(self, method):
-        """The rows TestDifferential.<method> runs: those of the tables its source calls."""
-        tables = set(re.findall(r"self\.(_d_\w+)\(\)", inspect.getsource(getattr(type(self), method))))
-        return [name for table in self._D_TABLES if table in tables for name, _ in getattr(self, table)()]
-
-    def test_connecting(self):
-        self._d_table(self._d_connecting())
-
-    def test_the_response_head(self):
-        self._d_table(self._d_head())
-
-    def test_body_framing(self):
-        self._d_table(self._d_framing())
-
-    def test_sse_lines_and_events(self):
-        self._d_table(self._d_sse())
-
-    def test_json_payloads(self):
-        self._d_table(self._d_json_rows())
-
-    def test_silence_pings_and_the_liveness_rule(self):
-        self._d_table(self._d_waits())
-
-    def test_error_statuses_and_error_events(self):
-        self._d_table(self._d_errors())
-
-    def test_503_with_retry_after(self):
-        self._d_table(self._d_retry_after())
-
-    def test_slots_and_the_other_single_shot_calls(self):
-        self._d_table(self._d_slots_rows())
-
-    def test_the_reasoning_control_endpoint(self):
-        self._d_table(self._d_control())
-
-    def test_security(self):
-        self._d_table(self._d_security())
-
-    def test_inputs_the_fuzzer_found(self):
-        self._d_table(self._d_fuzz())
-
-    def test_answers_as_the_server_gave_them(self):
-        self._d_table(self._d_answers())
-
-    def _d_answers(self):
-        """The rows of fetch(), timeout= and stream_route()."""
-
-        def on(method, path, handler):  # the handler made afresh for each client
-            return lambda s: s.route(method, path, handler())
-
-        def fetched(row, name):  # what the server said, as it said it, from one request
-            raw, want = _A_FAULT_ANSWERS[name]
-            return _d_fault(
-                row, on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want, check=_d_asked("/any", n=1)
-            )
-
-        big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
-        t, lv = _A_DEADLINE, FAST_FAULTS.liveness
-        trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
-        then_ok = lambda: _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True)))
-        opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
-        started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
-        return [
-            fetched("fetch() of an error page", "page"),
-            fetched("fetch() of a 503 with Retry-After", "503"),
-            fetched("fetch() of a redirect", "302"),
-            _d_fault(
-                "fetch() of a body over max_body",
-                on("GET", "/any", lambda: reply(big, hold=True)),
-                _a_fetch(),
-                lc.ProtocolError,
-                check=_d_says("max_body"),
-            ),
-            _d_fault(
-                "timeout= on a silent server",
-                on("GET", "/any", lambda: _f_hold),
-                _a_fetch(timeout=t),
-                lc.DeadlineError,
-                t,
-                check=_d_attrs(phase="answer"),
-            ),
-            _d_fault(
-                "timeout= on an answer that trickles",
-                on("GET", "/any", trickle),
-                _a_fetch(timeout=t),
-                lc.DeadlineError,
-                t,
-                check=_d_says("reading the answer to GET /any"),
-                sockets=True,
-            ),
-            _d_fault(
-                "stream_route() of an answer that is not a stream",
-                on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
-                _a_route(),
-                lc.ProtocolError,
-                check=_d_asked("/r", n=1),  # not sent again
-            ),
-            _d_fault(
-                "stream_route() of a 503, then a stream",
-                on("POST", "/r", then_ok),
-                _a_route(),
-                _A_EMPTY,
-                budget=lc.BACKOFF_FIRST,
-                at_once=True,
-                check=(_d_kinds("Retrying", "Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
-                sockets=True,
-            ),
-            _d_fault(
-                "stream_route() of text data",
-                on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))),
-                _a_route(),
-                _A_EMPTY,
-                check=(_d_kinds("Chunk", "Chunk"), _d_delivered(lc.Chunk("hello"), lc.Chunk("wor ld"))),
-            ),
-            _d_fault(
-                "stream_route() of chat cut before its finish",
-                on("POST", "/r", lambda: reply(opened)),
-                _a_route(),
-                lc.StreamClosedError,
-                check=_d_kinds("Chunk"),
-            ),
-            _d_fault(
-                "stream_route() silent once started",
-                on("POST", "/r", lambda: reply(started, hold=True)),
-                _a_route(),
-                lc.StalledError,
-                lv,
-                check=(_d_kinds("Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
-            ),
-        ]
 
     # -- the cases that used to tell the clients apart, and the proxies' rows -------------------------
 
@@ -17396,7 +17085,7 @@ class TestDifferential(_f_Case):
 
     def test_cases_that_used_to_differ(self):
         head_only = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
-        self._d_row(
+        self._d_parts(
             "HEAD with a Content-Length and no body",
             _d_part(
                 lambda s: s.route("HEAD", "/health", reply(head_only, hold=True)),
@@ -17406,7 +17095,7 @@ class TestDifferential(_f_Case):
         )
         over = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
         over += chunked(*[b"[" + b" " * 8190 + b"]"] * 9)  # 72 KiB of chunks, the last chunk never sent
-        self._d_row(
+        self._d_parts(
             "a chunked single-shot answer over max_body",
             _d_part(_d_slots_reply(over, hold=True), lambda c, ev: c.slots(), lc.ProtocolError),
         )
@@ -17446,368 +17135,41 @@ class TestDifferential(_f_Case):
         self._d_both("a slot=None pool with Limits(pool=3)", pool(3))
         self._d_both("a slot=None pool without Limits.pool", pool(None))
 
-    def test_behind_proxies(self):
-        self._d_table(self._d_proxies())
+    def test_each_row_states_what_it_runs(self):
+        """A row's outcome names the error its parts expect (or says there is none), and the budget it is
+        waited out for ("after `liveness`"); the tests it names exist; a row has parts when a TestDifferential
+        test runs its section, and its name is its own."""
+        budgets = ("liveness", "busy_wait", "load_wait", "idle_grace")
+        names = []
+        for section in FAULT_TABLE:
+            for row in section.rows():
+                names.append(row.fault)
+                with self.subTest(row.fault):
+                    self.assertEqual(bool(row.parts), section.test is not None)
+                    for part in row.parts:
+                        if isinstance(part.expect, type) and issubclass(part.expect, BaseException):
+                            self.assertIn("`%s`" % part.expect.__name__, row.outcome)
+                        else:
+                            self.assertTrue("no error" in row.outcome or "retried" in row.outcome, row.outcome)
+                        for name in budgets:
+                            if part.budget and not part.at_once and part.budget == getattr(FAST_FAULTS, name):
+                                self.assertIn("`%s`" % name, row.outcome)
+                    tests = _d_tests(section, row)
+                    self.assertTrue(tests)
+                    for test in tests:
+                        cls, method = test.split(".")
+                        self.assertTrue(callable(getattr(globals().get(cls), method, None)), test)
+        self.assertEqual(len(names), len(set(names)))
 
-    def test_behind_fronts(self):
-        self._d_table(self._d_fronts())
+    def _d_table(self, section):
+        for row in section.rows():
+            self._d_parts(row.fault, *row.parts)
 
-    def test_a_front_whose_every_server_is_busy(self):
-        self._d_table(self._d_full_fronts())
 
-    def test_session_keys(self):
-        self._d_table(self._d_sessions())
-
-    def _d_full_fronts(self):
-        def served(name):
-            answer = front_answer(name)
-            arrange = lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
-            return [_d_part(arrange, budget=3.0, at_once=True, changes=dict(busy_wait=3.0, load_wait=0.1))]
-
-        return [
-            ("429 from nginx: every server busy, then served", served("nginx 429")),
-            ("429 from HAProxy after its queue timeout, then served", served("haproxy 429")),
-            ("429 from Caddy: every server busy, then served", served("caddy 429")),
-            (
-                "every server busy for ever",
-                [
-                    _d_part(
-                        _d_reply(front_answer("nginx 429")),
-                        expect=lc.WaitTimeoutError,
-                        budget=2.5,
-                        at_once=True,
-                        changes=dict(busy_wait=2.5, load_wait=0.3),
-                    )
-                ],
-            ),
-            (
-                "every server unreachable behind HAProxy",
-                [
-                    _d_part(
-                        _d_reply(front_answer("haproxy 503 unreachable")),
-                        expect=lc.LoadTimeoutError,
-                        budget=0.6,
-                        changes=dict(busy_wait=0.2),
-                    )
-                ],
-            ),
-        ]
-
-    def _d_sessions(self):
-        raw = load_transcript("04_chat_stream.raw.txt")
-
-        def resumable(cuts, body=None):
-            def arrange(s):
-                buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
-                if body is not None:
-                    buf.raw = body
-
-            return arrange
-
-        error = (
-            STREAM_HEAD
-            + chunked(
-                sse(chunk_json({"content": "Hi"})),
-                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
-            )
-            + b"0\r\n\r\n"
-        )
-        keyed = _d_chat(resumable="conv-1", session="k-1")
-        return [
-            (
-                "a resumable stream with a session key, cut mid-stream",
-                [_d_part(resumable(lambda head: [head + 900]), act=keyed)],
-            ),
-            (
-                "a resumable request without a key, lost before its head",
-                [_d_part(resumable(lambda head: [0]), act=_d_chat(resumable="conv-1"))],
-            ),
-            (
-                "a resumable stream with a session key, ended by an error event",
-                [_d_part(resumable(lambda head: [], error), act=keyed, expect=lc.ServerError)],
-            ),
-            (
-                "a malformed session key",
-                [_d_part(_d_reply(_D_OK), act=_d_chat(session="two words"), expect=ValueError)],
-            ),
-            (
-                "`Limits(session=False)`, a resumable stream cut mid-stream",
-                [
-                    _d_part(
-                        resumable(lambda head: [head + 900]),
-                        act=_d_chat(resumable="conv-1"),
-                        changes=dict(session=False),
-                    )
-                ],
-            ),
-        ]
-
-    def _d_fronts(self):
-        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
-        # the wrong budget would end a retried 504 (502) early; the right one leaves a loaded machine more than
-        # a second beyond the backoff's 0.75 s (its sleeps wake late, and an attempt's round trip is slow)
-        busy = dict(busy_wait=2.0, load_wait=0.1)
-        load = dict(load_wait=2.0, busy_wait=0.1)
-        pages = {  # what a retried page says
-            "nginx 504": "the front stopped waiting for a slot",
-            "haproxy 504": "the front stopped waiting for a slot",
-            "caddy 504": "the front stopped waiting for a slot",
-            "cloudflare 524": "the front stopped waiting for a slot",
-            "nginx 502": "502 Bad Gateway",
-            "caddy 502": "(empty body)",
-            "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
-            "cloudflare 521": "llm.example.com | 521: Web server is down",
-            "cloudflare 522": "llm.example.com | 522: Connection timed out",
-            "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
-        }
-
-        def says(name):
-            kind, status = name.split()
-            return "HTTP %s from %s" % (status, FRONT_NAMES[kind])
-
-        def served(name, changes, sockets=False):
-            answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
-            reason = "%s: %s" % (says(name), pages[name])
-            return _d_part(
-                lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK))),
-                budget=backoff,
-                at_once=True,
-                changes=changes,
-                check=(
-                    _d_attrs(content="Hello world"),
-                    _d_retries(pairs=[(1, reason), (2, reason)]),
-                    _d_kinds("Retrying", "Retrying", "Content", "Content"),
-                    _d_asked(n=3),
-                ),
-                sockets=sockets,
-            )
-
-        def for_ever(name, budget, other, changes):  # the row's own budgets; shorter ones for the other fronts
-            return _d_part(
-                _d_reply(front_answer(name)),
-                expect=lc.WaitTimeoutError if budget == "busy_wait" else lc.LoadTimeoutError,
-                budget=changes.get(budget, getattr(FAST_FAULTS, budget)),
-                changes=dict(changes, **{other: 0.3 if budget == "busy_wait" else 0.2}),
-                check=(_d_says(says(name), budget), _d_cause(lc.HTTPStatusError, body=front_page(name))),
-            )
-
-        def resumable(s):
-            _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
-
-        def caddy_cut(s):
-            buf = _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"))
-            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
-            buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:900]) + b"0\r\n\r\n"]
-
-        def two_servers(lists):
-            def arrange(s):
-                asked = []
-
-                def slots(req):
-                    asked.append(1)
-                    respond_json(req, lists[(len(asked) - 1) % 2])
-
-                s.route("GET", "/slots", slots)
-                s.stream(_f_hold)
-
-            return arrange
-
-        def last_wait_knows(known):
-            def check(test, run):
-                waits = [e for e in run.events if isinstance(e, lc.Waiting)]
-                test.assertEqual(waits[-1].slots_known, known, run.kind)
-
-            return check
-
-        idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
-        page = (
-            b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1>"
-            b"</center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
-        )
-        forbidden = (
-            b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
-        )
-
-        def props(answer, text, **attrs):  # the same page answering a single-shot call
-            return _d_part(
-                lambda s: s.route("GET", "/props", reply(answer)),
-                lambda c, ev: c.props(),
-                lc.HTTPStatusError,
-                check=(_d_says(exactly=text), _d_attrs(**attrs)),
-            )
-
-        several = lambda w: not w.slots_known and not w.wedged
-        return [
-            ("504 from nginx, then served", [served("nginx 504", busy, sockets=True)]),
-            ("504 without a `Server` header, then served", [served("haproxy 504", busy, sockets=True)]),
-            ("504 with an empty body, then served", [served("caddy 504", busy, sockets=True)]),
-            ("524, then served", [served("cloudflare 524", busy, sockets=True)]),
-            (
-                "504 for ever",
-                [for_ever("nginx 504", "busy_wait", "load_wait", {})]
-                + [
-                    for_ever(n, "busy_wait", "load_wait", dict(busy_wait=0.45))
-                    for n in ("haproxy 504", "caddy 504", "cloudflare 524")
-                ],
-            ),
-            _d_fault(
-                "504 to a resumable request the server holds",
-                resumable,
-                act=_d_chat(resumable="conv-1"),
-                changes=dict(busy_wait=1.0),
-            ),
-            _d_fault("a resumable stream the front ends cleanly mid-event", caddy_cut, act=_d_chat(resumable="conv-1")),
-            ("502 with an HTML page, then served", [served("nginx 502", load)]),
-            ("502 with an empty body, then served", [served("caddy 502", load)]),
-            ("520 to 523, then served", [served("cloudflare %d" % n, load) for n in (520, 521, 522, 523)]),
-            (
-                "502 for ever",
-                [for_ever("nginx 502", "load_wait", "busy_wait", {})]
-                + [for_ever(n, "load_wait", "busy_wait", dict(load_wait=0.3)) for n in ("caddy 502", "cloudflare 521")],
-            ),
-            _d_fault(
-                "503 from HAProxy for ever",
-                _d_reply(front_answer("haproxy 503")),
-                expect=lc.LoadTimeoutError,
-                budget=0.6,
-                changes=dict(busy_wait=0.2),
-                check=(
-                    _d_says("load_wait"),
-                    _d_cause(
-                        lc.HTTPStatusError,
-                        status=503,
-                        message="503 Service Unavailable",
-                        server=None,
-                        body=front_page("haproxy 503"),
-                    ),
-                    _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}),
-                ),
-            ),
-            (
-                "an error page from a front",
-                [
-                    _d_part(
-                        _d_reply(forbidden),
-                        expect=lc.HTTPStatusError,
-                        check=(
-                            _d_says(exactly="HTTP 403 from nginx/1.22.1: 403 Forbidden"),
-                            _d_attrs(status=403, server="nginx/1.22.1", body=page),
-                            _d_asked(n=1),  # not retried
-                        ),
-                    ),
-                    props(
-                        front_answer("nginx 504"),
-                        "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out",
-                        body=front_page("nginx 504"),
-                    ),
-                    props(
-                        front_answer("haproxy 504"),
-                        "HTTP 504 from the front: 504 Gateway Time-out",
-                        body=front_page("haproxy 504"),
-                    ),
-                    props(front_answer("caddy 502"), "HTTP 502 from Caddy: (empty body)", body=front_page("caddy 502")),
-                    props(
-                        front_answer("haproxy 503"),
-                        "HTTP 503: 503 Service Unavailable",
-                        body=front_page("haproxy 503"),
-                    ),
-                    props(
-                        json_response(json.loads(_R_GONE), b"404 Not Found"),
-                        "HTTP 404: File Not Found",
-                        server="llama.cpp",
-                    ),
-                ],
-            ),
-            _d_fault(
-                "idle `/slots`, several servers",
-                _d_stream(_f_hold),
-                expect=lc.WaitTimeoutError,
-                budget=0.8,
-                changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
-                check=_d_waits(several, "of several servers"),
-            ),
-            (
-                "`/slots` answers from two servers",
-                [
-                    _d_part(  # the slot count changes: several servers
-                        two_servers([idle(2, 3), idle(3, 3)]),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8 + 2 * FAST_FAULTS.poll,
-                        at_once=True,
-                        changes=dict(idle_grace=0.3, load_wait=0.3),
-                        check=(last_wait_knows(False), _d_not_before(0.8)),  # busy_wait, from the second poll
-                    ),
-                    _d_part(  # one server's slot may take a task queued for it after a later one: no proof
-                        two_servers([idle(2, 9), idle(2, 4)]),
-                        expect=lc.StalledError,
-                        budget=0.3,
-                        changes=dict(idle_grace=0.3, load_wait=0.3),
-                        check=last_wait_knows(True),
-                    ),
-                ],
-            ),
-        ]
-
-    def _d_proxies(self):
-        def not_served(status, reason, budget):
-            doc = {"error": {"code": status, "message": "no slots here", "type": "x"}}
-            return _d_part(
-                lambda s: [s.route("GET", "/slots", _d_json(doc, status, reason)), s.stream(_f_hold)],
-                expect=lc.WaitTimeoutError,
-                budget=budget,
-                changes=dict(busy_wait=budget, load_wait=budget * 3 / 8, idle_grace=budget * 3 / 8),
-                check=(
-                    _d_says("does not serve /slots"),
-                    _d_waits(lambda w: w == lc.Waiting(False, slots_known=False), "Waiting(False, slots_known=False)"),
-                    _d_asked("/slots", n=1),  # a /slots that is not served is asked again at most every 30 s
-                ),
-            )
-
-        def then_ok(hint):
-            return lambda s: s.stream(_f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(_D_OK)))
-
-        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
-        reason = "HTTP 429: too many requests for model m1"
-        served = (
-            _d_attrs(content="Hello world"),
-            _d_retries(pairs=[(1, reason), (2, reason)]),
-            _d_kinds("Retrying", "Retrying", start=True),
-        )
-        return [
-            (
-                "429 at a concurrency limit, then served",
-                [
-                    _d_part(then_ok(None), budget=backoff, at_once=True, check=served, sockets=True),
-                    _d_part(then_ok(b"0"), budget=backoff, at_once=True, check=served, sockets=True),
-                ],
-            ),
-            # load_wait shorter: the wrong budget would end it far earlier
-            _d_fault(
-                "429 for ever",
-                _d_reply(_f_too_many(b"0")),
-                expect=lc.WaitTimeoutError,
-                budget=0.8,
-                changes=dict(load_wait=0.3),
-                check=(
-                    _d_says("answered 429 (at capacity)", "(busy_wait)"),
-                    _d_cause(lc.HTTPStatusError, status=429),
-                ),
-            ),
-            _d_fault(
-                "429 with a hint past `busy_wait`",
-                _d_reply(_f_too_many(b"30")),
-                expect=lc.WaitTimeoutError,
-                budget=0.8,
-                at_once=True,
-                check=_d_retries(n=0),
-            ),
-            (
-                "`/slots` not served",
-                [not_served(404, "Not Found", 0.8)]
-                + [not_served(s, r, 0.45) for s, r in ((403, "Forbidden"), (405, "Method Not Allowed"), (501, "x"))],
-            ),
-        ]
+# TestDifferential's test of each section of the fault table, by the name the section gives it (timed: real_time)
+for _section in FAULT_TABLE:
+    if _section.test is not None:
+        setattr(TestDifferential, _section.test, real_time(lambda self, section=_section: self._d_table(section)))
 
 
 # =====================================================================================================

@@ -6539,7 +6539,7 @@ class TestClientStream(ServerCase):
         req = self.server.chat_requests()[0]
         head = req.raw_head.decode()
         self.assertTrue(head.startswith("POST /v1/chat/completions HTTP/1.1\r\n"))
-        self.assertEqual(req.headers["host"], self.server.address[len("http://") :] if self.tcp else "localhost")
+        self.assertEqual(req.headers["host"], "localhost")  # (over TCP, its host and port: TestApiPrefix, TestApiTLS)
         self.assertEqual(req.headers["content-type"], "application/json")
         self.assertEqual(req.headers["accept"], "text/event-stream")
         self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
@@ -6584,14 +6584,6 @@ class TestClientStream(ServerCase):
 
 
 class TestClientStreamAsync(AsyncDriver, TestClientStream):
-    pass
-
-
-class TestClientStreamTCP(TestClientStream):
-    tcp = True
-
-
-class TestClientStreamTCPAsync(AsyncDriver, TestClientStreamTCP):
     pass
 
 
@@ -8961,14 +8953,9 @@ class TestAnswers(_ApiCase):
         self.server.route("GET", "/models/sse", reply(gone))
         self.server.route("GET", "/v1/stream", reply(gone))
         c = self.client
-        calls = [
-            ("/v1/chat/completions", lambda h: c.chat(MSGS, headers=h)),
+        calls = [(_E_PATHS[e], lambda h, e=e: getattr(c, e)(*_E_CASES[e][0], headers=h)) for e in _E_CASES]
+        calls += [
             ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
-            ("/completion", lambda h: c.complete("x", headers=h)),
-            ("/infill", lambda h: c.infill("x", headers=h)),
-            ("/v1/responses", lambda h: c.respond("x", headers=h)),
-            ("/v1/messages", lambda h: c.message(MSGS, headers=h)),
-            ("/v1/completions", lambda h: c.complete_openai("x", headers=h)),
             ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
             ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
             ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),

@@ -8318,19 +8318,12 @@ class TestApiTLS(_ApiCase):
         self.assertEqual(answers.sort(events)[0][0], lc.Waiting(True))  # the /slots poll went over TLS too
         self.assertEqual(waits_first(self, events), [lc.Content("Hello"), lc.Content(" world")])
         host = self.server.address[len("https://") :].encode()
-        body = (
-            b'{"messages": '
-            + _API_MSGS
-            + b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
-        )
-        req = self.server.chat_requests()[0]
+        rest = b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
+        body, req = b'{"messages": ' + _API_MSGS + rest, self.server.chat_requests()[0]
         # the session key: the digest of the messages up to the first user message, as canonical JSON
-        session = session_digest(b'[{"content":"hi","role":"user"}]')
-        self.assertEqual(
-            req.raw_head,
-            _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream", session=session),
-        )
-        self.assertEqual(req.body, body)
+        key = session_digest(b'[{"content":"hi","role":"user"}]')
+        head = _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream", session=key)
+        self.assertEqual((req.raw_head, req.body), (head, body))
         self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))
         self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
         # the host name is checked too: localhost is in the certificate

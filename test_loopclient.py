@@ -6767,7 +6767,9 @@ class TestEndpoints(ServerCase):
              (sky, "", "length")),
             ("complete", "43_completion_stream_two_prompts.raw.txt", (prompts,), dict(n_predict=8),
              (sky, "", "length")),
-            # the stop word " the" held back: no text
+            # the end of generation (a token without text), and the stop word " the" held back: no text
+            ("complete", "39_completion_stream_eos.raw.txt", ("The sky is",), {},
+             ("<think> is the sky blue is </think>the answer is yes", "", "stop")),
             ("complete", "46_completion_stream_stop_word.raw.txt", ("The sky is",), dict(stop=[" the"]), ("", "", "stop")),
             ("complete_openai", "90_completions_oai_stream_logprobs.raw.txt", ("The sky is",),
              dict(slot=1, max_tokens=8, temperature=0, logprobs=2), (sky, "", "length")),

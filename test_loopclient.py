@@ -7806,7 +7806,7 @@ class TestKeepAlive(ClientFactory, unittest.TestCase):
                 return STREAM_HEAD + content_stream(["ok"])
             return keep_alive_answer({"total_slots": 2})
 
-        server, client = self.serve(answer)
+        server, client = self.serve(answer, poll=1.0)  # (SOCKETS' poll: a late head adds no /slots poll)
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         paths = [(n, r.path) for n, r in server.requests]

@@ -9454,6 +9454,23 @@ class TestWaitForHead(VirtualFactory, ServerCase):
     def budget(self, **kw):
         return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=5.0, idle_grace=5.0), **kw))
 
+    def test_busy_slot_past_busy_wait(self):
+        self.server.busy[0] = True
+        self.use(hold_then(b"", self.event()))
+        client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.6))
+        answers = SlotAnswers(self)
+        t = Timer()
+        events = []
+        with self.assertRaises(lc.WaitTimeoutError) as cm:
+            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
+        # busy_wait after the busy wait began (on real sockets, a /slots answer later than the poll is an
+        # unavailable server for that poll, and busy afterwards starts afresh)
+        self.assertElapsed(time.monotonic() - answers.busy_since(t.start), 0.6)
+        self.assertIsInstance(cm.exception, TimeoutError)
+        timely, _ = answers.sort(events)
+        self.assertTrue(timely and all(e == lc.Waiting(True) for e in timely))
+        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
+
     def test_slots_failing_is_load_timeout_after_load_wait(self):
         self.server.route(
             "GET",
@@ -9540,7 +9557,7 @@ class TestWaitForHead(VirtualFactory, ServerCase):
 
 
 TestWaitForHeadSockets, TestWaitForHeadSocketsAsync = on_sockets(
-    TestWaitForHead, "test_five_waiters_share_one_slots_request"
+    TestWaitForHead, "test_busy_slot_past_busy_wait", "test_five_waiters_share_one_slots_request"
 )
 
 
@@ -13718,7 +13735,7 @@ def _d_silence():
         _d_row("stall before the head, busy slot", "the same; `/slots` says processing",
                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events", _d_busy(hold),
                expect=lc.WaitTimeoutError, budget=FAST_FAULTS.busy_wait,
-               check=_d_waits(lambda w: w.slot_busy, "of a busy slot"), sockets=True),
+               check=_d_waits(lambda w: w.slot_busy, "of a busy slot")),
         _d_row("stall mid-stream", "one content event, then silence", "`StalledError` after `liveness`",
                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True), expect=lc.StalledError,
                budget=FAST_FAULTS.liveness, check=_d_kinds("Content"), sockets=True),

@@ -14875,7 +14875,7 @@ class TestSecurity(_f_Case):
         self.server.route("GET", "/slots", reply(redirect))
         socket.socket.connect = spy
         try:
-            self._f_succeeds()
+            self._f_succeeds(lc.BACKOFF_FIRST)  # the 503's retry waits the first backoff
             self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots())
         finally:
             del socket.socket.connect

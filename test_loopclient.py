@@ -6510,6 +6510,17 @@ class TestResponseValue(unittest.TestCase):
 # =====================================================================================================
 
 
+def held_after(*texts):
+    """A handler that sends a stream's head and a content event per text, then says nothing until the client
+    leaves."""
+
+    def handler(req):
+        req.send(STREAM_HEAD + chunked(*[sse(chunk_json({"content": text})) for text in texts]))
+        req.wait_peer_close(5)
+
+    return handler
+
+
 class TestClientStream(ServerCase):
     limits = SOCKETS
 
@@ -6517,65 +6528,25 @@ class TestClientStream(ServerCase):
         self.use(serve_body(content_stream(["Write", " one", " sentence"])))
         completion, events = self.collect(max_tokens=16, temperature=0)
         self.assertEqual(events, [lc.Content("Write"), lc.Content(" one"), lc.Content(" sentence")])
-        self.assertEqual(
-            completion,
-            lc.Completion(
-                id=CID,
-                model=MODEL,
-                content="Write one sentence",
-                reasoning="",
-                tool_calls=[],
-                finish_reason="stop",
-                usage=USAGE,
-                timings=TIMINGS,
-                reasoning_tokens=0,
-                thinking_capped=False,
-            ),
-        )
-
-    def test_transcript_04_replayed_byte_for_byte(self):
-        raw = load_transcript("04_chat_stream.raw.txt")
-        self.use(reply(raw))
-        completion, events = self.collect()
-        self.assertEqual(completion.content, "Write one sentence about the sea.<|im_end|>\n<|im")
-        self.assertEqual(completion.finish_reason, "length")
-        self.assertEqual(completion.timings["predicted_n"], 16)
-        self.assertEqual(len(events), 16)
+        want = lc.Completion(CID, MODEL, "Write one sentence", "", [], "stop", USAGE, TIMINGS, 0, False)
+        self.assertEqual(completion, want)
 
     def test_request_bytes_follow_the_wire_rules(self):
         self.use(serve_body(content_stream(["ok"])))
-        self.collect(
-            slot=1,
-            max_tokens=8,
-            tools=[{"type": "function", "function": {"name": "f"}}],
-            stop=["\n"],
-            seed=7,
-            chat_template_kwargs={"enable_thinking": True},
-            stream_options={"continuous_usage_stats": True},
-        )
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        kw = dict(max_tokens=8, tools=tools, stop=["\n"], seed=7, chat_template_kwargs={"enable_thinking": True})
+        self.collect(slot=1, stream_options={"continuous_usage_stats": True}, **kw)
         req = self.server.chat_requests()[0]
         head = req.raw_head.decode()
         self.assertTrue(head.startswith("POST /v1/chat/completions HTTP/1.1\r\n"))
-        self.assertEqual(req.headers["host"], self.server.address[len("http://") :] if self.tcp else "localhost")
+        self.assertEqual(req.headers["host"], "localhost")  # (over TCP, its host and port: TestApiPrefix, TestApiTLS)
         self.assertEqual(req.headers["content-type"], "application/json")
         self.assertEqual(req.headers["accept"], "text/event-stream")
         self.assertEqual(req.headers["user-agent"], "loopclient/" + lc.__version__)
         self.assertEqual(int(req.headers["content-length"]), len(req.body))
         self.assertNotIn("authorization", req.headers)
-        self.assertEqual(
-            req.json(),
-            {
-                "messages": MSGS,
-                "max_tokens": 8,
-                "tools": [{"type": "function", "function": {"name": "f"}}],
-                "stop": ["\n"],
-                "seed": 7,
-                "chat_template_kwargs": {"enable_thinking": True},
-                "stream": True,
-                "stream_options": {"continuous_usage_stats": True, "include_usage": True},
-                "id_slot": 1,
-            },
-        )
+        options = {"continuous_usage_stats": True, "include_usage": True}
+        self.assertEqual(req.json(), dict(messages=MSGS, **kw, stream=True, stream_options=options, id_slot=1))
 
     def test_any_slot_sends_no_id_slot(self):
         self.use(serve_body(content_stream(["ok"])))
@@ -6591,188 +6562,35 @@ class TestClientStream(ServerCase):
         self.assertEqual(req.headers["x-trace"], "1")
         self.assertNotIn("sk-secret", repr(client))
 
-    def test_stream_object_iterates_and_keeps_completion(self):
-        self.use(serve_body(content_stream(["a", "b"])))
-        with self.client.stream(MSGS, slot=0) as stream:
-            self.assertIsNone(stream.completion)
-            events = run_with_timeout(lambda: list(stream))
-        self.assertEqual(events, [lc.Content("a"), lc.Content("b")])
-        self.assertEqual(stream.completion.content, "ab")
-
     def test_reasoning_and_tool_calls(self):
-        body = (
-            chunked(
-                sse(chunk_json({"role": "assistant", "content": None})),
-                sse(chunk_json({"reasoning_content": "think"})),
-                sse(chunk_json({"reasoning_content": ""})),
-                sse(chunk_json({"reasoning_content": " more"})),
-                sse(
-                    chunk_json(
-                        {
-                            "tool_calls": [
-                                {
-                                    "index": 0,
-                                    "id": "call1",
-                                    "type": "function",
-                                    "function": {"name": "get_weather", "arguments": "{"},
-                                }
-                            ]
-                        }
-                    )
-                ),
-                sse(chunk_json({"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Paris"}'}}]})),
-                sse(chunk_json({}, "tool_calls")),
-                b"data: [DONE]\n\n",
-            )
-            + b"0\r\n\r\n"
-        )
-        self.use(serve_body(body))
+        call = {"index": 0, "id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}
+        deltas = [
+            {"role": "assistant", "content": None},
+            {"reasoning_content": "think"},
+            {"reasoning_content": ""},
+            {"reasoning_content": " more"},
+            {"tool_calls": [call]},
+            {"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Paris"}'}}]},
+        ]
+        body = chunked(*[sse(chunk_json(d)) for d in deltas], sse(chunk_json({}, "tool_calls")), b"data: [DONE]\n\n")
+        self.use(serve_body(body + b"0\r\n\r\n"))
         completion, events = self.collect()
-        self.assertEqual(
-            events,
-            [
-                lc.Reasoning("think"),
-                lc.Reasoning(" more"),
-                lc.ToolCall(0, "call1", "get_weather", "{"),
-                lc.ToolCall(0, None, None, '"city": "Paris"}'),
-            ],
-        )
+        calls = [lc.ToolCall(0, "call1", "get_weather", "{"), lc.ToolCall(0, None, None, '"city": "Paris"}')]
+        self.assertEqual(events, [lc.Reasoning("think"), lc.Reasoning(" more")] + calls)
         self.assertEqual(completion.reasoning, "think more")
         self.assertEqual(completion.reasoning_tokens, 2)
         self.assertEqual(completion.tool_calls, [lc.ToolCallResult("call1", "get_weather", '{"city": "Paris"}')])
         self.assertEqual(completion.finish_reason, "tool_calls")
-
-    def test_clean_end_after_finish_without_done(self):
-        self.use(serve_body(content_stream(["x"], done=False)))
-        completion, _ = self.collect()
-        self.assertEqual((completion.content, completion.finish_reason), ("x", "stop"))
-
-    def test_done_without_finish_reason_is_stream_closed(self):
-        self.use(serve_body(content_stream(["x"], finish=None)))
-        with self.assertRaises(lc.StreamClosedError):
-            self.collect()
-
-    def test_done_ends_the_response_before_the_final_chunk(self):
-        body = chunked(sse(chunk_json({"content": "x"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n")
-
-        def handler(req):
-            req.send(STREAM_HEAD + body)
-            req.wait_peer_close(30)  # never sends the 0 chunk: the client must not wait for it
-
-        self.use(handler)
-        completion, _ = self.collect()
-        self.assertEqual(completion.content, "x")
-        # the client ended the response itself: a client that read on for the 0 chunk would have been told
-        # StalledError after liveness (2 s), long before the server gave up holding the connection (30 s)
-        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
-
-    def test_http_error_status_carries_the_envelope(self):
-        body = (
-            b'{"error":{"code":400,"message":"request (3024 tokens) exceeds the available context size (1024 tokens),'
-            b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":3024,"n_ctx":1024}}'
-        )
-        self.use(reply(http_response(body, status=b"400 Bad Request")))
-        with self.assertRaises(lc.HTTPStatusError) as cm:
-            self.collect()
-        self.assertEqual(cm.exception.status, 400)
-        self.assertEqual(
-            cm.exception.message,
-            "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it",
-        )
-        self.assertEqual(cm.exception.body, body)
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-    def test_midstream_error_event_is_server_error_and_not_replayed(self):
-        body = (
-            chunked(
-                sse(chunk_json({"role": "assistant", "content": None})),
-                sse(chunk_json({"reasoning_content": "is"})),
-                b'data: {"error":{"code":500,"message":"got exception: boom","type":"server_error"}}\n\n',
-            )
-            + b"0\r\n\r\n"
-        )
-        self.use(serve_body(body))
-        with self.assertRaises(lc.ServerError) as cm:
-            self.collect()
-        self.assertEqual(
-            (cm.exception.code, cm.exception.message, cm.exception.type), (500, "got exception: boom", "server_error")
-        )
-        self.assertEqual(len(self.server.chat_requests()), 1)
 
 
 class TestClientStreamAsync(AsyncDriver, TestClientStream):
     pass
 
 
-class TestClientStreamTCP(TestClientStream):
-    tcp = True
-
-
-class TestClientStreamTCPAsync(AsyncDriver, TestClientStreamTCP):
-    pass
-
-
-class TestSingleShot(ServerCase):
-    def test_slots_health_props_models(self):
-        self.server.busy[1] = True
-        self.server.route(
-            "GET", "/v1/models", lambda req: respond_json(req, {"object": "list", "data": [{"id": MODEL}]})
-        )
-        slots = self.client.slots()
-        self.assertEqual([(s.id, s.is_processing) for s in slots], [(0, False), (1, True)])
-        self.assertEqual(slots[0].raw["n_ctx"], 1024)
-        self.assertEqual(self.client.health(), {"status": "ok"})
-        self.assertEqual(self.client.props()["total_slots"], 2)
-        self.assertEqual(self.client.models()["data"][0]["id"], MODEL)
-
-    def test_loading_server_is_http_status_error(self):
-        self.server.route(
-            "GET",
-            "/health",
-            lambda req: respond_json(
-                req,
-                {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
-                503,
-                "Service Unavailable",
-            ),
-        )
-        with self.assertRaises(lc.HTTPStatusError) as cm:
-            self.client.health()
-        self.assertEqual((cm.exception.status, cm.exception.message), (503, "Loading model"))
-
-    def test_unknown_endpoint_404(self):
-        with self.assertRaises(lc.HTTPStatusError) as cm:
-            self.client.models()
-        self.assertEqual((cm.exception.status, cm.exception.message), (404, "File Not Found"))
-
-    def test_missing_socket_is_connect_error(self):
-        client = self.new_client(self.server.tmp + "/missing.sock", limits=FAST)
-        with self.assertRaises(lc.ConnectError) as cm:
-            client.health()
-        self.assertEqual(cm.exception.address, self.server.tmp + "/missing.sock")
-        self.assertIsInstance(cm.exception.__cause__, FileNotFoundError)
-
-    def test_end_reasoning(self):
-        seen = []
-
-        def control(req):
-            seen.append(req.json())
-            respond_json(req, {"success": req.json()["id"] == "chatcmpl-1"})
-
-        self.server.route("POST", "/v1/chat/completions/control", control)
-        self.assertTrue(self.client.end_reasoning("chatcmpl-1"))
-        self.assertFalse(self.client.end_reasoning("chatcmpl-2"))
-        self.assertEqual(seen[0], {"id": "chatcmpl-1", "action": "reasoning_end"})
-
-
-class TestSingleShotAsync(AsyncDriver, TestSingleShot):
-    pass
-
-
 class TestClientEdges(ServerCase):
-    limits = SOCKETS
+    """Edge cases of streams, and of the chunked body's end."""
 
-    """Edge cases of streams and single-shot calls."""
+    limits = SOCKETS
 
     def test_many_deltas_fold_into_the_exact_text(self):
         words = ["w%d " % i for i in range(5000)]
@@ -6790,57 +6608,26 @@ class TestClientEdges(ServerCase):
             {"content": "a", "reasoning_content": {}},
         ):
             with self.subTest(delta=delta):
-                self.use(
-                    serve_body(chunked(sse(chunk_json({"role": "assistant"})), sse(chunk_json(delta))) + b"0\r\n\r\n")
-                )
+                body = chunked(sse(chunk_json({"role": "assistant"})), sse(chunk_json(delta)))
+                self.use(serve_body(body + b"0\r\n\r\n"))
                 with self.assertRaises(lc.ProtocolError):
                     self.collect()
 
-    def test_single_shot_bodies(self):
-        self.server.route("GET", "/health", reply(b'HTTP/1.0 200 OK\r\n\r\n{"status":"ok"}'))
-        self.assertEqual(self.client.health(), {"status": "ok"})  # read until close
-        self.server.route("GET", "/props", lambda req: respond_json(req, [1, 2]))
-        with self.assertRaises(lc.ProtocolError):
-            self.client.props()
-        self.server.route("GET", "/slots", lambda req: respond_json(req, {"slots": []}))
-        with self.assertRaises(lc.ProtocolError):
-            self.client.slots()
-        deep = b"[" * 100000 + b"]" * 100000
-        self.server.route(
-            "GET",
-            "/v1/models",
-            reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(deep), deep)),
-        )
-        with self.assertRaises(lc.ProtocolError):
-            self.client.models()
-
     def test_legacy_error_line_with_envelope(self):
-        body = (
-            chunked(
-                sse(chunk_json({"content": "x"})),
-                b'error: {"error":{"code":"500","message":"boom","type":"server_error"}}\n\n',
-            )
-            + b"0\r\n\r\n"
-        )
-        self.use(serve_body(body))
+        error = b'error: {"error":{"code":"500","message":"boom","type":"server_error"}}\n\n'
+        self.use(serve_body(chunked(sse(chunk_json({"content": "x"})), error) + b"0\r\n\r\n"))
         with self.assertRaises(lc.ServerError) as cm:
             self.collect()
         self.assertEqual((cm.exception.code, cm.exception.message), (500, "boom"))
 
-    def test_chunked_trailers_and_last_crlf(self):
-        decoder = lc.ChunkedDecoder()
-        self.assertEqual(decoder.feed(b"3\r\nabc\r\n0\r\nX-T: 1\r\n\r\n"), [b"abc"])
-        self.assertTrue(decoder.done)
+    def test_chunked_trailers_and_last_crlf(self):  # (trailers ignored: TestParserChunked)
         decoder = lc.ChunkedDecoder()
         self.assertEqual(decoder.feed(b"3\r\nabc\r\n0\r\n"), [b"abc"])
         decoder.feed_eof()  # only the final CRLF is missing: the body is whole
         self.assertTrue(decoder.done)
-        with self.assertRaises(lc.ProtocolError):
-            lc.ChunkedDecoder().feed(b"0\r\n" + b"X: y\r\n" * 101)
-        with self.assertRaises(lc.ProtocolError):
-            lc.ChunkedDecoder().feed(b"0\r\n" + b"X" * 5000)
-        with self.assertRaises(lc.ProtocolError):
-            lc.ChunkedDecoder().feed(b"0\r\n" + b"X" * 5000 + b"\r\n")
+        for trailers in (b"X: y\r\n" * 101, b"X" * 5000, b"X" * 5000 + b"\r\n"):  # over 100 lines, over a line's cap
+            with self.assertRaises(lc.ProtocolError):
+                lc.ChunkedDecoder().feed(b"0\r\n" + trailers)
 
 
 class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
@@ -6854,11 +6641,12 @@ class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
 
 
 def open_stream(client, endpoint, *args, **kw):
-    """``client.stream_<endpoint>(...)``: a Stream; for AsyncDriver's facade, its AsyncStream behind
-    blocking iteration (as ``SyncFacade.stream`` does for chat)."""
+    """``client.stream_<endpoint>(...)`` (``client.stream(...)`` for chat): a Stream; for AsyncDriver's
+    facade, its AsyncStream behind blocking iteration (as ``SyncFacade.stream`` does for chat)."""
+    name = "stream" if endpoint == "chat" else "stream_" + endpoint
     if isinstance(client, SyncFacade):
-        return StreamFacade(client._runner, getattr(client._client, "stream_" + endpoint)(*args, **kw))
-    return getattr(client, "stream_" + endpoint)(*args, **kw)
+        return StreamFacade(client._runner, getattr(client._client, name)(*args, **kw))
+    return getattr(client, name)(*args, **kw)
 
 
 def first_chunk(raw):
@@ -6871,23 +6659,28 @@ def first_chunk(raw):
 
 _E_SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
 
-
 #: What the captures 50 and 60 stream for _E_SEA at max 8 tokens
 _E_SEA_WORDS = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
 
-
 _E_SEA_TEXT = "".join(_E_SEA_WORDS)
 
+_E_PATHS = {
+    "chat": "/v1/chat/completions",
+    "complete": "/completion",
+    "infill": "/infill",
+    "respond": "/v1/responses",
+    "message": "/v1/messages",
+    "complete_openai": "/v1/completions",
+}
 
-_E_PATHS = {"complete": "/completion", "infill": "/infill", "respond": "/v1/responses", "message": "/v1/messages"}
-
-
-#: For each endpoint: the call's arguments, a capture of its stream, and the text that capture streams.
+#: For each streamed endpoint: the call's arguments, a capture of its stream, and the text it streams.
 _E_CASES = {
+    "chat": ((MSGS,), "04_chat_stream.raw.txt", "Write one sentence about the sea.<|im_end|>\n<|im"),
     "complete": (("The sky is",), "40_completion_stream_tokens_probs.raw.txt", "".join(_p_SKY)),
     "infill": (("def add(a, b):\n    ", "\n    return c\n"), "48_infill_stream.raw.txt", "\n    " * 4),
     "respond": (("Write one sentence about the sea.",), "50_responses_stream.raw.txt", _E_SEA_TEXT),
     "message": ((_E_SEA,), "60_messages_stream.raw.txt", _E_SEA_TEXT),
+    "complete_openai": (("The sky is",), "90_completions_oai_stream_logprobs.raw.txt", "".join(_p_SKY)),
 }
 
 
@@ -6902,14 +6695,15 @@ def _e_native_usage(evaluated, predicted, cached):
     }
 
 
-def _e_final(raw):
-    """The last data payload of a capture, parsed."""
-    return _p_data_docs(raw)[-1]
+def _e_docs(raw):
+    """The JSON objects a capture's data lines carry (not its ``[DONE]`` or ``null``)."""
+    return [d for d in _t_payloads(raw) if isinstance(d, dict)]
 
 
 class TestEndpoints(ServerCase):
-    """complete, infill, respond and message (and their stream_* forms) through the client, on the bytes
-    the real server sent (dev/testdata/transcripts); count_message_tokens and the LoRA calls."""
+    """complete, infill, respond, message and complete_openai (and their stream_* forms) through the client,
+    on the bytes the real server sent (dev/testdata/transcripts), and what they share with chat (for chat
+    too); count_message_tokens and the LoRA calls."""
 
     limits = SOCKETS
 
@@ -6934,171 +6728,101 @@ class TestEndpoints(ServerCase):
         self.closers.append(client.close)
         return client
 
-    def check_head(self, req, path):
+    def read_as_its_dialect(self, endpoint, raw, events, completion):
+        """Through the client, a capture gives the events and the Completion its endpoint's dialect reads
+        from those bytes, exactly (TestParserDialectTranscripts and TestParserTextCompletionsDialect state
+        what that is, split at every offset)."""
+        dialect = {
+            "complete": lc._NativeAssembler,
+            "infill": lc._NativeAssembler,
+            "respond": lc._ResponsesAssembler,
+            "message": lc._MessagesAssembler,
+            "complete_openai": lc._TextAssembler,
+        }[endpoint]
+        self.assertEqual(("ok", events, completion), _t_pump_outcome(dialect, [raw]))
+
+    def sent_last(self, endpoint, body):
+        """The last request to ``endpoint`` was a streamed POST of exactly ``body``."""
+        req = self.sent(_E_PATHS[endpoint])[-1]
         head = req.raw_head.decode()
-        self.assertTrue(head.startswith("POST %s HTTP/1.1\r\n" % path), head)
+        self.assertTrue(head.startswith("POST %s HTTP/1.1\r\n" % _E_PATHS[endpoint]), head)
         self.assertEqual(req.headers["accept"], "text/event-stream")
         self.assertEqual(req.headers["content-type"], "application/json")
         self.assertEqual(int(req.headers["content-length"]), len(req.body))
+        self.assertEqual(req.json(), body)
 
-    # -- /completion ------------------------------------------------------------------------------------
+    # -- each endpoint's request, and its capture read -------------------------------------------------
 
-    def test_complete_request_and_transcript_40(self):
-        raw = self.serve("complete", "40_completion_stream_tokens_probs.raw.txt")
-        completion, events = self.call(
-            "complete",
-            "The sky is",
-            slot=1,
-            client=self.routed_client(),
-            n_predict=8,
-            temperature=0,
-            return_tokens=True,
-            n_probs=2,
-        )
-        (req,) = self.sent("/completion")
-        self.check_head(req, "/completion")
-        self.assertEqual(
-            req.json(),
-            {
-                "prompt": "The sky is",
-                "n_predict": 8,
-                "temperature": 0,
-                "return_tokens": True,
-                "n_probs": 2,
-                "stream": True,
-                "id_slot": 1,
-                "model": "alpha",
-            },
-        )
-        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
-        docs = _p_data_docs(raw)
-        probs = [d["completion_probabilities"][0] for d in docs[:-1]]
-        final = _e_final(raw)
-        self.assertEqual(final["stop"], True)
-        self.assertEqual(
-            completion,
-            lc.Completion(
-                id=None,
-                model=_p_GEMMA,
-                content=" the limit for the 201",
-                reasoning="",
-                tool_calls=[],
-                finish_reason="length",
-                usage=_e_native_usage(4, 8, 11),
-                timings=final["timings"],
-                choices=(lc.Choice(0, " the limit for the 201", "", [], "length", probs, None, _p_SKY_TOKENS),),
-                final=final,
-                tokens=_p_SKY_TOKENS,
-            ),
-        )
-        self.assertEqual(completion.choices[0].tokens, _p_SKY_TOKENS)
-        self.assertEqual(len(completion.logprobs), 8)
-
-    def test_complete_without_slot_or_model_sends_neither(self):
-        self.serve("complete", "41_completion_stream_progress.raw.txt")
-        completion, events = self.call("complete", "The sky is", n_predict=8, return_progress=True)
-        self.assertEqual(
-            self.sent("/completion")[0].json(),
-            {"prompt": "The sky is", "n_predict": 8, "return_progress": True, "stream": True},
-        )
-        # the progress chunks' placeholder token [0] is no generated token
-        self.assertEqual(
-            events, [lc.Progress(3, 4, 3, 0.0), lc.Progress(4, 4, 3, 15.0)] + [lc.Content(w) for w in _p_SKY]
-        )
-        self.assertEqual((completion.content, completion.tokens), ("".join(_p_SKY), _p_SKY_TOKENS))
-        self.assertEqual(completion.usage["prompt_tokens"], 4)
-
-    def test_complete_token_id_prompt_transcript_42(self):
-        self.serve("complete", "42_completion_stream_token_ids.raw.txt")
-        completion, events = self.call("complete", [2, 818, 7217, 563], slot=0, n_predict=8, return_tokens=True)
-        self.assertEqual(self.sent("/completion")[0].json()["prompt"], [2, 818, 7217, 563])
-        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
-        self.assertEqual(
-            (completion.content, completion.tokens, completion.finish_reason),
-            ("".join(_p_SKY), _p_SKY_TOKENS, "length"),
-        )
-
-    def test_complete_two_prompts_transcript_43(self):
-        raw = self.serve("complete", "43_completion_stream_two_prompts.raw.txt")
-        self.assertIn(b"data: null\n\n", raw)
-        completion, events = self.call("complete", ["The sky is", "The grass is"], n_predict=8)
-        self.assertEqual(self.sent("/completion")[0].json()["prompt"], ["The sky is", "The grass is"])
-        grass = [" green", ",", " the", " trees", " are", " green", ",", " and"]
-        expect = []
-        for g, s in zip(grass, _p_SKY):
-            expect += [lc.Content(g, 1), lc.Content(s, 0)]
-        self.assertEqual(events, expect)
-        self.assertEqual(
-            [(c.index, c.content, c.finish_reason) for c in completion.choices],
-            [(0, "".join(_p_SKY), "length"), (1, "".join(grass), "length")],
-        )
-        self.assertEqual(completion.content, "".join(_p_SKY))
-        self.assertEqual(completion.final["index"], 0)
-        self.assertEqual(completion.usage["completion_tokens"], 16)  # both prompts' tokens
-        self.assertEqual(completion.usage["prompt_tokens"], completion.usage["tokens_evaluated"])
-
-    def test_complete_finish_reasons_eos_and_stop_word(self):
-        for name, finish, stop_type in (
-            ("39_completion_stream_eos.raw.txt", "stop", "eos"),
-            ("46_completion_stream_stop_word.raw.txt", "stop", "word"),
-            ("40_completion_stream_tokens_probs.raw.txt", "length", "limit"),
-        ):
-            with self.subTest(name=name):
-                self.serve("complete", name)
-                completion, _ = self.call("complete", "The sky is")
-                self.assertEqual((completion.finish_reason, completion.final["stop_type"]), (finish, stop_type))
-        self.assertEqual(completion.usage["total_tokens"], 12)
-
-    # -- /infill ----------------------------------------------------------------------------------------
+    def test_each_call_sends_what_it_was_given_and_reads_its_capture_as_its_dialect(self):
+        weather = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+        prompts, sky = ["The sky is", "The grass is"], "".join(_p_SKY)
+        sea = "Write one sentence about the sea."
+        # fmt: off
+        cases = [  # endpoint, capture, the call's arguments, the Completion's (content, reasoning, finish_reason)
+            ("complete", "40_completion_stream_tokens_probs.raw.txt", ("The sky is",),
+             dict(slot=1, n_predict=8, temperature=0, return_tokens=True, n_probs=2), (sky, "", "length")),
+            ("complete", "41_completion_stream_progress.raw.txt", ("The sky is",), dict(n_predict=8, return_progress=True),
+             (sky, "", "length")),
+            ("complete", "42_completion_stream_token_ids.raw.txt", ([2, 818, 7217, 563],), dict(return_tokens=True),
+             (sky, "", "length")),
+            ("complete", "43_completion_stream_two_prompts.raw.txt", (prompts,), dict(n_predict=8),
+             (sky, "", "length")),
+            # the end of generation (a token without text), and the stop word " the" held back: no text
+            ("complete", "39_completion_stream_eos.raw.txt", ("The sky is",), {},
+             ("<think> is the sky blue is </think>the answer is yes", "", "stop")),
+            ("complete", "46_completion_stream_stop_word.raw.txt", ("The sky is",), dict(stop=[" the"]), ("", "", "stop")),
+            ("complete_openai", "90_completions_oai_stream_logprobs.raw.txt", ("The sky is",),
+             dict(slot=1, max_tokens=8, temperature=0, logprobs=2), (sky, "", "length")),
+            ("complete_openai", "91_completions_oai_stream_two_prompts.raw.txt", (prompts,), dict(logprobs=2),
+             (sky, "", "length")),
+            # completed even at max_output_tokens: finish_reason stop
+            ("respond", "50_responses_stream.raw.txt", (sea,), dict(slot=1, max_output_tokens=8, temperature=0),
+             (_E_SEA_TEXT, "", "stop")),
+            ("respond", "51_responses_reasoning_grammar.raw.txt", ("Is the sky blue?",), dict(grammar="root ::= x"),
+             ("the answer is yes", "is the sky blue is a", "stop")),
+            ("respond", "52_responses_tool_call.raw.txt", ("Weather?",), dict(tools=weather, tool_choice="required"),
+             ("", "", "tool_calls")),
+            ("respond", "56_responses_stream_progress.raw.txt", ("The lighthouse keeper ...",),
+             dict(max_output_tokens=3, return_progress=True), ("The lighthouse keeper", "", "stop")),
+            # id_slot: sent, though this server's Messages endpoint ignores it
+            ("message", "60_messages_stream.raw.txt", (_E_SEA,), dict(slot=0, max_tokens=8, temperature=0, system="Be brief"),
+             (_E_SEA_TEXT, "", "length")),
+            ("message", "61_messages_thinking.raw.txt", (_E_SEA,), dict(thinking={"type": "enabled", "budget_tokens": 8}),
+             ("yes<|im_end|>\n<|im_start", "blue sky\n", "length")),
+            ("message", "62_messages_tool_use.raw.txt", (_E_SEA,), dict(tool_choice={"type": "any"}),
+             ("", "", "tool_calls")),
+            ("message", "65_messages_thinking_budget.raw.txt", (_E_SEA,),
+             dict(max_tokens=12, thinking={"type": "enabled", "budget_tokens": 2}), ("yes<|", "blue", "length")),
+        ]
+        # fmt: on
+        first = {"complete": "prompt", "complete_openai": "prompt", "respond": "input", "message": "messages"}
+        for endpoint, name, args, kw, want in cases:
+            with self.subTest(name):
+                raw = self.serve(endpoint, name)
+                if "slot" in kw:  # a slot, and a client with a default model: the body names both
+                    completion, events = self.call(endpoint, *args, client=self.routed_client(), **kw)
+                    body = dict({first[endpoint]: args[0]}, **kw, stream=True, model="alpha")
+                    body["id_slot"] = body.pop("slot")
+                else:  # without slot= or a default model: neither
+                    completion, events = self.call(endpoint, *args, **kw)
+                    body = dict({first[endpoint]: args[0]}, **kw, stream=True)
+                self.sent_last(endpoint, body)
+                self.read_as_its_dialect(endpoint, raw, events, completion)
+                self.assertEqual((completion.content, completion.reasoning, completion.finish_reason), want)
+                # the first choice's log probabilities, one a token, when the call asked for them
+                self.assertEqual(len(completion.logprobs or ()), 8 if {"n_probs", "logprobs"} & set(kw) else 0)
 
     def test_infill_request_and_transcript_48(self):
         raw = self.serve("infill", "48_infill_stream.raw.txt")
-        completion, events = self.call(
-            "infill",
-            "def add(a, b):\n    ",
-            "\n    return c\n",
-            extra=[("util.py", "def sub(a, b):\n    return a - b\n")],
-            slot=0,
-            client=self.routed_client(),
-            n_predict=8,
-            temperature=0,
-            seed=42,
-        )
-        (req,) = self.sent("/infill")
-        self.check_head(req, "/infill")
-        self.assertEqual(
-            req.json(),
-            {
-                "input_prefix": "def add(a, b):\n    ",
-                "input_suffix": "\n    return c\n",
-                "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
-                "n_predict": 8,
-                "temperature": 0,
-                "seed": 42,
-                "stream": True,
-                "id_slot": 0,
-                "model": "alpha",
-            },
-        )
-        words = ["\n", "    "] * 4
-        self.assertEqual(events, [lc.Content(w) for w in words])
-        final = _e_final(raw)
-        self.assertEqual(
-            completion,
-            lc.Completion(
-                id=None,
-                model="/root/.cache/loopclient/gemma-3-270m-q4_k_m-fim.gguf",
-                content="".join(words),
-                reasoning="",
-                tool_calls=[],
-                finish_reason="length",
-                usage=_e_native_usage(18, 8, 25),
-                timings=final["timings"],
-                choices=(lc.Choice(0, "".join(words), "", [], "length", None, None, [107, 140] * 4),),
-                final=final,
-                tokens=[107, 140] * 4,
-            ),
-        )
+        prefix, suffix, util = "def add(a, b):\n    ", "\n    return c\n", "def sub(a, b):\n    return a - b\n"
+        kw = dict(n_predict=8, temperature=0, seed=42)
+        extra = [("util.py", util)]
+        completion, events = self.call("infill", prefix, suffix, extra=extra, slot=0, client=self.routed_client(), **kw)
+        files = [{"filename": "util.py", "text": util}]
+        body = dict(input_prefix=prefix, input_suffix=suffix, input_extra=files, **kw, stream=True, id_slot=0)
+        self.sent_last("infill", dict(body, model="alpha"))
+        self.read_as_its_dialect("infill", raw, events, completion)
+        self.assertEqual((completion.content, completion.tokens), ("\n    " * 4, [107, 140] * 4))
 
     def test_infill_not_supported_is_http_status_error_501(self):
         raw = self.serve("infill", "49_infill_not_supported.raw.txt")
@@ -7113,188 +6837,8 @@ class TestEndpoints(ServerCase):
         )
         self.assertEqual(cm.exception.body, raw[raw.index(b"\r\n\r\n") + 4 :])
         self.assertEqual(events, [])
+        self.sent_last("infill", {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 8, "stream": True})
         self.assertEqual(len(self.sent("/infill")), 1)  # not retried
-        self.assertEqual(
-            self.sent("/infill")[0].json(),
-            {"input_prefix": "def f():\n", "input_suffix": "", "n_predict": 8, "stream": True},
-        )
-
-    # -- /v1/responses ----------------------------------------------------------------------------------
-
-    def test_respond_request_and_transcript_50(self):
-        raw = self.serve("respond", "50_responses_stream.raw.txt")
-        completion, events = self.call(
-            "respond",
-            "Write one sentence about the sea.",
-            slot=1,
-            client=self.routed_client(),
-            max_output_tokens=8,
-            temperature=0,
-        )
-        (req,) = self.sent("/v1/responses")
-        self.check_head(req, "/v1/responses")
-        self.assertEqual(
-            req.json(),
-            {
-                "input": "Write one sentence about the sea.",
-                "max_output_tokens": 8,
-                "temperature": 0,
-                "stream": True,
-                "id_slot": 1,
-                "model": "alpha",
-            },
-        )
-        self.assertEqual(events, [lc.Content(w) for w in _E_SEA_WORDS])
-        last = _e_final(raw)
-        self.assertEqual(last["type"], "response.completed")
-        usage = {
-            "input_tokens": 30,
-            "output_tokens": 8,
-            "total_tokens": 38,
-            "input_tokens_details": {"cached_tokens": 29},
-            "prompt_tokens": 30,
-            "completion_tokens": 8,
-        }
-        self.assertEqual(
-            completion,
-            lc.Completion(
-                id="resp_P400vjQqsH92lf8TuqMQ4vT4zpHXU1fv",
-                model=_p_GEMMA,
-                content=_E_SEA_TEXT,
-                reasoning="",
-                tool_calls=[],
-                finish_reason="stop",  # the server reports completed even at max_output_tokens
-                usage=usage,
-                timings=last["timings"],
-                final=last["response"],
-            ),
-        )
-
-    def test_respond_reasoning_and_tool_call(self):
-        self.serve("respond", "51_responses_reasoning_grammar.raw.txt")
-        completion, events = self.call("respond", "Think step by step: is the sky blue?", grammar="root ::= x")
-        self.assertEqual(self.sent("/v1/responses")[0].json()["grammar"], "root ::= x")  # passed on as sent
-        thinking = ["is", " the", " sky", " blue", " is", " a"]
-        self.assertEqual(events[: len(thinking)], [lc.Reasoning(w) for w in thinking])
-        self.assertTrue(all(type(e) is lc.Content for e in events[len(thinking) :]), events)
-        self.assertEqual(
-            (completion.reasoning, completion.content, completion.reasoning_tokens, completion.finish_reason),
-            ("is the sky blue is a", "the answer is yes", 6, "stop"),
-        )
-        self.serve("respond", "52_responses_tool_call.raw.txt")
-        tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
-        completion, events = self.call("respond", "What is the weather in Paris?", tools=tools, tool_choice="required")
-        cid = "call_WuvgdAuvDRouqUfLNEvkLZ0FpcOWMKcw"
-        fragments = ["{", '"', "city", '":', ' "', "Paris", ' "', "}"]
-        self.assertEqual(
-            events, [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, f) for f in fragments]
-        )
-        self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris "}')])
-        self.assertEqual(completion.finish_reason, "tool_calls")
-        self.assertEqual(self.sent("/v1/responses")[1].json()["tools"], tools)
-
-    # -- /v1/messages -----------------------------------------------------------------------------------
-
-    def test_message_request_and_transcript_60(self):
-        raw = self.serve("message", "60_messages_stream.raw.txt")
-        completion, events = self.call(
-            "message", _E_SEA, slot=0, client=self.routed_client(), max_tokens=8, temperature=0, system="Be brief"
-        )
-        (req,) = self.sent("/v1/messages")
-        self.check_head(req, "/v1/messages")
-        self.assertEqual(
-            req.json(),
-            {
-                "messages": _E_SEA,
-                "max_tokens": 8,
-                "temperature": 0,
-                "system": "Be brief",
-                "stream": True,
-                "id_slot": 0,  # sent, though this server's Messages endpoint ignores it
-                "model": "alpha",
-            },
-        )
-        self.assertEqual(events, [lc.Content(w) for w in _E_SEA_WORDS])
-        start = _p_data_docs(raw)[0]["message"]
-        final = dict(start, stop_reason="max_tokens", stop_sequence=None)
-        final["usage"] = {"cache_read_input_tokens": 29, "input_tokens": 1, "output_tokens": 8}
-        usage = dict(final["usage"], prompt_tokens=30, completion_tokens=8, total_tokens=38)
-        self.assertEqual(
-            completion,
-            lc.Completion(
-                id="chatcmpl-21iAlT8NSlUuS8bTlxIrzyf279JfysDw",
-                model=_p_GEMMA,
-                content=_E_SEA_TEXT,
-                reasoning="",
-                tool_calls=[],
-                finish_reason="length",
-                usage=usage,
-                timings=None,
-                final=final,
-            ),
-        )
-
-    def test_message_thinking_and_tool_use(self):
-        self.serve("message", "61_messages_thinking.raw.txt")
-        completion, events = self.call("message", _E_SEA, thinking={"type": "enabled", "budget_tokens": 8})
-        self.assertEqual(self.sent("/v1/messages")[0].json()["thinking"], {"type": "enabled", "budget_tokens": 8})
-        thinking = ["blue", " sky", "\n"]
-        words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
-        self.assertEqual(events, [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words])
-        self.assertEqual(
-            (completion.reasoning, completion.content, completion.reasoning_tokens, completion.finish_reason),
-            ("blue sky\n", "".join(words), 3, "length"),
-        )
-        self.serve("message", "62_messages_tool_use.raw.txt")
-        completion, events = self.call("message", _E_SEA, tool_choice={"type": "any"})
-        cid = "pbitHA1orxPQ2XjiPUvz7STbslHDhXhW"
-        fragments = ["{", '"', "city", '":', ' "', "Paris", '"}']
-        self.assertEqual(
-            events, [lc.ToolCall(0, cid, "get_weather", "")] + [lc.ToolCall(0, None, None, f) for f in fragments]
-        )
-        self.assertEqual(completion.tool_calls, [lc.ToolCallResult(cid, "get_weather", '{"city": "Paris"}')])
-        self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("tool_calls", "tool_use"))
-
-    def test_the_token_cap_of_respond_and_message(self):
-        cat = "Tell me a story about a cat."
-        words = ["Tell", " me", " a", " story"]
-        self.serve("respond", "53_responses_max_output_tokens.raw.txt")
-        completion, events = self.call("respond", cat, max_output_tokens=4)
-        self.assertEqual(events, [lc.Content(w) for w in words])
-        # Responses says completed even at max_output_tokens: only the count tells
-        self.assertEqual((completion.finish_reason, completion.final["status"]), ("stop", "completed"))
-        self.assertEqual(
-            [completion.usage[k] for k in ("output_tokens", "prompt_tokens", "completion_tokens", "total_tokens")],
-            [4, 31, 4, 35],
-        )
-        self.serve("message", "63_messages_max_tokens.raw.txt")
-        completion, events = self.call("message", [{"role": "user", "content": cat}], max_tokens=4)
-        self.assertEqual(events, [lc.Content(w) for w in words])
-        self.assertEqual((completion.finish_reason, completion.final["stop_reason"]), ("length", "max_tokens"))
-        # input_tokens leaves out the 30 read from the cache; prompt_tokens counts them
-        self.assertEqual(
-            [completion.usage[k] for k in ("input_tokens", "prompt_tokens", "completion_tokens", "total_tokens")],
-            [1, 31, 4, 35],
-        )
-
-    def test_respond_progress_and_message_thinking_budget(self):
-        self.serve("respond", "56_responses_stream_progress.raw.txt")
-        completion, events = self.call(
-            "respond", "The lighthouse keeper ...", max_output_tokens=3, return_progress=True
-        )
-        self.assertIs(self.sent("/v1/responses")[0].json()["return_progress"], True)
-        self.assertEqual(
-            events,
-            [lc.Progress(9, 114, 9, 0.0), lc.Progress(114, 114, 9, 4003.0)]
-            + [lc.Content(w) for w in ["The", " lighthouse", " keeper"]],
-        )
-        self.assertEqual(completion.content, "The lighthouse keeper")
-        self.serve("message", "65_messages_thinking_budget.raw.txt")
-        thinking = {"type": "enabled", "budget_tokens": 2}
-        completion, events = self.call("message", _E_SEA, max_tokens=12, thinking=thinking)
-        self.assertEqual(self.sent("/v1/messages")[0].json()["thinking"], thinking)
-        self.assertEqual(events, [lc.Reasoning("blue")] + [lc.Content(w) for w in ["yes", "<", "|"]])
-        self.assertEqual((completion.reasoning, completion.reasoning_tokens), ("blue", 1))
 
     def test_count_message_tokens_request_and_answer(self):
         self.server.route(
@@ -7317,7 +6861,18 @@ class TestEndpoints(ServerCase):
                 with self.assertRaises(lc.ProtocolError):
                     run_with_timeout(lambda: self.client.count_message_tokens(msgs))
 
-    # -- LoRA adapters ----------------------------------------------------------------------------------
+    def test_count_response_tokens_request_and_answer_97(self):
+        raw = load_transcript("97_responses_input_tokens.raw.txt")
+        self.server.route("POST", "/v1/responses/input_tokens", lambda req: req.send(raw))
+        sea = "Write one sentence about the sea."
+        self.assertEqual(run_with_timeout(lambda: self.client.count_response_tokens(sea, instructions="Be brief.")), 47)
+        (req,) = self.sent("/v1/responses/input_tokens")
+        self.assertEqual(req.json(), {"input": sea, "instructions": "Be brief."})
+        self.server.route("POST", "/v1/responses/input_tokens", reply(json_response({"input_tokens": "47"})))
+        with self.assertRaises(lc.ProtocolError):
+            run_with_timeout(lambda: self.client.count_response_tokens("x"))
+        with self.assertRaises(TypeError):
+            self.client.count_response_tokens(5)
 
     def test_lora_adapters_and_set_lora_adapters(self):
         adapters = [{"id": 0, "path": "/cache/lora-test-r4.gguf", "scale": 0.0, "task_name": "", "prompt_prefix": ""}]
@@ -7330,16 +6885,8 @@ class TestEndpoints(ServerCase):
         self.server.route("GET", "/lora-adapters", lambda req: respond_json(req, adapters))
         self.server.route("POST", "/lora-adapters", post)
         self.assertEqual(run_with_timeout(self.client.lora_adapters), adapters)
-        self.assertEqual(
-            run_with_timeout(lambda: self.client.set_lora_adapters([{"id": 0, "scale": 1.0}])), {"success": True}
-        )
-        self.assertEqual(
-            run_with_timeout(lambda: self.client.set_lora_adapters(({"id": 0, "scale": 0.0},))), {"success": True}
-        )
-        self.assertEqual(
-            run_with_timeout(lambda: self.client.set_lora_adapters(a for a in [{"id": 0, "scale": 0.5}])),
-            {"success": True},
-        )
+        for scales in ([{"id": 0, "scale": 1.0}], ({"id": 0, "scale": 0.0},), (a for a in [{"id": 0, "scale": 0.5}])):
+            self.assertEqual(run_with_timeout(lambda s=scales: self.client.set_lora_adapters(s)), {"success": True})
         self.assertEqual(posted, [[{"id": 0, "scale": 1.0}], [{"id": 0, "scale": 0.0}], [{"id": 0, "scale": 0.5}]])
         get = [r for r in self.server.requests if r.path == "/lora-adapters" and r.method == "GET"]
         self.assertEqual((len(get), get[0].body), (1, b""))
@@ -7363,8 +6910,13 @@ class TestEndpoints(ServerCase):
                 self.assertEqual("".join(e.text for e in events), text)
                 self.assertTrue(all(type(e) is lc.Content for e in events), events)
                 self.assertEqual(stream.completion.content, text)
-                self.assertIsNotNone(stream.completion.final)
+                # the OpenAI shapes have no final document
+                self.assertEqual(stream.completion.final is None, endpoint in ("chat", "complete_openai"))
                 self.assertEqual(self.sent(_E_PATHS[endpoint])[-1].json()["id_slot"], 1)
+        # without slot= or a default model, the body names neither
+        stream = open_stream(self.client, "complete_openai", "The sky is")
+        run_with_timeout(lambda: list(stream))
+        self.assertEqual(self.sent("/v1/completions")[-1].json(), {"prompt": "The sky is", "stream": True})
 
     def test_raw_chunks_come_before_their_events_and_stay_out_of_the_body(self):
         for endpoint, (args, name, text) in _E_CASES.items():
@@ -7372,8 +6924,7 @@ class TestEndpoints(ServerCase):
                 raw = self.serve(endpoint, name)
                 completion, events = self.call(endpoint, *args, raw_chunks=True)
                 self.assertNotIn("raw_chunks", self.sent(_E_PATHS[endpoint])[-1].json())
-                chunks = [e.data for e in events if type(e) is lc.Chunk]
-                self.assertEqual(chunks, [d for d in _p_data_docs(raw) if d is not None])
+                self.assertEqual([e.data for e in events if type(e) is lc.Chunk], _e_docs(raw))
                 for i, event in enumerate(events):
                     if type(event) is lc.Content:
                         self.assertIs(type(events[i - 1]), lc.Chunk)  # one text delta per payload here
@@ -7384,14 +6935,8 @@ class TestEndpoints(ServerCase):
             with self.subTest(endpoint=endpoint):
                 raw = load_transcript(name)
                 self.assertTrue(raw.endswith(b"\r\n0\r\n\r\n"))
-
-                cut = raw[: -len(b"0\r\n\r\n")]
-
-                def handler(req, cut=cut):
-                    req.send(cut)
-                    req.wait_peer_close(30)  # never sends the 0 chunk: the client must not wait for it
-
-                self.server.route("POST", _E_PATHS[endpoint], handler)
+                # never sends the 0 chunk, and holds the connection: the client must not wait for it
+                self.server.route("POST", _E_PATHS[endpoint], reply(raw[: -len(b"0\r\n\r\n")], hold=True))
                 completion, _ = self.call(endpoint, *args)
                 self.assertEqual(completion.content, text)
                 # the client ended it: reading on would have been StalledError after liveness (2 s)
@@ -7439,13 +6984,7 @@ class TestEndpoints(ServerCase):
     def test_cancel_mid_stream_frees_the_permit(self):
         for endpoint, (args, name, _) in _E_CASES.items():
             with self.subTest(endpoint=endpoint):
-                cut = first_chunk(load_transcript(name))
-
-                def handler(req, cut=cut):
-                    req.send(cut)
-                    req.wait_peer_close(5)
-
-                self.server.route("POST", _E_PATHS[endpoint], handler)
+                self.server.route("POST", _E_PATHS[endpoint], reply(first_chunk(load_transcript(name)), hold=True))
                 stream = open_stream(self.client, endpoint, *args, slot=0)
                 first = run_with_timeout(lambda: next(stream))
                 self.assertIsInstance(first, lc.Content)
@@ -7490,37 +7029,24 @@ class TestEndpoints(ServerCase):
 
     def test_midstream_errors_are_server_errors_and_not_replayed(self):
         grammar_error = "got exception: Unexpected empty grammar stack after accepting piece: <unused24> (30)"
+        # fmt: off
         cases = [
-            (
-                "complete",
-                ("x",),
-                "47_completion_midstream_error.raw.txt",
-                [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]],
-                grammar_error,
-            ),
-            (
-                "infill",
-                ("x", "y"),
-                "38_infill_midstream_error.raw.txt",
-                [lc.Content(w) for w in ["<", "think", ">", "def", " add", "b", "to", "a"]],
-                grammar_error,
-            ),
-            (
-                "respond",
-                ("x",),
-                "54_responses_midstream_error.raw.txt",
-                [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]],
-                grammar_error,
-            ),
-            (
-                "message",
-                (_E_SEA,),
-                "67_messages_midstream_error.raw.txt",
-                [lc.ToolCall(0, "4c86UqKUxfxdFUmDpiUFmMy1DLkXLCXN", "get_weather", "")]
-                + [lc.ToolCall(0, None, None, f) for f in ["{", '"', "city", '":', ' "', "Paris", '"}']],
-                "The model produced output that does not match the expected peg-native format",
-            ),
+            ("chat", (MSGS,), "17_midstream_error.raw.txt",
+             [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]], grammar_error),
+            ("complete", ("x",), "47_completion_midstream_error.raw.txt",
+             [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]], grammar_error),
+            ("infill", ("x", "y"), "38_infill_midstream_error.raw.txt",
+             [lc.Content(w) for w in ["<", "think", ">", "def", " add", "b", "to", "a"]], grammar_error),
+            ("respond", ("x",), "54_responses_midstream_error.raw.txt",
+             [lc.Reasoning(w) for w in ["is", " the", " sky", " blue", " is"]], grammar_error),
+            ("complete_openai", ("x",), "96_completions_oai_midstream_error.raw.txt",
+             [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]], grammar_error),
+            ("message", (_E_SEA,), "67_messages_midstream_error.raw.txt",
+             [lc.ToolCall(0, "4c86UqKUxfxdFUmDpiUFmMy1DLkXLCXN", "get_weather", "")]
+             + [lc.ToolCall(0, None, None, f) for f in ["{", '"', "city", '":', ' "', "Paris", '"}']],
+             "The model produced output that does not match the expected peg-native format"),
         ]
+        # fmt: on
         for endpoint, args, name, expect, message in cases:
             with self.subTest(endpoint=endpoint):
                 self.serve(endpoint, name)
@@ -7564,8 +7090,8 @@ class TestEndpoints(ServerCase):
                     self.assertIn(_E_PATHS[endpoint], str(cm.exception))
                     self.assertIn("thinking_cap", str(cm.exception))
         self.assertEqual(self.server.requests, [])  # not even /props or /slots
-        # on /completion and /infill the cap has nothing to cap: the request goes as it is
-        for endpoint in ("complete", "infill"):
+        # on /completion, /infill and /v1/completions the cap has nothing to cap: the request goes as it is
+        for endpoint in ("complete", "infill", "complete_openai"):
             args, name, text = _E_CASES[endpoint]
             self.serve(endpoint, name)
             completion, events = self.call(endpoint, *args, client=client)
@@ -7588,10 +7114,17 @@ class TestEndpoints(ServerCase):
             (TypeError, "message", ("hi",), {}),
             (ValueError, "message", (_E_SEA,), {"slot": -1}),
             (TypeError, "complete", ("x",), {"slot": True}),
+            (TypeError, "complete_openai", (5,), {}),
+            (ValueError, "complete_openai", ([],), {}),
+            (TypeError, "complete_openai", ("x",), {"prompt": "y"}),
+            (ValueError, "complete_openai", ("x",), {"slot": -1}),
+            (ValueError, "complete_openai", ("x",), {"resumable": ""}),
         ]
         for error, endpoint, args, kw in cases:
             with self.subTest(endpoint=endpoint, args=args, kw=kw), self.assertRaises(error):
                 open_stream(self.client, endpoint, *args, **kw)
+        with self.assertRaises(ValueError):
+            self.client.resume("conv-1", endpoint="models")
         self.assertEqual(self.server.requests, [])
 
 
@@ -7599,10 +7132,7 @@ class TestEndpointsAsync(AsyncDriver, TestEndpoints):
     pass
 
 
-# -- the last streamed routes: /v1/completions, /models/sse, load_model(wait=True), /v1/responses/input_tokens
-
-
-_T_CASE = (("The sky is",), "90_completions_oai_stream_logprobs.raw.txt", "".join(_p_SKY))
+# -- the last streamed routes: /models/sse, load_model(wait=True); a resumable /v1/completions ----------
 
 
 def _t_sse(*docs):
@@ -7616,15 +7146,9 @@ def _t_models(*statuses):
 
 
 class TestLastRoutes(ServerCase):
-    """complete_openai (POST /v1/completions) on the real server's bytes, through the same engine as every
-    streamed endpoint; count_response_tokens; watch_models (GET /models/sse) and load_model(wait=True)."""
+    """watch_models (GET /models/sse) and load_model(wait=True); complete_openai's stream resumed."""
 
     limits = SOCKETS
-
-    def serve(self, name, path="/v1/completions"):
-        raw = load_transcript(name)
-        self.server.route("POST", path, lambda req: req.send(raw))
-        return raw
 
     def sent(self, path):
         with self.server.lock:
@@ -7637,138 +7161,8 @@ class TestLastRoutes(ServerCase):
         )
         return completion, events
 
-    def test_request_and_transcript_90(self):
-        raw = self.serve("90_completions_oai_stream_logprobs.raw.txt")
-        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
-        self.closers.append(client.close)
-        completion, events = self.call("The sky is", slot=1, client=client, max_tokens=8, temperature=0, logprobs=2)
-        (req,) = self.sent("/v1/completions")
-        head = req.raw_head.decode()
-        self.assertTrue(head.startswith("POST /v1/completions HTTP/1.1\r\n"), head)
-        self.assertEqual(req.headers["accept"], "text/event-stream")
-        self.assertEqual(
-            req.json(),
-            {
-                "prompt": "The sky is",
-                "max_tokens": 8,
-                "temperature": 0,
-                "logprobs": 2,
-                "stream": True,
-                "id_slot": 1,
-                "model": "alpha",
-            },
-        )
-        self.assertEqual(events, [lc.Content(w) for w in _p_SKY])
-        docs = [d for d in _t_payloads(raw) if isinstance(d, dict)]
-        probs = [c["logprobs"]["content"][0] for d in docs[:-1] for c in d["choices"]]
-        self.assertEqual(
-            completion,
-            lc.Completion(
-                id=docs[0]["id"],
-                model=_p_GEMMA,
-                content=" the limit for the 201",
-                reasoning="",
-                tool_calls=[],
-                finish_reason="length",
-                usage=docs[-1]["usage"],
-                timings=docs[-1]["timings"],
-                choices=(lc.Choice(0, " the limit for the 201", "", [], "length", probs, None),),
-            ),
-        )
-        self.assertEqual((completion.usage["prompt_tokens"], completion.usage["completion_tokens"]), (4, 8))
-        self.assertIsNone(completion.final)
-
-    def test_two_prompts_are_two_choices(self):
-        self.serve("91_completions_oai_stream_two_prompts.raw.txt")
-        completion, events = self.call(["The sky is", "The grass is"], max_tokens=8, logprobs=2)
-        self.assertEqual(self.sent("/v1/completions")[0].json()["prompt"], ["The sky is", "The grass is"])
-        self.assertEqual([e.choice for e in events], [1, 0] * 8)
-        self.assertEqual(
-            [(c.index, c.content, c.finish_reason, len(c.logprobs)) for c in completion.choices],
-            [(0, "".join(_p_SKY), "length", 8), (1, "".join(_t_GRASS), "length", 8)],
-        )
-
-    def test_stream_form_raw_chunks_and_no_slot_or_model(self):
-        raw = self.serve("90_completions_oai_stream_logprobs.raw.txt")
-        with open_stream(self.client, "complete_openai", "The sky is", raw_chunks=True) as stream:
-            self.assertIsNone(stream.completion)
-            events = run_with_timeout(lambda: list(stream))
-        body = self.sent("/v1/completions")[0].json()
-        self.assertEqual(body, {"prompt": "The sky is", "stream": True})
-        chunks = [e.data for e in events if type(e) is lc.Chunk]
-        self.assertEqual(chunks, [d for d in _t_payloads(raw) if isinstance(d, dict)])
-        self.assertEqual(stream.completion.content, "".join(_p_SKY))
-
-    def test_busy_slot_is_waited_out_then_streams(self):
-        self.client_with(poll=FAST.poll)  # a Waiting every poll
-        raw = load_transcript(_T_CASE[1])
-        release = threading.Event()
-        self.server.busy[0] = True
-
-        def handler(req):
-            while not release.is_set():  # the slot is busy: no byte until it frees
-                if req.wait_peer_close(0.02) or req.server.stopping.is_set():
-                    return
-            req.send(raw)
-
-        self.server.route("POST", "/v1/completions", handler)
-        answers = SlotAnswers(self)
-        events = []
-
-        def on_event(ev):
-            events.append(ev)
-            if answers.sort(events)[0].count(lc.Waiting(True)) == 2:
-                self.server.busy[0] = False
-                release.set()
-
-        completion = run_with_timeout(lambda: self.client.complete_openai("The sky is", slot=0, on_event=on_event))
-        self.assertEqual(answers.sort(events)[0][:2], [lc.Waiting(True)] * 2)
-        self.assertEqual(waits_first(self, events), [lc.Content(w) for w in _p_SKY])
-        self.assertEqual(completion.content, _T_CASE[2])
-        self.assertEqual(len(self.sent("/v1/completions")), 1)
-
-    def test_cancel_mid_stream_frees_the_permit(self):
-        cut = first_chunk(load_transcript(_T_CASE[1]))
-
-        def handler(req):
-            req.send(cut)
-            req.wait_peer_close(5)
-
-        self.server.route("POST", "/v1/completions", handler)
-        stream = open_stream(self.client, "complete_openai", "The sky is", slot=0)
-        self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Content(" the"))
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
-        stream.cancel()
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
-        self.assertTrue(self.sent("/v1/completions")[-1].closed_by_peer.wait(10))
-        with self.assertRaises(lc.CancelledError):
-            run_with_timeout(lambda: next(stream))
-
-    def test_an_error_before_delivery_is_retried_one_after_is_not(self):
-        unavailable = b'data: {"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}\n\n'
-        answers = [STREAM_HEAD + chunked(unavailable) + b"0\r\n\r\n", load_transcript(_T_CASE[1])]
-        self.server.route("POST", "/v1/completions", lambda req: req.send(answers.pop(0)))
-        completion, events = self.call("The sky is", slot=0)
-        self.assertIsInstance(events[0], lc.Retrying)
-        self.assertIn("Loading model", events[0].reason)
-        self.assertEqual((events[1:], completion.content), ([lc.Content(w) for w in _p_SKY], _T_CASE[2]))
-        self.assertEqual(len(self.sent("/v1/completions")), 2)
-        self.serve("96_completions_oai_midstream_error.raw.txt")
-        events = []
-        with self.assertRaises(lc.ServerError) as caught:
-            run_with_timeout(lambda: self.client.complete_openai("x", slot=0, on_event=events.append))
-        self.assertEqual((caught.exception.code, caught.exception.type), (500, "server_error"))
-        self.assertEqual(events, [lc.Content(w) for w in ["<", "think", ">", " is", " the", " sky", " blue", " is"]])
-        self.assertEqual(len(self.sent("/v1/completions")), 3)
-
-    def test_a_stream_cut_before_its_end_is_stream_closed(self):
-        cut = first_chunk(load_transcript(_T_CASE[1])) + b"0\r\n\r\n"
-        self.server.route("POST", "/v1/completions", lambda req: req.send(cut))
-        with self.assertRaises(lc.StreamClosedError):
-            self.call("The sky is")
-
     def test_a_resumable_one_cut_anywhere_resumes(self):
-        raw = load_transcript(_T_CASE[1])
+        raw = load_transcript(_E_CASES["complete_openai"][1])
         buf = _r_Buffer(self.server, raw, "/v1/completions")
         whole, whole_events = self.call("The sky is", slot=0, resumable="conv-oai")
         self.assertEqual(self.sent("/v1/completions")[0].headers["x-conversation-id"], "conv-oai")
@@ -7788,44 +7182,6 @@ class TestLastRoutes(ServerCase):
         stream = self.client.resume("conv-oai", endpoint="complete_openai")
         self.assertEqual(run_with_timeout(lambda: list(stream)), whole_events)
 
-    def test_the_thinking_cap_has_nothing_to_cap_here(self):
-        client = self.client_with(thinking_cap=3)
-        self.serve(_T_CASE[1])
-        completion, _ = self.call("The sky is", client=client)
-        self.assertEqual((completion.content, completion.thinking_capped), (_T_CASE[2], False))
-        self.assertNotIn("reasoning_control", self.sent("/v1/completions")[0].json())
-
-    def test_mistakes_are_raised_before_sending(self):
-        for error, args, kw in (
-            (TypeError, (5,), {}),
-            (ValueError, ([],), {}),
-            (TypeError, ("x",), {"prompt": "y"}),
-            (ValueError, ("x",), {"slot": -1}),
-            (ValueError, ("x",), {"resumable": ""}),
-        ):
-            with self.subTest(args=args, kw=kw), self.assertRaises(error):
-                open_stream(self.client, "complete_openai", *args, **kw)
-        with self.assertRaises(ValueError):
-            self.client.resume("conv-1", endpoint="models")
-        self.assertEqual(self.server.requests, [])
-
-    def test_count_response_tokens_request_and_answer_97(self):
-        raw = load_transcript("97_responses_input_tokens.raw.txt")
-        self.server.route("POST", "/v1/responses/input_tokens", lambda req: req.send(raw))
-        got = run_with_timeout(
-            lambda: self.client.count_response_tokens("Write one sentence about the sea.", instructions="Be brief.")
-        )
-        self.assertEqual(got, 47)
-        (req,) = self.sent("/v1/responses/input_tokens")
-        self.assertEqual(req.json(), {"input": "Write one sentence about the sea.", "instructions": "Be brief."})
-        self.server.route("POST", "/v1/responses/input_tokens", reply(json_response({"input_tokens": "47"})))
-        with self.assertRaises(lc.ProtocolError):
-            run_with_timeout(lambda: self.client.count_response_tokens("x"))
-        with self.assertRaises(TypeError):
-            self.client.count_response_tokens(5)
-
-    # -- GET /models/sse ------------------------------------------------------------------------------
-
     def sse(self, body, hold=True):
         self.server.route("GET", "/models/sse", serve_body(body, hold))
 
@@ -7844,15 +7200,9 @@ class TestLastRoutes(ServerCase):
             req.wait_peer_close(5)
 
         self.server.route("GET", "/models/sse", handler)
-        with self.watch(client) as stream:
+        with _a_watch(client) as stream:
             got = [run_with_timeout(lambda: next(stream)) for _ in range(2)]
-            self.assertEqual(
-                got,
-                [
-                    lc.ModelEvent("beta", "status_change", {"status": "loading"}),
-                    lc.ModelEvent("alpha", "status_change", {"status": "loaded"}),
-                ],
-            )
+            self.assertEqual(got, [lc.ModelEvent(d["model"], d["event"], d["data"]) for d in (loading, other)])
             threading.Timer(0.8, release.set).start()  # four times liveness of silence
             self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("*", "models_reload", None))
         (req,) = self.sent("/models/sse")
@@ -7860,12 +7210,6 @@ class TestLastRoutes(ServerCase):
         self.assertEqual(req.headers["accept"], "text/event-stream")
         self.assertTrue(req.closed_by_peer.wait(10))  # leaving the with block closed it
         self.assertEqual(self.client._board.gate.snapshot(), {})
-
-    def watch(self, client=None, model=None):
-        client = client or self.client
-        if isinstance(client, SyncFacade):
-            return StreamFacade(client._runner, client._client.watch_models(model))
-        return client.watch_models(model)
 
     def test_watch_models_filters_and_never_routes(self):
         client = self.new_client(self.server.address, limits=self.limits, model="alpha")
@@ -7877,37 +7221,29 @@ class TestLastRoutes(ServerCase):
             {"model": "beta", "event": "status_change", "data": {"status": "loaded"}},
         ]
         self.sse(_t_sse(*events) + b"0\r\n\r\n", hold=False)
-        stream = self.watch(client, "beta")
+        stream = _a_watch(client, model="beta")
         got = []
         with self.assertRaises(lc.StreamClosedError) as caught:
             for event in run_with_timeout(lambda: stream):
                 got.append(event)
         self.assertIn("/models/sse", str(caught.exception))
-        self.assertEqual(
-            got,
-            [
-                lc.ModelEvent("beta", "model_status", {"status": "loading"}),
-                lc.ModelEvent("*", "models_reload", None),  # the router's own, about every model
-                lc.ModelEvent("beta", "status_change", {"status": "loaded"}),
-            ],
-        )
+        # and the router's own, about every model
+        want = [events[0], events[2], events[3]]
+        self.assertEqual(got, [lc.ModelEvent(d["model"], d["event"], d.get("data")) for d in want])
         self.assertEqual([r.path for r in self.server.requests], ["/models/sse"])  # no ?model=, no /slots
 
     def test_watch_models_cancel_and_errors(self):
         self.sse(_t_sse({"model": "a", "event": "x"}))
-        stream = self.watch()
+        stream = _a_watch(self.client)
         self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("a", "x", None))
         stream.cancel()
         with self.assertRaises(lc.CancelledError):
             run_with_timeout(lambda: next(stream))
         self.assertTrue(self.sent("/models/sse")[-1].closed_by_peer.wait(10))
-        self.server.route(
-            "GET",
-            "/models/sse",
-            reply(json_response({"error": {"code": 503, "message": "Loading"}}, b"503 Unavailable")),
-        )
+        loading = json_response({"error": {"code": 503, "message": "Loading"}}, b"503 Unavailable")
+        self.server.route("GET", "/models/sse", reply(loading))
         with self.assertRaises(lc.HTTPStatusError) as caught:
-            run_with_timeout(lambda: next(self.watch()))
+            run_with_timeout(lambda: next(_a_watch(self.client)))
         self.assertEqual(caught.exception.status, 503)
         self.assertEqual(len(self.sent("/models/sse")), 2)  # not sent again
         with self.assertRaises(TypeError):
@@ -7916,9 +7252,7 @@ class TestLastRoutes(ServerCase):
     def test_watch_models_of_a_server_that_is_not_there(self):
         self.server.close()
         with self.assertRaises(lc.ConnectError):
-            run_with_timeout(lambda: next(self.watch()))
-
-    # -- load_model(wait=True) -------------------------------------------------------------------------
+            run_with_timeout(lambda: next(_a_watch(self.client)))
 
     def router(self, *answers):
         """POST /models/load answers success; GET /v1/models answers ``answers`` in turn (the last again)."""
@@ -7981,7 +7315,6 @@ class TestLastRoutesAsync(AsyncDriver, TestLastRoutes):
 
 #: The route list the server registers (a copy of what its tools/server/server.cpp says; see the file)
 _ROUTES_FILE = os.path.join(HERE, "dev", "testdata", "server_routes.txt")
-
 
 #: The route each named call sends (the calls of both clients)
 _NAMED_ROUTES = {
@@ -8125,23 +7458,17 @@ class TestRealServerRoutes(unittest.TestCase):
 #: A test-only key and self-signed certificate for localhost and 127.0.0.1 (see its README).
 _API_TLS_DIR = os.path.join(HERE, "dev", "testdata", "tls")
 
-
 _API_TLS_CERT = os.path.join(_API_TLS_DIR, "localhost.pem")
 
-
 _API_TLS_KEY = os.path.join(_API_TLS_DIR, "localhost.key")
-
 
 #: liveness for the stall tests (waited out once per call); MARGIN is how late an error may come after it.
 _API_LIVENESS = 0.4
 
-
 #: max_body for the cap tests: every answer of the table below fits in it once padded.
 _API_MAX_BODY = 256
 
-
 _API_MSGS = b'[{"role": "user", "content": "hi"}]'
-
 
 _API_METRICS = (
     "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
@@ -8152,178 +7479,65 @@ _API_METRICS = (
 def _api_calls():
     """Every single-shot call: (name, call, request line, JSON body as sent or None, answer, what the call
     returns for it, answers of valid JSON in the wrong shape).  A str answer is served as text/plain."""
+    # fmt: off
     return [
-        (
-            "request GET",
-            lambda c: c.request("GET", "/v1/models", query={"limit": 2, "q": "a b&c"}),
-            b"GET /v1/models?limit=2&q=a+b%26c",
-            None,
-            {"data": []},
-            {"data": []},
-            [],
-        ),
-        (
-            "request POST",
-            lambda c: c.request("POST", "/infill", {"input_prefix": "def f"}),
-            b"POST /infill",
-            b'{"input_prefix": "def f"}',
-            {"content": "():"},
-            {"content": "():"},
-            [],
-        ),
-        (
-            "slots",
-            lambda c: [(s.id, s.is_processing, s.task, s.raw) for s in c.slots()],
-            b"GET /slots",
-            None,
-            [{"id": 0, "is_processing": True, "id_task": 7}],
-            [(0, True, 7, {"id": 0, "is_processing": True, "id_task": 7})],
-            [{"slots": []}, [{"id": "0", "is_processing": False}]],
-        ),
+        ("request GET", lambda c: c.request("GET", "/v1/models", query={"limit": 2, "q": "a b&c"}),
+         b"GET /v1/models?limit=2&q=a+b%26c", None, {"data": []}, {"data": []}, []),
+        ("request POST", lambda c: c.request("POST", "/infill", {"input_prefix": "def f"}), b"POST /infill",
+         b'{"input_prefix": "def f"}', {"content": "():"}, {"content": "():"}, []),
+        ("slots", lambda c: [(s.id, s.is_processing, s.task, s.raw) for s in c.slots()], b"GET /slots", None,
+         [{"id": 0, "is_processing": True, "id_task": 7}],
+         [(0, True, 7, {"id": 0, "is_processing": True, "id_task": 7})],
+         [{"slots": []}, [{"id": "0", "is_processing": False}]]),
         ("health", lambda c: c.health(), b"GET /health", None, {"status": "ok"}, {"status": "ok"}, [["ok"]]),
         ("props", lambda c: c.props(), b"GET /props", None, {"total_slots": 2}, {"total_slots": 2}, [[2]]),
-        (
-            "models",
-            lambda c: c.models(),
-            b"GET /v1/models",
-            None,
-            {"data": [{"id": "m"}]},
-            {"data": [{"id": "m"}]},
-            [[]],
-        ),
-        (
-            "load_model",
-            lambda c: c.load_model("m2"),
-            b"POST /models/load",
-            b'{"model": "m2"}',
-            {"success": True},
-            {"success": True},
-            [[True]],
-        ),
-        (
-            "unload_model",
-            lambda c: c.unload_model("m2"),
-            b"POST /models/unload",
-            b'{"model": "m2"}',
-            {"success": True},
-            {"success": True},
-            [[True]],
-        ),
-        (
-            "end_reasoning",
-            lambda c: c.end_reasoning("chatcmpl-1"),
-            b"POST /v1/chat/completions/control",
-            b'{"id": "chatcmpl-1", "action": "reasoning_end"}',
-            {"success": True},
-            True,
-            [[True]],
-        ),
-        (
-            "tokenize",
-            lambda c: c.tokenize("Hi there"),
-            b"POST /tokenize",
-            b'{"content": "Hi there", "add_special": false, "parse_special": true, "with_pieces": false}',
-            {"tokens": [13347, 1070]},
-            [13347, 1070],
-            [{"tokens": "13347"}, {}, [13347]],
-        ),
-        (
-            "tokenize with pieces",
-            lambda c: c.tokenize("Hi", add_special=True, parse_special=False, with_pieces=True),
-            b"POST /tokenize",
-            b'{"content": "Hi", "add_special": true, "parse_special": false, "with_pieces": true}',
-            {"tokens": [{"id": 2, "piece": "<s>"}]},
-            [{"id": 2, "piece": "<s>"}],
-            [{"pieces": []}],
-        ),
-        (
-            "detokenize",
-            lambda c: c.detokenize((13347, 1070)),
-            b"POST /detokenize",
-            b'{"tokens": [13347, 1070]}',
-            {"content": "Hi there"},
-            "Hi there",
-            [{"content": 5}, {"content": None}],
-        ),
-        (
-            "apply_template",
-            lambda c: c.apply_template(MSGS, add_generation_prompt=True),
-            b"POST /apply-template",
-            b'{"add_generation_prompt": true, "messages": ' + _API_MSGS + b"}",
-            {"prompt": "<|im_start|>user\nhi"},
-            "<|im_start|>user\nhi",
-            [{"prompt": ["x"]}],
-        ),
-        (
-            "count_tokens",
-            lambda c: c.count_tokens(MSGS),
-            b"POST /v1/chat/completions/input_tokens",
-            b'{"messages": ' + _API_MSGS + b"}",
-            {"input_tokens": 9},
-            9,
-            [{"input_tokens": True}, {"input_tokens": 9.5}],
-        ),
-        (
-            "embed",
-            lambda c: c.embed(["a", "b"]),
-            b"POST /v1/embeddings",
-            b'{"input": ["a", "b"]}',
-            {"data": [{"index": 1, "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
-            [[-1.0], [0.5]],
-            [
-                {"data": [{"index": 0}]},
-                {"data": {}},
-                {"data": [{"index": "1", "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
-                {"data": [{"index": None, "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
-            ],
-        ),
-        (
-            "embed one",
-            lambda c: c.embed("a", encoding_format="float"),
-            b"POST /v1/embeddings",
-            b'{"encoding_format": "float", "input": "a"}',
-            {"data": [{"index": 0, "embedding": [0.25, 1.5]}]},
-            [[0.25, 1.5]],
-            [{"data": [{"index": 0, "embedding": "0.25"}]}],
-        ),
-        (
-            "rerank",
-            lambda c: c.rerank("q", ("d0", "d1"), top_n=2),
-            b"POST /v1/rerank",
-            b'{"top_n": 2, "query": "q", "documents": ["d0", "d1"]}',
-            {"results": [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -2}]},
-            [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -2}],
-            [{"results": {}}],
-        ),
-        (
-            "save_slot",
-            lambda c: c.save_slot(1, "s.bin"),
-            b"POST /slots/1?action=save",
-            b'{"filename": "s.bin"}',
-            {"id_slot": 1, "n_saved": 12},
-            {"id_slot": 1, "n_saved": 12},
-            [[1]],
-        ),
-        (
-            "restore_slot",
-            lambda c: c.restore_slot(1, "s.bin"),
-            b"POST /slots/1?action=restore",
-            b'{"filename": "s.bin"}',
-            {"id_slot": 1, "n_restored": 12},
-            {"id_slot": 1, "n_restored": 12},
-            [[1]],
-        ),
-        (
-            "erase_slot",
-            lambda c: c.erase_slot(0),
-            b"POST /slots/0?action=erase",
-            b"{}",
-            {"id_slot": 0, "n_erased": 12},
-            {"id_slot": 0, "n_erased": 12},
-            [[0]],
-        ),
+        ("models", lambda c: c.models(), b"GET /v1/models", None, {"data": [{"id": "m"}]}, {"data": [{"id": "m"}]},
+         [[]]),
+        ("load_model", lambda c: c.load_model("m2"), b"POST /models/load", b'{"model": "m2"}', {"success": True},
+         {"success": True}, [[True]]),
+        ("unload_model", lambda c: c.unload_model("m2"), b"POST /models/unload", b'{"model": "m2"}', {"success": True},
+         {"success": True}, [[True]]),
+        ("end_reasoning", lambda c: c.end_reasoning("chatcmpl-1"), b"POST /v1/chat/completions/control",
+         b'{"id": "chatcmpl-1", "action": "reasoning_end"}', {"success": True}, True, [[True]]),
+        ("tokenize", lambda c: c.tokenize("Hi there"), b"POST /tokenize",
+         b'{"content": "Hi there", "add_special": false, "parse_special": true, "with_pieces": false}',
+         {"tokens": [13347, 1070]}, [13347, 1070], [{"tokens": "13347"}, {}, [13347]]),
+        ("tokenize with pieces", lambda c: c.tokenize("Hi", add_special=True, parse_special=False, with_pieces=True),
+         b"POST /tokenize", b'{"content": "Hi", "add_special": true, "parse_special": false, "with_pieces": true}',
+         {"tokens": [{"id": 2, "piece": "<s>"}]}, [{"id": 2, "piece": "<s>"}], [{"pieces": []}]),
+        ("detokenize", lambda c: c.detokenize((13347, 1070)), b"POST /detokenize", b'{"tokens": [13347, 1070]}',
+         {"content": "Hi there"}, "Hi there", [{"content": 5}, {"content": None}]),
+        ("apply_template", lambda c: c.apply_template(MSGS, add_generation_prompt=True), b"POST /apply-template",
+         b'{"add_generation_prompt": true, "messages": ' + _API_MSGS + b"}", {"prompt": "<|im_start|>user\nhi"},
+         "<|im_start|>user\nhi", [{"prompt": ["x"]}]),
+        ("count_tokens", lambda c: c.count_tokens(MSGS), b"POST /v1/chat/completions/input_tokens",
+         b'{"messages": ' + _API_MSGS + b"}", {"input_tokens": 9}, 9, [{"input_tokens": True}, {"input_tokens": 9.5}]),
+        ("embed", lambda c: c.embed(["a", "b"]), b"POST /v1/embeddings", b'{"input": ["a", "b"]}',
+         {"data": [{"index": 1, "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]}, [[-1.0], [0.5]],
+         [{"data": [{"index": 0}]}, {"data": {}},
+          {"data": [{"index": "1", "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]},
+          {"data": [{"index": None, "embedding": [0.5]}, {"index": 0, "embedding": [-1.0]}]}]),
+        ("embed one", lambda c: c.embed("a", encoding_format="float"), b"POST /v1/embeddings",
+         b'{"encoding_format": "float", "input": "a"}', {"data": [{"index": 0, "embedding": [0.25, 1.5]}]},
+         [[0.25, 1.5]], [{"data": [{"index": 0, "embedding": "0.25"}]}]),
+        ("rerank", lambda c: c.rerank("q", ("d0", "d1"), top_n=2), b"POST /v1/rerank",
+         b'{"top_n": 2, "query": "q", "documents": ["d0", "d1"]}',
+         {"results": [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -2}]},
+         [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -2}], [{"results": {}}]),
+        ("save_slot", lambda c: c.save_slot(1, "s.bin"), b"POST /slots/1?action=save", b'{"filename": "s.bin"}',
+         {"id_slot": 1, "n_saved": 12}, {"id_slot": 1, "n_saved": 12}, [[1]]),
+        ("restore_slot", lambda c: c.restore_slot(1, "s.bin"), b"POST /slots/1?action=restore",
+         b'{"filename": "s.bin"}', {"id_slot": 1, "n_restored": 12}, {"id_slot": 1, "n_restored": 12}, [[1]]),
+        ("erase_slot", lambda c: c.erase_slot(0), b"POST /slots/0?action=erase", b"{}", {"id_slot": 0, "n_erased": 12},
+         {"id_slot": 0, "n_erased": 12}, [[0]]),
         ("metrics", lambda c: c.metrics(), b"GET /metrics", None, _API_METRICS, _API_METRICS, []),
     ]
+    # fmt: on
+
+
+#: A HEAD answer announcing 15 bytes, and a 204: each ends at its head (RFC 9112 6.3), whatever it announces.
+_API_HEAD_15 = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
+_API_204 = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
 
 
 def _api_head(line, body=None, host=b"localhost", accept=b"application/json", extra=b"", session=None):
@@ -8592,7 +7806,7 @@ class TestKeepAlive(ClientFactory, unittest.TestCase):
                 return STREAM_HEAD + content_stream(["ok"])
             return keep_alive_answer({"total_slots": 2})
 
-        server, client = self.serve(answer)
+        server, client = self.serve(answer, poll=1.0)  # (SOCKETS' poll: a late head adds no /slots poll)
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         self.assertEqual(run_with_timeout(lambda: client.chat(MSGS, slot=None)).content, "ok")
         paths = [(n, r.path) for n, r in server.requests]
@@ -8708,23 +7922,11 @@ class TestApiCalls(_ApiCase):
         self.assertEqual(run_with_timeout(lambda: self.client.request("GET", "/plain")), "ok")  # no Content-Type
 
     def test_head_and_204_answers_have_no_body(self):
-        # RFC 9112 6.3: a HEAD response and a 204 end at their head, whatever Content-Length says; the
-        # server keeps the connection open, so reading on would stall.
-        def head(req):
-            req.send(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
-            )
-            req.wait_peer_close(30)
-
-        def no_content(req):
-            req.send(b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
-            req.wait_peer_close(30)
-
-        self.server.route("HEAD", "/health", head)
-        self.server.route("DELETE", "/slots/0", no_content)
+        self.server.route("HEAD", "/health", reply(_API_HEAD_15, hold=True))  # held open: reading on would stall
+        self.server.route("DELETE", "/slots/0", reply(_API_204, hold=True))
         self.assertEqual(run_with_timeout(lambda: self.client.request("HEAD", "/health")), "")
         self.assertEqual(run_with_timeout(lambda: self.client.request("DELETE", "/slots/0")), "")
-        # neither waited for a body: the client closed each connection while the server held it (30 s);
+        # neither waited for a body: the client closed each connection while the server held it (5 s);
         # reading on would have been StalledError after liveness (2 s)
         self.assertTrue(all(r.closed_by_peer.wait(10) for r in self.server.requests))
         self.assertEqual(
@@ -8766,7 +7968,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
                     self.assertEqual(str(cm.exception), text)
 
     def test_error_status_is_http_status_error_with_the_envelope(self):
-        envelope = b'{"error":{"code":500,"message":"slot 1 is busy: boom","type":"server_error"}}'
+        envelope = _F_LOADING.encode()  # a 503 too: a single-shot call is sent once
         not_found = b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
         for name, call, line, *_ in _api_calls():
             with self.subTest(call=name):
@@ -8775,16 +7977,14 @@ class TestApiErrors(VirtualFactory, _ApiCase):
                     run_with_timeout(lambda call=call: call(self.client))
                 err = cm.exception
                 self.assertEqual((err.status, err.message, err.body), (404, "File Not Found", not_found))
-                _api_route(
-                    self.server,
-                    line,
-                    reply(http_response(envelope, b"application/json", "chunked", b"500 Internal Server Error")),
-                )
+                _api_route(self.server, line, reply(http_response(envelope, JSON_TYPE, "chunked", b"503 Unavailable")))
+                since = len(self.server.requests)
                 with self.assertRaises(lc.HTTPStatusError) as cm:
                     run_with_timeout(lambda call=call: call(self.client))
                 err = cm.exception
-                self.assertEqual((err.status, err.message, err.body), (500, "slot 1 is busy: boom", envelope))
-                self.assertEqual(str(err), "HTTP 500: slot 1 is busy: boom")
+                self.assertEqual((err.status, err.message, err.body), (503, "Loading model", envelope))
+                self.assertEqual(str(err), "HTTP 503: Loading model")
+                self._api_one_request(since)
 
     def test_silence_is_stalled_after_liveness(self):
         client = self.new_client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
@@ -8817,11 +8017,8 @@ class TestApiErrors(VirtualFactory, _ApiCase):
         self.assertEqual(run_with_timeout(lambda: client.tokenize("x")), [1, 2, 3, 4, 5, 6, 7, 8, 9])
         self.assertGreaterEqual(time.monotonic() - start, 0.8)  # twice liveness, in gaps of 0.1 s
 
-        def head_then_silence(req):
-            req.send(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{"tok')
-            req.wait_peer_close(5)
-
-        self.server.route("POST", "/tokenize", head_then_silence)
+        head = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{"tok'
+        self.server.route("POST", "/tokenize", reply(head, hold=True))  # then silence
         start = time.monotonic()
         with self.assertRaises(lc.StalledError):
             run_with_timeout(lambda: client.tokenize("x"))
@@ -8860,8 +8057,9 @@ class TestApiErrors(VirtualFactory, _ApiCase):
         not_http = b"SSH-2.0-OpenSSH_9.6\r\n"
         for name, call, line, _, answer, _, wrong in _api_calls():
             bad = [framing, not_http]
-            if not isinstance(answer, str):  # a JSON answer: broken JSON, and JSON of the wrong shape
+            if not isinstance(answer, str):  # a JSON answer: broken JSON, nested too deeply, of the wrong shape
                 bad.append(http_response(b'{"tokens":[1,', b"application/json; charset=utf-8"))
+                bad.append(http_response(b"[" * 100000 + b"]" * 100000, b"application/json; charset=utf-8"))
                 bad += [http_response(*_api_body(doc)) for doc in wrong]
             for raw in bad:
                 with self.subTest(call=name, answer=raw[-60:]):
@@ -8940,118 +8138,53 @@ class TestApiRouting(_ApiCase):
         client = self.new_client(self.server.address, limits=FAST, model="alpha")
         self.closers.append(client.close)
         m = b', "model": "alpha"}'
-        for name, call, line, body, answer in (
+        # fmt: off
+        cases = [
             ("request GET", lambda c: c.request("GET", "/props"), b"GET /props?model=alpha", None, {}),
-            (
-                "request GET with a query",
-                lambda c: c.request("GET", "/x", query={"n": 2}),
-                b"GET /x?n=2&model=alpha",
-                None,
-                {},
-            ),
-            (
-                "request GET naming a model",
-                lambda c: c.request("GET", "/props", query={"model": "beta"}),
-                b"GET /props?model=beta",
-                None,
-                {},
-            ),
-            (
-                "request GET naming a model in its path",
-                lambda c: c.request("GET", "/props?model=beta"),
-                b"GET /props?model=beta",
-                None,
-                {},
-            ),
-            (
-                "request POST",
-                lambda c: c.request("POST", "/completion", {"prompt": "x"}),
-                b"POST /completion",
-                b'{"prompt": "x"' + m,
-                {},
-            ),
-            (
-                "request POST naming a model",
-                lambda c: c.request("POST", "/completion", {"model": "beta", "prompt": "x"}),
-                b"POST /completion",
-                b'{"model": "beta", "prompt": "x"}',
-                {},
-            ),
+            ("request GET with a query", lambda c: c.request("GET", "/x", query={"n": 2}), b"GET /x?n=2&model=alpha",
+             None, {}),
+            ("request GET naming a model", lambda c: c.request("GET", "/props", query={"model": "beta"}),
+             b"GET /props?model=beta", None, {}),
+            ("request GET naming a model in its path", lambda c: c.request("GET", "/props?model=beta"),
+             b"GET /props?model=beta", None, {}),
+            ("request POST", lambda c: c.request("POST", "/completion", {"prompt": "x"}), b"POST /completion",
+             b'{"prompt": "x"' + m, {}),
+            ("request POST naming a model",
+             lambda c: c.request("POST", "/completion", {"model": "beta", "prompt": "x"}), b"POST /completion",
+             b'{"model": "beta", "prompt": "x"}', {}),
             ("request POST with a list body", lambda c: c.request("POST", "/x", [1]), b"POST /x", b"[1]", {}),
-            (
-                "request POST without a body",
-                lambda c: c.request("POST", "/x", query={"a": 1}),
-                b"POST /x?a=1",
-                None,
-                {},
-            ),
+            ("request POST without a body", lambda c: c.request("POST", "/x", query={"a": 1}), b"POST /x?a=1", None,
+             {}),
             ("slots", lambda c: c.slots(), b"GET /slots?model=alpha", None, []),
             ("slots(model=)", lambda c: c.slots(model="beta"), b"GET /slots?model=beta", None, []),
             ("props", lambda c: c.props(), b"GET /props?model=alpha", None, {"total_slots": 1}),
             ("props(model=)", lambda c: c.props(model="beta"), b"GET /props?model=beta", None, {"total_slots": 1}),
             ("metrics", lambda c: c.metrics(), b"GET /metrics?model=alpha", None, _API_METRICS),
-            (
-                "tokenize",
-                lambda c: c.tokenize("x"),
-                b"POST /tokenize",
-                b'{"content": "x", "add_special": false, "parse_special": true, "with_pieces": false' + m,
-                {"tokens": [1]},
-            ),
+            ("tokenize", lambda c: c.tokenize("x"), b"POST /tokenize",
+             b'{"content": "x", "add_special": false, "parse_special": true, "with_pieces": false' + m,
+             {"tokens": [1]}),
             ("detokenize", lambda c: c.detokenize([1]), b"POST /detokenize", b'{"tokens": [1]' + m, {"content": "x"}),
-            (
-                "apply_template",
-                lambda c: c.apply_template(MSGS),
-                b"POST /apply-template",
-                b'{"messages": ' + _API_MSGS + m,
-                {"prompt": "p"},
-            ),
-            (
-                "apply_template naming a model",
-                lambda c: c.apply_template(MSGS, model="beta"),
-                b"POST /apply-template",
-                b'{"model": "beta", "messages": ' + _API_MSGS + b"}",
-                {"prompt": "p"},
-            ),
-            (
-                "count_tokens",
-                lambda c: c.count_tokens(MSGS),
-                b"POST /v1/chat/completions/input_tokens",
-                b'{"messages": ' + _API_MSGS + m,
-                {"input_tokens": 3},
-            ),
+            ("apply_template", lambda c: c.apply_template(MSGS), b"POST /apply-template",
+             b'{"messages": ' + _API_MSGS + m, {"prompt": "p"}),
+            ("apply_template naming a model", lambda c: c.apply_template(MSGS, model="beta"), b"POST /apply-template",
+             b'{"model": "beta", "messages": ' + _API_MSGS + b"}", {"prompt": "p"}),
+            ("count_tokens", lambda c: c.count_tokens(MSGS), b"POST /v1/chat/completions/input_tokens",
+             b'{"messages": ' + _API_MSGS + m, {"input_tokens": 3}),
             ("embed", lambda c: c.embed("a"), b"POST /v1/embeddings", b'{"input": "a"' + m, {"data": []}),
-            (
-                "rerank",
-                lambda c: c.rerank("q", ["d"]),
-                b"POST /v1/rerank",
-                b'{"query": "q", "documents": ["d"]' + m,
-                {"results": []},
-            ),
-            (
-                "save_slot",
-                lambda c: c.save_slot(1, "s.bin"),
-                b"POST /slots/1?action=save",
-                b'{"filename": "s.bin"' + m,
-                {},
-            ),
-            (
-                "restore_slot",
-                lambda c: c.restore_slot(1, "s.bin"),
-                b"POST /slots/1?action=restore",
-                b'{"filename": "s.bin"' + m,
-                {},
-            ),
+            ("rerank", lambda c: c.rerank("q", ["d"]), b"POST /v1/rerank", b'{"query": "q", "documents": ["d"]' + m,
+             {"results": []}),
+            ("save_slot", lambda c: c.save_slot(1, "s.bin"), b"POST /slots/1?action=save", b'{"filename": "s.bin"' + m,
+             {}),
+            ("restore_slot", lambda c: c.restore_slot(1, "s.bin"), b"POST /slots/1?action=restore",
+             b'{"filename": "s.bin"' + m, {}),
             ("erase_slot", lambda c: c.erase_slot(1), b"POST /slots/1?action=erase", b'{"model": "alpha"}', {}),
             ("load_model", lambda c: c.load_model("beta"), b"POST /models/load", b'{"model": "beta"}', {}),
             ("unload_model", lambda c: c.unload_model("beta"), b"POST /models/unload", b'{"model": "beta"}', {}),
-            (
-                "end_reasoning",
-                lambda c: c.end_reasoning("chatcmpl-1"),
-                b"POST /v1/chat/completions/control",
-                b'{"id": "chatcmpl-1", "action": "reasoning_end"' + m,
-                {"success": True},
-            ),
-        ):
+            ("end_reasoning", lambda c: c.end_reasoning("chatcmpl-1"), b"POST /v1/chat/completions/control",
+             b'{"id": "chatcmpl-1", "action": "reasoning_end"' + m, {"success": True}),
+        ]
+        # fmt: on
+        for name, call, line, body, answer in cases:
             with self.subTest(call=name):
                 self.server.routes.clear()  # a request that is not routed as expected gets a 404
                 _api_route(self.server, line, reply(http_response(*_api_body(answer))))
@@ -9191,19 +8324,12 @@ class TestApiTLS(_ApiCase):
         self.assertEqual(answers.sort(events)[0][0], lc.Waiting(True))  # the /slots poll went over TLS too
         self.assertEqual(waits_first(self, events), [lc.Content("Hello"), lc.Content(" world")])
         host = self.server.address[len("https://") :].encode()
-        body = (
-            b'{"messages": '
-            + _API_MSGS
-            + b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
-        )
-        req = self.server.chat_requests()[0]
+        rest = b', "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}, "id_slot": 0}'
+        body, req = b'{"messages": ' + _API_MSGS + rest, self.server.chat_requests()[0]
         # the session key: the digest of the messages up to the first user message, as canonical JSON
-        session = session_digest(b'[{"content":"hi","role":"user"}]')
-        self.assertEqual(
-            req.raw_head,
-            _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream", session=session),
-        )
-        self.assertEqual(req.body, body)
+        key = session_digest(b'[{"content":"hi","role":"user"}]')
+        head = _api_head(b"POST /v1/chat/completions", body, host=host, accept=b"text/event-stream", session=key)
+        self.assertEqual((req.raw_head, req.body), (head, body))
         self.server.route("POST", "/tokenize", reply(json_response({"tokens": [5, 6]})))
         self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
         # the host name is checked too: localhost is in the certificate
@@ -9277,93 +8403,6 @@ class TestApiTLSAsync(AsyncDriver, TestApiTLS):
     pass
 
 
-#: A self-signed certificate for 127.0.0.1 (EC P-256, valid until 2126) and its key, for the TLS tests.
-_TLS_CERT = """-----BEGIN CERTIFICATE-----
-MIIBmzCCAUKgAwIBAgIUKBtRaqksrpaSGGLIB9tA9/ZKe68wCgYIKoZIzj0EAwIw
-GjEYMBYGA1UEAwwPbG9vcGNsaWVudCB0ZXN0MCAXDTI2MTEzMDIxNTI1OVoYDzIx
-MjYxMTA2MjE1MjU5WjAaMRgwFgYDVQQDDA9sb29wY2xpZW50IHRlc3QwWTATBgcq
-hkjOPQIBBggqhkjOPQMBBwNCAASf9LPK8Dd7/XJvTESxm5r02EW6nBgGlM7rarQ9
-6qKlPomXAAugUsJOel8NT9fjn4zTcs1VpLzd8c01Eu4WyCIVo2QwYjAdBgNVHQ4E
-FgQUzaP9BmdN6wTFxE2DrquEi+Vlb8IwHwYDVR0jBBgwFoAUzaP9BmdN6wTFxE2D
-rquEi+Vlb8IwDwYDVR0TAQH/BAUwAwEB/zAPBgNVHREECDAGhwR/AAABMAoGCCqG
-SM49BAMCA0cAMEQCID00tsp3Q9xxUsh/gWdquVXr9FTbu1gxFm70Q2IwiAqaAiA1
-W0Zz7g7ZLnJzRHzeBVfwudzIRMumlqtvDQ5LQUUK7w==
------END CERTIFICATE-----
-"""
-
-
-_TLS_KEY = """-----BEGIN PRIVATE KEY-----
-MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgHE5dGcLh761J5xAz
-10jhQsM7aIQCZxJ17Lkzd/JB1hqhRANCAASf9LPK8Dd7/XJvTESxm5r02EW6nBgG
-lM7rarQ96qKlPomXAAugUsJOel8NT9fjn4zTcs1VpLzd8c01Eu4WyCIV
------END PRIVATE KEY-----
-"""
-
-
-class TLSFakeServer(FakeServer):
-    """FakeServer behind TLS, with the certificate above; ``address`` is ``https://127.0.0.1:PORT``."""
-
-    def __init__(self):
-        super().__init__(tcp=True, listen=False)
-        pem = os.path.join(self.tmp, "server.pem")
-        with open(pem, "w") as f:
-            f.write(_TLS_CERT + _TLS_KEY)
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.load_cert_chain(pem)
-        self.listen()
-        self.address = self.address.replace("http://", "https://")
-
-    def _serve(self, conn):
-        try:
-            conn.settimeout(5)
-            conn = self.context.wrap_socket(conn, server_side=True)
-        except OSError:  # the client refused the certificate, or left
-            conn.close()
-            return
-        super()._serve(conn)
-
-
-class TestTLS(ServerCase):
-    """https://: a private CA through ``ssl_context``; a certificate that does not verify is ConnectError at
-    once, never retried, nothing sent."""
-
-    limits = FAST.replace(poll=0.5)  # the connect timeout (TLS handshake included) is max(poll, 0.2)
-
-    def setUp(self):
-        super().setUp()
-        self.tls = TLSFakeServer()
-        self.closers.append(self.tls.close)
-
-    def test_stream_and_single_shot_with_a_private_ca(self):
-        self.tls.stream(serve_body(content_stream(["sealed"])))
-        client = self.new_client(
-            self.tls.address, limits=self.limits, ssl_context=ssl.create_default_context(cadata=_TLS_CERT)
-        )
-        completion, _ = self.collect(client=client)
-        self.assertEqual(completion.content, "sealed")
-        self.assertEqual(run_with_timeout(client.health), {"status": "ok"})
-        self.assertEqual(self.tls.chat_requests()[0].headers["host"], self.tls.address[len("https://") :])
-
-    @real_time
-    def test_certificate_that_does_not_verify_is_connect_error_at_once(self):
-        client = self.new_client(self.tls.address, limits=self.limits)  # the system's trust store
-        t = Timer()
-        events = []
-        with self.assertRaises(lc.ConnectError) as cm:
-            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
-        self.assertLess(t.elapsed, lateness(self, 0.5 + MARGIN))
-        self.assertEqual(events, [])  # no Retrying: not a server that is down
-        self.assertIsInstance(cm.exception.__cause__, ssl.SSLError)
-        self.assertIn("TLS with %s failed" % self.tls.address, str(cm.exception))
-        with self.assertRaises(lc.ConnectError):
-            run_with_timeout(client.health)
-        self.assertEqual(self.tls.requests, [])
-
-
-class TestTLSAsync(AsyncDriver, TestTLS):
-    pass
-
-
 # -- what both clients must do that the tiers above did not show ------------------------------------------
 
 
@@ -9376,64 +8415,6 @@ class TestServerApi(ServerCase):
             respond_json(req, doc)
 
         return handler
-
-    def test_helpers_send_and_read_as_documented(self):
-        seen = []
-        routes = {
-            ("POST", "/tokenize"): {"tokens": [1, 2]},
-            ("POST", "/detokenize"): {"content": "hi"},
-            ("POST", "/apply-template"): {"prompt": "<p>"},
-            ("POST", "/v1/chat/completions/input_tokens"): {"input_tokens": 7},
-            ("POST", "/v1/embeddings"): {"data": [{"index": 1, "embedding": [2.0]}, {"index": 0, "embedding": [1.0]}]},
-            ("POST", "/v1/rerank"): {"results": [{"index": 0, "relevance_score": 0.5}]},
-            ("POST", "/slots/1?action=save"): {"id_slot": 1, "n_saved": 3},
-            ("POST", "/slots/1?action=erase"): {"id_slot": 1},
-            ("POST", "/models/load"): {"success": True},
-            ("GET", "/x?a=1"): {"ok": True},
-        }
-        for (method, path), doc in routes.items():
-            self.server.route(method, path, self.answer(doc, seen))
-        self.server.route(
-            "GET",
-            "/metrics",
-            reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 4\r\n\r\nm 1\n"),
-        )
-        c = self.client
-        self.assertEqual(c.tokenize("hi"), [1, 2])
-        self.assertEqual(
-            seen[-1],
-            ("POST", "/tokenize", {"content": "hi", "add_special": False, "parse_special": True, "with_pieces": False}),
-        )
-        self.assertEqual(c.detokenize([1, 2]), "hi")
-        self.assertEqual(c.apply_template(MSGS, add_generation_prompt=True), "<p>")
-        self.assertEqual(seen[-1][2], {"messages": MSGS, "add_generation_prompt": True})
-        self.assertEqual(c.count_tokens(MSGS), 7)
-        self.assertEqual(c.embed(["a", "b"]), [[1.0], [2.0]])
-        self.assertEqual(c.rerank("q", ["d"]), [{"index": 0, "relevance_score": 0.5}])
-        self.assertEqual(c.save_slot(1, "f.bin"), {"id_slot": 1, "n_saved": 3})
-        self.assertEqual(seen[-1], ("POST", "/slots/1?action=save", {"filename": "f.bin"}))
-        self.assertEqual(c.erase_slot(1), {"id_slot": 1})
-        self.assertEqual(c.load_model("m"), {"success": True})
-        self.assertEqual(c.request("GET", "/x", query={"a": 1}), {"ok": True})
-        self.assertEqual(c.metrics(), "m 1\n")
-        self.server.route("POST", "/tokenize", self.answer({"tokens": "1 2"}, seen))
-        with self.assertRaises(lc.ProtocolError):
-            c.tokenize("hi")
-        with self.assertRaises(lc.HTTPStatusError) as cm:
-            c.request("GET", "/missing")
-        self.assertEqual(cm.exception.status, 404)
-        sent = len(self.server.requests)
-        for call, cls in (
-            (lambda: c.save_slot(-1, "f"), ValueError),
-            (lambda: c.erase_slot(True), TypeError),
-            (lambda: c.end_reasoning(5), TypeError),
-            (lambda: c.request("GET", "/x\r\nX: y"), ValueError),
-            (lambda: c.request("GET", "/x", query={"a": "1\n"}), ValueError),
-            (lambda: c.tokenize(object()), TypeError),
-        ):
-            with self.assertRaises(cls):
-                call()
-        self.assertEqual(len(self.server.requests), sent, "a caller's mistake reached the server")
 
     def test_router_routes_every_call_to_the_model(self):
         polls, props, controls = [], [], []
@@ -9651,77 +8632,34 @@ class TestAsyncClient(ServerCase):
             client.stream(MSGS)
 
     def test_import_loopclient_does_not_import_asyncio(self):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-S",
-                "-c",
-                "import sys, loopclient; loopclient.AsyncClient('/tmp/x.sock'); print('asyncio' in sys.modules)",
-            ],
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        self.assertEqual(out, "False\n")
+        code = "import sys, loopclient; loopclient.AsyncClient('/tmp/x.sock'); print('asyncio' in sys.modules)"
+        out = subprocess.run([sys.executable, "-S", "-c", code], cwd=HERE, capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.stdout, "False\n")
 
 
 class TestCallerMistakes(ClientFactory, unittest.TestCase):
     """Each caller mistake is refused by the call that received it, before any connection."""
 
-    def test_bad_addresses(self):
-        for bad in (
-            "",
-            "ftp://x",
-            "http://",
-            "http://host:99999",
-            "http://host:port",
-            "http://h/pa th",
-            "/tmp/" + "x" * 120,
-        ):
-            with self.assertRaises(ValueError, msg=bad):
-                self.new_client(bad)
-        with self.assertRaises(TypeError):
-            self.new_client(8080)
-
-    def test_addresses(self):
-        self.assertEqual(lc.parse_address("/run/llama.sock").target, "/run/llama.sock")
-        self.assertEqual(lc.parse_address("unix:///run/llama.sock").target, "/run/llama.sock")
-        tcp = lc.parse_address("http://127.0.0.1:8080/")
-        self.assertEqual((tcp.unix, tcp.target, tcp.host), (False, ("127.0.0.1", 8080), "127.0.0.1:8080"))
-        v6 = lc.parse_address("http://[::1]:9000")
-        self.assertEqual((v6.target, v6.host), (("::1", 9000), "[::1]:9000"))
-
-    def test_header_injection_refused_before_sending(self):
-        for kwargs in ({"api_key": "k\r\nX: y"}, {"headers": {"X-A": "v\nw"}}, {"headers": {"X\r\nB": "v"}}):
-            with self.assertRaises(ValueError) as cm:
-                self.new_client("/tmp/x.sock", **kwargs)
-            self.assertNotIn("k\r\nX", str(cm.exception))
-        with self.assertRaises(ValueError):
-            lc.encode_request("GET", "/x\r\nY: z", "localhost")
-
-    def test_body_not_serialisable_and_bad_limits(self):
-        client = self.new_client("/tmp/lc-none.sock")
-        with self.assertRaises(TypeError):
-            client.stream(MSGS, foo=object())
-        with self.assertRaises(ValueError):
-            client.stream(MSGS, temperature=float("nan"))
-        with self.assertRaises(ValueError):
-            client.stream(MSGS, slot=-1)
-        for bad in ({"poll": -1}, {"queue_len": -2}, {"liveness": 0}, {"max_line": -5}):
-            with self.assertRaises(ValueError):
-                lc.Limits(**bad)
-        with self.assertRaises(TypeError):
-            lc.Limits(poll="1")
-
-    def test_timeouts_are_builtin_timeouts(self):
-        for cls in (lc.WaitTimeoutError, lc.LoadTimeoutError, lc.StalledError):
-            self.assertTrue(issubclass(cls, TimeoutError) and issubclass(cls, lc.LoopError))
-
     def test_refused_arguments(self):
-        cases = [
+        client = self.new_client("/tmp/lc-none.sock")  # nothing listens there: a call that connected would fail
+        bad_addresses = ["", "ftp://x", "http://", "http://host:99999", "http://host:port", "http://h/pa th"]
+        cases = [(ValueError, lambda a=a: self.new_client(a)) for a in bad_addresses + ["/tmp/" + "x" * 120]]
+        cases += [(ValueError, lambda b=b: lc.Limits(**b)) for b in ({"poll": -1}, {"queue_len": -2}, {"liveness": 0})]
+        cases += [
+            (ValueError, lambda: lc.Limits(max_line=-5)),
+            (TypeError, lambda: lc.Limits(poll="1")),
             (TypeError, lambda: lc.Limits(queue_len=1.5)),
             (TypeError, lambda: lc.Limits(max_line=True)),
+            (TypeError, lambda: self.new_client(8080)),
+            (TypeError, lambda: client.stream(MSGS, foo=object())),
+            (ValueError, lambda: client.stream(MSGS, temperature=float("nan"))),
+            (ValueError, lambda: client.stream(MSGS, slot=-1)),
+            (TypeError, lambda: client.stream(MSGS, slot=True)),
+            (TypeError, lambda: client.stream(MSGS, slot="0")),
+            (TypeError, lambda: client.end_reasoning(5)),
+            (ValueError, lambda: client.save_slot(-1, "f")),
+            (TypeError, lambda: client.erase_slot(True)),
+            (TypeError, lambda: client.tokenize(object())),
             (ValueError, lambda: lc.encode_request("GET", "health", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/a b", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/", "localhost", [("Bad:Name", "v")])),
@@ -9731,17 +8669,26 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"Host": "evil"})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"content-length": "5"})),
             (TypeError, lambda: self.new_client("/tmp/x.sock", api_key=b"k")),
-            (TypeError, lambda: self.new_client("/tmp/x.sock").stream(MSGS, slot=True)),
-            (TypeError, lambda: self.new_client("/tmp/x.sock").stream(MSGS, slot="0")),
-            (TypeError, lambda: self.new_client("/tmp/x.sock").end_reasoning(5)),
             (ValueError, lambda: lc.parse_address("http://:8080")),
             (ValueError, lambda: lc.parse_address("http://[::1")),
             (ValueError, lambda: lc.parse_address("unix://")),
             (ValueError, lambda: lc.parse_address("/tmp/a\0b")),
         ]
-        for cls, call in cases:
-            with self.assertRaises(cls):
+        for i, (cls, call) in enumerate(cases):
+            with self.subTest(case=i), self.assertRaises(cls):
                 call()
+
+    def test_addresses(self):
+        self.assertEqual(lc.parse_address("/run/llama.sock").target, "/run/llama.sock")
+        self.assertEqual(lc.parse_address("unix:///run/llama.sock").target, "/run/llama.sock")
+        tcp = lc.parse_address("http://127.0.0.1:8080/")
+        self.assertEqual((tcp.unix, tcp.target, tcp.host), (False, ("127.0.0.1", 8080), "127.0.0.1:8080"))
+        v6 = lc.parse_address("http://[::1]:9000")
+        self.assertEqual((v6.target, v6.host), (("::1", 9000), "[::1]:9000"))
+
+    def test_timeouts_are_builtin_timeouts(self):
+        for cls in (lc.WaitTimeoutError, lc.LoadTimeoutError, lc.StalledError):
+            self.assertTrue(issubclass(cls, TimeoutError) and issubclass(cls, lc.LoopError))
 
     def test_path_like_address_and_user_headers_replace_defaults(self):
         self.assertEqual(lc.parse_address(pathlib.Path("/run/x.sock")).target, "/run/x.sock")
@@ -9754,23 +8701,12 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         self.assertTrue(request.endswith(b"\r\n\r\n"))
 
     def test_value_objects_are_plain_from_import(self):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-S",
-                "-c",
-                "import sys; import loopclient; loopclient.Client('/tmp/x.sock');"
-                "print('dataclasses' in sys.modules, 'typing' in sys.modules, 'inspect' in sys.modules)",
-            ],
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
+        code = "import sys, loopclient; loopclient.Client('/tmp/x.sock'); print(*(m in sys.modules for m in %r))"
+        run = [sys.executable, "-S", "-c", code % (("dataclasses", "typing", "inspect"),)]
+        out = subprocess.run(run, cwd=HERE, capture_output=True, text=True, timeout=30).stdout
         self.assertEqual(out, "False False False\n")  # importing and a Client() cost none of them
-        self.assertEqual(
-            list(inspect.signature(lc.ToolCall).parameters), ["index", "id", "name", "arguments", "choice"]
-        )
+        params = list(inspect.signature(lc.ToolCall).parameters)
+        self.assertEqual(params, ["index", "id", "name", "arguments", "choice"])
         self.assertIn("wedge_wait", str(inspect.signature(lc.Limits)))
         with self.assertRaises(AttributeError):
             lc.Limits().poll = 2.0  # type: ignore[misc]
@@ -9785,31 +8721,23 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         self.assertEqual(hash(lc.Reasoning("r")), hash(lc.Reasoning("r")))
         self.assertNotEqual(lc.Content("r"), lc.Reasoning("r"))
         values = [
-            lc.Queued(2),
-            lc.Waiting(True, wedged=True),
-            lc.Retrying(1, 0.25, "HTTP 503: Loading model"),
-            lc.Reasoning("r", choice=1),
-            lc.Content("c"),
-            lc.ToolCall(0, "id", "f", "{", choice=2),
-            lc.ThinkingCapped(3),
-            lc.Progress(10, 20, 5, 1.5),
-            lc.Chunk({"choices": [{"delta": {"content": "x"}}]}),
+            lc.Queued(2), lc.Waiting(True, wedged=True), lc.Retrying(1, 0.25, "HTTP 503: Loading model"),
+            lc.Reasoning("r", choice=1), lc.Content("c"), lc.ToolCall(0, "id", "f", "{", choice=2),
+            lc.ThinkingCapped(3), lc.Progress(10, 20, 5, 1.5), lc.Chunk({"choices": [{"delta": {"content": "x"}}]}),
             lc.ToolCallResult("id", "f", "{}"),
             lc.Choice(1, "c", "r", [lc.ToolCallResult("id", "f", "{}")], "stop", [{"token": "c"}]),
             lc.Completion("id", "m", "c", "", [], "stop", {"total_tokens": 3}, None),
             lc.Slot(0, True, {"id": 0, "is_processing": True}, task=7, decoded=3, prompt_processed=12),
             lc.Limits(queue_len=1, wedge_wait=None),
-        ]
+        ]  # fmt: skip
         for value in values:
             with self.subTest(value=value):
                 self.assertEqual(copy.copy(value), value)
                 self.assertEqual(copy.deepcopy(value), value)
                 self.assertEqual(pickle.loads(pickle.dumps(value)), value)
                 self.assertEqual(eval(repr(value), vars(lc)), value) if not isinstance(value, lc.Slot) else None
-        self.assertEqual(
-            repr(lc.Slot(1, False, {"secret": 1})),
-            "Slot(id=1, is_processing=False, task=None, decoded=None, prompt_processed=None)",
-        )
+        slot = "Slot(id=1, is_processing=False, task=None, decoded=None, prompt_processed=None)"
+        self.assertEqual(repr(lc.Slot(1, False, {"secret": 1})), slot)
         deep = copy.deepcopy(values[-3])
         self.assertIsNot(deep.usage, values[-3].usage)
 
@@ -9889,14 +8817,7 @@ class TestAnswers(_ApiCase):
                 since = len(self.server.requests)
                 got = self.fetch("GET", "/any")
                 code, _, reason = status.decode().partition(" ")
-                headers = (
-                    ("server", "llama.cpp"),
-                    ("content-type", ctype.decode()),
-                    ("content-length", str(len(body))),
-                    ("location", "http://elsewhere/"),
-                    ("retry-after", "0"),
-                    ("connection", "close"),
-                )
+                headers = _a_headers(ctype.decode(), body, ("location", "http://elsewhere/"), ("retry-after", "0"))
                 self.assertEqual(got, lc.Response(int(code), reason, headers, body))
                 self.assertEqual(len(self.server.requests), since + 1)  # neither retried nor followed
 
@@ -9910,18 +8831,8 @@ class TestAnswers(_ApiCase):
         self.assertEqual((got.status, got.headers, got.body), (200, (), b"until close"))
 
     def test_fetch_of_head_and_204_ends_at_the_head(self):
-        def held(head):
-            def handler(req):
-                req.send(head)
-                req.wait_peer_close(3)
-
-            return handler
-
-        # (Connection: close: the fake server answers one request per connection)
-        length = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\nConnection: close\r\n\r\n"
-        no_content = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
-        self.server.route("HEAD", "/health", held(length))
-        self.server.route("DELETE", "/v1/stream?conv_id=c-1", held(no_content))
+        self.server.route("HEAD", "/health", reply(_API_HEAD_15, hold=True))
+        self.server.route("DELETE", "/v1/stream?conv_id=c-1", reply(_API_204, hold=True))
         start = time.monotonic()
         got = self.fetch("HEAD", "/health")
         self.assertEqual((got.status, got.get("content-length"), got.body), (200, "15", b""))
@@ -10036,28 +8947,14 @@ class TestAnswers(_ApiCase):
 
     def test_every_streamed_call_takes_headers_for_itself(self):
         gone = json_response({"error": {"code": 400, "message": "no"}}, b"400 Bad Request")
-        paths = [
-            "/v1/chat/completions",
-            "/completion",
-            "/infill",
-            "/v1/responses",
-            "/v1/messages",
-            "/v1/completions",
-            "/r",
-        ]
-        for path in paths:
+        for path in list(_E_PATHS.values()) + ["/r"]:
             self.server.route("POST", path, reply(gone))
         self.server.route("GET", "/models/sse", reply(gone))
         self.server.route("GET", "/v1/stream", reply(gone))
         c = self.client
-        calls = [
-            ("/v1/chat/completions", lambda h: c.chat(MSGS, headers=h)),
+        calls = [(_E_PATHS[e], lambda h, e=e: getattr(c, e)(*_E_CASES[e][0], headers=h)) for e in _E_CASES]
+        calls += [
             ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
-            ("/completion", lambda h: c.complete("x", headers=h)),
-            ("/infill", lambda h: c.infill("x", headers=h)),
-            ("/v1/responses", lambda h: c.respond("x", headers=h)),
-            ("/v1/messages", lambda h: c.message(MSGS, headers=h)),
-            ("/v1/completions", lambda h: c.complete_openai("x", headers=h)),
             ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
             ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
             ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),
@@ -10099,7 +8996,8 @@ class TestAnswers(_ApiCase):
         # resume() takes them for its own requests
         since = len(self.server.requests)
         run_with_timeout(lambda: list(self.client.resume("c-h", headers=mine)))
-        self.assertEqual([r.headers.get("x-front-auth") for r in self.server.requests[since:]], ["t-1"])
+        resumed = [r for r in self.server.requests[since:] if not r.path.startswith("/slots")]  # (a late head: a poll)
+        self.assertEqual([r.headers.get("x-front-auth") for r in resumed], ["t-1"])
         # cancelled: the DELETE carries them too
         buf.reset([("hold", len(first))])
         since = len(self.server.requests)
@@ -10196,11 +9094,7 @@ class TestAnswers(_ApiCase):
         self.assertEqual(len(self.sent("/r")), 1)
 
     def test_stream_route_cancel_closes_the_connection_and_frees_the_slot(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'))
-            req.wait_peer_close(5)
-
-        self.server.route("POST", "/r", handler)
+        self.server.route("POST", "/r", reply(STREAM_HEAD + chunked(b'data: {"a": 1}\n\n'), hold=True))
         stream = _a_stream(self.client, "/r", {}, slot=0)
         self.assertEqual(run_with_timeout(lambda: next(stream)), lc.Chunk({"a": 1}))
         t = Timer()
@@ -10228,13 +9122,6 @@ class TestAnswers(_ApiCase):
             self.assertEqual(buf.methods().count("POST"), 1, "cut at %d" % cut)
         stream = self.client.resume("c-r", endpoint="route")
         self.assertEqual(run_with_timeout(lambda: list(stream)), whole)
-
-    def test_stream_route_refuses_an_answer_that_is_not_a_stream(self):
-        self.server.route("POST", "/r", reply(json_response({"a": 1})))
-        with self.assertRaises(lc.ProtocolError) as cm:
-            self.route("/r", {})
-        self.assertIn("not text/event-stream", str(cm.exception))
-        self.assertEqual(len(self.sent("/r")), 1)
 
     def test_stream_route_mistakes_are_raised_before_sending(self):
         for error, args, kw in (
@@ -10567,23 +9454,6 @@ class TestWaitForHead(VirtualFactory, ServerCase):
     def budget(self, **kw):
         return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=5.0, idle_grace=5.0), **kw))
 
-    def test_busy_slot_is_waited_out_then_streams(self):
-        release = self.event()
-        self.server.busy[0] = True
-        self.use(hold_then(content_stream(["done"]), release))
-        events = []
-
-        def on_event(ev):
-            events.append(ev)
-            if len([e for e in events if isinstance(e, lc.Waiting)]) == 3:
-                self.server.busy[0] = False
-                release.set()
-
-        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
-        self.assertEqual(completion.content, "done")
-        self.assertEqual(events[:3], [lc.Waiting(True)] * 3)
-        self.assertEqual(events[-1], lc.Content("done"))
-
     def test_busy_slot_past_busy_wait(self):
         self.server.busy[0] = True
         self.use(hold_then(b"", self.event()))
@@ -10600,16 +9470,6 @@ class TestWaitForHead(VirtualFactory, ServerCase):
         timely, _ = answers.sort(events)
         self.assertTrue(timely and all(e == lc.Waiting(True) for e in timely))
         self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
-
-    def test_idle_slot_and_no_head_is_stalled_after_idle_grace(self):
-        self.use(hold_then(b"", self.event()))
-        client = self.new_client(self.server.address, limits=self.budget(idle_grace=0.5))
-        t = Timer()
-        events = []
-        with self.assertRaises(lc.StalledError):
-            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
-        self.assertElapsed(t.elapsed, 0.5)
-        self.assertTrue(events and all(e == lc.Waiting(False) for e in events))
 
     def test_slots_failing_is_load_timeout_after_load_wait(self):
         self.server.route(
@@ -10695,91 +9555,32 @@ class TestWaitForHead(VirtualFactory, ServerCase):
         # far fewer /slots requests than Waiting events: answers are shared and reused
         self.assertLess(self.server.slots_requests, len(waits) / 2)
 
-    def test_head_silence_after_first_byte_is_stalled_at_liveness(self):
-        def handler(req):
-            req.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
-            req.wait_peer_close(5)
-
-        self.use(handler)
-        client = self.new_client(self.server.address, limits=self.budget(liveness=0.4))
-        t = Timer()
-        with self.assertRaises(lc.StalledError):
-            run_with_timeout(lambda: client.chat(MSGS, slot=0))
-        self.assertElapsed(t.elapsed, 0.4)
-
 
 TestWaitForHeadSockets, TestWaitForHeadSocketsAsync = on_sockets(
-    TestWaitForHead,
-    "test_busy_slot_past_busy_wait",
-    "test_five_waiters_share_one_slots_request",
-    "test_head_silence_after_first_byte_is_stalled_at_liveness",
+    TestWaitForHead, "test_busy_slot_past_busy_wait", "test_five_waiters_share_one_slots_request"
 )
 
 
 class TestLiveness(VirtualFactory, ServerCase):
-    base_limits = FAST.replace(liveness=0.4, busy_wait=1.0, load_wait=5.0, idle_grace=5.0)
+    """Pings from a busy slot, then data: the stream completes (pings alone are the fault table's rows)."""
 
-    def test_silence_mid_stream_is_stalled(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "partial"}))))
-            req.wait_peer_close(5)
+    def test_pings_then_data_completes(self):
+        stop = self.event()
+        self.server.busy[0] = True
+        rest = chunked(sse(chunk_json({"content": "b"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n")
 
-        self.use(handler)
-        client = self.new_client(self.server.address, limits=self.limits_())
-        events = []
-        t = Timer()
-        with self.assertRaises(lc.StalledError):
-            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
-        self.assertEqual(events, [lc.Content("partial")])
-        self.assertElapsed(t.elapsed, 0.4)
-
-    def pinger(self, stop, then=b""):
         def handler(req):
             req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
             while not stop.wait(0.05):
                 if not req.send(chunked(b": ping\n\n")):
                     return
-            if then:
-                req.send(then)
+            req.send(rest + b"0\r\n\r\n")
 
-        return handler
-
-    def test_pings_with_idle_slot_are_stalled_after_liveness(self):
-        stop = self.event()
-        self.use(self.pinger(stop))
-        client = self.new_client(self.server.address, limits=self.limits_())
-        t = Timer()
-        with self.assertRaises(lc.StalledError) as cm:
-            run_with_timeout(lambda: client.chat(MSGS, slot=0))
-        stop.set()
-        self.assertIn("idle", str(cm.exception))
-        self.assertElapsed(t.elapsed, 0.4)
-
-    def test_pings_with_busy_slot_are_waited_until_busy_wait(self):
-        stop = self.event()
-        self.server.busy[0] = True
-        self.use(self.pinger(stop))
-        client = self.new_client(self.server.address, limits=self.limits_(busy_wait=1.0))
-        t = Timer()
-        with self.assertRaises(lc.StalledError):
-            run_with_timeout(lambda: client.chat(MSGS, slot=0))
-        stop.set()
-        self.assertElapsed(t.elapsed, 1.0)
-
-    def test_pings_then_data_completes(self):
-        stop = self.event()
-        self.server.busy[0] = True
-        rest = (
-            chunked(sse(chunk_json({"content": "b"})), sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n"
-        )
-        self.use(self.pinger(stop, then=rest))
-        client = self.new_client(self.server.address, limits=self.limits_(busy_wait=5.0))
+        self.use(handler)
+        client = self.client_with(liveness=0.4, busy_wait=5.0)
         self.later(0.7, stop.set)
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=0))
         self.assertEqual(completion.content, "ab")
-
-
-TestLivenessSockets, TestLivenessSocketsAsync = on_sockets(TestLiveness, "test_silence_mid_stream_is_stalled")
 
 
 class TestWedgedSlots(VirtualFactory, ServerCase):
@@ -10803,17 +9604,10 @@ class TestWedgedSlots(VirtualFactory, ServerCase):
             for i, s in sorted(self.state.items()):
                 if i in self.moving:
                     s[self.moving[i]] += 1
-                entries.append(
-                    {
-                        "id": i,
-                        "id_task": s["id_task"],
-                        "n_ctx": 1024,
-                        "is_processing": s["busy"],
-                        "n_prompt_tokens": 60,
-                        "n_prompt_tokens_processed": s["n_prompt_tokens_processed"],
-                        "next_token": [{"has_next_token": True, "n_remain": 48, "n_decoded": s["n_decoded"]}],
-                    }
-                )
+                token = {"has_next_token": True, "n_remain": 48, "n_decoded": s["n_decoded"]}
+                entry = {"id": i, "id_task": s["id_task"], "n_ctx": 1024, "is_processing": s["busy"]}
+                entry.update(n_prompt_tokens=60, n_prompt_tokens_processed=s["n_prompt_tokens_processed"])
+                entries.append(dict(entry, next_token=[token]))
         respond_json(req, entries)
 
     def test_a_request_pinned_to_a_frozen_slot_ends_wedged_within_wedge_wait_and_a_poll(self):
@@ -10863,11 +9657,7 @@ class TestWedgedSlots(VirtualFactory, ServerCase):
                     run_with_timeout(lambda: client.chat(MSGS, slot=0))
 
     def test_a_started_stream_whose_slot_freezes_ends_wedged(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
-            req.wait_peer_close(5)
-
-        self.use(handler)
+        self.use(held_after("a"))
         events = []
         t = Timer()
         with self.assertRaises(lc.WedgedSlotError) as cm:
@@ -10951,24 +9741,6 @@ class TestRetries(VirtualFactory, ServerCase):
         for delay, base in zip(delays, (0.25, 0.5, 1.0)):
             self.assertTrue(0.75 * base <= delay <= base, (delay, base))
 
-    def test_load_wait_spent_is_load_timeout_with_os_cause(self):
-        client = self.new_client(self.server.tmp + "/never.sock", limits=self.limits_(load_wait=0.6))
-        t = Timer()
-        with self.assertRaises(lc.LoadTimeoutError) as cm:
-            run_with_timeout(lambda: client.chat(MSGS, slot=0))
-        self.assertIsInstance(cm.exception.__cause__, FileNotFoundError)
-        self.assertElapsed(t.elapsed, 0.6, early=0.01)
-
-    def test_socket_without_listener_is_refused_and_retried(self):
-        path = os.path.join(self.server.tmp, "dead.sock")
-        dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        dead.bind(path)  # bound, never listening: connect is refused
-        self.closers.append(dead.close)
-        client = self.new_client(path, limits=self.limits_(load_wait=0.4))
-        with self.assertRaises(lc.LoadTimeoutError) as cm:
-            run_with_timeout(lambda: client.chat(MSGS, slot=0))
-        self.assertIsInstance(cm.exception.__cause__, ConnectionRefusedError)
-
     def unavailable_then(self, first, body=None):
         calls = []
 
@@ -10980,26 +9752,6 @@ class TestRetries(VirtualFactory, ServerCase):
                 req.send(STREAM_HEAD + (body or content_stream(["fine"])))
 
         return calls, handler
-
-    def test_503_then_200(self):
-        calls, handler = self.unavailable_then(
-            lambda req: respond_json(
-                req,
-                {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
-                503,
-                "Service Unavailable",
-            )
-        )
-        self.use(handler)
-        client = self.new_client(self.server.address, limits=self.limits_())
-        completion, events = self.collect(client=client)
-        self.assertEqual(completion.content, "fine")
-        self.assertEqual(len(calls), 2)
-        retry = events[0]
-        self.assertIsInstance(retry, lc.Retrying)
-        self.assertEqual(retry.attempt, 1)
-        self.assertIn("503", retry.reason)
-        self.assertIn("Loading model", retry.reason)
 
     def test_retry_after_seconds_honoured(self):
         calls, handler = self.unavailable_then(
@@ -11028,63 +9780,6 @@ class TestRetries(VirtualFactory, ServerCase):
         self.assertTrue(1.0 <= events[0].delay <= 2.0, events[0])
         self.assertEqual(completion.content, "fine")
 
-    def test_retry_after_beyond_load_wait_fails_at_once(self):
-        self.use(
-            lambda req: respond_json(
-                req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: 3600\r\n"
-            )
-        )
-        client = self.new_client(self.server.address, limits=self.limits_(load_wait=10))
-        t = Timer()
-        with self.assertRaises(lc.LoadTimeoutError) as cm:
-            self.collect(client=client)
-        self.assertAtOnce(t.elapsed, 0.3)
-        self.assertIsInstance(cm.exception.__cause__, lc.HTTPStatusError)
-
-    def test_first_event_503_error_is_retried(self):
-        error = (
-            chunked(b'data: {"error":{"code":503,"message":"no slot available","type":"unavailable_error"}}\n\n')
-            + b"0\r\n\r\n"
-        )
-        calls, handler = self.unavailable_then(serve_body(error))
-        self.use(handler)
-        completion, events = self.collect()
-        self.assertEqual(completion.content, "fine")
-        self.assertEqual(len(calls), 2)
-        self.assertIsInstance(events[0], lc.Retrying)
-
-    def test_first_event_400_error_is_server_error(self):
-        error = (
-            chunked(b'data: {"error":{"code":400,"message":"bad","type":"invalid_request_error"}}\n\n') + b"0\r\n\r\n"
-        )
-        self.use(serve_body(error))
-        with self.assertRaises(lc.ServerError) as cm:
-            self.collect()
-        self.assertEqual(cm.exception.code, 400)
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-    def test_error_after_content_is_not_retried(self):
-        body = (
-            chunked(
-                sse(chunk_json({"content": "x"})),
-                b'data: {"error":{"code":503,"message":"gone","type":"unavailable_error"}}\n\n',
-            )
-            + b"0\r\n\r\n"
-        )
-        self.use(serve_body(body))
-        events = []
-        with self.assertRaises(lc.ServerError):
-            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=events.append))
-        self.assertEqual(events, [lc.Content("x")])
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
-    def test_legacy_error_line_first_is_retried(self):
-        error = chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n') + b"0\r\n\r\n"
-        calls, handler = self.unavailable_then(serve_body(error))
-        self.use(handler)
-        completion, events = self.collect()
-        self.assertEqual((completion.content, len(calls)), ("fine", 2))
-
     def test_close_after_content_is_not_replayed(self):
         def handler(req):
             req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"}))))
@@ -11098,7 +9793,6 @@ class TestRetries(VirtualFactory, ServerCase):
 TestRetriesSockets, TestRetriesSocketsAsync = on_sockets(
     TestRetries,
     "test_socket_appears_after_a_while",
-    "test_socket_without_listener_is_refused_and_retried",
     "test_retry_after_seconds_honoured",
 )
 
@@ -12285,11 +10979,7 @@ class TestCancel(ServerCase):
         return events, elapsed
 
     def test_cancel_while_streaming_closes_the_connection(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
-            req.wait_peer_close(5)
-
-        self.cancel_during(handler, lambda evs: lc.Content("a") in evs)  # (a late head: a Waiting first)
+        self.cancel_during(held_after("a"), lambda evs: lc.Content("a") in evs)  # (a late head: a Waiting first)
         req = self.server.chat_requests()[0]
         self.assertTrue(req.closed_by_peer.wait(10))
         self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
@@ -12329,28 +11019,8 @@ class TestCancel(ServerCase):
             next(stream)
         self.assertEqual(self.server.chat_requests(), [])
 
-    def test_cancel_between_events_frees_the_permit_at_once(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
-            req.wait_peer_close(5)
-
-        self.use(handler)
-        stream = self.client.stream(MSGS, slot=0)
-        first = run_with_timeout(lambda: next(e for e in stream if not isinstance(e, lc.Waiting)))  # (a late head)
-        self.assertEqual(first, lc.Content("a"))
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (1, 0))
-        stream.cancel()  # nobody is iterating: cleanup happens here
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
-        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
-        with self.assertRaises(lc.CancelledError):
-            next(stream)
-
     def test_leaving_the_with_block_early_cancels_quietly(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"})), sse(chunk_json({"content": "b"}))))
-            req.wait_peer_close(5)
-
-        self.use(handler)
+        self.use(held_after("a", "b"))
 
         def body():
             with self.client.stream(MSGS, slot=0) as stream:
@@ -12374,45 +11044,24 @@ class TestCancel(ServerCase):
             run_with_timeout(body)
         self.assertEqual(cm.exception.args, ("mine",))
 
-    def test_on_event_exception_propagates_unchanged(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
-            req.wait_peer_close(5)
-
-        self.use(handler)
-
+    def test_an_exception_from_on_event_propagates_as_itself(self):
         class Mine(Exception):
             pass
 
-        def on_event(ev):
-            raise Mine("stop")
+        self.use(held_after("a"))
+        for n, exc in enumerate((Mine("stop"), KeyboardInterrupt())):
+            with self.subTest(exc=type(exc).__name__):
 
-        with self.assertRaises(Mine):
-            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
-        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+                def on_event(ev):
+                    raise exc
 
-    def test_keyboard_interrupt_in_chat_propagates_as_itself(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
-            req.wait_peer_close(5)
-
-        self.use(handler)
-
-        def on_event(ev):
-            raise KeyboardInterrupt
-
-        with self.assertRaises(KeyboardInterrupt):
-            run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
-        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
+                with self.assertRaises(type(exc)):
+                    run_with_timeout(lambda: self.client.chat(MSGS, slot=0, on_event=on_event))
+                self.assertTrue(self.server.chat_requests()[n].closed_by_peer.wait(10))
+                self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_client_close_cancels_streams(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"}))))
-            req.wait_peer_close(5)
-
-        self.use(handler)
+        self.use(held_after("a"))
         stream = self.client.stream(MSGS, slot=0)
         first = run_with_timeout(lambda: next(e for e in stream if not isinstance(e, lc.Waiting)))  # (a late head)
         self.assertEqual(first, lc.Content("a"))
@@ -12448,9 +11097,7 @@ class TestAsyncCancel(ServerCase):
             server.busy[0] = True
             self.use(hold_then(b"", threading.Event()))
         else:
-            self.use(
-                lambda req: (req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "a"})))), req.wait_peer_close(5))
-            )
+            self.use(held_after("a"))
         answers = SlotAnswers(self)
         ready = {
             "queued": lambda evs: evs == [lc.Queued(1)],
@@ -12559,23 +11206,22 @@ class TestThinkingCap(ServerCase):
             self.server.address, limits=lc.Limits(poll=0.05, liveness=2.0, thinking_cap=cap, thinking_overrun=overrun)
         )
 
-    def controlled(self, answer, tokens=4):
-        """A server that streams ``tokens`` reasoning tokens (one past a cap of 3: what a server generates
-        while the control request travels), then waits for the control endpoint to be called, then sends 1
-        more token and content; with no call within 10 s, a finish by length.  In that order whatever the
-        machine's pace (a server that kept generating on its own clock would outrun the overrun allowance
-        on a loaded machine, where the control request takes longer to come)."""
+    def controlled(self):
+        """A server that streams 4 reasoning tokens (one past a cap of 3: what a server generates while the
+        control request travels), waits for the control call (the server's pace, not its own clock, which a
+        loaded machine would let outrun the overrun allowance), then 1 more token and content; with no call
+        within 10 s, a finish by length."""
         ended = threading.Event()
         controls = []
 
         def control(req):
             controls.append(req.json())
-            answer(req)
+            respond_json(req, {"success": True})
             ended.set()
 
         def chat(req):
             req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
-            for i in range(tokens):
+            for i in range(4):
                 req.send(chunked(sse(chunk_json({"reasoning_content": " r%d" % i}))))
             if not ended.wait(10):
                 req.send(chunked(sse(chunk_json({}, "length"))) + b"0\r\n\r\n")
@@ -12595,40 +11241,18 @@ class TestThinkingCap(ServerCase):
         return controls
 
     def test_cap_ends_reasoning(self):
-        controls = self.controlled(lambda req: respond_json(req, {"success": True}))
+        controls = self.controlled()
         completion, events = self.collect(client=self.capped(cap=3))
         self.assertEqual(self.server.chat_requests()[0].json()["reasoning_control"], True)
         self.assertEqual(controls, [{"id": CID, "action": "reasoning_end"}])
         # (a Waiting first when the head comes later than the 50 ms poll on a loaded machine)
-        self.assertEqual(
-            waits_first(self, events),
-            [
-                lc.Reasoning(" r0"),
-                lc.Reasoning(" r1"),
-                lc.Reasoning(" r2"),
-                lc.ThinkingCapped(3),
-                lc.Reasoning(" r3"),  # generated while the control request travelled: within the overrun
-                lc.Reasoning(" last"),
-                lc.Content("yes"),
-            ],
-        )
+        # r3: generated while the control request travelled, within the overrun
+        capped = [lc.Reasoning(" r%d" % i) for i in range(3)] + [lc.ThinkingCapped(3), lc.Reasoning(" r3")]
+        self.assertEqual(waits_first(self, events), capped + [lc.Reasoning(" last"), lc.Content("yes")])
         self.assertTrue(completion.thinking_capped)
         self.assertEqual(completion.reasoning_tokens, 5)
         self.assertLessEqual(completion.reasoning_tokens, 3 + 4)
         self.assertEqual(completion.content, "yes")
-
-    def test_server_refuses(self):
-        self.controlled(lambda req: respond_json(req, {"success": False}))
-        with self.assertRaises(lc.ThinkingOverrunError):
-            self.collect(client=self.capped())
-
-    def test_control_endpoint_missing(self):
-        self.controlled(
-            lambda req: respond_json(req, {"error": {"message": "File Not Found", "code": 404}}, 404, "Not Found")
-        )
-        with self.assertRaises(lc.ThinkingOverrunError) as cm:
-            self.collect(client=self.capped())
-        self.assertIsInstance(cm.exception.__cause__, lc.HTTPStatusError)
 
     def test_reasoning_past_the_overrun(self):
         self.server.route("POST", "/v1/chat/completions/control", lambda req: respond_json(req, {"success": True}))
@@ -12654,6 +11278,40 @@ class TestThinkingCap(ServerCase):
 
 class TestThinkingCapAsync(AsyncDriver, TestThinkingCap):
     pass
+
+
+def _s_answer(req, marker, plan):
+    """What a stress request's ``plan`` says the server does with it: hold it, close mid-chunk, an error
+    event, a 400, or (ok) the stream of ``marker`` at the plan's pace."""
+    fault = plan["fault"]
+    if fault == "hold":
+        req.wait_peer_close(5)
+    elif fault == "close":
+        req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"})))[:-7])
+    elif fault == "error":
+        boom = b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+        req.send(STREAM_HEAD + chunked(boom) + b"0\r\n\r\n")
+    elif fault == "400":
+        respond_json(
+            req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request"
+        )
+    else:
+        req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
+        for word in (marker, ""):
+            time.sleep(plan["pace"])  # the scripted server's generation pace
+            if word and not req.send(chunked(sse(chunk_json({"content": word})))):
+                return
+        req.send(chunked(sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+def _s_ended_as_documented(test, outcomes, plans, more=()):
+    """Each stress request ended as its marker's text or a documented error (``more``: other endings), and
+    one that met no fault and no cancel was served (or refused with BusyError)."""
+    allowed = {"BusyError", "CancelledError", "StreamClosedError", "ServerError", "HTTPStatusError", *more}
+    for marker, outcome in outcomes.items():
+        test.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
+        if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
+            test.assertIn(outcome, (marker, "BusyError"))
 
 
 class TestStress(ServerCase):
@@ -12723,28 +11381,7 @@ class TestStress(ServerCase):
                 arrivals.append((accepted, slot, marker))
             if first:
                 everyone_in.wait(30)
-            fault = plans[marker]["fault"]
-            if fault == "hold":
-                req.wait_peer_close(5)
-            elif fault == "close":
-                req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"})))[:-7])
-            elif fault == "error":
-                req.send(
-                    STREAM_HEAD
-                    + chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n')
-                    + b"0\r\n\r\n"
-                )
-            elif fault == "400":
-                respond_json(
-                    req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request"
-                )
-            else:
-                req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
-                for word in (marker, ""):
-                    time.sleep(plans[marker]["pace"])  # the scripted server's generation pace
-                    if word and not req.send(chunked(sse(chunk_json({"content": word})))):
-                        return
-                req.send(chunked(sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            _s_answer(req, marker, plans[marker])
 
         self.use(handler)
         tickets = {}
@@ -12845,12 +11482,7 @@ class TestStress(ServerCase):
             self.assertFalse(th.is_alive(), "a worker hung")
         stop.set()
         watch.join(5)
-        # every request ended in a documented way
-        allowed = {"BusyError", "CancelledError", "StreamClosedError", "ServerError", "HTTPStatusError"}
-        for marker, outcome in outcomes.items():
-            self.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
-            if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
-                self.assertIn(outcome, (marker, "BusyError"))
+        _s_ended_as_documented(self, outcomes, plans)
         self.assertEqual(len(outcomes), threads * per_thread)
         # every permit released, and the invariants held whenever they were looked at
         self.assertTrue(all(v == (0, 0) for v in gate.snapshot().values()), gate.snapshot())
@@ -12911,20 +11543,7 @@ class TestAsyncStress(ServerCase):
             accepted = self.server.accepted(req)
             with lock:
                 arrivals.append((accepted, req.json()["id_slot"], marker))
-            fault = plans[marker]["fault"]
-            if fault == "hold":
-                req.wait_peer_close(5)
-            elif fault == "close":
-                req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"})))[:-7])
-            elif fault == "error":
-                req.send(
-                    STREAM_HEAD + chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n')
-                )
-            elif fault == "400":
-                respond_json(req, {"error": {"code": 400, "message": "bad"}}, 400, "Bad Request")
-            else:
-                time.sleep(plans[marker]["pace"])  # the scripted server's generation pace
-                req.send(STREAM_HEAD + content_stream([marker]))
+            _s_answer(req, marker, plans[marker])
 
         self.use(handler)
 
@@ -12974,19 +11593,8 @@ class TestAsyncStress(ServerCase):
                 return outcomes, entered, refusals, {k: v for k, v in gate.snapshot().items() if v != (0, 0)}
 
         outcomes, entered, refusals, busy_lanes = run_on_new_loop(self, main)
-        allowed = {
-            "BusyError",
-            "CancelledError",
-            "asyncio.CancelledError",
-            "StreamClosedError",
-            "ServerError",
-            "HTTPStatusError",
-        }
         self.assertEqual(len(outcomes), 48)
-        for marker, outcome in outcomes.items():
-            self.assertTrue(outcome == marker or outcome in allowed, (marker, outcome))
-            if plans[marker]["fault"] == "ok" and plans[marker]["cancel"] is None:
-                self.assertIn(outcome, (marker, "BusyError"))
+        _s_ended_as_documented(self, outcomes, plans, more={"asyncio.CancelledError"})
         self.assertEqual(busy_lanes, {}, "a permit or a place was not released")
         self.assertEqual(sorted(m for m, o in outcomes.items() if o == "BusyError"), sorted(r[0] for r in refusals))
         self.assertTrue(all(full and waiting == qlen == 2 for _, full, waiting, qlen in refusals), refusals)
@@ -13308,62 +11916,14 @@ class TestDeadline(VirtualFactory, _ApiCase):
 
 class TestWithin(unittest.TestCase):
     """_within, the plan around a single-shot plan that keeps its deadline, driven by hand on a clock of the
-    test's own: what it asks of the driver, and what it does with the answers."""
+    test's own: closed, it closes the plan (what it asks of the driver and does with the answers, through
+    both clients: TestDeadline)."""
 
     def setUp(self):
         self.now = 100.0
         patcher = mock.patch.object(lc, "_clock", lambda: self.now)
         patcher.start()
         self.addCleanup(patcher.stop)
-
-    def test_each_operation_gets_what_is_left_and_the_rest_passes_unchanged(self):
-        closed = []
-
-        def inner():
-            try:
-                conn = yield (lc._CONNECT, 5.0, True)
-                yield (lc._SEND, conn, b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 5.0)
-                yield [lc.Content("passed")]
-                data = yield (lc._RECV, conn, 0.25)  # shorter than what is left: its own
-                yield (lc._KEEP, conn, 4.0)
-                return data
-            finally:
-                closed.append(True)
-
-        plan = lc._within(inner(), 2.0, "/s.sock")
-        self.assertEqual(next(plan), (lc._CONNECT, 2.0, True))
-        self.now += 0.5
-        self.assertEqual(plan.send("conn"), (lc._SEND, "conn", b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n", 1.5))
-        self.assertEqual(plan.send(None), [lc.Content("passed")])
-        self.assertEqual(plan.send(None), (lc._RECV, "conn", 0.25))
-        self.assertEqual(plan.send(b"ok"), (lc._KEEP, "conn", 4.0))
-        with self.assertRaises(StopIteration) as cm:
-            plan.send(None)
-        self.assertEqual((cm.exception.value, closed), (b"ok", [True]))
-
-    def test_a_cut_operation_that_runs_out_ends_the_call_and_closes_the_plan(self):
-        closed = []
-
-        def inner():
-            try:
-                yield (lc._RECV, "conn", 5.0)
-            except lc._Silence:
-                closed.append("silence reached the plan")
-            finally:
-                closed.append(True)
-
-        plan = lc._within(inner(), 1.0, "/s.sock")
-        self.assertEqual(next(plan), (lc._RECV, "conn", 1.0))
-        self.now += 1.0
-        with self.assertRaises(lc.DeadlineError) as cm:
-            plan.throw(lc._Silence())
-        self.assertEqual((cm.exception.phase, closed), ("answer", [True]))
-        # an error of an operation the deadline did not cut is the plan's own
-        plan = lc._within(inner(), 10.0, "/s.sock")
-        next(plan)
-        with self.assertRaises(StopIteration):
-            plan.throw(lc._Silence())
-        self.assertEqual(closed, [True, "silence reached the plan", True])
 
     def test_closing_it_closes_the_plan(self):
         closed = []
@@ -13517,9 +12077,9 @@ TestRouterLoadSockets, TestRouterLoadSocketsAsync = on_sockets(
 # Hostile servers and faults: the fault table, and what is more than a row of it
 # -----------------------------------------------------------------------------------------------------
 #
-# Each fault of dev/FAULTS.md is stated once, as a row of FAULT_TABLE (below) and its part in
-# TestDifferential: the server's bytes, the call, the error class, its budget and what else the row says
-# (the events, the cause, the message, the requests sent), run through the virtual driver and AsyncClient
+# Each fault of dev/FAULTS.md is stated once, as a row of FAULT_TABLE (below) that carries its parts: the
+# server's bytes, the call, the error class, its budget and what else the row says (the events, the cause,
+# the message, the requests sent), which TestDifferential runs through the virtual driver and AsyncClient
 # on a real socket, and through Client on a real socket where the transport is part of the fault.  The
 # TestFault* classes hold what a row cannot say: resumable streams cut at every offset, several clients
 # at once, the parsers fed the fuzzer's saved inputs.  Every test asserts the exact error class, that it
@@ -13529,7 +12089,6 @@ TestRouterLoadSockets, TestRouterLoadSocketsAsync = on_sockets(
 
 
 _F_OK_BODY = content_stream(["Hello", " world"])
-
 
 _F_SSE_HEAD = b"Content-Type: text/event-stream\r\n"
 
@@ -13589,9 +12148,18 @@ def _f_error_json(code, message, etype):
     return json.dumps({"error": {"code": code, "message": message, "type": etype}}, separators=(",", ":"))
 
 
-def _f_retry_after(value, status=503):
-    doc = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-    return json_response(doc, b"%d Service Unavailable" % status, b"Retry-After: %s\r\n" % value)
+#: llama-server's answer while it loads the model, and its error event.
+_F_LOADING = _f_error_json(503, "Loading model", "unavailable_error")
+
+
+def _f_retry_header(value):
+    """A Retry-After header line (none for None)."""
+    return b"" if value is None else b"Retry-After: %s\r\n" % value
+
+
+def _f_loading(retry_after=None):
+    """llama-server's 503 while it loads the model (with a Retry-After of ``retry_after``)."""
+    return json_response(json.loads(_F_LOADING), b"503 Service Unavailable", _f_retry_header(retry_after))
 
 
 def _f_padded_line(size):
@@ -13681,7 +12249,7 @@ class TestFaultSlots(_f_Case):
 def _f_too_many(retry_after=None):
     """llama-swap's answer at its per-model concurrency limit."""
     body = _f_error_json(429, "too many requests for model m1", "rate_limit_error").encode()
-    hint = b"Retry-After: %s\r\n" % retry_after if retry_after is not None else b""
+    hint = _f_retry_header(retry_after)
     return (
         b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json; charset=utf-8\r\n%s"
         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (hint, len(body), body)
@@ -13772,6 +12340,16 @@ class _r_Routes(dict):
 
 _R_GONE = json.dumps({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}).encode()
 
+#: llama-server's 404 (a route it does not have, a stream it no longer knows).
+_R_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
+
+_R_PATHS = {
+    "chat": "/v1/chat/completions",
+    "complete": "/completion",
+    "respond": "/v1/responses",
+    "message": "/v1/messages",
+}
+
 
 class _r_Buffer:
     """llama-server's resumable streams, on a FakeServer: the streamed POST at ``path`` is answered with a
@@ -13784,7 +12362,7 @@ class _r_Buffer:
     nothing until the client leaves; ``("wait", K, event)`` sends K bytes and the rest once ``event`` is
     set (or the client leaves).  ``log``: (method, conversation id, from) of every request, in order."""
 
-    def __init__(self, server, raw, path="/v1/chat/completions", cuts=()):
+    def __init__(self, server, raw, path=_R_PATHS["chat"], cuts=()):
         self.server = server
         self.head, self.pieces = _r_dechunk(raw)
         self.body = b"".join(self.pieces)
@@ -13869,7 +12447,7 @@ class _r_Buffer:
         if answer is not None:
             req.send(answer)
         elif not known:
-            req.send(http_response(_R_GONE, status=b"404 Not Found"))
+            req.send(_R_GONE_404)
         else:
             offset, at, pieces = int(start), 0, []
             for piece in self.pieces:
@@ -13902,24 +12480,22 @@ class _r_Buffer:
         )
 
 
-#: Recorded streams, per endpoint: (transcript, the client call that makes that request).
+#: Recorded streams, by name: (transcript, the client call that makes that request).
 _R_STREAMS = {
-    "chat plain": ("04_chat_stream.raw.txt", "chat"),
-    "chat usage": ("06_chat_stream_include_usage.raw.txt", "chat"),
-    "chat reasoning": ("14_reasoning_grammar.raw.txt", "chat"),
-    "chat tool call": ("18_tools_required_stream.raw.txt", "chat"),
+    "plain": ("04_chat_stream.raw.txt", "chat"),
+    "usage": ("06_chat_stream_include_usage.raw.txt", "chat"),
+    "reasoning": ("14_reasoning_grammar.raw.txt", "chat"),
+    "tool call": ("18_tools_required_stream.raw.txt", "chat"),
+    "error": ("17_midstream_error.raw.txt", "chat"),
     "completion": ("40_completion_stream_tokens_probs.raw.txt", "complete"),
     "responses": ("50_responses_stream.raw.txt", "respond"),
     "messages": ("60_messages_stream.raw.txt", "message"),
 }
 
 
-_R_PATHS = {
-    "chat": "/v1/chat/completions",
-    "complete": "/completion",
-    "respond": "/v1/responses",
-    "message": "/v1/messages",
-}
+def _r_raw(name="plain"):
+    """The recorded response of ``_R_STREAMS[name]``."""
+    return load_transcript(_R_STREAMS[name][0])
 
 
 def _r_utf8_stream():
@@ -13939,8 +12515,9 @@ class TestFaultResume(_f_Case):
     #: no wait is under test here but liveness: a slow machine must not turn a late head into an error
     limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0)
 
-    def _r_buffer(self, raw, call="chat", cuts=()):
-        return _r_Buffer(self.server, raw, _R_PATHS[call], cuts)
+    def _r_buffer(self, name="plain", cuts=()):
+        """An _r_Buffer of the recorded stream ``name`` on this test's server."""
+        return _r_Buffer(self.server, _r_raw(name), _R_PATHS[_R_STREAMS[name][1]], cuts)
 
     def _r_call(self, call="chat", client=None, timeout=10, **params):
         client = client or self.client
@@ -13956,8 +12533,8 @@ class TestFaultResume(_f_Case):
     def _r_cuts_equal(self, name, offsets=None, sample=None):
         """For each cut offset (every offset of the response, or ``sample`` of them plus the chunk-size lines
         and block ends): the events less Resumed and the Completion equal the uncut stream's."""
-        transcript, call = _R_STREAMS[name]
-        buf = self._r_buffer(load_transcript(transcript), call)
+        call = _R_STREAMS[name][1]
+        buf = self._r_buffer(name)
         whole, whole_events = self._r_call(call)
         self.assertEqual(buf.methods(), ["POST"])
         self.assertNotIn("Resumed", [type(e).__name__ for e in whole_events])
@@ -13993,16 +12570,16 @@ class TestFaultResume(_f_Case):
         self._r_cuts_equal("messages")
 
     def test_every_cut_of_a_recorded_tool_call_stream(self):
-        self._r_cuts_equal("chat tool call")
+        self._r_cuts_equal("tool call")
 
     def test_cuts_of_a_recorded_plain_chat(self):
-        self._r_cuts_equal("chat plain", sample=150)
+        self._r_cuts_equal("plain", sample=150)
 
     def test_cuts_of_a_recorded_chat_with_usage(self):
-        self._r_cuts_equal("chat usage", sample=150)
+        self._r_cuts_equal("usage", sample=150)
 
     def test_cuts_of_a_recorded_chat_with_reasoning(self):
-        _, whole, _ = self._r_cuts_equal("chat reasoning", sample=150)
+        _, whole, _ = self._r_cuts_equal("reasoning", sample=150)
         self.assertTrue(whole.reasoning)
 
     def test_cuts_of_a_recorded_completion_stream(self):
@@ -14013,7 +12590,7 @@ class TestFaultResume(_f_Case):
 
     def test_every_cut_inside_a_multibyte_character(self):
         raw = _r_utf8_stream()
-        buf = self._r_buffer(raw)
+        buf = _r_Buffer(self.server, raw)
         whole, whole_events = self._r_call()
         self.assertEqual(whole.content, "Grüße 日本 🌊")
         at = buf.raw.index(" 🌊".encode()) + 1
@@ -14027,7 +12604,7 @@ class TestFaultResume(_f_Case):
     # -- several cuts -----------------------------------------------------------------------------------
 
     def test_two_cuts_in_one_stream(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         whole, whole_events = self._r_call()
         body_at = len(buf.head) + len(b"%x\r\n" % len(buf.pieces[0])) + 200  # in the first chunk's data
         buf.reset([body_at, len(STREAM_HEAD) + 1000])
@@ -14042,7 +12619,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(buf.replays(), [r.offset for r in resumed])
 
     def test_a_cut_in_the_head_of_the_replay_is_retried_from_the_same_offset(self):
-        buf = self._r_buffer(load_transcript("06_chat_stream_include_usage.raw.txt"))
+        buf = self._r_buffer("usage")
         whole, whole_events = self._r_call()
         buf.reset([len(buf.head) + 500, 20])
         completion, events = self._r_call()
@@ -14058,7 +12635,7 @@ class TestFaultResume(_f_Case):
     # -- the replay refused -----------------------------------------------------------------------------
 
     def _r_refused(self, answer):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         buf.replay_answer = answer
         buf.reset([len(buf.head) + 700])
         err = self._f_fails(lc.StreamClosedError, fn=lambda events: self._r_call_events(events.append))
@@ -14069,7 +12646,7 @@ class TestFaultResume(_f_Case):
         return run_with_timeout(lambda: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=on_event), 10)
 
     def test_replay_answered_404_is_stream_closed_saying_so(self):
-        err = self._r_refused(http_response(_R_GONE, status=b"404 Not Found"))
+        err = self._r_refused(_R_GONE_404)
         self.assertIn("could not be resumed", str(err))
         self.assertIn("no longer knows it", str(err))
         self.assertIn("HTTP 404", str(err))
@@ -14088,7 +12665,7 @@ class TestFaultResume(_f_Case):
         on) until the client has said it cannot connect (Retrying); then it listens again and the stream
         finishes."""
         self.client_with(load_wait=5.0)
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         whole, whole_events = self._r_call()
         server = self.server
         events = []
@@ -14098,7 +12675,7 @@ class TestFaultResume(_f_Case):
 
         def post_then_gone(req):
             with buf.lock:
-                buf.ids.add(req.headers["x-conversation-id"])
+                buf.ids.add("conv-1")
             req.send(buf.raw[: len(buf.head) + 900])
             server.listener.close()
             server.listener = None
@@ -14116,7 +12693,7 @@ class TestFaultResume(_f_Case):
                     os.unlink(server.path)
                 server.listen()
 
-        server.route("POST", "/v1/chat/completions", post_then_gone)
+        self.use(post_then_gone)
         buf.reset()
         completion = run_with_timeout(
             lambda: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append), 10
@@ -14140,7 +12717,7 @@ class TestFaultResume(_f_Case):
     # -- lost before any byte of the head -------------------------------------------------------------
 
     def test_lost_before_the_head_and_known_is_resumed_from_zero(self):
-        buf = self._r_buffer(load_transcript("06_chat_stream_include_usage.raw.txt"))
+        buf = self._r_buffer("usage")
         whole, whole_events = self._r_call()
         buf.reset([0])
         completion, events = self._r_call()
@@ -14150,7 +12727,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(completion, whole)
 
     def test_lost_before_the_head_and_unknown_is_sent_again(self):
-        buf = self._r_buffer(load_transcript("06_chat_stream_include_usage.raw.txt"))
+        buf = self._r_buffer("usage")
         whole, whole_events = self._r_call()
         buf.register_lost_head = False
         buf.reset([0])
@@ -14165,7 +12742,7 @@ class TestFaultResume(_f_Case):
     # -- a silence of liveness ------------------------------------------------------------------------
 
     def test_a_silence_of_liveness_is_resumed_once(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         whole, whole_events = self._r_call()
         buf.reset([("hold", len(buf.head) + 1200)])
         liveness = self.client.limits.liveness
@@ -14177,7 +12754,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(buf.methods(), ["POST", "GET"])
 
     def test_a_second_silence_after_the_resume_is_stalled(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         cut = len(buf.head) + 1200
         buf.reset([("hold", cut), ("hold", len(STREAM_HEAD) + 10)])
         liveness = self.client.limits.liveness
@@ -14197,7 +12774,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_cancel_deletes_the_stream_before_the_permit_is_released(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)])
+        buf = self._r_buffer(cuts=[("hold", len(STREAM_HEAD) + 900)])
         self._r_permit_seen_at_delete(buf)
         stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
         self.assertIsInstance(run_with_timeout(lambda: next(stream), 5), lc.Content)
@@ -14208,7 +12785,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(buf.methods(), ["POST", "DELETE"])
 
     def test_leaving_with_early_deletes_the_stream(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)])
+        buf = self._r_buffer(cuts=[("hold", len(STREAM_HEAD) + 900)])
         self._r_permit_seen_at_delete(buf)
 
         def read_one():
@@ -14219,7 +12796,7 @@ class TestFaultResume(_f_Case):
         self._r_deleted_then_freed(buf)
 
     def test_an_on_event_exception_deletes_the_stream_before_the_permit_is_released(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"), cuts=[("hold", len(STREAM_HEAD) + 900)])
+        buf = self._r_buffer(cuts=[("hold", len(STREAM_HEAD) + 900)])
         self._r_permit_seen_at_delete(buf)
 
         def on_event(event):
@@ -14231,7 +12808,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(buf.methods(), ["POST", "DELETE"])
 
     def test_a_server_error_mid_stream_deletes_the_stream_before_the_permit_is_released(self):
-        buf = self._r_buffer(load_transcript("17_midstream_error.raw.txt"))
+        buf = self._r_buffer("error")
         self._r_permit_seen_at_delete(buf)
         events = []
         with self.assertRaises(lc.ServerError):
@@ -14240,22 +12817,17 @@ class TestFaultResume(_f_Case):
         self._r_deleted_then_freed(buf)
         self.assertEqual(buf.methods(), ["POST", "DELETE"])
 
-    def test_a_finished_stream_is_not_deleted(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
-        self._r_call()
-        self.assertEqual(buf.methods(), ["POST"])
-
     # -- ids, offsets, resume() -------------------------------------------------------------------------
 
     def test_a_bad_id_is_value_error_and_nothing_is_sent(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         for bad in ("bad id\n", "", "x" * 129, "caf\u00e9"):
             with self.assertRaises(ValueError):
                 self.client.chat(MSGS, slot=0, resumable=bad)
         self.assertEqual(buf.methods(), [])
 
     def test_resumable_true_makes_an_id_and_sends_it(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         stream = self.client.stream(MSGS, slot=0, resumable=True)
         self.assertRegex(stream.conversation_id, r"^lc-[0-9a-f]{32}$")
         run_with_timeout(lambda: list(stream), 10)
@@ -14264,7 +12836,7 @@ class TestFaultResume(_f_Case):
         self.assertIsNone(self.client.stream(MSGS, slot=0).conversation_id)
 
     def test_offset_is_the_end_of_the_last_yielded_events_block(self):
-        buf = self._r_buffer(load_transcript("14_reasoning_grammar.raw.txt"))
+        buf = self._r_buffer("reasoning")
         ends = set(_r_block_ends(buf.body))
         stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
         self.assertEqual(stream.offset, 0)
@@ -14281,7 +12853,7 @@ class TestFaultResume(_f_Case):
         self.assertIn(stream.offset, ends)
 
     def test_resume_from_the_offset_of_a_partial_read_yields_exactly_the_rest(self):
-        buf = self._r_buffer(load_transcript("14_reasoning_grammar.raw.txt"))
+        buf = self._r_buffer("reasoning")
         whole, whole_events = self._r_call()
         release = self.event()
         buf.reset([("wait", len(buf.head) + len(buf.raw) // 2, release)])
@@ -14311,7 +12883,7 @@ class TestFaultResume(_f_Case):
         self.assertEqual(stream.completion, whole)
 
     def test_resume_from_zero_reads_the_whole_stream_without_a_request(self):
-        buf = self._r_buffer(load_transcript("50_responses_stream.raw.txt"), "respond")
+        buf = self._r_buffer("responses")
         whole, whole_events = self._r_call("respond")
         stream = self.client.resume("conv-1", endpoint="respond")
         self.assertEqual(run_with_timeout(lambda: list(stream), 10), whole_events)
@@ -14320,14 +12892,14 @@ class TestFaultResume(_f_Case):
         self.assertEqual(buf.replays(), [0])
 
     def test_resume_of_an_unknown_id_is_stream_closed(self):
-        self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        self._r_buffer()
         stream = self.client.resume("nobody")
         with self.assertRaises(lc.StreamClosedError) as caught:
             run_with_timeout(lambda: list(stream), 10)
         self.assertIn("no longer knows it", str(caught.exception))
 
     def test_lookup_and_delete(self):
-        buf = self._r_buffer(load_transcript("04_chat_stream.raw.txt"))
+        buf = self._r_buffer()
         self._r_call()
         found = self.client.lookup_streams(["conv-1", "other"])
         self.assertEqual([e["conversation_id"] for e in found], ["conv-1"])
@@ -14343,7 +12915,7 @@ class TestFaultResumeAgain(_f_Case):
     limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0, load_wait=0.5)
 
     def _again(self, cuts):
-        buf = _r_Buffer(self.server, load_transcript("04_chat_stream.raw.txt"))
+        buf = _r_Buffer(self.server, _r_raw())
         events = []
         whole = run_with_timeout(lambda: self.client.chat(MSGS, slot=0, resumable="conv-1"), 10)
         buf.reset(cuts(buf))
@@ -14353,9 +12925,7 @@ class TestFaultResumeAgain(_f_Case):
         return buf, whole, completion, events
 
     def test_a_replay_answered_503_is_asked_again(self):
-        loading = http_response(b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}',
-                                status=b"503 Service Unavailable")  # fmt: skip
-        buf, whole, completion, events = self._again(lambda buf: [len(buf.head) + 300, ("answer", loading)])
+        buf, whole, completion, events = self._again(lambda buf: [len(buf.head) + 300, ("answer", _f_loading())])
         self.assertEqual(completion, whole)
         told = [type(e).__name__ for e in events if isinstance(e, (lc.Resumed, lc.Retrying))]
         self.assertEqual(told, ["Resumed", "Retrying", "Resumed"])
@@ -14386,165 +12956,23 @@ TestFaultResumeSockets, TestFaultResumeSocketsAsync = on_sockets(
     "test_cancel_deletes_the_stream_before_the_permit_is_released",
 )
 
-
 # -- inputs dev/fuzz.py found, fed again from dev/testdata/fuzz/<hash>.bin ---------------------------------
-
-
 #: Inputs dev/fuzz.py found, kept as it saves them: the raw bytes of <hash>.bin (copied from dev/fuzz-crashes/).
 FUZZ_INPUTS = os.path.join(HERE, "dev", "testdata", "fuzz")
 
 
-def _f_input(name):
-    """The saved fuzz input ``dev/testdata/fuzz/<name>.bin``."""
+def _f_payloads(data):
+    """The assembler target's input: the payloads it fed, one after another."""
+    return data.decode("utf-8", "surrogatepass").split("\n\x1e")
+
+
+def _f_input(name, target):
+    """The saved fuzz input ``dev/testdata/fuzz/<name>.bin`` of ``target``, proven the saved one: the fuzzer
+    names a crash by sha1(target NUL input)."""
     with open(os.path.join(FUZZ_INPUTS, name + ".bin"), "rb") as f:
-        return f.read()
-
-
-def _f_saved(target, data, name):
-    """Prove ``data`` is the saved input: the fuzzer names a crash by sha1(target NUL input)."""
-    return hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name
-
-
-#: The cut points the fuzzer's server sent the client-target inputs with (one send per piece).
-_F_CUTS = {
-    "e2748cec9571aae2": [
-        1,
-        2,
-        3,
-        4,
-        6,
-        7,
-        8,
-        11,
-        13,
-        15,
-        16,
-        18,
-        19,
-        20,
-        21,
-        22,
-        24,
-        25,
-        27,
-        28,
-        30,
-        32,
-        33,
-        35,
-        36,
-        38,
-        41,
-        43,
-        45,
-        46,
-        47,
-        51,
-        52,
-        53,
-        54,
-        56,
-        57,
-        58,
-        59,
-        60,
-        61,
-        62,
-        67,
-        68,
-        70,
-        72,
-        74,
-        76,
-        77,
-        78,
-        80,
-        81,
-        82,
-        85,
-        88,
-        89,
-        90,
-        94,
-        95,
-        96,
-        99,
-        101,
-        102,
-        106,
-        107,
-        109,
-        110,
-        111,
-        113,
-        115,
-        116,
-        117,
-        118,
-        119,
-        120,
-        121,
-        123,
-        124,
-        125,
-        127,
-        130,
-        132,
-        135,
-    ],
-    "0f7c31287867b84c": [
-        411,
-        463,
-        492,
-        1598,
-        1797,
-        2479,
-        2817,
-        2946,
-        3152,
-        3167,
-        3544,
-        3872,
-        4090,
-        4656,
-        5164,
-        5199,
-        5414,
-        6247,
-        6599,
-        8290,
-        8665,
-        12333,
-        12504,
-        13053,
-        13071,
-        13306,
-        13756,
-        14157,
-        15025,
-        15040,
-        15846,
-        16375,
-        16971,
-        18159,
-        19879,
-        21782,
-        21900,
-        22167,
-        22337,
-        22414,
-        22612,
-        23561,
-        25262,
-        25424,
-        25712,
-        27230,
-        27912,
-        28431,
-        29891,
-        30502,
-    ],
-}
+        data = f.read()
+    assert hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name, (target, name)
+    return data
 
 
 class TestFaultFuzzRegressions(unittest.TestCase):
@@ -14554,8 +12982,7 @@ class TestFaultFuzzRegressions(unittest.TestCase):
     def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
         # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
         # RecursionError out.  (Through the client the 503 is retried: its Retry-After is a past date.)
-        data = _f_input("403724efe73ee4d8")
-        self.assertTrue(_f_saved("http", data, "403724efe73ee4d8"))
+        data = _f_input("403724efe73ee4d8", "http")
         reader = lc.ResponseReader(max_body=65536)
         body = b"".join(reader.feed(data))
         reader.feed_eof()
@@ -14565,11 +12992,10 @@ class TestFaultFuzzRegressions(unittest.TestCase):
 
     def test_fuzz_080ec222851097f5_error_code_superscript_two(self):
         # assembler target: {"code": "\u00b2"} passed str.isdigit(), then int() raised a bare ValueError.
-        data = _f_input("080ec222851097f5")
-        self.assertTrue(_f_saved("assembler", data, "080ec222851097f5"))
+        data = _f_input("080ec222851097f5", "assembler")
         asm = lc.Assembler()
         with self.assertRaises(lc.LoopError) as caught:
-            for payload in data.decode("utf-8", "surrogatepass").split("\n\x1e"):
+            for payload in _f_payloads(data):
                 asm.feed(payload)
             asm.completion()
         self.assertIs(type(caught.exception), lc.ServerError)
@@ -14577,60 +13003,14 @@ class TestFaultFuzzRegressions(unittest.TestCase):
 
     def test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event(self):
         # sse target, max_line 1 MiB: 605,552 "data:" lines in one event took 5 s (a str += per line).
-        data = _f_input("5dff79bad8bec29d")
-        self.assertTrue(_f_saved("sse", data, "5dff79bad8bec29d"))
+        data = _f_input("5dff79bad8bec29d", "sse")
         cuts = [
-            114632,
-            149591,
-            151321,
-            202273,
-            234323,
-            267737,
-            294555,
-            311822,
-            350253,
-            411743,
-            546256,
-            594560,
-            665268,
-            674184,
-            713838,
-            740823,
-            808220,
-            1241270,
-            1353040,
-            1413642,
-            1527123,
-            1642733,
-            1660069,
-            1689020,
-            1698772,
-            1747410,
-            1892217,
-            1930808,
-            2108136,
-            2136392,
-            2316960,
-            2358204,
-            2431132,
-            2437755,
-            2499227,
-            2562357,
-            2643570,
-            2669312,
-            2761979,
-            2974146,
-            3119869,
-            3128443,
-            3176700,
-            3199854,
-            3226151,
-            3230152,
-            3367604,
-            3382109,
-            3516771,
-            3596593,
-        ]
+            114632, 149591, 151321, 202273, 234323, 267737, 294555, 311822, 350253, 411743, 546256, 594560, 665268,
+            674184, 713838, 740823, 808220, 1241270, 1353040, 1413642, 1527123, 1642733, 1660069, 1689020, 1698772,
+            1747410, 1892217, 1930808, 2108136, 2136392, 2316960, 2358204, 2431132, 2437755, 2499227, 2562357,
+            2643570, 2669312, 2761979, 2974146, 3119869, 3128443, 3176700, 3199854, 3226151, 3230152, 3367604,
+            3382109, 3516771, 3596593
+        ]  # fmt: skip
         pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
 
         def decode():
@@ -14642,9 +13022,8 @@ class TestFaultFuzzRegressions(unittest.TestCase):
             except lc.LoopError:
                 pass
 
-        def floor():  # the least a reader does with these bytes: split the lines, keep the data, join it
-            kept = [line[5:] for line in b"".join(pieces).split(b"\n") if line.startswith(b"data:")]
-            return b"\n".join(kept)
+        def floor():  # the least a reader does with these bytes
+            return _d_floor(data)
 
         # CPU time against that floor measured beside it, each the better of two, alternated (the machine's
         # other work moves both): linear is 2-3x the floor; the str += per line was 37-40x.  A line tracer
@@ -14695,14 +13074,12 @@ _A_FAULT_ANSWERS = {
         lc.Response(500, "Internal Server Error", _a_headers("text/html", _A_PAGE), _A_PAGE),
     ),
     "503": (
-        http_response(
-            b'{"error":{"code":503}}', JSON_TYPE, "length", b"503 Service Unavailable", b"Retry-After: 1\r\n"
-        ),
+        _f_loading(b"1"),
         lc.Response(
             503,
             "Service Unavailable",
-            _a_headers(JSON_TYPE.decode(), b'{"error":{"code":503}}', ("retry-after", "1")),
-            b'{"error":{"code":503}}',
+            _a_headers(JSON_TYPE.decode(), _F_LOADING.encode(), ("retry-after", "1")),
+            _F_LOADING.encode(),
         ),
     ),
     "302": (
@@ -14731,1026 +13108,52 @@ def _a_route(path="/r", body=None, **kw):
     return act
 
 
-# -- the fault table: the one statement of dev/FAULTS.md's tables ------------------------------------
+# -- the fault table: each fault stated once, as a row and its parts --------------------------------
 #
-# Per section of dev/FAULTS.md (by its heading): the table's columns, and per row the fault (the name of
-# the TestDifferential row that runs it, exactly as scripted there), what the server does, the outcome,
-# and the tests that pin it: the TestDifferential test that runs the row's parts, and any test that pins
-# more than a row can say (a TestFault* or TestSecurity test).  dev/faults.py writes the tables of
-# dev/FAULTS.md from it; TestDifferential.test_dev_faults_md_is_the_fault_table fails when they drift,
-# and test_each_row_states_what_it_runs when a row's outcome does not name the error class its parts
-# expect, or names a test that does not exist or a TestDifferential test that does not run the row.
+# FAULT_TABLE holds dev/FAULTS.md's sections, in its order: each its heading, its columns, the
+# TestDifferential test that runs it, and the function that makes its rows (marked ``@_d_section``, below,
+# before TestDifferential).  A row (_d_row) is the fault, what the server does and the outcome (the table's
+# words), the tests that pin more than a row can say (``also``), and its parts (_d_part): the scripted
+# server, the call, the documented outcome, its budget and checks, which TestDifferential runs through the
+# drivers.  dev/faults.py writes dev/FAULTS.md's tables from it (test_dev_faults_md_is_the_fault_table fails
+# when they drift); test_each_row_states_what_it_runs fails when a row's outcome does not name the error its
+# parts expect, or names a test that does not exist.
 
-FAULT_TABLE = [
-    (
-        "Connecting",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "socket file missing",
-                "nothing at the path",
-                "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "socket file missing, single-shot call",
-                "nothing at the path",
-                "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "socket file with no listener",
-                "a stale socket file; connecting is refused",
-                "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "socket file with no listener, single-shot call",
-                "connecting is refused",
-                "`ConnectError` at once",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "EOF before the head",
-                "reads the request, closes without a byte",
-                "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "connection reset before the head",
-                "TCP RST (SO_LINGER 0) after reading the request",
-                "`StreamClosedError` at once, not retried",
-                "`TestDifferential.test_connecting`",
-            ),
-            (
-                "connection reset mid-stream",
-                "RST after one content event",
-                "`StreamClosedError` at once; the delivered output is never replayed",
-                "`TestDifferential.test_connecting`",
-            ),
-        ],
-    ),
-    (
-        "The response head",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "garbage status line",
-                "`HELLO THERE` plus a header block",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "a service that is not HTTP",
-                "an SSH banner line, then waits for the client",
-                "`ProtocolError` at once: the first line is enough (*choice*)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "bad status code",
-                "`HTTP/1.1 2000 OK`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "another HTTP version",
-                "`HTTP/2 200`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "HTTP/1.0 reply",
-                "`HTTP/1.0 200` with no length, body until close",
-                "no error: framed normally (read until close), `Completion` returned (*choice*)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "interim response",
-                "`100 Continue`, then the real response",
-                "no error: the interim head is skipped",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "10 MB of headers",
-                "one 10 MB header line",
-                "`ProtocolError` once 64 KiB of head has arrived; the client closes before the server has sent it all",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "1,000 header lines",
-                "1,000 short headers",
-                "`ProtocolError` at once (cap: 100 lines)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "NUL byte in a header",
-                "`X-A: a\\0b`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "obsolete line folding",
-                "a header line that starts with spaces",
-                "no error: unfolded into the previous value with one space (RFC 9112 5.2, as a user agent)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "EOF inside the head",
-                "half a head, then close",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "head trickled forever",
-                "one header byte every 20 ms, never a blank line",
-                "`StalledError` after `liveness` from the first byte of the head (*choice*: a head that has not finished within `liveness` is no progress)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "interim responses forever",
-                "`100 Continue` every 20 ms",
-                "`StalledError` after `liveness` (as above)",
-                "`TestDifferential.test_the_response_head`",
-            ),
-            (
-                "stall inside the head",
-                "half a head, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_the_response_head`",
-            ),
-        ],
-    ),
-    (
-        "Body framing",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "conflicting Content-Length headers",
-                "`Content-Length: 10` and `Content-Length: 20`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "conflicting Content-Length, single-shot call",
-                "the same on `/slots`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "negative length",
-                "`Content-Length: -1`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "non-numeric length",
-                "`Content-Length: 12abc`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "unsupported transfer coding",
-                "`Transfer-Encoding: gzip, chunked`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk size ffffffffffffffff",
-                "that size line, then a whole valid stream",
-                "`ProtocolError` at once: a size that does not fit in 63 bits is malformed (*choice*)",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk size line without CRLF",
-                "the size runs straight into the data",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk size line that never ends",
-                "`1` followed by 5,000 zeros and no newline",
-                "`ProtocolError` once 4 KiB of size line has arrived",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "chunk data without its CRLF",
-                "`XX` where the CRLF after the data belongs",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "body shorter than its length (stream)",
-                "`Content-Length` 500 bytes more than is sent, then close",
-                "`StreamClosedError` at once, after the `Content` that did arrive",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "body shorter than its length (single-shot)",
-                "`/slots` says 100 bytes, sends 8, closes",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "close mid-chunk",
-                "a chunk 200 bytes short, then close",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "close mid-event",
-                "a close-delimited body whose last event has no blank line",
-                "`StreamClosedError` at once: the unfinished event is discarded, so there is no `finish_reason`",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "close after the finish chunk without `[DONE]`",
-                "finish chunk, then the final `0` chunk",
-                "no error: a clean end after a `finish_reason` returns the `Completion`",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "`[DONE]`, then the connection stays open",
-                "no final `0` chunk, no close",
-                "no error: the `Completion` is returned at `[DONE]`, without waiting",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "`[DONE]` without a `finish_reason`",
-                "content, then `[DONE]`",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "empty stream",
-                "a 200 head and the final `0` chunk",
-                "`StreamClosedError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "200 with an HTML page",
-                "an nginx welcome page",
-                "`StreamClosedError` at once: no event, so no `finish_reason`",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "error body over `max_body`",
-                "a 500 whose body is longer than `max_body` and arrives in the same read as the head",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_body_framing`",
-            ),
-            (
-                "single-shot length over `max_body`",
-                "`/slots` announces `max_body` + 1 bytes",
-                "`ProtocolError` at once, before reading the body",
-                "`TestDifferential.test_body_framing`",
-            ),
-        ],
-    ),
-    (
-        "SSE lines and events",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "a 2 MiB line sent one byte at a time",
-                "one byte per millisecond, slot busy, `max_line` 1 KiB; after the byte that passes `max_line`, it waits for the client to leave",
-                "`ProtocolError` on the byte that passes `max_line`: the client leaves without reading another, with no budget near its end (on the virtual clock, at that very instant)",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "bytes trickle but no event completes",
-                "one byte every 20 ms, idle slot",
-                "`StalledError` after `liveness`: the liveness rule asks `/slots` and the slot is idle",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a line of `max_line` exactly",
-                "a valid chunk padded to 4,096 bytes",
-                "no error: the line is accepted",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a line of `max_line` + 1",
-                "the same, one byte longer",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "an event over `max_line` in many lines",
-                "2,000 short `data:` lines in one event",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "half a million empty `data:` lines",
-                "524,290 of them in one event, `max_line` 512 KiB",
-                "`ProtocolError`, in CPU time linear in the input: under 10 times that of splitting the same bytes into lines",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "invalid UTF-8",
-                "`\\xff\\xfe` inside a content string",
-                "no error: replaced by U+FFFD",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a UTF-8 character split between reads",
-                "`é` cut in two, 20 ms apart",
-                "no error: the character arrives whole",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-            (
-                "a NUL byte",
-                "a raw NUL inside a JSON string",
-                "`ProtocolError` at once (raw control characters are invalid JSON)",
-                "`TestDifferential.test_sse_lines_and_events`",
-            ),
-        ],
-    ),
-    (
-        "JSON payloads",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            ("invalid JSON", "a chunk cut short", "`ProtocolError` at once", "`TestDifferential.test_json_payloads`"),
-            (
-                "JSON that is not an object",
-                '`["choices"]`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "`choices` not a list",
-                '`{"choices": {"0": ...}}`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "a delta that is a string",
-                '`"delta": "Hi"`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "a tool-call delta without index",
-                "id, name and arguments, no `index`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "deeply nested JSON",
-                "200,000 nested lists",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_json_payloads`",
-            ),
-            (
-                "an error code that only looks like a number",
-                '`{"error": {"code": "²"}}`',
-                "`ServerError` at once with `.code` None",
-                "`TestDifferential.test_json_payloads`",
-            ),
-        ],
-    ),
-    (
-        "Silence, pings and the liveness rule",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "pings forever, idle slot",
-                "`: ping` every 50 ms, no data; `/slots` says idle",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "pings forever, processing slot",
-                "the same; `/slots` says processing",
-                "`StalledError` after `busy_wait`, counted from the last data event",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "stall before the head, idle slot",
-                "reads the request, says nothing",
-                "`StalledError` after `idle_grace`, with `Waiting(False)` events",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "stall before the head, busy slot",
-                "the same; `/slots` says processing",
-                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-            (
-                "stall mid-stream",
-                "one content event, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_silence_pings_and_the_liveness_rule`",
-            ),
-        ],
-    ),
-    (
-        "Error statuses and error events",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "HTTP 503 forever",
-                "`503 Loading model` on every attempt",
-                "`LoadTimeoutError` after `load_wait`, at least 2 attempts",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "HTTP 400",
-                'the real "exceeds the available context size" envelope',
-                "`HTTPStatusError` at once, `.status` 400, `.message` from the envelope",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "HTTP 500 with an HTML body",
-                "`<h1>oops</h1>`",
-                "`HTTPStatusError` at once, `.message` is the page's first text (`oops`), `.body` the whole page",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error body stalls",
-                "a 400 that sends 2 of its 116 bytes, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error body nested 5,000 deep",
-                "a 400 whose envelope cannot be decoded",
-                "`HTTPStatusError` at once; the message falls back to the body text",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event first, code 503",
-                '`data: {"error": {"code": 503, ...}}`, then a good stream',
-                "retried like an HTTP 503; `Completion` returned after one `Retrying`",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event first, 503 forever",
-                "the 503 event on every attempt",
-                "`LoadTimeoutError` after `load_wait`",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event first, code 400",
-                '`data: {"error": {"code": 400, ...}}`',
-                "`ServerError` at once, `.code` 400, one attempt",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "error event after content",
-                "content, then a 503 error event",
-                "`ServerError` at once, `.code` 503; never replayed",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "legacy `error:` line",
-                'content, then `error: {"code":500,...}`',
-                "`ServerError` at once, `.code` 500",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "legacy `error:` line nested 100,000 deep",
-                "an `error:` payload that cannot be decoded",
-                "`ServerError` at once, the text as its message",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-            (
-                "legacy `error:` line first, code 503",
-                "the legacy line, then a good stream",
-                "retried; `Completion` returned, 2 requests",
-                "`TestDifferential.test_error_statuses_and_error_events`",
-            ),
-        ],
-    ),
-    (
-        "503 with Retry-After",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "Retry-After as a date beyond `load_wait`",
-                "an HTTP date 5 s ahead",
-                "`LoadTimeoutError` at once, no `Retrying`",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After as a date in the past",
-                "a date a minute ago, then a good stream",
-                "retried after the ordinary backoff (0.19–0.25 s), not at once (*choice*: a hint is a floor, so 0 cannot become a busy loop)",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "`Retry-After: 0` forever",
-                "the same 503 every time",
-                "`LoadTimeoutError` after `load_wait`, with at most 4 attempts",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After negative",
-                "`-5`, then a good stream",
-                "no hint: retried after the backoff",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After malformed",
-                "`soon`, then a good stream",
-                "no hint: retried after the backoff",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After huge",
-                "20 digits",
-                "`LoadTimeoutError` at once (longer than what remains of `load_wait`)",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After beyond float range",
-                "400 digits",
-                "`LoadTimeoutError` at once",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-            (
-                "Retry-After beyond int() digit limit",
-                "5,000 digits",
-                "`LoadTimeoutError` at once",
-                "`TestDifferential.test_503_with_retry_after`",
-            ),
-        ],
-    ),
-    (
-        "/slots and the other single-shot calls",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "`/slots` answers garbage while the head is awaited",
-                "`not json!`",
-                "treated as unavailable: `LoadTimeoutError` after `load_wait`, `Waiting(False)` events",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers garbage to `slots()`",
-                "the same",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` entries of the wrong shape",
-                '`{"id": "0", "is_processing": "yes"}`',
-                "`ProtocolError` at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` hangs while the head is awaited",
-                "accepts, never answers",
-                "unavailable: `LoadTimeoutError` after `load_wait`; the poller's connection ends too",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` hangs for `slots()`",
-                "accepts, never answers",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers later than `poll`, busy slot",
-                "each answer twice `poll` after it is asked (llama-server answers `/slots` between two batches "
-                "of its work); the slot processing, the head held back",
-                "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events only: each poll waits for "
-                "the answer it asked, up to the `/slots` request's own timeout (a late answer is a server at "
-                "work, not an unavailable one: never `LoadTimeoutError` after `load_wait`)",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers later than `poll`, idle slot",
-                "the same; the slot idle",
-                "`StalledError` after `idle_grace`, with `Waiting(False)` events; a budget that runs out while "
-                "an answer is awaited ends the wait at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers later than `poll`, pings from a processing slot",
-                "the head, then `: ping` every 50 ms, no data; each `/slots` answer twice `poll` late, the "
-                "slot processing",
-                "`StalledError` after `busy_wait` counted from the last data event (the slot stays busy), "
-                "on the answer asked then (as late as it comes), not after `liveness` as a stuck stream",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers 501 while the head is awaited",
-                "`--no-slots` servers do this",
-                "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/slots` answers 501 to `slots()`",
-                "the same",
-                "`HTTPStatusError` at once, `.status` 501",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/props` is not an object",
-                "`[1, 2]`",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`",
-            ),
-            (
-                "`/props` silent or slow for a `slot=None` request",
-                "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
-                "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
-                "`TestDifferential.test_slots_and_the_other_single_shot_calls`, `TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back`, `TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request`",
-            ),
-        ],
-    ),
-    (
-        "Behind proxies and balancers: 429, a hidden /slots",
-        ("fault", "what the server (or the proxy in front) does", "error (and when)", "test"),
-        [
-            (
-                "429 at a concurrency limit, then served",
-                "429 twice (with and without `Retry-After: 0`), then the stream",
-                "no error: `Retrying` twice, reason `HTTP 429: ...`, then the `Completion`",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-            (
-                "429 for ever",
-                "429 with `Retry-After: 0` on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
-                "`WaitTimeoutError` after `busy_wait`, naming the 429; `__cause__` the `HTTPStatusError` 429",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-            (
-                "429 with a hint past `busy_wait`",
-                "`Retry-After: 30`",
-                "`WaitTimeoutError` at once, no `Retrying`",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-            (
-                "`/slots` not served",
-                "`/slots` answers 404, 403, 405 or 501 while the head is held back (`busy_wait` 0.8 s for the 404, 0.45 s for the others)",
-                "`WaitTimeoutError` after `busy_wait` (not `load_wait`), `Waiting(False, slots_known=False)` at each poll, `/slots` asked once",
-                "`TestDifferential.test_behind_proxies`",
-            ),
-        ],
-    ),
-    (
-        "Behind nginx, HAProxy and Caddy: the fronts' own answers",
-        ("fault", "what the front does", "error (and when)", "test"),
-        [
-            (
-                "504 from nginx, then served",
-                "nginx's 504 page (`Server: nginx/1.22.1`) after its idle timeout, twice",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from nginx/1.22.1: the front stopped waiting for a slot`, then the `Completion`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 without a `Server` header, then served",
-                "HAProxy's 504 page",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from the front: ...`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 with an empty body, then served",
-                "Caddy's 504 (`Server: Caddy`, no body)",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from Caddy: ...`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "524, then served",
-                "Cloudflare's 524 page",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 524 from cloudflare: ...`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 for ever",
-                "nginx's 504 on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s); HAProxy's and Caddy's 504 and Cloudflare's 524 the same (`busy_wait` 0.45 s)",
-                "`WaitTimeoutError` after `busy_wait`, one line naming `HTTP 504` (or 524), the front (`nginx/1.22.1`, `the front`, ...) and `busy_wait`; `__cause__` the `HTTPStatusError` with the page in `.body`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "504 to a resumable request the server holds",
-                "nginx's 504 for the POST; the server kept the queued request (lookup knows it)",
-                "no error: `Resumed(0, 1)`, the stream replayed from 0, the request not sent again; lookup and replay carry `X-Conversation-Id`",
-                "`TestDifferential.test_behind_fronts`, `TestFaultFronts.test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero`",
-            ),
-            (
-                "a resumable stream the front ends cleanly mid-event",
-                "Caddy's answer when its server's connection breaks: the chunked body ended by `0` after a chunk cut mid-event (transcript 106)",
-                "no error: resumed from the start of the unfinished event (`GET /v1/stream?from=` the last blank line), the events and `Completion` those of the whole stream",
-                "`TestDifferential.test_behind_fronts`, `TestFaultFronts.test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed`",
-            ),
-            (
-                "502 with an HTML page, then served",
-                "nginx's 502 page (the server's socket gone), twice",
-                "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from nginx/1.22.1: 502 Bad Gateway`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "502 with an empty body, then served",
-                "Caddy's 502",
-                "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from Caddy: (empty body)`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "520 to 523, then served",
-                "Cloudflare's pages",
-                "no error: `Retrying` twice under `load_wait`, the page's title in the reason",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "502 for ever",
-                "nginx's 502 on every attempt (`load_wait` 0.6 s, `busy_wait` 0.2 s); Caddy's 502 and Cloudflare's 521 the same (`load_wait` 0.3 s)",
-                "`LoadTimeoutError` after `load_wait`, one line naming `load_wait`, `HTTP 502` (or 521) and the front; `__cause__` the `HTTPStatusError` with the page in `.body`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "503 from HAProxy for ever",
-                "HAProxy's 503 page (no server to send to)",
-                "`LoadTimeoutError` after `load_wait`; `__cause__` the 503 with `.message` `503 Service Unavailable`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "an error page from a front",
-                "nginx's 403 page; and a front's pages (or llama-server's 404) answering `props()`",
-                "`HTTPStatusError` at once, not retried: `HTTP 403 from nginx/1.22.1: 403 Forbidden`, `.server` the header, `.body` the page; for `props()` the same one line (`HTTP 504 from the front: 504 Gateway Time-out`, `HTTP 404: File Not Found`)",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "idle `/slots`, several servers",
-                "`Limits(servers=2)`; the head held back, `/slots` idle (it may be another server's)",
-                "`WaitTimeoutError` after `busy_wait`, not `StalledError` after `idle_grace`; `Waiting(slots_known=False)`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-            (
-                "`/slots` answers from two servers",
-                "the head held back; `/slots` answers 2 slots, then 3, in turn (`servers` not given); or 2 slots whose `id_task` goes back",
-                "`WaitTimeoutError` after `busy_wait` from the second poll, not `StalledError`: the client has learnt there are several servers; a slot's `id_task` going back is no proof (one server's slot may take a task queued after a later one): `StalledError` after `idle_grace`",
-                "`TestDifferential.test_behind_fronts`",
-            ),
-        ],
-    ),
-    (
-        "A front whose every server is busy: the README's configurations",
-        ("fault", "what the front does", "error (and when)", "test"),
-        [
-            (
-                "429 from nginx: every server busy, then served",
-                "nginx's 429 (`Retry-After: 1`, transcript 107: no server with a free slot), twice",
-                "no error: `Retrying` twice under `busy_wait`, each at least 1 s, reason `HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy`, then the `Completion`",
-                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
-            ),
-            (
-                "429 from HAProxy after its queue timeout, then served",
-                "HAProxy's 429 (transcript 108: the request waited `timeout queue` at the front), twice",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429: every llama-server behind this front is busy`",
-                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
-            ),
-            (
-                "429 from Caddy: every server busy, then served",
-                "Caddy's 429 (transcript 109), twice",
-                "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429 from Caddy: every llama-server behind this front is busy`",
-                "`TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served`",
-            ),
-            (
-                "every server busy for ever",
-                "nginx's 429 on every attempt (`busy_wait` 2.5 s, `load_wait` 0.3 s)",
-                "`WaitTimeoutError` within the last second of `busy_wait` (`Retry-After: 1` past what is left ends it), one line ending with the front's 429; `__cause__` the `HTTPStatusError` 429",
-                "`TestFaultFullFronts.test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it`",
-            ),
-            (
-                "every server unreachable behind HAProxy",
-                "HAProxy's 503 (transcript 110: `every llama-server behind this front is unreachable`)",
-                "`LoadTimeoutError` after `load_wait`, not a busy wait; `__cause__` the 503",
-                "`TestFaultFullFronts.test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait`",
-            ),
-        ],
-    ),
-    (
-        "Session keys (`X-Session-Id`)",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "a resumable stream with a session key, cut mid-stream",
-                "the stream's connection closed after 900 bytes of its body",
-                "no error: resumed; the `GET /v1/stream` carries the stream's `X-Session-Id`",
-                "`TestFaultSessions.test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key`, `TestSessionKeys.test_a_resumable_stream_s_requests_carry_its_key`",
-            ),
-            (
-                "a resumable request without a key, lost before its head",
-                "the connection closed before any byte of the head; the server kept the request",
-                "no error: the lookup and the replay carry the request's digest key",
-                "`TestFaultSessions.test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key`",
-            ),
-            (
-                "a resumable stream with a session key, ended by an error event",
-                "`Hi`, then an error event",
-                "`ServerError`; the `DELETE` that stops the generation carries the stream's key",
-                "`TestFaultSessions.test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key`",
-            ),
-            (
-                "a malformed session key",
-                "(nothing: the call is refused)",
-                "`ValueError` before anything is sent",
-                "`TestFaultSessions.test_a_malformed_session_key_is_refused_before_anything_is_sent`, `TestSessionKeys.test_caller_mistakes_are_refused_before_anything_is_sent`",
-            ),
-            (
-                "`Limits(session=False)`, a resumable stream cut mid-stream",
-                "the stream's connection closed after 900 bytes of its body",
-                "no error: resumed; no request carries `X-Session-Id`",
-                "`TestFaultSessions.test_limits_session_false_sends_none_even_on_a_resumed_stream`",
-            ),
-        ],
-    ),
-    (
-        "The reasoning control endpoint (`thinking_cap` 2)",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "control endpoint answers 404",
-                "an older server",
-                "`ThinkingOverrunError` at once, `.tokens` 2, `__cause__` an `HTTPStatusError`",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "control endpoint 404 for `end_reasoning()`",
-                "the same",
-                "`HTTPStatusError` at once, `.status` 404",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "control endpoint answers `success: false`",
-                '`{"success": false}`',
-                "`ThinkingOverrunError` at once, after exactly 2 `Reasoning` events",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "`success: false` for `end_reasoning()`",
-                "the same",
-                "no error: `False`",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-            (
-                "control endpoint hangs",
-                "accepts, never answers",
-                "`ThinkingOverrunError` after `liveness`, `__cause__` a `StalledError`",
-                "`TestDifferential.test_the_reasoning_control_endpoint`",
-            ),
-        ],
-    ),
-    (
-        "Security",
-        ("fault", "what the server or caller does", "outcome", "test"),
-        [
-            (
-                "the API key could leak",
-                "401, garbage, stall, `/slots` 401, missing socket, CR/LF in the key or the Authorization header",
-                "the key is in no error message, repr, args, cause chain, traceback or log record, and in no repr of the client, stream or limits",
-                "`TestSecurity.test_api_key_never_in_errors_reprs_or_logs`",
-            ),
-            (
-                "header injection",
-                "CR or LF in a header value or name, the key, the address, a path",
-                "`ValueError` before anything is sent; the server sees no request",
-                "`TestSecurity.test_crlf_in_header_value_name_key_or_path_refused_before_sending`",
-            ),
-            (
-                "a model name carrying CR/LF",
-                '`model="gemma\\r\\nX-Injected: yes..."`',
-                "sent inside the JSON body, escaped: no raw CR or LF in the body, no injected header, one request",
-                "`TestSecurity.test_model_name_with_crlf_cannot_inject_a_header`",
-            ),
-            (
-                "redirects",
-                "301, 302, 303, 307, 308 to another server; 302 on `/slots`",
-                "`HTTPStatusError` at once; the other server gets no connection",
-                "`TestSecurity.test_redirects_are_never_followed`",
-            ),
-            (
-                "a response pointing elsewhere",
-                "`Location`, `Content-Location`, `Alt-Svc`, `Link` on a 503, a 200 and a `/slots` 307",
-                "every socket the client opens goes to the address it was given",
-                "`TestSecurity.test_a_response_never_makes_the_client_connect_elsewhere`",
-            ),
-        ],
-    ),
-    (
-        "Inputs the fuzzer found (`dev/fuzz.py`), fed again as saved",
-        ("fault", "input", "error (and when)", "test"),
-        [
-            (
-                "error body stalls on a held connection",
-                "`dev/fuzz-crashes/e2748cec9571aae2.bin` (client target)",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_inputs_the_fuzzer_found`",
-            ),
-            (
-                "503 with an error body nested 5,000 deep",
-                "`403724efe73ee4d8.bin` (http target)",
-                "the envelope falls back to text; through the client, `LoadTimeoutError` after `load_wait`",
-                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body`",
-            ),
-            (
-                'error code `"²"`',
-                "`080ec222851097f5.bin` (assembler target)",
-                "`ServerError`, `.code` None",
-                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two`",
-            ),
-            (
-                "605,552 `data:` lines in one event",
-                "`5dff79bad8bec29d.bin` (sse target, `max_line` 1 MiB)",
-                "linear: under 10 times the CPU time of splitting the bytes into lines; through the client, `StreamClosedError` (the stream ends without `[DONE]`), in the same bound",
-                "`TestDifferential.test_inputs_the_fuzzer_found`, `TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event`",
-            ),
-            (
-                "`event: error` with data nested 100,000 deep",
-                "`e517c807fa701495.bin` (http target)",
-                "`ServerError` at once",
-                "`TestDifferential.test_inputs_the_fuzzer_found`",
-            ),
-            (
-                "`event: error` nested deep, through `chat()`",
-                "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)",
-                "`ServerError` at once",
-                "`TestDifferential.test_inputs_the_fuzzer_found`",
-            ),
-        ],
-    ),
-    (
-        "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`",
-        ("fault", "what the server does", "error (and when)", "test"),
-        [
-            (
-                "fetch() of an error page",
-                "`500` with an HTML page, then holds the connection",
-                "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "fetch() of a 503 with Retry-After",
-                "`503`, `Retry-After: 1`",
-                "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "fetch() of a redirect",
-                "`302` with a `Location` elsewhere",
-                "no error: the `Response` at once; the redirect is not followed",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "fetch() of a body over max_body",
-                "a 200 one byte over `max_body`, then holds the connection",
-                "`ProtocolError` at once",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "timeout= on a silent server",
-                "reads the request, sends nothing",
-                "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
-                "`TestDifferential.test_answers_as_the_server_gave_them`, `TestDeadline.test_every_call_waiting_for_its_answer`",
-            ),
-            (
-                "timeout= on an answer that trickles",
-                "a head, then a byte of its body every 0.1 s",
-                "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
-                "`TestDifferential.test_answers_as_the_server_gave_them`, `TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline`",
-            ),
-            (
-                "stream_route() of an answer that is not a stream",
-                "`200` with `application/json`, then holds the connection",
-                "`ProtocolError` at once, not sent again",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() of a 503, then a stream",
-                "`503` (`Retry-After: 0`) once, then a stream",
-                "retried (`Retrying`) before delivery, then a `Chunk` per event",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() of text data",
-                "`data: hello` events that are not JSON, then `[DONE]`",
-                "no error: a `Chunk` of each text, an empty `Completion`",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() of chat cut before its finish",
-                "a chat chunk without `finish_reason`, then the end of the body",
-                "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-            (
-                "stream_route() silent once started",
-                "one chunk, then silence",
-                "`StalledError` after `liveness`",
-                "`TestDifferential.test_answers_as_the_server_gave_them`",
-            ),
-        ],
-    ),
-]
+#: A section of dev/FAULTS.md: ``test`` the TestDifferential test that runs its rows (None: each row's
+#: ``also`` tests state it, and it has no parts); ``named``: its *test* column names that test first.
+_DSection = collections.namedtuple("_DSection", "heading columns test named rows")
+
+#: A row: the table's words, its parts (run one after another against one server), the other tests it names.
+_DRow = collections.namedtuple("_DRow", "fault what outcome parts also")
+
+FAULT_TABLE = []
+
+
+def _d_section(heading, test, what="what the server does", named=True):
+    """Make the function below (which returns the rows) the section ``heading`` of FAULT_TABLE, run by
+    TestDifferential.<test>; ``what``: the second column's name (or all four columns)."""
+    columns = what if isinstance(what, tuple) else ("fault", what, "error (and when)", "test")
+
+    def add(rows):
+        FAULT_TABLE.append(_DSection(heading, columns, test, named, rows))
+        return rows
+
+    return add
+
+
+def _d_row(fault, what, outcome, *args, parts=None, also=(), **kw):
+    """A row whose one part is ``_d_part(*args, **kw)``, or whose parts are ``parts``."""
+    return _DRow(fault, what, outcome, [_d_part(*args, **kw)] if parts is None else parts, also)
+
+
+def _d_tests(section, row):
+    """The tests a row names: its section's TestDifferential test (when ``named``), then its own."""
+    return (["TestDifferential." + section.test] if section.named else []) + list(row.also)
 
 
 def fault_tables_markdown(text):
     """``text`` (dev/FAULTS.md) with each table under a heading of FAULT_TABLE written from it."""
-    tables = {heading: (columns, rows) for heading, columns, rows in FAULT_TABLE}
+    tables = {section.heading: section for section in FAULT_TABLE}
     lines = text.split("\n")
     out, heading, i = [], None, 0
     while i < len(lines):
@@ -15758,10 +13161,12 @@ def fault_tables_markdown(text):
         if line.startswith("## "):
             heading = line[3:]
         if heading in tables and line.startswith("| ") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
-            columns, rows = tables.pop(heading)
-            out.append("| %s |" % " | ".join(columns))
-            out.append("|%s" % ("---|" * len(columns)))
-            out.extend("| %s |" % " | ".join(row) for row in rows)
+            section = tables.pop(heading)
+            out.append("| %s |" % " | ".join(section.columns))
+            out.append("|%s" % ("---|" * len(section.columns)))
+            for row in section.rows():
+                tests = ", ".join("`%s`" % name for name in _d_tests(section, row))
+                out.append("| %s |" % " | ".join((row.fault, row.what, row.outcome, tests)))
             i += 2
             while i < len(lines) and lines[i].startswith("| "):
                 i += 1
@@ -15916,11 +13321,6 @@ def _d_part(
     )
 
 
-def _d_fault(name, *args, **kw):
-    """A row of one part: ``(name, [_d_part(*args, **kw)])``."""
-    return name, [_d_part(*args, **kw)]
-
-
 def _d_floor(data):
     """The least a reader does with ``data``: split the lines, keep the data lines' values, join them."""
     return b"\n".join(line[5:] for line in data.split(b"\n") if line.startswith(b"data:"))
@@ -15977,7 +13377,7 @@ def _d_says(*texts, exactly=None):
     return check
 
 
-def _d_asked(path="/v1/chat/completions", n=None, least=None, most=None):
+def _d_asked(path=_R_PATHS["chat"], n=None, least=None, most=None):
     """How many requests for ``path`` the server received during the part."""
 
     def check(test, run):
@@ -16134,10 +13534,1104 @@ def _d_pieces(data, cuts):
     return _d_stream(handler)
 
 
-_D_LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-_D_NO_SLOTS = {"error": {"code": 501, "message": "This server does not support slots endpoint.", "type": "x"}}
 _D_CL = b"HTTP/1.1 200 OK\r\n" + _F_SSE_HEAD
 _D_OK = STREAM_HEAD + _F_OK_BODY
+
+
+@_d_section("Connecting", "test_connecting")
+def _d_connecting():
+    lw = FAST_FAULTS.load_wait
+
+    def at_the_address(test, run):
+        test.assertEqual(run.value.address, _d_missing(run.server), run.kind)
+
+    once = _d_asked(n=1)
+    # fmt: off
+    return [
+        _d_row("socket file missing", "nothing at the path",
+               "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
+               address=_d_missing, expect=lc.LoadTimeoutError, budget=lw,
+               check=(_d_cause(FileNotFoundError), _d_heard("Retrying")), sockets=True),
+        _d_row("socket file missing, single-shot call", "nothing at the path",
+               "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`", address=_d_missing,
+               act=lambda c, ev: c.slots(), expect=lc.ConnectError, check=(_d_cause(FileNotFoundError), at_the_address),
+               sockets=True),
+        _d_row("socket file with no listener", "a stale socket file; connecting is refused",
+               "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`", address=_d_stale,
+               expect=lc.LoadTimeoutError, budget=lw, check=_d_cause(ConnectionRefusedError), sockets=True),
+        _d_row("socket file with no listener, single-shot call", "connecting is refused", "`ConnectError` at once",
+               address=_d_stale, act=lambda c, ev: c.health(), expect=lc.ConnectError,
+               check=_d_cause(ConnectionRefusedError), sockets=True),
+        _d_row("EOF before the head", "reads the request, closes without a byte",
+               "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
+               _d_stream(lambda req: None), expect=lc.StreamClosedError, check=once, sockets=True),
+        _d_row("connection reset before the head", "TCP RST (SO_LINGER 0) after reading the request",
+               "`StreamClosedError` at once, not retried", _d_reset(), expect=lc.StreamClosedError, tcp=True,
+               check=once, sockets=True),
+        _d_row("connection reset mid-stream", "RST after one content event",
+               "`StreamClosedError` at once; the delivered output is never replayed",
+               _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))), expect=lc.StreamClosedError,
+               tcp=True, check=(_d_kinds("Content"), once), sockets=True),
+    ]
+    # fmt: on
+
+
+@_d_section("The response head", "test_the_response_head")
+def _d_head():
+    lv = FAST_FAULTS.liveness
+    http10 = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
+    hello = _d_attrs(content="Hello world")
+
+    def ten_megabytes(s):
+        sent = s.ten_megabytes = {}
+
+        def handler(req):
+            sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
+
+        s.stream(handler)
+
+    def stopped_reading(test, run):
+        sent = run.server.ten_megabytes
+        wait_for(lambda: "all" in sent, 5, "the server to stop sending")
+        test.assertFalse(sent["all"], "%s: the client read all 10 MB instead of stopping at the head cap" % run.kind)
+
+    # fmt: off
+    return [
+        _d_row("garbage status line", "`HELLO THERE` plus a header block", "`ProtocolError` at once",
+               _d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError),
+        _d_row("a service that is not HTTP", "an SSH banner line, then waits for the client",
+               "`ProtocolError` at once: the first line is enough (*choice*)",
+               _d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True), expect=lc.ProtocolError, sockets=True),
+        _d_row("bad status code", "`HTTP/1.1 2000 OK`", "`ProtocolError` at once",
+               _d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError),
+        _d_row("another HTTP version", "`HTTP/2 200`", "`ProtocolError` at once",
+               _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True), expect=lc.ProtocolError),
+        # no length: the body runs until the server closes
+        _d_row("HTTP/1.0 reply", "`HTTP/1.0 200` with no length, body until close",
+               "no error: framed normally (read until close), `Completion` returned (*choice*)",
+               _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),
+               check=_d_attrs(content="Hi", finish_reason="stop"), sockets=True),
+        _d_row("interim response", "`100 Continue`, then the real response", "no error: the interim head is skipped",
+               _d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK), check=hello),
+        _d_row("10 MB of headers", "one 10 MB header line",
+               "`ProtocolError` once 64 KiB of head has arrived; the client closes before the server has sent it all",
+               ten_megabytes, expect=lc.ProtocolError, check=stopped_reading, sockets=True),
+        _d_row("1,000 header lines", "1,000 short headers", "`ProtocolError` at once (cap: 100 lines)",
+               _d_reply(b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n" + _F_OK_BODY, True),
+               expect=lc.ProtocolError),
+        _d_row("NUL byte in a header", "`X-A: a\\0b`", "`ProtocolError` at once",
+               _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+               expect=lc.ProtocolError),
+        # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
+        _d_row("obsolete line folding", "a header line that starts with spaces",
+               "no error: unfolded into the previous value with one space (RFC 9112 5.2, as a user agent)",
+               _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
+               check=hello),
+        _d_row("EOF inside the head", "half a head, then close", "`StreamClosedError` at once",
+               _d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"), expect=lc.StreamClosedError, sockets=True),
+        # never silent, never a head: no progress for liveness
+        _d_row("head trickled forever", "one header byte every 20 ms, never a blank line",
+               "`StalledError` after `liveness` from the first byte of the head (*choice*: a head that has not finished within `liveness` is no progress)",
+               _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
+               expect=lc.StalledError, budget=lv, sockets=True),
+        # each a whole head, none the response
+        _d_row("interim responses forever", "`100 Continue` every 20 ms", "`StalledError` after `liveness` (as above)",
+               _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0), expect=lc.StalledError,
+               budget=lv),
+        _d_row("stall inside the head", "half a head, then silence", "`StalledError` after `liveness`",
+               _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True), expect=lc.StalledError, budget=lv,
+               sockets=True),
+    ]
+    # fmt: on
+
+
+@_d_section("Body framing", "test_body_framing")
+def _d_framing():
+    hi = sse(chunk_json({"content": "Hi"}))
+    page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
+    slots = lambda c, ev: c.slots()
+    content = _d_kinds("Content")
+    # fmt: off
+    return [
+        _d_row("conflicting Content-Length headers", "`Content-Length: 10` and `Content-Length: 20`",
+               "`ProtocolError` at once",
+               _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
+               expect=lc.ProtocolError),
+        _d_row("conflicting Content-Length, single-shot call", "the same on `/slots`", "`ProtocolError` at once",
+               _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"), slots,
+               lc.ProtocolError),
+        _d_row("negative length", "`Content-Length: -1`", "`ProtocolError` at once",
+               _d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError),
+        _d_row("non-numeric length", "`Content-Length: 12abc`", "`ProtocolError` at once",
+               _d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError),
+        _d_row("unsupported transfer coding", "`Transfer-Encoding: gzip, chunked`", "`ProtocolError` at once",
+               _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
+               expect=lc.ProtocolError),
+        # a size no signed 64-bit counter holds, then a whole stream: refused, not read as one chunk
+        _d_row("chunk size ffffffffffffffff", "that size line, then a whole valid stream",
+               "`ProtocolError` at once: a size that does not fit in 63 bits is malformed (*choice*)",
+               _d_reply(STREAM_HEAD + b"ffffffffffffffff\r\n" + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
+               expect=lc.ProtocolError),
+        _d_row("chunk size line without CRLF", "the size runs straight into the data", "`ProtocolError` at once",
+               _d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True), expect=lc.ProtocolError),
+        _d_row("chunk size line that never ends", "`1` followed by 5,000 zeros and no newline",
+               "`ProtocolError` once 4 KiB of size line has arrived", _d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True),
+               expect=lc.ProtocolError),
+        _d_row("chunk data without its CRLF", "`XX` where the CRLF after the data belongs", "`ProtocolError` at once",
+               _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True), expect=lc.ProtocolError),
+        _d_row("body shorter than its length (stream)", "`Content-Length` 500 bytes more than is sent, then close",
+               "`StreamClosedError` at once, after the `Content` that did arrive",
+               _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi), expect=lc.StreamClosedError,
+               check=content, sockets=True),
+        _d_row("body shorter than its length (single-shot)", "`/slots` says 100 bytes, sends 8, closes",
+               "`StreamClosedError` at once", _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
+               slots, lc.StreamClosedError, sockets=True),
+        _d_row("close mid-chunk", "a chunk 200 bytes short, then close", "`StreamClosedError` at once",
+               _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi), expect=lc.StreamClosedError, check=content,
+               sockets=True),
+        # close-delimited: the last event never gets its blank line
+        _d_row("close mid-event", "a close-delimited body whose last event has no blank line",
+               "`StreamClosedError` at once: the unfinished event is discarded, so there is no `finish_reason`",
+               _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
+               expect=lc.StreamClosedError, check=content, sockets=True),
+        _d_row("close after the finish chunk without `[DONE]`", "finish chunk, then the final `0` chunk",
+               "no error: a clean end after a `finish_reason` returns the `Completion`",
+               _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
+               check=_d_attrs(content="Hi", finish_reason="stop")),
+        # [DONE] completes the response though the server keeps the connection (and the final 0 chunk)
+        _d_row("`[DONE]`, then the connection stays open", "no final `0` chunk, no close",
+               "no error: the `Completion` is returned at `[DONE]`, without waiting",
+               _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"), True),
+               check=_d_attrs(content="Hi"), sockets=True),
+        _d_row("`[DONE]` without a `finish_reason`", "content, then `[DONE]`", "`StreamClosedError` at once",
+               _d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)), expect=lc.StreamClosedError),
+        _d_row("empty stream", "a 200 head and the final `0` chunk", "`StreamClosedError` at once",
+               _d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError),
+        _d_row("200 with an HTML page", "an nginx welcome page",
+               "`StreamClosedError` at once: no event, so no `finish_reason`",
+               _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)),
+               expect=lc.StreamClosedError),
+        _d_row("error body over `max_body`",
+               "a 500 whose body is longer than `max_body` and arrives in the same read as the head",
+               "`ProtocolError` at once",
+               _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
+               expect=lc.ProtocolError),
+        _d_row("single-shot length over `max_body`", "`/slots` announces `max_body` + 1 bytes",
+               "`ProtocolError` at once, before reading the body",
+               _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True),
+               slots, lc.ProtocolError, sockets=True),
+    ]
+    # fmt: on
+
+
+@_d_section("SSE lines and events", "test_sse_lines_and_events")
+def _d_sse():
+    def trickle(s):
+        # One byte a millisecond (the scripted server's pace: on a loaded machine, several); after the
+        # byte that takes the line past max_line (1025 bytes with "data: ") the server waits for the
+        # client to leave: it must, on that byte, without another, and with nothing else to end it (no
+        # budget runs out for 30 s).  Only then (a client that did not) does the line go on, to 2 MiB or
+        # past liveness.  On the virtual clock the client leaves at the very instant of that byte.
+        state = s.trickle = {"sent": 0, "over": None, "left": False, "done": False}
+        s.busy[0] = True
+
+        def handler(req):
+            try:
+                if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
+                    return
+                deadline = time.monotonic() + 40
+                while state["sent"] < 2 * 1024 * 1024 and time.monotonic() < deadline:
+                    over = state["sent"] == 1024 - 6
+                    if over:
+                        state["over"] = time.monotonic()  # before the send: the client may answer it first
+                    if not req.send(b"x"):
+                        return
+                    state["sent"] += 1
+                    if over:
+                        state["left"] = req.wait_peer_close(5)
+                        if state["left"]:
+                            return
+                    time.sleep(0.001)
+            finally:
+                state["done"] = True
+
+        s.stream(handler)
+
+    def on_the_byte_over(test, run):
+        state = run.server.trickle
+        wait_for(lambda: state["done"], 10, "the server to stop sending")
+        test.assertEqual(state["sent"], 1024 - 6 + 1, "%s: the server sent more of the line" % run.kind)
+        test.assertTrue(state["left"], "%s: the client did not leave on the byte over max_line" % run.kind)
+        if run.kind == "virtual":
+            test.assertLessEqual(run.ended - state["over"], 1e-6, "at once on the virtual clock")
+
+    half = b"data:\n" * (512 * 1024 + 2) + b"\n"
+
+    split = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
+    cut = split.index("é".encode()) + 1
+    bang = content_stream(["!"], role=False)
+    # fmt: off
+    return [
+        _d_row("a 2 MiB line sent one byte at a time",
+               "one byte per millisecond, slot busy, `max_line` 1 KiB; after the byte that passes `max_line`, it waits for the client to leave",
+               "`ProtocolError` on the byte that passes `max_line`: the client leaves without reading another, with no budget near its end (on the virtual clock, at that very instant)",
+               trickle, expect=lc.ProtocolError, budget=30.0, at_once=True,
+               changes=dict(max_line=1024, liveness=30.0, busy_wait=30.0), check=on_the_byte_over, sockets=True),
+        _d_row("bytes trickle but no event completes", "one byte every 20 ms, idle slot",
+               "`StalledError` after `liveness`: the liveness rule asks `/slots` and the slot is idle",
+               _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
+               expect=lc.StalledError, budget=FAST_FAULTS.liveness),
+        _d_row("a line of `max_line` exactly", "a valid chunk padded to 4,096 bytes", "no error: the line is accepted",
+               _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
+               check=_d_attrs(content="x!")),
+        _d_row("a line of `max_line` + 1", "the same, one byte longer", "`ProtocolError` at once",
+               _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
+               expect=lc.ProtocolError),
+        _d_row("an event over `max_line` in many lines", "2,000 short `data:` lines in one event",
+               "`ProtocolError` at once", _d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True),
+               expect=lc.ProtocolError),
+        _d_row("half a million empty `data:` lines", "524,290 of them in one event, `max_line` 512 KiB",
+               "`ProtocolError`, in CPU time linear in the input: under 10 times that of splitting the same bytes into lines",
+               _d_patient(_D_CL + b"\r\n" + half), expect=lc.ProtocolError, at_once=True,
+               changes=dict(max_line=512 * 1024, liveness=30.0), cpu=half),
+        _d_row("invalid UTF-8", "`\\xff\\xfe` inside a content string", "no error: replaced by U+FFFD",
+               _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")) + bang),
+               check=_d_attrs(content="A\ufffd\ufffdB!")),
+        _d_row("a UTF-8 character split between reads", "`é` cut in two, 20 ms apart",
+               "no error: the character arrives whole",
+               _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)), budget=0.2,
+               at_once=True, check=_d_attrs(content="é€!"), sockets=True),
+        _d_row("a NUL byte", "a raw NUL inside a JSON string",
+               "`ProtocolError` at once (raw control characters are invalid JSON)",
+               _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang),
+               expect=lc.ProtocolError),
+    ]
+    # fmt: on
+
+
+@_d_section("JSON payloads", "test_json_payloads")
+def _d_json_rows():
+    def payload(text, sockets=False, **changes):
+        return [
+            _d_part(
+                _d_reply(STREAM_HEAD + chunked(sse(text)) + content_stream(["!"]), True),
+                expect=lc.ProtocolError,
+                changes=changes,
+                sockets=sockets,
+            )
+        ]
+
+    call = chunk_json({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]})
+    # fmt: off
+    return [
+        _d_row("invalid JSON", "a chunk cut short", "`ProtocolError` at once",
+               parts=payload('{"choices":[{"delta":{"content":"Hi"', sockets=True)),
+        _d_row("JSON that is not an object", '`["choices"]`', "`ProtocolError` at once", parts=payload('["choices"]')),
+        _d_row("`choices` not a list", '`{"choices": {"0": ...}}`', "`ProtocolError` at once",
+               parts=payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')),
+        _d_row("a delta that is a string", '`"delta": "Hi"`', "`ProtocolError` at once",
+               parts=payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}')),
+        _d_row("a tool-call delta without index", "id, name and arguments, no `index`", "`ProtocolError` at once",
+               parts=payload(call)),
+        _d_row("deeply nested JSON", "200,000 nested lists", "`ProtocolError` at once",
+               parts=payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024)),
+        # the fuzzer's: {"code": "²"} passed str.isdigit() and broke int(), a bare ValueError
+        _d_row("an error code that only looks like a number", '`{"error": {"code": "²"}}`',
+               "`ServerError` at once with `.code` None",
+               _d_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))),
+               expect=lc.ServerError, check=_d_attrs(code=None)),
+    ]
+    # fmt: on
+
+
+@_d_section("Silence, pings and the liveness rule", "test_silence_pings_and_the_liveness_rule")
+def _d_silence():
+    pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+    hold = _d_stream(_f_hold)
+    # fmt: off
+    return [
+        _d_row("pings forever, idle slot", "`: ping` every 50 ms, no data; `/slots` says idle",
+               "`StalledError` after `liveness`", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness,
+               check=_d_says("idle")),
+        _d_row("pings forever, processing slot", "the same; `/slots` says processing",
+               "`StalledError` after `busy_wait`, counted from the last data event", _d_busy(pings),
+               expect=lc.StalledError, budget=FAST_FAULTS.busy_wait, sockets=True),
+        _d_row("stall before the head, idle slot", "reads the request, says nothing",
+               "`StalledError` after `idle_grace`, with `Waiting(False)` events", hold, expect=lc.StalledError,
+               budget=FAST_FAULTS.idle_grace, check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
+               sockets=True),
+        _d_row("stall before the head, busy slot", "the same; `/slots` says processing",
+               "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events", _d_busy(hold),
+               expect=lc.WaitTimeoutError, budget=FAST_FAULTS.busy_wait,
+               check=_d_waits(lambda w: w.slot_busy, "of a busy slot")),
+        _d_row("stall mid-stream", "one content event, then silence", "`StalledError` after `liveness`",
+               _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True), expect=lc.StalledError,
+               budget=FAST_FAULTS.liveness, check=_d_kinds("Content"), sockets=True),
+    ]
+    # fmt: on
+
+
+@_d_section("Error statuses and error events", "test_error_statuses_and_error_events")
+def _d_errors():
+    lw = FAST_FAULTS.load_wait
+    event503 = STREAM_HEAD + chunked(sse(_F_LOADING)) + b"0\r\n\r\n"
+    legacy503 = (
+        STREAM_HEAD
+        + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
+        + b"0\r\n\r\n"
+    )
+    nested = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
+    too_long = {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size",
+            "type": "exceed_context_size_error",
+        }
+    }
+    hello, once = _d_attrs(content="Hello world"), _d_asked(n=1)
+    # fmt: off
+    return [
+        _d_row("HTTP 503 forever", "`503 Loading model` on every attempt",
+               "`LoadTimeoutError` after `load_wait`, at least 2 attempts",
+               _d_reply(_f_loading()), expect=lc.LoadTimeoutError, budget=lw,
+               check=_d_asked(least=2), sockets=True),
+        _d_row("HTTP 400", 'the real "exceeds the available context size" envelope',
+               "`HTTPStatusError` at once, `.status` 400, `.message` from the envelope",
+               _d_stream(_d_json(too_long, 400, "Bad Request")), expect=lc.HTTPStatusError,
+               check=(_d_attrs(status=400, message="the request exceeds the available context size"), once)),
+        # no Server header, and a status llama-server sends
+        _d_row("HTTP 500 with an HTML body", "`<h1>oops</h1>`",
+               "`HTTPStatusError` at once, `.message` is the page's first text (`oops`), `.body` the whole page",
+               _d_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"),
+               expect=lc.HTTPStatusError,
+               check=(_d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"), _d_says(exactly="HTTP 500: oops"))),
+        # the fuzzer's (client target): a 400 whose body stops short of its length on a held connection
+        _d_row("error body stalls", "a 400 that sends 2 of its 116 bytes, then silence",
+               "`StalledError` after `liveness`",
+               _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1", True),
+               expect=lc.StalledError, budget=FAST_FAULTS.liveness, sockets=True),
+        # the fuzzer's (http target): json.loads of the error envelope raised RecursionError
+        _d_row("error body nested 5,000 deep", "a 400 whose envelope cannot be decoded",
+               "`HTTPStatusError` at once; the message falls back to the body text",
+               _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
+               expect=lc.HTTPStatusError, check=_d_attrs(status=400)),
+        _d_row("error event first, code 503", '`data: {"error": {"code": 503, ...}}`, then a good stream',
+               "retried like an HTTP 503; `Completion` returned after one `Retrying`",
+               lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))), budget=0.25, at_once=True,
+               check=(hello, _d_kinds("Retrying", start=True))),
+        _d_row("error event first, 503 forever", "the 503 event on every attempt",
+               "`LoadTimeoutError` after `load_wait`", _d_reply(event503), expect=lc.LoadTimeoutError, budget=lw,
+               check=_d_asked(least=2)),
+        _d_row("error event first, code 400", '`data: {"error": {"code": 400, ...}}`',
+               "`ServerError` at once, `.code` 400, one attempt",
+               _d_reply(STREAM_HEAD + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error"))) + b"0\r\n\r\n"),
+               expect=lc.ServerError, check=(_d_attrs(code=400, message="bad grammar"), once)),
+        # delivered output is never replayed: one request
+        _d_row("error event after content", "content, then a 503 error event",
+               "`ServerError` at once, `.code` 503; never replayed",
+               _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error"))) + b"0\r\n\r\n"),
+               expect=lc.ServerError, check=(_d_attrs(code=503), _d_kinds("Content"), once)),
+        _d_row("legacy `error:` line", 'content, then `error: {"code":500,...}`', "`ServerError` at once, `.code` 500",
+               _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})) + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n') + b"0\r\n\r\n"),
+               expect=lc.ServerError, check=_d_attrs(code=500, message="boom")),
+        # the fuzzer's (http target): the legacy payload's json.loads raised RecursionError
+        _d_row("legacy `error:` line nested 100,000 deep", "an `error:` payload that cannot be decoded",
+               "`ServerError` at once, the text as its message",
+               _d_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"),
+               expect=lc.ServerError, changes=dict(max_line=1024 * 1024)),
+        _d_row("legacy `error:` line first, code 503", "the legacy line, then a good stream",
+               "retried; `Completion` returned, 2 requests",
+               lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))), budget=0.25, at_once=True,
+               check=(hello, _d_asked(n=2))),
+    ]
+    # fmt: on
+
+
+@_d_section("503 with Retry-After", "test_503_with_retry_after")
+def _d_retry_after():
+    lw = FAST_FAULTS.load_wait
+    backoff = _d_retries(n=1, delays=(0.18, 0.25))  # the backoff's, not the hint's
+
+    def then_ok(value):
+        return lambda s: s.stream(_f_sequence(reply(_f_loading(value() if callable(value) else value)), reply(_D_OK)))
+
+    def forever(value, budget_at_once=True, check=None, sockets=False):
+        return _d_part(
+            lambda s: s.stream(reply(_f_loading(value() if callable(value) else value))),
+            expect=lc.LoadTimeoutError,
+            budget=lw,
+            at_once=budget_at_once,
+            check=check or (_d_retries(n=0), _d_cause(lc.HTTPStatusError, status=503)),  # past what is left: no retry
+            sockets=sockets,
+        )
+
+    ahead = lambda: email.utils.formatdate(time.time() + 5, usegmt=True).encode()
+    past = lambda: email.utils.formatdate(time.time() - 60, usegmt=True).encode()
+    # fmt: off
+    return [
+        _d_row("Retry-After as a date beyond `load_wait`", "an HTTP date 5 s ahead",
+               "`LoadTimeoutError` at once, no `Retrying`",
+               parts=[forever(ahead)]),
+        # a hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop
+        _d_row("Retry-After as a date in the past", "a date a minute ago, then a good stream",
+               "retried after the ordinary backoff (0.19–0.25 s), not at once (*choice*: a hint is a floor, so 0 cannot become a busy loop)",
+               then_ok(past), budget=0.25, at_once=True,
+               check=(backoff, _d_retries(pairs=[(1, "HTTP 503: Loading model")]))),
+        # retried at the backoff's pace, not hundreds of times a second
+        _d_row("`Retry-After: 0` forever", "the same 503 every time",
+               "`LoadTimeoutError` after `load_wait`, with at most 4 attempts",
+               parts=[forever(b"0", False, _d_asked(most=4), sockets=True)]),
+        _d_row("Retry-After negative", "`-5`, then a good stream", "no hint: retried after the backoff", then_ok(b"-5"),
+               budget=0.25, at_once=True, check=backoff),
+        _d_row("Retry-After malformed", "`soon`, then a good stream", "no hint: retried after the backoff",
+               then_ok(b"soon"), budget=0.25, at_once=True, check=backoff),
+        _d_row("Retry-After huge", "20 digits", "`LoadTimeoutError` at once (longer than what remains of `load_wait`)",
+               parts=[forever(b"99999999999999999999")]),
+        # float(int(...)) raised OverflowError
+        _d_row("Retry-After beyond float range", "400 digits", "`LoadTimeoutError` at once",
+               parts=[forever(b"9" * 400)]),
+        # int() raised ValueError
+        _d_row("Retry-After beyond int() digit limit", "5,000 digits", "`LoadTimeoutError` at once",
+               parts=[forever(b"9" * 5000)]),
+    ]
+    # fmt: on
+
+
+@_d_section("/slots and the other single-shot calls", "test_slots_and_the_other_single_shot_calls")
+def _d_slots_rows():
+    no_slots = {"error": {"code": 501, "message": "This server does not support slots endpoint.", "type": "x"}}
+    garbage = _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!")
+    hold = _d_stream(_f_hold)
+
+    def both(*arrangements):
+        def arrange(s):
+            for a in arrangements:
+                a(s)
+
+        return arrange
+
+    slots = lambda c, ev: c.slots()
+    pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
+
+    def late(busy, arrange):  # each /slots answer twice poll after it is asked
+        def both_(s):
+            s.slots_delay = 2 * FAST_FAULTS.poll
+            s.busy[0] = busy
+            arrange(s)
+
+        return both_
+
+    # fmt: off
+    return [
+        _d_row("`/slots` answers garbage while the head is awaited", "`not json!`",
+               "treated as unavailable: `LoadTimeoutError` after `load_wait`, `Waiting(False)` events",
+               both(garbage, hold), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait,
+               check=_d_waits(lambda w: not w.slot_busy, "of an idle slot")),
+        _d_row("`/slots` answers garbage to `slots()`", "the same", "`ProtocolError` at once", garbage, slots,
+               lc.ProtocolError, sockets=True),
+        _d_row("`/slots` entries of the wrong shape", '`{"id": "0", "is_processing": "yes"}`',
+               "`ProtocolError` at once", _d_slots(_d_json([{"id": "0", "is_processing": "yes"}])), slots,
+               lc.ProtocolError),
+        _d_row("`/slots` hangs while the head is awaited", "accepts, never answers",
+               "unavailable: `LoadTimeoutError` after `load_wait`; the poller's connection ends too",
+               both(_d_slots(_f_hold), hold), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait, sockets=True),
+        _d_row("`/slots` hangs for `slots()`", "accepts, never answers", "`StalledError` after `liveness`",
+               _d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness),
+        # late, not unavailable: a poll waits for the answer it asked
+        _d_row("`/slots` answers later than `poll`, busy slot",
+               "each answer twice `poll` after it is asked (llama-server answers `/slots` between two batches of its work); the slot processing, the head held back",
+               "`WaitTimeoutError` after `busy_wait`, with `Waiting(True)` events only: each poll waits for the answer it asked, up to the `/slots` request's own timeout (a late answer is a server at work, not an unavailable one: never `LoadTimeoutError` after `load_wait`)",
+               late(True, hold), expect=lc.WaitTimeoutError, budget=FAST_FAULTS.busy_wait,
+               check=(_d_waits(lambda w: w == lc.Waiting(True), "of a busy slot"), _d_says("stayed busy")),
+               sockets=True),
+        _d_row("`/slots` answers later than `poll`, idle slot", "the same; the slot idle",
+               "`StalledError` after `idle_grace`, with `Waiting(False)` events; a budget that runs out while an answer is awaited ends the wait at once",
+               late(False, hold), expect=lc.StalledError, budget=FAST_FAULTS.idle_grace,
+               check=(_d_waits(lambda w: w == lc.Waiting(False), "of an idle slot"), _d_says("is idle")), sockets=True),
+        # its budget: busy_wait, and the wait for the answer that gives the verdict
+        _d_row("`/slots` answers later than `poll`, pings from a processing slot",
+               "the head, then `: ping` every 50 ms, no data; each `/slots` answer twice `poll` late, the slot processing",
+               "`StalledError` after `busy_wait` counted from the last data event (the slot stays busy), on the answer asked then (as late as it comes), not after `liveness` as a stuck stream",
+               late(True, pings), expect=lc.StalledError, budget=FAST_FAULTS.busy_wait + 2 * FAST_FAULTS.poll,
+               at_once=True,
+               check=(_d_not_before(FAST_FAULTS.busy_wait), _d_says("while the slot stays busy"), _d_kinds()),
+               sockets=True),
+        # not served: the slots cannot be seen
+        _d_row("`/slots` answers 501 while the head is awaited", "`--no-slots` servers do this",
+               "not served: `WaitTimeoutError` after `busy_wait` (the slots cannot be seen; the server is up)",
+               both(_d_slots(_d_json(no_slots, 501, "Not Implemented")), hold), expect=lc.WaitTimeoutError,
+               budget=FAST_FAULTS.busy_wait),
+        _d_row("`/slots` answers 501 to `slots()`", "the same", "`HTTPStatusError` at once, `.status` 501",
+               _d_slots(_d_json(no_slots, 501, "Not Implemented")), slots, lc.HTTPStatusError,
+               check=_d_attrs(status=501, message=no_slots["error"]["message"])),
+        _d_row("`/props` is not an object", "`[1, 2]`", "`ProtocolError` at once",
+               lambda s: s.route("GET", "/props", _d_json([1, 2])), lambda c, ev: c.props(), lc.ProtocolError),
+        _d_row("`/props` silent or slow for a `slot=None` request",
+               "`/props` never answers, or answers `total_slots` 0.3 s late (within `liveness`); the stream is served at once",
+               "no error: the request is sent and its `Completion` comes at once (the pool's size is asked in the background; the pool holds one until the answer, which resizes it; no answer within `liveness`: the next request asks again)",
+               parts=[
+                   _d_props_late(_f_hold),
+                   _d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
+               ],
+               also=("TestFaultSlots.test_props_silent_or_slow_does_not_hold_a_request_back", "TestPoolProbe.test_a_props_that_never_answers_does_not_delay_the_request")),
+    ]
+    # fmt: on
+
+
+def _d_props_late(handler):
+    """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
+    back for the pool's size, and ``/props`` was asked (in the background) all the same.  Its head may
+    come late on a loaded machine, which is no stall here: ``idle_grace`` is long (the row is about
+    ``/props``, and a request held back for it would still be late by ``lateness``)."""
+    servers = []
+
+    def arrange(s):
+        servers[:] = [s]
+        s.route("GET", "/props", handler)
+        s.stream(reply(_D_OK))
+
+    def act(client, events):
+        completion = client.chat(MSGS, slot=None, on_event=events.append)
+        wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
+        return completion
+
+    return _d_part(arrange, act, changes=dict(idle_grace=5.0))
+
+
+@_d_section(
+    "Behind proxies and balancers: 429, a hidden /slots",
+    "test_behind_proxies",
+    "what the server (or the proxy in front) does",
+)
+def _d_proxies():
+    def not_served(status, reason, budget):
+        doc = {"error": {"code": status, "message": "no slots here", "type": "x"}}
+        return _d_part(
+            lambda s: [s.route("GET", "/slots", _d_json(doc, status, reason)), s.stream(_f_hold)],
+            expect=lc.WaitTimeoutError,
+            budget=budget,
+            changes=dict(busy_wait=budget, load_wait=budget * 3 / 8, idle_grace=budget * 3 / 8),
+            check=(
+                _d_says("does not serve /slots"),
+                _d_waits(lambda w: w == lc.Waiting(False, slots_known=False), "Waiting(False, slots_known=False)"),
+                _d_asked("/slots", n=1),  # a /slots that is not served is asked again at most every 30 s
+            ),
+        )
+
+    def then_ok(hint):
+        return lambda s: s.stream(_f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(_D_OK)))
+
+    backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+    reason = "HTTP 429: too many requests for model m1"
+    served = (
+        _d_attrs(content="Hello world"),
+        _d_retries(pairs=[(1, reason), (2, reason)]),
+        _d_kinds("Retrying", "Retrying", start=True),
+    )
+    # fmt: off
+    return [
+        _d_row("429 at a concurrency limit, then served",
+               "429 twice (with and without `Retry-After: 0`), then the stream",
+               "no error: `Retrying` twice, reason `HTTP 429: ...`, then the `Completion`",
+               parts=[
+                   _d_part(then_ok(None), budget=backoff, at_once=True, check=served, sockets=True),
+                   _d_part(then_ok(b"0"), budget=backoff, at_once=True, check=served, sockets=True),
+               ]),
+        # load_wait shorter: the wrong budget would end it far earlier
+        _d_row("429 for ever", "429 with `Retry-After: 0` on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s)",
+               "`WaitTimeoutError` after `busy_wait`, naming the 429; `__cause__` the `HTTPStatusError` 429",
+               _d_reply(_f_too_many(b"0")), expect=lc.WaitTimeoutError, budget=0.8, changes=dict(load_wait=0.3),
+               check=(_d_says("answered 429 (at capacity)", "(busy_wait)"), _d_cause(lc.HTTPStatusError, status=429))),
+        _d_row("429 with a hint past `busy_wait`", "`Retry-After: 30`", "`WaitTimeoutError` at once, no `Retrying`",
+               _d_reply(_f_too_many(b"30")), expect=lc.WaitTimeoutError, budget=0.8, at_once=True,
+               check=_d_retries(n=0)),
+        _d_row("`/slots` not served",
+               "`/slots` answers 404, 403, 405 or 501 while the head is held back (`busy_wait` 0.8 s for the 404, 0.45 s for the others)",
+               "`WaitTimeoutError` after `busy_wait` (not `load_wait`), `Waiting(False, slots_known=False)` at each poll, `/slots` asked once",
+               parts=[not_served(404, "Not Found", 0.8)] + [not_served(s, r, 0.45) for s, r in ((403, "Forbidden"), (405, "Method Not Allowed"), (501, "x"))]),
+    ]
+    # fmt: on
+
+
+@_d_section("Behind nginx, HAProxy and Caddy: the fronts' own answers", "test_behind_fronts", "what the front does")
+def _d_fronts():
+    backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
+    # the wrong budget would end a retried 504 (502) early; the right one leaves a loaded machine more than
+    # a second beyond the backoff's 0.75 s (its sleeps wake late, and an attempt's round trip is slow)
+    busy = dict(busy_wait=2.0, load_wait=0.1)
+    load = dict(load_wait=2.0, busy_wait=0.1)
+    pages = {  # what a retried page says
+        "nginx 504": "the front stopped waiting for a slot",
+        "haproxy 504": "the front stopped waiting for a slot",
+        "caddy 504": "the front stopped waiting for a slot",
+        "cloudflare 524": "the front stopped waiting for a slot",
+        "nginx 502": "502 Bad Gateway",
+        "caddy 502": "(empty body)",
+        "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
+        "cloudflare 521": "llm.example.com | 521: Web server is down",
+        "cloudflare 522": "llm.example.com | 522: Connection timed out",
+        "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
+    }
+
+    def says(name):
+        kind, status = name.split()
+        return "HTTP %s from %s" % (status, FRONT_NAMES[kind])
+
+    def served(name, changes, sockets=False):
+        answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
+        reason = "%s: %s" % (says(name), pages[name])
+        return _d_part(
+            lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK))),
+            budget=backoff,
+            at_once=True,
+            changes=changes,
+            check=(
+                _d_attrs(content="Hello world"),
+                _d_retries(pairs=[(1, reason), (2, reason)]),
+                _d_kinds("Retrying", "Retrying", "Content", "Content"),
+                _d_asked(n=3),
+            ),
+            sockets=sockets,
+        )
+
+    def for_ever(name, budget, other, changes):  # the row's own budgets; shorter ones for the other fronts
+        return _d_part(
+            _d_reply(front_answer(name)),
+            expect=lc.WaitTimeoutError if budget == "busy_wait" else lc.LoadTimeoutError,
+            budget=changes.get(budget, getattr(FAST_FAULTS, budget)),
+            changes=dict(changes, **{other: 0.3 if budget == "busy_wait" else 0.2}),
+            check=(_d_says(says(name), budget), _d_cause(lc.HTTPStatusError, body=front_page(name))),
+        )
+
+    def resumable(s):
+        _FrontBuffer(s, _r_raw(), posts=[front_answer("nginx 504")])
+
+    def caddy_cut(s):
+        buf = _FrontBuffer(s, _r_raw())
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
+        buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:900]) + b"0\r\n\r\n"]
+
+    def two_servers(lists):
+        def arrange(s):
+            asked = []
+
+            def slots(req):
+                asked.append(1)
+                respond_json(req, lists[(len(asked) - 1) % 2])
+
+            s.route("GET", "/slots", slots)
+            s.stream(_f_hold)
+
+        return arrange
+
+    def last_wait_knows(known):
+        def check(test, run):
+            waits = [e for e in run.events if isinstance(e, lc.Waiting)]
+            test.assertEqual(waits[-1].slots_known, known, run.kind)
+
+        return check
+
+    idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
+    page = (
+        b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1>"
+        b"</center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
+    )
+    forbidden = (
+        b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
+    )
+
+    def props(answer, text, **attrs):  # the same page answering a single-shot call
+        return _d_part(
+            lambda s: s.route("GET", "/props", reply(answer)),
+            lambda c, ev: c.props(),
+            lc.HTTPStatusError,
+            check=(_d_says(exactly=text), _d_attrs(**attrs)),
+        )
+
+    several = lambda w: not w.slots_known and not w.wedged
+    # fmt: off
+    return [
+        _d_row("504 from nginx, then served", "nginx's 504 page (`Server: nginx/1.22.1`) after its idle timeout, twice",
+               "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from nginx/1.22.1: the front stopped waiting for a slot`, then the `Completion`",
+               parts=[served("nginx 504", busy, sockets=True)]),
+        _d_row("504 without a `Server` header, then served", "HAProxy's 504 page",
+               "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from the front: ...`",
+               parts=[served("haproxy 504", busy, sockets=True)]),
+        _d_row("504 with an empty body, then served", "Caddy's 504 (`Server: Caddy`, no body)",
+               "no error: `Retrying` twice under `busy_wait`, reason `HTTP 504 from Caddy: ...`",
+               parts=[served("caddy 504", busy, sockets=True)]),
+        _d_row("524, then served", "Cloudflare's 524 page",
+               "no error: `Retrying` twice under `busy_wait`, reason `HTTP 524 from cloudflare: ...`",
+               parts=[served("cloudflare 524", busy, sockets=True)]),
+        _d_row("504 for ever",
+               "nginx's 504 on every attempt (`busy_wait` 0.8 s, `load_wait` 0.3 s); HAProxy's and Caddy's 504 and Cloudflare's 524 the same (`busy_wait` 0.45 s)",
+               "`WaitTimeoutError` after `busy_wait`, one line naming `HTTP 504` (or 524), the front (`nginx/1.22.1`, `the front`, ...) and `busy_wait`; `__cause__` the `HTTPStatusError` with the page in `.body`",
+               parts=[for_ever("nginx 504", "busy_wait", "load_wait", {})] + [for_ever(n, "busy_wait", "load_wait", dict(busy_wait=0.45)) for n in ("haproxy 504", "caddy 504", "cloudflare 524")]),
+        _d_row("504 to a resumable request the server holds",
+               "nginx's 504 for the POST; the server kept the queued request (lookup knows it)",
+               "no error: `Resumed(0, 1)`, the stream replayed from 0, the request not sent again; lookup and replay carry `X-Conversation-Id`",
+               resumable, act=_d_chat(resumable="conv-1"), changes=dict(busy_wait=1.0),
+               also=("TestFaultFronts.test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero",)),
+        _d_row("a resumable stream the front ends cleanly mid-event",
+               "Caddy's answer when its server's connection breaks: the chunked body ended by `0` after a chunk cut mid-event (transcript 106)",
+               "no error: resumed from the start of the unfinished event (`GET /v1/stream?from=` the last blank line), the events and `Completion` those of the whole stream",
+               caddy_cut, act=_d_chat(resumable="conv-1"),
+               also=("TestFaultFronts.test_a_resumable_stream_a_front_ends_cleanly_mid_event_is_resumed",)),
+        _d_row("502 with an HTML page, then served", "nginx's 502 page (the server's socket gone), twice",
+               "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from nginx/1.22.1: 502 Bad Gateway`",
+               parts=[served("nginx 502", load)]),
+        _d_row("502 with an empty body, then served", "Caddy's 502",
+               "no error: `Retrying` twice under `load_wait`, reason `HTTP 502 from Caddy: (empty body)`",
+               parts=[served("caddy 502", load)]),
+        _d_row("520 to 523, then served", "Cloudflare's pages",
+               "no error: `Retrying` twice under `load_wait`, the page's title in the reason",
+               parts=[served("cloudflare %d" % n, load) for n in (520, 521, 522, 523)]),
+        _d_row("502 for ever",
+               "nginx's 502 on every attempt (`load_wait` 0.6 s, `busy_wait` 0.2 s); Caddy's 502 and Cloudflare's 521 the same (`load_wait` 0.3 s)",
+               "`LoadTimeoutError` after `load_wait`, one line naming `load_wait`, `HTTP 502` (or 521) and the front; `__cause__` the `HTTPStatusError` with the page in `.body`",
+               parts=[for_ever("nginx 502", "load_wait", "busy_wait", {})] + [for_ever(n, "load_wait", "busy_wait", dict(load_wait=0.3)) for n in ("caddy 502", "cloudflare 521")]),
+        _d_row("503 from HAProxy for ever", "HAProxy's 503 page (no server to send to)",
+               "`LoadTimeoutError` after `load_wait`; `__cause__` the 503 with `.message` `503 Service Unavailable`",
+               _d_reply(front_answer("haproxy 503")), expect=lc.LoadTimeoutError, budget=0.6,
+               changes=dict(busy_wait=0.2),
+               check=(_d_says("load_wait"), _d_cause(lc.HTTPStatusError, status=503, message="503 Service Unavailable", server=None, body=front_page("haproxy 503")), _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}))),
+        _d_row("an error page from a front",
+               "nginx's 403 page; and a front's pages (or llama-server's 404) answering `props()`",
+               "`HTTPStatusError` at once, not retried: `HTTP 403 from nginx/1.22.1: 403 Forbidden`, `.server` the header, `.body` the page; for `props()` the same one line (`HTTP 504 from the front: 504 Gateway Time-out`, `HTTP 404: File Not Found`)",
+               parts=[
+                               _d_part(
+                                   _d_reply(forbidden),
+                                   expect=lc.HTTPStatusError,
+                                   check=(
+                                       _d_says(exactly="HTTP 403 from nginx/1.22.1: 403 Forbidden"),
+                                       _d_attrs(status=403, server="nginx/1.22.1", body=page),
+                                       _d_asked(n=1),  # not retried
+                                   ),
+                               ),
+                               props(
+                                   front_answer("nginx 504"),
+                                   "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out",
+                                   body=front_page("nginx 504"),
+                               ),
+                               props(
+                                   front_answer("haproxy 504"),
+                                   "HTTP 504 from the front: 504 Gateway Time-out",
+                                   body=front_page("haproxy 504"),
+                               ),
+                               props(front_answer("caddy 502"), "HTTP 502 from Caddy: (empty body)", body=front_page("caddy 502")),
+                               props(
+                                   front_answer("haproxy 503"),
+                                   "HTTP 503: 503 Service Unavailable",
+                                   body=front_page("haproxy 503"),
+                               ),
+                               props(
+                                   _R_GONE_404,
+                                   "HTTP 404: File Not Found",
+                                   server="llama.cpp",
+                               ),
+                           ]),
+        _d_row("idle `/slots`, several servers",
+               "`Limits(servers=2)`; the head held back, `/slots` idle (it may be another server's)",
+               "`WaitTimeoutError` after `busy_wait`, not `StalledError` after `idle_grace`; `Waiting(slots_known=False)`",
+               _d_stream(_f_hold), expect=lc.WaitTimeoutError, budget=0.8,
+               changes=dict(servers=2, idle_grace=0.2, load_wait=0.3), check=_d_waits(several, "of several servers")),
+        _d_row("`/slots` answers from two servers",
+               "the head held back; `/slots` answers 2 slots, then 3, in turn (`servers` not given); or 2 slots whose `id_task` goes back",
+               "`WaitTimeoutError` after `busy_wait` from the second poll, not `StalledError`: the client has learnt there are several servers; a slot's `id_task` going back is no proof (one server's slot may take a task queued after a later one): `StalledError` after `idle_grace`",
+               parts=[
+                               _d_part(  # the slot count changes: several servers
+                                   two_servers([idle(2, 3), idle(3, 3)]),
+                                   expect=lc.WaitTimeoutError,
+                                   budget=0.8 + 2 * FAST_FAULTS.poll,
+                                   at_once=True,
+                                   changes=dict(idle_grace=0.3, load_wait=0.3),
+                                   check=(last_wait_knows(False), _d_not_before(0.8)),  # busy_wait, from the second poll
+                               ),
+                               _d_part(  # one server's slot may take a task queued for it after a later one: no proof
+                                   two_servers([idle(2, 9), idle(2, 4)]),
+                                   expect=lc.StalledError,
+                                   budget=0.3,
+                                   changes=dict(idle_grace=0.3, load_wait=0.3),
+                                   check=last_wait_knows(True),
+                               ),
+                           ]),
+    ]
+    # fmt: on
+
+
+@_d_section(
+    "A front whose every server is busy: the README's configurations",
+    "test_a_front_whose_every_server_is_busy",
+    "what the front does",
+    named=False,
+)
+def _d_full_fronts():
+    def served(name):
+        answer = front_answer(name)
+        arrange = lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
+        return [_d_part(arrange, budget=3.0, at_once=True, changes=dict(busy_wait=3.0, load_wait=0.1))]
+
+    # fmt: off
+    return [
+        _d_row("429 from nginx: every server busy, then served",
+               "nginx's 429 (`Retry-After: 1`, transcript 107: no server with a free slot), twice",
+               "no error: `Retrying` twice under `busy_wait`, each at least 1 s, reason `HTTP 429 from nginx/1.22.1: every llama-server behind this front is busy`, then the `Completion`",
+               parts=served("nginx 429"),
+               also=("TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served",)),
+        _d_row("429 from HAProxy after its queue timeout, then served",
+               "HAProxy's 429 (transcript 108: the request waited `timeout queue` at the front), twice",
+               "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429: every llama-server behind this front is busy`",
+               parts=served("haproxy 429"),
+               also=("TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served",)),
+        _d_row("429 from Caddy: every server busy, then served", "Caddy's 429 (transcript 109), twice",
+               "no error: `Retrying` twice under `busy_wait`, reason `HTTP 429 from Caddy: every llama-server behind this front is busy`",
+               parts=served("caddy 429"),
+               also=("TestFaultFullFronts.test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served",)),
+        _d_row("every server busy for ever", "nginx's 429 on every attempt (`busy_wait` 2.5 s, `load_wait` 0.3 s)",
+               "`WaitTimeoutError` within the last second of `busy_wait` (`Retry-After: 1` past what is left ends it), one line ending with the front's 429; `__cause__` the `HTTPStatusError` 429",
+               parts=[
+                   _d_part(_d_reply(front_answer("nginx 429")), expect=lc.WaitTimeoutError, budget=2.5, at_once=True, changes=dict(busy_wait=2.5, load_wait=0.3)),
+               ],
+               also=("TestFaultFullFronts.test_a_full_front_past_busy_wait_is_a_wait_timeout_naming_it",)),
+        _d_row("every server unreachable behind HAProxy",
+               "HAProxy's 503 (transcript 110: `every llama-server behind this front is unreachable`)",
+               "`LoadTimeoutError` after `load_wait`, not a busy wait; `__cause__` the 503",
+               parts=[
+                   _d_part(_d_reply(front_answer("haproxy 503 unreachable")), expect=lc.LoadTimeoutError, budget=0.6, changes=dict(busy_wait=0.2)),
+               ],
+               also=("TestFaultFullFronts.test_haproxy_s_503_when_every_server_is_unreachable_is_waited_out_under_load_wait",)),
+    ]
+    # fmt: on
+
+
+@_d_section("Session keys (`X-Session-Id`)", "test_session_keys", named=False)
+def _d_sessions():
+    raw = _r_raw()
+
+    def resumable(cuts, body=None):
+        def arrange(s):
+            buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
+            if body is not None:
+                buf.raw = body
+
+        return arrange
+
+    error = (
+        STREAM_HEAD
+        + chunked(
+            sse(chunk_json({"content": "Hi"})),
+            b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
+        )
+        + b"0\r\n\r\n"
+    )
+    keyed = _d_chat(resumable="conv-1", session="k-1")
+    # fmt: off
+    return [
+        _d_row("a resumable stream with a session key, cut mid-stream",
+               "the stream's connection closed after 900 bytes of its body",
+               "no error: resumed; the `GET /v1/stream` carries the stream's `X-Session-Id`",
+               parts=[_d_part(resumable(lambda head: [head + 900]), act=keyed)],
+               also=("TestFaultSessions.test_a_resumable_stream_cut_mid_stream_is_replayed_with_its_key", "TestSessionKeys.test_a_resumable_stream_s_requests_carry_its_key")),
+        _d_row("a resumable request without a key, lost before its head",
+               "the connection closed before any byte of the head; the server kept the request",
+               "no error: the lookup and the replay carry the request's digest key",
+               parts=[_d_part(resumable(lambda head: [0]), act=_d_chat(resumable="conv-1"))],
+               also=("TestFaultSessions.test_a_resumable_request_lost_before_its_head_is_looked_up_with_its_key",)),
+        _d_row("a resumable stream with a session key, ended by an error event", "`Hi`, then an error event",
+               "`ServerError`; the `DELETE` that stops the generation carries the stream's key",
+               parts=[_d_part(resumable(lambda head: [], error), act=keyed, expect=lc.ServerError)],
+               also=("TestFaultSessions.test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key",)),
+        _d_row("a malformed session key", "(nothing: the call is refused)", "`ValueError` before anything is sent",
+               parts=[_d_part(_d_reply(_D_OK), act=_d_chat(session="two words"), expect=ValueError)],
+               also=("TestFaultSessions.test_a_malformed_session_key_is_refused_before_anything_is_sent", "TestSessionKeys.test_caller_mistakes_are_refused_before_anything_is_sent")),
+        _d_row("`Limits(session=False)`, a resumable stream cut mid-stream",
+               "the stream's connection closed after 900 bytes of its body",
+               "no error: resumed; no request carries `X-Session-Id`",
+               parts=[
+                   _d_part(resumable(lambda head: [head + 900]), act=_d_chat(resumable="conv-1"), changes=dict(session=False)),
+               ],
+               also=("TestFaultSessions.test_limits_session_false_sends_none_even_on_a_resumed_stream",)),
+    ]
+    # fmt: on
+
+
+@_d_section("The reasoning control endpoint (`thinking_cap` 2)", "test_the_reasoning_control_endpoint")
+def _d_control():
+    reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
+
+    def with_control(handler):
+        def arrange(s):
+            s.stream(reply(reasoning, hold=True))
+            if handler is not None:
+                s.route("POST", "/v1/chat/completions/control", handler)
+
+        return arrange
+
+    capped = dict(thinking_cap=2)
+    not_found = reply(_R_GONE_404)
+    refused = _d_json({"success": False})
+    end = lambda c, ev: c.end_reasoning(CID)
+    # fmt: off
+    return [
+        _d_row("control endpoint answers 404", "an older server",
+               "`ThinkingOverrunError` at once, `.tokens` 2, `__cause__` an `HTTPStatusError`", with_control(not_found),
+               expect=lc.ThinkingOverrunError, changes=capped,
+               check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2))),
+        # no route for the control endpoint: the server's 404
+        _d_row("control endpoint 404 for `end_reasoning()`", "the same", "`HTTPStatusError` at once, `.status` 404",
+               with_control(None), end, lc.HTTPStatusError, changes=capped, check=_d_attrs(status=404)),
+        _d_row("control endpoint answers `success: false`", '`{"success": false}`',
+               "`ThinkingOverrunError` at once, after exactly 2 `Reasoning` events", with_control(refused),
+               expect=lc.ThinkingOverrunError, changes=capped, check=_d_kinds("Reasoning", "Reasoning")),
+        _d_row("`success: false` for `end_reasoning()`", "the same", "no error: `False`", with_control(refused), end,
+               False, changes=capped),
+        _d_row("control endpoint hangs", "accepts, never answers",
+               "`ThinkingOverrunError` after `liveness`, `__cause__` a `StalledError`", with_control(_f_hold),
+               expect=lc.ThinkingOverrunError, budget=FAST_FAULTS.liveness, changes=capped,
+               check=_d_cause(lc.StalledError), sockets=True),
+    ]
+    # fmt: on
+
+
+@_d_section("Security", None, ("fault", "what the server or caller does", "outcome", "test"), named=False)
+def _d_security():
+    """Its rows are TestSecurity's tests (through both clients, on real sockets: where the client connects)."""
+    # fmt: off
+    return [
+        _d_row("the API key could leak",
+               "401, garbage, stall, `/slots` 401, missing socket, CR/LF in the key or the Authorization header",
+               "the key is in no error message, repr, args, cause chain, traceback or log record, and in no repr of the client, stream or limits",
+               parts=[], also=("TestSecurity.test_api_key_never_in_errors_reprs_or_logs",)),
+        _d_row("header injection", "CR or LF in a header value or name, the key, the address, a path",
+               "`ValueError` before anything is sent; the server sees no request", parts=[],
+               also=("TestSecurity.test_crlf_in_header_value_name_key_or_path_refused_before_sending",)),
+        _d_row("a model name carrying CR/LF", '`model="gemma\\r\\nX-Injected: yes..."`',
+               "sent inside the JSON body, escaped: no raw CR or LF in the body, no injected header, one request",
+               parts=[], also=("TestSecurity.test_model_name_with_crlf_cannot_inject_a_header",)),
+        _d_row("redirects", "301, 302, 303, 307, 308 to another server; 302 on `/slots`",
+               "`HTTPStatusError` at once; the other server gets no connection", parts=[],
+               also=("TestSecurity.test_redirects_are_never_followed",)),
+        _d_row("a response pointing elsewhere",
+               "`Location`, `Content-Location`, `Alt-Svc`, `Link` on a 503, a 200 and a `/slots` 307",
+               "every socket the client opens goes to the address it was given", parts=[],
+               also=("TestSecurity.test_a_response_never_makes_the_client_connect_elsewhere",)),
+    ]
+    # fmt: on
+
+
+@_d_section("Inputs the fuzzer found (`dev/fuzz.py`), fed again as saved", "test_inputs_the_fuzzer_found", "input")
+def _d_fuzz():
+    # where the fuzzer's server cut the client-target inputs (one send per piece)
+    stalls = [
+        1, 2, 3, 4, 6, 7, 8, 11, 13, 15, 16, 18, 19, 20, 21, 22, 24, 25, 27, 28, 30, 32, 33, 35, 36, 38, 41, 43, 45,
+        46, 47, 51, 52, 53, 54, 56, 57, 58, 59, 60, 61, 62, 67, 68, 70, 72, 74, 76, 77, 78, 80, 81, 82, 85, 88, 89,
+        90, 94, 95, 96, 99, 101, 102, 106, 107, 109, 110, 111, 113, 115, 116, 117, 118, 119, 120, 121, 123, 124, 125,
+        127, 130, 132, 135
+    ]  # fmt: skip
+    nested = [
+        411, 463, 492, 1598, 1797, 2479, 2817, 2946, 3152, 3167, 3544, 3872, 4090, 4656, 5164, 5199, 5414, 6247,
+        6599, 8290, 8665, 12333, 12504, 13053, 13071, 13306, 13756, 14157, 15025, 15040, 15846, 16375, 16971, 18159,
+        19879, 21782, 21900, 22167, 22337, 22414, 22612, 23561, 25262, 25424, 25712, 27230, 27912, 28431, 29891,
+        30502
+    ]  # fmt: skip
+    assembler = _f_payloads(_f_input("080ec222851097f5", "assembler"))
+    lines = _f_input("5dff79bad8bec29d", "sse")
+    # fmt: off
+    return [
+        _d_row("error body stalls on a held connection", "`dev/fuzz-crashes/e2748cec9571aae2.bin` (client target)",
+               "`StalledError` after `liveness`",
+               _d_pieces(_f_input("e2748cec9571aae2", "client"), stalls), expect=lc.StalledError,
+               budget=FAST_FAULTS.liveness, sockets=True),
+        _d_row("503 with an error body nested 5,000 deep", "`403724efe73ee4d8.bin` (http target)",
+               "the envelope falls back to text; through the client, `LoadTimeoutError` after `load_wait`",
+               _d_reply(_f_input("403724efe73ee4d8", "http")), expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait,
+               also=("TestFaultFuzzRegressions.test_fuzz_403724efe73ee4d8_deeply_nested_error_body",)),
+        # the assembler's payloads, served as the events of a stream: the first is the error event
+        _d_row('error code `"²"`', "`080ec222851097f5.bin` (assembler target)", "`ServerError`, `.code` None",
+               _d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"), expect=lc.ServerError,
+               also=("TestFaultFuzzRegressions.test_fuzz_080ec222851097f5_error_code_superscript_two",)),
+        # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
+        # longer than the parsing: CPU-bound, it is timing otherwise), in CPU time against the floor's
+        _d_row("605,552 `data:` lines in one event", "`5dff79bad8bec29d.bin` (sse target, `max_line` 1 MiB)",
+               "linear: under 10 times the CPU time of splitting the bytes into lines; through the client, `StreamClosedError` (the stream ends without `[DONE]`), in the same bound",
+               _d_patient(_D_CL + b"\r\n" + lines), expect=lc.StreamClosedError, at_once=True,
+               changes=dict(max_line=1024 * 1024, liveness=30.0), cpu=lines,
+               also=("TestFaultFuzzRegressions.test_fuzz_5dff79bad8bec29d_many_data_lines_in_one_event",)),
+        _d_row("`event: error` with data nested 100,000 deep", "`e517c807fa701495.bin` (http target)",
+               "`ServerError` at once", _d_reply(_f_input("e517c807fa701495", "http")), expect=lc.ServerError,
+               changes=dict(max_line=1024 * 1024)),
+        _d_row("`event: error` nested deep, through `chat()`",
+               "`0f7c31287867b84c.bin` (client target, `thinking_cap` 2, slot 1, held)", "`ServerError` at once",
+               _d_pieces(_f_input("0f7c31287867b84c", "client"), nested), _d_chat(slot=1),
+               lc.ServerError, changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4)),
+    ]
+    # fmt: on
+
+
+@_d_section(
+    "Answers as the server gave them: `fetch()`, `timeout=`, `stream_route()`", "test_answers_as_the_server_gave_them"
+)
+def _d_answers():
+    """The rows of fetch(), timeout= and stream_route()."""
+
+    def on(method, path, handler):  # the handler made afresh for each client
+        return lambda s: s.route(method, path, handler())
+
+    def fetched(name):  # what the server said, as it said it, from one request
+        raw, want = _A_FAULT_ANSWERS[name]
+        return _d_part(on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want, check=_d_asked("/any", n=1))
+
+    big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
+    t, lv = _A_DEADLINE, FAST_FAULTS.liveness
+    trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
+    then_ok = lambda: _f_sequence(reply(_f_loading(b"0")), reply(_a_sse({"a": 1}, done=True)))
+    opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
+    started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
+    # fmt: off
+    return [
+        _d_row("fetch() of an error page", "`500` with an HTML page, then holds the connection",
+               "no error: the `Response` (status, reason, headers, body as sent) at once; sent once",
+               parts=[fetched("page")]),
+        _d_row("fetch() of a 503 with Retry-After", "`503`, `Retry-After: 1`",
+               "no error: the `Response` at once, never sent again (*choice*: a single-shot call is sent once)",
+               parts=[fetched("503")]),
+        _d_row("fetch() of a redirect", "`302` with a `Location` elsewhere",
+               "no error: the `Response` at once; the redirect is not followed",
+               parts=[fetched("302")]),
+        _d_row("fetch() of a body over max_body", "a 200 one byte over `max_body`, then holds the connection",
+               "`ProtocolError` at once", on("GET", "/any", lambda: reply(big, hold=True)), _a_fetch(),
+               lc.ProtocolError, check=_d_says("max_body")),
+        _d_row("timeout= on a silent server", "reads the request, sends nothing",
+               "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
+               on("GET", "/any", lambda: _f_hold), _a_fetch(timeout=t), lc.DeadlineError, t,
+               check=_d_attrs(phase="answer"), also=("TestDeadline.test_every_call_waiting_for_its_answer",)),
+        _d_row("timeout= on an answer that trickles", "a head, then a byte of its body every 0.1 s",
+               "`DeadlineError` after the call's `timeout`: `liveness` never runs out on it",
+               on("GET", "/any", trickle), _a_fetch(timeout=t), lc.DeadlineError, t,
+               check=_d_says("reading the answer to GET /any"), sockets=True,
+               also=("TestDeadline.test_an_answer_that_keeps_coming_is_cut_at_the_deadline",)),
+        _d_row("stream_route() of an answer that is not a stream",
+               "`200` with `application/json`, then holds the connection", "`ProtocolError` at once, not sent again",
+               on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)), _a_route(), lc.ProtocolError,
+               check=(_d_asked("/r", n=1), _d_says("not text/event-stream"))),
+        _d_row("stream_route() of a 503, then a stream", "`503` (`Retry-After: 0`) once, then a stream",
+               "retried (`Retrying`) before delivery, then a `Chunk` per event", on("POST", "/r", then_ok), _a_route(),
+               _A_EMPTY, budget=lc.BACKOFF_FIRST, at_once=True,
+               check=(_d_kinds("Retrying", "Chunk"), _d_delivered(lc.Chunk({"a": 1}))), sockets=True),
+        _d_row("stream_route() of text data", "`data: hello` events that are not JSON, then `[DONE]`",
+               "no error: a `Chunk` of each text, an empty `Completion`",
+               on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))), _a_route(), _A_EMPTY,
+               check=(_d_kinds("Chunk", "Chunk"), _d_delivered(lc.Chunk("hello"), lc.Chunk("wor ld")))),
+        _d_row("stream_route() of chat cut before its finish",
+               "a chat chunk without `finish_reason`, then the end of the body",
+               "`StreamClosedError` at once (*choice*: the chunks carry OpenAI's shape, which has an end)",
+               on("POST", "/r", lambda: reply(opened)), _a_route(), lc.StreamClosedError, check=_d_kinds("Chunk")),
+        _d_row("stream_route() silent once started", "one chunk, then silence", "`StalledError` after `liveness`",
+               on("POST", "/r", lambda: reply(started, hold=True)), _a_route(), lc.StalledError, lv,
+               check=(_d_kinds("Chunk"), _d_delivered(lc.Chunk({"a": 1})))),
+    ]
+    # fmt: on
 
 
 @real_time  # its real sockets' outcomes are timed: within lateness() of their budgets
@@ -16146,12 +14640,12 @@ class TestDifferential(_f_Case):
     outcome, its budget, and the checks of what else the row says) run through AsyncClient on a real
     socket, through Client on a real socket where the transport is part of the fault (``sockets``), and
     through the virtual driver, against the same scripted server (a FakeServer, then a VirtualServer on the
-    same path or port); the cases that used to tell the clients apart run the same way.  Each client's
-    outcome must be the documented one within its budget (exactly on the virtual clock, within MARGIN on a
-    real one, scaled by the machine's pace: lateness) and pass the part's checks, and the events, the Completion, the error class and message
-    must be alike (differs_between_clients: alike but for timing).  AsyncClient is the real driver always
-    compared, its step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike
-    compares the three operation by operation).  One subTest per row, named by the row."""
+    same path or port).  Each client's outcome must be the documented one within its budget (exactly on the
+    virtual clock, within MARGIN on a real one, scaled by the machine's pace: lateness) and pass the part's
+    checks, and the events, the Completion, the error class and message must be alike
+    (differs_between_clients: alike but for timing).  AsyncClient is the real driver always compared, its
+    step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike compares the three
+    operation by operation).  One subTest per row, named by the row."""
 
     VIRTUAL = False  # the test's own fixture is real; each row makes a virtual clock for its virtual run
 
@@ -16291,979 +14785,13 @@ class TestDifferential(_f_Case):
         _d_floor(data)
         return time.process_time() - start
 
-    def _d_row(self, name, *parts):
+    def _d_parts(self, name, *parts):
         tcp, sockets = any(p.tcp for p in parts), any(p.sockets for p in parts)
         return self._d_both(
             name, lambda kind, make, server: [self._d_run(kind, make, server, p) for p in parts], tcp, sockets
         )
 
-    def _d_table(self, rows):
-        for name, parts in rows:
-            self._d_row(name, *parts)
-
     # -- the rows of dev/FAULTS.md, table by table ---------------------------------------------------
-
-    def _d_connecting(self):
-        lw = FAST_FAULTS.load_wait
-
-        def at_the_address(test, run):
-            test.assertEqual(run.value.address, _d_missing(run.server), run.kind)
-
-        once = _d_asked(n=1)
-        return [
-            _d_fault(
-                "socket file missing",
-                address=_d_missing,
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=(_d_cause(FileNotFoundError), _d_heard("Retrying")),
-                sockets=True,
-            ),
-            _d_fault(
-                "socket file missing, single-shot call",
-                address=_d_missing,
-                act=lambda c, ev: c.slots(),
-                expect=lc.ConnectError,
-                check=(_d_cause(FileNotFoundError), at_the_address),
-                sockets=True,
-            ),
-            _d_fault(
-                "socket file with no listener",
-                address=_d_stale,
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=_d_cause(ConnectionRefusedError),
-            ),
-            _d_fault(
-                "socket file with no listener, single-shot call",
-                address=_d_stale,
-                act=lambda c, ev: c.health(),
-                expect=lc.ConnectError,
-                check=_d_cause(ConnectionRefusedError),
-                sockets=True,
-            ),
-            _d_fault(
-                "EOF before the head",
-                _d_stream(lambda req: None),
-                expect=lc.StreamClosedError,
-                check=once,
-                sockets=True,
-            ),
-            _d_fault(
-                "connection reset before the head",
-                _d_reset(),
-                expect=lc.StreamClosedError,
-                tcp=True,
-                check=once,
-                sockets=True,
-            ),
-            _d_fault(
-                "connection reset mid-stream",
-                _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
-                expect=lc.StreamClosedError,
-                tcp=True,
-                check=(_d_kinds("Content"), once),
-                sockets=True,
-            ),
-        ]
-
-    def _d_head(self):
-        lv = FAST_FAULTS.liveness
-        http10 = sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"
-        hello = _d_attrs(content="Hello world")
-
-        def ten_megabytes(s):
-            sent = s.ten_megabytes = {}
-
-            def handler(req):
-                sent["all"] = req.send(b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (10 * 1024 * 1024) + b"\r\n\r\n")
-
-            s.stream(handler)
-
-        def stopped_reading(test, run):
-            sent = run.server.ten_megabytes
-            wait_for(lambda: "all" in sent, 5, "the server to stop sending")
-            test.assertFalse(
-                sent["all"], "%s: the client read all 10 MB instead of stopping at the head cap" % run.kind
-            )
-
-        return [
-            _d_fault(
-                "garbage status line", _d_reply(b"HELLO THERE\r\nServer: x\r\n\r\n", True), expect=lc.ProtocolError
-            ),
-            _d_fault(
-                "a service that is not HTTP",
-                _d_reply(b"SSH-2.0-OpenSSH_9.6\r\n", True),
-                expect=lc.ProtocolError,
-                sockets=True,
-            ),
-            _d_fault("bad status code", _d_reply(b"HTTP/1.1 2000 OK\r\n\r\n", True), expect=lc.ProtocolError),
-            _d_fault(
-                "another HTTP version",
-                _d_reply(b"HTTP/2 200\r\ncontent-type: text/event-stream\r\n\r\n", True),
-                expect=lc.ProtocolError,
-            ),
-            # no length: the body runs until the server closes
-            _d_fault(
-                "HTTP/1.0 reply",
-                _d_reply(b"HTTP/1.0 200 OK\r\n" + _F_SSE_HEAD + b"\r\n" + http10),
-                check=_d_attrs(content="Hi", finish_reason="stop"),
-                sockets=True,
-            ),
-            _d_fault("interim response", _d_reply(b"HTTP/1.1 100 Continue\r\n\r\n" + _D_OK), check=hello),
-            _d_fault("10 MB of headers", ten_megabytes, expect=lc.ProtocolError, check=stopped_reading, sockets=True),
-            _d_fault(
-                "1,000 header lines",
-                _d_reply(
-                    b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n" + _F_OK_BODY,
-                    True,
-                ),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "NUL byte in a header",
-                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
-                expect=lc.ProtocolError,
-            ),
-            # unfolded into the value before it, as RFC 9112 section 5.2 asks of a user agent
-            _d_fault(
-                "obsolete line folding",
-                _d_reply(b"HTTP/1.1 200 OK\r\nX-A: a\r\n  folded\r\nTransfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY),
-                check=hello,
-            ),
-            _d_fault(
-                "EOF inside the head",
-                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Ty"),
-                expect=lc.StreamClosedError,
-                sockets=True,
-            ),
-            # never silent, never a head: no progress for liveness
-            _d_fault(
-                "head trickled forever",
-                _d_drip(lambda: _f_chain(b"HTTP/1.1 200 OK\r\nX-Slow: ", _f_forever(b"a")), 0.02, limit=2.0),
-                expect=lc.StalledError,
-                budget=lv,
-                sockets=True,
-            ),
-            # each a whole head, none the response
-            _d_fault(
-                "interim responses forever",
-                _d_drip(lambda: _f_forever(b"HTTP/1.1 100 Continue\r\n\r\n"), 0.02, limit=2.0),
-                expect=lc.StalledError,
-                budget=lv,
-            ),
-            _d_fault(
-                "stall inside the head",
-                _d_reply(b"HTTP/1.1 200 OK\r\nContent-Type: text/ev", True),
-                expect=lc.StalledError,
-                budget=lv,
-            ),
-        ]
-
-    def _d_framing(self):
-        hi = sse(chunk_json({"content": "Hi"}))
-        page = b"<html><body>\n<h1>Welcome to nginx!</h1>\n</body></html>\n"
-        slots = lambda c, ev: c.slots()
-        content = _d_kinds("Content")
-        return [
-            _d_fault(
-                "conflicting Content-Length headers",
-                _d_reply(_D_CL + b"Content-Length: 10\r\nContent-Length: 20\r\n\r\n" + b"x" * 20, True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "conflicting Content-Length, single-shot call",
-                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n[]"),
-                slots,
-                lc.ProtocolError,
-            ),
-            _d_fault("negative length", _d_reply(_D_CL + b"Content-Length: -1\r\n\r\n", True), expect=lc.ProtocolError),
-            _d_fault(
-                "non-numeric length", _d_reply(_D_CL + b"Content-Length: 12abc\r\n\r\n", True), expect=lc.ProtocolError
-            ),
-            _d_fault(
-                "unsupported transfer coding",
-                _d_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n" + _F_OK_BODY),
-                expect=lc.ProtocolError,
-            ),
-            # a size no signed 64-bit counter holds, then a whole stream: refused, not read as one chunk
-            _d_fault(
-                "chunk size ffffffffffffffff",
-                _d_reply(
-                    STREAM_HEAD
-                    + b"ffffffffffffffff\r\n"
-                    + sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop"))
-                    + b"data: [DONE]\n\n"
-                ),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "chunk size line without CRLF",
-                _d_reply(STREAM_HEAD + b"%x" % len(hi) + hi, True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "chunk size line that never ends",
-                _d_reply(STREAM_HEAD + b"1" + b"0" * 5000, True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "chunk data without its CRLF",
-                _d_reply(STREAM_HEAD + b"%x\r\n" % len(hi) + hi + b"XX" + b"0\r\n\r\n", True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "body shorter than its length (stream)",
-                _d_reply(_D_CL + b"Content-Length: %d\r\n\r\n" % (len(hi) + 500) + hi),
-                expect=lc.StreamClosedError,
-                check=content,
-                sockets=True,
-            ),
-            _d_fault(
-                "body shorter than its length (single-shot)",
-                _d_slots_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n[{"id":0'),
-                slots,
-                lc.StreamClosedError,
-                sockets=True,
-            ),
-            _d_fault(
-                "close mid-chunk",
-                _d_reply(STREAM_HEAD + b"%x\r\n" % (len(hi) + 200) + hi),
-                expect=lc.StreamClosedError,
-                check=content,
-                sockets=True,
-            ),
-            # close-delimited: the last event never gets its blank line
-            _d_fault(
-                "close mid-event",
-                _d_reply(_D_CL + b"\r\n" + hi + b"data: " + chunk_json({}, "stop").encode()),
-                expect=lc.StreamClosedError,
-                check=content,
-                sockets=True,
-            ),
-            _d_fault(
-                "close after the finish chunk without `[DONE]`",
-                _d_reply(STREAM_HEAD + content_stream(["Hi"], done=False)),
-                check=_d_attrs(content="Hi", finish_reason="stop"),
-            ),
-            # [DONE] completes the response though the server keeps the connection (and the final 0 chunk)
-            _d_fault(
-                "`[DONE]`, then the connection stays open",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(sse(chunk_json({"content": "Hi"}), chunk_json({}, "stop")) + b"data: [DONE]\n\n"),
-                    True,
-                ),
-                check=_d_attrs(content="Hi"),
-                sockets=True,
-            ),
-            _d_fault(
-                "`[DONE]` without a `finish_reason`",
-                _d_reply(STREAM_HEAD + content_stream(["Hi"], finish=None)),
-                expect=lc.StreamClosedError,
-            ),
-            _d_fault("empty stream", _d_reply(STREAM_HEAD + b"0\r\n\r\n"), expect=lc.StreamClosedError),
-            _d_fault(
-                "200 with an HTML page",
-                _d_reply(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page)
-                ),
-                expect=lc.StreamClosedError,
-            ),
-            _d_fault(
-                "error body over `max_body`",
-                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + b"e" * (FAST_FAULTS.max_body + 10)),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "single-shot length over `max_body`",
-                _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (FAST_FAULTS.max_body + 1), True),
-                slots,
-                lc.ProtocolError,
-                sockets=True,
-            ),
-        ]
-
-    def _d_sse(self):
-        def trickle(s):
-            # One byte a millisecond (the scripted server's pace: on a loaded machine, several); after the
-            # byte that takes the line past max_line (1025 bytes with "data: ") the server waits for the
-            # client to leave: it must, on that byte, without another, and with nothing else to end it (no
-            # budget runs out for 30 s).  Only then (a client that did not) does the line go on, to 2 MiB or
-            # past liveness.  On the virtual clock the client leaves at the very instant of that byte.
-            state = s.trickle = {"sent": 0, "over": None, "left": False, "done": False}
-            s.busy[0] = True
-
-            def handler(req):
-                try:
-                    if not req.send(STREAM_HEAD + b"200000\r\n" + b"data: "):
-                        return
-                    deadline = time.monotonic() + 40
-                    while state["sent"] < 2 * 1024 * 1024 and time.monotonic() < deadline:
-                        over = state["sent"] == 1024 - 6
-                        if over:
-                            state["over"] = time.monotonic()  # before the send: the client may answer it first
-                        if not req.send(b"x"):
-                            return
-                        state["sent"] += 1
-                        if over:
-                            state["left"] = req.wait_peer_close(5)
-                            if state["left"]:
-                                return
-                        time.sleep(0.001)
-                finally:
-                    state["done"] = True
-
-            s.stream(handler)
-
-        def on_the_byte_over(test, run):
-            state = run.server.trickle
-            wait_for(lambda: state["done"], 10, "the server to stop sending")
-            test.assertEqual(state["sent"], 1024 - 6 + 1, "%s: the server sent more of the line" % run.kind)
-            test.assertTrue(state["left"], "%s: the client did not leave on the byte over max_line" % run.kind)
-            if run.kind == "virtual":
-                test.assertLessEqual(run.ended - state["over"], 1e-6, "at once on the virtual clock")
-
-        half = b"data:\n" * (512 * 1024 + 2) + b"\n"
-
-        split = sse(chunk_json({"content": "é€"}, extra=None).replace("\\u00e9\\u20ac", "é€"))
-        cut = split.index("é".encode()) + 1
-        bang = content_stream(["!"], role=False)
-        return [
-            _d_fault(
-                "a 2 MiB line sent one byte at a time",
-                trickle,
-                expect=lc.ProtocolError,
-                budget=30.0,
-                at_once=True,
-                changes=dict(max_line=1024, liveness=30.0, busy_wait=30.0),
-                check=on_the_byte_over,
-                sockets=True,
-            ),
-            _d_fault(
-                "bytes trickle but no event completes",
-                _d_drip(lambda: _f_chain(STREAM_HEAD + b"100000\r\ndata: ", _f_forever(b"x")), 0.02),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-            ),
-            _d_fault(
-                "a line of `max_line` exactly",
-                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line) + b"\n\n") + bang),
-                check=_d_attrs(content="x!"),
-            ),
-            _d_fault(
-                "a line of `max_line` + 1",
-                _d_reply(STREAM_HEAD + chunked(_f_padded_line(FAST_FAULTS.max_line + 1) + b"\n\n") + bang),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "an event over `max_line` in many lines",
-                _d_reply(STREAM_HEAD + chunked(b"data: xx\n" * 2000 + b"\n"), True),
-                expect=lc.ProtocolError,
-            ),
-            _d_fault(
-                "half a million empty `data:` lines",
-                _d_patient(_D_CL + b"\r\n" + half),
-                expect=lc.ProtocolError,
-                at_once=True,
-                changes=dict(max_line=512 * 1024, liveness=30.0),
-                cpu=half,
-            ),
-            _d_fault(
-                "invalid UTF-8",
-                _d_reply(
-                    STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\xff\xfeB")) + bang
-                ),
-                check=_d_attrs(content="A\ufffd\ufffdB!"),
-            ),
-            _d_fault(
-                "a UTF-8 character split between reads",
-                _d_stream(_f_drip([STREAM_HEAD + chunked(split[:cut]), chunked(split[cut:]), bang], 0.02)),
-                budget=0.2,
-                at_once=True,
-                check=_d_attrs(content="é€!"),
-                sockets=True,
-            ),
-            _d_fault(
-                "a NUL byte",
-                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "AB"})).replace(b"AB", b"A\x00B")) + bang),
-                expect=lc.ProtocolError,
-            ),
-        ]
-
-    def _d_json_rows(self):
-        def payload(text, sockets=False, **changes):
-            return [
-                _d_part(
-                    _d_reply(STREAM_HEAD + chunked(sse(text)) + content_stream(["!"]), True),
-                    expect=lc.ProtocolError,
-                    changes=changes,
-                    sockets=sockets,
-                )
-            ]
-
-        call = chunk_json(
-            {"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}
-        )
-        return [
-            ("invalid JSON", payload('{"choices":[{"delta":{"content":"Hi"', sockets=True)),
-            ("JSON that is not an object", payload('["choices"]')),
-            ("`choices` not a list", payload('{"choices":{"0":{"index":0,"delta":{"content":"Hi"}}},"id":"x"}')),
-            (
-                "a delta that is a string",
-                payload('{"choices":[{"index":0,"finish_reason":null,"delta":"Hi"}],"id":"x"}'),
-            ),
-            ("a tool-call delta without index", payload(call)),
-            ("deeply nested JSON", payload('{"choices":' + "[" * 200000 + "]" * 200000 + "}", max_line=1024 * 1024)),
-            # the fuzzer's: {"code": "²"} passed str.isdigit() and broke int(), a bare ValueError
-            _d_fault(
-                "an error code that only looks like a number",
-                _d_reply(STREAM_HEAD + chunked(sse('{"error":{"code":"\u00b2","message":"x","type":"server_error"}}'))),
-                expect=lc.ServerError,
-                check=_d_attrs(code=None),
-            ),
-        ]
-
-    def _d_waits(self):
-        pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
-        hold = _d_stream(_f_hold)
-        return [
-            _d_fault("pings forever, idle slot", pings, expect=lc.StalledError, budget=FAST_FAULTS.liveness),
-            _d_fault(
-                "pings forever, processing slot",
-                _d_busy(pings),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.busy_wait,
-                sockets=True,
-            ),
-            _d_fault(
-                "stall before the head, idle slot",
-                hold,
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.idle_grace,
-                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
-                sockets=True,
-            ),
-            _d_fault(
-                "stall before the head, busy slot",
-                _d_busy(hold),
-                expect=lc.WaitTimeoutError,
-                budget=FAST_FAULTS.busy_wait,
-                check=_d_waits(lambda w: w.slot_busy, "of a busy slot"),
-            ),
-            _d_fault(
-                "stall mid-stream",
-                _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-                check=_d_kinds("Content"),
-                sockets=True,
-            ),
-        ]
-
-    def _d_errors(self):
-        lw = FAST_FAULTS.load_wait
-        event503 = STREAM_HEAD + chunked(sse(_f_error_json(503, "Loading model", "unavailable_error"))) + b"0\r\n\r\n"
-        legacy503 = (
-            STREAM_HEAD
-            + chunked(b'error: {"code":503,"message":"Loading model","type":"unavailable_error"}\n\n')
-            + b"0\r\n\r\n"
-        )
-        nested = b'{"error":' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
-        too_long = {
-            "error": {
-                "code": 400,
-                "message": "the request exceeds the available context size",
-                "type": "exceed_context_size_error",
-            }
-        }
-        hello, once = _d_attrs(content="Hello world"), _d_asked(n=1)
-        return [
-            _d_fault(
-                "HTTP 503 forever",
-                _d_stream(_d_json(_D_LOADING, 503, "Service Unavailable")),
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=_d_asked(least=2),
-                sockets=True,
-            ),
-            _d_fault(
-                "HTTP 400",
-                _d_stream(_d_json(too_long, 400, "Bad Request")),
-                expect=lc.HTTPStatusError,
-                check=_d_attrs(status=400, message="the request exceeds the available context size"),
-            ),
-            # no Server header, and a status llama-server sends
-            _d_fault(
-                "HTTP 500 with an HTML body",
-                _d_reply(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 17\r\n\r\n<h1>oops</h1>\r\n\r\n"),
-                expect=lc.HTTPStatusError,
-                check=(
-                    _d_attrs(status=500, message="oops", body=b"<h1>oops</h1>\r\n\r\n"),
-                    _d_says(exactly="HTTP 500: oops"),
-                ),
-            ),
-            # the fuzzer's (client target): a 400 whose body stops short of its length on a held connection
-            _d_fault(
-                "error body stalls",
-                _d_reply(
-                    b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 116\r\n\r\n-1",
-                    True,
-                ),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-                sockets=True,
-            ),
-            # the fuzzer's (http target): json.loads of the error envelope raised RecursionError
-            _d_fault(
-                "error body nested 5,000 deep",
-                _d_reply(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)),
-                expect=lc.HTTPStatusError,
-                check=_d_attrs(status=400),
-            ),
-            _d_fault(
-                "error event first, code 503",
-                lambda s: s.stream(_f_sequence(reply(event503), reply(_D_OK))),
-                budget=0.25,
-                at_once=True,
-                check=(hello, _d_kinds("Retrying", start=True)),
-            ),
-            _d_fault(
-                "error event first, 503 forever",
-                _d_reply(event503),
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                check=_d_asked(least=2),
-            ),
-            _d_fault(
-                "error event first, code 400",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(sse(_f_error_json(400, "bad grammar", "invalid_request_error")))
-                    + b"0\r\n\r\n"
-                ),
-                expect=lc.ServerError,
-                check=(_d_attrs(code=400, message="bad grammar"), once),
-            ),
-            # delivered output is never replayed: one request
-            _d_fault(
-                "error event after content",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(sse(chunk_json({"content": "Hi"}), _f_error_json(503, "slot gone", "unavailable_error")))
-                    + b"0\r\n\r\n"
-                ),
-                expect=lc.ServerError,
-                check=(_d_attrs(code=503), once),
-            ),
-            _d_fault(
-                "legacy `error:` line",
-                _d_reply(
-                    STREAM_HEAD
-                    + chunked(
-                        sse(chunk_json({"content": "Hi"}))
-                        + b'error: {"code":500,"message":"boom","type":"server_error"}\n\n'
-                    )
-                    + b"0\r\n\r\n"
-                ),
-                expect=lc.ServerError,
-                check=_d_attrs(code=500, message="boom"),
-            ),
-            # the fuzzer's (http target): the legacy payload's json.loads raised RecursionError
-            _d_fault(
-                "legacy `error:` line nested 100,000 deep",
-                _d_reply(STREAM_HEAD + chunked(b"error: " + b"[" * 100000 + b"]" * 100000 + b"\n\n") + b"0\r\n\r\n"),
-                expect=lc.ServerError,
-                changes=dict(max_line=1024 * 1024),
-            ),
-            _d_fault(
-                "legacy `error:` line first, code 503",
-                lambda s: s.stream(_f_sequence(reply(legacy503), reply(_D_OK))),
-                budget=0.25,
-                at_once=True,
-                check=(hello, _d_asked(n=2)),
-            ),
-        ]
-
-    def _d_retry_after(self):
-        lw = FAST_FAULTS.load_wait
-        backoff = _d_retries(n=1, delays=(0.18, 0.25))  # the backoff's, not the hint's
-
-        def then_ok(value):
-            return lambda s: s.stream(
-                _f_sequence(reply(_f_retry_after(value() if callable(value) else value)), reply(_D_OK))
-            )
-
-        def forever(value, budget_at_once=True, check=None, sockets=False):
-            return _d_part(
-                lambda s: s.stream(reply(_f_retry_after(value() if callable(value) else value))),
-                expect=lc.LoadTimeoutError,
-                budget=lw,
-                at_once=budget_at_once,
-                check=check or _d_retries(n=0),  # the hint is past what is left: no retry
-                sockets=sockets,
-            )
-
-        ahead = lambda: email.utils.formatdate(time.time() + 5, usegmt=True).encode()
-        past = lambda: email.utils.formatdate(time.time() - 60, usegmt=True).encode()
-        return [
-            ("Retry-After as a date beyond `load_wait`", [forever(ahead)]),
-            # a hint of 0 s is honoured by not waiting longer; the backoff still applies, or this is a busy loop
-            _d_fault("Retry-After as a date in the past", then_ok(past), budget=0.25, at_once=True, check=backoff),
-            # retried at the backoff's pace, not hundreds of times a second
-            ("`Retry-After: 0` forever", [forever(b"0", False, _d_asked(most=4), sockets=True)]),
-            _d_fault("Retry-After negative", then_ok(b"-5"), budget=0.25, at_once=True, check=backoff),
-            _d_fault("Retry-After malformed", then_ok(b"soon"), budget=0.25, at_once=True, check=backoff),
-            ("Retry-After huge", [forever(b"99999999999999999999")]),
-            ("Retry-After beyond float range", [forever(b"9" * 400)]),  # float(int(...)) raised OverflowError
-            ("Retry-After beyond int() digit limit", [forever(b"9" * 5000)]),  # int() raised ValueError
-        ]
-
-    def _d_slots_rows(self):
-        garbage = _d_slots_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!")
-        hold = _d_stream(_f_hold)
-
-        def both(*arrangements):
-            def arrange(s):
-                for a in arrangements:
-                    a(s)
-
-            return arrange
-
-        slots = lambda c, ev: c.slots()
-        pings = _d_drip(lambda: _f_chain(STREAM_HEAD, _f_forever(chunked(b": ping\n\n"))), 0.05)
-
-        def late(busy, arrange):  # each /slots answer twice poll after it is asked
-            def both_(s):
-                s.slots_delay = 2 * FAST_FAULTS.poll
-                s.busy[0] = busy
-                arrange(s)
-
-            return both_
-
-        return [
-            _d_fault(
-                "`/slots` answers garbage while the head is awaited",
-                both(garbage, hold),
-                expect=lc.LoadTimeoutError,
-                budget=FAST_FAULTS.load_wait,
-                check=_d_waits(lambda w: not w.slot_busy, "of an idle slot"),
-            ),
-            _d_fault("`/slots` answers garbage to `slots()`", garbage, slots, lc.ProtocolError, sockets=True),
-            _d_fault(
-                "`/slots` entries of the wrong shape",
-                _d_slots(_d_json([{"id": "0", "is_processing": "yes"}])),
-                slots,
-                lc.ProtocolError,
-            ),
-            _d_fault(
-                "`/slots` hangs while the head is awaited",
-                both(_d_slots(_f_hold), hold),
-                expect=lc.LoadTimeoutError,
-                budget=FAST_FAULTS.load_wait,
-                sockets=True,
-            ),
-            _d_fault("`/slots` hangs for `slots()`", _d_slots(_f_hold), slots, lc.StalledError, FAST_FAULTS.liveness),
-            # late, not unavailable: a poll waits for the answer it asked
-            _d_fault(
-                "`/slots` answers later than `poll`, busy slot",
-                late(True, hold),
-                expect=lc.WaitTimeoutError,
-                budget=FAST_FAULTS.busy_wait,
-                check=(_d_waits(lambda w: w == lc.Waiting(True), "of a busy slot"), _d_says("stayed busy")),
-                sockets=True,
-            ),
-            _d_fault(
-                "`/slots` answers later than `poll`, idle slot",
-                late(False, hold),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.idle_grace,
-                check=(_d_waits(lambda w: w == lc.Waiting(False), "of an idle slot"), _d_says("is idle")),
-                sockets=True,
-            ),
-            _d_fault(
-                "`/slots` answers later than `poll`, pings from a processing slot",
-                late(True, pings),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.busy_wait + 2 * FAST_FAULTS.poll,  # the verdict waits for its answer
-                at_once=True,
-                check=(_d_not_before(FAST_FAULTS.busy_wait), _d_says("while the slot stays busy"), _d_kinds()),
-                sockets=True,
-            ),
-            # not served: the slots cannot be seen
-            _d_fault(
-                "`/slots` answers 501 while the head is awaited",
-                both(_d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")), hold),
-                expect=lc.WaitTimeoutError,
-                budget=FAST_FAULTS.busy_wait,
-            ),
-            _d_fault(
-                "`/slots` answers 501 to `slots()`",
-                _d_slots(_d_json(_D_NO_SLOTS, 501, "Not Implemented")),
-                slots,
-                lc.HTTPStatusError,
-                check=_d_attrs(status=501, message="This server does not support slots endpoint."),
-            ),
-            _d_fault(
-                "`/props` is not an object",
-                lambda s: s.route("GET", "/props", _d_json([1, 2])),
-                lambda c, ev: c.props(),
-                lc.ProtocolError,
-            ),
-            (
-                "`/props` silent or slow for a `slot=None` request",
-                [
-                    self._d_props_late(_f_hold),
-                    self._d_props_late(lambda req: (time.sleep(0.3), _d_json({"total_slots": 2})(req))),
-                ],
-            ),
-        ]
-
-    def _d_props_late(self, handler):
-        """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
-        back for the pool's size, and ``/props`` was asked (in the background) all the same.  Its head may
-        come late on a loaded machine, which is no stall here: ``idle_grace`` is long (the row is about
-        ``/props``, and a request held back for it would still be late by ``lateness``)."""
-        servers = []
-
-        def arrange(s):
-            servers[:] = [s]
-            s.route("GET", "/props", handler)
-            s.stream(reply(_D_OK))
-
-        def act(client, events):
-            completion = client.chat(MSGS, slot=None, on_event=events.append)
-            wait_for(lambda: any(r.path == "/props" for r in servers[0].requests), what="/props, asked beside it")
-            return completion
-
-        return _d_part(arrange, act, changes=dict(idle_grace=5.0))
-
-    def _d_control(self):
-        reasoning = STREAM_HEAD + chunked(sse(*[chunk_json({"reasoning_content": w}) for w in ("a", "b", "c")]))
-
-        def with_control(handler):
-            def arrange(s):
-                s.stream(reply(reasoning, hold=True))
-                if handler is not None:
-                    s.route("POST", "/v1/chat/completions/control", handler)
-
-            return arrange
-
-        capped = dict(thinking_cap=2)
-        not_found = _d_json(
-            {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}, 404, "Not Found"
-        )
-        refused = _d_json({"success": False})
-        end = lambda c, ev: c.end_reasoning(CID)
-        return [
-            _d_fault(
-                "control endpoint answers 404",
-                with_control(not_found),
-                expect=lc.ThinkingOverrunError,
-                changes=capped,
-                check=(_d_cause(lc.HTTPStatusError, status=404), _d_attrs(tokens=2)),
-            ),
-            # no route for the control endpoint: the server's 404
-            _d_fault(
-                "control endpoint 404 for `end_reasoning()`",
-                with_control(None),
-                end,
-                lc.HTTPStatusError,
-                changes=capped,
-                check=_d_attrs(status=404),
-            ),
-            _d_fault(
-                "control endpoint answers `success: false`",
-                with_control(refused),
-                expect=lc.ThinkingOverrunError,
-                changes=capped,
-                check=_d_kinds("Reasoning", "Reasoning"),
-            ),
-            _d_fault("`success: false` for `end_reasoning()`", with_control(refused), end, False, changes=capped),
-            _d_fault(
-                "control endpoint hangs",
-                with_control(_f_hold),
-                expect=lc.ThinkingOverrunError,
-                budget=FAST_FAULTS.liveness,
-                changes=capped,
-                check=_d_cause(lc.StalledError),
-                sockets=True,
-            ),
-        ]
-
-    def _d_security(self):
-        key = {"api_key": _F_KEY}
-        unauthorized = _d_json(
-            {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}, 401, "Unauthorized"
-        )
-        steer = (
-            b"Location: http://10.255.255.1:9/\r\nContent-Location: unix:///tmp/evil.sock\r\n"
-            b'Alt-Svc: h2="10.255.255.1:443"\r\nLink: <http://10.255.255.1/>; rel=preconnect\r\n'
-        )
-        unavailable = b"HTTP/1.1 503 Service Unavailable\r\n" + steer + b"Retry-After: 0\r\nContent-Length: 0\r\n\r\n"
-        steered = b"HTTP/1.1 200 OK\r\n" + steer + b"Transfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
-
-        def elsewhere(s):
-            s.stream(_f_sequence(reply(unavailable), reply(steered)))
-            s.route(
-                "GET", "/slots", reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
-            )
-
-        def redirect(status):
-            location = b"http://127.0.0.1:9/v1/chat/completions"  # nothing listens: a followed redirect fails otherwise
-            return _d_part(
-                _d_reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")),
-                expect=lc.HTTPStatusError,
-            )
-
-        slots = lambda c, ev: c.slots()
-        return [
-            (
-                "the API key could leak",
-                [
-                    _d_part(_d_stream(unauthorized), expect=lc.HTTPStatusError, client=key),
-                    _d_part(_d_reply(b"HELLO\r\n\r\n"), expect=lc.ProtocolError, client=key),
-                    _d_part(
-                        _d_reply(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"}))), True),
-                        expect=lc.StalledError,
-                        budget=FAST_FAULTS.liveness,
-                        client=key,
-                    ),
-                    _d_part(
-                        _d_slots(_d_json({"error": {"code": 401, "message": "Invalid API Key"}}, 401, "Unauthorized")),
-                        slots,
-                        lc.HTTPStatusError,
-                        client=key,
-                    ),
-                    _d_part(address=_d_missing, act=lambda c, ev: c.props(), expect=lc.ConnectError, client=key),
-                    _d_part(address=_d_missing, expect=lc.LoadTimeoutError, budget=FAST_FAULTS.load_wait, client=key),
-                    _d_part(expect=ValueError, client={"api_key": _F_KEY + "\r\n"}),
-                    _d_part(expect=ValueError, client={"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}),
-                ],
-            ),
-            (
-                "header injection",
-                [
-                    _d_part(expect=ValueError, client={"headers": {"X-Trace": "1\r\nX-Injected: yes"}}),
-                    _d_part(expect=ValueError, client={"headers": {"X-Trace\r\nX-Injected": "1"}}),
-                    _d_part(expect=ValueError, client={"headers": {"X-Trace": "1\nX-Injected: yes"}}),
-                    _d_part(expect=ValueError, client={"api_key": "key\nX-Injected: yes"}),
-                    _d_part(expect=ValueError, address=lambda s: "http://127.0.0.1:8080/\r\nX-Injected: yes"),
-                    _d_part(
-                        _d_reply(_D_OK),
-                        act=lambda c, ev: c.request("GET", "/slots\r\nX-Injected: yes"),
-                        expect=ValueError,
-                    ),
-                ],
-            ),
-            _d_fault(
-                "a model name carrying CR/LF",
-                _d_reply(_D_OK),
-                _d_chat(model="gemma\r\nX-Injected: yes\r\n\r\nGET /slots HTTP/1.1"),
-            ),
-            (
-                "redirects",
-                [
-                    redirect(status)
-                    for status in (
-                        b"301 Moved Permanently",
-                        b"302 Found",
-                        b"303 See Other",
-                        b"307 Temporary Redirect",
-                        b"308 Permanent Redirect",
-                    )
-                ]
-                + [
-                    _d_part(
-                        _d_slots_reply(
-                            _f_head(b"302 Found", b"Location: http://127.0.0.1:9/slots\r\nContent-Length: 0\r\n")
-                        ),
-                        slots,
-                        lc.HTTPStatusError,
-                    )
-                ],
-            ),
-            ("a response pointing elsewhere", [_d_part(elsewhere), _d_part(elsewhere, slots, lc.HTTPStatusError)]),
-        ]
-
-    def _d_fuzz(self):
-        def served(name, target):
-            data = _f_input(name)
-            self.assertTrue(_f_saved(target, data, name))
-            return data
-
-        assembler = served("080ec222851097f5", "assembler").decode("utf-8", "surrogatepass").split("\n\x1e")
-        lines = served("5dff79bad8bec29d", "sse")
-        return [
-            _d_fault(
-                "error body stalls on a held connection",
-                _d_pieces(
-                    served("e2748cec9571aae2", "client"),
-                    _F_CUTS["e2748cec9571aae2"],
-                ),
-                expect=lc.StalledError,
-                budget=FAST_FAULTS.liveness,
-                sockets=True,
-            ),
-            _d_fault(
-                "503 with an error body nested 5,000 deep",
-                _d_reply(served("403724efe73ee4d8", "http")),
-                expect=lc.LoadTimeoutError,
-                budget=FAST_FAULTS.load_wait,
-            ),
-            # the assembler's payloads, served as the events of a stream: the first is the error event
-            _d_fault(
-                'error code `"²"`',
-                _d_reply(STREAM_HEAD + chunked(sse(*assembler)) + b"0\r\n\r\n"),
-                expect=lc.ServerError,
-            ),
-            # the SSE bytes, served as a close-delimited stream at the max_line the fuzzer used (and a liveness
-            # longer than the parsing: CPU-bound, it is timing otherwise), in CPU time against the floor's
-            _d_fault(
-                "605,552 `data:` lines in one event",
-                _d_patient(_D_CL + b"\r\n" + lines),
-                expect=lc.StreamClosedError,
-                at_once=True,
-                changes=dict(max_line=1024 * 1024, liveness=30.0),
-                cpu=lines,
-            ),
-            _d_fault(
-                "`event: error` with data nested 100,000 deep",
-                _d_reply(served("e517c807fa701495", "http")),
-                expect=lc.ServerError,
-                changes=dict(max_line=1024 * 1024),
-            ),
-            _d_fault(
-                "`event: error` nested deep, through `chat()`",
-                _d_pieces(
-                    served("0f7c31287867b84c", "client"),
-                    _F_CUTS["0f7c31287867b84c"],
-                ),
-                _d_chat(slot=1),
-                lc.ServerError,
-                changes=dict(max_line=64 * 1024, thinking_cap=2, thinking_overrun=4),
-            ),
-        ]
-
-    _D_TABLES = (
-        "_d_connecting",
-        "_d_head",
-        "_d_framing",
-        "_d_sse",
-        "_d_json_rows",
-        "_d_waits",
-        "_d_errors",
-        "_d_retry_after",
-        "_d_slots_rows",
-        "_d_control",
-        "_d_proxies",
-        "_d_fronts",
-        "_d_full_fronts",
-        "_d_sessions",
-        "_d_security",
-        "_d_fuzz",
-        "_d_answers",
-    )
 
     def test_the_comparison_sets_aside_timing_only(self):
         poll = FAST_FAULTS.poll
@@ -17272,7 +14800,7 @@ class TestDifferential(_f_Case):
         waited = lc.LoadTimeoutError("the server at /s stayed unreachable or loading for 0.6 s (load_wait)")
         later = lc.LoadTimeoutError("the server at /s stayed unreachable or loading for 0.9 s (load_wait)")
         late = lc.LoadTimeoutError("the server at /s stayed unreachable or loading for 1.0 s (load_wait)")
-        retry = lc.Retrying(1, 0.2, "HTTP 503: Loading model")
+        retry = lc.Retrying(1, 0.2, "HTTP 503: busy")
         wait, busy = lc.Waiting(False), lc.Waiting(True)
         hi = lc.Content("Hi", 0)
         # alike: Retrying's delay, seconds within MARGIN, a run of one Waiting longer or shorter (each poll
@@ -17307,16 +14835,6 @@ class TestDifferential(_f_Case):
         self.assertIn("message differs", differ(([], lc.HTTPStatusError(400, "a")), ([], lc.HTTPStatusError(500, "a"))))
         self.assertIn("message differs", differ(([], lc.ServerError(1, "m")), ([], lc.ServerError(1, "n"))))
 
-    def _d_rows(self):
-        return {name: parts for table in self._D_TABLES for name, parts in getattr(self, table)()}
-
-    def test_every_row_of_the_fault_table_is_here(self):
-        here = [name for table in self._D_TABLES for name, _ in getattr(self, table)()]
-        stated = [row[0] for _, _, rows in FAULT_TABLE for row in rows]
-        self.assertEqual(sorted(here), sorted(stated))
-        self.assertEqual(len(here), len(set(here)))
-        self.assertEqual(len(stated), len(set(stated)))
-
     def test_dev_faults_md_is_the_fault_table(self):
         with open(os.path.join(HERE, "dev", "FAULTS.md"), encoding="utf-8") as f:
             text = f.read()
@@ -17324,618 +14842,39 @@ class TestDifferential(_f_Case):
 
     def test_each_row_states_what_it_runs(self):
         """A row's outcome names the error its parts expect (or says there is none), and the budget it is
-        waited out for ("after `liveness`"); its tests exist, and a TestDifferential test it names runs it
-        (a name in the old form, any TestX.test_y, is accepted when it exists)."""
+        waited out for ("after `liveness`"); the tests it names exist; a row has parts when a TestDifferential
+        test runs its section, and its name is its own."""
         budgets = ("liveness", "busy_wait", "load_wait", "idle_grace")
-        rows = self._d_rows()
-        for heading, _, table in FAULT_TABLE:
-            for fault, _, outcome, tests in table:
-                with self.subTest(fault):
-                    for part in rows[fault]:
-                        if heading == "Security":  # its outcomes are properties of every error
-                            break
+        names = []
+        for section in FAULT_TABLE:
+            for row in section.rows():
+                names.append(row.fault)
+                with self.subTest(row.fault):
+                    self.assertEqual(bool(row.parts), section.test is not None)
+                    for part in row.parts:
                         if isinstance(part.expect, type) and issubclass(part.expect, BaseException):
-                            self.assertIn("`%s`" % part.expect.__name__, outcome)
+                            self.assertIn("`%s`" % part.expect.__name__, row.outcome)
                         else:
-                            self.assertTrue("no error" in outcome or "retried" in outcome, outcome)
+                            self.assertTrue("no error" in row.outcome or "retried" in row.outcome, row.outcome)
                         for name in budgets:
                             if part.budget and not part.at_once and part.budget == getattr(FAST_FAULTS, name):
-                                self.assertIn("`%s`" % name, outcome)
-                    named = re.findall(r"`(Test\w+)\.(test\w+)`", tests)
-                    self.assertTrue(named, tests)
-                    for cls, method in named:
-                        self.assertTrue(callable(getattr(globals().get(cls), method, None)), "%s.%s" % (cls, method))
-                        if cls == "TestDifferential":
-                            self.assertIn(fault, self._d_rows_of(method), "%s does not run it" % method)
+                                self.assertIn("`%s`" % name, row.outcome)
+                    tests = _d_tests(section, row)
+                    self.assertTrue(tests)
+                    for test in tests:
+                        cls, method = test.split(".")
+                        self.assertTrue(callable(getattr(globals().get(cls), method, None)), test)
+        self.assertEqual(len(names), len(set(names)))
 
-    def _d_rows_of(self, method):
-        """The rows TestDifferential.<method> runs: those of the tables its source calls."""
-        tables = set(re.findall(r"self\.(_d_\w+)\(\)", inspect.getsource(getattr(type(self), method))))
-        return [name for table in self._D_TABLES if table in tables for name, _ in getattr(self, table)()]
+    def _d_table(self, section):
+        for row in section.rows():
+            self._d_parts(row.fault, *row.parts)
 
-    def test_connecting(self):
-        self._d_table(self._d_connecting())
 
-    def test_the_response_head(self):
-        self._d_table(self._d_head())
-
-    def test_body_framing(self):
-        self._d_table(self._d_framing())
-
-    def test_sse_lines_and_events(self):
-        self._d_table(self._d_sse())
-
-    def test_json_payloads(self):
-        self._d_table(self._d_json_rows())
-
-    def test_silence_pings_and_the_liveness_rule(self):
-        self._d_table(self._d_waits())
-
-    def test_error_statuses_and_error_events(self):
-        self._d_table(self._d_errors())
-
-    def test_503_with_retry_after(self):
-        self._d_table(self._d_retry_after())
-
-    def test_slots_and_the_other_single_shot_calls(self):
-        self._d_table(self._d_slots_rows())
-
-    def test_the_reasoning_control_endpoint(self):
-        self._d_table(self._d_control())
-
-    def test_security(self):
-        self._d_table(self._d_security())
-
-    def test_inputs_the_fuzzer_found(self):
-        self._d_table(self._d_fuzz())
-
-    def test_answers_as_the_server_gave_them(self):
-        self._d_table(self._d_answers())
-
-    def _d_answers(self):
-        """The rows of fetch(), timeout= and stream_route()."""
-
-        def on(method, path, handler):  # the handler made afresh for each client
-            return lambda s: s.route(method, path, handler())
-
-        def fetched(row, name):  # what the server said, as it said it, from one request
-            raw, want = _A_FAULT_ANSWERS[name]
-            return _d_fault(
-                row, on("GET", "/any", lambda: reply(raw, hold=True)), _a_fetch(), want, check=_d_asked("/any", n=1)
-            )
-
-        big = http_response(b"x" * (64 * 1024 + 1), b"text/plain")
-        t, lv = _A_DEADLINE, FAST_FAULTS.liveness
-        trickle = lambda: _f_drip(_f_chain(_A_TRICKLE, _f_forever(b"x")), 0.1)
-        then_ok = lambda: _f_sequence(reply(_f_retry_after(b"0")), reply(_a_sse({"a": 1}, done=True)))
-        opened = _a_sse(json.loads(chunk_json({"content": "Hi"})))
-        started = STREAM_HEAD + chunked(b'data: {"a": 1}\n\n')
-        return [
-            fetched("fetch() of an error page", "page"),
-            fetched("fetch() of a 503 with Retry-After", "503"),
-            fetched("fetch() of a redirect", "302"),
-            _d_fault(
-                "fetch() of a body over max_body",
-                on("GET", "/any", lambda: reply(big, hold=True)),
-                _a_fetch(),
-                lc.ProtocolError,
-                check=_d_says("max_body"),
-            ),
-            _d_fault(
-                "timeout= on a silent server",
-                on("GET", "/any", lambda: _f_hold),
-                _a_fetch(timeout=t),
-                lc.DeadlineError,
-                t,
-                check=_d_attrs(phase="answer"),
-            ),
-            _d_fault(
-                "timeout= on an answer that trickles",
-                on("GET", "/any", trickle),
-                _a_fetch(timeout=t),
-                lc.DeadlineError,
-                t,
-                check=_d_says("reading the answer to GET /any"),
-                sockets=True,
-            ),
-            _d_fault(
-                "stream_route() of an answer that is not a stream",
-                on("POST", "/r", lambda: reply(json_response({"a": 1}), hold=True)),
-                _a_route(),
-                lc.ProtocolError,
-                check=_d_asked("/r", n=1),  # not sent again
-            ),
-            _d_fault(
-                "stream_route() of a 503, then a stream",
-                on("POST", "/r", then_ok),
-                _a_route(),
-                _A_EMPTY,
-                budget=lc.BACKOFF_FIRST,
-                at_once=True,
-                check=(_d_kinds("Retrying", "Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
-                sockets=True,
-            ),
-            _d_fault(
-                "stream_route() of text data",
-                on("POST", "/r", lambda: reply(_a_sse("hello", "wor ld", done=True))),
-                _a_route(),
-                _A_EMPTY,
-                check=(_d_kinds("Chunk", "Chunk"), _d_delivered(lc.Chunk("hello"), lc.Chunk("wor ld"))),
-            ),
-            _d_fault(
-                "stream_route() of chat cut before its finish",
-                on("POST", "/r", lambda: reply(opened)),
-                _a_route(),
-                lc.StreamClosedError,
-                check=_d_kinds("Chunk"),
-            ),
-            _d_fault(
-                "stream_route() silent once started",
-                on("POST", "/r", lambda: reply(started, hold=True)),
-                _a_route(),
-                lc.StalledError,
-                lv,
-                check=(_d_kinds("Chunk"), _d_delivered(lc.Chunk({"a": 1}))),
-            ),
-        ]
-
-    # -- the cases that used to tell the clients apart, and the proxies' rows -------------------------
-
-    def _d_held(self, kind, make, server, limits, slot, steps, **client):
-        """Chats held by a Gatekeeper: ``steps`` start them (a marker) and release them (``-marker``), each
-        step waiting for what it did to be seen (a release, for the chat to be in flight and to have heard a
-        Waiting: how many is timing, whether any is not); a marker in upper case runs in this thread, at
-        once (its outcome an error, e.g. BusyError); ``=`` waits until the client knows its pool's size.
-        Their (events, value), in the order of their markers."""
-        client = make(server.address, limits=limits, **client)
-        keeper = Gatekeeper(server)
-        events, results, threads = {}, {}, []
-        try:
-            for step in steps:
-                if step.startswith("-"):  # once it is in flight and has heard a Waiting (then both clients have)
-                    marker = step[1:]
-                    wait_for(lambda: keeper.arrived(marker), what=marker + " in flight")
-                    wait_for(lambda: any(isinstance(e, lc.Waiting) for e in events[marker]), what=marker + " waiting")
-                    keeper.release(marker)
-                elif step == "=":  # the pool's size known: the /props asked in the background has answered
-                    wait_for(lambda: client_pools(client), what="the pool's size")
-                elif step.isupper():
-                    events[step] = []
-                    t = Timer()
-                    try:
-                        results[step] = client.chat(
-                            [{"role": "user", "content": step}], slot=slot, on_event=events[step].append
-                        )
-                    except lc.LoopError as exc:
-                        results[step] = exc
-                    self.assertLessEqual(t.elapsed, MARGIN, "%s: %s took %.3f s" % (kind, step, t.elapsed))
-                else:
-                    threads.append(start_chat(client, step, slot, events, results))
-                    wait_for(
-                        lambda m=step: keeper.arrived(m) or any(isinstance(e, lc.Queued) for e in events[m]), what=step
-                    )
-            for thread in threads:
-                thread.join(10)
-        finally:
-            for marker in events:
-                keeper.release(marker)
-            client.close()
-        return [(events[m], results[m]) for m in sorted(events)]
-
-    def test_cases_that_used_to_differ(self):
-        head_only = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
-        self._d_row(
-            "HEAD with a Content-Length and no body",
-            _d_part(
-                lambda s: s.route("HEAD", "/health", reply(head_only, hold=True)),
-                lambda c, ev: c.request("HEAD", "/health"),
-                "",
-            ),
-        )
-        over = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-        over += chunked(*[b"[" + b" " * 8190 + b"]"] * 9)  # 72 KiB of chunks, the last chunk never sent
-        self._d_row(
-            "a chunked single-shot answer over max_body",
-            _d_part(_d_slots_reply(over, hold=True), lambda c, ev: c.slots(), lc.ProtocolError),
-        )
-
-        held = FAST_FAULTS.replace(idle_grace=5.0, busy_wait=5.0)
-
-        def busy(kind, make, server):
-            server.route("GET", "/slots?model=m1", server._slots)
-            outcomes = self._d_held(
-                kind, make, server, held.replace(queue_len=1), 0, ["a", "b", "C", "-a", "-b"], model="m1"
-            )
-            self.assertIs(type(outcomes[0][1]), lc.BusyError)
-            self.assertEqual(
-                str(outcomes[0][1]), "1 requests already wait for slot 0 of model m1 (queue_len 1): try later"
-            )
-            self.assertEqual([o[1].content for o in outcomes[1:]], ["a", "b"])
-            return outcomes
-
-        self._d_both("BusyError for slot 0 of model m1", busy)
-
-        def pool(size):
-            def scenario(kind, make, server):
-                limits = held if size is None else held.replace(pool=size)
-                n = size or len(server.busy)  # without Limits.pool: /props's total_slots
-                first = [chr(ord("a") + i) for i in range(n)]
-                last = chr(ord("a") + n)
-                steps = first + [last] + ["-" + m for m in first + [last]]  # the last one waits, Queued(1)
-                if size is None:  # until /props answers only the first goes: the second would wait a moment
-                    steps.insert(1, "=")
-                outcomes = self._d_held(kind, make, server, limits, None, steps)
-                self.assertEqual([o[1].content for o in outcomes], first + [last])
-                self.assertEqual([e for e in outcomes[-1][0] if isinstance(e, lc.Queued)], [lc.Queued(1)])
-                return outcomes
-
-            return scenario
-
-        self._d_both("a slot=None pool with Limits(pool=3)", pool(3))
-        self._d_both("a slot=None pool without Limits.pool", pool(None))
-
-    def test_behind_proxies(self):
-        self._d_table(self._d_proxies())
-
-    def test_behind_fronts(self):
-        self._d_table(self._d_fronts())
-
-    def test_a_front_whose_every_server_is_busy(self):
-        self._d_table(self._d_full_fronts())
-
-    def test_session_keys(self):
-        self._d_table(self._d_sessions())
-
-    def _d_full_fronts(self):
-        def served(name):
-            answer = front_answer(name)
-            arrange = lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK)))
-            return [_d_part(arrange, budget=3.0, at_once=True, changes=dict(busy_wait=3.0, load_wait=0.1))]
-
-        return [
-            ("429 from nginx: every server busy, then served", served("nginx 429")),
-            ("429 from HAProxy after its queue timeout, then served", served("haproxy 429")),
-            ("429 from Caddy: every server busy, then served", served("caddy 429")),
-            (
-                "every server busy for ever",
-                [
-                    _d_part(
-                        _d_reply(front_answer("nginx 429")),
-                        expect=lc.WaitTimeoutError,
-                        budget=2.5,
-                        at_once=True,
-                        changes=dict(busy_wait=2.5, load_wait=0.3),
-                    )
-                ],
-            ),
-            (
-                "every server unreachable behind HAProxy",
-                [
-                    _d_part(
-                        _d_reply(front_answer("haproxy 503 unreachable")),
-                        expect=lc.LoadTimeoutError,
-                        budget=0.6,
-                        changes=dict(busy_wait=0.2),
-                    )
-                ],
-            ),
-        ]
-
-    def _d_sessions(self):
-        raw = load_transcript("04_chat_stream.raw.txt")
-
-        def resumable(cuts, body=None):
-            def arrange(s):
-                buf = _r_Buffer(s, raw, cuts=cuts(len(_r_dechunk(raw)[0])))
-                if body is not None:
-                    buf.raw = body
-
-            return arrange
-
-        error = (
-            STREAM_HEAD
-            + chunked(
-                sse(chunk_json({"content": "Hi"})),
-                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
-            )
-            + b"0\r\n\r\n"
-        )
-        keyed = _d_chat(resumable="conv-1", session="k-1")
-        return [
-            (
-                "a resumable stream with a session key, cut mid-stream",
-                [_d_part(resumable(lambda head: [head + 900]), act=keyed)],
-            ),
-            (
-                "a resumable request without a key, lost before its head",
-                [_d_part(resumable(lambda head: [0]), act=_d_chat(resumable="conv-1"))],
-            ),
-            (
-                "a resumable stream with a session key, ended by an error event",
-                [_d_part(resumable(lambda head: [], error), act=keyed, expect=lc.ServerError)],
-            ),
-            (
-                "a malformed session key",
-                [_d_part(_d_reply(_D_OK), act=_d_chat(session="two words"), expect=ValueError)],
-            ),
-            (
-                "`Limits(session=False)`, a resumable stream cut mid-stream",
-                [
-                    _d_part(
-                        resumable(lambda head: [head + 900]),
-                        act=_d_chat(resumable="conv-1"),
-                        changes=dict(session=False),
-                    )
-                ],
-            ),
-        ]
-
-    def _d_fronts(self):
-        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
-        # the wrong budget would end a retried 504 (502) early; the right one leaves a loaded machine more than
-        # a second beyond the backoff's 0.75 s (its sleeps wake late, and an attempt's round trip is slow)
-        busy = dict(busy_wait=2.0, load_wait=0.1)
-        load = dict(load_wait=2.0, busy_wait=0.1)
-        pages = {  # what a retried page says
-            "nginx 504": "the front stopped waiting for a slot",
-            "haproxy 504": "the front stopped waiting for a slot",
-            "caddy 504": "the front stopped waiting for a slot",
-            "cloudflare 524": "the front stopped waiting for a slot",
-            "nginx 502": "502 Bad Gateway",
-            "caddy 502": "(empty body)",
-            "cloudflare 520": "llm.example.com | 520: Web server is returning an unknown error",
-            "cloudflare 521": "llm.example.com | 521: Web server is down",
-            "cloudflare 522": "llm.example.com | 522: Connection timed out",
-            "cloudflare 523": "llm.example.com | 523: Origin is unreachable",
-        }
-
-        def says(name):
-            kind, status = name.split()
-            return "HTTP %s from %s" % (status, FRONT_NAMES[kind])
-
-        def served(name, changes, sockets=False):
-            answer = front_answer(name)  # a fresh sequence per client: the first would use a shared one up
-            reason = "%s: %s" % (says(name), pages[name])
-            return _d_part(
-                lambda s: s.stream(_f_sequence(reply(answer), reply(answer), reply(_D_OK))),
-                budget=backoff,
-                at_once=True,
-                changes=changes,
-                check=(
-                    _d_attrs(content="Hello world"),
-                    _d_retries(pairs=[(1, reason), (2, reason)]),
-                    _d_kinds("Retrying", "Retrying", "Content", "Content"),
-                    _d_asked(n=3),
-                ),
-                sockets=sockets,
-            )
-
-        def for_ever(name, budget, other, changes):  # the row's own budgets; shorter ones for the other fronts
-            return _d_part(
-                _d_reply(front_answer(name)),
-                expect=lc.WaitTimeoutError if budget == "busy_wait" else lc.LoadTimeoutError,
-                budget=changes.get(budget, getattr(FAST_FAULTS, budget)),
-                changes=dict(changes, **{other: 0.3 if budget == "busy_wait" else 0.2}),
-                check=(_d_says(says(name), budget), _d_cause(lc.HTTPStatusError, body=front_page(name))),
-            )
-
-        def resumable(s):
-            _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"), posts=[front_answer("nginx 504")])
-
-        def caddy_cut(s):
-            buf = _FrontBuffer(s, load_transcript("04_chat_stream.raw.txt"))
-            head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: Caddy\r\nServer: llama.cpp\r\n"
-            buf.posts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(buf.body[:900]) + b"0\r\n\r\n"]
-
-        def two_servers(lists):
-            def arrange(s):
-                asked = []
-
-                def slots(req):
-                    asked.append(1)
-                    respond_json(req, lists[(len(asked) - 1) % 2])
-
-                s.route("GET", "/slots", slots)
-                s.stream(_f_hold)
-
-            return arrange
-
-        def last_wait_knows(known):
-            def check(test, run):
-                waits = [e for e in run.events if isinstance(e, lc.Waiting)]
-                test.assertEqual(waits[-1].slots_known, known, run.kind)
-
-            return check
-
-        idle = lambda n, task: [{"id": i, "id_task": task, "is_processing": False} for i in range(n)]
-        page = (
-            b"<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1>"
-            b"</center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n</html>\r\n"
-        )
-        forbidden = (
-            b"HTTP/1.1 403 Forbidden\r\nServer: nginx/1.22.1\r\nContent-Type: text/html\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(page), page)
-        )
-
-        def props(answer, text, **attrs):  # the same page answering a single-shot call
-            return _d_part(
-                lambda s: s.route("GET", "/props", reply(answer)),
-                lambda c, ev: c.props(),
-                lc.HTTPStatusError,
-                check=(_d_says(exactly=text), _d_attrs(**attrs)),
-            )
-
-        several = lambda w: not w.slots_known and not w.wedged
-        return [
-            ("504 from nginx, then served", [served("nginx 504", busy, sockets=True)]),
-            ("504 without a `Server` header, then served", [served("haproxy 504", busy, sockets=True)]),
-            ("504 with an empty body, then served", [served("caddy 504", busy, sockets=True)]),
-            ("524, then served", [served("cloudflare 524", busy, sockets=True)]),
-            (
-                "504 for ever",
-                [for_ever("nginx 504", "busy_wait", "load_wait", {})]
-                + [
-                    for_ever(n, "busy_wait", "load_wait", dict(busy_wait=0.45))
-                    for n in ("haproxy 504", "caddy 504", "cloudflare 524")
-                ],
-            ),
-            _d_fault(
-                "504 to a resumable request the server holds",
-                resumable,
-                act=_d_chat(resumable="conv-1"),
-                changes=dict(busy_wait=1.0),
-            ),
-            _d_fault("a resumable stream the front ends cleanly mid-event", caddy_cut, act=_d_chat(resumable="conv-1")),
-            ("502 with an HTML page, then served", [served("nginx 502", load)]),
-            ("502 with an empty body, then served", [served("caddy 502", load)]),
-            ("520 to 523, then served", [served("cloudflare %d" % n, load) for n in (520, 521, 522, 523)]),
-            (
-                "502 for ever",
-                [for_ever("nginx 502", "load_wait", "busy_wait", {})]
-                + [for_ever(n, "load_wait", "busy_wait", dict(load_wait=0.3)) for n in ("caddy 502", "cloudflare 521")],
-            ),
-            _d_fault(
-                "503 from HAProxy for ever",
-                _d_reply(front_answer("haproxy 503")),
-                expect=lc.LoadTimeoutError,
-                budget=0.6,
-                changes=dict(busy_wait=0.2),
-                check=(
-                    _d_says("load_wait"),
-                    _d_cause(
-                        lc.HTTPStatusError,
-                        status=503,
-                        message="503 Service Unavailable",
-                        server=None,
-                        body=front_page("haproxy 503"),
-                    ),
-                    _d_retries(reasons={"HTTP 503: 503 Service Unavailable"}),
-                ),
-            ),
-            (
-                "an error page from a front",
-                [
-                    _d_part(
-                        _d_reply(forbidden),
-                        expect=lc.HTTPStatusError,
-                        check=(
-                            _d_says(exactly="HTTP 403 from nginx/1.22.1: 403 Forbidden"),
-                            _d_attrs(status=403, server="nginx/1.22.1", body=page),
-                            _d_asked(n=1),  # not retried
-                        ),
-                    ),
-                    props(
-                        front_answer("nginx 504"),
-                        "HTTP 504 from nginx/1.22.1: 504 Gateway Time-out",
-                        body=front_page("nginx 504"),
-                    ),
-                    props(
-                        front_answer("haproxy 504"),
-                        "HTTP 504 from the front: 504 Gateway Time-out",
-                        body=front_page("haproxy 504"),
-                    ),
-                    props(front_answer("caddy 502"), "HTTP 502 from Caddy: (empty body)", body=front_page("caddy 502")),
-                    props(
-                        front_answer("haproxy 503"),
-                        "HTTP 503: 503 Service Unavailable",
-                        body=front_page("haproxy 503"),
-                    ),
-                    props(
-                        json_response(json.loads(_R_GONE), b"404 Not Found"),
-                        "HTTP 404: File Not Found",
-                        server="llama.cpp",
-                    ),
-                ],
-            ),
-            _d_fault(
-                "idle `/slots`, several servers",
-                _d_stream(_f_hold),
-                expect=lc.WaitTimeoutError,
-                budget=0.8,
-                changes=dict(servers=2, idle_grace=0.2, load_wait=0.3),
-                check=_d_waits(several, "of several servers"),
-            ),
-            (
-                "`/slots` answers from two servers",
-                [
-                    _d_part(  # the slot count changes: several servers
-                        two_servers([idle(2, 3), idle(3, 3)]),
-                        expect=lc.WaitTimeoutError,
-                        budget=0.8 + 2 * FAST_FAULTS.poll,
-                        at_once=True,
-                        changes=dict(idle_grace=0.3, load_wait=0.3),
-                        check=(last_wait_knows(False), _d_not_before(0.8)),  # busy_wait, from the second poll
-                    ),
-                    _d_part(  # one server's slot may take a task queued for it after a later one: no proof
-                        two_servers([idle(2, 9), idle(2, 4)]),
-                        expect=lc.StalledError,
-                        budget=0.3,
-                        changes=dict(idle_grace=0.3, load_wait=0.3),
-                        check=last_wait_knows(True),
-                    ),
-                ],
-            ),
-        ]
-
-    def _d_proxies(self):
-        def not_served(status, reason, budget):
-            doc = {"error": {"code": status, "message": "no slots here", "type": "x"}}
-            return _d_part(
-                lambda s: [s.route("GET", "/slots", _d_json(doc, status, reason)), s.stream(_f_hold)],
-                expect=lc.WaitTimeoutError,
-                budget=budget,
-                changes=dict(busy_wait=budget, load_wait=budget * 3 / 8, idle_grace=budget * 3 / 8),
-                check=(
-                    _d_says("does not serve /slots"),
-                    _d_waits(lambda w: w == lc.Waiting(False, slots_known=False), "Waiting(False, slots_known=False)"),
-                    _d_asked("/slots", n=1),  # a /slots that is not served is asked again at most every 30 s
-                ),
-            )
-
-        def then_ok(hint):
-            return lambda s: s.stream(_f_sequence(reply(_f_too_many(hint)), reply(_f_too_many(hint)), reply(_D_OK)))
-
-        backoff = 2 * lc.BACKOFF_FIRST + lc.BACKOFF_MAX
-        reason = "HTTP 429: too many requests for model m1"
-        served = (
-            _d_attrs(content="Hello world"),
-            _d_retries(pairs=[(1, reason), (2, reason)]),
-            _d_kinds("Retrying", "Retrying", start=True),
-        )
-        return [
-            (
-                "429 at a concurrency limit, then served",
-                [
-                    _d_part(then_ok(None), budget=backoff, at_once=True, check=served, sockets=True),
-                    _d_part(then_ok(b"0"), budget=backoff, at_once=True, check=served, sockets=True),
-                ],
-            ),
-            # load_wait shorter: the wrong budget would end it far earlier
-            _d_fault(
-                "429 for ever",
-                _d_reply(_f_too_many(b"0")),
-                expect=lc.WaitTimeoutError,
-                budget=0.8,
-                changes=dict(load_wait=0.3),
-                check=(
-                    _d_says("answered 429 (at capacity)", "(busy_wait)"),
-                    _d_cause(lc.HTTPStatusError, status=429),
-                ),
-            ),
-            _d_fault(
-                "429 with a hint past `busy_wait`",
-                _d_reply(_f_too_many(b"30")),
-                expect=lc.WaitTimeoutError,
-                budget=0.8,
-                at_once=True,
-                check=_d_retries(n=0),
-            ),
-            (
-                "`/slots` not served",
-                [not_served(404, "Not Found", 0.8)]
-                + [not_served(s, r, 0.45) for s, r in ((403, "Forbidden"), (405, "Method Not Allowed"), (501, "x"))],
-            ),
-        ]
+# TestDifferential's test of each section of the fault table, by the name the section gives it (timed: real_time)
+for _section in FAULT_TABLE:
+    if _section.test is not None:
+        setattr(TestDifferential, _section.test, real_time(lambda self, section=_section: self._d_table(section)))
 
 
 # =====================================================================================================
@@ -17972,27 +14911,15 @@ class TestSecurity(_f_Case):
         try:
             client = self._f_keyed()
             errors = []
-            self.use(
-                lambda req: respond_json(
-                    req,
-                    {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
-                    401,
-                    "Unauthorized",
-                )
-            )
+            invalid = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+            self.use(lambda req: respond_json(req, invalid, 401, "Unauthorized"))
             errors.append(self._f_fails(lc.HTTPStatusError))
             self.assertEqual(self.server.chat_requests()[0].headers["authorization"], "Bearer " + _F_KEY)
             self.use(reply(b"HELLO\r\n\r\n"))
             errors.append(self._f_fails(lc.ProtocolError))
             self.use(serve_body(chunked(sse(chunk_json({"content": "Hi"}))), hold=True))
             errors.append(self._f_fails(lc.StalledError, FAST_FAULTS.liveness))
-            self.server.route(
-                "GET",
-                "/slots",
-                lambda req: respond_json(
-                    req, {"error": {"code": 401, "message": "Invalid API Key"}}, 401, "Unauthorized"
-                ),
-            )
+            self.server.route("GET", "/slots", lambda req: respond_json(req, invalid, 401, "Unauthorized"))
             errors.append(self._f_fails(lc.HTTPStatusError, fn=lambda ev: client.slots()))
             stream = client.stream(MSGS, slot=0)
             texts = [repr(client), str(client), repr(stream), repr(client.limits)]
@@ -18013,20 +14940,19 @@ class TestSecurity(_f_Case):
             root.setLevel(level)
 
     def test_crlf_in_header_value_name_key_or_path_refused_before_sending(self):
-        with self.assertRaises(ValueError):
-            self.new_client(self.server.address, headers={"X-Trace": "1\r\nX-Injected: yes"})
-        with self.assertRaises(ValueError):
-            self.new_client(self.server.address, headers={"X-Trace\r\nX-Injected": "1"})
-        with self.assertRaises(ValueError):
-            self.new_client(self.server.address, headers={"X-Trace": "1\nX-Injected: yes"})
-        with self.assertRaises(ValueError):
-            self.new_client(self.server.address, api_key="key\nX-Injected: yes")
-        with self.assertRaises(ValueError):
-            self.new_client("http://127.0.0.1:8080/\r\nX-Injected: yes")
-        with self.assertRaises(ValueError):
-            lc.encode_request("GET", "/slots\r\nX-Injected: yes", "localhost")
-        with self.assertRaises(ValueError):
-            lc.encode_request("GET", "/slots", "localhost", [("X-A", "1\rX-Injected: yes")])
+        address = self.server.address
+        for refused in (
+            lambda: self.new_client(address, headers={"X-Trace": "1\r\nX-Injected: yes"}),
+            lambda: self.new_client(address, headers={"X-Trace\r\nX-Injected": "1"}),
+            lambda: self.new_client(address, headers={"X-Trace": "1\nX-Injected: yes"}),
+            lambda: self.new_client(address, api_key="key\nX-Injected: yes"),
+            lambda: self.new_client("http://127.0.0.1:8080/\r\nX-Injected: yes"),
+            lambda: lc.encode_request("GET", "/slots\r\nX-Injected: yes", "localhost"),
+            lambda: lc.encode_request("GET", "/slots", "localhost", [("X-A", "1\rX-Injected: yes")]),
+            lambda: self.client.request("GET", "/slots\r\nX-Injected: yes"),
+        ):
+            with self.assertRaises(ValueError):
+                refused()
         self.assertEqual(self.server.requests, [])
 
     def test_model_name_with_crlf_cannot_inject_a_header(self):
@@ -18045,24 +14971,14 @@ class TestSecurity(_f_Case):
         decoy = FakeServer(tcp=True)
         try:
             decoy.stream(serve_body(_F_OK_BODY))
-            for status in (
-                b"301 Moved Permanently",
-                b"302 Found",
-                b"303 See Other",
-                b"307 Temporary Redirect",
-                b"308 Permanent Redirect",
-            ):
+            moved = (b"301 Moved Permanently", b"302 Found", b"303 See Other", b"307 Temporary Redirect")
+            for status in moved + (b"308 Permanent Redirect",):
                 location = decoy.address.encode() + b"/v1/chat/completions"
                 self.use(reply(_f_head(status, b"Location: " + location + b"\r\nContent-Length: 0\r\n")))
                 err = self._f_fails(lc.HTTPStatusError)
                 self.assertEqual(err.status, int(status[:3]))
-            self.server.route(
-                "GET",
-                "/slots",
-                reply(
-                    _f_head(b"302 Found", b"Location: " + decoy.address.encode() + b"/slots\r\nContent-Length: 0\r\n")
-                ),
-            )
+            elsewhere = b"Location: " + decoy.address.encode() + b"/slots\r\nContent-Length: 0\r\n"
+            self.server.route("GET", "/slots", reply(_f_head(b"302 Found", elsewhere)))
             self.assertEqual(self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots()).status, 302)
             self.assertEqual(decoy.requests, [])
         finally:
@@ -18083,12 +14999,11 @@ class TestSecurity(_f_Case):
         unavailable = b"HTTP/1.1 503 Service Unavailable\r\n" + steer + b"Retry-After: 0\r\nContent-Length: 0\r\n\r\n"
         stream = b"HTTP/1.1 200 OK\r\n" + steer + b"Transfer-Encoding: chunked\r\n\r\n" + _F_OK_BODY
         self.use(_f_sequence(reply(unavailable), reply(stream)))
-        self.server.route(
-            "GET", "/slots", reply(b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n")
-        )
+        redirect = b"HTTP/1.1 307 Temporary Redirect\r\n" + steer + b"Content-Length: 0\r\n\r\n"
+        self.server.route("GET", "/slots", reply(redirect))
         socket.socket.connect = spy
         try:
-            self._f_succeeds()
+            self._f_succeeds(lc.BACKOFF_FIRST)  # the 503's retry waits the first backoff
             self._f_fails(lc.HTTPStatusError, fn=lambda ev: self.client.slots())
         finally:
             del socket.socket.connect

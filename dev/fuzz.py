@@ -40,8 +40,8 @@ client leaves no thread or descriptor behind; a dialect's Completion holds exact
 delivered (text per choice, reasoning, each call's id, name and arguments), with integer usage counts and
 token ids.  A violating input is written to ``dev/fuzz-crashes/<hash>.bin`` (its raw bytes; ``<hash>.json`` says how to replay it) and printed.  A
 fixed crash stays as a regression test: copy ``<hash>.bin`` as it is to ``dev/testdata/fuzz/`` and add a
-row to test_loopclient's fault table (FAULT_TABLE, "Inputs the fuzzer found") and its part to
-TestDifferential._d_fuzz, which reads it with ``_f_input("<hash>")`` (a parser target's input fed to the
+row, with its part, to test_loopclient's fault table (FAULT_TABLE's "Inputs the fuzzer found": _d_fuzz),
+which reads it with ``_f_input("<hash>", target)`` (a parser target's input fed to the
 parser itself: a test of TestFaultFuzzRegressions).  Everything
 an input does is decided by ``random.Random`` seeded from ``--seed`` and the input's number, so a run is
 repeatable.  The last line reads ``fuzz: N inputs, V violations in T s (seed S)``; the exit code is 1 when

@@ -2269,28 +2269,20 @@ class TestParserSSE(unittest.TestCase):
 
 
 # -----------------------------------------------------------------------------------------------------
-# Delta assembler
+# Delta assembler; small pure functions
 # -----------------------------------------------------------------------------------------------------
 
 
 def _p_feed_payloads(payloads):
     asm = lc.Assembler()
-    events = []
-    for payload in payloads:
-        events += asm.feed(payload)
-    return asm, events
+    return asm, [event for payload in payloads for event in asm.feed(payload)]
 
 
 def _p_tool(index, cid=None, name=None, args=None):
     call = {"index": index}
     if cid is not None:
-        call["id"] = cid
-        call["type"] = "function"
-    func = {}
-    if name is not None:
-        func["name"] = name
-    if args is not None:
-        func["arguments"] = args
+        call.update(id=cid, type="function")
+    func = {k: v for k, v in (("name", name), ("arguments", args)) if v is not None}
     if func:
         call["function"] = func
     return call
@@ -2298,32 +2290,13 @@ def _p_tool(index, cid=None, name=None, args=None):
 
 class TestParserAssembler(unittest.TestCase):
     def test_content_deltas_concatenate_in_order(self):
-        asm, events = _p_feed_payloads(
-            [
-                chunk_json({"role": "assistant", "content": None}),
-                chunk_json({"content": "Hel"}),
-                chunk_json({"content": "lo"}),
-                chunk_json({"content": " w\u00f6rld\n"}),
-                chunk_json({}, "stop"),
-            ]
-        )
-        self.assertEqual(events, [lc.Content("Hel"), lc.Content("lo"), lc.Content(" w\u00f6rld\n")])
-        self.assertEqual(asm.id, CID)
-        self.assertEqual(
-            asm.completion(),
-            lc.Completion(
-                id=CID,
-                model=MODEL,
-                content="Hello w\u00f6rld\n",
-                reasoning="",
-                tool_calls=[],
-                finish_reason="stop",
-                usage=None,
-                timings=None,
-                reasoning_tokens=0,
-                thinking_capped=False,
-            ),
-        )
+        words = ["Hel", "lo", " w\u00f6rld\n"]
+        payloads = [chunk_json({"role": "assistant", "content": None})]
+        payloads += [chunk_json({"content": w}) for w in words] + [chunk_json({}, "stop")]
+        asm, events = _p_feed_payloads(payloads)
+        self.assertEqual((events, asm.id), ([lc.Content(w) for w in words], CID))
+        done = lc.Completion(CID, MODEL, "Hello w\u00f6rld\n", "", [], "stop", None, None, 0, False)
+        self.assertEqual(asm.completion(), done)
 
     def test_reasoning_then_content(self):
         asm = lc.Assembler()
@@ -2339,21 +2312,12 @@ class TestParserAssembler(unittest.TestCase):
         self.assertEqual((done.reasoning, done.content, done.reasoning_tokens), ("Let me", "Yes", 2))
 
     def test_one_reasoning_token_per_chunk_with_nonempty_reasoning(self):
-        asm, events = _p_feed_payloads(
-            [
-                chunk_json({"reasoning_content": "a few words in one chunk"}),
-                chunk_json({"reasoning_content": ""}),
-                chunk_json({"reasoning_content": None}),
-                chunk_json({"reasoning_content": "b", "content": "c"}),
-                chunk_json({"content": "d"}),
-                chunk_json({}, "stop"),
-            ]
-        )
-        self.assertEqual(
-            events, [lc.Reasoning("a few words in one chunk"), lc.Reasoning("b"), lc.Content("c"), lc.Content("d")]
-        )
-        self.assertEqual(asm.reasoning_tokens, 2)
-        self.assertEqual(asm.completion().reasoning_tokens, 2)
+        deltas = [{"reasoning_content": "a few words in one chunk"}, {"reasoning_content": ""}]
+        deltas += [{"reasoning_content": None}, {"reasoning_content": "b", "content": "c"}, {"content": "d"}]
+        asm, events = _p_feed_payloads([chunk_json(d) for d in deltas] + [chunk_json({}, "stop")])
+        expect = [lc.Reasoning("a few words in one chunk"), lc.Reasoning("b"), lc.Content("c"), lc.Content("d")]
+        self.assertEqual(events, expect)
+        self.assertEqual((asm.reasoning_tokens, asm.completion().reasoning_tokens), (2, 2))
 
     def test_empty_deltas_and_role_only_chunks_produce_no_event(self):
         asm = lc.Assembler()
@@ -2376,60 +2340,41 @@ class TestParserAssembler(unittest.TestCase):
         self.assertEqual(asm.reasoning_tokens, 0)
 
     def test_tool_calls_keyed_by_index_from_3_id_and_name_set_once(self):
-        payloads = [
-            chunk_json({"tool_calls": [_p_tool(3, "call-A", "get_weather", '{"ci')]}),
-            chunk_json({"tool_calls": [_p_tool(5, "call-B", "get_time", "")]}),
-            chunk_json({"tool_calls": [_p_tool(3, None, None, 'ty": "Pa')]}),
-            chunk_json({"tool_calls": [_p_tool(5, "call-B", "get_time", '{"tz":')]}),  # repeated: not concatenated
-            chunk_json({"tool_calls": [_p_tool(3, "call-Z", "other", 'ris"}')]}),  # another id/name: ignored
-            chunk_json({"tool_calls": [_p_tool(5, None, None, ' "UTC"}')]}),
-            chunk_json({}, "tool_calls"),
+        calls = [
+            _p_tool(3, "call-A", "get_weather", '{"ci'),
+            _p_tool(5, "call-B", "get_time", ""),
+            _p_tool(3, None, None, 'ty": "Pa'),
+            _p_tool(5, "call-B", "get_time", '{"tz":'),  # repeated: not concatenated
+            _p_tool(3, "call-Z", "other", 'ris"}'),  # another id/name: ignored
+            _p_tool(5, None, None, ' "UTC"}'),
         ]
-        asm, events = _p_feed_payloads(payloads)
-        self.assertEqual(
-            events,
-            [
-                lc.ToolCall(3, "call-A", "get_weather", '{"ci'),
-                lc.ToolCall(5, "call-B", "get_time", ""),
-                lc.ToolCall(3, None, None, 'ty": "Pa'),
-                lc.ToolCall(5, "call-B", "get_time", '{"tz":'),
-                lc.ToolCall(3, "call-Z", "other", 'ris"}'),
-                lc.ToolCall(5, None, None, ' "UTC"}'),
-            ],
+        asm, events = _p_feed_payloads(
+            [chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")]
         )
+        expect = [lc.ToolCall(3, "call-A", "get_weather", '{"ci'), lc.ToolCall(5, "call-B", "get_time", "")]
+        expect += [lc.ToolCall(3, None, None, 'ty": "Pa'), lc.ToolCall(5, "call-B", "get_time", '{"tz":')]
+        expect += [lc.ToolCall(3, "call-Z", "other", 'ris"}'), lc.ToolCall(5, None, None, ' "UTC"}')]
+        self.assertEqual(events, expect)
         done = asm.completion()
-        self.assertEqual(
-            done.tool_calls,
-            [
-                lc.ToolCallResult("call-A", "get_weather", '{"city": "Paris"}'),
-                lc.ToolCallResult("call-B", "get_time", '{"tz": "UTC"}'),
-            ],
-        )
-        self.assertEqual(done.finish_reason, "tool_calls")
-        self.assertEqual(done.content, "")
+        results = [lc.ToolCallResult("call-A", "get_weather", '{"city": "Paris"}')]
+        results.append(lc.ToolCallResult("call-B", "get_time", '{"tz": "UTC"}'))
+        self.assertEqual((done.tool_calls, done.finish_reason, done.content), (results, "tool_calls", ""))
 
-    def test_tool_calls_in_index_order_whatever_the_arrival(self):
+    def test_tool_calls_in_index_order_whatever_the_arrival_two_in_one_delta(self):
+        calls = lambda *tools: chunk_json({"tool_calls": list(tools)})
         asm, _ = _p_feed_payloads(
-            [
-                chunk_json({"tool_calls": [_p_tool(7, "b", "g", "{}")]}),
-                chunk_json({"tool_calls": [_p_tool(2, "a", "f", "[]")]}),
-                chunk_json({}, "tool_calls"),
-            ]
+            [calls(_p_tool(7, "b", "g", "{}")), calls(_p_tool(2, "a", "f", "[]")), chunk_json({}, "tool_calls")]
         )
         self.assertEqual(
             asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")]
         )
-
-    def test_two_tool_calls_in_one_delta(self):
-        asm, events = _p_feed_payloads(
-            [
-                chunk_json({"tool_calls": [_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")]}),
-                chunk_json({}, "tool_calls"),
-            ]
+        _, events = _p_feed_payloads(
+            [calls(_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")), chunk_json({}, "tool_calls")]
         )
         self.assertEqual(events, [lc.ToolCall(0, "x", "f", "{"), lc.ToolCall(1, "y", "g", "[")])
 
-    def test_usage_only_chunk_and_timings_merged(self):
+    def test_usage_and_timings(self):
+        # a usage-only chunk after the finish: its timings merged over the finish chunk's
         asm, events = _p_feed_payloads(
             [
                 chunk_json({"content": "hi"}),
@@ -2437,51 +2382,27 @@ class TestParserAssembler(unittest.TestCase):
                 chunk_json(choices=False, extra={"usage": USAGE, "timings": {"predicted_n": 2, "cache_n": 21}}),
             ]
         )
-        self.assertEqual(events, [lc.Content("hi")])
         done = asm.completion()
+        self.assertEqual((events, done.content, done.finish_reason), ([lc.Content("hi")], "hi", "stop"))
         self.assertEqual(done.usage, USAGE)
         self.assertEqual(done.timings, {"prompt_n": 5, "predicted_n": 2, "cache_n": 21})
-        self.assertEqual((done.content, done.finish_reason), ("hi", "stop"))
-
-    def test_usage_chunk_before_finish(self):
-        asm, _ = _p_feed_payloads(
-            [chunk_json(choices=False, extra={"usage": {"total_tokens": 3}}), chunk_json({"content": "x"}, "length")]
-        )
-        done = asm.completion()
+        # before the finish
+        usage = chunk_json(choices=False, extra={"usage": {"total_tokens": 3}})
+        done = _p_feed_payloads([usage, chunk_json({"content": "x"}, "length")])[0].completion()
         self.assertEqual((done.usage, done.timings, done.finish_reason), ({"total_tokens": 3}, None, "length"))
 
     def test_no_finish_reason_is_stream_closed(self):
-        asm, _ = _p_feed_payloads([chunk_json({"content": "half an ans"})])
-        with self.assertRaises(lc.StreamClosedError):
-            asm.completion()
-        with self.assertRaises(lc.StreamClosedError):
-            lc.Assembler().completion()
-        asm, _ = _p_feed_payloads(
-            [chunk_json({"content": "x"}), chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS})]
-        )
-        with self.assertRaises(lc.StreamClosedError):
-            asm.completion()
+        usage = chunk_json(choices=False, extra={"usage": USAGE, "timings": TIMINGS})
+        for payloads in ([chunk_json({"content": "half an ans"})], [], [chunk_json({"content": "x"}), usage]):
+            with self.subTest(payloads=payloads), self.assertRaises(lc.StreamClosedError):
+                _p_feed_payloads(payloads)[0].completion()
 
-    def test_unknown_fields_ignored(self):
-        asm, events = _p_feed_payloads(
-            [
-                json.dumps(
-                    {
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"content": "a", "new_field": [1]},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                        "id": "c1",
-                        "future": {"x": 1},
-                    }
-                ),
-                json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "id": "c2"}),
-            ]
-        )
+    def test_the_first_id_and_unknown_fields(self):
+        delta = {"content": "a", "new_field": [1]}
+        first = {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], "id": "c1"}
+        first["future"] = {"x": 1}
+        last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "id": "c2"}
+        asm, events = _p_feed_payloads([json.dumps(first), json.dumps(last)])
         self.assertEqual(events, [lc.Content("a")])
         self.assertEqual((asm.id, asm.completion().id, asm.completion().content), ("c1", "c1", "a"))
 
@@ -2521,106 +2442,83 @@ class TestParserAssembler(unittest.TestCase):
     def test_error_envelope_is_server_error(self):
         asm = lc.Assembler()
         asm.feed(chunk_json({"content": "partial"}))
-        with self.assertRaises(lc.ServerError) as cm:
-            asm.feed('{"error":{"code":500,"message":"boom","type":"server_error"}}')
-        self.assertEqual((cm.exception.code, cm.exception.message), (500, "boom"))
-        self.assertIsInstance(cm.exception, lc.LoopError)
-        with self.assertRaises(lc.ServerError) as cm:
-            lc.Assembler().feed('{"error":{"code":"503","message":"Loading model","type":"unavailable_error"}}')
-        self.assertEqual((cm.exception.code, cm.exception.message), (503, "Loading model"))
-        with self.assertRaises(lc.ServerError) as cm:
-            lc.Assembler().feed('{"error":"plain text"}')
-        self.assertEqual((cm.exception.code, cm.exception.message), (None, "plain text"))
-
-
-# -----------------------------------------------------------------------------------------------------
-# Small pure functions
-# -----------------------------------------------------------------------------------------------------
+        for assembler, payload, fields in (
+            (asm, '{"error":{"code":500,"message":"boom","type":"server_error"}}', (500, "boom")),
+            (lc.Assembler(), '{"error":{"code":"503","message":"Loading model","type":"unavailable_error"}}', (503, "Loading model")),
+            (lc.Assembler(), '{"error":"plain text"}', (None, "plain text")),
+        ):  # fmt: skip
+            with self.subTest(payload=payload), self.assertRaises(lc.ServerError) as cm:
+                assembler.feed(payload)
+            self.assertEqual((cm.exception.code, cm.exception.message), fields)
+            self.assertIsInstance(cm.exception, lc.LoopError)
 
 
 class TestParserSmallFunctions(unittest.TestCase):
-    def test_retry_after_seconds(self):
-        for value, expect in (
-            ("120", 120.0),
-            ("0", 0.0),
-            (" 7 ", 7.0),
-            (None, None),
-            ("", None),
-            ("-1", None),
-            ("-0", None),
-            ("+5", None),
-            ("1.5", None),
-            ("abc", None),
-            ("5s", None),
-            ("\u0663", None),
-            ("Wed, 99 Foo 2015", None),
-        ):
+    def test_retry_after(self):
+        for value, expect in (("120", 120.0), ("0", 0.0), (" 7 ", 7.0)):
+            self.assertEqual(lc.parse_retry_after(value, now=1000.0), expect)
+        for value in (None, "", "-1", "-0", "+5", "1.5", "abc", "5s", "\u0663", "Wed, 99 Foo 2015"):
             with self.subTest(value=value):
-                self.assertEqual(lc.parse_retry_after(value, now=1000.0), expect)
-
-    def test_retry_after_http_date(self):
-        when = calendar.timegm((2015, 10, 21, 7, 28, 0))
+                self.assertIsNone(lc.parse_retry_after(value, now=1000.0))
+        when = calendar.timegm((2015, 10, 21, 7, 28, 0))  # an HTTP date: the seconds until it, never below 0
         self.assertEqual(lc.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=when - 30), 30.0)
         self.assertEqual(lc.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=when + 30), 0.0)
 
     def test_error_envelope(self):
-        body = b'{"error":{"code":400,"message":"bad thing","type":"invalid_request_error"}}'
-        self.assertEqual(
-            lc.parse_error_envelope(body),
-            ("bad thing", {"error": {"code": 400, "message": "bad thing", "type": "invalid_request_error"}}),
-        )
-        self.assertEqual(lc.parse_error_envelope(b'{"error":"just text"}'), ("just text", {"error": "just text"}))
-        self.assertEqual(lc.parse_error_envelope(b'{"message":"top"}'), ("top", {"message": "top"}))
-        self.assertEqual(lc.parse_error_envelope(b"Service Unavailable\n"), ("Service Unavailable", None))
-        self.assertEqual(lc.parse_error_envelope(b""), ("(empty body)", None))
-        self.assertEqual(lc.parse_error_envelope(b"\xff oops"), ("\ufffd oops", None))
+        error = {"error": {"code": 400, "message": "bad thing", "type": "invalid_request_error"}}
+        for body, expect in (
+            (json.dumps(error, separators=(",", ":")).encode(), ("bad thing", error)),
+            (b'{"error":"just text"}', ("just text", {"error": "just text"})),
+            (b'{"message":"top"}', ("top", {"message": "top"})),
+            (b"Service Unavailable\n", ("Service Unavailable", None)),
+            (b"", ("(empty body)", None)),
+            (b"\xff oops", ("\ufffd oops", None)),
+        ):
+            self.assertEqual(lc.parse_error_envelope(body), expect)
 
     def test_error_envelope_from_transcripts(self):
+        parse = (
+            "[json.exception.parse_error.101] parse error at line 1, column 60: syntax error while parsing object key"
+        )
+        parse += " - unexpected end of input; expected string literal"
         for name, status, message in (
             ("12_unknown_endpoint.raw.txt", 404, "File Not Found"),
-            (
-                "11_prompt_exceeds_ctx.raw.txt",
-                400,
-                "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it",
-            ),
-            (
-                "07_malformed_json.raw.txt",
-                400,
-                "[json.exception.parse_error.101] parse error at line 1, column 60: "
-                "syntax error while parsing object key - unexpected end of input; expected string literal",
-            ),
-        ):
-            raw = load_transcript(name)
+            ("11_prompt_exceeds_ctx.raw.txt", 400, "request (3024 tokens) exceeds the available context size (1024 tokens), try increasing it"),
+            ("07_malformed_json.raw.txt", 400, parse),
+        ):  # fmt: skip
             with self.subTest(name=name):
                 reader = lc.ResponseReader()
-                body = b"".join(reader.feed(raw))
+                body = b"".join(reader.feed(load_transcript(name)))
                 reader.feed_eof()
-                self.assertTrue(reader.done)
-                self.assertEqual(reader.head.status, status)
+                self.assertEqual((reader.done, reader.head.status), (True, status))
                 self.assertEqual(lc.parse_error_envelope(body)[0], message)
 
     def test_parse_address(self):
-        a = lc.parse_address("/run/llama.sock")
-        self.assertEqual((a.unix, a.target, a.host, a.text), (True, "/run/llama.sock", "localhost", "/run/llama.sock"))
-        a = lc.parse_address("unix:///run/llama.sock")
-        self.assertEqual((a.unix, a.target, a.text), (True, "/run/llama.sock", "unix:///run/llama.sock"))
-        a = lc.parse_address("http://127.0.0.1:8080")
-        self.assertEqual((a.unix, a.target, a.host), (False, ("127.0.0.1", 8080), "127.0.0.1:8080"))
-        a = lc.parse_address("http://example:80/")
-        self.assertEqual((a.unix, a.target, a.host), (False, ("example", 80), "example"))
-        a = lc.parse_address("http://localhost")
-        self.assertEqual((a.target, a.host), (("localhost", 80), "localhost"))
-        a = lc.parse_address("http://[::1]:8080")
-        self.assertEqual((a.target, a.host), (("::1", 8080), "[::1]:8080"))
+        for text, unix, target, host, tls, prefix in (
+            ("/run/llama.sock", True, "/run/llama.sock", "localhost", False, ""),
+            ("unix:///run/llama.sock", True, "/run/llama.sock", "localhost", False, ""),
+            ("http://127.0.0.1:8080", False, ("127.0.0.1", 8080), "127.0.0.1:8080", False, ""),
+            ("http://example:80/", False, ("example", 80), "example", False, ""),
+            ("http://localhost", False, ("localhost", 80), "localhost", False, ""),
+            ("http://[::1]:8080", False, ("::1", 8080), "[::1]:8080", False, ""),
+            ("https://h", False, ("h", 443), "h", True, ""),
+            ("https://h:8443/", False, ("h", 8443), "h:8443", True, ""),
+            ("HTTPS://h:443/llama/", False, ("h", 443), "h", True, "/llama"),
+            ("http://h:8080/llama", False, ("h", 8080), "h:8080", False, "/llama"),
+            ("http://[::1]:8080/a/b", False, ("::1", 8080), "[::1]:8080", False, "/a/b"),
+        ):
+            with self.subTest(text=text):
+                a = lc.parse_address(text)
+                self.assertEqual(
+                    (a.unix, a.target, a.host, a.tls, a.prefix, a.text), (unix, target, host, tls, prefix, text)
+                )
 
     def test_parse_address_unix_path_length(self):
         ok = "/" + "s" * (lc.MAX_UNIX_PATH - 1)
-        self.assertEqual(lc.parse_address(ok).target, ok)
-        self.assertEqual(lc.parse_address("unix://" + ok).target, ok)
-        with self.assertRaises(ValueError):
-            lc.parse_address(ok + "s")
-        with self.assertRaises(ValueError):
-            lc.parse_address("unix://" + ok + "s")
+        self.assertEqual((lc.parse_address(ok).target, lc.parse_address("unix://" + ok).target), (ok, ok))
+        for bad in (ok + "s", "unix://" + ok + "s"):
+            with self.assertRaises(ValueError):
+                lc.parse_address(bad)
 
     def test_parse_address_refused(self):
         for bad in (
@@ -2641,23 +2539,9 @@ class TestParserSmallFunctions(unittest.TestCase):
             "/tmp/a\0b",
         ):
             with self.subTest(bad=bad), self.assertRaises(ValueError):
-                lc.parse_address(bad)
+                lc.parse_address(bad)  # fmt: skip
         with self.assertRaises(TypeError):
             lc.parse_address(8080)
-
-    def test_parse_address_https_and_prefix(self):
-        cases = [
-            ("https://h", ("h", 443), "h", True, ""),
-            ("https://h:8443/", ("h", 8443), "h:8443", True, ""),
-            ("HTTPS://h:443/llama/", ("h", 443), "h", True, "/llama"),
-            ("http://h:8080/llama", ("h", 8080), "h:8080", False, "/llama"),
-            ("http://[::1]:8080/a/b", ("::1", 8080), "[::1]:8080", False, "/a/b"),
-        ]
-        for text, target, host, tls, prefix in cases:
-            with self.subTest(text=text):
-                addr = lc.parse_address(text)
-                self.assertEqual((addr.target, addr.host, addr.tls, addr.prefix), (target, host, tls, prefix))
-        self.assertEqual((lc.parse_address("/run/x.sock").tls, lc.parse_address("/run/x.sock").prefix), (False, ""))
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -3974,29 +3858,14 @@ def _p_resp(kind, **fields):
 def _p_resp_text_stream(words, reasoning=(), status="completed", incomplete=None, extra_events=()):
     """(SSE blocks, the closing response) of a Responses stream: reasoning deltas, text deltas, done events."""
     created = {"id": _p_RESP, "object": "response", "status": "in_progress"}
-    blocks = [
-        _p_resp("response.created", response=dict(created, model=MODEL)),
-        _p_resp("response.in_progress", response=created),
-    ]
+    blocks = [_p_resp("response.created", response=dict(created, model=MODEL))]
+    blocks.append(_p_resp("response.in_progress", response=created))
     output = []
     if reasoning:
-        item = {
-            "id": _p_RS,
-            "summary": [],
-            "type": "reasoning",
-            "content": [],
-            "encrypted_content": "",
-            "status": "in_progress",
-        }
-        blocks.append(_p_resp("response.output_item.added", item=item))
+        item = {"id": _p_RS, "summary": [], "type": "reasoning", "content": [], "encrypted_content": ""}
+        blocks.append(_p_resp("response.output_item.added", item=dict(item, status="in_progress")))
         blocks += [_p_resp("response.reasoning_text.delta", item_id=_p_RS, delta=w) for w in reasoning]
-        item = {
-            "id": _p_RS,
-            "summary": [],
-            "type": "reasoning",
-            "content": [{"text": "".join(reasoning), "type": "reasoning_text"}],
-            "encrypted_content": "",
-        }
+        item["content"] = [{"text": "".join(reasoning), "type": "reasoning_text"}]
         blocks.append(_p_resp("response.output_item.done", item=item))
         output.append(item)
     item = {"content": [], "id": _p_MSG, "role": "assistant", "status": "in_progress", "type": "message"}
@@ -4009,224 +3878,160 @@ def _p_resp_text_stream(words, reasoning=(), status="completed", incomplete=None
     item = {"type": "message", "status": "completed", "id": _p_MSG, "content": [part], "role": "assistant"}
     blocks.append(_p_resp("response.output_item.done", item=item))
     output.append(item)
-    response = {
-        "id": _p_RESP,
-        "object": "response",
-        "created_at": 1796072537,
-        "status": status,
-        "model": MODEL,
-        "output": output,
-    }
+    response = {"id": _p_RESP, "object": "response", "created_at": 1796072537, "status": status, "model": MODEL}
+    response["output"] = output
     if incomplete is not None:
         response["incomplete_details"] = {"reason": incomplete}
-    response["usage"] = {
-        "input_tokens": 9,
-        "output_tokens": 3,
-        "total_tokens": 12,
-        "input_tokens_details": {"cached_tokens": 0},
-    }
+    response["usage"] = {"input_tokens": 9, "output_tokens": 3, "total_tokens": 12}
+    response["usage"]["input_tokens_details"] = {"cached_tokens": 0}
     blocks.append(_p_resp("response." + status, response=response))
-    return blocks, response  # fmt: skip
+    return blocks, response
 
 
 def _p_resp_usage(input_tokens=9, output_tokens=3):
     usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
-    return dict(
-        usage, input_tokens_details={"cached_tokens": 0}, prompt_tokens=input_tokens, completion_tokens=output_tokens
-    )
+    usage["input_tokens_details"] = {"cached_tokens": 0}
+    return dict(usage, prompt_tokens=input_tokens, completion_tokens=output_tokens)
 
 
 def _p_event_completion(
-    cid, content, finish, usage, final, reasoning="", calls=(), reasoning_tokens=0, model=MODEL, timings=None
+    cid, content, finish, usage, final, reasoning="", calls=(), tokens=0, model=MODEL, timings=None
 ):
-    calls = list(calls)
-    choices = (lc.Choice(0, content, reasoning, calls, finish, None),)
-    return lc.Completion(cid, model, content, reasoning, calls, finish, usage, timings, reasoning_tokens, choices=choices, final=final)  # fmt: skip
+    """A Responses or Messages Completion: one choice; ``tokens``: of reasoning."""
+    choice = lc.Choice(0, content, reasoning, list(calls), finish, None)
+    fields = (content, reasoning, list(calls), finish, usage, timings, tokens)
+    return lc.Completion(cid, model, *fields, choices=(choice,), final=final)
+
+
+def _p_resp_feed(asm, kind, **fields):
+    return asm.feed(_p_json(_p_resp(kind, **fields)))
 
 
 class TestParserResponsesDialect(unittest.TestCase):
-    def check(self, data, expect, **kw):
-        _p_check_stream(self, data, expect, dialect=lc._ResponsesAssembler, **kw)
+    def check(self, blocks, expect, **kw):
+        _p_check_stream(
+            self, _p_dialect_http([_p_typed(b) for b in blocks]), expect, dialect=lc._ResponsesAssembler, **kw
+        )
 
     def test_reasoning_then_text(self):
         blocks, response = _p_resp_text_stream([" the", " sea", "."], reasoning=["Let", " me"])
         events = [lc.Reasoning("Let"), lc.Reasoning(" me"), lc.Content(" the"), lc.Content(" sea"), lc.Content(".")]
-        done = _p_event_completion(
-            _p_RESP, " the sea.", "stop", _p_resp_usage(), response, "Let me", reasoning_tokens=2
-        )
-        self.check(_p_dialect_http([_p_typed(b) for b in blocks]), ("ok", events, done))
+        done = _p_event_completion(_p_RESP, " the sea.", "stop", _p_resp_usage(), response, "Let me", tokens=2)
+        self.check(blocks, ("ok", events, done))
 
     def test_the_data_alone_suffices(self):
         blocks, response = _p_resp_text_stream(["a"])
         done = _p_event_completion(_p_RESP, "a", "stop", _p_resp_usage(), response)
-        self.check(_p_dialect_http([sse(_p_json(b)) for b in blocks]), ("ok", [lc.Content("a")], done), every=False)
+        data = _p_dialect_http([sse(_p_json(b)) for b in blocks])  # no event: lines
+        _p_check_stream(self, data, ("ok", [lc.Content("a")], done), every=False, dialect=lc._ResponsesAssembler)
 
     def test_function_calls(self):
-        call1 = {
-            "arguments": "",
-            "call_id": "fc_uzrJnRe3",
-            "name": "get_weather",
-            "type": "function_call",
-            "status": "in_progress",
-        }
-        call2 = {
-            "arguments": "",
-            "call_id": "fc_Xk2p",
-            "name": "get_time",
-            "type": "function_call",
-            "status": "in_progress",
-        }
-        output = [
-            dict(call1, arguments='{"city":"Paris"}', status="completed"),
-            dict(call2, arguments="{}", status="completed"),
-        ]
+        call1 = {"arguments": "", "call_id": "fc_uzrJnRe3", "name": "get_weather", "type": "function_call"}
+        call2 = {"arguments": "", "call_id": "fc_Xk2p", "name": "get_time", "type": "function_call"}
+        call1["status"] = call2["status"] = "in_progress"
+        output = [dict(call1, arguments='{"city":"Paris"}', status="completed")]
+        output.append(dict(call2, arguments="{}", status="completed"))
         usage = {"input_tokens": 40, "output_tokens": 20, "total_tokens": 60}
-        response = {
-            "id": _p_RESP,
-            "object": "response",
-            "created_at": 1796072537,
-            "status": "completed",
-            "model": MODEL,
-            "output": output,
-            "usage": usage,
-        }
+        response = {"id": _p_RESP, "object": "response", "created_at": 1796072537, "status": "completed"}
+        response.update(model=MODEL, output=output, usage=usage)
+        args = "response.function_call_arguments.delta"
         blocks = [
-            _p_resp(
-                "response.created",
-                response={"id": _p_RESP, "object": "response", "status": "in_progress", "model": MODEL},
-            ),
+            _p_resp("response.created", response={"id": _p_RESP, "object": "response", "status": "in_progress", "model": MODEL}),
             _p_resp("response.output_item.added", item=call1),
-            _p_resp("response.function_call_arguments.delta", delta='{"city":', item_id="fc_uzrJnRe3"),
-            _p_resp("response.function_call_arguments.delta", delta='"Paris"}', item_id="fc_uzrJnRe3"),
+            _p_resp(args, delta='{"city":', item_id="fc_uzrJnRe3"),
+            _p_resp(args, delta='"Paris"}', item_id="fc_uzrJnRe3"),
             _p_resp("response.output_item.added", item=call2),
-            _p_resp("response.function_call_arguments.delta", delta="{}", item_id="fc_Xk2p"),
+            _p_resp(args, delta="{}", item_id="fc_Xk2p"),
             _p_resp("response.output_item.done", item=output[0]),
             _p_resp("response.output_item.done", item=output[1]),
             _p_resp("response.completed", response=response),
-        ]
-        events = [
-            lc.ToolCall(0, "fc_uzrJnRe3", "get_weather", ""),
-            lc.ToolCall(0, None, None, '{"city":'),
-            lc.ToolCall(0, None, None, '"Paris"}'),
-        ]
-        events += [lc.ToolCall(1, "fc_Xk2p", "get_time", ""), lc.ToolCall(1, None, None, "{}")]
-        calls = [
-            lc.ToolCallResult("fc_uzrJnRe3", "get_weather", '{"city":"Paris"}'),
-            lc.ToolCallResult("fc_Xk2p", "get_time", "{}"),
-        ]
-        done = _p_event_completion(
-            _p_RESP, "", "tool_calls", dict(usage, prompt_tokens=40, completion_tokens=20), response, calls=calls
-        )
-        self.check(_p_dialect_http([_p_typed(b) for b in blocks]), ("ok", events, done))  # fmt: skip
+        ]  # fmt: skip
+        events = [lc.ToolCall(0, "fc_uzrJnRe3", "get_weather", ""), lc.ToolCall(0, None, None, '{"city":')]
+        events += [lc.ToolCall(0, None, None, '"Paris"}'), lc.ToolCall(1, "fc_Xk2p", "get_time", "")]
+        events.append(lc.ToolCall(1, None, None, "{}"))
+        calls = [lc.ToolCallResult("fc_uzrJnRe3", "get_weather", '{"city":"Paris"}')]
+        calls.append(lc.ToolCallResult("fc_Xk2p", "get_time", "{}"))
+        usage = dict(usage, prompt_tokens=40, completion_tokens=20)
+        self.check(blocks, ("ok", events, _p_event_completion(_p_RESP, "", "tool_calls", usage, response, calls=calls)))
 
     def test_openai_shaped_calls_by_item_id_and_output_index(self):
         asm = lc._ResponsesAssembler()
-        feed = lambda kind, **fields: asm.feed(_p_json(_p_resp(kind, **fields)))
         item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": ""}
+        added = _p_resp_feed(asm, "response.output_item.added", output_index=0, item=item)
+        self.assertEqual(added, [lc.ToolCall(0, "call_1", "f", "")])
+        args = "response.function_call_arguments.delta"
         self.assertEqual(
-            feed("response.output_item.added", output_index=0, item=item), [lc.ToolCall(0, "call_1", "f", "")]
+            _p_resp_feed(asm, args, item_id="fc_1", output_index=0, delta="{"), [lc.ToolCall(0, None, None, "{")]
         )
-        delta = "response.function_call_arguments.delta"
-        self.assertEqual(feed(delta, item_id="fc_1", output_index=0, delta="{"), [lc.ToolCall(0, None, None, "{")])
-        self.assertEqual(feed(delta, output_index=0, delta="}"), [lc.ToolCall(0, None, None, "}")])
+        self.assertEqual(_p_resp_feed(asm, args, output_index=0, delta="}"), [lc.ToolCall(0, None, None, "}")])
         # the done item holds nothing the deltas did not bring
-        self.assertEqual(feed("response.output_item.done", output_index=0, item=dict(item, arguments="{}")), [])
+        self.assertEqual(
+            _p_resp_feed(asm, "response.output_item.done", output_index=0, item=dict(item, arguments="{}")), []
+        )
         # a call seen only when done: its arguments come from the item
         late = {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": '{"a":1}'}
-        self.assertEqual(
-            feed("response.output_item.done", output_index=1, item=late),
-            [lc.ToolCall(1, "call_2", "g", ""), lc.ToolCall(1, None, None, '{"a":1}')],
-        )
-        feed("response.completed", response={"id": _p_RESP, "status": "completed", "output": [item, late]})
+        done = _p_resp_feed(asm, "response.output_item.done", output_index=1, item=late)
+        self.assertEqual(done, [lc.ToolCall(1, "call_2", "g", ""), lc.ToolCall(1, None, None, '{"a":1}')])
+        _p_resp_feed(asm, "response.completed", response={"id": _p_RESP, "status": "completed", "output": [item, late]})
         done = asm.completion()
-        self.assertEqual(
-            done.tool_calls, [lc.ToolCallResult("call_1", "f", "{}"), lc.ToolCallResult("call_2", "g", '{"a":1}')]
-        )
-        self.assertEqual((done.finish_reason, done.usage, done.id), ("tool_calls", None, _p_RESP))
+        calls = [lc.ToolCallResult("call_1", "f", "{}"), lc.ToolCallResult("call_2", "g", '{"a":1}')]
+        self.assertEqual((done.tool_calls, done.finish_reason, done.usage, done.id), (calls, "tool_calls", None, _p_RESP))  # fmt: skip
 
     def test_an_id_or_name_first_seen_in_the_done_item_is_delivered(self):
         # dev/fuzz.py found it: the Completion named the call while no event had
         asm = lc._ResponsesAssembler()
-        feed = lambda kind, **fields: asm.feed(_p_json(_p_resp(kind, **fields)))
         item = {"id": "fc_1", "arguments": "", "call_id": "call_1", "type": "function_call"}
-        self.assertEqual(feed("response.output_item.added", item=item), [lc.ToolCall(0, "call_1", None, "")])
-        item = dict(item, name="get_weather", arguments="{}")
         self.assertEqual(
-            feed("response.output_item.done", item=item),
-            [lc.ToolCall(0, None, "get_weather", ""), lc.ToolCall(0, None, None, "{}")],
+            _p_resp_feed(asm, "response.output_item.added", item=item), [lc.ToolCall(0, "call_1", None, "")]
         )
-        self.assertEqual(feed("response.output_item.done", item=item), [])
-        feed("response.completed", response={"id": _p_RESP, "output": [item]})
+        item = dict(item, name="get_weather", arguments="{}")
+        done = _p_resp_feed(asm, "response.output_item.done", item=item)
+        self.assertEqual(done, [lc.ToolCall(0, None, "get_weather", ""), lc.ToolCall(0, None, None, "{}")])
+        self.assertEqual(_p_resp_feed(asm, "response.output_item.done", item=item), [])
+        _p_resp_feed(asm, "response.completed", response={"id": _p_RESP, "output": [item]})
         self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("call_1", "get_weather", "{}")])
         with self.assertRaises(lc.ProtocolError):  # arguments before any call
-            lc._ResponsesAssembler().feed(
-                _p_json(_p_resp("response.function_call_arguments.delta", item_id="x", delta="{"))
-            )
+            _p_resp_feed(lc._ResponsesAssembler(), "response.function_call_arguments.delta", item_id="x", delta="{")  # fmt: skip
 
     def test_text_held_back_and_sent_only_in_the_done_event_is_delivered(self):
-        asm = lc._ResponsesAssembler()
-        done = lambda asm, kind, **fields: asm.feed(_p_json(_p_resp(kind, **fields)))
-        done(asm, "response.output_text.delta", item_id=_p_MSG, delta="Hello")
-        self.assertEqual(
-            done(asm, "response.output_text.done", item_id=_p_MSG, text="Hello world"), [lc.Content(" world")]
-        )
-        self.assertEqual(done(asm, "response.output_text.done", item_id=_p_MSG, text="Hello world"), [])
+        asm, done = lc._ResponsesAssembler(), "response.output_text.done"
+        _p_resp_feed(asm, "response.output_text.delta", item_id=_p_MSG, delta="Hello")
+        self.assertEqual(_p_resp_feed(asm, done, item_id=_p_MSG, text="Hello world"), [lc.Content(" world")])
+        self.assertEqual(_p_resp_feed(asm, done, item_id=_p_MSG, text="Hello world"), [])
         # a done event of an item no delta named: the deltas may have named it otherwise, so nothing is added
-        self.assertEqual(done(asm, "response.output_text.done", item_id="other", text="Hello"), [])
+        self.assertEqual(_p_resp_feed(asm, done, item_id="other", text="Hello"), [])
         only = lc._ResponsesAssembler()  # a stream that sends its text only in the done event
-        self.assertEqual(done(only, "response.output_text.done", item_id=_p_MSG, text="All"), [lc.Content("All")])
-        self.assertEqual(done(only, "response.reasoning_text.done", item_id=_p_RS, text="Why"), [lc.Reasoning("Why")])
+        self.assertEqual(_p_resp_feed(only, done, item_id=_p_MSG, text="All"), [lc.Content("All")])
+        self.assertEqual(_p_resp_feed(only, "response.reasoning_text.done", item_id=_p_RS, text="Why"), [lc.Reasoning("Why")])  # fmt: skip
 
     def test_incomplete_for_max_output_tokens_is_length(self):
         blocks, response = _p_resp_text_stream(["a", "b"], status="incomplete", incomplete="max_output_tokens")
         done = _p_event_completion(_p_RESP, "ab", "length", _p_resp_usage(), response)
-        self.check(
-            _p_dialect_http([_p_typed(b) for b in blocks]),
-            ("ok", [lc.Content("a"), lc.Content("b")], done),
-            every=False,
-        )
+        self.check(blocks, ("ok", [lc.Content("a"), lc.Content("b")], done), every=False)
         for reason, finish in (("content_filter", "content_filter"), ("other", "other"), (None, "length")):
             asm = lc._ResponsesAssembler()
             details = {"incomplete_details": {"reason": reason}} if reason else {}
-            asm.feed(
-                _p_json(
-                    _p_resp("response.incomplete", response=dict({"id": _p_RESP, "status": "incomplete"}, **details))
-                )
-            )
+            _p_resp_feed(asm, "response.incomplete", response=dict({"id": _p_RESP, "status": "incomplete"}, **details))
             self.assertEqual(asm.completion().finish_reason, finish)
 
     def test_failed_and_error_events(self):
-        failed = _p_resp(
-            "response.failed",
-            response={
-                "id": _p_RESP,
-                "status": "failed",
-                "error": {"code": "server_error", "message": "the model crashed"},
-            },
-        )
+        error = {"code": "server_error", "message": "the model crashed"}
+        failed = _p_resp("response.failed", response={"id": _p_RESP, "status": "failed", "error": error})
         overloaded = {"type": "error", "error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-        openai = {
-            "type": "error",
-            "code": "ERR_SOMETHING",
-            "message": "Something went wrong",
-            "param": None,
-            "sequence_number": 3,
-        }
+        openai = {"type": "error", "code": "ERR_SOMETHING", "message": "Something went wrong", "param": None}
+        openai["sequence_number"] = 3
         for before in ([], ["x"]):
             blocks, _ = _p_resp_text_stream(before)
-            head, delivered = [_p_typed(b) for b in blocks[: 4 + len(before)]], [lc.Content(w) for w in before]
+            delivered = [lc.Content(w) for w in before]
             for bad, message in (
                 (failed, "server error None: the model crashed"),
                 (overloaded, "server error 503: Loading model"),
                 (openai, "server error None: Something went wrong"),
             ):
-                # an error that may pass (503) before anything was delivered is a retry
-                expect = (
-                    ("retry", [], message, None, lc.ServerError)
-                    if bad is overloaded and not before
-                    else ("raised", delivered, lc.ServerError, message)
-                )
-                self.check(_p_dialect_http(head + [_p_typed(bad)]), expect, every=False)
+                expect = ("raised", delivered, lc.ServerError, message)
+                if bad is overloaded and not before:  # an error that may pass before anything was delivered
+                    expect = ("retry", [], message, None, lc.ServerError)
+                self.check(blocks[: 4 + len(before)] + [bad], expect, every=False)
         with self.assertRaises(lc.ServerError) as cm:
             lc._ResponsesAssembler().feed(_p_json(overloaded))
         self.assertEqual((cm.exception.code, cm.exception.type), (503, "unavailable_error"))
@@ -4234,11 +4039,7 @@ class TestParserResponsesDialect(unittest.TestCase):
     def test_a_stream_that_ends_before_completed_is_stream_closed(self):
         blocks, _ = _p_resp_text_stream(["a", "b"])
         message = "the stream ended before response.completed: the server stopped mid-answer"
-        self.check(
-            _p_dialect_http([_p_typed(b) for b in blocks[:-1]]),
-            ("raised", [lc.Content("a"), lc.Content("b")], lc.StreamClosedError, message),
-            every=False,
-        )
+        self.check(blocks[:-1], ("raised", [lc.Content("a"), lc.Content("b")], lc.StreamClosedError, message), every=False)  # fmt: skip
 
     def test_unknown_events_and_fields_are_ignored(self):
         extra = [
@@ -4250,11 +4051,7 @@ class TestParserResponsesDialect(unittest.TestCase):
         blocks[-1] = dict(blocks[-1], sequence_number=12)
         # (the done event's text, "a", is shorter than the deltas' "a!": it adds nothing)
         done = _p_event_completion(_p_RESP, "a!", "stop", _p_resp_usage(), response)
-        self.check(
-            _p_dialect_http([_p_typed(b) for b in blocks]),
-            ("ok", [lc.Content("a"), lc.Content("!")], done),
-            every=False,
-        )
+        self.check(blocks, ("ok", [lc.Content("a"), lc.Content("!")], done), every=False)
         self.assertEqual(lc._ResponsesAssembler().feed('{"sequence_number":1}'), [])
 
     def test_wrong_types_are_protocol_errors(self):
@@ -4273,11 +4070,11 @@ class TestParserResponsesDialect(unittest.TestCase):
 
     def test_thinking_cap_state(self):
         asm = lc._ResponsesAssembler()
-        asm.feed(_p_json(_p_resp("response.created", response={"id": _p_RESP})))
+        _p_resp_feed(asm, "response.created", response={"id": _p_RESP})
         self.assertEqual(asm.id, _p_RESP)
-        asm.feed(_p_json(_p_resp("response.reasoning_text.delta", item_id=_p_RS, delta="a")))
+        _p_resp_feed(asm, "response.reasoning_text.delta", item_id=_p_RS, delta="a")
         self.assertEqual((asm.in_reasoning, asm.reasoning_tokens), (True, 1))
-        asm.feed(_p_json(_p_resp("response.output_text.delta", item_id=_p_MSG, delta="b")))
+        _p_resp_feed(asm, "response.output_text.delta", item_id=_p_MSG, delta="b")
         self.assertEqual((asm.in_reasoning, asm.reasoning_tokens), (False, 1))
 
 
@@ -4355,16 +4152,14 @@ class TestParserMessagesDialect(unittest.TestCase):
             lc.ToolCall(0, None, None, '{"city":'),
             lc.ToolCall(1, "Xk2pQ", "get_time", ""),
             lc.ToolCall(1, None, None, "{}"),
-            lc.ToolCall(0, None, None, '"Paris"}'),
         ]
+        events.append(lc.ToolCall(0, None, None, '"Paris"}'))
         calls = [
             lc.ToolCallResult("uzrJnRe3BYtg", "get_weather", '{"city":"Paris"}'),
             lc.ToolCallResult("Xk2pQ", "get_time", "{}"),
         ]
-        done = _p_event_completion(
-            _p_MSG_ID, "Sure", "tool_calls", _p_msg_usage(), _p_msg_final("tool_use"), "Let me", calls, 2
-        )
-        self.check(docs, ("ok", events, done))  # fmt: skip
+        final = _p_msg_final("tool_use")
+        self.check(docs, ("ok", events, _p_event_completion(_p_MSG_ID, "Sure", "tool_calls", _p_msg_usage(), final, "Let me", calls, 2)))  # fmt: skip
 
     def test_the_data_alone_suffices_and_unknown_blocks_and_events_are_ignored(self):
         text = [
@@ -4389,18 +4184,10 @@ class TestParserMessagesDialect(unittest.TestCase):
         self.check(text + _p_msg_end()[:1], ("raised", [lc.Content("a")], lc.StreamClosedError, message))
 
     def test_stop_reasons_in_chat_words(self):
-        for reason, finish in (
-            ("end_turn", "stop"),
-            ("stop_sequence", "stop"),
-            ("max_tokens", "length"),
-            ("tool_use", "tool_calls"),
-            ("refusal", "content_filter"),
-            ("pause_turn", "pause_turn"),
-        ):
-            done = self.feed(
-                [_p_msg_start()] + _p_msg_end(reason, sequence="\n\n" if reason == "stop_sequence" else None)
-            ).completion()
-            self.assertEqual((done.finish_reason, done.final["stop_reason"]), (finish, reason))  # fmt: skip
+        for reason, finish in (("end_turn", "stop"), ("stop_sequence", "stop"), ("max_tokens", "length"), ("tool_use", "tool_calls"), ("refusal", "content_filter"), ("pause_turn", "pause_turn")):  # fmt: skip
+            end = _p_msg_end(reason, sequence="\n\n" if reason == "stop_sequence" else None)
+            done = self.feed([_p_msg_start()] + end).completion()
+            self.assertEqual((done.finish_reason, done.final["stop_reason"]), (finish, reason))
         self.assertEqual(done.final, _p_msg_final("pause_turn"))
 
     def test_usage_counts_the_cache_in_prompt_tokens(self):
@@ -17703,8 +17490,7 @@ class RealTierSummary(unittest.TestSuite):
         tests = list(_flat_tests(self))
         real = [test for test in tests if type(test).__name__.startswith("TestReal")]
         others = [test for test in tests if not type(test).__name__.startswith("TestReal")]
-        jobs = _test_jobs()
-        load = BusyLoad.for_run()
+        jobs, load = _test_jobs(), BusyLoad.for_run()
         try:
             if jobs > 1 and len(others) > 1:
                 ParallelRun(others, jobs).run(result)
@@ -17722,18 +17508,16 @@ class RealTierSummary(unittest.TestSuite):
 
     @staticmethod
     def report(result):
-        real = "TestReal"  # the README's examples (TestRealReadmeExamples) run against the real demo server too
-        skipped = [test for test, _ in result.skipped if type(test).__name__.startswith(real)]
+        # (the README's examples, TestRealReadmeExamples, run against the real demo server too)
+        skipped = [test for test, _ in result.skipped if type(test).__name__.startswith("TestReal")]
         if skipped:
-            import re
-
             with open(__file__, encoding="utf-8") as source:
                 names = dict.fromkeys(re.findall(r"\bLOOPCLIENT_REAL_[A-Z_]+\b", source.read()))
-            unset = [name for name in names if not os.environ.get(name)]
+            unset = ", ".join(name for name in names if not os.environ.get(name))
             sys.stderr.write(
                 "test_loopclient: %d real-server tests were skipped; to run them set %s "
                 "(dev/llama-server.sh starts the servers, .ci/run does it all; dev/TESTING.md)\n"
-                % (len(skipped), ", ".join(unset) or "the LOOPCLIENT_REAL_* variables")
+                % (len(skipped), unset or "the LOOPCLIENT_REAL_* variables")
             )
 
 
@@ -17777,9 +17561,7 @@ class BusyLoad:
             cls.current = cls(count)
             if count > 0:
                 cls.current.start()
-                sys.stderr.write(
-                    "test_loopclient: LOOPCLIENT_TEST_LOAD=%d: %d busy processes beside the run\n" % (count, count)
-                )
+                sys.stderr.write("test_loopclient: LOOPCLIENT_TEST_LOAD=%d: %d busy processes beside the run\n" % (count, count))  # fmt: skip
         return cls.current
 
     def start(self):
@@ -17787,10 +17569,8 @@ class BusyLoad:
 
         argv = [sys.executable, "-S", "-c", self.SPIN, str(os.getpid()), str(self.lifetime)]
         atexit.register(self.stop)
-        for _ in range(self.count):
-            self.procs.append(
-                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
+        quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs += [subprocess.Popen(argv, **quiet) for _ in range(self.count)]
         return self
 
     def stop(self):
@@ -17821,26 +17601,12 @@ def _test_jobs():
     if "fork" not in multiprocessing.get_all_start_methods():
         return 1
     wanted = os.environ.get("LOOPCLIENT_TEST_JOBS")
-    if wanted:
-        return max(1, int(wanted))
-    return max(1, min(4, 2 * (os.cpu_count() or 1)))
-
-
-class RemoteFailure(AssertionError):
-    """A test's failure in a worker process: ``test_id`` the test's id, ``text`` the worker's traceback of
-    it, which the parent's result prints as it is (``_verbatim``)."""
-
-    def __init__(self, test_id, text):
-        super().__init__(test_id, text)
-        self.test_id, self.text = test_id, text
-
-    def __str__(self):
-        return self.text
+    return max(1, int(wanted)) if wanted else max(1, min(4, 2 * (os.cpu_count() or 1)))
 
 
 class RemoteError(Exception):
-    """A test's error in a worker process (or the worker's death): ``test_id`` and ``text`` as for
-    RemoteFailure."""
+    """A test's error in a worker process (or the worker's death): ``test_id`` the test's id, ``text`` the
+    worker's traceback of it, which the parent's result prints as it is (``_verbatim``)."""
 
     def __init__(self, test_id, text):
         super().__init__(test_id, text)
@@ -17848,6 +17614,10 @@ class RemoteError(Exception):
 
     def __str__(self):
         return self.text
+
+
+class RemoteFailure(RemoteError, AssertionError):
+    """A test's failure in a worker process, as RemoteError carries an error."""
 
 
 @contextlib.contextmanager
@@ -17861,13 +17631,7 @@ def _verbatim(result):
         yield
         return
     kept = vars(result).get("_exc_info_to_string")
-
-    def text(err, test):
-        if isinstance(err[1], (RemoteFailure, RemoteError)):
-            return err[1].text
-        return own(err, test)
-
-    result._exc_info_to_string = text
+    result._exc_info_to_string = lambda err, test: err[1].text if isinstance(err[1], RemoteError) else own(err, test)
     try:
         yield
     finally:
@@ -17896,46 +17660,47 @@ class RemoteSubTest:
 
 
 class _Recorder(unittest.TestResult):
-    """A worker's result: each call as a record the parent replays into its own result."""
+    """A worker's result: each call as a record (the result's method, the test, what else it needs) that the
+    parent replays into its own result (a failure or error: the worker's traceback text)."""
 
     def __init__(self, index, buffer):
         super().__init__()
         self.index, self.buffer, self.records = index, buffer, []
 
-    def _key(self, test):
-        return self.index.get(id(test), str(test))  # a test, or an _ErrorHolder's description
+    def _record(self, method, test, *rest):
+        key = self.index.get(id(test), str(test))  # a test's index, or an _ErrorHolder's description
+        self.records.append((method, key) + rest)
 
     def startTest(self, test):
         super().startTest(test)
-        self.records.append(("start", self._key(test), time.monotonic()))
+        self._record("startTest", test, time.monotonic())
 
     def stopTest(self, test):
         super().stopTest(test)
-        self.records.append(("stop", self._key(test), time.monotonic()))
+        self._record("stopTest", test, time.monotonic())
 
     def addSuccess(self, test):
-        self.records.append(("success", self._key(test)))
+        self._record("addSuccess", test)
 
     def addFailure(self, test, err):
-        self.records.append(("failure", self._key(test), self._exc_info_to_string(err, test)))
+        self._record("addFailure", test, self._exc_info_to_string(err, test))
 
     def addError(self, test, err):
-        self.records.append(("error", self._key(test), self._exc_info_to_string(err, test)))
+        self._record("addError", test, self._exc_info_to_string(err, test))
 
     def addSkip(self, test, reason):
-        self.records.append(("skip", self._key(test), reason))
+        self._record("addSkip", test, reason)
 
     def addExpectedFailure(self, test, err):
-        self.records.append(("expected failure", self._key(test), self._exc_info_to_string(err, test)))
+        self._record("addExpectedFailure", test, self._exc_info_to_string(err, test))
 
     def addUnexpectedSuccess(self, test):
-        self.records.append(("unexpected success", self._key(test)))
+        self._record("addUnexpectedSuccess", test)
 
     def addSubTest(self, test, subtest, err):
         if err is not None:
-            kind = "subfailure" if issubclass(err[0], test.failureException) else "suberror"
-            text = self._exc_info_to_string(err, test)
-            self.records.append((kind, self._key(test), str(subtest), text, subtest.id()))
+            failed = issubclass(err[0], test.failureException)
+            self._record("addSubTest", test, failed, str(subtest), self._exc_info_to_string(err, test), subtest.id())
 
 
 class ParallelRun:
@@ -17989,10 +17754,8 @@ class ParallelRun:
                             self._died(result, task, process.exitcode)
                         conn.close()
                         continue
-                    if message[0] == "task":
-                        workers[conn][1] = message[1]
-                    else:
-                        workers[conn][1] = None
+                    workers[conn][1] = message[1] if message[0] == "task" else None
+                    if message[0] != "task":
                         self._replay(result, message[1])
                 if result.shouldStop:
                     break
@@ -18021,40 +17784,26 @@ class ParallelRun:
             conn.send(("done", recorder.records))
         conn.close()
 
-    def _test(self, key):
-        return self.tests[key] if isinstance(key, int) else unittest.suite._ErrorHolder(key)
-
     def _replay(self, result, records):
-        with _verbatim(result):
-            self._replay_records(result, records)
-
-    def _replay_records(self, result, records):
         started = {}
-        for record in records:
-            kind, test = record[0], self._test(record[1])
-            if kind == "start":
-                started[record[1]] = record[2]
-                result.startTest(test)
-            elif kind == "stop":
-                if hasattr(result, "addDuration"):  # 3.12: python -m unittest --durations N
-                    result.addDuration(test, record[2] - started.pop(record[1], record[2]))
-                result.stopTest(test)
-            elif kind == "success":
-                result.addSuccess(test)
-            elif kind == "failure":
-                result.addFailure(test, (RemoteFailure, RemoteFailure(test.id(), record[2]), None))
-            elif kind == "error":
-                result.addError(test, (RemoteError, RemoteError(test.id(), record[2]), None))
-            elif kind == "skip":
-                result.addSkip(test, record[2])
-            elif kind == "expected failure":
-                result.addExpectedFailure(test, (RemoteFailure, RemoteFailure(test.id(), record[2]), None))
-            elif kind == "unexpected success":
-                result.addUnexpectedSuccess(test)
-            else:
-                error = RemoteFailure if kind == "subfailure" else RemoteError
-                sub = RemoteSubTest(test, record[2], record[4])
-                result.addSubTest(test, sub, (error, error(sub.id(), record[3]), None))
+        with _verbatim(result):
+            for method, key, *rest in records:
+                test = self.tests[key] if isinstance(key, int) else unittest.suite._ErrorHolder(key)
+                if method == "startTest":
+                    started[key] = rest[0]
+                elif method == "stopTest" and hasattr(result, "addDuration"):  # 3.12: python -m unittest --durations N
+                    result.addDuration(test, rest[0] - started.pop(key, rest[0]))
+                if method in ("startTest", "stopTest", "addSuccess", "addUnexpectedSuccess"):
+                    getattr(result, method)(test)
+                elif method == "addSkip":
+                    result.addSkip(test, rest[0])
+                elif method == "addSubTest":
+                    failed, description, text, subtest_id = rest
+                    error, sub = RemoteFailure if failed else RemoteError, RemoteSubTest(test, description, subtest_id)
+                    result.addSubTest(test, sub, (error, error(sub.id(), text), None))
+                else:  # addFailure, addError, addExpectedFailure: the worker's traceback of it
+                    error = RemoteError if method == "addError" else RemoteFailure
+                    getattr(result, method)(test, (error, error(test.id(), rest[0]), None))
 
     def _died(self, result, task, code):
         why = "the worker process running this test ended (exit code %s) before the test did\n" % code
@@ -18091,8 +17840,7 @@ def _worker_outcomes():
         def test_f_dies(self):
             os._exit(7)
 
-        def test_g_pass(self):
-            pass
+        test_g_pass = test_a_pass
 
     return WorkerOutcomes
 
@@ -18118,35 +17866,41 @@ print(json.dumps({
 """
 
 
+def _script(test, script, *args, env=None, timeout=120):
+    """``python3 -c script args`` in this checkout (with -S when this run has it); fails ``test`` on an exit
+    other than 0; its CompletedProcess."""
+    argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", script, HERE, *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=HERE, env=env)
+    test.assertEqual(done.returncode, 0, done.stderr)
+    return done
+
+
 class TestParallelRun(unittest.TestCase):
     """ParallelRun replays what its workers' tests did into the caller's result, here a verbose TextTestResult
     (what ``python3 -m unittest -v`` and .ci/run print).  It runs in a process of its own: forking, as
     ParallelRun does, is safe only in a process with no other thread, and a test runs beside the suite's."""
 
     def test_worker_outcomes_are_replayed_into_the_callers_result(self):
-        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", _PARALLEL_OUTCOMES, HERE]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=HERE)
-        self.assertEqual(done.returncode, 0, done.stderr)
+        done = _script(self, _PARALLEL_OUTCOMES)
         self.assertNotIn("DeprecationWarning", done.stderr)
         got = json.loads(done.stdout.splitlines()[-1])
-        self.assertEqual(got["run"], 7)
-        self.assertEqual(got["skipped"], [["test_d_skip", "why"]])
-        failures = {t: text for t, text, _ in got["failures"]}
-        errors = {t: text for t, text, _ in got["errors"]}
-        self.assertEqual(sorted(t.split(" ")[0] for t in failures), ["test_b_fail", "test_e_subtests"])
-        self.assertEqual(sorted(t.split(" ")[0] for t in errors), ["test_c_error", "test_f_dies"])
-        subtest = [t for t in failures if t.startswith("test_e_subtests")]
+        self.assertEqual((got["run"], got["skipped"]), (7, [["test_d_skip", "why"]]))
+        texts = {t.split(" ")[0]: text for t, text, _ in got["failures"] + got["errors"]}
+        self.assertEqual(sorted(t.split(" ")[0] for t, _, _ in got["failures"]), ["test_b_fail", "test_e_subtests"])
+        self.assertEqual(sorted(t.split(" ")[0] for t, _, _ in got["errors"]), ["test_c_error", "test_f_dies"])
+        subtest = [t for t, _, _ in got["failures"] if t.startswith("test_e_subtests")]
         self.assertTrue(subtest[0].endswith("(i=1)"), subtest)
-        texts = {t.split(" ")[0]: text for t, text in list(failures.items()) + list(errors.items())}
-        self.assertIn("AssertionError: 1 != 2", texts["test_b_fail"])
-        self.assertIn("AssertionError: 1 == 1", texts["test_e_subtests"])
-        self.assertIn("KeyError: 'k'", texts["test_c_error"])
-        self.assertIn("exit code 7", texts["test_f_dies"])
+        for test, text in (
+            ("test_b_fail", "AssertionError: 1 != 2"),
+            ("test_e_subtests", "AssertionError: 1 == 1"),
+            ("test_c_error", "KeyError: 'k'"),
+            ("test_f_dies", "exit code 7"),
+        ):
+            self.assertIn(text, texts[test])  # fmt: skip
         out = got["printed"]
         for test, status in [("a_pass", "ok"), ("b_fail", "FAIL"), ("c_error", "ERROR"), ("d_skip", "skipped 'why'")]:
             self.assertRegex(out, r"test_%s \(.*\) \.\.\. %s\n" % (test, re.escape(status)))
         self.assertRegex(out, r"FAIL: test_e_subtests \(.*\) \(i=1\)\n")
-        self.assertRegex(out, r"ERROR: test_f_dies \(.*\)\n")
         # each failure as a run in one process gives it: the test's own id and its own traceback, titled by
         # the test's exception, not by the class that carried it from the worker
         replayed = {t: (text, i) for t, text, i in got["failures"] + got["errors"] if not t.startswith("test_f_dies")}
@@ -18157,37 +17911,39 @@ class TestParallelRun(unittest.TestCase):
         self.assertRegex(out, r"ERROR: test_f_dies \(.*\)\n-{70}\nthe worker process running this test ended")
 
 
+def _stat(pid):
+    """The fields of /proc/PID/stat after the command's name (its state first); None once it is gone."""
+    try:
+        with open("/proc/%s/stat" % pid, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _busy_children(pid):
     """The pids of the running busy processes (BusyLoad) whose parent is ``pid``."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open("/proc/%s/stat" % name, "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
             with open("/proc/%s/cmdline" % name, "rb") as f:
                 argv = f.read().split(b"\0")
         except OSError:
             continue  # ended meanwhile
-        if int(fields[1]) == pid and fields[0] != b"Z" and BusyLoad.SPIN.encode() in argv:
+        fields = _stat(name)
+        if fields and int(fields[1]) == pid and fields[0] != b"Z" and BusyLoad.SPIN.encode() in argv:
             found.append(int(name))
     return sorted(found)
 
 
+def _cpu_seconds(pid):
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _ended(pid):
     """The process ``pid`` is gone, or a zombie (its parent gone, nobody reaped it yet)."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except OSError:
-        return True
-
-
-def _cpu_seconds(pid):
-    with open("/proc/%d/stat" % pid, "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    fields = _stat(pid)
+    return fields is None or fields[0] == b"Z"
 
 
 _LOAD_RUN = """
@@ -18212,18 +17968,19 @@ print(main, result.testsRun, len(result.failures + result.errors), t._busy_child
 class TestBusyLoad(unittest.TestCase):
     """LOOPCLIENT_TEST_LOAD=N runs N busy processes beside the tests, for as long as the run, never longer."""
 
-    def test_the_run_starts_them_and_stops_them(self):
+    def run_load(self, env):
+        """_LOAD_RUN's two tests under ``env``: (its output, each test's [pid, busy processes it saw])."""
         seen = os.path.join(tempfile.mkdtemp(prefix="lcload"), "seen")
         self.addCleanup(shutil.rmtree, os.path.dirname(seen))
-        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", _LOAD_RUN, HERE, seen]
-        env = dict(os.environ, LOOPCLIENT_TEST_LOAD="3", LOOPCLIENT_TEST_JOBS="2")
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
-        self.assertEqual(done.returncode, 0, done.stderr)
+        done = _script(self, _LOAD_RUN, seen, env=env)
+        with open(seen, encoding="ascii") as f:
+            return done, [line.split(" ", 1) for line in f.read().splitlines()]
+
+    def test_the_run_starts_them_and_stops_them(self):
+        done, lines = self.run_load(dict(os.environ, LOOPCLIENT_TEST_LOAD="3", LOOPCLIENT_TEST_JOBS="2"))
         main, outcome = done.stdout.strip().split(" ", 1)
         self.assertEqual(outcome, "2 0 []")  # two tests passed; no busy process left once it ran
         self.assertIn("LOOPCLIENT_TEST_LOAD=3: 3 busy processes beside the run", done.stderr)
-        with open(seen, encoding="ascii") as f:
-            lines = [line.split(" ", 1) for line in f.read().splitlines()]
         self.assertEqual(len(lines), 2)
         self.assertNotIn(main, [line[0] for line in lines])  # in worker processes
         busy = [json.loads(line[1]) for line in lines]
@@ -18232,14 +17989,8 @@ class TestBusyLoad(unittest.TestCase):
         self.assertTrue(all(_ended(pid) for pid in busy[0]))
 
     def test_without_the_variable_there_is_none(self):
-        env = {k: v for k, v in os.environ.items() if k != "LOOPCLIENT_TEST_LOAD"}
-        seen = os.path.join(tempfile.mkdtemp(prefix="lcload"), "seen")
-        self.addCleanup(shutil.rmtree, os.path.dirname(seen))
-        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", _LOAD_RUN, HERE, seen]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=HERE, env=env)
-        self.assertEqual(done.returncode, 0, done.stderr)
-        with open(seen, encoding="ascii") as f:
-            self.assertEqual([line.split(" ", 1)[1] for line in f.read().splitlines()], ["[]", "[]"])
+        done, lines = self.run_load({k: v for k, v in os.environ.items() if k != "LOOPCLIENT_TEST_LOAD"})
+        self.assertEqual([line[1] for line in lines], ["[]", "[]"])
         self.assertNotIn("busy processes", done.stderr)
 
     def test_each_keeps_a_cpu_busy_until_stopped(self):
@@ -18258,10 +18009,7 @@ class TestBusyLoad(unittest.TestCase):
         # a run killed by a signal stops nothing: its busy processes see their parent gone and end
         script = "import os, sys; sys.path.insert(0, sys.argv[1]); import test_loopclient as t\n"
         script += "load = t.BusyLoad(1).start(); print(load.procs[0].pid, flush=True); os._exit(0)\n"
-        argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", script, HERE]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=HERE)
-        self.assertEqual(done.returncode, 0, done.stderr)
-        pid = int(done.stdout)
+        pid = int(_script(self, script, timeout=60).stdout)
         wait_for(lambda: _ended(pid), 30, "the orphaned busy process to end")
 
     def test_one_ends_after_its_lifetime(self):

@@ -90,22 +90,10 @@ STREAM_HEAD = (
 
 def chunk_json(delta=None, finish=None, cid=CID, extra=None, choices=True):
     """One chunk payload as llama-server writes it (key order and separators included)."""
-    doc = {}
-    if choices:
-        doc["choices"] = [{"finish_reason": finish, "index": 0, "delta": delta if delta is not None else {}}]
-    else:
-        doc["choices"] = []
-    doc.update(
-        {
-            "created": 1796006109,
-            "id": cid,
-            "model": MODEL,
-            "system_fingerprint": "b0-unknown",
-            "object": "chat.completion.chunk",
-        }
-    )
-    if extra:
-        doc.update(extra)
+    choice = {"finish_reason": finish, "index": 0, "delta": delta if delta is not None else {}}
+    doc = {"choices": [choice] if choices else [], "created": 1796006109, "id": cid, "model": MODEL}
+    doc.update(system_fingerprint="b0-unknown", object="chat.completion.chunk")
+    doc.update(extra or {})
     return json.dumps(doc, separators=(",", ":"))
 
 
@@ -140,9 +128,7 @@ USAGE = {
 def content_stream(words, finish="stop", usage=True, done=True, role=True):
     """A whole llama-server stream body (chunked), in the real server's shape: role-only first chunk sharing
     an HTTP chunk with the first delta, one chunk per delta, finish with timings, usage chunk, [DONE], 0."""
-    events = []
-    if role:
-        events.append(sse(chunk_json({"role": "assistant", "content": None})))
+    events = [sse(chunk_json({"role": "assistant", "content": None}))] if role else []
     for i, word in enumerate(words):
         piece = sse(chunk_json({"content": word}))
         if i == 0 and role:
@@ -252,12 +238,8 @@ def http_response(body, ctype=JSON_TYPE, framing="length", status=b"200 OK", ext
         return head + b"Content-Length: %d\r\n%sConnection: close\r\n\r\n" % (len(body), extra) + body
     if framing == "chunked":
         cut = len(body) // 2
-        return (
-            head
-            + b"Transfer-Encoding: chunked\r\n%sConnection: close\r\n\r\n" % extra
-            + chunked(body[:cut], body[cut:])
-            + b"0\r\n\r\n"
-        )
+        head += b"Transfer-Encoding: chunked\r\n%sConnection: close\r\n\r\n" % extra
+        return head + chunked(body[:cut], body[cut:]) + b"0\r\n\r\n"
     assert framing == "close", framing
     return head + extra + b"Connection: close\r\n\r\n" + body
 
@@ -292,27 +274,16 @@ class FakeServer:
     """Answers by path with scripted handlers; records requests; by default /slots from ``busy`` flags."""
 
     def __init__(self, tcp=False, n_slots=2, listen=True):
-        self.tcp = tcp
+        self.tcp, self.routes, self.requests, self.threads, self.conns = tcp, {}, [], [], []
         self.tmp = tempfile.mkdtemp(prefix="lc", dir="/tmp")
         self.path = os.path.join(self.tmp, "s.sock")
-        self.routes = {}
-        self.requests = []
-        self.busy = [False] * n_slots
-        self.lock = threading.Lock()
-        self.slots_in_flight = 0
-        self.slots_max_in_flight = 0
-        self.slots_requests = 0
-        self.slots_delay = 0.0
-        self.threads = []
-        self.conns = []
-        self.stopping = threading.Event()
-        self.listener = None
-        self.address = None
+        self.busy, self.lock, self.stopping = [False] * n_slots, threading.Lock(), threading.Event()
+        self.slots_in_flight = self.slots_max_in_flight = self.slots_requests = 0
+        self.slots_delay, self.listener, self.address = 0.0, None, None
         self.deaf = False  # read no request (see _serve)
         self.route("GET", "/slots", self._slots)
-        self.route(
-            "GET", "/props", lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"})
-        )
+        props = lambda req: respond_json(req, {"total_slots": len(self.busy), "build_info": "b0-unknown"})
+        self.route("GET", "/props", props)
         self.route("GET", "/health", lambda req: respond_json(req, {"status": "ok"}))
         if listen:
             self.listen()
@@ -349,9 +320,8 @@ class FakeServer:
         try:
             if self.slots_delay:
                 self.stopping.wait(self.slots_delay)
-            respond_json(
-                req, [{"id": i, "n_ctx": 1024, "speculative": False, "is_processing": b} for i, b in enumerate(busy)]
-            )
+            slots = [{"id": i, "n_ctx": 1024, "speculative": False, "is_processing": b} for i, b in enumerate(busy)]
+            respond_json(req, slots)
         finally:
             with self.lock:
                 self.slots_in_flight -= 1
@@ -387,12 +357,8 @@ class FakeServer:
                 self.requests.append(req)
             handler = self.routes.get((method, path))
             if handler is None:
-                respond_json(
-                    req,
-                    {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}},
-                    404,
-                    "Not Found",
-                )
+                error = {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+                respond_json(req, error, 404, "Not Found")
             else:
                 handler(req)
         except OSError:
@@ -787,21 +753,10 @@ class StreamFacade:
     def cancel(self):
         self._runner.call(self._stream.cancel)
 
-    @property
-    def completion(self):
-        return self._stream.completion
-
-    @property
-    def offset(self):
-        return self._stream.offset
-
-    @property
-    def conversation_id(self):
-        return self._stream.conversation_id
-
-    @property
-    def session(self):
-        return self._stream.session
+    def __getattr__(self, name):  # completion, offset, conversation_id, session: the stream's, as they are now
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._stream, name)
 
     def __enter__(self):
         return self
@@ -822,13 +777,8 @@ class GateView:
         assert board is not None, "the client has not run on a loop yet"
         return board
 
-    @staticmethod
-    def _key(key):
-        return key
-
     def snapshot(self):
-        snap = self._facade._runner.call(lambda: self._board().gate.snapshot())
-        return {self._key(k): v for k, v in snap.items()}
+        return dict(self._facade._runner.call(lambda: self._board().gate.snapshot()))
 
     def problems(self, queue_len=None):
         """gate_problems() of the async board's gate, read in the loop's thread."""
@@ -836,8 +786,7 @@ class GateView:
 
     @property
     def _lanes(self):
-        lanes = self._facade._runner.call(lambda: dict(self._board().gate._lanes))
-        return {self._key(k): lane for k, lane in lanes.items()}
+        return self._facade._runner.call(lambda: dict(self._board().gate._lanes))
 
 
 class SyncFacade:
@@ -854,16 +803,10 @@ class SyncFacade:
     def __str__(self):
         return str(self._client)
 
-    @property
-    def limits(self):
-        return self._client.limits
-
-    @property
-    def address(self):
-        return self._client.address
-
     def __getattr__(self, name):  # the single-shot calls: slots(), health(), props(), request(), ...
         method = getattr(self._client, name)
+        if not callable(method):  # limits, address
+            return method
         if name == "resume" or name.startswith("stream_"):  # plain methods that return an AsyncStream
             return lambda *args, **kw: StreamFacade(self._runner, method(*args, **kw))
         return lambda *args, **kw: self._runner.run(method(*args, **kw))

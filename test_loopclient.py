@@ -1749,9 +1749,10 @@ _p_STRIDE = 1024
 
 def _p_splittings(data, every=True, sample=300, hot=(), pairs_upto=40, sets=0, seed=7):
     """(label, pieces): ``data`` whole, with empty reads around it, byte by byte; in two at every offset
-    (beyond 2 * _p_STRIDE bytes, in _p_STRIDE-byte pieces at each phase instead) or, not ``every``, at
-    ``sample`` seeded offsets and those around each of ``hot``; at every pair of offsets when ``data`` is
-    ``pairs_upto`` bytes or shorter; and at ``sets`` seeded random sets of up to 60 offsets."""
+    (beyond 2 * _p_STRIDE bytes, in _p_STRIDE-byte pieces at each phase instead, and in two at a third of
+    ``sample`` seeded offsets) or, not ``every``, at ``sample`` seeded offsets and those around each of
+    ``hot``; at every pair of offsets when ``data`` is ``pairs_upto`` bytes or shorter; and at ``sets``
+    seeded random sets of up to 60 offsets."""
     n, rng = len(data), random.Random(seed + len(data))
     yield "whole", [data]
     yield "with empty reads around it", [b"", data, b""]
@@ -1760,7 +1761,7 @@ def _p_splittings(data, every=True, sample=300, hot=(), pairs_upto=40, sets=0, s
     if every and not long:
         singles = range(1, n)
     else:
-        chosen = set(rng.sample(range(1, n), min(sample, n - 1)))
+        chosen = set(rng.sample(range(1, n), min(sample // 3 if every else sample, n - 1)))
         singles = sorted(chosen.union(o for h in hot for o in range(h - 4, h + 5) if 0 < o < n))
     for i in singles:
         yield "split at %d" % i, [data[:i], data[i:]]
@@ -1839,12 +1840,15 @@ def _p_eof(parser):
     return []
 
 
+_p_LIMITS = lc.Limits()
+
+
 def _p_outcome(pieces, dialect=None, limits=None, raw_chunks=False, answers=()):
     """The pump (ResponseReader, SSEDecoder and ``dialect``, chat's by default, as the client runs them) fed
     ``pieces`` then the end of file, each thinking cap answered with the next of ``answers``: ("ok", events,
     Completion), ("retry", events, reason, hint, the cause's class), or ("raised", the events delivered
     first, the error's class, its message)."""
-    pump = lc.ResponsePump(limits or lc.Limits(), raw_chunks, dialect)
+    pump = lc.ResponsePump(limits or _p_LIMITS, raw_chunks, dialect)
     events, answers = [], list(answers)
     try:
         for piece in [*pieces, None]:
@@ -2615,7 +2619,9 @@ class TestParserRandomSplits(unittest.TestCase):
     words += ["\r", "\u4e2d\u6587", ":", " ", "end."]
 
     def check(self, data, expect, sets):
-        _p_check_stream(self, data, expect, every=False, sample=0, sets=sets)
+        for label, pieces in _p_splittings(data, every=False, sample=0, sets=sets):
+            if label != "byte by byte":  # (the other streams' tests feed byte by byte)
+                self.assertEqual(_p_outcome(pieces), expect, label)
 
     def test_content_stream(self):
         done = lc.Completion(CID, MODEL, "".join(self.words), "", [], "stop", USAGE, TIMINGS)
@@ -3006,14 +3012,15 @@ class TestParserChoices(unittest.TestCase):
         payloads = [_p_role(0), _p_role(1), _p_text(0, "a"), _p_text(1, "b"), _p_finish(0, "stop"), _p_text(1, "c")]
         one = "the stream ended before choice 1 had a finish_reason: the server stopped mid-answer"
         none = "the stream ended without a finish_reason: the server stopped mid-answer"
-        for data, events, message in (
-            (_p_http(payloads), [lc.Content("a", 0), lc.Content("b", 1), lc.Content("c", 1)], one),
-            (_p_http(payloads, done=False), [lc.Content("a", 0), lc.Content("b", 1), lc.Content("c", 1)], one),
-            (_p_http(payloads[:4]), [lc.Content("a", 0), lc.Content("b", 1)], none),  # no finish_reason at all
-            (_p_http(payloads[:3] + payloads[4:5]), [lc.Content("a", 0)], one),  # choice 1 appeared by its role chunk
-        ):
-            with self.subTest(data=data):
-                _p_check_stream(self, data, ("raised", events, lc.StreamClosedError, message))
+        events = [lc.Content("a", 0), lc.Content("b", 1), lc.Content("c", 1)]
+        for done in (True, False):
+            with self.subTest(done=done):
+                _p_check_stream(self, _p_http(payloads, done), ("raised", events, lc.StreamClosedError, one))
+        # fed whole: no finish_reason at all; choice 1 appeared by its role chunk alone
+        self.assertEqual(_p_outcome([_p_http(payloads[:4])]), ("raised", events[:2], lc.StreamClosedError, none))
+        self.assertEqual(
+            _p_outcome([_p_http(payloads[:3] + payloads[4:5])]), ("raised", events[:1], lc.StreamClosedError, one)
+        )
 
     def test_missing_or_null_index_is_zero(self):
         payloads = [

@@ -903,11 +903,8 @@ class _VTask:
         self.name = name
         self.go = threading.Lock()  # released to hand this task its turn
         self.go.acquire()
-        self.blocked = False
         self.token = 0  # which wait a timer belongs to
-        self.timed_out = False
-        self.done = False
-        self.deadlock = False
+        self.blocked = self.timed_out = self.done = self.deadlock = False
         self.done_waiters = None
 
     def __repr__(self):
@@ -986,20 +983,12 @@ class VirtualKernel:
     def __init__(self):
         self.now = self.ORIGIN
         self.epoch = _REAL_TIME() - self.ORIGIN
-        self.mutex = threading.Lock()
-        self.local = threading.local()
-        self.running = None
-        self.ready = collections.deque()
+        self.mutex, self.local, self.ready, self.tasks = threading.Lock(), threading.local(), collections.deque(), set()
+        self.running = self.root = self.drained = self.saved = None
         self.timers = []  # (due, seq, task, token)
-        self.seq = 0
-        self.tasks = set()
-        self.root = None
+        self.seq, self.ports, self.closing = 0, 40000, False
         self.servers = {}  # unix path or (host, port): VirtualServer
-        self.ports = 40000
-        self.drained = None
-        self.saved = None
         self.idle = []  # workers between tasks
-        self.closing = False
 
     # -- the clock, as the patched time functions read it ----------------------------------------
 
@@ -1247,13 +1236,10 @@ class _VEnd:
     sendall, settimeout, shutdown, close, SO_LINGER 0 for a reset) and a socket's errors."""
 
     def __init__(self, kernel):
-        self.kernel = kernel
-        self.peer = None
-        self.inbox = bytearray()
+        self.kernel, self.peer, self.inbox = kernel, None, bytearray()
         self.eof = False  # the peer sends nothing more
         self.reset = False  # the peer reset the connection
-        self.shut_rd = self.shut_wr = self.closed = False
-        self.linger0 = False
+        self.shut_rd = self.shut_wr = self.closed = self.linger0 = False
         self.timeout = None
         self.readers = _VWaiters(kernel)  # for data or the end
         self.room = _VWaiters(kernel)  # for room in inbox

@@ -4467,7 +4467,7 @@ class TestParserTextCompletionsDialect(unittest.TestCase):
 
 class TestParserModelEvents(unittest.TestCase):
     """A router's GET /models/sse as it streamed (captures 98, 99): one ModelEvent per payload, and the
-    connection's end is StreamClosedError (the route has no end of its own; its message: TestEndpoints)."""
+    connection's end is StreamClosedError (the route has no end of its own; its message: TestLastRoutes)."""
 
     def capture(self, name):
         """The capture's events as its payloads say them, once its bytes, fed every way, read so."""

@@ -106,23 +106,11 @@ def chunked(*bodies):
     return b"".join(b"%x\r\n%s\r\n" % (len(b), b) for b in bodies)
 
 
-TIMINGS = {
-    "cache_n": 1,
-    "prompt_n": 29,
-    "prompt_ms": 76.722,
-    "prompt_per_token_ms": 2.6455862068965517,
-    "prompt_per_second": 377.98806079090747,
-    "predicted_n": 16,
-    "predicted_ms": 192.748,
-    "predicted_per_token_ms": 12.849866666666665,
-    "predicted_per_second": 77.82181916284476,
-}
-USAGE = {
-    "completion_tokens": 8,
-    "prompt_tokens": 26,
-    "total_tokens": 34,
-    "prompt_tokens_details": {"cached_tokens": 21},
-}
+TIMINGS = dict(cache_n=1, prompt_n=29, prompt_ms=76.722, prompt_per_token_ms=2.6455862068965517)
+TIMINGS.update(prompt_per_second=377.98806079090747, predicted_n=16, predicted_ms=192.748)
+TIMINGS.update(predicted_per_token_ms=12.849866666666665, predicted_per_second=77.82181916284476)
+USAGE = {"completion_tokens": 8, "prompt_tokens": 26, "total_tokens": 34}
+USAGE["prompt_tokens_details"] = {"cached_tokens": 21}
 
 
 def content_stream(words, finish="stop", usage=True, done=True, role=True):
@@ -2064,18 +2052,8 @@ class TestParserChunked(unittest.TestCase):
                 self.check(data, raises=lc.ProtocolError, at=at)
 
     def test_cut_short_is_stream_closed_at_eof(self):
-        cuts = [
-            b"",
-            b"3",
-            b"3\r",
-            b"3\r\n",
-            b"3\r\nab",
-            b"3\r\nabc",
-            b"3\r\nabc\r",
-            b"3\r\nabc\r\n",
-            b"3\r\nabc\r\n0;ext",
-        ]
-        for data in cuts + [b"3\r\nabc\r\n0\r\nX-T: 1"]:
+        cuts = [b"", b"3", b"3\r", b"3\r\n", b"3\r\nab", b"3\r\nabc", b"3\r\nabc\r", b"3\r\nabc\r\n"]
+        for data in cuts + [b"3\r\nabc\r\n0;ext", b"3\r\nabc\r\n0\r\nX-T: 1"]:
             with self.subTest(data=data):
                 self.check(data, raises=lc.StreamClosedError, at="eof")
 
@@ -2261,11 +2239,11 @@ class TestParserAssembler(unittest.TestCase):
 
     def test_tool_calls_keyed_by_index_from_3_id_and_name_set_once(self):
         calls = [_p_tool(3, "call-A", "get_weather", '{"ci'), _p_tool(5, "call-B", "get_time", "")]
+        calls += [_p_tool(3, None, None, 'ty": "Pa'), _p_tool(5, "call-B", "get_time", '{"tz":')]  # repeated: not added
         calls += [
-            _p_tool(3, None, None, 'ty": "Pa'),
-            _p_tool(5, "call-B", "get_time", '{"tz":'),
-        ]  # repeated: not concatenated
-        calls += [_p_tool(3, "call-Z", "other", 'ris"}'), _p_tool(5, None, None, ' "UTC"}')]  # another id/name: ignored
+            _p_tool(3, "call-Z", "other", 'ris"}'),
+            _p_tool(5, None, None, ' "UTC"}'),
+        ]  # another id or name: ignored
         asm, events = _p_feed_payloads(
             [chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")]
         )
@@ -3456,17 +3434,8 @@ def _p_typed(doc):
 # -- /completion and /infill ----------------------------------------------------------------------------
 
 _p_SETTINGS = {"seed": 4294967295, "temperature": 0.0, "n_predict": 3, "stream": True}
-_p_NATIVE_TIMINGS = {
-    "cache_n": 0,
-    "prompt_n": 4,
-    "prompt_ms": 21.5,
-    "prompt_per_token_ms": 5.375,
-    "prompt_per_second": 186.0,
-    "predicted_n": 3,
-    "predicted_ms": 30.0,
-    "predicted_per_token_ms": 10.0,
-    "predicted_per_second": 100.0,
-}
+_p_NATIVE_TIMINGS = dict(cache_n=0, prompt_n=4, prompt_ms=21.5, prompt_per_token_ms=5.375, prompt_per_second=186.0)
+_p_NATIVE_TIMINGS.update(predicted_n=3, predicted_ms=30.0, predicted_per_token_ms=10.0, predicted_per_second=100.0)
 
 
 def _p_native(content, tokens=(), index=0, predicted=1, evaluated=4, extra=None):
@@ -4245,11 +4214,8 @@ class TestParserDialectTranscripts(unittest.TestCase):
         grass = [" green", ",", " the", " trees", " are", " green", ",", " and"]
         events = [lc.Content(w, i) for g, s in zip(grass, _p_SKY) for w, i in ((g, 1), (s, 0))]
         choices = (lc.Choice(0, "".join(_p_SKY), "", [], "length", None, None, _p_SKY_TOKENS),)
-        choices += (
-            lc.Choice(
-                1, "".join(grass), "", [], "length", None, None, [3826, 236764, 506, 7146, 659, 3826, 236764, 532]
-            ),
-        )
+        tokens = [3826, 236764, 506, 7146, 659, 3826, 236764, 532]
+        choices += (lc.Choice(1, "".join(grass), "", [], "length", None, None, tokens),)
         self.check(lc._NativeAssembler, raw, ("ok", events, self.native(raw, choices)))
 
     def test_48_infill(self):

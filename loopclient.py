@@ -4456,10 +4456,10 @@ def _other_server(before: List[Slot], after: List[Slot]) -> bool:
 class _Run:
     """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): whether it was cancelled
     and whether its last words are shielded from that, its ticket (so that a cancel can release it), what
-    it returned; and, from the driver, how to wake it (``signal``), close its connections and cancel it,
-    and the operations of section 8, each a method of its name."""
+    it returned, its open connections; and, from the driver, how to wake it (``signal``) and cancel it, and
+    the operations of section 8, each a method of its name (``send`` and ``recv`` are the connection's)."""
 
-    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket")
+    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket", "_conns", "_conns_lock")
 
     def __init__(self, board: Any) -> None:
         self.board = board
@@ -4468,6 +4468,8 @@ class _Run:
         self.cancelled = False
         self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
         self.ticket = None  # type: Optional[_Ticket]
+        self._conns = set()  # type: Set[Any]  # the connections open (a kept one is forgotten)
+        self._conns_lock = threading.Lock()
 
     def child(self, plan: _Plan[Any]) -> Any:
         """A run of this driver for ``plan``, which this one starts in the background (``_SPAWN``),
@@ -4477,11 +4479,38 @@ class _Run:
         self.board.add(run)
         return run
 
+    def send(self, conn: Any, data: bytes, timeout: float) -> Any:
+        return conn.send(data, timeout)
+
+    def recv(self, conn: Any, timeout: float) -> Any:
+        return conn.recv(timeout)
+
+    def keep(self, conn: Any, idle: float) -> None:
+        self.forget(conn)
+        self.board.keep(conn, idle)
+
+    def forget(self, conn: Any) -> None:
+        with self._conns_lock:
+            self._conns.discard(conn)
+
+    def _open(self) -> List[Any]:
+        with self._conns_lock:
+            return list(self._conns)
+
+    def close_all(self) -> None:
+        """Close the connections still open (at the plan's end)."""
+        for conn in self._open():
+            conn.close()
+
+    def _abort(self) -> None:
+        """Mark the run cancelled and abort its connections: a read or a connect in progress ends at once."""
+        self.cancelled = True
+        for conn in self._open():
+            conn.abort()
+
     if TYPE_CHECKING:
 
         def signal(self) -> None: ...
-
-        def close_all(self) -> None: ...
 
         def cancel(self) -> None: ...
 
@@ -6227,9 +6256,8 @@ def _waiting_text(event: Waiting, pool: bool) -> str:
 
 
 def _unix_connect(sock: socket.socket, addr: _Address) -> None:
-    """Connect ``sock`` to the Unix socket of ``addr`` (both drivers: it completes or fails at once, a full
-    listen queue with EAGAIN).  A path that no server can listen at is ``ConnectError`` (``_unix_failed``);
-    any other failure is the ``OSError``, which a stream retries."""
+    """Connect ``sock`` to ``addr``'s Unix socket (both drivers: it completes or fails at once, a full listen
+    queue with EAGAIN): ``ConnectError`` where no server can listen (``_unix_failed``), else the ``OSError``."""
     try:
         sock.connect(addr.target)
     except OSError as exc:
@@ -6255,11 +6283,9 @@ class _Conn:
         self._closed = False
 
     def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """Connect, the connection registered with its run first: ``cancel()`` shuts down a socket whose
-        connect is in progress, which wakes it at once (a TCP connect to a listener whose accept queue is
-        full would otherwise block for ``timeout``).  OSError (missing socket file, refused, unreachable,
-        connect timeout) goes to the plan, which may retry; a failed TLS handshake or certificate check is
-        ConnectError, which no plan retries.  The caller closes the connection when this fails."""
+        """Connect: ``OSError`` when the server cannot be reached (a stream retries it), ``ConnectError`` when
+        TLS fails (never retried).  Each socket is the connection's before it connects, so that ``cancel()``
+        shuts a connect in progress down.  The caller closes the connection when this fails."""
         self._timeout = timeout
         if addr.unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -6267,17 +6293,16 @@ class _Conn:
             _unix_connect(sock, addr)
             return
         host, port = addr.target
-        failed = OSError("getaddrinfo returns an empty list")  # type: Optional[OSError]  # as create_connection
+        failed = OSError("getaddrinfo returns an empty list")  # as socket.create_connection says it
         for family, kind, proto, _, target in self._resolve(host, port, timeout):
             try:  # each address in turn, as socket.create_connection tries them
                 self._dial(socket.socket(family, kind, proto), target, timeout)
-                failed = None
                 break
             except OSError as exc:
                 failed = exc
                 if self._stopped():
-                    break
-        if failed is not None:
+                    raise
+        else:
             raise failed
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -6287,10 +6312,8 @@ class _Conn:
             self._handshake(addr, ssl_context)
 
     def _resolve(self, host: str, port: int, timeout: float) -> List[Any]:
-        """``getaddrinfo`` within the connect's ``timeout`` (``socket.timeout`` past it), a cancel seen within
-        0.1 s: a numeric address at once; a host name in a thread of its own, since the system's resolver
-        cannot be interrupted.  A thread that outlives the wait ends when the resolver answers (its own
-        timeout, a few seconds in resolv.conf) and keeps nothing."""
+        """``getaddrinfo`` within the connect's ``timeout``: a host name in a thread of its own, since the
+        system's resolver cannot be interrupted (the thread ends when the resolver answers, keeping nothing)."""
         try:
             return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
         except socket.gaierror:
@@ -6307,21 +6330,25 @@ class _Conn:
                 done.set()
 
         threading.Thread(target=look_up, name="loopclient-resolver", daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not done.wait(max(0.0, min(deadline - time.monotonic(), 0.1))):
-            if self._stopped():
-                raise _cancelled()
-            if time.monotonic() >= deadline:
-                raise socket.timeout("timed out looking up %s" % host)
+        self._until(done.wait, timeout, "timed out looking up %s" % host)
         if isinstance(answer[0], OSError):
             raise answer[0]
         return answer[0]  # type: ignore[no-any-return]
 
     def _stopped(self) -> bool:
-        """The run was cancelled, and this is not the connection of its shielded last words (the DELETE of
-        a resumable stream that a cancel ended)."""
+        """The run was cancelled, and this is not the connection of its shielded last words."""
         owner = self.owner
         return bool(owner.cancelled and not owner.shield)
+
+    def _until(self, ready: Callable[[float], Any], timeout: float, what: str) -> None:
+        """Until ``ready(seconds)`` is true, asked at least every 0.1 s: ``CancelledError`` once the run is
+        cancelled, ``socket.timeout(what)`` past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not ready(max(0.0, min(deadline - time.monotonic(), 0.1))):
+            if self._stopped():
+                raise _cancelled()
+            if time.monotonic() >= deadline:
+                raise socket.timeout(what)
 
     def _adopt(self, sock: socket.socket, timeout: float) -> None:
         """Make ``sock`` this connection's before it connects: ``cancel()`` shuts it down, which ends a TCP
@@ -6345,12 +6372,7 @@ class _Conn:
         if failed == errno.EINPROGRESS:
             waiter = select.poll()
             waiter.register(sock, select.POLLOUT)  # POLLERR and POLLHUP come without asking
-            deadline = time.monotonic() + timeout
-            while not waiter.poll(max(0.0, min(deadline - time.monotonic(), 0.1)) * 1000):
-                if self._stopped():
-                    raise _cancelled()
-                if time.monotonic() >= deadline:
-                    raise socket.timeout("timed out")
+            self._until(lambda seconds: waiter.poll(seconds * 1000), timeout, "timed out")
             failed = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         sock.settimeout(timeout)
         if failed:
@@ -6367,13 +6389,16 @@ class _Conn:
         except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
             raise _tls_failed(addr, exc) from exc
 
+    def _timed(self, timeout: float) -> socket.socket:
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+        return self.sock
+
     def send(self, data: bytes, timeout: float) -> None:
         """Write the request; ``StalledError`` when the server takes none of it for ``timeout``."""
         try:
-            if timeout != self._timeout:
-                self.sock.settimeout(timeout)
-                self._timeout = timeout
-            self.sock.sendall(data)
+            self._timed(timeout).sendall(data)
         except socket.timeout:
             raise _send_stalled(timeout) from None
         except OSError as exc:
@@ -6383,10 +6408,7 @@ class _Conn:
         """The next bytes, ``b""`` at the end; ``_Silence`` when nothing came for ``timeout``,
         ``StreamClosedError`` when the connection failed."""
         try:
-            if timeout != self._timeout:
-                self.sock.settimeout(timeout)
-                self._timeout = timeout
-            return self.sock.recv(RECV_SIZE)
+            return self._timed(timeout).recv(RECV_SIZE)
         except socket.timeout:
             raise _Silence() from None
         except OSError as exc:
@@ -6425,14 +6447,12 @@ class _SyncRun(_Run):
     ends); the driving thread then throws ``CancelledError`` into the plan.  When no thread drives the plan
     at that moment, ``cancel()`` ends it itself, so that its socket and permit are freed at once."""
 
-    __slots__ = ("lock", "_conns", "_conns_lock", "_bell", "_rung")
+    __slots__ = ("lock", "_bell", "_rung")
     board: _Board
 
     def __init__(self, board: _Board) -> None:
         _Run.__init__(self, board)
         self.lock = threading.Lock()  # held while a thread drives the plan
-        self._conns: Set[_Conn] = set()
-        self._conns_lock = threading.Lock()
         # The waker: a lock held until signal() releases it once, as threading.Condition wakes each of its
         # waiters (a threading.Event would cost a Condition, its lock and a new lock per wait: measured,
         # 4,000 parked streams then spent ten times the CPU of this one lock each).
@@ -6487,12 +6507,6 @@ class _SyncRun(_Run):
             _connected(board)
         return conn
 
-    def send(self, conn: _Conn, data: bytes, timeout: float) -> None:
-        conn.send(data, timeout)
-
-    def recv(self, conn: _Conn, timeout: float) -> bytes:
-        return conn.recv(timeout)
-
     def park(self, timeout: Optional[float]) -> None:
         """Until signal() (or an earlier one not yet taken), or ``timeout`` (None: no timer)."""
         got = self._bell.acquire(True, -1 if timeout is None else min(timeout, threading.TIMEOUT_MAX))
@@ -6504,19 +6518,12 @@ class _SyncRun(_Run):
 
     def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while not self.cancelled:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self.park(left)
+        while not self.cancelled and time.monotonic() < deadline:
+            self.park(max(deadline - time.monotonic(), 0.0))
 
     def spawn(self, plan: _Plan[Any]) -> None:
         run = self.child(plan)
         threading.Thread(target=run.background, name="loopclient-background", daemon=True).start()
-
-    def keep(self, conn: _Conn, idle: float) -> None:
-        self.forget(conn)
-        self.board.keep(conn, idle)
 
     # -- the run's life ------------------------------------------------------------------------------------
 
@@ -6549,23 +6556,8 @@ class _SyncRun(_Run):
         finally:
             self.board.discard(self)
 
-    def forget(self, conn: _Conn) -> None:
-        with self._conns_lock:
-            self._conns.discard(conn)
-
-    def close_all(self) -> None:
-        """Close the connections still open (the driving thread, at the plan's end)."""
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.close()
-
     def cancel(self) -> None:
-        self.cancelled = True
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.abort()
+        self._abort()
         self._ring()
         if self.gen is not None and self.lock.acquire(False):  # nobody drives it: end it here
             try:
@@ -7247,7 +7239,7 @@ class _AsyncRun(_Run):
     ``CancelledError`` thrown into it.  Cancelling the task that drives it throws ``asyncio.CancelledError``
     into the plan the same way."""
 
-    __slots__ = ("resumable", "running", "unwinding", "_conns", "_alarm", "_rung")
+    __slots__ = ("resumable", "running", "unwinding", "_alarm", "_rung")
     board: _AsyncBoard
 
     def __init__(self, board: _AsyncBoard, resumable: bool = False) -> None:
@@ -7255,7 +7247,6 @@ class _AsyncRun(_Run):
         self.resumable = resumable  # its end says something to the server: it cannot be ended at once
         self.unwinding = None  # type: Optional[asyncio.Task[None]]  # the task ending it after a cancel()
         self.running = False  # a task is driving the plan
-        self._conns: Set[_AsyncConn] = set()
         self._alarm = None  # type: Optional[asyncio.Future[None]]  # what a park or a sleep awaits
         self._rung = False  # signalled while not parked: the next park returns at once
 
@@ -7293,14 +7284,9 @@ class _AsyncRun(_Run):
             conn = _AsyncConn(board.loop, self)
             await conn.open(board.calls.addr, timeout, board.calls.ssl_context)
             _connected(board)
-        self._conns.add(conn)
+        with self._conns_lock:
+            self._conns.add(conn)
         return conn
-
-    async def send(self, conn: _AsyncConn, data: bytes, timeout: float) -> None:
-        await conn.send(data, timeout)
-
-    async def recv(self, conn: _AsyncConn, timeout: float) -> bytes:
-        return await conn.recv(timeout)
 
     async def park(self, timeout: Optional[float]) -> None:
         if self._rung or (self.cancelled and not self.shield):
@@ -7321,9 +7307,8 @@ class _AsyncRun(_Run):
     async def spawn(self, plan: _Plan[Any]) -> None:
         self.board.spawn(self.child(plan).background())
 
-    async def keep(self, conn: _AsyncConn, idle: float) -> None:
-        self.forget(conn)
-        self.board.keep(conn, idle)
+    async def keep(self, conn: _AsyncConn, idle: float) -> None:  # type: ignore[override]
+        _Run.keep(self, conn, idle)
 
     # -- the run's life ------------------------------------------------------------------------------------
 
@@ -7356,17 +7341,8 @@ class _AsyncRun(_Run):
         finally:
             self.board.discard(self)
 
-    def forget(self, conn: _AsyncConn) -> None:
-        self._conns.discard(conn)
-
-    def close_all(self) -> None:
-        for conn in list(self._conns):
-            conn.close()
-
     def cancel(self) -> None:
-        self.cancelled = True
-        for conn in list(self._conns):
-            conn.abort()
+        self._abort()
         self.signal()
         if self.gen is not None and not self.running:  # nobody drives it
             if self.resumable:  # its DELETE is I/O: a task of the board ends it, then frees the permit

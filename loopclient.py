@@ -3699,25 +3699,22 @@ class ResponsePump:
 
 
 class _Address:
+    """``text`` as the caller gave it (for messages); ``target`` a socket path, or (host, port) over TCP (TLS
+    when ``tls``); the Host header; the ``prefix`` of every request path ("" or "/llama"); ``seen``: a
+    connect reached a Unix socket file there since the client was made; ``warned``: a missing one was logged."""
+
     __slots__ = ("text", "unix", "target", "host", "tls", "prefix", "seen", "warned")
 
     def __init__(self, text: str, unix: bool, target: Any, host: str, tls: bool = False, prefix: str = "") -> None:
-        self.text = text  # as the caller gave it, for messages
-        self.unix = unix
-        self.target = target  # a path, or (host, port)
-        self.host = host  # the Host header
-        self.tls = tls
-        self.prefix = prefix  # put before every request path ("" or "/llama")
-        self.seen = False  # a Unix socket file was there (a connect reached it) since the client was made
-        self.warned = False  # the missing socket file was logged
+        self.text, self.unix, self.target, self.host, self.tls, self.prefix = text, unix, target, host, tls, prefix
+        self.seen = self.warned = False
 
     def __repr__(self) -> str:
         return "_Address(%r)" % self.text
 
 
 def _host_port(address: str) -> bool:
-    """``address`` is host:port with no scheme ("localhost:8080", "127.0.0.1:8080", "[::1]:8080"), which
-    would otherwise be read as the name of a socket file in the current directory."""
+    """``address`` is host:port with no scheme ("localhost:8080", "[::1]:8080"), not a socket file's name."""
     host, colon, port = address.rpartition(":")
     port = port[:-1] if port.endswith("/") else port
     if not colon or not host or not (port.isdigit() and port.isascii() and len(port) <= 5):
@@ -3760,7 +3757,8 @@ def parse_address(address: Any) -> _Address:
 
 
 def _parse_url(text: str) -> _Address:
-    """``http[s]://host[:port][/prefix]``: a TCP address (TLS for https), its Host header and path prefix."""
+    """``http[s]://host[:port][/prefix]`` (``[v6addr]`` for an IPv6 host): a TCP address (TLS for https), its
+    Host header (which names the port only when it is not the scheme's) and path prefix."""
     scheme, _, rest = text.partition("://")
     scheme = scheme.lower()
     if scheme not in ("http", "https"):
@@ -3771,13 +3769,6 @@ def _parse_url(text: str) -> _Address:
     prefix = ("/" + prefix.rstrip("/")) if slash and prefix.strip("/") else ""
     if not rest or any(c in rest + prefix for c in "?#@ \t\r\n\0") or "//" in prefix:
         raise ValueError("cannot parse %r: expected %s://host:port[/prefix]" % (text, scheme))
-    host, port, host_header = _authority(text, scheme, rest)
-    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
-
-
-def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
-    """``host[:port]`` or ``[v6addr][:port]`` of the URL ``text``: the host, the port (the scheme's by
-    default) and the Host header, which names the port only when it is not the default."""
     if rest.startswith("["):
         host, sep, port_text = rest[1:].partition("]")
         if not sep or (port_text and not port_text.startswith(":")):
@@ -3789,15 +3780,13 @@ def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
         host_header = host
     if not host:
         raise ValueError("no host in %r" % text)
-    default = 443 if scheme == "https" else 80
-    port = default
+    port = default = 443 if scheme == "https" else 80
     if port_text or rest.endswith(":"):
         if not (port_text.isdigit() and port_text.isascii() and 0 < int(port_text) < 65536):
             raise ValueError("bad port in %r" % text)
         port = int(port_text)
-    if port != default:
-        host_header += ":%d" % port
-    return host, port, host_header
+    host_header += ":%d" % port if port != default else ""
+    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
 
 
 class _Silence(Exception):
@@ -3965,9 +3954,8 @@ def _cannot_connect(exc: OSError) -> _Retry:
 
 
 class _Backoff:
-    """The one retry object of every retry loop (a request's attempts, a stream's reattaches): how many
-    retries it has told and the next delay (``BACKOFF_FIRST`` doubling to ``BACKOFF_MAX``); the budgets are
-    the request's ``_Waits``."""
+    """The one retry object of every retry loop (a request's attempts, a stream's reattaches): the retries
+    told, and the next delay (``BACKOFF_FIRST`` doubling to ``BACKOFF_MAX``); the budgets are ``_Waits``'."""
 
     __slots__ = ("attempt", "delay")
 
@@ -3976,9 +3964,8 @@ class _Backoff:
         self.delay = BACKOFF_FIRST
 
     def next(self, waits: _Waits, retry: _Retry) -> Retrying:
-        """The ``Retrying`` event for a failed attempt (its delay: the backoff jittered down by up to a
-        quarter, ``Retry-After`` as a floor, never past the budget of the retry's state); the budget's error
-        when it is spent or a hint goes past it."""
+        """The ``Retrying`` of a failed attempt (its delay jittered down by up to a quarter, ``Retry-After`` a
+        floor, never past the state's budget); the budget's error when it is spent or a hint goes past it."""
         waits.observe(retry.state, retry.cause)
         left = waits.remaining()
         assert left is not None
@@ -4076,23 +4063,18 @@ def _judge_quiet(
 
 
 class _Lane:
-    """One queue: a slot, or the ``slot=None`` pool, of one model.  Read and written under the gate's lock.
+    """One queue (a slot, or the ``slot=None`` pool, of one model), under the gate's lock.  Queued tickets
+    hold positions in entry order (``tail`` the next); ``head`` is the first one's, ``holes`` the sorted
+    positions between it and ``tail`` whose ticket was cancelled.  So ``pos - head - (holes below pos)``
+    wait before ``pos``: a bisection, where walking the queue would cost thousands of waiters, each asking
+    every ``poll``, the square of their number.  Invariants, whenever the lock is free:
 
-    Queued tickets hold positions handed out in entry order (``tail`` is the next one).  ``head`` is the
-    first queued ticket's position, and ``holes`` the sorted positions between it and ``tail`` whose
-    ticket was cancelled out of the queue.  The tickets queued before the one at ``pos`` then number
-    ``pos - head - (holes below pos)``: a bisection, where walking the queue would make thousands of
-    waiters, each asking every ``poll``, cost the square of their number.
-
-    Invariants, whenever the lock is free:
       1. Nobody waits while a permit is free: ``queue`` is empty or ``in_flight >= capacity``; and
-         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in
-         flight (none is taken back: nobody is admitted until their ends bring ``in_flight`` below it).
-      2. The positions of ``queue`` and the ``holes`` together are exactly ``range(head, tail)``, without
-         overlap; ``holes`` is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
-      3. ``len(holes) <= len(queue)``: whenever a cancel or a grant would break it, the positions are
-         renumbered (O(queued), paid for by the cancels that made the holes), so memory stays constant per
-         waiter however many come and go.
+         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in flight.
+      2. The positions of ``queue`` and ``holes`` are exactly ``range(head, tail)``, without overlap; ``holes``
+         is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
+      3. ``len(holes) <= len(queue)``: else the positions are renumbered (O(queued), paid for by the cancels
+         that made the holes), so memory stays constant per waiter however many come and go.
     """
 
     __slots__ = ("capacity", "known", "in_flight", "queue", "head", "tail", "holes")
@@ -4117,9 +4099,8 @@ class _Lane:
         return pos - self.head - bisect_left(holes, pos)
 
     def ahead(self, ticket: _Ticket) -> int:
-        """What ``Queued(ahead)`` says of ``ticket``: the requests that must end before it goes, the waiters
-        before it and those in flight past the last free permit (the first waiter hears 1, for a slot as
-        for a pool)."""
+        """``ticket``'s ``Queued(ahead)``: what must end before it goes, the waiters before it and those in
+        flight past the last permit (the first waiter hears 1, for a slot as for a pool)."""
         return self.before(ticket) + 1 + max(self.in_flight - self.capacity, 0)
 
     def push(self, ticket: _Ticket) -> None:
@@ -4181,14 +4162,13 @@ class _Lane:
 
 class _Ticket:
     """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
-    permit.  A queued ticket's request sleeps on its own ``waker`` (the driver's: anything with a
-    ``signal()`` that wakes that one request, a thread's event or a task's future), which the gate signals
-    when it hands the ticket the permit, or when the pool's size, once known, judges a ticket that entered
-    before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and never for anything else."""
+    permit.  The gate signals its ``waker`` (the run that waits) then, or when the pool's size, once known,
+    judges a ticket that entered before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and
+    never for anything else."""
 
     __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "refused", "waker")
 
-    def __init__(self, lane: _Lane, seq: int, waker: Optional[_Waker]) -> None:
+    def __init__(self, lane: _Lane, seq: int, waker: Optional[_Run]) -> None:
         self.lane = lane
         self.seq = seq  # entry order across the gate, for diagnostics
         self.pos = 0  # position in the lane's queue, while queued
@@ -4203,25 +4183,13 @@ class _Ticket:
             self.waker.signal()
 
 
-if TYPE_CHECKING:
-    from typing import Protocol
-
-    class _Waker(Protocol):
-        """What the gate and the poller know of a waiting request: how to wake it."""
-
-        def signal(self) -> None: ...
-
-
 class _Gate:
-    """FIFO queues that hand over: per key, ``capacity`` requests in flight (1 for a slot, ``total_slots``
-    for a pool) and ``queue_len`` more waiting; the next is refused with ``BusyError``.
-
-    A key is a hashable pair ``(model, slot)``: model None is the server's default, slot None the pool;
-    the gate reads them only to word ``BusyError``.  A release grants the permit to the first waiter and
-    signals that waiter's waker only; a waiter that leaves wakes nobody.  Waiters look up how far they have
-    moved up (``position``) when their own timer fires, every ``poll`` seconds, which is why ``Queued``
-    announcements are coalesced.  A slot with thousands of waiters costs the same per request as a slot
-    with ten.  Both drivers use it: the lock is uncontended on an event loop."""
+    """FIFO queues that hand over: per key ``(model, slot)`` (None: the default model, the pool), ``capacity``
+    requests in flight (1 for a slot, ``total_slots`` for a pool) and ``queue_len`` more waiting; the next
+    is refused with ``BusyError``.  A release grants the permit to the first waiter and signals its waker
+    only; a waiter that leaves wakes nobody.  Waiters read how far they moved up (``position``) on their own
+    timer, every ``poll`` (so ``Queued`` announcements are coalesced, and thousands of waiters cost the same
+    per request as ten).  Both drivers use it: the lock is uncontended on an event loop."""
 
     def __init__(self, lock: threading.Lock, queue_len: int) -> None:
         self._lock = lock
@@ -4230,15 +4198,12 @@ class _Gate:
         self._seq = 0
 
     def enter(
-        self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Waker] = None
+        self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Run] = None
     ) -> _Ticket:
         """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
-        when ``queue_len`` already wait.  ``capacity`` sizes a new lane; one above the lane's grows it and
-        admits the waiters that now fit; a smaller one (a caller that read the pool's size before
-        ``/props`` answered) changes nothing.  ``capacity`` None: the pool's size is not known yet (its
-        ``/props`` is out): a new lane lets one request go (every server has a slot), and the others wait
-        unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize`` says the size.  ``waker`` is
-        signalled when a queued ticket is granted or judged."""
+        when ``queue_len`` already wait.  ``capacity`` sizes a new lane and grows a smaller one (admitting
+        the waiters that now fit).  None: the pool's ``/props`` has not answered: one request goes (every
+        server has a slot), the others wait unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize``."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -4261,13 +4226,10 @@ class _Gate:
             return ticket
 
     def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int]) -> None:
-        """The size of a pool as ``/props`` said it, whenever its answer comes (None: it gave none, and the
-        pool stays the size it has, one): a larger one admits the waiters that now fit, first come first,
-        each woken as a release wakes it; a smaller one takes no permit back (the requests in flight go on,
-        and nobody is admitted until their ends bring the number in flight below ``capacity``).  Then the
-        waiters that entered before the size was known are judged against it, in order: those past
-        ``queue_len`` are refused (``BusyError``), the others told their place; each is woken.  No waiter's
-        ``Queued(ahead)`` grows: the requests ahead of it are still ahead."""
+        """A pool's size as ``/props`` said it (None: no answer; it stays one): the waiters that now fit are
+        admitted, first come first (a smaller size takes no permit back: nobody goes until fewer are in
+        flight); then those that entered before the size was known are judged against it, in order: past
+        ``queue_len`` refused (``BusyError``), the others told their place (never more than before), each woken."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
@@ -4340,9 +4302,9 @@ class _Gate:
 
 
 class _SlotReader:
-    """What is read from ``/slots`` answers (the shared poller's, and the command line's): per slot, since
-    when the progress triple (task, decoded, prompt processed) of a processing slot has not changed
-    (``remember`` each answer), and from one answer, what a request's slot is doing."""
+    """What ``/slots`` answers say (the shared poller's, and the command line's): since when each processing
+    slot's progress (task, decoded, prompt processed) has not changed (``remember`` each answer), and from
+    one answer, what a request's slot is doing (``state``)."""
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
@@ -4374,11 +4336,8 @@ class _SlotReader:
         says so.  ``every``: the pool is busy only when every slot is (else: any)."""
         if not slots:  # no answer; or no slot at all: a router's model that is still loading
             return UNAVAILABLE, None
-        if slot is not None:
-            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
-            mine = [s for s in slots if s.id == target]
-        else:
-            mine = slots
+        # llama-server wraps an id_slot past the last slot
+        mine = slots if slot is None else [s for s in slots if s.id == slot % len(slots)]
         wedged = [s for s in mine if self.wedged(s)]
         moving = [s for s in mine if s not in wedged]
         if wedged and (slot is not None or not every or not moving):
@@ -4407,23 +4366,18 @@ class _SlotPoller(_SlotReader):
         self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
         self.unseen = False  # the last answer said /slots is not served (404, 403, 405, 501)
         self.several = False  # the answers proved several servers behind the address (see answered())
-        self.waiters: Set[_Waker] = set()
+        self.waiters: Set[_Run] = set()
         self._asking = False
 
     def start(self) -> bool:
         """True when the caller is to send the request: none is in flight."""
         with self._lock:
-            if self._asking:
-                return False
-            self._asking = True
-            return True
+            asking, self._asking = self._asking, True
+            return not asking
 
-    def wait(self, waker: _Waker, on: bool) -> None:
+    def wait(self, waker: _Run, on: bool) -> None:
         with self._lock:
-            if on:
-                self.waiters.add(waker)
-            else:
-                self.waiters.discard(waker)
+            (self.waiters.add if on else self.waiters.discard)(waker)
 
     def fresh(self, now: float) -> bool:
         """The last answer may be reused: younger than ``poll`` (30 s when /slots is not served)."""
@@ -4433,8 +4387,11 @@ class _SlotPoller(_SlotReader):
         now = _clock()
         with self._lock:
             if slots is not None:
-                if self.slots is not None and not self.several:
-                    self.several = _other_server(self.slots, slots)
+                # A number of slots that changed proves several servers (or one restarted with another
+                # --parallel: the waits are only more patient); a task id going back proves nothing (a slot
+                # may take a task queued for it after a later one that went to it at once).
+                if self.slots is not None and len(self.slots) != len(slots):
+                    self.several = True
                 self.remember(slots, now)
             self.unseen = unseen
             self.slots = slots
@@ -4443,14 +4400,6 @@ class _SlotPoller(_SlotReader):
             waiters = list(self.waiters)
         for waker in waiters:
             waker.signal()
-
-
-def _other_server(before: List[Slot], after: List[Slot]) -> bool:
-    """Whether two ``/slots`` answers cannot come from one server: the number of slots changed (a server
-    restarted with another ``--parallel`` is taken for another server too, which only makes the waits more
-    patient).  A slot's task id going back proves nothing: one server's slot may take a task queued for it
-    after a later one that went to it at once."""
-    return len(before) != len(after)
 
 
 class _Run:
@@ -4517,11 +4466,9 @@ class _Run:
 
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
-    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, and the runs
-    in flight, and the kept connections.  Under one lock; its only I/O is closing connections (a stale
-    kept one in ``checkout()``, one not kept in ``keep()``, every kept one in ``close()``) and logging it,
-    and ``close()`` cancelling the runs in flight, whose plans then unwind: a resumable stream's sends its
-    DELETE on the way out."""
+    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, the runs in
+    flight and the kept connections.  Under one lock; its only I/O is closing connections (and logging it),
+    and ``close()`` cancelling the runs in flight, whose plans then unwind (a resumable stream's DELETE)."""
 
     def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
         self.calls = calls
@@ -4590,20 +4537,24 @@ class _Board:
         if not kept:
             conn.close()
         log = _logger()
-        if log:
-            if kept:
-                log.debug("%s: connection kept for reuse (%.0f s idle at most)", self.calls.address, idle)
-            else:
-                log.debug("%s: connection closed, not kept (keep_alive are kept already)", self.calls.address)
+        if log and kept:
+            log.debug("%s: connection kept for reuse (%.0f s idle at most)", self.calls.address, idle)
+        elif log:
+            log.debug("%s: connection closed, not kept (keep_alive are kept already)", self.calls.address)
 
     def close(self) -> None:
         """Cancel every run in flight, streams and polls, and close the kept connections."""
         with self.lock:
-            self.closed = True
+            self.closed = True  # nothing is kept from now on
             runs = list(self.runs)
-            idle, self.idle = self.idle, []
         for run in runs:
             run.cancel()
+        self.drop_idle()
+
+    def drop_idle(self) -> None:
+        """Close the kept connections (``AsyncClient``: of a loop it no longer uses, which cannot serve another)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
         for conn, _, _ in idle:
             conn.close()
 
@@ -7567,13 +7518,6 @@ class _AsyncBoard(_Board):
     def busy(self) -> bool:
         return bool(self.runs or self.tasks)
 
-    def drop_idle(self) -> None:
-        """Close the kept connections (of a loop the client no longer uses: they cannot serve another)."""
-        with self.lock:
-            idle, self.idle = self.idle, []
-        for conn, _, _ in idle:
-            conn.close()
-
     async def aclose(self) -> None:
         import asyncio
 
@@ -7761,11 +7705,7 @@ class AsyncClient(_Configured):
         run.gen = plan
         return await run.finish()  # type: ignore[no-any-return]
 
-    # -- chat ------------------------------------------------------------------------------------------
-
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream()`` for asyncio: an ``AsyncStream`` (a plain call; the request starts when
-        iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
         return AsyncStream(self, self._streams.stream_request("chat", (messages,), params, slot))
 
     async def chat(
@@ -7775,37 +7715,27 @@ class AsyncClient(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """Stream a chat and return its ``Completion``, calling ``on_event`` (a plain callable, in the loop's
-        thread) for each event.  Raises the ``LoopError`` subclasses; an exception from ``on_event`` closes
-        the request and propagates unchanged."""
         return await _aconsume(self.stream(messages, slot=slot, **params), on_event)
 
-    # -- the other streamed endpoints -------------------------------------------------------------------
-
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream_complete()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("complete", (prompt,), params, slot))
 
     async def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
-        """``Client.complete()``, as a coroutine."""
         return await _aconsume(self.stream_complete(prompt, slot=slot, **params), on_event)
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream_complete_openai()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     async def complete_openai(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
-        """``Client.complete_openai()``, as a coroutine."""
         return await _aconsume(self.stream_complete_openai(prompt, slot=slot, **params), on_event)
 
     def stream_infill(
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
-        """``Client.stream_infill()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     async def infill(
@@ -7818,23 +7748,19 @@ class AsyncClient(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """``Client.infill()``, as a coroutine."""
         return await _aconsume(self.stream_infill(prefix, suffix, extra=extra, slot=slot, **params), on_event)
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream_respond()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("respond", (input,), params, slot))
 
     async def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
-        """``Client.respond()``, as a coroutine."""
         return await _aconsume(self.stream_respond(input, slot=slot, **params), on_event)
 
     def stream_message(
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
-        """``Client.stream_message()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("message", (messages,), params, slot))
 
     async def message(
@@ -7844,10 +7770,7 @@ class AsyncClient(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """``Client.message()``, as a coroutine."""
         return await _aconsume(self.stream_message(messages, slot=slot, **params), on_event)
-
-    # -- any route, streamed --------------------------------------------------------------------------------
 
     def stream_route(
         self,
@@ -7859,11 +7782,8 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         **params: Any,
     ) -> AsyncStream:
-        """``Client.stream_route()`` for asyncio (a plain call): an ``AsyncStream`` of ``Chunk`` events."""
         params["headers"] = headers
         return AsyncStream(self, self._streams.stream_request("route", (path, body, method), params, slot))
-
-    # -- resumable streams ------------------------------------------------------------------------------
 
     def resume(
         self,
@@ -7876,7 +7796,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         session: Optional[str] = None,
     ) -> AsyncStream:
-        """``Client.resume()`` for asyncio (a plain call)."""
         req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return AsyncStream(self, req)
 
@@ -7888,7 +7807,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
-        """``Client.lookup_streams``, as a coroutine."""
         return await self._run(self._calls.at(headers).lookup_streams(conversation_ids, session), timeout)
 
     async def delete_stream(
@@ -7899,10 +7817,7 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> bool:
-        """``Client.delete_stream``, as a coroutine."""
         return await self._run(self._calls.at(headers).delete_stream(conversation_id, session=session), timeout)
-
-    # -- single-shot calls: Client's, as coroutines (each with headers= and timeout=) ---------------------
 
     async def fetch(
         self,
@@ -7914,7 +7829,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Response:
-        """``Client.fetch``, as a coroutine."""
         return await self._run(self._calls.at(headers).fetch(method, path, body, query), timeout)
 
     async def request(
@@ -7927,31 +7841,26 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """``Client.request``, as a coroutine."""
         return await self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
     async def slots(
         self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> List[Slot]:
-        """``Client.slots``, as a coroutine."""
         return await self._run(self._calls.at(headers).slots(model), timeout)
 
     async def health(
         self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.health``, as a coroutine."""
         return await self._run(self._calls.at(headers).health(), timeout)
 
     async def props(
         self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.props``, as a coroutine."""
         return await self._run(self._calls.at(headers).props(model), timeout)
 
     async def models(
         self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.models``, as a coroutine."""
         return await self._run(self._calls.at(headers).models(), timeout)
 
     async def load_model(
@@ -7962,23 +7871,19 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Dict[str, Any]:
-        """``Client.load_model``, as a coroutine."""
         return await self._run(self._calls.at(headers).load_model(name, wait), timeout)
 
     def watch_models(self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None) -> AsyncStream:
-        """``Client.watch_models()`` for asyncio (a plain call): an ``AsyncStream`` of ``ModelEvent``."""
         return AsyncStream(self, self._streams.watch_request(model, headers))
 
     async def unload_model(
         self, name: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.unload_model``, as a coroutine."""
         return await self._run(self._calls.at(headers).unload_model(name), timeout)
 
     async def end_reasoning(
         self, completion_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> bool:
-        """``Client.end_reasoning``, as a coroutine."""
         return await self._run(self._calls.at(headers).control(self.model, completion_id), timeout)
 
     async def tokenize(
@@ -7991,14 +7896,12 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
-        """``Client.tokenize``, as a coroutine."""
         plan = self._calls.at(headers).tokenize(text, add_special, parse_special, with_pieces)
         return await self._run(plan, timeout)
 
     async def detokenize(
         self, tokens: Sequence[int], *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> str:
-        """``Client.detokenize``, as a coroutine."""
         return await self._run(self._calls.at(headers).detokenize(tokens), timeout)
 
     async def apply_template(
@@ -8009,7 +7912,6 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> str:
-        """``Client.apply_template``, as a coroutine."""
         return await self._run(self._calls.at(headers).apply_template(messages, params), timeout)
 
     async def count_tokens(
@@ -8020,7 +7922,6 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``Client.count_tokens``, as a coroutine."""
         return await self._run(self._calls.at(headers).count_tokens(messages, params), timeout)
 
     async def embed(
@@ -8031,7 +7932,6 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> List[List[float]]:
-        """``Client.embed``, as a coroutine."""
         return await self._run(self._calls.at(headers).embed(input, params), timeout)
 
     async def rerank(
@@ -8043,30 +7943,25 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> List[Dict[str, Any]]:
-        """``Client.rerank``, as a coroutine."""
         return await self._run(self._calls.at(headers).rerank(query, documents, params), timeout)
 
     async def save_slot(
         self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.save_slot``, as a coroutine."""
         return await self._run(self._calls.at(headers).slot_action(slot, "save", {"filename": filename}), timeout)
 
     async def restore_slot(
         self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.restore_slot``, as a coroutine."""
         plan = self._calls.at(headers).slot_action(slot, "restore", {"filename": filename})
         return await self._run(plan, timeout)
 
     async def erase_slot(
         self, slot: int, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.erase_slot``, as a coroutine."""
         return await self._run(self._calls.at(headers).slot_action(slot, "erase", {}), timeout)
 
     async def metrics(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> str:
-        """``Client.metrics``, as a coroutine."""
         return await self._run(self._calls.at(headers).metrics(), timeout)
 
     async def count_message_tokens(
@@ -8077,19 +7972,16 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``Client.count_message_tokens``, as a coroutine."""
         return await self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
     async def count_response_tokens(
         self, input: Any, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **params: Any
     ) -> int:
-        """``Client.count_response_tokens``, as a coroutine."""
         return await self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
 
     async def lora_adapters(
         self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> List[Any]:
-        """``Client.lora_adapters``, as a coroutine."""
         return await self._run(self._calls.at(headers).lora_adapters(), timeout)
 
     async def set_lora_adapters(
@@ -8099,7 +7991,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """``Client.set_lora_adapters``, as a coroutine."""
         return await self._run(self._calls.at(headers).set_lora_adapters(adapters), timeout)
 
 
@@ -8114,6 +8005,19 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
         raise
     assert stream.completion is not None
     return stream.completion
+
+
+def _as_client(cls: Any) -> None:
+    """Every public call of ``cls`` (``AsyncClient``) without a docstring of its own is ``Client``'s on an
+    event loop: its docstring says so, once, here (``help()`` shows it)."""
+    for name, call in vars(cls).items():
+        if not name.startswith("_") and call.__doc__ is None:
+            plain = call.__annotations__.get("return") == "AsyncStream"
+            how = "for asyncio (a plain call): an ``AsyncStream``" if plain else "as a coroutine"
+            call.__doc__ = "``Client.%s()``, %s." % (name, how)
+
+
+_as_client(AsyncClient)
 
 
 # =====================================================================================================

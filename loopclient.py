@@ -6101,9 +6101,8 @@ def _decode_json(data: bytes, what: str) -> Any:
 # 9. The drivers: blocking sockets and threads, then asyncio
 # =====================================================================================================
 #
-# A driver performs the operations a plan yields, and nothing else: connections, reads and writes with
-# their timeouts, parking a request until its waker is signalled, sleeping, starting a background plan.
-# Socket errors become the library's errors in each driver's connection class, narrowest first.
+# A driver performs the operations a plan yields, and nothing else.  Socket errors become the library's
+# errors in each driver's connection class, narrowest first.
 
 
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
@@ -6220,8 +6219,8 @@ def _unix_connect(sock: socket.socket, addr: _Address) -> None:
 
 
 class _Conn:
-    """One connection with a blocking socket.  Socket errors are translated here, narrowest first:
-    ``socket.timeout`` (on 3.8 not a ``TimeoutError``) before ``OSError``."""
+    """One connection with a blocking socket; ``socket.timeout`` (on 3.8 not a ``TimeoutError``) is
+    translated before ``OSError``."""
 
     __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
@@ -6302,8 +6301,8 @@ class _Conn:
                 raise socket.timeout(what)
 
     def _adopt(self, sock: socket.socket, timeout: float) -> None:
-        """Make ``sock`` this connection's before it connects: ``cancel()`` shuts it down, which ends a TCP
-        connect in progress at once; a cancel that came before is ``CancelledError`` now."""
+        """Make ``sock`` this connection's before it connects (``cancel()`` shuts it down); ``CancelledError``
+        when the cancel came first."""
         with self._lock:
             old, self.sock = self.sock, sock
         if old is not None:
@@ -6366,8 +6365,8 @@ class _Conn:
             raise _connection_failed(exc) from exc
 
     def abort(self) -> None:
-        """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd
-        (on Linux, closing a socket another thread reads does not wake that thread)."""
+        """From any thread: wake a blocked reader, and the server sees us gone.  Never closes the fd (on
+        Linux, closing a socket another thread reads does not wake that thread)."""
         with self._lock:
             if not self._closed and self.sock is not None:
                 try:
@@ -6393,10 +6392,9 @@ def _connected(board: _Board) -> None:
 
 
 class _SyncRun(_Run):
-    """A plan driven in the calling thread with blocking sockets.  ``cancel()`` works from any thread: it
-    shuts the run's sockets down (a blocked read wakes at once) and signals its waker (a park or a sleep
-    ends); the driving thread then throws ``CancelledError`` into the plan.  When no thread drives the plan
-    at that moment, ``cancel()`` ends it itself, so that its socket and permit are freed at once."""
+    """A plan driven in the calling thread with blocking sockets.  ``cancel()``, from any thread, shuts the
+    run's sockets down and signals it, and the driving thread throws ``CancelledError`` into the plan; when
+    no thread drives it, ``cancel()`` ends it itself, so that its sockets and permit are freed at once."""
 
     __slots__ = ("lock", "_bell", "_rung")
     board: _Board
@@ -6422,9 +6420,8 @@ class _SyncRun(_Run):
                 self._bell.release()
 
     def step(self) -> Optional[List[Event]]:
-        """Drive the plan to the next events it yields (None: it returned, its value in ``value``).  Each
-        operation it yields is performed by this run's method of the operation's name (``recv``,
-        ``connect``, ...), and its result, or its error, goes back into the plan."""
+        """Drive the plan to the next events it yields (None: it returned, its value in ``value``), each
+        operation performed by this run's method of its name, its result or error sent back into the plan."""
         value = None  # type: Any
         exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
         while True:
@@ -6439,8 +6436,6 @@ class _SyncRun(_Run):
             except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
                 exc = caught
             exc = _after(self, exc)
-
-    # -- the operations ------------------------------------------------------------------------------------
 
     def connect(self, timeout: float, reuse: bool) -> _Conn:
         """A kept connection (``reuse``), else a new one, registered with the run before it connects."""
@@ -6476,11 +6471,9 @@ class _SyncRun(_Run):
         run = self.child(plan)
         threading.Thread(target=run.background, name="loopclient-background", daemon=True).start()
 
-    # -- the run's life ------------------------------------------------------------------------------------
-
     def unwind(self) -> None:
-        """End a cancelled plan in this thread: ``CancelledError`` thrown into it, so that its last words
-        (a resumable stream's DELETE) are said and its finally runs; the error stays here."""
+        """End a cancelled plan in this thread (``CancelledError`` thrown into it: its last words are said,
+        its finally runs); the error stays here."""
         self.cancelled = True
         try:
             while self.step() is not None:
@@ -6519,8 +6512,8 @@ class _SyncRun(_Run):
 
 class _Events:
     """What ``Stream`` and ``AsyncStream`` share: the request, its life (``_StreamLife``, made with the run
-    that drives it), the events of the last batch the plan yielded, handed out one by one (kept last
-    first), the offset they reach once all are out, and at the end the completion."""
+    that drives it), the last batch of events (handed out one by one, kept last first), the offset they
+    reach once all are out, and at the end the completion."""
 
     _run: Any
 
@@ -6546,8 +6539,8 @@ class _Events:
         run.gen = life.watch() if self._req.watch else life.plan()
 
     def _hand_out(self, got: Optional[List[Event]]) -> Optional[Event]:
-        """The first event of ``got``, the batch the run's step returned (the rest handed out next), or
-        None when it returned None: the plan ended, its ``Completion`` is kept."""
+        """The first event of the batch the run's step returned (the rest handed out next); None when the
+        plan ended (its ``Completion`` kept)."""
         life = self._life
         assert life is not None
         if got is None:
@@ -6571,12 +6564,10 @@ class _Events:
 
 
 class Stream(_Events):
-    """One streamed request (``Client.stream()`` and the other ``stream_*`` calls): iterate it for events;
-    ``completion`` is there once iteration has ended without an error.  The request starts when iteration
-    starts.  ``cancel()`` works from any thread; leaving the ``with`` block early cancels quietly.
-    Iteration raises the ``LoopError`` subclasses (``CancelledError`` after ``cancel()``).  One thread
-    iterates a stream at a time.
-    """
+    """One streamed request (``Client.stream()`` and the other ``stream_*`` calls), sent when iteration
+    starts: iterate it for events (one thread at a time); ``completion`` is there once iteration ended
+    without an error.  Iteration raises the ``LoopError`` subclasses (``CancelledError`` after
+    ``cancel()``, which works from any thread); leaving the ``with`` block early cancels quietly."""
 
     def __init__(self, board: _Board, req: _StreamRequest) -> None:
         self._setup(req)
@@ -6612,9 +6603,9 @@ class Stream(_Events):
         return handed
 
     def cancel(self) -> None:
-        """Cancel the request from any thread: its sockets close, its permit is released, and the thread
-        iterating the stream gets ``CancelledError`` within 0.2 s.  A resumable stream is deleted on the
-        server first (one attempt of at most a second), so that the server stops generating."""
+        """Cancel the request from any thread: its sockets close, its permit is released, and the iterating
+        thread gets ``CancelledError`` within 0.2 s; a resumable stream is deleted on the server first (one
+        attempt of at most a second), so that the server stops generating."""
         if not self._done:
             if not self._run.cancelled:
                 _cancel_told(self._req.calls.addr, "cancel() was called")
@@ -6640,9 +6631,8 @@ ChatStream = Stream
 
 class _Configured:
     """What ``Client`` and ``AsyncClient`` are made of: the configuration (``Client`` documents it), checked
-    once by ``_Calls``, which keeps it and makes the single-shot calls; the address, limits and default model
-    read back; the builders of the streamed requests (``_Streams``).  Each client then makes, in ``_start``,
-    where its requests meet: one ``_Board`` for ``Client``, one per event loop for ``AsyncClient``."""
+    and kept by ``_Calls`` (which makes the single-shot calls) and read back; ``_Streams``, which builds the
+    streamed requests; and, from ``_start``, where the requests meet (a ``_Board``; one per event loop)."""
 
     def __init__(
         self,
@@ -6670,26 +6660,22 @@ class _Configured:
 class Client(_Configured):
     """A client of one llama-server, shared by any number of threads.
 
-    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
-    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
-    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
-    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
-    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
-    ``session`` is the client's session key (1 to 128 visible ASCII characters), sent as ``X-Session-Id``
-    on every request of this client unless a streamed call gives its own (an ``X-Session-Id`` in
-    ``headers`` is the same thing; giving both is ``ValueError``).  A malformed address, a CR or LF in
-    ``api_key`` or a header, a malformed session key, or limits of the wrong type raise
-    ``ValueError``/``TypeError`` here, before any connection.
+    ``address``: a socket path, ``unix:///path`` or ``http[s]://host[:port][/prefix]`` (default:
+    ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``); ``limits``: the budgets and caps (``Limits``);
+    ``api_key`` is sent as ``Authorization: Bearer``, ``headers`` with every request; ``model`` is a
+    router's default model (put in each body and query that names none); ``ssl_context`` replaces the
+    default verifying context for ``https://``; ``session``, the client's session key (1 to 128 visible
+    ASCII characters), is sent as ``X-Session-Id`` unless a streamed call gives its own (an
+    ``X-Session-Id`` in ``headers`` is the same thing: both is ``ValueError``).  A malformed address,
+    header, key or limits is ``ValueError``/``TypeError`` here, before any connection.
 
-    Single-shot calls (everything but the streams) are sent once, and again only when a kept connection
-    fails before any byte of the answer (the server had closed it while idle, and never read the request:
-    the request goes once more, on a new connection): a server that cannot be reached is
-    ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
-    ``HTTPStatusError`` (never for ``fetch()``, which returns any answer whole), a malformed answer or one
-    over ``max_body`` is ``ProtocolError``.  Each takes ``headers=`` (a dict for that call alone, beside the
-    client's, its values winning; refused as the constructor refuses them: ``ValueError``/``TypeError``)
-    and ``timeout=`` (seconds for the whole exchange, connect included: ``DeadlineError`` past it).  Every
-    streamed call takes ``headers=`` too (a keyword, not sent in the body).
+    Single-shot calls (all but the streams) are sent once, and once more on a new connection only when a
+    kept one fails before any byte of the answer (the server had closed it unread).  They raise
+    ``ConnectError`` (unreachable), ``StalledError`` (silence longer than ``liveness``),
+    ``HTTPStatusError`` (not 200; never for ``fetch()``), ``ProtocolError`` (a malformed answer, or one over
+    ``max_body``) and ``DeadlineError`` (past ``timeout=``: seconds for the whole exchange, connect
+    included).  Every call takes ``headers=``: a dict for that call alone (a keyword, never put in a body),
+    beside the client's, its values winning, refused as the constructor refuses them.
     """
 
     def _start(self) -> None:
@@ -6712,31 +6698,26 @@ class Client(_Configured):
     def _run(self, plan: _Plan[_T], timeout: Optional[float] = None) -> _T:
         """Drive a single-shot call's plan to its value, within ``timeout`` seconds when given."""
         seconds = _check_timeout(timeout)
-        if seconds is not None:
-            plan = _within(plan, seconds, self.address)
         run = self._board.run_class(self._board)
-        run.gen = plan
+        run.gen = plan if seconds is None else _within(plan, seconds, self.address)
         return run.finish()  # type: ignore[no-any-return]
 
     # -- chat ------------------------------------------------------------------------------------------
 
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of the chat ``messages``; every keyword but ``raw_chunks`` goes into the JSON body
-        unchanged.  The request starts when iteration starts.
+        """A ``Stream`` of the chat ``messages`` (the request starts when iteration starts).  The keywords
+        go into the JSON body as they are; the client sets ``stream``, ``stream_options.include_usage``,
+        ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model`` (the client's
+        default, when the call names none).
 
-        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given),
-        ``reasoning_control`` (when ``Limits.thinking_cap`` is set) and ``model`` (when the client has a
-        default and the call names none).  ``raw_chunks=True`` also yields a ``Chunk`` per data event.
-        ``resumable=True`` (or an id: 1 to 128 visible ASCII characters) sends ``X-Conversation-Id``: a
-        connection lost after the head, before or after delivery, is then resumed from the server's buffer
-        (``Resumed``), and an early end deletes the stream on the server (every streamed call takes it).
-        ``session`` (every streamed call takes it) is the conversation's key, sent as ``X-Session-Id`` for
-        a front to route by; without it, the client's key, else a digest of the messages up to and
-        including the first user message (``Limits.session=False``: none); ``stream.session`` says which.
-        A body that is not JSON-serialisable, a bad ``slot`` (a slot past the server's slots too, once an
-        answer the client got has told their number: ``props()``, ``slots()``, a pool's ``/props``, a
-        ``/slots`` poll) or ``session``, or a thinking cap with ``n`` > 1 is ``TypeError``/``ValueError``
-        here, before any connection.
+        Every streamed call also takes: ``raw_chunks=True``, a ``Chunk`` per data event too;
+        ``resumable=True`` (or an id: 1 to 128 visible ASCII characters), sent as ``X-Conversation-Id``: a
+        connection lost after the head is resumed from the server's buffer (``Resumed``), and an early end
+        deletes the stream there; ``session``, the conversation's key, sent as ``X-Session-Id`` for a front
+        to route by (without it, the client's, else a digest of the messages up to the first user message;
+        ``Limits.session=False``: none; ``stream.session`` says which).  A body that is not
+        JSON-serialisable, a bad ``slot`` (or one past the server's slots, once an answer said how many) or
+        ``session``, or a thinking cap with ``n`` > 1 is ``TypeError``/``ValueError`` here.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -6747,22 +6728,18 @@ class Client(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """Stream a chat and return its ``Completion``, calling ``on_event`` in this thread for each event.
-
-        Raises the ``LoopError`` subclasses (see ``Stream``).  An exception from ``on_event`` (or a
-        KeyboardInterrupt) closes the request and propagates unchanged.
-        """
+        """``stream()`` iterated to its ``Completion``, calling ``on_event`` in this thread for each event.
+        Raises what ``Stream`` raises; an exception from ``on_event`` (or Ctrl-C) closes the request and
+        propagates unchanged (as in every call that takes ``on_event``)."""
         return _consume(self.stream(messages, slot=slot, **params), on_event)
 
     # -- the other streamed endpoints: the same engine, another body and another reading ---------------
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /completion``: ``prompt`` is a string, a list of token ids, a mixed list, or
-        a list of prompts (one choice each, by the chunks' ``index``).  Keywords go into the body
-        (``n_predict``, ``n_probs``, ``return_tokens``, ``cache_prompt``, ``samplers``, ``lora``, ...).
-        ``content`` is ``Content(text, choice=index)``; ``completion_probabilities`` go to the choice's
-        ``logprobs``, ``tokens`` to its ``tokens``; the stream ends when every choice has had its
-        ``stop: true`` chunk, which is ``Completion.final``."""
+        """A ``Stream`` of ``POST /completion``: ``prompt`` a string, token ids, a mixed list, or a list of
+        prompts (one choice each); keywords go into the body (``n_predict``, ``n_probs``, ``lora``, ...).
+        ``content`` is ``Content(text, choice=index)``, ``completion_probabilities`` the choice's
+        ``logprobs``, ``tokens`` its ``tokens``; every choice's ``stop: true`` chunk ends it (``final``)."""
         return Stream(self._board, self._streams.stream_request("complete", (prompt,), params, slot))
 
     def complete(
@@ -6773,12 +6750,10 @@ class Client(_Configured):
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
         """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as
-        ``stream_complete()`` takes it (a list of prompts is one choice each).  Keywords go into the body
-        (``max_tokens``, ``temperature``, ``logprobs``, ``stop``, ``n_probs``, ...).  Each choice's ``text``
-        is ``Content(text, choice=index)``, its ``logprobs`` entries go to the choice's ``logprobs``;
-        ``finish_reason`` and ``usage`` are chat's (this server's ``usage`` is the last closing choice's,
-        of its prompt alone), and ``[DONE]`` ends the stream.  This server ignores ``echo`` and ``suffix``
-        (``stream_infill()`` fills a middle)."""
+        ``stream_complete()`` takes it; keywords go into the body (``max_tokens``, ``logprobs``, ...).  A
+        choice's ``text`` is ``Content(text, choice=index)``, its ``logprobs`` the choice's; ``usage`` is
+        the last closing choice's (of its prompt alone); ``[DONE]`` ends it.  The server ignores ``echo``
+        and ``suffix`` (``stream_infill()`` fills a middle)."""
         return Stream(self._board, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     def complete_openai(
@@ -6790,10 +6765,9 @@ class Client(_Configured):
     def stream_infill(
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> Stream:
-        """A ``Stream`` of ``POST /infill`` (fill in the middle): ``prefix`` and ``suffix`` go in
-        ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or ``{"filename",
-        "text"}`` dicts) in ``input_extra``; read as ``stream_complete()``.  A model without
-        fill-in-the-middle tokens answers 501: ``HTTPStatusError`` with the server's message."""
+        """A ``Stream`` of ``POST /infill`` (fill in the middle), read as ``stream_complete()``: ``prefix`` and
+        ``suffix`` go in ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or
+        ``{"filename", "text"}`` dicts) in ``input_extra``.  A model without FIM tokens: ``HTTPStatusError`` (501)."""
         return Stream(self._board, self._streams.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     def infill(
@@ -6810,10 +6784,9 @@ class Client(_Configured):
         return _consume(self.stream_infill(prefix, suffix, extra=extra, slot=slot, **params), on_event)
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /v1/responses`` (OpenAI Responses): ``input`` is a string or a list of
-        input items.  Text deltas are ``Content``, reasoning deltas ``Reasoning``, function calls
-        ``ToolCall``; ``Completion.final`` is the closing ``response``.  A thinking cap cannot work here:
-        ``ValueError``."""
+        """A ``Stream`` of ``POST /v1/responses`` (OpenAI Responses) of ``input`` (a string or input items):
+        ``Content``, ``Reasoning`` and ``ToolCall`` events, the closing ``response`` as ``Completion.final``.
+        A thinking cap cannot work here: ``ValueError``."""
         return Stream(self._board, self._streams.stream_request("respond", (input,), params, slot))
 
     def respond(
@@ -6823,11 +6796,9 @@ class Client(_Configured):
         return _consume(self.stream_respond(input, slot=slot, **params), on_event)
 
     def stream_message(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /v1/messages`` (Anthropic Messages): ``text_delta`` is ``Content``,
-        ``thinking_delta`` ``Reasoning``, a ``tool_use`` block and its ``input_json_delta`` ``ToolCall``;
-        ``Completion.final`` is the ``message_start`` message with the closing stop reason and usage.
-        ``max_tokens`` is the endpoint's own (required by Anthropic's API; the server has a default).  A
-        thinking cap cannot work here: ``ValueError``."""
+        """A ``Stream`` of ``POST /v1/messages`` (Anthropic Messages): ``Content``, ``Reasoning`` and
+        ``ToolCall`` (a ``tool_use`` block) events; ``Completion.final`` is the ``message_start`` message
+        with the closing stop reason and usage.  A thinking cap cannot work here: ``ValueError``."""
         return Stream(self._board, self._streams.stream_request("message", (messages,), params, slot))
 
     def message(
@@ -6852,20 +6823,14 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         **params: Any,
     ) -> Stream:
-        """A ``Stream`` of any route that answers ``text/event-stream`` (one without a named call, or one a
-        newer server adds): ``method`` to ``path`` with ``body`` (any JSON value, sent as it is: add
-        ``"stream": True`` where the route wants it; None sends none).  Keywords go into a dict body (one
-        is made when it is None); ``slot`` is ``id_slot``, ``resumable`` and ``raw_chunks`` are taken as
-        every streamed call takes them (the chunks come anyway).  Each data event is a ``Chunk``: its
-        ``data`` the parsed JSON, or the text when it is not JSON; each counts as delivered.  The stream
-        ends at ``[DONE]`` or at the end of the body; ``stream.completion`` holds the finish, usage, id and
-        model when the chunks carry OpenAI's shape (``choices``) or llama-server's (``stop``), its text left
-        out (an end before every choice finished is then ``StreamClosedError``), else an empty
-        ``Completion``.  The gate, waits, liveness, retries before delivery, resuming and cancel are every
-        streamed call's; iteration raises the same errors, and ``ProtocolError`` when a 200 answer is not
-        ``text/event-stream``.  ``TypeError``/``ValueError`` here for a path or method that is not a
-        string or not valid, a body that is not JSON-serialisable, keywords or a slot beside a body that is
-        not a dict."""
+        """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body``
+        (any JSON value, sent as it is: add ``"stream": True`` where the route wants it; None sends none),
+        the keywords and ``slot`` (``id_slot``) put into a dict body.  Each data event is a ``Chunk`` (its
+        ``data`` the parsed JSON, or the text), delivered.  ``[DONE]`` or the body's end ends it;
+        ``completion`` holds the finish, usage, id and model of OpenAI's or llama-server's chunks (an end
+        before every choice finished is ``StreamClosedError``), else nothing.  The rest is every streamed
+        call's, and a 200 that is not ``text/event-stream`` is ``ProtocolError``; a bad path, method or
+        body, or keywords or a slot beside a body that is not a dict, ``TypeError``/``ValueError`` here."""
         params["headers"] = headers
         return Stream(self._board, self._streams.stream_request("route", (path, body, method), params, slot))
 
@@ -6882,15 +6847,12 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         session: Optional[str] = None,
     ) -> Stream:
-        """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
-        ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
-        ``stream.offset``) and follows it to its end, read as ``endpoint`` (``"chat"``, ``"complete"``,
-        ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``, ``"route"``: ``stream_route()``'s
-        chunks) reads it, with the same liveness and resume rules.  It takes no slot permit and sends no
-        request body; ``headers`` go with each of its requests.  The ``Completion`` holds what came after
-        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``.
-        ``session``: the session key the stream was started with (``stream.session``; else the client's), so
-        that a front routing by it reaches the server that holds the stream."""
+        """A ``Stream`` of a resumable stream's buffer on the server (perhaps another process's) from
+        ``offset`` (0, or a ``stream.offset``) to its end, read as the call ``endpoint`` names (``"chat"``,
+        ``"complete"``, ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``, ``"route"``) reads
+        it, under the same liveness and resume rules; no slot permit, no body; the ``Completion`` of what came
+        after ``offset``.  An unknown id (a restart, an expired stream) is ``StreamClosedError``.
+        ``session``: the stream's key (``stream.session``; else the client's), for a front that routes by it."""
         req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return Stream(self._board, req)
 
@@ -6902,9 +6864,8 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
-        """``POST /v1/streams/lookup``: what the server knows of these resumable streams (``conversation_id``,
-        ``is_done``, ``total_bytes``, ...), for the ids it knows; ``session`` as ``resume()`` takes it.
-        Raises as every single-shot call does."""
+        """``POST /v1/streams/lookup``: what the server knows of the resumable streams it knows of these
+        (``conversation_id``, ``is_done``, ``total_bytes``, ...); ``session`` as ``resume()`` takes it."""
         return self._run(self._calls.at(headers).lookup_streams(conversation_ids, session), timeout)
 
     def delete_stream(
@@ -6915,16 +6876,11 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> bool:
-        """``DELETE /v1/stream?conv_id=...``: stop a resumable stream's generation and drop its buffer; False
-        when the server says it is unknown (this build answers 204 for any id, so True then too); ``session``
-        as ``resume()`` takes it.  Raises as every single-shot call does."""
+        """``DELETE /v1/stream?conv_id=...``: stop a resumable stream and drop its buffer; False when the
+        server says it is unknown (this build answers 204, True, for any id); ``session`` as ``resume()``."""
         return self._run(self._calls.at(headers).delete_stream(conversation_id, session=session), timeout)
 
-    # -- single-shot calls --------------------------------------------------------------------------------
-    #
-    # Each takes headers= (a dict added to the client's headers for this call only, its values winning;
-    # what Client(headers=...) refuses is ValueError before sending) and timeout= (seconds for the whole
-    # exchange, connect included: DeadlineError past it; None, the default, keeps the rule of liveness).
+    # -- single-shot calls (the class's docstring says what each raises, and its headers= and timeout=) ------
 
     def fetch(
         self,
@@ -6936,14 +6892,9 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Response:
-        """Any route, the answer whole as the server gave it: a ``Response`` (status, reason, headers, body)
-        for any status, 1xx interim answers skipped, 3xx not followed, no ``HTTPStatusError``.  ``body``
-        (when not None) is sent as JSON, ``query`` (a dict) URL-encoded, ``headers`` beside the client's
-        (``{"Origin": ...}``, ``{"Accept": ...}``); routed to the client's default model as ``request()``
-        is.  Sent once (a kept connection the server had closed aside).  ``ConnectError``, ``StalledError``
-        (silence for ``liveness``), ``DeadlineError`` (past ``timeout``), ``ProtocolError`` (malformed, or a
-        body over ``max_body``), ``StreamClosedError`` (cut short); ``TypeError``/``ValueError`` before
-        sending for a bad method, path, query, body, header or timeout."""
+        """Any route, the answer whole: a ``Response`` (status, reason, headers, body) for any status (1xx
+        skipped, 3xx not followed, no ``HTTPStatusError``); ``body`` and ``query`` as ``request()`` sends
+        them.  An answer cut short is ``StreamClosedError``; a bad argument ``TypeError``/``ValueError``."""
         return self._run(self._calls.at(headers).fetch(method, path, body, query), timeout)
 
     def request(
@@ -6956,11 +6907,10 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """Any endpoint: ``body`` (when not None) is sent as JSON, ``query`` (a dict) URL-encoded.  Returns
-        the decoded JSON when the response is JSON, else its text.  A 2xx status is success; any other is
-        ``HTTPStatusError``; a JSON answer that does not parse is ``ProtocolError`` (``fetch()`` gives any
-        answer whole).  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
-        ``ValueError`` before anything is sent."""
+        """Any endpoint: ``body`` (when not None) sent as JSON, ``query`` (a dict) URL-encoded, routed to the
+        client's default model; the decoded JSON when the answer is JSON, else its text.  Any 2xx is success
+        (others ``HTTPStatusError``).  ``path`` starts with ``/``; CR, LF or NUL in the method, path or query
+        is ``ValueError``."""
         return self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
     def slots(
@@ -6992,19 +6942,14 @@ class Client(_Configured):
         timeout: Optional[float] = None,
     ) -> Dict[str, Any]:
         """Router mode: ``POST /models/load`` for ``name``; the server's answer.  ``wait=True`` returns once
-        the router says the model is loaded (``GET /models`` asked every ``poll`` seconds, under
-        ``load_wait``: ``LoadTimeoutError``); a load that fails is ``ServerError`` with the router's status
-        of the model (its exit code), a refused one ``HTTPStatusError`` with the router's message.
-        ``timeout`` bounds the whole call, the wait included."""
+        ``GET /models`` (every ``poll``, under ``load_wait``: ``LoadTimeoutError``) says it is loaded, within
+        ``timeout`` too; a load that fails is ``ServerError`` (its exit code), a refused one ``HTTPStatusError``."""
         return self._run(self._calls.at(headers).load_model(name, wait), timeout)
 
     def watch_models(self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None) -> Stream:
-        """Router mode: a ``Stream`` of the router's model events (``GET /models/sse``), ``ModelEvent``
-        items as the router sends them (only ``model``'s, and the ``"*"`` ones that concern every model
-        such as ``models_reload``, when given), until the caller cancels it or
-        leaves the ``with`` block.  The route sends no pings, so silence is its normal state: no liveness
-        ends it; the router closing it is ``StreamClosedError``.  It takes no slot permit and is not sent
-        again after a failure (``ConnectError``, ``HTTPStatusError``)."""
+        """Router mode: a ``Stream`` of ``ModelEvent`` (``GET /models/sse``; only ``model``'s and the ``"*"``
+        ones, such as ``models_reload``, when given) until cancelled.  Silence is its normal state: no
+        liveness; the router closing it is ``StreamClosedError``.  No slot permit; never sent again."""
         return Stream(self._board, self._streams.watch_request(model, headers))
 
     def unload_model(
@@ -7068,8 +7013,7 @@ class Client(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> List[List[float]]:
-        """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
-        order."""
+        """``POST /v1/embeddings`` (a server with ``--embeddings``): one vector per input, in order."""
         return self._run(self._calls.at(headers).embed(input, params), timeout)
 
     def rerank(
@@ -7114,8 +7058,7 @@ class Client(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``POST /v1/messages/count_tokens``: the prompt tokens of a Messages request, cached ones included
-        (as ``Completion.usage["prompt_tokens"]`` of ``message()``)."""
+        """``POST /v1/messages/count_tokens``: a Messages request's prompt tokens, cached ones included."""
         return self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
     def count_response_tokens(
@@ -7126,8 +7069,7 @@ class Client(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``POST /v1/responses/input_tokens``: how many prompt tokens a Responses request of ``input`` (a
-        string or a list of input items) makes, the keywords (``instructions``, ``tools``, ...) counted too."""
+        """``POST /v1/responses/input_tokens``: the prompt tokens of a Responses request (keywords counted)."""
         return self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
 
     def lora_adapters(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> List[Any]:
@@ -7141,8 +7083,8 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """``POST /lora-adapters`` with ``[{"id": int, "scale": float}, ...]``: the scales every request
-        uses unless it sends its own ``lora``; the server's answer."""
+        """``POST /lora-adapters`` ``[{"id": int, "scale": float}, ...]``: the scales of every request that
+        sends no ``lora``; the server's answer."""
         return self._run(self._calls.at(headers).set_lora_adapters(adapters), timeout)
 
 
@@ -7167,30 +7109,45 @@ if TYPE_CHECKING:
     import asyncio
 
 
-def _ring_alarm(alarm: asyncio.Future[None]) -> None:
-    if not alarm.done():
-        alarm.set_result(None)
+class _Alarm:
+    """What a run or a connection waits on, on the event loop: a future per wait, a timer handle (no task of
+    its own); rung while nobody waits, the next wait returns at once (the waiter looks again)."""
 
+    __slots__ = ("loop", "_future", "_rung")
 
-async def _sleep_on_alarm(
-    loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], timeout: Optional[float]
-) -> None:
-    """Until ``alarm`` rings or ``timeout`` passes (None: no timer); a timer handle, no task of its own."""
-    timer = loop.call_later(timeout, _ring_alarm, alarm) if timeout is not None else None
-    try:
-        await alarm
-    finally:
-        if timer is not None:
-            timer.cancel()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._future = None  # type: Optional[asyncio.Future[None]]
+        self._rung = False
+
+    def ring(self) -> None:
+        future = self._future
+        if future is None:
+            self._rung = True
+        elif not future.done():
+            future.set_result(None)
+
+    async def wait(self, timeout: Optional[float]) -> None:
+        """Until rung, or ``timeout`` passes (None: no timer)."""
+        if self._rung:
+            self._rung = False
+            return
+        future = self._future = self.loop.create_future()
+        timer = self.loop.call_later(timeout, self.ring) if timeout is not None else None
+        try:
+            await future
+        finally:
+            self._future = None
+            if timer is not None:
+                timer.cancel()
 
 
 class _AsyncRun(_Run):
-    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) closes the run's connections,
-    signals its waker and releases its permit at once; the plan, wherever it waits, then has
-    ``CancelledError`` thrown into it.  Cancelling the task that drives it throws ``asyncio.CancelledError``
-    into the plan the same way."""
+    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) aborts the run's connections,
+    signals it and releases its permit at once; the plan then has ``CancelledError`` thrown into it, as it
+    has ``asyncio.CancelledError`` when the task that drives it is cancelled."""
 
-    __slots__ = ("resumable", "running", "unwinding", "_alarm", "_rung")
+    __slots__ = ("resumable", "running", "unwinding", "_alarm")
     board: _AsyncBoard
 
     def __init__(self, board: _AsyncBoard, resumable: bool = False) -> None:
@@ -7198,15 +7155,10 @@ class _AsyncRun(_Run):
         self.resumable = resumable  # its end says something to the server: it cannot be ended at once
         self.unwinding = None  # type: Optional[asyncio.Task[None]]  # the task ending it after a cancel()
         self.running = False  # a task is driving the plan
-        self._alarm = None  # type: Optional[asyncio.Future[None]]  # what a park or a sleep awaits
-        self._rung = False  # signalled while not parked: the next park returns at once
+        self._alarm = _Alarm(board.loop)  # what a park or a sleep awaits
 
     def signal(self) -> None:
-        alarm = self._alarm
-        if alarm is not None:
-            _ring_alarm(alarm)
-        else:
-            self._rung = True
+        self._alarm.ring()
 
     async def step(self) -> Optional[List[Event]]:
         """``_SyncRun.step`` on an event loop: each operation is this run's coroutine of its name."""
@@ -7225,8 +7177,6 @@ class _AsyncRun(_Run):
                 exc = caught
             exc = _after(self, exc)
 
-    # -- the operations ------------------------------------------------------------------------------------
-
     async def connect(self, timeout: float, reuse: bool) -> _AsyncConn:
         """A kept connection (``reuse``), else a new one (``_AsyncConn.open``)."""
         board = self.board
@@ -7240,15 +7190,8 @@ class _AsyncRun(_Run):
         return conn
 
     async def park(self, timeout: Optional[float]) -> None:
-        if self._rung or (self.cancelled and not self.shield):
-            self._rung = False
-            return
-        loop = self.board.loop
-        self._alarm = loop.create_future()
-        try:
-            await _sleep_on_alarm(loop, self._alarm, timeout)
-        finally:
-            self._alarm = None
+        if not (self.cancelled and not self.shield):
+            await self._alarm.wait(timeout)
 
     async def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -7261,19 +7204,13 @@ class _AsyncRun(_Run):
     async def keep(self, conn: _AsyncConn, idle: float) -> None:  # type: ignore[override]
         _Run.keep(self, conn, idle)
 
-    # -- the run's life ------------------------------------------------------------------------------------
-
     async def unwind(self) -> None:
         """``_SyncRun.unwind`` on an event loop."""
         self.cancelled = True
-        self.running = True
         try:
-            while (await self.step()) is not None:
-                pass
+            await self.finish()
         except CancelledError:
             pass
-        finally:
-            self.running = False
 
     async def finish(self) -> Any:
         """Drive a plan that yields no events to its end: its value."""
@@ -7306,40 +7243,24 @@ class _AsyncRun(_Run):
 
 
 class _AsyncConn:
-    """One connection on an event loop: asyncio's transport below, ``recv(timeout)`` and ``send()`` above,
-    as ``_Conn`` has them.  It is the transport's protocol (duck-typed: subclassing ``asyncio.Protocol``
-    would import asyncio with loopclient).  Once ``RECV_SIZE`` bytes wait unread the transport stops
-    reading, so a fast server cannot fill memory ahead of a slow caller: at most ``RECV_SIZE`` less a byte
-    plus one read of the transport's (asyncio reads up to 256 KiB at a time) wait, about twice ``RECV_SIZE``."""
+    """One connection on an event loop, ``_Conn``'s ``recv(timeout)`` and ``send()`` over asyncio's transport,
+    whose protocol it is (duck-typed: subclassing ``asyncio.Protocol`` would import asyncio with loopclient).
+    The transport stops reading once ``RECV_SIZE`` bytes wait unread, so at most about twice ``RECV_SIZE``
+    (with one read of the transport's, up to 256 KiB) wait for a slow caller."""
 
-    __slots__ = (
-        "owner",
-        "reused",
-        "_loop",
-        "_transport",
-        "_chunks",
-        "_size",
-        "_eof",
-        "_error",
-        "_waiter",
-        "_paused",
-        "_blocked",
-    )
+    __slots__ = ("owner", "reused", "_alarm", "_transport", "_chunks", "_size", "_eof", "_error", "_paused", "_blocked")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, owner: _AsyncRun) -> None:
         self.owner = owner
         self.reused = False
-        self._loop = loop
+        self._alarm = _Alarm(loop)  # rung by the transport's calls
         self._transport = None  # type: Optional[asyncio.Transport]
         self._chunks = []  # type: List[bytes]
         self._size = 0
         self._eof = False
         self._error = None  # type: Optional[BaseException]
-        self._waiter = None  # type: Optional[asyncio.Future[None]]
         self._paused = False  # reading paused: RECV_SIZE bytes or more wait
         self._blocked = False  # writing paused: the server does not take the request
-
-    # -- the protocol, called by the transport -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
@@ -7350,11 +7271,11 @@ class _AsyncConn:
         if self._size >= RECV_SIZE and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
-        self._wake()
+        self._alarm.ring()
 
     def eof_received(self) -> bool:
         self._eof = True
-        self._wake()
+        self._alarm.ring()
         return False  # the transport closes itself
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
@@ -7362,37 +7283,20 @@ class _AsyncConn:
         if exc is not None and self._error is None:
             self._error = exc
         self._blocked = False
-        self._wake()
+        self._alarm.ring()
 
     def pause_writing(self) -> None:
         self._blocked = True
 
     def resume_writing(self) -> None:
         self._blocked = False
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None:
-            _ring_alarm(self._waiter)
-
-    # -- for the request -----------------------------------------------------------------------------
-
-    async def _wait(self, timeout: float) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        try:
-            await _sleep_on_alarm(self._loop, waiter, timeout)
-        finally:
-            self._waiter = None
+        self._alarm.ring()
 
     async def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """Connect, as ``_Conn.open`` does, on the loop; ``OSError`` when the server cannot be reached,
-        ``ConnectError`` when TLS fails.  A Unix socket connects at once, in the loop (``_unix_connect``: a
-        full listen queue fails it with EAGAIN, where asyncio's own connect would wait on it as "in progress"
-        and report a connection that is not there).  TCP is the loop's connect (and TLS handshake) as a task
-        of the board, which the run parks on until it is done, the run is cancelled (its shielded last
-        words aside) or ``timeout`` passes; a host name is resolved by the loop's ``getaddrinfo``, in the
-        loop's default executor (a thread).  That wait times the TLS handshake too: asyncio's own
-        ``ssl_handshake_timeout``, at the same moment, could end it first as an ``OSError``."""
+        """``_Conn.open`` on the loop.  A Unix socket connects at once (``_unix_connect``: asyncio's connect
+        would take a full listen queue's EAGAIN for "in progress").  TCP is the loop's connect, name lookup
+        and TLS handshake included, as a task the run parks on until it is done, the run is cancelled or
+        ``timeout`` passes (asyncio's ``ssl_handshake_timeout`` could end it first, as an ``OSError``)."""
         run = self.owner
         board = run.board
         protocol = self  # type: Any  # duck-typed: see the class
@@ -7442,7 +7346,7 @@ class _AsyncConn:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _send_stalled(timeout)
-            await self._wait(left)
+            await self._alarm.wait(left)
 
     async def recv(self, timeout: float) -> bytes:
         """The bytes received (all of them), ``b""`` at the end; ``_Silence`` when nothing came for
@@ -7467,17 +7371,17 @@ class _AsyncConn:
                 deadline = now + timeout
             elif now >= deadline:
                 raise _Silence()
-            await self._wait(deadline - now)
+            await self._alarm.wait(deadline - now)
 
     def abort(self) -> None:
         """Close now, whatever is buffered: the server sees the client go away; a waiting read wakes."""
         self._eof = True
         if self._transport is not None:
-            if self._loop.is_closed():  # a connection kept for a loop that has ended
+            if self._alarm.loop.is_closed():  # a connection kept for a loop that has ended
                 _drop(self._transport)
             else:
                 self._transport.abort()
-        self._wake()
+        self._alarm.ring()
 
     def close(self) -> None:
         self.owner.forget(self)
@@ -7485,11 +7389,9 @@ class _AsyncConn:
 
 
 def _drop(transport: Any) -> None:
-    """Close the socket of a transport whose event loop is closed.  Its ``abort()`` would schedule the
-    closing on that loop, which will never run it: the socket would stay open until the garbage collector
-    found it (``ResourceWarning: unclosed transport``).  So the transport's own last step is taken here,
-    as the loop would have taken it (asyncio's selector transports, under TLS too; another loop's
-    transports are left to it)."""
+    """Close the socket of a transport whose event loop is closed, whose ``abort()`` would leave it open
+    until the garbage collector found it: the transport's own last step, taken here (asyncio's selector
+    transports, under TLS too; another loop's transports are left to it)."""
     while hasattr(transport, "_ssl_protocol"):  # TLS: the application transport over the socket's own
         transport._closed = True
         transport = getattr(transport._ssl_protocol, "_transport", None)
@@ -7530,14 +7432,9 @@ class _AsyncBoard(_Board):
 
 
 class AsyncStream(_Events):
-    """One streamed request on an event loop (``AsyncClient.stream()`` and the other ``stream_*`` calls):
-    iterate it with ``async for`` for events; ``completion`` is there once iteration has ended without an
-    error.  The request starts when iteration starts.  ``cancel()`` (a plain method, called in the loop's
-    thread) closes the connection and releases the permit at once; the code iterating then gets
-    ``CancelledError``.  Cancelling the task that iterates does the same, and that task sees
-    ``asyncio.CancelledError``.  Leaving ``async with`` early cancels quietly.  Iteration raises the
-    ``LoopError`` subclasses, as ``Stream`` does.
-    """
+    """``Stream`` on an event loop (``AsyncClient.stream()`` and the other ``stream_*`` calls), iterated with
+    ``async for``.  Cancelling the task that iterates cancels the request too (the task sees
+    ``asyncio.CancelledError``); leaving ``async with`` early cancels quietly."""
 
     def __init__(self, client: AsyncClient, req: _StreamRequest) -> None:
         self._setup(req)
@@ -7588,7 +7485,7 @@ class AsyncStream(_Events):
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
-        its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
+        its connections close and its permit is released now; the iterating code gets ``CancelledError``."""
         if not self._done:
             if not self._cancelled:
                 _cancel_told(self._req.calls.addr, "cancel() was called")
@@ -7624,21 +7521,18 @@ AsyncChatStream = AsyncStream
 
 
 class AsyncClient(_Configured):
-    """A client of one llama-server for asyncio programs: ``Client``'s constructor and calls, as
-    coroutines (``stream()`` is a plain method returning an ``AsyncStream``).  The same limits, events,
-    ``Completion``, errors, budgets, gates, retries and wire rules: the same request logic, driven on an
-    event loop; no threads.
+    """``Client`` for asyncio programs: the same constructor, calls (coroutines, but ``stream()`` and the
+    other calls that return an ``AsyncStream``), events, errors and rules, on an event loop; no threads.
 
         async with lc.AsyncClient("/run/llama.sock") as client:
             reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
             async with client.stream(messages) as stream:
                 async for event in stream: ...
 
-    Its gates and ``/slots`` poller belong to the event loop that uses it.  A client made outside any loop
-    may serve several loops one after another; using it from two running loops at once is
-    ``RuntimeError``.  ``on_event`` runs in the loop's thread.  Unix sockets and numeric addresses need no
-    resolver; a host name goes through the loop's own (``loop.getaddrinfo``).  ``await client.close()``
-    (or leaving ``async with``) cancels its streams and ends its tasks.
+    Its gates and poller belong to the loop that uses it: one loop after another, never two running at
+    once (``RuntimeError``).  ``on_event`` runs in the loop's thread; a host name is looked up by the
+    loop's ``getaddrinfo``.  ``await client.close()`` (or leaving ``async with``) cancels its streams and
+    ends its tasks.
     """
 
     def _start(self) -> None:
@@ -7697,12 +7591,10 @@ class AsyncClient(_Configured):
         return board
 
     async def _run(self, plan: _Plan[_T], timeout: Optional[float] = None) -> _T:
-        """Drive a single-shot call's plan to its value, within ``timeout`` seconds when given."""
+        """``Client._run`` on the running loop."""
         seconds = _check_timeout(timeout)
-        if seconds is not None:
-            plan = _within(plan, seconds, self.address)
         run = _AsyncRun(self._board_here())
-        run.gen = plan
+        run.gen = plan if seconds is None else _within(plan, seconds, self.address)
         return await run.finish()  # type: ignore[no-any-return]
 
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:

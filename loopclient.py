@@ -6661,21 +6661,17 @@ class Client(_Configured):
     """A client of one llama-server, shared by any number of threads.
 
     ``address``: a socket path, ``unix:///path`` or ``http[s]://host[:port][/prefix]`` (default:
-    ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``); ``limits``: the budgets and caps (``Limits``);
-    ``api_key`` is sent as ``Authorization: Bearer``, ``headers`` with every request; ``model`` is a
-    router's default model (put in each body and query that names none); ``ssl_context`` replaces the
-    default verifying context for ``https://``; ``session``, the client's session key (1 to 128 visible
-    ASCII characters), is sent as ``X-Session-Id`` unless a streamed call gives its own (an
-    ``X-Session-Id`` in ``headers`` is the same thing: both is ``ValueError``).  A malformed address,
-    header, key or limits is ``ValueError``/``TypeError`` here, before any connection.
+    ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``); ``limits``: the budgets and caps; ``api_key`` is
+    sent as ``Authorization: Bearer``, ``headers`` with every request; ``model``: a router's default model;
+    ``ssl_context`` replaces the default verifying one; ``session``: the client's session key (1 to 128
+    visible ASCII characters), sent as ``X-Session-Id`` unless a streamed call gives its own (an
+    ``X-Session-Id`` in ``headers`` is one too).  What is malformed is ``ValueError``/``TypeError`` here.
 
-    Single-shot calls (all but the streams) are sent once, and once more on a new connection only when a
-    kept one fails before any byte of the answer (the server had closed it unread).  They raise
-    ``ConnectError`` (unreachable), ``StalledError`` (silence longer than ``liveness``),
-    ``HTTPStatusError`` (not 200; never for ``fetch()``), ``ProtocolError`` (a malformed answer, or one over
-    ``max_body``) and ``DeadlineError`` (past ``timeout=``: seconds for the whole exchange, connect
-    included).  Every call takes ``headers=``: a dict for that call alone (a keyword, never put in a body),
-    beside the client's, its values winning, refused as the constructor refuses them.
+    Single-shot calls (all but the streams) are sent once (again on a new connection only when a kept one
+    fails before any byte of the answer) and raise ``ConnectError``, ``StalledError`` (silence for
+    ``liveness``), ``HTTPStatusError`` (not 200; never for ``fetch()``), ``ProtocolError`` (a malformed
+    answer, or over ``max_body``) and ``DeadlineError`` (past ``timeout=``, seconds for the whole call).
+    Every call takes ``headers=``, a dict for that call alone (never put in a body), its values winning.
     """
 
     def _start(self) -> None:
@@ -6702,22 +6698,16 @@ class Client(_Configured):
         run.gen = plan if seconds is None else _within(plan, seconds, self.address)
         return run.finish()  # type: ignore[no-any-return]
 
-    # -- chat ------------------------------------------------------------------------------------------
-
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of the chat ``messages`` (the request starts when iteration starts).  The keywords
-        go into the JSON body as they are; the client sets ``stream``, ``stream_options.include_usage``,
-        ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model`` (the client's
-        default, when the call names none).
+        """A ``Stream`` of the chat ``messages``; the keywords go into the JSON body as they are, beside
+        ``stream``, ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model``.
 
-        Every streamed call also takes: ``raw_chunks=True``, a ``Chunk`` per data event too;
-        ``resumable=True`` (or an id: 1 to 128 visible ASCII characters), sent as ``X-Conversation-Id``: a
-        connection lost after the head is resumed from the server's buffer (``Resumed``), and an early end
-        deletes the stream there; ``session``, the conversation's key, sent as ``X-Session-Id`` for a front
-        to route by (without it, the client's, else a digest of the messages up to the first user message;
-        ``Limits.session=False``: none; ``stream.session`` says which).  A body that is not
-        JSON-serialisable, a bad ``slot`` (or one past the server's slots, once an answer said how many) or
-        ``session``, or a thinking cap with ``n`` > 1 is ``TypeError``/``ValueError`` here.
+        Every streamed call also takes ``raw_chunks=True`` (a ``Chunk`` per data event too),
+        ``resumable=True`` or an id (``X-Conversation-Id``: a connection lost is resumed from the server's
+        buffer, an early end deletes it there) and ``session`` (``X-Session-Id``; else the client's, else a
+        digest of the messages up to the first user message: ``stream.session``).  A bad body, ``slot``
+        (or one past the server's slots) or ``session``, or a thinking cap with ``n`` > 1, is
+        ``TypeError``/``ValueError`` here.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -6732,8 +6722,6 @@ class Client(_Configured):
         Raises what ``Stream`` raises; an exception from ``on_event`` (or Ctrl-C) closes the request and
         propagates unchanged (as in every call that takes ``on_event``)."""
         return _consume(self.stream(messages, slot=slot, **params), on_event)
-
-    # -- the other streamed endpoints: the same engine, another body and another reading ---------------
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
         """A ``Stream`` of ``POST /completion``: ``prompt`` a string, token ids, a mixed list, or a list of
@@ -6811,8 +6799,6 @@ class Client(_Configured):
         """``stream_message()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
         return _consume(self.stream_message(messages, slot=slot, **params), on_event)
 
-    # -- any route, streamed --------------------------------------------------------------------------------
-
     def stream_route(
         self,
         path: str,
@@ -6824,17 +6810,11 @@ class Client(_Configured):
         **params: Any,
     ) -> Stream:
         """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body``
-        (any JSON value, sent as it is: add ``"stream": True`` where the route wants it; None sends none),
-        the keywords and ``slot`` (``id_slot``) put into a dict body.  Each data event is a ``Chunk`` (its
-        ``data`` the parsed JSON, or the text), delivered.  ``[DONE]`` or the body's end ends it;
-        ``completion`` holds the finish, usage, id and model of OpenAI's or llama-server's chunks (an end
-        before every choice finished is ``StreamClosedError``), else nothing.  The rest is every streamed
-        call's, and a 200 that is not ``text/event-stream`` is ``ProtocolError``; a bad path, method or
-        body, or keywords or a slot beside a body that is not a dict, ``TypeError``/``ValueError`` here."""
+        (any JSON value, sent as it is; None: none), the keywords and ``slot`` put in a dict body.  Each data
+        event is a ``Chunk``; ``[DONE]`` or the body's end ends it, ``completion`` holding what OpenAI's or
+        llama-server's chunks say of the finish.  A 200 that is not ``text/event-stream`` is ``ProtocolError``."""
         params["headers"] = headers
         return Stream(self._board, self._streams.stream_request("route", (path, body, method), params, slot))
-
-    # -- resumable streams ------------------------------------------------------------------------------
 
     def resume(
         self,
@@ -6847,12 +6827,9 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         session: Optional[str] = None,
     ) -> Stream:
-        """A ``Stream`` of a resumable stream's buffer on the server (perhaps another process's) from
-        ``offset`` (0, or a ``stream.offset``) to its end, read as the call ``endpoint`` names (``"chat"``,
-        ``"complete"``, ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``, ``"route"``) reads
-        it, under the same liveness and resume rules; no slot permit, no body; the ``Completion`` of what came
-        after ``offset``.  An unknown id (a restart, an expired stream) is ``StreamClosedError``.
-        ``session``: the stream's key (``stream.session``; else the client's), for a front that routes by it."""
+        """A ``Stream`` of a resumable stream's buffer on the server from ``offset`` (0, or a ``stream.offset``)
+        to its end, read as ``endpoint``'s call (``"chat"``, ``"complete"``, ..., ``"route"``) reads it; no
+        slot permit.  An unknown id is ``StreamClosedError``; ``session``: the stream's (``stream.session``)."""
         req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return Stream(self._board, req)
 
@@ -7554,8 +7531,7 @@ class AsyncClient(_Configured):
 
         self._calls.closed = True
         with self._lock:
-            board = self._board
-            self._board = None
+            board, self._board = self._board, None
         if board is None:
             return
         if board.loop is asyncio.get_running_loop():

@@ -6330,7 +6330,6 @@ class _Conn:
 
     def _handshake(self, addr: _Address, context: Any) -> None:
         ssl = _import_ssl()
-
         try:  # the handshake after the wrapped socket is the one cancel() shuts down
             tls = context.wrap_socket(self.sock, server_hostname=addr.target[0], do_handshake_on_connect=False)
             with self._lock:
@@ -7394,9 +7393,6 @@ class _AsyncBoard(_Board):
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def busy(self) -> bool:
-        return bool(self.runs or self.tasks)
-
     async def aclose(self) -> None:
         import asyncio
 
@@ -7556,7 +7552,8 @@ class AsyncClient(_Configured):
                 return board
             board = self._board
             if board is None or board.loop is not loop:
-                if board is not None and (board.loop.is_running() or (board.busy() and not board.loop.is_closed())):
+                busy = board is not None and (board.runs or board.tasks) and not board.loop.is_closed()
+                if board is not None and (board.loop.is_running() or busy):
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )

@@ -4149,15 +4149,10 @@ class _Lane:
             self._renumber()
 
     def _renumber(self) -> None:
-        queue = self.queue
-        order = [queue[pos] for pos in range(self.head, self.tail) if pos in queue]
-        self.queue = {}
-        for pos, ticket in enumerate(order):
-            ticket.pos = pos
-            self.queue[pos] = ticket
-        self.head = 0
-        self.tail = len(order)
-        self.holes = []
+        order = [self.queue[pos] for pos in range(self.head, self.tail) if pos in self.queue]
+        self.queue, self.head, self.tail, self.holes = {}, 0, 0, []
+        for ticket in order:
+            self.push(ticket)
 
 
 class _Ticket:
@@ -4278,9 +4273,7 @@ class _Gate:
     def position(self, ticket: _Ticket) -> Optional[int]:
         """None once ``ticket`` is granted; else its ``Queued(ahead)`` now (``_Lane.ahead``)."""
         with self._lock:
-            if ticket.granted:
-                return None
-            return ticket.lane.ahead(ticket)
+            return None if ticket.granted else ticket.lane.ahead(ticket)
 
     def leave(self, ticket: _Ticket) -> None:
         """Release the permit, handing it to the next waiter, or leave the queue; idempotent."""

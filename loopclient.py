@@ -6530,16 +6530,16 @@ class _Events:
         life = self._life = _StreamLife(run.board, run, self._req)
         run.gen = life.watch() if self._req.watch else life.plan()
 
-    def _hand_out(self, got: Optional[List[Event]]) -> Optional[Event]:
-        """The first event of the batch the run's step returned (the rest handed out next); None when the
-        plan ended (its ``Completion`` kept)."""
+    def _hand_out(self, got: Optional[List[Event]], stop: type) -> Event:
+        """The first event of the batch the run's step returned (the rest handed out next); ``stop`` raised
+        when the plan ended (its ``Completion`` kept)."""
         life = self._life
         assert life is not None
         if got is None:
             self._done = True
             self.completion = self._run.value
             self.offset = life.offset
-            return None
+            raise stop
         if self._log is not None:
             _tell(self._log, self._req.calls.addr, got, self._req.slot is None)
         got.reverse()  # a fresh list, never empty: popped from its end
@@ -6589,10 +6589,7 @@ class Stream(_Events):
             except BaseException as exc:
                 self._ended(exc)
                 raise
-            handed = self._hand_out(got)
-        if handed is None:
-            raise StopIteration
-        return handed
+            return self._hand_out(got, StopIteration)
 
     def cancel(self) -> None:
         """Cancel the request from any thread: its sockets close, its permit is released, and the iterating
@@ -7444,10 +7441,7 @@ class AsyncStream(_Events):
             raise
         finally:
             run.running = False
-        handed = self._hand_out(got)
-        if handed is None:
-            raise StopAsyncIteration
-        return handed
+        return self._hand_out(got, StopAsyncIteration)
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):

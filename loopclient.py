@@ -3709,9 +3709,6 @@ class _Address:
         self.text, self.unix, self.target, self.host, self.tls, self.prefix = text, unix, target, host, tls, prefix
         self.seen = self.warned = False
 
-    def __repr__(self) -> str:
-        return "_Address(%r)" % self.text
-
 
 def _host_port(address: str) -> bool:
     """``address`` is host:port with no scheme ("localhost:8080", "[::1]:8080"), not a socket file's name."""

@@ -7073,28 +7073,24 @@ if TYPE_CHECKING:
 
 
 class _Alarm:
-    """What a run or a connection waits on, on the event loop: a future per wait, a timer handle (no task of
-    its own); rung while nobody waits, the next wait returns at once (the waiter looks again)."""
+    """What a run or a connection waits on, on the event loop: a future per wait and a timer handle (no task
+    of its own)."""
 
-    __slots__ = ("loop", "_future", "_rung")
+    __slots__ = ("loop", "_future")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._future = None  # type: Optional[asyncio.Future[None]]
-        self._rung = False
 
-    def ring(self) -> None:
+    def ring(self) -> bool:
+        """End the wait in progress; False when there is none."""
         future = self._future
-        if future is None:
-            self._rung = True
-        elif not future.done():
+        if future is not None and not future.done():
             future.set_result(None)
+        return future is not None
 
     async def wait(self, timeout: Optional[float]) -> None:
         """Until rung, or ``timeout`` passes (None: no timer)."""
-        if self._rung:
-            self._rung = False
-            return
         future = self._future = self.loop.create_future()
         timer = self.loop.call_later(timeout, self.ring) if timeout is not None else None
         try:
@@ -7110,7 +7106,7 @@ class _AsyncRun(_Run):
     signals it and releases its permit at once; the plan then has ``CancelledError`` thrown into it, as it
     has ``asyncio.CancelledError`` when the task that drives it is cancelled."""
 
-    __slots__ = ("resumable", "running", "unwinding", "_alarm")
+    __slots__ = ("resumable", "running", "unwinding", "_alarm", "_rung")
     board: _AsyncBoard
 
     def __init__(self, board: _AsyncBoard, resumable: bool = False) -> None:
@@ -7119,9 +7115,10 @@ class _AsyncRun(_Run):
         self.unwinding = None  # type: Optional[asyncio.Task[None]]  # the task ending it after a cancel()
         self.running = False  # a task is driving the plan
         self._alarm = _Alarm(board.loop)  # what a park or a sleep awaits
+        self._rung = False  # signalled while not parked: the next park returns at once
 
     def signal(self) -> None:
-        self._alarm.ring()
+        self._rung = not self._alarm.ring()
 
     async def step(self) -> Optional[List[Event]]:
         """``_SyncRun.step`` on an event loop: each operation is this run's coroutine of its name."""
@@ -7153,7 +7150,9 @@ class _AsyncRun(_Run):
         return conn
 
     async def park(self, timeout: Optional[float]) -> None:
-        if not (self.cancelled and not self.shield):
+        if self._rung or (self.cancelled and not self.shield):
+            self._rung = False
+        else:
             await self._alarm.wait(timeout)
 
     async def sleep(self, seconds: float) -> None:

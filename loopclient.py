@@ -3227,25 +3227,19 @@ class ResponsePump:
 
 
 class _Address:
+    """``text`` as the caller gave it (for messages); ``target`` a socket path, or (host, port) over TCP (TLS
+    when ``tls``); the Host header; the ``prefix`` of every request path ("" or "/llama"); ``seen``: a
+    connect reached a Unix socket file there since the client was made; ``warned``: a missing one was logged."""
+
     __slots__ = ("text", "unix", "target", "host", "tls", "prefix", "seen", "warned")
 
     def __init__(self, text: str, unix: bool, target: Any, host: str, tls: bool = False, prefix: str = "") -> None:
-        self.text = text  # as the caller gave it, for messages
-        self.unix = unix
-        self.target = target  # a path, or (host, port)
-        self.host = host  # the Host header
-        self.tls = tls
-        self.prefix = prefix  # put before every request path ("" or "/llama")
-        self.seen = False  # a Unix socket file was there (a connect reached it) since the client was made
-        self.warned = False  # the missing socket file was logged
-
-    def __repr__(self) -> str:
-        return "_Address(%r)" % self.text
+        self.text, self.unix, self.target, self.host, self.tls, self.prefix = text, unix, target, host, tls, prefix
+        self.seen = self.warned = False
 
 
 def _host_port(address: str) -> bool:
-    """``address`` is host:port with no scheme ("localhost:8080", "127.0.0.1:8080", "[::1]:8080"), which
-    would otherwise be read as the name of a socket file in the current directory."""
+    """``address`` is host:port with no scheme ("localhost:8080", "[::1]:8080"), not a socket file's name."""
     host, colon, port = address.rpartition(":")
     port = port[:-1] if port.endswith("/") else port
     if not colon or not host or not (port.isdigit() and port.isascii() and len(port) <= 5):
@@ -3288,7 +3282,8 @@ def parse_address(address: Any) -> _Address:
 
 
 def _parse_url(text: str) -> _Address:
-    """``http[s]://host[:port][/prefix]``: a TCP address (TLS for https), its Host header and path prefix."""
+    """``http[s]://host[:port][/prefix]`` (``[v6addr]`` for an IPv6 host): a TCP address (TLS for https), its
+    Host header (which names the port only when it is not the scheme's) and path prefix."""
     scheme, _, rest = text.partition("://")
     scheme = scheme.lower()
     if scheme not in ("http", "https"):
@@ -3299,13 +3294,6 @@ def _parse_url(text: str) -> _Address:
     prefix = ("/" + prefix.rstrip("/")) if slash and prefix.strip("/") else ""
     if not rest or any(c in rest + prefix for c in "?#@ \t\r\n\0") or "//" in prefix:
         raise ValueError("cannot parse %r: expected %s://host:port[/prefix]" % (text, scheme))
-    host, port, host_header = _authority(text, scheme, rest)
-    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
-
-
-def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
-    """``host[:port]`` or ``[v6addr][:port]`` of the URL ``text``: the host, the port (the scheme's by
-    default) and the Host header, which names the port only when it is not the default."""
     if rest.startswith("["):
         host, sep, port_text = rest[1:].partition("]")
         if not sep or (port_text and not port_text.startswith(":")):
@@ -3317,15 +3305,13 @@ def _authority(text: str, scheme: str, rest: str) -> Tuple[str, int, str]:
         host_header = host
     if not host:
         raise ValueError("no host in %r" % text)
-    default = 443 if scheme == "https" else 80
-    port = default
+    port = default = 443 if scheme == "https" else 80
     if port_text or rest.endswith(":"):
         if not (port_text.isdigit() and port_text.isascii() and 0 < int(port_text) < 65536):
             raise ValueError("bad port in %r" % text)
         port = int(port_text)
-    if port != default:
-        host_header += ":%d" % port
-    return host, port, host_header
+    host_header += ":%d" % port if port != default else ""
+    return _Address(text, False, (host, port), host_header, scheme == "https", prefix)
 
 
 class _Silence(Exception):
@@ -3493,9 +3479,8 @@ def _cannot_connect(exc: OSError) -> _Retry:
 
 
 class _Backoff:
-    """The one retry object of every retry loop (a request's attempts, a stream's reattaches): how many
-    retries it has told and the next delay (``BACKOFF_FIRST`` doubling to ``BACKOFF_MAX``); the budgets are
-    the request's ``_Waits``."""
+    """The one retry object of every retry loop (a request's attempts, a stream's reattaches): the retries
+    told, and the next delay (``BACKOFF_FIRST`` doubling to ``BACKOFF_MAX``); the budgets are ``_Waits``'."""
 
     __slots__ = ("attempt", "delay")
 
@@ -3504,9 +3489,8 @@ class _Backoff:
         self.delay = BACKOFF_FIRST
 
     def next(self, waits: _Waits, retry: _Retry) -> Retrying:
-        """The ``Retrying`` event for a failed attempt (its delay: the backoff jittered down by up to a
-        quarter, ``Retry-After`` as a floor, never past the budget of the retry's state); the budget's error
-        when it is spent or a hint goes past it."""
+        """The ``Retrying`` of a failed attempt (its delay jittered down by up to a quarter, ``Retry-After`` a
+        floor, never past the state's budget); the budget's error when it is spent or a hint goes past it."""
         waits.observe(retry.state, retry.cause)
         left = waits.remaining()
         assert left is not None
@@ -3604,23 +3588,18 @@ def _judge_quiet(
 
 
 class _Lane:
-    """One queue: a slot, or the ``slot=None`` pool, of one model.  Read and written under the gate's lock.
+    """One queue (a slot, or the ``slot=None`` pool, of one model), under the gate's lock.  Queued tickets
+    hold positions in entry order (``tail`` the next); ``head`` is the first one's, ``holes`` the sorted
+    positions between it and ``tail`` whose ticket was cancelled.  So ``pos - head - (holes below pos)``
+    wait before ``pos``: a bisection, where walking the queue would cost thousands of waiters, each asking
+    every ``poll``, the square of their number.  Invariants, whenever the lock is free:
 
-    Queued tickets hold positions handed out in entry order (``tail`` is the next one).  ``head`` is the
-    first queued ticket's position, and ``holes`` the sorted positions between it and ``tail`` whose
-    ticket was cancelled out of the queue.  The tickets queued before the one at ``pos`` then number
-    ``pos - head - (holes below pos)``: a bisection, where walking the queue would make thousands of
-    waiters, each asking every ``poll``, cost the square of their number.
-
-    Invariants, whenever the lock is free:
       1. Nobody waits while a permit is free: ``queue`` is empty or ``in_flight >= capacity``; and
-         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in
-         flight (none is taken back: nobody is admitted until their ends bring ``in_flight`` below it).
-      2. The positions of ``queue`` and the ``holes`` together are exactly ``range(head, tail)``, without
-         overlap; ``holes`` is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
-      3. ``len(holes) <= len(queue)``: whenever a cancel or a grant would break it, the positions are
-         renumbered (O(queued), paid for by the cancels that made the holes), so memory stays constant per
-         waiter however many come and go.
+         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in flight.
+      2. The positions of ``queue`` and ``holes`` are exactly ``range(head, tail)``, without overlap; ``holes``
+         is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
+      3. ``len(holes) <= len(queue)``: else the positions are renumbered (O(queued), paid for by the cancels
+         that made the holes), so memory stays constant per waiter however many come and go.
     """
 
     __slots__ = ("capacity", "known", "in_flight", "queue", "head", "tail", "holes")
@@ -3645,9 +3624,8 @@ class _Lane:
         return pos - self.head - bisect_left(holes, pos)
 
     def ahead(self, ticket: _Ticket) -> int:
-        """What ``Queued(ahead)`` says of ``ticket``: the requests that must end before it goes, the waiters
-        before it and those in flight past the last free permit (the first waiter hears 1, for a slot as
-        for a pool)."""
+        """``ticket``'s ``Queued(ahead)``: what must end before it goes, the waiters before it and those in
+        flight past the last permit (the first waiter hears 1, for a slot as for a pool)."""
         return self.before(ticket) + 1 + max(self.in_flight - self.capacity, 0)
 
     def push(self, ticket: _Ticket) -> None:
@@ -3696,27 +3674,21 @@ class _Lane:
             self._renumber()
 
     def _renumber(self) -> None:
-        queue = self.queue
-        order = [queue[pos] for pos in range(self.head, self.tail) if pos in queue]
-        self.queue = {}
-        for pos, ticket in enumerate(order):
-            ticket.pos = pos
-            self.queue[pos] = ticket
-        self.head = 0
-        self.tail = len(order)
-        self.holes = []
+        order = [self.queue[pos] for pos in range(self.head, self.tail) if pos in self.queue]
+        self.queue, self.head, self.tail, self.holes = {}, 0, 0, []
+        for ticket in order:
+            self.push(ticket)
 
 
 class _Ticket:
     """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
-    permit.  A queued ticket's request sleeps on its own ``waker`` (the driver's: anything with a
-    ``signal()`` that wakes that one request, a thread's event or a task's future), which the gate signals
-    when it hands the ticket the permit, or when the pool's size, once known, judges a ticket that entered
-    before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and never for anything else."""
+    permit.  The gate signals its ``waker`` (the run that waits) then, or when the pool's size, once known,
+    judges a ticket that entered before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and
+    never for anything else."""
 
     __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "refused", "waker")
 
-    def __init__(self, lane: _Lane, seq: int, waker: Optional[_Waker]) -> None:
+    def __init__(self, lane: _Lane, seq: int, waker: Optional[_Run]) -> None:
         self.lane = lane
         self.seq = seq  # entry order across the gate, for diagnostics
         self.pos = 0  # position in the lane's queue, while queued
@@ -3731,25 +3703,13 @@ class _Ticket:
             self.waker.signal()
 
 
-if TYPE_CHECKING:
-    from typing import Protocol
-
-    class _Waker(Protocol):
-        """What the gate and the poller know of a waiting request: how to wake it."""
-
-        def signal(self) -> None: ...
-
-
 class _Gate:
-    """FIFO queues that hand over: per key, ``capacity`` requests in flight (1 for a slot, ``total_slots``
-    for a pool) and ``queue_len`` more waiting; the next is refused with ``BusyError``.
-
-    A key is a hashable pair ``(model, slot)``: model None is the server's default, slot None the pool;
-    the gate reads them only to word ``BusyError``.  A release grants the permit to the first waiter and
-    signals that waiter's waker only; a waiter that leaves wakes nobody.  Waiters look up how far they have
-    moved up (``position``) when their own timer fires, every ``poll`` seconds, which is why ``Queued``
-    announcements are coalesced.  A slot with thousands of waiters costs the same per request as a slot
-    with ten.  Both drivers use it: the lock is uncontended on an event loop."""
+    """FIFO queues that hand over: per key ``(model, slot)`` (None: the default model, the pool), ``capacity``
+    requests in flight (1 for a slot, ``total_slots`` for a pool) and ``queue_len`` more waiting; the next
+    is refused with ``BusyError``.  A release grants the permit to the first waiter and signals its waker
+    only; a waiter that leaves wakes nobody.  Waiters read how far they moved up (``position``) on their own
+    timer, every ``poll`` (so ``Queued`` announcements are coalesced, and thousands of waiters cost the same
+    per request as ten).  Both drivers use it: the lock is uncontended on an event loop."""
 
     def __init__(self, lock: threading.Lock, queue_len: int) -> None:
         self._lock = lock
@@ -3758,15 +3718,12 @@ class _Gate:
         self._seq = 0
 
     def enter(
-        self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Waker] = None
+        self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Run] = None
     ) -> _Ticket:
         """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
-        when ``queue_len`` already wait.  ``capacity`` sizes a new lane; one above the lane's grows it and
-        admits the waiters that now fit; a smaller one (a caller that read the pool's size before
-        ``/props`` answered) changes nothing.  ``capacity`` None: the pool's size is not known yet (its
-        ``/props`` is out): a new lane lets one request go (every server has a slot), and the others wait
-        unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize`` says the size.  ``waker`` is
-        signalled when a queued ticket is granted or judged."""
+        when ``queue_len`` already wait.  ``capacity`` sizes a new lane and grows a smaller one (admitting
+        the waiters that now fit).  None: the pool's ``/props`` has not answered: one request goes (every
+        server has a slot), the others wait unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize``."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -3789,13 +3746,10 @@ class _Gate:
             return ticket
 
     def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int]) -> None:
-        """The size of a pool as ``/props`` said it, whenever its answer comes (None: it gave none, and the
-        pool stays the size it has, one): a larger one admits the waiters that now fit, first come first,
-        each woken as a release wakes it; a smaller one takes no permit back (the requests in flight go on,
-        and nobody is admitted until their ends bring the number in flight below ``capacity``).  Then the
-        waiters that entered before the size was known are judged against it, in order: those past
-        ``queue_len`` are refused (``BusyError``), the others told their place; each is woken.  No waiter's
-        ``Queued(ahead)`` grows: the requests ahead of it are still ahead."""
+        """A pool's size as ``/props`` said it (None: no answer; it stays one): the waiters that now fit are
+        admitted, first come first (a smaller size takes no permit back: nobody goes until fewer are in
+        flight); then those that entered before the size was known are judged against it, in order: past
+        ``queue_len`` refused (``BusyError``), the others told their place (never more than before), each woken."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
@@ -3844,9 +3798,7 @@ class _Gate:
     def position(self, ticket: _Ticket) -> Optional[int]:
         """None once ``ticket`` is granted; else its ``Queued(ahead)`` now (``_Lane.ahead``)."""
         with self._lock:
-            if ticket.granted:
-                return None
-            return ticket.lane.ahead(ticket)
+            return None if ticket.granted else ticket.lane.ahead(ticket)
 
     def leave(self, ticket: _Ticket) -> None:
         """Release the permit, handing it to the next waiter, or leave the queue; idempotent."""
@@ -3868,9 +3820,9 @@ class _Gate:
 
 
 class _SlotReader:
-    """What is read from ``/slots`` answers (the shared poller's, and the command line's): per slot, since
-    when the progress triple (task, decoded, prompt processed) of a processing slot has not changed
-    (``remember`` each answer), and from one answer, what a request's slot is doing."""
+    """What ``/slots`` answers say (the shared poller's, and the command line's): since when each processing
+    slot's progress (task, decoded, prompt processed) has not changed (``remember`` each answer), and from
+    one answer, what a request's slot is doing (``state``)."""
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
@@ -3902,11 +3854,8 @@ class _SlotReader:
         says so.  ``every``: the pool is busy only when every slot is (else: any)."""
         if not slots:  # no answer; or no slot at all: a router's model that is still loading
             return UNAVAILABLE, None
-        if slot is not None:
-            target = slot % len(slots)  # llama-server wraps an id_slot past the last slot
-            mine = [s for s in slots if s.id == target]
-        else:
-            mine = slots
+        # llama-server wraps an id_slot past the last slot
+        mine = slots if slot is None else [s for s in slots if s.id == slot % len(slots)]
         wedged = [s for s in mine if self.wedged(s)]
         moving = [s for s in mine if s not in wedged]
         if wedged and (slot is not None or not every or not moving):
@@ -3935,23 +3884,18 @@ class _SlotPoller(_SlotReader):
         self.slots = None  # type: Optional[List[Slot]]  # None: /slots failed
         self.unseen = False  # the last answer said /slots is not served (404, 403, 405, 501)
         self.several = False  # the answers proved several servers behind the address (see answered())
-        self.waiters: Set[_Waker] = set()
+        self.waiters: Set[_Run] = set()
         self._asking = False
 
     def start(self) -> bool:
         """True when the caller is to send the request: none is in flight."""
         with self._lock:
-            if self._asking:
-                return False
-            self._asking = True
-            return True
+            asking, self._asking = self._asking, True
+            return not asking
 
-    def wait(self, waker: _Waker, on: bool) -> None:
+    def wait(self, waker: _Run, on: bool) -> None:
         with self._lock:
-            if on:
-                self.waiters.add(waker)
-            else:
-                self.waiters.discard(waker)
+            (self.waiters.add if on else self.waiters.discard)(waker)
 
     def fresh(self, now: float) -> bool:
         """The last answer may be reused: younger than ``poll`` (30 s when /slots is not served)."""
@@ -3961,8 +3905,11 @@ class _SlotPoller(_SlotReader):
         now = _clock()
         with self._lock:
             if slots is not None:
-                if self.slots is not None and not self.several:
-                    self.several = _other_server(self.slots, slots)
+                # A number of slots that changed proves several servers (or one restarted with another
+                # --parallel: the waits are only more patient); a task id going back proves nothing (a slot
+                # may take a task queued for it after a later one that went to it at once).
+                if self.slots is not None and len(self.slots) != len(slots):
+                    self.several = True
                 self.remember(slots, now)
             self.unseen = unseen
             self.slots = slots
@@ -3973,21 +3920,13 @@ class _SlotPoller(_SlotReader):
             waker.signal()
 
 
-def _other_server(before: List[Slot], after: List[Slot]) -> bool:
-    """Whether two ``/slots`` answers cannot come from one server: the number of slots changed (a server
-    restarted with another ``--parallel`` is taken for another server too, which only makes the waits more
-    patient).  A slot's task id going back proves nothing: one server's slot may take a task queued for it
-    after a later one that went to it at once."""
-    return len(before) != len(after)
-
-
 class _Run:
     """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): whether it was cancelled
     and whether its last words are shielded from that, its ticket (so that a cancel can release it), what
-    it returned; and, from the driver, how to wake it (``signal``), close its connections and cancel it,
-    and the operations of section 8, each a method of its name."""
+    it returned, its open connections; and, from the driver, how to wake it (``signal``) and cancel it, and
+    the operations of section 8, each a method of its name (``send`` and ``recv`` are the connection's)."""
 
-    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket")
+    __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket", "_conns", "_conns_lock")
 
     def __init__(self, board: Any) -> None:
         self.board = board
@@ -3996,6 +3935,8 @@ class _Run:
         self.cancelled = False
         self.shield = False  # the plan's last words (a DELETE) are not cut short by the cancel
         self.ticket = None  # type: Optional[_Ticket]
+        self._conns = set()  # type: Set[Any]  # the connections open (a kept one is forgotten)
+        self._conns_lock = threading.Lock()
 
     def child(self, plan: _Plan[Any]) -> Any:
         """A run of this driver for ``plan``, which this one starts in the background (``_SPAWN``),
@@ -4005,22 +3946,47 @@ class _Run:
         self.board.add(run)
         return run
 
+    def send(self, conn: Any, data: bytes, timeout: float) -> Any:
+        return conn.send(data, timeout)
+
+    def recv(self, conn: Any, timeout: float) -> Any:
+        return conn.recv(timeout)
+
+    def keep(self, conn: Any, idle: float) -> None:
+        self.forget(conn)
+        self.board.keep(conn, idle)
+
+    def forget(self, conn: Any) -> None:
+        with self._conns_lock:
+            self._conns.discard(conn)
+
+    def _open(self) -> List[Any]:
+        with self._conns_lock:
+            return list(self._conns)
+
+    def close_all(self) -> None:
+        """Close the connections still open (at the plan's end)."""
+        for conn in self._open():
+            conn.close()
+
+    def _abort(self) -> None:
+        """Mark the run cancelled and abort its connections: a read or a connect in progress ends at once."""
+        self.cancelled = True
+        for conn in self._open():
+            conn.abort()
+
     if TYPE_CHECKING:
 
         def signal(self) -> None: ...
-
-        def close_all(self) -> None: ...
 
         def cancel(self) -> None: ...
 
 
 class _Board:
     """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
-    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, and the runs
-    in flight, and the kept connections.  Under one lock; its only I/O is closing connections (a stale
-    kept one in ``checkout()``, one not kept in ``keep()``, every kept one in ``close()``) and logging it,
-    and ``close()`` cancelling the runs in flight, whose plans then unwind: a resumable stream's sends its
-    DELETE on the way out."""
+    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, the runs in
+    flight and the kept connections.  Under one lock; its only I/O is closing connections (and logging it),
+    and ``close()`` cancelling the runs in flight, whose plans then unwind (a resumable stream's DELETE)."""
 
     def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
         self.calls = calls
@@ -4089,20 +4055,24 @@ class _Board:
         if not kept:
             conn.close()
         log = _logger()
-        if log:
-            if kept:
-                log.debug("%s: connection kept for reuse (%.0f s idle at most)", self.calls.address, idle)
-            else:
-                log.debug("%s: connection closed, not kept (keep_alive are kept already)", self.calls.address)
+        if log and kept:
+            log.debug("%s: connection kept for reuse (%.0f s idle at most)", self.calls.address, idle)
+        elif log:
+            log.debug("%s: connection closed, not kept (keep_alive are kept already)", self.calls.address)
 
     def close(self) -> None:
         """Cancel every run in flight, streams and polls, and close the kept connections."""
         with self.lock:
-            self.closed = True
+            self.closed = True  # nothing is kept from now on
             runs = list(self.runs)
-            idle, self.idle = self.idle, []
         for run in runs:
             run.cancel()
+        self.drop_idle()
+
+    def drop_idle(self) -> None:
+        """Close the kept connections (``AsyncClient``: of a loop it no longer uses, which cannot serve another)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
         for conn, _, _ in idle:
             conn.close()
 
@@ -5649,9 +5619,8 @@ def _decode_json(data: bytes, what: str) -> Any:
 # 9. The drivers: blocking sockets and threads, then asyncio
 # =====================================================================================================
 #
-# A driver performs the operations a plan yields, and nothing else: connections, reads and writes with
-# their timeouts, parking a request until its waker is signalled, sleeping, starting a background plan.
-# Socket errors become the library's errors in each driver's connection class, narrowest first.
+# A driver performs the operations a plan yields, and nothing else.  Socket errors become the library's
+# errors in each driver's connection class, narrowest first.
 
 
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
@@ -5755,9 +5724,8 @@ def _waiting_text(event: Waiting, pool: bool) -> str:
 
 
 def _unix_connect(sock: socket.socket, addr: _Address) -> None:
-    """Connect ``sock`` to the Unix socket of ``addr`` (both drivers: it completes or fails at once, a full
-    listen queue with EAGAIN).  A path that no server can listen at is ``ConnectError`` (``_unix_failed``);
-    any other failure is the ``OSError``, which a stream retries."""
+    """Connect ``sock`` to ``addr``'s Unix socket (both drivers: it completes or fails at once, a full listen
+    queue with EAGAIN): ``ConnectError`` where no server can listen (``_unix_failed``), else the ``OSError``."""
     try:
         sock.connect(addr.target)
     except OSError as exc:
@@ -5769,8 +5737,8 @@ def _unix_connect(sock: socket.socket, addr: _Address) -> None:
 
 
 class _Conn:
-    """One connection with a blocking socket.  Socket errors are translated here, narrowest first:
-    ``socket.timeout`` (on 3.8 not a ``TimeoutError``) before ``OSError``."""
+    """One connection with a blocking socket; ``socket.timeout`` (on 3.8 not a ``TimeoutError``) is
+    translated before ``OSError``."""
 
     __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
@@ -5783,11 +5751,9 @@ class _Conn:
         self._closed = False
 
     def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """Connect, the connection registered with its run first: ``cancel()`` shuts down a socket whose
-        connect is in progress, which wakes it at once (a TCP connect to a listener whose accept queue is
-        full would otherwise block for ``timeout``).  OSError (missing socket file, refused, unreachable,
-        connect timeout) goes to the plan, which may retry; a failed TLS handshake or certificate check is
-        ConnectError, which no plan retries.  The caller closes the connection when this fails."""
+        """Connect: ``OSError`` when the server cannot be reached (a stream retries it), ``ConnectError`` when
+        TLS fails (never retried).  Each socket is the connection's before it connects, so that ``cancel()``
+        shuts a connect in progress down.  The caller closes the connection when this fails."""
         self._timeout = timeout
         if addr.unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -5795,17 +5761,16 @@ class _Conn:
             _unix_connect(sock, addr)
             return
         host, port = addr.target
-        failed = OSError("getaddrinfo returns an empty list")  # type: Optional[OSError]  # as create_connection
+        failed = OSError("getaddrinfo returns an empty list")  # as socket.create_connection says it
         for family, kind, proto, _, target in self._resolve(host, port, timeout):
             try:  # each address in turn, as socket.create_connection tries them
                 self._dial(socket.socket(family, kind, proto), target, timeout)
-                failed = None
                 break
             except OSError as exc:
                 failed = exc
                 if self._stopped():
-                    break
-        if failed is not None:
+                    raise
+        else:
             raise failed
         try:
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -5815,10 +5780,8 @@ class _Conn:
             self._handshake(addr, ssl_context)
 
     def _resolve(self, host: str, port: int, timeout: float) -> List[Any]:
-        """``getaddrinfo`` within the connect's ``timeout`` (``socket.timeout`` past it), a cancel seen within
-        0.1 s: a numeric address at once; a host name in a thread of its own, since the system's resolver
-        cannot be interrupted.  A thread that outlives the wait ends when the resolver answers (its own
-        timeout, a few seconds in resolv.conf) and keeps nothing."""
+        """``getaddrinfo`` within the connect's ``timeout``: a host name in a thread of its own, since the
+        system's resolver cannot be interrupted (the thread ends when the resolver answers, keeping nothing)."""
         try:
             return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
         except socket.gaierror:
@@ -5835,25 +5798,29 @@ class _Conn:
                 done.set()
 
         threading.Thread(target=look_up, name="loopclient-resolver", daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while not done.wait(max(0.0, min(deadline - time.monotonic(), 0.1))):
-            if self._stopped():
-                raise _cancelled()
-            if time.monotonic() >= deadline:
-                raise socket.timeout("timed out looking up %s" % host)
+        self._until(done.wait, timeout, "timed out looking up %s" % host)
         if isinstance(answer[0], OSError):
             raise answer[0]
         return answer[0]  # type: ignore[no-any-return]
 
     def _stopped(self) -> bool:
-        """The run was cancelled, and this is not the connection of its shielded last words (the DELETE of
-        a resumable stream that a cancel ended)."""
+        """The run was cancelled, and this is not the connection of its shielded last words."""
         owner = self.owner
         return bool(owner.cancelled and not owner.shield)
 
+    def _until(self, ready: Callable[[float], Any], timeout: float, what: str) -> None:
+        """Until ``ready(seconds)`` is true, asked at least every 0.1 s: ``CancelledError`` once the run is
+        cancelled, ``socket.timeout(what)`` past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not ready(max(0.0, min(deadline - time.monotonic(), 0.1))):
+            if self._stopped():
+                raise _cancelled()
+            if time.monotonic() >= deadline:
+                raise socket.timeout(what)
+
     def _adopt(self, sock: socket.socket, timeout: float) -> None:
-        """Make ``sock`` this connection's before it connects: ``cancel()`` shuts it down, which ends a TCP
-        connect in progress at once; a cancel that came before is ``CancelledError`` now."""
+        """Make ``sock`` this connection's before it connects (``cancel()`` shuts it down); ``CancelledError``
+        when the cancel came first."""
         with self._lock:
             old, self.sock = self.sock, sock
         if old is not None:
@@ -5873,12 +5840,7 @@ class _Conn:
         if failed == errno.EINPROGRESS:
             waiter = select.poll()
             waiter.register(sock, select.POLLOUT)  # POLLERR and POLLHUP come without asking
-            deadline = time.monotonic() + timeout
-            while not waiter.poll(max(0.0, min(deadline - time.monotonic(), 0.1)) * 1000):
-                if self._stopped():
-                    raise _cancelled()
-                if time.monotonic() >= deadline:
-                    raise socket.timeout("timed out")
+            self._until(lambda seconds: waiter.poll(seconds * 1000), timeout, "timed out")
             failed = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         sock.settimeout(timeout)
         if failed:
@@ -5886,7 +5848,6 @@ class _Conn:
 
     def _handshake(self, addr: _Address, context: Any) -> None:
         ssl = _import_ssl()
-
         try:  # the handshake after the wrapped socket is the one cancel() shuts down
             tls = context.wrap_socket(self.sock, server_hostname=addr.target[0], do_handshake_on_connect=False)
             with self._lock:
@@ -5895,13 +5856,16 @@ class _Conn:
         except ssl.SSLError as exc:  # before OSError: a certificate or handshake failure is not a server down
             raise _tls_failed(addr, exc) from exc
 
+    def _timed(self, timeout: float) -> socket.socket:
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
+        return self.sock
+
     def send(self, data: bytes, timeout: float) -> None:
         """Write the request; ``StalledError`` when the server takes none of it for ``timeout``."""
         try:
-            if timeout != self._timeout:
-                self.sock.settimeout(timeout)
-                self._timeout = timeout
-            self.sock.sendall(data)
+            self._timed(timeout).sendall(data)
         except socket.timeout:
             raise _send_stalled(timeout) from None
         except OSError as exc:
@@ -5911,18 +5875,15 @@ class _Conn:
         """The next bytes, ``b""`` at the end; ``_Silence`` when nothing came for ``timeout``,
         ``StreamClosedError`` when the connection failed."""
         try:
-            if timeout != self._timeout:
-                self.sock.settimeout(timeout)
-                self._timeout = timeout
-            return self.sock.recv(RECV_SIZE)
+            return self._timed(timeout).recv(RECV_SIZE)
         except socket.timeout:
             raise _Silence() from None
         except OSError as exc:
             raise _connection_failed(exc) from exc
 
     def abort(self) -> None:
-        """From any thread: wake a blocked reader and tell the server we are gone.  Never closes the fd
-        (on Linux, closing a socket another thread reads does not wake that thread)."""
+        """From any thread: wake a blocked reader, and the server sees us gone.  Never closes the fd (on
+        Linux, closing a socket another thread reads does not wake that thread)."""
         with self._lock:
             if not self._closed and self.sock is not None:
                 try:
@@ -5948,19 +5909,16 @@ def _connected(board: _Board) -> None:
 
 
 class _SyncRun(_Run):
-    """A plan driven in the calling thread with blocking sockets.  ``cancel()`` works from any thread: it
-    shuts the run's sockets down (a blocked read wakes at once) and signals its waker (a park or a sleep
-    ends); the driving thread then throws ``CancelledError`` into the plan.  When no thread drives the plan
-    at that moment, ``cancel()`` ends it itself, so that its socket and permit are freed at once."""
+    """A plan driven in the calling thread with blocking sockets.  ``cancel()``, from any thread, shuts the
+    run's sockets down and signals it, and the driving thread throws ``CancelledError`` into the plan; when
+    no thread drives it, ``cancel()`` ends it itself, so that its sockets and permit are freed at once."""
 
-    __slots__ = ("lock", "_conns", "_conns_lock", "_bell", "_rung")
+    __slots__ = ("lock", "_bell", "_rung")
     board: _Board
 
     def __init__(self, board: _Board) -> None:
         _Run.__init__(self, board)
         self.lock = threading.Lock()  # held while a thread drives the plan
-        self._conns: Set[_Conn] = set()
-        self._conns_lock = threading.Lock()
         # The waker: a lock held until signal() releases it once, as threading.Condition wakes each of its
         # waiters (a threading.Event would cost a Condition, its lock and a new lock per wait: measured,
         # 4,000 parked streams then spent ten times the CPU of this one lock each).
@@ -5979,9 +5937,8 @@ class _SyncRun(_Run):
                 self._bell.release()
 
     def step(self) -> Optional[List[Event]]:
-        """Drive the plan to the next events it yields (None: it returned, its value in ``value``).  Each
-        operation it yields is performed by this run's method of the operation's name (``recv``,
-        ``connect``, ...), and its result, or its error, goes back into the plan."""
+        """Drive the plan to the next events it yields (None: it returned, its value in ``value``), each
+        operation performed by this run's method of its name, its result or error sent back into the plan."""
         value = None  # type: Any
         exc = _cancelled() if self.cancelled else None  # type: Optional[BaseException]
         while True:
@@ -5996,8 +5953,6 @@ class _SyncRun(_Run):
             except BaseException as caught:  # noqa: B036 - thrown into the plan, which decides
                 exc = caught
             exc = _after(self, exc)
-
-    # -- the operations ------------------------------------------------------------------------------------
 
     def connect(self, timeout: float, reuse: bool) -> _Conn:
         """A kept connection (``reuse``), else a new one, registered with the run before it connects."""
@@ -6015,12 +5970,6 @@ class _SyncRun(_Run):
             _connected(board)
         return conn
 
-    def send(self, conn: _Conn, data: bytes, timeout: float) -> None:
-        conn.send(data, timeout)
-
-    def recv(self, conn: _Conn, timeout: float) -> bytes:
-        return conn.recv(timeout)
-
     def park(self, timeout: Optional[float]) -> None:
         """Until signal() (or an earlier one not yet taken), or ``timeout`` (None: no timer)."""
         got = self._bell.acquire(True, -1 if timeout is None else min(timeout, threading.TIMEOUT_MAX))
@@ -6032,25 +5981,16 @@ class _SyncRun(_Run):
 
     def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while not self.cancelled:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self.park(left)
+        while not self.cancelled and time.monotonic() < deadline:
+            self.park(max(deadline - time.monotonic(), 0.0))
 
     def spawn(self, plan: _Plan[Any]) -> None:
         run = self.child(plan)
         threading.Thread(target=run.background, name="loopclient-background", daemon=True).start()
 
-    def keep(self, conn: _Conn, idle: float) -> None:
-        self.forget(conn)
-        self.board.keep(conn, idle)
-
-    # -- the run's life ------------------------------------------------------------------------------------
-
     def unwind(self) -> None:
-        """End a cancelled plan in this thread: ``CancelledError`` thrown into it, so that its last words
-        (a resumable stream's DELETE) are said and its finally runs; the error stays here."""
+        """End a cancelled plan in this thread (``CancelledError`` thrown into it: its last words are said,
+        its finally runs); the error stays here."""
         self.cancelled = True
         try:
             while self.step() is not None:
@@ -6077,23 +6017,8 @@ class _SyncRun(_Run):
         finally:
             self.board.discard(self)
 
-    def forget(self, conn: _Conn) -> None:
-        with self._conns_lock:
-            self._conns.discard(conn)
-
-    def close_all(self) -> None:
-        """Close the connections still open (the driving thread, at the plan's end)."""
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.close()
-
     def cancel(self) -> None:
-        self.cancelled = True
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            conn.abort()
+        self._abort()
         self._ring()
         if self.gen is not None and self.lock.acquire(False):  # nobody drives it: end it here
             try:
@@ -6104,8 +6029,8 @@ class _SyncRun(_Run):
 
 class _Events:
     """What ``Stream`` and ``AsyncStream`` share: the request, its life (``_StreamLife``, made with the run
-    that drives it), the events of the last batch the plan yielded, handed out one by one (kept last
-    first), the offset they reach once all are out, and at the end the completion."""
+    that drives it), the last batch of events (handed out one by one, kept last first), the offset they
+    reach once all are out, and at the end the completion."""
 
     _run: Any
 
@@ -6130,16 +6055,16 @@ class _Events:
         life = self._life = _StreamLife(run.board, run, self._req)
         run.gen = life.watch() if self._req.watch else life.plan()
 
-    def _hand_out(self, got: Optional[List[Event]]) -> Optional[Event]:
-        """The first event of ``got``, the batch the run's step returned (the rest handed out next), or
-        None when it returned None: the plan ended, its ``Completion`` is kept."""
+    def _hand_out(self, got: Optional[List[Event]], stop: type) -> Event:
+        """The first event of the batch the run's step returned (the rest handed out next); ``stop`` raised
+        when the plan ended (its ``Completion`` kept)."""
         life = self._life
         assert life is not None
         if got is None:
             self._done = True
             self.completion = self._run.value
             self.offset = life.offset
-            return None
+            raise stop
         if self._log is not None:
             _tell(self._log, self._req.calls.addr, got, self._req.slot is None)
         got.reverse()  # a fresh list, never empty: popped from its end
@@ -6156,12 +6081,10 @@ class _Events:
 
 
 class Stream(_Events):
-    """One streamed request (``Client.stream()`` and the other ``stream_*`` calls): iterate it for events;
-    ``completion`` is there once iteration has ended without an error.  The request starts when iteration
-    starts.  ``cancel()`` works from any thread; leaving the ``with`` block early cancels quietly.
-    Iteration raises the ``LoopError`` subclasses (``CancelledError`` after ``cancel()``).  One thread
-    iterates a stream at a time.
-    """
+    """One streamed request (``Client.stream()`` and the other ``stream_*`` calls), sent when iteration
+    starts: iterate it for events (one thread at a time); ``completion`` is there once iteration ended
+    without an error.  Iteration raises the ``LoopError`` subclasses (``CancelledError`` after
+    ``cancel()``, which works from any thread); leaving the ``with`` block early cancels quietly."""
 
     def __init__(self, board: _Board, req: _StreamRequest) -> None:
         self._setup(req)
@@ -6191,15 +6114,12 @@ class Stream(_Events):
             except BaseException as exc:
                 self._ended(exc)
                 raise
-            handed = self._hand_out(got)
-        if handed is None:
-            raise StopIteration
-        return handed
+            return self._hand_out(got, StopIteration)
 
     def cancel(self) -> None:
-        """Cancel the request from any thread: its sockets close, its permit is released, and the thread
-        iterating the stream gets ``CancelledError`` within 0.2 s.  A resumable stream is deleted on the
-        server first (one attempt of at most a second), so that the server stops generating."""
+        """Cancel the request from any thread: its sockets close, its permit is released, and the iterating
+        thread gets ``CancelledError`` within 0.2 s; a resumable stream is deleted on the server first (one
+        attempt of at most a second), so that the server stops generating."""
         if not self._done:
             if not self._run.cancelled:
                 _cancel_told(self._req.calls.addr, "cancel() was called")
@@ -6225,9 +6145,8 @@ ChatStream = Stream
 
 class _Configured:
     """What ``Client`` and ``AsyncClient`` are made of: the configuration (``Client`` documents it), checked
-    once by ``_Calls``, which keeps it and makes the single-shot calls; the address, limits and default model
-    read back; the builders of the streamed requests (``_Streams``).  Each client then makes, in ``_start``,
-    where its requests meet: one ``_Board`` for ``Client``, one per event loop for ``AsyncClient``."""
+    and kept by ``_Calls`` (which makes the single-shot calls) and read back; ``_Streams``, which builds the
+    streamed requests; and, from ``_start``, where the requests meet (a ``_Board``; one per event loop)."""
 
     def __init__(
         self,
@@ -6255,26 +6174,18 @@ class _Configured:
 class Client(_Configured):
     """A client of one llama-server, shared by any number of threads.
 
-    ``address`` is a socket path, ``unix:///path``, ``http://host[:port][/prefix]`` or
-    ``https://host[:port][/prefix]`` (default: ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``).
-    ``limits`` sets the budgets and caps (``Limits``); ``api_key`` is sent as ``Authorization: Bearer``;
-    ``headers`` are added to every request; ``model`` is the default model of a router (put in each body
-    and query that names none); ``ssl_context`` replaces the default verifying context for ``https://``.
-    ``session`` is the client's session key (1 to 128 visible ASCII characters), sent as ``X-Session-Id``
-    on every request of this client unless a streamed call gives its own (an ``X-Session-Id`` in
-    ``headers`` is the same thing; giving both is ``ValueError``).  A malformed address, a CR or LF in
-    ``api_key`` or a header, a malformed session key, or limits of the wrong type raise
-    ``ValueError``/``TypeError`` here, before any connection.
+    ``address``: a socket path, ``unix:///path`` or ``http[s]://host[:port][/prefix]`` (default:
+    ``$LLAMA_SERVER``, else ``http://127.0.0.1:8080``); ``limits``: the budgets and caps; ``api_key`` is
+    sent as ``Authorization: Bearer``, ``headers`` with every request; ``model``: a router's default model;
+    ``ssl_context`` replaces the default verifying one; ``session``: the client's session key (1 to 128
+    visible ASCII characters), sent as ``X-Session-Id`` unless a streamed call gives its own (an
+    ``X-Session-Id`` in ``headers`` is one too).  What is malformed is ``ValueError``/``TypeError`` here.
 
-    Single-shot calls (everything but the streams) are sent once, and again only when a kept connection
-    fails before any byte of the answer (the server had closed it while idle, and never read the request:
-    the request goes once more, on a new connection): a server that cannot be reached is
-    ``ConnectError``, silence longer than ``liveness`` is ``StalledError``, a non-200 status is
-    ``HTTPStatusError`` (never for ``fetch()``, which returns any answer whole), a malformed answer or one
-    over ``max_body`` is ``ProtocolError``.  Each takes ``headers=`` (a dict for that call alone, beside the
-    client's, its values winning; refused as the constructor refuses them: ``ValueError``/``TypeError``)
-    and ``timeout=`` (seconds for the whole exchange, connect included: ``DeadlineError`` past it).  Every
-    streamed call takes ``headers=`` too (a keyword, not sent in the body).
+    Single-shot calls (all but the streams) are sent once (again on a new connection only when a kept one
+    fails before any byte of the answer) and raise ``ConnectError``, ``StalledError`` (silence for
+    ``liveness``), ``HTTPStatusError`` (not 200; never for ``fetch()``), ``ProtocolError`` (a malformed
+    answer, or over ``max_body``) and ``DeadlineError`` (past ``timeout=``, seconds for the whole call).
+    Every call takes ``headers=``, a dict for that call alone (never put in a body), its values winning.
     """
 
     def _start(self) -> None:
@@ -6297,31 +6208,20 @@ class Client(_Configured):
     def _run(self, plan: _Plan[_T], timeout: Optional[float] = None) -> _T:
         """Drive a single-shot call's plan to its value, within ``timeout`` seconds when given."""
         seconds = _check_timeout(timeout)
-        if seconds is not None:
-            plan = _within(plan, seconds, self.address)
         run = self._board.run_class(self._board)
-        run.gen = plan
+        run.gen = plan if seconds is None else _within(plan, seconds, self.address)
         return run.finish()  # type: ignore[no-any-return]
 
-    # -- chat ------------------------------------------------------------------------------------------
-
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of the chat ``messages``; every keyword but ``raw_chunks`` goes into the JSON body
-        unchanged.  The request starts when iteration starts.
+        """A ``Stream`` of the chat ``messages``; the keywords go into the JSON body as they are, beside
+        ``stream``, ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model``.
 
-        The client sets ``stream``, ``stream_options.include_usage``, ``id_slot`` (when ``slot`` is given),
-        ``reasoning_control`` (when ``Limits.thinking_cap`` is set) and ``model`` (when the client has a
-        default and the call names none).  ``raw_chunks=True`` also yields a ``Chunk`` per data event.
-        ``resumable=True`` (or an id: 1 to 128 visible ASCII characters) sends ``X-Conversation-Id``: a
-        connection lost after the head, before or after delivery, is then resumed from the server's buffer
-        (``Resumed``), and an early end deletes the stream on the server (every streamed call takes it).
-        ``session`` (every streamed call takes it) is the conversation's key, sent as ``X-Session-Id`` for
-        a front to route by; without it, the client's key, else a digest of the messages up to and
-        including the first user message (``Limits.session=False``: none); ``stream.session`` says which.
-        A body that is not JSON-serialisable, a bad ``slot`` (a slot past the server's slots too, once an
-        answer the client got has told their number: ``props()``, ``slots()``, a pool's ``/props``, a
-        ``/slots`` poll) or ``session``, or a thinking cap with ``n`` > 1 is ``TypeError``/``ValueError``
-        here, before any connection.
+        Every streamed call also takes ``raw_chunks=True`` (a ``Chunk`` per data event too),
+        ``resumable=True`` or an id (``X-Conversation-Id``: a connection lost is resumed from the server's
+        buffer, an early end deletes it there) and ``session`` (``X-Session-Id``; else the client's, else a
+        digest of the messages up to the first user message: ``stream.session``).  A bad body, ``slot``
+        (or one past the server's slots) or ``session``, or a thinking cap with ``n`` > 1, is
+        ``TypeError``/``ValueError`` here.
         """
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
@@ -6332,22 +6232,16 @@ class Client(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """Stream a chat and return its ``Completion``, calling ``on_event`` in this thread for each event.
-
-        Raises the ``LoopError`` subclasses (see ``Stream``).  An exception from ``on_event`` (or a
-        KeyboardInterrupt) closes the request and propagates unchanged.
-        """
+        """``stream()`` iterated to its ``Completion``, calling ``on_event`` in this thread for each event.
+        Raises what ``Stream`` raises; an exception from ``on_event`` (or Ctrl-C) closes the request and
+        propagates unchanged (as in every call that takes ``on_event``)."""
         return _consume(self.stream(messages, slot=slot, **params), on_event)
 
-    # -- the other streamed endpoints: the same engine, another body and another reading ---------------
-
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /completion``: ``prompt`` is a string, a list of token ids, a mixed list, or
-        a list of prompts (one choice each, by the chunks' ``index``).  Keywords go into the body
-        (``n_predict``, ``n_probs``, ``return_tokens``, ``cache_prompt``, ``samplers``, ``lora``, ...).
-        ``content`` is ``Content(text, choice=index)``; ``completion_probabilities`` go to the choice's
-        ``logprobs``, ``tokens`` to its ``tokens``; the stream ends when every choice has had its
-        ``stop: true`` chunk, which is ``Completion.final``."""
+        """A ``Stream`` of ``POST /completion``: ``prompt`` a string, token ids, a mixed list, or a list of
+        prompts (one choice each); keywords go into the body (``n_predict``, ``n_probs``, ``lora``, ...).
+        ``content`` is ``Content(text, choice=index)``, ``completion_probabilities`` the choice's
+        ``logprobs``, ``tokens`` its ``tokens``; every choice's ``stop: true`` chunk ends it (``final``)."""
         return Stream(self._board, self._streams.stream_request("complete", (prompt,), params, slot))
 
     def complete(
@@ -6358,12 +6252,10 @@ class Client(_Configured):
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
         """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as
-        ``stream_complete()`` takes it (a list of prompts is one choice each).  Keywords go into the body
-        (``max_tokens``, ``temperature``, ``logprobs``, ``stop``, ``n_probs``, ...).  Each choice's ``text``
-        is ``Content(text, choice=index)``, its ``logprobs`` entries go to the choice's ``logprobs``;
-        ``finish_reason`` and ``usage`` are chat's (this server's ``usage`` is the last closing choice's,
-        of its prompt alone), and ``[DONE]`` ends the stream.  This server ignores ``echo`` and ``suffix``
-        (``stream_infill()`` fills a middle)."""
+        ``stream_complete()`` takes it; keywords go into the body (``max_tokens``, ``logprobs``, ...).  A
+        choice's ``text`` is ``Content(text, choice=index)``, its ``logprobs`` the choice's; ``usage`` is
+        the last closing choice's (of its prompt alone); ``[DONE]`` ends it.  The server ignores ``echo``
+        and ``suffix`` (``stream_infill()`` fills a middle)."""
         return Stream(self._board, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     def complete_openai(
@@ -6375,10 +6267,9 @@ class Client(_Configured):
     def stream_infill(
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> Stream:
-        """A ``Stream`` of ``POST /infill`` (fill in the middle): ``prefix`` and ``suffix`` go in
-        ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or ``{"filename",
-        "text"}`` dicts) in ``input_extra``; read as ``stream_complete()``.  A model without
-        fill-in-the-middle tokens answers 501: ``HTTPStatusError`` with the server's message."""
+        """A ``Stream`` of ``POST /infill`` (fill in the middle), read as ``stream_complete()``: ``prefix`` and
+        ``suffix`` go in ``input_prefix`` and ``input_suffix``, ``extra`` (``(filename, text)`` pairs or
+        ``{"filename", "text"}`` dicts) in ``input_extra``.  A model without FIM tokens: ``HTTPStatusError`` (501)."""
         return Stream(self._board, self._streams.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     def infill(
@@ -6395,10 +6286,9 @@ class Client(_Configured):
         return _consume(self.stream_infill(prefix, suffix, extra=extra, slot=slot, **params), on_event)
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /v1/responses`` (OpenAI Responses): ``input`` is a string or a list of
-        input items.  Text deltas are ``Content``, reasoning deltas ``Reasoning``, function calls
-        ``ToolCall``; ``Completion.final`` is the closing ``response``.  A thinking cap cannot work here:
-        ``ValueError``."""
+        """A ``Stream`` of ``POST /v1/responses`` (OpenAI Responses) of ``input`` (a string or input items):
+        ``Content``, ``Reasoning`` and ``ToolCall`` events, the closing ``response`` as ``Completion.final``.
+        A thinking cap cannot work here: ``ValueError``."""
         return Stream(self._board, self._streams.stream_request("respond", (input,), params, slot))
 
     def respond(
@@ -6408,11 +6298,9 @@ class Client(_Configured):
         return _consume(self.stream_respond(input, slot=slot, **params), on_event)
 
     def stream_message(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /v1/messages`` (Anthropic Messages): ``text_delta`` is ``Content``,
-        ``thinking_delta`` ``Reasoning``, a ``tool_use`` block and its ``input_json_delta`` ``ToolCall``;
-        ``Completion.final`` is the ``message_start`` message with the closing stop reason and usage.
-        ``max_tokens`` is the endpoint's own (required by Anthropic's API; the server has a default).  A
-        thinking cap cannot work here: ``ValueError``."""
+        """A ``Stream`` of ``POST /v1/messages`` (Anthropic Messages): ``Content``, ``Reasoning`` and
+        ``ToolCall`` (a ``tool_use`` block) events; ``Completion.final`` is the ``message_start`` message
+        with the closing stop reason and usage.  A thinking cap cannot work here: ``ValueError``."""
         return Stream(self._board, self._streams.stream_request("message", (messages,), params, slot))
 
     def message(
@@ -6425,8 +6313,6 @@ class Client(_Configured):
         """``stream_message()`` iterated to its ``Completion``, calling ``on_event`` for each event."""
         return _consume(self.stream_message(messages, slot=slot, **params), on_event)
 
-    # -- any route, streamed --------------------------------------------------------------------------------
-
     def stream_route(
         self,
         path: str,
@@ -6437,24 +6323,12 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         **params: Any,
     ) -> Stream:
-        """A ``Stream`` of any route that answers ``text/event-stream`` (one without a named call, or one a
-        newer server adds): ``method`` to ``path`` with ``body`` (any JSON value, sent as it is: add
-        ``"stream": True`` where the route wants it; None sends none).  Keywords go into a dict body (one
-        is made when it is None); ``slot`` is ``id_slot``, ``resumable`` and ``raw_chunks`` are taken as
-        every streamed call takes them (the chunks come anyway).  Each data event is a ``Chunk``: its
-        ``data`` the parsed JSON, or the text when it is not JSON; each counts as delivered.  The stream
-        ends at ``[DONE]`` or at the end of the body; ``stream.completion`` holds the finish, usage, id and
-        model when the chunks carry OpenAI's shape (``choices``) or llama-server's (``stop``), its text left
-        out (an end before every choice finished is then ``StreamClosedError``), else an empty
-        ``Completion``.  The gate, waits, liveness, retries before delivery, resuming and cancel are every
-        streamed call's; iteration raises the same errors, and ``ProtocolError`` when a 200 answer is not
-        ``text/event-stream``.  ``TypeError``/``ValueError`` here for a path or method that is not a
-        string or not valid, a body that is not JSON-serialisable, keywords or a slot beside a body that is
-        not a dict."""
+        """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body``
+        (any JSON value, sent as it is; None: none), the keywords and ``slot`` put in a dict body.  Each data
+        event is a ``Chunk``; ``[DONE]`` or the body's end ends it, ``completion`` holding what OpenAI's or
+        llama-server's chunks say of the finish.  A 200 that is not ``text/event-stream`` is ``ProtocolError``."""
         params["headers"] = headers
         return Stream(self._board, self._streams.stream_request("route", (path, body, method), params, slot))
-
-    # -- resumable streams ------------------------------------------------------------------------------
 
     def resume(
         self,
@@ -6467,15 +6341,9 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         session: Optional[str] = None,
     ) -> Stream:
-        """A ``Stream`` that reads the server's buffer of a resumable stream (one started with
-        ``resumable=True`` or an id, perhaps by another process) from ``offset`` (0, or a value of
-        ``stream.offset``) and follows it to its end, read as ``endpoint`` (``"chat"``, ``"complete"``,
-        ``"complete_openai"``, ``"infill"``, ``"respond"``, ``"message"``, ``"route"``: ``stream_route()``'s
-        chunks) reads it, with the same liveness and resume rules.  It takes no slot permit and sends no
-        request body; ``headers`` go with each of its requests.  The ``Completion`` holds what came after
-        ``offset``.  An unknown id (the server restarted, or the stream expired) is ``StreamClosedError``.
-        ``session``: the session key the stream was started with (``stream.session``; else the client's), so
-        that a front routing by it reaches the server that holds the stream."""
+        """A ``Stream`` of a resumable stream's buffer on the server from ``offset`` (0, or a ``stream.offset``)
+        to its end, read as ``endpoint``'s call (``"chat"``, ``"complete"``, ..., ``"route"``) reads it; no
+        slot permit.  An unknown id is ``StreamClosedError``; ``session``: the stream's (``stream.session``)."""
         req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return Stream(self._board, req)
 
@@ -6487,9 +6355,8 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
-        """``POST /v1/streams/lookup``: what the server knows of these resumable streams (``conversation_id``,
-        ``is_done``, ``total_bytes``, ...), for the ids it knows; ``session`` as ``resume()`` takes it.
-        Raises as every single-shot call does."""
+        """``POST /v1/streams/lookup``: what the server knows of the resumable streams it knows of these
+        (``conversation_id``, ``is_done``, ``total_bytes``, ...); ``session`` as ``resume()`` takes it."""
         return self._run(self._calls.at(headers).lookup_streams(conversation_ids, session), timeout)
 
     def delete_stream(
@@ -6500,16 +6367,11 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> bool:
-        """``DELETE /v1/stream?conv_id=...``: stop a resumable stream's generation and drop its buffer; False
-        when the server says it is unknown (this build answers 204 for any id, so True then too); ``session``
-        as ``resume()`` takes it.  Raises as every single-shot call does."""
+        """``DELETE /v1/stream?conv_id=...``: stop a resumable stream and drop its buffer; False when the
+        server says it is unknown (this build answers 204, True, for any id); ``session`` as ``resume()``."""
         return self._run(self._calls.at(headers).delete_stream(conversation_id, session=session), timeout)
 
-    # -- single-shot calls --------------------------------------------------------------------------------
-    #
-    # Each takes headers= (a dict added to the client's headers for this call only, its values winning;
-    # what Client(headers=...) refuses is ValueError before sending) and timeout= (seconds for the whole
-    # exchange, connect included: DeadlineError past it; None, the default, keeps the rule of liveness).
+    # -- single-shot calls (the class's docstring says what each raises, and its headers= and timeout=) ------
 
     def fetch(
         self,
@@ -6521,14 +6383,9 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Response:
-        """Any route, the answer whole as the server gave it: a ``Response`` (status, reason, headers, body)
-        for any status, 1xx interim answers skipped, 3xx not followed, no ``HTTPStatusError``.  ``body``
-        (when not None) is sent as JSON, ``query`` (a dict) URL-encoded, ``headers`` beside the client's
-        (``{"Origin": ...}``, ``{"Accept": ...}``); routed to the client's default model as ``request()``
-        is.  Sent once (a kept connection the server had closed aside).  ``ConnectError``, ``StalledError``
-        (silence for ``liveness``), ``DeadlineError`` (past ``timeout``), ``ProtocolError`` (malformed, or a
-        body over ``max_body``), ``StreamClosedError`` (cut short); ``TypeError``/``ValueError`` before
-        sending for a bad method, path, query, body, header or timeout."""
+        """Any route, the answer whole: a ``Response`` (status, reason, headers, body) for any status (1xx
+        skipped, 3xx not followed, no ``HTTPStatusError``); ``body`` and ``query`` as ``request()`` sends
+        them.  An answer cut short is ``StreamClosedError``; a bad argument ``TypeError``/``ValueError``."""
         return self._run(self._calls.at(headers).fetch(method, path, body, query), timeout)
 
     def request(
@@ -6541,11 +6398,10 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """Any endpoint: ``body`` (when not None) is sent as JSON, ``query`` (a dict) URL-encoded.  Returns
-        the decoded JSON when the response is JSON, else its text.  A 2xx status is success; any other is
-        ``HTTPStatusError``; a JSON answer that does not parse is ``ProtocolError`` (``fetch()`` gives any
-        answer whole).  ``path`` must start with ``/``; CR, LF or NUL in the method, path or query is
-        ``ValueError`` before anything is sent."""
+        """Any endpoint: ``body`` (when not None) sent as JSON, ``query`` (a dict) URL-encoded, routed to the
+        client's default model; the decoded JSON when the answer is JSON, else its text.  Any 2xx is success
+        (others ``HTTPStatusError``).  ``path`` starts with ``/``; CR, LF or NUL in the method, path or query
+        is ``ValueError``."""
         return self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
     def slots(
@@ -6577,19 +6433,14 @@ class Client(_Configured):
         timeout: Optional[float] = None,
     ) -> Dict[str, Any]:
         """Router mode: ``POST /models/load`` for ``name``; the server's answer.  ``wait=True`` returns once
-        the router says the model is loaded (``GET /models`` asked every ``poll`` seconds, under
-        ``load_wait``: ``LoadTimeoutError``); a load that fails is ``ServerError`` with the router's status
-        of the model (its exit code), a refused one ``HTTPStatusError`` with the router's message.
-        ``timeout`` bounds the whole call, the wait included."""
+        ``GET /models`` (every ``poll``, under ``load_wait``: ``LoadTimeoutError``) says it is loaded, within
+        ``timeout`` too; a load that fails is ``ServerError`` (its exit code), a refused one ``HTTPStatusError``."""
         return self._run(self._calls.at(headers).load_model(name, wait), timeout)
 
     def watch_models(self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None) -> Stream:
-        """Router mode: a ``Stream`` of the router's model events (``GET /models/sse``), ``ModelEvent``
-        items as the router sends them (only ``model``'s, and the ``"*"`` ones that concern every model
-        such as ``models_reload``, when given), until the caller cancels it or
-        leaves the ``with`` block.  The route sends no pings, so silence is its normal state: no liveness
-        ends it; the router closing it is ``StreamClosedError``.  It takes no slot permit and is not sent
-        again after a failure (``ConnectError``, ``HTTPStatusError``)."""
+        """Router mode: a ``Stream`` of ``ModelEvent`` (``GET /models/sse``; only ``model``'s and the ``"*"``
+        ones, such as ``models_reload``, when given) until cancelled.  Silence is its normal state: no
+        liveness; the router closing it is ``StreamClosedError``.  No slot permit; never sent again."""
         return Stream(self._board, self._streams.watch_request(model, headers))
 
     def unload_model(
@@ -6653,8 +6504,7 @@ class Client(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> List[List[float]]:
-        """``POST /v1/embeddings`` (a server started with ``--embeddings``): one vector per input, in input
-        order."""
+        """``POST /v1/embeddings`` (a server with ``--embeddings``): one vector per input, in order."""
         return self._run(self._calls.at(headers).embed(input, params), timeout)
 
     def rerank(
@@ -6699,8 +6549,7 @@ class Client(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``POST /v1/messages/count_tokens``: the prompt tokens of a Messages request, cached ones included
-        (as ``Completion.usage["prompt_tokens"]`` of ``message()``)."""
+        """``POST /v1/messages/count_tokens``: a Messages request's prompt tokens, cached ones included."""
         return self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
     def count_response_tokens(
@@ -6711,8 +6560,7 @@ class Client(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``POST /v1/responses/input_tokens``: how many prompt tokens a Responses request of ``input`` (a
-        string or a list of input items) makes, the keywords (``instructions``, ``tools``, ...) counted too."""
+        """``POST /v1/responses/input_tokens``: the prompt tokens of a Responses request (keywords counted)."""
         return self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
 
     def lora_adapters(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> List[Any]:
@@ -6726,8 +6574,8 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """``POST /lora-adapters`` with ``[{"id": int, "scale": float}, ...]``: the scales every request
-        uses unless it sends its own ``lora``; the server's answer."""
+        """``POST /lora-adapters`` ``[{"id": int, "scale": float}, ...]``: the scales of every request that
+        sends no ``lora``; the server's answer."""
         return self._run(self._calls.at(headers).set_lora_adapters(adapters), timeout)
 
 
@@ -6752,30 +6600,41 @@ if TYPE_CHECKING:
     import asyncio
 
 
-def _ring_alarm(alarm: asyncio.Future[None]) -> None:
-    if not alarm.done():
-        alarm.set_result(None)
+class _Alarm:
+    """What a run or a connection waits on, on the event loop: a future per wait and a timer handle (no task
+    of its own)."""
 
+    __slots__ = ("loop", "_future")
 
-async def _sleep_on_alarm(
-    loop: asyncio.AbstractEventLoop, alarm: asyncio.Future[None], timeout: Optional[float]
-) -> None:
-    """Until ``alarm`` rings or ``timeout`` passes (None: no timer); a timer handle, no task of its own."""
-    timer = loop.call_later(timeout, _ring_alarm, alarm) if timeout is not None else None
-    try:
-        await alarm
-    finally:
-        if timer is not None:
-            timer.cancel()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._future = None  # type: Optional[asyncio.Future[None]]
+
+    def ring(self) -> bool:
+        """End the wait in progress; False when there is none."""
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+        return future is not None
+
+    async def wait(self, timeout: Optional[float]) -> None:
+        """Until rung, or ``timeout`` passes (None: no timer)."""
+        future = self._future = self.loop.create_future()
+        timer = self.loop.call_later(timeout, self.ring) if timeout is not None else None
+        try:
+            await future
+        finally:
+            self._future = None
+            if timer is not None:
+                timer.cancel()
 
 
 class _AsyncRun(_Run):
-    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) closes the run's connections,
-    signals its waker and releases its permit at once; the plan, wherever it waits, then has
-    ``CancelledError`` thrown into it.  Cancelling the task that drives it throws ``asyncio.CancelledError``
-    into the plan the same way."""
+    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) aborts the run's connections,
+    signals it and releases its permit at once; the plan then has ``CancelledError`` thrown into it, as it
+    has ``asyncio.CancelledError`` when the task that drives it is cancelled."""
 
-    __slots__ = ("resumable", "running", "unwinding", "_conns", "_alarm", "_rung")
+    __slots__ = ("resumable", "running", "unwinding", "_alarm", "_rung")
     board: _AsyncBoard
 
     def __init__(self, board: _AsyncBoard, resumable: bool = False) -> None:
@@ -6783,16 +6642,11 @@ class _AsyncRun(_Run):
         self.resumable = resumable  # its end says something to the server: it cannot be ended at once
         self.unwinding = None  # type: Optional[asyncio.Task[None]]  # the task ending it after a cancel()
         self.running = False  # a task is driving the plan
-        self._conns: Set[_AsyncConn] = set()
-        self._alarm = None  # type: Optional[asyncio.Future[None]]  # what a park or a sleep awaits
+        self._alarm = _Alarm(board.loop)  # what a park or a sleep awaits
         self._rung = False  # signalled while not parked: the next park returns at once
 
     def signal(self) -> None:
-        alarm = self._alarm
-        if alarm is not None:
-            _ring_alarm(alarm)
-        else:
-            self._rung = True
+        self._rung = not self._alarm.ring()
 
     async def step(self) -> Optional[List[Event]]:
         """``_SyncRun.step`` on an event loop: each operation is this run's coroutine of its name."""
@@ -6811,8 +6665,6 @@ class _AsyncRun(_Run):
                 exc = caught
             exc = _after(self, exc)
 
-    # -- the operations ------------------------------------------------------------------------------------
-
     async def connect(self, timeout: float, reuse: bool) -> _AsyncConn:
         """A kept connection (``reuse``), else a new one (``_AsyncConn.open``)."""
         board = self.board
@@ -6821,25 +6673,15 @@ class _AsyncRun(_Run):
             conn = _AsyncConn(board.loop, self)
             await conn.open(board.calls.addr, timeout, board.calls.ssl_context)
             _connected(board)
-        self._conns.add(conn)
+        with self._conns_lock:
+            self._conns.add(conn)
         return conn
-
-    async def send(self, conn: _AsyncConn, data: bytes, timeout: float) -> None:
-        await conn.send(data, timeout)
-
-    async def recv(self, conn: _AsyncConn, timeout: float) -> bytes:
-        return await conn.recv(timeout)
 
     async def park(self, timeout: Optional[float]) -> None:
         if self._rung or (self.cancelled and not self.shield):
             self._rung = False
-            return
-        loop = self.board.loop
-        self._alarm = loop.create_future()
-        try:
-            await _sleep_on_alarm(loop, self._alarm, timeout)
-        finally:
-            self._alarm = None
+        else:
+            await self._alarm.wait(timeout)
 
     async def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -6849,23 +6691,16 @@ class _AsyncRun(_Run):
     async def spawn(self, plan: _Plan[Any]) -> None:
         self.board.spawn(self.child(plan).background())
 
-    async def keep(self, conn: _AsyncConn, idle: float) -> None:
-        self.forget(conn)
-        self.board.keep(conn, idle)
-
-    # -- the run's life ------------------------------------------------------------------------------------
+    async def keep(self, conn: _AsyncConn, idle: float) -> None:  # type: ignore[override]
+        _Run.keep(self, conn, idle)
 
     async def unwind(self) -> None:
         """``_SyncRun.unwind`` on an event loop."""
         self.cancelled = True
-        self.running = True
         try:
-            while (await self.step()) is not None:
-                pass
+            await self.finish()
         except CancelledError:
             pass
-        finally:
-            self.running = False
 
     async def finish(self) -> Any:
         """Drive a plan that yields no events to its end: its value."""
@@ -6884,17 +6719,8 @@ class _AsyncRun(_Run):
         finally:
             self.board.discard(self)
 
-    def forget(self, conn: _AsyncConn) -> None:
-        self._conns.discard(conn)
-
-    def close_all(self) -> None:
-        for conn in list(self._conns):
-            conn.close()
-
     def cancel(self) -> None:
-        self.cancelled = True
-        for conn in list(self._conns):
-            conn.abort()
+        self._abort()
         self.signal()
         if self.gen is not None and not self.running:  # nobody drives it
             if self.resumable:  # its DELETE is I/O: a task of the board ends it, then frees the permit
@@ -6907,40 +6733,24 @@ class _AsyncRun(_Run):
 
 
 class _AsyncConn:
-    """One connection on an event loop: asyncio's transport below, ``recv(timeout)`` and ``send()`` above,
-    as ``_Conn`` has them.  It is the transport's protocol (duck-typed: subclassing ``asyncio.Protocol``
-    would import asyncio with loopclient).  Once ``RECV_SIZE`` bytes wait unread the transport stops
-    reading, so a fast server cannot fill memory ahead of a slow caller: at most ``RECV_SIZE`` less a byte
-    plus one read of the transport's (asyncio reads up to 256 KiB at a time) wait, about twice ``RECV_SIZE``."""
+    """One connection on an event loop, ``_Conn``'s ``recv(timeout)`` and ``send()`` over asyncio's transport,
+    whose protocol it is (duck-typed: subclassing ``asyncio.Protocol`` would import asyncio with loopclient).
+    The transport stops reading once ``RECV_SIZE`` bytes wait unread, so at most about twice ``RECV_SIZE``
+    (with one read of the transport's, up to 256 KiB) wait for a slow caller."""
 
-    __slots__ = (
-        "owner",
-        "reused",
-        "_loop",
-        "_transport",
-        "_chunks",
-        "_size",
-        "_eof",
-        "_error",
-        "_waiter",
-        "_paused",
-        "_blocked",
-    )
+    __slots__ = ("owner", "reused", "_alarm", "_transport", "_chunks", "_size", "_eof", "_error", "_paused", "_blocked")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, owner: _AsyncRun) -> None:
         self.owner = owner
         self.reused = False
-        self._loop = loop
+        self._alarm = _Alarm(loop)  # rung by the transport's calls
         self._transport = None  # type: Optional[asyncio.Transport]
         self._chunks = []  # type: List[bytes]
         self._size = 0
         self._eof = False
         self._error = None  # type: Optional[BaseException]
-        self._waiter = None  # type: Optional[asyncio.Future[None]]
         self._paused = False  # reading paused: RECV_SIZE bytes or more wait
         self._blocked = False  # writing paused: the server does not take the request
-
-    # -- the protocol, called by the transport -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
@@ -6951,11 +6761,11 @@ class _AsyncConn:
         if self._size >= RECV_SIZE and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
-        self._wake()
+        self._alarm.ring()
 
     def eof_received(self) -> bool:
         self._eof = True
-        self._wake()
+        self._alarm.ring()
         return False  # the transport closes itself
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
@@ -6963,37 +6773,20 @@ class _AsyncConn:
         if exc is not None and self._error is None:
             self._error = exc
         self._blocked = False
-        self._wake()
+        self._alarm.ring()
 
     def pause_writing(self) -> None:
         self._blocked = True
 
     def resume_writing(self) -> None:
         self._blocked = False
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None:
-            _ring_alarm(self._waiter)
-
-    # -- for the request -----------------------------------------------------------------------------
-
-    async def _wait(self, timeout: float) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        try:
-            await _sleep_on_alarm(self._loop, waiter, timeout)
-        finally:
-            self._waiter = None
+        self._alarm.ring()
 
     async def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """Connect, as ``_Conn.open`` does, on the loop; ``OSError`` when the server cannot be reached,
-        ``ConnectError`` when TLS fails.  A Unix socket connects at once, in the loop (``_unix_connect``: a
-        full listen queue fails it with EAGAIN, where asyncio's own connect would wait on it as "in progress"
-        and report a connection that is not there).  TCP is the loop's connect (and TLS handshake) as a task
-        of the board, which the run parks on until it is done, the run is cancelled (its shielded last
-        words aside) or ``timeout`` passes; a host name is resolved by the loop's ``getaddrinfo``, in the
-        loop's default executor (a thread).  That wait times the TLS handshake too: asyncio's own
-        ``ssl_handshake_timeout``, at the same moment, could end it first as an ``OSError``."""
+        """``_Conn.open`` on the loop.  A Unix socket connects at once (``_unix_connect``: asyncio's connect
+        would take a full listen queue's EAGAIN for "in progress").  TCP is the loop's connect, name lookup
+        and TLS handshake included, as a task the run parks on until it is done, the run is cancelled or
+        ``timeout`` passes (asyncio's ``ssl_handshake_timeout`` could end it first, as an ``OSError``)."""
         run = self.owner
         board = run.board
         protocol = self  # type: Any  # duck-typed: see the class
@@ -7043,7 +6836,7 @@ class _AsyncConn:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _send_stalled(timeout)
-            await self._wait(left)
+            await self._alarm.wait(left)
 
     async def recv(self, timeout: float) -> bytes:
         """The bytes received (all of them), ``b""`` at the end; ``_Silence`` when nothing came for
@@ -7068,17 +6861,17 @@ class _AsyncConn:
                 deadline = now + timeout
             elif now >= deadline:
                 raise _Silence()
-            await self._wait(deadline - now)
+            await self._alarm.wait(deadline - now)
 
     def abort(self) -> None:
         """Close now, whatever is buffered: the server sees the client go away; a waiting read wakes."""
         self._eof = True
         if self._transport is not None:
-            if self._loop.is_closed():  # a connection kept for a loop that has ended
+            if self._alarm.loop.is_closed():  # a connection kept for a loop that has ended
                 _drop(self._transport)
             else:
                 self._transport.abort()
-        self._wake()
+        self._alarm.ring()
 
     def close(self) -> None:
         self.owner.forget(self)
@@ -7086,11 +6879,9 @@ class _AsyncConn:
 
 
 def _drop(transport: Any) -> None:
-    """Close the socket of a transport whose event loop is closed.  Its ``abort()`` would schedule the
-    closing on that loop, which will never run it: the socket would stay open until the garbage collector
-    found it (``ResourceWarning: unclosed transport``).  So the transport's own last step is taken here,
-    as the loop would have taken it (asyncio's selector transports, under TLS too; another loop's
-    transports are left to it)."""
+    """Close the socket of a transport whose event loop is closed, whose ``abort()`` would leave it open
+    until the garbage collector found it: the transport's own last step, taken here (asyncio's selector
+    transports, under TLS too; another loop's transports are left to it)."""
     while hasattr(transport, "_ssl_protocol"):  # TLS: the application transport over the socket's own
         transport._closed = True
         transport = getattr(transport._ssl_protocol, "_transport", None)
@@ -7116,16 +6907,6 @@ class _AsyncBoard(_Board):
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def busy(self) -> bool:
-        return bool(self.runs or self.tasks)
-
-    def drop_idle(self) -> None:
-        """Close the kept connections (of a loop the client no longer uses: they cannot serve another)."""
-        with self.lock:
-            idle, self.idle = self.idle, []
-        for conn, _, _ in idle:
-            conn.close()
-
     async def aclose(self) -> None:
         import asyncio
 
@@ -7138,14 +6919,9 @@ class _AsyncBoard(_Board):
 
 
 class AsyncStream(_Events):
-    """One streamed request on an event loop (``AsyncClient.stream()`` and the other ``stream_*`` calls):
-    iterate it with ``async for`` for events; ``completion`` is there once iteration has ended without an
-    error.  The request starts when iteration starts.  ``cancel()`` (a plain method, called in the loop's
-    thread) closes the connection and releases the permit at once; the code iterating then gets
-    ``CancelledError``.  Cancelling the task that iterates does the same, and that task sees
-    ``asyncio.CancelledError``.  Leaving ``async with`` early cancels quietly.  Iteration raises the
-    ``LoopError`` subclasses, as ``Stream`` does.
-    """
+    """``Stream`` on an event loop (``AsyncClient.stream()`` and the other ``stream_*`` calls), iterated with
+    ``async for``.  Cancelling the task that iterates cancels the request too (the task sees
+    ``asyncio.CancelledError``); leaving ``async with`` early cancels quietly."""
 
     def __init__(self, client: AsyncClient, req: _StreamRequest) -> None:
         self._setup(req)
@@ -7189,14 +6965,11 @@ class AsyncStream(_Events):
             raise
         finally:
             run.running = False
-        handed = self._hand_out(got)
-        if handed is None:
-            raise StopAsyncIteration
-        return handed
+        return self._hand_out(got, StopAsyncIteration)
 
     def cancel(self) -> None:
         """Cancel the request (in the loop's thread; from another, ``loop.call_soon_threadsafe(stream.cancel)``):
-        its connections close and its permit is released now; the code iterating gets ``CancelledError``."""
+        its connections close and its permit is released now; the iterating code gets ``CancelledError``."""
         if not self._done:
             if not self._cancelled:
                 _cancel_told(self._req.calls.addr, "cancel() was called")
@@ -7232,21 +7005,18 @@ AsyncChatStream = AsyncStream
 
 
 class AsyncClient(_Configured):
-    """A client of one llama-server for asyncio programs: ``Client``'s constructor and calls, as
-    coroutines (``stream()`` is a plain method returning an ``AsyncStream``).  The same limits, events,
-    ``Completion``, errors, budgets, gates, retries and wire rules: the same request logic, driven on an
-    event loop; no threads.
+    """``Client`` for asyncio programs: the same constructor, calls (coroutines, but ``stream()`` and the
+    other calls that return an ``AsyncStream``), events, errors and rules, on an event loop; no threads.
 
         async with lc.AsyncClient("/run/llama.sock") as client:
             reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
             async with client.stream(messages) as stream:
                 async for event in stream: ...
 
-    Its gates and ``/slots`` poller belong to the event loop that uses it.  A client made outside any loop
-    may serve several loops one after another; using it from two running loops at once is
-    ``RuntimeError``.  ``on_event`` runs in the loop's thread.  Unix sockets and numeric addresses need no
-    resolver; a host name goes through the loop's own (``loop.getaddrinfo``).  ``await client.close()``
-    (or leaving ``async with``) cancels its streams and ends its tasks.
+    Its gates and poller belong to the loop that uses it: one loop after another, never two running at
+    once (``RuntimeError``).  ``on_event`` runs in the loop's thread; a host name is looked up by the
+    loop's ``getaddrinfo``.  ``await client.close()`` (or leaving ``async with``) cancels its streams and
+    ends its tasks.
     """
 
     def _start(self) -> None:
@@ -7268,8 +7038,7 @@ class AsyncClient(_Configured):
 
         self._calls.closed = True
         with self._lock:
-            board = self._board
-            self._board = None
+            board, self._board = self._board, None
         if board is None:
             return
         if board.loop is asyncio.get_running_loop():
@@ -7294,7 +7063,8 @@ class AsyncClient(_Configured):
                 return board
             board = self._board
             if board is None or board.loop is not loop:
-                if board is not None and (board.loop.is_running() or (board.busy() and not board.loop.is_closed())):
+                busy = board is not None and (board.runs or board.tasks) and not board.loop.is_closed()
+                if board is not None and (board.loop.is_running() or busy):
                     raise RuntimeError(
                         "this AsyncClient is in use by another event loop: use one client per loop at a time"
                     )
@@ -7305,19 +7075,13 @@ class AsyncClient(_Configured):
         return board
 
     async def _run(self, plan: _Plan[_T], timeout: Optional[float] = None) -> _T:
-        """Drive a single-shot call's plan to its value, within ``timeout`` seconds when given."""
+        """``Client._run`` on the running loop."""
         seconds = _check_timeout(timeout)
-        if seconds is not None:
-            plan = _within(plan, seconds, self.address)
         run = _AsyncRun(self._board_here())
-        run.gen = plan
+        run.gen = plan if seconds is None else _within(plan, seconds, self.address)
         return await run.finish()  # type: ignore[no-any-return]
 
-    # -- chat ------------------------------------------------------------------------------------------
-
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream()`` for asyncio: an ``AsyncStream`` (a plain call; the request starts when
-        iteration starts).  The same body, and the same ``TypeError``/``ValueError`` before any connection."""
         return AsyncStream(self, self._streams.stream_request("chat", (messages,), params, slot))
 
     async def chat(
@@ -7327,37 +7091,27 @@ class AsyncClient(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """Stream a chat and return its ``Completion``, calling ``on_event`` (a plain callable, in the loop's
-        thread) for each event.  Raises the ``LoopError`` subclasses; an exception from ``on_event`` closes
-        the request and propagates unchanged."""
         return await _aconsume(self.stream(messages, slot=slot, **params), on_event)
 
-    # -- the other streamed endpoints -------------------------------------------------------------------
-
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream_complete()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("complete", (prompt,), params, slot))
 
     async def complete(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
-        """``Client.complete()``, as a coroutine."""
         return await _aconsume(self.stream_complete(prompt, slot=slot, **params), on_event)
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream_complete_openai()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     async def complete_openai(
         self, prompt: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
-        """``Client.complete_openai()``, as a coroutine."""
         return await _aconsume(self.stream_complete_openai(prompt, slot=slot, **params), on_event)
 
     def stream_infill(
         self, prefix: str, suffix: str = "", *, extra: Any = None, slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
-        """``Client.stream_infill()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("infill", (prefix, suffix, extra), params, slot))
 
     async def infill(
@@ -7370,23 +7124,19 @@ class AsyncClient(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """``Client.infill()``, as a coroutine."""
         return await _aconsume(self.stream_infill(prefix, suffix, extra=extra, slot=slot, **params), on_event)
 
     def stream_respond(self, input: Any, slot: Optional[int] = None, **params: Any) -> AsyncStream:
-        """``Client.stream_respond()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("respond", (input,), params, slot))
 
     async def respond(
         self, input: Any, slot: Optional[int] = None, on_event: Optional[Callable[[Event], Any]] = None, **params: Any
     ) -> Completion:
-        """``Client.respond()``, as a coroutine."""
         return await _aconsume(self.stream_respond(input, slot=slot, **params), on_event)
 
     def stream_message(
         self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any
     ) -> AsyncStream:
-        """``Client.stream_message()`` for asyncio (a plain call)."""
         return AsyncStream(self, self._streams.stream_request("message", (messages,), params, slot))
 
     async def message(
@@ -7396,10 +7146,7 @@ class AsyncClient(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """``Client.message()``, as a coroutine."""
         return await _aconsume(self.stream_message(messages, slot=slot, **params), on_event)
-
-    # -- any route, streamed --------------------------------------------------------------------------------
 
     def stream_route(
         self,
@@ -7411,11 +7158,8 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         **params: Any,
     ) -> AsyncStream:
-        """``Client.stream_route()`` for asyncio (a plain call): an ``AsyncStream`` of ``Chunk`` events."""
         params["headers"] = headers
         return AsyncStream(self, self._streams.stream_request("route", (path, body, method), params, slot))
-
-    # -- resumable streams ------------------------------------------------------------------------------
 
     def resume(
         self,
@@ -7428,7 +7172,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         session: Optional[str] = None,
     ) -> AsyncStream:
-        """``Client.resume()`` for asyncio (a plain call)."""
         req = self._streams.resume_request(conversation_id, endpoint, offset, model, raw_chunks, headers, session)
         return AsyncStream(self, req)
 
@@ -7440,7 +7183,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
-        """``Client.lookup_streams``, as a coroutine."""
         return await self._run(self._calls.at(headers).lookup_streams(conversation_ids, session), timeout)
 
     async def delete_stream(
@@ -7451,10 +7193,7 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> bool:
-        """``Client.delete_stream``, as a coroutine."""
         return await self._run(self._calls.at(headers).delete_stream(conversation_id, session=session), timeout)
-
-    # -- single-shot calls: Client's, as coroutines (each with headers= and timeout=) ---------------------
 
     async def fetch(
         self,
@@ -7466,7 +7205,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Response:
-        """``Client.fetch``, as a coroutine."""
         return await self._run(self._calls.at(headers).fetch(method, path, body, query), timeout)
 
     async def request(
@@ -7479,31 +7217,26 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """``Client.request``, as a coroutine."""
         return await self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
     async def slots(
         self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> List[Slot]:
-        """``Client.slots``, as a coroutine."""
         return await self._run(self._calls.at(headers).slots(model), timeout)
 
     async def health(
         self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.health``, as a coroutine."""
         return await self._run(self._calls.at(headers).health(), timeout)
 
     async def props(
         self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.props``, as a coroutine."""
         return await self._run(self._calls.at(headers).props(model), timeout)
 
     async def models(
         self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.models``, as a coroutine."""
         return await self._run(self._calls.at(headers).models(), timeout)
 
     async def load_model(
@@ -7514,23 +7247,19 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Dict[str, Any]:
-        """``Client.load_model``, as a coroutine."""
         return await self._run(self._calls.at(headers).load_model(name, wait), timeout)
 
     def watch_models(self, model: Optional[str] = None, *, headers: Optional[Dict[str, str]] = None) -> AsyncStream:
-        """``Client.watch_models()`` for asyncio (a plain call): an ``AsyncStream`` of ``ModelEvent``."""
         return AsyncStream(self, self._streams.watch_request(model, headers))
 
     async def unload_model(
         self, name: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.unload_model``, as a coroutine."""
         return await self._run(self._calls.at(headers).unload_model(name), timeout)
 
     async def end_reasoning(
         self, completion_id: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> bool:
-        """``Client.end_reasoning``, as a coroutine."""
         return await self._run(self._calls.at(headers).control(self.model, completion_id), timeout)
 
     async def tokenize(
@@ -7543,14 +7272,12 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> List[Any]:
-        """``Client.tokenize``, as a coroutine."""
         plan = self._calls.at(headers).tokenize(text, add_special, parse_special, with_pieces)
         return await self._run(plan, timeout)
 
     async def detokenize(
         self, tokens: Sequence[int], *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> str:
-        """``Client.detokenize``, as a coroutine."""
         return await self._run(self._calls.at(headers).detokenize(tokens), timeout)
 
     async def apply_template(
@@ -7561,7 +7288,6 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> str:
-        """``Client.apply_template``, as a coroutine."""
         return await self._run(self._calls.at(headers).apply_template(messages, params), timeout)
 
     async def count_tokens(
@@ -7572,7 +7298,6 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``Client.count_tokens``, as a coroutine."""
         return await self._run(self._calls.at(headers).count_tokens(messages, params), timeout)
 
     async def embed(
@@ -7583,7 +7308,6 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> List[List[float]]:
-        """``Client.embed``, as a coroutine."""
         return await self._run(self._calls.at(headers).embed(input, params), timeout)
 
     async def rerank(
@@ -7595,30 +7319,25 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> List[Dict[str, Any]]:
-        """``Client.rerank``, as a coroutine."""
         return await self._run(self._calls.at(headers).rerank(query, documents, params), timeout)
 
     async def save_slot(
         self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.save_slot``, as a coroutine."""
         return await self._run(self._calls.at(headers).slot_action(slot, "save", {"filename": filename}), timeout)
 
     async def restore_slot(
         self, slot: int, filename: str, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.restore_slot``, as a coroutine."""
         plan = self._calls.at(headers).slot_action(slot, "restore", {"filename": filename})
         return await self._run(plan, timeout)
 
     async def erase_slot(
         self, slot: int, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> Dict[str, Any]:
-        """``Client.erase_slot``, as a coroutine."""
         return await self._run(self._calls.at(headers).slot_action(slot, "erase", {}), timeout)
 
     async def metrics(self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None) -> str:
-        """``Client.metrics``, as a coroutine."""
         return await self._run(self._calls.at(headers).metrics(), timeout)
 
     async def count_message_tokens(
@@ -7629,19 +7348,16 @@ class AsyncClient(_Configured):
         timeout: Optional[float] = None,
         **params: Any,
     ) -> int:
-        """``Client.count_message_tokens``, as a coroutine."""
         return await self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
     async def count_response_tokens(
         self, input: Any, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **params: Any
     ) -> int:
-        """``Client.count_response_tokens``, as a coroutine."""
         return await self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
 
     async def lora_adapters(
         self, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None
     ) -> List[Any]:
-        """``Client.lora_adapters``, as a coroutine."""
         return await self._run(self._calls.at(headers).lora_adapters(), timeout)
 
     async def set_lora_adapters(
@@ -7651,7 +7367,6 @@ class AsyncClient(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """``Client.set_lora_adapters``, as a coroutine."""
         return await self._run(self._calls.at(headers).set_lora_adapters(adapters), timeout)
 
 
@@ -7666,6 +7381,19 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
         raise
     assert stream.completion is not None
     return stream.completion
+
+
+def _as_client(cls: Any) -> None:
+    """Every public call of ``cls`` (``AsyncClient``) without a docstring of its own is ``Client``'s on an
+    event loop: its docstring says so, once, here (``help()`` shows it)."""
+    for name, call in vars(cls).items():
+        if not name.startswith("_") and call.__doc__ is None:
+            plain = call.__annotations__.get("return") == "AsyncStream"
+            how = "for asyncio (a plain call): an ``AsyncStream``" if plain else "as a coroutine"
+            call.__doc__ = "``Client.%s()``, %s." % (name, how)
+
+
+_as_client(AsyncClient)
 
 
 # =====================================================================================================

@@ -8789,7 +8789,7 @@ def _read_stdin(what: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    name = sys.argv[0] if sys.argv else ""  # the name it was run by, for its help
+    name = sys.argv[0] if argv is None and sys.argv else ""  # the name it was run by, for its help
     parser = _parser("python3 " + name if name.endswith(".py") else "loopclient")
     try:
         args = parser.parse_args(argv)

@@ -18542,6 +18542,19 @@ class TestConsole(unittest.TestCase):
         )
         self.assertEqual(console.figures(completion), "[3 tokens, 9.5 tokens/s, 2 reasoning (capped), finish: stop]")
 
+    def test_an_answer_the_context_ended_says_so(self):
+        """llama-server ends an answer at its slot's context with "length", as at the cap: chat's figures tell
+        them apart by the count (973 of 1500), native /completion by its final ``truncated`` (as measured)."""
+        console = lc._Console(io.StringIO(), io.StringIO())
+        chat = lc.Completion(None, None, "x", "", [], "length", {"completion_tokens": 973}, None)
+        full = "[973 tokens, finish: length (the slot's context is full)]"
+        self.assertEqual(console.figures(chat, 1500), full)
+        self.assertEqual(console.figures(chat, 973), "[973 tokens, finish: length]")  # the cap ended it
+        self.assertEqual(console.figures(chat), "[973 tokens, finish: length]")  # no cap: nothing to tell by
+        native = chat.replace(final={"stop_type": "limit", "truncated": True})
+        self.assertEqual(console.figures(native), full)
+        self.assertEqual(console.figures(native.replace(final={"truncated": False})), "[973 tokens, finish: length]")
+
 
 class TestCommandLineInProcess(CLICase):
     def test_conversation_keeps_history(self):
@@ -20264,7 +20277,7 @@ class TestRealDemo(unittest.TestCase):
     """The command line against `dev/llama-server.sh demo`, at temperature 0 to be repeatable: the answer
     ends where the request says (the server itself stops at no newline)."""
 
-    def loopclient(self, *argv):
+    def loopclient(self, *argv, whole=False):
         done = subprocess.run(
             [sys.executable, os.path.join(HERE, "loopclient.py"), "--socket", REAL_DEMO] + list(argv),
             capture_output=True,
@@ -20272,7 +20285,7 @@ class TestRealDemo(unittest.TestCase):
             timeout=120,
         )
         self.assertEqual(done.returncode, 0, done.stderr)
-        return done.stdout, (done.stderr.splitlines() or [""])[-1]  # --json: nothing on stderr
+        return done.stdout, done.stderr if whole else (done.stderr.splitlines() or [""])[-1]  # --json: no stderr
 
     def test_readme_demo_names_colours_and_stops(self):
         """The README's demo command: one line, ended by its --stop '\\n'."""
@@ -20300,6 +20313,34 @@ class TestRealDemo(unittest.TestCase):
         )
         doc = json.loads(out)
         self.assertEqual((doc["usage"]["completion_tokens"], doc["finish_reason"]), (120, "length"))
+
+    def test_an_answer_the_context_ended_says_so(self):
+        """A prompt of most of a slot's context (987 of its 1,024 tokens with the template): the context ends
+        the answer long before --max-tokens 1500; llama-server says only "length" (measured: no field)."""
+        _, figures = self.loopclient("chat", "sea " * 940, "--max-tokens", "1500", "--ignore-eos", "--temperature", "0")
+        self.assertRegex(figures, r"^\[\d\d tokens, .*finish: length \(the slot's context is full\)\]$")
+
+    def test_off_a_terminal_a_wait_is_told_when_it_starts_and_when_it_ends(self):
+        """A chat pinned to the slot another client's answer holds: stderr, a pipe, says when the wait began,
+        and once the other answer is cancelled how long the wait lasted; then the answer comes."""
+        argv = ["--socket", REAL_DEMO, "chat", "Name three colours.", "--slot", "0", "--stop", "\\n"]
+        with lc.Client(REAL_DEMO) as other, other.stream(MSGS, slot=0, max_tokens=2000, ignore_eos=True) as holding:
+            next(e for e in holding if isinstance(e, lc.Content))  # the slot is taken
+            proc = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "loopclient.py")] + argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            self.addCleanup(proc.kill)
+            first = run_with_timeout(proc.stderr.readline, 120)
+        out, rest = run_with_timeout(lambda: (proc.stdout.read(), proc.stderr.read()), 120)  # (little of each)
+        lines = (first + rest).splitlines()  # (a /slots answer later than its timeout: no answer yet)
+        self.assertEqual(proc.wait(10), 0, lines)
+        self.assertRegex(lines[0], r"^waiting \d+ s: (the slot is busy|no answer yet)$")
+        self.assertRegex(lines[-2], r"^waited \d+\.\d s: (the slot is busy|no answer yet)$")
+        self.assertRegex(lines[-1], r"^\[\d+ tokens, .*finish: stop\]$")
+        self.assertEqual(out.count("\n"), 1, out)
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
@@ -22776,8 +22817,9 @@ for _name in dir(TestCommandLineTerminal):  # the base class runs its own tests
         setattr(TestCommandLineTerminalStdin, _name, None)
 
 
-#: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo).
-README_DEMO_SOCKET = "/tmp/loopclient-llama/demo.sock"
+#: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo: each
+#: user's own), an f-string of the user's id.
+README_DEMO_SOCKET = "/tmp/loopclient-llama-{os.getuid()}/demo.sock"
 
 #: The documents whose ```python blocks are examples: the README (the guide) and the reference.
 EXAMPLE_DOCUMENTS = ("README.md", "dev/REFERENCE.md")
@@ -22815,7 +22857,7 @@ class TestRealReadmeExamples(unittest.TestCase):
                 self.addCleanup(shutil.rmtree, where, True)
                 script = os.path.join(where, "example.py")  # a file: an example may use __file__
                 with open(script, "w", encoding="utf-8") as f:
-                    f.write(code.replace(README_DEMO_SOCKET, REAL_DEMO))
+                    f.write(code.replace('f"%s"' % README_DEMO_SOCKET, json.dumps(REAL_DEMO)))
                 done = subprocess.run(
                     [sys.executable, script],
                     cwd=HERE,
@@ -25421,6 +25463,14 @@ class TestCommandLineSlotsAndCaps(CLICase):
         self.assertEqual(out, "ok\n")
         self.assertEqual(self.server.chat_requests()[0].json()["id_slot"], 1)
 
+    def test_an_answer_the_context_ended_says_so(self):
+        """8 tokens of a cap of 9 ended "length": the slot's context ended it (chat's --max-tokens, or 2048)."""
+        for argv, told in ((["--max-tokens", "9"], True), (["--max-tokens", "8"], False), ([], True)):
+            with self.subTest(argv=argv):
+                self.use(serve_body(content_stream(["ok"], finish="length")))
+                _, err = self.main_ok("chat", "x", *argv)
+                self.assertEqual(err.endswith("finish: length (the slot's context is full)]\n"), told, err)
+
     def test_without_an_answer_from_props_the_request_goes_as_given(self):
         self.server.route(
             "GET", "/props", lambda req: respond_json(req, {"error": {"message": "no"}}, 404, "Not Found")
@@ -25655,6 +25705,27 @@ class TestRealDemoScript(unittest.TestCase):
         self.assertEqual((done.returncode, done.stdout), (0, REAL_DEMO + "\n"), done.stderr)
         self.told(done.stderr)
 
+    @real_time
+    def test_stop_ends_a_streaming_server_within_2_s(self):
+        """llama-server waits for its streams at SIGTERM and exits at once at a second signal, which the
+        script sends half a second later (measured with a stream in flight: 17.8 s with SIGTERM alone, its
+        SIGKILL after 10 s, on a loaded machine; 1.5 s with the second signal)."""
+        where = tempfile.mkdtemp(prefix="lcstop.", dir="/tmp")
+        self.addCleanup(shutil.rmtree, where, True)
+        sock, env = os.path.join(where, "d.sock"), dict(os.environ, LOOPCLIENT_LLAMA_RUN_DIR=where)
+        stop = lambda: subprocess.run([SCRIPT, "stop-demo", sock], env=env, capture_output=True, text=True, timeout=60)
+        started = subprocess.run([SCRIPT, "demo", sock], env=env, capture_output=True, text=True, timeout=300)
+        self.addCleanup(stop)
+        self.assertEqual(started.returncode, 0, started.stderr)
+        with lc.Client(sock) as client, client.stream_complete("The sea", n_predict=9999, ignore_eos=True) as stream:
+            next(e for e in stream if isinstance(e, lc.Content))  # it streams
+            t = Timer()
+            done = stop()
+            took = t.elapsed
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertNotIn("SIGKILL", done.stderr)
+        self.assertLess(took, lateness(self, 2.0), done.stderr)
+
     def test_on_a_terminal_stdout_stays_empty(self):
         master, slave = pty.openpty()
         try:
@@ -25740,6 +25811,25 @@ class TestCommandLineHelp(CLICase):
         self.assertIn("load_wait, default 15) and for a busy slot (busy_wait, default 600)", flat)
         self.assertIn("loopclient COMMAND --help", flat)
         self.assertIn("\nexamples:\n", text)
+
+    def test_help_and_usage_errors_say_the_name_it_was_run_by(self):
+        """Run as ``python3 loopclient.py``, its help and its one-line usage errors say so, not ``loopclient``."""
+        run = lambda *argv: subprocess.run(
+            [sys.executable, "loopclient.py"] + list(argv), cwd=HERE, capture_output=True, text=True, timeout=60
+        )
+        done = run("chat", "--help")
+        self.assertTrue(done.stdout.startswith("usage: python3 loopclient.py chat [-h]"), done.stdout)
+        self.assertIn('\n  python3 loopclient.py chat "Name three colours." --stop', done.stdout)
+        self.assertNotRegex(done.stdout, r"(?<!python3 )loopclient (chat|--help)")
+        done = run("chat", "--slot", "x")
+        self.assertEqual(
+            (done.returncode, done.stdout, done.stderr),
+            (
+                2,
+                "",
+                "loopclient: error: argument --slot: invalid int value: 'x'; see python3 loopclient.py chat --help\n",
+            ),
+        )
 
     def test_the_max_tokens_defaults_are_said(self):
         for command, default in (

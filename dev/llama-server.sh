@@ -11,9 +11,9 @@
 #                                          with --metrics, --slot-save-path SOCKET's .slots/ directory and
 #                                          --ui-mcp-proxy (GET/POST /cors-proxy?url=... forwards to a URL)
 #   dev/llama-server.sh stop [SOCKET]      stop any Unix-socket instance below: SIGTERM to its process
-#                                          group, again after 1 s (llama-server exits at once at the second,
-#                                          streams or not), SIGKILL 10 s later; removes socket, pidfile,
-#                                          .slots/, .models/
+#                                          group, again after half a second (llama-server exits at once at
+#                                          the second, streams or not), SIGKILL 10 s later; removes socket,
+#                                          pidfile, .slots/, .models/
 #   dev/llama-server.sh start-tcp PORT     the test server on 127.0.0.1:PORT (a separate instance;
 #                                          llama-server listens on one address only); last line = PORT
 #   dev/llama-server.sh stop-tcp PORT      stop that instance
@@ -469,7 +469,7 @@ terminate() { # terminate PIDFILE
         # at SIGTERM llama-server waits for its streams in flight; at a second signal it exits at once
         # ("Received second interrupt, terminating immediately"); SIGKILL is for one that ignores both
         signal_group TERM "$pid"
-        gone "$pid" 10 || { signal_group TERM "$pid"; gone "$pid" 100; } || {
+        gone "$pid" 5 || { signal_group TERM "$pid"; gone "$pid" 100; } || {
             say "pid $pid ignored SIGTERM twice for 10 s; sending SIGKILL"
             signal_group KILL "$pid"
             gone "$pid" 50

@@ -5943,6 +5943,7 @@ class _StreamLife:
             raise stalled from None
         self.silence_tried = True  # tried once as a lost connection
         self.loss = StreamClosedError(str(stalled))
+        self.loss._hint = stalled._hint  # (its message ends with it)
         return self._on_lost
 
     def _not_known(self, loss: StreamClosedError, retry: Optional[_Retry] = None) -> Callable[[], _Plan[Any]]:
@@ -8534,9 +8535,10 @@ def _body_param(text: str) -> Tuple[str, Any]:
 
 
 def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
-    """The body fields of ``_add_answer_options``' options in ``args``; ``taken`` are fields the command
-    sets itself (``stream`` and ``id_slot`` always), which ``--param`` may not: ``ValueError``."""
-    params = {}  # type: Dict[str, Any]
+    """The body fields of the answer options (``_OPTIONS``) in ``args``, and ``return_progress`` (shown on a
+    terminal); ``taken`` are fields the command sets itself (``stream`` and ``id_slot`` always), which
+    ``--param`` may not: ``ValueError``."""
+    params = {"return_progress": True}  # type: Dict[str, Any]
     if args.slot is not None and args.slot < 0:
         raise ValueError("--slot must not be negative, got %d" % args.slot)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -8899,7 +8901,6 @@ def _know_slots(client: Client, slot: Optional[int]) -> None:
 
 
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
-    params = dict({"return_progress": True}, **params)
     if not {"max_tokens", "max_completion_tokens", "n_predict"} & set(params):  # no cap given: the default
         params["max_tokens"] = CHAT_MAX_TOKENS
     if args.resumable:
@@ -9010,7 +9011,6 @@ def _read_file(name: str) -> str:
 def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
     """``complete`` and ``infill``: llama-server's own endpoints, whose token cap is ``n_predict``.  What the
     texts or the body functions refuse (an empty prompt, --param input_extra) is a usage error (``main``)."""
-    params = dict({"return_progress": True}, **params)
     openai = args.command == "complete" and args.openai  # /v1/completions: its token cap is max_tokens
     if "max_tokens" in params and not openai:  # --param n_predict, applied last, wins over --max-tokens
         params.setdefault("n_predict", params.pop("max_tokens"))

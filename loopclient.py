@@ -4096,12 +4096,8 @@ def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Opti
     if _clock() - heard < liveness:
         return None
     what = "the response head" if head is None else "the error body" if head.status != 200 else ""
-    text = (
-        "%s stopped for %.1f s (liveness)" % (what, liveness)
-        if what
-        else "no data from the server for %.1f s (liveness)" % liveness
-    )
-    return _hinted(StalledError(text, liveness), _LONGER % "liveness")
+    text = "%s stopped" % what if what else "no data from the server"
+    return _hinted(StalledError("%s for %.1f s (liveness)" % (text, liveness), liveness), _LONGER % "liveness")
 
 
 def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:

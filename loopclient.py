@@ -217,7 +217,8 @@ class WaitTimeoutError(_BudgetError):
 
 
 class LoadTimeoutError(_BudgetError):
-    """The server stayed unreachable or loading for ``load_wait``; ``__cause__`` is the last failure."""
+    """The server stayed unreachable or loading for ``load_wait``; ``__cause__`` is the last failure.  When
+    nothing ever answered at the address (only failed connects), it is also a ``ConnectError``."""
 
 
 class StalledError(_BudgetError):
@@ -288,7 +289,8 @@ class ServerError(LoopError):
 
 
 class ConnectError(LoopError):
-    """A single-shot call could not reach the server; ``address`` as given, ``__cause__`` the OS error."""
+    """A single-shot call could not reach the server (a stream: its ``LoadTimeoutError`` when nothing ever
+    answered); ``address`` as given, ``__cause__`` the OS error."""
 
     def __init__(self, message: str, address: str = "") -> None:
         super().__init__(message)

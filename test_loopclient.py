@@ -16256,7 +16256,7 @@ class TestDifferential(_f_Case):
                 "EOF before the head",
                 _d_stream(lambda req: None),
                 expect=lc.StreamClosedError,
-                check=once,
+                check=(once, _d_says(": " + lc._CUT % "before answering")),
                 sockets=True,
             ),
             _d_fault(
@@ -16272,7 +16272,14 @@ class TestDifferential(_f_Case):
                 _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))),
                 expect=lc.StreamClosedError,
                 tcp=True,
-                check=(_d_kinds("Content"), once),
+                check=(
+                    _d_kinds("Content"),
+                    once,
+                    _d_says(
+                        ": the server closed the connection in the middle of the answer: it stopped or crashed; "
+                        "resumable=True lets a stream survive a dropped connection"
+                    ),
+                ),
                 sockets=True,
             ),
         ]
@@ -17330,7 +17337,7 @@ class TestDifferential(_f_Case):
                 on("GET", "/any", lambda: reply(big, hold=True)),
                 _a_fetch(),
                 lc.ProtocolError,
-                check=_d_says("max_body"),
+                check=_d_says("max_body (65536 bytes): raise Limits(max_body=...) for payloads that big"),
             ),
             _d_fault(
                 "timeout= on a silent server",
@@ -25216,7 +25223,19 @@ class TestCommandLineWaits(CLICase):
 
 
 class TestCommandLineHints(unittest.TestCase):
-    """The hint after an error's message, for a request pinned to a slot and for a slot=None one."""
+    """The hint after an error's message, for a request pinned to a slot and for a slot=None one: the
+    command line's in place of the library's, which it keeps where it has none of its own."""
+
+    def test_the_librarys_hint_gives_way_to_the_command_lines(self):
+        cut = lc._hinted(lc.StreamClosedError("the connection closed in the middle of a chunk"), lc._CUT % "here")
+        self.assertEqual(
+            lc._describe(cut),
+            "loopclient: the connection closed in the middle of a chunk: the server closed the connection "
+            "mid-answer: check its log, then retry",
+        )
+        late = lc._deadline_error(5.0, lc._RECV, "GET /props", "/s", False)
+        self.assertEqual(lc._describe(late), "loopclient: " + str(late))
+        self.assertTrue(str(late).endswith(": raise timeout= to wait longer"))
 
     def test_busy_and_full_queue_hints(self):
         full = lc.BusyError("8 requests already wait for any slot (queue_len 8): try later", None, 8, 8)

@@ -22782,10 +22782,16 @@ class TestConsoleWaits(unittest.TestCase):
     def test_off_a_terminal_a_new_reason_is_told_at_once(self):
         script = [(0.5 * n, lc.Retrying(n + 1, 0.5, "cannot connect: Connection refused")) for n in range(3)]
         script += [(1.5, lc.Retrying(4, 0.5, "HTTP 503: Loading model")), (2.0, lc.Waiting(True))]
+        script += [(3.0, lc.Waiting(False)), (4.0, lc.Waiting(False, slots_known=False))]
         self.assertEqual(
-            self.told(io.StringIO(), script),
-            "waiting 0 s: cannot connect: Connection refused (1 retry)\nwaiting 2 s: HTTP 503: Loading model (4 retries)"
-            "\nwaiting 2 s: the slot is busy\n",
+            self.told(io.StringIO(), script).splitlines(),
+            [
+                "waiting 0 s: cannot connect: Connection refused (1 retry)",
+                "waiting 2 s: HTTP 503: Loading model (4 retries)",
+                "waiting 2 s: the slot is busy",
+                "waiting 3 s: no answer yet",
+                "waiting 4 s: no answer yet (the server does not show its slots)",
+            ],
         )
 
     def test_on_a_terminal_one_line_redrawn(self):

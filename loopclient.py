@@ -6244,7 +6244,8 @@ def _final_error(addr: _Address, exc: BaseException) -> None:
         return
     log = _logger(_DEBUG if isinstance(exc, CancelledError) else _INFO)
     if log is not None:
-        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
+        name = next(c.__name__ for c in type(exc).__mro__ if c.__name__[0] != "_")  # (_Unreachable's public)
+        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, name, exc)
 
 
 def _cancel_told(addr: _Address, how: str) -> None:

@@ -22621,6 +22621,7 @@ class TestAddressTold(_Logged, ServerCase):
             run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
         self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
         self.assertIn(": the socket file %s never existed since the client was made" % path, str(caught.exception))
+        self.assertIn(("INFO", "%s: LoadTimeoutError: %s" % (path, caught.exception)), self.logged(logging.INFO))
         self.assertEqual(
             self.logged(logging.WARNING),
             [

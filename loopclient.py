@@ -40,6 +40,7 @@ blocking sockets and threads or with asyncio; 10. the command line.
 
 from __future__ import annotations
 
+import functools  # re imports it already: no cost at import
 import json
 import os
 import re  # json imports it already: no cost at import
@@ -52,7 +53,7 @@ import time
 # to a fresh interpreter's start with them (figure 2 of dev/bench.py allows loopclient 15% over them).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+    from typing import Any, Callable, Dict, Generator, List, NoReturn, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 __version__ = "0.1.0"
 __license__ = "MIT"
@@ -129,9 +130,23 @@ def _logger(level: int = _DEBUG) -> Any:
 class LoopError(Exception):
     """Root of every error the server or the connection causes."""
 
+    _hint = ""  # what to do, the message's last clause (``_hinted``)
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+def _hinted(err: _E, hint: str) -> _E:
+    """``err`` with ``hint``, what to do, after its message; the command line says its own instead."""
+    err.message = "%s: %s" % (err.message, hint)
+    err.args, err._hint = (err.message,), hint
+    return err
+
+
+#: What to do, after an error's message: no server answers at the address; a budget ran out.
+_START_IT = "start llama-server, or check the socket path / URL"
+_LONGER = "raise Limits(%s=...) to wait longer"
 
 
 class BusyError(LoopError):
@@ -156,7 +171,8 @@ class WaitTimeoutError(_BudgetError):
 
 
 class LoadTimeoutError(_BudgetError):
-    """The server stayed unreachable or loading for ``load_wait``; ``__cause__`` is the last failure."""
+    """The server stayed unreachable or loading for ``load_wait``; ``__cause__`` is the last failure.  When
+    nothing ever answered at the address (only failed connects), it is also a ``ConnectError``."""
 
 
 class StalledError(_BudgetError):
@@ -227,15 +243,31 @@ class ServerError(LoopError):
 
 
 class ConnectError(LoopError):
-    """A single-shot call could not reach the server; ``address`` as given, ``__cause__`` the OS error."""
+    """A single-shot call could not reach the server (a stream: its ``LoadTimeoutError`` when nothing ever
+    answered); ``address`` as given, ``__cause__`` the OS error."""
 
     def __init__(self, message: str, address: str = "") -> None:
         super().__init__(message)
         self.address = address
 
 
+class _Unreachable(LoadTimeoutError, ConnectError):
+    """A stream's wait ran out (``load_wait``) and nothing ever answered at the address (socket missing,
+    connection refused): a ``LoadTimeoutError`` that is the ``ConnectError`` of "no server there" too."""
+
+    def __init__(self, message: str, waited: float = 0.0, address: str = "") -> None:
+        LoadTimeoutError.__init__(self, message, waited)
+        self.address = address
+
+
 class ProtocolError(LoopError):
     """Malformed HTTP, chunked framing, SSE or JSON, or a line, head or body over its cap."""
+
+
+def _over(what: str, cap: str, size: int) -> ProtocolError:
+    """``what`` is over its cap, ``cap`` (``max_line``, ``max_body``) of ``size`` bytes."""
+    text = "%s longer than %s (%d bytes)" % (what, cap, size)
+    return _hinted(ProtocolError(text), "raise Limits(%s=...) for payloads that big" % cap)
 
 
 class CancelledError(LoopError):
@@ -275,6 +307,7 @@ def _fill(obj: _Value, values: Dict[str, Any]) -> None:
 
 if TYPE_CHECKING:
     _V = TypeVar("_V", bound="_Value")
+    _E = TypeVar("_E", bound=LoopError)
 
 
 class _Value:
@@ -1202,7 +1235,7 @@ class ResponseReader:
                 if received - len(piece) < cap:
                     out.append(piece[: cap - (received - len(piece))])
                 self._received = cap
-                self.failed = error = ProtocolError("response body is longer than max_body (%d bytes)" % cap)
+                self.failed = error = _over("response body is", "max_body", cap)
                 if not out:
                     raise error
                 return out
@@ -1256,7 +1289,7 @@ class ResponseReader:
         if lengths:
             length = _content_length(lengths)
             if self._max_body is not None and length > self._max_body:
-                raise ProtocolError("response body of %d bytes is longer than max_body (%d)" % (length, self._max_body))
+                raise _over("response body of %d bytes is" % length, "max_body", self._max_body)
             return _LengthDecoder(length)
         return _LengthDecoder(None)
 
@@ -1492,7 +1525,7 @@ class SSEDecoder:
                 self._size = 0
                 continue
             if len(line) > max_line:
-                raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
+                raise _over("SSE line", "max_line", max_line)
             if line[0] == 58:  # ":" a comment, llama-server's ping
                 continue
             colon = line.find(b":")
@@ -1504,7 +1537,7 @@ class SSEDecoder:
             if name == b"data" or name == b"error":
                 self._size += len(value) + 1
                 if self._size > max_line + 1:
-                    raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
+                    raise _over("SSE event", "max_line", max_line)
                 if name == b"error":
                     self._type = "error"
                 if self._data is None:
@@ -1516,13 +1549,13 @@ class SSEDecoder:
         rest = end - pos
         if rest:
             if len(buf) + rest > max_line:
-                raise ProtocolError("SSE line longer than max_line (%d bytes)" % max_line)
+                raise _over("SSE line", "max_line", max_line)
             buf += data[pos:] if pos else data
             if self._size and buf.startswith(b"data:"):
                 # the event's earlier lines plus this unfinished one may pass the cap before its newline
                 pending = len(buf) - (6 if buf.startswith(b" ", 5) else 5)
                 if self._size + pending > max_line:
-                    raise ProtocolError("SSE event longer than max_line (%d bytes)" % max_line)
+                    raise _over("SSE event", "max_line", max_line)
 
 
 # =====================================================================================================
@@ -2933,6 +2966,13 @@ _CAP_DUE = object()  # ResponsePump.verdict(): reasoning reached the cap, the re
 _DROPPED = "the server dropped the request before it started (its connection had closed while it was queued)"
 
 
+#: What to do about a stream cut by its server.
+_CUT = (
+    "the server closed the connection %s: it stopped or crashed; resumable=True lets a stream survive a dropped "
+    "connection"
+)
+
+
 def _unknown_stream(why: str) -> StreamClosedError:
     """The one error of a resumable stream its server no longer knows, whichever answer said so (a replay's
     404, a lookup without it): ``why`` is that answer."""
@@ -3127,7 +3167,7 @@ class ResponsePump:
     def _error_body(self, head: ResponseHead, pieces: List[bytes], complete: bool) -> None:
         self._body += b"".join(pieces)
         if len(self._body) > self._limits.max_body:
-            raise ProtocolError("error body longer than max_body (%d bytes)" % self._limits.max_body)
+            raise _over("error body", "max_body", self._limits.max_body)
         if self._reader.failed is not None:
             raise self._reader.failed
         if not complete:
@@ -3153,9 +3193,8 @@ class ResponsePump:
         tokens = self.cap_due[1]
         self.cap_due = None
         if not ok:
-            raise ThinkingOverrunError(
-                "reasoning reached the cap (%d tokens) and the server refused to end it" % tokens, tokens
-            )
+            text = "reasoning reached the cap (%d tokens) and the server refused to end it" % tokens
+            raise _hinted(ThinkingOverrunError(text, tokens), _UNCAP)
         self._capped_at = tokens
         self._asm.thinking_capped = True
         out.append(ThinkingCapped(tokens))
@@ -3192,20 +3231,18 @@ class ResponsePump:
                 if self._capped_at < 0:
                     if tokens >= cap:
                         if not asm.id:
-                            raise ThinkingOverrunError(
-                                "reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens,
-                                tokens,
-                            )
+                            text = "reasoning reached the cap (%d tokens) but the stream has no completion id" % tokens
+                            raise _hinted(ThinkingOverrunError(text, tokens), _UNCAP)
                         self.cap_due = (asm.id, tokens)
                         self._pending = batch[i + 1 :]
                         return
                 elif tokens > self._capped_at + self._limits.thinking_overrun:
-                    raise ThinkingOverrunError(
-                        "reasoning went on for %d tokens after the server accepted to end it at %d "
-                        "(thinking_overrun %d)"
-                        % (tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun),
-                        tokens,
+                    text = "reasoning went on for %d tokens after the server accepted to end it at %d " % (
+                        tokens - self._capped_at,
+                        self._capped_at,
                     )
+                    text += "(thinking_overrun %d)" % self._limits.thinking_overrun
+                    raise _hinted(ThinkingOverrunError(text, tokens), "raise Limits(thinking_overrun=...)")
             if asm.done:  # the endpoint's own end (no [DONE] but on chat)
                 self.outcome = asm.completion()
                 return
@@ -3330,12 +3367,19 @@ def _import_ssl() -> Any:
     return ssl
 
 
+#: What to do about a wedged slot.
+_RESTART = "restart the server (SIGKILL if SIGTERM does not stop it)"
+
+
 def _tls_failed(addr: _Address, exc: BaseException) -> ConnectError:
-    return ConnectError("TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc), addr.text)
+    text = "TLS with %s failed: %s" % (addr.text, getattr(exc, "verify_message", None) or exc)
+    return _hinted(ConnectError(text, addr.text), "check the URL's host, or pass ssl_context= with your CA")
 
 
 def _send_stalled(timeout: float) -> StalledError:
-    return StalledError("the server did not take the request for %.1f s" % timeout, timeout)
+    return _hinted(
+        StalledError("the server did not take the request for %.1f s" % timeout, timeout), _LONGER % "liveness"
+    )
 
 
 def _connection_failed(exc: BaseException) -> StreamClosedError:
@@ -3351,19 +3395,22 @@ def _connect_error(addr: _Address, exc: OSError) -> ConnectError:
         text = "connecting to %s timed out" % addr.text
     else:
         text = "cannot connect to %s: %s" % (addr.text, exc)
-    err = ConnectError(text, addr.text)
+    err = _hinted(ConnectError(text, addr.text), _START_IT)
     err.__cause__ = exc
     return err
 
 
 def _cap_failed(tokens: int, exc: BaseException) -> ThinkingOverrunError:
-    return ThinkingOverrunError(
-        "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens
-    )
+    text = "reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc)
+    return _hinted(ThinkingOverrunError(text, tokens), _UNCAP)
+
+
+#: What to do when the server would not end reasoning at the thinking cap.
+_UNCAP = "raise Limits(thinking_cap=...), or leave it None"
 
 
 def _no_answer(what: str, timeout: float) -> StalledError:
-    return StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout)
+    return _hinted(StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout), _LONGER % "liveness")
 
 
 _BUDGETS = {
@@ -3423,16 +3470,17 @@ class _Waits:
     """What a request waits on before its response starts, and since when: each state has its budget,
     which restarts when the state changes."""
 
-    __slots__ = ("limits", "state", "since", "sent_at", "slot", "address", "cause")
+    __slots__ = ("limits", "state", "since", "sent_at", "slot", "addr", "cause", "answered")
 
-    def __init__(self, limits: Limits, slot: Optional[int], address: str) -> None:
+    def __init__(self, limits: Limits, slot: Optional[int], addr: _Address) -> None:
         self.limits = limits
         self.slot = slot  # None: the pool
-        self.address = address
+        self.addr = addr
         self.state = None  # type: Optional[str]
         self.since = _clock()
         self.sent_at = self.since
         self.cause = None  # type: Optional[BaseException]
+        self.answered = False  # anything but a failed connect was seen: not "no server there" (_Unreachable)
 
     def observe(self, state: str, cause: Optional[BaseException] = None) -> None:
         if state != self.state:
@@ -3444,6 +3492,8 @@ class _Waits:
             self.cause = None
         if cause is not None:  # a poll that sees the same state keeps the last failure as the cause
             self.cause = cause
+        if not _no_server(cause):
+            self.answered = True
 
     def remaining(self) -> Optional[float]:
         if self.state is None:
@@ -3458,24 +3508,44 @@ class _Waits:
             raise self.expired()
 
     def expired(self) -> LoopError:
+        """The error of the budget that ran out; a wait where nothing ever answered but failed connects is
+        "no server there" (``_Unreachable``), which says the last OS error."""
         assert self.state is not None
-        _, cls, text = _BUDGETS[self.state]
+        budget, cls, text = _BUDGETS[self.state]
         if self.slot is None:
             text = _POOL_TEXTS.get(self.state, text)
-        waited = _clock() - self.since
-        text = text.format(slot=self.slot, address=self.address, waited=waited)
-        if isinstance(self.cause, HTTPStatusError) and self.cause.status in _FRONT_STATUSES:
-            text += ": the front answered %s" % (self.cause,)
-        elif isinstance(self.cause, HTTPStatusError) and self.cause.status == 429:
-            text += ": %s" % (self.cause,)  # who said so: a front's every server busy, or a concurrency limit
-        err = cls(text, waited)
-        if self.cause is not None:
-            err.__cause__ = self.cause
+        waited, addr, cause, hint = _clock() - self.since, self.addr, self.cause, _LONGER % budget
+        text = text.format(slot=self.slot, address=addr.text, waited=waited)
+        if isinstance(cause, HTTPStatusError) and cause.status in _FRONT_STATUSES:
+            text += ": the front answered %s" % (cause,)
+        elif isinstance(cause, HTTPStatusError) and cause.status == 429:
+            text += ": %s" % (cause,)  # who said so: a front's every server busy, or a concurrency limit
+        elif _no_server(cause):
+            assert isinstance(cause, OSError)
+            if addr.unix and not addr.seen and isinstance(cause, FileNotFoundError):
+                text += ": the socket file %s never existed since the client was made" % addr.target
+            text += " (last: %s)" % _os_text(cause)
+        if _no_server(cause) and not self.answered:
+            err = _hinted(_Unreachable(text, waited, addr.text), _START_IT)  # type: LoopError
+        else:
+            err = _hinted(cls(text, waited), hint)
+        if cause is not None:
+            err.__cause__ = cause
         return err
 
 
+def _no_server(cause: Optional[BaseException]) -> bool:
+    """``cause`` is a connect's failure (an ``OSError`` of the socket, not of the library)."""
+    return isinstance(cause, OSError) and not isinstance(cause, LoopError)
+
+
 def _cannot_connect(exc: OSError) -> _Retry:
-    return _Retry("cannot connect: %s" % (exc.strerror or exc), None, exc)
+    return _Retry("cannot connect: %s" % _os_text(exc), None, exc)
+
+
+def _os_text(exc: OSError) -> str:
+    """What failed, in the same words from both drivers (asyncio's own words name the call)."""
+    return os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
 
 
 class _Backoff:
@@ -3519,7 +3589,8 @@ def _read_timeout(
     elif head is None:
         timeout = started + liveness - now
         if timeout <= 0:
-            raise StalledError("the response head did not complete within %.1f s (liveness)" % liveness, liveness)
+            text = "the response head did not complete within %.1f s (liveness)" % liveness
+            raise _hinted(StalledError(text, liveness), _LONGER % "liveness")
     else:
         timeout = liveness - (now - heard)
         if limits.wedge_wait is not None and head.status == 200:
@@ -3539,9 +3610,8 @@ def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Opti
     if _clock() - heard < liveness:
         return None
     what = "the response head" if head is None else "the error body" if head.status != 200 else ""
-    if what:
-        return StalledError("%s stopped for %.1f s (liveness)" % (what, liveness), liveness)
-    return StalledError("no data from the server for %.1f s (liveness)" % liveness, liveness)
+    text = "%s stopped" % what if what else "no data from the server"
+    return _hinted(StalledError("%s for %.1f s (liveness)" % (text, liveness), liveness), _LONGER % "liveness")
 
 
 def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
@@ -3562,24 +3632,21 @@ def _judge_quiet(
     if not pings:
         return
     if state not in (BUSY, UNSEEN, SEVERAL):  # a slot that cannot be seen may be processing: waited out as busy
-        raise StalledError(
-            "only pings for %.1f s and the slot is %s: the stream is stuck"
-            % (quiet, "idle" if state == IDLE else "unknown"),
+        text = "only pings for %.1f s and the slot is %s: the stream is stuck" % (
             quiet,
+            "idle" if state == IDLE else "unknown",
         )
+        raise _hinted(StalledError(text, quiet), _LONGER % "liveness")
     if quiet >= limits.busy_wait:
-        raise StalledError(
-            "only pings for %.1f s (busy_wait) while the slot %s"
-            % (
-                quiet,
-                "stays busy"
-                if state == BUSY
-                else "cannot be seen (/slots is not served)"
-                if state == UNSEEN
-                else "cannot be told apart from the other servers' (Limits.servers)",
-            ),
+        text = "only pings for %.1f s (busy_wait) while the slot %s" % (
             quiet,
+            "stays busy"
+            if state == BUSY
+            else "cannot be seen (/slots is not served)"
+            if state == UNSEEN
+            else "cannot be told apart from the other servers' (Limits.servers)",
         )
+        raise _hinted(StalledError(text, quiet), _LONGER % "busy_wait")
 
 
 # =====================================================================================================
@@ -3788,12 +3855,8 @@ class _Gate:
         where = "any slot" if slot is None else "slot %s" % (slot,)
         if model is not None:
             where += " of model %s" % (model,)
-        return BusyError(
-            "%d requests already wait for %s (queue_len %d): try later" % (waiting, where, self._queue_len),
-            slot,
-            self._queue_len,
-            waiting,
-        )
+        text = "%d requests already wait for %s (queue_len %d)" % (waiting, where, self._queue_len)
+        return _hinted(BusyError(text, slot, self._queue_len, waiting), "try later, or raise Limits(queue_len=...)")
 
     def position(self, ticket: _Ticket) -> Optional[int]:
         """None once ``ticket`` is granted; else its ``Queued(ahead)`` now (``_Lane.ahead``)."""
@@ -3862,11 +3925,15 @@ class _SlotReader:
             s = wedged[0]
             seconds = self.still(s)
             message = (
-                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
-                "(wedge_wait); restart the server (SIGKILL if SIGTERM does not stop it)"
-                % (s.id, address, s.task, seconds)
+                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s (wedge_wait)"
+                % (
+                    s.id,
+                    address,
+                    s.task,
+                    seconds,
+                )
             )
-            return WEDGED, WedgedSlotError(message, s.id, s.task, seconds)
+            return WEDGED, _hinted(WedgedSlotError(message, s.id, s.task, seconds), _RESTART)
         flags = [s.is_processing for s in moving]
         busy = all(flags) if every else any(flags)
         return (BUSY if busy and flags else IDLE), None
@@ -4343,9 +4410,8 @@ def _deadline_error(timeout: float, code: str, what: str, address: str, heard: b
         "answer": ("reading the answer to %s" if heard else "waiting for the answer to %s"),
         "wait": "waiting to ask again after %s",
     }[phase] % what
-    return DeadlineError(
-        "the call's timeout (%g s) ran out while %s: the connection was closed" % (timeout, doing), timeout, phase
-    )
+    text = "the call's timeout (%g s) ran out while %s: the connection was closed" % (timeout, doing)
+    return _hinted(DeadlineError(text, timeout, phase), "raise timeout= to wait longer")
 
 
 class _StreamRequest:
@@ -4773,10 +4839,8 @@ class _Calls:
                 )
             left = self.limits.load_wait - (_clock() - started)
             if left <= 0:
-                raise LoadTimeoutError(
-                    "model %r was still %s after load_wait (%.1f s)" % (name, value, self.limits.load_wait),
-                    _clock() - started,
-                )
+                text = "model %r was still %s after load_wait (%.1f s)" % (name, value, self.limits.load_wait)
+                raise _hinted(LoadTimeoutError(text, _clock() - started), _LONGER % "load_wait")
             yield (_SLEEP, min(self.limits.poll, left))
 
     def _model_status(self, name: str) -> _Plan[Dict[str, Any]]:
@@ -5082,7 +5146,7 @@ class _StreamLife:
         queue keeps only its place (thousands may wait), not a pump, budgets and backoffs it cannot use yet."""
         req = self.req
         self.pump = self._new_pump()
-        self.waits = _Waits(self.limits, req.slot, self.board.calls.address)  # the budgets of the wait for data
+        self.waits = _Waits(self.limits, req.slot, self.board.calls.addr)  # the budgets of the wait for data
         self.sending = _Backoff()  # the attempts' backoff (Retrying.attempt counts them)
         self.reattaching = _Backoff()  # the reattaches' backoff, numbered on its own
 
@@ -5374,6 +5438,7 @@ class _StreamLife:
             raise stalled from None
         self.silence_tried = True  # tried once as a lost connection
         self.loss = StreamClosedError(str(stalled))
+        self.loss._hint = stalled._hint  # (its message ends with it)
         return self._on_lost
 
     def _not_known(self, loss: StreamClosedError, retry: Optional[_Retry] = None) -> Callable[[], _Plan[Any]]:
@@ -5400,7 +5465,7 @@ class _StreamLife:
         req, pump, loss = self.req, self.pump, self.loss
         assert loss is not None
         if req.conversation is None:
-            raise loss
+            raise _hinted(loss, _CUT % ("in the middle of the answer" if pump.head else "before answering"))
         if pump.unknown:
             return self._on_unknown(loss)
         if not (pump.streaming or pump.head is None):
@@ -5414,7 +5479,7 @@ class _StreamLife:
             self.retry = _Retry("the connection closed before the head", None, StreamClosedError("lost"))
             return self._back_off
         if self.moving and (self.started or pump.received):  # a loss after data: budgets afresh
-            self.waits = _Waits(self.limits, req.slot, self.board.calls.address)
+            self.waits = _Waits(self.limits, req.slot, self.board.calls.addr)
             self.reattaching.delay = BACKOFF_FIRST
         return self._reattach
 
@@ -5664,27 +5729,19 @@ def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
                     path,
                 )
         return exc
-    err = ConnectError(text, addr.text)
+    err = _hinted(ConnectError(text, addr.text), _START_IT)
     err.__cause__ = exc
     return err
 
 
 def _final_error(addr: _Address, exc: BaseException) -> None:
-    """The error that ends a stream, as the stream raises it: logged (INFO; a cancel at DEBUG), and a
-    ``LoadTimeoutError`` on a Unix socket file that never existed says so."""
+    """The error that ends a stream, as the stream raises it: logged (INFO; a cancel at DEBUG)."""
     if not isinstance(exc, LoopError):
         return
-    if (
-        isinstance(exc, LoadTimeoutError)
-        and addr.unix
-        and not addr.seen
-        and isinstance(exc.__cause__, FileNotFoundError)
-    ):
-        exc.message = "%s: the socket file %s never existed since the client was made" % (exc.message, addr.target)
-        exc.args = (exc.message,)
     log = _logger(_DEBUG if isinstance(exc, CancelledError) else _INFO)
     if log is not None:
-        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, type(exc).__name__, exc)
+        name = next(c.__name__ for c in type(exc).__mro__ if c.__name__[0] != "_")  # (_Unreachable's public)
+        log.log(_DEBUG if isinstance(exc, CancelledError) else _INFO, "%s: %s: %s", addr.text, name, exc)
 
 
 def _cancel_told(addr: _Address, how: str) -> None:
@@ -7417,8 +7474,8 @@ _HINTS = (
 
 
 def _describe(exc: LoopError, pool: bool = False) -> str:
-    """The one line of an error: its message and what to do (``pool``: the request was ``slot=None``'s, so
-    no slot of its own stayed busy)."""
+    """The one line of an error: its message and what to do, the command line's words in place of the
+    library's (``pool``: the request was ``slot=None``'s, so no slot of its own stayed busy)."""
     hint = next((text for cls, text in _HINTS if isinstance(exc, cls)), "")
     if isinstance(exc, WaitTimeoutError) and pool:
         hint = "every slot stayed busy: try later, or wait longer with --wait SECONDS"
@@ -7426,11 +7483,8 @@ def _describe(exc: LoopError, pool: bool = False) -> str:
         hint = "the queue for the slots is full: try again later"
     elif isinstance(exc, LoadTimeoutError) and _loading(exc.__cause__):
         hint = "the server is still loading: try again, or wait longer with --wait SECONDS"
-    if isinstance(exc, LoadTimeoutError) and isinstance(exc.__cause__, OSError):
-        exc_text = "%s (last: %s)" % (exc, exc.__cause__.strerror or exc.__cause__)
-    else:
-        exc_text = str(exc)
-    return "loopclient: %s%s" % (exc_text, ": " + hint if hint else "")
+    text = str(exc)[: -len(exc._hint) - 2] if hint and exc._hint else str(exc)
+    return "loopclient: %s%s" % (text, ": " + hint if hint else "")
 
 
 def _loading(cause: Optional[BaseException]) -> bool:
@@ -7447,8 +7501,8 @@ def _isatty(stream: Any) -> bool:
 class _Console:
     """Status lines on stderr: overwritten in place on a terminal, plain lines otherwise.  The prompt's
     progress shows on a terminal only (off one, a log or a pipe, it would be lines of noise for each
-    answer); a wait (a retry, a busy slot) off a terminal is a line when it changes or at most each quarter
-    of its budget."""
+    answer); off a terminal a wait (retries, a busy slot) is a line when it starts or its reason changes,
+    every ``_WAIT_LINE`` seconds while it lasts, and one when it ends, with its length."""
 
     def __init__(self, out: Any, err: Any, client: Optional[Client] = None, pool: bool = False) -> None:
         self.out = out
@@ -7456,10 +7510,10 @@ class _Console:
         self.tty = _isatty(err)
         self.client = client
         self.pool = pool  # the request is slot=None's: its waits are told of the slots, not of one
-        self._wait = None  # type: Optional[Tuple[str, float]]  # off a terminal: the last wait shown, when
         self._status = False
         self._in_reasoning = False
-        self.started = time.monotonic()
+        self.started = self._moved = _clock()  # the start; the last event that was no wait
+        self._wait = None  # type: Optional[List[Any]]  # the wait going on: [since, last line at, its reason]
         self.first_token = None  # type: Optional[float]
         self._prompt = None  # type: Optional[Tuple[int, int]]  # (processed, total) last shown
 
@@ -7478,6 +7532,10 @@ class _Console:
 
     def event(self, event: Event, show_text: bool = True) -> None:
         """Show ``event``: the answer's text on ``out`` (reasoning on ``err``), the rest on the status line."""
+        if isinstance(event, (Waiting, Retrying)):
+            self._waiting(event)
+            return
+        self._waited()
         if isinstance(event, (Content, Reasoning, ToolCall)):
             self._token(event, show_text)
         elif isinstance(event, ThinkingCapped):
@@ -7489,16 +7547,6 @@ class _Console:
                 self._status = False
         elif isinstance(event, Queued):
             self.status("queued: %d ahead of this request" % event.ahead)
-        elif isinstance(event, Waiting):
-            waited = time.monotonic() - self.started
-            state = "the slot is wedged" if event.wedged else "the slot is busy" if event.slot_busy else "no answer yet"
-            if self.pool and (event.wedged or event.slot_busy):
-                state = "a slot is wedged" if event.wedged else "every slot is busy"
-            if not event.slots_known:
-                state = "no answer yet (the server does not show its slots)"
-            self._waiting(state, "waiting %.0f s: %s" % (waited, state), "busy_wait")
-        elif isinstance(event, Retrying):
-            self._waiting(event.reason, self._retry_text(event), "load_wait")
         elif isinstance(event, Resumed):
             self.status("connection lost: resumed from byte %d (attempt %d)" % (event.offset, event.attempt))
         elif isinstance(event, Progress) and event.total > 0 and self.first_token is None:
@@ -7507,7 +7555,7 @@ class _Console:
     def _token(self, event: Union[Content, Reasoning, ToolCall], show_text: bool) -> None:
         """A piece of the answer: the first ends the status line (and the prompt's progress, at 100 %)."""
         if self.first_token is None:
-            self.first_token = time.monotonic() - self.started
+            self.first_token = _clock() - self.started
             if self._prompt is not None and self._prompt[0] < self._prompt[1]:
                 # the server's last progress chunk may stop short (47 of 51): a token means all of it
                 self._progress(self._prompt[1], self._prompt[1])
@@ -7530,29 +7578,39 @@ class _Console:
             self.out.write(event.arguments)
         self.out.flush()
 
-    def _retry_text(self, event: Retrying) -> str:
-        """A retry's line; while no socket file has been seen since the start, a hint about ``--host``."""
+    def _reason(self, event: Union[Waiting, Retrying]) -> str:
+        """What a wait is for: the slot's state, or why the last attempt failed (while no socket file has
+        been seen since the start, a hint about ``--host``)."""
         addr = self.client._calls.addr if self.client is not None else None
-        if addr is not None and addr.warned and not addr.seen:  # no socket file since the start
-            return "no socket file %s yet: is llama-server started with --host %s? (retry %d, %.0f s)" % (
-                addr.target,
-                addr.target,
-                event.attempt,
-                time.monotonic() - self.started,
-            )
-        return "retry %d in %.1f s: %s" % (event.attempt, event.delay, event.reason)
+        if isinstance(event, Retrying):
+            if addr is not None and addr.warned and not addr.seen:  # no socket file since the start
+                return "no socket file %s yet: is llama-server started with --host %s?" % (addr.target, addr.target)
+            return event.reason
+        if not event.slots_known:
+            return "no answer yet (the server does not show its slots)"
+        if event.wedged or event.slot_busy:
+            slot = "every slot is busy" if self.pool else "the slot is busy"
+            return ("a slot is wedged" if self.pool else "the slot is wedged") if event.wedged else slot
+        return "no answer yet"
 
-    def _waiting(self, kind: str, text: str, budget: str) -> None:
-        """A wait's status line: in place on a terminal; else when ``kind`` changes, or a quarter of the
-        wait's budget after the last line (a few lines over the whole wait, not one per retry)."""
-        if not self.tty:
-            now = time.monotonic()
-            limits = self.client.limits if self.client is not None else Limits()
-            last = self._wait
-            if last is not None and last[0] == kind and now - last[1] < getattr(limits, budget) / 4:
-                return
-            self._wait = (kind, now)
-        self.status(text)
+    def _waiting(self, event: Union[Waiting, Retrying]) -> None:
+        """A wait's status line: in place on a terminal; off one, when the wait starts or its reason
+        changes, and each ``_WAIT_LINE`` seconds (``_waited`` says its end).  A retry says how many so far."""
+        now, reason = _clock(), self._reason(event)
+        wait = self._wait = self._wait or [self._moved, None, None]
+        text = "waiting %.0f s: %s" % (now - wait[0], reason)
+        if isinstance(event, Retrying):
+            text += " (%d %s)" % (event.attempt, "retry" if event.attempt == 1 else "retries")
+        if self.tty or reason != wait[2] or now - wait[1] >= _WAIT_LINE:
+            wait[1:] = now, reason
+            self.status(text)
+
+    def _waited(self) -> None:
+        """An event that is no wait: off a terminal, the wait going on ends with a line of its length."""
+        now, wait, self._wait = _clock(), self._wait, None
+        self._moved = now
+        if wait is not None and not self.tty:
+            self.status("waited %.1f s: %s" % (now - wait[0], wait[2]))
 
     def _progress(self, processed: int, total: int) -> None:
         self._prompt = (processed, total)
@@ -7564,7 +7622,9 @@ class _Console:
         self.err.write("\n")
         self.err.flush()
 
-    def figures(self, completion: Completion) -> str:
+    def figures(self, completion: Completion, cap: Any = None) -> str:
+        """The answer's figures; an answer ``length`` ended short of its ``cap`` (or that the server says it
+        cut, native ``truncated``) was ended by the slot's context."""
         timings = completion.timings or {}
         usage = completion.usage or {}
         tokens = usage.get("completion_tokens", timings.get("predicted_n"))
@@ -7581,7 +7641,14 @@ class _Console:
                 "%d reasoning%s" % (completion.reasoning_tokens, " (capped)" if completion.thinking_capped else "")
             )
         parts.append("finish: %s" % completion.finish_reason)
+        short = isinstance(tokens, int) and isinstance(cap, int) and tokens < cap
+        if completion.finish_reason == "length" and (short or (completion.final or {}).get("truncated") is True):
+            parts[-1] += " (the slot's context is full)"
         return "[" + ", ".join(parts) + "]"
+
+
+#: Off a terminal, how often a wait that goes on is told again (seconds).
+_WAIT_LINE = 10.0
 
 
 def _completion_json(completion: Completion) -> str:
@@ -7752,37 +7819,13 @@ def _body_param(text: str) -> Tuple[str, Any]:
         return key.strip(), value
 
 
-def _add_answer_options(command: Any, max_tokens: str = "cap the answer's tokens") -> None:
-    """The options that shape an answer, for every command that streams one (``chat``, ``complete``,
-    ``infill``); read them back with ``_answer_params``."""
-    command.add_argument("--slot", type=int, metavar="N", help="pin the request to this slot")
-    command.add_argument("--max-tokens", type=int, metavar="N", help=max_tokens)
-    command.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
-    command.add_argument(
-        "--stop",
-        action="append",
-        type=_unescape,
-        metavar="TEXT",
-        help="end the answer where TEXT would appear (repeatable; \\n is a newline, \\t a tab, \\\\ a backslash)",
-    )
-    command.add_argument(
-        "--ignore-eos", action="store_true", help="go on past the model's end of text (up to --max-tokens)"
-    )
-    command.add_argument(
-        "--param",
-        action="append",
-        type=_body_param,
-        metavar="KEY=VALUE",
-        help="put KEY in the request body: VALUE as JSON when it parses, else as a string (repeatable; "
-        "applied last, so it wins over the options above)",
-    )
-    command.add_argument("--json", action="store_true", help="print the whole completion as JSON")
-
-
 def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
-    """The body fields of ``_add_answer_options``' options in ``args``; ``taken`` are fields the command
-    sets itself (``stream`` and ``id_slot`` always), which ``--param`` may not: ``ValueError``."""
-    params = {}  # type: Dict[str, Any]
+    """The body fields of the answer options (``_OPTIONS``) in ``args``, and ``return_progress`` (shown on a
+    terminal); ``taken`` are fields the command sets itself (``stream`` and ``id_slot`` always), which
+    ``--param`` may not: ``ValueError``."""
+    params = {"return_progress": True}  # type: Dict[str, Any]
+    if args.slot is not None and args.slot < 0:
+        raise ValueError("--slot must not be negative, got %d" % args.slot)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(
             "--max-tokens must be at least 1, got %d: llama-server looks at the cap only after a first token, so "
@@ -7804,48 +7847,64 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
     return params
 
 
-def _global_options(parser: Any, shown: bool) -> None:
-    """The options every command takes, before or after its name: with their help on ``loopclient --help``
-    (``shown``), hidden from each command's own help, which names its own options only."""
-    import argparse
+#: How long the command line waits for an absent or loading server (``load_wait``) unless ``--wait`` says:
+#: a person at a terminal, not a script's two minutes.  A busy slot is waited out for ``busy_wait``.
+CLI_LOAD_WAIT = 15.0
 
-    def say(text: str) -> str:
-        return text if shown else argparse.SUPPRESS
+#: How long the command line waits out a busy slot unless ``--wait`` says: the library's ``busy_wait``.
+_CLI_BUSY_WAIT = Limits().busy_wait
 
-    # one or the other (a group of hidden options breaks argparse's usage line: _cli_address checks it there)
-    where = parser.add_mutually_exclusive_group() if shown else parser
-    where.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS, help=say("llama-server's Unix socket"))
-    where.add_argument(
-        "--url", metavar="URL", default=argparse.SUPPRESS, help=say("llama-server's http(s)://host:port[/prefix]")
-    )
-    parser.add_argument(
-        "--model", metavar="NAME", default=argparse.SUPPRESS, help=say("route to this model of a router ($LLAMA_MODEL)")
-    )
-    parser.add_argument(
-        "--api-key", metavar="KEY", default=argparse.SUPPRESS, help=say("bearer token to send ($LLAMA_API_KEY)")
-    )
-    parser.add_argument(
-        "--wait",
-        metavar="SECONDS",
-        type=float,
-        default=argparse.SUPPRESS,
-        help=say(
-            "how long to wait for an absent or loading server (load_wait, default %g) and for a busy slot "
-            "(busy_wait, default %g)" % (CLI_LOAD_WAIT, _CLI_BUSY_WAIT)
-        ),
-    )
-    parser.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=argparse.SUPPRESS,
-        help=say("log what the client does on stderr: -v retries, waits, resumes (INFO); -vv connections too (DEBUG)"),
-    )
+#: ``loopclient chat``'s ``--max-tokens`` when none is given (nor ``--param max_tokens``).
+CHAT_MAX_TOKENS = 2048
+
+#: The help of ``complete``'s and ``infill``'s ``--max-tokens``, which have no default of their own.
+_SERVER_CAP = "cap the answer's tokens, sent as %s (default: the server's own -n; llama-server's: none)"
+_ANSWERS = "chat complete infill"  # the commands that stream an answer: they share the answer options
+
+#: Every option of the command line: the commands that take it ("": every command, the global options, which
+#: go before or after the command and are shown on ``loopclient --help`` only), its names and METAVAR, the
+#: other keywords of ``add_argument``, and its help.  ``_answer_params`` reads the answer options back.
+_OPTIONS = (
+    ("", "--socket PATH", {}, "llama-server's Unix socket"),
+    ("", "--url URL", {}, "llama-server's http(s)://host:port[/prefix]"),
+    ("", "--model NAME", {}, "route to this model of a router ($LLAMA_MODEL)"),
+    ("", "--api-key KEY", {}, "bearer token to send ($LLAMA_API_KEY)"),
+    ("", "--wait SECONDS", {"type": float}, "how long to wait for an absent or loading server (load_wait, default "
+     "%g) and for a busy slot (busy_wait, default %g)" % (CLI_LOAD_WAIT, _CLI_BUSY_WAIT)),
+    ("", "-v --verbose", {"action": "count"}, "log what the client does on stderr: -v retries, waits, resumes "
+     "(INFO); -vv connections too (DEBUG)"),
+    ("chat", "prompt", {"nargs": "?"}, "the prompt; without it, read stdin or hold a conversation"),
+    ("chat", "--system TEXT", {}, "a system message"),
+    ("chat", "--thinking-cap N", {"type": int}, "ask the server to end reasoning after N tokens"),
+    ("chat", "--resumable", {"action": "store_true"}, "resume the answer from the server's buffer if the "
+     "connection drops"),
+    ("complete", "prompt", {"nargs": "?"}, "the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"),
+    ("complete", "--openai", {"action": "store_true"}, "through OpenAI's text completions (/v1/completions) instead"),
+    ("infill", "--prefix TEXT", {"required": True}, "the text before the gap; @FILE reads a file, - reads stdin"),
+    ("infill", "--suffix TEXT", {}, "the text after the gap; @FILE reads a file, - reads stdin"),
+    (_ANSWERS, "--slot N", {"type": int}, "pin the request to this slot"),
+    ("chat", "--max-tokens N", {"type": int}, "cap the answer's tokens (default %d: a model that repeats itself "
+     "ends)" % CHAT_MAX_TOKENS),
+    ("complete", "--max-tokens N", {"type": int}, _SERVER_CAP % "n_predict (with --openai: max_tokens)"),
+    ("infill", "--max-tokens N", {"type": int}, _SERVER_CAP % "n_predict"),
+    (_ANSWERS, "--temperature T", {"type": float}, "sampling temperature"),
+    (_ANSWERS, "--stop TEXT", {"action": "append", "type": _unescape}, "end the answer where TEXT would appear "
+     "(repeatable; \\n is a newline, \\t a tab, \\\\ a backslash)"),
+    (_ANSWERS, "--ignore-eos", {"action": "store_true"}, "go on past the model's end of text (up to --max-tokens)"),
+    (_ANSWERS, "--param KEY=VALUE", {"action": "append", "type": _body_param}, "put KEY in the request body: "
+     "VALUE as JSON when it parses, else as a string (repeatable; applied last, so it wins over the options above)"),
+    (_ANSWERS, "--json", {"action": "store_true"}, "print the whole completion as JSON"),
+    ("slots", "--json", {"action": "store_true"}, "print the slots as the server gives them (JSON)"),
+    ("slots", "--watch SECONDS", {"type": float, "nargs": "?", "const": float("inf")}, "look every poll for "
+     "SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change"),
+    ("models", "--watch", {"action": "store_true"}, "print the router's model events as they come (until Ctrl-C)"),
+    ("tokens", "text", {"nargs": "?"}, "the text; without it, read stdin (on a terminal: until Ctrl-D)"),
+)  # type: Tuple[Tuple[str, str, Dict[str, Any], str], ...]  # fmt: skip
 
 
 _CLI_EPILOG = """\
-Each command has its own options and examples: loopclient COMMAND --help. The options above go before or
-after the command.
+Each command has its own options and examples: loopclient COMMAND --help.
+The options above go before or after the command.
 
 address: --socket PATH or --url URL, else $LLAMA_SERVER (a path or a URL), else %s.
 waits: chat, complete and infill wait up to %g s for an absent or loading server, and up to %g s for a busy
@@ -7854,10 +7913,18 @@ exit status: 0 done; 1 an error, one line on stderr saying what happened and wha
   option, address, prompt or limit); 130 interrupted (Ctrl-C, which closes the connection first).
 
 examples:
-  loopclient --socket /tmp/loopclient-llama/demo.sock chat "Name three colours." --stop '\\n'
+  loopclient --socket /tmp/loopclient-llama-$(id -u)/demo.sock chat "Name three colours." --stop '\\n'
   loopclient --url http://127.0.0.1:8080 slots --watch
   LLAMA_SERVER=/run/llama.sock loopclient health
 """
+
+#: The end of each command's --help.
+_CLI_EXAMPLES = """\
+examples:
+%s
+
+The global options (--socket, --url, --model, --api-key, --wait, -v) go
+before or after the command: loopclient --help."""
 
 #: Each command: its one-line help, its description, and the examples its --help ends with.
 _CLI_COMMANDS = (
@@ -7924,99 +7991,41 @@ _CLI_COMMANDS = (
 )
 
 
-def _parser() -> Any:
-    """The command line's parser: the global options, and each command's own (``_command_options``)."""
+def _parser(prog: str = "loopclient") -> Any:
+    """The command line's parser, its help in the words of ``prog`` (the name it was run by): each command
+    with its options (``_OPTIONS``), the global ones hidden from each command's own help.  A usage error
+    is one line that says where the help is (exit 2)."""
     import argparse
 
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            self.exit(2, "loopclient: error: %s; see %s --help\n" % (message, self.prog))
+
+    def words(text: str) -> str:
+        return text.replace("loopclient ", prog + " ")
+
+    def add(command: Any, name: str) -> Any:  # the options of command ``name`` ("": the parser's)
+        for where, spec, keywords, told in _OPTIONS:
+            flags = spec.split()
+            if flags[-1].isupper():
+                keywords = dict(keywords, metavar=flags.pop())
+            if not where:  # (no default: a command's would undo the value given before it)
+                keywords = dict(keywords, default=argparse.SUPPRESS)
+                told = argparse.SUPPRESS if name else told
+            if not where or name in where.split():
+                command.add_argument(*flags, help=told, **keywords)
+        return command
+
     raw = argparse.RawDescriptionHelpFormatter
-    hidden = argparse.ArgumentParser(add_help=False)
-    _global_options(hidden, False)
-    parser = argparse.ArgumentParser(
-        prog="loopclient",
-        description="Talk to llama.cpp's llama-server over a Unix socket or TCP.",
-        epilog=_CLI_EPILOG % (DEFAULT_ADDRESS, CLI_LOAD_WAIT, _CLI_BUSY_WAIT),
-        formatter_class=raw,
-    )
-    _global_options(parser, True)
+    epilog = words(_CLI_EPILOG % (DEFAULT_ADDRESS, CLI_LOAD_WAIT, _CLI_BUSY_WAIT))
+    about = "Talk to llama.cpp's llama-server over a Unix socket or TCP."
+    parser = add(Parser(prog=prog, description=about, epilog=epilog, formatter_class=raw), "")
     parser.add_argument("--version", action="version", version="loopclient " + __version__)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, summary, examples in _CLI_COMMANDS:
-        command = commands.add_parser(
-            name,
-            parents=[hidden],
-            help=summary,
-            description=summary[0].upper() + summary[1:] + ".",
-            epilog="examples:\n%s\n\nThe global options (--socket, --url, --model, --api-key, --wait, -v) go\n"
-            "before or after the command: loopclient --help." % examples,
-            formatter_class=raw,
-        )
-        _command_options(name, command)
+        about, epilog = summary[0].upper() + summary[1:] + ".", words(_CLI_EXAMPLES % examples)
+        add(commands.add_parser(name, help=summary, description=about, epilog=epilog, formatter_class=raw), name)
     return parser
-
-
-def _command_options(name: str, command: Any) -> None:
-    """The options of the command ``name``."""
-    if name in ("chat", "complete", "infill"):
-        _prompt_options(name, command)
-    elif name == "slots":
-        command.add_argument("--json", action="store_true", help="print the slots as the server gives them (JSON)")
-        command.add_argument(
-            "--watch",
-            type=float,
-            nargs="?",
-            const=float("inf"),
-            metavar="SECONDS",
-            help="look every poll for SECONDS (without: until Ctrl-C): redrawn on a terminal, else a line per change",
-        )
-    elif name == "models":
-        command.add_argument(
-            "--watch", action="store_true", help="print the router's model events as they come (until Ctrl-C)"
-        )
-    elif name == "tokens":
-        command.add_argument("text", nargs="?", help="the text; without it, read stdin (on a terminal: until Ctrl-D)")
-
-
-def _prompt_options(name: str, command: Any) -> None:
-    """The options of the commands that send a prompt: ``chat``, ``complete``, ``infill``."""
-    if name == "chat":
-        command.add_argument("prompt", nargs="?", help="the prompt; without it, read stdin or hold a conversation")
-        command.add_argument("--system", metavar="TEXT", help="a system message")
-        command.add_argument(
-            "--thinking-cap", type=int, metavar="N", help="ask the server to end reasoning after N tokens"
-        )
-        command.add_argument(
-            "--resumable",
-            action="store_true",
-            help="resume the answer from the server's buffer if the connection drops",
-        )
-        _add_answer_options(
-            command, "cap the answer's tokens (default %d: a model that repeats itself ends)" % CHAT_MAX_TOKENS
-        )
-    elif name == "complete":
-        command.add_argument(
-            "prompt", nargs="?", help="the raw prompt; without it, read stdin (on a terminal: until Ctrl-D)"
-        )
-        command.add_argument(
-            "--openai", action="store_true", help="through OpenAI's text completions (/v1/completions) instead"
-        )
-        _add_answer_options(command, _SERVER_CAP % "n_predict (with --openai: max_tokens)")
-    else:  # infill
-        for part, where in (("prefix", "before"), ("suffix", "after")):
-            command.add_argument(
-                "--" + part,
-                metavar="TEXT",
-                required=part == "prefix",
-                help="the text %s the gap; @FILE reads a file, - reads stdin" % where,
-            )
-        _add_answer_options(command, _SERVER_CAP % "n_predict")
-
-
-#: The help of ``complete``'s and ``infill``'s ``--max-tokens``, which have no default of their own.
-_SERVER_CAP = "cap the answer's tokens, sent as %s (default: the server's own -n; llama-server's: none)"
-
-
-#: ``loopclient chat``'s ``--max-tokens`` when none is given (nor ``--param max_tokens``).
-CHAT_MAX_TOKENS = 2048
 
 
 def _log_to(err: Any, verbose: int) -> Callable[[], None]:
@@ -8067,17 +8076,14 @@ def _read_stdin(what: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    parser = _parser()
+    name = sys.argv[0] if argv is None and sys.argv else ""  # the name it was run by, for its help
+    parser = _parser("python3 " + name if name.endswith(".py") else "loopclient")
     try:
         args = parser.parse_args(argv)
+        if not args.command:
+            parser.error("a COMMAND is required (%s)" % ", ".join(c[0] for c in _CLI_COMMANDS))
     except SystemExit as exc:  # usage errors (2), --help and --version (0)
         return exc.code if isinstance(exc.code, int) else 2
-    if not args.command:
-        parser.print_usage(sys.stderr)
-        sys.stderr.write(
-            "loopclient: error: a COMMAND is required (chat, complete, infill, slots, health, props, models, tokens)\n"
-        )
-        return 2
     model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None
     try:
         taken = {"chat": ("messages",), "complete": ("prompt",), "infill": ("input_prefix", "input_suffix")}
@@ -8110,14 +8116,6 @@ def _refused(exc: Exception) -> int:
         return 1
     sys.stderr.write("loopclient: error: %s\n" % exc)
     return 2
-
-
-#: How long the command line waits for an absent or loading server (``load_wait``) unless ``--wait`` says:
-#: a person at a terminal, not a script's two minutes.  A busy slot is waited out for ``busy_wait``.
-CLI_LOAD_WAIT = 15.0
-
-#: How long the command line waits out a busy slot unless ``--wait`` says: the library's ``busy_wait``.
-_CLI_BUSY_WAIT = Limits().busy_wait
 
 
 def _cli_client(args: Any, model: Optional[str]) -> Client:
@@ -8188,17 +8186,12 @@ def _know_slots(client: Client, slot: Optional[int]) -> None:
 
 
 def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
-    import functools
-
-    params = dict({"return_progress": True}, **params)
     if not {"max_tokens", "max_completion_tokens", "n_predict"} & set(params):  # no cap given: the default
         params["max_tokens"] = CHAT_MAX_TOKENS
     if args.resumable:
         params["resumable"] = True
     _know_slots(client, args.slot)
-    history = []  # type: List[Dict[str, Any]]
-    if args.system:
-        history.append({"role": "system", "content": args.system})
+    history = [{"role": "system", "content": args.system}] if args.system else []  # type: List[Dict[str, Any]]
     prompt = args.prompt
     interactive = prompt is None and sys.stdin.isatty()
     if not interactive:
@@ -8210,12 +8203,8 @@ def _chat(client: Client, args: Any, params: Dict[str, Any]) -> int:
                 return 0
             if not prompt.strip():
                 continue
-        assert prompt is not None
         history.append({"role": "user", "content": prompt})
-        console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
-        show = functools.partial(console.event, show_text=not args.json)
-        completion = client.chat(history, slot=args.slot, on_event=show, **params)
-        _answered(console, completion, args.json)
+        completion = _answer(client, args, functools.partial(client.stream, history), params)
         if not interactive:
             return 0
         history.append(_assistant_turn(completion))
@@ -8257,16 +8246,22 @@ def _assistant_turn(completion: Completion) -> Dict[str, Any]:
     return turn
 
 
-def _answered(console: _Console, completion: Completion, as_json: bool) -> None:
-    """The end of an answer: the completion as JSON, or a newline and the figures on stderr."""
+def _answer(client: Client, args: Any, stream: Callable[..., Stream], params: Dict[str, Any]) -> Completion:
+    """One answer, ``stream(slot=..., **params)``: its text on stdout as it comes, the waits on stderr, then
+    a newline and the figures on stderr (``--json``: the completion as JSON instead)."""
+    console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
+    show = functools.partial(console.event, show_text=not args.json)
+    completion = _consume(stream(slot=args.slot, **params), show)
     console.clear()
-    if as_json:
+    if args.json:
         sys.stdout.write(_completion_json(completion) + "\n")
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-        sys.stderr.write(console.figures(completion) + "\n")
+        cap = next((params[k] for k in ("max_tokens", "max_completion_tokens", "n_predict") if k in params), None)
+        sys.stderr.write(console.figures(completion, cap) + "\n")
     sys.stderr.flush()
+    return completion
 
 
 def _text_arg(value: Optional[str], option: str) -> str:
@@ -8299,38 +8294,20 @@ def _read_file(name: str) -> str:
 
 
 def _complete(client: Client, args: Any, params: Dict[str, Any]) -> int:
-    """``complete`` and ``infill``: llama-server's own endpoints, whose token cap is ``n_predict``."""
-    import functools
-
-    params = dict({"return_progress": True}, **params)
+    """``complete`` and ``infill``: llama-server's own endpoints, whose token cap is ``n_predict``.  What the
+    texts or the body functions refuse (an empty prompt, --param input_extra) is a usage error (``main``)."""
     openai = args.command == "complete" and args.openai  # /v1/completions: its token cap is max_tokens
     if "max_tokens" in params and not openai:  # --param n_predict, applied last, wins over --max-tokens
         params.setdefault("n_predict", params.pop("max_tokens"))
-    console = _Console(sys.stdout, sys.stderr, client, args.slot is None)
-    show = functools.partial(console.event, show_text=not args.json)
-    try:
-        if args.command == "complete":
-            read = (lambda: _read_stdin("the prompt")) if args.prompt is None else None
-            text = (_prompt(args.prompt, read),)  # type: Tuple[str, ...]
-        else:
-            text = (_text_arg(args.prefix, "--prefix"), _text_arg(args.suffix, "--suffix"))
-    except ValueError as exc:
-        sys.stderr.write("loopclient: error: %s\n" % exc)
-        return 2
+    if args.command == "complete":
+        read = (lambda: _read_stdin("the prompt")) if args.prompt is None else None
+        call = client.stream_complete_openai if openai else client.stream_complete
+        stream = functools.partial(call, _prompt(args.prompt, read))  # type: Callable[..., Stream]
+    else:
+        texts = _text_arg(args.prefix, "--prefix"), _text_arg(args.suffix, "--suffix")
+        stream = functools.partial(client.stream_infill, *texts, extra=params.pop("input_extra", None))
     _know_slots(client, args.slot)
-    try:  # what the body functions refuse (a bad --slot, --param input_extra) is a usage error
-        if openai:
-            stream = client.stream_complete_openai(text[0], slot=args.slot, **params)
-        elif args.command == "complete":
-            stream = client.stream_complete(text[0], slot=args.slot, **params)
-        else:
-            extra = params.pop("input_extra", None)
-            stream = client.stream_infill(text[0], text[1], extra=extra, slot=args.slot, **params)
-    except (TypeError, ValueError) as exc:
-        sys.stderr.write("loopclient: error: %s\n" % exc)
-        return 2
-    completion = _consume(stream, show)
-    _answered(console, completion, args.json)
+    _answer(client, args, stream, params)
     return 0
 
 

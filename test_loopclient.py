@@ -6099,7 +6099,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
                         run_with_timeout(lambda call=call: call(client))
                     self.assertEqual(cm.exception.address, address)
                     self.assertIsInstance(cm.exception.__cause__, cause)
-                    self.assertEqual(str(cm.exception), text)
+                    self.assertEqual(str(cm.exception), text + ": start llama-server, or check the socket path / URL")
 
     def test_error_status_is_http_status_error_with_the_envelope(self):
         envelope = _F_LOADING.encode()  # a 503 too: a single-shot call is sent once
@@ -6486,7 +6486,11 @@ class TestApiTLS(_ApiCase):
         err = cm.exception
         self.assertEqual(err.address, client.address)
         self.assertIsInstance(err.__cause__, ssl.SSLCertVerificationError)
-        self.assertEqual(str(err), "TLS with %s failed: %s" % (client.address, err.__cause__.verify_message))
+        self.assertEqual(
+            str(err),
+            "TLS with %s failed: %s: check the URL's host, or pass ssl_context= with your CA"
+            % (client.address, err.__cause__.verify_message),
+        )
         return err
 
     def test_untrusted_certificate_is_connect_error_at_once_never_retried(self):
@@ -8211,7 +8215,10 @@ class TestGate(ServerCase):
                 self.assertLess(t.elapsed, lateness(self, 0.1 + MARGIN))
                 err = cm.exception
                 self.assertEqual((err.slot, err.queue_len, err.waiting), (slot, 2, 2))
-                self.assertEqual(str(err), "2 requests already wait for %s (queue_len 2): try later" % where)
+                self.assertEqual(
+                    str(err),
+                    "2 requests already wait for %s (queue_len 2): try later, or raise Limits(queue_len=...)" % where,
+                )
                 for marker in (a, b, c):
                     keeper.release(marker)
                 for th in threads:
@@ -9926,7 +9933,9 @@ class TestDeadline(VirtualFactory, _ApiCase):
             run_with_timeout(call)
         self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
         err = cm.exception
-        self.assertEqual((err.timeout, err.phase, str(err)), (seconds, phase, message))
+        self.assertEqual(
+            (err.timeout, err.phase, str(err)), (seconds, phase, message + ": raise timeout= to wait longer")
+        )
         self.assertIsInstance(err, TimeoutError)
         return err
 
@@ -11676,36 +11685,55 @@ _D_OK = STREAM_HEAD + _F_OK_BODY
 def _d_connecting():
     lw = FAST_FAULTS.load_wait
 
-    def at_the_address(test, run):
-        test.assertEqual(run.value.address, _d_missing(run.server), run.kind)
+    def at(address):  # the error is "no server there" at the address as given, the wait's time in it
+        def check(test, run):
+            test.assertEqual(run.value.address, address(run.server), run.kind)
+            test.assertTrue(str(run.value).endswith(": " + lc._START_IT), run.kind)
 
-    once = _d_asked(n=1)
+        return check
+
+    def gone_after_503(req):  # the first request is answered 503, then nothing listens
+        req.server.listener.close()
+        _d_json(json.loads(_F_LOADING), 503, "Service Unavailable")(req)
+
+    once, waited = _d_asked(n=1), _d_says("s (load_wait)")
     # fmt: off
     return [
         _d_row("socket file missing", "nothing at the path",
-               "`LoadTimeoutError` after `load_wait`, with `Retrying` in between; `__cause__` is `FileNotFoundError`",
-               address=_d_missing, expect=lc.LoadTimeoutError, budget=lw,
-               check=(_d_cause(FileNotFoundError), _d_heard("Retrying")), sockets=True),
+               "`LoadTimeoutError` after `load_wait`, with `Retrying` in between, that is also a `ConnectError` "
+               "(`.address` as given: no server there); `__cause__` is `FileNotFoundError`",
+               address=_d_missing, expect=lc._Unreachable, budget=lw,
+               check=(_d_cause(FileNotFoundError), _d_heard("Retrying"), at(_d_missing), waited), sockets=True),
         _d_row("socket file missing, single-shot call", "nothing at the path",
                "`ConnectError` at once, `.address` as given, `__cause__` is `FileNotFoundError`", address=_d_missing,
-               act=lambda c, ev: c.slots(), expect=lc.ConnectError, check=(_d_cause(FileNotFoundError), at_the_address),
+               act=lambda c, ev: c.slots(), expect=lc.ConnectError, check=(_d_cause(FileNotFoundError), at(_d_missing)),
                sockets=True),
         _d_row("socket file with no listener", "a stale socket file; connecting is refused",
-               "`LoadTimeoutError` after `load_wait`; `__cause__` is `ConnectionRefusedError`", address=_d_stale,
-               expect=lc.LoadTimeoutError, budget=lw, check=_d_cause(ConnectionRefusedError), sockets=True),
+               "`LoadTimeoutError` after `load_wait` that is also a `ConnectError`; `__cause__` is "
+               "`ConnectionRefusedError`", address=_d_stale, expect=lc._Unreachable, budget=lw,
+               check=(_d_cause(ConnectionRefusedError), at(_d_stale),
+                      _d_says("s (load_wait) (last: Connection refused)")), sockets=True),
         _d_row("socket file with no listener, single-shot call", "connecting is refused", "`ConnectError` at once",
                address=_d_stale, act=lambda c, ev: c.health(), expect=lc.ConnectError,
-               check=_d_cause(ConnectionRefusedError), sockets=True),
+               check=(_d_cause(ConnectionRefusedError), at(_d_stale)), sockets=True),
+        _d_row("HTTP 503, then nothing listens",
+               "answers the first request 503, then closes its listening socket: connecting is refused",
+               "`LoadTimeoutError` after `load_wait`, not a `ConnectError`: a server answered there (*choice*); "
+               "`__cause__` is `ConnectionRefusedError`", _d_stream(gone_after_503), expect=lc.LoadTimeoutError,
+               budget=lw, check=(_d_cause(ConnectionRefusedError), once, waited, _d_says(lc._LONGER % "load_wait"))),
         _d_row("EOF before the head", "reads the request, closes without a byte",
                "`StreamClosedError` at once, not retried (*choice*: the server may have started the work)",
-               _d_stream(lambda req: None), expect=lc.StreamClosedError, check=once, sockets=True),
+               _d_stream(lambda req: None), expect=lc.StreamClosedError,
+               check=(once, _d_says(": " + lc._CUT % "before answering")), sockets=True),
         _d_row("connection reset before the head", "TCP RST (SO_LINGER 0) after reading the request",
                "`StreamClosedError` at once, not retried", _d_reset(), expect=lc.StreamClosedError, tcp=True,
                check=once, sockets=True),
         _d_row("connection reset mid-stream", "RST after one content event",
                "`StreamClosedError` at once; the delivered output is never replayed",
                _d_reset(STREAM_HEAD + chunked(sse(chunk_json({"content": "Hi"})))), expect=lc.StreamClosedError,
-               tcp=True, check=(_d_kinds("Content"), once), sockets=True),
+               tcp=True, check=(_d_kinds("Content"), once, _d_says(
+                   ": the server closed the connection in the middle of the answer: it stopped or crashed; "
+                   "resumable=True lets a stream survive a dropped connection")), sockets=True),
     ]
     # fmt: on
 
@@ -12735,7 +12763,8 @@ def _d_answers():
                parts=[fetched("302")]),
         _d_row("fetch() of a body over max_body", "a 200 one byte over `max_body`, then holds the connection",
                "`ProtocolError` at once", on("GET", "/any", lambda: reply(big, hold=True)), _a_fetch(),
-               lc.ProtocolError, check=_d_says("max_body")),
+               lc.ProtocolError,
+               check=_d_says("max_body (65536 bytes): raise Limits(max_body=...) for payloads that big")),
         _d_row("timeout= on a silent server", "reads the request, sends nothing",
                "`DeadlineError` after the call's `timeout` (0.3 s here, `liveness` 0.5 s), the connection closed",
                on("GET", "/any", lambda: _f_hold), _a_fetch(timeout=t), lc.DeadlineError, t,
@@ -12987,7 +13016,8 @@ class TestDifferential(_f_Case):
                     self.assertEqual(bool(row.parts), section.test is not None)
                     for part in row.parts:
                         if isinstance(part.expect, type) and issubclass(part.expect, BaseException):
-                            self.assertIn("`%s`" % part.expect.__name__, row.outcome)
+                            public = next(c for c in part.expect.__mro__ if not c.__name__.startswith("_"))
+                            self.assertIn("`%s`" % public.__name__, row.outcome)
                         else:
                             self.assertTrue("no error" in row.outcome or "retried" in row.outcome, row.outcome)
                         for name in budgets:
@@ -13060,7 +13090,7 @@ class TestSecurity(_f_Case):
             stream.cancel()
             self._f_keyed(os.path.join(self.server.tmp, "missing.sock"))
             errors.append(self._f_fails(lc.ConnectError, fn=lambda ev: self.client.props()))
-            errors.append(self._f_fails(lc.LoadTimeoutError, FAST_FAULTS.load_wait))
+            errors.append(self._f_fails(lc._Unreachable, FAST_FAULTS.load_wait))
             for bad in ({"api_key": _F_KEY + "\r\n"}, {"headers": {"Authorization": "Bearer " + _F_KEY + "\n"}}):
                 with self.assertRaises(ValueError) as caught:
                     self.new_client(self.server.address, **bad)
@@ -13372,12 +13402,18 @@ class TestCommandLine(CLICase):
             self.assertIn(text, self.main_fails("chat", "x"))
 
     def test_usage_errors_exit_2(self):
-        for argv in (["bogus"], ["chat", "--slot", "x"], [], ["--url", "ftp://x", "health"]):
+        """One line each, as loopclient's own: argparse's (which says where the help is) too."""
+        for argv, see in (
+            (["bogus"], "loopclient"),
+            (["chat", "--slot", "x"], "loopclient chat"),
+            ([], "loopclient"),
+            (["--url", "ftp://x", "health"], ""),
+        ):
             code, out, err = self.run_main(argv)
-            self.assertEqual(code, 2, argv)
-            self.assertNotIn("Traceback", err)
-        code, out, err = self.run_main(["chat", "hi", "--slot", "-1"])  # refused by the call, not argparse
-        self.assertEqual((code, out, err), (2, "", "loopclient: error: slot must not be negative\n"))
+            self.assertEqual((code, out, err.count("\n")), (2, "", 1), argv)
+            self.assertRegex(err, r"^loopclient: error: .*%s\n$" % ("; see %s --help" % see if see else ""))
+        code, out, err = self.run_main(["chat", "hi", "--slot", "-1"])  # named as the option, before any request
+        self.assertEqual((code, out, err), (2, "", "loopclient: error: --slot must not be negative, got -1\n"))
         self.assertEqual(self.server.chat_requests(), [])
         code, out, _ = self.run_main(["--version"])
         self.assertEqual((code, out), (0, "loopclient %s\n" % lc.__version__))
@@ -13435,8 +13471,14 @@ class TestCommandLine(CLICase):
 
     def test_bad_params_are_usage_errors(self):
         cases = [
-            (["--param", "top_k"], "loopclient chat: error: argument --param: expected KEY=VALUE, got 'top_k'"),
-            (["--param", "=1"], "loopclient chat: error: argument --param: expected KEY=VALUE, got '=1'"),
+            (
+                ["--param", "top_k"],
+                "loopclient: error: argument --param: expected KEY=VALUE, got 'top_k'; see loopclient chat --help",
+            ),
+            (
+                ["--param", "=1"],
+                "loopclient: error: argument --param: expected KEY=VALUE, got '=1'; see loopclient chat --help",
+            ),
             (["--param", "stream=false"], "loopclient: error: --param stream: loopclient sets stream itself"),
             (["--param", "messages=[]"], "loopclient: error: --param messages: loopclient sets messages itself"),
             (
@@ -13604,7 +13646,7 @@ class TestConsole(unittest.TestCase):
         self.assertTrue(
             text.startswith(
                 "\r\x1b[Kqueued: 2 ahead of this request\r\x1b[Kqueued: 1 ahead of this request"
-                "\r\x1b[Kretry 1 in 0.2 s: HTTP 503: Loading model\r\x1b[Kwaiting 0 s: the slot is busy"
+                "\r\x1b[Kwaiting 0 s: HTTP 503: Loading model (1 retry)\r\x1b[Kwaiting 0 s: the slot is busy"
                 "\r\x1b[K\x1b[2mhmm\x1b[0m\n\r\x1b[Kthinking capped at 1 tokens\n\x1b[2m.\x1b[0m\n"
             ),
             text,
@@ -13667,6 +13709,19 @@ class TestConsole(unittest.TestCase):
         )
         self.assertEqual(console.figures(completion), "[3 tokens, 9.5 tokens/s, 2 reasoning (capped), finish: stop]")
 
+    def test_an_answer_the_context_ended_says_so(self):
+        """llama-server ends an answer at its slot's context with "length", as at the cap: chat's figures tell
+        them apart by the count (973 of 1500), native /completion by its final ``truncated`` (as measured)."""
+        console = lc._Console(io.StringIO(), io.StringIO())
+        chat = lc.Completion(None, None, "x", "", [], "length", {"completion_tokens": 973}, None)
+        full = "[973 tokens, finish: length (the slot's context is full)]"
+        self.assertEqual(console.figures(chat, 1500), full)
+        self.assertEqual(console.figures(chat, 973), "[973 tokens, finish: length]")  # the cap ended it
+        self.assertEqual(console.figures(chat), "[973 tokens, finish: length]")  # no cap: nothing to tell by
+        native = chat.replace(final={"stop_type": "limit", "truncated": True})
+        self.assertEqual(console.figures(native), full)
+        self.assertEqual(console.figures(native.replace(final={"truncated": False})), "[973 tokens, finish: length]")
+
 
 class TestCommandLineInProcess(CLICase):
     def test_conversation_keeps_history(self):
@@ -13690,7 +13745,7 @@ class TestCommandLineInProcess(CLICase):
         )
 
     def test_interrupt_exits_130(self):
-        with mock.patch.object(lc.Client, "chat", side_effect=KeyboardInterrupt), contextlib.redirect_stderr(
+        with mock.patch.object(lc.Client, "stream", side_effect=KeyboardInterrupt), contextlib.redirect_stderr(
             io.StringIO()
         ) as err:
             code = lc.main(["--socket", self.server.path, "chat", "hi"])
@@ -13982,7 +14037,7 @@ class TestCommandLineEndpoints(CLICase):
     def test_complete_json(self):
         self.serve("/completion", "40_completion_stream_tokens_probs.raw.txt")
         out, err = self.main_ok("complete", "The sky is", "--json", "--param", "return_tokens=true")
-        self.assertEqual(err, "")
+        self.assertEqual(re.sub(r"(?m)^wait(ing|ed) .*\n", "", err), "")  # (a poll of 50 ms may come before the head)
         doc = json.loads(out)
         self.assertEqual((doc["content"], doc["finish_reason"], doc["id"]), (" the limit for the 201", "length", None))
         self.assertEqual(doc["tokens"], _p_SKY_TOKENS)
@@ -14094,7 +14149,10 @@ class TestCommandLineEndpoints(CLICase):
     def test_usage_errors_exit_2_and_send_nothing(self):
         prefix = self.text_file("prefix.py", "x")
         cases = [
-            (["infill"], "loopclient infill: error: the following arguments are required: --prefix"),
+            (
+                ["infill"],
+                "loopclient: error: the following arguments are required: --prefix; see loopclient infill --help",
+            ),
             (
                 ["infill", "--prefix", "@" + self.server.tmp + "/missing.py"],
                 "loopclient: error: cannot read %s/missing.py: No such file or directory" % self.server.tmp,
@@ -14119,7 +14177,7 @@ class TestCommandLineEndpoints(CLICase):
                 ["complete", "x", "--param", "stream=false"],
                 "loopclient: error: --param stream: loopclient sets stream itself",
             ),
-            (["complete", "x", "--slot", "-1"], "loopclient: error: slot must not be negative"),
+            (["complete", "x", "--slot", "-1"], "loopclient: error: --slot must not be negative, got -1"),
             (
                 ["infill", "--prefix", "@" + prefix, "--param", 'input_extra={"a": 1}'],
                 "loopclient: error: extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
@@ -15347,7 +15405,7 @@ class TestRealDemo(unittest.TestCase):
     """The command line against `dev/llama-server.sh demo`, at temperature 0 to be repeatable: the answer
     ends where the request says (the server itself stops at no newline)."""
 
-    def loopclient(self, *argv):
+    def loopclient(self, *argv, whole=False):
         done = subprocess.run(
             [sys.executable, os.path.join(HERE, "loopclient.py"), "--socket", REAL_DEMO] + list(argv),
             capture_output=True,
@@ -15355,7 +15413,7 @@ class TestRealDemo(unittest.TestCase):
             timeout=120,
         )
         self.assertEqual(done.returncode, 0, done.stderr)
-        return done.stdout, (done.stderr.splitlines() or [""])[-1]  # --json: nothing on stderr
+        return done.stdout, done.stderr if whole else (done.stderr.splitlines() or [""])[-1]  # --json: no stderr
 
     def test_readme_demo_names_colours_and_stops(self):
         """The README's demo command: one line, ended by its --stop '\\n'."""
@@ -15383,6 +15441,34 @@ class TestRealDemo(unittest.TestCase):
         )
         doc = json.loads(out)
         self.assertEqual((doc["usage"]["completion_tokens"], doc["finish_reason"]), (120, "length"))
+
+    def test_an_answer_the_context_ended_says_so(self):
+        """A prompt of most of a slot's context (987 of its 1,024 tokens with the template): the context ends
+        the answer long before --max-tokens 1500; llama-server says only "length" (measured: no field)."""
+        _, figures = self.loopclient("chat", "sea " * 940, "--max-tokens", "1500", "--ignore-eos", "--temperature", "0")
+        self.assertRegex(figures, r"^\[\d\d tokens, .*finish: length \(the slot's context is full\)\]$")
+
+    def test_off_a_terminal_a_wait_is_told_when_it_starts_and_when_it_ends(self):
+        """A chat pinned to the slot another client's answer holds: stderr, a pipe, says when the wait began,
+        and once the other answer is cancelled how long the wait lasted; then the answer comes."""
+        argv = ["--socket", REAL_DEMO, "chat", "Name three colours.", "--slot", "0", "--stop", "\\n"]
+        with lc.Client(REAL_DEMO) as other, other.stream(MSGS, slot=0, max_tokens=2000, ignore_eos=True) as holding:
+            next(e for e in holding if isinstance(e, lc.Content))  # the slot is taken
+            proc = subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "loopclient.py")] + argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            self.addCleanup(proc.kill)
+            first = run_with_timeout(proc.stderr.readline, 120)
+        out, rest = run_with_timeout(lambda: (proc.stdout.read(), proc.stderr.read()), 120)  # (little of each)
+        lines = (first + rest).splitlines()  # (a /slots answer later than its timeout: no answer yet)
+        self.assertEqual(proc.wait(10), 0, lines)
+        self.assertRegex(lines[0], r"^waiting \d+ s: (the slot is busy|no answer yet)$")
+        self.assertRegex(lines[-2], r"^waited \d+\.\d s: (the slot is busy|no answer yet)$")
+        self.assertRegex(lines[-1], r"^\[\d+ tokens, .*finish: stop\]$")
+        self.assertEqual(out.count("\n"), 1, out)
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
@@ -17627,7 +17713,8 @@ class TestAddressTold(_Logged, ServerCase):
         self.assertLess(elapsed.elapsed, lateness(self, 0.2 + MARGIN))  # at once: not retried for load_wait
         self.assertEqual(events, [])
         self.assertEqual(
-            str(caught.exception), "%s is %s, not a socket: no llama-server can listen there" % (path, what)
+            str(caught.exception),
+            "%s is %s, not a socket: no llama-server can listen there: %s" % (path, what, lc._START_IT),
         )
         with self.assertRaises(lc.ConnectError) as single:
             run_with_timeout(client.health)
@@ -17654,10 +17741,8 @@ class TestAddressTold(_Logged, ServerCase):
         with self.assertRaises(lc.LoadTimeoutError) as caught:
             run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
         self.assertGreater(len([ev for ev in events if isinstance(ev, lc.Retrying)]), 1)
-        self.assertTrue(
-            str(caught.exception).endswith(": the socket file %s never existed since the client was made" % path),
-            caught.exception,
-        )
+        self.assertIn(": the socket file %s never existed since the client was made" % path, str(caught.exception))
+        self.assertIn(("INFO", "%s: LoadTimeoutError: %s" % (path, caught.exception)), self.logged(logging.INFO))
         self.assertEqual(
             self.logged(logging.WARNING),
             [
@@ -17776,43 +17861,67 @@ class TestCommandLineFirstUse(CLICase):
         path = os.path.join(self.server.tmp, "never.sock")
         line = self.main_fails("chat", "x", address=path)
         code, _, err = self.run_main(["--socket", path, "chat", "x"])
-        self.assertIn("no socket file %s yet: is llama-server started with --host %s? (retry 1, " % (path, path), err)
+        self.assertIn(
+            "waiting 0 s: no socket file %s yet: is llama-server started with --host %s? (1 retry)\n" % (path, path),
+            err,
+        )
         self.assertIn("never existed since the client was made", line)
 
 
 class TestConsoleWaits(unittest.TestCase):
-    """Off a terminal a wait is a line when it changes, else at most one each quarter of its budget (not
-    one per retry); on a terminal it is one line, redrawn in place."""
+    """Off a terminal a wait is a line when it starts or its reason changes, one every 10 s while it lasts
+    (not one per retry: a retry says how many so far) and one when it ends, with its length; on a terminal
+    it is one line, redrawn in place.  Scripted events on a clock of the test's own."""
 
-    def retries(self, err, reasons, every=2.0):
-        client = lc.Client("http://127.0.0.1:9", limits=lc.Limits(load_wait=120.0))
-        self.addCleanup(client.close)
+    def told(self, err, script, pool=False):
+        """What the console writes on ``err`` for ``script``: (seconds from the start, event) pairs."""
         now = [1000.0]
-        with mock.patch.object(lc.time, "monotonic", lambda: now[0]):
-            console = lc._Console(io.StringIO(), err, client)
-            for n, reason in enumerate(reasons):
-                console.event(lc.Retrying(n + 1, 1.5, reason))
-                now[0] += every
+        with mock.patch.object(lc, "_clock", lambda: now[0]):
+            console = lc._Console(io.StringIO(), err, None, pool)
+            for at, event in script:
+                now[0] = 1000.0 + at
+                console.event(event)
         return err.getvalue()
 
-    def test_off_a_terminal_60_retries_over_load_wait_are_four_lines(self):
-        text = self.retries(io.StringIO(), ["cannot connect: Connection refused"] * 60)  # one each 2 s for 120 s
+    def test_off_a_terminal_a_wait_is_told_when_it_starts_every_10_s_and_when_it_ends(self):
+        refused = "cannot connect: Connection refused"
+        script = [(2.0 * n, lc.Retrying(n + 1, 1.5, refused)) for n in range(12)] + [(23.5, lc.Content("A"))]
         self.assertEqual(
-            [line.split(":")[0] for line in text.splitlines()],
-            ["retry 1 in 1.5 s", "retry 16 in 1.5 s", "retry 31 in 1.5 s", "retry 46 in 1.5 s"],
+            self.told(io.StringIO(), script).splitlines(),
+            [
+                "waiting 0 s: cannot connect: Connection refused (1 retry)",
+                "waiting 10 s: cannot connect: Connection refused (6 retries)",
+                "waiting 20 s: cannot connect: Connection refused (11 retries)",
+                "waited 23.5 s: cannot connect: Connection refused",
+            ],
+        )
+        busy = [(float(n), lc.Waiting(True)) for n in (1, 2, 3, 4)] + [(4.7, lc.Content("A"))]
+        self.assertEqual(
+            self.told(io.StringIO(), busy, pool=True),
+            "waiting 1 s: every slot is busy\nwaited 4.7 s: every slot is busy\n",
         )
 
     def test_off_a_terminal_a_new_reason_is_told_at_once(self):
-        text = self.retries(io.StringIO(), ["cannot connect: Connection refused"] * 3 + ["HTTP 503: Loading model"])
+        script = [(0.5 * n, lc.Retrying(n + 1, 0.5, "cannot connect: Connection refused")) for n in range(3)]
+        script += [(1.5, lc.Retrying(4, 0.5, "HTTP 503: Loading model")), (2.0, lc.Waiting(True))]
+        script += [(3.0, lc.Waiting(False)), (4.0, lc.Waiting(False, slots_known=False))]
         self.assertEqual(
-            text, "retry 1 in 1.5 s: cannot connect: Connection refused\nretry 4 in 1.5 s: HTTP 503: Loading model\n"
+            self.told(io.StringIO(), script).splitlines(),
+            [
+                "waiting 0 s: cannot connect: Connection refused (1 retry)",
+                "waiting 2 s: HTTP 503: Loading model (4 retries)",
+                "waiting 2 s: the slot is busy",
+                "waiting 3 s: no answer yet",
+                "waiting 4 s: no answer yet (the server does not show its slots)",
+            ],
         )
 
     def test_on_a_terminal_one_line_redrawn(self):
-        text = self.retries(TtyText(), ["cannot connect: Connection refused"] * 60)
+        script = [(2.0 * n, lc.Retrying(n + 1, 1.5, "cannot connect: Connection refused")) for n in range(60)]
+        text = self.told(TtyText(), script + [(120.0, lc.Content("A"))])
         self.assertNotIn("\n", text)
-        self.assertEqual(text.count("\r\x1b[K"), 60)
-        self.assertTrue(text.endswith("\r\x1b[Kretry 60 in 1.5 s: cannot connect: Connection refused"))
+        self.assertEqual(text.count("\r\x1b[K"), 61)  # the last one clears it for the answer
+        self.assertTrue(text.endswith("\r\x1b[Kwaiting 118 s: cannot connect: Connection refused (60 retries)\r\x1b[K"))
 
 
 class TestCommandLineTerminalStdin(TestCommandLineTerminal):
@@ -17843,8 +17952,9 @@ for _name in dir(TestCommandLineTerminal):  # the base class runs its own tests
         setattr(TestCommandLineTerminalStdin, _name, None)
 
 
-#: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo).
-README_DEMO_SOCKET = "/tmp/loopclient-llama/demo.sock"
+#: The socket the README's examples use, as it tells the user to start it (dev/llama-server.sh demo: each
+#: user's own), an f-string of the user's id.
+README_DEMO_SOCKET = "/tmp/loopclient-llama-{os.getuid()}/demo.sock"
 
 #: The documents whose ```python blocks are examples: the README (the guide) and the reference.
 EXAMPLE_DOCUMENTS = ("README.md", "dev/REFERENCE.md")
@@ -17882,7 +17992,7 @@ class TestRealReadmeExamples(unittest.TestCase):
                 self.addCleanup(shutil.rmtree, where, True)
                 script = os.path.join(where, "example.py")  # a file: an example may use __file__
                 with open(script, "w", encoding="utf-8") as f:
-                    f.write(code.replace(README_DEMO_SOCKET, REAL_DEMO))
+                    f.write(code.replace('f"%s"' % README_DEMO_SOCKET, json.dumps(REAL_DEMO)))
                 done = subprocess.run(
                     [sys.executable, script],
                     cwd=HERE,
@@ -19128,7 +19238,7 @@ class TestFaultFullFronts(_f_Case):
                 self.assertLessEqual(elapsed, 2.5 + 1e-6)
                 self.assertNotIn("\n", str(err))
                 self.assertIn("busy_wait", str(err))
-                self.assertTrue(str(err).endswith(": " + reason), str(err))
+                self.assertTrue(str(err).endswith(": %s: %s" % (reason, lc._LONGER % "busy_wait")), str(err))
                 self.assertIsInstance(err.__cause__, lc.HTTPStatusError)
                 self.assertEqual((err.__cause__.status, err.__cause__.body), (429, front_page(name)))
 
@@ -20062,7 +20172,7 @@ class TestSocketDirectory(_Logged, ServerCase):
         self.assertEqual(
             str(caught.exception),
             "no llama-server at %s: its directory %s does not exist, so no server can listen there until "
-            "someone makes it" % (path, folder),
+            "someone makes it: %s" % (path, folder, lc._START_IT),
         )
         self.assertIsInstance(caught.exception.__cause__, FileNotFoundError)
         with self.assertRaises(lc.ConnectError) as single:
@@ -20142,7 +20252,9 @@ class TestPoolWording(_Logged, ServerCase):
         err = self.fails(None)
         self.assertIsInstance(err, lc.WaitTimeoutError)
         self.assertRegex(
-            str(err), r"^every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others$"
+            str(err),
+            r"^every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others: raise "
+            r"Limits\(busy_wait=\.\.\.\) to wait longer$",
         )
         self.assertIn(
             ("INFO", "%s: waiting for the response: every slot is busy" % self.server.address), self.logged(waits=True)
@@ -20153,7 +20265,7 @@ class TestPoolWording(_Logged, ServerCase):
         self.server.busy[:] = [False, True]
         err = self.fails(1)
         self.assertRegex(
-            str(err), r"^slot 1 stayed busy for 0\.\d s \(busy_wait\): the server is still serving others$"
+            str(err), r"^slot 1 stayed busy for 0\.\d s \(busy_wait\): the server is still serving others: raise "
         )
         self.assertIn(
             ("INFO", "%s: waiting for the response: the slot is busy" % self.server.address), self.logged(waits=True)
@@ -20164,7 +20276,9 @@ class TestPoolWording(_Logged, ServerCase):
         err = self.fails(None)
         self.assertIsInstance(err, lc.StalledError)
         self.assertRegex(
-            str(err), r"^a slot is free, yet no response came for 0\.\d s \(idle_grace\): the server is stuck$"
+            str(err),
+            r"^a slot is free, yet no response came for 0\.\d s \(idle_grace\): the server is stuck: raise "
+            r"Limits\(idle_grace=\.\.\.\) to wait longer$",
         )
         self.assertIn(
             ("INFO", "%s: waiting for the response: a slot is free, no answer yet" % self.server.address),
@@ -20237,7 +20351,19 @@ class TestCommandLineWaits(CLICase):
 
 
 class TestCommandLineHints(unittest.TestCase):
-    """The hint after an error's message, for a request pinned to a slot and for a slot=None one."""
+    """The hint after an error's message, for a request pinned to a slot and for a slot=None one: the
+    command line's in place of the library's, which it keeps where it has none of its own."""
+
+    def test_the_librarys_hint_gives_way_to_the_command_lines(self):
+        cut = lc._hinted(lc.StreamClosedError("the connection closed in the middle of a chunk"), lc._CUT % "here")
+        self.assertEqual(
+            lc._describe(cut),
+            "loopclient: the connection closed in the middle of a chunk: the server closed the connection "
+            "mid-answer: check its log, then retry",
+        )
+        late = lc._deadline_error(5.0, lc._RECV, "GET /props", "/s", False)
+        self.assertEqual(lc._describe(late), "loopclient: " + str(late))
+        self.assertTrue(str(late).endswith(": raise timeout= to wait longer"))
 
     def test_busy_and_full_queue_hints(self):
         full = lc.BusyError("8 requests already wait for any slot (queue_len 8): try later", None, 8, 8)
@@ -20484,6 +20610,14 @@ class TestCommandLineSlotsAndCaps(CLICase):
         self.assertEqual(out, "ok\n")
         self.assertEqual(self.server.chat_requests()[0].json()["id_slot"], 1)
 
+    def test_an_answer_the_context_ended_says_so(self):
+        """8 tokens of a cap of 9 ended "length": the slot's context ended it (chat's --max-tokens, or 2048)."""
+        for argv, told in ((["--max-tokens", "9"], True), (["--max-tokens", "8"], False), ([], True)):
+            with self.subTest(argv=argv):
+                self.use(serve_body(content_stream(["ok"], finish="length")))
+                _, err = self.main_ok("chat", "x", *argv)
+                self.assertEqual(err.endswith("finish: length (the slot's context is full)]\n"), told, err)
+
     def test_without_an_answer_from_props_the_request_goes_as_given(self):
         self.server.route(
             "GET", "/props", lambda req: respond_json(req, {"error": {"message": "no"}}, 404, "Not Found")
@@ -20718,6 +20852,27 @@ class TestRealDemoScript(unittest.TestCase):
         self.assertEqual((done.returncode, done.stdout), (0, REAL_DEMO + "\n"), done.stderr)
         self.told(done.stderr)
 
+    @real_time
+    def test_stop_ends_a_streaming_server_within_2_s(self):
+        """llama-server waits for its streams at SIGTERM and exits at once at a second signal, which the
+        script sends half a second later (measured with a stream in flight: 17.8 s with SIGTERM alone, its
+        SIGKILL after 10 s, on a loaded machine; 1.5 s with the second signal)."""
+        where = tempfile.mkdtemp(prefix="lcstop.", dir="/tmp")
+        self.addCleanup(shutil.rmtree, where, True)
+        sock, env = os.path.join(where, "d.sock"), dict(os.environ, LOOPCLIENT_LLAMA_RUN_DIR=where)
+        stop = lambda: subprocess.run([SCRIPT, "stop-demo", sock], env=env, capture_output=True, text=True, timeout=60)
+        started = subprocess.run([SCRIPT, "demo", sock], env=env, capture_output=True, text=True, timeout=300)
+        self.addCleanup(stop)
+        self.assertEqual(started.returncode, 0, started.stderr)
+        with lc.Client(sock) as client, client.stream_complete("The sea", n_predict=9999, ignore_eos=True) as stream:
+            next(e for e in stream if isinstance(e, lc.Content))  # it streams
+            t = Timer()
+            done = stop()
+            took = t.elapsed
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertNotIn("SIGKILL", done.stderr)
+        self.assertLess(took, lateness(self, 2.0), done.stderr)
+
     def test_on_a_terminal_stdout_stays_empty(self):
         master, slave = pty.openpty()
         try:
@@ -20803,6 +20958,25 @@ class TestCommandLineHelp(CLICase):
         self.assertIn("load_wait, default 15) and for a busy slot (busy_wait, default 600)", flat)
         self.assertIn("loopclient COMMAND --help", flat)
         self.assertIn("\nexamples:\n", text)
+
+    def test_help_and_usage_errors_say_the_name_it_was_run_by(self):
+        """Run as ``python3 loopclient.py``, its help and its one-line usage errors say so, not ``loopclient``."""
+        run = lambda *argv: subprocess.run(
+            [sys.executable, "loopclient.py"] + list(argv), cwd=HERE, capture_output=True, text=True, timeout=60
+        )
+        done = run("chat", "--help")
+        self.assertTrue(done.stdout.startswith("usage: python3 loopclient.py chat [-h]"), done.stdout)
+        self.assertIn('\n  python3 loopclient.py chat "Name three colours." --stop', done.stdout)
+        self.assertNotRegex(done.stdout, r"(?<!python3 )loopclient (chat|--help)")
+        done = run("chat", "--slot", "x")
+        self.assertEqual(
+            (done.returncode, done.stdout, done.stderr),
+            (
+                2,
+                "",
+                "loopclient: error: argument --slot: invalid int value: 'x'; see python3 loopclient.py chat --help\n",
+            ),
+        )
 
     def test_the_max_tokens_defaults_are_said(self):
         for command, default in (

@@ -11,7 +11,9 @@
 #                                          with --metrics, --slot-save-path SOCKET's .slots/ directory and
 #                                          --ui-mcp-proxy (GET/POST /cors-proxy?url=... forwards to a URL)
 #   dev/llama-server.sh stop [SOCKET]      stop any Unix-socket instance below: SIGTERM to its process
-#                                          group (SIGKILL after 10 s); removes socket, pidfile, .slots/, .models/
+#                                          group, again after half a second (llama-server exits at once at
+#                                          the second, streams or not), SIGKILL 10 s later; removes socket,
+#                                          pidfile, .slots/, .models/
 #   dev/llama-server.sh start-tcp PORT     the test server on 127.0.0.1:PORT (a separate instance;
 #                                          llama-server listens on one address only); last line = PORT
 #   dev/llama-server.sh stop-tcp PORT      stop that instance
@@ -34,9 +36,10 @@
 #                                          changes the text; the FIM copy and the adapter are made on first
 #                                          use (a few seconds, see Cache)
 #   dev/llama-server.sh stop-fim [SOCKET]  stop it
-#   dev/llama-server.sh demo [SOCKET]      the demo (default RUN_DIR/demo.sock): dev/qa.jinja frames the chat
-#                                          as "Question: ...\nAnswer:" for this base model; no server-side
-#                                          stop (--reverse-prompt is one no request can lift), so a one-line
+#   dev/llama-server.sh demo [SOCKET]      the demo (default RUN_DIR/demo.sock), 2 slots (it serves two
+#                                          requests at a time): dev/qa.jinja frames the chat as "Question:
+#                                          ...\nAnswer:" for this base model; no server-side stop
+#                                          (--reverse-prompt is one no request can lift), so a one-line
 #                                          answer is the request's own stop:
 #                                          python3 loopclient.py --socket SOCKET chat "Name three colours." --stop '\n'
 #   dev/llama-server.sh stop-demo [SOCKET] stop it
@@ -72,8 +75,9 @@
 # Files: pidfile and log sit next to the socket: SOCKET with ".sock" replaced by ".pid" / ".log" (and
 # ".slots/", ".models/" where used); TCP: RUN_DIR/tcp-PORT.{pid,log}, RUN_DIR/prefix-PORT.{pid,log},
 # RUN_DIR/demo-tcp-PORT.{pid,log}.
-# RUN_DIR is $LOOPCLIENT_LLAMA_RUN_DIR, default /tmp/loopclient-llama (.ci/run uses a fresh one per run,
-# so it never reuses or stops another run's servers). A server started in the background may stay a
+# RUN_DIR is $LOOPCLIENT_LLAMA_RUN_DIR, default /tmp/loopclient-llama-UID (UID: `id -u`, so that each user
+# of a machine has servers of their own; made private, and refused when another user owns it; .ci/run
+# uses a fresh one per run, so it never reuses or stops another run's servers). A server started in the background may stay a
 # zombie after it exits (nothing reaps it here), so "running" means alive and not in state Z.
 # Cache (outside the checkout, binary keyed by version; the build uses -march=native so it is
 # only valid on the machine that built it):
@@ -113,7 +117,7 @@ GGUF_PY="$SRC_DIR/llama.cpp/gguf-py"
 # gguf-py's own requirements, pinned (numpy 2.4 is the last line for Python 3.11)
 GGUF_PKGS=(numpy==2.4.6 pyyaml==6.0.3 tqdm==4.70.1)
 LOG="$CACHE/build.log"
-RUN_DIR="${LOOPCLIENT_LLAMA_RUN_DIR:-/tmp/loopclient-llama}"
+RUN_DIR="${LOOPCLIENT_LLAMA_RUN_DIR:-/tmp/loopclient-llama-$(id -u)}"
 STOP_ARG="" # what the stop command of this run's instance takes (its socket or port), for the ready line
 API_PREFIX=/llama
 START_TIMEOUT="${LOOPCLIENT_LLAMA_START_TIMEOUT:-60}"
@@ -437,7 +441,7 @@ launch() {
     done
     local took
     took=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 2))" "$t0" "$(date +%s.%N)" 2>/dev/null || echo "$((SECONDS - start))")
-    say "ready at $address after ${took}s (pid $pid, log $logfile); it keeps running: $(stop_command) stops it"
+    say "ready at $address after ${took}s (2 slots, pid $pid, log $logfile); it keeps running: $(stop_command) stops it"
     # the address as the last line on stdout, for scripts ($(...), a pipe); on a terminal the line above says it
     [[ -t 1 ]] || echo "$address"
 }
@@ -452,22 +456,24 @@ stop_command() {
     printf '%s %s%s' "$0" "$stop" "$STOP_ARG"
 }
 
+gone() { # gone PID TENTHS: wait until the server's group is gone (true), or TENTHS tenths of a second (false)
+    local i
+    for ((i = 0; i < $2; i++)); do group_alive "$1" || return 0; sleep 0.1; done
+    ! group_alive "$1"
+}
+
 terminate() { # terminate PIDFILE
     local pidfile=$1 pid
     pid=$(cat "$pidfile" 2>/dev/null || true)
     if pid_is_ours "$pid"; then
+        # at SIGTERM llama-server waits for its streams in flight; at a second signal it exits at once
+        # ("Received second interrupt, terminating immediately"); SIGKILL is for one that ignores both
         signal_group TERM "$pid"
-        local i
-        for ((i = 0; i < 100; i++)); do
-            group_alive "$pid" || break
-            sleep 0.1
-        done
-        if group_alive "$pid"; then
-            # a server with streams in flight (or a wedged slot) may ignore SIGTERM; SIGKILL always works
-            say "pid $pid ignored SIGTERM for 10 s; sending SIGKILL"
+        gone "$pid" 5 || { signal_group TERM "$pid"; gone "$pid" 100; } || {
+            say "pid $pid ignored SIGTERM twice for 10 s; sending SIGKILL"
             signal_group KILL "$pid"
-            for ((i = 0; i < 50; i++)); do group_alive "$pid" || break; sleep 0.1; done
-        fi
+            gone "$pid" 50
+        } || true
         if group_alive "$pid"; then
             say "ERROR: pid $pid (or its process group) still runs after SIGKILL"
             rm -f "$pidfile"
@@ -482,7 +488,13 @@ terminate() { # terminate PIDFILE
     rm -f "$pidfile"
 }
 
+run_dir() { # RUN_DIR, made private to this user; one another user owns is refused
+    mkdir -p -m 700 "$RUN_DIR"
+    [[ -O $RUN_DIR ]] || { say "ERROR: $RUN_DIR belongs to another user: set LOOPCLIENT_LLAMA_RUN_DIR"; exit 1; }
+}
+
 unix_paths() { # unix_paths SOCKET DEFAULT_NAME: sets SOCKET PIDFILE LOGFILE SLOTS MODELS STOP_ARG
+    [[ -n ${1:-} ]] || run_dir
     SOCKET=${1:-$RUN_DIR/$2}
     STOP_ARG=${1:+ $1}
     [[ $SOCKET == *.sock ]] || { say "ERROR: socket path must end in .sock (llama-server's rule): $SOCKET"; exit 2; }
@@ -508,7 +520,7 @@ stop_unix() { # stop_unix SOCKET DEFAULT_NAME
 tcp_port() { # tcp_port PORT: checks it; sets STOP_ARG
     [[ ${1:-} =~ ^[0-9]+$ ]] || { say "ERROR: expected a TCP port, got '${1:-}'"; exit 2; }
     STOP_ARG=" $1"
-    mkdir -p "$RUN_DIR"
+    run_dir
 }
 
 need_file() { [[ -f $1 ]] || { say "ERROR: missing: $1"; exit 1; }; }

@@ -4705,6 +4705,7 @@ def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
 
 
 _SESSION_HEADER = "X-Session-Id"
+_SERVER_HEADER = "X-Llama-Server"  # a front's name of the server that answered: see _StreamLife._answered_by
 _canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
 
 
@@ -5790,16 +5791,19 @@ class _StreamLife:
             except StreamClosedError as exc:
                 self.loss = exc
                 return self._on_lost
-            self._took(heard)
+            self._took(heard, head)
             if events:
                 yield events
             verdict = pump.verdict()
             if verdict is not None:
                 return (yield from self._decide(verdict))
 
-    def _took(self, heard: float) -> None:
-        """The clocks after a read that brought bytes at ``heard``."""
+    def _took(self, heard: float, head: Optional[ResponseHead]) -> None:
+        """The clocks after a read that brought bytes at ``heard``; a head that came with it (``head``: the one
+        before) may name the server that answered (``_answered_by``)."""
         pump = self.pump
+        if head is None and pump.head is not None:
+            self._answered_by(pump.head)
         if self.queued and pump.received:  # the replay's head came at once; now the slot took it
             self.queued = False
             self.started = self.progress = heard
@@ -5807,6 +5811,18 @@ class _StreamLife:
             self.progress = heard
             if not self.moving:  # data came after a reattach: a later loss is a new one
                 self.moving, self.silence_tried, self.misses = True, False, 0
+
+    def _answered_by(self, head: ResponseHead) -> None:
+        """A front that names the server that answered (``X-Llama-Server``, as the reference's configurations
+        do) gets the stream's own requests from now on (the lookup, the replay, the ``DELETE``, the control
+        call) with that name, and sends them to that server: a stream it placed away from its session key's
+        server (that one was full) is found there.  A head without the header changes nothing."""
+        name = head.get(_SERVER_HEADER)
+        if name:
+            try:
+                self.req.calls = self.req.calls.at({_SERVER_HEADER: name})
+            except ValueError:  # not a value a request may carry: the session key routes them
+                pass
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
         """What the pump decided, after the events before it were handed out: the next state."""
@@ -8468,7 +8484,16 @@ def _body_param(text: str) -> Tuple[str, Any]:
 
 def _add_answer_options(command: Any, max_tokens: str = "cap the answer's tokens") -> None:
     """The options that shape an answer, for every command that streams one (``chat``, ``complete``,
-    ``infill``); read them back with ``_answer_params``."""
+    ``infill``); read them back with ``_answer_params``.  First, which server behind a front: the session
+    key (``_cli_client`` reads it)."""
+    keys = command.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--session",
+        metavar="KEY",
+        help="the conversation's session key (X-Session-Id): a front takes every run with it to the same server "
+        "(default: a key made from the prompt's start)",
+    )
+    keys.add_argument("--no-session", action="store_true", help="send no session key")
     command.add_argument("--slot", type=int, metavar="N", help="pin the request to this slot")
     command.add_argument("--max-tokens", type=int, metavar="N", help=max_tokens)
     command.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
@@ -8581,7 +8606,7 @@ _CLI_COMMANDS = (
         """\
   loopclient chat "Name three colours." --stop '\\n'
   git diff | loopclient chat --system "Review this diff." --max-tokens 400
-  loopclient chat --slot 0 --temperature 0          (on a terminal: a conversation, Ctrl-D ends it)""",
+  loopclient chat --session my-talk   (a conversation; behind a front, each run with the key on one server)""",
     ),
     (
         "complete",
@@ -8846,7 +8871,14 @@ def _cli_client(args: Any, model: Optional[str]) -> Client:
         limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
     else:
         limits = limits.replace(load_wait=min(limits.load_wait, CLI_LOAD_WAIT))
-    return Client(address, limits=limits, api_key=api_key, model=model)
+    session = getattr(args, "session", None)
+    try:
+        _session_key(session)
+    except ValueError as exc:
+        raise ValueError("--session: %s" % exc) from None
+    if getattr(args, "no_session", False):
+        limits = limits.replace(session=False)
+    return Client(address, limits=limits, api_key=api_key, model=model, session=session)
 
 
 def _cli_address(path: Optional[str], url: Optional[str]) -> Optional[str]:

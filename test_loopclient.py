@@ -18256,6 +18256,30 @@ class TestCommandLine(CLICase):
         self.assertNotIn("stop", body)
         self.assertNotIn("ignore_eos", body)
 
+    def test_the_session_options(self):
+        """``--session KEY`` is the key of the run's requests, ``--no-session`` sends none (by default, the
+        prompt's digest); a malformed key, or both options, is a usage error before anything is sent."""
+        self.use(serve_body(content_stream(["ok"])))
+        for extra, key in (
+            ([], session_digest(canonical([{"role": "user", "content": "x"}]))),
+            (["--session", "talk-1"], "talk-1"),
+            (["--no-session"], None),
+        ):
+            self.main_ok("chat", "x", *extra)
+            self.assertEqual(session_headers(self.server)[-1], ("POST", "/v1/chat/completions", [key] if key else []))
+        sent = len(self.server.requests)
+        code, out, err = self.run_main(["--socket", self.server.path, "chat", "x", "--session", "a b"])
+        self.assertEqual(
+            (code, err),
+            (2, "loopclient: error: --session: a session key is 1 to 128 visible ASCII characters, not 'a b'\n"),
+        )
+        code, out, err = self.run_main(
+            ["--socket", self.server.path, "complete", "x", "--session", "k", "--no-session"]
+        )
+        self.assertEqual(code, 2)
+        self.assertIn("not allowed with argument --session", err)
+        self.assertEqual(len(self.server.requests), sent)
+
     def test_bad_params_are_usage_errors(self):
         cases = [
             (["--param", "top_k"], "loopclient chat: error: argument --param: expected KEY=VALUE, got 'top_k'"),
@@ -22012,6 +22036,33 @@ class TestFaultFronts(_f_Case):
             buf.carried(), [("POST", "/v1/chat/completions", "conv-9"), ("DELETE", "/v1/stream", "conv-9")]
         )
 
+    def test_the_server_a_front_names_gets_the_stream_s_own_requests(self):
+        """A front that names the server that answered (X-Llama-Server, as the reference's configurations do,
+        on its 504 too) has the stream's lookup, replay and DELETE carry that name, which it routes to that
+        server; a later head without it changes nothing; with none named (one server), none is sent."""
+        whole = load_transcript("04_chat_stream.raw.txt")
+        named = lambda answer, name: answer.replace(b"\r\n", b"\r\nX-Llama-Server: %s\r\n" % name, 1)
+        hold, looked_up = ("hold", len(STREAM_HEAD) + 900), ["POST", "LOOKUP", "GET", "DELETE"]
+        for case, raw, posts, cuts, methods, name in (
+            ("a 200", named(whole, b"s1"), [], [len(STREAM_HEAD) + 600, hold], ["POST", "GET", "DELETE"], "s1"),
+            ("a 504", whole, [named(front_answer("nginx 504"), b"s2")], [hold], looked_up, "s2"),
+            ("none", whole, [front_answer("nginx 504")], [hold], looked_up, None),
+        ):
+            with self.subTest(case):
+                buf = _FrontBuffer(self.server, raw, posts=posts, cuts=cuts)
+                self.server.requests.clear()
+                stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
+                seen = []  # read on until the replay's output: then cancel it, while it holds
+                while not (seen and isinstance(seen[-1], lc.Content) and any(isinstance(e, lc.Resumed) for e in seen)):
+                    seen.append(run_with_timeout(lambda: next(stream), 5))
+                stream.cancel()
+                with self.assertRaises(lc.CancelledError):
+                    run_with_timeout(lambda: list(stream), 5)
+                wait_for(lambda: "DELETE" in buf.methods(), what="the DELETE")
+                self.assertEqual(buf.methods(), methods)
+                sent = [v for _, _, v in session_headers(self.server, header=b"x-llama-server")]
+                self.assertEqual(sent, [[]] + [[name] if name else []] * (len(methods) - 1))
+
     def test_with_several_servers_a_404_on_a_resume_is_asked_again(self):
         raw = load_transcript("04_chat_stream.raw.txt")
         buf = _FrontBuffer(self.server, raw)
@@ -22119,6 +22170,7 @@ class TestFaultFronts(_f_Case):
 TestFaultFrontsSockets, TestFaultFrontsSocketsAsync = on_sockets(
     TestFaultFronts,
     "test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero",
+    "test_the_server_a_front_names_gets_the_stream_s_own_requests",
     "test_health_of_a_front_that_answers_plain_text",
 )
 # -----------------------------------------------------------------------------------------------------
@@ -23583,9 +23635,9 @@ _S_TURNS = [
 ]
 
 
-def session_headers(server, path=None):
-    """(method, path, the X-Session-Id values) of each request ``server`` saw (but /slots and /props, which
-    a client asks on its own), in order."""
+def session_headers(server, path=None, header=b"x-session-id"):
+    """(method, path, the X-Session-Id values, or ``header``'s) of each request ``server`` saw (but /slots and
+    /props, which a client asks on its own), in order."""
     with server.lock:
         requests = list(server.requests)
     found = []
@@ -23594,7 +23646,7 @@ def session_headers(server, path=None):
         if bare in ("/slots", "/props") or (path is not None and bare != path):
             continue
         values = [line.split(b":", 1)[1].strip().decode() for line in r.raw_head.split(b"\r\n")[1:]
-                  if line.lower().startswith(b"x-session-id:")]  # fmt: skip
+                  if line.lower().startswith(header + b":")]  # fmt: skip
         found.append((r.method, bare, values))
     return found
 
@@ -25688,7 +25740,17 @@ class TestCommandLineHelp(CLICase):
         )
 
 
-ANSWER_OPTIONS = ("--slot", "--max-tokens", "--temperature", "--stop", "--ignore-eos", "--param", "--json")
+ANSWER_OPTIONS = (
+    "--session",
+    "--no-session",
+    "--slot",
+    "--max-tokens",
+    "--temperature",
+    "--stop",
+    "--ignore-eos",
+    "--param",
+    "--json",
+)
 
 
 class TestCommandLineInfillText(CLICase):

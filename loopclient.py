@@ -5816,13 +5816,11 @@ class _StreamLife:
         """A front that names the server that answered (``X-Llama-Server``, as the reference's configurations
         do) gets the stream's own requests from now on (the lookup, the replay, the ``DELETE``, the control
         call) with that name, and sends them to that server: a stream it placed away from its session key's
-        server (that one was full) is found there.  A head without the header changes nothing."""
+        server (that one was full) is found there.  A head without the header changes nothing.  (Its value
+        can be sent back as it is: a head with a NUL, a CR or an LF in a line is refused whole.)"""
         name = head.get(_SERVER_HEADER)
         if name:
-            try:
-                self.req.calls = self.req.calls.at({_SERVER_HEADER: name})
-            except ValueError:  # not a value a request may carry: the session key routes them
-                pass
+            self.req.calls = self.req.calls.at({_SERVER_HEADER: name})
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
         """What the pump decided, after the events before it were handed out: the next state."""

@@ -21785,6 +21785,14 @@ class _FrontBuffer(_r_Buffer):
 _FR_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
 
 
+def past_the_resume(stream, timeout=5):
+    """Read ``stream`` up to the first Content after a Resumed (the replay's output): the events read."""
+    seen = []
+    while not (seen and isinstance(seen[-1], lc.Content) and any(isinstance(e, lc.Resumed) for e in seen)):
+        seen.append(run_with_timeout(lambda: next(stream), timeout))
+    return seen
+
+
 class TestFaultFronts(_f_Case):
     """Behind nginx, HAProxy, Caddy (and Cloudflare), what is more than a row of the fault table (whose
     rows, TestDifferential.test_behind_fronts, wait out a 504 or 524 under busy_wait and a 502 or 520-523
@@ -21960,9 +21968,7 @@ class TestFaultFronts(_f_Case):
                 buf = _FrontBuffer(self.server, raw, posts=posts, cuts=cuts)
                 self.server.requests.clear()
                 stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
-                seen = []  # read on until the replay's output: then cancel it, while it holds
-                while not (seen and isinstance(seen[-1], lc.Content) and any(isinstance(e, lc.Resumed) for e in seen)):
-                    seen.append(run_with_timeout(lambda: next(stream), 5))
+                past_the_resume(stream)  # then cancel it, while the replay holds
                 stream.cancel()
                 with self.assertRaises(lc.CancelledError):
                     run_with_timeout(lambda: list(stream), 5)
@@ -24314,9 +24320,7 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
 
     def a_cancel_stops_it_on_its_server(self, client, ran, key):
         stream = client.stream(STORY, resumable="lc-%s-10" % key, session=key, max_tokens=500, ignore_eos=True)
-        seen = []
-        while not (seen and isinstance(seen[-1], lc.Content) and any(isinstance(e, lc.Resumed) for e in seen)):
-            seen.append(run_with_timeout(lambda: next(stream), 60))
+        past_the_resume(stream, 60)
         t = Timer()
         stream.cancel()
         wait_for(lambda: not any(s.is_processing for s in ran.slots()), 30, "its slot to be idle")
@@ -24327,7 +24331,7 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
     def test_caddy_answers_429_only_when_every_slot_is_taken(self):
         """Twenty short chats, two at a time, each from a client of its own (its /props and /slots polls in
         flight beside it), next to one long generation on the two servers' four slots: a slot is always
-        free, and Caddy never answers 429 (it counts only the generations against a server's slots)."""
+        free, and Caddy never answers 429 (it counts the client's GETs apart from the generations)."""
         front = self.fronts["caddy"]
         holder = FrontHolder(front.url, self.tag("caddy long"))
         self.addCleanup(holder.release)

@@ -275,7 +275,8 @@ class Server:
         """The addresses nginx's ``$upstream_addr`` says for it: its IP addresses (a name is resolved now)."""
         if self.path is not None:
             return ["unix:" + self.path]
-        found = sorted({info[4][0] for info in socket.getaddrinfo(self.host, int(self.port), type=socket.SOCK_STREAM)})
+        host = self.host.strip("[]")  # an IPv6 address is written in brackets
+        found = sorted({info[4][0] for info in socket.getaddrinfo(host, int(self.port), type=socket.SOCK_STREAM)})
         return [("[%s]:%s" if ipaddress.ip_address(ip).version == 6 else "%s:%s") % (ip, self.port) for ip in found]
 
 

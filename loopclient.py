@@ -4269,6 +4269,7 @@ def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
 
 
 _SESSION_HEADER = "X-Session-Id"
+_SERVER_HEADER = "X-Llama-Server"  # a front's name of the server that answered: see _StreamLife._answered_by
 _canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode
 
 
@@ -5351,16 +5352,19 @@ class _StreamLife:
             except StreamClosedError as exc:
                 self.loss = exc
                 return self._on_lost
-            self._took(heard)
+            self._took(heard, head)
             if events:
                 yield events
             verdict = pump.verdict()
             if verdict is not None:
                 return (yield from self._decide(verdict))
 
-    def _took(self, heard: float) -> None:
-        """The clocks after a read that brought bytes at ``heard``."""
+    def _took(self, heard: float, head: Optional[ResponseHead]) -> None:
+        """The clocks after a read that brought bytes at ``heard``; a head that came with it (``head``: the one
+        before) may name the server that answered (``_answered_by``)."""
         pump = self.pump
+        if head is None and pump.head is not None:
+            self._answered_by(pump.head)
         if self.queued and pump.received:  # the replay's head came at once; now the slot took it
             self.queued = False
             self.started = self.progress = heard
@@ -5368,6 +5372,16 @@ class _StreamLife:
             self.progress = heard
             if not self.moving:  # data came after a reattach: a later loss is a new one
                 self.moving, self.silence_tried, self.misses = True, False, 0
+
+    def _answered_by(self, head: ResponseHead) -> None:
+        """A front that names the server that answered (``X-Llama-Server``, as the reference's configurations
+        do) gets the stream's own requests from now on (the lookup, the replay, the ``DELETE``, the control
+        call) with that name, and sends them to that server: a stream it placed away from its session key's
+        server (that one was full) is found there.  A head without the header changes nothing.  (Its value
+        can be sent back as it is: a head with a NUL, a CR or an LF in a line is refused whole.)"""
+        name = head.get(_SERVER_HEADER)
+        if name:
+            self.req.calls = self.req.calls.at({_SERVER_HEADER: name})
 
     def _decide(self, verdict: Any) -> _Plan[Any]:
         """What the pump decided, after the events before it were handed out: the next state."""
@@ -7882,6 +7896,9 @@ _OPTIONS = (
     ("complete", "--openai", {"action": "store_true"}, "through OpenAI's text completions (/v1/completions) instead"),
     ("infill", "--prefix TEXT", {"required": True}, "the text before the gap; @FILE reads a file, - reads stdin"),
     ("infill", "--suffix TEXT", {}, "the text after the gap; @FILE reads a file, - reads stdin"),
+    (_ANSWERS, "--session KEY", {"exclusive": True}, "the conversation's session key (X-Session-Id): a front "
+     "takes every run with it to the same server (default: a key made from the prompt's start)"),
+    (_ANSWERS, "--no-session", {"action": "store_true", "exclusive": True}, "send no session key"),
     (_ANSWERS, "--slot N", {"type": int}, "pin the request to this slot"),
     ("chat", "--max-tokens N", {"type": int}, "cap the answer's tokens (default %d: a model that repeats itself "
      "ends)" % CHAT_MAX_TOKENS),
@@ -7934,7 +7951,7 @@ _CLI_COMMANDS = (
         """\
   loopclient chat "Name three colours." --stop '\\n'
   git diff | loopclient chat --system "Review this diff." --max-tokens 400
-  loopclient chat --slot 0 --temperature 0          (on a terminal: a conversation, Ctrl-D ends it)""",
+  loopclient chat --session my-talk   (a conversation; behind a front, each run with the key on one server)""",
     ),
     (
         "complete",
@@ -8005,15 +8022,19 @@ def _parser(prog: str = "loopclient") -> Any:
         return text.replace("loopclient ", prog + " ")
 
     def add(command: Any, name: str) -> Any:  # the options of command ``name`` ("": the parser's)
+        group = None  # the options marked "exclusive": one of them at most
         for where, spec, keywords, told in _OPTIONS:
-            flags = spec.split()
+            flags, target = spec.split(), command
+            if keywords.get("exclusive") and name in where.split():
+                keywords = {k: v for k, v in keywords.items() if k != "exclusive"}
+                target = group = group or command.add_mutually_exclusive_group()
             if flags[-1].isupper():
                 keywords = dict(keywords, metavar=flags.pop())
             if not where:  # (no default: a command's would undo the value given before it)
                 keywords = dict(keywords, default=argparse.SUPPRESS)
                 told = argparse.SUPPRESS if name else told
             if not where or name in where.split():
-                command.add_argument(*flags, help=told, **keywords)
+                target.add_argument(*flags, help=told, **keywords)
         return command
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -8130,7 +8151,14 @@ def _cli_client(args: Any, model: Optional[str]) -> Client:
         limits = _cli_limits(limits, "--wait", load_wait=args.wait, busy_wait=args.wait)
     else:
         limits = limits.replace(load_wait=min(limits.load_wait, CLI_LOAD_WAIT))
-    return Client(address, limits=limits, api_key=api_key, model=model)
+    session = getattr(args, "session", None)
+    try:
+        _session_key(session)
+    except ValueError as exc:
+        raise ValueError("--session: %s" % exc) from None
+    if getattr(args, "no_session", False):
+        limits = limits.replace(session=False)
+    return Client(address, limits=limits, api_key=api_key, model=model, session=session)
 
 
 def _cli_address(path: Optional[str], url: Optional[str]) -> Optional[str]:

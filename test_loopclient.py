@@ -13469,6 +13469,30 @@ class TestCommandLine(CLICase):
         self.assertNotIn("stop", body)
         self.assertNotIn("ignore_eos", body)
 
+    def test_the_session_options(self):
+        """``--session KEY`` is the key of the run's requests, ``--no-session`` sends none (by default, the
+        prompt's digest); a malformed key, or both options, is a usage error before anything is sent."""
+        self.use(serve_body(content_stream(["ok"])))
+        for extra, key in (
+            ([], session_digest(canonical([{"role": "user", "content": "x"}]))),
+            (["--session", "talk-1"], "talk-1"),
+            (["--no-session"], None),
+        ):
+            self.main_ok("chat", "x", *extra)
+            self.assertEqual(session_headers(self.server)[-1], ("POST", "/v1/chat/completions", [key] if key else []))
+        sent = len(self.server.requests)
+        code, out, err = self.run_main(["--socket", self.server.path, "chat", "x", "--session", "a b"])
+        self.assertEqual(
+            (code, err),
+            (2, "loopclient: error: --session: a session key is 1 to 128 visible ASCII characters, not 'a b'\n"),
+        )
+        code, out, err = self.run_main(
+            ["--socket", self.server.path, "complete", "x", "--session", "k", "--no-session"]
+        )
+        self.assertEqual(code, 2)
+        self.assertIn("not allowed with argument --session", err)
+        self.assertEqual(len(self.server.requests), sent)
+
     def test_bad_params_are_usage_errors(self):
         cases = [
             (
@@ -16722,36 +16746,17 @@ class TestRealResumeAsync(AsyncDriver, TestRealResume):
 FRONTS_DIR = os.path.join(HERE, "dev", "fronts")
 
 
-#: Each front: its template in dev/fronts, how it names a server (and one held to its slots), and its
-#: balancing policies: "pin" (the README's: every turn of a conversation to one server, by X-Session-Id),
-#: "least" and "rr".
-FRONT_KINDS = {
-    "nginx": {
-        "file": "nginx.conf",
-        "server": "server unix:%s max_fails=0;",
-        "slot_server": "server unix:%s max_conns=%d max_fails=0;",
-        "join": "\n        ",
-        "balance": {"pin": "hash $http_x_session_id consistent;", "least": "least_conn;", "rr": ""},
-    },
-    "haproxy": {
-        "file": "haproxy.cfg",
-        "server": "server s%d unix@%s",
-        "slot_server": "server s%(i)d unix@%(path)s maxconn %(slots)d\n    use-server s%(i)d if "
-        "{ req.hdr(X-Session-Id),table_server_id(llama_slots) eq %(id)d } { srv_conn_free(s%(i)d) gt 0 }",
-        "join": "\n    ",
-        "balance": {
-            "pin": "balance leastconn\n    stick store-request req.hdr(X-Session-Id)",
-            "least": "balance leastconn",
-            "rr": "balance roundrobin",
-        },
-    },
-    "caddy": {
-        "file": "Caddyfile",
-        "server": "unix/%s",
-        "join": " ",
-        "balance": {"pin": "header X-Session-Id", "least": "least_conn", "rr": "round_robin"},
-    },
-}
+def _dev_module(name):
+    spec = importlib.util.spec_from_file_location("loopclient_" + name, os.path.join(HERE, "dev", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: dev/fronts.py, the command that writes each front's file (``write``) and starts the demo behind them: the
+#: tests start every front from what it writes, through its own functions.
+FRONTS = _dev_module("fronts")
+FRONT_KINDS = FRONTS.KINDS
 
 
 def free_port():
@@ -16761,115 +16766,42 @@ def free_port():
 
 
 #: TLS at nginx, the reference's variant (its "TLS at the front" prints these lines, checked by
-#: TestFrontConfigurations): added after the plain file's listen line when a front listens on TLS too.
+#: TestFrontConfigurations): added after the file's listen line when a test's nginx listens on TLS too.
 NGINX_TLS = """        listen 127.0.0.1:@TLS_PORT@ ssl;
         ssl_certificate @CERT@;
         ssl_certificate_key @KEY@;
 """
 
-#: The tests' own line in nginx's file (not the users'): workers that reach sockets in a private directory.
-NGINX_TEST_USER = "user root;\n"
 
-
-def _nginx_for_tests(text, tls_port):
-    """The nginx file as the tests run it: the users' file, with the tests' ``user`` line and, with
-    ``tls_port``, the TLS variant's lines."""
-    listen = "        listen 127.0.0.1:@PORT@;\n"
-    assert text.count(listen) == 1 and text.count("daemon off;\n") == 1, "dev/fronts/nginx.conf changed its shape"
-    if tls_port:
-        text = text.replace(listen, listen + NGINX_TLS)
-    return text.replace("daemon off;\n", NGINX_TEST_USER + "daemon off;\n")
-
-
-def render_front(kind, servers, balance="pin", timeout=2, directory="/tmp", port=0, tls_port=0, slots=2, text=None):
-    """The configuration of ``kind`` ("nginx", "haproxy", "caddy") from its template in dev/fronts (or
-    ``text``, a template as the reference prints it), in front of ``servers`` (Unix socket paths) of ``slots``
-    slots each, balancing by ``balance`` ("pin": by X-Session-Id, "least", "rr"), with an idle timeout of
-    ``timeout`` seconds toward the servers; nginx listens on ``tls_port`` too when it is given (the reference's
-    TLS variant)."""
-    spec = FRONT_KINDS[kind]
-    if text is None:
-        with open(os.path.join(FRONTS_DIR, spec["file"]), encoding="utf-8") as f:
-            text = f.read()
-    if kind == "nginx":
-        text = _nginx_for_tests(text, tls_port)
-    if kind == "haproxy":
-        lines = [spec["server"] % (i, path) for i, path in enumerate(servers)]
-        held = [spec["slot_server"] % dict(i=i, path=path, slots=slots, id=i + 1) for i, path in enumerate(servers)]
-    elif kind == "nginx":
-        lines = [spec["server"] % path for path in servers]
-        held = [spec["slot_server"] % (path, slots) for path in servers]
-    else:
-        lines = held = [spec["server"] % path for path in servers]
-    fill = {
-        "@DIR@": directory,
-        "@PORT@": str(port),
-        "@TLS_PORT@": str(tls_port),
-        "@CERT@": _API_TLS_CERT,
-        "@KEY@": _API_TLS_KEY,
-        "@TIMEOUT@": str(timeout),
-        "@BALANCE@": spec["balance"][balance],
-        "@SLOT_SERVERS@": spec["join"].join(held),
-        "@SERVERS@": spec["join"].join(lines),
-        "@SLOTS@": str(slots),
-    }
-    lines = text.splitlines(True)
-    for i, line in enumerate(lines):
-        if not line.lstrip().startswith("#"):  # the comments name the placeholders: they stay
-            for name, value in fill.items():
-                line = line.replace(name, value)
-            assert not re.search(r"@[A-Z_]+@", line), line
-            lines[i] = line
-    return "".join(lines)
+def with_tls(text, tls_port):
+    """nginx's file with the reference's TLS lines, listening on ``tls_port`` with the tests' certificate."""
+    listen = re.search(r"\n        listen 127\.0\.0\.1:\d+;\n", text).group(0)
+    lines = NGINX_TLS.replace("@TLS_PORT@", str(tls_port)).replace("@CERT@", _API_TLS_CERT)
+    return text.replace(listen, listen + lines.replace("@KEY@", _API_TLS_KEY), 1)
 
 
 class Front:
-    """A real front (nginx, HAProxy or Caddy) of the test's own, in the foreground, on free ports, from its
-    dev/fronts template (see ``render_front``); ``url`` (and ``tls_url`` for nginx) once it listens.
+    """A real front (nginx, HAProxy or Caddy) of the test's own, from the file ``dev/fronts.py write`` makes
+    for ``servers`` (Unix socket paths of ``slots`` slots each), started as that command's ``demo`` starts
+    it, on free ports; ``url`` (and ``tls_url`` for nginx, the reference's TLS variant) once it listens.
     ``close()`` stops it (SIGTERM, then SIGKILL to its process group) and removes its directory."""
 
-    def __init__(self, kind, servers, balance="pin", timeout=2, slots=2, text=None):
+    def __init__(self, kind, servers, balance="session", timeout=2, slots=2):
         self.kind = kind
         self.tmp = tempfile.mkdtemp(prefix="lcfront", dir="/tmp")
         self.port, self.tls_port = free_port(), free_port()
-        self.config = os.path.join(self.tmp, FRONT_KINDS[kind]["file"])
+        self.config = os.path.join(self.tmp, FRONTS.FILES[kind])
+        text = FRONTS.write(kind, ["unix:%s:%d" % (path, slots) for path in servers], self.port, timeout, balance)
         with open(self.config, "w", encoding="utf-8") as f:
-            f.write(render_front(kind, servers, balance, timeout, self.tmp, self.port, self.tls_port, slots, text))
-        env = dict(os.environ, HOME=self.tmp, XDG_DATA_HOME=self.tmp, XDG_CONFIG_HOME=self.tmp)
-        command = {
-            "nginx": ["nginx", "-c", self.config, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
-            "haproxy": ["haproxy", "-f", self.config, "-db"],
-            "caddy": ["caddy", "run", "--config", self.config, "--adapter", "caddyfile"],
-        }[kind]
-        self.log = open(os.path.join(self.tmp, "front.log"), "wb")
-        self.proc = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            f.write(with_tls(text, self.tls_port) if kind == "nginx" else text)
+        self.proc = FRONTS.launch(kind, self.config, self.tmp)
         self.url = "http://127.0.0.1:%d" % self.port
         self.tls_url = "https://127.0.0.1:%d" % self.tls_port if kind == "nginx" else None
         try:
-            self._wait_listening(10.0)
+            FRONTS.wait_listening(self.proc, self.port, self.tmp)
         except BaseException:
             self.close()
             raise
-
-    def _wait_listening(self, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError("%s exited (%s): %s" % (self.kind, self.proc.returncode, self.output()))
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise AssertionError("%s did not listen within %.0f s: %s" % (self.kind, timeout, self.output()))
-                time.sleep(0.02)  # polling for a process we just started; no event to wait on
-
-    def output(self):
-        self.log.flush()
-        with open(os.path.join(self.tmp, "front.log"), "rb") as f:
-            return f.read()[-2000:].decode("utf-8", "replace")
 
     def close(self):
         if self.proc.poll() is None:
@@ -16883,7 +16815,6 @@ class Front:
         except OSError:
             pass
         self.proc.wait(10)
-        self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -17078,6 +17009,14 @@ class _FrontBuffer(_r_Buffer):
 _FR_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
 
 
+def past_the_resume(stream, timeout=5):
+    """Read ``stream`` up to the first Content after a Resumed (the replay's output): the events read."""
+    seen = []
+    while not (seen and isinstance(seen[-1], lc.Content) and any(isinstance(e, lc.Resumed) for e in seen)):
+        seen.append(run_with_timeout(lambda: next(stream), timeout))
+    return seen
+
+
 class TestFaultFronts(_f_Case):
     """Behind nginx, HAProxy, Caddy (and Cloudflare), what is more than a row of the fault table (whose
     rows, TestDifferential.test_behind_fronts, wait out a 504 or 524 under busy_wait and a 502 or 520-523
@@ -17236,6 +17175,32 @@ class TestFaultFronts(_f_Case):
             buf.carried(), [("POST", "/v1/chat/completions", "conv-9"), ("DELETE", "/v1/stream", "conv-9")]
         )
 
+    def test_the_server_a_front_names_gets_the_stream_s_own_requests(self):
+        """A front that names the server that answered (X-Llama-Server, as the reference's configurations do,
+        on its 504 too) has the stream's lookup, replay and DELETE carry that name, which it routes to that
+        server; a later head without it changes nothing; with none named (an empty one, as Caddy sends when
+        its map has no entry), none is sent."""
+        whole = load_transcript("04_chat_stream.raw.txt")
+        named = lambda answer, name: answer.replace(b"\r\n", b"\r\nX-Llama-Server: %s\r\n" % name, 1)
+        hold, looked_up = ("hold", len(STREAM_HEAD) + 900), ["POST", "LOOKUP", "GET", "DELETE"]
+        for case, raw, posts, cuts, methods, name in (
+            ("a 200", named(whole, b"s1"), [], [len(STREAM_HEAD) + 600, hold], ["POST", "GET", "DELETE"], "s1"),
+            ("a 504", whole, [named(front_answer("nginx 504"), b"s2")], [hold], looked_up, "s2"),
+            ("empty", whole, [named(front_answer("nginx 504"), b"")], [hold], looked_up, None),  # as Caddy's
+        ):
+            with self.subTest(case):
+                buf = _FrontBuffer(self.server, raw, posts=posts, cuts=cuts)
+                self.server.requests.clear()
+                stream = self.client.stream(MSGS, slot=0, resumable="conv-1")
+                past_the_resume(stream)  # then cancel it, while the replay holds
+                stream.cancel()
+                with self.assertRaises(lc.CancelledError):
+                    run_with_timeout(lambda: list(stream), 5)
+                wait_for(lambda: "DELETE" in buf.methods(), what="the DELETE")
+                self.assertEqual(buf.methods(), methods)
+                sent = [v for _, _, v in session_headers(self.server, header=b"x-llama-server")]
+                self.assertEqual(sent, [[]] + [[name] if name else []] * (len(methods) - 1))
+
     def test_with_several_servers_a_404_on_a_resume_is_asked_again(self):
         raw = load_transcript("04_chat_stream.raw.txt")
         buf = _FrontBuffer(self.server, raw)
@@ -17343,6 +17308,7 @@ class TestFaultFronts(_f_Case):
 TestFaultFrontsSockets, TestFaultFrontsSocketsAsync = on_sockets(
     TestFaultFronts,
     "test_a_resumable_request_cut_by_a_504_and_known_is_resumed_from_zero",
+    "test_the_server_a_front_names_gets_the_stream_s_own_requests",
     "test_health_of_a_front_that_answers_plain_text",
 )
 # -----------------------------------------------------------------------------------------------------
@@ -18006,40 +17972,51 @@ class TestRealReadmeExamples(unittest.TestCase):
 
 
 class TestFrontConfigurations(unittest.TestCase):
-    """The configurations in dev/fronts are those the reference prints (dev/REFERENCE.md, which the README
-    sends users to), and fill in to a working file."""
+    """The files in dev/fronts are what ``dev/fronts.py write`` makes for the reference's example, and what
+    the reference (where the README sends users) prints; the command fills in everything, for each way of
+    balancing; the TLS lines the tests add are the reference's."""
 
-    def test_the_reference_shows_each_configuration_as_it_is(self):
-        for kind in FRONT_KINDS:
-            with open(os.path.join(FRONTS_DIR, FRONT_KINDS[kind]["file"]), encoding="utf-8") as f:
-                text = f.read()
-            self.assertEqual(reference_front(kind), text, "the reference's %s differs from dev/fronts" % kind)
+    EXAMPLE = ["--server", "unix:/run/llama/a.sock:2", "--server", "10.0.0.2:8080:4"]
 
-    def test_the_users_files_are_plain_and_the_tls_variant_is_printed_apart(self):
-        """A file users copy starts once its placeholders are filled: no TLS placeholder in the plain
-        configuration, no line that is the tests' own; the TLS lines the tests add are the reference's."""
+    def fronts_py(self, *argv):
+        command = [sys.executable, os.path.join(HERE, "dev", "fronts.py")] + list(argv)
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    def test_the_files_are_the_command_s_and_the_reference_prints_them(self):
         for kind in FRONT_KINDS:
-            text = reference_front(kind)
-            self.assertNotRegex(text, r"@(TLS_PORT|CERT|KEY)@", kind)
-            self.assertNotRegex(text, r"(?m)^user ", kind)
+            with self.subTest(kind):
+                written = self.fronts_py("write", kind, *self.EXAMPLE)
+                self.assertEqual((written.returncode, written.stderr), (0, ""))
+                with open(os.path.join(FRONTS_DIR, FRONTS.FILES[kind]), encoding="utf-8") as f:
+                    self.assertEqual(f.read(), written.stdout, "dev/fronts differs from what dev/fronts.py writes")
+                self.assertEqual(reference_front(kind), written.stdout, "the reference differs from dev/fronts")
+                self.assertNotRegex(written.stdout, r"(?m)@[A-Z_]+@|^user |ssl")  # all filled, no line of the tests'
         tls = _section(_read(REFERENCE), "TLS at the front")
         self.assertIn("```nginx\n" + NGINX_TLS + "```\n", tls)
-        rendered = render_front("nginx", ["/tmp/a.sock"], "pin", 7, "/tmp/x", 1234, 1235)
-        self.assertIn("listen 127.0.0.1:1234;\n        listen 127.0.0.1:1235 ssl;\n", rendered)
-        self.assertNotIn("1235", render_front("nginx", ["/tmp/a.sock"], "pin", 7, "/tmp/x", 1234, 0))
+        text = with_tls(FRONTS.write("nginx", ["unix:/tmp/a.sock:2"], 1234), 1235)
+        self.assertIn("listen 127.0.0.1:1234;\n        listen 127.0.0.1:1235 ssl;\n", text)
 
-    def test_every_placeholder_is_filled(self):
+    def test_each_server_is_named_and_held_to_its_slots(self):
+        held = {"nginx": r"max_conns=%d\b", "haproxy": r"maxconn %d\n", "caddy": r"unhealthy_request_count %d\b"}
         for kind in FRONT_KINDS:
-            for balance in ("pin", "least", "rr"):
-                text = render_front(kind, ["/tmp/a.sock", "/tmp/b.sock"], balance, 7, "/tmp/x", 1234, 1235)
-                code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-                self.assertFalse([line for line in code if re.search(r"@[A-Z_]+@", line)], kind)
-                self.assertTrue(any("1234" in line for line in code), kind)
-                # each server twice: held to its slots for generations, and not for the rest
-                self.assertEqual(
-                    sum("/tmp/a.sock" in line or "/tmp/b.sock" in line for line in code), 2 if kind == "caddy" else 4
-                )
-                self.assertTrue(any(re.search(r"\b7s\b", line) for line in code), kind)
+            for balance in ("session", "least", "rr"):
+                with self.subTest(kind=kind, balance=balance):
+                    text = FRONTS.write(kind, ["unix:/tmp/a.sock:3", "127.0.0.1:9:5"], 1234, 7, balance)
+                    self.assertIn("127.0.0.1:1234", text.replace("http://:1234", "127.0.0.1:1234"))
+                    self.assertRegex(text, r"\b7s\b")
+                    self.assertRegex(text, held[kind] % 3)
+                    self.assertEqual(len(re.findall(held[kind] % 5, text)), kind != "caddy")  # Caddy: one count
+                    for name in ("s0", "s1"):  # a request that names it goes to it
+                        self.assertRegex(
+                            text,
+                            r"(?m)^ +(%s llama_%s;|use-server %s if { req.hdr\(X-Llama-Server\) %s }|@%s header X-Llama-Server %s)$"
+                            % ((name,) * 6),
+                        )
+        for bad in ("unix:a.sock:2", "/tmp/a.sock:2", "10.0.0.2:8080", "10.0.0.2:8080:0", "unix:/tmp/a b.sock:2"):
+            with self.subTest(bad=bad):
+                done = self.fronts_py("write", "nginx", "--server", bad)
+                self.assertEqual((done.returncode, done.stdout), (1, ""))
+                self.assertTrue(done.stderr.startswith("fronts.py: --server %s: " % bad), done.stderr)
 
 
 #: The second test server, for the cases with several servers behind one front (.ci/run starts it).
@@ -18061,8 +18038,7 @@ def _require(test, ok, why):
 
 
 def _front_binaries():
-    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-    return [name for name in FRONT_KINDS if shutil.which(name, path=path) is None]
+    return [name for name in FRONT_KINDS if FRONTS.binary(name) is None]
 
 
 class Holder:
@@ -18143,7 +18119,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
         cls.fronts = {}
         try:
             for kind in FRONT_KINDS:
-                cls.fronts[kind] = Front(kind, [REAL_SOCKET], "pin", cls.TIMEOUT)
+                cls.fronts[kind] = Front(kind, [REAL_SOCKET], "session", cls.TIMEOUT)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -18159,7 +18135,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
         self.addCleanup(self.direct.close)
         _idle(self.direct)
 
-    def front(self, kind, servers, balance="pin", timeout=None):
+    def front(self, kind, servers, balance="session", timeout=None):
         front = Front(kind, servers, balance, timeout or self.TIMEOUT)
         self.addCleanup(front.close)
         return front
@@ -18351,7 +18327,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
         """A conversation id that ``kind``, pinning by the session key (the id is used as the key too) over
         ``servers``, sends through ``proxy`` (asked with GET /health on a front of its own, closed again;
         HAProxy places a new key by least connections, so the first server of a fresh one takes it)."""
-        probe = Front(kind, servers, "pin", self.LONG)
+        probe = Front(kind, servers, "session", self.LONG)
         try:
             for n in range(40):
                 conversation = "lc-front-%s-%s-%d-%d" % (kind, self.CLIENT, os.getpid(), n)
@@ -18582,7 +18558,8 @@ class MidAnswerCut(_UnixServer):
     mid-answer, as a front's idle timeout does to a server slower than it between two tokens.  Each
     connection carries one request (the proxy asks the server to close after it: ``Connection: close``);
     a request's end of file is passed on, so the server sees its client go.  ``cut_conversations``: the ids
-    whose answer was cut, in order."""
+    whose answer was cut, in order.  ``upstream``: a socket path, or (host, port) (a front, for a cut
+    between the client and the front)."""
 
     def __init__(self, upstream, cut):
         self.upstream, self.cut = upstream, cut
@@ -18590,7 +18567,7 @@ class MidAnswerCut(_UnixServer):
         _UnixServer.__init__(self, "lcm", "proxy.sock")
 
     def _serve(self, conn, number):
-        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        up = socket.socket(socket.AF_INET if isinstance(self.upstream, tuple) else socket.AF_UNIX)
         if not self._track(up):
             self._untrack(conn)
             return
@@ -18754,7 +18731,7 @@ class TestRealFrontsLoaded(ClientFactory, unittest.TestCase):
         for kind in self.KINDS:
             proxies[kind] = MidAnswerCut(self.sock, self.CUT)
             self.addCleanup(proxies[kind].close)
-            front = Front(kind, [proxies[kind].path], "pin", self.TIMEOUT)
+            front = Front(kind, [proxies[kind].path], "session", self.TIMEOUT)
             self.addCleanup(front.close)
             clients[kind] = self.new_client(front.url, limits=self.limits)
             self.addCleanup(clients[kind].close)
@@ -18831,9 +18808,9 @@ _S_TURNS = [
 ]
 
 
-def session_headers(server, path=None):
-    """(method, path, the X-Session-Id values) of each request ``server`` saw (but /slots and /props, which
-    a client asks on its own), in order."""
+def session_headers(server, path=None, header=b"x-session-id"):
+    """(method, path, the X-Session-Id values, or ``header``'s) of each request ``server`` saw (but /slots and
+    /props, which a client asks on its own), in order."""
     with server.lock:
         requests = list(server.requests)
     found = []
@@ -18842,7 +18819,7 @@ def session_headers(server, path=None):
         if bare in ("/slots", "/props") or (path is not None and bare != path):
             continue
         values = [line.split(b":", 1)[1].strip().decode() for line in r.raw_head.split(b"\r\n")[1:]
-                  if line.lower().startswith(b"x-session-id:")]  # fmt: skip
+                  if line.lower().startswith(header + b":")]  # fmt: skip
         found.append((r.method, bare, values))
     return found
 
@@ -19337,7 +19314,7 @@ def reference_front(kind):
     where the README sends them) prints under ``dev/fronts/FILE``, in its section "The configurations"."""
     section = _section(_read(REFERENCE), "The configurations")
     lang = {"nginx": "nginx", "haproxy": "haproxy", "caddy": "caddyfile"}[kind]
-    marker = "`dev/fronts/%s`:\n\n```%s\n" % (FRONT_KINDS[kind]["file"], lang)
+    marker = "`dev/fronts/%s`:\n\n```%s\n" % (FRONTS.FILES[kind], lang)
     start = section.index(marker) + len(marker)
     return section[start : section.index("```\n", start)]
 
@@ -19395,7 +19372,7 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
         cls.fronts = {}
         try:
             for kind in FRONT_KINDS:
-                cls.fronts[kind] = Front(kind, cls.servers, "pin", cls.TIMEOUT, text=reference_front(kind))
+                cls.fronts[kind] = Front(kind, cls.servers, "session", cls.TIMEOUT)
         except BaseException:
             cls.tearDownClass()
             raise
@@ -19494,10 +19471,8 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
 
     def short_chats_take_the_free_slot(self, kind, front, tag, holders):
         """Three long generations over the four slots: new conversations one after another each take the free
-        slot, and finish while the three still generate (nothing that waited for one of them could).  Caddy
-        counts every request in flight to a server against ``unhealthy_request_count``, its other block's
-        too: a chat that comes while the client's ``/props`` (asked beside a ``slot=None`` request) is in
-        flight to the free slot's server is answered 429 there, and waits that out before it takes it."""
+        slot at once (no 429: Caddy counts the client's own /props and /slots apart from the generations),
+        and finish while the three still generate (nothing that waited for one of them could)."""
         wait_for(lambda: _rs_processing(self.direct) == 3, 30, "three slots generating")
         free = [i for i, c in enumerate(self.direct) if not all(s.is_processing for s in c.slots())]
         self.assertEqual(len(free), 1, "one server with a free slot")
@@ -19509,10 +19484,6 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
             took.append(round(first, 2))
             ran = [n for n, c in enumerate(self.direct) if _rs_task(c) != before[n]]
             told = [type(e).__name__ for e in events if isinstance(e, (lc.Retrying, lc.Queued))]
-            if kind == "caddy" and told[:1] == ["Retrying"]:  # its own 429, once at most (see above)
-                retry = next(e for e in events if isinstance(e, lc.Retrying))
-                self.assertEqual((retry.attempt, retry.reason), (1, _FULL_REASONS["caddy 429"]))
-                told = told[1:]
             self.assertEqual((ran, told), (free, []), "chat %d: ran on %r, first token after %.2f s" % (i, ran, first))
         # none could have waited for a long generation's slot: all three still generate (the times to the
         # first token, 0.3-2 s on a quiet machine, are in the message; a shared CPU stretches them)
@@ -19547,52 +19518,112 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
             else:
                 self.assertEqual(reasons, {_FULL_REASONS[kind + " 429"]})
 
-    # -- a resumable stream cut behind the front --------------------------------------------------------
+    # -- resumable streams the front placed away from their key's full server --------------------------
 
-    def placed_on(self, kind, front, proxy, tag):
-        """A session key that ``front`` places on the server behind ``proxy``: nginx and Caddy hash it (asked
-        with GET /health, which they route by the same hash), HAProxy remembers where it placed the key's
-        first generation (a short one, not streamed: the proxy cuts only a stream)."""
-        for n in range(40):
-            key = "%s key %d" % (tag, n)
-            key = key.replace(" ", "-")
-            before = proxy.connections
-            with lc.Client(front.url, session=key, limits=lc.Limits(keep_alive=0)) as probe:
-                if kind == "haproxy":
-                    probe.request("POST", "/completion", {"prompt": "Hi", "n_predict": 1})
-                else:
-                    self.assertEqual(probe.health(), {"status": "ok"})
-            if proxy.connections > before:
-                return key
-        self.fail("%s placed none of 40 keys on the first server" % kind)
+    def answered_by(self, front, key):
+        """The server (its index) that ``front`` gives a one-token generation of conversation ``key``."""
+        with lc.Client(front.url, session=key, limits=lc.Limits(keep_alive=0)) as probe:
+            answer = probe.fetch("POST", "/completion", {"prompt": "Hi", "n_predict": 1})
+        return int(answer.get("x-llama-server")[1:])  # s0, s1: the servers in the order written
 
-    def test_a_resumable_stream_cut_behind_the_front_resumes_on_its_server(self):
-        for kind in FRONT_KINDS:
+    @real_time
+    def test_resumable_streams_placed_away_from_their_full_server_are_found_there(self):
+        """With the conversation's server full (the front counts two generations there), ten resumable
+        streams of it go to the other server, each cut once mid-answer between the client and the front:
+        every one finishes with each token once (the server's own buffer of it, read whole, says the
+        same), resumed through the front from that server; and a cancel() stops one there at once."""
+        for kind, front in self.fronts.items():
             with self.subTest(kind):
-                proxy = CutProxy(REAL_SOCKET, 1500)
+                key = self.tag(kind).replace(" ", "-")
+                full = self.answered_by(front, key)
+                held = FrontFull(front.url, key)
+                self.addCleanup(held.close)
+                wait_for(lambda f=front: self.answered_by(f, key) != full, 60, "the front to count the server full")
+                proxy = MidAnswerCut(("127.0.0.1", front.port), 1200)
                 self.addCleanup(proxy.close)
-                front = Front(kind, [proxy.path, REAL_SOCKET2], "pin", self.TIMEOUT, text=reference_front(kind))
-                self.addCleanup(front.close)
-                tag = self.tag(kind)
-                key = self.placed_on(kind, front, proxy, tag)
-                conversation = "lc-%s" % key
-                client = self.client_for(front.url)
-                stream = client.stream(STORY, resumable=conversation, session=key, max_tokens=40, temperature=0, seed=1)
-                events = run_with_timeout(lambda: list(stream), 90)
-                self.assertEqual((proxy.cuts, stream.session), (1, key))
-                resumed = [e for e in events if isinstance(e, lc.Resumed)]
-                self.assertEqual(len(resumed), 1, resumed)
-                self.assertGreater(resumed[0].offset, 0)
-                # the replay found the stream (another server would have answered 404): whole, and only the
-                # first server knows it
-                self.assertEqual(stream.completion.usage["completion_tokens"], 40)
-                self.assertEqual(
-                    "".join(e.text for e in events if isinstance(e, lc.Content)), stream.completion.content
-                )
-                found = _marked_done(self.direct[0], conversation)  # the first server ran it, and knows it
-                self.assertEqual([(e["conversation_id"], e["is_done"]) for e in found], [(conversation, True)])
-                self.assertEqual(self.direct[1].lookup_streams([conversation]), [])
-                self.direct[0].delete_stream(conversation)
+                client = self.client_for(proxy.path)
+                ran = self.direct[1 - full]
+                self.spilled_streams_finish_exact(client, ran, key, proxy)
+                self.a_cancel_stops_it_on_its_server(client, ran, key)
+                self.assertEqual(self.direct[full].lookup_streams(["lc-%s-%d" % (key, i) for i in range(11)]), [])
+                held.close()
+
+    def spilled_streams_finish_exact(self, client, ran, key, proxy):
+        events, results, ids = {}, {}, ["lc-%s-%d" % (key, i) for i in range(10)]
+        params = dict(session=key, max_tokens=16, temperature=0)
+        threads = [start_chat(client, c, None, events, results, resumable=c, **params) for c in ids]
+        for thread in threads:
+            thread.join(300)
+        self.assertEqual([c for c in ids if c not in results], [], "still running after 300 s")
+        self.assertEqual(sorted(proxy.cut_conversations), ids)  # each cut once, mid-answer
+        for c in ids:
+            told = [e for e in events[c] if isinstance(e, (lc.Resumed, lc.Retrying))]
+            self.assertIsInstance(results.get(c), lc.Completion, (c, told))
+            resumed = [e for e in told if isinstance(e, lc.Resumed)]
+            self.assertEqual([e.attempt for e in resumed if e.offset > 0], [1], told)
+            text = "".join(e.text for e in events[c] if isinstance(e, lc.Content))
+            self.assertEqual((text, results[c].usage["completion_tokens"]), (results[c].content, 16))
+            whole = run_with_timeout(lambda c=c: list(ran.resume(c)), 30)  # the server's own, unbroken
+            self.assertEqual("".join(e.text for e in whole if isinstance(e, lc.Content)), text)
+
+    def a_cancel_stops_it_on_its_server(self, client, ran, key):
+        stream = client.stream(STORY, resumable="lc-%s-10" % key, session=key, max_tokens=500, ignore_eos=True)
+        past_the_resume(stream, 60)
+        t = Timer()
+        stream.cancel()
+        wait_for(lambda: not any(s.is_processing for s in ran.slots()), 30, "its slot to be idle")
+        self.assertLess(t.elapsed, lateness(self, 2.0), "its slot went on generating after the cancel")
+
+    # -- Caddy's 429: only when every slot is taken ------------------------------------------------------
+
+    def test_caddy_answers_429_only_when_every_slot_is_taken(self):
+        """Twenty short chats, two at a time, each from a client of its own (its /props and /slots polls in
+        flight beside it), next to one long generation on the two servers' four slots: a slot is always
+        free, and Caddy never answers 429 (it counts the client's GETs apart from the generations)."""
+        front = self.fronts["caddy"]
+        holder = FrontHolder(front.url, self.tag("caddy long"))
+        self.addCleanup(holder.release)
+        for pair in range(10):
+            clients = [self.client_for(front.url, poll=0.1) for _ in range(2)]
+            events, results = {}, {}
+            markers = ["%s chat %d.%d: name a colour." % (self.tag("caddy"), pair, i) for i in range(2)]
+            threads = [start_chat(c, m, None, events, results, max_tokens=4) for c, m in zip(clients, markers)]
+            for thread in threads:
+                thread.join(120)
+            for m in markers:  # a 429 would be a Retrying
+                self.assertIsInstance(results.get(m), lc.Completion, events.get(m))
+                self.assertEqual([e for e in events[m] if isinstance(e, lc.Retrying)], [], m)
+        self.assertTrue(holder.release(), "the long generation ended before the chats")
+
+
+class FrontFull:
+    """Two generations of conversation ``key`` through the front at ``url`` whose bodies are still on their
+    way (a byte every few seconds): the front has connected each to the key's server and counts it against
+    that server's slots, while the server, waiting for the body, runs nothing.  ``close()`` ends them."""
+
+    def __init__(self, url, key, count=2):
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: llama\r\nContent-Type: application/json\r\n"
+        head += "X-Session-Id: %s\r\nContent-Length: 4096\r\n\r\n{" % key
+        self.socks = [socket.create_connection(("127.0.0.1", int(url.rpartition(":")[2])), 10) for _ in range(count)]
+        for sock in self.socks:
+            sock.sendall(head.encode())
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)
+        self.thread.start()
+
+    def _trickle(self):
+        while not self.done.wait(5):  # under nginx's client_body_timeout (60 s) between two reads
+            for sock in self.socks:
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    pass
+
+    def close(self):
+        self.done.set()
+        self.thread.join(10)
+        for sock in self.socks:
+            sock.close()
 
 
 class TestRealSessionsAsync(AsyncDriver, TestRealSessions):
@@ -20834,6 +20865,46 @@ class TestRealDemoTcp(unittest.TestCase):
         self.assertEqual(self.chats(url), self.chats(REAL_DEMO_URL))  # the same server, at temperature 0
 
 
+@unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
+class TestRealFrontsDemo(unittest.TestCase):
+    """The reference's one command for several servers, ``dev/fronts.py demo``: two demo servers behind
+    each front, from the files ``dev/fronts.py write`` makes; the README's chat through each front; and
+    ``stop-demo`` stops them all."""
+
+    def test_two_demo_servers_behind_each_front_and_a_chat_through_each(self):
+        missing = _front_binaries()
+        _require(self, not missing, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
+        run = tempfile.mkdtemp(prefix="lcdemo", dir="/tmp")
+        self.addCleanup(shutil.rmtree, run, True)
+        command = [sys.executable, os.path.join(HERE, "dev", "fronts.py")]
+        env = dict(os.environ, LOOPCLIENT_LLAMA_RUN_DIR=run)
+        self.addCleanup(subprocess.run, command + ["stop-demo"], env=env, capture_output=True, timeout=120)
+        done = subprocess.run(command + ["demo", "--port", "0"], env=env, capture_output=True, text=True, timeout=600)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        urls = dict(line.split() for line in done.stdout.splitlines())
+        self.assertEqual(sorted(urls), sorted(FRONT_KINDS), done.stdout)
+        for kind, url in urls.items():
+            with self.subTest(kind):
+                chat = [
+                    sys.executable,
+                    os.path.join(HERE, "loopclient.py"),
+                    "--url",
+                    url,
+                    "chat",
+                    "Name three colours.",
+                ]
+                said = subprocess.run(chat + ["--stop", "\\n"], capture_output=True, text=True, timeout=120)
+                self.assertEqual(said.returncode, 0, said.stderr)
+                self.assertEqual(len(said.stdout.splitlines()), 1, said.stdout)
+                self.assertTrue(said.stdout.strip(), said.stderr)
+        stopped = subprocess.run(command + ["stop-demo"], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(stopped.returncode, 0, stopped.stderr)
+        for url in urls.values():
+            with self.assertRaises(OSError):
+                socket.create_connection(("127.0.0.1", int(url.rpartition(":")[2])), 5).close()
+        self.assertEqual([n for n in os.listdir(run) if n.endswith(".sock")], [])
+
+
 @unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
 class TestRealDemoScript(unittest.TestCase):
     """What `dev/llama-server.sh demo` prints (here for a demo already running): on stderr where it is and
@@ -21000,7 +21071,17 @@ class TestCommandLineHelp(CLICase):
         )
 
 
-ANSWER_OPTIONS = ("--slot", "--max-tokens", "--temperature", "--stop", "--ignore-eos", "--param", "--json")
+ANSWER_OPTIONS = (
+    "--session",
+    "--no-session",
+    "--slot",
+    "--max-tokens",
+    "--temperature",
+    "--stop",
+    "--ignore-eos",
+    "--param",
+    "--json",
+)
 
 
 class TestCommandLineInfillText(CLICase):

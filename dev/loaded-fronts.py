@@ -65,7 +65,7 @@ def one_run(number, args, sock, quiet):
     try:
         for kind in KINDS:
             proxies[kind] = t.MidAnswerCut(sock, args.cut)
-            fronts[kind] = t.Front(kind, [proxies[kind].path], "pin", args.timeout)
+            fronts[kind] = t.Front(kind, [proxies[kind].path], "session", args.timeout)
         holder = t.Holder(sock, 0)
         released = []
         timer = threading.Timer(args.hold, lambda: released.append(holder.release()))

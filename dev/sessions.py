@@ -7,7 +7,7 @@ reply and the new user line), side by side in one run for
                         RAM prompt cache, on its own
     round-robin         both servers behind nginx round-robin, the client sending no session key
                         (Limits(session=False)): a turn may land on the server that never saw it
-    nginx, haproxy,     both servers behind each front's README configuration (dev/fronts, balance "pin":
+    nginx, haproxy,     both servers behind each front's README configuration (dev/fronts.py, balance "session":
     caddy               by X-Session-Id), the client sending its session keys (the default)
 
 The workload: CONVERSATIONS conversations, each with its own system prompt of about 500 tokens, TURNS
@@ -135,7 +135,7 @@ def configuration(name, servers, stack):
         return servers[0], lc.Limits()
     import test_loopclient as tests  # the fronts as the tests start them, from dev/fronts
 
-    kind, balance = ("nginx", "rr") if name == "round-robin" else (name, "pin")
+    kind, balance = ("nginx", "rr") if name == "round-robin" else (name, "session")
     front = tests.Front(kind, servers, balance, timeout=60)
     stack.append(front)
     return front.url, lc.Limits(servers=2, session=name != "round-robin")

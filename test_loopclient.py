@@ -4873,7 +4873,7 @@ class TestEndpoints(ServerCase):
             "message": lc._MessagesAssembler,
             "complete_openai": lc._TextAssembler,
         }[endpoint]
-        self.assertEqual(("ok", events, completion), _t_pump_outcome(dialect, [raw]))
+        self.assertEqual(("ok", events, completion), _p_outcome([raw], dialect))
 
     def sent_last(self, endpoint, body):
         """The last request to ``endpoint`` was a streamed POST of exactly ``body``."""

@@ -1815,6 +1815,7 @@ def _p_eof(parser):
 
 
 _p_LIMITS = lc.Limits()
+_p_BIG = "raise Limits(%s=...) for payloads that big"  # the hint of a cap
 
 
 def _p_outcome(pieces, dialect=None, limits=None, raw_chunks=False, answers=()):
@@ -2448,7 +2449,7 @@ class TestPump(unittest.TestCase):
 
     def test_an_error_body_over_max_body_is_protocol_error(self):
         data = b"HTTP/1.1 500 Oops\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
-        expect = ("raised", [], lc.ProtocolError, "error body longer than max_body (99 bytes)")
+        expect = ("raised", [], lc.ProtocolError, "error body longer than max_body (99 bytes): " + _p_BIG % "max_body")
         _p_check_stream(self, data, expect, every=False, limits=lc.Limits(max_body=99))
 
     def test_a_retryable_error_before_delivery_is_a_retry_after_delivery_a_server_error(self):
@@ -2479,14 +2480,14 @@ class TestPump(unittest.TestCase):
         done = lc.Completion(CID, MODEL, "yes", " r0 r1 r2 r3", [], "stop", None, None, 4, True)
         events = r[:2] + [lc.ThinkingCapped(2)] + r[2:] + [lc.Content("yes")]
         _p_check_stream(self, data, ("ok", events, done), limits=limits, answers=[True])
-        message = "reasoning reached the cap (2 tokens) and the server refused to end it"
+        message = "reasoning reached the cap (2 tokens) and the server refused to end it: " + lc._UNCAP
         _p_check_stream(self, data, ("raised", r[:2], lc.ThinkingOverrunError, message), limits=limits, answers=[False])
-        message = "reasoning went on for 3 tokens after the server accepted to end it at 1 (thinking_overrun 2)"
+        message = "reasoning went on for 3 tokens after the server accepted to end it at 1 (thinking_overrun 2): raise Limits(thinking_overrun=...)"
         overrun = ("raised", r[:1] + [lc.ThinkingCapped(1)] + r[1:], lc.ThinkingOverrunError, message)
         _p_check_stream(self, data, overrun, limits=lc.Limits(thinking_cap=1, thinking_overrun=2), answers=[True])
 
     def test_a_cap_without_a_completion_id_is_an_overrun(self):
-        message = "reasoning reached the cap (2 tokens) but the stream has no completion id"
+        message = "reasoning reached the cap (2 tokens) but the stream has no completion id: " + lc._UNCAP
         expect = ("raised", [lc.Reasoning(" r0"), lc.Reasoning(" r1")], lc.ThinkingOverrunError, message)
         _p_check_stream(self, STREAM_HEAD + reasoning_stream(3, cid=None), expect, limits=lc.Limits(thinking_cap=2))
 
@@ -2847,7 +2848,7 @@ class TestParserDeliverBeforeFailing(unittest.TestCase):
         for tail, error, message in (
             (b"zz\r\n" + chunked(sse(chunk_json({}, "stop"))) + b"0\r\n\r\n", lc.ProtocolError, "malformed chunk-size line b'zz\\r'"),
             (b"%x\r\n%sXX0\r\n\r\n" % (len(stop), stop), lc.ProtocolError, "chunk data is not followed by CRLF"),
-            (chunked(b"data: " + b"x" * 2000) + b"0\r\n\r\n", lc.ProtocolError, "SSE line longer than max_line (1024 bytes)"),
+            (chunked(b"data: " + b"x" * 2000) + b"0\r\n\r\n", lc.ProtocolError, "SSE line longer than max_line (1024 bytes): " + _p_BIG % "max_line"),
             (chunked(b'data: {"choices": [\n\n') + b"0\r\n\r\n", lc.ProtocolError, bad_json),
             (b"40\r\ndata: ", lc.StreamClosedError, "the connection closed in the middle of a chunk"),
         ):  # fmt: skip
@@ -18906,7 +18907,7 @@ class TestSessionKeys(ServerCase):
         expected = []
         for endpoint, args in calls:
             with self.subTest(endpoint):
-                stream = getattr(self.client, "stream_" + endpoint)(*args)
+                stream = getattr(self.client, "stream" if endpoint == "chat" else "stream_" + endpoint)(*args)
                 run_with_timeout(lambda s=stream: list(s))
                 self.assertIsNotNone(stream.completion)
                 self.assertTrue(re.fullmatch(r"s-[0-9a-f]{32}", stream.session), stream.session)

@@ -13837,8 +13837,18 @@ class TestCommandLineTerminal(ServerCase):
                 except OSError:  # the child closed the pty: nothing more will come
                     break
 
-    def read_to_exit(self, timeout=10):
-        code = self.proc.wait(timeout)
+    def read_to_exit(self, timeout=30):
+        """The child's exit status, what it wrote read all along (a full pty would hold it in a write)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError("no exit in %g s; saw %r" % (timeout, bytes(self.seen)))
+            if select.select([self.master], [], [], 0.05)[0]:
+                try:
+                    self.seen.extend(os.read(self.master, 4096))
+                except OSError:  # the child closed the pty
+                    self.proc.wait(max(0.0, deadline - time.monotonic()))
+        code = self.proc.returncode
         while select.select([self.master], [], [], 0.2)[0]:
             try:
                 data = os.read(self.master, 4096)

@@ -27,15 +27,11 @@ threads the library starts are short-lived ones for the requests a stream makes 
 ``/slots`` poll (at most one per client and model at a time) and a ``slot=None`` pool's ``/props``.
 An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
 
-How it is built, in the order of its numbered sections: 1. errors and value objects; the parsers, which
-take bytes and return values: 2. HTTP/1.1, 3. Server-Sent Events, 4. the dialects that turn each
-endpoint's payloads into events (``Assembler`` for chat), the request bodies and the table of streamed
-endpoints, 5. the response pump, which runs them on one response (bytes -> ``ResponseReader`` ->
-``SSEDecoder`` -> the dialect -> events -> ``Completion``); what a request decides without I/O: 6. its
-waits, their budgets and the timing rules, 7. the slot gates, the ``/slots`` poller and what a client's
-requests share; 8. the request logic: every call is a plan, a generator that yields the I/O it needs
-(connect, send, receive, park, sleep) and receives the results; 9. the drivers that perform it, with
-blocking sockets and threads or with asyncio; 10. the command line.
+Its numbered sections: 1. errors and value objects; the parsers, bytes in and values out: 2. HTTP/1.1,
+3. Server-Sent Events, 4. each endpoint's dialect (``Assembler`` for chat), request body and table row,
+5. the response pump that runs them on one response; 6. waits, budgets and timing rules; 7. slot gates and
+the ``/slots`` poller; 8. the request logic, plans that yield the I/O they need; 9. the drivers that perform
+it (threads, asyncio); 10. the command line.
 """
 
 from __future__ import annotations
@@ -276,10 +272,7 @@ class CancelledError(LoopError):
 
 class WedgedSlotError(StalledError):
     """A processing slot stopped moving for ``wedge_wait``: the server is wedged and must be restarted.
-
-    ``slot`` and ``task`` name the slot and its task (``task`` is None when the server does not say),
-    ``seconds`` how long nothing moved.  A subclass of ``StalledError`` (and so of ``TimeoutError``).
-    """
+    ``slot`` and ``task`` (None when the server does not say) name them, ``seconds`` how long nothing moved."""
 
     def __init__(self, message: str, slot: Optional[int] = None, task: Optional[int] = None, seconds: float = 0.0):
         super().__init__(message, seconds)
@@ -288,13 +281,9 @@ class WedgedSlotError(StalledError):
         self.seconds = seconds
 
 
-# -- Value objects -------------------------------------------------------------------------------------
-#
-# Plain classes on one small base, as h11's events are: the fields are the ``__slots__``, ``__init__`` is
-# written out (so ``help()`` and ``inspect.signature()`` show the real fields), and the base gives
-# immutability, ``==``, ``hash``, ``repr``, ``replace()`` and a ``__reduce__`` that rebuilds through
-# ``__init__`` (so ``copy``, ``deepcopy`` and ``pickle`` work).  ``dataclasses`` would cost more to import
-# than ``socket``, ``json`` and ``threading`` together.
+# -- Value objects: the fields are the ``__slots__``, ``__init__`` is written out (``inspect.signature()``
+# shows the fields), the base gives the rest; ``dataclasses`` would cost more to import than socket, json
+# and threading together.
 
 _set = object.__setattr__
 
@@ -626,16 +615,10 @@ class Choice(_Value):
     tokens: Optional[List[int]]
 
     def __init__(
-        self,
-        index: int,
-        content: str,
-        reasoning: str,
-        tool_calls: List[ToolCallResult],
-        finish_reason: Optional[str],
-        logprobs: Optional[List[Dict[str, Any]]],
-        reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
+        self, index: int, content: str, reasoning: str, tool_calls: List[ToolCallResult], finish_reason: Optional[str],
+        logprobs: Optional[List[Dict[str, Any]]], reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
         tokens: Optional[List[int]] = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         _fill(self, locals())
 
     def to_dict(self) -> Dict[str, Any]:
@@ -678,21 +661,11 @@ class Completion(_Value):
     tokens: Optional[List[int]]
 
     def __init__(
-        self,
-        id: Optional[str],
-        model: Optional[str],
-        content: str,
-        reasoning: str,
-        tool_calls: List[ToolCallResult],
-        finish_reason: Optional[str],
-        usage: Optional[Dict[str, Any]],
-        timings: Optional[Dict[str, Any]],
-        reasoning_tokens: int = 0,
-        thinking_capped: bool = False,
-        choices: Optional[Sequence[Choice]] = None,
-        final: Optional[Dict[str, Any]] = None,
-        tokens: Optional[List[int]] = None,
-    ) -> None:
+        self, id: Optional[str], model: Optional[str], content: str, reasoning: str, tool_calls: List[ToolCallResult],
+        finish_reason: Optional[str], usage: Optional[Dict[str, Any]], timings: Optional[Dict[str, Any]],
+        reasoning_tokens: int = 0, thinking_capped: bool = False, choices: Optional[Sequence[Choice]] = None,
+        final: Optional[Dict[str, Any]] = None, tokens: Optional[List[int]] = None,
+    ) -> None:  # fmt: skip
         """``choices`` defaults to the one choice that the other fields describe."""
         if choices is None:
             choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None, None, tokens),)
@@ -729,14 +702,9 @@ class Slot(_Value):
     prompt_processed: Optional[int]
 
     def __init__(
-        self,
-        id: int,
-        is_processing: bool,
-        raw: Dict[str, Any],
-        task: Optional[int] = None,
-        decoded: Optional[int] = None,
-        prompt_processed: Optional[int] = None,
-    ) -> None:
+        self, id: int, is_processing: bool, raw: Dict[str, Any], task: Optional[int] = None,
+        decoded: Optional[int] = None, prompt_processed: Optional[int] = None,
+    ) -> None:  # fmt: skip
         _fill(self, locals())
 
 
@@ -764,9 +732,7 @@ class Limits(_Value):
     type is ``TypeError``, a negative one ``ValueError``; ``poll``, ``liveness``, ``max_line``,
     ``max_body``, ``pool`` and ``servers`` must be greater than zero.
 
-    queue_len        8      requests of this client that may wait behind the one in flight on a slot;
-                            the next is refused with ``BusyError`` (for a ``slot=None`` pool, once its
-                            size is known: nobody is refused against a size not measured)
+    queue_len        8      requests of this client that may wait behind the one in flight on a slot: ``BusyError``
     poll             1.0    how often ``/slots`` is asked while a response head is awaited
     liveness         30.0   the longest silence once a response has started: ``StalledError``
     busy_wait        600.0  how long a busy slot is waited out before the first byte: ``WaitTimeoutError``
@@ -776,19 +742,11 @@ class Limits(_Value):
     thinking_overrun 256    reasoning tokens tolerated after that: ``ThinkingOverrunError``
     max_line         1 MiB  longest SSE line and event: ``ProtocolError``
     max_body         16 MiB longest non-streamed body: ``ProtocolError``
-    wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
-                            ``WedgedSlotError`` (None: never)
-    pool             None   how many requests of a ``slot=None`` pool may be in flight at once (None:
-                            ``total_slots`` from ``/props``, asked in the background, 1 until it answers,
-                            4 when it does not say; set it behind a balancer)
-    keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
-                            connection per request)
-    servers          1      how many llama-servers stand behind the address (a balancer in front): with
-                            more than one, a ``/slots`` answer may describe another server than the one
-                            holding the request, so no wait is judged idle or wedged from it, and a
-                            ``slot=None`` pool is ``servers`` times ``total_slots``
-    session          True   send a session key (``X-Session-Id``) made from the request's stable head when
-                            the call and the client give none; False: only a key given by ``session=`` goes
+    wedge_wait       120.0  a processing slot's longest stillness before it is wedged: ``WedgedSlotError`` (None: never)
+    pool             None   requests of a ``slot=None`` pool in flight at once (None: ``/props``'s ``total_slots``)
+    keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: none)
+    servers          1      llama-servers behind the address (a balancer): ``/slots`` may describe another one
+    session          True   send a session key (``X-Session-Id``) made from the request's stable head
     """
 
     __match_args__ = (
@@ -813,23 +771,12 @@ class Limits(_Value):
     session: bool
 
     def __init__(
-        self,
-        queue_len: int = 8,
-        poll: float = 1.0,
-        liveness: float = 30.0,
-        busy_wait: float = 600.0,
-        load_wait: float = 120.0,
-        idle_grace: float = 10.0,
-        thinking_cap: Optional[int] = None,
-        thinking_overrun: int = 256,
-        max_line: int = 1024 * 1024,
-        max_body: int = 16 * 1024 * 1024,
-        wedge_wait: Optional[float] = 120.0,
-        pool: Optional[int] = None,
-        keep_alive: int = 2,
-        servers: int = 1,
+        self, queue_len: int = 8, poll: float = 1.0, liveness: float = 30.0, busy_wait: float = 600.0,
+        load_wait: float = 120.0, idle_grace: float = 10.0, thinking_cap: Optional[int] = None,
+        thinking_overrun: int = 256, max_line: int = 1024 * 1024, max_body: int = 16 * 1024 * 1024,
+        wedge_wait: Optional[float] = 120.0, pool: Optional[int] = None, keep_alive: int = 2, servers: int = 1,
         session: bool = True,
-    ) -> None:
+    ) -> None:  # fmt: skip
         values = locals()
         for name in _INT_LIMITS + _SECONDS_LIMITS:
             _check_limit(name, values[name])

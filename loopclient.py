@@ -799,11 +799,7 @@ def _check_header_text(what: str, text: str) -> None:
 
 
 def encode_request(
-    method: str,
-    path: str,
-    host: str,
-    headers: Sequence[Tuple[str, str]] = (),
-    body: Optional[bytes] = None,
+    method: str, path: str, host: str, headers: Sequence[Tuple[str, str]] = (), body: Optional[bytes] = None
 ) -> bytes:
     """Encode one HTTP/1.1 request.  A CR, LF or NUL in the path, a header name or value is ``ValueError``."""
     _check_header_text("the request path", path)
@@ -881,12 +877,9 @@ _PLAIN_HEAD = re.compile(
 
 
 def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
-    """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.
-
-    An obsolete folded line (starting with SP or HTAB) continues the previous header's value, joined by one
-    space (RFC 9112 section 5.2); a fold right after the status line is ``ProtocolError``.  Folded lines
-    count as header lines for ``max_headers``.
-    """
+    """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.  A folded line
+    (SP or HTAB first) goes on with the previous header's value, joined by one space (RFC 9112 5.2), and
+    counts for ``max_headers``; a fold right after the status line is ``ProtocolError``."""
     if _PLAIN_HEAD.match(block) is not None and block.count(b"\n") <= max_headers:
         # the usual head, checked whole by the pattern: the same values as _parse_lines gives (11.5 us
         # against 4 us for llama-server's 7 lines; TestParserHeadPaths holds the two to the same answers)
@@ -940,13 +933,8 @@ _CHUNK_TRAILER = 3  # after the last chunk: trailer lines up to a blank one
 
 class ChunkedDecoder:
     """``Transfer-Encoding: chunked`` framing: ``feed(bytes) -> list[bytes]`` of payload; ``done`` at the end.
-
-    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.  Malformed framing
-    is ``ProtocolError``: when the same read produced payload before the malformed bytes, ``feed`` returns
-    that payload and keeps the error in ``failed``, raised by the next ``feed`` or ``feed_eof`` (a caller
-    may raise it at once after using the payload); what is delivered does not depend on how the bytes were
-    split between reads.
-    """
+    Chunk extensions and trailers are ignored, a bare LF is accepted for CRLF.  Malformed framing is
+    ``ProtocolError``, after the payload before it, as ``ResponseReader``'s (``failed``)."""
 
     __slots__ = ("done", "failed", "surplus", "_state", "_left", "_pending", "_trailers")
 
@@ -1117,9 +1105,8 @@ class ResponseReader:
     lines, or a body over ``max_body`` when given (its first ``max_body`` bytes are delivered) is
     ``ProtocolError``.  The head is read as RFC 9112 asks of a user agent: lines end in CRLF or a bare LF,
     an obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
-
-    Payload before malformed bytes is delivered first: ``feed`` returns it and keeps the error in
-    ``failed``, which the next ``feed`` or ``feed_eof`` raises (a caller may raise it at once); a read that
+    Payload before malformed bytes is delivered first, however the bytes were split between reads: ``feed``
+    returns it and keeps the error in ``failed``, raised by the next ``feed`` or ``feed_eof``; a read that
     produced nothing raises at once.
     """
 
@@ -1367,11 +1354,8 @@ class SSEDecoder:
     ``\\n``, a block without data dispatches nothing.  ``type`` is the ``event`` field, else "message";
     llama-server's legacy ``error: {...}`` line dispatches as type "error".  Text is UTF-8 with invalid
     bytes replaced.  A line or an event longer than ``max_line`` bytes is ``ProtocolError`` as soon as the
-    limit is passed.  ``close()`` ends the stream: an event not closed by a blank line is discarded.
-
-    Events before an error are delivered first: when a read dispatched events and then passed a limit,
-    ``feed`` returns the events and keeps the error in ``failed``; the next ``feed`` or ``close`` raises it
-    (a caller may raise it at once after handling the events).  A read that dispatched nothing raises at once.
+    limit is passed, after the events before it, as ``ResponseReader``'s (``failed``).  ``close()`` ends
+    the stream: an event not closed by a blank line is discarded.
     """
 
     __slots__ = ("max_line", "failed", "_buf", "_cr", "_lead", "_data", "_type", "_size")
@@ -1741,23 +1725,16 @@ class _Dialect:
 
 
 class Assembler(_Dialect):
-    """Turns chunk payloads into events and, at the end, a ``Completion``.
-
-    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
-    ``index`` (missing or null: 0), each with its own content, reasoning, tool calls (keyed by the tool's
-    ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
-    ``logprobs.reasoning_content``, appended as sent; None while none came); the events carry
-    ``choice=index``.  A ``prompt_progress`` object gives ``Progress`` (none without ``processed`` or
-    ``total``; a missing ``cache`` reads 0, a missing ``time_ms`` 0.0).  ``usage`` and ``timings`` are
-    merged, the last value of a key winning (with ``n`` > 1 llama-server sends them per choice, without
-    saying which).  With ``raw_chunks=True`` every payload also gives ``Chunk(data)``, first.
-
-    A payload that is not a JSON object, or a known field of the wrong type, is ``ProtocolError``; unknown
-    fields are ignored; an error object is ``ServerError``.  Each call returns all the events of its
-    payload or raises, so the caller delivers the earlier payloads' events first.  ``completion()`` raises
-    ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.  ``reasoning_tokens``
-    and ``in_reasoning`` (what the thinking cap reads) count every choice's reasoning: the client refuses a
-    thinking cap with ``n`` > 1.
+    """Turns chat chunk payloads into events and, at the end, a ``Completion``: ``feed(payload) ->
+    list[Event]`` takes the text of one ``data`` event, all of its events or an error.  Choices are keyed by
+    their ``index`` (missing or null: 0), each with its content, reasoning, tool calls (by the tool's
+    ``index``), ``finish_reason`` and log probabilities (``logprobs.content`` and ``.reasoning_content``
+    entries as sent; None while none came); the events carry ``choice=index``.  ``prompt_progress`` gives
+    ``Progress`` (none without ``processed`` or ``total``); ``usage`` and ``timings`` are merged, the last
+    value of a key winning; with ``raw_chunks=True`` each payload gives ``Chunk(data)`` first.  A payload
+    that is not a JSON object, or a known field of the wrong type, is ``ProtocolError`` (unknown fields are
+    ignored), an error object ``ServerError``.  ``reasoning_tokens`` and ``in_reasoning`` (what the thinking
+    cap reads) count every choice's reasoning.
     """
 
     __slots__ = ("_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
@@ -1842,13 +1819,11 @@ class Assembler(_Dialect):
         return [_new_reasoning(text)]
 
     def _learn_tail(self, payload: str, content: bool) -> None:
-        """Learn the tail of ``payload``, a token chunk (of text when ``content``, else of reasoning) the fast
-        path took, parsed whole, when it begins with llama-server's head: what follows the text's literal.  A
-        later chunk with that head and that tail holds the same JSON but for its text (one string literal in
-        place of another), so its events are known without the parse.  The tail must close the delta, the
-        choice and the choices (``}}]``) and hold no ``choices`` of its own (a later key would replace the
-        head's), parsed here once per tail.  A stream whose tail changes all the time (more often than every
-        fifth chunk) stops being learned from."""
+        """Learn what follows the text's literal in ``payload``, a token chunk (of text when ``content``) the
+        fast path took that begins with llama-server's head: a later chunk with that head and tail is the same
+        JSON but for its text.  The tail must close the delta, the choice and the choices (``}}]``) and hold
+        no ``choices`` (a later key would replace the head's).  A stream whose tail changes more often than
+        every fifth chunk stops being learned from."""
         if not payload.startswith(_CONTENT_HEAD if content else _REASONING_HEAD):
             return
         if self._tails >= _TAILS_LEARNED and self._tailed < 4 * self._tails:
@@ -1997,13 +1972,9 @@ class _TextAssembler(Assembler):
         return Assembler.feed(self, payload)
 
 
-# -- The other streamed endpoints: /completion and /infill, Responses, Messages ---------------------------
-#
-# Each is a dialect as the Assembler is, so the pump drives any of them alike; ``done`` says the stream has
-# reached its own end (these endpoints send no ``[DONE]``), and ``completion()`` speaks chat's words.  The
-# event type need not come from the SSE ``event:`` field: Responses and Messages repeat it in the data's
-# ``type``, and an ``event: error`` block dispatches as type "error", which the pump raises before any
-# dialect sees it.
+# -- The other streamed endpoints: /completion and /infill, Responses, Messages: dialects as the Assembler
+# is; ``done`` says the stream reached its own end (no ``[DONE]`` there).  Responses and Messages repeat the
+# SSE event type in the data's ``type``; an ``event: error`` block is raised by the pump.
 
 
 def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
@@ -2018,11 +1989,7 @@ def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
 
 def _chat_usage(usage: Dict[str, Any], prompt: int, completion: int) -> Dict[str, Any]:
     """``usage`` with chat's ``prompt_tokens``, ``completion_tokens`` and ``total_tokens`` beside its own keys."""
-    usage = dict(usage)
-    usage["prompt_tokens"] = prompt
-    usage["completion_tokens"] = completion
-    usage["total_tokens"] = prompt + completion
-    return usage
+    return dict(usage, prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 #: llama-server's ``stop_type`` in chat's words
@@ -2365,23 +2332,17 @@ class _ResponsesAssembler(_EventAssembler):
             finish = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
         usage = _field(response, "usage", dict, payload)
         if usage is not None:
-            prompt, completion = (
-                _token_count(usage, "input_tokens", payload),
-                _token_count(usage, "output_tokens", payload),
-            )
-            self.usage = _chat_usage(usage, prompt, completion)
+            prompt = _token_count(usage, "input_tokens", payload)
+            self.usage = _chat_usage(usage, prompt, _token_count(usage, "output_tokens", payload))
         self.timings = _merge_in(self.timings, response, "timings", payload)
         self._end(finish, response)
 
 
 #: Messages ``stop_reason`` in chat's words
 _MESSAGES_FINISH = {
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "max_tokens": "length",
-    "tool_use": "tool_calls",
+    "end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
     "refusal": "content_filter",
-}
+}  # fmt: skip
 
 
 class _MessagesAssembler(_EventAssembler):
@@ -2456,10 +2417,8 @@ class _MessagesAssembler(_EventAssembler):
             raise ProtocolError("message_stop without a stop_reason: %r" % payload[:80])
         usage = self._usage
         if usage is not None:
-            prompt = sum(
-                _token_count(usage, name, payload)
-                for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-            )
+            names = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+            prompt = sum(_token_count(usage, name, payload) for name in names)
             self.usage = _chat_usage(usage, prompt, _token_count(usage, "output_tokens", payload))
         final = dict(self._message) if self._message is not None else {}
         final["stop_reason"] = reason
@@ -2625,12 +2584,6 @@ def _native_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
             if any(isinstance(p, list) and not p for p in prompt):
                 raise ValueError("a prompt in the list is empty")
     return _body({"prompt": prompt}, params)
-
-
-def _text_completion_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
-    """The body of a streamed ``/v1/completions`` (OpenAI text completions): ``prompt`` as ``/completion``
-    takes it (a list of prompts is one choice each)."""
-    return _native_body(prompt, params)
 
 
 def _extra_file(item: Any) -> Dict[str, str]:
@@ -2826,18 +2779,10 @@ class _Endpoint:
     __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch", "_target")
 
     def __init__(
-        self,
-        name: str,
-        path: str,
-        body: Callable[..., Any],
-        head: Callable[[Any], Any],
-        dialect: Any,
-        cap: str,
-        resumable: bool = True,
-        routed: bool = True,
-        watch: bool = False,
+        self, name: str, path: str, body: Callable[..., Any], head: Callable[[Any], Any], dialect: Any, cap: str,
+        resumable: bool = True, routed: bool = True, watch: bool = False,
         target: Optional[Callable[..., Tuple[str, str]]] = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.name, self.path, self.body, self.head, self.dialect = name, path, body, head, dialect
         self.cap, self.resumable, self.routed, self.watch = cap, resumable, routed, watch
         self._target = target
@@ -2856,7 +2801,7 @@ _ENDPOINTS = {
         _Endpoint("chat", "/v1/chat/completions", _chat_body, _chat_head, Assembler, _CAP_CONTROL),
         _Endpoint("complete", "/completion", _native_body, _native_head, _NativeAssembler, _CAP_MOOT),
         _Endpoint("infill", "/infill", _infill_body, _infill_head, _NativeAssembler, _CAP_MOOT),
-        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _native_head, _TextAssembler, _CAP_MOOT),
+        _Endpoint("complete_openai", "/v1/completions", _native_body, _native_head, _TextAssembler, _CAP_MOOT),
         _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
         _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
         # a router's model events: not resumable, not routed (the router's own), a watch

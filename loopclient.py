@@ -7568,20 +7568,12 @@ def _slot_label(s: Slot, reader: _SlotReader) -> str:
 def _slots_table(slots: List[Slot], reader: _SlotReader, limits: Limits) -> str:
     """The table of ``loopclient slots``: a processing slot whose progress ``reader`` has seen not move for
     longer than ``poll`` shows for how long, and ``wedged`` past ``wedge_wait``."""
-    rows = [("slot", "state", "task", "decoded", "n_ctx", "still")]
+    rows = [["slot", "state", "task", "decoded", "n_ctx", "still"]]
     for s in slots:
-        quiet = reader.still(s)
-        n_ctx = s.raw.get("n_ctx")
-        rows.append(
-            (
-                str(s.id),
-                _slot_label(s, reader),
-                str(s.task) if s.task is not None and s.is_processing else "",
-                str(s.decoded) if s.decoded is not None else "",
-                str(n_ctx) if n_ctx is not None else "",
-                "%.1f s" % quiet if s.is_processing and quiet > limits.poll else "",
-            )
-        )
+        quiet, task = reader.still(s), s.task if s.is_processing else None
+        cells = (s.id, _slot_label(s, reader), task, s.decoded, s.raw.get("n_ctx"))
+        still = "%.1f s" % quiet if s.is_processing and quiet > limits.poll else ""
+        rows.append(["" if v is None else str(v) for v in cells] + [still])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -7598,12 +7590,7 @@ def _slot_line(s: Slot, reader: _SlotReader) -> str:
 
 
 def _log_slot_changes(
-    out: Any,
-    clock: str,
-    slots: List[Slot],
-    reader: _SlotReader,
-    problem: Optional[str],
-    seen: Dict[int, Tuple[str, Optional[int]]],
+    out: Any, clock: str, slots: List[Slot], reader: _SlotReader, problem: Optional[str], seen: Dict[int, Any]
 ) -> Dict[int, Tuple[str, Optional[int]]]:
     """A look at the slots off a terminal: a line per slot whose state or task changed since ``seen``
     (what the lines so far showed, returned updated), or one line for a look that got no answer."""
@@ -7652,13 +7639,8 @@ def _watch_slots(client: Client, out: Any, seconds: float, reader: _SlotReader, 
     while True:
         clock = time.strftime("%H:%M:%S")
         if tty:
-            text = "slots of %s, every %g s %s  %s\n%s\n" % (
-                client.address,
-                limits.poll,
-                until,
-                clock,
-                _slots_table(slots, reader, limits) if problem is None else "no answer: " + problem,
-            )
+            table = _slots_table(slots, reader, limits) if problem is None else "no answer: " + problem
+            text = "slots of %s, every %g s %s  %s\n%s\n" % (client.address, limits.poll, until, clock, table)
             out.write(("\x1b[%dA\r\x1b[J" % drawn if drawn else "") + text)
             drawn = text.count("\n")
         else:
@@ -7702,13 +7684,7 @@ def _watch_models(client: Client, out: Any, model: Optional[str]) -> None:
 def _unescape(text: str) -> str:
     """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` in a command-line TEXT as the characters they name (as
     llama-server's own flags read them), so that ``--stop '\\n'`` works in any shell."""
-    out, i = [], 0
-    while i < len(text):
-        pair = text[i : i + 2]
-        char = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}.get(pair)
-        out.append(char if char is not None else text[i])
-        i += 2 if char is not None else 1
-    return "".join(out)
+    return re.sub(r"\\[ntr\\]", lambda m: {"n": "\n", "t": "\t", "r": "\r"}.get(m.group()[1], "\\"), text)
 
 
 def _body_param(text: str) -> Tuple[str, Any]:
@@ -7835,69 +7811,42 @@ examples:
 The global options (--socket, --url, --model, --api-key, --wait, -v) go
 before or after the command: loopclient --help."""
 
-#: Each command: its one-line help, its description, and the examples its --help ends with.
-_CLI_COMMANDS = (
-    (
-        "chat",
-        "stream an answer (PROMPT, stdin, or a conversation)",
-        """\
+#: Each command, ``name: its one-line help``, and the examples its --help ends with (see ``_commands``).
+_CLI_COMMANDS = """\
+chat: stream an answer (PROMPT, stdin, or a conversation)
   loopclient chat "Name three colours." --stop '\\n'
   git diff | loopclient chat --system "Review this diff." --max-tokens 400
-  loopclient chat --session my-talk   (a conversation; behind a front, each run with the key on one server)""",
-    ),
-    (
-        "complete",
-        "stream the text that follows PROMPT (/completion)",
-        """\
+  loopclient chat --session my-talk   (a conversation; behind a front, each run with the key on one server)
+complete: stream the text that follows PROMPT (/completion)
   loopclient complete "The sky is" --max-tokens 8
   loopclient complete --openai "Once upon a time" --max-tokens 40 --stop '\\n'
-  loopclient complete --json --param n_probs=3 "The sky is" --max-tokens 4""",
-    ),
-    (
-        "infill",
-        "stream the middle between --prefix and --suffix (/infill)",
-        """\
+  loopclient complete --json --param n_probs=3 "The sky is" --max-tokens 4
+infill: stream the middle between --prefix and --suffix (/infill)
   loopclient infill --prefix 'def add(a, b):' --suffix '    return c' --max-tokens 16
   loopclient infill --prefix @before.py --suffix @after.py
-  head -n 40 app.py | loopclient infill --prefix - --suffix @rest.py""",
-    ),
-    (
-        "slots",
-        "show the server's slots",
-        """\
+  head -n 40 app.py | loopclient infill --prefix - --suffix @rest.py
+slots: show the server's slots
   loopclient slots
   loopclient slots --watch 60 > slots.log
-  loopclient slots --json""",
-    ),
-    (
-        "health",
-        "print /health as JSON",
-        """\
+  loopclient slots --json
+health: print /health as JSON
   loopclient health
-  loopclient --url http://127.0.0.1:8080 health""",
-    ),
-    (
-        "props",
-        "print /props as JSON",
-        """\
+  loopclient --url http://127.0.0.1:8080 health
+props: print /props as JSON
   loopclient props
-  loopclient --model alpha props""",
-    ),
-    (
-        "models",
-        "show the models (a router's, with their status)",
-        """\
+  loopclient --model alpha props
+models: show the models (a router's, with their status)
   loopclient models
-  loopclient --model alpha models --watch""",
-    ),
-    (
-        "tokens",
-        "count the tokens of TEXT (or stdin)",
-        """\
+  loopclient --model alpha models --watch
+tokens: count the tokens of TEXT (or stdin)
   loopclient tokens "Name three colours."
-  loopclient tokens < prompt.txt""",
-    ),
-)
+  loopclient tokens < prompt.txt
+"""
+
+
+def _commands() -> List[Tuple[str, str, str]]:
+    """(name, one-line help, examples) of each command in ``_CLI_COMMANDS``."""
+    return re.findall(r"^(\w+): (.+)\n((?:  .+\n)+)", _CLI_COMMANDS, re.M)
 
 
 def _parser(prog: str = "loopclient") -> Any:
@@ -7935,8 +7884,8 @@ def _parser(prog: str = "loopclient") -> Any:
     parser = add(Parser(prog=prog, description=about, epilog=epilog, formatter_class=raw), "")
     parser.add_argument("--version", action="version", version="loopclient " + __version__)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, summary, examples in _CLI_COMMANDS:
-        about, epilog = summary[0].upper() + summary[1:] + ".", words(_CLI_EXAMPLES % examples)
+    for name, summary, examples in _commands():
+        about, epilog = summary[0].upper() + summary[1:] + ".", words(_CLI_EXAMPLES % examples.rstrip())
         add(commands.add_parser(name, help=summary, description=about, epilog=epilog, formatter_class=raw), name)
     return parser
 
@@ -7994,7 +7943,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         if not args.command:
-            parser.error("a COMMAND is required (%s)" % ", ".join(c[0] for c in _CLI_COMMANDS))
+            parser.error("a COMMAND is required (%s)" % ", ".join(c[0] for c in _commands()))
     except SystemExit as exc:  # usage errors (2), --help and --version (0)
         return exc.code if isinstance(exc.code, int) else 2
     model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None

@@ -1779,16 +1779,11 @@ class Assembler(_Dialect):
             if self._fast and type(choices) is list and len(choices) == 1:
                 choice = choices[0]
                 if (
-                    type(choice) is dict
-                    and choice.get("finish_reason") is None
-                    and choice.get("logprobs") is None
-                    and "error" not in doc
-                    and "usage" not in doc
-                    and "timings" not in doc
+                    type(choice) is dict and choice.get("finish_reason") is None and choice.get("logprobs") is None
+                    and "error" not in doc and "usage" not in doc and "timings" not in doc
                     and "prompt_progress" not in doc
-                ):
-                    index = choice.get("index")
-                    delta = choice.get("delta")
+                ):  # fmt: skip
+                    index, delta = choice.get("index"), choice.get("delta")
                     if (index == 0 and type(index) is int or index is None) and type(delta) is dict and len(delta) == 1:
                         text = delta.get("content")
                         content = type(text) is str
@@ -2046,24 +2041,14 @@ class _NativeAssembler(_Dialect):
         # index.  It must give exactly what _feed gives (TestNativeAssemblerPaths).
         first = self._first
         if (
-            first is not None
-            and doc.get("stop") is False
-            and "prompt_progress" not in doc
-            and "completion_probabilities" not in doc
-            and "timings" not in doc
-            and "error" not in doc
-        ):
-            index = doc.get("index", 0)
-            text = doc.get("content")
-            tokens = doc.get("tokens")
+            first is not None and doc.get("stop") is False and "prompt_progress" not in doc
+            and "completion_probabilities" not in doc and "timings" not in doc and "error" not in doc
+        ):  # fmt: skip
+            index, text, tokens = doc.get("index", 0), doc.get("content"), doc.get("tokens")
             if (
-                index == 0
-                and type(index) is int
-                and type(text) is str
-                and type(tokens) is list
-                and len(tokens) == 1
-                and type(tokens[0]) is int
-            ):
+                index == 0 and type(index) is int and type(text) is str
+                and type(tokens) is list and len(tokens) == 1 and type(tokens[0]) is int
+            ):  # fmt: skip
                 first.tokens.append(tokens[0])  # type: ignore[union-attr]  # not None once _first is set
                 if not text:
                     return []
@@ -2449,13 +2434,11 @@ class _ModelEvents(_Dialect):
 
 class _RouteChunks(_Dialect):
     """The dialect of ``stream_route()``, for a route loopclient does not know: each data event is one
-    ``Chunk`` (of the parsed JSON, any value, or of the event's text when it is not JSON), which counts as
-    delivered output; a JSON object whose ``error`` is an object or a string is an error event.  The stream
-    ends at ``[DONE]`` or at the end of the body, never at a chunk.  Chunks in OpenAI's shape (``choices``
-    with their ``finish_reason``, ``usage``) or llama-server's native one (``stop``, ``stop_type`` and the
-    token counts, per ``index``) fill the ``Completion`` as the named calls do, without the text (the chunks
-    are the answer); fields of such a shape that hold the wrong type are ignored (the route is not known to
-    be what it looks like)."""
+    ``Chunk`` (the parsed JSON, any value, else the event's text), delivered output; a JSON object whose
+    ``error`` is an object or a string is an error event.  The stream ends at ``[DONE]`` or at the end of the
+    body.  Chunks in OpenAI's shape (``choices``, ``usage``) or llama-server's native one (``stop``, per
+    ``index``) fill the ``Completion`` as the named calls do, without the text; fields of such a shape that
+    hold the wrong type are ignored (the route is not known to be what it looks like)."""
 
     __slots__ = ("_finish", "_finals")
     output = (Chunk,)  # type: Tuple[type, ...]
@@ -2671,11 +2654,9 @@ def _route_body(path: str, body: Any, method: str, params: Dict[str, Any]) -> An
     return dict(body) if isinstance(body, dict) else body  # a copy: id_slot and model go in the copy
 
 
-# -- Stable heads: the part of a request that stays the same on every turn of one conversation -----------
-#
-# A request's session key (``X-Session-Id``), when the caller gives none, is a digest of its endpoint's
-# stable head (``_session_digest``, section 8): each function takes the body the row's body function made and
-# returns a JSON value, or None when the endpoint has no conversation to key.
+# -- Stable heads, what stays the same on every turn of a conversation: a request's session key (X-Session-Id)
+# when none is given is a digest of the head its row's function reads in the body (``_session_digest``, section
+# 8), a JSON value, or None when the endpoint has no conversation to key.
 
 _HEAD_CHARS = 1024  # the characters of a prompt's text that key it
 _HEAD_TOKENS = 256  # the items of a token-list prompt that key it (about _HEAD_CHARS of text)
@@ -2756,12 +2737,9 @@ def _route_head(body: Any) -> Any:
     return None
 
 
-# -- The streamed endpoints: one row each ---------------------------------------------------------------
-#
-# A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
-# for all.  A streamed call looks its row up by name: ``_Streams.stream_request`` builds the body with the
-# row's function and applies the row's thinking-cap rule, and its stream's ``_StreamLife`` sends it;
-# ``resume(endpoint=...)`` reads a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
+# -- The streamed endpoints, a row each: all that differs between two of them (the engine, section 8, is one).
+# ``_Streams.stream_request`` builds a call's body with its row's function and applies the row's thinking-cap
+# rule; ``resume(endpoint=...)`` reads with its row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
 
 _CAP_CONTROL = "control"  # the cap works: the body asks for reasoning_control, the control endpoint ends it
 _CAP_MOOT = "moot"  # the endpoint streams no separate reasoning: a cap has nothing to cap, nothing is sent
@@ -2902,16 +2880,13 @@ class ResponsePump:
     default).  ``feed(data)``, and ``feed_eof()`` when the connection closed, return the events those bytes
     completed; then the caller looks at, in this order (``verdict()`` gives them as one value):
 
-    ``failed``
-        an error found after the returned events (deliver them, then raise it); a later call raises it too.
-    ``cap_due``
-        ``(completion id, tokens)``: reasoning reached ``thinking_cap`` and the rest of the bytes wait;
-        the caller asks the server to end reasoning and passes the answer to ``capped(ok)``.
-    ``outcome``
-        once decided: the ``Completion``, or a retry (a ``_Retry``: a 503 or 429 status, a front's 502,
-        504 or 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
-        anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its body is in;
-        after ``resume()``, a 404 or 400 raises ``StreamClosedError``.
+    ``failed``   an error found after the returned events (deliver them, then raise it; later calls raise it)
+    ``cap_due``  ``(completion id, tokens)``: reasoning reached ``thinking_cap``, the rest of the bytes wait;
+                 the caller asks the server to end reasoning and passes the answer to ``capped(ok)``
+    ``outcome``  once decided: the ``Completion``, or a ``_Retry`` (a 503 or 429, a front's 502, 504 or
+                 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
+                 anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its
+                 body is in; after ``resume()``, a 404 or 400 raises ``StreamClosedError``.
 
     ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
     event (pings prove the connection, not progress); ``delivered`` whether an output event (``Reasoning``,
@@ -3129,11 +3104,9 @@ class ResponsePump:
                         self._pending = batch[i + 1 :]
                         return
                 elif tokens > self._capped_at + self._limits.thinking_overrun:
-                    text = "reasoning went on for %d tokens after the server accepted to end it at %d " % (
-                        tokens - self._capped_at,
-                        self._capped_at,
-                    )
-                    text += "(thinking_overrun %d)" % self._limits.thinking_overrun
+                    over, at, allowed = tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun
+                    text = "reasoning went on for %d tokens after the server accepted to end it at %d " % (over, at)
+                    text += "(thinking_overrun %d)" % allowed
                     raise _hinted(ThinkingOverrunError(text, tokens), "raise Limits(thinking_overrun=...)")
             if asm.done:  # the endpoint's own end (no [DONE] but on chat)
                 self.outcome = asm.completion()

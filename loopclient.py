@@ -101,10 +101,9 @@ _DEBUG, _INFO, _WARNING = 10, 20, 30  # logging's levels, without importing it
 
 
 def _logger(level: int = _DEBUG) -> Any:
-    """The ``loopclient`` logger when it logs at ``level``, else None.  loopclient never imports
-    ``logging`` (it would cost more than the rest of its imports): while the program has not imported it,
-    nothing is logged and nothing is paid.  The logger has a ``NullHandler``, as a library's should: the
-    program's configuration decides what is shown."""
+    """The ``loopclient`` logger when it logs at ``level``, else None.  loopclient never imports ``logging``
+    (it costs more than the rest of its imports): until the program has, nothing is logged or paid.  The
+    logger has a ``NullHandler``, as a library's should: the program's configuration decides what is shown."""
     global _LOG
     log = _LOG
     if log is None:
@@ -629,17 +628,14 @@ class Choice(_Value):
 
 
 class Completion(_Value):
-    """The assembled answer of one streamed request.
-
-    ``content``, ``reasoning``, ``tool_calls`` (in index order) and ``finish_reason`` are those of the
-    first choice; ``choices`` holds every choice (one even for a single answer).  ``usage`` and ``timings``
-    are the server's dicts (None when it sent none), ``reasoning_tokens`` counts the chunks that carried
-    reasoning, ``thinking_capped`` says whether the thinking cap fired.  ``final`` is the endpoint's own closing
-    object as sent (``/completion`` and ``/infill``: the chunk with ``stop: true``; Responses: the last
-    event's ``response``; Messages: the ``message_start`` message with ``message_delta``'s ``stop_reason``,
-    ``stop_sequence`` and ``usage`` merged; chat: None); ``tokens`` the first choice's token ids (None when
-    the server sent none).
-    """
+    """The assembled answer of one streamed request.  ``content``, ``reasoning``, ``tool_calls`` (in index
+    order) and ``finish_reason`` are those of the first choice; ``choices`` holds every choice (one even for
+    a single answer).  ``usage`` and ``timings`` are the server's dicts (None when it sent none),
+    ``reasoning_tokens`` counts the chunks that carried reasoning, ``thinking_capped`` says whether the
+    thinking cap fired.  ``final`` is the endpoint's own closing object as sent (``/completion`` and
+    ``/infill``: the chunk with ``stop: true``; Responses: the last event's ``response``; Messages: the
+    ``message_start`` message with ``message_delta``'s ``stop_reason``, ``stop_sequence`` and ``usage``
+    merged; chat: None); ``tokens`` the first choice's token ids (None when the server sent none)."""
 
     __match_args__ = (
         "id", "model", "content", "reasoning", "tool_calls", "finish_reason", "usage", "timings", "reasoning_tokens",
@@ -1634,11 +1630,10 @@ def _merge_in(kept: Optional[Dict[str, Any]], doc: Dict[str, Any], name: str, pa
 
 
 class _Dialect:
-    """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: the stream's
-    ``id``, ``model``, ``usage`` and ``timings``, the reasoning count and state the thinking cap reads,
-    whether it also yields ``Chunk`` events, and its choices (``_ChoiceState`` by index), of which
-    ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as delivered
-    (after one, nothing is retried)."""
+    """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: ``id``, ``model``,
+    ``usage``, ``timings``, what the thinking cap reads, ``raw_chunks``, and its choices (``_ChoiceState`` by
+    index), of which ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as
+    delivered (after one, nothing is retried)."""
 
     output = (Reasoning, Content, ToolCall)  # type: Tuple[type, ...]
     #: a 200 answer that is not ``text/event-stream`` is ``ProtocolError`` (a route the client does not know;
@@ -7516,9 +7511,8 @@ class _Console:
         if isinstance(rate, (int, float)):
             parts.append("%.1f tokens/s" % rate)
         if completion.reasoning_tokens:
-            parts.append(
-                "%d reasoning%s" % (completion.reasoning_tokens, " (capped)" if completion.thinking_capped else "")
-            )
+            capped = " (capped)" if completion.thinking_capped else ""
+            parts.append("%d reasoning%s" % (completion.reasoning_tokens, capped))
         parts.append("finish: %s" % completion.finish_reason)
         short = isinstance(tokens, int) and isinstance(cap, int) and tokens < cap
         if completion.finish_reason == "length" and (short or (completion.final or {}).get("truncated") is True):
@@ -7686,14 +7680,9 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
             "--max-tokens must be at least 1, got %d: llama-server looks at the cap only after a first token, so "
             "%d would give one (no cap at all: --param max_tokens=-1)" % (args.max_tokens, args.max_tokens)
         )
-    if args.max_tokens is not None:
-        params["max_tokens"] = args.max_tokens
-    if args.temperature is not None:
-        params["temperature"] = args.temperature
-    if args.stop:
-        params["stop"] = list(args.stop)
-    if args.ignore_eos:
-        params["ignore_eos"] = True
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "stop": args.stop or None}
+    given["ignore_eos"] = args.ignore_eos or None
+    params.update((key, value) for key, value in given.items() if value is not None)
     for key, value in args.param or ():
         if key in ("stream", "id_slot", *taken):
             hint = ": use --slot" if key == "id_slot" else ""

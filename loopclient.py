@@ -2007,12 +2007,10 @@ def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 
 class _NativeAssembler(_Dialect):
-    """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last, a choice
-    per prompt (the chunk's ``index``).  The ``stop: true`` chunk ends its choice and is its ``final``;
-    ``done`` once every choice that appeared has ended.  ``tokens`` from a chunk with ``prompt_progress``
-    are left out (this build sends a placeholder ``[0]`` there); a ``null`` payload (a stream of several
-    prompts opens with one) gives nothing.  ``id`` stays None unless a chunk carries a string ``id``
-    (``id_slot`` and ``index`` are not ids)."""
+    """The stream of ``/completion`` and ``/infill``: one JSON object per token, a choice per prompt (the
+    chunk's ``index``), whose ``stop: true`` chunk ends it and is its ``final``; ``done`` once every choice
+    that appeared has ended.  A progress chunk's ``tokens`` (a placeholder ``[0]``) are left out, a ``null``
+    payload (first in a stream of several prompts) gives nothing; ``id`` only from a string ``id``."""
 
     __slots__ = ("_open", "_first")
     _cut = ("before its stop chunk", "before choice %s had its stop chunk")
@@ -2327,11 +2325,10 @@ _MESSAGES_FINISH = {
 
 class _MessagesAssembler(_EventAssembler):
     """The stream of Anthropic Messages (``POST /v1/messages``): typed events, ``message_stop`` last.  A
-    ``tool_use`` block starts a tool call and its ``input_json_delta`` fragments are the arguments;
-    ``signature_delta``, ``ping`` and unknown block and event types are ignored.  ``message_delta`` gives
-    the stop reason and the usage, merged over ``message_start``'s; ``final`` is that message with the stop
-    reason, stop sequence and usage merged.  A ``message_stop`` without a stop reason, or a JSON delta for a
-    block that is not a tool-use block, is ``ProtocolError``."""
+    ``tool_use`` block starts a tool call, its ``input_json_delta`` fragments the arguments; other types are
+    ignored.  ``final`` is ``message_start``'s message, ``message_delta``'s stop reason, stop sequence and
+    usage merged.  A ``message_stop`` without a stop reason, or a JSON delta off a tool-use block, is
+    ``ProtocolError``."""
 
     __slots__ = ("_message", "_usage", "_stop", "_blocks")
     _cut = ("before message_stop", "")
@@ -7575,11 +7572,10 @@ def _log_slot_changes(
 
 
 def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
-    """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot
-    is processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds``
-    (infinite: until Ctrl-C), the table redrawn in place on a terminal, else a line per slot whose state
-    or task changed (every slot on the first look).  A look that gets no answer after the first (the
-    server restarting, say) is shown as such, and watching goes on; the first look's error ends it."""
+    """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot is
+    processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds`` (inf:
+    until Ctrl-C), redrawn on a terminal, else a line per slot whose state or task changed.  A look without
+    an answer after the first is shown as such and watching goes on; the first look's error ends it."""
     limits = client.limits
     reader = _SlotReader(limits)
     slots = client.slots()

@@ -27,15 +27,11 @@ threads the library starts are short-lived ones for the requests a stream makes 
 ``/slots`` poll (at most one per client and model at a time) and a ``slot=None`` pool's ``/props``.
 An ``AsyncClient`` starts no threads: its streams are iterated with ``async for`` on one event loop.
 
-How it is built, in the order of its numbered sections: 1. errors and value objects; the parsers, which
-take bytes and return values: 2. HTTP/1.1, 3. Server-Sent Events, 4. the dialects that turn each
-endpoint's payloads into events (``Assembler`` for chat), the request bodies and the table of streamed
-endpoints, 5. the response pump, which runs them on one response (bytes -> ``ResponseReader`` ->
-``SSEDecoder`` -> the dialect -> events -> ``Completion``); what a request decides without I/O: 6. its
-waits, their budgets and the timing rules, 7. the slot gates, the ``/slots`` poller and what a client's
-requests share; 8. the request logic: every call is a plan, a generator that yields the I/O it needs
-(connect, send, receive, park, sleep) and receives the results; 9. the drivers that perform it, with
-blocking sockets and threads or with asyncio; 10. the command line.
+Its numbered sections: 1. errors and value objects; the parsers, bytes in and values out: 2. HTTP/1.1,
+3. Server-Sent Events, 4. each endpoint's dialect (``Assembler`` for chat), request body and table row,
+5. the response pump that runs them on one response; 6. waits, budgets and timing rules; 7. slot gates and
+the ``/slots`` poller; 8. the request logic, plans that yield the I/O they need; 9. the drivers that perform
+it (threads, asyncio); 10. the command line.
 """
 
 from __future__ import annotations
@@ -105,10 +101,9 @@ _DEBUG, _INFO, _WARNING = 10, 20, 30  # logging's levels, without importing it
 
 
 def _logger(level: int = _DEBUG) -> Any:
-    """The ``loopclient`` logger when it logs at ``level``, else None.  loopclient never imports
-    ``logging`` (it would cost more than the rest of its imports): while the program has not imported it,
-    nothing is logged and nothing is paid.  The logger has a ``NullHandler``, as a library's should: the
-    program's configuration decides what is shown."""
+    """The ``loopclient`` logger when it logs at ``level``, else None.  loopclient never imports ``logging``
+    (it costs more than the rest of its imports): until the program has, nothing is logged or paid.  The
+    logger has a ``NullHandler``, as a library's should: the program's configuration decides what is shown."""
     global _LOG
     log = _LOG
     if log is None:
@@ -276,10 +271,7 @@ class CancelledError(LoopError):
 
 class WedgedSlotError(StalledError):
     """A processing slot stopped moving for ``wedge_wait``: the server is wedged and must be restarted.
-
-    ``slot`` and ``task`` name the slot and its task (``task`` is None when the server does not say),
-    ``seconds`` how long nothing moved.  A subclass of ``StalledError`` (and so of ``TimeoutError``).
-    """
+    ``slot`` and ``task`` (None when the server does not say) name them, ``seconds`` how long nothing moved."""
 
     def __init__(self, message: str, slot: Optional[int] = None, task: Optional[int] = None, seconds: float = 0.0):
         super().__init__(message, seconds)
@@ -288,13 +280,9 @@ class WedgedSlotError(StalledError):
         self.seconds = seconds
 
 
-# -- Value objects -------------------------------------------------------------------------------------
-#
-# Plain classes on one small base, as h11's events are: the fields are the ``__slots__``, ``__init__`` is
-# written out (so ``help()`` and ``inspect.signature()`` show the real fields), and the base gives
-# immutability, ``==``, ``hash``, ``repr``, ``replace()`` and a ``__reduce__`` that rebuilds through
-# ``__init__`` (so ``copy``, ``deepcopy`` and ``pickle`` work).  ``dataclasses`` would cost more to import
-# than ``socket``, ``json`` and ``threading`` together.
+# -- Value objects: the fields are the ``__slots__``, ``__init__`` is written out (``inspect.signature()``
+# shows the fields), the base gives the rest; ``dataclasses`` would cost more to import than socket, json
+# and threading together.
 
 _set = object.__setattr__
 
@@ -626,16 +614,10 @@ class Choice(_Value):
     tokens: Optional[List[int]]
 
     def __init__(
-        self,
-        index: int,
-        content: str,
-        reasoning: str,
-        tool_calls: List[ToolCallResult],
-        finish_reason: Optional[str],
-        logprobs: Optional[List[Dict[str, Any]]],
-        reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
+        self, index: int, content: str, reasoning: str, tool_calls: List[ToolCallResult], finish_reason: Optional[str],
+        logprobs: Optional[List[Dict[str, Any]]], reasoning_logprobs: Optional[List[Dict[str, Any]]] = None,
         tokens: Optional[List[int]] = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         _fill(self, locals())
 
     def to_dict(self) -> Dict[str, Any]:
@@ -646,17 +628,14 @@ class Choice(_Value):
 
 
 class Completion(_Value):
-    """The assembled answer of one streamed request.
-
-    ``content``, ``reasoning``, ``tool_calls`` (in index order) and ``finish_reason`` are those of the
-    first choice; ``choices`` holds every choice (one even for a single answer).  ``usage`` and ``timings``
-    are the server's dicts (None when it sent none), ``reasoning_tokens`` counts the chunks that carried
-    reasoning, ``thinking_capped`` says whether the thinking cap fired.  ``final`` is the endpoint's own closing
-    object as sent (``/completion`` and ``/infill``: the chunk with ``stop: true``; Responses: the last
-    event's ``response``; Messages: the ``message_start`` message with ``message_delta``'s ``stop_reason``,
-    ``stop_sequence`` and ``usage`` merged; chat: None); ``tokens`` the first choice's token ids (None when
-    the server sent none).
-    """
+    """The assembled answer of one streamed request.  ``content``, ``reasoning``, ``tool_calls`` (in index
+    order) and ``finish_reason`` are those of the first choice; ``choices`` holds every choice (one even for
+    a single answer).  ``usage`` and ``timings`` are the server's dicts (None when it sent none),
+    ``reasoning_tokens`` counts the chunks that carried reasoning, ``thinking_capped`` says whether the
+    thinking cap fired.  ``final`` is the endpoint's own closing object as sent (``/completion`` and
+    ``/infill``: the chunk with ``stop: true``; Responses: the last event's ``response``; Messages: the
+    ``message_start`` message with ``message_delta``'s ``stop_reason``, ``stop_sequence`` and ``usage``
+    merged; chat: None); ``tokens`` the first choice's token ids (None when the server sent none)."""
 
     __match_args__ = (
         "id", "model", "content", "reasoning", "tool_calls", "finish_reason", "usage", "timings", "reasoning_tokens",
@@ -678,21 +657,11 @@ class Completion(_Value):
     tokens: Optional[List[int]]
 
     def __init__(
-        self,
-        id: Optional[str],
-        model: Optional[str],
-        content: str,
-        reasoning: str,
-        tool_calls: List[ToolCallResult],
-        finish_reason: Optional[str],
-        usage: Optional[Dict[str, Any]],
-        timings: Optional[Dict[str, Any]],
-        reasoning_tokens: int = 0,
-        thinking_capped: bool = False,
-        choices: Optional[Sequence[Choice]] = None,
-        final: Optional[Dict[str, Any]] = None,
-        tokens: Optional[List[int]] = None,
-    ) -> None:
+        self, id: Optional[str], model: Optional[str], content: str, reasoning: str, tool_calls: List[ToolCallResult],
+        finish_reason: Optional[str], usage: Optional[Dict[str, Any]], timings: Optional[Dict[str, Any]],
+        reasoning_tokens: int = 0, thinking_capped: bool = False, choices: Optional[Sequence[Choice]] = None,
+        final: Optional[Dict[str, Any]] = None, tokens: Optional[List[int]] = None,
+    ) -> None:  # fmt: skip
         """``choices`` defaults to the one choice that the other fields describe."""
         if choices is None:
             choices = (Choice(0, content, reasoning, tool_calls, finish_reason, None, None, tokens),)
@@ -729,14 +698,9 @@ class Slot(_Value):
     prompt_processed: Optional[int]
 
     def __init__(
-        self,
-        id: int,
-        is_processing: bool,
-        raw: Dict[str, Any],
-        task: Optional[int] = None,
-        decoded: Optional[int] = None,
-        prompt_processed: Optional[int] = None,
-    ) -> None:
+        self, id: int, is_processing: bool, raw: Dict[str, Any], task: Optional[int] = None,
+        decoded: Optional[int] = None, prompt_processed: Optional[int] = None,
+    ) -> None:  # fmt: skip
         _fill(self, locals())
 
 
@@ -764,9 +728,7 @@ class Limits(_Value):
     type is ``TypeError``, a negative one ``ValueError``; ``poll``, ``liveness``, ``max_line``,
     ``max_body``, ``pool`` and ``servers`` must be greater than zero.
 
-    queue_len        8      requests of this client that may wait behind the one in flight on a slot;
-                            the next is refused with ``BusyError`` (for a ``slot=None`` pool, once its
-                            size is known: nobody is refused against a size not measured)
+    queue_len        8      requests of this client that may wait behind the one in flight on a slot: ``BusyError``
     poll             1.0    how often ``/slots`` is asked while a response head is awaited
     liveness         30.0   the longest silence once a response has started: ``StalledError``
     busy_wait        600.0  how long a busy slot is waited out before the first byte: ``WaitTimeoutError``
@@ -776,19 +738,11 @@ class Limits(_Value):
     thinking_overrun 256    reasoning tokens tolerated after that: ``ThinkingOverrunError``
     max_line         1 MiB  longest SSE line and event: ``ProtocolError``
     max_body         16 MiB longest non-streamed body: ``ProtocolError``
-    wedge_wait       120.0  how long a processing slot may show no progress before it counts as wedged:
-                            ``WedgedSlotError`` (None: never)
-    pool             None   how many requests of a ``slot=None`` pool may be in flight at once (None:
-                            ``total_slots`` from ``/props``, asked in the background, 1 until it answers,
-                            4 when it does not say; set it behind a balancer)
-    keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: a new
-                            connection per request)
-    servers          1      how many llama-servers stand behind the address (a balancer in front): with
-                            more than one, a ``/slots`` answer may describe another server than the one
-                            holding the request, so no wait is judged idle or wedged from it, and a
-                            ``slot=None`` pool is ``servers`` times ``total_slots``
-    session          True   send a session key (``X-Session-Id``) made from the request's stable head when
-                            the call and the client give none; False: only a key given by ``session=`` goes
+    wedge_wait       120.0  a processing slot's longest stillness before it is wedged: ``WedgedSlotError`` (None: never)
+    pool             None   requests of a ``slot=None`` pool in flight at once (None: ``/props``'s ``total_slots``)
+    keep_alive       2      idle connections kept for single-shot calls and ``/slots`` polls (0: none)
+    servers          1      llama-servers behind the address (a balancer): ``/slots`` may describe another one
+    session          True   send a session key (``X-Session-Id``) made from the request's stable head
     """
 
     __match_args__ = (
@@ -813,23 +767,12 @@ class Limits(_Value):
     session: bool
 
     def __init__(
-        self,
-        queue_len: int = 8,
-        poll: float = 1.0,
-        liveness: float = 30.0,
-        busy_wait: float = 600.0,
-        load_wait: float = 120.0,
-        idle_grace: float = 10.0,
-        thinking_cap: Optional[int] = None,
-        thinking_overrun: int = 256,
-        max_line: int = 1024 * 1024,
-        max_body: int = 16 * 1024 * 1024,
-        wedge_wait: Optional[float] = 120.0,
-        pool: Optional[int] = None,
-        keep_alive: int = 2,
-        servers: int = 1,
+        self, queue_len: int = 8, poll: float = 1.0, liveness: float = 30.0, busy_wait: float = 600.0,
+        load_wait: float = 120.0, idle_grace: float = 10.0, thinking_cap: Optional[int] = None,
+        thinking_overrun: int = 256, max_line: int = 1024 * 1024, max_body: int = 16 * 1024 * 1024,
+        wedge_wait: Optional[float] = 120.0, pool: Optional[int] = None, keep_alive: int = 2, servers: int = 1,
         session: bool = True,
-    ) -> None:
+    ) -> None:  # fmt: skip
         values = locals()
         for name in _INT_LIMITS + _SECONDS_LIMITS:
             _check_limit(name, values[name])
@@ -852,11 +795,7 @@ def _check_header_text(what: str, text: str) -> None:
 
 
 def encode_request(
-    method: str,
-    path: str,
-    host: str,
-    headers: Sequence[Tuple[str, str]] = (),
-    body: Optional[bytes] = None,
+    method: str, path: str, host: str, headers: Sequence[Tuple[str, str]] = (), body: Optional[bytes] = None
 ) -> bytes:
     """Encode one HTTP/1.1 request.  A CR, LF or NUL in the path, a header name or value is ``ValueError``."""
     _check_header_text("the request path", path)
@@ -934,12 +873,9 @@ _PLAIN_HEAD = re.compile(
 
 
 def _parse_head(block: bytes, max_headers: int) -> ResponseHead:
-    """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.
-
-    An obsolete folded line (starting with SP or HTAB) continues the previous header's value, joined by one
-    space (RFC 9112 section 5.2); a fold right after the status line is ``ProtocolError``.  Folded lines
-    count as header lines for ``max_headers``.
-    """
+    """Parse a head block: its lines end in CRLF or a bare LF, the last one without its LF.  A folded line
+    (SP or HTAB first) goes on with the previous header's value, joined by one space (RFC 9112 5.2), and
+    counts for ``max_headers``; a fold right after the status line is ``ProtocolError``."""
     if _PLAIN_HEAD.match(block) is not None and block.count(b"\n") <= max_headers:
         # the usual head, checked whole by the pattern: the same values as _parse_lines gives (11.5 us
         # against 4 us for llama-server's 7 lines; TestParserHeadPaths holds the two to the same answers)
@@ -993,13 +929,8 @@ _CHUNK_TRAILER = 3  # after the last chunk: trailer lines up to a blank one
 
 class ChunkedDecoder:
     """``Transfer-Encoding: chunked`` framing: ``feed(bytes) -> list[bytes]`` of payload; ``done`` at the end.
-
-    Chunk extensions and trailers are ignored.  A bare LF is accepted where CRLF is due.  Malformed framing
-    is ``ProtocolError``: when the same read produced payload before the malformed bytes, ``feed`` returns
-    that payload and keeps the error in ``failed``, raised by the next ``feed`` or ``feed_eof`` (a caller
-    may raise it at once after using the payload); what is delivered does not depend on how the bytes were
-    split between reads.
-    """
+    Chunk extensions and trailers are ignored, a bare LF is accepted for CRLF.  Malformed framing is
+    ``ProtocolError``, after the payload before it, as ``ResponseReader``'s (``failed``)."""
 
     __slots__ = ("done", "failed", "surplus", "_state", "_left", "_pending", "_trailers")
 
@@ -1170,9 +1101,8 @@ class ResponseReader:
     lines, or a body over ``max_body`` when given (its first ``max_body`` bytes are delivered) is
     ``ProtocolError``.  The head is read as RFC 9112 asks of a user agent: lines end in CRLF or a bare LF,
     an obsolete folded line is unfolded, a NUL, bare CR, VT or FF in the status line or a header is refused.
-
-    Payload before malformed bytes is delivered first: ``feed`` returns it and keeps the error in
-    ``failed``, which the next ``feed`` or ``feed_eof`` raises (a caller may raise it at once); a read that
+    Payload before malformed bytes is delivered first, however the bytes were split between reads: ``feed``
+    returns it and keeps the error in ``failed``, raised by the next ``feed`` or ``feed_eof``; a read that
     produced nothing raises at once.
     """
 
@@ -1420,11 +1350,8 @@ class SSEDecoder:
     ``\\n``, a block without data dispatches nothing.  ``type`` is the ``event`` field, else "message";
     llama-server's legacy ``error: {...}`` line dispatches as type "error".  Text is UTF-8 with invalid
     bytes replaced.  A line or an event longer than ``max_line`` bytes is ``ProtocolError`` as soon as the
-    limit is passed.  ``close()`` ends the stream: an event not closed by a blank line is discarded.
-
-    Events before an error are delivered first: when a read dispatched events and then passed a limit,
-    ``feed`` returns the events and keeps the error in ``failed``; the next ``feed`` or ``close`` raises it
-    (a caller may raise it at once after handling the events).  A read that dispatched nothing raises at once.
+    limit is passed, after the events before it, as ``ResponseReader``'s (``failed``).  ``close()`` ends
+    the stream: an event not closed by a blank line is discarded.
     """
 
     __slots__ = ("max_line", "failed", "_buf", "_cr", "_lead", "_data", "_type", "_size")
@@ -1703,11 +1630,10 @@ def _merge_in(kept: Optional[Dict[str, Any]], doc: Dict[str, Any], name: str, pa
 
 
 class _Dialect:
-    """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: the stream's
-    ``id``, ``model``, ``usage`` and ``timings``, the reasoning count and state the thinking cap reads,
-    whether it also yields ``Chunk`` events, and its choices (``_ChoiceState`` by index), of which
-    ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as delivered
-    (after one, nothing is retried)."""
+    """What every dialect (the reader of one endpoint's payloads) keeps and the pump reads: ``id``, ``model``,
+    ``usage``, ``timings``, what the thinking cap reads, ``raw_chunks``, and its choices (``_ChoiceState`` by
+    index), of which ``completion()`` makes the ``Completion``.  ``output``: the event classes that count as
+    delivered (after one, nothing is retried)."""
 
     output = (Reasoning, Content, ToolCall)  # type: Tuple[type, ...]
     #: a 200 answer that is not ``text/event-stream`` is ``ProtocolError`` (a route the client does not know;
@@ -1794,23 +1720,16 @@ class _Dialect:
 
 
 class Assembler(_Dialect):
-    """Turns chunk payloads into events and, at the end, a ``Completion``.
-
-    ``feed(payload) -> list[Event]`` takes the text of one ``data`` event.  Choices are keyed by their
-    ``index`` (missing or null: 0), each with its own content, reasoning, tool calls (keyed by the tool's
-    ``index``), ``finish_reason`` and log probabilities (the entries of ``logprobs.content`` and
-    ``logprobs.reasoning_content``, appended as sent; None while none came); the events carry
-    ``choice=index``.  A ``prompt_progress`` object gives ``Progress`` (none without ``processed`` or
-    ``total``; a missing ``cache`` reads 0, a missing ``time_ms`` 0.0).  ``usage`` and ``timings`` are
-    merged, the last value of a key winning (with ``n`` > 1 llama-server sends them per choice, without
-    saying which).  With ``raw_chunks=True`` every payload also gives ``Chunk(data)``, first.
-
-    A payload that is not a JSON object, or a known field of the wrong type, is ``ProtocolError``; unknown
-    fields are ignored; an error object is ``ServerError``.  Each call returns all the events of its
-    payload or raises, so the caller delivers the earlier payloads' events first.  ``completion()`` raises
-    ``StreamClosedError`` unless every choice that appeared has a ``finish_reason``.  ``reasoning_tokens``
-    and ``in_reasoning`` (what the thinking cap reads) count every choice's reasoning: the client refuses a
-    thinking cap with ``n`` > 1.
+    """Turns chat chunk payloads into events and, at the end, a ``Completion``: ``feed(payload) ->
+    list[Event]`` takes the text of one ``data`` event, all of its events or an error.  Choices are keyed by
+    their ``index`` (missing or null: 0), each with its content, reasoning, tool calls (by the tool's
+    ``index``), ``finish_reason`` and log probabilities (``logprobs.content`` and ``.reasoning_content``
+    entries as sent; None while none came); the events carry ``choice=index``.  ``prompt_progress`` gives
+    ``Progress`` (none without ``processed`` or ``total``); ``usage`` and ``timings`` are merged, the last
+    value of a key winning; with ``raw_chunks=True`` each payload gives ``Chunk(data)`` first.  A payload
+    that is not a JSON object, or a known field of the wrong type, is ``ProtocolError`` (unknown fields are
+    ignored), an error object ``ServerError``.  ``reasoning_tokens`` and ``in_reasoning`` (what the thinking
+    cap reads) count every choice's reasoning.
     """
 
     __slots__ = ("_content0", "_reasoning0", "_fast", "_tail", "_tails", "_tailed")
@@ -1855,16 +1774,11 @@ class Assembler(_Dialect):
             if self._fast and type(choices) is list and len(choices) == 1:
                 choice = choices[0]
                 if (
-                    type(choice) is dict
-                    and choice.get("finish_reason") is None
-                    and choice.get("logprobs") is None
-                    and "error" not in doc
-                    and "usage" not in doc
-                    and "timings" not in doc
+                    type(choice) is dict and choice.get("finish_reason") is None and choice.get("logprobs") is None
+                    and "error" not in doc and "usage" not in doc and "timings" not in doc
                     and "prompt_progress" not in doc
-                ):
-                    index = choice.get("index")
-                    delta = choice.get("delta")
+                ):  # fmt: skip
+                    index, delta = choice.get("index"), choice.get("delta")
                     if (index == 0 and type(index) is int or index is None) and type(delta) is dict and len(delta) == 1:
                         text = delta.get("content")
                         content = type(text) is str
@@ -1895,13 +1809,11 @@ class Assembler(_Dialect):
         return [_new_reasoning(text)]
 
     def _learn_tail(self, payload: str, content: bool) -> None:
-        """Learn the tail of ``payload``, a token chunk (of text when ``content``, else of reasoning) the fast
-        path took, parsed whole, when it begins with llama-server's head: what follows the text's literal.  A
-        later chunk with that head and that tail holds the same JSON but for its text (one string literal in
-        place of another), so its events are known without the parse.  The tail must close the delta, the
-        choice and the choices (``}}]``) and hold no ``choices`` of its own (a later key would replace the
-        head's), parsed here once per tail.  A stream whose tail changes all the time (more often than every
-        fifth chunk) stops being learned from."""
+        """Learn what follows the text's literal in ``payload``, a token chunk (of text when ``content``) the
+        fast path took that begins with llama-server's head: a later chunk with that head and tail is the same
+        JSON but for its text.  The tail must close the delta, the choice and the choices (``}}]``) and hold
+        no ``choices`` (a later key would replace the head's).  A stream whose tail changes more often than
+        every fifth chunk stops being learned from."""
         if not payload.startswith(_CONTENT_HEAD if content else _REASONING_HEAD):
             return
         if self._tails >= _TAILS_LEARNED and self._tailed < 4 * self._tails:
@@ -2050,13 +1962,9 @@ class _TextAssembler(Assembler):
         return Assembler.feed(self, payload)
 
 
-# -- The other streamed endpoints: /completion and /infill, Responses, Messages ---------------------------
-#
-# Each is a dialect as the Assembler is, so the pump drives any of them alike; ``done`` says the stream has
-# reached its own end (these endpoints send no ``[DONE]``), and ``completion()`` speaks chat's words.  The
-# event type need not come from the SSE ``event:`` field: Responses and Messages repeat it in the data's
-# ``type``, and an ``event: error`` block dispatches as type "error", which the pump raises before any
-# dialect sees it.
+# -- The other streamed endpoints: /completion and /infill, Responses, Messages: dialects as the Assembler
+# is; ``done`` says the stream reached its own end (no ``[DONE]`` there).  Responses and Messages repeat the
+# SSE event type in the data's ``type``; an ``event: error`` block is raised by the pump.
 
 
 def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
@@ -2071,11 +1979,7 @@ def _token_count(usage: Dict[str, Any], name: str, payload: str) -> int:
 
 def _chat_usage(usage: Dict[str, Any], prompt: int, completion: int) -> Dict[str, Any]:
     """``usage`` with chat's ``prompt_tokens``, ``completion_tokens`` and ``total_tokens`` beside its own keys."""
-    usage = dict(usage)
-    usage["prompt_tokens"] = prompt
-    usage["completion_tokens"] = completion
-    usage["total_tokens"] = prompt + completion
-    return usage
+    return dict(usage, prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 #: llama-server's ``stop_type`` in chat's words
@@ -2103,12 +2007,10 @@ def _native_usage(finals: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 
 class _NativeAssembler(_Dialect):
-    """The stream of ``/completion`` and ``/infill``: one JSON object per token, ``stop: true`` last, a choice
-    per prompt (the chunk's ``index``).  The ``stop: true`` chunk ends its choice and is its ``final``;
-    ``done`` once every choice that appeared has ended.  ``tokens`` from a chunk with ``prompt_progress``
-    are left out (this build sends a placeholder ``[0]`` there); a ``null`` payload (a stream of several
-    prompts opens with one) gives nothing.  ``id`` stays None unless a chunk carries a string ``id``
-    (``id_slot`` and ``index`` are not ids)."""
+    """The stream of ``/completion`` and ``/infill``: one JSON object per token, a choice per prompt (the
+    chunk's ``index``), whose ``stop: true`` chunk ends it and is its ``final``; ``done`` once every choice
+    that appeared has ended.  A progress chunk's ``tokens`` (a placeholder ``[0]``) are left out, a ``null``
+    payload (first in a stream of several prompts) gives nothing; ``id`` only from a string ``id``."""
 
     __slots__ = ("_open", "_first")
     _cut = ("before its stop chunk", "before choice %s had its stop chunk")
@@ -2132,24 +2034,14 @@ class _NativeAssembler(_Dialect):
         # index.  It must give exactly what _feed gives (TestNativeAssemblerPaths).
         first = self._first
         if (
-            first is not None
-            and doc.get("stop") is False
-            and "prompt_progress" not in doc
-            and "completion_probabilities" not in doc
-            and "timings" not in doc
-            and "error" not in doc
-        ):
-            index = doc.get("index", 0)
-            text = doc.get("content")
-            tokens = doc.get("tokens")
+            first is not None and doc.get("stop") is False and "prompt_progress" not in doc
+            and "completion_probabilities" not in doc and "timings" not in doc and "error" not in doc
+        ):  # fmt: skip
+            index, text, tokens = doc.get("index", 0), doc.get("content"), doc.get("tokens")
             if (
-                index == 0
-                and type(index) is int
-                and type(text) is str
-                and type(tokens) is list
-                and len(tokens) == 1
-                and type(tokens[0]) is int
-            ):
+                index == 0 and type(index) is int and type(text) is str
+                and type(tokens) is list and len(tokens) == 1 and type(tokens[0]) is int
+            ):  # fmt: skip
                 first.tokens.append(tokens[0])  # type: ignore[union-attr]  # not None once _first is set
                 if not text:
                     return []
@@ -2418,32 +2310,25 @@ class _ResponsesAssembler(_EventAssembler):
             finish = "length" if reason is None else _RESPONSES_INCOMPLETE.get(reason, reason)
         usage = _field(response, "usage", dict, payload)
         if usage is not None:
-            prompt, completion = (
-                _token_count(usage, "input_tokens", payload),
-                _token_count(usage, "output_tokens", payload),
-            )
-            self.usage = _chat_usage(usage, prompt, completion)
+            prompt = _token_count(usage, "input_tokens", payload)
+            self.usage = _chat_usage(usage, prompt, _token_count(usage, "output_tokens", payload))
         self.timings = _merge_in(self.timings, response, "timings", payload)
         self._end(finish, response)
 
 
 #: Messages ``stop_reason`` in chat's words
 _MESSAGES_FINISH = {
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "max_tokens": "length",
-    "tool_use": "tool_calls",
+    "end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
     "refusal": "content_filter",
-}
+}  # fmt: skip
 
 
 class _MessagesAssembler(_EventAssembler):
     """The stream of Anthropic Messages (``POST /v1/messages``): typed events, ``message_stop`` last.  A
-    ``tool_use`` block starts a tool call and its ``input_json_delta`` fragments are the arguments;
-    ``signature_delta``, ``ping`` and unknown block and event types are ignored.  ``message_delta`` gives
-    the stop reason and the usage, merged over ``message_start``'s; ``final`` is that message with the stop
-    reason, stop sequence and usage merged.  A ``message_stop`` without a stop reason, or a JSON delta for a
-    block that is not a tool-use block, is ``ProtocolError``."""
+    ``tool_use`` block starts a tool call, its ``input_json_delta`` fragments the arguments; other types are
+    ignored.  ``final`` is ``message_start``'s message, ``message_delta``'s stop reason, stop sequence and
+    usage merged.  A ``message_stop`` without a stop reason, or a JSON delta off a tool-use block, is
+    ``ProtocolError``."""
 
     __slots__ = ("_message", "_usage", "_stop", "_blocks")
     _cut = ("before message_stop", "")
@@ -2509,10 +2394,8 @@ class _MessagesAssembler(_EventAssembler):
             raise ProtocolError("message_stop without a stop_reason: %r" % payload[:80])
         usage = self._usage
         if usage is not None:
-            prompt = sum(
-                _token_count(usage, name, payload)
-                for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-            )
+            names = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+            prompt = sum(_token_count(usage, name, payload) for name in names)
             self.usage = _chat_usage(usage, prompt, _token_count(usage, "output_tokens", payload))
         final = dict(self._message) if self._message is not None else {}
         final["stop_reason"] = reason
@@ -2543,13 +2426,11 @@ class _ModelEvents(_Dialect):
 
 class _RouteChunks(_Dialect):
     """The dialect of ``stream_route()``, for a route loopclient does not know: each data event is one
-    ``Chunk`` (of the parsed JSON, any value, or of the event's text when it is not JSON), which counts as
-    delivered output; a JSON object whose ``error`` is an object or a string is an error event.  The stream
-    ends at ``[DONE]`` or at the end of the body, never at a chunk.  Chunks in OpenAI's shape (``choices``
-    with their ``finish_reason``, ``usage``) or llama-server's native one (``stop``, ``stop_type`` and the
-    token counts, per ``index``) fill the ``Completion`` as the named calls do, without the text (the chunks
-    are the answer); fields of such a shape that hold the wrong type are ignored (the route is not known to
-    be what it looks like)."""
+    ``Chunk`` (the parsed JSON, any value, else the event's text), delivered output; a JSON object whose
+    ``error`` is an object or a string is an error event.  The stream ends at ``[DONE]`` or at the end of the
+    body.  Chunks in OpenAI's shape (``choices``, ``usage``) or llama-server's native one (``stop``, per
+    ``index``) fill the ``Completion`` as the named calls do, without the text; fields of such a shape that
+    hold the wrong type are ignored (the route is not known to be what it looks like)."""
 
     __slots__ = ("_finish", "_finals")
     output = (Chunk,)  # type: Tuple[type, ...]
@@ -2680,12 +2561,6 @@ def _native_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
     return _body({"prompt": prompt}, params)
 
 
-def _text_completion_body(prompt: Any, params: Dict[str, Any]) -> Dict[str, Any]:
-    """The body of a streamed ``/v1/completions`` (OpenAI text completions): ``prompt`` as ``/completion``
-    takes it (a list of prompts is one choice each)."""
-    return _native_body(prompt, params)
-
-
 def _extra_file(item: Any) -> Dict[str, str]:
     if isinstance(item, dict):
         if set(item) != {"filename", "text"}:
@@ -2771,11 +2646,9 @@ def _route_body(path: str, body: Any, method: str, params: Dict[str, Any]) -> An
     return dict(body) if isinstance(body, dict) else body  # a copy: id_slot and model go in the copy
 
 
-# -- Stable heads: the part of a request that stays the same on every turn of one conversation -----------
-#
-# A request's session key (``X-Session-Id``), when the caller gives none, is a digest of its endpoint's
-# stable head (``_session_digest``, section 8): each function takes the body the row's body function made and
-# returns a JSON value, or None when the endpoint has no conversation to key.
+# -- Stable heads, what stays the same on every turn of a conversation: a request's session key (X-Session-Id)
+# when none is given is a digest of the head its row's function reads in the body (``_session_digest``, section
+# 8), a JSON value, or None when the endpoint has no conversation to key.
 
 _HEAD_CHARS = 1024  # the characters of a prompt's text that key it
 _HEAD_TOKENS = 256  # the items of a token-list prompt that key it (about _HEAD_CHARS of text)
@@ -2856,12 +2729,9 @@ def _route_head(body: Any) -> Any:
     return None
 
 
-# -- The streamed endpoints: one row each ---------------------------------------------------------------
-#
-# A row names everything that differs between two streamed endpoints; the engine (section 8) is the same
-# for all.  A streamed call looks its row up by name: ``_Streams.stream_request`` builds the body with the
-# row's function and applies the row's thinking-cap rule, and its stream's ``_StreamLife`` sends it;
-# ``resume(endpoint=...)`` reads a buffer with the row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
+# -- The streamed endpoints, a row each: all that differs between two of them (the engine, section 8, is one).
+# ``_Streams.stream_request`` builds a call's body with its row's function and applies the row's thinking-cap
+# rule; ``resume(endpoint=...)`` reads with its row's dialect.  dev/ADDING_AN_ENDPOINT.md says how to add one.
 
 _CAP_CONTROL = "control"  # the cap works: the body asks for reasoning_control, the control endpoint ends it
 _CAP_MOOT = "moot"  # the endpoint streams no separate reasoning: a cap has nothing to cap, nothing is sent
@@ -2879,18 +2749,10 @@ class _Endpoint:
     __slots__ = ("name", "path", "body", "head", "dialect", "cap", "resumable", "routed", "watch", "_target")
 
     def __init__(
-        self,
-        name: str,
-        path: str,
-        body: Callable[..., Any],
-        head: Callable[[Any], Any],
-        dialect: Any,
-        cap: str,
-        resumable: bool = True,
-        routed: bool = True,
-        watch: bool = False,
+        self, name: str, path: str, body: Callable[..., Any], head: Callable[[Any], Any], dialect: Any, cap: str,
+        resumable: bool = True, routed: bool = True, watch: bool = False,
         target: Optional[Callable[..., Tuple[str, str]]] = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.name, self.path, self.body, self.head, self.dialect = name, path, body, head, dialect
         self.cap, self.resumable, self.routed, self.watch = cap, resumable, routed, watch
         self._target = target
@@ -2909,7 +2771,7 @@ _ENDPOINTS = {
         _Endpoint("chat", "/v1/chat/completions", _chat_body, _chat_head, Assembler, _CAP_CONTROL),
         _Endpoint("complete", "/completion", _native_body, _native_head, _NativeAssembler, _CAP_MOOT),
         _Endpoint("infill", "/infill", _infill_body, _infill_head, _NativeAssembler, _CAP_MOOT),
-        _Endpoint("complete_openai", "/v1/completions", _text_completion_body, _native_head, _TextAssembler, _CAP_MOOT),
+        _Endpoint("complete_openai", "/v1/completions", _native_body, _native_head, _TextAssembler, _CAP_MOOT),
         _Endpoint("respond", "/v1/responses", _responses_body, _responses_head, _ResponsesAssembler, _CAP_NEVER),
         _Endpoint("message", "/v1/messages", _messages_body, _messages_head, _MessagesAssembler, _CAP_NEVER),
         # a router's model events: not resumable, not routed (the router's own), a watch
@@ -3010,16 +2872,13 @@ class ResponsePump:
     default).  ``feed(data)``, and ``feed_eof()`` when the connection closed, return the events those bytes
     completed; then the caller looks at, in this order (``verdict()`` gives them as one value):
 
-    ``failed``
-        an error found after the returned events (deliver them, then raise it); a later call raises it too.
-    ``cap_due``
-        ``(completion id, tokens)``: reasoning reached ``thinking_cap`` and the rest of the bytes wait;
-        the caller asks the server to end reasoning and passes the answer to ``capped(ok)``.
-    ``outcome``
-        once decided: the ``Completion``, or a retry (a ``_Retry``: a 503 or 429 status, a front's 502,
-        504 or 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
-        anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its body is in;
-        after ``resume()``, a 404 or 400 raises ``StreamClosedError``.
+    ``failed``   an error found after the returned events (deliver them, then raise it; later calls raise it)
+    ``cap_due``  ``(completion id, tokens)``: reasoning reached ``thinking_cap``, the rest of the bytes wait;
+                 the caller asks the server to end reasoning and passes the answer to ``capped(ok)``
+    ``outcome``  once decided: the ``Completion``, or a ``_Retry`` (a 503 or 429, a front's 502, 504 or
+                 520 to 524, or a 503, ``unavailable_error`` or ``overloaded_error`` error event before
+                 anything was delivered).  Any other non-200 status raises ``HTTPStatusError`` once its
+                 body is in; after ``resume()``, a 404 or 400 raises ``StreamClosedError``.
 
     ``head`` is the response head once parsed; ``progressed`` says whether the last call dispatched a data
     event (pings prove the connection, not progress); ``delivered`` whether an output event (``Reasoning``,
@@ -3237,11 +3096,9 @@ class ResponsePump:
                         self._pending = batch[i + 1 :]
                         return
                 elif tokens > self._capped_at + self._limits.thinking_overrun:
-                    text = "reasoning went on for %d tokens after the server accepted to end it at %d " % (
-                        tokens - self._capped_at,
-                        self._capped_at,
-                    )
-                    text += "(thinking_overrun %d)" % self._limits.thinking_overrun
+                    over, at, allowed = tokens - self._capped_at, self._capped_at, self._limits.thinking_overrun
+                    text = "reasoning went on for %d tokens after the server accepted to end it at %d " % (over, at)
+                    text += "(thinking_overrun %d)" % allowed
                     raise _hinted(ThinkingOverrunError(text, tokens), "raise Limits(thinking_overrun=...)")
             if asm.done:  # the endpoint's own end (no [DONE] but on chat)
                 self.outcome = asm.completion()
@@ -7651,9 +7508,8 @@ class _Console:
         if isinstance(rate, (int, float)):
             parts.append("%.1f tokens/s" % rate)
         if completion.reasoning_tokens:
-            parts.append(
-                "%d reasoning%s" % (completion.reasoning_tokens, " (capped)" if completion.thinking_capped else "")
-            )
+            capped = " (capped)" if completion.thinking_capped else ""
+            parts.append("%d reasoning%s" % (completion.reasoning_tokens, capped))
         parts.append("finish: %s" % completion.finish_reason)
         short = isinstance(tokens, int) and isinstance(cap, int) and tokens < cap
         if completion.finish_reason == "length" and (short or (completion.final or {}).get("truncated") is True):
@@ -7676,20 +7532,12 @@ def _slot_label(s: Slot, reader: _SlotReader) -> str:
 def _slots_table(slots: List[Slot], reader: _SlotReader, limits: Limits) -> str:
     """The table of ``loopclient slots``: a processing slot whose progress ``reader`` has seen not move for
     longer than ``poll`` shows for how long, and ``wedged`` past ``wedge_wait``."""
-    rows = [("slot", "state", "task", "decoded", "n_ctx", "still")]
+    rows = [["slot", "state", "task", "decoded", "n_ctx", "still"]]
     for s in slots:
-        quiet = reader.still(s)
-        n_ctx = s.raw.get("n_ctx")
-        rows.append(
-            (
-                str(s.id),
-                _slot_label(s, reader),
-                str(s.task) if s.task is not None and s.is_processing else "",
-                str(s.decoded) if s.decoded is not None else "",
-                str(n_ctx) if n_ctx is not None else "",
-                "%.1f s" % quiet if s.is_processing and quiet > limits.poll else "",
-            )
-        )
+        quiet, task = reader.still(s), s.task if s.is_processing else None
+        cells = (s.id, _slot_label(s, reader), task, s.decoded, s.raw.get("n_ctx"))
+        still = "%.1f s" % quiet if s.is_processing and quiet > limits.poll else ""
+        rows.append(["" if v is None else str(v) for v in cells] + [still])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -7706,12 +7554,7 @@ def _slot_line(s: Slot, reader: _SlotReader) -> str:
 
 
 def _log_slot_changes(
-    out: Any,
-    clock: str,
-    slots: List[Slot],
-    reader: _SlotReader,
-    problem: Optional[str],
-    seen: Dict[int, Tuple[str, Optional[int]]],
+    out: Any, clock: str, slots: List[Slot], reader: _SlotReader, problem: Optional[str], seen: Dict[int, Any]
 ) -> Dict[int, Tuple[str, Optional[int]]]:
     """A look at the slots off a terminal: a line per slot whose state or task changed since ``seen``
     (what the lines so far showed, returned updated), or one line for a look that got no answer."""
@@ -7729,11 +7572,10 @@ def _log_slot_changes(
 
 
 def _slots(client: Client, out: Any, seconds: Optional[float]) -> None:
-    """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot
-    is processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds``
-    (infinite: until Ctrl-C), the table redrawn in place on a terminal, else a line per slot whose state
-    or task changed (every slot on the first look).  A look that gets no answer after the first (the
-    server restarting, say) is shown as such, and watching goes on; the first look's error ends it."""
+    """``loopclient slots``.  Without ``seconds``: one table, from two looks ``poll`` apart when a slot is
+    processing (so that ``still`` means something).  With them: a look every ``poll`` for ``seconds`` (inf:
+    until Ctrl-C), redrawn on a terminal, else a line per slot whose state or task changed.  A look without
+    an answer after the first is shown as such and watching goes on; the first look's error ends it."""
     limits = client.limits
     reader = _SlotReader(limits)
     slots = client.slots()
@@ -7760,13 +7602,8 @@ def _watch_slots(client: Client, out: Any, seconds: float, reader: _SlotReader, 
     while True:
         clock = time.strftime("%H:%M:%S")
         if tty:
-            text = "slots of %s, every %g s %s  %s\n%s\n" % (
-                client.address,
-                limits.poll,
-                until,
-                clock,
-                _slots_table(slots, reader, limits) if problem is None else "no answer: " + problem,
-            )
+            table = _slots_table(slots, reader, limits) if problem is None else "no answer: " + problem
+            text = "slots of %s, every %g s %s  %s\n%s\n" % (client.address, limits.poll, until, clock, table)
             out.write(("\x1b[%dA\r\x1b[J" % drawn if drawn else "") + text)
             drawn = text.count("\n")
         else:
@@ -7810,13 +7647,7 @@ def _watch_models(client: Client, out: Any, model: Optional[str]) -> None:
 def _unescape(text: str) -> str:
     """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` in a command-line TEXT as the characters they name (as
     llama-server's own flags read them), so that ``--stop '\\n'`` works in any shell."""
-    out, i = [], 0
-    while i < len(text):
-        pair = text[i : i + 2]
-        char = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}.get(pair)
-        out.append(char if char is not None else text[i])
-        i += 2 if char is not None else 1
-    return "".join(out)
+    return re.sub(r"\\[ntr\\]", lambda m: {"n": "\n", "t": "\t", "r": "\r"}.get(m.group()[1], "\\"), text)
 
 
 def _body_param(text: str) -> Tuple[str, Any]:
@@ -7845,14 +7676,9 @@ def _answer_params(args: Any, taken: Sequence[str] = ()) -> Dict[str, Any]:
             "--max-tokens must be at least 1, got %d: llama-server looks at the cap only after a first token, so "
             "%d would give one (no cap at all: --param max_tokens=-1)" % (args.max_tokens, args.max_tokens)
         )
-    if args.max_tokens is not None:
-        params["max_tokens"] = args.max_tokens
-    if args.temperature is not None:
-        params["temperature"] = args.temperature
-    if args.stop:
-        params["stop"] = list(args.stop)
-    if args.ignore_eos:
-        params["ignore_eos"] = True
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "stop": args.stop or None}
+    given["ignore_eos"] = args.ignore_eos or None
+    params.update((key, value) for key, value in given.items() if value is not None)
     for key, value in args.param or ():
         if key in ("stream", "id_slot", *taken):
             hint = ": use --slot" if key == "id_slot" else ""
@@ -7943,69 +7769,42 @@ examples:
 The global options (--socket, --url, --model, --api-key, --wait, -v) go
 before or after the command: loopclient --help."""
 
-#: Each command: its one-line help, its description, and the examples its --help ends with.
-_CLI_COMMANDS = (
-    (
-        "chat",
-        "stream an answer (PROMPT, stdin, or a conversation)",
-        """\
+#: Each command, ``name: its one-line help``, and the examples its --help ends with (see ``_commands``).
+_CLI_COMMANDS = """\
+chat: stream an answer (PROMPT, stdin, or a conversation)
   loopclient chat "Name three colours." --stop '\\n'
   git diff | loopclient chat --system "Review this diff." --max-tokens 400
-  loopclient chat --session my-talk   (a conversation; behind a front, each run with the key on one server)""",
-    ),
-    (
-        "complete",
-        "stream the text that follows PROMPT (/completion)",
-        """\
+  loopclient chat --session my-talk   (a conversation; behind a front, each run with the key on one server)
+complete: stream the text that follows PROMPT (/completion)
   loopclient complete "The sky is" --max-tokens 8
   loopclient complete --openai "Once upon a time" --max-tokens 40 --stop '\\n'
-  loopclient complete --json --param n_probs=3 "The sky is" --max-tokens 4""",
-    ),
-    (
-        "infill",
-        "stream the middle between --prefix and --suffix (/infill)",
-        """\
+  loopclient complete --json --param n_probs=3 "The sky is" --max-tokens 4
+infill: stream the middle between --prefix and --suffix (/infill)
   loopclient infill --prefix 'def add(a, b):' --suffix '    return c' --max-tokens 16
   loopclient infill --prefix @before.py --suffix @after.py
-  head -n 40 app.py | loopclient infill --prefix - --suffix @rest.py""",
-    ),
-    (
-        "slots",
-        "show the server's slots",
-        """\
+  head -n 40 app.py | loopclient infill --prefix - --suffix @rest.py
+slots: show the server's slots
   loopclient slots
   loopclient slots --watch 60 > slots.log
-  loopclient slots --json""",
-    ),
-    (
-        "health",
-        "print /health as JSON",
-        """\
+  loopclient slots --json
+health: print /health as JSON
   loopclient health
-  loopclient --url http://127.0.0.1:8080 health""",
-    ),
-    (
-        "props",
-        "print /props as JSON",
-        """\
+  loopclient --url http://127.0.0.1:8080 health
+props: print /props as JSON
   loopclient props
-  loopclient --model alpha props""",
-    ),
-    (
-        "models",
-        "show the models (a router's, with their status)",
-        """\
+  loopclient --model alpha props
+models: show the models (a router's, with their status)
   loopclient models
-  loopclient --model alpha models --watch""",
-    ),
-    (
-        "tokens",
-        "count the tokens of TEXT (or stdin)",
-        """\
+  loopclient --model alpha models --watch
+tokens: count the tokens of TEXT (or stdin)
   loopclient tokens "Name three colours."
-  loopclient tokens < prompt.txt""",
-    ),
-)
+  loopclient tokens < prompt.txt
+"""
+
+
+def _commands() -> List[Tuple[str, str, str]]:
+    """(name, one-line help, examples) of each command in ``_CLI_COMMANDS``."""
+    return re.findall(r"^(\w+): (.+)\n((?:  .+\n)+)", _CLI_COMMANDS, re.M)
 
 
 def _parser(prog: str = "loopclient") -> Any:
@@ -8043,8 +7842,8 @@ def _parser(prog: str = "loopclient") -> Any:
     parser = add(Parser(prog=prog, description=about, epilog=epilog, formatter_class=raw), "")
     parser.add_argument("--version", action="version", version="loopclient " + __version__)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, summary, examples in _CLI_COMMANDS:
-        about, epilog = summary[0].upper() + summary[1:] + ".", words(_CLI_EXAMPLES % examples)
+    for name, summary, examples in _commands():
+        about, epilog = summary[0].upper() + summary[1:] + ".", words(_CLI_EXAMPLES % examples.rstrip())
         add(commands.add_parser(name, help=summary, description=about, epilog=epilog, formatter_class=raw), name)
     return parser
 
@@ -8102,7 +7901,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
         if not args.command:
-            parser.error("a COMMAND is required (%s)" % ", ".join(c[0] for c in _CLI_COMMANDS))
+            parser.error("a COMMAND is required (%s)" % ", ".join(c[0] for c in _commands()))
     except SystemExit as exc:  # usage errors (2), --help and --version (0)
         return exc.code if isinstance(exc.code, int) else 2
     model = getattr(args, "model", None) or os.environ.get("LLAMA_MODEL") or None

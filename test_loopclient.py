@@ -623,6 +623,17 @@ class ServerCase(ClientFactory, unittest.TestCase):
         wait_for(lambda: threading.active_count() <= self.threads, 5, "threads to end")
         wait_for(lambda: fd_count() <= self.fds, 5, "descriptors to close")
 
+    def own_client(self, *args, **kw):
+        """A client of this test (at ``args``, else the server's address) that its end closes."""
+        client = self.new_client(*(args or (self.server.address,)), **kw)
+        self.closers.append(client.close)
+        return client
+
+    def sent(self, path):
+        """The requests the server received for ``path`` (whatever their query if it has none), in order."""
+        with self.server.lock:
+            return [r for r in self.server.requests if path in (r.path, r.path.split("?")[0])]
+
     def limits_(self, **changes):
         """This class's limits (``base_limits``, else ``limits``) with ``changes``."""
         return (self.base_limits or self.limits).replace(**changes)
@@ -2091,29 +2102,24 @@ class TestParserSSE(unittest.TestCase):
         payload = chunk_json({"content": "hi"})
         cases = [
             (b"data: a\n\ndata: b\n\n", m("a", "b")),  # line ends: LF, CRLF, CR, mixed
-            (b"data: a\r\n\r\ndata: b\r\n\r\n", m("a", "b")),
-            (b"data: a\r\rdata: b\r\r", m("a", "b")),
+            (b"data: a\r\n\r\ndata: b\r\n\r\n", m("a", "b")), (b"data: a\r\rdata: b\r\r", m("a", "b")),
             (b"data: a\r\ndata: b\rdata: c\n\r\ndata: d\r\r\n", m("a\nb\nc", "d")),
-            (b"data: a\r\ndata: b\r\n\r\n", m("a\nb")),
-            (b"data: a\r\r", m("a")),  # a held CR ends its line at close
+            (b"data: a\r\ndata: b\r\n\r\n", m("a\nb")), (b"data: a\r\r", m("a")),  # a held CR ends its line at close
             (b"\xef\xbb\xbfdata: a\n\n", m("a")),  # one leading BOM dropped
             (b"\xef\xbb\xbf\xef\xbb\xbfdata: a\n\ndata: b\n\n", m("b")),  # only one: the line's field is "\ufeffdata"
             (b"data: a\n\n\xef\xbb\xbfdata: b\n\n", m("a")),  # a BOM not leading is kept
-            (b"data: \xef\xbb\xbfx\n\n", m("\ufeffx")),
-            (b"\xef\xbb\ndata: a\n\n", m("a")),  # a partial BOM prefix is not dropped: the line "\xef\xbb", unknown
+            (b"data: \xef\xbb\xbfx\n\n", m("\ufeffx")), (b"\xef\xbb\ndata: a\n\n", m("a")),  # a partial BOM prefix is not dropped: the line "\xef\xbb", unknown
             (b"\xefdata: a\n\ndata: b\n\n", m("b")),
             (b": ping\n\n:\ndata: a\n: in the middle\ndata: b\n:x\n\n: tail\n", m("a\nb")),  # comments ignored
             (b": ping - 1\n\n: ping - 2\r\n\r\n", []),
             (b"data:a\n\ndata: a\n\ndata:  a\n\ndata: \n\ndata:\n\ndata:\ta\n\n", m("a", "a", " a", "", "", "\ta")),  # one space stripped
             (b"event:  x\ndata: 1\n\nevent:y\ndata: 2\n\n", [(" x", "1"), ("y", "2")]),
             (b"data: a\ndata:\ndata: b\ndata\n\n", m("a\n\nb\n")),  # data lines joined with LF; a field without a colon
-            (b"data\n\n", m("")),
-            (b"event: update\ndata: x\n\ndata: y\n\n", [("update", "x"), ("message", "y")]),  # the type resets
+            (b"data\n\n", m("")), (b"event: update\ndata: x\n\ndata: y\n\n", [("update", "x"), ("message", "y")]),  # the type resets
             (b"event: foo\n\nid: 7\n\nretry: 10\n\nunknown: z\n\ndata: x\n\n", m("x")),  # no data: no event
             (b"id: 1\nretry: 5\nfoo: bar\nData: no\ndata: x\n\n", m("x")),  # id, retry, unknown fields ignored
             (b"data: a\n\ndata: b\n", m("a")),  # the unterminated last event discarded
-            (b"data: a\n\ndata: b", m("a")),
-            (b"data: a\n\ndata: b\ndata: c\r\n", m("a")),
+            (b"data: a\n\ndata: b", m("a")), (b"data: a\n\ndata: b\ndata: c\r\n", m("a")),
             (b"data: " + text.encode() + b"\n\n", m(text)),
             (b"data: a\xffb\n\ndata: \xe2\x82\n\ndata: \xc3\n\n", m("a\ufffdb", "\ufffd", "\ufffd")),  # invalid UTF-8 replaced
             (b'error: {"code":500,"message":"boom"}\n\ndata: x\n\n', [("error", '{"code":500,"message":"boom"}'), ("message", "x")]),
@@ -2301,18 +2307,10 @@ class TestParserAssembler(unittest.TestCase):
 
     def test_malformed_payloads_are_protocol_errors(self):
         bad = {
-            "invalid JSON": "{",
-            "empty": "",
-            "truncated": chunk_json({"content": "x"})[:-1],
-            "array": "[1, 2]",
-            "string": '"text"',
-            "number": "42",
-            "null": "null",
-            "choices object": '{"choices": {"0": {}}}',
-            "choices string": '{"choices": "x"}',
-            "choices falsy non-list": '{"choices": 0}',
-            "choice not object": '{"choices": [1]}',
-            "delta list": '{"choices": [{"delta": [], "index": 0}]}',
+            "invalid JSON": "{", "empty": "", "truncated": chunk_json({"content": "x"})[:-1], "array": "[1, 2]",
+            "string": '"text"', "number": "42", "null": "null", "choices object": '{"choices": {"0": {}}}',
+            "choices string": '{"choices": "x"}', "choices falsy non-list": '{"choices": 0}',
+            "choice not object": '{"choices": [1]}', "delta list": '{"choices": [{"delta": [], "index": 0}]}',
             "delta string": '{"choices": [{"delta": "x", "index": 0}]}',
             "delta number": '{"choices": [{"delta": 5, "index": 0}]}',
             "tool call without index": '{"choices": [{"delta": {"tool_calls": [{"id": "a", "function": {"name": "f"}}]}}]}',
@@ -2325,9 +2323,8 @@ class TestParserAssembler(unittest.TestCase):
             "reasoning not string": '{"choices": [{"delta": {"reasoning_content": ["x"]}}]}',
             "finish_reason not string": '{"choices": [{"delta": {}, "finish_reason": 1}]}',
             "usage not object": '{"choices": [], "usage": [1]}',
-            "timings not object": '{"choices": [], "timings": "x"}',
-            "deep nesting": "[" * 100000 + "]" * 100000,
-        }
+            "timings not object": '{"choices": [], "timings": "x"}', "deep nesting": "[" * 100000 + "]" * 100000,
+        }  # fmt: skip
         for what, payload in bad.items():
             with self.subTest(what=what), self.assertRaises(lc.ProtocolError):
                 lc.Assembler().feed(payload)
@@ -3517,13 +3514,10 @@ class TestNativeAssemblerPaths(_FastPaths, unittest.TestCase):
 
     def test_fast_and_general_paths_agree_on_real_streams(self):
         for name in (
-            "40_completion_stream_tokens_probs.raw.txt",
-            "41_completion_stream_progress.raw.txt",
-            "42_completion_stream_token_ids.raw.txt",
-            "43_completion_stream_two_prompts.raw.txt",
-            "46_completion_stream_stop_word.raw.txt",
-            "48_infill_stream.raw.txt",
-        ):
+            "40_completion_stream_tokens_probs.raw.txt", "41_completion_stream_progress.raw.txt",
+            "42_completion_stream_token_ids.raw.txt", "43_completion_stream_two_prompts.raw.txt",
+            "46_completion_stream_stop_word.raw.txt", "48_infill_stream.raw.txt",
+        ):  # fmt: skip
             raw = load_transcript(name)
             payloads = [line[6:].decode() for line in raw.split(b"\n") if line.startswith(b"data: ")]
             with self.subTest(name=name):
@@ -3556,7 +3550,7 @@ class TestParserNativeDialect(unittest.TestCase):
                 sse(stop0),
                 sse(_p_native(" three", [1806], 1, 3, 5)),
                 sse(stop1),
-            ]
+            ]  # fmt: skip
         )
         events = [lc.Progress(4, 4, 0, 12.5), lc.Content(" the", 0), lc.Content(" one", 1), lc.Content(" end", 0)]
         events += [lc.Content(" two", 1), lc.Content(" three", 1)]
@@ -3600,12 +3594,8 @@ class TestParserNativeDialect(unittest.TestCase):
 
     def test_stop_types_in_chat_words_and_content_in_the_stop_chunk(self):
         for stop_type, reason in (
-            ("eos", "stop"),
-            ("word", "stop"),
-            ("limit", "length"),
-            ("none", "none"),
-            (None, "stop"),
-        ):
+            ("eos", "stop"), ("word", "stop"), ("limit", "length"), ("none", "none"), (None, "stop"),
+        ):  # fmt: skip
             asm = lc._NativeAssembler()
             self.assertEqual(asm.feed(_p_native_stop(stop_type=stop_type, content=" end")), [lc.Content(" end")])
             self.assertEqual((asm.completion().finish_reason, asm.completion().content), (reason, " end"), stop_type)
@@ -3728,14 +3718,10 @@ class TestParserResponsesDialect(unittest.TestCase):
         args = "response.function_call_arguments.delta"
         blocks = [
             _p_resp("response.created", response={"id": _p_RESP, "object": "response", "status": "in_progress", "model": MODEL}),
-            _p_resp("response.output_item.added", item=call1),
-            _p_resp(args, delta='{"city":', item_id="fc_uzrJnRe3"),
-            _p_resp(args, delta='"Paris"}', item_id="fc_uzrJnRe3"),
-            _p_resp("response.output_item.added", item=call2),
-            _p_resp(args, delta="{}", item_id="fc_Xk2p"),
-            _p_resp("response.output_item.done", item=output[0]),
-            _p_resp("response.output_item.done", item=output[1]),
-            _p_resp("response.completed", response=response),
+            _p_resp("response.output_item.added", item=call1), _p_resp(args, delta='{"city":', item_id="fc_uzrJnRe3"),
+            _p_resp(args, delta='"Paris"}', item_id="fc_uzrJnRe3"), _p_resp("response.output_item.added", item=call2),
+            _p_resp(args, delta="{}", item_id="fc_Xk2p"), _p_resp("response.output_item.done", item=output[0]),
+            _p_resp("response.output_item.done", item=output[1]), _p_resp("response.completed", response=response),
         ]  # fmt: skip
         events = [lc.ToolCall(0, "fc_uzrJnRe3", "get_weather", ""), lc.ToolCall(0, None, None, '{"city":')]
         events += [lc.ToolCall(0, None, None, '"Paris"}'), lc.ToolCall(1, "fc_Xk2p", "get_time", "")]
@@ -3847,15 +3833,11 @@ class TestParserResponsesDialect(unittest.TestCase):
 
     def test_wrong_types_are_protocol_errors(self):
         for doc in (
-            {"type": 7},
-            _p_resp("response.output_text.delta", delta=1),
-            _p_resp("response.output_item.added", item=[]),
+            {"type": 7}, _p_resp("response.output_text.delta", delta=1), _p_resp("response.output_item.added", item=[]),
             _p_resp("response.output_item.added", item={"type": "function_call", "name": 3}),
-            _p_resp("response.completed"),
-            _p_resp("response.completed", response={"usage": {"input_tokens": "9"}}),
-            _p_resp("response.completed", response={"output": {}}),
-            _p_resp("response.created", response=[]),
-        ):
+            _p_resp("response.completed"), _p_resp("response.completed", response={"usage": {"input_tokens": "9"}}),
+            _p_resp("response.completed", response={"output": {}}), _p_resp("response.created", response=[]),
+        ):  # fmt: skip
             with self.subTest(doc=doc), self.assertRaises(lc.ProtocolError):
                 lc._ResponsesAssembler().feed(_p_json(doc))
 
@@ -3923,20 +3905,16 @@ class TestParserMessagesDialect(unittest.TestCase):
 
     def test_thinking_text_and_tool_use(self):
         docs = [
-            _p_msg_start(),
-            {"type": "ping"},
-            _p_block_start(0, {"type": "thinking", "thinking": ""}),
-            _p_block_delta(0, "thinking_delta", thinking="Let"),
-            _p_block_delta(0, "thinking_delta", thinking=" me"),
-            _p_block_start(1, {"type": "text", "text": ""}),
-            _p_block_delta(1, "text_delta", text="Sure"),
+            _p_msg_start(), {"type": "ping"}, _p_block_start(0, {"type": "thinking", "thinking": ""}),
+            _p_block_delta(0, "thinking_delta", thinking="Let"), _p_block_delta(0, "thinking_delta", thinking=" me"),
+            _p_block_start(1, {"type": "text", "text": ""}), _p_block_delta(1, "text_delta", text="Sure"),
             _p_block_start(2, {"type": "tool_use", "id": "uzrJnRe3BYtg", "name": "get_weather"}),
             _p_block_delta(2, "input_json_delta", partial_json='{"city":'),
             _p_block_start(3, {"type": "tool_use", "id": "Xk2pQ", "name": "get_time", "input": {}}),
             _p_block_delta(3, "input_json_delta", partial_json="{}"),
             _p_block_delta(2, "input_json_delta", partial_json='"Paris"}'),
             _p_block_delta(0, "signature_delta", signature=""),
-        ]
+        ]  # fmt: skip
         docs += [{"type": "content_block_stop", "index": i} for i in range(4)] + _p_msg_end("tool_use")
         events = [lc.Reasoning("Let"), lc.Reasoning(" me"), lc.Content("Sure")]
         events += [lc.ToolCall(0, "uzrJnRe3BYtg", "get_weather", ""), lc.ToolCall(0, None, None, '{"city":')]
@@ -3992,19 +3970,14 @@ class TestParserMessagesDialect(unittest.TestCase):
 
     def test_protocol_errors(self):
         for docs in (
-            [{"type": 3}],
-            [{"type": "message_start"}],
-            [{"type": "message_start", "message": []}],
-            [_p_block_delta("0", "text_delta", text="a")],
-            [_p_block_delta(0, "input_json_delta", partial_json="{")],  # no tool_use block 0
+            [{"type": 3}], [{"type": "message_start"}], [{"type": "message_start", "message": []}],
+            [_p_block_delta("0", "text_delta", text="a")], [_p_block_delta(0, "input_json_delta", partial_json="{")],  # no tool_use block 0
             [_p_block_start(0, {"type": "text", "text": ""}), _p_block_delta(0, "input_json_delta", partial_json="{")],
-            [_p_block_delta(0, "text_delta", text=1)],
-            [{"type": "content_block_delta", "index": 0}],
-            [{"type": "content_block_start", "index": 0}],
-            [_p_msg_start(), {"type": "message_stop"}],  # no stop reason
+            [_p_block_delta(0, "text_delta", text=1)], [{"type": "content_block_delta", "index": 0}],
+            [{"type": "content_block_start", "index": 0}], [_p_msg_start(), {"type": "message_stop"}],  # no stop reason
             [_p_msg_start({"input_tokens": "9"})] + _p_msg_end(),
             [_p_msg_start(), {"type": "message_delta", "delta": {"stop_reason": 1}}],
-        ):
+        ):  # fmt: skip
             with self.subTest(docs=docs), self.assertRaises(lc.ProtocolError):
                 self.feed(docs)
 
@@ -4700,13 +4673,10 @@ class TestClientStream(ServerCase):
     def test_reasoning_and_tool_calls(self):
         call = {"index": 0, "id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}
         deltas = [
-            {"role": "assistant", "content": None},
-            {"reasoning_content": "think"},
-            {"reasoning_content": ""},
-            {"reasoning_content": " more"},
-            {"tool_calls": [call]},
+            {"role": "assistant", "content": None}, {"reasoning_content": "think"}, {"reasoning_content": ""},
+            {"reasoning_content": " more"}, {"tool_calls": [call]},
             {"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Paris"}'}}]},
-        ]
+        ]  # fmt: skip
         body = chunked(*[sse(chunk_json(d)) for d in deltas], sse(chunk_json({}, "tool_calls")), b"data: [DONE]\n\n")
         self.use(serve_body(body + b"0\r\n\r\n"))
         completion, events = self.collect()
@@ -4736,12 +4706,9 @@ class TestClientEdges(ServerCase):
 
     def test_mistyped_delta_fields_are_protocol_errors(self):
         for delta in (
-            {"reasoning_content": 5},
-            {"content": ["x"]},
-            {"tool_calls": "x"},
-            {"tool_calls": [{"index": 0, "function": "x"}]},
-            {"content": "a", "reasoning_content": {}},
-        ):
+            {"reasoning_content": 5}, {"content": ["x"]}, {"tool_calls": "x"},
+            {"tool_calls": [{"index": 0, "function": "x"}]}, {"content": "a", "reasoning_content": {}},
+        ):  # fmt: skip
             with self.subTest(delta=delta):
                 body = chunked(sse(chunk_json({"role": "assistant"})), sse(chunk_json(delta)))
                 self.use(serve_body(body + b"0\r\n\r\n"))
@@ -4776,9 +4743,9 @@ class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
 
 
 def open_stream(client, endpoint, *args, **kw):
-    """``client.stream_<endpoint>(...)`` (``client.stream(...)`` for chat): a Stream; for AsyncDriver's
-    facade, its AsyncStream behind blocking iteration (as ``SyncFacade.stream`` does for chat)."""
-    name = "stream" if endpoint == "chat" else "stream_" + endpoint
+    """``client.stream_<endpoint>(...)`` (``stream(...)`` for chat, ``watch_models(...)`` for "models"): a
+    Stream; for AsyncDriver's facade, its AsyncStream behind blocking iteration (as ``SyncFacade.stream``)."""
+    name = {"chat": "stream", "models": "watch_models"}.get(endpoint, "stream_" + endpoint)
     if isinstance(client, SyncFacade):
         return StreamFacade(client._runner, getattr(client._client, name)(*args, **kw))
     return getattr(client, name)(*args, **kw)
@@ -4795,18 +4762,12 @@ def first_chunk(raw):
 _E_SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 #: What the captures 50 and 60 stream for _E_SEA at max 8 tokens
-_E_SEA_WORDS = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
-
-_E_SEA_TEXT = "".join(_E_SEA_WORDS)
+_E_SEA_TEXT = "".join(_p_SEA)
 
 _E_PATHS = {
-    "chat": "/v1/chat/completions",
-    "complete": "/completion",
-    "infill": "/infill",
-    "respond": "/v1/responses",
-    "message": "/v1/messages",
-    "complete_openai": "/v1/completions",
-}
+    "chat": "/v1/chat/completions", "complete": "/completion", "infill": "/infill", "respond": "/v1/responses",
+    "message": "/v1/messages", "complete_openai": "/v1/completions",
+}  # fmt: skip
 
 #: For each streamed endpoint: the call's arguments, a capture of its stream, and the text it streams.
 _E_CASES = {
@@ -4817,17 +4778,6 @@ _E_CASES = {
     "message": ((_E_SEA,), "60_messages_stream.raw.txt", _E_SEA_TEXT),
     "complete_openai": (("The sky is",), "90_completions_oai_stream_logprobs.raw.txt", "".join(_p_SKY)),
 }
-
-
-def _e_native_usage(evaluated, predicted, cached):
-    return {
-        "tokens_evaluated": evaluated,
-        "tokens_predicted": predicted,
-        "tokens_cached": cached,
-        "prompt_tokens": evaluated,
-        "completion_tokens": predicted,
-        "total_tokens": evaluated + predicted,
-    }
 
 
 def _e_docs(raw):
@@ -4847,10 +4797,6 @@ class TestEndpoints(ServerCase):
         self.server.route("POST", _E_PATHS[endpoint], lambda req: req.send(raw))
         return raw
 
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path == path]
-
     def call(self, endpoint, *args, client=None, **kw):
         events = []
         method = getattr(client or self.client, endpoint)
@@ -4859,21 +4805,16 @@ class TestEndpoints(ServerCase):
 
     def routed_client(self):
         """A client with a default model, which every streamed body then names."""
-        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
-        self.closers.append(client.close)
-        return client
+        return self.own_client(limits=self.limits, model="alpha")
 
     def read_as_its_dialect(self, endpoint, raw, events, completion):
         """Through the client, a capture gives the events and the Completion its endpoint's dialect reads
         from those bytes, exactly (TestParserDialectTranscripts and TestParserTextCompletionsDialect state
         what that is, split at every offset)."""
         dialect = {
-            "complete": lc._NativeAssembler,
-            "infill": lc._NativeAssembler,
-            "respond": lc._ResponsesAssembler,
-            "message": lc._MessagesAssembler,
-            "complete_openai": lc._TextAssembler,
-        }[endpoint]
+            "complete": lc._NativeAssembler, "infill": lc._NativeAssembler, "respond": lc._ResponsesAssembler,
+            "message": lc._MessagesAssembler, "complete_openai": lc._TextAssembler,
+        }[endpoint]  # fmt: skip
         self.assertEqual(("ok", events, completion), _p_outcome([raw], dialect))
 
     def sent_last(self, endpoint, body):
@@ -5236,25 +5177,17 @@ class TestEndpoints(ServerCase):
 
     def test_mistakes_are_raised_before_sending(self):
         cases = [
-            (TypeError, "complete", (5,), {}),
-            (ValueError, "complete", ([],), {}),
-            (TypeError, "complete", ("x",), {"prompt": "y"}),
-            (TypeError, "infill", (b"x",), {}),
-            (TypeError, "infill", ("x",), {"extra": "util.py"}),
-            (ValueError, "infill", ("x",), {"extra": [("a.py",)]}),
-            (TypeError, "infill", ("x",), {"input_extra": []}),
-            (ValueError, "respond", ([],), {}),
-            (TypeError, "respond", (["x"],), {}),
-            (ValueError, "message", ([],), {}),
-            (TypeError, "message", ("hi",), {}),
-            (ValueError, "message", (_E_SEA,), {"slot": -1}),
-            (TypeError, "complete", ("x",), {"slot": True}),
-            (TypeError, "complete_openai", (5,), {}),
-            (ValueError, "complete_openai", ([],), {}),
-            (TypeError, "complete_openai", ("x",), {"prompt": "y"}),
+            (TypeError, "complete", (5,), {}), (ValueError, "complete", ([],), {}),
+            (TypeError, "complete", ("x",), {"prompt": "y"}), (TypeError, "infill", (b"x",), {}),
+            (TypeError, "infill", ("x",), {"extra": "util.py"}), (ValueError, "infill", ("x",), {"extra": [("a.py",)]}),
+            (TypeError, "infill", ("x",), {"input_extra": []}), (ValueError, "respond", ([],), {}),
+            (TypeError, "respond", (["x"],), {}), (ValueError, "message", ([],), {}),
+            (TypeError, "message", ("hi",), {}), (ValueError, "message", (_E_SEA,), {"slot": -1}),
+            (TypeError, "complete", ("x",), {"slot": True}), (TypeError, "complete_openai", (5,), {}),
+            (ValueError, "complete_openai", ([],), {}), (TypeError, "complete_openai", ("x",), {"prompt": "y"}),
             (ValueError, "complete_openai", ("x",), {"slot": -1}),
             (ValueError, "complete_openai", ("x",), {"resumable": ""}),
-        ]
+        ]  # fmt: skip
         for error, endpoint, args, kw in cases:
             with self.subTest(endpoint=endpoint, args=args, kw=kw), self.assertRaises(error):
                 open_stream(self.client, endpoint, *args, **kw)
@@ -5284,10 +5217,6 @@ class TestLastRoutes(ServerCase):
     """watch_models (GET /models/sse) and load_model(wait=True); complete_openai's stream resumed."""
 
     limits = SOCKETS
-
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path == path]
 
     def call(self, *args, client=None, **kw):
         events = []
@@ -5335,7 +5264,7 @@ class TestLastRoutes(ServerCase):
             req.wait_peer_close(5)
 
         self.server.route("GET", "/models/sse", handler)
-        with _a_watch(client) as stream:
+        with open_stream(client, "models") as stream:
             got = [run_with_timeout(lambda: next(stream)) for _ in range(2)]
             self.assertEqual(got, [lc.ModelEvent(d["model"], d["event"], d["data"]) for d in (loading, other)])
             threading.Timer(0.8, release.set).start()  # four times liveness of silence
@@ -5347,8 +5276,7 @@ class TestLastRoutes(ServerCase):
         self.assertEqual(self.client._board.gate.snapshot(), {})
 
     def test_watch_models_filters_and_never_routes(self):
-        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits, model="alpha")
         events = [
             {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
             {"model": "alpha", "event": "status_change", "data": {"status": "loading"}},
@@ -5356,7 +5284,7 @@ class TestLastRoutes(ServerCase):
             {"model": "beta", "event": "status_change", "data": {"status": "loaded"}},
         ]
         self.sse(_t_sse(*events) + b"0\r\n\r\n", hold=False)
-        stream = _a_watch(client, model="beta")
+        stream = open_stream(client, "models", model="beta")
         got = []
         with self.assertRaises(lc.StreamClosedError) as caught:
             for event in run_with_timeout(lambda: stream):
@@ -5369,7 +5297,7 @@ class TestLastRoutes(ServerCase):
 
     def test_watch_models_cancel_and_errors(self):
         self.sse(_t_sse({"model": "a", "event": "x"}))
-        stream = _a_watch(self.client)
+        stream = open_stream(self.client, "models")
         self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("a", "x", None))
         stream.cancel()
         with self.assertRaises(lc.CancelledError):
@@ -5378,7 +5306,7 @@ class TestLastRoutes(ServerCase):
         loading = json_response({"error": {"code": 503, "message": "Loading"}}, b"503 Unavailable")
         self.server.route("GET", "/models/sse", reply(loading))
         with self.assertRaises(lc.HTTPStatusError) as caught:
-            run_with_timeout(lambda: next(_a_watch(self.client)))
+            run_with_timeout(lambda: next(open_stream(self.client, "models")))
         self.assertEqual(caught.exception.status, 503)
         self.assertEqual(len(self.sent("/models/sse")), 2)  # not sent again
         with self.assertRaises(TypeError):
@@ -5387,7 +5315,7 @@ class TestLastRoutes(ServerCase):
     def test_watch_models_of_a_server_that_is_not_there(self):
         self.server.close()
         with self.assertRaises(lc.ConnectError):
-            run_with_timeout(lambda: next(_a_watch(self.client)))
+            run_with_timeout(lambda: next(open_stream(self.client, "models")))
 
     def router(self, *answers):
         """POST /models/load answers success; GET /v1/models answers ``answers`` in turn (the last again)."""
@@ -5453,36 +5381,18 @@ _ROUTES_FILE = os.path.join(HERE, "dev", "testdata", "server_routes.txt")
 
 #: The route each named call sends (the calls of both clients)
 _NAMED_ROUTES = {
-    "GET /health": "health",
-    "GET /metrics": "metrics",
-    "GET /props": "props",
-    "GET /v1/models": "models",
-    "POST /completion": "complete",
-    "POST /v1/completions": "complete_openai",
-    "POST /v1/chat/completions": "chat",
-    "POST /v1/chat/completions/control": "end_reasoning",
-    "POST /v1/responses": "respond",
-    "POST /v1/messages": "message",
-    "POST /infill": "infill",
-    "POST /v1/embeddings": "embed",
-    "POST /v1/rerank": "rerank",
-    "POST /tokenize": "tokenize",
-    "POST /detokenize": "detokenize",
-    "POST /apply-template": "apply_template",
-    "POST /v1/chat/completions/input_tokens": "count_tokens",
+    "GET /health": "health", "GET /metrics": "metrics", "GET /props": "props", "GET /v1/models": "models",
+    "POST /completion": "complete", "POST /v1/completions": "complete_openai", "POST /v1/chat/completions": "chat",
+    "POST /v1/chat/completions/control": "end_reasoning", "POST /v1/responses": "respond",
+    "POST /v1/messages": "message", "POST /infill": "infill", "POST /v1/embeddings": "embed",
+    "POST /v1/rerank": "rerank", "POST /tokenize": "tokenize", "POST /detokenize": "detokenize",
+    "POST /apply-template": "apply_template", "POST /v1/chat/completions/input_tokens": "count_tokens",
     "POST /v1/responses/input_tokens": "count_response_tokens",
-    "POST /v1/messages/count_tokens": "count_message_tokens",
-    "GET /lora-adapters": "lora_adapters",
-    "POST /lora-adapters": "set_lora_adapters",
-    "GET /slots": "slots",
-    "POST /slots/:id_slot": "save_slot",  # and restore_slot, erase_slot
-    "GET /v1/stream": "resume",
-    "POST /v1/streams/lookup": "lookup_streams",
-    "DELETE /v1/stream": "delete_stream",
-    "POST /models/load": "load_model",
-    "POST /models/unload": "unload_model",
-    "GET /models/sse": "watch_models",
-}
+    "POST /v1/messages/count_tokens": "count_message_tokens", "GET /lora-adapters": "lora_adapters",
+    "POST /lora-adapters": "set_lora_adapters", "GET /slots": "slots", "POST /slots/:id_slot": "save_slot",  # and restore_slot, erase_slot
+    "GET /v1/stream": "resume", "POST /v1/streams/lookup": "lookup_streams", "DELETE /v1/stream": "delete_stream",
+    "POST /models/load": "load_model", "POST /models/unload": "unload_model", "GET /models/sse": "watch_models",
+}  # fmt: skip
 
 
 def _routes_of_source(text):
@@ -6028,8 +5938,7 @@ class TestApiCalls(_ApiCase):
 
     def test_request_bytes_with_api_key_and_headers_whole(self):
         self.server.route("POST", "/tokenize", reply(json_response({"tokens": [1]})))
-        client = self.new_client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
         self.assertEqual(run_with_timeout(lambda: client.tokenize("a\r\nb")), [1])
         req = self.server.requests[0]
         self.assertEqual(
@@ -6092,8 +6001,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
             (missing, FileNotFoundError, "no llama-server at %s: the socket file does not exist" % missing),
             (url, ConnectionRefusedError, "no llama-server listening at %s (connection refused)" % url),
         ):
-            client = self.new_client(address, limits=FAST)
-            self.closers.append(client.close)
+            client = self.own_client(address, limits=FAST)
             for name, call, *_ in _api_calls():
                 with self.subTest(call=name, address=address):
                     with self.assertRaises(lc.ConnectError) as cm:
@@ -6122,8 +6030,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
                 self._api_one_request(since)
 
     def test_silence_is_stalled_after_liveness(self):
-        client = self.new_client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(liveness=_API_LIVENESS))
         for name, call, line, *_ in _api_calls():
             with self.subTest(call=name):
                 _api_route(self.server, line, lambda req: req.wait_peer_close(5))
@@ -6136,8 +6043,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
 
     def test_silence_after_the_head_is_stalled_but_slow_progress_is_not(self):
         # liveness bounds the gap between two reads, never the whole answer
-        client = self.new_client(self.server.address, limits=FAST.replace(liveness=0.4))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(liveness=0.4))
         body = b'{"tokens":[1,2,3,4,5,6,7,8,9]}'
 
         def drip(req):  # the head, then the body 3 bytes at a time, 0.1 s apart
@@ -6160,8 +6066,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
         self.assertElapsed(time.monotonic() - start, 0.4, early=0.03)
 
     def test_body_over_max_body_is_protocol_error(self):
-        client = self.new_client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(max_body=_API_MAX_BODY))
         for name, call, line, _, answer, value, _ in _api_calls():
             body, ctype = _api_body(answer)
             self.assertLessEqual(len(body), _API_MAX_BODY)
@@ -6209,26 +6114,14 @@ class TestApiErrors(VirtualFactory, _ApiCase):
     def test_cr_lf_nul_in_method_path_or_query_refused_before_anything_is_sent(self):
         c = self.client
         for method, path, query in (
-            ("GET\r\n", "/health", None),
-            ("GE\nT", "/health", None),
-            ("G\0T", "/health", None),
-            ("GET /x", "/health", None),
-            ("", "/health", None),
-            ("GET", "/health\r\nX-Injected: 1", None),
-            ("GET", "/health\n", None),
-            ("GET", "/health\r", None),
-            ("GET", "/he\0alth", None),
-            ("GET", "/he alth", None),
-            ("GET", "health", None),
-            ("GET", "", None),
-            ("GET", "/health", {"a\r\nX-Injected: 1": "v"}),
-            ("GET", "/health", {"a": "v\r\nX-Injected: 1"}),
-            ("GET", "/health", {"a": "v\n"}),
-            ("GET", "/health", {"a": "\0"}),
-            ("GET", "/health", {b"a\r": "v"}),
-            ("GET", "/health", {"a": b"v\r\n"}),
-            ("POST", "/tokenize\r\n", {"a": "1"}),
-        ):
+            ("GET\r\n", "/health", None), ("GE\nT", "/health", None), ("G\0T", "/health", None),
+            ("GET /x", "/health", None), ("", "/health", None), ("GET", "/health\r\nX-Injected: 1", None),
+            ("GET", "/health\n", None), ("GET", "/health\r", None), ("GET", "/he\0alth", None),
+            ("GET", "/he alth", None), ("GET", "health", None), ("GET", "", None),
+            ("GET", "/health", {"a\r\nX-Injected: 1": "v"}), ("GET", "/health", {"a": "v\r\nX-Injected: 1"}),
+            ("GET", "/health", {"a": "v\n"}), ("GET", "/health", {"a": "\0"}), ("GET", "/health", {b"a\r": "v"}),
+            ("GET", "/health", {"a": b"v\r\n"}), ("POST", "/tokenize\r\n", {"a": "1"}),
+        ):  # fmt: skip
             with self.subTest(method=method, path=path, query=query), self.assertRaises(ValueError):
                 c.request(method, path, {"content": "x"} if method == "POST" else None, query=query)
         with self.assertRaises(TypeError):  # a query is a dict
@@ -6270,8 +6163,7 @@ class TestApiRouting(_ApiCase):
     gets it, one with a model keeps its own; request() included."""
 
     def test_single_shot_calls_are_routed_to_the_default_model(self):
-        client = self.new_client(self.server.address, limits=FAST, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, model="alpha")
         m = b', "model": "alpha"}'
         # fmt: off
         cases = [
@@ -6469,8 +6361,7 @@ class TestApiTLS(_ApiCase):
         self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
         # the host name is checked too: localhost is in the certificate
         port = self.server.address.rsplit(":", 1)[1]
-        by_name = self.new_client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
-        self.closers.append(by_name.close)
+        by_name = self.own_client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
         self.assertEqual(run_with_timeout(by_name.health), {"status": "ok"})
         self.assertEqual(self.server.requests[-1].headers["host"], "localhost:%s" % port)
         with self.server.lock:
@@ -6496,8 +6387,7 @@ class TestApiTLS(_ApiCase):
 
     def test_untrusted_certificate_is_connect_error_at_once_never_retried(self):
         # verification is on by default: the system store does not trust the test certificate
-        client = self.new_client(self.server.address, limits=FAST.replace(load_wait=30.0))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(load_wait=30.0))
         events = []
         calls = (
             lambda c: c.health(),
@@ -6511,8 +6401,7 @@ class TestApiTLS(_ApiCase):
             wait_for(lambda n=n: len(self.server.handshakes) == n, 5, "the server to see the handshake")
         # None retried: a retry connects before its call returns, so before this trusting sentinel, and the
         # listener accepts in order: once the sentinel is answered, every earlier connection was accepted.
-        sentinel = self.new_client(self.server.address, limits=FAST, ssl_context=self.trusting)
-        self.closers.append(sentinel.close)
+        sentinel = self.own_client(limits=FAST, ssl_context=self.trusting)
         self.assertEqual(run_with_timeout(sentinel.health), {"status": "ok"})
         with self.server.lock:
             self.assertEqual(len(self.server.conns), len(calls) + 2)  # one per call; the sentinel's, and its TLS
@@ -6530,8 +6419,7 @@ class TestApiTLS(_ApiCase):
         except OSError as exc:  # pragma: no cover - a host without 127.0.0.0/8 on lo
             self.skipTest("cannot listen on 127.0.0.2: %s" % exc)
         self.closers.append(other.close)
-        client = self.new_client(other.address, limits=FAST, ssl_context=self.trusting)
-        self.closers.append(client.close)
+        client = self.own_client(other.address, limits=FAST, ssl_context=self.trusting)
         for call in (lambda c: c.health(), lambda c: c.chat(MSGS, slot=0)):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 64)  # X509_V_ERR_IP_ADDRESS_MISMATCH
@@ -6785,19 +6673,13 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         cases = [(ValueError, lambda a=a: self.new_client(a)) for a in bad_addresses + ["/tmp/" + "x" * 120]]
         cases += [(ValueError, lambda b=b: lc.Limits(**b)) for b in ({"poll": -1}, {"queue_len": -2}, {"liveness": 0})]
         cases += [
-            (ValueError, lambda: lc.Limits(max_line=-5)),
-            (TypeError, lambda: lc.Limits(poll="1")),
-            (TypeError, lambda: lc.Limits(queue_len=1.5)),
-            (TypeError, lambda: lc.Limits(max_line=True)),
-            (TypeError, lambda: self.new_client(8080)),
-            (TypeError, lambda: client.stream(MSGS, foo=object())),
+            (ValueError, lambda: lc.Limits(max_line=-5)), (TypeError, lambda: lc.Limits(poll="1")),
+            (TypeError, lambda: lc.Limits(queue_len=1.5)), (TypeError, lambda: lc.Limits(max_line=True)),
+            (TypeError, lambda: self.new_client(8080)), (TypeError, lambda: client.stream(MSGS, foo=object())),
             (ValueError, lambda: client.stream(MSGS, temperature=float("nan"))),
-            (ValueError, lambda: client.stream(MSGS, slot=-1)),
-            (TypeError, lambda: client.stream(MSGS, slot=True)),
-            (TypeError, lambda: client.stream(MSGS, slot="0")),
-            (TypeError, lambda: client.end_reasoning(5)),
-            (ValueError, lambda: client.save_slot(-1, "f")),
-            (TypeError, lambda: client.erase_slot(True)),
+            (ValueError, lambda: client.stream(MSGS, slot=-1)), (TypeError, lambda: client.stream(MSGS, slot=True)),
+            (TypeError, lambda: client.stream(MSGS, slot="0")), (TypeError, lambda: client.end_reasoning(5)),
+            (ValueError, lambda: client.save_slot(-1, "f")), (TypeError, lambda: client.erase_slot(True)),
             (TypeError, lambda: client.tokenize(object())),
             (ValueError, lambda: lc.encode_request("GET", "health", "localhost")),
             (ValueError, lambda: lc.encode_request("GET", "/a b", "localhost")),
@@ -6809,10 +6691,9 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"content-length": "5"})),
             (TypeError, lambda: self.new_client("/tmp/x.sock", api_key=b"k")),
             (ValueError, lambda: lc.parse_address("http://:8080")),
-            (ValueError, lambda: lc.parse_address("http://[::1")),
-            (ValueError, lambda: lc.parse_address("unix://")),
+            (ValueError, lambda: lc.parse_address("http://[::1")), (ValueError, lambda: lc.parse_address("unix://")),
             (ValueError, lambda: lc.parse_address("/tmp/a\0b")),
-        ]
+        ]  # fmt: skip
         for i, (cls, call) in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(cls):
                 call()
@@ -6909,25 +6790,13 @@ def _a_route_answer(*payloads, done=True):
 
 def _a_stream(client, path, body=None, **kw):
     """``client.stream_route(path, body, **kw)``: a Stream (a StreamFacade for AsyncDriver's client)."""
-    if isinstance(client, SyncFacade):
-        return StreamFacade(client._runner, client._client.stream_route(path, body, **kw))
-    return client.stream_route(path, body, **kw)
-
-
-def _a_watch(client, **kw):
-    if isinstance(client, SyncFacade):
-        return StreamFacade(client._runner, client._client.watch_models(**kw))
-    return client.watch_models(**kw)
+    return open_stream(client, "route", path, body, **kw)
 
 
 class TestAnswers(_ApiCase):
     """fetch() gives any answer whole; headers= goes with one call (every call, its refusals); a resumable
     stream's later requests carry the call's headers; stream_route() streams a route the client does not
     name, with the engine's rules."""
-
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path.split("?")[0] == path]
 
     def fetch(self, *args, client=None, **kw):
         return run_with_timeout(lambda: (client or self.client).fetch(*args, **kw))
@@ -6990,8 +6859,7 @@ class TestAnswers(_ApiCase):
             run_with_timeout(lambda: self.client.request("POST", "/x", {"q": 1}))
         self.assertEqual(self.sent("/x")[0].raw_head, _api_head(b"POST /x", b'{"q": 1}', accept=b"*/*"))
         # routed to the client's default model as request() is: ?model= on a GET, "model" in a body
-        client = self.new_client(self.server.address, limits=FAST, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, model="alpha")
         self.server.route("GET", "/y?model=alpha", reply(json_response({})))
         self.assertEqual(self.fetch("GET", "/y", client=client).status, 200)
         self.fetch("POST", "/x", {"q": 1}, client=client)
@@ -6999,18 +6867,12 @@ class TestAnswers(_ApiCase):
 
     def test_fetch_mistakes_are_raised_before_sending(self):
         for error, args, kw in (
-            (TypeError, (b"GET", "/x"), {}),
-            (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
-            (ValueError, ("GET", "x"), {}),
-            (ValueError, ("G T", "/x"), {}),
-            (ValueError, ("GET", "/x\r\n"), {}),
-            (ValueError, ("POST", "/x", float("nan")), {}),
-            (TypeError, ("POST", "/x", object()), {}),
-            (ValueError, ("GET", "/x"), {"timeout": 0}),
-            (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
-            (TypeError, ("GET", "/x"), {"timeout": "1"}),
-            (TypeError, ("GET", "/x"), {"timeout": True}),
-        ):
+            (TypeError, (b"GET", "/x"), {}), (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
+            (ValueError, ("GET", "x"), {}), (ValueError, ("G T", "/x"), {}), (ValueError, ("GET", "/x\r\n"), {}),
+            (ValueError, ("POST", "/x", float("nan")), {}), (TypeError, ("POST", "/x", object()), {}),
+            (ValueError, ("GET", "/x"), {"timeout": 0}), (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
+            (TypeError, ("GET", "/x"), {"timeout": "1"}), (TypeError, ("GET", "/x"), {"timeout": True}),
+        ):  # fmt: skip
             with self.subTest(args=args, kw=kw), self.assertRaises(error):
                 self.fetch(*args, **kw)
         self._api_nothing_sent()
@@ -7018,8 +6880,7 @@ class TestAnswers(_ApiCase):
     # -- headers= per call ------------------------------------------------------------------------------
 
     def test_every_single_shot_call_takes_headers_and_timeout_for_itself(self):
-        client = self.new_client(self.server.address, limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
         mine = b"\r\nX-Keep: k\r\nX-Call: v\r\nUser-Agent: mine/2"
         for name, call, line, body, answer, value, _ in _api_calls():
             with self.subTest(call=name):
@@ -7045,8 +6906,7 @@ class TestAnswers(_ApiCase):
         )
 
     def test_a_call_may_replace_the_api_key(self):
-        client = self.new_client(self.server.address, limits=FAST, api_key="sk-client")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, api_key="sk-client")
         run_with_timeout(lambda: client.health(headers={"authorization": "Bearer sk-call"}))
         run_with_timeout(client.health)
         first, second = self.sent("/health")
@@ -7056,28 +6916,19 @@ class TestAnswers(_ApiCase):
 
     def test_refused_headers_on_every_kind_of_call_before_sending(self):
         refused = [
-            (ValueError, {"Host": "x"}),
-            (ValueError, {"content-length": "1"}),
-            (ValueError, {"Transfer-Encoding": "chunked"}),
-            (ValueError, {"CONTENT-TYPE": "text/plain"}),
-            (ValueError, {"Connection": "keep-alive"}),
-            (ValueError, {"X-A": "a\r\nX-B: b"}),
-            (ValueError, {"X-A\n": "a"}),
-            (ValueError, {"X A": "a"}),
-            (TypeError, {"X-A": 1}),
+            (ValueError, {"Host": "x"}), (ValueError, {"content-length": "1"}),
+            (ValueError, {"Transfer-Encoding": "chunked"}), (ValueError, {"CONTENT-TYPE": "text/plain"}),
+            (ValueError, {"Connection": "keep-alive"}), (ValueError, {"X-A": "a\r\nX-B: b"}),
+            (ValueError, {"X-A\n": "a"}), (ValueError, {"X A": "a"}), (TypeError, {"X-A": 1}),
             (TypeError, {b"X-A": "a"}),
-        ]
+        ]  # fmt: skip
         calls = [
-            lambda c, h: c.fetch("GET", "/x", headers=h),
-            lambda c, h: c.slots(headers=h),
-            lambda c, h: c.embed("a", headers=h),
-            lambda c, h: c.stream(MSGS, headers=h),
-            lambda c, h: c.chat(MSGS, headers=h),
-            lambda c, h: open_stream(c, "complete", "x", headers=h),
-            lambda c, h: _a_stream(c, "/x", headers=h),
-            lambda c, h: c.resume("conv-1", headers=h),
-            lambda c, h: _a_watch(c, headers=h),
-        ]
+            lambda c, h: c.fetch("GET", "/x", headers=h), lambda c, h: c.slots(headers=h),
+            lambda c, h: c.embed("a", headers=h), lambda c, h: c.stream(MSGS, headers=h),
+            lambda c, h: c.chat(MSGS, headers=h), lambda c, h: open_stream(c, "complete", "x", headers=h),
+            lambda c, h: _a_stream(c, "/x", headers=h), lambda c, h: c.resume("conv-1", headers=h),
+            lambda c, h: open_stream(c, "models", headers=h),
+        ]  # fmt: skip
         for error, headers in refused:
             for i, call in enumerate(calls):
                 with self.subTest(headers=headers, call=i), self.assertRaises(error):
@@ -7095,7 +6946,7 @@ class TestAnswers(_ApiCase):
         calls += [
             ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
             ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
-            ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
+            ("/models/sse", lambda h: list(open_stream(c, "models", headers=h))),
             ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),
         ]
         for path, call in calls:
@@ -7177,8 +7028,7 @@ class TestAnswers(_ApiCase):
         self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream", session=key))
         self.assertEqual(req.body, body)
         # no body, another method, a default model routed as request() routes it
-        client = self.new_client(self.server.address, limits=FAST, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, model="alpha")
         self.server.route("GET", "/events?model=alpha", _a_route_answer("tick", done=False))
         self.assertEqual(self.route("/events", method="GET", client=client)[0], [lc.Chunk("tick")])
         (req,) = self.sent("/events")
@@ -7264,18 +7114,12 @@ class TestAnswers(_ApiCase):
 
     def test_stream_route_mistakes_are_raised_before_sending(self):
         for error, args, kw in (
-            (TypeError, (b"/x",), {}),
-            (TypeError, ("/x",), {"method": None}),
-            (ValueError, ("x",), {}),
-            (ValueError, ("/x",), {"method": "P T"}),
-            (ValueError, ("/x", {"a": float("nan")}), {}),
-            (TypeError, ("/x", "text"), {"slot": 0}),
-            (TypeError, ("/x", [1]), {"n": 2}),
-            (TypeError, ("/x", {"n": 1}), {"n": 2}),
-            (ValueError, ("/x",), {"slot": -1}),
-            (TypeError, ("/x",), {"slot": "0"}),
-            (ValueError, ("/x",), {"resumable": ""}),
-        ):
+            (TypeError, (b"/x",), {}), (TypeError, ("/x",), {"method": None}), (ValueError, ("x",), {}),
+            (ValueError, ("/x",), {"method": "P T"}), (ValueError, ("/x", {"a": float("nan")}), {}),
+            (TypeError, ("/x", "text"), {"slot": 0}), (TypeError, ("/x", [1]), {"n": 2}),
+            (TypeError, ("/x", {"n": 1}), {"n": 2}), (ValueError, ("/x",), {"slot": -1}),
+            (TypeError, ("/x",), {"slot": "0"}), (ValueError, ("/x",), {"resumable": ""}),
+        ):  # fmt: skip
             with self.subTest(args=args, kw=kw), self.assertRaises(error):
                 _a_stream(self.client, *args, **kw)
         self._api_nothing_sent()
@@ -7789,8 +7633,7 @@ class TestWedgedSlots(VirtualFactory, ServerCase):
                 if what == "no fields":
                     self.server.route("GET", "/slots", FakeServer._slots.__get__(self.server))
                     self.server.busy[0] = True
-                client = self.new_client(self.server.address, limits=limits.replace(busy_wait=2 * self.WEDGE))
-                self.closers.append(client.close)
+                client = self.own_client(limits=limits.replace(busy_wait=2 * self.WEDGE))
                 self.use(hold_then(content_stream(["x"]), self.event()))
                 with self.assertRaises(lc.WaitTimeoutError):
                     run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -7808,8 +7651,7 @@ class TestWedgedSlots(VirtualFactory, ServerCase):
     def test_any_slot_leaves_wedged_slots_out_of_busy(self):
         # slot 0 wedged, slot 1 idle: the pool is not busy, so an unanswered request is stalled, not waiting
         self.use(hold_then(content_stream(["x"]), self.event()))
-        client = self.new_client(self.server.address, limits=self.limits.replace(idle_grace=2 * self.WEDGE))
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits.replace(idle_grace=2 * self.WEDGE))
         events = []
         with self.assertRaises(lc.StalledError) as cm:
             run_with_timeout(lambda: client.chat(MSGS, slot=None, on_event=events.append))
@@ -8196,8 +8038,7 @@ class TestGate(ServerCase):
         is the size that /props?model=m1 gives, one here."""
         self.server.route("GET", "/slots?model=m1", self.server._slots)
         self.server.route("GET", "/props?model=m1", lambda req: respond_json(req, {"total_slots": 1}))
-        client = self.new_client(self.server.address, limits=self.limits, model="m1")
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits, model="m1")
         keeper = Gatekeeper(self.server)
         for slot, where in ((0, "slot 0 of model m1"), (None, "any slot of model m1")):
             with self.subTest(slot=slot):
@@ -8267,8 +8108,7 @@ class TestGate(ServerCase):
         """Twenty waiters on one slot: each hears its place first, then only smaller ones, at most once per
         poll; the request sent at once hears none; the slot serves them in entry order."""
         limits = self.limits.replace(queue_len=20)
-        client = self.new_client(self.server.address, limits=limits)
-        self.closers.append(client.close)
+        client = self.own_client(limits=limits)
         keeper = Gatekeeper(self.server)
         heard, results, threads = {}, {}, []
 
@@ -8646,11 +8486,8 @@ class TestGateResize(unittest.TestCase):
         before the answer are judged by it, in order; with ``queue_len`` 0, exactly those past the pool are
         refused, each woken once; a probe that failed judges them against a pool of one."""
         for queue_len, answer, granted, told, refused in (
-            (0, 500, 6, [], 0),
-            (0, 2, 2, [], 4),
-            (1, 2, 2, [1], 3),
-            (2, None, 1, [1, 2], 3),
-        ):
+            (0, 500, 6, [], 0), (0, 2, 2, [], 4), (1, 2, 2, [1], 3), (2, None, 1, [1, 2], 3),
+        ):  # fmt: skip
             with self.subTest(queue_len=queue_len, answer=answer):
                 gate = lc._Gate(threading.Lock(), queue_len)
                 key = (None, None)
@@ -8758,10 +8595,6 @@ class TestPoolProbe(VirtualFactory, ServerCase):
 
         self.server.route("GET", path, handler)
         return answered
-
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path == path]
 
     def in_gate(self, client=None):
         """The slot=None requests in the gate: in flight and waiting (none before an AsyncClient's first run)."""
@@ -9486,15 +9319,9 @@ class TestStress(ServerCase):
         client = lc.Client(self.server.address, limits=limits)
         self.closers.append(client.close)
         self.stress(
-            client,
-            threads=1100,
-            per_thread=1,
-            slots=2,
-            seed=20261201,
-            pace=(0.0005, 0.002),
-            cancel_within=1.0,
+            client, threads=1100, per_thread=1, slots=2, seed=20261201, pace=(0.0005, 0.002), cancel_within=1.0,
             hold_first=True,
-        )
+        )  # fmt: skip
         # when the last thread came, each slot held one request in flight and queue_len waiting (this seed
         # puts more than 501 requests on each slot): exact, where the sampler's peak, every 50 ms, may come
         # after the first cancels
@@ -10006,8 +9833,7 @@ class TestDeadline(VirtualFactory, _ApiCase):
         server = self.new_server(tcp=True)
         self.closers.append(server.close)
         server.unanswered = True  # the accept queue is full
-        client = self.new_client(server.address, limits=FAST)
-        self.closers.append(client.close)
+        client = self.own_client(server.address, limits=FAST)
         self.deadline(
             lambda: client.health(timeout=0.3),
             0.3,
@@ -10097,8 +9923,7 @@ class TestDeadlineConnect(ServerCase):
 
     def test_a_connect_that_does_not_complete(self):
         address = full_tcp_listener(self)
-        client = self.new_client(address, limits=FAST)
-        self.closers.append(client.close)
+        client = self.own_client(address, limits=FAST)
         t = Timer()
         with self.assertRaises(lc.DeadlineError) as cm:
             run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))
@@ -10108,8 +9933,7 @@ class TestDeadlineConnect(ServerCase):
 
     def fetch_by_deadline(self, address):
         """``fetch(timeout=0.4)`` at ``address``: the DeadlineError of its connect, in its time."""
-        client = self.new_client(address, limits=FAST)
-        self.closers.append(client.close)
+        client = self.own_client(address, limits=FAST)
         t = Timer()
         with self.assertRaises(lc.DeadlineError) as cm:
             run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))

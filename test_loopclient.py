@@ -7713,20 +7713,6 @@ class TestWaitEdges(VirtualFactory, ServerCase):
         self.assertEqual(waits_first(self, events), [lc.Content("ok")])
         self.assertEqual(completion.content, "ok")
 
-    def test_any_slot_pool_grows_when_props_answers_late(self):
-        answers = iter(
-            [
-                lambda req: respond_json(req, {"error": {"message": "Loading model", "code": 503}}, 503, "x"),
-                lambda req: respond_json(req, {"total_slots": 2}),
-            ]
-        )
-        self.server.route("GET", "/props", lambda req: next(answers)(req))
-        self.use(serve_body(content_stream(["ok"])))
-        self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props failed: a pool of one
-        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (0, 0))
-        self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props answered: the pool grows
-        self.assertEqual(self.client._board.gate._lanes[(None, None)].capacity, 2)
-
     def test_retry_after_dates_out_of_range(self):
         self.assertIsNone(lc.parse_retry_after("Fri, 31 Dec 99999 23:59:59 GMT"))
         self.assertIsNone(lc.parse_retry_after("not a date"))
@@ -7846,37 +7832,6 @@ def gate_problems(gate, queue_len=None, shrunk=False):
 class TestGate(ServerCase):
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=5.0, idle_grace=10.0, queue_len=2)
 
-    @real_time
-    def test_queued_events_fifo_and_busy_error(self):
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        threads = [start_chat(self.client, "A", 0, events, results)]
-        wait_for(lambda: keeper.arrived("A"), what="A to be sent")
-        threads.append(start_chat(self.client, "B", 0, events, results))
-        wait_for(lambda: events["B"], what="B to queue")
-        threads.append(start_chat(self.client, "C", 0, events, results))
-        wait_for(lambda: events["C"], what="C to queue")
-        # the queue holds 2: the fourth is refused at once and nothing is sent
-        t = Timer()
-        with self.assertRaises(lc.BusyError):
-            self.client.chat([{"role": "user", "content": "D"}], slot=0)
-        self.assertLess(t.elapsed, lateness(self, 0.1))
-        self.assertEqual(events["B"], [lc.Queued(1)])
-        self.assertEqual(events["C"], [lc.Queued(2)])
-        # A's release hands the permit to B; C learns it moved up on its own timer (within poll)
-        keeper.release("A")
-        wait_for(lambda: keeper.arrived("B"), what="B to get the permit")
-        wait_for(lambda: len(events["C"]) == 2, what="C to hear it moved up")
-        self.assertEqual(events["C"], [lc.Queued(2), lc.Queued(1)])
-        self.assertFalse(keeper.arrived("C"))
-        for marker in "BC":
-            keeper.release(marker)
-        for th in threads:
-            th.join(5)
-        self.assertEqual([m for _, m in keeper.order], ["A", "B", "C"])
-        self.assertEqual([results[m].content for m in "ABC"], ["A", "B", "C"])
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
-
     def test_slots_are_independent(self):
         keeper = Gatekeeper(self.server)
         events, results = {}, {}
@@ -7924,23 +7879,6 @@ class TestGate(ServerCase):
         a.join(5)
         c.join(5)
         self.assertEqual([m for _, m in keeper.order], ["A", "C"])
-
-    def test_any_slot_pool_is_sized_by_props(self):
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        a = start_chat(self.client, "A", None, events, results)
-        b = start_chat(self.client, "B", None, events, results)
-        wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="two at once over two slots")
-        c = start_chat(self.client, "C", None, events, results)
-        wait_for(lambda: events["C"])
-        self.assertEqual(events["C"], [lc.Queued(1)])  # the first waiter of a full pool of two: one to end
-        self.assertFalse(keeper.arrived("C"))
-        for marker in "ABC":
-            keeper.release(marker)
-        for th in (a, b, c):
-            th.join(5)
-        self.assertEqual(results["C"].content, "C")
-        self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
 
     @real_time
     def test_busy_error_names_the_slot_and_the_model(self):

@@ -1719,11 +1719,8 @@ _p_STRIDE = 1024
 
 
 def _p_splittings(data, every=True, sample=300, hot=(), pairs_upto=40, sets=0, seed=7):
-    """(label, pieces): ``data`` whole, with empty reads around it, byte by byte; in two at every offset
-    (beyond 2 * _p_STRIDE bytes, in _p_STRIDE-byte pieces at each phase instead, and in two at a third of
-    ``sample`` seeded offsets) or, not ``every``, at ``sample`` seeded offsets and those around each of
-    ``hot``; at every pair of offsets when ``data`` is ``pairs_upto`` bytes or shorter; and at ``sets``
-    seeded random sets of up to 60 offsets."""
+    """(label, pieces): ``data`` whole, with empty reads, byte by byte, in two at every offset (or at
+    ``sample`` seeded ones, around ``hot``), at every pair when short, and at ``sets`` random sets of offsets."""
     n, rng = len(data), random.Random(seed + len(data))
     yield "whole", [data]
     yield "with empty reads around it", [b"", data, b""]
@@ -3211,9 +3208,8 @@ class _FastPaths:
         return asm._fast
 
     def run_both(self, payloads, raw_chunks=False):
-        """The same payloads through feed() (fast path where it applies) and through the general path
-        alone: every step's events or error, the state the pump and the thinking cap read, and the
-        completion.  Returns how many payloads met the fast path switched on."""
+        """The same payloads through feed() and the general path alone: each step's outcome, the state, the
+        completion alike.  Returns how many payloads met the fast path switched on."""
         fast, general = self.DIALECT(raw_chunks), self.DIALECT(raw_chunks)
         fast_steps = 0
         for payload in payloads:
@@ -4740,9 +4736,8 @@ def _e_docs(raw):
 
 
 class TestEndpoints(ServerCase):
-    """complete, infill, respond, message and complete_openai (and their stream_* forms) through the client,
-    on the bytes the real server sent (dev/testdata/transcripts), and what they share with chat (for chat
-    too); count_message_tokens and the LoRA calls."""
+    """The other endpoints (and their stream_* forms) through the client on the real server's bytes, and
+    what they share with chat; count_message_tokens and the LoRA calls."""
 
     limits = SOCKETS
 
@@ -4762,9 +4757,7 @@ class TestEndpoints(ServerCase):
         return self.own_client(limits=self.limits, model="alpha")
 
     def read_as_its_dialect(self, endpoint, raw, events, completion):
-        """Through the client, a capture gives the events and the Completion its endpoint's dialect reads
-        from those bytes, exactly (TestParserDialectTranscripts and TestParserTextCompletionsDialect state
-        what that is, split at every offset)."""
+        """Through the client, a capture gives exactly what its endpoint's dialect reads from its bytes."""
         dialect = {
             "complete": lc._NativeAssembler, "infill": lc._NativeAssembler, "respond": lc._ResponsesAssembler,
             "message": lc._MessagesAssembler, "complete_openai": lc._TextAssembler,
@@ -5393,9 +5386,8 @@ def _unexplained_routes(routes):
 
 
 class TestServerRoutes(unittest.TestCase):
-    """Every route the server registers (the copy in dev/testdata/server_routes.txt) is a named call or a
-    line of the reference (dev/REFERENCE.md) with its reason; a fresh clone runs this on the copy, without
-    the source."""
+    """Every route the server registers (dev/testdata/server_routes.txt) is a named call or a line of
+    dev/REFERENCE.md with its reason."""
 
     def test_every_route_is_a_call_or_in_the_reference(self):
         routes = _routes_of_copy()
@@ -6471,9 +6463,8 @@ class TestServerApiAsync(AsyncDriver, TestServerApi):
 
 
 class TestListenQueueFull(ServerCase):
-    """A Unix socket whose listen queue is full refuses a (non-blocking) connect with EAGAIN: a connect
-    failure, retried with Retrying for a stream and ConnectError for a single-shot call, never a closed
-    stream."""
+    """A full listen queue refuses a Unix connect with EAGAIN: a connect failure (Retrying for a stream,
+    ConnectError for a single-shot call), never a closed stream."""
 
     def full_listener(self):
         late = FakeServer(listen=False)
@@ -7179,11 +7170,8 @@ class TestVirtualClock(unittest.TestCase):
 
 @real_time
 class TestDriversAlike(unittest.TestCase):
-    """Each operation of the plan protocol performed by _SyncRun and _AsyncRun on a real socket (a
-    FakeServer) and by VirtualRun on the virtual clock (a VirtualServer): the same result or error (class,
-    errno, message), the same requests seen by the server, and the same time taken: exactly on the virtual
-    clock, within the margin on the real one (MARGIN, scaled by the machine's pace: ``lateness``).  What lets
-    the tiers that run on the virtual clock stand for the real drivers."""
+    """Each plan operation on _SyncRun, _AsyncRun (real sockets) and VirtualRun alike: the same result or
+    error, requests and time taken (what lets the virtual-clock tiers stand for the real drivers)."""
 
     KINDS = ("sync", "async", "virtual")
 
@@ -8422,10 +8410,8 @@ class TestGateResize(unittest.TestCase):
 
 
 class TestPoolProbe(VirtualFactory, ServerCase):
-    """``slot=None`` without ``Limits.pool``: the pool's size is asked of ``/props`` in the background.  The
-    first request goes to the server at once; the others wait, unjudged (no ``Queued``, no refusal), until
-    the answer sizes the pool and judges them; a failed one leaves a pool of one, and the next request asks
-    again.  At no moment are more requests at the server than the pool."""
+    """``slot=None`` without ``Limits.pool``: ``/props`` asked in the background; one request goes at once,
+    the others wait unjudged until the answer (a failed one: a pool of one); never more at the server than the pool."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0, queue_len=8)
 
@@ -8547,11 +8533,8 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
 
     def crowd(self, total):
-        """``self.n()`` slot=None chats started together with ``queue_len=0`` ("fail fast instead of queueing"),
-        ``/props`` answering ``total_slots: total`` once all are in the gate, each chat held at the server
-        until released: nobody was refused, nor told a place, before the answer (the probe's own timeout,
-        ``liveness``, is long here: a probe that fails judges them against a pool of one).  Returns (keeper,
-        markers, events, results, threads)."""
+        """``self.n()`` slot=None chats with ``queue_len=0``, ``/props`` answering ``total`` once all are in the gate:
+        nobody refused nor told a place before the answer.  Returns (keeper, markers, events, results, threads)."""
         release = self.event()
         self.props_when(release, {"total_slots": total})
         client = self.new_client(
@@ -8902,10 +8885,8 @@ class TestCancelAsync(AsyncDriver, TestCancel):
 
 @real_time
 class TestAsyncCancel(ServerCase):
-    """``stream.cancel()`` and cancelling the iterating task, while queued, backing off, waiting for the
-    head and streaming: the request ends within 0.2 s (``lc.CancelledError`` after ``cancel()``,
-    ``asyncio.CancelledError`` for the cancelled task), its socket is closed and its permit released at
-    once, and nothing is left behind when the loop closes."""
+    """cancel() and task.cancel() in each state of a request: ends within 0.2 s, socket closed and permit
+    released at once, nothing left behind when the loop closes."""
 
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0)
 
@@ -9031,10 +9012,8 @@ class TestThinkingCap(ServerCase):
         )
 
     def controlled(self):
-        """A server that streams 4 reasoning tokens (one past a cap of 3: what a server generates while the
-        control request travels), waits for the control call (the server's pace, not its own clock, which a
-        loaded machine would let outrun the overrun allowance), then 1 more token and content; with no call
-        within 10 s, a finish by length."""
+        """A server streaming 4 reasoning tokens (one past a cap of 3), then waiting for the control call (its
+        pace, not a clock a loaded machine would outrun), then 1 more and content; no call in 10 s: length."""
         ended = threading.Event()
         controls = []
 
@@ -9139,10 +9118,8 @@ def _s_ended_as_documented(test, outcomes, plans, more=()):
 
 
 class TestStress(ServerCase):
-    """Threads x requests over slots, random cancels and random server faults: every request ends in a
-    documented way, every permit comes back, BusyError exactly at queue_len, each slot served in entry
-    order, every Queued sequence starts at the entry position and only shrinks, and the gate's invariants
-    hold throughout (sampled while it runs)."""
+    """Threads x requests over slots, random cancels and server faults: each ends as documented, the gate's
+    invariants hold throughout (sampled), and stress() checks its permits, BusyErrors, Queued and order."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
 
@@ -9154,9 +9131,8 @@ class TestStress(ServerCase):
         self.stress(self.client, threads=16, per_thread=6, slots=4, seed=20261130)
 
     def test_a_thousand_waiters(self):
-        """1,100 threads on two slots with queue_len 500: the first request on each slot is held until
-        every thread has entered the gate, and the cancels start then, so 1,000 wait at once (fewer as
-        cancels come) and the rest are refused."""
+        """1,100 threads on two slots, queue_len 500: the first on each slot held until every thread entered the
+        gate (cancels start then), so 1,000 wait at once and the rest are refused."""
         # load_wait generous: when the held requests are let go, hundreds connect at once and overflow the
         # fake server's listen queue, which is retried under load_wait (a budget this test is not about)
         # liveness and idle_grace generous too: 1,100 threads of one process on a loaded machine leave a
@@ -9333,9 +9309,8 @@ class TestStress(ServerCase):
 
 
 class TestAsyncStress(ServerCase):
-    """48 streams over 4 slots on one loop, queue_len 2, with cancel() and task.cancel() and server faults
-    at random: every request ends in a documented way, every permit is released, BusyError comes exactly
-    when a queue is full, and each slot's requests reach the server in the order they entered its queue."""
+    """48 streams over 4 slots on one loop (queue_len 2), cancel(), task.cancel() and faults at random: each ends
+    as documented, every permit released, BusyError only on a full queue, each slot served in entry order."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
 
@@ -9491,9 +9466,8 @@ asyncio.run(main())
 
 
 class TestAsyncScale(unittest.TestCase):
-    """1,000 concurrent streams, and 1,000 waiters on one slot, on one event loop: each completes, and the
-    memory each costs (tracemalloc, its task included) stays under a fixed bound.  Measured without asyncio's
-    debug mode, which records a stack for every future, handle and task (three times the memory)."""
+    """1,000 streams, and 1,000 waiters on one slot, on one loop: each completes, and each costs under a fixed
+    bound (tracemalloc; without debug mode, which records a stack per future and triples the memory)."""
 
     #: bytes per stream in flight (connection, transport, pump, stream, its task) and per queued waiter;
     #: about twice what Python 3.11 measures (8.5 KiB and 3.6 KiB)

@@ -660,15 +660,10 @@ class ServerCase(ClientFactory, unittest.TestCase):
 # AsyncDriver: each tier's client tests run again through AsyncClient
 # -----------------------------------------------------------------------------------------------------
 #
-# AsyncDriver, mixed in first, makes a test class's ``new_client()`` return a SyncFacade: lc.AsyncClient
-# behind Client's blocking calls, its coroutines run on an event loop in a helper thread (one per test,
-# asyncio debug mode on).  A test written once for Client then runs twice, unchanged.  The loop's
-# exception handler records what debug mode reports (a task destroyed while pending, an exception never
-# retrieved, a callback that failed), and so do tasks still pending when the test's clients are closed:
-# either fails the test.  Each ``...Async`` class follows its base class; the async variants leave out
-# a few slow tests whose async path another async test already walks (the behaviour they pin is shared
-# code, and the threaded run keeps them).  A test that looks at threaded internals sees GateView; one
-# that is about the threaded client itself builds lc.Client and says why.
+# AsyncDriver, mixed in first, makes ``new_client()`` return a SyncFacade: lc.AsyncClient behind Client's
+# blocking calls, run on a debug-mode event loop in a helper thread, so a test written for Client runs twice.
+# What debug mode reports, and tasks still pending at close, fail the test.  A few slow tests whose async
+# path another walks are left out of the ...Async class; threaded internals are seen through GateView.
 
 
 class LoopThread:
@@ -870,18 +865,12 @@ class AsyncDriver:
 # VirtualFactory: the request logic on a virtual clock, against the same scripted servers in memory
 # -----------------------------------------------------------------------------------------------------
 #
-# VirtualFactory, mixed in first, makes a test class's clients run their plans on VirtualRun, a third
-# driver: it performs the same operations as _SyncRun and _AsyncRun, on in-memory connections to a
-# VirtualServer (FakeServer with its handlers unchanged), and on a virtual clock.  The model is trio's
-# MockClock with autojump: every participant (the test's thread, each handler, each background plan) is a
-# thread, but only one runs at a time, handing over the turn whenever it blocks (a read, a park, a sleep,
-# an event); when every one is blocked, the clock jumps to the next timer.  So a 5-second budget passes
-# in no real time, every outcome is deterministic, and timing is asserted exactly (assertElapsed).
-# While a test runs, ``time.monotonic``, ``time.time``, ``time.sleep`` and ``loopclient._clock`` read the
-# virtual clock in those threads (and the real one in any other), which is how the handlers, Timer and
-# wait_for run unchanged.  Tests say ``self.event()``, ``self.later()``, ``self.start_thread()`` and
-# ``self.new_server()`` where they would make a threading.Event, a threading.Timer, a thread or a
-# FakeServer, so that one description runs on real sockets or on the virtual clock.
+# VirtualFactory, mixed in first, runs a class's plans on VirtualRun, a third driver: the operations of
+# _SyncRun and _AsyncRun on in-memory connections to a VirtualServer (FakeServer's handlers unchanged), on a
+# virtual clock (trio's MockClock with autojump): every participant is a thread, one runs at a time, and
+# when all are blocked the clock jumps to the next timer, so budgets pass in no real time and are asserted
+# exactly.  In those threads time.monotonic, time.time, time.sleep and loopclient._clock read it.  Tests
+# say self.event(), self.later(), self.start_thread(), self.new_server() so one description runs either way.
 
 _REAL_MONOTONIC = time.monotonic
 _REAL_SLEEP = time.sleep
@@ -9073,11 +9062,9 @@ class TestStress(ServerCase):
     def test_a_thousand_waiters(self):
         """1,100 threads on two slots, queue_len 500: the first on each slot held until every thread entered the
         gate (cancels start then), so 1,000 wait at once and the rest are refused."""
-        # load_wait generous: when the held requests are let go, hundreds connect at once and overflow the
-        # fake server's listen queue, which is retried under load_wait (a budget this test is not about)
-        # liveness and idle_grace generous too: 1,100 threads of one process on a loaded machine leave a
-        # stream or a scripted handler unscheduled for seconds (a StalledError after 2 s was seen), and the
-        # budgets are not what this test is about
+        # budgets this test is not about, generous: the held requests let go overflow the fake server's
+        # listen queue (retried under load_wait), and 1,100 threads on a loaded machine leave a stream or a
+        # handler unscheduled for seconds (a StalledError after 2 s was seen)
         limits = self.limits.replace(queue_len=500, poll=0.2, load_wait=60.0, liveness=30.0, idle_grace=60.0)
         # the threaded client: 1,100 threads (TestAsyncStress and TestAsyncScale load the asyncio client)
         client = lc.Client(self.server.address, limits=limits)

@@ -2320,7 +2320,8 @@ class TestParserSmallFunctions(unittest.TestCase):
     def test_retry_after(self):
         for value, expect in (("120", 120.0), ("0", 0.0), (" 7 ", 7.0)):
             self.assertEqual(lc.parse_retry_after(value, now=1000.0), expect)
-        for value in (None, "", "-1", "-0", "+5", "1.5", "abc", "5s", "\u0663", "Wed, 99 Foo 2015"):
+        bad = [None, "", "-1", "-0", "+5", "1.5", "abc", "5s", "\u0663", "Wed, 99 Foo 2015"]
+        for value in bad + ["Fri, 31 Dec 99999 23:59:59 GMT"]:  # (a year no datetime holds)
             with self.subTest(value=value):
                 self.assertIsNone(lc.parse_retry_after(value, now=1000.0))
         when = calendar.timegm((2015, 10, 21, 7, 28, 0))  # an HTTP date: the seconds until it, never below 0
@@ -7392,9 +7393,31 @@ class TestWaitForHead(VirtualFactory, ServerCase):
         # far fewer /slots requests than Waiting events: answers are shared and reused
         self.assertLess(self.server.slots_requests, len(waits) / 2)
 
+    def test_any_slot_all_busy_waits_busy(self):
+        self.server.busy[:] = [True, True]
+        release = self.event()
+        self.use(hold_then(content_stream(["ok"]), release))
+        answers = SlotAnswers(self)
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            timely = answers.sort(events)[0]
+            if len(timely) >= 2:  # told busy twice: a slot frees
+                self.server.busy[0] = False
+            if lc.Waiting(False) in timely[2:]:  # told it: the head comes
+                release.set()
+
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=None, on_event=on_event))
+        timely, _ = answers.sort(events)
+        self.assertEqual(timely[:2], [lc.Waiting(True), lc.Waiting(True)])
+        self.assertIn(lc.Waiting(False), timely[2:])
+        self.assertEqual(waits_first(self, events), [lc.Content("ok")])
+        self.assertEqual(completion.content, "ok")
+
 
 TestWaitForHeadSockets, TestWaitForHeadSocketsAsync = on_sockets(
-    TestWaitForHead, "test_five_waiters_share_one_slots_request"
+    TestWaitForHead, "test_five_waiters_share_one_slots_request", "test_any_slot_all_busy_waits_busy"
 )
 
 
@@ -7619,41 +7642,6 @@ class TestRetries(VirtualFactory, ServerCase):
 TestRetriesSockets, TestRetriesSocketsAsync = on_sockets(
     TestRetries, "test_socket_appears_after_a_while", "test_retry_after_seconds_honoured",
 )  # fmt: skip
-
-
-class TestWaitEdges(VirtualFactory, ServerCase):
-    """Edge cases of waiting for a slot: any-slot pools, empty /slots, Retry-After dates."""
-
-    def test_any_slot_all_busy_waits_busy(self):
-        self.server.busy[:] = [True, True]
-        release = self.event()
-        self.use(hold_then(content_stream(["ok"]), release))
-        answers = SlotAnswers(self)
-        events = []
-
-        def on_event(ev):
-            events.append(ev)
-            timely = answers.sort(events)[0]
-            if len(timely) >= 2:  # told busy twice: a slot frees
-                self.server.busy[0] = False
-            if lc.Waiting(False) in timely[2:]:  # told it: the head comes
-                release.set()
-
-        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=None, on_event=on_event))
-        timely, _ = answers.sort(events)
-        self.assertEqual(timely[:2], [lc.Waiting(True), lc.Waiting(True)])
-        self.assertIn(lc.Waiting(False), timely[2:])
-        self.assertEqual(waits_first(self, events), [lc.Content("ok")])
-        self.assertEqual(completion.content, "ok")
-
-    def test_retry_after_dates_out_of_range(self):
-        self.assertIsNone(lc.parse_retry_after("Fri, 31 Dec 99999 23:59:59 GMT"))
-        self.assertIsNone(lc.parse_retry_after("not a date"))
-        self.assertEqual(lc.parse_retry_after("Thu, 01 Jan 1970 00:00:00 GMT"), 0.0)
-        self.assertEqual(lc.parse_retry_after("Thu, 01 Jan 1970 00:01:40 GMT", now=0.0), 100.0)
-
-
-TestWaitEdgesSockets, TestWaitEdgesSocketsAsync = on_sockets(TestWaitEdges, "test_any_slot_all_busy_waits_busy")
 
 
 class Gatekeeper:

@@ -530,9 +530,7 @@ SOCKETS = FAST.replace(poll=1.0)
 
 
 #: Small budgets for the fault tier: every wait there is under a second.
-FAST_FAULTS = FAST.replace(
-    liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024
-)
+FAST_FAULTS = FAST.replace(liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024)  # fmt: skip
 
 
 #: The command line's limits in tests (see QuickLimits), so that its error paths end quickly.
@@ -650,9 +648,7 @@ class ServerCase(ClientFactory, unittest.TestCase):
     def collect(self, client=None, **kw):
         events = []
         slot = kw.pop("slot", 0)
-        completion = run_with_timeout(
-            lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw)
-        )
+        completion = run_with_timeout(lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw))  # fmt: skip
         return completion, events
 
 
@@ -1049,9 +1045,7 @@ class VirtualKernel:
             self._turn(me)
         if me.deadlock:
             me.deadlock = False
-            raise VirtualDeadlock(
-                "every virtual task waits and none has a timer: %s" % sorted(map(repr, self.tasks - {me}))
-            )
+            raise VirtualDeadlock("every virtual task waits and none has a timer: %s" % sorted(map(repr, self.tasks - {me})))  # fmt: skip
         return me.timed_out
 
     def wake(self, task):
@@ -1927,9 +1921,7 @@ class TestParserResponseReader(unittest.TestCase):
 
     def test_head_fields_and_done(self):
         reader = lc.ResponseReader()
-        self.assertEqual(
-            reader.feed(b"HTTP/1.1 200 OK\r\nX-Dup: a\r\nx-dup:  b \r\nContent-Length: 2\r\n\r\no"), [b"o"]
-        )
+        self.assertEqual(reader.feed(b"HTTP/1.1 200 OK\r\nX-Dup: a\r\nx-dup:  b \r\nContent-Length: 2\r\n\r\no"), [b"o"])  # fmt: skip
         head = reader.head
         self.assertEqual((head.get("X-DUP"), head.get_all("x-dup"), head.get("no")), ("b", ["a", "b"], None))
         self.assertFalse(reader.done)  # by Content-Length: done at its last byte, before the end of file
@@ -2223,9 +2215,7 @@ class TestParserAssembler(unittest.TestCase):
             _p_tool(3, "call-Z", "other", 'ris"}'),
             _p_tool(5, None, None, ' "UTC"}'),
         ]  # another id or name: ignored
-        asm, events = _p_feed_payloads(
-            [chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")]
-        )
+        asm, events = _p_feed_payloads([chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")])  # fmt: skip
         expect = [lc.ToolCall(3, "call-A", "get_weather", '{"ci'), lc.ToolCall(5, "call-B", "get_time", "")]
         expect += [lc.ToolCall(3, None, None, 'ty": "Pa'), lc.ToolCall(5, "call-B", "get_time", '{"tz":')]
         expect += [lc.ToolCall(3, "call-Z", "other", 'ris"}'), lc.ToolCall(5, None, None, ' "UTC"}')]
@@ -2240,9 +2230,7 @@ class TestParserAssembler(unittest.TestCase):
         asm, _ = _p_feed_payloads(
             [calls(_p_tool(7, "b", "g", "{}")), calls(_p_tool(2, "a", "f", "[]")), chunk_json({}, "tool_calls")]
         )
-        self.assertEqual(
-            asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")]
-        )
+        self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")])  # fmt: skip
         _, events = _p_feed_payloads(
             [calls(_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")), chunk_json({}, "tool_calls")]
         )
@@ -2373,9 +2361,7 @@ class TestParserSmallFunctions(unittest.TestCase):
         ):
             with self.subTest(text=text):
                 a = lc.parse_address(text)
-                self.assertEqual(
-                    (a.unix, a.target, a.host, a.tls, a.prefix, a.text), (unix, target, host, tls, prefix, text)
-                )
+                self.assertEqual((a.unix, a.target, a.host, a.tls, a.prefix, a.text), (unix, target, host, tls, prefix, text))  # fmt: skip
 
     def test_parse_address_unix_path_length(self):
         ok = "/" + "s" * (lc.MAX_UNIX_PATH - 1)
@@ -2599,9 +2585,7 @@ def _p_random_head(rng):
     odds = 0.0 if rng.random() < 0.4 else 0.1  # how often each part is not plain
     status = pick([b"HTTP/1.1", b"HTTP/1.0"]) if rng.random() >= odds else pick([b"HTTP/2", b"http/1.1", b"HTTP/1.1 "])
     status += b" " + (pick([b"200", b"503", b"101"]) if rng.random() >= odds else pick([b"20", b"2000", b"2x0"]))
-    status += (
-        pick([b"", b" ", b" OK", b"  OK", b" Not Found "]) if rng.random() >= odds else b" " + text(plain + odd, 6)
-    )
+    status += (pick([b"", b" ", b" OK", b"  OK", b" Not Found "]) if rng.random() >= odds else b" " + text(plain + odd, 6))  # fmt: skip
     lines = [status]
     for _ in range(rng.randint(0, 6)):
         name = text(plain, 8) or b"x" if rng.random() >= odds else text(plain + odd, 6)
@@ -2920,10 +2904,7 @@ class TestParserChoices(unittest.TestCase):
         payloads += [_p_finish(1, "length"), _p_finish(0, "stop")]
         events = [lc.Reasoning("hm", 1), lc.Content("No.", 2), lc.Content("Yes", 0), lc.Content("Maybe", 1)]
         events += [lc.Content(", yes.", 0), lc.Content(" not.", 1)]
-        choices = (
-            lc.Choice(0, "Yes, yes.", "", [], "stop", None),
-            lc.Choice(1, "Maybe not.", "hm", [], "length", None),
-        )
+        choices = (lc.Choice(0, "Yes, yes.", "", [], "stop", None), lc.Choice(1, "Maybe not.", "hm", [], "length", None))  # fmt: skip
         choices += (lc.Choice(2, "No.", "", [], "stop", None),)
         done = _p_completion(choices, usage=None, timings=None, reasoning_tokens=1)
         _p_check_stream(self, _p_http(payloads), ("ok", events, done))
@@ -3148,9 +3129,7 @@ def _p_random_payload(rng, words):
         elif roll < 0.9:
             entry["finish_reason"] = pick("stop", "length", 1, "")
         if rng.random() < 0.15:
-            entry["logprobs"] = pick(
-                None, {}, {"content": [{"token": "t"}]}, {"reasoning_content": []}, {"content": 1}, "x"
-            )
+            entry["logprobs"] = pick(None, {}, {"content": [{"token": "t"}]}, {"reasoning_content": []}, {"content": 1}, "x")  # fmt: skip
         return entry if rng.random() < 0.98 else pick([], "x", None)
 
     doc = {}
@@ -3238,9 +3217,7 @@ class TestAssemblerPaths(_FastPaths, unittest.TestCase):
         return lead + [_p_random_payload(rng, words) for _ in range(rng.randint(1, 16))]
 
     def test_fast_and_general_paths_agree_on_real_streams(self):
-        payloads = [_p_role(0)] + [
-            _p_text(0, w, what) for w in ("x", "", " y") for what in ("content", "reasoning_content")
-        ]
+        payloads = [_p_role(0)] + [_p_text(0, w, what) for w in ("x", "", " y") for what in ("content", "reasoning_content")]  # fmt: skip
         payloads += [
             _p_text(0, "z", logprobs={"content": [_p_entry(1, "z", -1.0)]}), _p_text(None, "n"), _p_text(1, "one"),
         ]  # fmt: skip
@@ -3357,17 +3334,13 @@ class TestParserChoiceTranscripts(unittest.TestCase):
         one = ["A", " recipe", " for", " a", " loaf", " of", " bread", " begins"]
         for a, b in zip(zero[1:], one[1:]):
             events += [lc.Content(a, 0), lc.Content(b, 1)]
-        choices = tuple(
-            lc.Choice(i, "".join(w), "", [], "length", _p_logprobs(raw, i)) for i, w in enumerate((zero, one))
-        )
+        choices = tuple(lc.Choice(i, "".join(w), "", [], "length", _p_logprobs(raw, i)) for i, w in enumerate((zero, one)))  # fmt: skip
         self.check(raw, events, choices, every=False)  # the shape of 30, split at 1,000 offsets; choice 1's timings
 
     def test_32_two_choices_reasoning_logprobs(self):
         raw = load_transcript("32_reasoning_n2_logprobs.raw.txt")
         thoughts, answer = ["is", " the", " sky", " a"], ["the", " ", "answer", " is", " yes"]
-        events = [
-            cls(w, i) for cls, words in ((lc.Reasoning, thoughts), (lc.Content, answer)) for w in words for i in (0, 1)
-        ]
+        events = [cls(w, i) for cls, words in ((lc.Reasoning, thoughts), (lc.Content, answer)) for w in words for i in (0, 1)]  # fmt: skip
         choices = tuple(
             lc.Choice(i, "the answer is yes", "is the sky a", [], "stop", _p_logprobs(raw, i), None) for i in (0, 1)
         )
@@ -3535,9 +3508,7 @@ class TestParserNativeDialect(unittest.TestCase):
             ([_p_native("a", [1])], [lc.Content("a")], "the stream ended before its stop chunk: the server stopped mid-answer"),
         ):  # fmt: skip
             with self.subTest(message=message):
-                self.check(
-                    _p_dialect_http([sse(p) for p in payloads]), ("raised", events, lc.StreamClosedError, message)
-                )
+                self.check(_p_dialect_http([sse(p) for p in payloads]), ("raised", events, lc.StreamClosedError, message))  # fmt: skip
         asm = lc._NativeAssembler()
         self.assertFalse(asm.done)
         with self.assertRaises(lc.StreamClosedError):
@@ -3659,9 +3630,7 @@ def _p_resp_feed(asm, kind, **fields):
 
 class TestParserResponsesDialect(unittest.TestCase):
     def check(self, blocks, expect, **kw):
-        _p_check_stream(
-            self, _p_dialect_http([_p_typed(b) for b in blocks]), expect, dialect=lc._ResponsesAssembler, **kw
-        )
+        _p_check_stream(self, _p_dialect_http([_p_typed(b) for b in blocks]), expect, dialect=lc._ResponsesAssembler, **kw)  # fmt: skip
 
     def test_reasoning_then_text(self):
         blocks, response = _p_resp_text_stream([" the", " sea", "."], reasoning=["Let", " me"])
@@ -3706,14 +3675,10 @@ class TestParserResponsesDialect(unittest.TestCase):
         added = _p_resp_feed(asm, "response.output_item.added", output_index=0, item=item)
         self.assertEqual(added, [lc.ToolCall(0, "call_1", "f", "")])
         args = "response.function_call_arguments.delta"
-        self.assertEqual(
-            _p_resp_feed(asm, args, item_id="fc_1", output_index=0, delta="{"), [lc.ToolCall(0, None, None, "{")]
-        )
+        self.assertEqual(_p_resp_feed(asm, args, item_id="fc_1", output_index=0, delta="{"), [lc.ToolCall(0, None, None, "{")])  # fmt: skip
         self.assertEqual(_p_resp_feed(asm, args, output_index=0, delta="}"), [lc.ToolCall(0, None, None, "}")])
         # the done item holds nothing the deltas did not bring
-        self.assertEqual(
-            _p_resp_feed(asm, "response.output_item.done", output_index=0, item=dict(item, arguments="{}")), []
-        )
+        self.assertEqual(_p_resp_feed(asm, "response.output_item.done", output_index=0, item=dict(item, arguments="{}")), [])  # fmt: skip
         # a call seen only when done: its arguments come from the item
         late = {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": '{"a":1}'}
         done = _p_resp_feed(asm, "response.output_item.done", output_index=1, item=late)
@@ -3727,9 +3692,7 @@ class TestParserResponsesDialect(unittest.TestCase):
         # dev/fuzz.py found it: the Completion named the call while no event had
         asm = lc._ResponsesAssembler()
         item = {"id": "fc_1", "arguments": "", "call_id": "call_1", "type": "function_call"}
-        self.assertEqual(
-            _p_resp_feed(asm, "response.output_item.added", item=item), [lc.ToolCall(0, "call_1", None, "")]
-        )
+        self.assertEqual(_p_resp_feed(asm, "response.output_item.added", item=item), [lc.ToolCall(0, "call_1", None, "")])  # fmt: skip
         item = dict(item, name="get_weather", arguments="{}")
         done = _p_resp_feed(asm, "response.output_item.done", item=item)
         self.assertEqual(done, [lc.ToolCall(0, None, "get_weather", ""), lc.ToolCall(0, None, None, "{}")])
@@ -4209,9 +4172,7 @@ class TestParserDialectTranscripts(unittest.TestCase):
         thinking = ["blue", " sky", "\n"]
         words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
         events = [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words]
-        done = self.event_completion(
-            raw, "".join(words), "length", "".join(thinking), reasoning_tokens=3, messages=True
-        )
+        done = self.event_completion(raw, "".join(words), "length", "".join(thinking), reasoning_tokens=3, messages=True)  # fmt: skip
         self.check(lc._MessagesAssembler, raw, ("ok", events, done))
 
     def expected_events(self, raw):
@@ -4849,9 +4810,7 @@ class TestEndpoints(ServerCase):
         )
         msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
         self.assertEqual(run_with_timeout(lambda: self.client.count_message_tokens(msgs)), 31)
-        self.assertEqual(
-            run_with_timeout(lambda: self.routed_client().count_message_tokens(msgs, system="Be brief")), 31
-        )
+        self.assertEqual(run_with_timeout(lambda: self.routed_client().count_message_tokens(msgs, system="Be brief")), 31)  # fmt: skip
         plain, routed = self.sent("/v1/messages/count_tokens")
         self.assertEqual(plain.json(), {"messages": msgs})  # no stream, no slot
         self.assertEqual(routed.json(), {"messages": msgs, "system": "Be brief", "model": "alpha"})
@@ -5054,9 +5013,7 @@ class TestEndpoints(ServerCase):
                 events = []
                 with self.assertRaises(lc.ServerError) as cm:
                     run_with_timeout(lambda: getattr(self.client, endpoint)(*args, slot=0, on_event=events.append))
-                self.assertEqual(
-                    (cm.exception.code, cm.exception.message, cm.exception.type), (500, message, "server_error")
-                )
+                self.assertEqual((cm.exception.code, cm.exception.message, cm.exception.type), (500, message, "server_error"))  # fmt: skip
                 self.assertEqual(events, expect)
                 self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 1)
 
@@ -5145,9 +5102,7 @@ class TestLastRoutes(ServerCase):
 
     def call(self, *args, client=None, **kw):
         events = []
-        completion = run_with_timeout(
-            lambda: (client or self.client).complete_openai(*args, on_event=events.append, **kw)
-        )
+        completion = run_with_timeout(lambda: (client or self.client).complete_openai(*args, on_event=events.append, **kw))  # fmt: skip
         return completion, events
 
     def test_a_resumable_one_cut_anywhere_resumes(self):
@@ -5256,9 +5211,7 @@ class TestLastRoutes(ServerCase):
             _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loaded"})),
         )
         self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta", wait=True)), {"success": True})
-        self.assertEqual(
-            [r.path for r in self.server.requests], ["/models/load", "/v1/models", "/v1/models", "/v1/models"]
-        )
+        self.assertEqual([r.path for r in self.server.requests], ["/models/load", "/v1/models", "/v1/models", "/v1/models"])  # fmt: skip
         self.assertEqual(self.sent("/models/load")[0].json(), {"model": "beta"})
         self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta")), {"success": True})
         self.assertEqual(len(self.sent("/v1/models")), 3)  # without wait: the answer alone
@@ -5269,9 +5222,7 @@ class TestLastRoutes(ServerCase):
         self.router(_t_models(("broken", {"value": "loading"})), _t_models(("broken", failed)))
         with self.assertRaises(lc.ServerError) as caught:
             run_with_timeout(lambda: self.client.load_model("broken", wait=True))
-        self.assertEqual(
-            (caught.exception.code, caught.exception.type, caught.exception.error), (1, "load_failed", failed)
-        )
+        self.assertEqual((caught.exception.code, caught.exception.type, caught.exception.error), (1, "load_failed", failed))  # fmt: skip
         self.assertIn("could not load model 'broken'", str(caught.exception))
         self.assertIn("exit code 1", str(caught.exception))
         self.server.route(
@@ -5743,9 +5694,7 @@ class TestKeepAlive(ClientFactory, unittest.TestCase):
         self.assertEqual(server.connections, 2)
 
     def test_a_connection_idle_past_the_servers_timeout_is_not_reused(self):
-        server, client = self.serve(
-            lambda req: keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=2\r\n")
-        )
+        server, client = self.serve(lambda req: keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=2\r\n"))  # fmt: skip
         self.assertEqual(self.tokens(client, 1), [[7]])
         time.sleep(1.05)  # the subject: idle longer than the server's timeout less one second
         self.assertEqual(self.tokens(client, 1), [[7]])
@@ -6395,9 +6344,7 @@ class TestServerApi(ServerCase):
             lambda req: (controls.append(req.json()), respond_json(req, {"success": True})),
         )
         self.use(chat)
-        client = self.new_client(
-            self.server.address, limits=FAST.replace(thinking_cap=1, thinking_overrun=10), model="m1"
-        )
+        client = self.own_client(limits=FAST.replace(thinking_cap=1, thinking_overrun=10), model="m1")
         events = []
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=None, on_event=on_event))
         self.assertEqual(self.server.chat_requests()[0].json()["model"], "m1")
@@ -6868,9 +6815,7 @@ class TestAnswers(_ApiCase):
                 buf.reset(cuts)
                 since = len(self.server.requests)
                 events = []
-                run_with_timeout(
-                    lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append)
-                )
+                run_with_timeout(lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append))  # fmt: skip
                 self.assertEqual(buf.methods(), methods)
                 with self.server.lock:
                     reqs = [r for r in self.server.requests[since:] if not r.path.startswith("/slots")]
@@ -6997,9 +6942,7 @@ class TestAnswers(_ApiCase):
         for cut in sorted(rng.sample(range(len(buf.head) + 1, len(raw) - 5), 12)):
             buf.reset([cut])
             events, again = self.route("/completions", body, slot=0, resumable="c-r")
-            self.assertEqual(
-                [e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut
-            )
+            self.assertEqual([e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut)  # fmt: skip
             self.assertEqual(again, done, "cut at %d" % cut)
             self.assertEqual(buf.methods().count("POST"), 1, "cut at %d" % cut)
         stream = self.client.resume("c-r", endpoint="route")
@@ -7032,10 +6975,7 @@ class TestCallSignatures(unittest.TestCase):
         self.assertIn("stream_route", names)
         for name in names:
             with self.subTest(name):
-                sync, other = (
-                    inspect.signature(getattr(lc.Client, name)),
-                    inspect.signature(getattr(lc.AsyncClient, name)),
-                )
+                sync, other = (inspect.signature(getattr(lc.Client, name)), inspect.signature(getattr(lc.AsyncClient, name)))  # fmt: skip
                 self.assertEqual(list(sync.parameters), list(other.parameters))
                 params = sync.parameters
                 takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -7347,9 +7287,7 @@ class TestWaitForHead(VirtualFactory, ServerCase):
                         release.set()  # the last phase is over: the chat's head is sent
                 phase = phases[min(state["phase"], len(phases) - 1)]
             if phase == "down":
-                respond_json(
-                    req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
-                )
+                respond_json(req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x")  # fmt: skip
             else:
                 respond_json(req, [{"id": 0, "is_processing": True}])
 
@@ -7740,9 +7678,7 @@ def gate_problems(gate, queue_len=None, shrunk=False):
                 if ticket.pos != pos or ticket.granted or ticket.left:
                     problems.append(where + "ticket %d at %d is not a plain waiter" % (ticket.seq, pos))
                 if lane.before(ticket) != rank:
-                    problems.append(
-                        where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank)
-                    )
+                    problems.append(where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank))  # fmt: skip
                 if not ticket.ahead and lane.known:
                     problems.append(where + "ticket at %d not judged in a pool of known size" % pos)
                 if ticket.ahead and not shrunk and ticket.ahead < lane.ahead(ticket):
@@ -8363,9 +8299,7 @@ class TestPoolProbe(VirtualFactory, ServerCase):
 
     def in_gate(self, client=None):
         """The slot=None requests in the gate: in flight and waiting (none before an AsyncClient's first run)."""
-        return on_board(
-            client or self.client, lambda b: 0 if b is None else sum(b.gate.snapshot().get((None, None), (0, 0)))
-        )
+        return on_board(client or self.client, lambda b: 0 if b is None else sum(b.gate.snapshot().get((None, None), (0, 0))))  # fmt: skip
 
     def start(self, keeper, markers, events, results, **params):
         """Start a slot=None chat per marker, each once it is in the gate (at the server, or waiting)."""
@@ -8468,10 +8402,7 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         nobody refused nor told a place before the answer.  Returns (keeper, markers, events, results, threads)."""
         release = self.event()
         self.props_when(release, {"total_slots": total})
-        client = self.new_client(
-            self.server.address, limits=self.limits.replace(queue_len=0, load_wait=600.0, liveness=600.0)
-        )
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits.replace(queue_len=0, load_wait=600.0, liveness=600.0))
         keeper = Gatekeeper(self.server)
         events, results = {}, {}
         n = self.n()
@@ -8853,9 +8784,7 @@ class TestAsyncCancel(ServerCase):
                 start = time.monotonic()
                 if how == "cancel()":
                     stream.cancel()
-                    self.assertTrue(
-                        all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()"
-                    )
+                    self.assertTrue(all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()")  # fmt: skip
                     self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1 if first else 0, 0))
                 else:
                     task.cancel()
@@ -9012,9 +8941,7 @@ def _s_answer(req, marker, plan):
         boom = b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
         req.send(STREAM_HEAD + chunked(boom) + b"0\r\n\r\n")
     elif fault == "400":
-        respond_json(
-            req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request"
-        )
+        respond_json(req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request")  # fmt: skip
     else:
         req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
         for word in (marker, ""):
@@ -9495,9 +9422,7 @@ class TestDeadline(VirtualFactory, _ApiCase):
             run_with_timeout(call)
         self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
         err = cm.exception
-        self.assertEqual(
-            (err.timeout, err.phase, str(err)), (seconds, phase, message + ": raise timeout= to wait longer")
-        )
+        self.assertEqual((err.timeout, err.phase, str(err)), (seconds, phase, message + ": raise timeout= to wait longer"))  # fmt: skip
         self.assertIsInstance(err, TimeoutError)
         return err
 

@@ -177,13 +177,8 @@ def read_request(conn):
 
 class FakeRequest:
     def __init__(self, server, conn, method, path, headers, body):
-        self.server = server
-        self.conn = conn
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.closed_by_peer = threading.Event()
+        self.server, self.conn, self.method, self.path = server, conn, method, path
+        self.headers, self.body, self.closed_by_peer = headers, body, threading.Event()
 
     def json(self):
         return json.loads(self.body)
@@ -5504,10 +5499,7 @@ class _UnixServer:
     def __init__(self, prefix, name):
         self.tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
         self.path = os.path.join(self.tmp, name)
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.sockets = set()
-        self.threads = []
+        self.lock, self.stopping, self.sockets, self.threads = threading.Lock(), threading.Event(), set(), []
         self.connections = 0
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
@@ -5603,12 +5595,8 @@ class KeepAliveServer(_UnixServer):
 def keep_alive_answer(doc, headers=b"Keep-Alive: timeout=5, max=100\r\n", version=b"HTTP/1.1", body=None):
     """A plain JSON answer as llama-server sends it, without ``Connection: close``."""
     body = json.dumps(doc).encode() if body is None else body
-    return b"%s 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        version,
-        len(body),
-        headers,
-        body,
-    )
+    head = b"%s 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n" % version
+    return head + b"Content-Length: %d\r\n%s\r\n%s" % (len(body), headers, body)
 
 
 class TestDroppedClient(unittest.TestCase):

@@ -4356,14 +4356,6 @@ class TestParserModelEvents(unittest.TestCase):
             with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError):
                 lc._ModelEvents().feed(payload)
 
-    def test_model_event_is_a_value_object(self):  # (its fields: TestReference)
-        event = lc.ModelEvent("alpha", "status_change", {"status": "loaded"})
-        self.assertEqual((copy.deepcopy(event), pickle.loads(pickle.dumps(event))), (event, event))
-        self.assertEqual(repr(event), "ModelEvent(model='alpha', event='status_change', data={'status': 'loaded'})")
-        with self.assertRaises(AttributeError):
-            event.model = "beta"
-        self.assertIn("ModelEvent", lc.__all__)
-
 
 def _a_bare(completion):
     """A named call's Completion as stream_route() reads the same bytes: the finish, usage, id, model,
@@ -6580,6 +6572,8 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
             lc.Limits().poll = 2.0  # type: ignore[misc]
         with self.assertRaises(AttributeError):
             del lc.Content("a").text  # type: ignore[misc]
+        with self.assertRaises(AttributeError):
+            lc.ModelEvent("alpha", "x", None).model = "beta"  # type: ignore[misc]
         self.assertEqual(lc.Limits().replace(poll=2.0).poll, 2.0)
         with self.assertRaises(TypeError):
             lc.Limits().replace(pol=2.0)
@@ -6592,7 +6586,7 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
             lc.Queued(2), lc.Waiting(True, wedged=True), lc.Retrying(1, 0.25, "HTTP 503: Loading model"),
             lc.Reasoning("r", choice=1), lc.Content("c"), lc.ToolCall(0, "id", "f", "{", choice=2),
             lc.ThinkingCapped(3), lc.Progress(10, 20, 5, 1.5), lc.Chunk({"choices": [{"delta": {"content": "x"}}]}),
-            lc.ToolCallResult("id", "f", "{}"),
+            lc.ToolCallResult("id", "f", "{}"), lc.ModelEvent("alpha", "status_change", {"status": "loaded"}),
             lc.Choice(1, "c", "r", [lc.ToolCallResult("id", "f", "{}")], "stop", [{"token": "c"}]),
             lc.Completion("id", "m", "c", "", [], "stop", {"total_tokens": 3}, None),
             lc.Slot(0, True, {"id": 0, "is_processing": True}, task=7, decoded=3, prompt_processed=12),

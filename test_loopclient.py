@@ -2160,15 +2160,6 @@ def _p_tool(index, cid=None, name=None, args=None):
 
 
 class TestParserAssembler(unittest.TestCase):
-    def test_content_deltas_concatenate_in_order(self):
-        words = ["Hel", "lo", " w\u00f6rld\n"]
-        payloads = [chunk_json({"role": "assistant", "content": None})]
-        payloads += [chunk_json({"content": w}) for w in words] + [chunk_json({}, "stop")]
-        asm, events = _p_feed_payloads(payloads)
-        self.assertEqual((events, asm.id), ([lc.Content(w) for w in words], CID))
-        done = lc.Completion(CID, MODEL, "Hello w\u00f6rld\n", "", [], "stop", None, None, 0, False)
-        self.assertEqual(asm.completion(), done)
-
     def test_reasoning_then_content(self):
         asm = lc.Assembler()
         self.assertFalse(asm.in_reasoning)
@@ -2209,7 +2200,7 @@ class TestParserAssembler(unittest.TestCase):
         calls += [
             _p_tool(3, "call-Z", "other", 'ris"}'),
             _p_tool(5, None, None, ' "UTC"}'),
-        ]  # another id or name: ignored
+        ]  # another id, name: ignored
         asm, events = _p_feed_payloads([chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")])  # fmt: skip
         expect = [lc.ToolCall(3, "call-A", "get_weather", '{"ci'), lc.ToolCall(5, "call-B", "get_time", "")]
         expect += [lc.ToolCall(3, None, None, 'ty": "Pa'), lc.ToolCall(5, "call-B", "get_time", '{"tz":')]
@@ -2222,13 +2213,9 @@ class TestParserAssembler(unittest.TestCase):
 
     def test_tool_calls_in_index_order_whatever_the_arrival_two_in_one_delta(self):
         calls = lambda *tools: chunk_json({"tool_calls": list(tools)})
-        asm, _ = _p_feed_payloads(
-            [calls(_p_tool(7, "b", "g", "{}")), calls(_p_tool(2, "a", "f", "[]")), chunk_json({}, "tool_calls")]
-        )
+        asm, _ = _p_feed_payloads([calls(_p_tool(7, "b", "g", "{}")), calls(_p_tool(2, "a", "f", "[]")), chunk_json({}, "tool_calls")])  # fmt: skip
         self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")])  # fmt: skip
-        _, events = _p_feed_payloads(
-            [calls(_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")), chunk_json({}, "tool_calls")]
-        )
+        _, events = _p_feed_payloads([calls(_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")), chunk_json({}, "tool_calls")])  # fmt: skip
         self.assertEqual(events, [lc.ToolCall(0, "x", "f", "{"), lc.ToolCall(1, "y", "g", "[")])
 
     def test_usage_and_timings(self):
@@ -2557,9 +2544,7 @@ class TestParserRandomSplits(unittest.TestCase):
         done = lc.Completion(CID, MODEL, "".join(self.words), "pens\u00e9e \U0001f914", [], "stop", None, None, 2)
         for seed, newline in enumerate((b"\n", b"\r\n", b"\r")):
             with self.subTest(newline=newline):
-                self.check(
-                    STREAM_HEAD + _p_sse_stream(payloads, newline, random.Random(100 + seed)), ("ok", events, done), 150
-                )
+                self.check(STREAM_HEAD + _p_sse_stream(payloads, newline, random.Random(100 + seed)), ("ok", events, done), 150)  # fmt: skip
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -2930,9 +2915,7 @@ class TestParserChoices(unittest.TestCase):
                 _p_check_stream(self, _p_http(payloads, done), ("raised", events, lc.StreamClosedError, one))
         # fed whole: no finish_reason at all; choice 1 appeared by its role chunk alone
         self.assertEqual(_p_outcome([_p_http(payloads[:4])]), ("raised", events[:2], lc.StreamClosedError, none))
-        self.assertEqual(
-            _p_outcome([_p_http(payloads[:3] + payloads[4:5])]), ("raised", events[:1], lc.StreamClosedError, one)
-        )
+        self.assertEqual(_p_outcome([_p_http(payloads[:3] + payloads[4:5])]), ("raised", events[:1], lc.StreamClosedError, one))  # fmt: skip
 
     def test_missing_or_null_index_is_zero(self):
         payloads = [
@@ -3336,9 +3319,7 @@ class TestParserChoiceTranscripts(unittest.TestCase):
         raw = load_transcript("32_reasoning_n2_logprobs.raw.txt")
         thoughts, answer = ["is", " the", " sky", " a"], ["the", " ", "answer", " is", " yes"]
         events = [cls(w, i) for cls, words in ((lc.Reasoning, thoughts), (lc.Content, answer)) for w in words for i in (0, 1)]  # fmt: skip
-        choices = tuple(
-            lc.Choice(i, "the answer is yes", "is the sky a", [], "stop", _p_logprobs(raw, i), None) for i in (0, 1)
-        )
+        choices = tuple(lc.Choice(i, "the answer is yes", "is the sky a", [], "stop", _p_logprobs(raw, i), None) for i in (0, 1))  # fmt: skip
         self.assertEqual([e["token"] for e in choices[0].logprobs[:2]], ["<", "is"])  # the hidden "<" of <think> first
         self.check(raw, events, choices, reasoning_tokens=8)  # four per choice: the cap is refused with n > 1
 
@@ -4070,9 +4051,7 @@ class TestParserDialectTranscripts(unittest.TestCase):
     def native(self, raw, choices, model=_p_GEMMA):
         """Each prompt's stop chunk is its final; the usage adds theirs up, the timings are the last one's."""
         finals = [d for d in _p_data_docs(raw) if d is not None and d.get("stop")]
-        usage = _p_native_usage(
-            *(sum(f[k] for f in finals) for k in ("tokens_evaluated", "tokens_predicted", "tokens_cached"))
-        )
+        usage = _p_native_usage(*(sum(f[k] for f in finals) for k in ("tokens_evaluated", "tokens_predicted", "tokens_cached")))  # fmt: skip
         final = next(f for f in finals if f["index"] == choices[0].index)
         return _p_native_completion(choices, final, usage, finals[-1]["timings"], model)  # fmt: skip
 
@@ -4132,9 +4111,7 @@ class TestParserDialectTranscripts(unittest.TestCase):
             final = dict(start, **delta["delta"], usage=dict(start["usage"], **delta["usage"]))
             u, timings = final["usage"], None
             prompt = u["input_tokens"] + u["cache_read_input_tokens"]
-            usage = dict(
-                u, prompt_tokens=prompt, completion_tokens=u["output_tokens"], total_tokens=prompt + u["output_tokens"]
-            )
+            usage = dict(u, prompt_tokens=prompt, completion_tokens=u["output_tokens"], total_tokens=prompt + u["output_tokens"])  # fmt: skip
         else:
             final, timings = docs[-1]["response"], docs[-1]["timings"]
             u = final["usage"]
@@ -5309,9 +5286,7 @@ class TestServerRoutes(unittest.TestCase):
         routes = _routes_of_copy()
         self.assertGreaterEqual(len(routes), 50)
         missing, stale = _unexplained_routes(routes)
-        self.assertEqual(
-            missing, [], "routes with neither a call nor a line in dev/REFERENCE.md (Routes without a named call)"
-        )
+        self.assertEqual(missing, [], "routes with neither a call nor a line in dev/REFERENCE.md (Routes without a named call)")  # fmt: skip
         self.assertEqual(stale, [], "dev/REFERENCE.md lines of routes the server does not register")
         self.assertEqual(sorted(set(_NAMED_ROUTES) - set(routes)), [], "named calls of routes the server lacks")
 
@@ -5826,10 +5801,7 @@ class TestApiCalls(_ApiCase):
         # neither waited for a body: the client closed each connection while the server held it (5 s);
         # reading on would have been StalledError after liveness (2 s)
         self.assertTrue(all(r.closed_by_peer.wait(10) for r in self.server.requests))
-        self.assertEqual(
-            [r.raw_head for r in self.server.requests],
-            [_api_head(b"HEAD /health"), _api_head(b"DELETE /slots/0")],
-        )
+        self.assertEqual([r.raw_head for r in self.server.requests], [_api_head(b"HEAD /health"), _api_head(b"DELETE /slots/0")])  # fmt: skip
 
     def test_query_joins_a_query_already_in_the_path(self):
         self.server.route("GET", "/props?a=1&b=2", reply(json_response({"ok": 1})))
@@ -6315,9 +6287,7 @@ class TestServerApi(ServerCase):
                     told["idle"].set()
 
         self.server.route("GET", "/slots?model=m1", slots)
-        self.server.route(
-            "GET", "/props?model=m1", lambda req: (props.append(req.path), respond_json(req, {"total_slots": 1}))
-        )
+        self.server.route("GET", "/props?model=m1", lambda req: (props.append(req.path), respond_json(req, {"total_slots": 1})))  # fmt: skip
         self.server.route(
             "POST",
             "/v1/chat/completions/control",
@@ -6348,9 +6318,7 @@ class TestServerApi(ServerCase):
         threads = [start_chat(self.client, m, 0, events, results, model="model-" + m) for m in "AB"]
         wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="slot 0 of two models at once")
         # neither was queued by the gate (a head later than the poll is a Waiting, a wait for the server)
-        self.assertEqual(
-            {m: [e for e in evs if not isinstance(e, lc.Waiting)] for m, evs in events.items()}, {"A": [], "B": []}
-        )
+        self.assertEqual({m: [e for e in evs if not isinstance(e, lc.Waiting)] for m, evs in events.items()}, {"A": [], "B": []})  # fmt: skip
         self.assertEqual(self.client._board.gate.snapshot()[("model-A", 0)], (1, 0))
         for m in "AB":
             keeper.release(m)
@@ -7547,9 +7515,7 @@ class TestRetries(VirtualFactory, ServerCase):
     def test_retry_after_http_date_honoured(self):
         def first(req):
             when = email.utils.formatdate(time.time() + 2, usegmt=True)
-            respond_json(
-                req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n"
-            )
+            respond_json(req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n")  # fmt: skip
 
         calls, handler = self.unavailable_then(first)
         self.use(handler)
@@ -9646,9 +9612,7 @@ class TestRouterLoad(VirtualFactory, ServerCase):
         self.use(chat)
         self.server.route("POST", "/v1/streams/lookup", lambda req: respond_json(req, []))
         events = []
-        completion = run_with_timeout(
-            lambda: self.client.chat(MSGS, model="alpha", resumable="conv-1", on_event=events.append)
-        )
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, model="alpha", resumable="conv-1", on_event=events.append))  # fmt: skip
         self.assertEqual(completion.content, "ok")
         self.assertEqual(sent, ["conv-1", "conv-1"])
         retries = [e for e in events if isinstance(e, lc.Retrying)]

@@ -3447,13 +3447,6 @@ class TestParserNativeDialect(unittest.TestCase):
     def check(self, data, expect, **kw):
         _p_check_stream(self, data, expect, dialect=lc._NativeAssembler, **kw)
 
-    def test_one_prompt(self):
-        stop = _p_native_stop()
-        data = _p_dialect_http([sse(_p_native(" the", [506])), sse(_p_native(" sea", [5442], predicted=2)), sse(_p_native(".", [236761], predicted=3)), sse(stop)])  # fmt: skip
-        choice = lc.Choice(0, " the sea.", "", [], "length", None, None, [506, 5442, 236761])
-        events = [lc.Content(" the"), lc.Content(" sea"), lc.Content(".")]
-        self.check(data, ("ok", events, _p_native_completion((choice,), json.loads(stop))))
-
     def test_two_prompts_interleaved_by_index(self):
         lp = _p_entry(4, " the", -0.5, (4, " the", -0.5), (2, " a", -1.25))
         progress = {"total": 4, "cache": 0, "processed": 4, "time_ms": 12.5}
@@ -3607,12 +3600,6 @@ def _p_resp_feed(asm, kind, **fields):
 class TestParserResponsesDialect(unittest.TestCase):
     def check(self, blocks, expect, **kw):
         _p_check_stream(self, _p_dialect_http([_p_typed(b) for b in blocks]), expect, dialect=lc._ResponsesAssembler, **kw)  # fmt: skip
-
-    def test_reasoning_then_text(self):
-        blocks, response = _p_resp_text_stream([" the", " sea", "."], reasoning=["Let", " me"])
-        events = [lc.Reasoning("Let"), lc.Reasoning(" me"), lc.Content(" the"), lc.Content(" sea"), lc.Content(".")]
-        done = _p_event_completion(_p_RESP, " the sea.", "stop", _p_resp_usage(), response, "Let me", tokens=2)
-        self.check(blocks, ("ok", events, done))
 
     def test_the_data_alone_suffices(self):
         blocks, response = _p_resp_text_stream(["a"])

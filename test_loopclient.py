@@ -2356,6 +2356,7 @@ class TestParserSmallFunctions(unittest.TestCase):
         for bad in (
             "", "ftp://x", "http://", "https://", "http://h:0", "http://h:65536", "http://h:x", "http://h:8080/a//b",
             "http://h:8080/p?q", "http://h:8080/p#f", "http://h:8080/a b", "http://u@h:1", "http://[::1", "unix://", "/tmp/a\0b",
+            "http://:8080",
         ):  # fmt: skip
             with self.subTest(bad=bad), self.assertRaises(ValueError):
                 lc.parse_address(bad)
@@ -4475,10 +4476,6 @@ class TestResponseValue(unittest.TestCase):
         long = "Response(status=200, reason='OK', headers=(), body=%r... (81 bytes))" % (b"x" * 80)
         self.assertEqual(repr(lc.Response(200, "OK", (), b"x" * 81)), long)
 
-    def test_deadline_error_carries_its_budget(self):  # (its parents: TestReference)
-        err = lc.DeadlineError("m", 2.5, "send")
-        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (2.5, 2.5, "send", "m"))
-
 
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
@@ -6469,18 +6466,12 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
             (TypeError, lambda: client.stream(MSGS, slot="0")), (TypeError, lambda: client.end_reasoning(5)),
             (ValueError, lambda: client.save_slot(-1, "f")), (TypeError, lambda: client.erase_slot(True)),
             (TypeError, lambda: client.tokenize(object())),
-            (ValueError, lambda: lc.encode_request("GET", "health", "localhost")),
-            (ValueError, lambda: lc.encode_request("GET", "/a b", "localhost")),
-            (ValueError, lambda: lc.encode_request("GET", "/", "localhost", [("Bad:Name", "v")])),
             (TypeError, lambda: self.new_client("/tmp/x.sock", limits={"poll": 1})),
             (TypeError, lambda: self.new_client("/tmp/x.sock", headers={"X-A": 1})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"X:A": "1"})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"Host": "evil"})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"content-length": "5"})),
             (TypeError, lambda: self.new_client("/tmp/x.sock", api_key=b"k")),
-            (ValueError, lambda: lc.parse_address("http://:8080")),
-            (ValueError, lambda: lc.parse_address("http://[::1")), (ValueError, lambda: lc.parse_address("unix://")),
-            (ValueError, lambda: lc.parse_address("/tmp/a\0b")),
         ]  # fmt: skip
         for i, (cls, call) in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(cls):
@@ -9343,7 +9334,7 @@ class TestDeadline(VirtualFactory, _ApiCase):
             run_with_timeout(call)
         self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
         err = cm.exception
-        self.assertEqual((err.timeout, err.phase, str(err)), (seconds, phase, message + ": raise timeout= to wait longer"))  # fmt: skip
+        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (seconds, seconds, phase, message + ": raise timeout= to wait longer"))  # fmt: skip
         self.assertIsInstance(err, TimeoutError)
         return err
 

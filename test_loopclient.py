@@ -4520,11 +4520,6 @@ class TestClientStream(ServerCase):
         options = {"continuous_usage_stats": True, "include_usage": True}
         self.assertEqual(req.json(), dict(messages=MSGS, **kw, stream=True, stream_options=options, id_slot=1))
 
-    def test_any_slot_sends_no_id_slot(self):
-        self.use(serve_body(content_stream(["ok"])))
-        self.collect(slot=None)
-        self.assertNotIn("id_slot", self.server.chat_requests()[0].json())
-
     def test_api_key_and_extra_headers(self):
         self.use(serve_body(content_stream(["ok"])))
         client = self.new_client(self.server.address, limits=FAST, api_key="sk-secret", headers={"X-Trace": "1"})
@@ -8644,11 +8639,9 @@ class TestCancel(ServerCase):
         stream = self.client.stream(MSGS, slot=0)
         first = run_with_timeout(lambda: next(e for e in stream if not isinstance(e, lc.Waiting)))  # (a late head)
         self.assertEqual(first, lc.Content("a"))
-        self.client.close()
+        self.client.close()  # (a call after it: TestApiErrors.test_closed_client_refuses_every_call_without_connecting)
         with self.assertRaises(lc.CancelledError):
             next(stream)
-        with self.assertRaises(ValueError):
-            self.client.stream(MSGS)
 
 
 class TestCancelAsync(AsyncDriver, TestCancel):
@@ -8828,13 +8821,6 @@ class TestThinkingCap(ServerCase):
             run_with_timeout(lambda: self.capped(cap=3, overrun=4).chat(MSGS, slot=0, on_event=events.append))
         self.assertEqual(cm.exception.tokens, 8)
         self.assertEqual(sum(isinstance(e, lc.Reasoning) for e in events), 8)
-
-    def test_no_cap_no_control(self):
-        self.use(serve_body(reasoning_stream(5)))
-        completion, events = self.collect()
-        self.assertNotIn("reasoning_control", self.server.chat_requests()[0].json())
-        self.assertEqual(completion.reasoning_tokens, 5)
-        self.assertFalse(completion.thinking_capped)
 
 
 class TestThinkingCapAsync(AsyncDriver, TestThinkingCap):

@@ -1879,11 +1879,6 @@ class TestParserEncodeRequest(unittest.TestCase):
                 with self.subTest(args=args), self.assertRaises(ValueError):
                     lc.encode_request("GET", *args)
 
-    def test_secret_value_not_echoed_in_the_error(self):
-        with self.assertRaises(ValueError) as cm:
-            lc.encode_request("GET", "/", "h", [("Authorization", "Bearer s3cret\r\n")])
-        self.assertNotIn("s3cret", str(cm.exception))
-
 
 class TestParserResponseReader(unittest.TestCase):
     def check(self, data, expect=None, reader=lc.ResponseReader, **kw):
@@ -2481,21 +2476,6 @@ class TestParserTranscripts(unittest.TestCase):
         pump = lc.ResponsePump(lc.Limits())
         pump.feed(raw)
         self.assertEqual((pump.failed.code, pump.failed.type, pump._asm.reasoning_tokens), (500, "server_error", 5))
-
-    def test_04_cut_short(self):
-        raw = load_transcript("04_chat_stream.raw.txt")
-        events = _p_outcome([raw])[1]
-        self.assertEqual(len(events), 16)
-        cut = raw.rindex(b"\r\n", 0, raw.index(b'"finish_reason":"length"') - 20)  # the chunk before the finish's end
-        done = raw.index(b"data: [DONE]") + len(b"data: [DONE]\n\n")
-        closed = "the connection closed in the middle of a chunk"
-        for data, expect in (
-            (raw[:cut], ("raised", events, lc.StreamClosedError, closed)),  # the chunk's CRLF missing
-            (raw[: cut + 2], ("raised", events, lc.StreamClosedError, closed)),  # at the chunk's end
-            (raw[:done], _p_outcome([raw])),  # [DONE] without the last (empty) chunk: finished
-        ):
-            with self.subTest(data=data[-20:]):
-                self.assertEqual(_p_outcome([data]), expect)
 
 
 def _p_raw_chunk(delta, finish=None):

@@ -177,13 +177,8 @@ def read_request(conn):
 
 class FakeRequest:
     def __init__(self, server, conn, method, path, headers, body):
-        self.server = server
-        self.conn = conn
-        self.method = method
-        self.path = path
-        self.headers = headers
-        self.body = body
-        self.closed_by_peer = threading.Event()
+        self.server, self.conn, self.method, self.path = server, conn, method, path
+        self.headers, self.body, self.closed_by_peer = headers, body, threading.Event()
 
     def json(self):
         return json.loads(self.body)
@@ -530,9 +525,7 @@ SOCKETS = FAST.replace(poll=1.0)
 
 
 #: Small budgets for the fault tier: every wait there is under a second.
-FAST_FAULTS = FAST.replace(
-    liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024
-)
+FAST_FAULTS = FAST.replace(liveness=0.5, busy_wait=0.8, load_wait=0.6, idle_grace=0.4, max_line=4096, max_body=64 * 1024)  # fmt: skip
 
 
 #: The command line's limits in tests (see QuickLimits), so that its error paths end quickly.
@@ -623,6 +616,17 @@ class ServerCase(ClientFactory, unittest.TestCase):
         wait_for(lambda: threading.active_count() <= self.threads, 5, "threads to end")
         wait_for(lambda: fd_count() <= self.fds, 5, "descriptors to close")
 
+    def own_client(self, *args, **kw):
+        """A client of this test (at ``args``, else the server's address) that its end closes."""
+        client = self.new_client(*(args or (self.server.address,)), **kw)
+        self.closers.append(client.close)
+        return client
+
+    def sent(self, path):
+        """The requests the server received for ``path`` (whatever their query if it has none), in order."""
+        with self.server.lock:
+            return [r for r in self.server.requests if path in (r.path, r.path.split("?")[0])]
+
     def limits_(self, **changes):
         """This class's limits (``base_limits``, else ``limits``) with ``changes``."""
         return (self.base_limits or self.limits).replace(**changes)
@@ -639,9 +643,7 @@ class ServerCase(ClientFactory, unittest.TestCase):
     def collect(self, client=None, **kw):
         events = []
         slot = kw.pop("slot", 0)
-        completion = run_with_timeout(
-            lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw)
-        )
+        completion = run_with_timeout(lambda: (client or self.client).chat(MSGS, slot=slot, on_event=events.append, **kw))  # fmt: skip
         return completion, events
 
 
@@ -649,15 +651,10 @@ class ServerCase(ClientFactory, unittest.TestCase):
 # AsyncDriver: each tier's client tests run again through AsyncClient
 # -----------------------------------------------------------------------------------------------------
 #
-# AsyncDriver, mixed in first, makes a test class's ``new_client()`` return a SyncFacade: lc.AsyncClient
-# behind Client's blocking calls, its coroutines run on an event loop in a helper thread (one per test,
-# asyncio debug mode on).  A test written once for Client then runs twice, unchanged.  The loop's
-# exception handler records what debug mode reports (a task destroyed while pending, an exception never
-# retrieved, a callback that failed), and so do tasks still pending when the test's clients are closed:
-# either fails the test.  Each ``...Async`` class follows its base class; the async variants leave out
-# a few slow tests whose async path another async test already walks (the behaviour they pin is shared
-# code, and the threaded run keeps them).  A test that looks at threaded internals sees GateView; one
-# that is about the threaded client itself builds lc.Client and says why.
+# AsyncDriver, mixed in first, makes ``new_client()`` return a SyncFacade: lc.AsyncClient behind Client's
+# blocking calls, run on a debug-mode event loop in a helper thread, so a test written for Client runs twice.
+# What debug mode reports, and tasks still pending at close, fail the test.  A few slow tests whose async
+# path another walks are left out of the ...Async class; threaded internals are seen through GateView.
 
 
 class LoopThread:
@@ -859,18 +856,12 @@ class AsyncDriver:
 # VirtualFactory: the request logic on a virtual clock, against the same scripted servers in memory
 # -----------------------------------------------------------------------------------------------------
 #
-# VirtualFactory, mixed in first, makes a test class's clients run their plans on VirtualRun, a third
-# driver: it performs the same operations as _SyncRun and _AsyncRun, on in-memory connections to a
-# VirtualServer (FakeServer with its handlers unchanged), and on a virtual clock.  The model is trio's
-# MockClock with autojump: every participant (the test's thread, each handler, each background plan) is a
-# thread, but only one runs at a time, handing over the turn whenever it blocks (a read, a park, a sleep,
-# an event); when every one is blocked, the clock jumps to the next timer.  So a 5-second budget passes
-# in no real time, every outcome is deterministic, and timing is asserted exactly (assertElapsed).
-# While a test runs, ``time.monotonic``, ``time.time``, ``time.sleep`` and ``loopclient._clock`` read the
-# virtual clock in those threads (and the real one in any other), which is how the handlers, Timer and
-# wait_for run unchanged.  Tests say ``self.event()``, ``self.later()``, ``self.start_thread()`` and
-# ``self.new_server()`` where they would make a threading.Event, a threading.Timer, a thread or a
-# FakeServer, so that one description runs on real sockets or on the virtual clock.
+# VirtualFactory, mixed in first, runs a class's plans on VirtualRun, a third driver: the operations of
+# _SyncRun and _AsyncRun on in-memory connections to a VirtualServer (FakeServer's handlers unchanged), on a
+# virtual clock (trio's MockClock with autojump): every participant is a thread, one runs at a time, and
+# when all are blocked the clock jumps to the next timer, so budgets pass in no real time and are asserted
+# exactly.  In those threads time.monotonic, time.time, time.sleep and loopclient._clock read it.  Tests
+# say self.event(), self.later(), self.start_thread(), self.new_server() so one description runs either way.
 
 _REAL_MONOTONIC = time.monotonic
 _REAL_SLEEP = time.sleep
@@ -1049,9 +1040,7 @@ class VirtualKernel:
             self._turn(me)
         if me.deadlock:
             me.deadlock = False
-            raise VirtualDeadlock(
-                "every virtual task waits and none has a timer: %s" % sorted(map(repr, self.tasks - {me}))
-            )
+            raise VirtualDeadlock("every virtual task waits and none has a timer: %s" % sorted(map(repr, self.tasks - {me})))  # fmt: skip
         return me.timed_out
 
     def wake(self, task):
@@ -1618,23 +1607,20 @@ async def consume(stream, events):
 
 
 class SlotAnswers:
-    """The head wait's readings of ``/slots`` in one test, in order: for each ``Waiting`` a request emits,
-    whether an answer was in hand when the wait judged the slot.  A request waits for the shared poll's
-    answer up to the ``/slots`` request's timeout (0.5 s with a 50 ms poll), and no answer by then counts as
-    an unavailable server (``Waiting(False)``) whatever the slot does: on real sockets a loaded machine may
-    delay a fake server's answer that long.  ``sort(events)`` parts the Waiting events into those judged on an answer (what the test asserts,
-    as the server set the slots) and those judged without one (each must be ``Waiting(False)``).  On the
-    virtual clock every answer is in time."""
+    """The head wait's readings of ``/slots`` in one test: for each ``Waiting``, whether an answer was in hand.
+    No answer within the ``/slots`` request's timeout is an unavailable server (``Waiting(False)``) whatever the
+    slot does (a loaded machine may delay a fake server that long): ``sort(events)`` parts the Waiting events
+    into those judged on an answer (what a test asserts) and those without (each ``Waiting(False)``; none on
+    the virtual clock)."""
 
     def __init__(self, test):
-        self.test, self.answered, self.times, self.lock = test, [], [], threading.Lock()
+        self.test, self.answered, self.lock = test, [], threading.Lock()
         original = lc._SlotReader.state
 
         def state(watch, slots, slot, every, address):
             if every:  # the head wait's reading (the quiet rule's, after the head, passes every=False)
                 with self.lock:
                     self.answered.append(slots is not None)
-                    self.times.append(lc._clock())
             return original(watch, slots, slot, every, address)
 
         patcher = mock.patch.object(lc._SlotReader, "state", state)
@@ -1644,18 +1630,7 @@ class SlotAnswers:
     def reset(self):
         """A new request: its Waiting events are counted afresh."""
         with self.lock:
-            self.answered, self.times = [], []
-
-    def busy_since(self, start):
-        """When the wait judged on answers began last: ``start``, or the first reading on an answer after
-        the last one without (each change between busy and unavailable starts a budget afresh)."""
-        with self.lock:
-            pairs = list(zip(self.answered, self.times))
-        since = start
-        for (before, _), (now, at) in zip([(True, start)] + pairs, pairs):
-            if now and not before:
-                since = at
-        return since
+            self.answered = []
 
     def sort(self, events):
         """(the Waiting events judged on an answer, those judged without one), each in order."""
@@ -1722,11 +1697,8 @@ _p_STRIDE = 1024
 
 
 def _p_splittings(data, every=True, sample=300, hot=(), pairs_upto=40, sets=0, seed=7):
-    """(label, pieces): ``data`` whole, with empty reads around it, byte by byte; in two at every offset
-    (beyond 2 * _p_STRIDE bytes, in _p_STRIDE-byte pieces at each phase instead, and in two at a third of
-    ``sample`` seeded offsets) or, not ``every``, at ``sample`` seeded offsets and those around each of
-    ``hot``; at every pair of offsets when ``data`` is ``pairs_upto`` bytes or shorter; and at ``sets``
-    seeded random sets of up to 60 offsets."""
+    """(label, pieces): ``data`` whole, with empty reads, byte by byte, in two at every offset (or at
+    ``sample`` seeded ones, around ``hot``), at every pair when short, and at ``sets`` random sets of offsets."""
     n, rng = len(data), random.Random(seed + len(data))
     yield "whole", [data]
     yield "with empty reads around it", [b"", data, b""]
@@ -1901,18 +1873,11 @@ class TestParserEncodeRequest(unittest.TestCase):
     def test_cr_lf_nul_refused_in_path_name_value_host(self):
         for bad in ("\r", "\n", "\r\n", "\0"):
             for args in (
-                ("/slots" + bad + "X: y", "localhost"),
-                ("/slots", "localhost", [("X-A" + bad + "B", "v")]),
-                ("/slots", "localhost", [("X-Trace", "1" + bad + "Evil: 1")]),
-                ("/slots", "local" + bad + "host"),
-            ):
+                ("/slots" + bad + "X: y", "localhost"), ("/slots", "localhost", [("X-A" + bad + "B", "v")]),
+                ("/slots", "localhost", [("X-Trace", "1" + bad + "Evil: 1")]), ("/slots", "local" + bad + "host"),
+            ):  # fmt: skip
                 with self.subTest(args=args), self.assertRaises(ValueError):
                     lc.encode_request("GET", *args)
-
-    def test_secret_value_not_echoed_in_the_error(self):
-        with self.assertRaises(ValueError) as cm:
-            lc.encode_request("GET", "/", "h", [("Authorization", "Bearer s3cret\r\n")])
-        self.assertNotIn("s3cret", str(cm.exception))
 
 
 class TestParserResponseReader(unittest.TestCase):
@@ -1946,9 +1911,7 @@ class TestParserResponseReader(unittest.TestCase):
 
     def test_head_fields_and_done(self):
         reader = lc.ResponseReader()
-        self.assertEqual(
-            reader.feed(b"HTTP/1.1 200 OK\r\nX-Dup: a\r\nx-dup:  b \r\nContent-Length: 2\r\n\r\no"), [b"o"]
-        )
+        self.assertEqual(reader.feed(b"HTTP/1.1 200 OK\r\nX-Dup: a\r\nx-dup:  b \r\nContent-Length: 2\r\n\r\no"), [b"o"])  # fmt: skip
         head = reader.head
         self.assertEqual((head.get("X-DUP"), head.get_all("x-dup"), head.get("no")), ("b", ["a", "b"], None))
         self.assertFalse(reader.done)  # by Content-Length: done at its last byte, before the end of file
@@ -1979,11 +1942,9 @@ class TestParserResponseReader(unittest.TestCase):
 
     def test_cut_short_is_stream_closed_at_eof(self):
         for data in (
-            b"",
-            b"HTTP/1.1 200 OK\r\nContent-Le",
-            b"HTTP/1.1 200 OK\r\n\r",
+            b"", b"HTTP/1.1 200 OK\r\nContent-Le", b"HTTP/1.1 200 OK\r\n\r",
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabc",
-        ):
+        ):  # fmt: skip
             with self.subTest(data=data):
                 self.check(data, raises=lc.StreamClosedError, at="eof")
 
@@ -2032,6 +1993,7 @@ class TestParserChunked(unittest.TestCase):
             (b'5;name=val\r\nhello\r\n6;a=1;q="x y"\r\n world\r\n0;last\r\n\r\n', b"hello world"),  # extensions ignored
             (b"3\r\nabc\r\n0\r\nX-Trailer: 1\r\nAnother: two\r\n\r\n", b"abc"),  # trailers ignored
             (b"3\nabc\n0\n\n", b"abc"),  # LF-only line ends
+            (b"3\r\nabc\r\n0\r\n", b"abc"),  # only the final CRLF missing: whole at the end of file
         ):
             with self.subTest(data=data):
                 self.check(data, (body, True))
@@ -2051,6 +2013,9 @@ class TestParserChunked(unittest.TestCase):
         for data, at in ((b"3\r\nabcX\r\n0\r\n\r\n", 6), (b"3\r\nabc\rX0\r\n\r\n", 7), (b"3\r\nabcd\r\n0\r\n\r\n", 6)):
             with self.subTest(data=data):  # no CRLF after the data
                 self.check(data, raises=lc.ProtocolError, at=at)
+        for trailers in (b"X: y\r\n" * 101, b"X" * 5000, b"X" * 5000 + b"\r\n"):  # over 100 lines, over a line's cap
+            with self.subTest(trailers=trailers[:10]):
+                self.check(b"0\r\n" + trailers, raises=lc.ProtocolError, every=False, sample=40)
 
     def test_cut_short_is_stream_closed_at_eof(self):
         cuts = [b"", b"3", b"3\r", b"3\r\n", b"3\r\nab", b"3\r\nabc", b"3\r\nabc\r", b"3\r\nabc\r\n"]
@@ -2091,29 +2056,24 @@ class TestParserSSE(unittest.TestCase):
         payload = chunk_json({"content": "hi"})
         cases = [
             (b"data: a\n\ndata: b\n\n", m("a", "b")),  # line ends: LF, CRLF, CR, mixed
-            (b"data: a\r\n\r\ndata: b\r\n\r\n", m("a", "b")),
-            (b"data: a\r\rdata: b\r\r", m("a", "b")),
+            (b"data: a\r\n\r\ndata: b\r\n\r\n", m("a", "b")), (b"data: a\r\rdata: b\r\r", m("a", "b")),
             (b"data: a\r\ndata: b\rdata: c\n\r\ndata: d\r\r\n", m("a\nb\nc", "d")),
-            (b"data: a\r\ndata: b\r\n\r\n", m("a\nb")),
-            (b"data: a\r\r", m("a")),  # a held CR ends its line at close
+            (b"data: a\r\ndata: b\r\n\r\n", m("a\nb")), (b"data: a\r\r", m("a")),  # a held CR ends its line at close
             (b"\xef\xbb\xbfdata: a\n\n", m("a")),  # one leading BOM dropped
             (b"\xef\xbb\xbf\xef\xbb\xbfdata: a\n\ndata: b\n\n", m("b")),  # only one: the line's field is "\ufeffdata"
             (b"data: a\n\n\xef\xbb\xbfdata: b\n\n", m("a")),  # a BOM not leading is kept
-            (b"data: \xef\xbb\xbfx\n\n", m("\ufeffx")),
-            (b"\xef\xbb\ndata: a\n\n", m("a")),  # a partial BOM prefix is not dropped: the line "\xef\xbb", unknown
+            (b"data: \xef\xbb\xbfx\n\n", m("\ufeffx")), (b"\xef\xbb\ndata: a\n\n", m("a")),  # a partial BOM prefix is not dropped: the line "\xef\xbb", unknown
             (b"\xefdata: a\n\ndata: b\n\n", m("b")),
             (b": ping\n\n:\ndata: a\n: in the middle\ndata: b\n:x\n\n: tail\n", m("a\nb")),  # comments ignored
             (b": ping - 1\n\n: ping - 2\r\n\r\n", []),
             (b"data:a\n\ndata: a\n\ndata:  a\n\ndata: \n\ndata:\n\ndata:\ta\n\n", m("a", "a", " a", "", "", "\ta")),  # one space stripped
             (b"event:  x\ndata: 1\n\nevent:y\ndata: 2\n\n", [(" x", "1"), ("y", "2")]),
             (b"data: a\ndata:\ndata: b\ndata\n\n", m("a\n\nb\n")),  # data lines joined with LF; a field without a colon
-            (b"data\n\n", m("")),
-            (b"event: update\ndata: x\n\ndata: y\n\n", [("update", "x"), ("message", "y")]),  # the type resets
+            (b"data\n\n", m("")), (b"event: update\ndata: x\n\ndata: y\n\n", [("update", "x"), ("message", "y")]),  # the type resets
             (b"event: foo\n\nid: 7\n\nretry: 10\n\nunknown: z\n\ndata: x\n\n", m("x")),  # no data: no event
             (b"id: 1\nretry: 5\nfoo: bar\nData: no\ndata: x\n\n", m("x")),  # id, retry, unknown fields ignored
             (b"data: a\n\ndata: b\n", m("a")),  # the unterminated last event discarded
-            (b"data: a\n\ndata: b", m("a")),
-            (b"data: a\n\ndata: b\ndata: c\r\n", m("a")),
+            (b"data: a\n\ndata: b", m("a")), (b"data: a\n\ndata: b\ndata: c\r\n", m("a")),
             (b"data: " + text.encode() + b"\n\n", m(text)),
             (b"data: a\xffb\n\ndata: \xe2\x82\n\ndata: \xc3\n\n", m("a\ufffdb", "\ufffd", "\ufffd")),  # invalid UTF-8 replaced
             (b'error: {"code":500,"message":"boom"}\n\ndata: x\n\n', [("error", '{"code":500,"message":"boom"}'), ("message", "x")]),
@@ -2195,15 +2155,6 @@ def _p_tool(index, cid=None, name=None, args=None):
 
 
 class TestParserAssembler(unittest.TestCase):
-    def test_content_deltas_concatenate_in_order(self):
-        words = ["Hel", "lo", " w\u00f6rld\n"]
-        payloads = [chunk_json({"role": "assistant", "content": None})]
-        payloads += [chunk_json({"content": w}) for w in words] + [chunk_json({}, "stop")]
-        asm, events = _p_feed_payloads(payloads)
-        self.assertEqual((events, asm.id), ([lc.Content(w) for w in words], CID))
-        done = lc.Completion(CID, MODEL, "Hello w\u00f6rld\n", "", [], "stop", None, None, 0, False)
-        self.assertEqual(asm.completion(), done)
-
     def test_reasoning_then_content(self):
         asm = lc.Assembler()
         self.assertFalse(asm.in_reasoning)
@@ -2244,10 +2195,8 @@ class TestParserAssembler(unittest.TestCase):
         calls += [
             _p_tool(3, "call-Z", "other", 'ris"}'),
             _p_tool(5, None, None, ' "UTC"}'),
-        ]  # another id or name: ignored
-        asm, events = _p_feed_payloads(
-            [chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")]
-        )
+        ]  # another id, name: ignored
+        asm, events = _p_feed_payloads([chunk_json({"tool_calls": [call]}) for call in calls] + [chunk_json({}, "tool_calls")])  # fmt: skip
         expect = [lc.ToolCall(3, "call-A", "get_weather", '{"ci'), lc.ToolCall(5, "call-B", "get_time", "")]
         expect += [lc.ToolCall(3, None, None, 'ty": "Pa'), lc.ToolCall(5, "call-B", "get_time", '{"tz":')]
         expect += [lc.ToolCall(3, "call-Z", "other", 'ris"}'), lc.ToolCall(5, None, None, ' "UTC"}')]
@@ -2259,15 +2208,9 @@ class TestParserAssembler(unittest.TestCase):
 
     def test_tool_calls_in_index_order_whatever_the_arrival_two_in_one_delta(self):
         calls = lambda *tools: chunk_json({"tool_calls": list(tools)})
-        asm, _ = _p_feed_payloads(
-            [calls(_p_tool(7, "b", "g", "{}")), calls(_p_tool(2, "a", "f", "[]")), chunk_json({}, "tool_calls")]
-        )
-        self.assertEqual(
-            asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")]
-        )
-        _, events = _p_feed_payloads(
-            [calls(_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")), chunk_json({}, "tool_calls")]
-        )
+        asm, _ = _p_feed_payloads([calls(_p_tool(7, "b", "g", "{}")), calls(_p_tool(2, "a", "f", "[]")), chunk_json({}, "tool_calls")])  # fmt: skip
+        self.assertEqual(asm.completion().tool_calls, [lc.ToolCallResult("a", "f", "[]"), lc.ToolCallResult("b", "g", "{}")])  # fmt: skip
+        _, events = _p_feed_payloads([calls(_p_tool(0, "x", "f", "{"), _p_tool(1, "y", "g", "[")), chunk_json({}, "tool_calls")])  # fmt: skip
         self.assertEqual(events, [lc.ToolCall(0, "x", "f", "{"), lc.ToolCall(1, "y", "g", "[")])
 
     def test_usage_and_timings(self):
@@ -2301,18 +2244,10 @@ class TestParserAssembler(unittest.TestCase):
 
     def test_malformed_payloads_are_protocol_errors(self):
         bad = {
-            "invalid JSON": "{",
-            "empty": "",
-            "truncated": chunk_json({"content": "x"})[:-1],
-            "array": "[1, 2]",
-            "string": '"text"',
-            "number": "42",
-            "null": "null",
-            "choices object": '{"choices": {"0": {}}}',
-            "choices string": '{"choices": "x"}',
-            "choices falsy non-list": '{"choices": 0}',
-            "choice not object": '{"choices": [1]}',
-            "delta list": '{"choices": [{"delta": [], "index": 0}]}',
+            "invalid JSON": "{", "empty": "", "truncated": chunk_json({"content": "x"})[:-1], "array": "[1, 2]",
+            "string": '"text"', "number": "42", "null": "null", "choices object": '{"choices": {"0": {}}}',
+            "choices string": '{"choices": "x"}', "choices falsy non-list": '{"choices": 0}',
+            "choice not object": '{"choices": [1]}', "delta list": '{"choices": [{"delta": [], "index": 0}]}',
             "delta string": '{"choices": [{"delta": "x", "index": 0}]}',
             "delta number": '{"choices": [{"delta": 5, "index": 0}]}',
             "tool call without index": '{"choices": [{"delta": {"tool_calls": [{"id": "a", "function": {"name": "f"}}]}}]}',
@@ -2322,12 +2257,12 @@ class TestParserAssembler(unittest.TestCase):
             "tool_calls not list": '{"choices": [{"delta": {"tool_calls": {"index": 0}}}]}',
             "arguments not string": '{"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": {}}}]}}]}',
             "content not string": '{"choices": [{"delta": {"content": 5}}]}',
+            "function not object": '{"choices": [{"delta": {"tool_calls": [{"index": 0, "function": "x"}]}}]}',
             "reasoning not string": '{"choices": [{"delta": {"reasoning_content": ["x"]}}]}',
             "finish_reason not string": '{"choices": [{"delta": {}, "finish_reason": 1}]}',
             "usage not object": '{"choices": [], "usage": [1]}',
-            "timings not object": '{"choices": [], "timings": "x"}',
-            "deep nesting": "[" * 100000 + "]" * 100000,
-        }
+            "timings not object": '{"choices": [], "timings": "x"}', "deep nesting": "[" * 100000 + "]" * 100000,
+        }  # fmt: skip
         for what, payload in bad.items():
             with self.subTest(what=what), self.assertRaises(lc.ProtocolError):
                 lc.Assembler().feed(payload)
@@ -2350,7 +2285,8 @@ class TestParserSmallFunctions(unittest.TestCase):
     def test_retry_after(self):
         for value, expect in (("120", 120.0), ("0", 0.0), (" 7 ", 7.0)):
             self.assertEqual(lc.parse_retry_after(value, now=1000.0), expect)
-        for value in (None, "", "-1", "-0", "+5", "1.5", "abc", "5s", "\u0663", "Wed, 99 Foo 2015"):
+        bad = [None, "", "-1", "-0", "+5", "1.5", "abc", "5s", "\u0663", "Wed, 99 Foo 2015"]
+        for value in bad + ["Fri, 31 Dec 99999 23:59:59 GMT"]:  # (a year no datetime holds)
             with self.subTest(value=value):
                 self.assertIsNone(lc.parse_retry_after(value, now=1000.0))
         when = calendar.timegm((2015, 10, 21, 7, 28, 0))  # an HTTP date: the seconds until it, never below 0
@@ -2402,9 +2338,7 @@ class TestParserSmallFunctions(unittest.TestCase):
         ):
             with self.subTest(text=text):
                 a = lc.parse_address(text)
-                self.assertEqual(
-                    (a.unix, a.target, a.host, a.tls, a.prefix, a.text), (unix, target, host, tls, prefix, text)
-                )
+                self.assertEqual((a.unix, a.target, a.host, a.tls, a.prefix, a.text), (unix, target, host, tls, prefix, text))  # fmt: skip
 
     def test_parse_address_unix_path_length(self):
         ok = "/" + "s" * (lc.MAX_UNIX_PATH - 1)
@@ -2417,6 +2351,7 @@ class TestParserSmallFunctions(unittest.TestCase):
         for bad in (
             "", "ftp://x", "http://", "https://", "http://h:0", "http://h:65536", "http://h:x", "http://h:8080/a//b",
             "http://h:8080/p?q", "http://h:8080/p#f", "http://h:8080/a b", "http://u@h:1", "http://[::1", "unix://", "/tmp/a\0b",
+            "http://:8080",
         ):  # fmt: skip
             with self.subTest(bad=bad), self.assertRaises(ValueError):
                 lc.parse_address(bad)
@@ -2542,21 +2477,6 @@ class TestParserTranscripts(unittest.TestCase):
         pump.feed(raw)
         self.assertEqual((pump.failed.code, pump.failed.type, pump._asm.reasoning_tokens), (500, "server_error", 5))
 
-    def test_04_cut_short(self):
-        raw = load_transcript("04_chat_stream.raw.txt")
-        events = _p_outcome([raw])[1]
-        self.assertEqual(len(events), 16)
-        cut = raw.rindex(b"\r\n", 0, raw.index(b'"finish_reason":"length"') - 20)  # the chunk before the finish's end
-        done = raw.index(b"data: [DONE]") + len(b"data: [DONE]\n\n")
-        closed = "the connection closed in the middle of a chunk"
-        for data, expect in (
-            (raw[:cut], ("raised", events, lc.StreamClosedError, closed)),  # the chunk's CRLF missing
-            (raw[: cut + 2], ("raised", events, lc.StreamClosedError, closed)),  # at the chunk's end
-            (raw[:done], _p_outcome([raw])),  # [DONE] without the last (empty) chunk: finished
-        ):
-            with self.subTest(data=data[-20:]):
-                self.assertEqual(_p_outcome([data]), expect)
-
 
 def _p_raw_chunk(delta, finish=None):
     """A chunk payload with raw UTF-8 (llama-server's own JSON writer does not escape non-ASCII)."""
@@ -2605,9 +2525,7 @@ class TestParserRandomSplits(unittest.TestCase):
         done = lc.Completion(CID, MODEL, "".join(self.words), "pens\u00e9e \U0001f914", [], "stop", None, None, 2)
         for seed, newline in enumerate((b"\n", b"\r\n", b"\r")):
             with self.subTest(newline=newline):
-                self.check(
-                    STREAM_HEAD + _p_sse_stream(payloads, newline, random.Random(100 + seed)), ("ok", events, done), 150
-                )
+                self.check(STREAM_HEAD + _p_sse_stream(payloads, newline, random.Random(100 + seed)), ("ok", events, done), 150)  # fmt: skip
 
 
 # -----------------------------------------------------------------------------------------------------
@@ -2628,9 +2546,7 @@ def _p_random_head(rng):
     odds = 0.0 if rng.random() < 0.4 else 0.1  # how often each part is not plain
     status = pick([b"HTTP/1.1", b"HTTP/1.0"]) if rng.random() >= odds else pick([b"HTTP/2", b"http/1.1", b"HTTP/1.1 "])
     status += b" " + (pick([b"200", b"503", b"101"]) if rng.random() >= odds else pick([b"20", b"2000", b"2x0"]))
-    status += (
-        pick([b"", b" ", b" OK", b"  OK", b" Not Found "]) if rng.random() >= odds else b" " + text(plain + odd, 6)
-    )
+    status += (pick([b"", b" ", b" OK", b"  OK", b" Not Found "]) if rng.random() >= odds else b" " + text(plain + odd, 6))  # fmt: skip
     lines = [status]
     for _ in range(rng.randint(0, 6)):
         name = text(plain, 8) or b"x" if rng.random() >= odds else text(plain + odd, 6)
@@ -2949,10 +2865,7 @@ class TestParserChoices(unittest.TestCase):
         payloads += [_p_finish(1, "length"), _p_finish(0, "stop")]
         events = [lc.Reasoning("hm", 1), lc.Content("No.", 2), lc.Content("Yes", 0), lc.Content("Maybe", 1)]
         events += [lc.Content(", yes.", 0), lc.Content(" not.", 1)]
-        choices = (
-            lc.Choice(0, "Yes, yes.", "", [], "stop", None),
-            lc.Choice(1, "Maybe not.", "hm", [], "length", None),
-        )
+        choices = (lc.Choice(0, "Yes, yes.", "", [], "stop", None), lc.Choice(1, "Maybe not.", "hm", [], "length", None))  # fmt: skip
         choices += (lc.Choice(2, "No.", "", [], "stop", None),)
         done = _p_completion(choices, usage=None, timings=None, reasoning_tokens=1)
         _p_check_stream(self, _p_http(payloads), ("ok", events, done))
@@ -2983,9 +2896,7 @@ class TestParserChoices(unittest.TestCase):
                 _p_check_stream(self, _p_http(payloads, done), ("raised", events, lc.StreamClosedError, one))
         # fed whole: no finish_reason at all; choice 1 appeared by its role chunk alone
         self.assertEqual(_p_outcome([_p_http(payloads[:4])]), ("raised", events[:2], lc.StreamClosedError, none))
-        self.assertEqual(
-            _p_outcome([_p_http(payloads[:3] + payloads[4:5])]), ("raised", events[:1], lc.StreamClosedError, one)
-        )
+        self.assertEqual(_p_outcome([_p_http(payloads[:3] + payloads[4:5])]), ("raised", events[:1], lc.StreamClosedError, one))  # fmt: skip
 
     def test_missing_or_null_index_is_zero(self):
         payloads = [
@@ -3070,9 +2981,7 @@ class TestParserProgress(unittest.TestCase):
             ({"total": 10, "processed": 3, "cache": None, "time_ms": None}, [lc.Progress(3, 10, 0, 0.0)]),
             ({"total": 10, "processed": 3, "future": [1], "cache": 2}, [lc.Progress(3, 10, 2, 0.0)]),
             ({"total": 10, "cache": 1, "time_ms": 2}, []),  # without what it is about, no event (and no error)
-            ({"processed": 3}, []),
-            ({}, []),
-            (None, []),
+            ({"processed": 3}, []), ({}, []), (None, []),
         ):  # fmt: skip
             with self.subTest(fields=fields):
                 self.assertEqual(progress(fields), events)
@@ -3179,9 +3088,7 @@ def _p_random_payload(rng, words):
         elif roll < 0.9:
             entry["finish_reason"] = pick("stop", "length", 1, "")
         if rng.random() < 0.15:
-            entry["logprobs"] = pick(
-                None, {}, {"content": [{"token": "t"}]}, {"reasoning_content": []}, {"content": 1}, "x"
-            )
+            entry["logprobs"] = pick(None, {}, {"content": [{"token": "t"}]}, {"reasoning_content": []}, {"content": 1}, "x")  # fmt: skip
         return entry if rng.random() < 0.98 else pick([], "x", None)
 
     doc = {}
@@ -3198,12 +3105,10 @@ def _p_random_payload(rng, words):
         doc["model"] = pick(MODEL, None, 1)
     doc["object"] = "chat.completion.chunk"
     for key, values in (
-        ("usage", ({"total_tokens": 3}, None, [1])),
-        ("timings", ({"predicted_n": 1}, None, "x")),
+        ("usage", ({"total_tokens": 3}, None, [1])), ("timings", ({"predicted_n": 1}, None, "x")),
         ("prompt_progress", ({"total": 9, "processed": 1, "cache": 0, "time_ms": 2}, None, {"total": "x"}, [])),
-        ("error", ({"code": 500, "message": "m"}, "plain")),
-        ("future", ({"x": 1}, None)),
-    ):
+        ("error", ({"code": 500, "message": "m"}, "plain")), ("future", ({"x": 1}, None)),
+    ):  # fmt: skip
         if rng.random() < (0.01 if key == "error" else 0.05):
             doc[key] = pick(*values)
     if rng.random() < 0.02:
@@ -3222,10 +3127,19 @@ class _FastPaths:
     def fast_on(asm):
         return asm._fast
 
+    def test_fast_and_general_paths_agree(self):  # on 3,000 random streams of the dialect (random_stream)
+        words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']
+        rng = random.Random(self.SEED)
+        fast_steps = 0
+        for trial in range(3000):
+            payloads = self.random_stream(rng, words)
+            with self.subTest(trial=trial):
+                fast_steps += self.run_both(payloads, raw_chunks=rng.random() < 0.1)
+        self.assertGreater(fast_steps, 3000)  # the fast path was on for many of the payloads
+
     def run_both(self, payloads, raw_chunks=False):
-        """The same payloads through feed() (fast path where it applies) and through the general path
-        alone: every step's events or error, the state the pump and the thinking cap read, and the
-        completion.  Returns how many payloads met the fast path switched on."""
+        """The same payloads through feed() and the general path alone: each step's outcome, the state, the
+        completion alike.  Returns how many payloads met the fast path switched on."""
         fast, general = self.DIALECT(raw_chunks), self.DIALECT(raw_chunks)
         fast_steps = 0
         for payload in payloads:
@@ -3254,26 +3168,18 @@ class _FastPaths:
 class TestAssemblerPaths(_FastPaths, unittest.TestCase):
     STATE = _FastPaths.STATE + ("content", "reasoning", "finish_reason")
 
-    def test_fast_and_general_paths_agree(self):
-        words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']
-        rng = random.Random(20240611)
-        fast_steps = 0
-        for trial in range(3000):
-            payloads = [_p_role(0)] if rng.random() < 0.7 else []
-            payloads += [_p_random_payload(rng, words) for _ in range(rng.randint(1, 16))]
-            with self.subTest(trial=trial):
-                fast_steps += self.run_both(payloads, raw_chunks=rng.random() < 0.1)
-        self.assertGreater(fast_steps, 3000)  # the fast path was on for many of the payloads
+    SEED = 20240611
+
+    @staticmethod
+    def random_stream(rng, words):
+        lead = [_p_role(0)] if rng.random() < 0.7 else []
+        return lead + [_p_random_payload(rng, words) for _ in range(rng.randint(1, 16))]
 
     def test_fast_and_general_paths_agree_on_real_streams(self):
-        payloads = [_p_role(0)] + [
-            _p_text(0, w, what) for w in ("x", "", " y") for what in ("content", "reasoning_content")
-        ]
+        payloads = [_p_role(0)] + [_p_text(0, w, what) for w in ("x", "", " y") for what in ("content", "reasoning_content")]  # fmt: skip
         payloads += [
-            _p_text(0, "z", logprobs={"content": [_p_entry(1, "z", -1.0)]}),
-            _p_text(None, "n"),
-            _p_text(1, "one"),
-        ]
+            _p_text(0, "z", logprobs={"content": [_p_entry(1, "z", -1.0)]}), _p_text(None, "n"), _p_text(1, "one"),
+        ]  # fmt: skip
         payloads += [_p_chunk(_p_choice(0, {"content": "p"}), extra={"prompt_progress": {"total": 1, "processed": 1}})]
         payloads += [_p_finish(1), _p_text(0, "w"), _p_finish(0), _p_usage()]
         self.assertGreater(self.run_both(payloads), 5)
@@ -3387,20 +3293,14 @@ class TestParserChoiceTranscripts(unittest.TestCase):
         one = ["A", " recipe", " for", " a", " loaf", " of", " bread", " begins"]
         for a, b in zip(zero[1:], one[1:]):
             events += [lc.Content(a, 0), lc.Content(b, 1)]
-        choices = tuple(
-            lc.Choice(i, "".join(w), "", [], "length", _p_logprobs(raw, i)) for i, w in enumerate((zero, one))
-        )
+        choices = tuple(lc.Choice(i, "".join(w), "", [], "length", _p_logprobs(raw, i)) for i, w in enumerate((zero, one)))  # fmt: skip
         self.check(raw, events, choices, every=False)  # the shape of 30, split at 1,000 offsets; choice 1's timings
 
     def test_32_two_choices_reasoning_logprobs(self):
         raw = load_transcript("32_reasoning_n2_logprobs.raw.txt")
         thoughts, answer = ["is", " the", " sky", " a"], ["the", " ", "answer", " is", " yes"]
-        events = [
-            cls(w, i) for cls, words in ((lc.Reasoning, thoughts), (lc.Content, answer)) for w in words for i in (0, 1)
-        ]
-        choices = tuple(
-            lc.Choice(i, "the answer is yes", "is the sky a", [], "stop", _p_logprobs(raw, i), None) for i in (0, 1)
-        )
+        events = [cls(w, i) for cls, words in ((lc.Reasoning, thoughts), (lc.Content, answer)) for w in words for i in (0, 1)]  # fmt: skip
+        choices = tuple(lc.Choice(i, "the answer is yes", "is the sky a", [], "stop", _p_logprobs(raw, i), None) for i in (0, 1))  # fmt: skip
         self.assertEqual([e["token"] for e in choices[0].logprobs[:2]], ["<", "is"])  # the hidden "<" of <think> first
         self.check(raw, events, choices, reasoning_tokens=8)  # four per choice: the cap is refused with n > 1
 
@@ -3505,25 +3405,18 @@ class TestNativeAssemblerPaths(_FastPaths, unittest.TestCase):
     def fast_on(asm):
         return asm._first is not None
 
-    def test_fast_and_general_paths_agree(self):
-        words = ["a", " b", "\u00e9", "\U0001f30a", "", " ", "\n", '"q"']
-        rng = random.Random(20261201)
-        fast_steps = 0
-        for trial in range(3000):
-            payloads = [_p_random_native(rng, words) for _ in range(rng.randint(1, 16))]
-            with self.subTest(trial=trial):
-                fast_steps += self.run_both(payloads, raw_chunks=rng.random() < 0.1)
-        self.assertGreater(fast_steps, 3000)  # the fast path was on for many of the payloads
+    SEED = 20261201
+
+    @staticmethod
+    def random_stream(rng, words):
+        return [_p_random_native(rng, words) for _ in range(rng.randint(1, 16))]
 
     def test_fast_and_general_paths_agree_on_real_streams(self):
         for name in (
-            "40_completion_stream_tokens_probs.raw.txt",
-            "41_completion_stream_progress.raw.txt",
-            "42_completion_stream_token_ids.raw.txt",
-            "43_completion_stream_two_prompts.raw.txt",
-            "46_completion_stream_stop_word.raw.txt",
-            "48_infill_stream.raw.txt",
-        ):
+            "40_completion_stream_tokens_probs.raw.txt", "41_completion_stream_progress.raw.txt",
+            "42_completion_stream_token_ids.raw.txt", "43_completion_stream_two_prompts.raw.txt",
+            "46_completion_stream_stop_word.raw.txt", "48_infill_stream.raw.txt",
+        ):  # fmt: skip
             raw = load_transcript(name)
             payloads = [line[6:].decode() for line in raw.split(b"\n") if line.startswith(b"data: ")]
             with self.subTest(name=name):
@@ -3534,13 +3427,6 @@ class TestNativeAssemblerPaths(_FastPaths, unittest.TestCase):
 class TestParserNativeDialect(unittest.TestCase):
     def check(self, data, expect, **kw):
         _p_check_stream(self, data, expect, dialect=lc._NativeAssembler, **kw)
-
-    def test_one_prompt(self):
-        stop = _p_native_stop()
-        data = _p_dialect_http([sse(_p_native(" the", [506])), sse(_p_native(" sea", [5442], predicted=2)), sse(_p_native(".", [236761], predicted=3)), sse(stop)])  # fmt: skip
-        choice = lc.Choice(0, " the sea.", "", [], "length", None, None, [506, 5442, 236761])
-        events = [lc.Content(" the"), lc.Content(" sea"), lc.Content(".")]
-        self.check(data, ("ok", events, _p_native_completion((choice,), json.loads(stop))))
 
     def test_two_prompts_interleaved_by_index(self):
         lp = _p_entry(4, " the", -0.5, (4, " the", -0.5), (2, " a", -1.25))
@@ -3556,7 +3442,7 @@ class TestParserNativeDialect(unittest.TestCase):
                 sse(stop0),
                 sse(_p_native(" three", [1806], 1, 3, 5)),
                 sse(stop1),
-            ]
+            ]  # fmt: skip
         )
         events = [lc.Progress(4, 4, 0, 12.5), lc.Content(" the", 0), lc.Content(" one", 1), lc.Content(" end", 0)]
         events += [lc.Content(" two", 1), lc.Content(" three", 1)]
@@ -3572,9 +3458,7 @@ class TestParserNativeDialect(unittest.TestCase):
             ([_p_native("a", [1])], [lc.Content("a")], "the stream ended before its stop chunk: the server stopped mid-answer"),
         ):  # fmt: skip
             with self.subTest(message=message):
-                self.check(
-                    _p_dialect_http([sse(p) for p in payloads]), ("raised", events, lc.StreamClosedError, message)
-                )
+                self.check(_p_dialect_http([sse(p) for p in payloads]), ("raised", events, lc.StreamClosedError, message))  # fmt: skip
         asm = lc._NativeAssembler()
         self.assertFalse(asm.done)
         with self.assertRaises(lc.StreamClosedError):
@@ -3600,12 +3484,8 @@ class TestParserNativeDialect(unittest.TestCase):
 
     def test_stop_types_in_chat_words_and_content_in_the_stop_chunk(self):
         for stop_type, reason in (
-            ("eos", "stop"),
-            ("word", "stop"),
-            ("limit", "length"),
-            ("none", "none"),
-            (None, "stop"),
-        ):
+            ("eos", "stop"), ("word", "stop"), ("limit", "length"), ("none", "none"), (None, "stop"),
+        ):  # fmt: skip
             asm = lc._NativeAssembler()
             self.assertEqual(asm.feed(_p_native_stop(stop_type=stop_type, content=" end")), [lc.Content(" end")])
             self.assertEqual((asm.completion().finish_reason, asm.completion().content), (reason, " end"), stop_type)
@@ -3700,15 +3580,7 @@ def _p_resp_feed(asm, kind, **fields):
 
 class TestParserResponsesDialect(unittest.TestCase):
     def check(self, blocks, expect, **kw):
-        _p_check_stream(
-            self, _p_dialect_http([_p_typed(b) for b in blocks]), expect, dialect=lc._ResponsesAssembler, **kw
-        )
-
-    def test_reasoning_then_text(self):
-        blocks, response = _p_resp_text_stream([" the", " sea", "."], reasoning=["Let", " me"])
-        events = [lc.Reasoning("Let"), lc.Reasoning(" me"), lc.Content(" the"), lc.Content(" sea"), lc.Content(".")]
-        done = _p_event_completion(_p_RESP, " the sea.", "stop", _p_resp_usage(), response, "Let me", tokens=2)
-        self.check(blocks, ("ok", events, done))
+        _p_check_stream(self, _p_dialect_http([_p_typed(b) for b in blocks]), expect, dialect=lc._ResponsesAssembler, **kw)  # fmt: skip
 
     def test_the_data_alone_suffices(self):
         blocks, response = _p_resp_text_stream(["a"])
@@ -3728,14 +3600,10 @@ class TestParserResponsesDialect(unittest.TestCase):
         args = "response.function_call_arguments.delta"
         blocks = [
             _p_resp("response.created", response={"id": _p_RESP, "object": "response", "status": "in_progress", "model": MODEL}),
-            _p_resp("response.output_item.added", item=call1),
-            _p_resp(args, delta='{"city":', item_id="fc_uzrJnRe3"),
-            _p_resp(args, delta='"Paris"}', item_id="fc_uzrJnRe3"),
-            _p_resp("response.output_item.added", item=call2),
-            _p_resp(args, delta="{}", item_id="fc_Xk2p"),
-            _p_resp("response.output_item.done", item=output[0]),
-            _p_resp("response.output_item.done", item=output[1]),
-            _p_resp("response.completed", response=response),
+            _p_resp("response.output_item.added", item=call1), _p_resp(args, delta='{"city":', item_id="fc_uzrJnRe3"),
+            _p_resp(args, delta='"Paris"}', item_id="fc_uzrJnRe3"), _p_resp("response.output_item.added", item=call2),
+            _p_resp(args, delta="{}", item_id="fc_Xk2p"), _p_resp("response.output_item.done", item=output[0]),
+            _p_resp("response.output_item.done", item=output[1]), _p_resp("response.completed", response=response),
         ]  # fmt: skip
         events = [lc.ToolCall(0, "fc_uzrJnRe3", "get_weather", ""), lc.ToolCall(0, None, None, '{"city":')]
         events += [lc.ToolCall(0, None, None, '"Paris"}'), lc.ToolCall(1, "fc_Xk2p", "get_time", "")]
@@ -3751,14 +3619,10 @@ class TestParserResponsesDialect(unittest.TestCase):
         added = _p_resp_feed(asm, "response.output_item.added", output_index=0, item=item)
         self.assertEqual(added, [lc.ToolCall(0, "call_1", "f", "")])
         args = "response.function_call_arguments.delta"
-        self.assertEqual(
-            _p_resp_feed(asm, args, item_id="fc_1", output_index=0, delta="{"), [lc.ToolCall(0, None, None, "{")]
-        )
+        self.assertEqual(_p_resp_feed(asm, args, item_id="fc_1", output_index=0, delta="{"), [lc.ToolCall(0, None, None, "{")])  # fmt: skip
         self.assertEqual(_p_resp_feed(asm, args, output_index=0, delta="}"), [lc.ToolCall(0, None, None, "}")])
         # the done item holds nothing the deltas did not bring
-        self.assertEqual(
-            _p_resp_feed(asm, "response.output_item.done", output_index=0, item=dict(item, arguments="{}")), []
-        )
+        self.assertEqual(_p_resp_feed(asm, "response.output_item.done", output_index=0, item=dict(item, arguments="{}")), [])  # fmt: skip
         # a call seen only when done: its arguments come from the item
         late = {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": '{"a":1}'}
         done = _p_resp_feed(asm, "response.output_item.done", output_index=1, item=late)
@@ -3772,9 +3636,7 @@ class TestParserResponsesDialect(unittest.TestCase):
         # dev/fuzz.py found it: the Completion named the call while no event had
         asm = lc._ResponsesAssembler()
         item = {"id": "fc_1", "arguments": "", "call_id": "call_1", "type": "function_call"}
-        self.assertEqual(
-            _p_resp_feed(asm, "response.output_item.added", item=item), [lc.ToolCall(0, "call_1", None, "")]
-        )
+        self.assertEqual(_p_resp_feed(asm, "response.output_item.added", item=item), [lc.ToolCall(0, "call_1", None, "")])  # fmt: skip
         item = dict(item, name="get_weather", arguments="{}")
         done = _p_resp_feed(asm, "response.output_item.done", item=item)
         self.assertEqual(done, [lc.ToolCall(0, None, "get_weather", ""), lc.ToolCall(0, None, None, "{}")])
@@ -3847,15 +3709,11 @@ class TestParserResponsesDialect(unittest.TestCase):
 
     def test_wrong_types_are_protocol_errors(self):
         for doc in (
-            {"type": 7},
-            _p_resp("response.output_text.delta", delta=1),
-            _p_resp("response.output_item.added", item=[]),
+            {"type": 7}, _p_resp("response.output_text.delta", delta=1), _p_resp("response.output_item.added", item=[]),
             _p_resp("response.output_item.added", item={"type": "function_call", "name": 3}),
-            _p_resp("response.completed"),
-            _p_resp("response.completed", response={"usage": {"input_tokens": "9"}}),
-            _p_resp("response.completed", response={"output": {}}),
-            _p_resp("response.created", response=[]),
-        ):
+            _p_resp("response.completed"), _p_resp("response.completed", response={"usage": {"input_tokens": "9"}}),
+            _p_resp("response.completed", response={"output": {}}), _p_resp("response.created", response=[]),
+        ):  # fmt: skip
             with self.subTest(doc=doc), self.assertRaises(lc.ProtocolError):
                 lc._ResponsesAssembler().feed(_p_json(doc))
 
@@ -3923,20 +3781,16 @@ class TestParserMessagesDialect(unittest.TestCase):
 
     def test_thinking_text_and_tool_use(self):
         docs = [
-            _p_msg_start(),
-            {"type": "ping"},
-            _p_block_start(0, {"type": "thinking", "thinking": ""}),
-            _p_block_delta(0, "thinking_delta", thinking="Let"),
-            _p_block_delta(0, "thinking_delta", thinking=" me"),
-            _p_block_start(1, {"type": "text", "text": ""}),
-            _p_block_delta(1, "text_delta", text="Sure"),
+            _p_msg_start(), {"type": "ping"}, _p_block_start(0, {"type": "thinking", "thinking": ""}),
+            _p_block_delta(0, "thinking_delta", thinking="Let"), _p_block_delta(0, "thinking_delta", thinking=" me"),
+            _p_block_start(1, {"type": "text", "text": ""}), _p_block_delta(1, "text_delta", text="Sure"),
             _p_block_start(2, {"type": "tool_use", "id": "uzrJnRe3BYtg", "name": "get_weather"}),
             _p_block_delta(2, "input_json_delta", partial_json='{"city":'),
             _p_block_start(3, {"type": "tool_use", "id": "Xk2pQ", "name": "get_time", "input": {}}),
             _p_block_delta(3, "input_json_delta", partial_json="{}"),
             _p_block_delta(2, "input_json_delta", partial_json='"Paris"}'),
             _p_block_delta(0, "signature_delta", signature=""),
-        ]
+        ]  # fmt: skip
         docs += [{"type": "content_block_stop", "index": i} for i in range(4)] + _p_msg_end("tool_use")
         events = [lc.Reasoning("Let"), lc.Reasoning(" me"), lc.Content("Sure")]
         events += [lc.ToolCall(0, "uzrJnRe3BYtg", "get_weather", ""), lc.ToolCall(0, None, None, '{"city":')]
@@ -3954,13 +3808,11 @@ class TestParserMessagesDialect(unittest.TestCase):
         docs = [
             dict(_p_msg_start(), future=1),
             _p_block_start(0, {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search"}),
-            _p_block_delta(0, "citations_delta", citation={}),
-            {"type": "content_block_stop", "index": 0},
+            _p_block_delta(0, "citations_delta", citation={}), {"type": "content_block_stop", "index": 0},
             _p_block_start(1, {"type": "redacted_thinking", "data": "xyz"}),
-            _p_block_start(2, {"type": "text", "text": ""}),
-            _p_block_delta(2, "text_delta", text="a", extra=True),
+            _p_block_start(2, {"type": "text", "text": ""}), _p_block_delta(2, "text_delta", text="a", extra=True),
             {"type": "future_event", "payload": [1]},
-        ]
+        ]  # fmt: skip
         self.check(docs + _p_msg_end(), ("ok", [lc.Content("a")], done), every=False)
         message = "the stream ended before message_stop: the server stopped mid-answer"
         self.check(text + _p_msg_end()[:1], ("raised", [lc.Content("a")], lc.StreamClosedError, message))
@@ -3992,19 +3844,14 @@ class TestParserMessagesDialect(unittest.TestCase):
 
     def test_protocol_errors(self):
         for docs in (
-            [{"type": 3}],
-            [{"type": "message_start"}],
-            [{"type": "message_start", "message": []}],
-            [_p_block_delta("0", "text_delta", text="a")],
-            [_p_block_delta(0, "input_json_delta", partial_json="{")],  # no tool_use block 0
+            [{"type": 3}], [{"type": "message_start"}], [{"type": "message_start", "message": []}],
+            [_p_block_delta("0", "text_delta", text="a")], [_p_block_delta(0, "input_json_delta", partial_json="{")],  # no tool_use block 0
             [_p_block_start(0, {"type": "text", "text": ""}), _p_block_delta(0, "input_json_delta", partial_json="{")],
-            [_p_block_delta(0, "text_delta", text=1)],
-            [{"type": "content_block_delta", "index": 0}],
-            [{"type": "content_block_start", "index": 0}],
-            [_p_msg_start(), {"type": "message_stop"}],  # no stop reason
+            [_p_block_delta(0, "text_delta", text=1)], [{"type": "content_block_delta", "index": 0}],
+            [{"type": "content_block_start", "index": 0}], [_p_msg_start(), {"type": "message_stop"}],  # no stop reason
             [_p_msg_start({"input_tokens": "9"})] + _p_msg_end(),
             [_p_msg_start(), {"type": "message_delta", "delta": {"stop_reason": 1}}],
-        ):
+        ):  # fmt: skip
             with self.subTest(docs=docs), self.assertRaises(lc.ProtocolError):
                 self.feed(docs)
 
@@ -4046,16 +3893,6 @@ class TestParserDialectsAlike(unittest.TestCase):
                         continue
                     with self.assertRaises(lc.ProtocolError):
                         asm.feed(bad)
-
-    def test_raw_chunks_come_first_in_every_dialect(self):
-        for dialect, doc in (
-            (lc._NativeAssembler, json.loads(_p_native("a"))),
-            (lc._ResponsesAssembler, _p_resp("response.output_text.delta", item_id=_p_MSG, delta="a")),
-            (lc._MessagesAssembler, _p_block_delta(0, "text_delta", text="a")),
-        ):
-            self.assertEqual(dialect(raw_chunks=True).feed(_p_json(doc)), [lc.Chunk(doc), lc.Content("a")])
-            self.assertEqual(dialect().feed(_p_json(doc)), [lc.Content("a")])
-            self.assertEqual(dialect(raw_chunks=True).feed('{"type":"ping"}'), [lc.Chunk({"type": "ping"})])
 
 
 class TestParserCompletionFields(unittest.TestCase):
@@ -4172,9 +4009,7 @@ class TestParserDialectTranscripts(unittest.TestCase):
     def native(self, raw, choices, model=_p_GEMMA):
         """Each prompt's stop chunk is its final; the usage adds theirs up, the timings are the last one's."""
         finals = [d for d in _p_data_docs(raw) if d is not None and d.get("stop")]
-        usage = _p_native_usage(
-            *(sum(f[k] for f in finals) for k in ("tokens_evaluated", "tokens_predicted", "tokens_cached"))
-        )
+        usage = _p_native_usage(*(sum(f[k] for f in finals) for k in ("tokens_evaluated", "tokens_predicted", "tokens_cached")))  # fmt: skip
         final = next(f for f in finals if f["index"] == choices[0].index)
         return _p_native_completion(choices, final, usage, finals[-1]["timings"], model)  # fmt: skip
 
@@ -4234,9 +4069,7 @@ class TestParserDialectTranscripts(unittest.TestCase):
             final = dict(start, **delta["delta"], usage=dict(start["usage"], **delta["usage"]))
             u, timings = final["usage"], None
             prompt = u["input_tokens"] + u["cache_read_input_tokens"]
-            usage = dict(
-                u, prompt_tokens=prompt, completion_tokens=u["output_tokens"], total_tokens=prompt + u["output_tokens"]
-            )
+            usage = dict(u, prompt_tokens=prompt, completion_tokens=u["output_tokens"], total_tokens=prompt + u["output_tokens"])  # fmt: skip
         else:
             final, timings = docs[-1]["response"], docs[-1]["timings"]
             u = final["usage"]
@@ -4269,9 +4102,7 @@ class TestParserDialectTranscripts(unittest.TestCase):
         thinking = ["blue", " sky", "\n"]
         words = ["yes", "<", "|", "im", "_", "end", "|>", "\n", "<", "|", "im", "_", "start"]
         events = [lc.Reasoning(w) for w in thinking] + [lc.Content(w) for w in words]
-        done = self.event_completion(
-            raw, "".join(words), "length", "".join(thinking), reasoning_tokens=3, messages=True
-        )
+        done = self.event_completion(raw, "".join(words), "length", "".join(thinking), reasoning_tokens=3, messages=True)  # fmt: skip
         self.check(lc._MessagesAssembler, raw, ("ok", events, done))
 
     def expected_events(self, raw):
@@ -4460,14 +4291,6 @@ class TestParserModelEvents(unittest.TestCase):
             with self.subTest(payload=payload), self.assertRaises(lc.ProtocolError):
                 lc._ModelEvents().feed(payload)
 
-    def test_model_event_is_a_value_object(self):  # (its fields: TestReference)
-        event = lc.ModelEvent("alpha", "status_change", {"status": "loaded"})
-        self.assertEqual((copy.deepcopy(event), pickle.loads(pickle.dumps(event))), (event, event))
-        self.assertEqual(repr(event), "ModelEvent(model='alpha', event='status_change', data={'status': 'loaded'})")
-        with self.assertRaises(AttributeError):
-            event.model = "beta"
-        self.assertIn("ModelEvent", lc.__all__)
-
 
 def _a_bare(completion):
     """A named call's Completion as stream_route() reads the same bytes: the finish, usage, id, model,
@@ -4543,12 +4366,10 @@ class TestParserRouteChunks(unittest.TestCase):
         other = {"choices": [{"index": 1, "delta": {"content": "Yo"}, "finish_reason": "stop"}]}
         native = {"index": 0, "content": "Hi", "stop": False}
         for payloads, done, which in (
-            ([opened], False, "0"),
-            ([opened], True, "0"),  # [DONE] before a finish_reason, as on chat
-            ([opened, other], True, "0"),
-            ([native], False, "0"),
+            ([opened], False, "0"), ([opened], True, "0"),  # [DONE] before a finish_reason, as on chat
+            ([opened, other], True, "0"), ([native], False, "0"),
             ([dict(native, stop=True), dict(native, index=1)], False, "1"),
-        ):
+        ):  # fmt: skip
             with self.subTest(payloads=payloads, done=done):
                 message = "the stream ended before choice %s had finished: the server stopped mid-answer" % which
                 self.check(_a_sse(*payloads, done=done), ("raised", [lc.Chunk(p) for p in payloads], lc.StreamClosedError, message))  # fmt: skip
@@ -4635,10 +4456,6 @@ class TestResponseValue(unittest.TestCase):
         long = "Response(status=200, reason='OK', headers=(), body=%r... (81 bytes))" % (b"x" * 80)
         self.assertEqual(repr(lc.Response(200, "OK", (), b"x" * 81)), long)
 
-    def test_deadline_error_carries_its_budget(self):  # (its parents: TestReference)
-        err = lc.DeadlineError("m", 2.5, "send")
-        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (2.5, 2.5, "send", "m"))
-
 
 # =====================================================================================================
 # Tier 2. Transport and client: streams, single-shot calls, the server API, TLS, prefixes, routing
@@ -4683,11 +4500,6 @@ class TestClientStream(ServerCase):
         options = {"continuous_usage_stats": True, "include_usage": True}
         self.assertEqual(req.json(), dict(messages=MSGS, **kw, stream=True, stream_options=options, id_slot=1))
 
-    def test_any_slot_sends_no_id_slot(self):
-        self.use(serve_body(content_stream(["ok"])))
-        self.collect(slot=None)
-        self.assertNotIn("id_slot", self.server.chat_requests()[0].json())
-
     def test_api_key_and_extra_headers(self):
         self.use(serve_body(content_stream(["ok"])))
         client = self.new_client(self.server.address, limits=FAST, api_key="sk-secret", headers={"X-Trace": "1"})
@@ -4700,13 +4512,10 @@ class TestClientStream(ServerCase):
     def test_reasoning_and_tool_calls(self):
         call = {"index": 0, "id": "call1", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}
         deltas = [
-            {"role": "assistant", "content": None},
-            {"reasoning_content": "think"},
-            {"reasoning_content": ""},
-            {"reasoning_content": " more"},
-            {"tool_calls": [call]},
+            {"role": "assistant", "content": None}, {"reasoning_content": "think"}, {"reasoning_content": ""},
+            {"reasoning_content": " more"}, {"tool_calls": [call]},
             {"tool_calls": [{"index": 0, "function": {"arguments": '"city": "Paris"}'}}]},
-        ]
+        ]  # fmt: skip
         body = chunked(*[sse(chunk_json(d)) for d in deltas], sse(chunk_json({}, "tool_calls")), b"data: [DONE]\n\n")
         self.use(serve_body(body + b"0\r\n\r\n"))
         completion, events = self.collect()
@@ -4717,16 +4526,6 @@ class TestClientStream(ServerCase):
         self.assertEqual(completion.tool_calls, [lc.ToolCallResult("call1", "get_weather", '{"city": "Paris"}')])
         self.assertEqual(completion.finish_reason, "tool_calls")
 
-
-class TestClientStreamAsync(AsyncDriver, TestClientStream):
-    pass
-
-
-class TestClientEdges(ServerCase):
-    """Edge cases of streams, and of the chunked body's end."""
-
-    limits = SOCKETS
-
     def test_many_deltas_fold_into_the_exact_text(self):
         words = ["w%d " % i for i in range(5000)]
         self.use(serve_body(content_stream(words)))
@@ -4734,38 +4533,8 @@ class TestClientEdges(ServerCase):
         self.assertEqual(completion.content, "".join(words))
         self.assertEqual(len(events), 5000)
 
-    def test_mistyped_delta_fields_are_protocol_errors(self):
-        for delta in (
-            {"reasoning_content": 5},
-            {"content": ["x"]},
-            {"tool_calls": "x"},
-            {"tool_calls": [{"index": 0, "function": "x"}]},
-            {"content": "a", "reasoning_content": {}},
-        ):
-            with self.subTest(delta=delta):
-                body = chunked(sse(chunk_json({"role": "assistant"})), sse(chunk_json(delta)))
-                self.use(serve_body(body + b"0\r\n\r\n"))
-                with self.assertRaises(lc.ProtocolError):
-                    self.collect()
 
-    def test_legacy_error_line_with_envelope(self):
-        error = b'error: {"error":{"code":"500","message":"boom","type":"server_error"}}\n\n'
-        self.use(serve_body(chunked(sse(chunk_json({"content": "x"})), error) + b"0\r\n\r\n"))
-        with self.assertRaises(lc.ServerError) as cm:
-            self.collect()
-        self.assertEqual((cm.exception.code, cm.exception.message), (500, "boom"))
-
-    def test_chunked_trailers_and_last_crlf(self):  # (trailers ignored: TestParserChunked)
-        decoder = lc.ChunkedDecoder()
-        self.assertEqual(decoder.feed(b"3\r\nabc\r\n0\r\n"), [b"abc"])
-        decoder.feed_eof()  # only the final CRLF is missing: the body is whole
-        self.assertTrue(decoder.done)
-        for trailers in (b"X: y\r\n" * 101, b"X" * 5000, b"X" * 5000 + b"\r\n"):  # over 100 lines, over a line's cap
-            with self.assertRaises(lc.ProtocolError):
-                lc.ChunkedDecoder().feed(b"0\r\n" + trailers)
-
-
-class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
+class TestClientStreamAsync(AsyncDriver, TestClientStream):
     pass
 
 
@@ -4776,9 +4545,9 @@ class TestClientEdgesAsync(AsyncDriver, TestClientEdges):
 
 
 def open_stream(client, endpoint, *args, **kw):
-    """``client.stream_<endpoint>(...)`` (``client.stream(...)`` for chat): a Stream; for AsyncDriver's
-    facade, its AsyncStream behind blocking iteration (as ``SyncFacade.stream`` does for chat)."""
-    name = "stream" if endpoint == "chat" else "stream_" + endpoint
+    """``client.stream_<endpoint>(...)`` (``stream(...)`` for chat, ``watch_models(...)`` for "models"): a
+    Stream; for AsyncDriver's facade, its AsyncStream behind blocking iteration (as ``SyncFacade.stream``)."""
+    name = {"chat": "stream", "models": "watch_models"}.get(endpoint, "stream_" + endpoint)
     if isinstance(client, SyncFacade):
         return StreamFacade(client._runner, getattr(client._client, name)(*args, **kw))
     return getattr(client, name)(*args, **kw)
@@ -4795,18 +4564,12 @@ def first_chunk(raw):
 _E_SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 #: What the captures 50 and 60 stream for _E_SEA at max 8 tokens
-_E_SEA_WORDS = ["Write", " one", " sentence", " about", " the", " sea", ".<", "|"]
-
-_E_SEA_TEXT = "".join(_E_SEA_WORDS)
+_E_SEA_TEXT = "".join(_p_SEA)
 
 _E_PATHS = {
-    "chat": "/v1/chat/completions",
-    "complete": "/completion",
-    "infill": "/infill",
-    "respond": "/v1/responses",
-    "message": "/v1/messages",
-    "complete_openai": "/v1/completions",
-}
+    "chat": "/v1/chat/completions", "complete": "/completion", "infill": "/infill", "respond": "/v1/responses",
+    "message": "/v1/messages", "complete_openai": "/v1/completions",
+}  # fmt: skip
 
 #: For each streamed endpoint: the call's arguments, a capture of its stream, and the text it streams.
 _E_CASES = {
@@ -4819,26 +4582,14 @@ _E_CASES = {
 }
 
 
-def _e_native_usage(evaluated, predicted, cached):
-    return {
-        "tokens_evaluated": evaluated,
-        "tokens_predicted": predicted,
-        "tokens_cached": cached,
-        "prompt_tokens": evaluated,
-        "completion_tokens": predicted,
-        "total_tokens": evaluated + predicted,
-    }
-
-
 def _e_docs(raw):
     """The JSON objects a capture's data lines carry (not its ``[DONE]`` or ``null``)."""
     return [d for d in _t_payloads(raw) if isinstance(d, dict)]
 
 
 class TestEndpoints(ServerCase):
-    """complete, infill, respond, message and complete_openai (and their stream_* forms) through the client,
-    on the bytes the real server sent (dev/testdata/transcripts), and what they share with chat (for chat
-    too); count_message_tokens and the LoRA calls."""
+    """The other endpoints (and their stream_* forms) through the client on the real server's bytes, and
+    what they share with chat; count_message_tokens and the LoRA calls."""
 
     limits = SOCKETS
 
@@ -4846,10 +4597,6 @@ class TestEndpoints(ServerCase):
         raw = load_transcript(name)
         self.server.route("POST", _E_PATHS[endpoint], lambda req: req.send(raw))
         return raw
-
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path == path]
 
     def call(self, endpoint, *args, client=None, **kw):
         events = []
@@ -4859,21 +4606,14 @@ class TestEndpoints(ServerCase):
 
     def routed_client(self):
         """A client with a default model, which every streamed body then names."""
-        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
-        self.closers.append(client.close)
-        return client
+        return self.own_client(limits=self.limits, model="alpha")
 
     def read_as_its_dialect(self, endpoint, raw, events, completion):
-        """Through the client, a capture gives the events and the Completion its endpoint's dialect reads
-        from those bytes, exactly (TestParserDialectTranscripts and TestParserTextCompletionsDialect state
-        what that is, split at every offset)."""
+        """Through the client, a capture gives exactly what its endpoint's dialect reads from its bytes."""
         dialect = {
-            "complete": lc._NativeAssembler,
-            "infill": lc._NativeAssembler,
-            "respond": lc._ResponsesAssembler,
-            "message": lc._MessagesAssembler,
-            "complete_openai": lc._TextAssembler,
-        }[endpoint]
+            "complete": lc._NativeAssembler, "infill": lc._NativeAssembler, "respond": lc._ResponsesAssembler,
+            "message": lc._MessagesAssembler, "complete_openai": lc._TextAssembler,
+        }[endpoint]  # fmt: skip
         self.assertEqual(("ok", events, completion), _p_outcome([raw], dialect))
 
     def sent_last(self, endpoint, body):
@@ -4983,9 +4723,7 @@ class TestEndpoints(ServerCase):
         )
         msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
         self.assertEqual(run_with_timeout(lambda: self.client.count_message_tokens(msgs)), 31)
-        self.assertEqual(
-            run_with_timeout(lambda: self.routed_client().count_message_tokens(msgs, system="Be brief")), 31
-        )
+        self.assertEqual(run_with_timeout(lambda: self.routed_client().count_message_tokens(msgs, system="Be brief")), 31)  # fmt: skip
         plain, routed = self.sent("/v1/messages/count_tokens")
         self.assertEqual(plain.json(), {"messages": msgs})  # no stream, no slot
         self.assertEqual(routed.json(), {"messages": msgs, "system": "Be brief", "model": "alpha"})
@@ -5188,9 +4926,7 @@ class TestEndpoints(ServerCase):
                 events = []
                 with self.assertRaises(lc.ServerError) as cm:
                     run_with_timeout(lambda: getattr(self.client, endpoint)(*args, slot=0, on_event=events.append))
-                self.assertEqual(
-                    (cm.exception.code, cm.exception.message, cm.exception.type), (500, message, "server_error")
-                )
+                self.assertEqual((cm.exception.code, cm.exception.message, cm.exception.type), (500, message, "server_error"))  # fmt: skip
                 self.assertEqual(events, expect)
                 self.assertEqual(len(self.sent(_E_PATHS[endpoint])), 1)
 
@@ -5236,25 +4972,13 @@ class TestEndpoints(ServerCase):
 
     def test_mistakes_are_raised_before_sending(self):
         cases = [
-            (TypeError, "complete", (5,), {}),
-            (ValueError, "complete", ([],), {}),
-            (TypeError, "complete", ("x",), {"prompt": "y"}),
-            (TypeError, "infill", (b"x",), {}),
-            (TypeError, "infill", ("x",), {"extra": "util.py"}),
-            (ValueError, "infill", ("x",), {"extra": [("a.py",)]}),
-            (TypeError, "infill", ("x",), {"input_extra": []}),
-            (ValueError, "respond", ([],), {}),
-            (TypeError, "respond", (["x"],), {}),
-            (ValueError, "message", ([],), {}),
-            (TypeError, "message", ("hi",), {}),
-            (ValueError, "message", (_E_SEA,), {"slot": -1}),
-            (TypeError, "complete", ("x",), {"slot": True}),
-            (TypeError, "complete_openai", (5,), {}),
-            (ValueError, "complete_openai", ([],), {}),
-            (TypeError, "complete_openai", ("x",), {"prompt": "y"}),
-            (ValueError, "complete_openai", ("x",), {"slot": -1}),
-            (ValueError, "complete_openai", ("x",), {"resumable": ""}),
-        ]
+            # the shapes each body refuses: TestParserDialectBodies; here, one of each call, refused before sending
+            (TypeError, "complete", (5,), {}), (TypeError, "complete", ("x",), {"slot": True}),
+            (TypeError, "infill", (b"x",), {}), (ValueError, "respond", ([],), {}), (TypeError, "message", ("hi",), {}),
+            (ValueError, "message", (_E_SEA,), {"slot": -1}), (TypeError, "complete_openai", (5,), {}),
+            (ValueError, "complete_openai", ([],), {}), (TypeError, "complete_openai", ("x",), {"prompt": "y"}),
+            (ValueError, "complete_openai", ("x",), {"slot": -1}), (ValueError, "complete_openai", ("x",), {"resumable": ""}),
+        ]  # fmt: skip
         for error, endpoint, args, kw in cases:
             with self.subTest(endpoint=endpoint, args=args, kw=kw), self.assertRaises(error):
                 open_stream(self.client, endpoint, *args, **kw)
@@ -5285,15 +5009,9 @@ class TestLastRoutes(ServerCase):
 
     limits = SOCKETS
 
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path == path]
-
     def call(self, *args, client=None, **kw):
         events = []
-        completion = run_with_timeout(
-            lambda: (client or self.client).complete_openai(*args, on_event=events.append, **kw)
-        )
+        completion = run_with_timeout(lambda: (client or self.client).complete_openai(*args, on_event=events.append, **kw))  # fmt: skip
         return completion, events
 
     def test_a_resumable_one_cut_anywhere_resumes(self):
@@ -5335,7 +5053,7 @@ class TestLastRoutes(ServerCase):
             req.wait_peer_close(5)
 
         self.server.route("GET", "/models/sse", handler)
-        with _a_watch(client) as stream:
+        with open_stream(client, "models") as stream:
             got = [run_with_timeout(lambda: next(stream)) for _ in range(2)]
             self.assertEqual(got, [lc.ModelEvent(d["model"], d["event"], d["data"]) for d in (loading, other)])
             threading.Timer(0.8, release.set).start()  # four times liveness of silence
@@ -5347,8 +5065,7 @@ class TestLastRoutes(ServerCase):
         self.assertEqual(self.client._board.gate.snapshot(), {})
 
     def test_watch_models_filters_and_never_routes(self):
-        client = self.new_client(self.server.address, limits=self.limits, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits, model="alpha")
         events = [
             {"model": "beta", "event": "model_status", "data": {"status": "loading"}},
             {"model": "alpha", "event": "status_change", "data": {"status": "loading"}},
@@ -5356,7 +5073,7 @@ class TestLastRoutes(ServerCase):
             {"model": "beta", "event": "status_change", "data": {"status": "loaded"}},
         ]
         self.sse(_t_sse(*events) + b"0\r\n\r\n", hold=False)
-        stream = _a_watch(client, model="beta")
+        stream = open_stream(client, "models", model="beta")
         got = []
         with self.assertRaises(lc.StreamClosedError) as caught:
             for event in run_with_timeout(lambda: stream):
@@ -5369,7 +5086,7 @@ class TestLastRoutes(ServerCase):
 
     def test_watch_models_cancel_and_errors(self):
         self.sse(_t_sse({"model": "a", "event": "x"}))
-        stream = _a_watch(self.client)
+        stream = open_stream(self.client, "models")
         self.assertEqual(run_with_timeout(lambda: next(stream)), lc.ModelEvent("a", "x", None))
         stream.cancel()
         with self.assertRaises(lc.CancelledError):
@@ -5378,7 +5095,7 @@ class TestLastRoutes(ServerCase):
         loading = json_response({"error": {"code": 503, "message": "Loading"}}, b"503 Unavailable")
         self.server.route("GET", "/models/sse", reply(loading))
         with self.assertRaises(lc.HTTPStatusError) as caught:
-            run_with_timeout(lambda: next(_a_watch(self.client)))
+            run_with_timeout(lambda: next(open_stream(self.client, "models")))
         self.assertEqual(caught.exception.status, 503)
         self.assertEqual(len(self.sent("/models/sse")), 2)  # not sent again
         with self.assertRaises(TypeError):
@@ -5387,7 +5104,7 @@ class TestLastRoutes(ServerCase):
     def test_watch_models_of_a_server_that_is_not_there(self):
         self.server.close()
         with self.assertRaises(lc.ConnectError):
-            run_with_timeout(lambda: next(_a_watch(self.client)))
+            run_with_timeout(lambda: next(open_stream(self.client, "models")))
 
     def router(self, *answers):
         """POST /models/load answers success; GET /v1/models answers ``answers`` in turn (the last again)."""
@@ -5403,9 +5120,7 @@ class TestLastRoutes(ServerCase):
             _t_models(("alpha", {"value": "loaded"}), ("beta", {"value": "loaded"})),
         )
         self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta", wait=True)), {"success": True})
-        self.assertEqual(
-            [r.path for r in self.server.requests], ["/models/load", "/v1/models", "/v1/models", "/v1/models"]
-        )
+        self.assertEqual([r.path for r in self.server.requests], ["/models/load", "/v1/models", "/v1/models", "/v1/models"])  # fmt: skip
         self.assertEqual(self.sent("/models/load")[0].json(), {"model": "beta"})
         self.assertEqual(run_with_timeout(lambda: self.client.load_model("beta")), {"success": True})
         self.assertEqual(len(self.sent("/v1/models")), 3)  # without wait: the answer alone
@@ -5416,9 +5131,7 @@ class TestLastRoutes(ServerCase):
         self.router(_t_models(("broken", {"value": "loading"})), _t_models(("broken", failed)))
         with self.assertRaises(lc.ServerError) as caught:
             run_with_timeout(lambda: self.client.load_model("broken", wait=True))
-        self.assertEqual(
-            (caught.exception.code, caught.exception.type, caught.exception.error), (1, "load_failed", failed)
-        )
+        self.assertEqual((caught.exception.code, caught.exception.type, caught.exception.error), (1, "load_failed", failed))  # fmt: skip
         self.assertIn("could not load model 'broken'", str(caught.exception))
         self.assertIn("exit code 1", str(caught.exception))
         self.server.route(
@@ -5453,36 +5166,18 @@ _ROUTES_FILE = os.path.join(HERE, "dev", "testdata", "server_routes.txt")
 
 #: The route each named call sends (the calls of both clients)
 _NAMED_ROUTES = {
-    "GET /health": "health",
-    "GET /metrics": "metrics",
-    "GET /props": "props",
-    "GET /v1/models": "models",
-    "POST /completion": "complete",
-    "POST /v1/completions": "complete_openai",
-    "POST /v1/chat/completions": "chat",
-    "POST /v1/chat/completions/control": "end_reasoning",
-    "POST /v1/responses": "respond",
-    "POST /v1/messages": "message",
-    "POST /infill": "infill",
-    "POST /v1/embeddings": "embed",
-    "POST /v1/rerank": "rerank",
-    "POST /tokenize": "tokenize",
-    "POST /detokenize": "detokenize",
-    "POST /apply-template": "apply_template",
-    "POST /v1/chat/completions/input_tokens": "count_tokens",
+    "GET /health": "health", "GET /metrics": "metrics", "GET /props": "props", "GET /v1/models": "models",
+    "POST /completion": "complete", "POST /v1/completions": "complete_openai", "POST /v1/chat/completions": "chat",
+    "POST /v1/chat/completions/control": "end_reasoning", "POST /v1/responses": "respond",
+    "POST /v1/messages": "message", "POST /infill": "infill", "POST /v1/embeddings": "embed",
+    "POST /v1/rerank": "rerank", "POST /tokenize": "tokenize", "POST /detokenize": "detokenize",
+    "POST /apply-template": "apply_template", "POST /v1/chat/completions/input_tokens": "count_tokens",
     "POST /v1/responses/input_tokens": "count_response_tokens",
-    "POST /v1/messages/count_tokens": "count_message_tokens",
-    "GET /lora-adapters": "lora_adapters",
-    "POST /lora-adapters": "set_lora_adapters",
-    "GET /slots": "slots",
-    "POST /slots/:id_slot": "save_slot",  # and restore_slot, erase_slot
-    "GET /v1/stream": "resume",
-    "POST /v1/streams/lookup": "lookup_streams",
-    "DELETE /v1/stream": "delete_stream",
-    "POST /models/load": "load_model",
-    "POST /models/unload": "unload_model",
-    "GET /models/sse": "watch_models",
-}
+    "POST /v1/messages/count_tokens": "count_message_tokens", "GET /lora-adapters": "lora_adapters",
+    "POST /lora-adapters": "set_lora_adapters", "GET /slots": "slots", "POST /slots/:id_slot": "save_slot",  # and restore_slot, erase_slot
+    "GET /v1/stream": "resume", "POST /v1/streams/lookup": "lookup_streams", "DELETE /v1/stream": "delete_stream",
+    "POST /models/load": "load_model", "POST /models/unload": "unload_model", "GET /models/sse": "watch_models",
+}  # fmt: skip
 
 
 def _routes_of_source(text):
@@ -5529,17 +5224,14 @@ def _unexplained_routes(routes):
 
 
 class TestServerRoutes(unittest.TestCase):
-    """Every route the server registers (the copy in dev/testdata/server_routes.txt) is a named call or a
-    line of the reference (dev/REFERENCE.md) with its reason; a fresh clone runs this on the copy, without
-    the source."""
+    """Every route the server registers (dev/testdata/server_routes.txt) is a named call or a line of
+    dev/REFERENCE.md with its reason."""
 
     def test_every_route_is_a_call_or_in_the_reference(self):
         routes = _routes_of_copy()
         self.assertGreaterEqual(len(routes), 50)
         missing, stale = _unexplained_routes(routes)
-        self.assertEqual(
-            missing, [], "routes with neither a call nor a line in dev/REFERENCE.md (Routes without a named call)"
-        )
+        self.assertEqual(missing, [], "routes with neither a call nor a line in dev/REFERENCE.md (Routes without a named call)")  # fmt: skip
         self.assertEqual(stale, [], "dev/REFERENCE.md lines of routes the server does not register")
         self.assertEqual(sorted(set(_NAMED_ROUTES) - set(routes)), [], "named calls of routes the server lacks")
 
@@ -5719,10 +5411,7 @@ class _UnixServer:
     def __init__(self, prefix, name):
         self.tmp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
         self.path = os.path.join(self.tmp, name)
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.sockets = set()
-        self.threads = []
+        self.lock, self.stopping, self.sockets, self.threads = threading.Lock(), threading.Event(), set(), []
         self.connections = 0
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
@@ -5818,12 +5507,8 @@ class KeepAliveServer(_UnixServer):
 def keep_alive_answer(doc, headers=b"Keep-Alive: timeout=5, max=100\r\n", version=b"HTTP/1.1", body=None):
     """A plain JSON answer as llama-server sends it, without ``Connection: close``."""
     body = json.dumps(doc).encode() if body is None else body
-    return b"%s 200 OK\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        version,
-        len(body),
-        headers,
-        body,
-    )
+    head = b"%s 200 OK\r\nContent-Type: application/json; charset=utf-8\r\n" % version
+    return head + b"Content-Length: %d\r\n%s\r\n%s" % (len(body), headers, body)
 
 
 class TestDroppedClient(unittest.TestCase):
@@ -5909,9 +5594,7 @@ class TestKeepAlive(ClientFactory, unittest.TestCase):
         self.assertEqual(server.connections, 2)
 
     def test_a_connection_idle_past_the_servers_timeout_is_not_reused(self):
-        server, client = self.serve(
-            lambda req: keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=2\r\n")
-        )
+        server, client = self.serve(lambda req: keep_alive_answer({"tokens": [7]}, headers=b"Keep-Alive: timeout=2\r\n"))  # fmt: skip
         self.assertEqual(self.tokens(client, 1), [[7]])
         time.sleep(1.05)  # the subject: idle longer than the server's timeout less one second
         self.assertEqual(self.tokens(client, 1), [[7]])
@@ -6028,8 +5711,7 @@ class TestApiCalls(_ApiCase):
 
     def test_request_bytes_with_api_key_and_headers_whole(self):
         self.server.route("POST", "/tokenize", reply(json_response({"tokens": [1]})))
-        client = self.new_client(self.server.address, limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, api_key="sk-1", headers={"X-Trace": "1"})
         self.assertEqual(run_with_timeout(lambda: client.tokenize("a\r\nb")), [1])
         req = self.server.requests[0]
         self.assertEqual(
@@ -6064,10 +5746,7 @@ class TestApiCalls(_ApiCase):
         # neither waited for a body: the client closed each connection while the server held it (5 s);
         # reading on would have been StalledError after liveness (2 s)
         self.assertTrue(all(r.closed_by_peer.wait(10) for r in self.server.requests))
-        self.assertEqual(
-            [r.raw_head for r in self.server.requests],
-            [_api_head(b"HEAD /health"), _api_head(b"DELETE /slots/0")],
-        )
+        self.assertEqual([r.raw_head for r in self.server.requests], [_api_head(b"HEAD /health"), _api_head(b"DELETE /slots/0")])  # fmt: skip
 
     def test_query_joins_a_query_already_in_the_path(self):
         self.server.route("GET", "/props?a=1&b=2", reply(json_response({"ok": 1})))
@@ -6092,8 +5771,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
             (missing, FileNotFoundError, "no llama-server at %s: the socket file does not exist" % missing),
             (url, ConnectionRefusedError, "no llama-server listening at %s (connection refused)" % url),
         ):
-            client = self.new_client(address, limits=FAST)
-            self.closers.append(client.close)
+            client = self.own_client(address, limits=FAST)
             for name, call, *_ in _api_calls():
                 with self.subTest(call=name, address=address):
                     with self.assertRaises(lc.ConnectError) as cm:
@@ -6122,8 +5800,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
                 self._api_one_request(since)
 
     def test_silence_is_stalled_after_liveness(self):
-        client = self.new_client(self.server.address, limits=FAST.replace(liveness=_API_LIVENESS))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(liveness=_API_LIVENESS))
         for name, call, line, *_ in _api_calls():
             with self.subTest(call=name):
                 _api_route(self.server, line, lambda req: req.wait_peer_close(5))
@@ -6136,8 +5813,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
 
     def test_silence_after_the_head_is_stalled_but_slow_progress_is_not(self):
         # liveness bounds the gap between two reads, never the whole answer
-        client = self.new_client(self.server.address, limits=FAST.replace(liveness=0.4))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(liveness=0.4))
         body = b'{"tokens":[1,2,3,4,5,6,7,8,9]}'
 
         def drip(req):  # the head, then the body 3 bytes at a time, 0.1 s apart
@@ -6160,8 +5836,7 @@ class TestApiErrors(VirtualFactory, _ApiCase):
         self.assertElapsed(time.monotonic() - start, 0.4, early=0.03)
 
     def test_body_over_max_body_is_protocol_error(self):
-        client = self.new_client(self.server.address, limits=FAST.replace(max_body=_API_MAX_BODY))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(max_body=_API_MAX_BODY))
         for name, call, line, _, answer, value, _ in _api_calls():
             body, ctype = _api_body(answer)
             self.assertLessEqual(len(body), _API_MAX_BODY)
@@ -6209,26 +5884,14 @@ class TestApiErrors(VirtualFactory, _ApiCase):
     def test_cr_lf_nul_in_method_path_or_query_refused_before_anything_is_sent(self):
         c = self.client
         for method, path, query in (
-            ("GET\r\n", "/health", None),
-            ("GE\nT", "/health", None),
-            ("G\0T", "/health", None),
-            ("GET /x", "/health", None),
-            ("", "/health", None),
-            ("GET", "/health\r\nX-Injected: 1", None),
-            ("GET", "/health\n", None),
-            ("GET", "/health\r", None),
-            ("GET", "/he\0alth", None),
-            ("GET", "/he alth", None),
-            ("GET", "health", None),
-            ("GET", "", None),
-            ("GET", "/health", {"a\r\nX-Injected: 1": "v"}),
-            ("GET", "/health", {"a": "v\r\nX-Injected: 1"}),
-            ("GET", "/health", {"a": "v\n"}),
-            ("GET", "/health", {"a": "\0"}),
-            ("GET", "/health", {b"a\r": "v"}),
-            ("GET", "/health", {"a": b"v\r\n"}),
-            ("POST", "/tokenize\r\n", {"a": "1"}),
-        ):
+            ("GET\r\n", "/health", None), ("GE\nT", "/health", None), ("G\0T", "/health", None),
+            ("GET /x", "/health", None), ("", "/health", None), ("GET", "/health\r\nX-Injected: 1", None),
+            ("GET", "/health\n", None), ("GET", "/health\r", None), ("GET", "/he\0alth", None),
+            ("GET", "/he alth", None), ("GET", "health", None), ("GET", "", None),
+            ("GET", "/health", {"a\r\nX-Injected: 1": "v"}), ("GET", "/health", {"a": "v\r\nX-Injected: 1"}),
+            ("GET", "/health", {"a": "v\n"}), ("GET", "/health", {"a": "\0"}), ("GET", "/health", {b"a\r": "v"}),
+            ("GET", "/health", {"a": b"v\r\n"}), ("POST", "/tokenize\r\n", {"a": "1"}),
+        ):  # fmt: skip
             with self.subTest(method=method, path=path, query=query), self.assertRaises(ValueError):
                 c.request(method, path, {"content": "x"} if method == "POST" else None, query=query)
         with self.assertRaises(TypeError):  # a query is a dict
@@ -6258,11 +5921,9 @@ class TestApiErrors(VirtualFactory, _ApiCase):
 
 
 TestApiErrorsSockets, TestApiErrorsSocketsAsync = on_sockets(
-    TestApiErrors,
-    "test_unreachable_is_connect_error_with_address_and_cause",
-    "test_error_status_is_http_status_error_with_the_envelope",
-    "test_body_over_max_body_is_protocol_error",
-)
+    TestApiErrors, "test_unreachable_is_connect_error_with_address_and_cause",
+    "test_error_status_is_http_status_error_with_the_envelope", "test_body_over_max_body_is_protocol_error",
+)  # fmt: skip
 
 
 class TestApiRouting(_ApiCase):
@@ -6270,8 +5931,7 @@ class TestApiRouting(_ApiCase):
     gets it, one with a model keeps its own; request() included."""
 
     def test_single_shot_calls_are_routed_to_the_default_model(self):
-        client = self.new_client(self.server.address, limits=FAST, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, model="alpha")
         m = b', "model": "alpha"}'
         # fmt: off
         cases = [
@@ -6469,8 +6129,7 @@ class TestApiTLS(_ApiCase):
         self.assertEqual(run_with_timeout(lambda: self.client.tokenize("x")), [5, 6])
         # the host name is checked too: localhost is in the certificate
         port = self.server.address.rsplit(":", 1)[1]
-        by_name = self.new_client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
-        self.closers.append(by_name.close)
+        by_name = self.own_client("https://localhost:%s" % port, limits=FAST, ssl_context=self.trusting)
         self.assertEqual(run_with_timeout(by_name.health), {"status": "ok"})
         self.assertEqual(self.server.requests[-1].headers["host"], "localhost:%s" % port)
         with self.server.lock:
@@ -6496,23 +6155,19 @@ class TestApiTLS(_ApiCase):
 
     def test_untrusted_certificate_is_connect_error_at_once_never_retried(self):
         # verification is on by default: the system store does not trust the test certificate
-        client = self.new_client(self.server.address, limits=FAST.replace(load_wait=30.0))
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST.replace(load_wait=30.0))
         events = []
         calls = (
-            lambda c: c.health(),
-            lambda c: c.tokenize("x"),
-            lambda c: c.chat(MSGS, slot=0, on_event=events.append),
+            lambda c: c.health(), lambda c: c.tokenize("x"), lambda c: c.chat(MSGS, slot=0, on_event=events.append),
             lambda c: list(c.stream(MSGS, slot=1)),
-        )
+        )  # fmt: skip
         for n, call in enumerate(calls, 1):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 18)  # X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT
             wait_for(lambda n=n: len(self.server.handshakes) == n, 5, "the server to see the handshake")
         # None retried: a retry connects before its call returns, so before this trusting sentinel, and the
         # listener accepts in order: once the sentinel is answered, every earlier connection was accepted.
-        sentinel = self.new_client(self.server.address, limits=FAST, ssl_context=self.trusting)
-        self.closers.append(sentinel.close)
+        sentinel = self.own_client(limits=FAST, ssl_context=self.trusting)
         self.assertEqual(run_with_timeout(sentinel.health), {"status": "ok"})
         with self.server.lock:
             self.assertEqual(len(self.server.conns), len(calls) + 2)  # one per call; the sentinel's, and its TLS
@@ -6530,8 +6185,7 @@ class TestApiTLS(_ApiCase):
         except OSError as exc:  # pragma: no cover - a host without 127.0.0.0/8 on lo
             self.skipTest("cannot listen on 127.0.0.2: %s" % exc)
         self.closers.append(other.close)
-        client = self.new_client(other.address, limits=FAST, ssl_context=self.trusting)
-        self.closers.append(client.close)
+        client = self.own_client(other.address, limits=FAST, ssl_context=self.trusting)
         for call in (lambda c: c.health(), lambda c: c.chat(MSGS, slot=0)):
             err = self._api_refused(call, client)
             self.assertEqual(err.__cause__.verify_code, 64)  # X509_V_ERR_IP_ADDRESS_MISMATCH
@@ -6578,18 +6232,14 @@ class TestServerApi(ServerCase):
                     told["idle"].set()
 
         self.server.route("GET", "/slots?model=m1", slots)
-        self.server.route(
-            "GET", "/props?model=m1", lambda req: (props.append(req.path), respond_json(req, {"total_slots": 1}))
-        )
+        self.server.route("GET", "/props?model=m1", lambda req: (props.append(req.path), respond_json(req, {"total_slots": 1})))  # fmt: skip
         self.server.route(
             "POST",
             "/v1/chat/completions/control",
             lambda req: (controls.append(req.json()), respond_json(req, {"success": True})),
         )
         self.use(chat)
-        client = self.new_client(
-            self.server.address, limits=FAST.replace(thinking_cap=1, thinking_overrun=10), model="m1"
-        )
+        client = self.own_client(limits=FAST.replace(thinking_cap=1, thinking_overrun=10), model="m1")
         events = []
         completion = run_with_timeout(lambda: client.chat(MSGS, slot=None, on_event=on_event))
         self.assertEqual(self.server.chat_requests()[0].json()["model"], "m1")
@@ -6613,9 +6263,7 @@ class TestServerApi(ServerCase):
         threads = [start_chat(self.client, m, 0, events, results, model="model-" + m) for m in "AB"]
         wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="slot 0 of two models at once")
         # neither was queued by the gate (a head later than the poll is a Waiting, a wait for the server)
-        self.assertEqual(
-            {m: [e for e in evs if not isinstance(e, lc.Waiting)] for m, evs in events.items()}, {"A": [], "B": []}
-        )
+        self.assertEqual({m: [e for e in evs if not isinstance(e, lc.Waiting)] for m, evs in events.items()}, {"A": [], "B": []})  # fmt: skip
         self.assertEqual(self.client._board.gate.snapshot()[("model-A", 0)], (1, 0))
         for m in "AB":
             keeper.release(m)
@@ -6629,9 +6277,8 @@ class TestServerApiAsync(AsyncDriver, TestServerApi):
 
 
 class TestListenQueueFull(ServerCase):
-    """A Unix socket whose listen queue is full refuses a (non-blocking) connect with EAGAIN: a connect
-    failure, retried with Retrying for a stream and ConnectError for a single-shot call, never a closed
-    stream."""
+    """A full listen queue refuses a Unix connect with EAGAIN: a connect failure (Retrying for a stream,
+    ConnectError for a single-shot call), never a closed stream."""
 
     def full_listener(self):
         late = FakeServer(listen=False)
@@ -6728,7 +6375,8 @@ class TestAsyncClient(ServerCase):
     def test_two_running_loops_at_once_is_runtime_error(self):
         release = threading.Event()
         self.use(hold_then(content_stream(["late"]), release))
-        client = lc.AsyncClient(self.server.address, limits=FAST)
+        # the other loop's request, at an idle slot, waits for this test however slow the machine
+        client = lc.AsyncClient(self.server.address, limits=FAST.replace(idle_grace=30.0))
         outcome = {}
 
         def other_loop():
@@ -6785,34 +6433,21 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         cases = [(ValueError, lambda a=a: self.new_client(a)) for a in bad_addresses + ["/tmp/" + "x" * 120]]
         cases += [(ValueError, lambda b=b: lc.Limits(**b)) for b in ({"poll": -1}, {"queue_len": -2}, {"liveness": 0})]
         cases += [
-            (ValueError, lambda: lc.Limits(max_line=-5)),
-            (TypeError, lambda: lc.Limits(poll="1")),
-            (TypeError, lambda: lc.Limits(queue_len=1.5)),
-            (TypeError, lambda: lc.Limits(max_line=True)),
-            (TypeError, lambda: self.new_client(8080)),
-            (TypeError, lambda: client.stream(MSGS, foo=object())),
+            (ValueError, lambda: lc.Limits(max_line=-5)), (TypeError, lambda: lc.Limits(poll="1")),
+            (TypeError, lambda: lc.Limits(queue_len=1.5)), (TypeError, lambda: lc.Limits(max_line=True)),
+            (TypeError, lambda: self.new_client(8080)), (TypeError, lambda: client.stream(MSGS, foo=object())),
             (ValueError, lambda: client.stream(MSGS, temperature=float("nan"))),
-            (ValueError, lambda: client.stream(MSGS, slot=-1)),
-            (TypeError, lambda: client.stream(MSGS, slot=True)),
-            (TypeError, lambda: client.stream(MSGS, slot="0")),
-            (TypeError, lambda: client.end_reasoning(5)),
-            (ValueError, lambda: client.save_slot(-1, "f")),
-            (TypeError, lambda: client.erase_slot(True)),
+            (ValueError, lambda: client.stream(MSGS, slot=-1)), (TypeError, lambda: client.stream(MSGS, slot=True)),
+            (TypeError, lambda: client.stream(MSGS, slot="0")), (TypeError, lambda: client.end_reasoning(5)),
+            (ValueError, lambda: client.save_slot(-1, "f")), (TypeError, lambda: client.erase_slot(True)),
             (TypeError, lambda: client.tokenize(object())),
-            (ValueError, lambda: lc.encode_request("GET", "health", "localhost")),
-            (ValueError, lambda: lc.encode_request("GET", "/a b", "localhost")),
-            (ValueError, lambda: lc.encode_request("GET", "/", "localhost", [("Bad:Name", "v")])),
             (TypeError, lambda: self.new_client("/tmp/x.sock", limits={"poll": 1})),
             (TypeError, lambda: self.new_client("/tmp/x.sock", headers={"X-A": 1})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"X:A": "1"})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"Host": "evil"})),
             (ValueError, lambda: self.new_client("/tmp/x.sock", headers={"content-length": "5"})),
             (TypeError, lambda: self.new_client("/tmp/x.sock", api_key=b"k")),
-            (ValueError, lambda: lc.parse_address("http://:8080")),
-            (ValueError, lambda: lc.parse_address("http://[::1")),
-            (ValueError, lambda: lc.parse_address("unix://")),
-            (ValueError, lambda: lc.parse_address("/tmp/a\0b")),
-        ]
+        ]  # fmt: skip
         for i, (cls, call) in enumerate(cases):
             with self.subTest(case=i), self.assertRaises(cls):
                 call()
@@ -6824,10 +6459,6 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         self.assertEqual((tcp.unix, tcp.target, tcp.host), (False, ("127.0.0.1", 8080), "127.0.0.1:8080"))
         v6 = lc.parse_address("http://[::1]:9000")
         self.assertEqual((v6.target, v6.host), (("::1", 9000), "[::1]:9000"))
-
-    def test_timeouts_are_builtin_timeouts(self):
-        for cls in (lc.WaitTimeoutError, lc.LoadTimeoutError, lc.StalledError):
-            self.assertTrue(issubclass(cls, TimeoutError) and issubclass(cls, lc.LoopError))
 
     def test_path_like_address_and_user_headers_replace_defaults(self):
         self.assertEqual(lc.parse_address(pathlib.Path("/run/x.sock")).target, "/run/x.sock")
@@ -6844,13 +6475,12 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
         run = [sys.executable, "-S", "-c", code % (("dataclasses", "typing", "inspect"),)]
         out = subprocess.run(run, cwd=HERE, capture_output=True, text=True, timeout=30).stdout
         self.assertEqual(out, "False False False\n")  # importing and a Client() cost none of them
-        params = list(inspect.signature(lc.ToolCall).parameters)
-        self.assertEqual(params, ["index", "id", "name", "arguments", "choice"])
-        self.assertIn("wedge_wait", str(inspect.signature(lc.Limits)))
         with self.assertRaises(AttributeError):
             lc.Limits().poll = 2.0  # type: ignore[misc]
         with self.assertRaises(AttributeError):
             del lc.Content("a").text  # type: ignore[misc]
+        with self.assertRaises(AttributeError):
+            lc.ModelEvent("alpha", "x", None).model = "beta"  # type: ignore[misc]
         self.assertEqual(lc.Limits().replace(poll=2.0).poll, 2.0)
         with self.assertRaises(TypeError):
             lc.Limits().replace(pol=2.0)
@@ -6863,7 +6493,7 @@ class TestCallerMistakes(ClientFactory, unittest.TestCase):
             lc.Queued(2), lc.Waiting(True, wedged=True), lc.Retrying(1, 0.25, "HTTP 503: Loading model"),
             lc.Reasoning("r", choice=1), lc.Content("c"), lc.ToolCall(0, "id", "f", "{", choice=2),
             lc.ThinkingCapped(3), lc.Progress(10, 20, 5, 1.5), lc.Chunk({"choices": [{"delta": {"content": "x"}}]}),
-            lc.ToolCallResult("id", "f", "{}"),
+            lc.ToolCallResult("id", "f", "{}"), lc.ModelEvent("alpha", "status_change", {"status": "loaded"}),
             lc.Choice(1, "c", "r", [lc.ToolCallResult("id", "f", "{}")], "stop", [{"token": "c"}]),
             lc.Completion("id", "m", "c", "", [], "stop", {"total_tokens": 3}, None),
             lc.Slot(0, True, {"id": 0, "is_processing": True}, task=7, decoded=3, prompt_processed=12),
@@ -6909,25 +6539,13 @@ def _a_route_answer(*payloads, done=True):
 
 def _a_stream(client, path, body=None, **kw):
     """``client.stream_route(path, body, **kw)``: a Stream (a StreamFacade for AsyncDriver's client)."""
-    if isinstance(client, SyncFacade):
-        return StreamFacade(client._runner, client._client.stream_route(path, body, **kw))
-    return client.stream_route(path, body, **kw)
-
-
-def _a_watch(client, **kw):
-    if isinstance(client, SyncFacade):
-        return StreamFacade(client._runner, client._client.watch_models(**kw))
-    return client.watch_models(**kw)
+    return open_stream(client, "route", path, body, **kw)
 
 
 class TestAnswers(_ApiCase):
     """fetch() gives any answer whole; headers= goes with one call (every call, its refusals); a resumable
     stream's later requests carry the call's headers; stream_route() streams a route the client does not
     name, with the engine's rules."""
-
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path.split("?")[0] == path]
 
     def fetch(self, *args, client=None, **kw):
         return run_with_timeout(lambda: (client or self.client).fetch(*args, **kw))
@@ -6939,26 +6557,6 @@ class TestAnswers(_ApiCase):
         return events, stream.completion
 
     # -- fetch() ----------------------------------------------------------------------------------------
-
-    def test_fetch_gives_every_status_whole_and_sends_once(self):
-        cases = [
-            (b"200 OK", b'{"a":1}', JSON_TYPE),
-            (b"201 Created", b"made", b"text/plain"),
-            (b"301 Moved Permanently", b"<html>moved</html>", b"text/html"),
-            (b"404 Not Found", b'{"error":{"code":404,"message":"File Not Found"}}', JSON_TYPE),
-            (b"500 Internal Server Error", b"oops", b"text/plain"),
-            (b"503 Service Unavailable", b'{"error":{"code":503,"message":"Loading model"}}', JSON_TYPE),
-        ]
-        for status, body, ctype in cases:
-            with self.subTest(status=status):
-                extra = b"Location: http://elsewhere/\r\nRetry-After: 0\r\n"
-                self.server.route("GET", "/any", reply(http_response(body, ctype, "length", status, extra)))
-                since = len(self.server.requests)
-                got = self.fetch("GET", "/any")
-                code, _, reason = status.decode().partition(" ")
-                headers = _a_headers(ctype.decode(), body, ("location", "http://elsewhere/"), ("retry-after", "0"))
-                self.assertEqual(got, lc.Response(int(code), reason, headers, body))
-                self.assertEqual(len(self.server.requests), since + 1)  # neither retried nor followed
 
     def test_fetch_skips_an_interim_answer_and_reads_chunked_and_until_close(self):
         self.server.route("GET", "/a", reply(b"HTTP/1.1 100 Continue\r\n\r\n" + http_response(b"ok", b"text/plain")))
@@ -6990,8 +6588,7 @@ class TestAnswers(_ApiCase):
             run_with_timeout(lambda: self.client.request("POST", "/x", {"q": 1}))
         self.assertEqual(self.sent("/x")[0].raw_head, _api_head(b"POST /x", b'{"q": 1}', accept=b"*/*"))
         # routed to the client's default model as request() is: ?model= on a GET, "model" in a body
-        client = self.new_client(self.server.address, limits=FAST, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, model="alpha")
         self.server.route("GET", "/y?model=alpha", reply(json_response({})))
         self.assertEqual(self.fetch("GET", "/y", client=client).status, 200)
         self.fetch("POST", "/x", {"q": 1}, client=client)
@@ -6999,18 +6596,12 @@ class TestAnswers(_ApiCase):
 
     def test_fetch_mistakes_are_raised_before_sending(self):
         for error, args, kw in (
-            (TypeError, (b"GET", "/x"), {}),
-            (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
-            (ValueError, ("GET", "x"), {}),
-            (ValueError, ("G T", "/x"), {}),
-            (ValueError, ("GET", "/x\r\n"), {}),
-            (ValueError, ("POST", "/x", float("nan")), {}),
-            (TypeError, ("POST", "/x", object()), {}),
-            (ValueError, ("GET", "/x"), {"timeout": 0}),
-            (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
-            (TypeError, ("GET", "/x"), {"timeout": "1"}),
-            (TypeError, ("GET", "/x"), {"timeout": True}),
-        ):
+            (TypeError, (b"GET", "/x"), {}), (TypeError, ("GET", "/x"), {"query": [("a", 1)]}),
+            (ValueError, ("GET", "x"), {}), (ValueError, ("G T", "/x"), {}), (ValueError, ("GET", "/x\r\n"), {}),
+            (ValueError, ("POST", "/x", float("nan")), {}), (TypeError, ("POST", "/x", object()), {}),
+            (ValueError, ("GET", "/x"), {"timeout": 0}), (ValueError, ("GET", "/x"), {"timeout": float("nan")}),
+            (TypeError, ("GET", "/x"), {"timeout": "1"}), (TypeError, ("GET", "/x"), {"timeout": True}),
+        ):  # fmt: skip
             with self.subTest(args=args, kw=kw), self.assertRaises(error):
                 self.fetch(*args, **kw)
         self._api_nothing_sent()
@@ -7018,8 +6609,7 @@ class TestAnswers(_ApiCase):
     # -- headers= per call ------------------------------------------------------------------------------
 
     def test_every_single_shot_call_takes_headers_and_timeout_for_itself(self):
-        client = self.new_client(self.server.address, limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, headers={"X-Call": "client", "X-Keep": "k"})
         mine = b"\r\nX-Keep: k\r\nX-Call: v\r\nUser-Agent: mine/2"
         for name, call, line, body, answer, value, _ in _api_calls():
             with self.subTest(call=name):
@@ -7045,8 +6635,7 @@ class TestAnswers(_ApiCase):
         )
 
     def test_a_call_may_replace_the_api_key(self):
-        client = self.new_client(self.server.address, limits=FAST, api_key="sk-client")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, api_key="sk-client")
         run_with_timeout(lambda: client.health(headers={"authorization": "Bearer sk-call"}))
         run_with_timeout(client.health)
         first, second = self.sent("/health")
@@ -7056,28 +6645,19 @@ class TestAnswers(_ApiCase):
 
     def test_refused_headers_on_every_kind_of_call_before_sending(self):
         refused = [
-            (ValueError, {"Host": "x"}),
-            (ValueError, {"content-length": "1"}),
-            (ValueError, {"Transfer-Encoding": "chunked"}),
-            (ValueError, {"CONTENT-TYPE": "text/plain"}),
-            (ValueError, {"Connection": "keep-alive"}),
-            (ValueError, {"X-A": "a\r\nX-B: b"}),
-            (ValueError, {"X-A\n": "a"}),
-            (ValueError, {"X A": "a"}),
-            (TypeError, {"X-A": 1}),
+            (ValueError, {"Host": "x"}), (ValueError, {"content-length": "1"}),
+            (ValueError, {"Transfer-Encoding": "chunked"}), (ValueError, {"CONTENT-TYPE": "text/plain"}),
+            (ValueError, {"Connection": "keep-alive"}), (ValueError, {"X-A": "a\r\nX-B: b"}),
+            (ValueError, {"X-A\n": "a"}), (ValueError, {"X A": "a"}), (TypeError, {"X-A": 1}),
             (TypeError, {b"X-A": "a"}),
-        ]
+        ]  # fmt: skip
         calls = [
-            lambda c, h: c.fetch("GET", "/x", headers=h),
-            lambda c, h: c.slots(headers=h),
-            lambda c, h: c.embed("a", headers=h),
-            lambda c, h: c.stream(MSGS, headers=h),
-            lambda c, h: c.chat(MSGS, headers=h),
-            lambda c, h: open_stream(c, "complete", "x", headers=h),
-            lambda c, h: _a_stream(c, "/x", headers=h),
-            lambda c, h: c.resume("conv-1", headers=h),
-            lambda c, h: _a_watch(c, headers=h),
-        ]
+            lambda c, h: c.fetch("GET", "/x", headers=h), lambda c, h: c.slots(headers=h),
+            lambda c, h: c.embed("a", headers=h), lambda c, h: c.stream(MSGS, headers=h),
+            lambda c, h: c.chat(MSGS, headers=h), lambda c, h: open_stream(c, "complete", "x", headers=h),
+            lambda c, h: _a_stream(c, "/x", headers=h), lambda c, h: c.resume("conv-1", headers=h),
+            lambda c, h: open_stream(c, "models", headers=h),
+        ]  # fmt: skip
         for error, headers in refused:
             for i, call in enumerate(calls):
                 with self.subTest(headers=headers, call=i), self.assertRaises(error):
@@ -7095,7 +6675,7 @@ class TestAnswers(_ApiCase):
         calls += [
             ("/v1/chat/completions", lambda h: list(c.stream(MSGS, headers=h, raw_chunks=True))),
             ("/r", lambda h: list(_a_stream(c, "/r", {"a": 1}, headers=h))),
-            ("/models/sse", lambda h: list(_a_watch(c, headers=h))),
+            ("/models/sse", lambda h: list(open_stream(c, "models", headers=h))),
             ("/v1/stream", lambda h: list(c.resume("conv-1", headers=h))),
         ]
         for path, call in calls:
@@ -7124,9 +6704,7 @@ class TestAnswers(_ApiCase):
                 buf.reset(cuts)
                 since = len(self.server.requests)
                 events = []
-                run_with_timeout(
-                    lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append)
-                )
+                run_with_timeout(lambda: self.client.chat(MSGS, slot=0, resumable="c-h", headers=mine, on_event=events.append))  # fmt: skip
                 self.assertEqual(buf.methods(), methods)
                 with self.server.lock:
                     reqs = [r for r in self.server.requests[since:] if not r.path.startswith("/slots")]
@@ -7177,8 +6755,7 @@ class TestAnswers(_ApiCase):
         self.assertEqual(req.raw_head, _api_head(b"POST /v1/x?y=1", body, accept=b"text/event-stream", session=key))
         self.assertEqual(req.body, body)
         # no body, another method, a default model routed as request() routes it
-        client = self.new_client(self.server.address, limits=FAST, model="alpha")
-        self.closers.append(client.close)
+        client = self.own_client(limits=FAST, model="alpha")
         self.server.route("GET", "/events?model=alpha", _a_route_answer("tick", done=False))
         self.assertEqual(self.route("/events", method="GET", client=client)[0], [lc.Chunk("tick")])
         (req,) = self.sent("/events")
@@ -7254,9 +6831,7 @@ class TestAnswers(_ApiCase):
         for cut in sorted(rng.sample(range(len(buf.head) + 1, len(raw) - 5), 12)):
             buf.reset([cut])
             events, again = self.route("/completions", body, slot=0, resumable="c-r")
-            self.assertEqual(
-                [e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut
-            )
+            self.assertEqual([e for e in events if not isinstance(e, (lc.Resumed, lc.Waiting))], whole, "cut at %d" % cut)  # fmt: skip
             self.assertEqual(again, done, "cut at %d" % cut)
             self.assertEqual(buf.methods().count("POST"), 1, "cut at %d" % cut)
         stream = self.client.resume("c-r", endpoint="route")
@@ -7264,18 +6839,12 @@ class TestAnswers(_ApiCase):
 
     def test_stream_route_mistakes_are_raised_before_sending(self):
         for error, args, kw in (
-            (TypeError, (b"/x",), {}),
-            (TypeError, ("/x",), {"method": None}),
-            (ValueError, ("x",), {}),
-            (ValueError, ("/x",), {"method": "P T"}),
-            (ValueError, ("/x", {"a": float("nan")}), {}),
-            (TypeError, ("/x", "text"), {"slot": 0}),
-            (TypeError, ("/x", [1]), {"n": 2}),
-            (TypeError, ("/x", {"n": 1}), {"n": 2}),
-            (ValueError, ("/x",), {"slot": -1}),
-            (TypeError, ("/x",), {"slot": "0"}),
-            (ValueError, ("/x",), {"resumable": ""}),
-        ):
+            (TypeError, (b"/x",), {}), (TypeError, ("/x",), {"method": None}), (ValueError, ("x",), {}),
+            (ValueError, ("/x",), {"method": "P T"}), (ValueError, ("/x", {"a": float("nan")}), {}),
+            (TypeError, ("/x", "text"), {"slot": 0}), (TypeError, ("/x", [1]), {"n": 2}),
+            (TypeError, ("/x", {"n": 1}), {"n": 2}), (ValueError, ("/x",), {"slot": -1}),
+            (TypeError, ("/x",), {"slot": "0"}), (ValueError, ("/x",), {"resumable": ""}),
+        ):  # fmt: skip
             with self.subTest(args=args, kw=kw), self.assertRaises(error):
                 _a_stream(self.client, *args, **kw)
         self._api_nothing_sent()
@@ -7295,10 +6864,7 @@ class TestCallSignatures(unittest.TestCase):
         self.assertIn("stream_route", names)
         for name in names:
             with self.subTest(name):
-                sync, other = (
-                    inspect.signature(getattr(lc.Client, name)),
-                    inspect.signature(getattr(lc.AsyncClient, name)),
-                )
+                sync, other = (inspect.signature(getattr(lc.Client, name)), inspect.signature(getattr(lc.AsyncClient, name)))  # fmt: skip
                 self.assertEqual(list(sync.parameters), list(other.parameters))
                 params = sync.parameters
                 takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -7381,11 +6947,8 @@ class TestVirtualClock(unittest.TestCase):
 
 @real_time
 class TestDriversAlike(unittest.TestCase):
-    """Each operation of the plan protocol performed by _SyncRun and _AsyncRun on a real socket (a
-    FakeServer) and by VirtualRun on the virtual clock (a VirtualServer): the same result or error (class,
-    errno, message), the same requests seen by the server, and the same time taken: exactly on the virtual
-    clock, within the margin on the real one (MARGIN, scaled by the machine's pace: ``lateness``).  What lets
-    the tiers that run on the virtual clock stand for the real drivers."""
+    """Each plan operation on _SyncRun, _AsyncRun (real sockets) and VirtualRun alike: the same result or
+    error, requests and time taken (what lets the virtual-clock tiers stand for the real drivers)."""
 
     KINDS = ("sync", "async", "virtual")
 
@@ -7593,41 +7156,6 @@ class TestWaitForHead(VirtualFactory, ServerCase):
     def budget(self, **kw):
         return lc.Limits(**dict(dict(poll=0.05, liveness=2.0, busy_wait=5.0, load_wait=5.0, idle_grace=5.0), **kw))
 
-    def test_busy_slot_past_busy_wait(self):
-        self.server.busy[0] = True
-        self.use(hold_then(b"", self.event()))
-        client = self.new_client(self.server.address, limits=self.budget(busy_wait=0.6))
-        answers = SlotAnswers(self)
-        t = Timer()
-        events = []
-        with self.assertRaises(lc.WaitTimeoutError) as cm:
-            run_with_timeout(lambda: client.chat(MSGS, slot=0, on_event=events.append))
-        # busy_wait after the busy wait began (on real sockets, a /slots answer later than the poll is an
-        # unavailable server for that poll, and busy afterwards starts afresh)
-        self.assertElapsed(time.monotonic() - answers.busy_since(t.start), 0.6)
-        self.assertIsInstance(cm.exception, TimeoutError)
-        timely, _ = answers.sort(events)
-        self.assertTrue(timely and all(e == lc.Waiting(True) for e in timely))
-        self.assertTrue(self.server.chat_requests()[0].closed_by_peer.wait(10))
-
-    def test_slots_failing_is_load_timeout_after_load_wait(self):
-        self.server.route(
-            "GET",
-            "/slots",
-            lambda req: respond_json(
-                req,
-                {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}},
-                503,
-                "Service Unavailable",
-            ),
-        )
-        self.use(hold_then(b"", self.event()))
-        client = self.new_client(self.server.address, limits=self.budget(load_wait=0.5))
-        t = Timer()
-        with self.assertRaises(lc.LoadTimeoutError):
-            run_with_timeout(lambda: client.chat(MSGS, slot=0))
-        self.assertElapsed(t.elapsed, 0.5)
-
     def test_budgets_restart_when_the_situation_changes(self):
         # busy, unavailable, busy: each phase ends on the first poll 0.35 s after the phase's own first poll
         # (so the client has seen every phase), under its 0.6 s budget (a late poll only lengthens a phase:
@@ -7648,9 +7176,7 @@ class TestWaitForHead(VirtualFactory, ServerCase):
                         release.set()  # the last phase is over: the chat's head is sent
                 phase = phases[min(state["phase"], len(phases) - 1)]
             if phase == "down":
-                respond_json(
-                    req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
-                )
+                respond_json(req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x")  # fmt: skip
             else:
                 respond_json(req, [{"id": 0, "is_processing": True}])
 
@@ -7694,9 +7220,31 @@ class TestWaitForHead(VirtualFactory, ServerCase):
         # far fewer /slots requests than Waiting events: answers are shared and reused
         self.assertLess(self.server.slots_requests, len(waits) / 2)
 
+    def test_any_slot_all_busy_waits_busy(self):
+        self.server.busy[:] = [True, True]
+        release = self.event()
+        self.use(hold_then(content_stream(["ok"]), release))
+        answers = SlotAnswers(self)
+        events = []
+
+        def on_event(ev):
+            events.append(ev)
+            timely = answers.sort(events)[0]
+            if len(timely) >= 2:  # told busy twice: a slot frees
+                self.server.busy[0] = False
+            if lc.Waiting(False) in timely[2:]:  # told it: the head comes
+                release.set()
+
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=None, on_event=on_event))
+        timely, _ = answers.sort(events)
+        self.assertEqual(timely[:2], [lc.Waiting(True), lc.Waiting(True)])
+        self.assertIn(lc.Waiting(False), timely[2:])
+        self.assertEqual(waits_first(self, events), [lc.Content("ok")])
+        self.assertEqual(completion.content, "ok")
+
 
 TestWaitForHeadSockets, TestWaitForHeadSocketsAsync = on_sockets(
-    TestWaitForHead, "test_busy_slot_past_busy_wait", "test_five_waiters_share_one_slots_request"
+    TestWaitForHead, "test_five_waiters_share_one_slots_request", "test_any_slot_all_busy_waits_busy"
 )
 
 
@@ -7789,8 +7337,7 @@ class TestWedgedSlots(VirtualFactory, ServerCase):
                 if what == "no fields":
                     self.server.route("GET", "/slots", FakeServer._slots.__get__(self.server))
                     self.server.busy[0] = True
-                client = self.new_client(self.server.address, limits=limits.replace(busy_wait=2 * self.WEDGE))
-                self.closers.append(client.close)
+                client = self.own_client(limits=limits.replace(busy_wait=2 * self.WEDGE))
                 self.use(hold_then(content_stream(["x"]), self.event()))
                 with self.assertRaises(lc.WaitTimeoutError):
                     run_with_timeout(lambda: client.chat(MSGS, slot=0))
@@ -7808,8 +7355,7 @@ class TestWedgedSlots(VirtualFactory, ServerCase):
     def test_any_slot_leaves_wedged_slots_out_of_busy(self):
         # slot 0 wedged, slot 1 idle: the pool is not busy, so an unanswered request is stalled, not waiting
         self.use(hold_then(content_stream(["x"]), self.event()))
-        client = self.new_client(self.server.address, limits=self.limits.replace(idle_grace=2 * self.WEDGE))
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits.replace(idle_grace=2 * self.WEDGE))
         events = []
         with self.assertRaises(lc.StalledError) as cm:
             run_with_timeout(lambda: client.chat(MSGS, slot=None, on_event=events.append))
@@ -7908,9 +7454,7 @@ class TestRetries(VirtualFactory, ServerCase):
     def test_retry_after_http_date_honoured(self):
         def first(req):
             when = email.utils.formatdate(time.time() + 2, usegmt=True)
-            respond_json(
-                req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n"
-            )
+            respond_json(req, {"error": {"message": "busy", "code": 503}}, 503, "x", b"Retry-After: " + when.encode() + b"\r\n")  # fmt: skip
 
         calls, handler = self.unavailable_then(first)
         self.use(handler)
@@ -7919,70 +7463,10 @@ class TestRetries(VirtualFactory, ServerCase):
         self.assertTrue(1.0 <= events[0].delay <= 2.0, events[0])
         self.assertEqual(completion.content, "fine")
 
-    def test_close_after_content_is_not_replayed(self):
-        def handler(req):
-            req.send(STREAM_HEAD + chunked(sse(chunk_json({"content": "x"}))))
-
-        self.use(handler)
-        with self.assertRaises(lc.StreamClosedError):
-            self.collect()
-        self.assertEqual(len(self.server.chat_requests()), 1)
-
 
 TestRetriesSockets, TestRetriesSocketsAsync = on_sockets(
-    TestRetries,
-    "test_socket_appears_after_a_while",
-    "test_retry_after_seconds_honoured",
-)
-
-
-class TestWaitEdges(VirtualFactory, ServerCase):
-    """Edge cases of waiting for a slot: any-slot pools, empty /slots, Retry-After dates."""
-
-    def test_any_slot_all_busy_waits_busy(self):
-        self.server.busy[:] = [True, True]
-        release = self.event()
-        self.use(hold_then(content_stream(["ok"]), release))
-        answers = SlotAnswers(self)
-        events = []
-
-        def on_event(ev):
-            events.append(ev)
-            timely = answers.sort(events)[0]
-            if len(timely) >= 2:  # told busy twice: a slot frees
-                self.server.busy[0] = False
-            if lc.Waiting(False) in timely[2:]:  # told it: the head comes
-                release.set()
-
-        completion = run_with_timeout(lambda: self.client.chat(MSGS, slot=None, on_event=on_event))
-        timely, _ = answers.sort(events)
-        self.assertEqual(timely[:2], [lc.Waiting(True), lc.Waiting(True)])
-        self.assertIn(lc.Waiting(False), timely[2:])
-        self.assertEqual(waits_first(self, events), [lc.Content("ok")])
-        self.assertEqual(completion.content, "ok")
-
-    def test_any_slot_pool_grows_when_props_answers_late(self):
-        answers = iter(
-            [
-                lambda req: respond_json(req, {"error": {"message": "Loading model", "code": 503}}, 503, "x"),
-                lambda req: respond_json(req, {"total_slots": 2}),
-            ]
-        )
-        self.server.route("GET", "/props", lambda req: next(answers)(req))
-        self.use(serve_body(content_stream(["ok"])))
-        self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props failed: a pool of one
-        self.assertEqual(self.client._board.gate.snapshot()[(None, None)], (0, 0))
-        self.assertEqual(self.collect(slot=None)[0].content, "ok")  # props answered: the pool grows
-        self.assertEqual(self.client._board.gate._lanes[(None, None)].capacity, 2)
-
-    def test_retry_after_dates_out_of_range(self):
-        self.assertIsNone(lc.parse_retry_after("Fri, 31 Dec 99999 23:59:59 GMT"))
-        self.assertIsNone(lc.parse_retry_after("not a date"))
-        self.assertEqual(lc.parse_retry_after("Thu, 01 Jan 1970 00:00:00 GMT"), 0.0)
-        self.assertEqual(lc.parse_retry_after("Thu, 01 Jan 1970 00:01:40 GMT", now=0.0), 100.0)
-
-
-TestWaitEdgesSockets, TestWaitEdgesSocketsAsync = on_sockets(TestWaitEdges, "test_any_slot_all_busy_waits_busy")
+    TestRetries, "test_socket_appears_after_a_while", "test_retry_after_seconds_honoured",
+)  # fmt: skip
 
 
 class Gatekeeper:
@@ -8081,9 +7565,7 @@ def gate_problems(gate, queue_len=None, shrunk=False):
                 if ticket.pos != pos or ticket.granted or ticket.left:
                     problems.append(where + "ticket %d at %d is not a plain waiter" % (ticket.seq, pos))
                 if lane.before(ticket) != rank:
-                    problems.append(
-                        where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank)
-                    )
+                    problems.append(where + "ticket at %d counts %d before it, not %d" % (pos, lane.before(ticket), rank))  # fmt: skip
                 if not ticket.ahead and lane.known:
                     problems.append(where + "ticket at %d not judged in a pool of known size" % pos)
                 if ticket.ahead and not shrunk and ticket.ahead < lane.ahead(ticket):
@@ -8093,37 +7575,6 @@ def gate_problems(gate, queue_len=None, shrunk=False):
 
 class TestGate(ServerCase):
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=5.0, idle_grace=10.0, queue_len=2)
-
-    @real_time
-    def test_queued_events_fifo_and_busy_error(self):
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        threads = [start_chat(self.client, "A", 0, events, results)]
-        wait_for(lambda: keeper.arrived("A"), what="A to be sent")
-        threads.append(start_chat(self.client, "B", 0, events, results))
-        wait_for(lambda: events["B"], what="B to queue")
-        threads.append(start_chat(self.client, "C", 0, events, results))
-        wait_for(lambda: events["C"], what="C to queue")
-        # the queue holds 2: the fourth is refused at once and nothing is sent
-        t = Timer()
-        with self.assertRaises(lc.BusyError):
-            self.client.chat([{"role": "user", "content": "D"}], slot=0)
-        self.assertLess(t.elapsed, lateness(self, 0.1))
-        self.assertEqual(events["B"], [lc.Queued(1)])
-        self.assertEqual(events["C"], [lc.Queued(2)])
-        # A's release hands the permit to B; C learns it moved up on its own timer (within poll)
-        keeper.release("A")
-        wait_for(lambda: keeper.arrived("B"), what="B to get the permit")
-        wait_for(lambda: len(events["C"]) == 2, what="C to hear it moved up")
-        self.assertEqual(events["C"], [lc.Queued(2), lc.Queued(1)])
-        self.assertFalse(keeper.arrived("C"))
-        for marker in "BC":
-            keeper.release(marker)
-        for th in threads:
-            th.join(5)
-        self.assertEqual([m for _, m in keeper.order], ["A", "B", "C"])
-        self.assertEqual([results[m].content for m in "ABC"], ["A", "B", "C"])
-        self.assertEqual(self.client._board.gate.snapshot()[(None, 0)], (0, 0))
 
     def test_slots_are_independent(self):
         keeper = Gatekeeper(self.server)
@@ -8173,31 +7624,13 @@ class TestGate(ServerCase):
         c.join(5)
         self.assertEqual([m for _, m in keeper.order], ["A", "C"])
 
-    def test_any_slot_pool_is_sized_by_props(self):
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        a = start_chat(self.client, "A", None, events, results)
-        b = start_chat(self.client, "B", None, events, results)
-        wait_for(lambda: keeper.arrived("A") and keeper.arrived("B"), what="two at once over two slots")
-        c = start_chat(self.client, "C", None, events, results)
-        wait_for(lambda: events["C"])
-        self.assertEqual(events["C"], [lc.Queued(1)])  # the first waiter of a full pool of two: one to end
-        self.assertFalse(keeper.arrived("C"))
-        for marker in "ABC":
-            keeper.release(marker)
-        for th in (a, b, c):
-            th.join(5)
-        self.assertEqual(results["C"].content, "C")
-        self.assertEqual(sum(1 for r in self.server.requests if r.path == "/props"), 1)
-
     @real_time
     def test_busy_error_names_the_slot_and_the_model(self):
         """A client with model="m1": its BusyError names the slot (or the pool) of m1; the pool for slot=None
         is the size that /props?model=m1 gives, one here."""
         self.server.route("GET", "/slots?model=m1", self.server._slots)
         self.server.route("GET", "/props?model=m1", lambda req: respond_json(req, {"total_slots": 1}))
-        client = self.new_client(self.server.address, limits=self.limits, model="m1")
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits, model="m1")
         keeper = Gatekeeper(self.server)
         for slot, where in ((0, "slot 0 of model m1"), (None, "any slot of model m1")):
             with self.subTest(slot=slot):
@@ -8267,8 +7700,7 @@ class TestGate(ServerCase):
         """Twenty waiters on one slot: each hears its place first, then only smaller ones, at most once per
         poll; the request sent at once hears none; the slot serves them in entry order."""
         limits = self.limits.replace(queue_len=20)
-        client = self.new_client(self.server.address, limits=limits)
-        self.closers.append(client.close)
+        client = self.own_client(limits=limits)
         keeper = Gatekeeper(self.server)
         heard, results, threads = {}, {}, []
 
@@ -8562,11 +7994,9 @@ class TestGateHandover(unittest.TestCase):
     def test_busy_error_names_the_slot_and_the_model(self):
         gate = lc._Gate(threading.Lock(), 1)
         for key, slot, where in (
-            ((None, 3), 3, "slot 3"),
-            ((None, None), None, "any slot"),
-            (("qwen3-4b", 0), 0, "slot 0 of model qwen3-4b"),
-            (("qwen3-4b", None), None, "any slot of model qwen3-4b"),
-        ):
+            ((None, 3), 3, "slot 3"), ((None, None), None, "any slot"),
+            (("qwen3-4b", 0), 0, "slot 0 of model qwen3-4b"), (("qwen3-4b", None), None, "any slot of model qwen3-4b"),
+        ):  # fmt: skip
             with self.subTest(key=key):
                 held, queued = gate.enter(key, 1), gate.enter(key, 1)
                 with self.assertRaises(lc.BusyError) as caught:
@@ -8646,11 +8076,8 @@ class TestGateResize(unittest.TestCase):
         before the answer are judged by it, in order; with ``queue_len`` 0, exactly those past the pool are
         refused, each woken once; a probe that failed judges them against a pool of one."""
         for queue_len, answer, granted, told, refused in (
-            (0, 500, 6, [], 0),
-            (0, 2, 2, [], 4),
-            (1, 2, 2, [1], 3),
-            (2, None, 1, [1, 2], 3),
-        ):
+            (0, 500, 6, [], 0), (0, 2, 2, [], 4), (1, 2, 2, [1], 3), (2, None, 1, [1, 2], 3),
+        ):  # fmt: skip
             with self.subTest(queue_len=queue_len, answer=answer):
                 gate = lc._Gate(threading.Lock(), queue_len)
                 key = (None, None)
@@ -8737,10 +8164,8 @@ class TestGateResize(unittest.TestCase):
 
 
 class TestPoolProbe(VirtualFactory, ServerCase):
-    """``slot=None`` without ``Limits.pool``: the pool's size is asked of ``/props`` in the background.  The
-    first request goes to the server at once; the others wait, unjudged (no ``Queued``, no refusal), until
-    the answer sizes the pool and judges them; a failed one leaves a pool of one, and the next request asks
-    again.  At no moment are more requests at the server than the pool."""
+    """``slot=None`` without ``Limits.pool``: ``/props`` asked in the background; one request goes at once,
+    the others wait unjudged until the answer (a failed one: a pool of one); never more at the server than the pool."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0, queue_len=8)
 
@@ -8759,15 +8184,9 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         self.server.route("GET", path, handler)
         return answered
 
-    def sent(self, path):
-        with self.server.lock:
-            return [r for r in self.server.requests if r.path == path]
-
     def in_gate(self, client=None):
         """The slot=None requests in the gate: in flight and waiting (none before an AsyncClient's first run)."""
-        return on_board(
-            client or self.client, lambda b: 0 if b is None else sum(b.gate.snapshot().get((None, None), (0, 0)))
-        )
+        return on_board(client or self.client, lambda b: 0 if b is None else sum(b.gate.snapshot().get((None, None), (0, 0))))  # fmt: skip
 
     def start(self, keeper, markers, events, results, **params):
         """Start a slot=None chat per marker, each once it is in the gate (at the server, or waiting)."""
@@ -8866,17 +8285,11 @@ class TestPoolProbe(VirtualFactory, ServerCase):
         self.assertEqual(gate.snapshot()[(None, None)], (0, 0))
 
     def crowd(self, total):
-        """``self.n()`` slot=None chats started together with ``queue_len=0`` ("fail fast instead of queueing"),
-        ``/props`` answering ``total_slots: total`` once all are in the gate, each chat held at the server
-        until released: nobody was refused, nor told a place, before the answer (the probe's own timeout,
-        ``liveness``, is long here: a probe that fails judges them against a pool of one).  Returns (keeper,
-        markers, events, results, threads)."""
+        """``self.n()`` slot=None chats with ``queue_len=0``, ``/props`` answering ``total`` once all are in the gate:
+        nobody refused nor told a place before the answer.  Returns (keeper, markers, events, results, threads)."""
         release = self.event()
         self.props_when(release, {"total_slots": total})
-        client = self.new_client(
-            self.server.address, limits=self.limits.replace(queue_len=0, load_wait=600.0, liveness=600.0)
-        )
-        self.closers.append(client.close)
+        client = self.own_client(limits=self.limits.replace(queue_len=0, load_wait=600.0, liveness=600.0))
         keeper = Gatekeeper(self.server)
         events, results = {}, {}
         n = self.n()
@@ -9079,17 +8492,15 @@ class TestPoolProbe(VirtualFactory, ServerCase):
 
 
 TestPoolProbeSockets, TestPoolProbeSocketsAsync = on_sockets(
-    TestPoolProbe,
-    "test_queue_len_0_on_a_free_server_refuses_nobody_while_the_size_is_unknown",
+    TestPoolProbe, "test_queue_len_0_on_a_free_server_refuses_nobody_while_the_size_is_unknown",
     "test_queue_len_0_on_two_slots_refuses_the_rest_once_the_size_is_known",
     "test_two_on_two_slots_hear_no_queued_and_a_third_hears_one_ahead",
     "test_a_props_that_never_answers_does_not_delay_the_request",
     "test_the_answer_resizes_the_gate_and_admits_the_waiters_in_order",
     "test_a_burst_on_one_server_never_has_more_in_flight_than_the_pool",
     "test_a_burst_on_a_router_never_has_more_in_flight_than_each_pool",
-    "test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again",
-    "test_cancel_while_the_probe_is_out",
-)
+    "test_a_failed_probe_leaves_a_pool_of_one_and_the_next_request_asks_again", "test_cancel_while_the_probe_is_out",
+)  # fmt: skip
 
 
 @real_time
@@ -9208,11 +8619,9 @@ class TestCancel(ServerCase):
         stream = self.client.stream(MSGS, slot=0)
         first = run_with_timeout(lambda: next(e for e in stream if not isinstance(e, lc.Waiting)))  # (a late head)
         self.assertEqual(first, lc.Content("a"))
-        self.client.close()
+        self.client.close()  # (a call after it: TestApiErrors.test_closed_client_refuses_every_call_without_connecting)
         with self.assertRaises(lc.CancelledError):
             next(stream)
-        with self.assertRaises(ValueError):
-            self.client.stream(MSGS)
 
 
 class TestCancelAsync(AsyncDriver, TestCancel):
@@ -9221,10 +8630,8 @@ class TestCancelAsync(AsyncDriver, TestCancel):
 
 @real_time
 class TestAsyncCancel(ServerCase):
-    """``stream.cancel()`` and cancelling the iterating task, while queued, backing off, waiting for the
-    head and streaming: the request ends within 0.2 s (``lc.CancelledError`` after ``cancel()``,
-    ``asyncio.CancelledError`` for the cancelled task), its socket is closed and its permit released at
-    once, and nothing is left behind when the loop closes."""
+    """cancel() and task.cancel() in each state of a request: ends within 0.2 s, socket closed and permit
+    released at once, nothing left behind when the loop closes."""
 
     limits = lc.Limits(poll=0.05, liveness=5.0, busy_wait=10.0, load_wait=10.0, idle_grace=10.0)
 
@@ -9262,9 +8669,7 @@ class TestAsyncCancel(ServerCase):
                 start = time.monotonic()
                 if how == "cancel()":
                     stream.cancel()
-                    self.assertTrue(
-                        all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()"
-                    )
+                    self.assertTrue(all(c._transport.is_closing() for c in stream._run._conns), "not closed by cancel()")  # fmt: skip
                     self.assertEqual(client._board.gate.snapshot()[(None, 0)], (1 if first else 0, 0))
                 else:
                     task.cancel()
@@ -9350,10 +8755,8 @@ class TestThinkingCap(ServerCase):
         )
 
     def controlled(self):
-        """A server that streams 4 reasoning tokens (one past a cap of 3: what a server generates while the
-        control request travels), waits for the control call (the server's pace, not its own clock, which a
-        loaded machine would let outrun the overrun allowance), then 1 more token and content; with no call
-        within 10 s, a finish by length."""
+        """A server streaming 4 reasoning tokens (one past a cap of 3), then waiting for the control call (its
+        pace, not a clock a loaded machine would outrun), then 1 more and content; no call in 10 s: length."""
         ended = threading.Event()
         controls = []
 
@@ -9369,15 +8772,8 @@ class TestThinkingCap(ServerCase):
             if not ended.wait(10):
                 req.send(chunked(sse(chunk_json({}, "length"))) + b"0\r\n\r\n")
                 return
-            req.send(
-                chunked(
-                    sse(chunk_json({"reasoning_content": " last"})),
-                    sse(chunk_json({"content": "yes"})),
-                    sse(chunk_json({}, "stop")),
-                    b"data: [DONE]\n\n",
-                )
-                + b"0\r\n\r\n"
-            )
+            rest = [sse(chunk_json({"reasoning_content": " last"})), sse(chunk_json({"content": "yes"}))]
+            req.send(chunked(*rest, sse(chunk_json({}, "stop")), b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
         self.server.route("POST", "/v1/chat/completions/control", control)
         self.use(chat)
@@ -9406,18 +8802,6 @@ class TestThinkingCap(ServerCase):
         self.assertEqual(cm.exception.tokens, 8)
         self.assertEqual(sum(isinstance(e, lc.Reasoning) for e in events), 8)
 
-    def test_no_completion_id(self):
-        self.use(serve_body(reasoning_stream(5, cid=None)))
-        with self.assertRaises(lc.ThinkingOverrunError):
-            self.collect(client=self.capped())
-
-    def test_no_cap_no_control(self):
-        self.use(serve_body(reasoning_stream(5)))
-        completion, events = self.collect()
-        self.assertNotIn("reasoning_control", self.server.chat_requests()[0].json())
-        self.assertEqual(completion.reasoning_tokens, 5)
-        self.assertFalse(completion.thinking_capped)
-
 
 class TestThinkingCapAsync(AsyncDriver, TestThinkingCap):
     pass
@@ -9435,9 +8819,7 @@ def _s_answer(req, marker, plan):
         boom = b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
         req.send(STREAM_HEAD + chunked(boom) + b"0\r\n\r\n")
     elif fault == "400":
-        respond_json(
-            req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request"
-        )
+        respond_json(req, {"error": {"code": 400, "message": "bad", "type": "invalid_request_error"}}, 400, "Bad Request")  # fmt: skip
     else:
         req.send(STREAM_HEAD + chunked(sse(chunk_json({"role": "assistant", "content": None}))))
         for word in (marker, ""):
@@ -9458,10 +8840,8 @@ def _s_ended_as_documented(test, outcomes, plans, more=()):
 
 
 class TestStress(ServerCase):
-    """Threads x requests over slots, random cancels and random server faults: every request ends in a
-    documented way, every permit comes back, BusyError exactly at queue_len, each slot served in entry
-    order, every Queued sequence starts at the entry position and only shrinks, and the gate's invariants
-    hold throughout (sampled while it runs)."""
+    """Threads x requests over slots, random cancels and server faults: each ends as documented, the gate's
+    invariants hold throughout (sampled), and stress() checks its permits, BusyErrors, Queued and order."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
 
@@ -9473,28 +8853,19 @@ class TestStress(ServerCase):
         self.stress(self.client, threads=16, per_thread=6, slots=4, seed=20261130)
 
     def test_a_thousand_waiters(self):
-        """1,100 threads on two slots with queue_len 500: the first request on each slot is held until
-        every thread has entered the gate, and the cancels start then, so 1,000 wait at once (fewer as
-        cancels come) and the rest are refused."""
-        # load_wait generous: when the held requests are let go, hundreds connect at once and overflow the
-        # fake server's listen queue, which is retried under load_wait (a budget this test is not about)
-        # liveness and idle_grace generous too: 1,100 threads of one process on a loaded machine leave a
-        # stream or a scripted handler unscheduled for seconds (a StalledError after 2 s was seen), and the
-        # budgets are not what this test is about
+        """1,100 threads on two slots, queue_len 500: the first on each slot held until every thread entered the
+        gate (cancels start then), so 1,000 wait at once and the rest are refused."""
+        # budgets this test is not about, generous: the held requests let go overflow the fake server's
+        # listen queue (retried under load_wait), and 1,100 threads on a loaded machine leave a stream or a
+        # handler unscheduled for seconds (a StalledError after 2 s was seen)
         limits = self.limits.replace(queue_len=500, poll=0.2, load_wait=60.0, liveness=30.0, idle_grace=60.0)
         # the threaded client: 1,100 threads (TestAsyncStress and TestAsyncScale load the asyncio client)
         client = lc.Client(self.server.address, limits=limits)
         self.closers.append(client.close)
         self.stress(
-            client,
-            threads=1100,
-            per_thread=1,
-            slots=2,
-            seed=20261201,
-            pace=(0.0005, 0.002),
-            cancel_within=1.0,
+            client, threads=1100, per_thread=1, slots=2, seed=20261201, pace=(0.0005, 0.002), cancel_within=1.0,
             hold_first=True,
-        )
+        )  # fmt: skip
         # when the last thread came, each slot held one request in flight and queue_len waiting (this seed
         # puts more than 501 requests on each slot): exact, where the sampler's peak, every 50 ms, may come
         # after the first cancels
@@ -9565,11 +8936,9 @@ class TestStress(ServerCase):
                 marker = "t%d-%d" % (t, n)
                 fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
                 plans[marker] = {
-                    "fault": fault,
-                    "slot": rng.randrange(slots),
-                    "pace": rng.uniform(*pace),
+                    "fault": fault, "slot": rng.randrange(slots), "pace": rng.uniform(*pace),
                     "cancel": rng.uniform(0.0, cancel_within) if fault == "hold" or rng.random() < 0.15 else None,
-                }
+                }  # fmt: skip
 
         go = threading.Event()
 
@@ -9658,9 +9027,8 @@ class TestStress(ServerCase):
 
 
 class TestAsyncStress(ServerCase):
-    """48 streams over 4 slots on one loop, queue_len 2, with cancel() and task.cancel() and server faults
-    at random: every request ends in a documented way, every permit is released, BusyError comes exactly
-    when a queue is full, and each slot's requests reach the server in the order they entered its queue."""
+    """48 streams over 4 slots on one loop (queue_len 2), cancel(), task.cancel() and faults at random: each ends
+    as documented, every permit released, BusyError only on a full queue, each slot served in entry order."""
 
     limits = lc.Limits(poll=0.05, liveness=2.0, busy_wait=10.0, load_wait=2.0, idle_grace=10.0, queue_len=2)
 
@@ -9671,13 +9039,11 @@ class TestAsyncStress(ServerCase):
         for n in range(48):
             fault = rng.choice(["ok"] * 6 + ["close", "error", "400", "hold"])
             plans["s%d" % n] = {
-                "fault": fault,
-                "slot": rng.randrange(4),
-                "start": rng.uniform(0.0, 0.3),
+                "fault": fault, "slot": rng.randrange(4), "start": rng.uniform(0.0, 0.3),
                 "pace": rng.uniform(0.002, 0.02),
                 "cancel": rng.uniform(0.0, 0.08) if fault == "hold" or rng.random() < 0.15 else None,
                 "how": rng.choice(["cancel()", "task.cancel()"]),
-            }
+            }  # fmt: skip
         arrivals = []
         lock = threading.Lock()
 
@@ -9816,9 +9182,8 @@ asyncio.run(main())
 
 
 class TestAsyncScale(unittest.TestCase):
-    """1,000 concurrent streams, and 1,000 waiters on one slot, on one event loop: each completes, and the
-    memory each costs (tracemalloc, its task included) stays under a fixed bound.  Measured without asyncio's
-    debug mode, which records a stack for every future, handle and task (three times the memory)."""
+    """1,000 streams, and 1,000 waiters on one slot, on one loop: each completes, and each costs under a fixed
+    bound (tracemalloc; without debug mode, which records a stack per future and triples the memory)."""
 
     #: bytes per stream in flight (connection, transport, pump, stream, its task) and per queued waiter;
     #: about twice what Python 3.11 measures (8.5 KiB and 3.6 KiB)
@@ -9935,9 +9300,7 @@ class TestDeadline(VirtualFactory, _ApiCase):
             run_with_timeout(call)
         self.assertElapsed(t.elapsed, seconds, early=EARLY, what="the DeadlineError")
         err = cm.exception
-        self.assertEqual(
-            (err.timeout, err.phase, str(err)), (seconds, phase, message + ": raise timeout= to wait longer")
-        )
+        self.assertEqual((err.timeout, err.waited, err.phase, str(err)), (seconds, seconds, phase, message + ": raise timeout= to wait longer"))  # fmt: skip
         self.assertIsInstance(err, TimeoutError)
         return err
 
@@ -9962,11 +9325,9 @@ class TestDeadline(VirtualFactory, _ApiCase):
         head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n"
         self.server.route("GET", "/metrics", _a_drip(head, b"#" * 100, 0.3))  # liveness (2 s) never runs out
         self.deadline(
-            lambda: self.client.metrics(timeout=1.0),
-            1.0,
-            "answer",
+            lambda: self.client.metrics(timeout=1.0), 1.0, "answer",
             "the call's timeout (1 s) ran out while reading the answer to GET /metrics: the connection was closed",
-        )
+        )  # fmt: skip
         self.assertTrue(self.server.requests[-1].closed_by_peer.wait(1))
         self.server.route("GET", "/metrics", _a_drip(head.replace(b"100", b"3"), b"#" * 3, 0.3))
         t = Timer()
@@ -9985,35 +9346,28 @@ class TestDeadline(VirtualFactory, _ApiCase):
 
         self.server.route("GET", "/metrics", late)
         self.deadline(
-            lambda: self.client.metrics(timeout=0.5),
-            0.5,
-            "answer",
+            lambda: self.client.metrics(timeout=0.5), 0.5, "answer",
             "the call's timeout (0.5 s) ran out while reading the answer to GET /metrics: the connection was closed",
-        )
+        )  # fmt: skip
 
     def test_a_send_the_server_does_not_take(self):
         self.server.deaf = True  # the body fills the buffers and waits there
         body = {"content": "x" * (4 * 1024 * 1024)}
         self.deadline(
-            lambda: self.client.fetch("POST", "/tokenize", body, timeout=0.6),
-            0.6,
-            "send",
+            lambda: self.client.fetch("POST", "/tokenize", body, timeout=0.6), 0.6, "send",
             "the call's timeout (0.6 s) ran out while sending POST /tokenize: the connection was closed",
-        )
+        )  # fmt: skip
 
     def test_a_connect_that_does_not_complete(self):
         self.server.close()
         server = self.new_server(tcp=True)
         self.closers.append(server.close)
         server.unanswered = True  # the accept queue is full
-        client = self.new_client(server.address, limits=FAST)
-        self.closers.append(client.close)
+        client = self.own_client(server.address, limits=FAST)
         self.deadline(
-            lambda: client.health(timeout=0.3),
-            0.3,
-            "connect",
+            lambda: client.health(timeout=0.3), 0.3, "connect",
             "the call's timeout (0.3 s) ran out while connecting to %s: the connection was closed" % server.address,
-        )
+        )  # fmt: skip
         # without one, the connect's own timeout (liveness) is a ConnectError
         t = Timer()
         with self.assertRaises(lc.ConnectError):
@@ -10096,24 +9450,17 @@ class TestDeadlineConnect(ServerCase):
     clients."""
 
     def test_a_connect_that_does_not_complete(self):
-        address = full_tcp_listener(self)
-        client = self.new_client(address, limits=FAST)
-        self.closers.append(client.close)
-        t = Timer()
-        with self.assertRaises(lc.DeadlineError) as cm:
-            run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))
-        self.assertElapsed(t.elapsed, 0.4, early=EARLY, what="the DeadlineError")
-        self.assertEqual(cm.exception.phase, "connect")
-        self.assertIn("while connecting to %s" % address, str(cm.exception))
+        self.fetch_by_deadline(full_tcp_listener(self), late=0.0)
 
-    def fetch_by_deadline(self, address):
-        """``fetch(timeout=0.4)`` at ``address``: the DeadlineError of its connect, in its time."""
-        client = self.new_client(address, limits=FAST)
-        self.closers.append(client.close)
+    def fetch_by_deadline(self, address, late=None):
+        """``fetch(timeout=0.4)`` at ``address``: the DeadlineError of its connect, in its time (``late``: a
+        thread's slack, by default the machine's pace)."""
+        client = self.own_client(address, limits=FAST)
         t = Timer()
         with self.assertRaises(lc.DeadlineError) as cm:
             run_with_timeout(lambda: client.fetch("GET", "/health", timeout=0.4))
-        self.assertElapsed(t.elapsed, 0.4, late=lateness(self), early=EARLY, what="the DeadlineError")
+        late = lateness(self) if late is None else late
+        self.assertElapsed(t.elapsed, 0.4, late=late, early=EARLY, what="the DeadlineError")
         self.assertEqual(cm.exception.phase, "connect")
         self.assertIn("while connecting to %s" % address, str(cm.exception))
 
@@ -10195,9 +9542,7 @@ class TestRouterLoad(VirtualFactory, ServerCase):
         self.use(chat)
         self.server.route("POST", "/v1/streams/lookup", lambda req: respond_json(req, []))
         events = []
-        completion = run_with_timeout(
-            lambda: self.client.chat(MSGS, model="alpha", resumable="conv-1", on_event=events.append)
-        )
+        completion = run_with_timeout(lambda: self.client.chat(MSGS, model="alpha", resumable="conv-1", on_event=events.append))  # fmt: skip
         self.assertEqual(completion.content, "ok")
         self.assertEqual(sent, ["conv-1", "conv-1"])
         retries = [e for e in events if isinstance(e, lc.Retrying)]

@@ -151,8 +151,8 @@ MUTATIONS = [
     Mutation(
         "thinking-tokens-off-by-one",
         "ThinkingOverrunError.tokens one more than the cap when ending the reasoning failed",
-        '"reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens\n',
-        '"reasoning reached the cap (%d tokens) and ending it failed: %s" % (tokens, exc), tokens + 1\n',
+        "    return _hinted(ThinkingOverrunError(text, tokens), _UNCAP)\n",
+        "    return _hinted(ThinkingOverrunError(text, tokens + 1), _UNCAP)\n",
         ["TestDifferential.test_the_reasoning_control_endpoint"],
         ["TestFaultControl.test_control_404"],
     ),
@@ -167,8 +167,8 @@ MUTATIONS = [
     Mutation(
         "async-close-skipped",
         "AsyncClient's connection is never closed (its transport is left open on the loop)",
-        "                self._transport.abort()\n        self._wake()\n",
-        "                pass\n        self._wake()\n",
+        "                self._transport.abort()\n        self._alarm.ring()\n",
+        "                pass\n        self._alarm.ring()\n",
         ["TestDifferential.test_sse_lines_and_events"],
         ["TestFaultSSESocketsAsync.test_two_mib_line_trickled"],
     ),
@@ -197,8 +197,8 @@ MUTATIONS = [
     Mutation(
         "connect-error-address",
         "a ConnectError's address is not the one the client was given",
-        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = ConnectError(text, addr.text)\n',
-        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = ConnectError(text, None)\n',
+        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = _hinted(ConnectError(text, addr.text), _START_IT)\n',
+        '        text = "cannot connect to %s: %s" % (addr.text, exc)\n    err = _hinted(ConnectError(text, None), _START_IT)\n',
         ["TestDifferential.test_connecting"],
         ["TestFaultConnect.test_socket_file_missing_single_shot"],
     ),
@@ -225,7 +225,8 @@ MUTATIONS = [
     Mutation(
         "lost-plain-stream-sent-again",
         "a plain (not resumable) stream whose connection is lost is sent again, delivered output and all",
-        "        if req.conversation is None:\n            raise loss\n",
+        "        if req.conversation is None:\n"
+        '            raise _hinted(loss, _CUT % ("in the middle of the answer" if pump.head else "before answering"))\n',
         "        if req.conversation is None:\n"
         "            self.retry = _Retry(str(loss), None, loss)\n"
         "            return self._back_off\n",

@@ -19427,6 +19427,18 @@ class TestReference(unittest.TestCase):
         named = set(re.findall(r"\blc\.([A-Za-z_]\w*)", guide))
         self.assertEqual(sorted(n for n in named if not hasattr(lc, n)), [])
 
+    def test_the_guide_is_short_and_its_first_screen_runs_a_chat_and_the_tests(self):
+        """A guide read in a quarter of an hour (the reference keeps the rest): at most 600 lines and 4,000
+        words; its first 25 lines give the command that runs a chat and the test command; it names the base
+        of every error."""
+        guide = _read(os.path.join(HERE, "README.md"))
+        self.assertLessEqual(len(guide.splitlines()), 600)
+        self.assertLessEqual(len(guide.split()), 4000)
+        first = "\n".join(guide.splitlines()[:25])
+        self.assertIn("python3 -m unittest test_loopclient\n", first)
+        self.assertRegex(first, r"dev/llama-server\.sh demo && python3 loopclient\.py --socket \S+ chat ")
+        self.assertIn("Every error of loopclient is a `LoopError`", guide)
+
     def test_a_drifted_signature_fails(self):
         """The check is no formality: a parameter, a default or a kind changed in the text is found."""
         params, _, _ = self.printed("client", "tokenize")[0]

@@ -19436,7 +19436,7 @@ class TestReference(unittest.TestCase):
         self.assertLessEqual(len(guide.split()), 4000)
         first = "\n".join(guide.splitlines()[:25])
         self.assertIn("python3 -m unittest test_loopclient\n", first)
-        self.assertRegex(first, r"dev/llama-server\.sh demo && python3 loopclient\.py --socket \S+ chat ")
+        self.assertRegex(first, r"dev/llama-server\.sh demo && python3 loopclient\.py --socket .+ chat ")
         self.assertIn("Every error of loopclient is a `LoopError`", guide)
 
     def test_a_drifted_signature_fails(self):

@@ -10401,6 +10401,22 @@ def _f_too_many(retry_after=None):
     )
 
 
+def _f_pool_is(test, client, size):
+    """``size`` slot=None chats run at once on ``client`` (at a Gatekeeper); one more is Queued(1); all end."""
+    keeper, events, results = Gatekeeper(test.server), {}, {}
+    markers = "ABCDEFGH"[: size + 1]
+    threads = [start_chat(client, m, None, events, results) for m in markers[:size]]
+    wait_for(lambda: all(keeper.arrived(m) for m in markers[:size]), what="%d in flight at once" % size)
+    threads.append(start_chat(client, markers[size], None, events, results))
+    wait_for(lambda: events[markers[size]], what="%s queued" % markers[size])
+    test.assertEqual(events[markers[size]], [lc.Queued(1)])
+    for marker in markers:
+        keeper.release(marker)
+    for thread in threads:
+        thread.join(5)
+    test.assertEqual([results[m].content for m in markers], list(markers))
+
+
 class TestFaultProxies(_f_Case):
     def test_an_unseen_slot_is_never_wedged(self):
         self.server.route("GET", "/slots", lambda req: respond_json(req, {"error": {"code": 404}}, 404, "Not Found"))
@@ -10410,35 +10426,12 @@ class TestFaultProxies(_f_Case):
         self.assertFalse(any(isinstance(e, lc.Waiting) and e.wedged for e in self._f_events))
 
     def test_limits_pool_sizes_the_pool_without_asking_props(self):
-        client = self.client_with(pool=3)
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        threads = [start_chat(client, m, None, events, results) for m in "ABC"]
-        wait_for(lambda: all(keeper.arrived(m) for m in "ABC"), what="three in flight at once")
-        fourth = start_chat(client, "D", None, events, results)
-        wait_for(lambda: events["D"], what="D queued")
-        self.assertEqual(events["D"], [lc.Queued(1)])
-        for marker in "ABCD":
-            keeper.release(marker)
-        for thread in threads + [fourth]:
-            thread.join(5)
-        self.assertEqual([results[m].content for m in "ABCD"], list("ABCD"))
+        _f_pool_is(self, self.client_with(pool=3), 3)
         self.assertEqual([r for r in self.server.requests if r.path == "/props"], [])
 
     def test_props_without_total_slots_is_a_pool_of_four(self):
         self.server.route("GET", "/props", lambda req: respond_json(req, {"role": "balancer"}))
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        threads = [start_chat(self.client, m, None, events, results) for m in "ABCD"]
-        wait_for(lambda: all(keeper.arrived(m) for m in "ABCD"), what="four in flight at once")
-        fifth = start_chat(self.client, "E", None, events, results)
-        wait_for(lambda: events["E"], what="E queued")
-        self.assertEqual(events["E"], [lc.Queued(1)])
-        for marker in "ABCDE":
-            keeper.release(marker)
-        for thread in threads + [fifth]:
-            thread.join(5)
-        self.assertEqual(sorted(results[m].content for m in "ABCDE"), list("ABCDE"))
+        _f_pool_is(self, self.client, 4)
 
 
 TestFaultProxiesSockets, TestFaultProxiesSocketsAsync = on_sockets(
@@ -17130,33 +17123,8 @@ class TestFaultFronts(_f_Case):
         self.assertEqual({(e.slots_known, e.wedged) for e in waits}, {(False, False)})
 
     def test_with_several_servers_the_pool_is_servers_times_total_slots(self):
-        client = self.client_with(servers=2)
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        threads = [start_chat(client, m, None, events, results) for m in "ABCD"]
-        wait_for(lambda: all(keeper.arrived(m) for m in "ABCD"), what="four in flight at once (2 servers x 2 slots)")
-        fifth = start_chat(client, "E", None, events, results)
-        wait_for(lambda: events["E"], what="E queued")
-        self.assertEqual(events["E"], [lc.Queued(1)])
-        for marker in "ABCDE":
-            keeper.release(marker)
-        for thread in threads + [fifth]:
-            thread.join(5)
-        self.assertEqual(sorted(results[m].content for m in "ABCDE"), list("ABCDE"))
-        # Limits.pool still overrides
-        client = self.client_with(servers=2, pool=1)
-        keeper = Gatekeeper(self.server)
-        events, results = {}, {}
-        first = start_chat(client, "F", None, events, results)
-        wait_for(lambda: keeper.arrived("F"), what="F in flight")
-        second = start_chat(client, "G", None, events, results)
-        wait_for(lambda: events["G"], what="G queued")
-        self.assertEqual(events["G"], [lc.Queued(1)])
-        keeper.release("F")
-        keeper.release("G")
-        for thread in (first, second):
-            thread.join(5)
-        self.assertEqual([results[m].content for m in "FG"], ["F", "G"])
+        _f_pool_is(self, self.client_with(servers=2), 4)  # 2 servers x 2 slots
+        _f_pool_is(self, self.client_with(servers=2, pool=1), 1)  # Limits.pool still overrides
 
     def test_with_several_servers_a_failing_slots_is_no_unavailable_server(self):
         # The front answers /slots 502 (it could not reach the server it chose); the request is in flight.

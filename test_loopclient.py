@@ -13191,6 +13191,18 @@ class QuickLimits(lc.Limits):
         super().__init__(**quick)
 
 
+def counting_slots(looks, *slots, **last):
+    """A /slots handler: ``slots``, then a busy slot ``last`` (n_ctx 1024) whose n_decoded counts the looks, each
+    look's time kept in ``looks``."""
+
+    def handler(req):
+        looks.append(time.monotonic())
+        counted = dict({"n_ctx": 1024, "is_processing": True}, **last, next_token=[{"n_decoded": len(looks)}])
+        respond_json(req, list(slots) + [counted])
+
+    return handler
+
+
 class CLICase(ServerCase):
     def run_main(self, argv, stdin="", out=None):
         out, err = out or io.StringIO(), io.StringIO()
@@ -13278,25 +13290,9 @@ class TestCommandLine(CLICase):
     @real_time
     def test_slots_table(self):
         looks = []
-
-        def slots(req):
-            looks.append(time.monotonic())
-            respond_json(
-                req,
-                [
-                    {"id": 0, "id_task": 5, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]},
-                    {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]},
-                    {
-                        "id": 2,
-                        "id_task": 8,
-                        "n_ctx": 1024,
-                        "is_processing": True,
-                        "next_token": [{"n_decoded": len(looks)}],
-                    },
-                ],
-            )
-
-        self.server.route("GET", "/slots", slots)
+        busy = {"id": 0, "id_task": 5, "n_ctx": 1024, "is_processing": True, "next_token": [{"n_decoded": 17}]}
+        idle = {"id": 1, "n_ctx": 1024, "is_processing": False, "next_token": [{"n_decoded": 0}]}
+        self.server.route("GET", "/slots", counting_slots(looks, busy, idle, id=2, id_task=8))
         out, _ = self.main_ok("slots")  # two looks a poll apart: slot 0 has not moved, slot 2 has
         self.assertEqual(len(looks), 2)
         self.assertRegex(
@@ -13415,47 +13411,22 @@ class TestCommandLine(CLICase):
 
     def test_answer_options_shape_the_body(self):
         self.use(serve_body(content_stream(["ok"])))
-        out, _ = self.main_ok(
-            "chat",
-            "x",
-            "--stop",
-            "\\n",
-            "--stop",
-            "END\\\\n",
-            "--ignore-eos",
-            "--max-tokens",
-            "5",
-            "--param",
-            "top_k=40",
-            "--param",
-            'grammar=root ::= "a"',
-            "--param",
-            "logit_bias=[[1, -1]]",
-            "--param",
-            'name="8"',
-            "--param",
-            "max_tokens=9",
-            "--param",
-            "empty=",
-        )
+        params = ["top_k=40", 'grammar=root ::= "a"', "logit_bias=[[1, -1]]", 'name="8"', "max_tokens=9", "empty="]
+        argv = ["--stop", "\\n", "--stop", "END\\\\n", "--ignore-eos", "--max-tokens", "5"]
+        out, _ = self.main_ok("chat", "x", *argv, *[arg for param in params for arg in ("--param", param)])
         self.assertEqual(out, "ok\n")
         body = self.server.chat_requests()[0].json()
-        self.assertEqual(
-            {
-                k: body[k]
-                for k in ("stop", "ignore_eos", "max_tokens", "top_k", "grammar", "logit_bias", "name", "empty")
-            },
-            {
-                "stop": ["\n", "END\\n"],
-                "ignore_eos": True,
-                "max_tokens": 9,  # --param is applied last
-                "top_k": 40,
-                "grammar": 'root ::= "a"',  # not JSON: the text as it is
-                "logit_bias": [[1, -1]],
-                "name": "8",
-                "empty": "",
-            },
-        )
+        want = {
+            "stop": ["\n", "END\\n"],
+            "ignore_eos": True,
+            "max_tokens": 9,  # --param is applied last
+            "top_k": 40,
+            "grammar": 'root ::= "a"',  # not JSON: the text as it is
+            "logit_bias": [[1, -1]],
+            "name": "8",
+            "empty": "",
+        }
+        self.assertEqual({k: body[k] for k in want}, want)
         self.assertIs(body["return_progress"], True)
         self.use(serve_body(content_stream(["ok"])))
         self.main_ok("chat", "x", "--param", "return_progress=false")
@@ -13489,25 +13460,15 @@ class TestCommandLine(CLICase):
         self.assertEqual(len(session_headers(self.server)), sent)
 
     def test_bad_params_are_usage_errors(self):
-        cases = [
-            (
-                ["--param", "top_k"],
-                "loopclient: error: argument --param: expected KEY=VALUE, got 'top_k'; see loopclient chat --help",
-            ),
-            (
-                ["--param", "=1"],
-                "loopclient: error: argument --param: expected KEY=VALUE, got '=1'; see loopclient chat --help",
-            ),
-            (["--param", "stream=false"], "loopclient: error: --param stream: loopclient sets stream itself"),
-            (["--param", "messages=[]"], "loopclient: error: --param messages: loopclient sets messages itself"),
-            (
-                ["--param", "id_slot=1"],
-                "loopclient: error: --param id_slot: loopclient sets id_slot itself: use --slot",
-            ),
-        ]
-        for extra, line in cases:
-            code, out, err = self.run_main(["--socket", self.server.path, "chat", "x"] + extra)
-            self.assertEqual((code, out, err.splitlines()[-1]), (2, "", line), err)
+        for param, line in (
+            ("top_k", "argument --param: expected KEY=VALUE, got 'top_k'; see loopclient chat --help"),
+            ("=1", "argument --param: expected KEY=VALUE, got '=1'; see loopclient chat --help"),
+            ("stream=false", "--param stream: loopclient sets stream itself"),
+            ("messages=[]", "--param messages: loopclient sets messages itself"),
+            ("id_slot=1", "--param id_slot: loopclient sets id_slot itself: use --slot"),
+        ):
+            code, out, err = self.run_main(["--socket", self.server.path, "chat", "x", "--param", param])
+            self.assertEqual((code, out, err.splitlines()[-1]), (2, "", "loopclient: error: " + line), err)
         self.assertEqual(self.server.chat_requests(), [])
 
     def test_unescape(self):
@@ -13607,23 +13568,7 @@ class TestCommandLine(CLICase):
     @real_time
     def test_slots_watch_redraws_the_table_on_a_terminal(self):
         looks = []
-
-        def slots(req):
-            looks.append(time.monotonic())
-            respond_json(
-                req,
-                [
-                    {
-                        "id": 0,
-                        "id_task": 7,
-                        "n_ctx": 1024,
-                        "is_processing": True,
-                        "next_token": [{"n_decoded": len(looks)}],
-                    }
-                ],
-            )
-
-        self.server.route("GET", "/slots", slots)
+        self.server.route("GET", "/slots", counting_slots(looks, id=0, id_task=7))
         window = "%g" % self.watch_window(0.12)
         out, _ = self.main_ok("slots", "--watch", window, out=TtyText())
         drawings = out.split("\x1b[3A\r\x1b[J")
@@ -13915,23 +13860,7 @@ class TestCommandLineTerminal(ServerCase):
     @real_time
     def test_slots_watch_redraws_in_place_until_ctrl_c(self):
         looks = []
-
-        def slots(req):
-            looks.append(time.monotonic())
-            respond_json(
-                req,
-                [
-                    {
-                        "id": 0,
-                        "id_task": 7,
-                        "n_ctx": 1024,
-                        "is_processing": True,
-                        "next_token": [{"n_decoded": len(looks)}],
-                    }
-                ],
-            )
-
-        self.server.route("GET", "/slots", slots)
+        self.server.route("GET", "/slots", counting_slots(looks, id=0, id_task=7))
         self.spawn("slots", "--watch")  # every poll (1 s by default) until Ctrl-C
         redraw = b"\x1b[3A\r\x1b[J"  # up over the three lines drawn, clear to the end of the screen
         self.read_until(redraw, count=2)

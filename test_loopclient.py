@@ -14700,12 +14700,9 @@ def load_tests(loader, tests, pattern):
 
 REAL_SOCKET = os.environ.get("LOOPCLIENT_REAL_SOCKET")
 
-
 REAL_URL = os.environ.get("LOOPCLIENT_REAL_URL")
 
-
 SKIP_REAL = "no real llama-server: run dev/llama-server.sh start and set LOOPCLIENT_REAL_SOCKET (.ci/run does)"
-
 
 QUESTION = [{"role": "user", "content": "Think step by step: is the sky blue?"}]
 
@@ -14770,6 +14767,52 @@ class TestRealServerConfigured(unittest.TestCase):
             self.assertEqual(client.health(), {"status": "ok"})
 
 
+def real_busy_slot_waited_out(test, hold, call):
+    """``hold(on_event)`` (another client) takes slot 0 for 150 tokens; once it streams, ``call()`` ->
+    (Completion, events) asks slot 0 for 8 tokens: it waits (Waiting(True) first) and ends after the first."""
+    started, results = threading.Event(), {}
+
+    def first():
+        results["first"] = hold(lambda ev: isinstance(ev, (lc.Content, lc.Reasoning)) and started.set())
+        results["first_done"] = time.monotonic()
+
+    thread = threading.Thread(target=first, daemon=True)
+    thread.start()
+    test.assertTrue(started.wait(60))
+    completion, events = call()
+    done = time.monotonic()
+    thread.join(120)
+    test.assertEqual(events[0], lc.Waiting(True))
+    test.assertGreaterEqual(done, results["first_done"])
+    test.assertEqual(results["first"].usage["completion_tokens"], 150)
+    test.assertEqual(completion.usage["completion_tokens"], 8)
+
+
+def real_cancel_frees_slot_1(test, stream):
+    """Cancelling ``stream`` (on slot 1) once it streams ends it at once; the server frees the slot within a
+    second of the cancel (it notices the closed socket)."""
+    got, outcome = threading.Event(), []
+
+    def run():
+        try:
+            for ev in stream:
+                if isinstance(ev, lc.Content):
+                    got.set()
+        except lc.CancelledError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    test.assertTrue(got.wait(60))
+    test.assertTrue(test.client.slots()[1].is_processing)
+    t = Timer()
+    stream.cancel()
+    thread.join(10)
+    test.assertIsInstance(outcome[0], lc.CancelledError)
+    test.assertLess(t.elapsed, lateness(test, 0.2))
+    wait_for(lambda: not test.client.slots()[1].is_processing, 1.0 - t.elapsed, "slot 1 to go idle")
+
+
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealServer(ClientFactory, unittest.TestCase):
     limits = lc.Limits(poll=0.2, liveness=20.0, busy_wait=60.0, load_wait=60.0, idle_grace=20.0)
@@ -14820,30 +14863,10 @@ class TestRealServer(ClientFactory, unittest.TestCase):
     def test_same_slot_from_two_clients_waits_busy_then_completes(self):
         other = self.new_client(REAL_SOCKET, limits=self.limits)
         self.addCleanup(other.close)
-        first_events, results = [], {}
-        started = threading.Event()
-
-        def first():
-            def on_event(ev):
-                first_events.append(ev)
-                started.set()
-
-            results["first"] = other.chat(
-                MSGS, slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0
-            )
-            results["first_done"] = time.monotonic()
-
-        thread = threading.Thread(target=first, daemon=True)
-        thread.start()
-        self.assertTrue(started.wait(30))
-        completion, events = self.chat(slot=0, max_tokens=8, temperature=0)
-        done = time.monotonic()
-        thread.join(60)
-        self.assertIn(lc.Waiting(True), events)
-        self.assertEqual(events.index(lc.Waiting(True)), 0)
-        self.assertGreaterEqual(done, results["first_done"])
-        self.assertEqual(results["first"].usage["completion_tokens"], 150)
-        self.assertEqual(completion.usage["completion_tokens"], 8)
+        hold = lambda on_event: other.chat(
+            MSGS, slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0
+        )
+        real_busy_slot_waited_out(self, hold, lambda: self.chat(slot=0, max_tokens=8, temperature=0))
 
     def test_three_on_one_slot_with_queue_len_one(self):
         client = self.new_client(REAL_SOCKET, limits=self.limits.replace(queue_len=1))
@@ -15009,29 +15032,7 @@ class TestRealServer(ClientFactory, unittest.TestCase):
 
     @real_time
     def test_cancel_frees_the_slot_within_a_second(self):
-        stream = self.client.stream(MSGS, slot=1, max_tokens=500, ignore_eos=True)
-        got = threading.Event()
-        outcome = []
-
-        def run():
-            try:
-                for ev in stream:
-                    if isinstance(ev, lc.Content):
-                        got.set()
-            except lc.CancelledError as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        self.assertTrue(got.wait(30))
-        self.assertTrue(self.client.slots()[1].is_processing)
-        t = Timer()
-        stream.cancel()
-        thread.join(10)
-        self.assertIsInstance(outcome[0], lc.CancelledError)
-        self.assertLess(t.elapsed, lateness(self, 0.2))
-        # measured from the cancel: the server notices the closed socket and frees the slot
-        wait_for(lambda: not self.client.slots()[1].is_processing, 1.0 - t.elapsed, "slot 1 to go idle")
+        real_cancel_frees_slot_1(self, self.client.stream(MSGS, slot=1, max_tokens=500, ignore_eos=True))
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
@@ -15109,15 +15110,11 @@ def _healthy(client):
 
 REAL_ROUTER = os.environ.get("LOOPCLIENT_REAL_ROUTER")
 
-
 REAL_EMBED = os.environ.get("LOOPCLIENT_REAL_EMBED")
-
 
 REAL_PREFIX = os.environ.get("LOOPCLIENT_REAL_PREFIX")
 
-
 REAL_LIMITS = lc.Limits(poll=0.2, liveness=20.0, busy_wait=60.0, load_wait=60.0, idle_grace=20.0)
-
 
 SEA = [{"role": "user", "content": "Write one sentence about the sea."}]
 
@@ -15353,7 +15350,6 @@ def _loaded(client, name):
 
 
 REAL_DEMO = os.environ.get("LOOPCLIENT_REAL_DEMO")
-
 
 COLOURS = {"red", "orange", "yellow", "green", "blue", "indigo", "violet", "purple", "pink", "black", "white", "grey"}
 
@@ -15638,16 +15634,12 @@ class TestRealWedge(unittest.TestCase):
 #: `dev/llama-server.sh start-fim`'s socket: the fill-in-the-middle model with the test LoRA adapter at 0
 REAL_FIM = os.environ.get("LOOPCLIENT_REAL_FIM")
 
-
 SKIP_FIM = "no fill-in-the-middle server: run dev/llama-server.sh start-fim and set LOOPCLIENT_REAL_FIM (.ci/run does)"
-
 
 #: The captures' infill (48): a function with its body missing, and a file beside it
 FIM_PREFIX, FIM_SUFFIX = "def add(a, b):\n    ", "\n    return c\n"
 
-
 FIM_EXTRA = [("util.py", "def sub(a, b):\n    return a - b\n")]
-
 
 WEATHER_TOOL_RESPONSES = [
     {
@@ -15730,52 +15722,16 @@ class TestRealEndpoints(ClientFactory, unittest.TestCase):
     def test_busy_slot_is_waited_out(self):
         other = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
         self.addCleanup(other.close)
-        started, results = threading.Event(), {}
-
-        def first():
-            def on_event(ev):
-                if isinstance(ev, lc.Content):
-                    started.set()
-
-            results["first"] = other.complete(
-                "The sky is", slot=0, on_event=on_event, n_predict=150, ignore_eos=True, temperature=0
-            )
-            results["first_done"] = time.monotonic()
-
-        thread = threading.Thread(target=first, daemon=True)
-        thread.start()
-        self.assertTrue(started.wait(60))
-        completion, events = self.run_call("complete", "The grass is", slot=0, n_predict=8, temperature=0)
-        done = time.monotonic()
-        thread.join(120)
-        self.assertEqual(events[0], lc.Waiting(True))
-        self.assertGreaterEqual(done, results["first_done"])
-        self.assertEqual(results["first"].usage["completion_tokens"], 150)
-        self.assertEqual(completion.usage["completion_tokens"], 8)
+        params = {"slot": 0, "ignore_eos": True, "temperature": 0}
+        hold = lambda on_event: other.complete("The sky is", on_event=on_event, n_predict=150, **params)
+        real_busy_slot_waited_out(
+            self, hold, lambda: self.run_call("complete", "The grass is", slot=0, n_predict=8, temperature=0)
+        )
 
     @real_time
     def test_cancel_frees_the_slot_within_a_second(self):
         stream = open_stream(self.client, "complete", "The sky is", slot=1, n_predict=500, ignore_eos=True)
-        got, outcome = threading.Event(), []
-
-        def run():
-            try:
-                for ev in stream:
-                    if isinstance(ev, lc.Content):
-                        got.set()
-            except lc.CancelledError as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        self.assertTrue(got.wait(60))
-        self.assertTrue(self.client.slots()[1].is_processing)
-        t = Timer()
-        stream.cancel()
-        thread.join(10)
-        self.assertIsInstance(outcome[0], lc.CancelledError)
-        self.assertLess(t.elapsed, lateness(self, 0.2))
-        wait_for(lambda: not self.client.slots()[1].is_processing, 1.0 - t.elapsed, "slot 1 to go idle")
+        real_cancel_frees_slot_1(self, stream)
 
     def test_message_and_respond_give_chat_text_and_token_count(self):
         chat, _ = self.run_call("chat", _E_SEA, slot=0, max_tokens=16, temperature=0)
@@ -15967,28 +15923,11 @@ class TestRealLastRoutes(ClientFactory, unittest.TestCase):
     def test_busy_slot_is_waited_out(self):
         other = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
         self.addCleanup(other.close)
-        started, results = threading.Event(), {}
-
-        def first():
-            def on_event(ev):
-                if isinstance(ev, lc.Content):
-                    started.set()
-
-            results["first"] = other.complete_openai(
-                "The sky is", slot=0, on_event=on_event, max_tokens=150, ignore_eos=True, temperature=0
-            )
-            results["first_done"] = time.monotonic()
-
-        thread = threading.Thread(target=first, daemon=True)
-        thread.start()
-        self.assertTrue(started.wait(60))
-        completion, events = self.run_call("The grass is", slot=0, max_tokens=8, temperature=0)
-        done = time.monotonic()
-        thread.join(120)
-        self.assertEqual(events[0], lc.Waiting(True))
-        self.assertGreaterEqual(done, results["first_done"])
-        self.assertEqual(results["first"].usage["completion_tokens"], 150)
-        self.assertEqual(completion.usage["completion_tokens"], 8)
+        params = {"slot": 0, "ignore_eos": True, "temperature": 0}
+        hold = lambda on_event: other.complete_openai("The sky is", on_event=on_event, max_tokens=150, **params)
+        real_busy_slot_waited_out(
+            self, hold, lambda: self.run_call("The grass is", slot=0, max_tokens=8, temperature=0)
+        )
 
     def test_cancel_frees_the_slot(self):
         stream = open_stream(self.client, "complete_openai", "The sky is", slot=0, max_tokens=300, ignore_eos=True)
@@ -17930,7 +17869,6 @@ class TestFrontConfigurations(unittest.TestCase):
 
 #: The second test server, for the cases with several servers behind one front (.ci/run starts it).
 REAL_SOCKET2 = os.environ.get("LOOPCLIENT_REAL_SOCKET2")
-
 
 SKIP_SECOND = (
     "no second llama-server: run dev/llama-server.sh start SOCKET2 and set LOOPCLIENT_REAL_SOCKET2 (.ci/run does)"

@@ -10490,15 +10490,11 @@ _R_PATHS = {
 
 
 class _r_Buffer:
-    """llama-server's resumable streams, on a FakeServer: the streamed POST at ``path`` is answered with a
-    recorded response (its body kept as the stream's buffer, under its X-Conversation-Id); GET /v1/stream
-    replays the de-chunked body from ``from`` (a chunked 200 text/event-stream, the recorded chunks cut at
-    ``from``), POST /v1/streams/lookup and DELETE /v1/stream answer as the server does (76, 77).
-
-    ``cuts``: for the streamed connections in order (the POST, then each GET), what each does: None sends
-    it whole; ``K`` sends its first K raw bytes and closes; ``("hold", K)`` sends K bytes and then says
-    nothing until the client leaves; ``("wait", K, event)`` sends K bytes and the rest once ``event`` is
-    set (or the client leaves).  ``log``: (method, conversation id, from) of every request, in order."""
+    """llama-server's resumable streams on a FakeServer: the POST at ``path`` is answered with a recorded
+    response (its body the buffer under its X-Conversation-Id), GET /v1/stream replays it from ``from``, lookup
+    and DELETE answer as the server does.  ``cuts``, per streamed connection in order (the POST, then each GET):
+    None whole; ``K`` K bytes, then close; ``("hold", K)`` K bytes, then silence; ``("wait", K, event)`` the
+    rest once ``event`` is set.  ``log``: (method, conversation id, from) of every request, in order."""
 
     def __init__(self, server, raw, path=_R_PATHS["chat"], cuts=()):
         self.server = server
@@ -11345,9 +11341,8 @@ def _d_text(value):
 
 
 def differs_between_clients(sync, other, poll, margin=MARGIN):
-    """None when ``sync`` and ``other``, each ``(events, Completion or exception)`` of one call (from
-    Client and from AsyncClient), are alike but for timing (see above); else what differs, as
-    ``"<what>: <detail>"``.  ``poll`` is the clients' ``Limits.poll``."""
+    """None when ``sync`` and ``other`` ((events, Completion or exception) of one call, from each client) are
+    alike but for timing; else ``"<what>: <detail>"``.  ``poll`` is ``Limits.poll``."""
     (sync_events, sync_value), (async_events, async_value) = sync, other
     failed = isinstance(sync_value, BaseException) or isinstance(async_value, BaseException)
     if failed and type(sync_value) is not type(async_value):
@@ -11638,9 +11633,8 @@ def _d_reset(after=b""):
 
 
 def _d_patient(data):
-    """Arrange a handler that sends ``data`` (megabytes) to a client that may read it slowly: a CPU-bound
-    parse on a loaded machine takes longer than the fake server's 5 s for a send; the part's own timeout
-    bounds it instead."""
+    """Arrange a handler that sends ``data`` (megabytes) under the part's own timeout, not the fake server's 5 s
+    a send (a CPU-bound parse on a loaded machine reads slowly)."""
 
     def handler(req):
         req.conn.settimeout(60)
@@ -12236,10 +12230,8 @@ def _d_slots_rows():
 
 
 def _d_props_late(handler):
-    """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow): it is not held
-    back for the pool's size, and ``/props`` was asked (in the background) all the same.  Its head may
-    come late on a loaded machine, which is no stall here: ``idle_grace`` is long (the row is about
-    ``/props``, and a request held back for it would still be late by ``lateness``)."""
+    """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow), /props asked in the
+    background all the same; ``idle_grace`` is long, so a head late on a loaded machine is no stall here."""
     servers = []
 
     def arrange(s):
@@ -12794,16 +12786,11 @@ def _d_answers():
 
 @real_time  # its real sockets' outcomes are timed: within lateness() of their budgets
 class TestDifferential(_f_Case):
-    """Every row of dev/FAULTS.md, stated once: its parts (the scripted server, the call, the documented
-    outcome, its budget, and the checks of what else the row says) run through AsyncClient on a real
-    socket, through Client on a real socket where the transport is part of the fault (``sockets``), and
-    through the virtual driver, against the same scripted server (a FakeServer, then a VirtualServer on the
-    same path or port).  Each client's outcome must be the documented one within its budget (exactly on the
-    virtual clock, within MARGIN on a real one, scaled by the machine's pace: lateness) and pass the part's
-    checks, and the events, the Completion, the error class and message must be alike
-    (differs_between_clients: alike but for timing).  AsyncClient is the real driver always compared, its
-    step loop being the one VirtualRun does not mirror (Client's is: TestDriversAlike compares the three
-    operation by operation).  One subTest per row, named by the row."""
+    """Every row of dev/FAULTS.md, its parts run against one scripted server through AsyncClient on a real
+    socket, Client too where the transport is part of the fault (``sockets``), and the virtual driver: each
+    outcome the documented one within its budget (exact on the virtual clock, lateness() on a real one) with its
+    checks, and the clients alike but for timing (differs_between_clients).  AsyncClient is always compared:
+    its step loop is the one VirtualRun does not mirror.  One subTest per row."""
 
     VIRTUAL = False  # the test's own fixture is real; each row makes a virtual clock for its virtual run
 
@@ -12832,10 +12819,8 @@ class TestDifferential(_f_Case):
         return facade
 
     def _d_both(self, name, scenario, tcp=False, sockets=False):
-        """``scenario(kind, make, server)`` -> a list of (events, value), run for "async" on a FakeServer,
-        (``sockets``) for "sync" on the same FakeServer, its routes and slots as they were made, then for
-        "virtual" on a VirtualServer at the same address (and with the same directory); every client's
-        outcomes must be alike the virtual one's."""
+        """``scenario(kind, make, server)`` -> [(events, value)] for "async" (and "sync" when ``sockets``) on a
+        FakeServer, then "virtual" on a VirtualServer at its address; every outcome must be alike the virtual one's."""
         with self.subTest(name):
             real = FakeServer(tcp=tcp)
             routes, busy = dict(real.routes), list(real.busy)
@@ -13213,9 +13198,8 @@ class CLICase(ServerCase):
         return code, out.getvalue(), err.getvalue()
 
     def watch_window(self, seconds):
-        """How long a ``slots --watch`` runs in a test that counts its looks (one a 0.05 s poll, each a round
-        trip to the fake server): ``seconds`` on an idle machine, scaled by its pace on a loaded one, to
-        the hundredth (the command line prints it)."""
+        """A ``slots --watch`` window for a test that counts its looks: ``seconds``, scaled by lateness() on a loaded
+        machine, to the hundredth (the command line prints it)."""
         return round(lateness(self, seconds), 2)
 
     def main_ok(self, *argv, stdin="", out=None):
@@ -14150,10 +14134,8 @@ class TestCommandLineEndpoints(CLICase):
 
 
 class RealTierSummary(unittest.TestSuite):
-    """This module's tests, as ``load_tests`` hands them to unittest.  The tests run in worker processes
-    (ParallelRun), then the real tier in this process.  When real-server tests (classes named ``TestReal*``)
-    were skipped, one line on stderr at exit, after unittest's own summary, says how many and which of the
-    variables this file reads (``LOOPCLIENT_REAL_*``) are unset."""
+    """This module's tests as ``load_tests`` hands them over: worker processes (ParallelRun), then the real tier
+    here; when ``TestReal*`` tests were skipped, one line at exit says how many and which variables are unset."""
 
     def run(self, result, debug=False):
         if debug:
@@ -14202,12 +14184,9 @@ def _flat_tests(suite):
 
 
 class BusyLoad:
-    """``LOOPCLIENT_TEST_LOAD=N``: N processes beside the run, each keeping a CPU busy (a Python loop), so
-    that a test that holds only on an idle machine fails in CI rather than on a user's loaded one.  The
-    run starts them once (``RealTierSummary.run``, or ``setUpModule`` when tests are named on the command
-    line) and stops them when it ends, whatever ends it (``stop()`` in a ``finally``, and at exit); each
-    also ends by itself as soon as the process that started it is gone (a run killed by a signal), and
-    after ``LIFETIME`` seconds at most."""
+    """``LOOPCLIENT_TEST_LOAD=N``: N processes each keeping a CPU busy beside the run, so that a test that
+    holds only on an idle machine fails in CI, not on a user's.  Started once a run, stopped however it ends;
+    each also ends when the process that started it is gone, or after ``LIFETIME`` seconds."""
 
     LIFETIME = 2 * 3600
     SPIN = (
@@ -14264,9 +14243,8 @@ def tearDownModule():
 
 
 def _test_jobs():
-    """How many worker processes run the tests: LOOPCLIENT_TEST_JOBS, or by default twice the CPUs (most of a
-    test's time is spent waiting on sockets and budgets), at most 4; 1 runs them all in this process, in
-    order, as unittest does.  Workers are made by fork, so where there is none, 1."""
+    """Worker processes: LOOPCLIENT_TEST_JOBS, else twice the CPUs (tests mostly wait), at most 4; 1 (or no
+    fork) runs them in this process, in order."""
     import multiprocessing
 
     if "fork" not in multiprocessing.get_all_start_methods():
@@ -14293,10 +14271,8 @@ class RemoteFailure(RemoteError, AssertionError):
 
 @contextlib.contextmanager
 def _verbatim(result):
-    """While ``result`` takes a worker's outcomes: a failure replayed from a worker is formatted as the
-    worker's own traceback text, as a run in one process prints it (titled by the test's exception, not by
-    RemoteFailure, which has no traceback in this process).  unittest's results format every error through
-    their ``_exc_info_to_string``; any other exception goes through theirs."""
+    """While ``result`` takes a worker's outcomes, a replayed failure is formatted as the worker's traceback
+    text, titled by the test's exception (not RemoteFailure, which has no traceback here)."""
     own = getattr(result, "_exc_info_to_string", None)
     if own is None:  # not a unittest.TestResult: str(exception) is the traceback text all the same
         yield
@@ -14375,13 +14351,10 @@ class _Recorder(unittest.TestResult):
 
 
 class ParallelRun:
-    """Runs ``tests`` in ``jobs`` worker processes made by fork, and replays each test's outcome into the
-    caller's result as the test ends: the same lines, counts and failure texts as a run in one process.
-
-    A task is one test, or a whole class when the class has fixtures of its own (setUpClass), so that they
-    run once.  Workers take the next task from a shared counter, so a long test holds up only its worker.
-    A worker that dies (a crash, os._exit) fails the test it was running, and the tasks it did not take are
-    taken by the others, or run here when none is left."""
+    """Runs ``tests`` in ``jobs`` worker processes made by fork and replays each outcome into the caller's
+    result as the test ends, as a run in one process prints it.  A task is a test, or a class with setUpClass;
+    workers take the next from a shared counter (a long test holds up only its worker); a worker that dies
+    fails the test it ran, and the others (or this process) take what it left."""
 
     def __init__(self, tests, jobs):
         self.tests = tests
@@ -14713,10 +14686,8 @@ def real_token_ids(client, text):
 
 
 def grammar(client, reps):
-    """Reasoning forced as the model's own tokens: ``<think>``, ``reps`` letters, ``</think>``, the answer.
-
-    The tags are written as token ids from the running server; the text "<think>" in a grammar tokenizes
-    differently, and then no thinking budget or control ever triggers."""
+    """Reasoning forced as the model's own tokens: ``<think>``, ``reps`` letters, ``</think>``, the answer;
+    the tags as the running server's token ids (the text "<think>" tokenizes otherwise, and no cap triggers)."""
 
     def tokens(text):
         return " ".join("<[%d]>" % i for i in real_token_ids(client, text))
@@ -14725,12 +14696,9 @@ def grammar(client, reps):
 
 
 def no_natural_close(client):
-    """A ``logit_bias`` that keeps the model from writing ``</think>`` itself before the grammar's most.
-
-    Unforced, the model thinks "step by step" (3 tokens) and closes; a thinking cap of 3 then races the
-    model's own close, and the server, injecting a second ``</think>``, fails the grammar (HTTP 500
-    "Unexpected empty grammar stack").  With the close's first token biased away, only the cap (or the
-    grammar's upper bound) ends reasoning."""
+    """A ``logit_bias`` that keeps the model from writing ``</think>`` before the grammar's most: else a
+    thinking cap of 3 races the model's own close, and the server, injecting a second ``</think>``, fails the
+    grammar (HTTP 500 "Unexpected empty grammar stack")."""
     return [[real_token_ids(client, "</think>")[0], -100]]
 
 
@@ -15444,12 +15412,9 @@ for _name in list(vars(TestRealServer)):
 
 
 class ConcurrencyProxy(_UnixServer):
-    """A proxy in front of a real server, as llama-swap behaves at its per-model concurrency limit: on a
-    Unix socket of its own, it answers ``GET /slots`` with 404 (not served), a request past ``limit`` in
-    flight through it with 429 and ``Retry-After: 1``, and forwards any other request to ``upstream``
-    (asking it to close the connection after its answer), piping the response back byte for byte until
-    the server closes.  Every socket call has a timeout; ``close()`` shuts every socket down (a ``close()``
-    alone does not wake a thread blocked in ``recv()`` on Linux) and joins the threads."""
+    """llama-swap at its per-model concurrency limit, in front of a real server on a socket of its own:
+    ``GET /slots`` is 404, a request past ``limit`` in flight 429 with ``Retry-After: 1``, any other piped to
+    ``upstream``.  ``close()`` shuts every socket down (close() alone does not wake a recv() on Linux)."""
 
     def __init__(self, upstream, limit=2):
         self.upstream = upstream
@@ -15518,11 +15483,9 @@ class ConcurrencyProxy(_UnixServer):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealProxy(ClientFactory, unittest.TestCase):
-    """The real server behind ConcurrencyProxy (llama-swap at its per-model limit of 2 in flight): eight
-    chats with ``slot=None`` at once, from a client whose pool admits all eight (``Limits.pool``; the
-    server's own total_slots would hold them to 2 and the proxy would never refuse), all finish; the ones
-    the proxy refused heard a ``Retrying`` naming the 429 and were sent again after its hint; ``/slots``
-    is not served, so any ``Waiting`` says the slots are unknown."""
+    """The real server behind ConcurrencyProxy (limit 2): eight slot=None chats at once from a pool of eight
+    (``Limits.pool``) all finish; those refused heard a ``Retrying`` naming the 429 and were sent again after
+    its hint; any ``Waiting`` says the slots are unknown (no ``/slots``)."""
 
     def setUp(self):
         with lc.Client(REAL_SOCKET, limits=REAL_LIMITS) as direct:
@@ -16252,10 +16215,8 @@ _WAITING_FOR = "waiting until model name=%s is fully loaded"
 
 @unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
 class TestRealRouterLoad(ClientFactory, unittest.TestCase):
-    """A streamed request is at the router as soon as it is made, while its ``slot=None`` pool's
-    ``/props?model=`` (which the router holds until the model has loaded) is still out: a stop
-    (``DELETE /v1/stream``) sent while the model loads cancels it, as it cancels a plain http.client
-    request, and the router's log shows the request parked in the load when the stop came."""
+    """A streamed request is at the router while its pool's ``/props?model=`` waits for the model to load: a
+    stop (``DELETE /v1/stream``) sent meanwhile cancels it, and the router's log shows it parked in the load."""
 
     MODEL = "alpha"
     COUNT = [{"role": "user", "content": "Count from 1 to 1000."}]
@@ -16371,9 +16332,8 @@ class TestRealRouterLoadAsync(AsyncDriver, TestRealRouterLoad):
 
 
 class CutProxy(_UnixServer):
-    """A threaded Unix-socket proxy to ``upstream`` that cuts the first streamed response's connection (a
-    POST that asks for ``text/event-stream``) after ``cut`` raw bytes: both ends are shut down, as a lost
-    connection.  Every other connection is forwarded whole.  ``cuts``: connections cut so far."""
+    """A threaded Unix-socket proxy to ``upstream`` that cuts the first streamed response after ``cut`` raw bytes
+    (both ends shut down, as a lost connection) and forwards the rest whole; ``cuts`` counts them."""
 
     def __init__(self, upstream, cut):
         self.upstream = upstream
@@ -16654,10 +16614,9 @@ def with_tls(text, tls_port):
 
 
 class Front:
-    """A real front (nginx, HAProxy or Caddy) of the test's own, from the file ``dev/fronts.py write`` makes
-    for ``servers`` (Unix socket paths of ``slots`` slots each), started as that command's ``demo`` starts
-    it, on free ports; ``url`` (and ``tls_url`` for nginx, the reference's TLS variant) once it listens.
-    ``close()`` stops it (SIGTERM, then SIGKILL to its process group) and removes its directory."""
+    """A real front (nginx, HAProxy or Caddy) of the test's own, from ``dev/fronts.py write``'s file for
+    ``servers`` (socket paths of ``slots`` slots each), started as ``demo`` starts it on free ports; ``url``
+    (and nginx's ``tls_url``) once it listens; ``close()`` stops it and removes its directory."""
 
     def __init__(self, kind, servers, balance="session", timeout=2, slots=2):
         self.kind = kind
@@ -16827,10 +16786,8 @@ class TestParserFrontPages(unittest.TestCase):
 
 
 class _FrontBuffer(_r_Buffer):
-    """``_r_Buffer`` behind a front: the POST, the GETs and the lookups may first be answered by the front
-    itself (``posts``, ``gets``, ``lookups``: raw answers used in order, then the server answers).  A POST
-    the front answered still reached the server, which keeps it (a queued resumable request: 87) unless
-    ``register_lost_head`` is False."""
+    """``_r_Buffer`` behind a front: ``posts``, ``gets`` and ``lookups`` are raw answers the front gives first,
+    in order; a POST it answered still reached the server (kept unless ``register_lost_head`` is False)."""
 
     def __init__(self, server, raw, posts=(), gets=(), lookups=(), cuts=()):
         self.posts, self.gets, self.lookups = list(posts), list(gets), list(lookups)
@@ -16891,11 +16848,9 @@ def past_the_resume(stream, timeout=5):
 
 
 class TestFaultFronts(_f_Case):
-    """Behind nginx, HAProxy, Caddy (and Cloudflare), what is more than a row of the fault table (whose
-    rows, TestDifferential.test_behind_fronts, wait out a 504 or 524 under busy_wait and a 502 or 520-523
-    under load_wait, and make a front's page one line): resumable requests a front cut are looked up and
-    resumed rather than sent twice; several servers behind one address are no reason to call a slot
-    stalled or wedged; a front's own /health."""
+    """Behind nginx, HAProxy, Caddy (and Cloudflare), what is more than a row of the fault table: a resumable
+    request a front cut is looked up and resumed, not sent twice; several servers behind one address are no
+    reason to call a slot stalled or wedged; a front's own /health."""
 
     # -- a 504 to a resumable request: looked up, resumed -------------------------------------------------
 
@@ -17213,9 +17168,8 @@ def full_unix_listener(test):
 
 @real_time
 class TestCancelDuringConnect(ServerCase):
-    """``cancel()`` 0.1 s into a request whose connect cannot complete ends it within 0.2 s: the socket is
-    registered before it connects, so the cancel shuts it down (a TCP connect then fails at once).  The
-    connect timeout (``poll``) and the ``/props`` one (``liveness``, for ``slot=None``) are far longer."""
+    """``cancel()`` 0.1 s into a connect that cannot complete ends it within 0.2 s: the socket is registered
+    before it connects, so the cancel shuts it down (the connect and /props timeouts are far longer)."""
 
     #: a connect waits max(poll, 0.2) s, /props liveness: both far past the 0.2 s a cancel may take
     slow = FAST.replace(poll=1.5, liveness=6.0, load_wait=10.0)
@@ -17504,10 +17458,9 @@ class TestLoggingCostsNothing(unittest.TestCase):
 
 @real_time
 class TestAddressTold(_Logged, ServerCase):
-    """A wrong address is told as early as it honestly can be: a path that is a file or a directory is
-    ConnectError at once (it cannot become a socket while it is there), for a stream as for a single-shot
-    call; a socket file that never existed is waited for, logged once as a WARNING, and the final
-    LoadTimeoutError says so; host:port without a scheme is ValueError at construction."""
+    """A wrong address is told as early as it honestly can be: a file or directory is ConnectError at once; a
+    socket that never existed is waited for, logged once as a WARNING and named in the LoadTimeoutError;
+    host:port without a scheme is ValueError at construction."""
 
     limits = FAST.replace(load_wait=0.4)
 
@@ -17944,12 +17897,10 @@ _REAL_FRONT_NAMES = {"nginx": "nginx/1.22.1", "haproxy": "the front", "caddy": "
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealFronts(ClientFactory, unittest.TestCase):
-    """loopclient behind real nginx, HAProxy and Caddy (Debian's packages), each run by the test from its
-    dev/fronts configuration with a 2 s idle timeout toward the server, in front of the real test server
-    (and the second one, LOOPCLIENT_REAL_SOCKET2, for the cases with two): a request queued behind a slot
-    busy three times that long finishes; over two servers a burst finishes; a resumable stream cut between
-    a front and its server resumes through the front, pinned by its conversation id; a front whose server
-    is gone is a LoadTimeoutError after load_wait; TLS at nginx; kept connections."""
+    """loopclient behind real nginx, HAProxy and Caddy, each run from its dev/fronts configuration with a 2 s
+    idle timeout in front of the real test server (and LOOPCLIENT_REAL_SOCKET2 for two): a long queued request,
+    a burst over two servers, a cut resumable stream pinned by its id, a dead server (LoadTimeoutError after
+    load_wait), TLS at nginx, kept connections."""
 
     TIMEOUT = 2  # the fronts' idle timeout, in seconds (nginx takes whole seconds)
     HOLD = 3 * TIMEOUT
@@ -18288,10 +18239,8 @@ _SLOW_EMPTY_REPLAY = (
 
 
 class _DroppingBuffer(_FrontBuffer):
-    """``_FrontBuffer`` on a loaded server: the request queued behind a busy slot, whose connection the front
-    closed (its 504), is dropped by the server before it starts (this build cancels it once a second passes
-    without a token from any slot): the first ``drops`` GETs find the session going (the head, then an empty
-    body) and forget it; the next POST is kept and served."""
+    """``_FrontBuffer`` on a server that drops a queued request whose connection its front closed (504): the
+    first ``drops`` GETs find the session going (the head, an empty body) and forget it; the next POST is served."""
 
     def __init__(self, server, raw, drops=1, **kw):
         self.drops = drops
@@ -18311,10 +18260,9 @@ class _DroppingBuffer(_FrontBuffer):
 
 
 class TestSlowServerBehindAFront(_f_Case):
-    """A resumable request queued behind a busy slot past a front's idle timeout, on a server too slow to
-    keep it: a server that dropped it before it started (nothing of it came) gets it again; a lookup the front
-    answered itself (504: the server was slow to answer it) is no "unknown", so the request is not sent twice;
-    a stream of which bytes came is never sent again."""
+    """A resumable request queued past a front's idle timeout on a slow server: one dropped before it started is
+    sent again; a lookup the front answered (504) is no "unknown", so nothing is sent twice; nor is a stream of
+    which bytes came."""
 
     #: no wait is under test but busy_wait: a late head on a loaded machine must not become an error
     limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=20.0)
@@ -18399,14 +18347,10 @@ TestSlowServerBehindAFrontSockets, TestSlowServerBehindAFrontSocketsAsync = on_s
 
 
 class MidAnswerCut(_UnixServer):
-    """A threaded Unix-socket proxy to a llama-server, between a front and it: the first streamed answer
-    (``text/event-stream``: a POST's, or a ``GET /v1/stream`` replay's) of each conversation (its
-    ``X-Conversation-Id``) is cut once ``cut`` bytes of it have passed its head: both ends are shut down
-    mid-answer, as a front's idle timeout does to a server slower than it between two tokens.  Each
-    connection carries one request (the proxy asks the server to close after it: ``Connection: close``);
-    a request's end of file is passed on, so the server sees its client go.  ``cut_conversations``: the ids
-    whose answer was cut, in order.  ``upstream``: a socket path, or (host, port) (a front, for a cut
-    between the client and the front)."""
+    """A threaded Unix-socket proxy to ``upstream`` (a server's socket path, or a front's (host, port)) that
+    cuts the first streamed answer of each conversation (``X-Conversation-Id``) once ``cut`` bytes of its body
+    have passed, as a front's idle timeout does to a slow server; one request a connection, a request's end of
+    file passed on.  ``cut_conversations``: the ids cut, in order."""
 
     def __init__(self, upstream, cut):
         self.upstream, self.cut = upstream, cut
@@ -18488,9 +18432,8 @@ class MidAnswerCut(_UnixServer):
 
 
 def start_own_server(slots, log_dir=None):
-    """A llama-server of the caller's own (the provisioned binary and model, ``dev/llama-server.sh args``)
-    with ``slots`` slots on a Unix socket in a directory of its own, once it answers /health: (socket,
-    stop), ``stop()`` killing it and removing the directory."""
+    """A llama-server of the caller's own (``dev/llama-server.sh args``) with ``slots`` slots, in a directory of
+    its own, once /health answers: (socket, stop)."""
     tmp = tempfile.mkdtemp(prefix="lcown", dir="/tmp")
     sock = os.path.join(tmp, "own.sock")
     command = real_server_command(sock)
@@ -18537,13 +18480,10 @@ def loaded_chat(client, kind, events, **params):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealFrontsLoaded(ClientFactory, unittest.TestCase):
-    """nginx and HAProxy with a 4 s idle timeout in front of a llama-server of the test's own with one slot,
-    on a loaded machine (``LOADED`` busy processes beside it, as ``LOOPCLIENT_TEST_LOAD`` runs them): a
-    resumable chat through each, queued behind another client's generation for three times the timeout
-    (each front gives up on it, 504, and the client reads it from the server's buffer instead of sending it
-    again), then cut mid-answer (a proxy between the front and the server), finishes with the text a quiet
-    run of the same chat gives (temperature 0, a seed), through both clients; no StreamClosedError while
-    the server lives.  ``dev/loaded-fronts.py`` runs the same case again and again."""
+    """nginx and HAProxy (4 s idle timeout) in front of a one-slot llama-server of the test's own, on a machine
+    loaded as ``LOOPCLIENT_TEST_LOAD`` loads it: a resumable chat queued behind another generation for three
+    timeouts (a 504, read from the server's buffer, not sent again), then cut mid-answer, ends with a quiet
+    run's text, through both clients; ``dev/loaded-fronts.py`` runs the same case again and again."""
 
     TIMEOUT = 4
     HOLD = 3 * TIMEOUT
@@ -18672,10 +18612,9 @@ def session_headers(server, path=None, header=b"x-session-id"):
 
 
 class TestSessionKeys(ServerCase):
-    """X-Session-Id, the key of the conversation a request belongs to: the digest of each endpoint's stable
-    head when the caller gives none (the same for every turn of one conversation, never the text), the
-    call's own or the client's when given, none with Limits(session=False); every request of a resumable
-    stream carries the key that started it; a malformed key is refused before anything is sent."""
+    """X-Session-Id: the digest of each endpoint's stable head when none is given (the same every turn, never
+    the text), else the call's or the client's; none with Limits(session=False); every request of a resumable
+    stream carries its key; a malformed key is refused before anything is sent."""
 
     def chat_key(self, messages, **kw):
         self.use(reply(STREAM_HEAD + _F_OK_BODY))
@@ -18939,11 +18878,9 @@ class TestSessionKeysAsync(AsyncDriver, TestSessionKeys):
 
 
 class TestSessionKeysWithHeaders(ServerCase):
-    """A call's own headers= and its session key together: an X-Session-Id among a call's headers is that
-    call's key (it wins over the client's and the digest, and goes once), the same key by session= and
-    by the header is one key, two different ones are refused before anything is sent; a resumable stream's
-    lookup, replay and DELETE carry both the call's headers and its key; stream_route() keys a body shaped as
-    a named endpoint's as that endpoint does, and no other."""
+    """A call's headers= and its session key: an X-Session-Id header is the call's key (over the client's and
+    the digest, sent once); the same key both ways is one key, two are refused before sending; a resumable
+    stream's lookup, replay and DELETE carry both; stream_route() keys an endpoint's body as the endpoint does."""
 
     def test_an_x_session_id_among_a_call_s_headers_is_its_key(self):
         self.use(reply(STREAM_HEAD + _F_OK_BODY))
@@ -19030,10 +18967,9 @@ _FULL_REASONS = {
 
 
 class TestFaultFullFronts(_f_Case):
-    """What the README's configurations make nginx, HAProxy and Caddy answer when every server's slots are
-    taken, byte for byte (transcripts 107-109): a 429 with Retry-After: 1 (nginx and Caddy at once, HAProxy
-    after its queue timeout), waited out under busy_wait and named in Retrying and WaitTimeoutError; and
-    what HAProxy answers when no server can be reached (110): a 503, waited out under load_wait."""
+    """The README's configurations when every slot is taken, byte for byte (transcripts 107-109): a 429 with
+    Retry-After: 1, waited out under busy_wait and named in Retrying and WaitTimeoutError; HAProxy's 503 with
+    no server reachable (110), waited out under load_wait."""
 
     def test_a_full_front_s_429_is_waited_out_under_busy_wait_then_served(self):
         for name, reason in _FULL_REASONS.items():
@@ -19090,9 +19026,8 @@ class TestFaultFullFronts(_f_Case):
 
 
 class TestFaultSessions(_f_Case):
-    """The session key of a resumable stream on every request made for it when the server misbehaves:
-    the replay after a cut, the lookup after a connection lost before the head, the DELETE when an error
-    ends it early; a malformed key is refused before anything is sent; Limits(session=False) sends none."""
+    """A resumable stream's session key on every request made for it when the server misbehaves (the replay,
+    the lookup, the DELETE); a malformed key is refused before sending; Limits(session=False) sends none."""
 
     def _fs_buffer(self, cuts=()):
         return _r_Buffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=cuts)
@@ -19198,13 +19133,10 @@ class FrontHolder(Holder):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealSessions(ClientFactory, unittest.TestCase):
-    """Two real servers (-np 2 each) behind nginx, HAProxy and Caddy run from the configurations as the
-    reference prints them, with 60 s idle timeouts, and one client per front sending no header of its own: the turns of
-    each conversation reach the server that holds it (the servers' task ids say where each turn ran, and the
-    prompt tokens they read are those new since the last turn); with three long generations over the four
-    slots, short chats start at once on the free slot; with every slot busy, chats wait (the front's 429
-    under busy_wait, or HAProxy's queue) and finish as slots free; a resumable stream cut between the front and
-    its server resumes through the front on that server, found by its session key."""
+    """Two real servers (-np 2) behind nginx, HAProxy and Caddy as the reference configures them (60 s idle
+    timeouts): each conversation's turns reach the server that holds it (its task ids and prompt tokens say
+    so); short chats take a free slot at once beside three long generations; with every slot busy chats wait
+    and finish; a resumable stream cut behind the front resumes on its server, found by its session key."""
 
     TIMEOUT = 60
     limits = REAL_LIMITS.replace(poll=0.5, servers=2, busy_wait=90.0, load_wait=20.0)
@@ -19444,9 +19376,8 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
 
 
 class FrontFull:
-    """Two generations of conversation ``key`` through the front at ``url`` whose bodies are still on their
-    way (a byte every few seconds): the front has connected each to the key's server and counts it against
-    that server's slots, while the server, waiting for the body, runs nothing.  ``close()`` ends them."""
+    """Two generations of conversation ``key`` through the front at ``url`` whose bodies trickle: the front counts
+    them against the key's server, which runs nothing while it waits for them.  ``close()`` ends them."""
 
     def __init__(self, url, key, count=2):
         head = "POST /v1/chat/completions HTTP/1.1\r\nHost: llama\r\nContent-Type: application/json\r\n"
@@ -20019,10 +19950,9 @@ class TestVendoring(unittest.TestCase):
 
 
 class TestSocketDirectory(_Logged, ServerCase):
-    """A socket path whose directory does not exist cannot become a server's socket until someone makes the
-    directory: ConnectError at once, for a stream as for a single-shot call, never waited for under
-    load_wait; a missing socket file in a directory that is there is still waited for (a server starting),
-    and so is a directory gone with a server the client has reached (a restart)."""
+    """A socket path whose directory is missing is ConnectError at once, never waited for under load_wait; a
+    missing socket in a directory that is there, or a directory gone with a server reached before (a
+    restart), is waited for."""
 
     limits = FAST.replace(load_wait=0.4)
 

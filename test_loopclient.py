@@ -17211,30 +17211,33 @@ class TestAsyncClientLoopsInTurn(unittest.TestCase):
     """An ``AsyncClient`` made outside any loop and used by two event loops in turn (``asyncio.run``
     twice): ``close()`` on the second closes the connection kept for the first, whose loop has ended."""
 
-    def test_close_closes_the_ended_loops_kept_connection(self):
-        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
-        self.addCleanup(server.close)
-        fds = fd_count()
-        client = lc.AsyncClient(server.address, limits=FAST)
-
-        async def first():
-            return await client.tokenize("x")
+    def in_turn(self, client, fds, kept, again=True):
+        """``client.tokenize`` on one loop (``kept()`` checks its connection is kept), then (``again``) on a
+        second one, which closes the client: every socket closes, no ResourceWarning (not the collector)."""
 
         async def second():
             try:
-                return await client.tokenize("x")
+                return await client.tokenize("x") if again else None
             finally:
                 await client.close()
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ResourceWarning)
-            self.assertEqual(asyncio.run(first()), [7])
-            self.assertEqual(fd_count(), fds + 2)  # the connection kept for the first loop, and the server's end
-            self.assertEqual(asyncio.run(second()), [7])
+            self.assertEqual(asyncio.run(client.tokenize("x")), [7])
+            kept()
+            self.assertEqual(asyncio.run(second()), [7] if again else None)
             # the server's ends close once the client's have (its thread sees the end of the connection)
             wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
             gc.collect()
         self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+
+    def test_close_closes_the_ended_loops_kept_connection(self):
+        server = KeepAliveServer(lambda req: keep_alive_answer({"tokens": [7]}))
+        self.addCleanup(server.close)
+        fds = fd_count()
+        client = lc.AsyncClient(server.address, limits=FAST)
+        # the connection kept for the first loop, and the server's end
+        self.in_turn(client, fds, lambda: self.assertEqual(fd_count(), fds + 2))
         self.assertEqual(server.connections, 2)  # the first loop's connection was not reused by the second
 
     def test_over_tls_too(self):
@@ -17251,25 +17254,8 @@ class TestAsyncClientLoopsInTurn(unittest.TestCase):
         fds = fd_count()
         trusting = ssl.create_default_context(cafile=_API_TLS_CERT)
         client = lc.AsyncClient(server.address, limits=FAST, ssl_context=trusting)
-
-        async def first():
-            return await client.tokenize("x")
-
-        async def second():
-            try:
-                return await client.tokenize("x")
-            finally:
-                await client.close()
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ResourceWarning)
-            self.assertEqual(asyncio.run(first()), [7])
-            self.assertFalse(held[0].closed_by_peer.is_set())  # kept for the first loop
-            self.assertEqual(asyncio.run(second()), [7])
-            wait_for(lambda: all(req.closed_by_peer.is_set() for req in held), 5, "the server to see both closed")
-            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
-            gc.collect()
-        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+        self.in_turn(client, fds, lambda: self.assertFalse(held[0].closed_by_peer.is_set()))  # kept for the first
+        wait_for(lambda: all(req.closed_by_peer.is_set() for req in held), 5, "the server to see both closed")
         self.assertEqual(len(held), 2)
 
     def test_close_on_another_loop_closes_the_ended_loops_kept_connection(self):
@@ -17277,18 +17263,7 @@ class TestAsyncClientLoopsInTurn(unittest.TestCase):
         self.addCleanup(server.close)
         fds = fd_count()
         client = lc.AsyncClient(server.address, limits=FAST)
-
-        async def first():
-            return await client.tokenize("x")
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ResourceWarning)
-            self.assertEqual(asyncio.run(first()), [7])
-            self.assertEqual(fd_count(), fds + 2)
-            asyncio.run(client.close())
-            wait_for(lambda: fd_count() <= fds, 5, "the sockets to close after close() (not the collector)")
-            gc.collect()
-        self.assertEqual([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)], [])
+        self.in_turn(client, fds, lambda: self.assertEqual(fd_count(), fds + 2), again=False)
 
 
 # -----------------------------------------------------------------------------------------------------

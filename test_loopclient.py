@@ -17940,20 +17940,27 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
         )
         return {kind: (results[messages[kind]], events[messages[kind]]) for kind in clients}
 
-    def test_a_chat_queued_past_the_front_s_idle_timeout_finishes(self):
-        # one chat through each front at once, all for the slot the holder keeps busy for 3x the timeout
+    def queued_past_the_timeout(self, message, **params):
+        """One chat through each front at once (``message(kind)``), all for the slot a holder keeps busy for
+        three idle timeouts, each an answer: (kind -> (Completion, events), the prompt work once the hold began)."""
         clients = {kind: self.client_for(front.url) for kind, front in self.fronts.items()}
         holder = self.hold(REAL_SOCKET, 0)
+        before = _prompt_work(self.direct)
         running = self.release_after([holder], self.HOLD)
-        messages = {kind: "Name a colour (%s, %s)." % (kind, self.CLIENT) for kind in clients}
-        outcomes = self.chats(clients, messages, slot=0, max_tokens=4, temperature=0)
+        messages = {kind: message(kind) for kind in clients}
+        outcomes = self.chats(clients, messages, slot=0, max_tokens=4, temperature=0, **params)
         self.assertEqual(running, [True], "the holder ended before the hold did")
         for kind, (completion, events) in outcomes.items():
             with self.subTest(kind):
-                self.assertIsInstance(
-                    completion, lc.Completion, "events: %r" % [e for e in events if not isinstance(e, lc.Waiting)][:12]
-                )
+                told = [e for e in events if not isinstance(e, lc.Waiting)][:12]
+                self.assertIsInstance(completion, lc.Completion, "events: %r" % told)
                 self.assertTrue(completion.content and completion.finish_reason, completion)
+        return outcomes, before
+
+    def test_a_chat_queued_past_the_front_s_idle_timeout_finishes(self):
+        outcomes, _ = self.queued_past_the_timeout(lambda kind: "Name a colour (%s, %s)." % (kind, self.CLIENT))
+        for kind, (_, events) in outcomes.items():
+            with self.subTest(kind):
                 reasons = [e.reason for e in events if isinstance(e, lc.Retrying)]
                 reason = "HTTP 504 from %s: the front stopped waiting for a slot" % _REAL_FRONT_NAMES[kind]
                 self.assertGreaterEqual(len(reasons), self.HOLD // self.TIMEOUT - 1, reasons)  # cut every 2 s
@@ -17961,24 +17968,14 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
                 self.assertFalse([e for e in events if isinstance(e, lc.Resumed)])
 
     def test_a_resumable_chat_queued_past_the_front_s_idle_timeout_is_resumed_not_sent_again(self):
-        clients = {kind: self.client_for(front.url) for kind, front in self.fronts.items()}
         filler = " ".join("word%d" % i for i in range(120))
-        holder = self.hold(REAL_SOCKET, 0)
-        before = _prompt_work(self.direct)
-        running = self.release_after([holder], self.HOLD)
-        messages = {
-            kind: "Note %s-%s-%d-%d: %s. Name a colour." % (kind, self.CLIENT, os.getpid(), time.monotonic_ns(), filler)
-            for kind in clients
-        }
-        outcomes = self.chats(clients, messages, slot=0, max_tokens=4, temperature=0, resumable=True)
-        self.assertEqual(running, [True], "the holder ended before the hold did")
+        note = lambda kind: (
+            "Note %s-%s-%d-%d: %s. Name a colour." % (kind, self.CLIENT, os.getpid(), time.monotonic_ns(), filler)
+        )
+        outcomes, before = self.queued_past_the_timeout(note, resumable=True)
         prompts = []
         for kind, (completion, events) in outcomes.items():
             with self.subTest(kind):
-                self.assertIsInstance(
-                    completion, lc.Completion, "events: %r" % [e for e in events if not isinstance(e, lc.Waiting)][:12]
-                )
-                self.assertTrue(completion.content and completion.finish_reason, completion)
                 resumed = [e for e in events if isinstance(e, lc.Resumed)]
                 self.assertTrue(resumed, "no Resumed: %r" % events[:5])
                 self.assertEqual(resumed[0], lc.Resumed(0, 1))
@@ -17993,23 +17990,8 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
     def own_server(self, slots):
         """A server of the test's own with ``slots`` slots, at the lowest CPU priority (a generation that
         only holds its slot must not starve the server under test on a 2-core machine); its socket."""
-        tmp = tempfile.mkdtemp(prefix="lcown", dir="/tmp")
-        sock = os.path.join(tmp, "own.sock")
-        command = real_server_command(sock)
-        command[command.index("-np") + 1] = str(slots)
-        log = open(os.path.join(tmp, "server.log"), "wb")
-        proc = subprocess.Popen(["nice", "-n", "19"] + command, stdout=log, stderr=subprocess.STDOUT)
-
-        def stop():
-            proc.kill()
-            proc.wait(10)
-            log.close()
-            shutil.rmtree(tmp, ignore_errors=True)
-
+        sock, stop = start_own_server(slots, nice=True)
         self.addCleanup(stop)
-        probe = lc.Client(sock)
-        self.addCleanup(probe.close)
-        wait_for(lambda: _healthy(probe), 60, "our own server to load")
         return sock
 
     def test_a_burst_over_two_servers_one_of_them_held_all_finishes(self):
@@ -18387,15 +18369,15 @@ class MidAnswerCut(_UnixServer):
                 return
 
 
-def start_own_server(slots, log_dir=None):
-    """A llama-server of the caller's own (``dev/llama-server.sh args``) with ``slots`` slots, in a directory of
-    its own, once /health answers: (socket, stop)."""
+def start_own_server(slots, log_dir=None, nice=False):
+    """A llama-server of the caller's own (``dev/llama-server.sh args``) with ``slots`` slots (``nice``: at the
+    lowest CPU priority), in a directory of its own, once /health answers: (socket, stop)."""
     tmp = tempfile.mkdtemp(prefix="lcown", dir="/tmp")
     sock = os.path.join(tmp, "own.sock")
     command = real_server_command(sock)
     command[command.index("-np") + 1] = str(slots)
     log = open(os.path.join(log_dir or tmp, "server.log"), "ab")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(["nice", "-n", "19"] * nice + command, stdout=log, stderr=subprocess.STDOUT)
 
     def stop():
         proc.kill()

@@ -17797,26 +17797,40 @@ def _front_binaries():
     return [name for name in FRONT_KINDS if FRONTS.binary(name) is None]
 
 
+def start_fronts(cls, servers):
+    """``cls.fronts``: one front of each kind before ``servers``, by session, at ``cls.TIMEOUT``."""
+    missing = _front_binaries()
+    _require(cls, not missing, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
+    cls.fronts = {}
+    try:
+        for kind in FRONT_KINDS:
+            cls.fronts[kind] = Front(kind, servers, "session", cls.TIMEOUT)
+    except BaseException:
+        stop_fronts(cls)
+        raise
+
+
+def stop_fronts(cls):
+    for front in getattr(cls, "fronts", {}).values():
+        front.close()
+    cls.fronts = {}
+
+
 class Holder:
     """A real long generation holding ``slot`` of the server at ``address`` (a client of its own, the
     output thrown away) until ``release()``: requests for that slot wait, and get no byte, meanwhile."""
 
-    def __init__(self, address, slot):
-        self.client = lc.Client(address, limits=REAL_LIMITS)
-        self.stream = self.client.stream(
-            [{"role": "user", "content": "Write a very long story about the sea."}],
-            slot=slot,
-            max_tokens=900,
-            ignore_eos=True,
-            temperature=0,
-        )
+    def __init__(self, address, slot, limits=REAL_LIMITS, text="Write a very long story about the sea.", wait=30):
+        self.client = lc.Client(address, limits=limits)
+        messages = [{"role": "user", "content": text}]
+        self.stream = self.client.stream(messages, slot=slot, max_tokens=900, ignore_eos=True, temperature=0)
         self.tokens, self.error, self.finished = 0, None, False
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._run, name="lc-test-holder", daemon=True)
         self.thread.start()
-        if not self.started.wait(30):
+        if not self.started.wait(wait):
             self.release()
-            raise AssertionError("the holder's generation did not start within 30 s")
+            raise AssertionError("the holder's generation did not start within %d s" % wait)
 
     def _run(self):
         try:
@@ -17867,22 +17881,11 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        missing = _front_binaries()
-        if missing:
-            _require(cls, False, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
-        cls.fronts = {}
-        try:
-            for kind in FRONT_KINDS:
-                cls.fronts[kind] = Front(kind, [REAL_SOCKET], "session", cls.TIMEOUT)
-        except BaseException:
-            cls.tearDownClass()
-            raise
+        start_fronts(cls, [REAL_SOCKET])
 
     @classmethod
     def tearDownClass(cls):
-        for front in cls.fronts.values():
-            front.close()
-        cls.fronts = {}
+        stop_fronts(cls)
 
     def setUp(self):
         self.direct = lc.Client(REAL_SOCKET, limits=REAL_LIMITS)
@@ -19038,20 +19041,8 @@ class FrontHolder(Holder):
     conversation of its own (``key``) holding one slot until ``release()``."""
 
     def __init__(self, address, key):
-        self.client = lc.Client(address, limits=REAL_LIMITS.replace(servers=2))
-        self.stream = self.client.stream(
-            [{"role": "user", "content": "Write a very long story about the sea, %s." % key}],
-            max_tokens=900,
-            ignore_eos=True,
-            temperature=0,
-        )
-        self.tokens, self.error, self.finished = 0, None, False
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="lc-test-front-holder", daemon=True)
-        self.thread.start()
-        if not self.started.wait(60):
-            self.release()
-            raise AssertionError("the holder's generation did not start within 60 s")
+        text = "Write a very long story about the sea, %s." % key
+        Holder.__init__(self, address, None, REAL_LIMITS.replace(servers=2), text, 60)
 
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
@@ -19066,24 +19057,13 @@ class TestRealSessions(ClientFactory, unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        missing = _front_binaries()
-        if missing:
-            _require(cls, False, "not installed: %s (apt-get install -y nginx haproxy caddy)" % ", ".join(missing))
         _require(cls, REAL_SOCKET2, SKIP_SECOND)
         cls.servers = [REAL_SOCKET, REAL_SOCKET2]
-        cls.fronts = {}
-        try:
-            for kind in FRONT_KINDS:
-                cls.fronts[kind] = Front(kind, cls.servers, "session", cls.TIMEOUT)
-        except BaseException:
-            cls.tearDownClass()
-            raise
+        start_fronts(cls, cls.servers)
 
     @classmethod
     def tearDownClass(cls):
-        for front in getattr(cls, "fronts", {}).values():
-            front.close()
-        cls.fronts = {}
+        stop_fronts(cls)
 
     def setUp(self):
         self.direct = [lc.Client(s, limits=REAL_LIMITS) for s in self.servers]

@@ -13992,19 +13992,9 @@ class TestCommandLineEndpoints(CLICase):
 
     def test_complete_answer_options_shape_the_body(self):
         self.serve("/completion", "46_completion_stream_stop_word.raw.txt")
-        out, err = self.main_ok(
-            "complete",
-            "The sky is",
-            "--stop",
-            " the",
-            "--ignore-eos",
-            "--max-tokens",
-            "16",
-            "--param",
-            "n_probs=2",
-            "--param",
-            'lora=[{"id": 0, "scale": 1.0}]',
-        )
+        lora = 'lora=[{"id": 0, "scale": 1.0}]'
+        argv = ["--stop", " the", "--ignore-eos", "--max-tokens", "16", "--param", "n_probs=2", "--param", lora]
+        out, err = self.main_ok("complete", "The sky is", *argv)
         self.assertEqual(out, "\n")  # the stop word held back: no text at all
         self.assertTrue(err.endswith("finish: stop]\n"), err)
         self.assertEqual(
@@ -14070,13 +14060,8 @@ class TestCommandLineEndpoints(CLICase):
     def test_infill_extra_files_through_param(self):
         self.serve("/infill", "48_infill_stream.raw.txt")
         prefix = self.text_file("prefix.py", "def add(a, b):\n    ")
-        self.main_ok(
-            "infill",
-            "--prefix",
-            "@" + prefix,
-            "--param",
-            'input_extra=[{"filename": "util.py", "text": "def sub(): pass\\n"}]',
-        )
+        extra = 'input_extra=[{"filename": "util.py", "text": "def sub(): pass\\n"}]'
+        self.main_ok("infill", "--prefix", "@" + prefix, "--param", extra)
         self.assertEqual(
             self.bodies("/infill")[0]["input_extra"], [{"filename": "util.py", "text": "def sub(): pass\n"}]
         )
@@ -14090,45 +14075,28 @@ class TestCommandLineEndpoints(CLICase):
 
     def test_usage_errors_exit_2_and_send_nothing(self):
         prefix = self.text_file("prefix.py", "x")
+        infill, tmp = ["infill", "--prefix", "@" + prefix], self.server.tmp
         cases = [
+            (["infill"], "the following arguments are required: --prefix; see loopclient infill --help"),
             (
-                ["infill"],
-                "loopclient: error: the following arguments are required: --prefix; see loopclient infill --help",
+                ["infill", "--prefix", "@%s/missing.py" % tmp],
+                "cannot read %s/missing.py: No such file or directory" % tmp,
             ),
+            (infill + ["--suffix", "@" + tmp], "cannot read %s: Is a directory" % tmp),
+            (["complete", "x", "--param", "prompt=y"], "--param prompt: loopclient sets prompt itself"),
+            (infill + ["--param", "input_prefix=y"], "--param input_prefix: loopclient sets input_prefix itself"),
+            (infill + ["--param", "input_suffix=y"], "--param input_suffix: loopclient sets input_suffix itself"),
+            (["complete", "x", "--param", "stream=false"], "--param stream: loopclient sets stream itself"),
+            (["complete", "x", "--slot", "-1"], "--slot must not be negative, got -1"),
             (
-                ["infill", "--prefix", "@" + self.server.tmp + "/missing.py"],
-                "loopclient: error: cannot read %s/missing.py: No such file or directory" % self.server.tmp,
-            ),
-            (
-                ["infill", "--prefix", "@" + prefix, "--suffix", "@" + self.server.tmp],
-                "loopclient: error: cannot read %s: Is a directory" % self.server.tmp,
-            ),
-            (
-                ["complete", "x", "--param", "prompt=y"],
-                "loopclient: error: --param prompt: loopclient sets prompt itself",
-            ),
-            (
-                ["infill", "--prefix", "@" + prefix, "--param", "input_prefix=y"],
-                "loopclient: error: --param input_prefix: loopclient sets input_prefix itself",
-            ),
-            (
-                ["infill", "--prefix", "@" + prefix, "--param", "input_suffix=y"],
-                "loopclient: error: --param input_suffix: loopclient sets input_suffix itself",
-            ),
-            (
-                ["complete", "x", "--param", "stream=false"],
-                "loopclient: error: --param stream: loopclient sets stream itself",
-            ),
-            (["complete", "x", "--slot", "-1"], "loopclient: error: --slot must not be negative, got -1"),
-            (
-                ["infill", "--prefix", "@" + prefix, "--param", 'input_extra={"a": 1}'],
-                "loopclient: error: extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
+                infill + ["--param", 'input_extra={"a": 1}'],
+                "extra must be an iterable of (filename, text) pairs or dicts, not {'a': 1}",
             ),
         ]
         for argv, line in cases:
             with self.subTest(argv=argv):
                 code, out, err = self.run_main(["--socket", self.server.path] + argv)
-                self.assertEqual((code, out, err.splitlines()[-1]), (2, "", line), err)
+                self.assertEqual((code, out, err.splitlines()[-1]), (2, "", "loopclient: error: " + line), err)
                 self.assertNotIn("Traceback", err)
         self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], [])
 

@@ -17487,14 +17487,11 @@ class TestCommandLineFirstUse(CLICase):
         )
 
     def test_usage_errors_name_the_command_lines_options(self):
-        self.assertEqual(
-            self.main_fails("--wait", "-1", "health", code=2),
-            "loopclient: error: --wait: must not be negative, got -1.0",
-        )
-        self.assertEqual(
-            self.main_fails("chat", "x", "--thinking-cap", "-2", code=2),
-            "loopclient: error: --thinking-cap: must not be negative, got -2",
-        )
+        for argv, line in (
+            (["--wait", "-1", "health"], "--wait: must not be negative, got -1.0"),
+            (["chat", "x", "--thinking-cap", "-2"], "--thinking-cap: must not be negative, got -2"),
+        ):
+            self.assertEqual(self.main_fails(*argv, code=2), "loopclient: error: " + line)
         self.assertEqual(self.server.requests, [])
 
     def test_host_port_without_a_scheme_is_a_usage_error(self):
@@ -17506,15 +17503,8 @@ class TestCommandLineFirstUse(CLICase):
             "(a socket file of that name: ./localhost:8080)\n",
         )
         code, out, err = self.run_main(["--url", "localhost:8080", "health"])  # a URL was meant: no socket file
-        self.assertEqual(
-            (code, out, err),
-            (
-                2,
-                "",
-                "loopclient: error: --url localhost:8080 has no scheme: use --url http://localhost:8080 (a socket "
-                "path goes to --socket)\n",
-            ),
-        )
+        no_scheme = "loopclient: error: --url localhost:8080 has no scheme: use --url http://localhost:8080 (a socket "
+        self.assertEqual((code, out, err), (2, "", no_scheme + "path goes to --socket)\n"))
 
     def test_chat_caps_the_answer_unless_told(self):
         self.use(serve_body(content_stream(["ok"])))
@@ -20069,29 +20059,20 @@ class TestCommandLinePrompts(CLICase):
     """An empty prompt (from stdin, a pipe, /dev/null, or an empty PROMPT) is a usage error: exit 2, and
     nothing is sent (the server would generate from nothing up to the cap)."""
 
+    STDIN_EMPTY = "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text\n"
+
     def test_an_empty_prompt_is_exit_2(self):
+        given = "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin\n"
         for argv, stdin, line in (
-            (["chat"], "", "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text"),
-            (
-                ["chat"],
-                " \n\n",
-                "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text",
-            ),
-            (["chat", ""], "", "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin"),
-            (
-                ["complete"],
-                "",
-                "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text",
-            ),
-            (
-                ["complete", " "],
-                "",
-                "loopclient: error: PROMPT is empty: give some text, or leave it out to read stdin",
-            ),
+            (["chat"], "", self.STDIN_EMPTY),
+            (["chat"], " \n\n", self.STDIN_EMPTY),
+            (["chat", ""], "", given),
+            (["complete"], "", self.STDIN_EMPTY),
+            (["complete", " "], "", given),
         ):
             with self.subTest(argv=argv, stdin=stdin):
                 code, out, err = self.run_main(["--socket", self.server.path] + argv, stdin)
-                self.assertEqual((code, out, err), (2, "", line + "\n"))
+                self.assertEqual((code, out, err), (2, "", line))
         self.assertEqual([r.path for r in self.server.requests if r.method == "POST"], [])
 
     def test_dev_null_is_exit_2(self):
@@ -20103,10 +20084,7 @@ class TestCommandLinePrompts(CLICase):
                 text=True,
                 timeout=60,
             )
-        self.assertEqual(
-            (done.returncode, done.stdout, done.stderr),
-            (2, "", "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text\n"),
-        )
+        self.assertEqual((done.returncode, done.stdout, done.stderr), (2, "", self.STDIN_EMPTY))
         self.assertEqual(self.server.chat_requests(), [])
 
 
@@ -20271,18 +20249,12 @@ class TestCommandLineSlotsAndCaps(CLICase):
 
     def test_a_slot_past_the_servers_is_exit_2(self):
         self.use(serve_body(content_stream(["ok"])))
+        past = "loopclient: error: slot 7 is past the server's slots: it has 2 (0 to 1), and llama-server would "
+        past += "take slot 7 as slot 1 (modulo 2)\n"
         for argv in (["chat", "x"], ["complete", "x"], ["complete", "--openai", "x"]):
             with self.subTest(argv=argv):
                 code, out, err = self.run_main(["--socket", self.server.path] + argv + ["--slot", "7"])
-                self.assertEqual(
-                    (code, out, err),
-                    (
-                        2,
-                        "",
-                        "loopclient: error: slot 7 is past the server's slots: it has 2 (0 to 1), and llama-server "
-                        "would take slot 7 as slot 1 (modulo 2)\n",
-                    ),
-                )
+                self.assertEqual((code, out, err), (2, "", past))
         self.assertEqual([r.method for r in self.server.requests], ["GET"] * 3)
         self.assertEqual({r.path for r in self.server.requests}, {"/props"})
         out, _ = self.main_ok("chat", "x", "--slot", "1")
@@ -20306,20 +20278,13 @@ class TestCommandLineSlotsAndCaps(CLICase):
         self.assertEqual((out, self.server.chat_requests()[0].json()["id_slot"]), ("ok\n", 7))
 
     def test_max_tokens_below_one_is_exit_2(self):
+        below = "loopclient: error: --max-tokens must be at least 1, got %s: llama-server looks at the cap only "
+        below += "after a first token, so %s would give one (no cap at all: --param max_tokens=-1)\n"
         for n in ("0", "-1"):
             for command in (["chat", "x"], ["complete", "x"]):
                 with self.subTest(n=n, command=command):
                     code, out, err = self.run_main(["--socket", self.server.path] + command + ["--max-tokens", n])
-                    self.assertEqual(
-                        (code, out, err),
-                        (
-                            2,
-                            "",
-                            "loopclient: error: --max-tokens must be at least 1, got %s: llama-server looks at the cap "
-                            "only after a first token, so %s would give one (no cap at all: --param max_tokens=-1)\n"
-                            % (n, n),
-                        ),
-                    )
+                    self.assertEqual((code, out, err), (2, "", below % (n, n)))
         self.assertEqual(self.server.requests, [])
         self.use(serve_body(content_stream(["ok"])))
         self.main_ok("chat", "x", "--param", "max_tokens=-1")

@@ -19907,52 +19907,29 @@ class TestPoolWording(_Logged, ServerCase):
     def setUp(self):
         super().setUp()
         self.capture_log()
-        self.client = self.new_client(self.server.address, limits=self.limits)
-        self.closers.insert(0, self.client.close)
 
-    def fails(self, slot):
-        self.use(hold_then(b"", threading.Event()))
-        with self.assertRaises(lc.LoopError) as caught:
-            run_with_timeout(lambda: self.client.chat(MSGS, slot=slot))
-        return caught.exception
-
-    def test_every_slot_busy(self):
-        self.server.busy[:] = [True, True]
-        err = self.fails(None)
-        self.assertIsInstance(err, lc.WaitTimeoutError)
-        self.assertRegex(
-            str(err),
-            r"^every slot stayed busy for 0\.\d s \(busy_wait\): the server is still serving others: raise "
-            r"Limits\(busy_wait=\.\.\.\) to wait longer$",
-        )
-        self.assertIn(
-            ("INFO", "%s: waiting for the response: every slot is busy" % self.server.address), self.logged(waits=True)
-        )
-        self.assertNotIn("any", str(err))
-
-    def test_a_pinned_slot_busy_names_it(self):
-        self.server.busy[:] = [False, True]
-        err = self.fails(1)
-        self.assertRegex(
-            str(err), r"^slot 1 stayed busy for 0\.\d s \(busy_wait\): the server is still serving others: raise "
-        )
-        self.assertIn(
-            ("INFO", "%s: waiting for the response: the slot is busy" % self.server.address), self.logged(waits=True)
-        )
-
-    def test_a_free_slot_and_no_answer(self):
-        self.server.busy[:] = [True, False]
-        err = self.fails(None)
-        self.assertIsInstance(err, lc.StalledError)
-        self.assertRegex(
-            str(err),
-            r"^a slot is free, yet no response came for 0\.\d s \(idle_grace\): the server is stuck: raise "
-            r"Limits\(idle_grace=\.\.\.\) to wait longer$",
-        )
-        self.assertIn(
-            ("INFO", "%s: waiting for the response: a slot is free, no answer yet" % self.server.address),
-            self.logged(waits=True),
-        )
+    def test_each_wait_names_what_it_waited_for(self):
+        longer = r"to wait longer$"
+        for busy, slot, cls, message, waiting in (
+            ([True, True], None, lc.WaitTimeoutError, r"^every slot stayed busy for 0\.\d s \(busy_wait\): the server is "
+             r"still serving others: raise Limits\(busy_wait=\.\.\.\) " + longer, "every slot is busy"),
+            ([False, True], 1, lc.WaitTimeoutError, r"^slot 1 stayed busy for 0\.\d s \(busy_wait\): the server is still "
+             r"serving others: raise ", "the slot is busy"),
+            ([True, False], None, lc.StalledError, r"^a slot is free, yet no response came for 0\.\d s \(idle_grace\): "
+             r"the server is stuck: raise Limits\(idle_grace=\.\.\.\) " + longer, "a slot is free, no answer yet"),
+        ):  # fmt: skip
+            with self.subTest(busy=busy, slot=slot):
+                self.server.busy[:] = busy
+                client = self.new_client(self.server.address, limits=self.limits)
+                self.closers.insert(0, client.close)
+                self.use(hold_then(b"", threading.Event()))
+                with self.assertRaises(lc.LoopError) as caught:
+                    run_with_timeout(lambda c=client, n=slot: c.chat(MSGS, slot=n))
+                self.assertIs(type(caught.exception), cls)
+                self.assertRegex(str(caught.exception), message)
+                self.assertNotIn("any", str(caught.exception))
+                line = ("INFO", "%s: waiting for the response: %s" % (self.server.address, waiting))
+                self.assertIn(line, self.logged(waits=True))
 
 
 class TestPoolWordingAsync(AsyncDriver, TestPoolWording):

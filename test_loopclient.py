@@ -20630,23 +20630,15 @@ class TestCommandLineHelp(CLICase):
         self.assertIn('\n  python3 loopclient.py chat "Name three colours." --stop', done.stdout)
         self.assertNotRegex(done.stdout, r"(?<!python3 )loopclient (chat|--help)")
         done = run("chat", "--slot", "x")
-        self.assertEqual(
-            (done.returncode, done.stdout, done.stderr),
-            (
-                2,
-                "",
-                "loopclient: error: argument --slot: invalid int value: 'x'; see python3 loopclient.py chat --help\n",
-            ),
-        )
+        line = "loopclient: error: argument --slot: invalid int value: 'x'; see python3 loopclient.py chat --help\n"
+        self.assertEqual((done.returncode, done.stdout, done.stderr), (2, "", line))
 
     def test_the_max_tokens_defaults_are_said(self):
+        own = "(default: the server's own -n; llama-server's: none)"
         for command, default in (
             ("chat", "(default 2048: a model that repeats itself ends)"),
-            (
-                "complete",
-                "sent as n_predict (with --openai: max_tokens) (default: the server's own -n; llama-server's: none)",
-            ),
-            ("infill", "sent as n_predict (default: the server's own -n; llama-server's: none)"),
+            ("complete", "sent as n_predict (with --openai: max_tokens) " + own),
+            ("infill", "sent as n_predict " + own),
         ):
             with self.subTest(command):
                 self.assertIn(default, " ".join(self.help_of(command).split()))
@@ -20661,17 +20653,8 @@ class TestCommandLineHelp(CLICase):
         )
 
 
-ANSWER_OPTIONS = (
-    "--session",
-    "--no-session",
-    "--slot",
-    "--max-tokens",
-    "--temperature",
-    "--stop",
-    "--ignore-eos",
-    "--param",
-    "--json",
-)
+ANSWER_OPTIONS = ("--session", "--no-session", "--slot", "--max-tokens", "--temperature")
+ANSWER_OPTIONS += ("--stop", "--ignore-eos", "--param", "--json")
 
 
 class TestCommandLineInfillText(CLICase):

@@ -10218,20 +10218,11 @@ TestRouterLoadSockets, TestRouterLoadSocketsAsync = on_sockets(
 # Tier 4. Faults: hostile servers, the fault table run through each driver, fuzz regressions
 # =====================================================================================================
 
-# -----------------------------------------------------------------------------------------------------
-# Hostile servers and faults: the fault table, and what is more than a row of it
-# -----------------------------------------------------------------------------------------------------
-#
-# Each fault of dev/FAULTS.md is stated once, as a row of FAULT_TABLE (below) that carries its parts: the
-# server's bytes, the call, the error class, its budget and what else the row says (the events, the cause,
-# the message, the requests sent), which TestDifferential runs through the virtual driver and AsyncClient
-# on a real socket, and through Client on a real socket where the transport is part of the fault.  The
-# TestFault* classes hold what a row cannot say: resumable streams cut at every offset, several clients
-# at once, the parsers fed the fuzzer's saved inputs.  Every test asserts the exact error class, that it
-# came within its budget (exactly on the virtual clock; plus MARGIN on a real one) and, for a budget, not
-# before it, and inherits ServerCase's check that descriptors and threads are back where they started.
-# Budgets are a fraction of a second so the whole tier stays quick; each slow case waits one short budget.
-
+# Each fault of dev/FAULTS.md is a row of FAULT_TABLE (below): the server's bytes, the call, the error class, its
+# budget and what else the row says, which TestDifferential runs through each driver.  The TestFault* classes
+# hold what a row cannot say (streams cut at every offset, several clients, the fuzzer's saved inputs).  Every
+# test asserts the exact error class within its budget (exact on the virtual clock) and, for a budget, not
+# before it; budgets are a fraction of a second so that the tier stays quick.
 
 _F_OK_BODY = content_stream(["Hello", " world"])
 
@@ -11173,19 +11164,12 @@ class TestFaultFuzzRegressions(unittest.TestCase):
 
 # -- the two clients alike: one behaviour, compared outcome for outcome --------------------------------
 #
-# Client and AsyncClient drive one engine, so one call against one scripted server must come out the
-# same in both: the same events, the same Completion (==), the same error class and message.  What may
-# differ is only timing, which differs_between_clients() sets aside: the delay of a Retrying; a number in an
-# error message (seconds waited) within MARGIN; how many times in a row one Waiting is heard (one per
-# poll, each after the /slots answer it waits for: how many fit in a wait is the machine's pace; which
-# Waiting, and where, is not), and a first run of them, before any byte of the answer or of a retried
-# attempt's, missing from one client when the other heard it for no longer than MARGIN (a head late by a
-# few polls); and one last Retrying that one client fitted into the end of a budget the other had spent (its
-# delay, what was left, within MARGIN) before the same budget error: asyncio's timers wake up to a
-# millisecond late (epoll counts milliseconds), threads do not.  (TestDifferential's MARGIN is the one the
-# machine's pace makes of it: lateness().)
-# TestDifferential runs the fault table through both; dev/fuzz.py --differential runs the fuzzer's
-# client cases through both with the same rules.
+# Client and AsyncClient drive one engine: one call against one scripted server gives the same events,
+# Completion, error class and message in both.  differs_between_clients() sets aside timing only: a Retrying's
+# delay; a number in a message within MARGIN; how many times in a row one Waiting is heard; a first run of
+# Waiting (before the answer's or a retry's first byte) no longer than MARGIN heard by one client only; one last
+# Retrying at the end of a budget before the same budget error (asyncio's timers wake up to a millisecond
+# late).  dev/fuzz.py --differential compares the fuzzer's client cases by the same rules.
 
 # -- answers as the server gave them: fetch(), timeout=, stream_route() -------------------------------
 
@@ -11244,14 +11228,10 @@ def _a_route(path="/r", body=None, **kw):
 
 # -- the fault table: each fault stated once, as a row and its parts --------------------------------
 #
-# FAULT_TABLE holds dev/FAULTS.md's sections, in its order: each its heading, its columns, the
-# TestDifferential test that runs it, and the function that makes its rows (marked ``@_d_section``, below,
-# before TestDifferential).  A row (_d_row) is the fault, what the server does and the outcome (the table's
-# words), the tests that pin more than a row can say (``also``), and its parts (_d_part): the scripted
-# server, the call, the documented outcome, its budget and checks, which TestDifferential runs through the
-# drivers.  dev/faults.py writes dev/FAULTS.md's tables from it (test_dev_faults_md_is_the_fault_table fails
-# when they drift); test_each_row_states_what_it_runs fails when a row's outcome does not name the error its
-# parts expect, or names a test that does not exist.
+# FAULT_TABLE holds dev/FAULTS.md's sections in order, each made by a function marked ``@_d_section``: a row
+# (_d_row) is the table's words, the tests that say more (``also``) and its parts (_d_part), which
+# TestDifferential runs.  dev/faults.py writes the tables from it; test_dev_faults_md_is_the_fault_table and
+# test_each_row_states_what_it_runs fail when they drift.
 
 #: A section of dev/FAULTS.md: ``test`` the TestDifferential test that runs its rows (None: each row's
 #: ``also`` tests state it, and it has no parts); ``named``: its *test* column names that test first.

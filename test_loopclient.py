@@ -16672,35 +16672,24 @@ class TestParserFrontPages(unittest.TestCase):
 
     def test_one_line_at_most_200_characters(self):
         one = lambda body: lc.parse_error_envelope(body)[0]
-        self.assertEqual(
-            one(b"<html><head><title>\n  504\t Gateway \r\n Time-out \n</title></head></html>"), "504 Gateway Time-out"
-        )
-        self.assertEqual(
-            one(b"  upstream connect error\nor disconnect/reset before headers\n"),
-            "upstream connect error or disconnect/reset before headers",
-        )
-        self.assertEqual(
-            one(b"<p>a &lt; b&nbsp;&amp; c</p>"), "a < b & c"
-        )  # entities decoded, the no-break space collapsed too
-        self.assertEqual(one(b"<html><title> </title><body>\n<h1> Bad\n gateway </h1><p>more</p>"), "Bad gateway")
-        self.assertEqual(
-            one(b"<html><head><style>h1 {color: red}</style><script>x()</script></head><h1>Down</h1>"), "Down"
-        )
-        self.assertEqual(one(b"error: a < b"), "error: a < b")  # text, not a page: the "<" stays
-        self.assertEqual(one(b"<!DOCTYPE html>\n<!-- a comment -->\n<html></html>\n"), "(empty body)")
-        self.assertEqual(one(b" \r\n\t "), "(empty body)")
-        self.assertEqual(one(b""), "(empty body)")
+        for body, line in (
+            (b"<html><head><title>\n  504\t Gateway \r\n Time-out \n</title></head></html>", "504 Gateway Time-out"),
+            (b"  upstream connect error\nor disconnect/reset before headers\n", "upstream connect error or disconnect/reset before headers"),
+            (b"<p>a &lt; b&nbsp;&amp; c</p>", "a < b & c"),  # entities decoded, the no-break space collapsed too
+            (b"<html><title> </title><body>\n<h1> Bad\n gateway </h1><p>more</p>", "Bad gateway"),
+            (b"<html><head><style>h1 {color: red}</style><script>x()</script></head><h1>Down</h1>", "Down"),
+            (b"error: a < b", "error: a < b"),  # text, not a page: the "<" stays
+            (b"<!DOCTYPE html>\n<!-- a comment -->\n<html></html>\n", "(empty body)"),
+            (b" \r\n\t ", "(empty body)"),
+            (b"", "(empty body)"),
+        ):  # fmt: skip
+            self.assertEqual(one(body), line, body)
         long = one(b"<title>" + b"word " * 100 + b"</title>")
         self.assertEqual(len(long), 200)
         self.assertEqual(long, ("word " * 40)[:197].rstrip() + "...")
         self.assertEqual(len(one(b"x" * 100000)), 200)
         self.assertEqual(one(b"<title>\xff caf\xc3\xa9</title>"), "\ufffd caf\xe9")
-        for body in (
-            b"<h1>a\nb</h1>",
-            b"a\rb",
-            "a\x85b\u2028c".encode(),
-            b"<title>a\nb</title>",
-        ):
+        for body in (b"<h1>a\nb</h1>", b"a\rb", "a\x85b\u2028c".encode(), b"<title>a\nb</title>"):
             self.assertNotIn("\n", one(body))
             self.assertNotIn("\r", one(body))
 
@@ -16782,9 +16771,6 @@ class _FrontBuffer(_r_Buffer):
             for r in requests
             if r.path.partition("?")[0] not in ("/slots", "/props")
         ]
-
-
-_FR_GONE_404 = http_response(_R_GONE, status=b"404 Not Found")
 
 
 def past_the_resume(stream, timeout=5):
@@ -16959,7 +16945,7 @@ class TestFaultFronts(_f_Case):
         cut = len(buf.head) + 900
         self.client_with(servers=2)
         buf.reset([cut])
-        buf.gets = [_FR_GONE_404]  # the first resume reached the other server
+        buf.gets = [_R_GONE_404]  # the first resume reached the other server
         completion, events = self.collect(resumable="conv-1")
         self.assertEqual(buf.methods(), ["POST", "GET", "GET"])
         self.assertEqual(len(set(buf.replays())), 1, buf.replays())
@@ -16969,7 +16955,7 @@ class TestFaultFronts(_f_Case):
         self.assertEqual(completion, whole)
         # two 404s from two servers: the stream is unknown
         buf.reset([cut])
-        buf.gets = [_FR_GONE_404, _FR_GONE_404]
+        buf.gets = [_R_GONE_404, _R_GONE_404]
         err = self._f_fails(
             lc.StreamClosedError,
             fn=lambda events: self.client.chat(MSGS, slot=0, resumable="conv-1", on_event=events.append),
@@ -17004,14 +16990,14 @@ class TestFaultFronts(_f_Case):
         whole, whole_events = self.collect(resumable="conv-1")
         self.client_with(servers=2, busy_wait=1.0)
         buf.reset()
-        buf.posts, buf.lookups = [front_answer("nginx 504")], [_FR_GONE_404]
+        buf.posts, buf.lookups = [front_answer("nginx 504")], [_R_GONE_404]
         completion, events = self.collect(resumable="conv-1")
         self.assertEqual(buf.methods(), ["POST", "LOOKUP", "LOOKUP", "GET"])
         self.assertEqual(events, [lc.Resumed(0, 1)] + whole_events)
         self.assertEqual(completion, whole)
         # a 404 from each server: unknown, so it is sent again
         buf.reset()
-        buf.posts, buf.lookups = [front_answer("nginx 504")], [_FR_GONE_404, _FR_GONE_404]
+        buf.posts, buf.lookups = [front_answer("nginx 504")], [_R_GONE_404, _R_GONE_404]
         completion, events = self.collect(resumable="conv-1")
         self.assertEqual(buf.methods(), ["POST", "LOOKUP", "LOOKUP", "POST"])
         self.assertEqual(completion, whole)
@@ -17024,7 +17010,7 @@ class TestFaultFronts(_f_Case):
         forgot = "the stream could not be resumed: the server no longer knows it (it restarted, or the stream "
         forgot += "expired; "
         for gets, lookups, why in (
-            ([_FR_GONE_404], [], "(it restarted, or the stream expired; HTTP 404: File Not Found)"),
+            ([_R_GONE_404], [], "(it restarted, or the stream expired; HTTP 404: File Not Found)"),
             ([front_answer("nginx 504")], [http_response(b"[]")], "; the lookup after: HTTP 504 from nginx"),
         ):
             buf = _FrontBuffer(self.server, raw, gets=gets, lookups=lookups, cuts=[cut])
@@ -18207,7 +18193,7 @@ class TestSlowServerBehindAFront(_f_Case):
     def test_a_stream_of_which_bytes_came_is_never_sent_again(self):
         raw = load_transcript("04_chat_stream.raw.txt")
         buf = _DroppingBuffer(self.server, raw, drops=0, cuts=[len(STREAM_HEAD) + 900])
-        buf.gets = [_FR_GONE_404]
+        buf.gets = [_R_GONE_404]
         err = self._f_fails(lc.StreamClosedError, resumable="conv-1")
         self.assertIn("no longer knows it", str(err))
         self.assertEqual(buf.methods(), ["POST", "GET", "DELETE"])

@@ -13556,18 +13556,9 @@ class TestConsole(unittest.TestCase):
     def test_terminal_status_lines_overwrite_and_reasoning_is_dimmed(self):
         out, err = io.StringIO(), TtyText()
         console = lc._Console(out, err)
-        for event in (
-            lc.Queued(2),
-            lc.Queued(1),
-            lc.Retrying(1, 0.25, "HTTP 503: Loading model"),
-            lc.Waiting(True),
-            lc.Reasoning("hmm"),
-            lc.ThinkingCapped(1),
-            lc.Reasoning("."),
-            lc.Content("Hi"),
-            lc.ToolCall(0, "c1", "f", "{"),
-            lc.ToolCall(0, None, None, "}"),
-        ):
+        events = [lc.Queued(2), lc.Queued(1), lc.Retrying(1, 0.25, "HTTP 503: Loading model"), lc.Waiting(True)]
+        events += [lc.Reasoning("hmm"), lc.ThinkingCapped(1), lc.Reasoning("."), lc.Content("Hi")]
+        for event in events + [lc.ToolCall(0, "c1", "f", "{"), lc.ToolCall(0, None, None, "}")]:
             console.event(event)
         self.assertEqual(out.getvalue(), "Hi\n[tool call 0] f {}")
         text = err.getvalue()
@@ -13583,13 +13574,12 @@ class TestConsole(unittest.TestCase):
     def test_prompt_progress_and_wedged_waits_on_the_status_line(self):
         out, err = io.StringIO(), TtyText()
         console = lc._Console(out, err)
-        for event in (
-            lc.Waiting(True, wedged=True),
+        progress = [
             lc.Progress(0, 8000, 0, 0.0),
             lc.Progress(1234, 8000, 512, 950.5),
             lc.Progress(8000, 8000, 512, 4100.0),
-            lc.Content("A"),
-        ):
+        ]
+        for event in [lc.Waiting(True, wedged=True)] + progress + [lc.Content("A")]:
             console.event(event)
         self.assertEqual(
             err.getvalue(),
@@ -13600,13 +13590,10 @@ class TestConsole(unittest.TestCase):
 
     def test_the_first_token_completes_a_prompt_that_stopped_short(self):
         """The real server's last progress chunk can say 47 of 51; the first token means the whole prompt."""
-        for err, want in [
-            (
-                TtyText(),
-                "\r\x1b[Kprompt 0/51 tokens, 0%\r\x1b[Kprompt 47/51 tokens, 92%\r\x1b[Kprompt 51/51 tokens, 100%\r\x1b[K",
-            ),
-            (io.StringIO(), ""),  # off a terminal the prompt's progress is not shown
-        ]:
+        shown = (
+            "\r\x1b[Kprompt 0/51 tokens, 0%\r\x1b[Kprompt 47/51 tokens, 92%\r\x1b[Kprompt 51/51 tokens, 100%\r\x1b[K"
+        )
+        for err, want in [(TtyText(), shown), (io.StringIO(), "")]:  # off a terminal the progress is not shown
             console = lc._Console(io.StringIO(), err)
             for event in (lc.Progress(0, 51, 0, 0.0), lc.Progress(47, 51, 0, 9.0), lc.Content("A"), lc.Content("B")):
                 console.event(event)
@@ -13623,17 +13610,9 @@ class TestConsole(unittest.TestCase):
 
     def test_figures(self):
         console = lc._Console(io.StringIO(), io.StringIO())
+        timings = {"predicted_n": 3, "predicted_per_second": 9.5}
         completion = lc.Completion(
-            "id",
-            "m",
-            "x",
-            "r",
-            [],
-            "stop",
-            None,
-            {"predicted_n": 3, "predicted_per_second": 9.5},
-            reasoning_tokens=2,
-            thinking_capped=True,
+            "id", "m", "x", "r", [], "stop", None, timings, reasoning_tokens=2, thinking_capped=True
         )
         self.assertEqual(console.figures(completion), "[3 tokens, 9.5 tokens/s, 2 reasoning (capped), finish: stop]")
 

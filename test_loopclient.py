@@ -11386,7 +11386,9 @@ def differs_between_clients(sync, other, poll, margin=MARGIN):
 #: part is CPU-bound on these bytes: its time is the process's CPU time, at most _D_CPU_RATIO times that
 #: of _d_floor(cpu) measured beside it, not a real-time budget (which a loaded machine cannot keep).
 _DPart = collections.namedtuple(
-    "_DPart", "arrange act expect budget at_once address changes client tcp check sockets cpu"
+    "_DPart",
+    "arrange act expect budget at_once address changes client tcp check sockets cpu",
+    defaults=(None, None, lc.Completion, 0.0, False, None, None, None, False, (), False, None),
 )
 
 #: What a check sees of one part through one client: ``kind`` ("virtual", "async" or "sync"), the events
@@ -11404,33 +11406,15 @@ def _d_chat(slot=0, **params):
     return lambda client, events: client.chat(MSGS, slot=slot, on_event=events.append, **params)
 
 
-def _d_part(
-    arrange=None,
-    act=None,
-    expect=lc.Completion,
-    budget=0.0,
-    at_once=False,
-    address=None,
-    changes=None,
-    client=None,
-    tcp=False,
-    check=(),
-    sockets=False,
-    cpu=None,
-):
-    return _DPart(
-        arrange or (lambda s: None),
-        act or _d_chat(),
-        expect,
-        budget,
-        at_once,
-        address,
-        changes or {},
-        client or {},
-        tcp,
-        check if isinstance(check, tuple) else (check,),
-        sockets,
-        cpu,
+def _d_part(*args, **kw):
+    """A _DPart (its defaults for what is not given): no arrangement, a chat, no changes; one check or a tuple."""
+    part = _DPart(*args, **kw)
+    return part._replace(
+        arrange=part.arrange or (lambda s: None),
+        act=part.act or _d_chat(),
+        changes=part.changes or {},
+        client=part.client or {},
+        check=part.check if isinstance(part.check, tuple) else (part.check,),
     )
 
 

@@ -13316,27 +13316,18 @@ class TestCommandLine(CLICase):
         self.assertIn("start llama-server, or pass --socket", err)
         err = self.main_fails("chat", "x", address=self.server.tmp + "/none.sock")
         self.assertIn("stayed unreachable or loading", err)
-        self.server.route(
-            "GET",
-            "/health",
-            lambda req: respond_json(
-                req, {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}, 503, "x"
-            ),
-        )
+        self.server.route("GET", "/health", reply(_f_loading()))
         self.assertIn("HTTP 503: Loading model", self.main_fails("health"))
         self.server.route("GET", "/props", reply(b"SSH-2.0-OpenSSH\r\n\r\n"))
         self.assertIn("malformed status line", self.main_fails("props"))
         self.server.route("GET", "/slots", lambda req: req.wait_peer_close(3))
         self.assertIn("no answer", self.main_fails("slots"))
-        cases = [
+        boom = b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+        for body, text in (
             (chunked(sse(chunk_json({"content": "x"})))[:-5], "closed"),
-            (
-                chunked(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n') + b"0\r\n\r\n",
-                "boom",
-            ),
+            (chunked(boom) + b"0\r\n\r\n", "boom"),
             (chunked(b"data: {not json\n\n") + b"0\r\n\r\n", "invalid JSON"),
-        ]
-        for body, text in cases:
+        ):
             self.use(serve_body(body))
             self.assertIn(text, self.main_fails("chat", "x"))
 
@@ -19883,8 +19874,7 @@ class TestCommandLineWaits(CLICase):
         self.assertNotIn("the slot is busy", err)
 
     def test_a_server_still_loading_says_so(self):
-        loading = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}
-        self.use(lambda req: respond_json(req, loading, 503, "Service Unavailable"))
+        self.use(reply(_f_loading()))
         line = self.main_fails("chat", "x")
         self.assertTrue(
             line.endswith(": the server is still loading: try again, or wait longer with --wait SECONDS"), line

@@ -10228,6 +10228,12 @@ _F_OK_BODY = content_stream(["Hello", " world"])
 
 _F_SSE_HEAD = b"Content-Type: text/event-stream\r\n"
 
+#: "Hi", then llama-server's error event mid-stream
+_F_HI_THEN_ERROR = STREAM_HEAD + chunked(
+    sse(chunk_json({"content": "Hi"})), b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n'
+)
+_F_HI_THEN_ERROR += b"0\r\n\r\n"
+
 
 def _f_hold(req):
     """Accept the request and say nothing until the client leaves."""
@@ -12530,14 +12536,7 @@ def _d_sessions():
 
         return arrange
 
-    error = (
-        STREAM_HEAD
-        + chunked(
-            sse(chunk_json({"content": "Hi"})),
-            b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
-        )
-        + b"0\r\n\r\n"
-    )
+    error = _F_HI_THEN_ERROR
     keyed = _d_chat(resumable="conv-1", session="k-1")
     # fmt: off
     return [
@@ -18840,14 +18839,7 @@ class TestFaultSessions(_f_Case):
 
     def test_a_resumable_stream_ended_by_an_error_is_deleted_with_its_key(self):
         buf = self._fs_buffer()
-        buf.raw = (
-            STREAM_HEAD
-            + chunked(
-                sse(chunk_json({"content": "Hi"})),
-                b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n',
-            )
-            + b"0\r\n\r\n"
-        )
+        buf.raw = _F_HI_THEN_ERROR
         self._f_fails(lc.ServerError, fn=self._f_chat(resumable="conv-1", session="k-2"))
         self.assertEqual(buf.methods(), ["POST", "DELETE"])
         self.assertEqual(

@@ -10255,8 +10255,7 @@ def _f_sequence(*handlers):
 
 
 def _f_drip(pieces, interval, limit=4.0):
-    """A handler that sends ``pieces`` (an iterable of bytes) one per ``interval`` until the client leaves
-    (or ``limit`` seconds pass, so that a client that never gives up still ends)."""
+    """A handler sending ``pieces`` one per ``interval`` until the client leaves (or ``limit`` s: it ends)."""
 
     def handler(req):
         deadline = time.monotonic() + limit
@@ -10343,8 +10342,7 @@ class _f_Case(VirtualFactory, ServerCase):
         return lambda events: self.client.chat(MSGS, slot=slot, on_event=events.append, **params)
 
     def _f_fails(self, cls, budget=0.0, fn=None, at_once=False, **params):
-        """Run ``fn`` (a chat by default); assert it raised exactly ``cls`` within ``budget`` + margin, and
-        (a budget error, unless ``at_once``) not before ``budget``.  Returns the error."""
+        """Run ``fn`` (a chat); it raises exactly ``cls`` within ``budget`` and (``at_once`` aside) not before."""
         outcome, elapsed = self._f_run(fn or self._f_chat(**params), budget + 8.0)
         self.assertIs(type(outcome), cls, "expected %s, got %r" % (cls.__name__, outcome))
         after, early = (1e-6, 1e-6) if self.VIRTUAL else (lateness(self), EARLY)  # exact on the virtual clock
@@ -10630,8 +10628,7 @@ def _r_raw(name="plain"):
 
 
 def _r_utf8_stream():
-    """A short chat stream whose contents hold two-, three- and four-byte UTF-8 characters, unescaped as
-    llama-server writes them."""
+    """A short chat stream of two-, three- and four-byte UTF-8 characters, unescaped as llama-server writes."""
     payloads = [chunk_json({"role": "assistant", "content": None})]
     payloads += [chunk_json({"content": word}) for word in ("Grüße", " 日本", " 🌊")]
     payloads.append(chunk_json({}, "stop"))
@@ -10640,8 +10637,8 @@ def _r_utf8_stream():
 
 
 class TestFaultResume(_f_Case):
-    """Resumable streams: a connection lost after the head is resumed from the server's buffer, never sent
-    again; the events (less ``Resumed``) and the ``Completion`` are those of the uncut stream."""
+    """A connection lost after the head is resumed from the server's buffer, never sent again: the events
+    (less ``Resumed``) and the ``Completion`` are the uncut stream's."""
 
     #: no wait is under test here but liveness: a slow machine must not turn a late head into an error
     limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0)
@@ -10662,8 +10659,7 @@ class TestFaultResume(_f_Case):
         return completion, events
 
     def _r_cuts_equal(self, name, offsets=None, sample=None):
-        """For each cut offset (every offset of the response, or ``sample`` of them plus the chunk-size lines
-        and block ends): the events less Resumed and the Completion equal the uncut stream's."""
+        """Cut at each offset (all, or ``sample`` and the size lines and block ends): the same events and Completion."""
         call = _R_STREAMS[name][1]
         buf = self._r_buffer(name)
         whole, whole_events = self._r_call(call)
@@ -11040,8 +11036,7 @@ class TestFaultResume(_f_Case):
 
 
 class TestFaultResumeAgain(_f_Case):
-    """A resumed stream lost again: a replay answered 503 is asked again after a backoff, and the budget of
-    a later loss counts from that loss, not from when data last resumed."""
+    """A resumed stream lost again: a replay's 503 is asked again; a later loss's budget counts from it."""
 
     limits = FAST_FAULTS.replace(poll=1.0, liveness=2.0, idle_grace=5.0, busy_wait=5.0, load_wait=0.5)
 
@@ -11098,8 +11093,7 @@ def _f_payloads(data):
 
 
 def _f_input(name, target):
-    """The saved fuzz input ``dev/testdata/fuzz/<name>.bin`` of ``target``, proven the saved one: the fuzzer
-    names a crash by sha1(target NUL input)."""
+    """The saved input ``dev/testdata/fuzz/<name>.bin`` of ``target``, checked by its name (sha1(target NUL input))."""
     with open(os.path.join(FUZZ_INPUTS, name + ".bin"), "rb") as f:
         data = f.read()
     assert hashlib.sha1(target.encode() + b"\0" + data).hexdigest()[:16] == name, (target, name)
@@ -11107,8 +11101,7 @@ def _f_input(name, target):
 
 
 class TestFaultFuzzRegressions(unittest.TestCase):
-    """The parsers the fuzzer's targets fed, fed the saved inputs again.  Through a client, every saved input
-    is a row of the fault table (TestDifferential.test_inputs_the_fuzzer_found)."""
+    """The fuzzer's saved inputs fed to its targets' parsers again (through a client: the fault table's rows)."""
 
     def test_fuzz_403724efe73ee4d8_deeply_nested_error_body(self):
         # http target: a 503 whose close-delimited body nests 5,000 objects; parse_error_envelope let
@@ -11183,8 +11176,7 @@ _A_PAGE = b"<html><head><title>500 Internal Server Error</title></head><body>oop
 
 
 def _a_headers(ctype, body, *extra):
-    """The (name, value) pairs of an http_response() answer: Server, Content-Type, Content-Length, the
-    ``extra`` pairs, Connection: close."""
+    """The (name, value) pairs of an http_response() answer, with ``extra`` before Connection: close."""
     return (
         (("server", "llama.cpp"), ("content-type", ctype), ("content-length", str(len(body))))
         + extra
@@ -11250,8 +11242,7 @@ FAULT_TABLE = []
 
 
 def _d_section(heading, test, what="what the server does", named=True):
-    """Make the function below (which returns the rows) the section ``heading`` of FAULT_TABLE, run by
-    TestDifferential.<test>; ``what``: the second column's name (or all four columns)."""
+    """Make the function below (its rows) FAULT_TABLE's section ``heading``, run by TestDifferential.<test>."""
     columns = what if isinstance(what, tuple) else ("fault", what, "error (and when)", "test")
 
     def add(rows):
@@ -11433,8 +11424,7 @@ def _d_floor(data):
 
 
 def _d_kinds(*kinds, start=False):
-    """The events' kinds are ``kinds`` (``start``: begin with them); on a real socket a Waiting is set
-    aside (a head a poll late on a busy machine), on the virtual clock it counts."""
+    """The events' kinds are ``kinds`` (``start``: begin so); a Waiting counts on the virtual clock only."""
 
     def check(test, run):
         got = [type(e).__name__ for e in run.events]
@@ -11497,8 +11487,7 @@ def _d_asked(path=_R_PATHS["chat"], n=None, least=None, most=None):
 
 
 def _d_retries(n=None, pairs=None, reasons=None, delays=None):
-    """The Retrying events: ``n`` of them, as (attempt, reason) ``pairs``, their set of ``reasons``, each
-    delay within ``delays`` (low, high)."""
+    """The Retrying events: ``n`` of them, (attempt, reason) ``pairs``, their ``reasons``, delays in ``delays``."""
 
     def check(test, run):
         got = [e for e in run.events if isinstance(e, lc.Retrying)]
@@ -11589,8 +11578,7 @@ def _d_stale(s):
 
 
 def _d_reset(after=b""):
-    """Send ``after``, and once the client has delivered an event (an RST may discard bytes still unread),
-    reset the connection."""
+    """Send ``after``, then (once the client delivered an event: an RST may discard unread bytes) reset."""
 
     def handler(req):
         if after:
@@ -11603,8 +11591,7 @@ def _d_reset(after=b""):
 
 
 def _d_patient(data):
-    """Arrange a handler that sends ``data`` (megabytes) under the part's own timeout, not the fake server's 5 s
-    a send (a CPU-bound parse on a loaded machine reads slowly)."""
+    """Arrange sending ``data`` under the part's own timeout (a CPU-bound parse may read slowly when loaded)."""
 
     def handler(req):
         req.conn.settimeout(60)
@@ -12200,8 +12187,7 @@ def _d_slots_rows():
 
 
 def _d_props_late(handler):
-    """A slot=None chat served at once while ``/props`` is ``handler`` (silent, or slow), /props asked in the
-    background all the same; ``idle_grace`` is long, so a head late on a loaded machine is no stall here."""
+    """A slot=None chat served at once while ``/props`` is ``handler`` (silent or slow), asked all the same."""
     servers = []
 
     def arrange(s):
@@ -12827,8 +12813,7 @@ class TestDifferential(_f_Case):
             return outcomes
 
     def _d_run(self, kind, make, server, part):
-        """One part through one client: (events, value); the value is the documented one, in its time, and
-        what the part's checks say of it holds."""
+        """One part through one client: (events, value), the documented value in its time, its checks passing."""
         part.arrange(server)
         events = server.client_events = []  # a handler may wait for what the client has delivered
         first = len(server.requests)
@@ -13140,8 +13125,7 @@ class QuickLimits(lc.Limits):
 
 
 def counting_slots(looks, *slots, **last):
-    """A /slots handler: ``slots``, then a busy slot ``last`` (n_ctx 1024) whose n_decoded counts the looks, each
-    look's time kept in ``looks``."""
+    """A /slots handler: ``slots``, then busy slot ``last`` whose n_decoded counts the looks (times in ``looks``)."""
 
     def handler(req):
         looks.append(time.monotonic())
@@ -13462,8 +13446,7 @@ class TestCommandLine(CLICase):
     SLOTS_REFUSED = {"error": {"code": 501, "message": "slots endpoint is disabled"}}
 
     def slots_refused_at(self, refused_looks):
-        """/slots answers one idle slot but at the looks numbered in ``refused_looks`` (from 1), which it
-        refuses; returns the line a refused look shows and the list of the looks' times."""
+        """/slots answers one idle slot but refuses the looks in ``refused_looks``: (the refused line, look times)."""
         self.server.route("GET", "/slots", lambda req: respond_json(req, self.SLOTS_REFUSED, 501, "Not Implemented"))
         with self.assertRaises(lc.LoopError) as caught:
             lc.Client(self.server.path).slots()
@@ -13635,8 +13618,7 @@ class TestCommandLineInProcess(CLICase):
 
 
 class TestCommandLineTerminal(ServerCase):
-    """The conversation mode, the answer options, the slots view and Ctrl-C, driven through a
-    pseudo-terminal (stdin, stdout and stderr all on it, as in a shell)."""
+    """Conversation mode, answer options, the slots view and Ctrl-C, through a pseudo-terminal as in a shell."""
 
     def spawn(self, *argv):
         """``loopclient.py --socket SERVER argv...`` on a new pty: what it writes collects in ``self.seen``."""
@@ -13792,8 +13774,7 @@ class TestCommandLineTerminal(ServerCase):
 
 
 class TestCommandLineWithoutSSL(CLICase):
-    """A Python built without ``ssl``: https:// is a ValueError that says so, from both clients, and one
-    line from the command line (exit 1); Unix sockets and http:// need no ssl."""
+    """Without ``ssl``, https:// is a ValueError saying so (one line from the command line); the rest works."""
 
     NO_SSL = (
         "https:// needs Python's ssl module, which this Python (%s) lacks: use a Python built with ssl "
@@ -14135,8 +14116,7 @@ def tearDownModule():
 
 
 def _test_jobs():
-    """Worker processes: LOOPCLIENT_TEST_JOBS, else twice the CPUs (tests mostly wait), at most 4; 1 (or no
-    fork) runs them in this process, in order."""
+    """Worker processes: LOOPCLIENT_TEST_JOBS, else 2 per CPU (tests mostly wait), at most 4; 1 runs in-process."""
     import multiprocessing
 
     if "fork" not in multiprocessing.get_all_start_methods():
@@ -14146,8 +14126,7 @@ def _test_jobs():
 
 
 class RemoteError(Exception):
-    """A test's error in a worker process (or the worker's death): ``test_id`` the test's id, ``text`` the
-    worker's traceback of it, which the parent's result prints as it is (``_verbatim``)."""
+    """A test's error in a worker (or its death): ``test_id``, and ``text`` the worker's traceback, printed as is."""
 
     def __init__(self, test_id, text):
         super().__init__(test_id, text)
@@ -14199,8 +14178,7 @@ class RemoteSubTest:
 
 
 class _Recorder(unittest.TestResult):
-    """A worker's result: each call as a record (the result's method, the test, what else it needs) that the
-    parent replays into its own result (a failure or error: the worker's traceback text)."""
+    """A worker's result: each call a record that the parent replays into its own (failures as traceback text)."""
 
     def __init__(self, index, buffer):
         super().__init__()
@@ -14352,8 +14330,7 @@ class ParallelRun:
 
 
 def _worker_outcomes():
-    """A test class with each outcome a test can have, for TestParallelRun.  Made when that test runs, so
-    that the loader, which collects every TestCase subclass at module level, never runs it."""
+    """A class with every outcome a test can have, made when TestParallelRun runs (the loader never sees it)."""
 
     class WorkerOutcomes(unittest.TestCase):
         def test_a_pass(self):
@@ -14403,8 +14380,7 @@ print(json.dumps({
 
 
 def _script(test, script, *args, env=None, timeout=120):
-    """``python3 -c script args`` in this checkout (with -S when this run has it); fails ``test`` on an exit
-    other than 0; its CompletedProcess."""
+    """``python3 -c script args`` in this checkout (-S when this run has it); fails ``test`` unless it exits 0."""
     argv = [sys.executable] + (["-S"] if sys.flags.no_site else []) + ["-c", script, HERE, *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=HERE, env=env)
     test.assertEqual(done.returncode, 0, done.stderr)
@@ -14412,9 +14388,8 @@ def _script(test, script, *args, env=None, timeout=120):
 
 
 class TestParallelRun(unittest.TestCase):
-    """ParallelRun replays what its workers' tests did into the caller's result, here a verbose TextTestResult
-    (what ``python3 -m unittest -v`` and .ci/run print).  It runs in a process of its own: forking, as
-    ParallelRun does, is safe only in a process with no other thread, and a test runs beside the suite's."""
+    """ParallelRun replays its workers' outcomes as ``python3 -m unittest -v`` prints them; in a process of its
+    own, as forking is safe only where no other thread runs."""
 
     def test_worker_outcomes_are_replayed_into_the_callers_result(self):
         done = _script(self, _PARALLEL_OUTCOMES)
@@ -14649,8 +14624,7 @@ def real_busy_slot_waited_out(test, hold, call):
 
 
 def real_cancel_frees_slot_1(test, stream):
-    """Cancelling ``stream`` (on slot 1) once it streams ends it at once; the server frees the slot within a
-    second of the cancel (it notices the closed socket)."""
+    """Cancelling ``stream`` (slot 1) ends it at once; the server frees the slot within a second of it."""
     got, outcome = threading.Event(), []
 
     def run():
@@ -15216,8 +15190,7 @@ COLOURS = {"red", "orange", "yellow", "green", "blue", "indigo", "violet", "purp
 
 @unittest.skipUnless(REAL_DEMO, "no demo server: set LOOPCLIENT_REAL_DEMO to dev/llama-server.sh demo's socket")
 class TestRealDemo(unittest.TestCase):
-    """The command line against `dev/llama-server.sh demo`, at temperature 0 to be repeatable: the answer
-    ends where the request says (the server itself stops at no newline)."""
+    """The command line against ``dev/llama-server.sh demo``, at temperature 0: the answer ends where asked."""
 
     def loopclient(self, *argv, whole=False):
         done = subprocess.run(
@@ -15430,8 +15403,7 @@ class TestRealProxyAsync(AsyncDriver, TestRealProxy):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealWedge(unittest.TestCase):
-    """A server of our own, wedged on purpose by dev/soak.py's recipe (8 threads, short answers, the slot
-    cycling 0, 1, any): a request pinned to the wedged slot ends in WedgedSlotError, not a 10-minute wait."""
+    """A server wedged on purpose (dev/soak.py's recipe): a request pinned to it is WedgedSlotError, not a wait."""
 
     def setUp(self):
         spec = importlib.util.spec_from_file_location("loopclient_soak", os.path.join(HERE, "dev", "soak.py"))
@@ -15508,8 +15480,7 @@ WEATHER_TOOL_RESPONSES = [
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealEndpoints(ClientFactory, unittest.TestCase):
-    """complete, infill, respond and message on the real server (and the FIM server for infill and LoRA),
-    at temperature 0 so that answers compare exactly; short answers, generous timeouts."""
+    """complete, infill, respond and message on the real (and FIM) server, at temperature 0 to compare exactly."""
 
     def setUp(self):
         self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
@@ -15832,8 +15803,7 @@ class TestRealLastRoutesAsync(AsyncDriver, TestRealLastRoutes):
 
 
 class _Target:
-    """A tiny HTTP server of the test's own on 127.0.0.1 for /cors-proxy to reach: it answers ``body`` to
-    any GET and keeps the headers of the last one."""
+    """A tiny HTTP server for /cors-proxy to reach: ``body`` to any GET, the last one's headers kept."""
 
     def __init__(self, body=b"ok"):
         import http.server
@@ -15870,8 +15840,7 @@ def _a_same(chunk):
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealAnswers(ClientFactory, unittest.TestCase):
-    """fetch(), headers=, timeout= and stream_route() on the real server (started with --metrics and
-    --ui-mcp-proxy): what llama.cpp's own server tests read and loopclient used to hide."""
+    """fetch(), headers=, timeout= and stream_route() on the real server (--metrics, --ui-mcp-proxy)."""
 
     def setUp(self):
         self.client = self.new_client(REAL_SOCKET, limits=REAL_LIMITS)
@@ -15998,8 +15967,7 @@ def _reload_router():
 
 @unittest.skipUnless(REAL_ROUTER, "no router instance: set LOOPCLIENT_REAL_ROUTER (.ci/run does)")
 class TestRealRouterModels(ClientFactory, unittest.TestCase):
-    """watch_models and load_model(wait=True) on the real router (dev/llama-server.sh start-router): beta
-    unloaded, then loaded while watched; a model file in the router's models directory that cannot load."""
+    """watch_models and load_model(wait=True) on the real router, and a model file that cannot load."""
 
     def setUp(self):
         self.client = self.new_client(REAL_ROUTER, limits=REAL_LIMITS)
@@ -16133,8 +16101,7 @@ class TestRealRouterLoad(ClientFactory, unittest.TestCase):
         wait_for(lambda: _router_log(offset).count(line) >= n, 60, "%d request(s) waiting for the load" % n)
 
     def plain_request_stopped_while_loading(self):
-        """What a plain http.client request sees when a stop comes while its model loads: (status, the
-        error's message)."""
+        """(status, error message) of a plain http.client request stopped while its model loads."""
         import http.client
 
         class UnixHTTP(http.client.HTTPConnection):
@@ -16293,8 +16260,7 @@ STORY_PARAMS = {"max_tokens": 300, "temperature": 0, "seed": 1}
 
 @unittest.skipUnless(REAL_SOCKET, SKIP_REAL)
 class TestRealResume(ClientFactory, unittest.TestCase):
-    """Resumable streams against the real server: cut by a proxy, resumed from its buffer; read by another
-    process after the first was killed; deleted when they end early, so that the slot is free at once."""
+    """Resumable streams on the real server: cut and resumed, read after a kill, deleted when they end early."""
 
     limits = REAL_LIMITS
 
@@ -16598,8 +16564,7 @@ FRONT_NAMES = {"nginx": "nginx/1.22.1", "haproxy": "the front", "caddy": "Caddy"
 
 
 class TestParserFrontPages(unittest.TestCase):
-    """Error bodies that are not JSON become one line: a page's title (else its first text), whitespace
-    collapsed, at most 200 characters; the error names the front from its Server header."""
+    """A body that is not JSON becomes one line (a page's title, else its first text; 200 characters at most)."""
 
     def test_the_real_fronts_pages(self):
         for name, message in (
@@ -16965,8 +16930,7 @@ TestFaultFrontsSockets, TestFaultFrontsSocketsAsync = on_sockets(
 
 
 def full_tcp_listener(test):
-    """A TCP listener on 127.0.0.1 whose accept queue is full (nobody accepts): a new connect neither
-    completes nor fails, the SYN goes unanswered.  Its URL."""
+    """A 127.0.0.1 listener whose accept queue is full: a connect neither completes nor fails.  Its URL."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)
@@ -17072,12 +17036,10 @@ class TestCancelDuringConnectAsync(AsyncDriver, TestCancelDuringConnect):
 
 
 class TestAsyncClientLoopsInTurn(unittest.TestCase):
-    """An ``AsyncClient`` made outside any loop and used by two event loops in turn (``asyncio.run``
-    twice): ``close()`` on the second closes the connection kept for the first, whose loop has ended."""
+    """An ``AsyncClient`` used by two event loops in turn: close() on the second closes the first's connection."""
 
     def in_turn(self, client, fds, kept, again=True):
-        """``client.tokenize`` on one loop (``kept()`` checks its connection is kept), then (``again``) on a
-        second one, which closes the client: every socket closes, no ResourceWarning (not the collector)."""
+        """tokenize on one loop (``kept()`` checked), then on another that closes: every socket closed, no warning."""
 
         async def second():
             try:
@@ -17161,8 +17123,7 @@ class _Logged:
         self.addCleanup(restore)
 
     def logged(self, level=None, waits=False):
-        """(level name, message) of the records at ``level``; without ``waits``, not the waits for a head (a
-        loaded machine may be slower than ``poll`` to answer, and a request then says it waits)."""
+        """(level, message) of records at ``level``; without ``waits``, not a head's waits (a loaded machine's)."""
         return [
             (r.levelname, r.getMessage())
             for r in self.log.records
@@ -17174,8 +17135,7 @@ UNAVAILABLE_503 = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 0\r\nConten
 
 
 class TestLogging(_Logged, ServerCase):
-    """The ``loopclient`` logger: retries, waits and the error that ends a stream at INFO (the events say
-    the same to the caller), connects and kept connections at DEBUG."""
+    """The ``loopclient`` logger: retries, waits and a stream's ending error at INFO; connections at DEBUG."""
 
     def setUp(self):
         super().setUp()
@@ -17359,8 +17319,7 @@ class TestAddressToldAsync(AsyncDriver, TestAddressTold):
 
 
 class TestCommandLineFirstUse(CLICase):
-    """What a first use of the command line meets: its options named in its errors, slots as JSON, a
-    default cap on chat's answer, -v, and waits told in a few lines."""
+    """What a first use meets: options named in errors, slots as JSON, chat's default cap, -v, waits told."""
 
     def test_slots_json_is_the_servers_slots(self):
         out, _ = self.main_ok("slots", "--json")
@@ -17494,8 +17453,7 @@ class TestConsoleWaits(unittest.TestCase):
 
 
 class TestCommandLineTerminalStdin(TestCommandLineTerminal):
-    """``tokens`` and ``complete`` without TEXT on a terminal say that they read it from there (and how to
-    end it) rather than wait in silence."""
+    """``tokens`` and ``complete`` without TEXT on a terminal say they read it there, and how to end it."""
 
     def test_tokens_says_it_reads_the_terminal(self):
         self.server.route("POST", "/tokenize", lambda req: respond_json(req, {"tokens": [1, 2, 3]}))
@@ -17663,8 +17621,7 @@ def stop_fronts(cls):
 
 
 class Holder:
-    """A real long generation holding ``slot`` of the server at ``address`` (a client of its own, the
-    output thrown away) until ``release()``: requests for that slot wait, and get no byte, meanwhile."""
+    """A long generation holding ``slot`` of the server at ``address`` until ``release()`` (its output dropped)."""
 
     def __init__(self, address, slot, limits=REAL_LIMITS, text="Write a very long story about the sea.", wait=30):
         self.client = lc.Client(address, limits=limits)
@@ -17760,8 +17717,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
         return completion, events
 
     def release_after(self, holders, seconds):
-        """Release ``holders`` ``seconds`` from now (the hold is the scripted duration of the test); the
-        returned list gets, per holder, whether it was still generating then."""
+        """Release ``holders`` ``seconds`` from now; the list returned gets whether each still generated then."""
         running = []
 
         def release():
@@ -17776,8 +17732,7 @@ class TestRealFronts(ClientFactory, unittest.TestCase):
     # -- a request queued behind a busy slot for longer than the front's idle timeout ------------------
 
     def chats(self, clients, messages, timeout=90, **params):
-        """One chat per front at once (``clients``: kind -> client; ``messages``: kind -> its one message):
-        kind -> (Completion or exception, events)."""
+        """One chat per front at once (kind -> client, kind -> message): kind -> (Completion or exception, events)."""
         events, results = {}, {}
         threads = {
             kind: start_chat(c, messages[kind], events=events, results=results, **params) for kind, c in clients.items()
@@ -18383,8 +18338,7 @@ _S_TURNS = [
 
 
 def session_headers(server, path=None, header=b"x-session-id"):
-    """(method, path, the X-Session-Id values, or ``header``'s) of each request ``server`` saw (but /slots and
-    /props, which a client asks on its own), in order."""
+    """(method, path, X-Session-Id values, or ``header``'s) of each request the server saw but /slots, /props."""
     with server.lock:
         requests = list(server.requests)
     found = []
@@ -18795,8 +18749,7 @@ class TestFaultFullFronts(_f_Case):
 
 
 class TestFaultSessions(_f_Case):
-    """A resumable stream's session key when the server misbehaves: the lookup after a head lost, the DELETE
-    after an error event; Limits(session=False) sends none on a replay either."""
+    """A resumable stream's key on the lookup after a lost head and the DELETE after an error; none if off."""
 
     def _fs_buffer(self, cuts=()):
         return _r_Buffer(self.server, load_transcript("04_chat_stream.raw.txt"), cuts=cuts)
@@ -18833,8 +18786,7 @@ class TestFaultSessions(_f_Case):
 
 
 def reference_front(kind):
-    """The configuration of ``kind`` exactly as users copy it: the block the reference (dev/REFERENCE.md,
-    where the README sends them) prints under ``dev/fronts/FILE``, in its section "The configurations"."""
+    """``kind``'s configuration as dev/REFERENCE.md prints it under ``dev/fronts/FILE`` ("The configurations")."""
     section = _section(_read(REFERENCE), "The configurations")
     lang = {"nginx": "nginx", "haproxy": "haproxy", "caddy": "caddyfile"}[kind]
     marker = "`dev/fronts/%s`:\n\n```%s\n" % (FRONTS.FILES[kind], lang)
@@ -18852,8 +18804,7 @@ def _rs_processing(clients):
 
 
 class FrontHolder(Holder):
-    """A long generation through a front (so that the front counts it against its server's slots), a
-    conversation of its own (``key``) holding one slot until ``release()``."""
+    """A long generation of conversation ``key`` through a front (which counts it), until ``release()``."""
 
     def __init__(self, address, key):
         text = "Write a very long story about the sea, %s." % key
@@ -19740,8 +19691,7 @@ class TestSocketDirectory(_Logged, ServerCase):
         self.assertNotIn("never existed", str(caught.exception))
 
     def test_a_directory_made_later_is_reached(self):
-        """The rule is about the moment of the connect: once the directory and the server are there, the same
-        client reaches them."""
+        """Once the directory and the server are there, the same client reaches them."""
         folder = os.path.join(self.where, "later")
         client = self.client_at(os.path.join(folder, "s.sock"))
         with self.assertRaises(lc.ConnectError):
@@ -19756,8 +19706,7 @@ class TestSocketDirectoryAsync(AsyncDriver, TestSocketDirectory):
 
 
 class TestPoolWording(_Logged, ServerCase):
-    """A slot=None request waits for the pool, not for one slot: its errors and its log say "every slot" or
-    "a slot", never "slot any"; a pinned request's still name its slot."""
+    """A slot=None request's errors and log say "every slot" or "a slot", never "slot any"; a pinned one, its slot."""
 
     limits = FAST.replace(busy_wait=0.4, idle_grace=0.4)
 
@@ -19853,8 +19802,7 @@ class TestCommandLineWaits(CLICase):
 
 
 class TestCommandLineHints(unittest.TestCase):
-    """The hint after an error's message, for a request pinned to a slot and for a slot=None one: the
-    command line's in place of the library's, which it keeps where it has none of its own."""
+    """The command line's hint after an error's message, in place of the library's where it has its own."""
 
     def test_the_librarys_hint_gives_way_to_the_command_lines(self):
         cut = lc._hinted(lc.StreamClosedError("the connection closed in the middle of a chunk"), lc._CUT % "here")
@@ -19889,8 +19837,7 @@ class TestCommandLineHints(unittest.TestCase):
 
 
 class TestCommandLinePrompts(CLICase):
-    """An empty prompt (from stdin, a pipe, /dev/null, or an empty PROMPT) is a usage error: exit 2, and
-    nothing is sent (the server would generate from nothing up to the cap)."""
+    """An empty prompt (stdin, /dev/null, an empty PROMPT) is exit 2, and nothing is sent."""
 
     STDIN_EMPTY = "loopclient: error: the prompt read from stdin is empty: give PROMPT, or pipe some text\n"
 
@@ -20077,8 +20024,7 @@ class TestSlotPastTheServersAsync(AsyncDriver, TestSlotPastTheServers):
 
 
 class TestCommandLineSlotsAndCaps(CLICase):
-    """``--slot N`` past the server's slots (from ``/props``, asked first) is exit 2 before the request;
-    ``--max-tokens`` below 1 is exit 2 (llama-server would give one token for 0)."""
+    """``--slot`` past the server's slots, or ``--max-tokens`` below 1, is exit 2 before the request."""
 
     def test_a_slot_past_the_servers_is_exit_2(self):
         self.use(serve_body(content_stream(["ok"])))
@@ -20429,8 +20375,7 @@ class TestCommandLineHelp(CLICase):
         return out
 
     def options_of(self, text):
-        """The options a help lists in its options section (the usage line aside; before Python 3.10 the
-        section is called "optional arguments")."""
+        """The options a help lists in its options section ("optional arguments" before Python 3.10)."""
         body = re.split(r"\n(?:options|optional arguments):\n", text, maxsplit=1)[1].split("\n\n", 1)[0]
         return re.findall(r"^  (-[-\w]+(?:, --[-\w]+)?)", body, re.M)
 

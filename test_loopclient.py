@@ -13578,9 +13578,8 @@ class TestCommandLineInProcess(CLICase):
     def test_conversation_keeps_history(self):
         answers = iter(["Hi there", "Fine"])
         self.use(lambda req: req.send(STREAM_HEAD + content_stream([next(answers)])))
-        with mock.patch.object(sys, "stdin", TtyText("hello\n\nhow are you?\n")), contextlib.redirect_stdout(
-            io.StringIO()
-        ) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+        out, err, stdin = io.StringIO(), io.StringIO(), TtyText("hello\n\nhow are you?\n")
+        with mock.patch.object(sys, "stdin", stdin), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = run_with_timeout(lambda: lc.main(["--socket", self.server.path, "chat", "--system", "Be kind"]))
         self.assertEqual(code, 0, err.getvalue())
         self.assertEqual(out.getvalue(), "Hi there\nFine\n")
@@ -13596,9 +13595,8 @@ class TestCommandLineInProcess(CLICase):
         )
 
     def test_interrupt_exits_130(self):
-        with mock.patch.object(lc.Client, "stream", side_effect=KeyboardInterrupt), contextlib.redirect_stderr(
-            io.StringIO()
-        ) as err:
+        err = io.StringIO()
+        with mock.patch.object(lc.Client, "stream", side_effect=KeyboardInterrupt), contextlib.redirect_stderr(err):
             code = lc.main(["--socket", self.server.path, "chat", "hi"])
         self.assertEqual(code, 130)
         self.assertEqual(err.getvalue(), "\nloopclient: interrupted\n")

@@ -12983,6 +12983,8 @@ _F_KEY = "sk-loopclient-SECRET-7f3a9c"
 @real_time
 class TestSecurity(_f_Case):
     VIRTUAL = False  # on real sockets: where the client connects (a spy on socket.connect, a decoy server)
+    #: no wait is under test here: a head late on a loaded machine must not become a StalledError
+    limits = FAST_FAULTS.replace(idle_grace=5.0)
 
     def _f_keyed(self, address=None):
         self.client.close()

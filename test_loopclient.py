@@ -14580,7 +14580,9 @@ class TestRealDemo(unittest.TestCase):
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            self.addCleanup(proc.kill)
+            self.addCleanup(proc.stderr.close)
+            self.addCleanup(proc.stdout.close)
+            self.addCleanup(proc.kill)  # (first: the cleanups run last in, first out)
             first = run_with_timeout(proc.stderr.readline, 120)
         out, rest = run_with_timeout(lambda: (proc.stdout.read(), proc.stderr.read()), 120)  # (little of each)
         lines = (first + rest).splitlines()  # (a /slots answer later than its timeout: no answer yet)

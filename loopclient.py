@@ -3632,20 +3632,13 @@ def _judge_quiet(
     if not pings:
         return
     if state not in (BUSY, UNSEEN, SEVERAL):  # a slot that cannot be seen may be processing: waited out as busy
-        text = "only pings for %.1f s and the slot is %s: the stream is stuck" % (
-            quiet,
-            "idle" if state == IDLE else "unknown",
-        )
+        seen = "idle" if state == IDLE else "unknown"
+        text = "only pings for %.1f s and the slot is %s: the stream is stuck" % (quiet, seen)
         raise _hinted(StalledError(text, quiet), _LONGER % "liveness")
     if quiet >= limits.busy_wait:
-        text = "only pings for %.1f s (busy_wait) while the slot %s" % (
-            quiet,
-            "stays busy"
-            if state == BUSY
-            else "cannot be seen (/slots is not served)"
-            if state == UNSEEN
-            else "cannot be told apart from the other servers' (Limits.servers)",
-        )
+        why = {BUSY: "stays busy", UNSEEN: "cannot be seen (/slots is not served)"}.get(state)
+        why = why or "cannot be told apart from the other servers' (Limits.servers)"
+        text = "only pings for %.1f s (busy_wait) while the slot %s" % (quiet, why)
         raise _hinted(StalledError(text, quiet), _LONGER % "busy_wait")
 
 
@@ -3925,13 +3918,8 @@ class _SlotReader:
             s = wedged[0]
             seconds = self.still(s)
             message = (
-                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s (wedge_wait)"
-                % (
-                    s.id,
-                    address,
-                    s.task,
-                    seconds,
-                )
+                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
+                "(wedge_wait)" % (s.id, address, s.task, seconds)
             )
             return WEDGED, _hinted(WedgedSlotError(message, s.id, s.task, seconds), _RESTART)
         flags = [s.is_processing for s in moving]
@@ -5095,33 +5083,12 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
 
 class _StreamLife:
     """The life of one streamed request, all of it, on the ``_Run`` that drives its ``Stream``: ``plan()``
-    takes its place in the gate (``_capacity``, ``_enter``, ``_queued``), then runs a few named states, each
-    a plan that returns the next one (``None``: the ``Completion`` is in ``result``); whatever ends it, a
-    resumable stream that ends early is deleted on the server (``_forget``), its connections are closed and
-    its permit released before the result or the error leaves the plan.  ``watch()`` is a watch's plan.
-
-    ``_send``      connect (a connection of its own: closing it is how the request is cancelled) and send
-                   the request (``resume()``: the read of the server's buffer); a connect that fails is a
-                   retry
-    ``_read``      read until the pump decides (``ResponsePump.verdict``): before the head every ``poll`` of
-                   silence asks ``/slots`` and the wait's budgets run (``_poll_for_head``); after it,
-                   ``liveness``, the quiet rule (``_check_quiet``) and the thinking cap (``_at_the_cap``)
-    ``_on_retry``  the answer says "try again": ``_back_off``, or for a resumable stream the server holds
-                   (a front's 504 to it while it was queued, a replay answered 503) ``_reattach``
-    ``_back_off``  tell ``Retrying`` and sleep (``sending``, the one backoff of the attempts), then ``_send``
-                   with a new pump
-    ``_on_silence`` a read timed out: before the head, ``_poll_for_head``; after it, liveness
-    ``_on_lost``   a resumable stream's connection lost (or a front that gave up on it while it was queued):
-                   look it up when nothing of it came, else ``_reattach``; any other stream: the error
-    ``_reattach``  ask the server's buffer from the body bytes received, on a new connection, after a backoff
-                   (``reattaching``) when the last reattach brought no data; then ``_read`` with the same pump
-
-    What the states share is here, not in locals: the connection being read, the pump, when the first byte
-    came, the last byte and the last data event, the waits' budgets, and why the last attempt failed.  The
-    requests it makes for itself alone (the lookup, the replay, the ``DELETE``, the control endpoint) carry
-    the call's headers and session key (``req.calls``); those its client's requests share (``/props`` and
-    the ``/slots`` poll, in the background) the client's (``board.calls``).  None comes before its first
-    send."""
+    takes its place in the gate, then runs the named states of dev/DESIGN.md's table (``_send``, ``_read``,
+    ``_on_retry``, ``_back_off``, ``_on_silence``, ``_on_lost``, ``_reattach``), each a plan that returns
+    the next one (``None``: the ``Completion`` is in ``result``); ``watch()`` is a watch's plan.  What the
+    states share is on the object, not in locals.  The requests it makes for itself alone (the lookup, the
+    replay, the ``DELETE``, the control endpoint) carry the call's headers and session key (``req.calls``);
+    those its client's requests share (``/props``, the ``/slots`` poll) the client's (``board.calls``)."""
 
     __slots__ = (
         "board", "limits", "run", "req", "pump", "conn", "waits", "sending", "reattaching", "retry", "loss",
@@ -5998,9 +5965,6 @@ class _SyncRun(_Run):
         self._rung = False  # signal() released the bell and no park has taken it back yet
 
     def signal(self) -> None:
-        self._ring()
-
-    def _ring(self) -> None:
         """Wake the park in progress, or the next one: the bell, released once (``cancel()`` rings it too)."""
         with self._conns_lock:
             if not self._rung:
@@ -6090,7 +6054,7 @@ class _SyncRun(_Run):
 
     def cancel(self) -> None:
         self._abort()
-        self._ring()
+        self.signal()
         if self.gen is not None and self.lock.acquire(False):  # nobody drives it: end it here
             try:
                 self.unwind()  # sockets closed, a resumable stream deleted, permit released

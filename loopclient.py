@@ -4741,10 +4741,8 @@ class _Calls:
             raise _status_error(head, data)
         return _decode_json(data, "%s %s" % (method, path))
 
-    def _object(
-        self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None
-    ) -> _Plan[Dict[str, Any]]:
-        doc = yield from self.call_json(method, path, body, query)
+    def _object(self, method: str, path: str, body: Any = None, query: Any = None, **kw: Any) -> _Plan[Dict[str, Any]]:
+        doc = yield from self.call_json(method, path, body, query, **kw)
         if not isinstance(doc, dict):
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
         return doc
@@ -4793,9 +4791,7 @@ class _Calls:
 
     def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
         name = self.model if model is None else model
-        doc = yield from self.call_json("GET", "/props", model=name)
-        if not isinstance(doc, dict):
-            raise ProtocolError("GET /props did not answer a JSON object")
+        doc = yield from self._object("GET", "/props", model=name)
         self.learn_slots(name, _total_slots(doc))
         return doc
 
@@ -4814,18 +4810,10 @@ class _Calls:
             if value in ("loaded", "sleeping"):  # sleeping: loaded, its weights swapped out until a request
                 return answer
             if value not in ("loading", "downloading", "downloaded"):
-                raise ServerError(
-                    status.get("exit_code"),
-                    "the router could not load model %r: it is %s%s (GET /models: %s)"
-                    % (
-                        name,
-                        value,
-                        ", failed with exit code %s" % status.get("exit_code") if status.get("failed") else "",
-                        _dumps(status)[:300],
-                    ),
-                    "load_failed",
-                    status,
-                )
+                code = status.get("exit_code")
+                failed = ", failed with exit code %s" % code if status.get("failed") else ""
+                text = "the router could not load model %r: it is %s%s (GET /models: %s)"
+                raise ServerError(code, text % (name, value, failed, _dumps(status)[:300]), "load_failed", status)
             left = self.limits.load_wait - (_clock() - started)
             if left <= 0:
                 text = "model %r was still %s after load_wait (%.1f s)" % (name, value, self.limits.load_wait)

@@ -3264,9 +3264,8 @@ class ResponsePump:
 
 
 class _Address:
-    """``text`` as the caller gave it (for messages); ``target`` a socket path, or (host, port) over TCP (TLS
-    when ``tls``); the Host header; the ``prefix`` of every request path ("" or "/llama"); ``seen``: a
-    connect reached a Unix socket file there since the client was made; ``warned``: a missing one was logged."""
+    """``text`` as given (for messages); ``target`` a socket path or (host, port); ``host`` the Host header; ``seen``: a
+    connect reached a socket file there since the client was made; ``warned``: a missing one was logged."""
 
     __slots__ = ("text", "unix", "target", "host", "tls", "prefix", "seen", "warned")
 
@@ -3579,9 +3578,9 @@ class _Backoff:
 def _read_timeout(
     limits: Limits, waits: _Waits, head: Optional[ResponseHead], started: float, heard: float, now: float
 ) -> float:
-    """How long the next read of an attempt may wait: ``poll`` (within the wait's budget) before the first
-    byte, what is left of ``liveness`` after it; at most ``poll`` on a silent stream when slots are watched
-    for a wedge.  A head that has not completed within ``liveness`` of its first byte is ``StalledError``."""
+    """How long the next read may wait: ``poll`` (within the wait's budget) before the first byte, what is left of
+    ``liveness`` after it (at most ``poll`` when slots are watched for a wedge); ``StalledError`` for a head not
+    complete within ``liveness`` of its first byte."""
     liveness = limits.liveness
     if not started:
         left = waits.remaining()
@@ -3615,9 +3614,8 @@ def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Opti
 
 
 def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
-    """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
-    being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
-    serves the stream is unknown); pings alone are judged once they have lasted ``liveness``."""
+    """(look for a wedge, judge the pings) after ``quiet`` seconds without a data event: see
+    ``_StreamLife._check_quiet``."""
     wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
     return wedge, pinged and quiet >= limits.liveness
 
@@ -3648,19 +3646,15 @@ def _judge_quiet(
 
 
 class _Lane:
-    """One queue (a slot, or the ``slot=None`` pool, of one model), under the gate's lock.  Queued tickets
-    hold positions in entry order (``tail`` the next); ``head`` is the first one's, ``holes`` the sorted
-    positions between it and ``tail`` whose ticket was cancelled.  So ``pos - head - (holes below pos)``
-    wait before ``pos``: a bisection, where walking the queue would cost thousands of waiters, each asking
-    every ``poll``, the square of their number.  Invariants, whenever the lock is free:
+    """One queue (a slot, or a model's ``slot=None`` pool), under the gate's lock.  Queued tickets hold positions in
+    entry order (``tail`` the next); ``head`` is the first one's, ``holes`` the sorted cancelled positions between.
+    ``pos - head - (holes below pos)`` wait before ``pos``: a bisection, not a walk of thousands of waiters every
+    ``poll``.  Invariants, whenever the lock is free:
 
-      1. Nobody waits while a permit is free: ``queue`` is empty or ``in_flight >= capacity``; and
-         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in flight.
-      2. The positions of ``queue`` and ``holes`` are exactly ``range(head, tail)``, without overlap; ``holes``
-         is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
-      3. ``len(holes) <= len(queue)``: else the positions are renumbered (O(queued), paid for by the cancels
-         that made the holes), so memory stays constant per waiter however many come and go.
-    """
+      1. Nobody waits while a permit is free (``queue`` empty or ``in_flight >= capacity``), and ``in_flight <=
+         capacity`` unless ``_Gate.resize`` made the pool smaller than the requests in flight.
+      2. ``queue`` and ``holes`` hold exactly ``range(head, tail)``; ``head`` is in ``queue`` (0, 0 when empty).
+      3. ``len(holes) <= len(queue)``, else ``_renumber`` (paid for by the cancels): constant memory per waiter."""
 
     __slots__ = ("capacity", "known", "in_flight", "queue", "head", "tail", "holes")
 
@@ -3741,10 +3735,8 @@ class _Lane:
 
 
 class _Ticket:
-    """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
-    permit.  The gate signals its ``waker`` (the run that waits) then, or when the pool's size, once known,
-    judges a ticket that entered before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and
-    never for anything else."""
+    """One request's claim on a lane, granted by ``enter`` or queued until a release hands it the permit. The gate
+    signals its ``waker`` then, or when ``_Gate.resize`` judges it (its ``Queued`` or ``BusyError``), only."""
 
     __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "refused", "waker")
 
@@ -3764,12 +3756,10 @@ class _Ticket:
 
 
 class _Gate:
-    """FIFO queues that hand over: per key ``(model, slot)`` (None: the default model, the pool), ``capacity``
-    requests in flight (1 for a slot, ``total_slots`` for a pool) and ``queue_len`` more waiting; the next
-    is refused with ``BusyError``.  A release grants the permit to the first waiter and signals its waker
-    only; a waiter that leaves wakes nobody.  Waiters read how far they moved up (``position``) on their own
-    timer, every ``poll`` (so ``Queued`` announcements are coalesced, and thousands of waiters cost the same
-    per request as ten).  Both drivers use it: the lock is uncontended on an event loop."""
+    """FIFO queues that hand over, per key ``(model, slot)`` (slot None: the pool): ``capacity`` in flight (1 for a
+    slot, ``total_slots`` for a pool) and ``queue_len`` waiting; the next is ``BusyError``.  A release grants the first
+    waiter and signals it alone; waiters read their place (``position``) on their own ``poll`` timer, so thousands cost
+    per request what ten do.  Both drivers use it (uncontended on an event loop)."""
 
     def __init__(self, lock: threading.Lock, queue_len: int) -> None:
         self._lock = lock
@@ -3780,10 +3770,9 @@ class _Gate:
     def enter(
         self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Run] = None
     ) -> _Ticket:
-        """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
-        when ``queue_len`` already wait.  ``capacity`` sizes a new lane and grows a smaller one (admitting
-        the waiters that now fit).  None: the pool's ``/props`` has not answered: one request goes (every
-        server has a slot), the others wait unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize``."""
+        """A granted ticket, or a queued one (``ahead``: its first ``Queued``); ``BusyError`` when ``queue_len`` wait.
+        ``capacity`` sizes a new lane or grows one; None (``/props`` has not answered): one request goes, the others
+        wait unjudged until ``resize``."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -3806,10 +3795,9 @@ class _Gate:
             return ticket
 
     def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int]) -> None:
-        """A pool's size as ``/props`` said it (None: no answer; it stays one): the waiters that now fit are
-        admitted, first come first (a smaller size takes no permit back: nobody goes until fewer are in
-        flight); then those that entered before the size was known are judged against it, in order: past
-        ``queue_len`` refused (``BusyError``), the others told their place (never more than before), each woken."""
+        """A pool's size from ``/props`` (None: no answer, it stays one): the waiters that fit are admitted (a smaller
+        size takes no permit back); those that entered before are judged, in order: past ``queue_len`` refused, the
+        others told their place, each woken."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
@@ -3876,9 +3864,8 @@ class _Gate:
 
 
 class _SlotReader:
-    """What ``/slots`` answers say (the shared poller's, and the command line's): since when each processing
-    slot's progress (task, decoded, prompt processed) has not changed (``remember`` each answer), and from
-    one answer, what a request's slot is doing (``state``)."""
+    """What ``/slots`` answers say (the poller's, the command line's): since when each processing slot's (task, decoded,
+    prompt processed) has not changed (``remember``), and what a request's slot is doing (``state``)."""
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
@@ -3905,9 +3892,8 @@ class _SlotReader:
     def state(
         self, slots: Optional[List[Slot]], slot: Optional[int], every: bool, address: str
     ) -> Tuple[str, Optional[WedgedSlotError]]:
-        """The state of ``slot`` (``None``: the pool) in an answer (``None``: no answer; an answer without a
-        slot is a server not ready, as a router's model that loads) and, when it is wedged, the error that
-        says so.  ``every``: the pool is busy only when every slot is (else: any)."""
+        """``slot``'s state (None: the pool) in an answer (None: no answer; no slot in it: a model still loading), and
+        the error when it is wedged.  ``every``: the pool is busy only when every slot is."""
         if not slots:  # no answer; or no slot at all: a router's model that is still loading
             return UNAVAILABLE, None
         # llama-server wraps an id_slot past the last slot
@@ -3928,9 +3914,8 @@ class _SlotReader:
 
 
 class _SlotPoller(_SlotReader):
-    """``/slots`` of one model, shared by every request of a board: one request in flight however many wait
-    (``start()`` says who sends it), an answer younger than ``poll`` reused, the waiters' wakers signalled
-    when it comes (``answered``).  The asking is a plan (``_StreamLife._slot_state``)."""
+    """``/slots`` of one model, shared by a board's requests: one request in flight (``start()`` says who sends it), an
+    answer younger than ``poll`` reused, the waiters signalled when it comes (``answered``)."""
 
     def __init__(self, limits: Limits, lock: threading.Lock) -> None:
         _SlotReader.__init__(self, limits)
@@ -3976,10 +3961,9 @@ class _SlotPoller(_SlotReader):
 
 
 class _Run:
-    """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): whether it was cancelled
-    and whether its last words are shielded from that, its ticket (so that a cancel can release it), what
-    it returned, its open connections; and, from the driver, how to wake it (``signal``) and cancel it, and
-    the operations of section 8, each a method of its name (``send`` and ``recv`` are the connection's)."""
+    """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): cancelled, its last words
+    ``shield``-ed, its ticket, its value, its open connections; the driver adds ``signal``, ``cancel`` and the
+    operations of section 8, each a method of its name."""
 
     __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket", "_conns", "_conns_lock")
 
@@ -4038,10 +4022,9 @@ class _Run:
 
 
 class _Board:
-    """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
-    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, the runs in
-    flight and the kept connections.  Under one lock; its only I/O is closing connections (and logging it),
-    and ``close()`` cancelling the runs in flight, whose plans then unwind (a resumable stream's DELETE)."""
+    """What one client's requests share (one event loop's, for ``AsyncClient``), under one lock: the gate, a ``/slots``
+    poller and a pool size per model, the ``/props`` in flight, the runs in flight (``close()`` cancels them) and the
+    kept connections."""
 
     def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
         self.calls = calls
@@ -4075,9 +4058,8 @@ class _Board:
             self.runs.discard(run)
 
     def checkout(self, run: _Run) -> Any:
-        """A kept connection to reuse (the most recent), now ``run``'s, or None.  One idle past its time, or
-        one of the process this one was forked from, is never reused: it is closed (a forked child's close
-        leaves the parent's connection alone)."""
+        """A kept connection to reuse (the latest), now ``run``'s, or None; one idle past its time or of a parent
+        process is closed, never reused."""
         now, pid = _clock(), os.getpid()
         found = None
         stale = []
@@ -4217,9 +4199,8 @@ def _query_string(query: Dict[str, Any]) -> str:
 
 
 def _keep_for(head: ResponseHead) -> Optional[float]:
-    """How long the connection that answered ``head`` may idle before it is reused: one second less than
-    the server's ``Keep-Alive: timeout=N`` (``KEEP_IDLE`` when it does not say); None when it is not to be
-    reused (``Connection: close``, HTTP/1.0, or ``max=`` requests left below 2)."""
+    """How long the connection that answered ``head`` may idle for reuse: a second less than ``Keep-Alive: timeout=N``
+    (else ``KEEP_IDLE``); None for ``Connection: close``, HTTP/1.0, or ``max=`` below 2."""
     if head.version != "HTTP/1.1" or "close" in (head.get("connection") or "").lower():
         return None
     idle = KEEP_IDLE
@@ -4250,9 +4231,8 @@ def _conversation_id(value: Any) -> Optional[str]:
 
 
 def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
-    """The header of every request made for a resumable stream, so that a front that routes by it (nginx
-    ``hash $http_x_conversation_id``, HAProxy ``balance hdr(X-Conversation-Id)``, Caddy ``lb_policy header``)
-    sends them all to the server that holds the stream."""
+    """The ``X-Conversation-Id`` of every request made for a resumable stream: a front routing by it reaches the server
+    that holds the stream."""
     return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
@@ -4274,10 +4254,9 @@ def _session_key(value: Any, what: str = "session") -> Optional[str]:
 
 
 def _session_digest(head: Any) -> Optional[str]:
-    """The session key of a request whose caller gave none: ``s-`` and the first 32 hex digits of the
-    SHA-256 of its stable head written as canonical JSON (sorted keys, no spaces, ASCII only), the same in
-    every process and Python version; never the text.  None for no head (or one JSON cannot write: the
-    body then fails its own encoding)."""
+    """A key for a request whose caller gave none: ``s-`` and 32 hex digits of the SHA-256 of its stable head as
+    canonical JSON (the same in every process and version; never the text).  None for no head, or one JSON cannot write
+    (the body then fails its own encoding)."""
     if head is None:
         return None
     try:
@@ -4290,9 +4269,8 @@ def _session_digest(head: Any) -> Optional[str]:
 
 
 def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
-    """The header that carries a request's session key, so that a front routing by it (nginx ``hash
-    $http_x_session_id consistent``, HAProxy a stick table on ``req.hdr(X-Session-Id)``, Caddy ``lb_policy
-    header X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
+    """The ``X-Session-Id`` of a request: a front routing by it takes every turn of one conversation to the server whose
+    cache holds it."""
     return [(_SESSION_HEADER, session)] if session is not None else []
 
 
@@ -4345,11 +4323,9 @@ _TIMED_OUT = (_Silence, socket.timeout, TimeoutError)
 
 
 def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
-    """``plan``, a single-shot call, within a deadline of ``timeout`` seconds from its first step, connect
-    included: each operation may take at most what is left (its own timeout, ``liveness``, still applies
-    when shorter).  An operation cut short by the deadline that runs out (a connect, a send, a read, a
-    sleep), or an operation due once it has passed, ends the call with ``DeadlineError``; ``plan`` is
-    closed first, which closes its connection.  Its other outcomes are its own."""
+    """``plan``, a single-shot call, within ``timeout`` seconds from its first step: each operation may take at most
+    what is left.  An operation cut short by the deadline, or due after it, is ``DeadlineError``; ``plan`` is closed
+    first (its connection with it)."""
     deadline = _clock() + timeout
     value, exc = None, None  # type: Any, Optional[BaseException]
     what, heard = "", False  # the request line once sent; whether any byte of the answer came
@@ -4459,9 +4435,8 @@ def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
 
 
 def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: Optional[str]) -> List[Tuple[str, str]]:
-    """The headers every request carries beside its own: User-Agent (which ``headers`` may replace), the
-    caller's ``headers``, and the ``api_key`` as a bearer token.  ``TypeError`` or ``ValueError`` now for
-    a header loopclient sets itself, a name or value that is not text, or a CR, LF or bad name."""
+    """The headers every request carries beside its own: User-Agent (``headers`` may replace it), ``headers``
+    (``_own_headers``) and ``api_key`` as a bearer token."""
     extra = _merged([("User-Agent", _USER_AGENT)], _own_headers(addr, headers))
     if api_key is not None:
         if not isinstance(api_key, str):
@@ -4472,10 +4447,9 @@ def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: O
 
 
 def _own_headers(addr: _Address, headers: Optional[Dict[str, str]]) -> List[Tuple[str, str]]:
-    """A caller's ``headers`` (a client's, or one call's) as pairs, checked: ``TypeError`` for names or
-    values that are not str, ``ValueError`` for a header loopclient sets itself (``Host``, ``Content-Length``,
-    ``Transfer-Encoding``, ``Content-Type``, ``Connection``), a CR, LF or NUL, or a bad name.  Names that
-    differ only in case are one header, the last value winning."""
+    """A caller's ``headers`` as pairs, checked: ``TypeError`` for what is not str, ``ValueError`` for a header
+    loopclient sets itself, a CR, LF or NUL, or a bad name.  Names differing only in case are one header, the last value
+    winning."""
     own = []  # type: List[Tuple[str, str]]
     for name, value in dict(headers or {}).items():
         if not isinstance(name, str) or not isinstance(value, str):
@@ -4520,13 +4494,9 @@ def _tls_context(addr: _Address, ssl_context: Any) -> Any:
 
 
 class _Calls:
-    """What every request of one client shares, and its single-shot calls; shared by ``Client`` and
-    ``AsyncClient``.  The client's configuration (address, limits, headers, default model, TLS context,
-    checked as ``Client`` documents), how a request is encoded (``encode``) and routed to its model
-    (``route``), and each single-shot call as a plan (see above): one exchange on a connection, kept for
-    reuse or not, sent again only when a kept connection fails before any byte of the answer (the server
-    had closed it while idle, and never read the request: ``_exchange``).  The streamed requests are built
-    by ``_Streams`` and lived by ``_StreamLife``; it never touches a socket."""
+    """A client's configuration (checked as ``Client`` documents), how its requests are encoded (``encode``) and routed
+    (``route``), and each single-shot call as a plan (``_exchange``); shared by ``Client`` and ``AsyncClient``, and it
+    never touches a socket."""
 
     def __init__(
         self,
@@ -4561,11 +4531,9 @@ class _Calls:
         self.slot_counts = {}  # type: Dict[Optional[str], int]
 
     def at(self, headers: Optional[Dict[str, str]], session: Optional[str] = None) -> _Calls:
-        """These calls for one call that gives ``headers`` or a ``session`` key of its own: a copy whose
-        requests carry them beside the client's headers (a call's value wins, the ``api_key``'s
-        ``Authorization`` and the ``User-Agent`` included; an ``X-Session-Id`` among ``headers`` is the
-        call's session key); ``self`` when both are None.  ``TypeError``/``ValueError`` now for what
-        ``Client(headers=...)`` refuses, and for two different session keys."""
+        """These calls with one call's own ``headers`` (its values win, ``Authorization`` and ``User-Agent`` too; an
+        ``X-Session-Id`` is its session key) or ``session``; ``self`` when both are None. ``TypeError``/``ValueError``
+        for what ``Client(headers=...)`` refuses, or two different session keys."""
         if headers is None and session is None:
             return self
         calls = object.__new__(_Calls)
@@ -4579,19 +4547,16 @@ class _Calls:
         return calls
 
     def learn_slots(self, model: Optional[str], count: Optional[int]) -> None:
-        """Remember that the server has ``count`` slots for ``model``, from an answer the client got anyway
-        (``/props``' ``total_slots``, the length of a ``/slots`` answer).  Two answers that disagree (several
-        servers behind the address, or a restart with another ``--parallel``) make it unknown for good, and
-        nothing is learnt with several servers behind the address (``Limits.servers``)."""
+        """Remember the server's slot count for ``model`` from an answer got anyway (``total_slots``, a ``/slots``
+        length); two that disagree make it unknown for good; nothing is learnt with ``Limits.servers`` > 1."""
         if count is None or count < 1 or self.limits.servers > 1:
             return
         known = self.slot_counts.get(model, count)
         self.slot_counts[model] = count if known == count else 0
 
     def check_slot(self, slot: int, model: Optional[str]) -> None:
-        """``ValueError`` for a ``slot`` past the slots the server said it has: llama-server would take it
-        modulo their number, on a slot the caller did not name (and that this client's gate does not count
-        as the same)."""
+        """``ValueError`` for a ``slot`` past the server's slots: llama-server would take it modulo their number,
+        a slot the caller did not name (and that the gate does not count as the same)."""
         count = self.slot_counts.get(model, 0)
         if count and slot >= count:
             which = "slot 0" if count == 1 else "0 to %d" % (count - 1)
@@ -4656,15 +4621,10 @@ class _Calls:
     def _exchange(
         self, request: bytes, timeout: float, what: str, head_only: bool = False
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
-        """Send one request and read its response to the end: (head, body).  A server that cannot be reached
-        is ``ConnectError``; silence longer than ``timeout`` between two reads is ``StalledError``; a body over
-        ``max_body`` is ``ProtocolError``.  ``head_only``: the answer to a HEAD request, which ends at its head
-        whatever its Content-Length says (RFC 9112 6.3).
-
-        With ``keep_alive``, a kept connection is reused, and kept again after an answer read whole with a
-        known length and no ``Connection: close``.  A kept connection that fails before any byte of the
-        answer was closed by the server while idle (it never saw the request): the request goes once more,
-        on a new connection."""
+        """Send one request and read its answer whole: (head, body); ``ConnectError``, ``StalledError`` (silence over
+        ``timeout``), ``ProtocolError`` (over ``max_body``).  ``head_only``: a HEAD's answer ends at its head.  With
+        ``keep_alive`` a kept connection is reused; one that fails before any byte of the answer was closed by the
+        server while idle: the request goes once more, on a new connection."""
         reuse = self.limits.keep_alive > 0
         while True:
             try:
@@ -4941,10 +4901,8 @@ class _Calls:
 
 
 class _Streams:
-    """How a client's streamed requests are built and checked, when their streams are made (the ``stream*``
-    calls, ``resume()``, ``watch_models()``): each a ``_StreamRequest``, the bytes of its first send and how
-    it is read, which its ``_StreamLife`` sends and reads.  Shared by ``Client`` and ``AsyncClient``; it
-    never touches a socket."""
+    """The streamed requests, built and checked when their streams are made (``stream*``, ``resume()``,
+    ``watch_models()``): each a ``_StreamRequest`` that its ``_StreamLife`` sends and reads."""
 
     def __init__(self, calls: _Calls) -> None:
         self.calls = calls
@@ -4952,10 +4910,9 @@ class _Streams:
     def stream_request(
         self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
     ) -> _StreamRequest:
-        """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public
-        call documents: ``raw_chunks``, ``resumable``, ``headers`` and ``session`` taken out of ``params``,
-        the row's body function makes the body of ``args`` and the other keywords, then ``id_slot``, the
-        row's thinking-cap rule, the session key, the model and the slot check apply."""
+        """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public calls document:
+        the row's body of ``args`` and ``params``, then ``id_slot``, the thinking cap, the session key, the model and
+        the slot check."""
         row = _ENDPOINTS[endpoint]
         if "timeout" in params:
             raise TypeError(
@@ -5041,10 +4998,9 @@ def _cap_rule(row: _Endpoint, body: Any) -> None:
 
 
 def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
-    """Wait in the queue until ``ticket`` is granted: a hand-over signals the run's waker; every ``poll``
-    seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
-    coalesced, never repeated or increased).  A ticket that entered before its pool's size was known says
-    nothing until the gate judges it (``_Gate.resize``): then its ``Queued``, or its ``BusyError``."""
+    """Wait in the queue until ``ticket`` is granted (a hand-over signals the waker); every ``poll``, on its own timer,
+    announce a smaller place (``Queued``: coalesced, never repeated or raised).  A ticket that entered before its pool's
+    size was known is silent until ``_Gate.resize`` judges it."""
     told = 0
     due = _clock()
     while True:
@@ -5122,10 +5078,9 @@ class _StreamLife:
         return pump
 
     def plan(self) -> _Plan[Completion]:
-        """The request's place in the gate (none for ``resume()``, which takes no permit), then its states
-        until one ends it: the ``Completion``.  Whatever ends it, its connection is closed first, a
-        resumable stream that ends early is deleted on the server (which then stops generating), and its
-        permit is released before the result or the error leaves the plan."""
+        """The request's place in the gate (``resume()`` takes none), then its states: the ``Completion``.  Whatever
+        ends it, it closes its connection, deletes a resumable stream that ended early and releases its permit before
+        the result or the error leaves."""
         board, run, req = self.board, self.run, self.req
         try:
             board.add(run)
@@ -5156,10 +5111,8 @@ class _StreamLife:
             board.discard(run)
 
     def watch(self) -> _Plan[None]:
-        """A watch (``GET /models/sse``): one connection, read until the caller cancels it or the server
-        closes it (``StreamClosedError``).  It takes no slot permit and is never sent again; silence is its
-        normal state (the route sends no pings), so no liveness applies.  A server that cannot be reached is
-        ``ConnectError``, a non-200 answer ``HTTPStatusError``."""
+        """A watch (``GET /models/sse``): one connection, read until cancelled or closed by the server
+        (``StreamClosedError``); no permit, never sent again, no liveness (silence is its normal state)."""
         self._ready()
         board, run, req, pump, only = self.board, self.run, self.req, self.pump, self.req.only
         board.add(run)
@@ -5195,9 +5148,8 @@ class _StreamLife:
         self.conn = conn
 
     def _open(self, request: bytes) -> _Plan[Optional[float]]:
-        """Connect (a connection of the request's own: closing it is how the request is cancelled) and send
-        ``request`` on it: when it was sent, or None when the server could not be reached (``retry`` says
-        why).  A send that fails raises."""
+        """Connect (a connection of the request's own: closing it cancels the request) and send ``request``: when it was
+        sent, or None when the server could not be reached (``retry`` says why)."""
         try:
             conn = yield (_CONNECT, max(self.limits.poll, 0.2), False)
         except OSError as exc:
@@ -5220,13 +5172,10 @@ class _StreamLife:
         return ticket
 
     def _capacity(self) -> _Plan[Optional[int]]:
-        """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,
-        else what ``/props`` said for the model (``total_slots``, times ``Limits.servers``; ``POOL_GUESS``
-        when it answers without it: a balancer in front), else None (not known: the gate lets the first
-        request go, and the others wait for the size before it judges them).  While nothing is known and
-        nobody asks, the request starts the one ``/props`` request in the background (``_ask_pool``) and
-        goes on to the gate: a router does not answer ``/props?model=`` until the model has loaded, and a
-        request held back for it would reach the server only then."""
+        """The ``slot=None`` pool's size as known now: ``Limits.pool``, else what ``/props`` said (``total_slots`` times
+        ``Limits.servers``; ``POOL_GUESS`` without it), else None, after starting the one ``/props`` in the background
+        (``_ask_pool``) when nobody asks: a router answers it only once the model loaded, and the request must not wait
+        for it to reach the server."""
         board, model = self.board, self.req.model
         if self.limits.pool is not None:
             return self.limits.pool
@@ -5241,10 +5190,8 @@ class _StreamLife:
         return None
 
     def _ask_pool(self) -> _Plan[None]:
-        """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on the
-        board and resizes the gate (``_Gate.resize``), which admits the waiters that now fit and judges those
-        that came before it.  No answer (a failure, or the client closed first) leaves a pool of one, against
-        which the waiters are judged; the next request asks again."""
+        """``_capacity``'s ``/props``, in the background: the pool it learns is kept and resizes the gate; no answer
+        leaves a pool of one, and the next request asks again."""
         board, model = self.board, self.req.model
         total = None
         try:
@@ -5282,10 +5229,9 @@ class _StreamLife:
         return self._send
 
     def _read(self) -> _Plan[Any]:
-        """Read until the pump decides (``_decide``), handing out the events of each read.  Each byte is
-        heard (``heard``); the first starts the stream's clocks (``started``; a replay's queue wait ends at
-        the first byte of its body instead); a data event is progress (``progress``).  Once the head is a
-        200, no data event for ``poll`` is the quiet rule's to judge (``_check_quiet``)."""
+        """Read until the pump decides (``_decide``), handing out each read's events; the first byte starts the clocks
+        (``started``; a replay's, the first body byte), a data event is ``progress``.  After a 200 head, ``poll``
+        without a data event is the quiet rule's (``_check_quiet``)."""
         limits, pump = self.limits, self.pump
         while True:
             now = _clock()
@@ -5329,11 +5275,9 @@ class _StreamLife:
                 self.moving, self.silence_tried, self.misses = True, False, 0
 
     def _answered_by(self, head: ResponseHead) -> None:
-        """A front that names the server that answered (``X-Llama-Server``, as the reference's configurations
-        do) gets the stream's own requests from now on (the lookup, the replay, the ``DELETE``, the control
-        call) with that name, and sends them to that server: a stream it placed away from its session key's
-        server (that one was full) is found there.  A head without the header changes nothing.  (Its value
-        can be sent back as it is: a head with a NUL, a CR or an LF in a line is refused whole.)"""
+        """A front that names the server that answered (``X-Llama-Server``) gets the stream's own requests (lookup,
+        replay, ``DELETE``, control) with that name from now on, so they reach that server.  (A head with NUL, CR or LF
+        is refused whole: the value can be sent back as it is.)"""
         name = head.get(_SERVER_HEADER)
         if name:
             self.req.calls = self.req.calls.at({_SERVER_HEADER: name})
@@ -5411,10 +5355,8 @@ class _StreamLife:
         return self._on_lost
 
     def _not_known(self, loss: StreamClosedError, retry: Optional[_Retry] = None) -> Callable[[], _Plan[Any]]:
-        """The one rule for a resumable stream its server no longer knows (a replay's 404, a lookup without
-        it): of which nothing ever came, the server dropped it before it started (a queued request whose
-        connection had closed), so it is sent again (``Retrying`` says ``retry``'s reason, the front's
-        answer that led to the lookup, else that); else it is lost: ``loss``."""
+        """A resumable stream its server no longer knows (a replay's 404, a lookup without it): when nothing of it came,
+        dropped before it started, so sent again (``Retrying`` says ``retry``'s reason); else lost: ``loss``."""
         if self.pump.received or self.req.offset is not None:
             raise loss
         self.retry = retry or _Retry(_DROPPED, None, loss, FRONT)
@@ -5484,11 +5426,9 @@ class _StreamLife:
     # -- what the states ask of the server -----------------------------------------------------------------
 
     def _known(self) -> _Plan[Optional[bool]]:
-        """Whether the server knows this resumable stream (``/v1/streams/lookup``): True, False (it answered
-        without it, or 404), or None when no lookup got the server's answer (a front's 504 or 502 to it, a
-        timeout, a lost connection: a slow server is not one that forgot the stream).  With several servers
-        behind the address an unknown answer may come from another one: asked up to ``Limits.servers``
-        times."""
+        """Whether the server knows this resumable stream (``/v1/streams/lookup``): True, False, or None when no lookup
+        got the server's own answer (a front's 504, a timeout: a slow server has not forgotten it).  Asked up to
+        ``Limits.servers`` times (another server may have answered)."""
         conversation = self.req.conversation
         assert conversation is not None
         answered = False
@@ -5508,9 +5448,8 @@ class _StreamLife:
         return False if answered else None
 
     def _forget(self) -> _Plan[None]:
-        """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
-        connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not (the run's
-        last words, ``shield``); a failure is ignored (the stream ends with its own error)."""
+        """``DELETE`` a resumable stream that ends early (with an id the server does not stop when the connection
+        closes): one attempt of at most ``FORGET_WAIT``, ``shield``-ed from the cancel; failures ignored."""
         run, req = self.run, self.req
         assert req.conversation is not None
         run.shield = True
@@ -5548,10 +5487,9 @@ class _StreamLife:
         waits.check()
 
     def _check_quiet(self, quiet: float, pinged: bool) -> _Plan[None]:
-        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
-        error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream
-        is unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
-        ``busy_wait`` counted from the last data event."""
+        """No data event for ``quiet`` seconds: a wedged slot is an error at once (with ``slot=None``, once ``quiet``
+        reaches ``wedge_wait``); after ``liveness`` of pings only, only a slot still processing is waited out, up to
+        ``busy_wait`` from the last data event."""
         wedge, pings = _quiet_rule(self.limits, self.req.slot, quiet, pinged)
         if wedge or pings:
             state, wedged = yield from self._slot_state(False)
@@ -5561,14 +5499,10 @@ class _StreamLife:
     def _slot_state(
         self, every: bool, until: Optional[float] = None
     ) -> _Plan[Tuple[Optional[str], Optional[WedgedSlotError]]]:
-        """The state of the request's slot (``None``: the pool) from the board's shared poller, and the error
-        that says so when it is wedged.  ``every``: the pool is busy only when every slot is (else: when any
-        is).  An answer younger than ``poll`` is reused; else one request (the first to ask) goes out
-        (``_poll_slots``), and every asker waits for its answer, up to that request's own timeout
-        (``_slots_timeout``): llama-server answers ``/slots`` between two batches of its work, seconds apart
-        on a slow machine, so an answer later than ``poll`` is a server at work, not an unavailable one.  No
-        answer by then is unavailable.  ``until``: when the caller's budget runs out; no answer by then is
-        ``(None, None)``."""
+        """The request's slot's state (None: the pool) from the board's poller, and the error when it is wedged
+        (``every``: as ``_SlotReader.state``).  An answer younger than ``poll`` is reused; else the first asker sends
+        one (``_poll_slots``) and all wait for it up to ``_slots_timeout`` (llama-server answers between batches of its
+        work: late is not unavailable).  ``until``: the caller's budget; no answer by then is ``(None, None)``."""
         run, req, limits = self.run, self.req, self.limits
         poller = self.board.poller(req.model)
         asked = _clock()
@@ -5658,13 +5592,10 @@ def _decode_json(data: bytes, what: str) -> Any:
 
 
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
-    """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
-    directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
-    never retried.  Nor can a path whose directory does not exist, until someone makes the directory:
-    ``ConnectError`` at once too, while no socket file has been reached there since the client was made
-    (once one has, a directory gone with its server is a restart, waited for as a missing file is).  A
-    socket file missing from a directory that is there: ``exc`` (retried by a stream), logged as a WARNING
-    at the first failure when none has been there since the client was made."""
+    """What a failed connect to a socket path is.  A path there that is not a socket, or (while no socket file was
+    reached there since the client was made) one whose directory does not exist: ``ConnectError`` at once, never
+    retried.  A socket file missing from a directory that is there: ``exc`` (a stream retries it), logged as a WARNING
+    the first time when none has been there."""
     import stat
 
     path = addr.target
@@ -5714,18 +5645,16 @@ def _final_error(addr: _Address, exc: BaseException) -> None:
 
 
 def _cancel_told(addr: _Address, how: str) -> None:
-    """Log (DEBUG) how a stream was cancelled: ``cancel()`` called, or left before its end (a ``with``
-    block left early, an exception from ``on_event``, a cancelled task).  The code that goes on iterating
-    hears ``CancelledError``, which ``_final_error`` logs."""
+    """Log (DEBUG) how a stream was cancelled; the code that goes on iterating hears ``CancelledError``, which
+    ``_final_error`` logs."""
     log = _logger(_DEBUG)
     if log is not None:
         log.debug("%s: cancelled: %s", addr.text, how)
 
 
 def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
-    """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
-    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
-    the request is ``slot=None``'s, so a wait is told of the slots, not of one."""
+    """Log the events that say what a request waits for: a retry, a wait, a resume at INFO, a place in the queue at
+    DEBUG (called only while INFO is logged).  ``pool``: a ``slot=None`` request's."""
     for event in events:
         kind = type(event)
         if kind is Retrying:
@@ -5777,9 +5706,9 @@ class _Conn:
         self._closed = False
 
     def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """Connect: ``OSError`` when the server cannot be reached (a stream retries it), ``ConnectError`` when
-        TLS fails (never retried).  Each socket is the connection's before it connects, so that ``cancel()``
-        shuts a connect in progress down.  The caller closes the connection when this fails."""
+        """Connect: ``OSError`` when the server cannot be reached, ``ConnectError`` when TLS fails.  Each socket is the
+        connection's before it connects, so that ``cancel()`` shuts it down; the caller closes the connection when this
+        fails."""
         self._timeout = timeout
         if addr.unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -5935,9 +5864,8 @@ def _connected(board: _Board) -> None:
 
 
 class _SyncRun(_Run):
-    """A plan driven in the calling thread with blocking sockets.  ``cancel()``, from any thread, shuts the
-    run's sockets down and signals it, and the driving thread throws ``CancelledError`` into the plan; when
-    no thread drives it, ``cancel()`` ends it itself, so that its sockets and permit are freed at once."""
+    """A plan driven in the calling thread with blocking sockets.  ``cancel()``, from any thread, shuts the sockets down
+    and signals the run; when no thread drives it, ``cancel()`` ends it itself (sockets, permit)."""
 
     __slots__ = ("lock", "_bell", "_rung")
     board: _Board
@@ -6051,9 +5979,8 @@ class _SyncRun(_Run):
 
 
 class _Events:
-    """What ``Stream`` and ``AsyncStream`` share: the request, its life (``_StreamLife``, made with the run
-    that drives it), the last batch of events (handed out one by one, kept last first), the offset they
-    reach once all are out, and at the end the completion."""
+    """What ``Stream`` and ``AsyncStream`` share: the request, its ``_StreamLife``, the batch of events being handed out
+    (last first), the offset and the completion."""
 
     _run: Any
 
@@ -6167,9 +6094,8 @@ ChatStream = Stream
 
 
 class _Configured:
-    """What ``Client`` and ``AsyncClient`` are made of: the configuration (``Client`` documents it), checked
-    and kept by ``_Calls`` (which makes the single-shot calls) and read back; ``_Streams``, which builds the
-    streamed requests; and, from ``_start``, where the requests meet (a ``_Board``; one per event loop)."""
+    """What both clients are made of: the configuration (``_Calls``, which makes the single-shot calls), ``_Streams``
+    (the streamed requests), and from ``_start`` a ``_Board`` (one per event loop)."""
 
     def __init__(
         self,
@@ -6653,9 +6579,8 @@ class _Alarm:
 
 
 class _AsyncRun(_Run):
-    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) aborts the run's connections,
-    signals it and releases its permit at once; the plan then has ``CancelledError`` thrown into it, as it
-    has ``asyncio.CancelledError`` when the task that drives it is cancelled."""
+    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) aborts its connections, signals it and
+    releases its permit at once; the plan then has ``CancelledError`` thrown into it."""
 
     __slots__ = ("resumable", "running", "unwinding", "_alarm", "_rung")
     board: _AsyncBoard
@@ -6756,10 +6681,8 @@ class _AsyncRun(_Run):
 
 
 class _AsyncConn:
-    """One connection on an event loop, ``_Conn``'s ``recv(timeout)`` and ``send()`` over asyncio's transport,
-    whose protocol it is (duck-typed: subclassing ``asyncio.Protocol`` would import asyncio with loopclient).
-    The transport stops reading once ``RECV_SIZE`` bytes wait unread, so at most about twice ``RECV_SIZE``
-    (with one read of the transport's, up to 256 KiB) wait for a slow caller."""
+    """One connection on an event loop: ``_Conn``'s ``recv`` and ``send`` over an asyncio transport, whose protocol it
+    is (duck-typed: ``asyncio.Protocol`` would import asyncio).  Reading pauses once ``RECV_SIZE`` bytes wait unread."""
 
     __slots__ = ("owner", "reused", "_alarm", "_transport", "_chunks", "_size", "_eof", "_error", "_paused", "_blocked")
 
@@ -6806,10 +6729,9 @@ class _AsyncConn:
         self._alarm.ring()
 
     async def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """``_Conn.open`` on the loop.  A Unix socket connects at once (``_unix_connect``: asyncio's connect
-        would take a full listen queue's EAGAIN for "in progress").  TCP is the loop's connect, name lookup
-        and TLS handshake included, as a task the run parks on until it is done, the run is cancelled or
-        ``timeout`` passes (asyncio's ``ssl_handshake_timeout`` could end it first, as an ``OSError``)."""
+        """``_Conn.open`` on the loop.  A Unix socket connects at once (``_unix_connect``: asyncio would take a full
+        listen queue's EAGAIN for "in progress"); TCP (lookup and TLS included) is a task the run parks on until it is
+        done, the run is cancelled or ``timeout`` passes."""
         run = self.owner
         board = run.board
         protocol = self  # type: Any  # duck-typed: see the class
@@ -6902,9 +6824,8 @@ class _AsyncConn:
 
 
 def _drop(transport: Any) -> None:
-    """Close the socket of a transport whose event loop is closed, whose ``abort()`` would leave it open
-    until the garbage collector found it: the transport's own last step, taken here (asyncio's selector
-    transports, under TLS too; another loop's transports are left to it)."""
+    """Close the socket of a transport whose loop is closed (its ``abort()`` would leave it to the garbage collector):
+    the transport's own last step (asyncio's selector transports, TLS too)."""
     while hasattr(transport, "_ssl_protocol"):  # TLS: the application transport over the socket's own
         transport._closed = True
         transport = getattr(transport._ssl_protocol, "_transport", None)

@@ -6162,16 +6162,11 @@ class Client(_Configured):
         return run.finish()  # type: ignore[no-any-return]
 
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of the chat ``messages``; the keywords go into the JSON body as they are, beside
-        ``stream``, ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model``.
-
-        Every streamed call also takes ``raw_chunks=True`` (a ``Chunk`` per data event too),
-        ``resumable=True`` or an id (``X-Conversation-Id``: a connection lost is resumed from the server's
-        buffer, an early end deletes it there) and ``session`` (``X-Session-Id``; else the client's, else a
-        digest of the messages up to the first user message: ``stream.session``).  A bad body, ``slot``
-        (or one past the server's slots) or ``session``, or a thinking cap with ``n`` > 1, is
-        ``TypeError``/``ValueError`` here.
-        """
+        """A ``Stream`` of the chat ``messages``; the keywords go into the JSON body as they are, beside ``stream``,
+        ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model``.  Every streamed call also
+        takes ``raw_chunks=True`` (a ``Chunk`` per data event too), ``resumable=True`` or an id, and ``session`` (else
+        the client's, else a digest of the messages: ``stream.session``); what is malformed is
+        ``TypeError``/``ValueError`` here."""
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
     def chat(
@@ -6181,9 +6176,8 @@ class Client(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """``stream()`` iterated to its ``Completion``, calling ``on_event`` in this thread for each event.
-        Raises what ``Stream`` raises; an exception from ``on_event`` (or Ctrl-C) closes the request and
-        propagates unchanged (as in every call that takes ``on_event``)."""
+        """``stream()`` iterated to its ``Completion``, calling ``on_event`` in this thread for each event; an exception
+        from ``on_event`` (or Ctrl-C) closes the request and propagates unchanged."""
         return _consume(self.stream(messages, slot=slot, **params), on_event)
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
@@ -6200,11 +6194,9 @@ class Client(_Configured):
         return _consume(self.stream_complete(prompt, slot=slot, **params), on_event)
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as
-        ``stream_complete()`` takes it; keywords go into the body (``max_tokens``, ``logprobs``, ...).  A
-        choice's ``text`` is ``Content(text, choice=index)``, its ``logprobs`` the choice's; ``usage`` is
-        the last closing choice's (of its prompt alone); ``[DONE]`` ends it.  The server ignores ``echo``
-        and ``suffix`` (``stream_infill()`` fills a middle)."""
+        """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as ``stream_complete()`` takes
+        it, keywords into the body; a choice's ``text`` is ``Content(text, choice=index)``; ``[DONE]`` ends it.  The
+        server ignores ``echo`` and ``suffix``."""
         return Stream(self._board, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     def complete_openai(
@@ -6272,10 +6264,9 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         **params: Any,
     ) -> Stream:
-        """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body``
-        (any JSON value, sent as it is; None: none), the keywords and ``slot`` put in a dict body.  Each data
-        event is a ``Chunk``; ``[DONE]`` or the body's end ends it, ``completion`` holding what OpenAI's or
-        llama-server's chunks say of the finish.  A 200 that is not ``text/event-stream`` is ``ProtocolError``."""
+        """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body`` (any JSON
+        value; None: none), the keywords and ``slot`` put in a dict body; each data event a ``Chunk``.  A 200 that is
+        not ``text/event-stream`` is ``ProtocolError``."""
         params["headers"] = headers
         return Stream(self._board, self._streams.stream_request("route", (path, body, method), params, slot))
 
@@ -6347,10 +6338,8 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """Any endpoint: ``body`` (when not None) sent as JSON, ``query`` (a dict) URL-encoded, routed to the
-        client's default model; the decoded JSON when the answer is JSON, else its text.  Any 2xx is success
-        (others ``HTTPStatusError``).  ``path`` starts with ``/``; CR, LF or NUL in the method, path or query
-        is ``ValueError``."""
+        """Any endpoint: ``body`` (not None) sent as JSON, ``query`` URL-encoded, routed to the default model; the
+        decoded JSON when the answer is JSON, else its text.  Any 2xx is success (others ``HTTPStatusError``)."""
         return self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
     def slots(
@@ -6949,19 +6938,14 @@ AsyncChatStream = AsyncStream
 
 
 class AsyncClient(_Configured):
-    """``Client`` for asyncio programs: the same constructor, calls (coroutines, but ``stream()`` and the
-    other calls that return an ``AsyncStream``), events, errors and rules, on an event loop; no threads.
+    """``Client`` for asyncio programs: the same constructor, calls (coroutines, but those that return an
+    ``AsyncStream``), events, errors and rules, on an event loop; no threads.
 
         async with lc.AsyncClient("/run/llama.sock") as client:
-            reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
-            async with client.stream(messages) as stream:
-                async for event in stream: ...
+            reply = await client.chat(messages, on_event=print, max_tokens=64)
 
-    Its gates and poller belong to the loop that uses it: one loop after another, never two running at
-    once (``RuntimeError``).  ``on_event`` runs in the loop's thread; a host name is looked up by the
-    loop's ``getaddrinfo``.  ``await client.close()`` (or leaving ``async with``) cancels its streams and
-    ends its tasks.
-    """
+    Its gates and poller belong to the loop that uses it: one loop after another, never two running at once
+    (``RuntimeError``).  ``await client.close()`` (or leaving ``async with``) cancels its streams and ends its tasks."""
 
     def _start(self) -> None:
         self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client

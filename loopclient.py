@@ -3412,49 +3412,25 @@ def _no_answer(what: str, timeout: float) -> StalledError:
     return _hinted(StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout), _LONGER % "liveness")
 
 
-_BUDGETS = {
-    BUSY: (
-        "busy_wait",
-        WaitTimeoutError,
-        "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
-    ),
-    UNAVAILABLE: (
-        "load_wait",
-        LoadTimeoutError,
-        "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
-    ),
-    IDLE: (
-        "idle_grace",
-        StalledError,
-        "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
-    ),
-    CAPACITY: (
-        "busy_wait",
-        WaitTimeoutError,
-        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait)",
-    ),
-    FRONT: (
-        "busy_wait",
-        WaitTimeoutError,
-        "no slot took the request for {waited:.1f} s (busy_wait) behind the front at {address}, which "
-        "stops waiting for one sooner",
-    ),
-    SEVERAL: (
-        "busy_wait",
-        WaitTimeoutError,
-        "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
-        "servers (Limits.servers) /slots may describe another server than the one holding slot {slot}",
-    ),
-    UNSEEN: (
-        "busy_wait",
-        WaitTimeoutError,
-        "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
-        "slot {slot} cannot be seen (busy_wait): the request may still be queued upstream",
-    ),
+#: The budget of each wait state: the ``Limits`` field, and the error when it runs out.
+_BUDGETS: Dict[str, Tuple[str, Any]] = dict.fromkeys(
+    (BUSY, CAPACITY, FRONT, SEVERAL, UNSEEN), ("busy_wait", WaitTimeoutError)
+)
+_BUDGETS.update({UNAVAILABLE: ("load_wait", LoadTimeoutError), IDLE: ("idle_grace", StalledError)})
+#: What the error of each says.
+_TEXTS = {
+    BUSY: "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
+    UNAVAILABLE: "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
+    IDLE: "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    CAPACITY: "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait)",
+    FRONT: "no slot took the request for {waited:.1f} s (busy_wait) behind the front at {address}, which "
+    "stops waiting for one sooner",
+    SEVERAL: "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
+    "servers (Limits.servers) /slots may describe another server than the one holding slot {slot}",
+    UNSEEN: "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
+    "slot {slot} cannot be seen (busy_wait): the request may still be queued upstream",
 }
-
-
-#: What ``_BUDGETS`` says of a ``slot=None`` request, which waits for the pool, not for one slot.
+#: What ``_TEXTS`` says of a ``slot=None`` request, which waits for the pool, not for one slot.
 _POOL_TEXTS = {
     BUSY: "every slot stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
     IDLE: "a slot is free, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
@@ -3510,9 +3486,8 @@ class _Waits:
         """The error of the budget that ran out; a wait where nothing ever answered but failed connects is
         "no server there" (``_Unreachable``), which says the last OS error."""
         assert self.state is not None
-        budget, cls, text = _BUDGETS[self.state]
-        if self.slot is None:
-            text = _POOL_TEXTS.get(self.state, text)
+        budget, cls = _BUDGETS[self.state]
+        text = _TEXTS[self.state] if self.slot is not None else _POOL_TEXTS.get(self.state, _TEXTS[self.state])
         waited, addr, cause, hint = _clock() - self.since, self.addr, self.cause, _LONGER % budget
         text = text.format(slot=self.slot, address=addr.text, waited=waited)
         if isinstance(cause, HTTPStatusError) and cause.status in _FRONT_STATUSES:
@@ -6491,12 +6466,7 @@ class Client(_Configured):
         return self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
     def count_response_tokens(
-        self,
-        input: Any,
-        *,
-        headers: Optional[Dict[str, str]] = None,
-        timeout: Optional[float] = None,
-        **params: Any,
+        self, input: Any, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **params: Any
     ) -> int:
         """``POST /v1/responses/input_tokens``: the prompt tokens of a Responses request (keywords counted)."""
         return self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
@@ -6735,16 +6705,8 @@ class _AsyncConn:
                 raise
             return
         host, port = addr.target
-        tls = ssl_context if addr.tls else None
-        task = board.spawn(
-            board.loop.create_connection(
-                lambda: protocol,
-                host,
-                port,
-                ssl=tls,
-                server_hostname=host if tls is not None else None,
-            )
-        )
+        tls, name = (ssl_context, host) if addr.tls else (None, None)
+        task = board.spawn(board.loop.create_connection(lambda: protocol, host, port, ssl=tls, server_hostname=name))
         task.add_done_callback(lambda _: run.signal())
         try:
             deadline = time.monotonic() + timeout

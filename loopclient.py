@@ -3442,8 +3442,7 @@ _POOL_TEXTS = {
 
 
 class _Waits:
-    """What a request waits on before its response starts, and since when: each state has its budget,
-    which restarts when the state changes."""
+    """What a request waits on before its response starts, and since when (a budget restarts with the state)."""
 
     __slots__ = ("limits", "state", "since", "sent_at", "slot", "addr", "cause", "answered")
 
@@ -3573,8 +3572,7 @@ def _read_timeout(
 
 
 def _slots_timeout(limits: Limits) -> float:
-    """How long the shared ``/slots`` request may take, and a poll waits for its answer: twice ``poll``, at
-    least 0.5 s, at most ``liveness``."""
+    """The shared ``/slots`` request's timeout, and a poll's wait for it: twice ``poll``, 0.5 s to ``liveness``."""
     return min(limits.liveness, max(2 * limits.poll, 0.5))
 
 
@@ -3589,8 +3587,7 @@ def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Opti
 
 
 def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
-    """(look for a wedge, judge the pings) after ``quiet`` seconds without a data event: see
-    ``_StreamLife._check_quiet``."""
+    """(look for a wedge, judge the pings) after ``quiet`` s without data (``_StreamLife._check_quiet``)."""
     wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
     return wedge, pinged and quiet >= limits.liveness
 
@@ -4033,8 +4030,7 @@ class _Board:
             self.runs.discard(run)
 
     def checkout(self, run: _Run) -> Any:
-        """A kept connection to reuse (the latest), now ``run``'s, or None; one idle past its time or of a parent
-        process is closed, never reused."""
+        """A kept connection to reuse, now ``run``'s, or None; stale ones (or a parent process's) are closed."""
         now, pid = _clock(), os.getpid()
         found = None
         stale = []
@@ -4206,8 +4202,7 @@ def _conversation_id(value: Any) -> Optional[str]:
 
 
 def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
-    """The ``X-Conversation-Id`` of every request made for a resumable stream: a front routing by it reaches the server
-    that holds the stream."""
+    """The ``X-Conversation-Id`` of a resumable stream's requests: a front routing by it reaches its server."""
     return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
@@ -4217,8 +4212,7 @@ _canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
 
 
 def _session_key(value: Any, what: str = "session") -> Optional[str]:
-    """A session key given by the caller: None, or a str of 1 to 128 visible ASCII characters
-    (``ValueError``; anything else is ``TypeError``)."""
+    """A caller's session key: None, or 1 to 128 visible ASCII characters (``ValueError``, else ``TypeError``)."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -4244,8 +4238,7 @@ def _session_digest(head: Any) -> Optional[str]:
 
 
 def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
-    """The ``X-Session-Id`` of a request: a front routing by it takes every turn of one conversation to the server whose
-    cache holds it."""
+    """The ``X-Session-Id`` of a request: a front routing by it keeps a conversation on one server."""
     return [(_SESSION_HEADER, session)] if session is not None else []
 
 
@@ -4400,8 +4393,7 @@ def _with_slot(body: Any, slot: Any) -> Dict[str, Any]:
 
 
 def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
-    """The next bytes of the answer to the single-shot call ``what``; ``StalledError`` after ``timeout``
-    of silence."""
+    """The next bytes of the answer to the single-shot call ``what``; ``StalledError`` after ``timeout`` of silence."""
     try:
         data = yield (_RECV, conn, timeout)  # type: bytes
         return data
@@ -4659,8 +4651,7 @@ class _Calls:
         extra: Sequence[Tuple[str, str]] = (),
         accept: str = "application/json",
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
-        """One request, routed to its model, as ``_exchange`` sends it (a kept connection when one is free):
-        (head, body).  ``timeout``: ``liveness``."""
+        """One request routed to its model, as ``_exchange`` sends it: (head, body); ``timeout``: ``liveness``."""
         body, query = self.route(method, body, query, model, path)
         request = self.encode(method, path, body, accept, query, self.limits.keep_alive > 0, extra)
         timeout = self.limits.liveness if timeout is None else timeout
@@ -5338,8 +5329,7 @@ class _StreamLife:
         return self._back_off
 
     def _on_unknown(self, loss: StreamClosedError) -> Callable[[], _Plan[Any]]:
-        """A replay the server answered "not known": ask another server behind the front, at once (up to
-        ``Limits.servers``), then ``_not_known``."""
+        """A replay answered "not known": another server at once (``Limits.servers``), else ``_not_known``."""
         if self.misses + 1 < self.limits.servers:
             self.misses += 1
             self.retry = _Retry(str(loss), None, loss)
@@ -5620,8 +5610,7 @@ def _final_error(addr: _Address, exc: BaseException) -> None:
 
 
 def _cancel_told(addr: _Address, how: str) -> None:
-    """Log (DEBUG) how a stream was cancelled; the code that goes on iterating hears ``CancelledError``, which
-    ``_final_error`` logs."""
+    """Log (DEBUG) how a stream was cancelled (what the iterating code then hears, ``_final_error`` logs)."""
     log = _logger(_DEBUG)
     if log is not None:
         log.debug("%s: cancelled: %s", addr.text, how)
@@ -5667,8 +5656,7 @@ def _unix_connect(sock: socket.socket, addr: _Address) -> None:
 
 
 class _Conn:
-    """One connection with a blocking socket; ``socket.timeout`` (on 3.8 not a ``TimeoutError``) is
-    translated before ``OSError``."""
+    """One connection with a blocking socket; ``socket.timeout`` (on 3.8 no ``TimeoutError``) caught first."""
 
     __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
@@ -5749,8 +5737,7 @@ class _Conn:
                 raise socket.timeout(what)
 
     def _adopt(self, sock: socket.socket, timeout: float) -> None:
-        """Make ``sock`` this connection's before it connects (``cancel()`` shuts it down); ``CancelledError``
-        when the cancel came first."""
+        """Make ``sock`` this connection's before it connects (``cancel()`` shuts it down); or ``CancelledError``."""
         with self._lock:
             old, self.sock = self.sock, sock
         if old is not None:
@@ -5802,8 +5789,7 @@ class _Conn:
             raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
 
     def recv(self, timeout: float) -> bytes:
-        """The next bytes, ``b""`` at the end; ``_Silence`` when nothing came for ``timeout``,
-        ``StreamClosedError`` when the connection failed."""
+        """The next bytes, ``b""`` at the end; ``_Silence`` after ``timeout``; ``StreamClosedError``."""
         try:
             return self._timed(timeout).recv(RECV_SIZE)
         except socket.timeout:
@@ -5915,8 +5901,7 @@ class _SyncRun(_Run):
         threading.Thread(target=run.background, name="loopclient-background", daemon=True).start()
 
     def unwind(self) -> None:
-        """End a cancelled plan in this thread (``CancelledError`` thrown into it: its last words are said,
-        its finally runs); the error stays here."""
+        """End a cancelled plan in this thread (last words said, finally run); its ``CancelledError`` stays here."""
         self.cancelled = True
         try:
             while self.step() is not None:
@@ -6509,8 +6494,7 @@ if TYPE_CHECKING:
 
 
 class _Alarm:
-    """What a run or a connection waits on, on the event loop: a future per wait and a timer handle (no task
-    of its own)."""
+    """What a run or a connection waits on, on the event loop: a future per wait and a timer handle."""
 
     __slots__ = ("loop", "_future")
 

@@ -3950,8 +3950,7 @@ class _Run:
         self._conns_lock = threading.Lock()
 
     def child(self, plan: _Plan[Any]) -> Any:
-        """A run of this driver for ``plan``, which this one starts in the background (``_SPAWN``),
-        counted among the board's runs (``close()`` cancels it)."""
+        """A run of this driver for ``plan``, started in the background (``_SPAWN``), among the board's runs."""
         run = type(self)(self.board)
         run.gen = plan
         self.board.add(run)
@@ -4271,8 +4270,7 @@ def _after(run: _Run, exc: Optional[BaseException]) -> Optional[BaseException]:
 
 
 def _check_timeout(timeout: Any) -> Optional[float]:
-    """A single-shot call's ``timeout=``: None, or seconds greater than zero (``TypeError`` for what is not a
-    number, ``ValueError`` for zero, a negative number or NaN)."""
+    """A single-shot call's ``timeout=``: None or seconds > 0 (``TypeError``, ``ValueError`` for <= 0 or NaN)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -4332,8 +4330,7 @@ def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
 
 
 def _deadline_error(timeout: float, code: str, what: str, address: str, heard: bool) -> DeadlineError:
-    """The ``DeadlineError`` of a call whose ``timeout`` ran out in operation ``code``; ``what`` is the
-    request line once sent, ``heard`` whether any byte of the answer came."""
+    """The ``DeadlineError`` of a ``timeout`` run out in ``code``; ``what``: the request line; ``heard``: any byte."""
     phase = _DEADLINE_PHASES[code]
     if phase == "connect" or not what:
         what = address
@@ -4348,8 +4345,7 @@ def _deadline_error(timeout: float, code: str, what: str, address: str, heard: b
 
 
 class _StreamRequest:
-    """What a streamed request sends and how it is read: built and checked by ``_Streams`` when its stream is
-    made, then sent and read by its ``_StreamLife``."""
+    """What a streamed request sends and how it is read: made by ``_Streams``, lived by ``_StreamLife``."""
 
     __slots__ = (
         "calls", "request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "only",
@@ -4382,8 +4378,7 @@ class _StreamRequest:
 
 
 def _with_slot(body: Any, slot: Any) -> Dict[str, Any]:
-    """``body`` (a dict, or None for a route's empty one) with ``id_slot``, the slot checked (``_slot_id``);
-    ``TypeError`` for a body that is not a JSON object."""
+    """``body`` (a dict; None: a route's empty one) with ``id_slot``; ``TypeError`` for another body."""
     slot = _slot_id(slot, "an int or None")
     if body is not None and not isinstance(body, dict):
         raise TypeError("a slot goes into a JSON object body (id_slot), not beside %s" % type(body).__name__)
@@ -4660,8 +4655,7 @@ class _Calls:
     def call_json(
         self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any
     ) -> _Plan[Any]:
-        """``_call``'s answer, a 200 whose body is JSON: the value; ``HTTPStatusError`` for another status,
-        ``ProtocolError`` for a body that is not JSON."""
+        """``_call``'s answer: the JSON value of a 200 (else ``HTTPStatusError``; not JSON: ``ProtocolError``)."""
         head, data = yield from self._call(method, path, body, query, **kw)
         if head.status != 200:
             raise _status_error(head, data)
@@ -5227,8 +5221,7 @@ class _StreamLife:
                 return (yield from self._decide(verdict))
 
     def _took(self, heard: float, head: Optional[ResponseHead]) -> None:
-        """The clocks after a read that brought bytes at ``heard``; a head that came with it (``head``: the one
-        before) may name the server that answered (``_answered_by``)."""
+        """The clocks after a read of bytes at ``heard``; a new head may name its server (``_answered_by``)."""
         pump = self.pump
         if head is None and pump.head is not None:
             self._answered_by(pump.head)
@@ -5727,8 +5720,7 @@ class _Conn:
         return bool(owner.cancelled and not owner.shield)
 
     def _until(self, ready: Callable[[float], Any], timeout: float, what: str) -> None:
-        """Until ``ready(seconds)`` is true, asked at least every 0.1 s: ``CancelledError`` once the run is
-        cancelled, ``socket.timeout(what)`` past ``timeout``."""
+        """Until ``ready(seconds)`` (every 0.1 s): ``CancelledError`` if cancelled, ``socket.timeout(what)`` late."""
         deadline = time.monotonic() + timeout
         while not ready(max(0.0, min(deadline - time.monotonic(), 0.1))):
             if self._stopped():
@@ -5939,8 +5931,7 @@ class _SyncRun(_Run):
 
 
 class _Events:
-    """What ``Stream`` and ``AsyncStream`` share: the request, its ``_StreamLife``, the batch of events being handed out
-    (last first), the offset and the completion."""
+    """What ``Stream`` and ``AsyncStream`` share: the request, its ``_StreamLife``, the batch being handed out."""
 
     _run: Any
 
@@ -5966,8 +5957,7 @@ class _Events:
         run.gen = life.watch() if self._req.watch else life.plan()
 
     def _hand_out(self, got: Optional[List[Event]], stop: type) -> Event:
-        """The first event of the batch the run's step returned (the rest handed out next); ``stop`` raised
-        when the plan ended (its ``Completion`` kept)."""
+        """The batch's first event (the rest handed out next); ``stop`` once the plan ended (``Completion`` kept)."""
         life = self._life
         assert life is not None
         if got is None:
@@ -6719,8 +6709,7 @@ class _AsyncConn:
             await self._alarm.wait(left)
 
     async def recv(self, timeout: float) -> bytes:
-        """The bytes received (all of them), ``b""`` at the end; ``_Silence`` when nothing came for
-        ``timeout``, ``StreamClosedError`` when the connection failed."""
+        """The bytes received (all), ``b""`` at the end; ``_Silence`` after ``timeout``; ``StreamClosedError``."""
         deadline = 0.0
         while True:
             chunks = self._chunks

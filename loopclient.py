@@ -4187,8 +4187,7 @@ def _keep_for(head: ResponseHead) -> Optional[float]:
 
 
 def _conversation_id(value: Any) -> Optional[str]:
-    """``resumable``: True makes an id (``lc-`` and 32 hex digits), a str is the id (1 to 128 visible ASCII
-    characters), None or False is no resumable stream."""
+    """``resumable``: True makes an id (``lc-`` and 32 hex digits), a str is one (1 to 128 visible ASCII)."""
     if value is None or value is False:
         return None
     if value is True:
@@ -4397,8 +4396,7 @@ def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
 
 
 def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: Optional[str]) -> List[Tuple[str, str]]:
-    """The headers every request carries beside its own: User-Agent (``headers`` may replace it), ``headers``
-    (``_own_headers``) and ``api_key`` as a bearer token."""
+    """The headers of every request: User-Agent (``headers`` may replace it), ``headers``, ``api_key`` as a bearer."""
     extra = _merged([("User-Agent", _USER_AGENT)], _own_headers(addr, headers))
     if api_key is not None:
         if not isinstance(api_key, str):
@@ -4443,8 +4441,7 @@ def _session_from(headers: List[Tuple[str, str]], session: Any) -> Tuple[List[Tu
 
 
 def _tls_context(addr: _Address, ssl_context: Any) -> Any:
-    """The ``ssl.SSLContext`` for ``addr``: the caller's, or the default one for an https:// address
-    (``None`` for plain TCP and Unix sockets, where none was given)."""
+    """The ``ssl.SSLContext`` for ``addr``: the caller's, else a default one for https:// (else None)."""
     if addr.tls or ssl_context is not None:
         ssl = _import_ssl()
 
@@ -5150,8 +5147,7 @@ class _StreamLife:
         return None
 
     def _ask_pool(self) -> _Plan[None]:
-        """``_capacity``'s ``/props``, in the background: the pool it learns is kept and resizes the gate; no answer
-        leaves a pool of one, and the next request asks again."""
+        """``_capacity``'s ``/props``, in the background: it resizes the gate (no answer: a pool of one)."""
         board, model = self.board, self.req.model
         total = None
         try:
@@ -7247,8 +7243,7 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
 
 
 def _as_client(cls: Any) -> None:
-    """Every public call of ``cls`` (``AsyncClient``) without a docstring of its own is ``Client``'s on an
-    event loop: its docstring says so, once, here (``help()`` shows it)."""
+    """Give each public call of ``cls`` without a docstring one saying it is ``Client``'s on an event loop."""
     for name, call in vars(cls).items():
         if not name.startswith("_") and call.__doc__ is None:
             plain = call.__annotations__.get("return") == "AsyncStream"

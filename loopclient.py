@@ -5830,6 +5830,9 @@ class _SyncRun(_Run):
         self._rung = False  # signal() released the bell and no park has taken it back yet
 
     def signal(self) -> None:
+        self._ring()
+
+    def _ring(self) -> None:
         """Wake the park in progress, or the next one: the bell, released once (``cancel()`` rings it too)."""
         with self._conns_lock:
             if not self._rung:
@@ -5918,7 +5921,7 @@ class _SyncRun(_Run):
 
     def cancel(self) -> None:
         self._abort()
-        self.signal()
+        self._ring()
         if self.gen is not None and self.lock.acquire(False):  # nobody drives it: end it here
             try:
                 self.unwind()  # sockets closed, a resumable stream deleted, permit released

@@ -1363,7 +1363,7 @@ class VirtualRun(lc._SyncRun):
         self.rung = False
         self.sleeper = _VWaiters(self.kernel)
 
-    def signal(self):
+    def _ring(self):
         self.rung = True
         self.sleeper.notify()
 

@@ -3121,9 +3121,8 @@ class ResponsePump:
 
 
 class _Address:
-    """``text`` as the caller gave it (for messages); ``target`` a socket path, or (host, port) over TCP (TLS
-    when ``tls``); the Host header; the ``prefix`` of every request path ("" or "/llama"); ``seen``: a
-    connect reached a Unix socket file there since the client was made; ``warned``: a missing one was logged."""
+    """``text`` as given (for messages); ``target`` a socket path or (host, port); ``host`` the Host header; ``seen``: a
+    connect reached a socket file there since the client was made; ``warned``: a missing one was logged."""
 
     __slots__ = ("text", "unix", "target", "host", "tls", "prefix", "seen", "warned")
 
@@ -3270,49 +3269,25 @@ def _no_answer(what: str, timeout: float) -> StalledError:
     return _hinted(StalledError("%s: no answer for %.1f s (liveness)" % (what, timeout), timeout), _LONGER % "liveness")
 
 
-_BUDGETS = {
-    BUSY: (
-        "busy_wait",
-        WaitTimeoutError,
-        "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
-    ),
-    UNAVAILABLE: (
-        "load_wait",
-        LoadTimeoutError,
-        "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
-    ),
-    IDLE: (
-        "idle_grace",
-        StalledError,
-        "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
-    ),
-    CAPACITY: (
-        "busy_wait",
-        WaitTimeoutError,
-        "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait)",
-    ),
-    FRONT: (
-        "busy_wait",
-        WaitTimeoutError,
-        "no slot took the request for {waited:.1f} s (busy_wait) behind the front at {address}, which "
-        "stops waiting for one sooner",
-    ),
-    SEVERAL: (
-        "busy_wait",
-        WaitTimeoutError,
-        "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
-        "servers (Limits.servers) /slots may describe another server than the one holding slot {slot}",
-    ),
-    UNSEEN: (
-        "busy_wait",
-        WaitTimeoutError,
-        "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
-        "slot {slot} cannot be seen (busy_wait): the request may still be queued upstream",
-    ),
+#: The budget of each wait state: the ``Limits`` field, and the error when it runs out.
+_BUDGETS: Dict[str, Tuple[str, Any]] = dict.fromkeys(
+    (BUSY, CAPACITY, FRONT, SEVERAL, UNSEEN), ("busy_wait", WaitTimeoutError)
+)
+_BUDGETS.update({UNAVAILABLE: ("load_wait", LoadTimeoutError), IDLE: ("idle_grace", StalledError)})
+#: What the error of each says.
+_TEXTS = {
+    BUSY: "slot {slot} stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
+    UNAVAILABLE: "the server at {address} stayed unreachable or loading for {waited:.1f} s (load_wait)",
+    IDLE: "slot {slot} is idle, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
+    CAPACITY: "the server at {address} answered 429 (at capacity) for {waited:.1f} s (busy_wait)",
+    FRONT: "no slot took the request for {waited:.1f} s (busy_wait) behind the front at {address}, which "
+    "stops waiting for one sooner",
+    SEVERAL: "no response for {waited:.1f} s from the servers behind {address} (busy_wait); with several "
+    "servers (Limits.servers) /slots may describe another server than the one holding slot {slot}",
+    UNSEEN: "no response for {waited:.1f} s from the server at {address}, which does not serve /slots, so "
+    "slot {slot} cannot be seen (busy_wait): the request may still be queued upstream",
 }
-
-
-#: What ``_BUDGETS`` says of a ``slot=None`` request, which waits for the pool, not for one slot.
+#: What ``_TEXTS`` says of a ``slot=None`` request, which waits for the pool, not for one slot.
 _POOL_TEXTS = {
     BUSY: "every slot stayed busy for {waited:.1f} s (busy_wait): the server is still serving others",
     IDLE: "a slot is free, yet no response came for {waited:.1f} s (idle_grace): the server is stuck",
@@ -3324,8 +3299,7 @@ _POOL_TEXTS = {
 
 
 class _Waits:
-    """What a request waits on before its response starts, and since when: each state has its budget,
-    which restarts when the state changes."""
+    """What a request waits on before its response starts, and since when (a budget restarts with the state)."""
 
     __slots__ = ("limits", "state", "since", "sent_at", "slot", "addr", "cause", "answered")
 
@@ -3368,9 +3342,8 @@ class _Waits:
         """The error of the budget that ran out; a wait where nothing ever answered but failed connects is
         "no server there" (``_Unreachable``), which says the last OS error."""
         assert self.state is not None
-        budget, cls, text = _BUDGETS[self.state]
-        if self.slot is None:
-            text = _POOL_TEXTS.get(self.state, text)
+        budget, cls = _BUDGETS[self.state]
+        text = _TEXTS[self.state] if self.slot is not None else _POOL_TEXTS.get(self.state, _TEXTS[self.state])
         waited, addr, cause, hint = _clock() - self.since, self.addr, self.cause, _LONGER % budget
         text = text.format(slot=self.slot, address=addr.text, waited=waited)
         if isinstance(cause, HTTPStatusError) and cause.status in _FRONT_STATUSES:
@@ -3436,9 +3409,9 @@ class _Backoff:
 def _read_timeout(
     limits: Limits, waits: _Waits, head: Optional[ResponseHead], started: float, heard: float, now: float
 ) -> float:
-    """How long the next read of an attempt may wait: ``poll`` (within the wait's budget) before the first
-    byte, what is left of ``liveness`` after it; at most ``poll`` on a silent stream when slots are watched
-    for a wedge.  A head that has not completed within ``liveness`` of its first byte is ``StalledError``."""
+    """How long the next read may wait: ``poll`` (within the wait's budget) before the first byte, what is left of
+    ``liveness`` after it (at most ``poll`` when slots are watched for a wedge); ``StalledError`` for a head not
+    complete within ``liveness`` of its first byte."""
     liveness = limits.liveness
     if not started:
         left = waits.remaining()
@@ -3456,8 +3429,7 @@ def _read_timeout(
 
 
 def _slots_timeout(limits: Limits) -> float:
-    """How long the shared ``/slots`` request may take, and a poll waits for its answer: twice ``poll``, at
-    least 0.5 s, at most ``liveness``."""
+    """The shared ``/slots`` request's timeout, and a poll's wait for it: twice ``poll``, 0.5 s to ``liveness``."""
     return min(limits.liveness, max(2 * limits.poll, 0.5))
 
 
@@ -3472,9 +3444,7 @@ def _stalled(limits: Limits, head: Optional[ResponseHead], heard: float) -> Opti
 
 
 def _quiet_rule(limits: Limits, slot: Optional[int], quiet: float, pinged: bool) -> Tuple[bool, bool]:
-    """(look for a wedge, judge the pings) for a stream with no data event for ``quiet`` seconds: its slot
-    being wedged is an error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot
-    serves the stream is unknown); pings alone are judged once they have lasted ``liveness``."""
+    """(look for a wedge, judge the pings) after ``quiet`` s without data (``_StreamLife._check_quiet``)."""
     wedge = limits.wedge_wait is not None and (slot is not None or quiet >= limits.wedge_wait)
     return wedge, pinged and quiet >= limits.liveness
 
@@ -3489,20 +3459,13 @@ def _judge_quiet(
     if not pings:
         return
     if state not in (BUSY, UNSEEN, SEVERAL):  # a slot that cannot be seen may be processing: waited out as busy
-        text = "only pings for %.1f s and the slot is %s: the stream is stuck" % (
-            quiet,
-            "idle" if state == IDLE else "unknown",
-        )
+        seen = "idle" if state == IDLE else "unknown"
+        text = "only pings for %.1f s and the slot is %s: the stream is stuck" % (quiet, seen)
         raise _hinted(StalledError(text, quiet), _LONGER % "liveness")
     if quiet >= limits.busy_wait:
-        text = "only pings for %.1f s (busy_wait) while the slot %s" % (
-            quiet,
-            "stays busy"
-            if state == BUSY
-            else "cannot be seen (/slots is not served)"
-            if state == UNSEEN
-            else "cannot be told apart from the other servers' (Limits.servers)",
-        )
+        why = {BUSY: "stays busy", UNSEEN: "cannot be seen (/slots is not served)"}.get(state)
+        why = why or "cannot be told apart from the other servers' (Limits.servers)"
+        text = "only pings for %.1f s (busy_wait) while the slot %s" % (quiet, why)
         raise _hinted(StalledError(text, quiet), _LONGER % "busy_wait")
 
 
@@ -3512,19 +3475,15 @@ def _judge_quiet(
 
 
 class _Lane:
-    """One queue (a slot, or the ``slot=None`` pool, of one model), under the gate's lock.  Queued tickets
-    hold positions in entry order (``tail`` the next); ``head`` is the first one's, ``holes`` the sorted
-    positions between it and ``tail`` whose ticket was cancelled.  So ``pos - head - (holes below pos)``
-    wait before ``pos``: a bisection, where walking the queue would cost thousands of waiters, each asking
-    every ``poll``, the square of their number.  Invariants, whenever the lock is free:
+    """One queue (a slot, or a model's ``slot=None`` pool), under the gate's lock.  Queued tickets hold positions in
+    entry order (``tail`` the next); ``head`` is the first one's, ``holes`` the sorted cancelled positions between.
+    ``pos - head - (holes below pos)`` wait before ``pos``: a bisection, not a walk of thousands of waiters every
+    ``poll``.  Invariants, whenever the lock is free:
 
-      1. Nobody waits while a permit is free: ``queue`` is empty or ``in_flight >= capacity``; and
-         ``in_flight <= capacity``, unless ``_Gate.resize`` made the pool smaller than the requests in flight.
-      2. The positions of ``queue`` and ``holes`` are exactly ``range(head, tail)``, without overlap; ``holes``
-         is sorted and ``head`` is in ``queue`` (``head == tail == 0`` when it is empty).
-      3. ``len(holes) <= len(queue)``: else the positions are renumbered (O(queued), paid for by the cancels
-         that made the holes), so memory stays constant per waiter however many come and go.
-    """
+      1. Nobody waits while a permit is free (``queue`` empty or ``in_flight >= capacity``), and ``in_flight <=
+         capacity`` unless ``_Gate.resize`` made the pool smaller than the requests in flight.
+      2. ``queue`` and ``holes`` hold exactly ``range(head, tail)``; ``head`` is in ``queue`` (0, 0 when empty).
+      3. ``len(holes) <= len(queue)``, else ``_renumber`` (paid for by the cancels): constant memory per waiter."""
 
     __slots__ = ("capacity", "known", "in_flight", "queue", "head", "tail", "holes")
 
@@ -3605,10 +3564,8 @@ class _Lane:
 
 
 class _Ticket:
-    """One request's claim on a lane: granted at once by ``enter``, or queued until a release hands it the
-    permit.  The gate signals its ``waker`` (the run that waits) then, or when the pool's size, once known,
-    judges a ticket that entered before it (``_Gate.resize``: its ``Queued``, or its ``BusyError``), and
-    never for anything else."""
+    """One request's claim on a lane, granted by ``enter`` or queued until a release hands it the permit. The gate
+    signals its ``waker`` then, or when ``_Gate.resize`` judges it (its ``Queued`` or ``BusyError``), only."""
 
     __slots__ = ("lane", "seq", "pos", "granted", "left", "ahead", "refused", "waker")
 
@@ -3628,12 +3585,10 @@ class _Ticket:
 
 
 class _Gate:
-    """FIFO queues that hand over: per key ``(model, slot)`` (None: the default model, the pool), ``capacity``
-    requests in flight (1 for a slot, ``total_slots`` for a pool) and ``queue_len`` more waiting; the next
-    is refused with ``BusyError``.  A release grants the permit to the first waiter and signals its waker
-    only; a waiter that leaves wakes nobody.  Waiters read how far they moved up (``position``) on their own
-    timer, every ``poll`` (so ``Queued`` announcements are coalesced, and thousands of waiters cost the same
-    per request as ten).  Both drivers use it: the lock is uncontended on an event loop."""
+    """FIFO queues that hand over, per key ``(model, slot)`` (slot None: the pool): ``capacity`` in flight (1 for a
+    slot, ``total_slots`` for a pool) and ``queue_len`` waiting; the next is ``BusyError``.  A release grants the first
+    waiter and signals it alone; waiters read their place (``position``) on their own ``poll`` timer, so thousands cost
+    per request what ten do.  Both drivers use it (uncontended on an event loop)."""
 
     def __init__(self, lock: threading.Lock, queue_len: int) -> None:
         self._lock = lock
@@ -3644,10 +3599,9 @@ class _Gate:
     def enter(
         self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int], waker: Optional[_Run] = None
     ) -> _Ticket:
-        """A granted ticket, or a queued one whose ``ahead`` is the first ``Queued`` to announce; ``BusyError``
-        when ``queue_len`` already wait.  ``capacity`` sizes a new lane and grows a smaller one (admitting
-        the waiters that now fit).  None: the pool's ``/props`` has not answered: one request goes (every
-        server has a slot), the others wait unjudged (``ahead`` 0: no ``Queued``, no refusal) until ``resize``."""
+        """A granted ticket, or a queued one (``ahead``: its first ``Queued``); ``BusyError`` when ``queue_len`` wait.
+        ``capacity`` sizes a new lane or grows one; None (``/props`` has not answered): one request goes, the others
+        wait unjudged until ``resize``."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
@@ -3670,10 +3624,9 @@ class _Gate:
             return ticket
 
     def resize(self, key: Tuple[Optional[str], Optional[int]], capacity: Optional[int]) -> None:
-        """A pool's size as ``/props`` said it (None: no answer; it stays one): the waiters that now fit are
-        admitted, first come first (a smaller size takes no permit back: nobody goes until fewer are in
-        flight); then those that entered before the size was known are judged against it, in order: past
-        ``queue_len`` refused (``BusyError``), the others told their place (never more than before), each woken."""
+        """A pool's size from ``/props`` (None: no answer, it stays one): the waiters that fit are admitted (a smaller
+        size takes no permit back); those that entered before are judged, in order: past ``queue_len`` refused, the
+        others told their place, each woken."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:  # nobody entered yet (or the one who asked was cancelled first)
@@ -3740,9 +3693,8 @@ class _Gate:
 
 
 class _SlotReader:
-    """What ``/slots`` answers say (the shared poller's, and the command line's): since when each processing
-    slot's progress (task, decoded, prompt processed) has not changed (``remember`` each answer), and from
-    one answer, what a request's slot is doing (``state``)."""
+    """What ``/slots`` answers say (the poller's, the command line's): since when each processing slot's (task, decoded,
+    prompt processed) has not changed (``remember``), and what a request's slot is doing (``state``)."""
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
@@ -3769,9 +3721,8 @@ class _SlotReader:
     def state(
         self, slots: Optional[List[Slot]], slot: Optional[int], every: bool, address: str
     ) -> Tuple[str, Optional[WedgedSlotError]]:
-        """The state of ``slot`` (``None``: the pool) in an answer (``None``: no answer; an answer without a
-        slot is a server not ready, as a router's model that loads) and, when it is wedged, the error that
-        says so.  ``every``: the pool is busy only when every slot is (else: any)."""
+        """``slot``'s state (None: the pool) in an answer (None: no answer; no slot in it: a model still loading), and
+        the error when it is wedged.  ``every``: the pool is busy only when every slot is."""
         if not slots:  # no answer; or no slot at all: a router's model that is still loading
             return UNAVAILABLE, None
         # llama-server wraps an id_slot past the last slot
@@ -3782,13 +3733,8 @@ class _SlotReader:
             s = wedged[0]
             seconds = self.still(s)
             message = (
-                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s (wedge_wait)"
-                % (
-                    s.id,
-                    address,
-                    s.task,
-                    seconds,
-                )
+                "slot %d of llama-server at %s is wedged: processing task %s with no progress for %.1f s "
+                "(wedge_wait)" % (s.id, address, s.task, seconds)
             )
             return WEDGED, _hinted(WedgedSlotError(message, s.id, s.task, seconds), _RESTART)
         flags = [s.is_processing for s in moving]
@@ -3797,9 +3743,8 @@ class _SlotReader:
 
 
 class _SlotPoller(_SlotReader):
-    """``/slots`` of one model, shared by every request of a board: one request in flight however many wait
-    (``start()`` says who sends it), an answer younger than ``poll`` reused, the waiters' wakers signalled
-    when it comes (``answered``).  The asking is a plan (``_StreamLife._slot_state``)."""
+    """``/slots`` of one model, shared by a board's requests: one request in flight (``start()`` says who sends it), an
+    answer younger than ``poll`` reused, the waiters signalled when it comes (``answered``)."""
 
     def __init__(self, limits: Limits, lock: threading.Lock) -> None:
         _SlotReader.__init__(self, limits)
@@ -3845,10 +3790,9 @@ class _SlotPoller(_SlotReader):
 
 
 class _Run:
-    """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): whether it was cancelled
-    and whether its last words are shielded from that, its ticket (so that a cancel can release it), what
-    it returned, its open connections; and, from the driver, how to wake it (``signal``) and cancel it, and
-    the operations of section 8, each a method of its name (``send`` and ``recv`` are the connection's)."""
+    """What a plan knows of the driver running it (``_SyncRun``, ``_AsyncRun``): cancelled, its last words
+    ``shield``-ed, its ticket, its value, its open connections; the driver adds ``signal``, ``cancel`` and the
+    operations of section 8, each a method of its name."""
 
     __slots__ = ("board", "gen", "value", "cancelled", "shield", "ticket", "_conns", "_conns_lock")
 
@@ -3863,8 +3807,7 @@ class _Run:
         self._conns_lock = threading.Lock()
 
     def child(self, plan: _Plan[Any]) -> Any:
-        """A run of this driver for ``plan``, which this one starts in the background (``_SPAWN``),
-        counted among the board's runs (``close()`` cancels it)."""
+        """A run of this driver for ``plan``, started in the background (``_SPAWN``), among the board's runs."""
         run = type(self)(self.board)
         run.gen = plan
         self.board.add(run)
@@ -3907,10 +3850,9 @@ class _Run:
 
 
 class _Board:
-    """What the requests of one client share (of one event loop, for ``AsyncClient``): the gate, a
-    ``/slots`` poller and a pool size per model, the models whose ``/props`` is being asked, the runs in
-    flight and the kept connections.  Under one lock; its only I/O is closing connections (and logging it),
-    and ``close()`` cancelling the runs in flight, whose plans then unwind (a resumable stream's DELETE)."""
+    """What one client's requests share (one event loop's, for ``AsyncClient``), under one lock: the gate, a ``/slots``
+    poller and a pool size per model, the ``/props`` in flight, the runs in flight (``close()`` cancels them) and the
+    kept connections."""
 
     def __init__(self, calls: _Calls, previous: Optional[_Board] = None) -> None:
         self.calls = calls
@@ -3944,9 +3886,7 @@ class _Board:
             self.runs.discard(run)
 
     def checkout(self, run: _Run) -> Any:
-        """A kept connection to reuse (the most recent), now ``run``'s, or None.  One idle past its time, or
-        one of the process this one was forked from, is never reused: it is closed (a forked child's close
-        leaves the parent's connection alone)."""
+        """A kept connection to reuse, now ``run``'s, or None; stale ones (or a parent process's) are closed."""
         now, pid = _clock(), os.getpid()
         found = None
         stale = []
@@ -4086,9 +4026,8 @@ def _query_string(query: Dict[str, Any]) -> str:
 
 
 def _keep_for(head: ResponseHead) -> Optional[float]:
-    """How long the connection that answered ``head`` may idle before it is reused: one second less than
-    the server's ``Keep-Alive: timeout=N`` (``KEEP_IDLE`` when it does not say); None when it is not to be
-    reused (``Connection: close``, HTTP/1.0, or ``max=`` requests left below 2)."""
+    """How long the connection that answered ``head`` may idle for reuse: a second less than ``Keep-Alive: timeout=N``
+    (else ``KEEP_IDLE``); None for ``Connection: close``, HTTP/1.0, or ``max=`` below 2."""
     if head.version != "HTTP/1.1" or "close" in (head.get("connection") or "").lower():
         return None
     idle = KEEP_IDLE
@@ -4105,8 +4044,7 @@ def _keep_for(head: ResponseHead) -> Optional[float]:
 
 
 def _conversation_id(value: Any) -> Optional[str]:
-    """``resumable``: True makes an id (``lc-`` and 32 hex digits), a str is the id (1 to 128 visible ASCII
-    characters), None or False is no resumable stream."""
+    """``resumable``: True makes an id (``lc-`` and 32 hex digits), a str is one (1 to 128 visible ASCII)."""
     if value is None or value is False:
         return None
     if value is True:
@@ -4119,9 +4057,7 @@ def _conversation_id(value: Any) -> Optional[str]:
 
 
 def _pin(conversation: Optional[str]) -> List[Tuple[str, str]]:
-    """The header of every request made for a resumable stream, so that a front that routes by it (nginx
-    ``hash $http_x_conversation_id``, HAProxy ``balance hdr(X-Conversation-Id)``, Caddy ``lb_policy header``)
-    sends them all to the server that holds the stream."""
+    """The ``X-Conversation-Id`` of a resumable stream's requests: a front routing by it reaches its server."""
     return [("X-Conversation-Id", conversation)] if conversation is not None else []
 
 
@@ -4131,8 +4067,7 @@ _canonical = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
 
 
 def _session_key(value: Any, what: str = "session") -> Optional[str]:
-    """A session key given by the caller: None, or a str of 1 to 128 visible ASCII characters
-    (``ValueError``; anything else is ``TypeError``)."""
+    """A caller's session key: None, or 1 to 128 visible ASCII characters (``ValueError``, else ``TypeError``)."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -4143,10 +4078,9 @@ def _session_key(value: Any, what: str = "session") -> Optional[str]:
 
 
 def _session_digest(head: Any) -> Optional[str]:
-    """The session key of a request whose caller gave none: ``s-`` and the first 32 hex digits of the
-    SHA-256 of its stable head written as canonical JSON (sorted keys, no spaces, ASCII only), the same in
-    every process and Python version; never the text.  None for no head (or one JSON cannot write: the
-    body then fails its own encoding)."""
+    """A key for a request whose caller gave none: ``s-`` and 32 hex digits of the SHA-256 of its stable head as
+    canonical JSON (the same in every process and version; never the text).  None for no head, or one JSON cannot write
+    (the body then fails its own encoding)."""
     if head is None:
         return None
     try:
@@ -4159,9 +4093,7 @@ def _session_digest(head: Any) -> Optional[str]:
 
 
 def _session_header(session: Optional[str]) -> List[Tuple[str, str]]:
-    """The header that carries a request's session key, so that a front routing by it (nginx ``hash
-    $http_x_session_id consistent``, HAProxy a stick table on ``req.hdr(X-Session-Id)``, Caddy ``lb_policy
-    header X-Session-Id``) takes every turn of one conversation to the server whose cache holds it."""
+    """The ``X-Session-Id`` of a request: a front routing by it keeps a conversation on one server."""
     return [(_SESSION_HEADER, session)] if session is not None else []
 
 
@@ -4194,8 +4126,7 @@ def _after(run: _Run, exc: Optional[BaseException]) -> Optional[BaseException]:
 
 
 def _check_timeout(timeout: Any) -> Optional[float]:
-    """A single-shot call's ``timeout=``: None, or seconds greater than zero (``TypeError`` for what is not a
-    number, ``ValueError`` for zero, a negative number or NaN)."""
+    """A single-shot call's ``timeout=``: None or seconds > 0 (``TypeError``, ``ValueError`` for <= 0 or NaN)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -4214,11 +4145,9 @@ _TIMED_OUT = (_Silence, socket.timeout, TimeoutError)
 
 
 def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
-    """``plan``, a single-shot call, within a deadline of ``timeout`` seconds from its first step, connect
-    included: each operation may take at most what is left (its own timeout, ``liveness``, still applies
-    when shorter).  An operation cut short by the deadline that runs out (a connect, a send, a read, a
-    sleep), or an operation due once it has passed, ends the call with ``DeadlineError``; ``plan`` is
-    closed first, which closes its connection.  Its other outcomes are its own."""
+    """``plan``, a single-shot call, within ``timeout`` seconds from its first step: each operation may take at most
+    what is left.  An operation cut short by the deadline, or due after it, is ``DeadlineError``; ``plan`` is closed
+    first (its connection with it)."""
     deadline = _clock() + timeout
     value, exc = None, None  # type: Any, Optional[BaseException]
     what, heard = "", False  # the request line once sent; whether any byte of the answer came
@@ -4257,8 +4186,7 @@ def _within(plan: _Plan[_T], timeout: float, address: str) -> _Plan[_T]:
 
 
 def _deadline_error(timeout: float, code: str, what: str, address: str, heard: bool) -> DeadlineError:
-    """The ``DeadlineError`` of a call whose ``timeout`` ran out in operation ``code``; ``what`` is the
-    request line once sent, ``heard`` whether any byte of the answer came."""
+    """The ``DeadlineError`` of a ``timeout`` run out in ``code``; ``what``: the request line; ``heard``: any byte."""
     phase = _DEADLINE_PHASES[code]
     if phase == "connect" or not what:
         what = address
@@ -4273,8 +4201,7 @@ def _deadline_error(timeout: float, code: str, what: str, address: str, heard: b
 
 
 class _StreamRequest:
-    """What a streamed request sends and how it is read: built and checked by ``_Streams`` when its stream is
-    made, then sent and read by its ``_StreamLife``."""
+    """What a streamed request sends and how it is read: made by ``_Streams``, lived by ``_StreamLife``."""
 
     __slots__ = (
         "calls", "request", "slot", "model", "raw_chunks", "dialect", "conversation", "offset", "watch", "only",
@@ -4307,8 +4234,7 @@ class _StreamRequest:
 
 
 def _with_slot(body: Any, slot: Any) -> Dict[str, Any]:
-    """``body`` (a dict, or None for a route's empty one) with ``id_slot``, the slot checked (``_slot_id``);
-    ``TypeError`` for a body that is not a JSON object."""
+    """``body`` (a dict; None: a route's empty one) with ``id_slot``; ``TypeError`` for another body."""
     slot = _slot_id(slot, "an int or None")
     if body is not None and not isinstance(body, dict):
         raise TypeError("a slot goes into a JSON object body (id_slot), not beside %s" % type(body).__name__)
@@ -4318,8 +4244,7 @@ def _with_slot(body: Any, slot: Any) -> Dict[str, Any]:
 
 
 def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
-    """The next bytes of the answer to the single-shot call ``what``; ``StalledError`` after ``timeout``
-    of silence."""
+    """The next bytes of the answer to the single-shot call ``what``; ``StalledError`` after ``timeout`` of silence."""
     try:
         data = yield (_RECV, conn, timeout)  # type: bytes
         return data
@@ -4328,9 +4253,7 @@ def _recv_answer(conn: "_Conn", timeout: float, what: str) -> _Plan[bytes]:
 
 
 def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: Optional[str]) -> List[Tuple[str, str]]:
-    """The headers every request carries beside its own: User-Agent (which ``headers`` may replace), the
-    caller's ``headers``, and the ``api_key`` as a bearer token.  ``TypeError`` or ``ValueError`` now for
-    a header loopclient sets itself, a name or value that is not text, or a CR, LF or bad name."""
+    """The headers of every request: User-Agent (``headers`` may replace it), ``headers``, ``api_key`` as a bearer."""
     extra = _merged([("User-Agent", _USER_AGENT)], _own_headers(addr, headers))
     if api_key is not None:
         if not isinstance(api_key, str):
@@ -4341,10 +4264,9 @@ def _extra_headers(addr: _Address, headers: Optional[Dict[str, str]], api_key: O
 
 
 def _own_headers(addr: _Address, headers: Optional[Dict[str, str]]) -> List[Tuple[str, str]]:
-    """A caller's ``headers`` (a client's, or one call's) as pairs, checked: ``TypeError`` for names or
-    values that are not str, ``ValueError`` for a header loopclient sets itself (``Host``, ``Content-Length``,
-    ``Transfer-Encoding``, ``Content-Type``, ``Connection``), a CR, LF or NUL, or a bad name.  Names that
-    differ only in case are one header, the last value winning."""
+    """A caller's ``headers`` as pairs, checked: ``TypeError`` for what is not str, ``ValueError`` for a header
+    loopclient sets itself, a CR, LF or NUL, or a bad name.  Names differing only in case are one header, the last value
+    winning."""
     own = []  # type: List[Tuple[str, str]]
     for name, value in dict(headers or {}).items():
         if not isinstance(name, str) or not isinstance(value, str):
@@ -4376,8 +4298,7 @@ def _session_from(headers: List[Tuple[str, str]], session: Any) -> Tuple[List[Tu
 
 
 def _tls_context(addr: _Address, ssl_context: Any) -> Any:
-    """The ``ssl.SSLContext`` for ``addr``: the caller's, or the default one for an https:// address
-    (``None`` for plain TCP and Unix sockets, where none was given)."""
+    """The ``ssl.SSLContext`` for ``addr``: the caller's, else a default one for https:// (else None)."""
     if addr.tls or ssl_context is not None:
         ssl = _import_ssl()
 
@@ -4389,13 +4310,9 @@ def _tls_context(addr: _Address, ssl_context: Any) -> Any:
 
 
 class _Calls:
-    """What every request of one client shares, and its single-shot calls; shared by ``Client`` and
-    ``AsyncClient``.  The client's configuration (address, limits, headers, default model, TLS context,
-    checked as ``Client`` documents), how a request is encoded (``encode``) and routed to its model
-    (``route``), and each single-shot call as a plan (see above): one exchange on a connection, kept for
-    reuse or not, sent again only when a kept connection fails before any byte of the answer (the server
-    had closed it while idle, and never read the request: ``_exchange``).  The streamed requests are built
-    by ``_Streams`` and lived by ``_StreamLife``; it never touches a socket."""
+    """A client's configuration (checked as ``Client`` documents), how its requests are encoded (``encode``) and routed
+    (``route``), and each single-shot call as a plan (``_exchange``); shared by ``Client`` and ``AsyncClient``, and it
+    never touches a socket."""
 
     def __init__(
         self,
@@ -4430,11 +4347,9 @@ class _Calls:
         self.slot_counts = {}  # type: Dict[Optional[str], int]
 
     def at(self, headers: Optional[Dict[str, str]], session: Optional[str] = None) -> _Calls:
-        """These calls for one call that gives ``headers`` or a ``session`` key of its own: a copy whose
-        requests carry them beside the client's headers (a call's value wins, the ``api_key``'s
-        ``Authorization`` and the ``User-Agent`` included; an ``X-Session-Id`` among ``headers`` is the
-        call's session key); ``self`` when both are None.  ``TypeError``/``ValueError`` now for what
-        ``Client(headers=...)`` refuses, and for two different session keys."""
+        """These calls with one call's own ``headers`` (its values win, ``Authorization`` and ``User-Agent`` too; an
+        ``X-Session-Id`` is its session key) or ``session``; ``self`` when both are None. ``TypeError``/``ValueError``
+        for what ``Client(headers=...)`` refuses, or two different session keys."""
         if headers is None and session is None:
             return self
         calls = object.__new__(_Calls)
@@ -4448,19 +4363,16 @@ class _Calls:
         return calls
 
     def learn_slots(self, model: Optional[str], count: Optional[int]) -> None:
-        """Remember that the server has ``count`` slots for ``model``, from an answer the client got anyway
-        (``/props``' ``total_slots``, the length of a ``/slots`` answer).  Two answers that disagree (several
-        servers behind the address, or a restart with another ``--parallel``) make it unknown for good, and
-        nothing is learnt with several servers behind the address (``Limits.servers``)."""
+        """Remember the server's slot count for ``model`` from an answer got anyway (``total_slots``, a ``/slots``
+        length); two that disagree make it unknown for good; nothing is learnt with ``Limits.servers`` > 1."""
         if count is None or count < 1 or self.limits.servers > 1:
             return
         known = self.slot_counts.get(model, count)
         self.slot_counts[model] = count if known == count else 0
 
     def check_slot(self, slot: int, model: Optional[str]) -> None:
-        """``ValueError`` for a ``slot`` past the slots the server said it has: llama-server would take it
-        modulo their number, on a slot the caller did not name (and that this client's gate does not count
-        as the same)."""
+        """``ValueError`` for a ``slot`` past the server's slots: llama-server would take it modulo their number,
+        a slot the caller did not name (and that the gate does not count as the same)."""
         count = self.slot_counts.get(model, 0)
         if count and slot >= count:
             which = "slot 0" if count == 1 else "0 to %d" % (count - 1)
@@ -4525,15 +4437,10 @@ class _Calls:
     def _exchange(
         self, request: bytes, timeout: float, what: str, head_only: bool = False
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
-        """Send one request and read its response to the end: (head, body).  A server that cannot be reached
-        is ``ConnectError``; silence longer than ``timeout`` between two reads is ``StalledError``; a body over
-        ``max_body`` is ``ProtocolError``.  ``head_only``: the answer to a HEAD request, which ends at its head
-        whatever its Content-Length says (RFC 9112 6.3).
-
-        With ``keep_alive``, a kept connection is reused, and kept again after an answer read whole with a
-        known length and no ``Connection: close``.  A kept connection that fails before any byte of the
-        answer was closed by the server while idle (it never saw the request): the request goes once more,
-        on a new connection."""
+        """Send one request and read its answer whole: (head, body); ``ConnectError``, ``StalledError`` (silence over
+        ``timeout``), ``ProtocolError`` (over ``max_body``).  ``head_only``: a HEAD's answer ends at its head.  With
+        ``keep_alive`` a kept connection is reused; one that fails before any byte of the answer was closed by the
+        server while idle: the request goes once more, on a new connection."""
         reuse = self.limits.keep_alive > 0
         while True:
             try:
@@ -4593,8 +4500,7 @@ class _Calls:
         extra: Sequence[Tuple[str, str]] = (),
         accept: str = "application/json",
     ) -> _Plan[Tuple[ResponseHead, bytes]]:
-        """One request, routed to its model, as ``_exchange`` sends it (a kept connection when one is free):
-        (head, body).  ``timeout``: ``liveness``."""
+        """One request routed to its model, as ``_exchange`` sends it: (head, body); ``timeout``: ``liveness``."""
         body, query = self.route(method, body, query, model, path)
         request = self.encode(method, path, body, accept, query, self.limits.keep_alive > 0, extra)
         timeout = self.limits.liveness if timeout is None else timeout
@@ -4603,17 +4509,14 @@ class _Calls:
     def call_json(
         self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None, **kw: Any
     ) -> _Plan[Any]:
-        """``_call``'s answer, a 200 whose body is JSON: the value; ``HTTPStatusError`` for another status,
-        ``ProtocolError`` for a body that is not JSON."""
+        """``_call``'s answer: the JSON value of a 200 (else ``HTTPStatusError``; not JSON: ``ProtocolError``)."""
         head, data = yield from self._call(method, path, body, query, **kw)
         if head.status != 200:
             raise _status_error(head, data)
         return _decode_json(data, "%s %s" % (method, path))
 
-    def _object(
-        self, method: str, path: str, body: Any = None, query: Optional[Dict[str, Any]] = None
-    ) -> _Plan[Dict[str, Any]]:
-        doc = yield from self.call_json(method, path, body, query)
+    def _object(self, method: str, path: str, body: Any = None, query: Any = None, **kw: Any) -> _Plan[Dict[str, Any]]:
+        doc = yield from self.call_json(method, path, body, query, **kw)
         if not isinstance(doc, dict):
             raise ProtocolError("%s %s did not answer a JSON object" % (method, path))
         return doc
@@ -4662,9 +4565,7 @@ class _Calls:
 
     def props(self, model: Optional[str]) -> _Plan[Dict[str, Any]]:
         name = self.model if model is None else model
-        doc = yield from self.call_json("GET", "/props", model=name)
-        if not isinstance(doc, dict):
-            raise ProtocolError("GET /props did not answer a JSON object")
+        doc = yield from self._object("GET", "/props", model=name)
         self.learn_slots(name, _total_slots(doc))
         return doc
 
@@ -4683,18 +4584,10 @@ class _Calls:
             if value in ("loaded", "sleeping"):  # sleeping: loaded, its weights swapped out until a request
                 return answer
             if value not in ("loading", "downloading", "downloaded"):
-                raise ServerError(
-                    status.get("exit_code"),
-                    "the router could not load model %r: it is %s%s (GET /models: %s)"
-                    % (
-                        name,
-                        value,
-                        ", failed with exit code %s" % status.get("exit_code") if status.get("failed") else "",
-                        _dumps(status)[:300],
-                    ),
-                    "load_failed",
-                    status,
-                )
+                code = status.get("exit_code")
+                failed = ", failed with exit code %s" % code if status.get("failed") else ""
+                text = "the router could not load model %r: it is %s%s (GET /models: %s)"
+                raise ServerError(code, text % (name, value, failed, _dumps(status)[:300]), "load_failed", status)
             left = self.limits.load_wait - (_clock() - started)
             if left <= 0:
                 text = "model %r was still %s after load_wait (%.1f s)" % (name, value, self.limits.load_wait)
@@ -4822,10 +4715,8 @@ class _Calls:
 
 
 class _Streams:
-    """How a client's streamed requests are built and checked, when their streams are made (the ``stream*``
-    calls, ``resume()``, ``watch_models()``): each a ``_StreamRequest``, the bytes of its first send and how
-    it is read, which its ``_StreamLife`` sends and reads.  Shared by ``Client`` and ``AsyncClient``; it
-    never touches a socket."""
+    """The streamed requests, built and checked when their streams are made (``stream*``, ``resume()``,
+    ``watch_models()``): each a ``_StreamRequest`` that its ``_StreamLife`` sends and reads."""
 
     def __init__(self, calls: _Calls) -> None:
         self.calls = calls
@@ -4833,10 +4724,9 @@ class _Streams:
     def stream_request(
         self, endpoint: str, args: Tuple[Any, ...], params: Dict[str, Any], slot: Optional[int]
     ) -> _StreamRequest:
-        """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public
-        call documents: ``raw_chunks``, ``resumable``, ``headers`` and ``session`` taken out of ``params``,
-        the row's body function makes the body of ``args`` and the other keywords, then ``id_slot``, the
-        row's thinking-cap rule, the session key, the model and the slot check apply."""
+        """A streamed request of ``endpoint`` (a row of ``_ENDPOINTS``), built and checked as the public calls document:
+        the row's body of ``args`` and ``params``, then ``id_slot``, the thinking cap, the session key, the model and
+        the slot check."""
         row = _ENDPOINTS[endpoint]
         if "timeout" in params:
             raise TypeError(
@@ -4922,10 +4812,9 @@ def _cap_rule(row: _Endpoint, body: Any) -> None:
 
 
 def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
-    """Wait in the queue until ``ticket`` is granted: a hand-over signals the run's waker; every ``poll``
-    seconds, on its own timer, the waiter looks up its position and announces a smaller one (``Queued``:
-    coalesced, never repeated or increased).  A ticket that entered before its pool's size was known says
-    nothing until the gate judges it (``_Gate.resize``): then its ``Queued``, or its ``BusyError``."""
+    """Wait in the queue until ``ticket`` is granted (a hand-over signals the waker); every ``poll``, on its own timer,
+    announce a smaller place (``Queued``: coalesced, never repeated or raised).  A ticket that entered before its pool's
+    size was known is silent until ``_Gate.resize`` judges it."""
     told = 0
     due = _clock()
     while True:
@@ -4952,33 +4841,12 @@ def _queued(gate: _Gate, ticket: _Ticket, poll: float) -> _Plan[None]:
 
 class _StreamLife:
     """The life of one streamed request, all of it, on the ``_Run`` that drives its ``Stream``: ``plan()``
-    takes its place in the gate (``_capacity``, ``_enter``, ``_queued``), then runs a few named states, each
-    a plan that returns the next one (``None``: the ``Completion`` is in ``result``); whatever ends it, a
-    resumable stream that ends early is deleted on the server (``_forget``), its connections are closed and
-    its permit released before the result or the error leaves the plan.  ``watch()`` is a watch's plan.
-
-    ``_send``      connect (a connection of its own: closing it is how the request is cancelled) and send
-                   the request (``resume()``: the read of the server's buffer); a connect that fails is a
-                   retry
-    ``_read``      read until the pump decides (``ResponsePump.verdict``): before the head every ``poll`` of
-                   silence asks ``/slots`` and the wait's budgets run (``_poll_for_head``); after it,
-                   ``liveness``, the quiet rule (``_check_quiet``) and the thinking cap (``_at_the_cap``)
-    ``_on_retry``  the answer says "try again": ``_back_off``, or for a resumable stream the server holds
-                   (a front's 504 to it while it was queued, a replay answered 503) ``_reattach``
-    ``_back_off``  tell ``Retrying`` and sleep (``sending``, the one backoff of the attempts), then ``_send``
-                   with a new pump
-    ``_on_silence`` a read timed out: before the head, ``_poll_for_head``; after it, liveness
-    ``_on_lost``   a resumable stream's connection lost (or a front that gave up on it while it was queued):
-                   look it up when nothing of it came, else ``_reattach``; any other stream: the error
-    ``_reattach``  ask the server's buffer from the body bytes received, on a new connection, after a backoff
-                   (``reattaching``) when the last reattach brought no data; then ``_read`` with the same pump
-
-    What the states share is here, not in locals: the connection being read, the pump, when the first byte
-    came, the last byte and the last data event, the waits' budgets, and why the last attempt failed.  The
-    requests it makes for itself alone (the lookup, the replay, the ``DELETE``, the control endpoint) carry
-    the call's headers and session key (``req.calls``); those its client's requests share (``/props`` and
-    the ``/slots`` poll, in the background) the client's (``board.calls``).  None comes before its first
-    send."""
+    takes its place in the gate, then runs the named states of dev/DESIGN.md's table (``_send``, ``_read``,
+    ``_on_retry``, ``_back_off``, ``_on_silence``, ``_on_lost``, ``_reattach``), each a plan that returns
+    the next one (``None``: the ``Completion`` is in ``result``); ``watch()`` is a watch's plan.  What the
+    states share is on the object, not in locals.  The requests it makes for itself alone (the lookup, the
+    replay, the ``DELETE``, the control endpoint) carry the call's headers and session key (``req.calls``);
+    those its client's requests share (``/props``, the ``/slots`` poll) the client's (``board.calls``)."""
 
     __slots__ = (
         "board", "limits", "run", "req", "pump", "conn", "waits", "sending", "reattaching", "retry", "loss",
@@ -5024,10 +4892,9 @@ class _StreamLife:
         return pump
 
     def plan(self) -> _Plan[Completion]:
-        """The request's place in the gate (none for ``resume()``, which takes no permit), then its states
-        until one ends it: the ``Completion``.  Whatever ends it, its connection is closed first, a
-        resumable stream that ends early is deleted on the server (which then stops generating), and its
-        permit is released before the result or the error leaves the plan."""
+        """The request's place in the gate (``resume()`` takes none), then its states: the ``Completion``.  Whatever
+        ends it, it closes its connection, deletes a resumable stream that ended early and releases its permit before
+        the result or the error leaves."""
         board, run, req = self.board, self.run, self.req
         try:
             board.add(run)
@@ -5058,10 +4925,8 @@ class _StreamLife:
             board.discard(run)
 
     def watch(self) -> _Plan[None]:
-        """A watch (``GET /models/sse``): one connection, read until the caller cancels it or the server
-        closes it (``StreamClosedError``).  It takes no slot permit and is never sent again; silence is its
-        normal state (the route sends no pings), so no liveness applies.  A server that cannot be reached is
-        ``ConnectError``, a non-200 answer ``HTTPStatusError``."""
+        """A watch (``GET /models/sse``): one connection, read until cancelled or closed by the server
+        (``StreamClosedError``); no permit, never sent again, no liveness (silence is its normal state)."""
         self._ready()
         board, run, req, pump, only = self.board, self.run, self.req, self.pump, self.req.only
         board.add(run)
@@ -5097,9 +4962,8 @@ class _StreamLife:
         self.conn = conn
 
     def _open(self, request: bytes) -> _Plan[Optional[float]]:
-        """Connect (a connection of the request's own: closing it is how the request is cancelled) and send
-        ``request`` on it: when it was sent, or None when the server could not be reached (``retry`` says
-        why).  A send that fails raises."""
+        """Connect (a connection of the request's own: closing it cancels the request) and send ``request``: when it was
+        sent, or None when the server could not be reached (``retry`` says why)."""
         try:
             conn = yield (_CONNECT, max(self.limits.poll, 0.2), False)
         except OSError as exc:
@@ -5122,13 +4986,10 @@ class _StreamLife:
         return ticket
 
     def _capacity(self) -> _Plan[Optional[int]]:
-        """The size of the ``slot=None`` pool as known now, without waiting for anything: ``Limits.pool``,
-        else what ``/props`` said for the model (``total_slots``, times ``Limits.servers``; ``POOL_GUESS``
-        when it answers without it: a balancer in front), else None (not known: the gate lets the first
-        request go, and the others wait for the size before it judges them).  While nothing is known and
-        nobody asks, the request starts the one ``/props`` request in the background (``_ask_pool``) and
-        goes on to the gate: a router does not answer ``/props?model=`` until the model has loaded, and a
-        request held back for it would reach the server only then."""
+        """The ``slot=None`` pool's size as known now: ``Limits.pool``, else what ``/props`` said (``total_slots`` times
+        ``Limits.servers``; ``POOL_GUESS`` without it), else None, after starting the one ``/props`` in the background
+        (``_ask_pool``) when nobody asks: a router answers it only once the model loaded, and the request must not wait
+        for it to reach the server."""
         board, model = self.board, self.req.model
         if self.limits.pool is not None:
             return self.limits.pool
@@ -5143,10 +5004,7 @@ class _StreamLife:
         return None
 
     def _ask_pool(self) -> _Plan[None]:
-        """``_capacity``'s one request to ``/props``, in the background: the pool it learns is kept on the
-        board and resizes the gate (``_Gate.resize``), which admits the waiters that now fit and judges those
-        that came before it.  No answer (a failure, or the client closed first) leaves a pool of one, against
-        which the waiters are judged; the next request asks again."""
+        """``_capacity``'s ``/props``, in the background: it resizes the gate (no answer: a pool of one)."""
         board, model = self.board, self.req.model
         total = None
         try:
@@ -5184,10 +5042,9 @@ class _StreamLife:
         return self._send
 
     def _read(self) -> _Plan[Any]:
-        """Read until the pump decides (``_decide``), handing out the events of each read.  Each byte is
-        heard (``heard``); the first starts the stream's clocks (``started``; a replay's queue wait ends at
-        the first byte of its body instead); a data event is progress (``progress``).  Once the head is a
-        200, no data event for ``poll`` is the quiet rule's to judge (``_check_quiet``)."""
+        """Read until the pump decides (``_decide``), handing out each read's events; the first byte starts the clocks
+        (``started``; a replay's, the first body byte), a data event is ``progress``.  After a 200 head, ``poll``
+        without a data event is the quiet rule's (``_check_quiet``)."""
         limits, pump = self.limits, self.pump
         while True:
             now = _clock()
@@ -5217,8 +5074,7 @@ class _StreamLife:
                 return (yield from self._decide(verdict))
 
     def _took(self, heard: float, head: Optional[ResponseHead]) -> None:
-        """The clocks after a read that brought bytes at ``heard``; a head that came with it (``head``: the one
-        before) may name the server that answered (``_answered_by``)."""
+        """The clocks after a read of bytes at ``heard``; a new head may name its server (``_answered_by``)."""
         pump = self.pump
         if head is None and pump.head is not None:
             self._answered_by(pump.head)
@@ -5231,11 +5087,9 @@ class _StreamLife:
                 self.moving, self.silence_tried, self.misses = True, False, 0
 
     def _answered_by(self, head: ResponseHead) -> None:
-        """A front that names the server that answered (``X-Llama-Server``, as the reference's configurations
-        do) gets the stream's own requests from now on (the lookup, the replay, the ``DELETE``, the control
-        call) with that name, and sends them to that server: a stream it placed away from its session key's
-        server (that one was full) is found there.  A head without the header changes nothing.  (Its value
-        can be sent back as it is: a head with a NUL, a CR or an LF in a line is refused whole.)"""
+        """A front that names the server that answered (``X-Llama-Server``) gets the stream's own requests (lookup,
+        replay, ``DELETE``, control) with that name from now on, so they reach that server.  (A head with NUL, CR or LF
+        is refused whole: the value can be sent back as it is.)"""
         name = head.get(_SERVER_HEADER)
         if name:
             self.req.calls = self.req.calls.at({_SERVER_HEADER: name})
@@ -5313,18 +5167,15 @@ class _StreamLife:
         return self._on_lost
 
     def _not_known(self, loss: StreamClosedError, retry: Optional[_Retry] = None) -> Callable[[], _Plan[Any]]:
-        """The one rule for a resumable stream its server no longer knows (a replay's 404, a lookup without
-        it): of which nothing ever came, the server dropped it before it started (a queued request whose
-        connection had closed), so it is sent again (``Retrying`` says ``retry``'s reason, the front's
-        answer that led to the lookup, else that); else it is lost: ``loss``."""
+        """A resumable stream its server no longer knows (a replay's 404, a lookup without it): when nothing of it came,
+        dropped before it started, so sent again (``Retrying`` says ``retry``'s reason); else lost: ``loss``."""
         if self.pump.received or self.req.offset is not None:
             raise loss
         self.retry = retry or _Retry(_DROPPED, None, loss, FRONT)
         return self._back_off
 
     def _on_unknown(self, loss: StreamClosedError) -> Callable[[], _Plan[Any]]:
-        """A replay the server answered "not known": ask another server behind the front, at once (up to
-        ``Limits.servers``), then ``_not_known``."""
+        """A replay answered "not known": another server at once (``Limits.servers``), else ``_not_known``."""
         if self.misses + 1 < self.limits.servers:
             self.misses += 1
             self.retry = _Retry(str(loss), None, loss)
@@ -5386,11 +5237,9 @@ class _StreamLife:
     # -- what the states ask of the server -----------------------------------------------------------------
 
     def _known(self) -> _Plan[Optional[bool]]:
-        """Whether the server knows this resumable stream (``/v1/streams/lookup``): True, False (it answered
-        without it, or 404), or None when no lookup got the server's answer (a front's 504 or 502 to it, a
-        timeout, a lost connection: a slow server is not one that forgot the stream).  With several servers
-        behind the address an unknown answer may come from another one: asked up to ``Limits.servers``
-        times."""
+        """Whether the server knows this resumable stream (``/v1/streams/lookup``): True, False, or None when no lookup
+        got the server's own answer (a front's 504, a timeout: a slow server has not forgotten it).  Asked up to
+        ``Limits.servers`` times (another server may have answered)."""
         conversation = self.req.conversation
         assert conversation is not None
         answered = False
@@ -5410,9 +5259,8 @@ class _StreamLife:
         return False if answered else None
 
     def _forget(self) -> _Plan[None]:
-        """``DELETE`` a resumable stream that ends early: with its id the server no longer stops when the
-        connection closes.  One attempt of at most ``FORGET_WAIT`` seconds, cancelled or not (the run's
-        last words, ``shield``); a failure is ignored (the stream ends with its own error)."""
+        """``DELETE`` a resumable stream that ends early (with an id the server does not stop when the connection
+        closes): one attempt of at most ``FORGET_WAIT``, ``shield``-ed from the cancel; failures ignored."""
         run, req = self.run, self.req
         assert req.conversation is not None
         run.shield = True
@@ -5450,10 +5298,9 @@ class _StreamLife:
         waits.check()
 
     def _check_quiet(self, quiet: float, pinged: bool) -> _Plan[None]:
-        """No data event for ``quiet`` seconds (silence, or only pings): the stream's slot being wedged is an
-        error at once (with ``slot=None``, once ``quiet`` reaches ``wedge_wait``: which slot serves the stream
-        is unknown); when only pings came for ``liveness``, only a slot still processing is waited out, up to
-        ``busy_wait`` counted from the last data event."""
+        """No data event for ``quiet`` seconds: a wedged slot is an error at once (with ``slot=None``, once ``quiet``
+        reaches ``wedge_wait``); after ``liveness`` of pings only, only a slot still processing is waited out, up to
+        ``busy_wait`` from the last data event."""
         wedge, pings = _quiet_rule(self.limits, self.req.slot, quiet, pinged)
         if wedge or pings:
             state, wedged = yield from self._slot_state(False)
@@ -5463,14 +5310,10 @@ class _StreamLife:
     def _slot_state(
         self, every: bool, until: Optional[float] = None
     ) -> _Plan[Tuple[Optional[str], Optional[WedgedSlotError]]]:
-        """The state of the request's slot (``None``: the pool) from the board's shared poller, and the error
-        that says so when it is wedged.  ``every``: the pool is busy only when every slot is (else: when any
-        is).  An answer younger than ``poll`` is reused; else one request (the first to ask) goes out
-        (``_poll_slots``), and every asker waits for its answer, up to that request's own timeout
-        (``_slots_timeout``): llama-server answers ``/slots`` between two batches of its work, seconds apart
-        on a slow machine, so an answer later than ``poll`` is a server at work, not an unavailable one.  No
-        answer by then is unavailable.  ``until``: when the caller's budget runs out; no answer by then is
-        ``(None, None)``."""
+        """The request's slot's state (None: the pool) from the board's poller, and the error when it is wedged
+        (``every``: as ``_SlotReader.state``).  An answer younger than ``poll`` is reused; else the first asker sends
+        one (``_poll_slots``) and all wait for it up to ``_slots_timeout`` (llama-server answers between batches of its
+        work: late is not unavailable).  ``until``: the caller's budget; no answer by then is ``(None, None)``."""
         run, req, limits = self.run, self.req, self.limits
         poller = self.board.poller(req.model)
         asked = _clock()
@@ -5560,13 +5403,10 @@ def _decode_json(data: bytes, what: str) -> Any:
 
 
 def _unix_failed(addr: _Address, exc: OSError) -> BaseException:
-    """What a failed connect to a Unix socket path is.  A path that is there but is not a socket (a file, a
-    directory; or one below a file) cannot become a socket while it is there: ``ConnectError`` at once,
-    never retried.  Nor can a path whose directory does not exist, until someone makes the directory:
-    ``ConnectError`` at once too, while no socket file has been reached there since the client was made
-    (once one has, a directory gone with its server is a restart, waited for as a missing file is).  A
-    socket file missing from a directory that is there: ``exc`` (retried by a stream), logged as a WARNING
-    at the first failure when none has been there since the client was made."""
+    """What a failed connect to a socket path is.  A path there that is not a socket, or (while no socket file was
+    reached there since the client was made) one whose directory does not exist: ``ConnectError`` at once, never
+    retried.  A socket file missing from a directory that is there: ``exc`` (a stream retries it), logged as a WARNING
+    the first time when none has been there."""
     import stat
 
     path = addr.target
@@ -5616,18 +5456,15 @@ def _final_error(addr: _Address, exc: BaseException) -> None:
 
 
 def _cancel_told(addr: _Address, how: str) -> None:
-    """Log (DEBUG) how a stream was cancelled: ``cancel()`` called, or left before its end (a ``with``
-    block left early, an exception from ``on_event``, a cancelled task).  The code that goes on iterating
-    hears ``CancelledError``, which ``_final_error`` logs."""
+    """Log (DEBUG) how a stream was cancelled (what the iterating code then hears, ``_final_error`` logs)."""
     log = _logger(_DEBUG)
     if log is not None:
         log.debug("%s: cancelled: %s", addr.text, how)
 
 
 def _tell(log: Any, addr: _Address, events: List[Any], pool: bool = False) -> None:
-    """Log the events that say what a request waits for (its caller gets them too): a retry, a wait, a
-    resume at INFO, a place in this client's queue at DEBUG.  Called only while INFO is logged.  ``pool``:
-    the request is ``slot=None``'s, so a wait is told of the slots, not of one."""
+    """Log the events that say what a request waits for: a retry, a wait, a resume at INFO, a place in the queue at
+    DEBUG (called only while INFO is logged).  ``pool``: a ``slot=None`` request's."""
     for event in events:
         kind = type(event)
         if kind is Retrying:
@@ -5665,8 +5502,7 @@ def _unix_connect(sock: socket.socket, addr: _Address) -> None:
 
 
 class _Conn:
-    """One connection with a blocking socket; ``socket.timeout`` (on 3.8 not a ``TimeoutError``) is
-    translated before ``OSError``."""
+    """One connection with a blocking socket; ``socket.timeout`` (on 3.8 no ``TimeoutError``) caught first."""
 
     __slots__ = ("sock", "owner", "reused", "_timeout", "_lock", "_closed")
 
@@ -5679,9 +5515,9 @@ class _Conn:
         self._closed = False
 
     def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """Connect: ``OSError`` when the server cannot be reached (a stream retries it), ``ConnectError`` when
-        TLS fails (never retried).  Each socket is the connection's before it connects, so that ``cancel()``
-        shuts a connect in progress down.  The caller closes the connection when this fails."""
+        """Connect: ``OSError`` when the server cannot be reached, ``ConnectError`` when TLS fails.  Each socket is the
+        connection's before it connects, so that ``cancel()`` shuts it down; the caller closes the connection when this
+        fails."""
         self._timeout = timeout
         if addr.unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -5737,8 +5573,7 @@ class _Conn:
         return bool(owner.cancelled and not owner.shield)
 
     def _until(self, ready: Callable[[float], Any], timeout: float, what: str) -> None:
-        """Until ``ready(seconds)`` is true, asked at least every 0.1 s: ``CancelledError`` once the run is
-        cancelled, ``socket.timeout(what)`` past ``timeout``."""
+        """Until ``ready(seconds)`` (every 0.1 s): ``CancelledError`` if cancelled, ``socket.timeout(what)`` late."""
         deadline = time.monotonic() + timeout
         while not ready(max(0.0, min(deadline - time.monotonic(), 0.1))):
             if self._stopped():
@@ -5747,8 +5582,7 @@ class _Conn:
                 raise socket.timeout(what)
 
     def _adopt(self, sock: socket.socket, timeout: float) -> None:
-        """Make ``sock`` this connection's before it connects (``cancel()`` shuts it down); ``CancelledError``
-        when the cancel came first."""
+        """Make ``sock`` this connection's before it connects (``cancel()`` shuts it down); or ``CancelledError``."""
         with self._lock:
             old, self.sock = self.sock, sock
         if old is not None:
@@ -5800,8 +5634,7 @@ class _Conn:
             raise StreamClosedError("the connection closed while sending the request: %s" % exc) from exc
 
     def recv(self, timeout: float) -> bytes:
-        """The next bytes, ``b""`` at the end; ``_Silence`` when nothing came for ``timeout``,
-        ``StreamClosedError`` when the connection failed."""
+        """The next bytes, ``b""`` at the end; ``_Silence`` after ``timeout``; ``StreamClosedError``."""
         try:
             return self._timed(timeout).recv(RECV_SIZE)
         except socket.timeout:
@@ -5837,9 +5670,8 @@ def _connected(board: _Board) -> None:
 
 
 class _SyncRun(_Run):
-    """A plan driven in the calling thread with blocking sockets.  ``cancel()``, from any thread, shuts the
-    run's sockets down and signals it, and the driving thread throws ``CancelledError`` into the plan; when
-    no thread drives it, ``cancel()`` ends it itself, so that its sockets and permit are freed at once."""
+    """A plan driven in the calling thread with blocking sockets.  ``cancel()``, from any thread, shuts the sockets down
+    and signals the run; when no thread drives it, ``cancel()`` ends it itself (sockets, permit)."""
 
     __slots__ = ("lock", "_bell", "_rung")
     board: _Board
@@ -5917,8 +5749,7 @@ class _SyncRun(_Run):
         threading.Thread(target=run.background, name="loopclient-background", daemon=True).start()
 
     def unwind(self) -> None:
-        """End a cancelled plan in this thread (``CancelledError`` thrown into it: its last words are said,
-        its finally runs); the error stays here."""
+        """End a cancelled plan in this thread (last words said, finally run); its ``CancelledError`` stays here."""
         self.cancelled = True
         try:
             while self.step() is not None:
@@ -5956,9 +5787,7 @@ class _SyncRun(_Run):
 
 
 class _Events:
-    """What ``Stream`` and ``AsyncStream`` share: the request, its life (``_StreamLife``, made with the run
-    that drives it), the last batch of events (handed out one by one, kept last first), the offset they
-    reach once all are out, and at the end the completion."""
+    """What ``Stream`` and ``AsyncStream`` share: the request, its ``_StreamLife``, the batch being handed out."""
 
     _run: Any
 
@@ -5984,8 +5813,7 @@ class _Events:
         run.gen = life.watch() if self._req.watch else life.plan()
 
     def _hand_out(self, got: Optional[List[Event]], stop: type) -> Event:
-        """The first event of the batch the run's step returned (the rest handed out next); ``stop`` raised
-        when the plan ended (its ``Completion`` kept)."""
+        """The batch's first event (the rest handed out next); ``stop`` once the plan ended (``Completion`` kept)."""
         life = self._life
         assert life is not None
         if got is None:
@@ -6072,9 +5900,8 @@ ChatStream = Stream
 
 
 class _Configured:
-    """What ``Client`` and ``AsyncClient`` are made of: the configuration (``Client`` documents it), checked
-    and kept by ``_Calls`` (which makes the single-shot calls) and read back; ``_Streams``, which builds the
-    streamed requests; and, from ``_start``, where the requests meet (a ``_Board``; one per event loop)."""
+    """What both clients are made of: the configuration (``_Calls``, which makes the single-shot calls), ``_Streams``
+    (the streamed requests), and from ``_start`` a ``_Board`` (one per event loop)."""
 
     def __init__(
         self,
@@ -6141,16 +5968,11 @@ class Client(_Configured):
         return run.finish()  # type: ignore[no-any-return]
 
     def stream(self, messages: Sequence[Dict[str, Any]], slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of the chat ``messages``; the keywords go into the JSON body as they are, beside
-        ``stream``, ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model``.
-
-        Every streamed call also takes ``raw_chunks=True`` (a ``Chunk`` per data event too),
-        ``resumable=True`` or an id (``X-Conversation-Id``: a connection lost is resumed from the server's
-        buffer, an early end deletes it there) and ``session`` (``X-Session-Id``; else the client's, else a
-        digest of the messages up to the first user message: ``stream.session``).  A bad body, ``slot``
-        (or one past the server's slots) or ``session``, or a thinking cap with ``n`` > 1, is
-        ``TypeError``/``ValueError`` here.
-        """
+        """A ``Stream`` of the chat ``messages``; the keywords go into the JSON body as they are, beside ``stream``,
+        ``id_slot`` (``slot``), ``reasoning_control`` (``Limits.thinking_cap``) and ``model``.  Every streamed call also
+        takes ``raw_chunks=True`` (a ``Chunk`` per data event too), ``resumable=True`` or an id, and ``session`` (else
+        the client's, else a digest of the messages: ``stream.session``); what is malformed is
+        ``TypeError``/``ValueError`` here."""
         return Stream(self._board, self._streams.stream_request("chat", (messages,), params, slot))
 
     def chat(
@@ -6160,9 +5982,8 @@ class Client(_Configured):
         on_event: Optional[Callable[[Event], Any]] = None,
         **params: Any,
     ) -> Completion:
-        """``stream()`` iterated to its ``Completion``, calling ``on_event`` in this thread for each event.
-        Raises what ``Stream`` raises; an exception from ``on_event`` (or Ctrl-C) closes the request and
-        propagates unchanged (as in every call that takes ``on_event``)."""
+        """``stream()`` iterated to its ``Completion``, calling ``on_event`` in this thread for each event; an exception
+        from ``on_event`` (or Ctrl-C) closes the request and propagates unchanged."""
         return _consume(self.stream(messages, slot=slot, **params), on_event)
 
     def stream_complete(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
@@ -6179,11 +6000,9 @@ class Client(_Configured):
         return _consume(self.stream_complete(prompt, slot=slot, **params), on_event)
 
     def stream_complete_openai(self, prompt: Any, slot: Optional[int] = None, **params: Any) -> Stream:
-        """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as
-        ``stream_complete()`` takes it; keywords go into the body (``max_tokens``, ``logprobs``, ...).  A
-        choice's ``text`` is ``Content(text, choice=index)``, its ``logprobs`` the choice's; ``usage`` is
-        the last closing choice's (of its prompt alone); ``[DONE]`` ends it.  The server ignores ``echo``
-        and ``suffix`` (``stream_infill()`` fills a middle)."""
+        """A ``Stream`` of ``POST /v1/completions`` (OpenAI text completions): ``prompt`` as ``stream_complete()`` takes
+        it, keywords into the body; a choice's ``text`` is ``Content(text, choice=index)``; ``[DONE]`` ends it.  The
+        server ignores ``echo`` and ``suffix``."""
         return Stream(self._board, self._streams.stream_request("complete_openai", (prompt,), params, slot))
 
     def complete_openai(
@@ -6251,10 +6070,9 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         **params: Any,
     ) -> Stream:
-        """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body``
-        (any JSON value, sent as it is; None: none), the keywords and ``slot`` put in a dict body.  Each data
-        event is a ``Chunk``; ``[DONE]`` or the body's end ends it, ``completion`` holding what OpenAI's or
-        llama-server's chunks say of the finish.  A 200 that is not ``text/event-stream`` is ``ProtocolError``."""
+        """A ``Stream`` of any route that answers ``text/event-stream``: ``method`` to ``path`` with ``body`` (any JSON
+        value; None: none), the keywords and ``slot`` put in a dict body; each data event a ``Chunk``.  A 200 that is
+        not ``text/event-stream`` is ``ProtocolError``."""
         params["headers"] = headers
         return Stream(self._board, self._streams.stream_request("route", (path, body, method), params, slot))
 
@@ -6326,10 +6144,8 @@ class Client(_Configured):
         headers: Optional[Dict[str, str]] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """Any endpoint: ``body`` (when not None) sent as JSON, ``query`` (a dict) URL-encoded, routed to the
-        client's default model; the decoded JSON when the answer is JSON, else its text.  Any 2xx is success
-        (others ``HTTPStatusError``).  ``path`` starts with ``/``; CR, LF or NUL in the method, path or query
-        is ``ValueError``."""
+        """Any endpoint: ``body`` (not None) sent as JSON, ``query`` URL-encoded, routed to the default model; the
+        decoded JSON when the answer is JSON, else its text.  Any 2xx is success (others ``HTTPStatusError``)."""
         return self._run(self._calls.at(headers).request(method, path, body, query), timeout)
 
     def slots(
@@ -6481,12 +6297,7 @@ class Client(_Configured):
         return self._run(self._calls.at(headers).count_message_tokens(messages, params), timeout)
 
     def count_response_tokens(
-        self,
-        input: Any,
-        *,
-        headers: Optional[Dict[str, str]] = None,
-        timeout: Optional[float] = None,
-        **params: Any,
+        self, input: Any, *, headers: Optional[Dict[str, str]] = None, timeout: Optional[float] = None, **params: Any
     ) -> int:
         """``POST /v1/responses/input_tokens``: the prompt tokens of a Responses request (keywords counted)."""
         return self._run(self._calls.at(headers).count_response_tokens(input, params), timeout)
@@ -6529,8 +6340,7 @@ if TYPE_CHECKING:
 
 
 class _Alarm:
-    """What a run or a connection waits on, on the event loop: a future per wait and a timer handle (no task
-    of its own)."""
+    """What a run or a connection waits on, on the event loop: a future per wait and a timer handle."""
 
     __slots__ = ("loop", "_future")
 
@@ -6558,9 +6368,8 @@ class _Alarm:
 
 
 class _AsyncRun(_Run):
-    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) aborts the run's connections,
-    signals it and releases its permit at once; the plan then has ``CancelledError`` thrown into it, as it
-    has ``asyncio.CancelledError`` when the task that drives it is cancelled."""
+    """A plan driven on an event loop.  ``cancel()`` (in the loop's thread) aborts its connections, signals it and
+    releases its permit at once; the plan then has ``CancelledError`` thrown into it."""
 
     __slots__ = ("resumable", "running", "unwinding", "_alarm", "_rung")
     board: _AsyncBoard
@@ -6661,10 +6470,8 @@ class _AsyncRun(_Run):
 
 
 class _AsyncConn:
-    """One connection on an event loop, ``_Conn``'s ``recv(timeout)`` and ``send()`` over asyncio's transport,
-    whose protocol it is (duck-typed: subclassing ``asyncio.Protocol`` would import asyncio with loopclient).
-    The transport stops reading once ``RECV_SIZE`` bytes wait unread, so at most about twice ``RECV_SIZE``
-    (with one read of the transport's, up to 256 KiB) wait for a slow caller."""
+    """One connection on an event loop: ``_Conn``'s ``recv`` and ``send`` over an asyncio transport, whose protocol it
+    is (duck-typed: ``asyncio.Protocol`` would import asyncio).  Reading pauses once ``RECV_SIZE`` bytes wait unread."""
 
     __slots__ = ("owner", "reused", "_alarm", "_transport", "_chunks", "_size", "_eof", "_error", "_paused", "_blocked")
 
@@ -6711,10 +6518,9 @@ class _AsyncConn:
         self._alarm.ring()
 
     async def open(self, addr: _Address, timeout: float, ssl_context: Any) -> None:
-        """``_Conn.open`` on the loop.  A Unix socket connects at once (``_unix_connect``: asyncio's connect
-        would take a full listen queue's EAGAIN for "in progress").  TCP is the loop's connect, name lookup
-        and TLS handshake included, as a task the run parks on until it is done, the run is cancelled or
-        ``timeout`` passes (asyncio's ``ssl_handshake_timeout`` could end it first, as an ``OSError``)."""
+        """``_Conn.open`` on the loop.  A Unix socket connects at once (``_unix_connect``: asyncio would take a full
+        listen queue's EAGAIN for "in progress"); TCP (lookup and TLS included) is a task the run parks on until it is
+        done, the run is cancelled or ``timeout`` passes."""
         run = self.owner
         board = run.board
         protocol = self  # type: Any  # duck-typed: see the class
@@ -6729,16 +6535,8 @@ class _AsyncConn:
                 raise
             return
         host, port = addr.target
-        tls = ssl_context if addr.tls else None
-        task = board.spawn(
-            board.loop.create_connection(
-                lambda: protocol,
-                host,
-                port,
-                ssl=tls,
-                server_hostname=host if tls is not None else None,
-            )
-        )
+        tls, name = (ssl_context, host) if addr.tls else (None, None)
+        task = board.spawn(board.loop.create_connection(lambda: protocol, host, port, ssl=tls, server_hostname=name))
         task.add_done_callback(lambda _: run.signal())
         try:
             deadline = time.monotonic() + timeout
@@ -6767,8 +6565,7 @@ class _AsyncConn:
             await self._alarm.wait(left)
 
     async def recv(self, timeout: float) -> bytes:
-        """The bytes received (all of them), ``b""`` at the end; ``_Silence`` when nothing came for
-        ``timeout``, ``StreamClosedError`` when the connection failed."""
+        """The bytes received (all), ``b""`` at the end; ``_Silence`` after ``timeout``; ``StreamClosedError``."""
         deadline = 0.0
         while True:
             chunks = self._chunks
@@ -6807,9 +6604,8 @@ class _AsyncConn:
 
 
 def _drop(transport: Any) -> None:
-    """Close the socket of a transport whose event loop is closed, whose ``abort()`` would leave it open
-    until the garbage collector found it: the transport's own last step, taken here (asyncio's selector
-    transports, under TLS too; another loop's transports are left to it)."""
+    """Close the socket of a transport whose loop is closed (its ``abort()`` would leave it to the garbage collector):
+    the transport's own last step (asyncio's selector transports, TLS too)."""
     while hasattr(transport, "_ssl_protocol"):  # TLS: the application transport over the socket's own
         transport._closed = True
         transport = getattr(transport._ssl_protocol, "_transport", None)
@@ -6933,19 +6729,14 @@ AsyncChatStream = AsyncStream
 
 
 class AsyncClient(_Configured):
-    """``Client`` for asyncio programs: the same constructor, calls (coroutines, but ``stream()`` and the
-    other calls that return an ``AsyncStream``), events, errors and rules, on an event loop; no threads.
+    """``Client`` for asyncio programs: the same constructor, calls (coroutines, but those that return an
+    ``AsyncStream``), events, errors and rules, on an event loop; no threads.
 
         async with lc.AsyncClient("/run/llama.sock") as client:
-            reply = await client.chat(messages, slot=0, on_event=print, max_tokens=64)
-            async with client.stream(messages) as stream:
-                async for event in stream: ...
+            reply = await client.chat(messages, on_event=print, max_tokens=64)
 
-    Its gates and poller belong to the loop that uses it: one loop after another, never two running at
-    once (``RuntimeError``).  ``on_event`` runs in the loop's thread; a host name is looked up by the
-    loop's ``getaddrinfo``.  ``await client.close()`` (or leaving ``async with``) cancels its streams and
-    ends its tasks.
-    """
+    Its gates and poller belong to the loop that uses it: one loop after another, never two running at once
+    (``RuntimeError``).  ``await client.close()`` (or leaving ``async with``) cancels its streams and ends its tasks."""
 
     def _start(self) -> None:
         self._board = None  # type: Optional[_AsyncBoard]  # of the loop that uses this client
@@ -7312,8 +7103,7 @@ async def _aconsume(stream: AsyncStream, on_event: Optional[Callable[[Event], An
 
 
 def _as_client(cls: Any) -> None:
-    """Every public call of ``cls`` (``AsyncClient``) without a docstring of its own is ``Client``'s on an
-    event loop: its docstring says so, once, here (``help()`` shows it)."""
+    """Give each public call of ``cls`` without a docstring one saying it is ``Client``'s on an event loop."""
     for name, call in vars(cls).items():
         if not name.startswith("_") and call.__doc__ is None:
             plain = call.__annotations__.get("return") == "AsyncStream"

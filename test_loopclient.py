@@ -12804,7 +12804,9 @@ class TestCommandLine(CLICase):
         out, _ = self.main_ok("slots", "--watch", "%g" % self.watch_window(0.3))
         self.assertGreaterEqual(len(looks), 4)
         self.assertEqual([line[9:] for line in out.splitlines()], ["slot 0 idle", refused, "slot 0 idle"])
-        looks.clear()
+        refused, looks = self.slots_refused_at(
+            (2, 3)
+        )  # a list of its own: a late look of the first run goes to the first's
         out, _ = self.main_ok("slots", "--watch", "%g" % self.watch_window(0.3), out=TtyText())
         drawings = re.split("\x1b\\[[0-9]+A\r\x1b\\[J", out)
         self.assertEqual(len(drawings), len(looks))

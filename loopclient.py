@@ -7613,8 +7613,10 @@ def _parser(prog: str = "loopclient") -> Any:
     def add(command: Any, name: str) -> Any:  # the options of command ``name`` ("": the parser's)
         group = None  # the options marked "exclusive": one of them at most
         for where, spec, keywords, told in _OPTIONS:
+            if where and name not in where.split():
+                continue
             flags, target = spec.split(), command
-            if keywords.get("exclusive") and name in where.split():
+            if keywords.get("exclusive"):
                 keywords = {k: v for k, v in keywords.items() if k != "exclusive"}
                 target = group = group or command.add_mutually_exclusive_group()
             if flags[-1].isupper():
@@ -7622,8 +7624,7 @@ def _parser(prog: str = "loopclient") -> Any:
             if not where:  # (no default: a command's would undo the value given before it)
                 keywords = dict(keywords, default=argparse.SUPPRESS)
                 told = argparse.SUPPRESS if name else told
-            if not where or name in where.split():
-                target.add_argument(*flags, help=told, **keywords)
+            target.add_argument(*flags, help=told, **keywords)
         return command
 
     raw = argparse.RawDescriptionHelpFormatter
